@@ -1,0 +1,183 @@
+"""Backend: the shape every adapter has, and Capabilities: what it supports, as data.
+
+`not_supported_reasons(capabilities, problem)` is the one function that turns a
+backend's declaration into readable reasons; a backend supports a call when the list
+is empty. Every reason names what was asked and what the backend allows.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..problem import Problem
+from ..semantics import CausalKind
+
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend computes exactly. The defaults allow everything."""
+
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    min_compute_capability: tuple[int, int] | None = None    # CUDA only
+    max_compute_capability: tuple[int, int] | None = None
+    dtypes: frozenset[torch.dtype] = FLOAT_DTYPES
+    head_dim_min: int = 1
+    head_dim_max: int | None = None          # applies to Dqk and Dv
+    head_dim_multiple: int = 1               # e.g. 8 for kernels that load 16-byte vectors
+    different_head_dims: bool = True         # Dqk != Dv
+    causal_kinds: frozenset[CausalKind] = frozenset(CausalKind)
+    window: bool = True
+    bool_mask: bool = True
+    float_bias: bool = True
+    bias_grad: bool = True
+    mask_with_causal: bool = True            # an attn_mask together with causal/window
+    dropout: bool = True
+    dense: bool = True
+    varlen: bool = True
+    gqa: bool = True
+    backward: bool = True
+    deterministic_backward: bool = True      # can the backward be made bitwise repeatable
+    max_seqlen: int | None = None
+    max_batch_heads: int | None = None
+    needs_last_dim_contiguous: bool = False  # the adapter does not copy a strided last dim
+    notes: str = ""                          # free text for `info`, never used to decide
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(feature, value) pairs for the `info` table."""
+        def names(items):
+            return ", ".join(sorted(dtype_name(i) if isinstance(i, torch.dtype) else str(i) for i in items)) or "-"
+
+        def yes(flag):
+            return "yes" if flag else "no"
+
+        arch = "any"
+        if self.min_compute_capability or self.max_compute_capability:
+            lo = "sm%d%d" % self.min_compute_capability if self.min_compute_capability else ""
+            hi = "sm%d%d" % self.max_compute_capability if self.max_compute_capability else ""
+            arch = f"{lo}..{hi}"
+        head = f"{self.head_dim_min}..{self.head_dim_max or 'any'}"
+        if self.head_dim_multiple > 1:
+            head += f", multiple of {self.head_dim_multiple}"
+        return [
+            ("devices", names(self.devices)), ("CUDA arch", arch), ("dtypes", names(self.dtypes)),
+            ("head dim", head), ("Dqk != Dv", yes(self.different_head_dims)),
+            ("causal", names(self.causal_kinds)), ("window", yes(self.window)),
+            ("bool mask", yes(self.bool_mask)), ("float bias", yes(self.float_bias)),
+            ("bias grad", yes(self.bias_grad)), ("mask + causal", yes(self.mask_with_causal)),
+            ("dropout", yes(self.dropout)), ("dense", yes(self.dense)), ("varlen", yes(self.varlen)),
+            ("GQA", yes(self.gqa)), ("backward", yes(self.backward)),
+            ("deterministic bwd", yes(self.deterministic_backward)),
+            ("max seqlen", str(self.max_seqlen or "any")), ("max B*H", str(self.max_batch_heads or "any")),
+        ]
+
+
+def not_supported_reasons(caps: Capabilities, problem: Problem) -> list[str]:
+    """Every reason `caps` cannot compute `problem`; empty means supported."""
+    reasons: list[str] = []
+    p = problem
+    if p.device_type not in caps.devices:
+        reasons.append(f"device={p.device_type} not in {{{', '.join(sorted(caps.devices))}}}")
+    if p.compute_capability is not None:
+        cc = p.compute_capability
+        if caps.min_compute_capability and cc < caps.min_compute_capability:
+            reasons.append("compute capability sm%d%d < sm%d%d" % (*cc, *caps.min_compute_capability))
+        if caps.max_compute_capability and cc > caps.max_compute_capability:
+            reasons.append("compute capability sm%d%d > sm%d%d" % (*cc, *caps.max_compute_capability))
+    if p.dtype not in caps.dtypes:
+        allowed = ", ".join(sorted(dtype_name(d) for d in caps.dtypes))
+        reasons.append(f"dtype={dtype_name(p.dtype)} not in {{{allowed}}}")
+    dims = {"head_dim": p.head_dim_qk} if p.head_dim_qk == p.head_dim_v else {
+        "head_dim_qk": p.head_dim_qk, "head_dim_v": p.head_dim_v}
+    for label, dim in dims.items():
+        if caps.head_dim_max is not None and dim > caps.head_dim_max:
+            reasons.append(f"{label}={dim} > {caps.head_dim_max}")
+        if dim < caps.head_dim_min:
+            reasons.append(f"{label}={dim} < {caps.head_dim_min}")
+        if dim % caps.head_dim_multiple:
+            reasons.append(f"{label}={dim} is not a multiple of {caps.head_dim_multiple}")
+    if p.head_dim_qk != p.head_dim_v and not caps.different_head_dims:
+        reasons.append(f"head_dim_qk={p.head_dim_qk} != head_dim_v={p.head_dim_v} (needs equal head dims)")
+    if p.causal is not None and p.causal not in caps.causal_kinds:
+        if not caps.causal_kinds:
+            reasons.append(f"causal={p.causal} not supported")
+        elif not p.sequences_match:  # with Sq == Sk both alignments are the same function
+            where = "varlen" if p.layout == "varlen" else f"Sq={p.seqlen_q} != Sk={p.seqlen_k}"
+            only = ", ".join(str(k) for k in sorted(caps.causal_kinds))
+            reasons.append(f"causal={p.causal} with {where} (the backend aligns causal {only})")
+    if p.window is not None:
+        if not caps.window:
+            reasons.append(f"window={p.window} not supported")
+        elif p.causal is None and CausalKind.BOTTOM_RIGHT not in caps.causal_kinds and not p.sequences_match:
+            reasons.append(f"window={p.window} aligned bottom-right with Sq != Sk (supports only top_left)")
+    if p.mask_kind == "bool" and not caps.bool_mask:
+        reasons.append("bool attn_mask not supported")
+    if p.mask_kind == "float":
+        if not caps.float_bias:
+            reasons.append("float attn_mask (bias) not supported")
+        elif p.mask_requires_grad and not caps.bias_grad:
+            reasons.append("gradient of a float attn_mask not supported")
+    if p.mask_kind != "none" and (p.causal is not None or p.window is not None) and not caps.mask_with_causal:
+        reasons.append("attn_mask together with causal/window not supported")
+    if p.dropout and not caps.dropout:
+        reasons.append("dropout_p > 0 not supported")
+    if p.layout == "dense" and not caps.dense:
+        reasons.append("dense (B, H, S, D) inputs not supported (varlen only)")
+    if p.layout == "varlen" and not caps.varlen:
+        reasons.append("varlen (cu_seqlens / nested) inputs not supported")
+    if p.heads_q != p.heads_kv and not caps.gqa:
+        reasons.append(f"GQA (Hq={p.heads_q}, Hkv={p.heads_kv}) not supported")
+    if p.requires_grad and not caps.backward:
+        reasons.append("backward (inputs require grad) not supported")
+    if (p.requires_grad and p.deterministic and not p.deterministic_warn_only
+            and not caps.deterministic_backward):
+        reasons.append("deterministic algorithms requested but the backward is nondeterministic")
+    if caps.max_seqlen is not None and max(p.seqlen_q, p.seqlen_k) > caps.max_seqlen:
+        reasons.append(f"seqlen={max(p.seqlen_q, p.seqlen_k)} > {caps.max_seqlen}")
+    if caps.max_batch_heads is not None and p.batch * p.heads_q > caps.max_batch_heads:
+        reasons.append(f"batch*heads={p.batch * p.heads_q} > {caps.max_batch_heads}")
+    if caps.needs_last_dim_contiguous and not p.last_dim_contiguous:
+        reasons.append("last dimension of query/key/value not contiguous")
+    return reasons
+
+
+class Backend:
+    """Base class of every backend; subclass it for a custom one.
+
+    Subclasses set `name` and `capabilities`, may override `is_available` (with
+    `unavailable_reason`), `check` (extra reasons) and must implement `run`.
+    """
+
+    name: str = ""
+    capabilities: Capabilities = Capabilities()
+    options_model = None   # optional pydantic model for [backends.<name>] config options
+
+    def is_available(self) -> bool:
+        return True
+
+    def unavailable_reason(self) -> str:
+        return ""
+
+    def version(self) -> str:
+        return ""
+
+    def check(self, problem: Problem) -> list[str]:
+        """Reasons beyond the capabilities (e.g. a launch limit); default none."""
+        return []
+
+    def reasons(self, problem: Problem) -> list[str]:
+        """All reasons this backend cannot compute `problem` (not counting availability)."""
+        return not_supported_reasons(self.capabilities, problem) + list(self.check(problem))
+
+    def run(self, query, key, value, **options):
+        """Compute the call; options are the normalised arguments (DESIGN.md section 4)."""
+        raise NotImplementedError(f"backend {self.name!r} does not implement run()")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
