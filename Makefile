@@ -1,0 +1,36 @@
+# Two commands on a fresh machine with only Python:  make demo  |  make test
+# Both create (once) and reuse the virtual environment .venv.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-gpu bench docs clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# With an NVIDIA GPU take the default (CUDA) torch; otherwise only PyTorch's CPU build, never a multi-GB CUDA one.
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(PY) -m pip install "torch>=2.4"; \
+	else \
+	  $(PY) -m pip install "torch==2.13.0+cpu" || \
+	  $(PY) -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
+	fi
+	$(PY) -m pip install -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m attention_dispatch demo
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -q tests
+
+# On a GPU machine: the same tests at realistic shapes.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu tests
+
+docs: $(STAMP)
+	$(PY) -m attention_dispatch info --markdown > docs/backends.md
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,134 @@
+"""The `math` backend: DESIGN.md section 3 in plain PyTorch, the test oracle.
+
+Queries are processed in chunks so that no Sq x Sk matrix is ever allocated; under
+autograd each chunk is checkpointed (with its RNG state, so dropout is replayed
+exactly), which bounds the backward's memory too. GQA folds the query-head group into
+the rows of one matmul per key/value head, so K and V are never repeated.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..semantics import CausalKind, band
+from .base import Backend, Capabilities
+
+# Elements of one chunk's score block (B * Hq * rows * Sk): 2**24 fp32 is 64 MiB.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _empty_output(query, key, value, shape):
+    # Keep the graph connected so that backward gives zero gradients, not an error.
+    zero = (query.sum() + key.sum() + value.sum()) * 0
+    return query.new_zeros(shape) + zero.to(query.dtype)
+
+
+def _chunk_attention(q, k, v, bias, row0, seqlen_q, seqlen_k, bottom_right, left, right, scale, dropout_p):
+    """One chunk of query rows.
+
+    q (B, Hkv, G, c, D) in compute dtype, k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv),
+    bias None or (B, Hq, c, Sk) (bool or float); returns (B, Hkv, G, c, Dv).
+    """
+    b, hkv, g, c, d = q.shape
+    sk = k.shape[-2]
+    scores = torch.matmul(q.reshape(b, hkv, g * c, d), k.transpose(-1, -2)).view(b, hkv, g, c, sk)
+    scores = scores * scale
+    allowed = None
+    if left >= 0 or right >= 0:
+        rows = torch.arange(row0, row0 + c, device=q.device).unsqueeze(1)
+        cols = torch.arange(sk, device=q.device).unsqueeze(0)
+        diag = rows + (seqlen_k - seqlen_q if bottom_right else 0)
+        allowed = torch.ones(c, sk, dtype=torch.bool, device=q.device)
+        if left >= 0:
+            allowed &= cols >= diag - left
+        if right >= 0:
+            allowed &= cols <= diag + right
+    if bias is not None:
+        bias = bias.reshape(b, hkv, g, c, sk)
+        if bias.dtype == torch.bool:
+            allowed = bias if allowed is None else bias & allowed
+        else:
+            scores = scores + bias.to(scores.dtype)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, -math.inf)
+    # A row with no allowed key has max -inf: shift by 0 instead so it gives 0, not NaN.
+    row_max = scores.detach().amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    probs = weights / torch.where(total > 0, total, torch.ones_like(total))
+    if dropout_p > 0:
+        keep = torch.rand(probs.shape, device=probs.device) >= dropout_p
+        probs = probs * keep / (1.0 - dropout_p)
+    out = torch.matmul(probs.view(b, hkv, g * c, sk), v)
+    return out.view(b, hkv, g, c, v.shape[-1])
+
+
+def dense_math_attention(query, key, value, attn_mask, *, scale, bottom_right, left, right,
+                         dropout_p=0.0, chunk_elements=CHUNK_ELEMENTS):
+    """query (B, Hq, Sq, D), key (B, Hkv, Sk, D), value (B, Hkv, Sk, Dv); attn_mask None or
+    broadcastable to (B, Hq, Sq, Sk). The band is `semantics.band`'s. Returns (B, Hq, Sq, Dv)."""
+    b, hq, sq, d = query.shape
+    hkv, sk, dv = key.shape[1], key.shape[2], value.shape[-1]
+    if 0 in (b, hq, sq, sk):
+        return _empty_output(query, key, value, (b, hq, sq, dv))
+    compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    q = query.to(compute).reshape(b, hkv, hq // hkv, sq, d)
+    k, v = key.to(compute), value.to(compute)
+    bias = None if attn_mask is None else attn_mask.expand(b, hq, sq, sk)
+    rows = max(1, min(sq, chunk_elements // max(1, b * hq * sk)))
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, attn_mask))
+    outs = []
+    for row0 in range(0, sq, rows):
+        row1 = min(sq, row0 + rows)
+        args = (q[:, :, :, row0:row1], k, v, None if bias is None else bias[:, :, row0:row1],
+                row0, sq, sk, bottom_right, left, right, scale, dropout_p)
+        if grad and rows < sq:
+            outs.append(checkpoint(_chunk_attention, *args, use_reentrant=False))
+        else:
+            outs.append(_chunk_attention(*args))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
+    return out.reshape(b, hq, sq, dv).to(query.dtype)
+
+
+def math_attention(query, key, value, *, attn_mask=None, dropout_p=0.0, causal=None, window=None,
+                   scale=None, cu_seqlens_q=None, cu_seqlens_k=None, chunk_elements=CHUNK_ELEMENTS, **_):
+    """The normalised call (DESIGN.md section 4) computed exactly; dense or varlen."""
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    bottom_right, left, right = band(causal, window)
+    common = dict(scale=scale, bottom_right=bottom_right, left=left, right=right,
+                  dropout_p=dropout_p, chunk_elements=chunk_elements)
+    if cu_seqlens_q is None:
+        return dense_math_attention(query, key, value, attn_mask, **common)
+    # Varlen: each sequence is one dense problem; the mask is indexed by local positions.
+    starts_q = cu_seqlens_q.tolist()
+    starts_k = cu_seqlens_k.tolist()
+    outs = []
+    for i in range(len(starts_q) - 1):
+        q = query[starts_q[i]:starts_q[i + 1]].transpose(0, 1).unsqueeze(0)
+        k = key[starts_k[i]:starts_k[i + 1]].transpose(0, 1).unsqueeze(0)
+        v = value[starts_k[i]:starts_k[i + 1]].transpose(0, 1).unsqueeze(0)
+        mask = None
+        if attn_mask is not None:
+            rows = attn_mask[min(i, attn_mask.shape[0] - 1)].unsqueeze(0)
+            mask = rows[..., :q.shape[2] if rows.shape[-2] > 1 else 1, :k.shape[2] if rows.shape[-1] > 1 else 1]
+        outs.append(dense_math_attention(q, k, v, mask, **common)[0].transpose(0, 1))
+    if not outs:
+        return _empty_output(query, key, value, (0, query.shape[1], value.shape[-1]))
+    return torch.cat(outs)
+
+
+class MathBackend(Backend):
+    """Reference implementation of every feature; always available, never fast."""
+
+    name = "math"
+    capabilities = Capabilities(notes="reference; query-chunked, bounded memory; the test oracle in float64")
+
+    def version(self) -> str:
+        return torch.__version__
+
+    def run(self, query, key, value, **options):
+        return math_attention(query, key, value, **options)

@@ -1,0 +1,87 @@
+"""The `triton` backend: this project's own kernel (attention_dispatch.kernels).
+
+On a GPU it needs Triton and CUDA; on the CPU it runs under Triton's interpreter
+(TRITON_INTERPRET=1 set before triton is imported), which is how CI tests it.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+from ..problem import Problem
+from ..semantics import band
+from .base import Backend, Capabilities
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error() -> str:
+    """'' when the kernel package imports, else the first line of why not."""
+    if importlib.util.find_spec("triton") is None:
+        return "not installed: pip install triton"
+    try:
+        import attention_dispatch.kernels  # noqa: F401
+    except Exception as exc:  # a broken install must not break the dispatcher
+        return f"triton failed to import: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    return ""
+
+
+class TritonBackend(Backend):
+    """Every feature of DESIGN.md section 3, forward and backward."""
+
+    name = "triton"
+
+    def __init__(self):
+        devices = frozenset({"cuda", "cpu"}) if _interpreting() else frozenset({"cuda"})
+        self.capabilities = Capabilities(
+            devices=devices, min_compute_capability=(8, 0),
+            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+            head_dim_min=16, head_dim_max=256,
+            notes="this project's kernel; CPU only under TRITON_INTERPRET=1; sm80+ on CUDA")
+
+    def is_available(self) -> bool:
+        return not self.unavailable_reason()
+
+    def unavailable_reason(self) -> str:
+        if _import_error():
+            return _import_error()
+        if not torch.cuda.is_available() and not _interpreting():
+            return "no CUDA device (set TRITON_INTERPRET=1 before importing triton to run on the CPU)"
+        return ""
+
+    def version(self) -> str:
+        if importlib.util.find_spec("triton") is None:
+            return ""
+        import triton
+        return triton.__version__
+
+    def check(self, problem: Problem) -> list[str]:
+        from ..kernels import config_reason
+
+        reason = config_reason(problem.head_dim_qk, problem.head_dim_v, problem.dtype,
+                               problem.device_type, problem.compute_capability)
+        return [reason] if reason else []
+
+    def run(self, query, key, value, *, attn_mask, dropout_p, causal, window, scale, cu_seqlens_q,
+            cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, **_):
+        from ..kernels import KernelParams, triton_attention
+
+        bottom_right, left, right = band(causal, window)
+        params = KernelParams(scale=scale, align_bottom_right=bottom_right, window_left=left,
+                              window_right=right, dropout_p=dropout_p, deterministic=deterministic)
+        bias = None
+        if attn_mask is not None:
+            if cu_seqlens_q is None:
+                b, hq, sq, _ = query.shape
+                sk = key.shape[2]
+            else:
+                b, hq, sq, sk = cu_seqlens_q.numel() - 1, query.shape[1], max_seqlen_q, max_seqlen_k
+            bias = attn_mask.expand(b, hq, sq, sk)   # a view: stride 0 on broadcast dims
+        return triton_attention(query, key, value, bias, params, cu_seqlens_q=cu_seqlens_q,
+                                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)

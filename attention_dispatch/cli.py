@@ -1,0 +1,128 @@
+"""python -m attention_dispatch info | explain | config --check FILE | demo"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from . import api, config, debug
+
+_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64}
+
+
+def _cmd_info(args) -> int:
+    print(debug.backend_table(markdown=args.markdown), end="")
+    return 0
+
+
+def _build_inputs(args):
+    """Random tensors of the shapes given on the command line (explain decides, never runs)."""
+    dtype = _DTYPES[args.dtype]
+    device = torch.device(args.device)
+    hkv = args.heads_kv or args.heads
+    dv = args.head_dim_v or args.head_dim
+    sk = args.seqlen_k or args.seqlen
+    grad = not args.no_grad
+    kw = dict(dtype=dtype, device=device)
+    if args.varlen:
+        lengths_q = [args.seqlen] * args.batch
+        lengths_k = [sk] * args.batch
+        q = torch.randn(sum(lengths_q), args.heads, args.head_dim, **kw, requires_grad=grad)
+        k = torch.randn(sum(lengths_k), hkv, args.head_dim, **kw, requires_grad=grad)
+        v = torch.randn(sum(lengths_k), hkv, dv, **kw, requires_grad=grad)
+        cu_q = torch.tensor([0] + [args.seqlen * (i + 1) for i in range(args.batch)], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0] + [sk * (i + 1) for i in range(args.batch)], dtype=torch.int32, device=device)
+        extra = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    else:
+        q = torch.randn(args.batch, args.heads, args.seqlen, args.head_dim, **kw, requires_grad=grad)
+        k = torch.randn(args.batch, hkv, sk, args.head_dim, **kw, requires_grad=grad)
+        v = torch.randn(args.batch, hkv, sk, dv, **kw, requires_grad=grad)
+        extra = {}
+    mask = None
+    if args.mask == "bool":
+        mask = torch.ones(1, 1, args.seqlen, sk, dtype=torch.bool, device=device)
+    elif args.mask in ("float", "float-grad"):
+        mask = torch.randn(1, args.heads, args.seqlen, sk, **kw, requires_grad=args.mask == "float-grad")
+    return q, k, v, mask, extra
+
+
+def _cmd_explain(args) -> int:
+    if args.config:
+        config.load_config(args.config)
+    q, k, v, mask, extra = _build_inputs(args)
+    window = tuple(args.window) if args.window else None
+    decision = api.explain(q, k, v, attn_mask=mask, dropout_p=args.dropout, causal=args.causal,
+                           window=window, enable_gqa=q.shape[-3 if not args.varlen else 1] != k.shape[-3 if not args.varlen else 1],
+                           backend=args.backend, deterministic=True if args.deterministic else None, **extra)
+    print(decision)
+    return 0 if decision.backend else 1
+
+
+def _cmd_config(args) -> int:
+    if not args.check:
+        print(config.current_config().model_dump_json(indent=2))
+        return 0
+    status = 0
+    for path in args.check:
+        try:
+            config.read_config(path)
+            print(f"{path}: OK")
+        except config.ConfigError as exc:
+            print(str(exc), file=sys.stderr)
+            status = 1
+    return status
+
+
+def _cmd_demo(args) -> int:
+    from .demo import main as demo_main
+    return demo_main()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m attention_dispatch",
+                                     description="One sdpa() for every attention kernel.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="every registered backend: availability, version, capabilities")
+    p.add_argument("--markdown", action="store_true", help="print Markdown tables (docs/backends.md)")
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("explain", help="the decision table for a call described on the command line")
+    p.add_argument("--batch", "-b", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8, help="query heads")
+    p.add_argument("--heads-kv", type=int, default=None, help="key/value heads (GQA); default = --heads")
+    p.add_argument("--seqlen", "-s", type=int, default=128, help="query length (per sequence)")
+    p.add_argument("--seqlen-k", type=int, default=None, help="key length; default = --seqlen")
+    p.add_argument("--head-dim", "-d", type=int, default=64)
+    p.add_argument("--head-dim-v", type=int, default=None)
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--causal", choices=["top_left", "bottom_right"], default=None)
+    p.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"), default=None)
+    p.add_argument("--mask", choices=["none", "bool", "float", "float-grad"], default="none")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--varlen", action="store_true", help="packed sequences through cu_seqlens")
+    p.add_argument("--no-grad", action="store_true", help="inference: inputs do not require grad")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--backend", default=None, help="force one backend")
+    p.add_argument("--config", default=None, help="load this config file first")
+    p.set_defaults(func=_cmd_explain)
+
+    p = sub.add_parser("config", help="validate config files, or print the current config")
+    p.add_argument("--check", nargs="+", metavar="FILE", help="validate these TOML/YAML files")
+    p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("demo", help="a few sdpa() calls on this machine, checked against the reference")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, config.ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

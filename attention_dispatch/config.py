@@ -1,0 +1,198 @@
+"""Configuration: pydantic models, loading from TOML/YAML/env, scoped overrides.
+
+pydantic is used only here, at load time: the per-call path reads the already
+validated, frozen `Config` through `current_config()`.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import threading
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .backends import BUILTIN_ORDER
+
+ENV_CONFIG = "ATTENTION_DISPATCH_CONFIG"
+ENV_BACKENDS = "ATTENTION_DISPATCH_BACKENDS"
+
+
+class ConfigError(ValueError):
+    """A configuration file or value is wrong; the message names the file and field."""
+
+
+class DispatchSection(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    priority: tuple[str, ...] = Field(default=BUILTIN_ORDER, description="candidate order, first wins")
+    disabled: tuple[str, ...] = Field(default=(), description="backends never chosen")
+    policy: Literal["priority"] = "priority"
+    deterministic: Union[Literal["auto"], bool] = Field(
+        default="auto", description="auto follows torch.are_deterministic_algorithms_enabled()")
+    math_fallback: Literal["warn", "allow", "forbid"] = Field(
+        default="warn", description="when math is chosen for a CUDA input")
+    on_error: Literal["raise", "fallback"] = Field(
+        default="raise", description="a backend failing at run time: re-raise, or run the next candidate")
+
+
+class Config(BaseModel):
+    """The whole configuration; unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dispatch: DispatchSection = DispatchSection()
+    backends: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # Where the order came from when it is not the file's: set by the loader, not by users.
+    source: str = Field(default="default", exclude=True)
+
+
+def _format_validation(err: ValidationError, origin: str) -> str:
+    lines = [f"{origin}: invalid configuration"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        got = e.get("input")
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (not allowed)"
+        lines.append(f"  {field}: {msg} (got {got!r})")
+    return "\n".join(lines)
+
+
+def _read_file(path: Path) -> dict:
+    suffix = path.suffix.lower()
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read configuration file: {exc.strerror or exc}") from None
+    try:
+        if suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib
+            data = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            import yaml
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"{path}: unknown configuration format {suffix!r}; allowed: .toml, .yaml, .yml")
+    except ConfigError:
+        raise
+    except Exception as exc:  # a parser's own error: say which file
+        raise ConfigError(f"{path}: cannot parse: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a table/mapping, got {type(data).__name__}")
+    return data
+
+
+def validate_config(data: dict, origin: str = "<config>") -> Config:
+    """Validate a mapping into a Config, checking backend names and per-backend options."""
+    from . import registry
+
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation(err, origin)) from None
+    known = registry.list_backends()
+    for field in ("priority", "disabled"):
+        for name in getattr(config.dispatch, field):
+            if name not in known:
+                raise ConfigError(f"{origin}: dispatch.{field}: unknown backend {name!r}; "
+                                  f"registered: {', '.join(known)}")
+    if len(set(config.dispatch.priority)) != len(config.dispatch.priority):
+        raise ConfigError(f"{origin}: dispatch.priority: a backend is listed twice: {list(config.dispatch.priority)}")
+    for name, options in config.backends.items():
+        if name not in known:
+            raise ConfigError(f"{origin}: backends.{name}: unknown backend; registered: {', '.join(known)}")
+        model = registry.get_backend(name).options_model
+        if model is None:
+            if options:
+                raise ConfigError(f"{origin}: backends.{name}: this backend takes no options "
+                                  f"(got {sorted(options)})")
+            continue
+        try:
+            model.model_validate(options)
+        except ValidationError as err:
+            raise ConfigError(_format_validation(err, f"{origin}: backends.{name}")) from None
+    return config
+
+
+def read_config(path: str | os.PathLike) -> Config:
+    """Read and validate one TOML or YAML file, without making it current."""
+    path = Path(path)
+    return validate_config(_read_file(path), str(path)).model_copy(update={"source": f"config {path}"})
+
+
+# ---- current configuration: process-wide loaded one, plus a contextvars scope -------------
+
+_lock = threading.Lock()
+_loaded: Config | None = None
+_version = 0
+_scoped: contextvars.ContextVar[Config | None] = contextvars.ContextVar("attention_dispatch_config", default=None)
+
+
+def _bump() -> None:
+    global _version
+    _version += 1
+
+
+def load_config(path: str | os.PathLike | None = None) -> Config:
+    """Make a config file current for the process (None: env ATTENTION_DISPATCH_CONFIG or defaults)."""
+    global _loaded
+    if path is None:
+        path = os.environ.get(ENV_CONFIG) or None
+    config = read_config(path) if path else Config()
+    with _lock:
+        _loaded = config
+        _bump()
+    return config
+
+
+def reset_config() -> None:
+    """Forget the loaded config; the next call reads the environment again."""
+    global _loaded
+    with _lock:
+        _loaded = None
+        _bump()
+
+
+def current_config() -> Config:
+    scoped = _scoped.get()
+    if scoped is not None:
+        return scoped
+    if _loaded is None:
+        load_config()
+    return _loaded
+
+
+def config_version() -> int:
+    return _version
+
+
+@contextlib.contextmanager
+def use_config(config: Config | dict | str | os.PathLike):
+    """Scoped configuration for this context (thread / task); restored on exit."""
+    if isinstance(config, dict):
+        config = validate_config(config, "<use_config>")
+    elif not isinstance(config, Config):
+        config = read_config(config)
+    token = _scoped.set(config)
+    with _lock:
+        _bump()
+    try:
+        yield config
+    finally:
+        _scoped.reset(token)
+        with _lock:
+            _bump()
+
+
+def env_priority() -> tuple[str, ...] | None:
+    """The order from env ATTENTION_DISPATCH_BACKENDS (comma separated), if set."""
+    raw = os.environ.get(ENV_BACKENDS, "").strip()
+    if not raw:
+        return None
+    return tuple(n.strip() for n in raw.split(",") if n.strip())

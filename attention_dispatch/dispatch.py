@@ -1,0 +1,204 @@
+"""Choosing a backend: candidate order, checks, Decision, NoBackendError, the cache."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import threading
+import warnings
+
+from . import config as _config
+from . import registry
+from .problem import Problem
+
+logger = logging.getLogger("attention_dispatch")
+
+
+class NoBackendError(RuntimeError):
+    """No candidate can compute the call; the message lists every candidate's reasons."""
+
+    def __init__(self, message: str, decision: "Decision"):
+        super().__init__(message)
+        self.decision = decision
+
+
+class BackendRunError(RuntimeError):
+    """The chosen backend failed while running (an error of the library, not of the input)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Which backend serves a Problem, and why every other candidate does not.
+
+    rejected: name -> reasons for every candidate that cannot serve the call.
+    eligible: the candidates with no reasons, in order (backend is the first).
+    failures: name -> error for candidates that failed at run time (on_error="fallback").
+    """
+
+    backend: str | None
+    problem: Problem
+    source: str
+    candidates: tuple[str, ...]
+    rejected: dict[str, list[str]]
+    eligible: tuple[str, ...]
+    failures: dict[str, str] = dataclasses.field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        head = f"attention_dispatch: {self.backend or 'NO BACKEND'} (order from {self.source})"
+        lines = [head, f"  problem: {self.problem.summary()}"]
+        width = max([len(n) for n in self.candidates] + [7])
+        for name in self.candidates:
+            if name == self.backend:
+                status = "chosen"
+            elif name in self.failures:
+                status = f"failed: {self.failures[name]}"
+            elif name in self.rejected:
+                status = "no: " + "; ".join(self.rejected[name])
+            else:
+                status = "eligible"
+            lines.append(f"  {name:<{width}}  {status}")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def fallback_after_failure(self, failed: str, error: BaseException) -> "Decision":
+        """The Decision for the next eligible candidate after `failed` broke at run time."""
+        failures = {**self.failures, failed: f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+        rest = tuple(n for n in self.eligible if n not in failures)
+        return dataclasses.replace(self, backend=rest[0] if rest else None, failures=failures,
+                                   notes=self.notes + (f"{failed} failed at run time; fell back",))
+
+
+# ---- candidate order ---------------------------------------------------------------------
+
+_scope: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "attention_dispatch_backends", default=None)
+
+
+@contextlib.contextmanager
+def use_backends(*names: str):
+    """Scoped candidate order for this context (thread / task), e.g. use_backends("flash_attn", "math")."""
+    if len(names) == 1 and isinstance(names[0], (list, tuple)):
+        names = tuple(names[0])
+    known = registry.list_backends()
+    for name in names:
+        if name not in known:
+            raise ValueError(f"use_backends: unknown backend {name!r}; registered: {', '.join(known)}")
+    if not names:
+        raise ValueError("use_backends() needs at least one backend name")
+    token = _scope.set(tuple(names))
+    try:
+        yield
+    finally:
+        _scope.reset(token)
+
+
+def candidate_order(forced: str | None, cfg) -> tuple[tuple[str, ...], str]:
+    """(names, source): backend= > use_backends() > env > config file > registry default."""
+    if forced is not None:
+        return (forced,), "backend= argument"
+    scoped = _scope.get()
+    if scoped is not None:
+        return scoped, "use_backends()"
+    env = _config.env_priority()
+    if env is not None:
+        return env, f"env {_config.ENV_BACKENDS}"
+    if cfg.source != "default":
+        listed = cfg.dispatch.priority
+        # Backends registered but not listed by the file come after, in default order.
+        return tuple(listed) + tuple(n for n in registry.list_backends() if n not in listed), cfg.source
+    return tuple(registry.list_backends()), "default"
+
+
+# ---- deciding ----------------------------------------------------------------------------
+
+def _evaluate(problem: Problem, names: tuple[str, ...], source: str, cfg, forced: str | None) -> Decision:
+    rejected: dict[str, list[str]] = {}
+    eligible: list[str] = []
+    known = set(registry.list_backends())
+    disabled = set(cfg.dispatch.disabled)
+    for name in names:
+        if name not in known:
+            rejected[name] = [f"not registered (registered: {', '.join(registry.list_backends())})"]
+            continue
+        backend = registry.get_backend(name)
+        reasons: list[str] = []
+        if name in disabled and forced is None:
+            reasons.append("disabled by config (dispatch.disabled)")
+        if not backend.is_available():
+            reasons.append(backend.unavailable_reason() or "not available")
+        else:
+            reasons.extend(backend.reasons(problem))
+        if name == "math" and problem.device_type == "cuda" and cfg.dispatch.math_fallback == "forbid":
+            reasons.append("math on a CUDA input is forbidden by config (dispatch.math_fallback='forbid')")
+        if reasons:
+            rejected[name] = reasons
+        else:
+            eligible.append(name)
+    return Decision(backend=eligible[0] if eligible else None, problem=problem, source=source,
+                    candidates=names, rejected=rejected, eligible=tuple(eligible))
+
+
+_cache: dict = {}
+_cache_lock = threading.Lock()
+_CACHE_LIMIT = 4096
+_warned: set = set()
+
+
+def clear_cache() -> None:
+    with _cache_lock:
+        _cache.clear()
+
+
+def decide(problem: Problem, forced: str | None = None, raise_if_none: bool = True) -> Decision:
+    """The Decision for `problem` (cached by Problem, order, config and registry versions).
+
+    Raises NoBackendError when no candidate can serve it.
+    """
+    cfg = _config.current_config()
+    key = (problem, forced, _scope.get(), id(cfg), _config.config_version(), registry.registry_version())
+    decision = _cache.get(key)
+    if decision is None:
+        names, source = candidate_order(forced, cfg)
+        decision = _evaluate(problem, names, source, cfg, forced)
+        with _cache_lock:
+            if len(_cache) >= _CACHE_LIMIT:
+                _cache.clear()
+            _cache[key] = decision
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("new decision\n%s", decision)
+    if decision.backend is None:
+        if not raise_if_none:
+            return decision
+        raise NoBackendError(no_backend_message(decision, forced), decision)
+    _warn_once(decision, cfg)
+    return decision
+
+
+def no_backend_message(decision: Decision, forced: str | None) -> str:
+    what = f"backend {forced!r} (forced) cannot run this call" if forced else "no available backend for this call"
+    lines = [f"attention_dispatch: {what}", f"  problem: {decision.problem.summary()}",
+             f"  candidates (order from {decision.source}):"]
+    for name in decision.candidates:
+        lines.append(f"    {name}: " + "; ".join(decision.rejected.get(name, ["eligible"])))
+    return "\n".join(lines)
+
+
+def _warn_once(decision: Decision, cfg) -> None:
+    p = decision.problem
+    if decision.backend == "math" and p.device_type == "cuda" and cfg.dispatch.math_fallback == "warn":
+        if "math-cuda" not in _warned:
+            _warned.add("math-cuda")
+            warnings.warn("attention_dispatch: falling back to the 'math' backend on a CUDA input "
+                          f"({p.summary()}); it is quadratic in time and chunked but slow. Set "
+                          "dispatch.math_fallback='allow' to silence or 'forbid' to refuse.",
+                          RuntimeWarning, stacklevel=4)
+    if p.deterministic and p.deterministic_warn_only and p.requires_grad:
+        backend = registry.get_backend(decision.backend)
+        key = ("nondeterministic", decision.backend)
+        if not backend.capabilities.deterministic_backward and key not in _warned:
+            _warned.add(key)
+            warnings.warn(f"attention_dispatch: backend {decision.backend!r} has a nondeterministic backward; "
+                          "used anyway because torch.use_deterministic_algorithms(warn_only=True)",
+                          UserWarning, stacklevel=4)
