@@ -77,8 +77,6 @@ def _broadcast_mask(attn_mask, target: tuple[int, ...], what: str, query) -> tor
 
 
 def _seqlens(cu: torch.Tensor, name: str, total: int, max_seqlen, validate: bool) -> int:
-    if cu.dim() != 1 or cu.numel() < 1:
-        raise ValueError(f"{name} must be 1-D of length batch+1, got shape {_shape(cu)}")
     if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral)
                                    or max_seqlen < 0):
         raise ValueError(f"max_seqlen for {name} must be a non-negative int, got {max_seqlen!r}")
@@ -105,6 +103,8 @@ def _cu_tensor(cu, name: str, device) -> torch.Tensor:
         raise TypeError(f"{name}.dtype={cu.dtype} is not allowed; allowed: int32 (or int64, converted)")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but query is on {device}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D of length batch+1, got shape {_shape(cu)}")
     return cu if cu.dtype == torch.int32 else cu.to(torch.int32)
 
 
@@ -158,7 +158,7 @@ def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
             raise ValueError(f"key and value must have the same packed length, got {key.shape[0]} and {value.shape[0]}")
         cu_q = _cu_tensor(cu_seqlens_q, "cu_seqlens_q", query.device)
         cu_k = _cu_tensor(cu_seqlens_k, "cu_seqlens_k", query.device)
-        if cu_q.shape != cu_k.shape:
+        if cu_q.numel() != cu_k.numel():
             raise ValueError(f"cu_seqlens_q has {cu_q.numel()} entries but cu_seqlens_k has {cu_k.numel()}; "
                              "both must be batch+1")
         # Reading the offsets syncs the device: done on the CPU, or when max_seqlen must be computed.

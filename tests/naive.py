@@ -33,8 +33,8 @@ def _one(q, k, v, bias, keep, dropout_p, scale, causal, window):
     hq, sq, _ = q.shape
     hkv, sk, _ = k.shape
     group = hq // hkv
-    out = torch.zeros(hq, sq, v.shape[-1], dtype=q.dtype)
-    lse = torch.full((hq, sq), -math.inf, dtype=q.dtype)
+    if sq == 0 or sk == 0:
+        return q.new_zeros(hq, sq, v.shape[-1]), q.new_full((hq, sq), -math.inf)
     allowed = _allowed(sq, sk, causal, window)
     rows = []
     for h in range(hq):

@@ -67,7 +67,7 @@ def _chunk_attention(q, k, v, bias, row0, seqlen_q, seqlen_k, bottom_right, left
 
 
 def dense_math_attention(query, key, value, attn_mask, *, scale, bottom_right, left, right,
-                         dropout_p=0.0, chunk_elements=CHUNK_ELEMENTS):
+                         dropout_p=0.0, chunk_elements=None):
     """query (B, Hq, Sq, D), key (B, Hkv, Sk, D), value (B, Hkv, Sk, Dv); attn_mask None or
     broadcastable to (B, Hq, Sq, Sk). The band is `semantics.band`'s. Returns (B, Hq, Sq, Dv)."""
     b, hq, sq, d = query.shape
@@ -78,7 +78,7 @@ def dense_math_attention(query, key, value, attn_mask, *, scale, bottom_right, l
     q = query.to(compute).reshape(b, hkv, hq // hkv, sq, d)
     k, v = key.to(compute), value.to(compute)
     bias = None if attn_mask is None else attn_mask.expand(b, hq, sq, sk)
-    rows = max(1, min(sq, chunk_elements // max(1, b * hq * sk)))
+    rows = max(1, min(sq, (chunk_elements or CHUNK_ELEMENTS) // max(1, b * hq * sk)))
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, attn_mask))
     outs = []
@@ -95,7 +95,7 @@ def dense_math_attention(query, key, value, attn_mask, *, scale, bottom_right, l
 
 
 def math_attention(query, key, value, *, attn_mask=None, dropout_p=0.0, causal=None, window=None,
-                   scale=None, cu_seqlens_q=None, cu_seqlens_k=None, chunk_elements=CHUNK_ELEMENTS, **_):
+                   scale=None, cu_seqlens_q=None, cu_seqlens_k=None, chunk_elements=None, **_):
     """The normalised call (DESIGN.md section 4) computed exactly; dense or varlen."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     bottom_right, left, right = band(causal, window)

@@ -1,0 +1,85 @@
+"""Random attention problems for tests: fresh inputs each time, never zeros."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int = 2
+    heads_q: int = 4
+    heads_kv: int = 4
+    seqlen_q: int = 24
+    seqlen_k: int = 24
+    head_dim: int = 32
+    head_dim_v: int | None = None
+    causal: str | None = None
+    window: tuple[int, int] | None = None
+    mask: str = "none"              # none | bool | float | float_grad
+    mask_shape: str = "full"        # full | heads | keys | square (2-D)
+    dropout_p: float = 0.0
+    varlen: tuple[int, ...] | None = None   # per-sequence q lengths (k lengths = q + extra_k)
+    extra_k: tuple[int, ...] | None = None
+    dtype: torch.dtype = torch.float32
+
+    def __str__(self):
+        fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                  if getattr(self, f.name) != f.default]
+        return ",".join(fields) or "default"
+
+
+def make_inputs(case: Case, device="cpu", requires_grad=True):
+    """Tensors plus sdpa keyword arguments for `case`, and the naive reference's kwargs."""
+    dv = case.head_dim_v or case.head_dim
+    kw = dict(device=device, dtype=case.dtype)
+    sdpa_kw, naive_kw = {}, {}
+    if case.varlen is not None:
+        lq = list(case.varlen)
+        lk = [a + b for a, b in zip(lq, case.extra_k or [0] * len(lq))]
+        cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32, device=device)
+        q = torch.randn(sum(lq), case.heads_q, case.head_dim, **kw)
+        k = torch.randn(sum(lk), case.heads_kv, case.head_dim, **kw)
+        v = torch.randn(sum(lk), case.heads_kv, dv, **kw)
+        b, sq, sk = len(lq), max(lq, default=0), max(lk, default=0)
+        sdpa_kw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        naive_kw.update(cu_seqlens_q=cu_q.cpu(), cu_seqlens_k=cu_k.cpu())
+    else:
+        b, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
+        q = torch.randn(b, case.heads_q, sq, case.head_dim, **kw)
+        k = torch.randn(b, case.heads_kv, sk, case.head_dim, **kw)
+        v = torch.randn(b, case.heads_kv, sk, dv, **kw)
+    mask = None
+    if case.mask != "none":
+        shape = {"full": (b, case.heads_q, sq, sk), "heads": (1, case.heads_q, sq, sk),
+                 "keys": (b, 1, 1, sk), "square": (sq, sk)}[case.mask_shape]
+        if case.mask == "bool":
+            mask = torch.rand(shape, device=device) > 0.25
+        else:
+            mask = torch.randn(shape, **kw)
+    for t in (q, k, v):
+        t.requires_grad_(requires_grad)
+    if mask is not None and case.mask == "float_grad":
+        mask.requires_grad_(True)
+    if case.heads_q != case.heads_kv:
+        sdpa_kw["enable_gqa"] = True
+    if case.causal:
+        sdpa_kw["causal"] = case.causal
+        naive_kw["causal"] = case.causal
+    if case.window:
+        sdpa_kw["window"] = case.window
+        naive_kw["window"] = case.window
+    if case.dropout_p:
+        sdpa_kw["dropout_p"] = case.dropout_p
+        naive_kw["dropout_p"] = case.dropout_p
+    return q, k, v, mask, sdpa_kw, naive_kw
+
+
+def leaf_copy(t, dtype=None):
+    """A detached copy (optionally cast) that requires grad like `t`."""
+    if t is None:
+        return None
+    c = t.detach().to(dtype or t.dtype).clone()
+    return c.requires_grad_(t.requires_grad)

@@ -1,0 +1,37 @@
+import os
+
+import pytest
+import torch
+
+# Triton runs kernels on the CPU only if told before it is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import attention_dispatch as ad  # noqa: E402
+from attention_dispatch import dispatch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _isolated_dispatch(monkeypatch):
+    """Every test starts from the defaults: no config file, no env order, empty cache."""
+    monkeypatch.delenv("ATTENTION_DISPATCH_BACKENDS", raising=False)
+    monkeypatch.delenv("ATTENTION_DISPATCH_CONFIG", raising=False)
+    ad.reset_config()
+    ad.clear_cache()
+    dispatch._warned.clear()
+    names = ad.list_backends()
+    yield
+    for name in ad.list_backends():
+        if name not in names:
+            ad.unregister_backend(name)
+    ad.reset_config()
+    ad.clear_cache()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,337 @@
+"""Choosing: order sources, forced backends, custom backends, scopes, cache, policies."""
+import logging
+import os
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+
+import attention_dispatch as ad
+from attention_dispatch import dispatch
+from attention_dispatch.api import normalize_call
+from attention_dispatch.backends.math import math_attention
+
+
+class Recording(ad.Backend):
+    """A custom backend computing through the math reference and counting its runs."""
+
+    def __init__(self, name, capabilities=None, fail=None, available=True, extra=None):
+        self.name = name
+        self.capabilities = capabilities or ad.Capabilities()
+        self.fail, self.available, self.extra, self.runs = fail, available, extra or [], 0
+
+    def is_available(self):
+        return self.available
+
+    def unavailable_reason(self):
+        return "" if self.available else f"{self.name} library missing"
+
+    def check(self, problem):
+        return list(self.extra)
+
+    def run(self, query, key, value, **options):
+        self.runs += 1
+        if self.fail:
+            raise self.fail
+        return math_attention(query, key, value, **options)
+
+
+def qkv(*shape, grad=False, dtype=torch.float32):
+    shape = shape or (1, 2, 8, 16)
+    return [torch.randn(shape, dtype=dtype, requires_grad=grad) for _ in range(3)]
+
+
+def problem_of(*args, **kwargs):
+    return normalize_call(*args, **kwargs).problem
+
+
+def test_default_order_and_reasons():
+    names = ad.list_backends()
+    assert names[0] == "triton" and names[-1] == "math"
+    d = ad.explain(*qkv())
+    assert d.backend in names
+    assert d.source == "default"
+    # Everything before the chosen backend is rejected, each with at least one reason.
+    for name in names[:names.index(d.backend)]:
+        assert d.rejected[name] and all(isinstance(r, str) and r for r in d.rejected[name])
+    text = str(d)
+    assert d.backend in text and "chosen" in text and "problem:" in text
+
+
+def test_custom_backend_first_class_and_priority():
+    mine = Recording("mine")
+    ad.register_backend(mine, priority="first")
+    assert ad.list_backends()[0] == "mine"
+    out = ad.sdpa(*qkv())
+    assert mine.runs == 1 and ad.last_decision().backend == "mine"
+    assert out.shape == (1, 2, 8, 16)
+    ad.unregister_backend("mine")
+    assert "mine" not in ad.list_backends()
+    ad.register_backend(Recording("late"))        # default: just before math
+    assert ad.list_backends()[-2:] == ["late", "math"]
+    ad.register_backend(Recording("at2"), priority=2)
+    assert ad.list_backends()[2] == "at2"
+
+
+def test_register_errors():
+    with pytest.raises(TypeError, match="Backend instance"):
+        ad.register_backend(object())
+    with pytest.raises(ValueError, match="already registered"):
+        ad.register_backend(Recording("math"))
+    with pytest.raises(ValueError, match="lowercase"):
+        ad.register_backend(Recording("Bad Name"))
+    with pytest.raises(ValueError, match="priority"):
+        ad.register_backend(Recording("okname"), priority="middle")
+    with pytest.raises(KeyError, match="no backend named 'nope'"):
+        ad.unregister_backend("nope")
+
+
+def test_forced_backend_runs_or_raises_with_reasons():
+    ad.register_backend(Recording("bf16only", ad.Capabilities(dtypes=frozenset({torch.bfloat16}))))
+    q, k, v = qkv()
+    with pytest.raises(ad.NoBackendError) as err:
+        ad.sdpa(q, k, v, backend="bf16only")
+    msg = str(err.value)
+    assert "bf16only" in msg and "forced" in msg and "dtype=float32 not in {bfloat16}" in msg
+    assert err.value.decision.rejected["bf16only"]
+    out = ad.sdpa(q, k, v, backend="math")
+    assert ad.last_decision().backend == "math" and ad.last_decision().source == "backend= argument"
+    with pytest.raises(ad.NoBackendError, match="not registered"):
+        ad.sdpa(q, k, v, backend="nonexistent")
+    assert out.shape == q.shape
+
+
+def test_no_backend_lists_every_candidate_and_reason():
+    picky = ad.Capabilities(head_dim_max=8, dtypes=frozenset({torch.float16}))
+    ad.register_backend(Recording("picky", picky))
+    ad.register_backend(Recording("absent", available=False))
+    with ad.use_backends("picky", "absent"):
+        with pytest.raises(ad.NoBackendError) as err:
+            ad.sdpa(*qkv())
+    msg = str(err.value)
+    assert "no available backend" in msg
+    assert "picky: dtype=float32 not in {float16}; head_dim=16 > 8" in msg
+    assert "absent: absent library missing" in msg
+    assert "problem: dense B=1 Hq=2" in msg
+
+
+def test_use_backends_nesting_and_restore():
+    a, b = Recording("aa"), Recording("bb")
+    ad.register_backend(a)
+    ad.register_backend(b)
+    with ad.use_backends("aa", "math"):
+        ad.sdpa(*qkv())
+        assert ad.last_decision().backend == "aa" and ad.last_decision().source == "use_backends()"
+        with ad.use_backends("bb"):
+            ad.sdpa(*qkv())
+            assert ad.last_decision().backend == "bb"
+        ad.sdpa(*qkv())
+        assert ad.last_decision().backend == "aa"
+    ad.sdpa(*qkv())
+    assert ad.last_decision().source == "default"
+    with pytest.raises(ValueError, match="unknown backend 'zz'"):
+        with ad.use_backends("zz"):
+            pass
+
+
+def test_use_backends_and_last_decision_are_thread_isolated():
+    ad.register_backend(Recording("aa"))
+    ad.register_backend(Recording("bb"))
+    seen = {}
+    barrier = threading.Barrier(2)
+
+    def worker(name):
+        with ad.use_backends(name):
+            barrier.wait()
+            for _ in range(20):
+                ad.sdpa(*qkv())
+                assert ad.last_decision().backend == name
+            seen[name] = ad.last_decision().backend
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ("aa", "bb")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"aa": "aa", "bb": "bb"}
+    assert ad.last_decision() is None or ad.last_decision().backend not in ("aa", "bb")
+
+
+def test_env_order_and_config_order(tmp_path, monkeypatch):
+    ad.register_backend(Recording("aa"))
+    ad.register_backend(Recording("bb"))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[dispatch]\npriority = ["bb", "math"]\n')
+    ad.load_config(cfg)
+    d = ad.explain(*qkv())
+    assert d.backend == "bb" and d.source == f"config {cfg}"
+    monkeypatch.setenv("ATTENTION_DISPATCH_BACKENDS", "aa,math")
+    ad.clear_cache()
+    d = ad.explain(*qkv())
+    assert d.backend == "aa" and d.source == "env ATTENTION_DISPATCH_BACKENDS"
+    with ad.use_backends("bb"):           # the scope beats the env
+        assert ad.explain(*qkv()).backend == "bb"
+    assert ad.explain(*qkv(), backend="math").backend == "math"   # the argument beats all
+
+
+def test_env_config_path(tmp_path, monkeypatch):
+    ad.register_backend(Recording("bb"))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("dispatch:\n  priority: [bb, math]\n")
+    monkeypatch.setenv("ATTENTION_DISPATCH_CONFIG", str(cfg))
+    ad.reset_config()
+    assert ad.explain(*qkv()).backend == "bb"
+
+
+def test_disabled_backends_skipped_unless_forced():
+    ad.register_backend(Recording("aa"), priority="first")
+    with ad.use_config({"dispatch": {"disabled": ["aa"]}}):
+        d = ad.explain(*qkv())
+        assert d.backend != "aa" and "disabled by config" in d.rejected["aa"][0]
+        assert ad.explain(*qkv(), backend="aa").backend == "aa"
+
+
+def test_cache_hit_and_invalidation():
+    mine = Recording("mine")
+    ad.register_backend(mine, priority="first")
+    p = problem_of(*qkv())
+    d1 = dispatch.decide(p)
+    assert dispatch.decide(p) is d1                 # a hit returns the same object
+    ad.register_backend(Recording("other"), priority="first")   # registry change invalidates
+    d2 = dispatch.decide(p)
+    assert d2 is not d1 and d2.backend == "other"
+    with ad.use_config({"dispatch": {"disabled": ["other"]}}):   # config change invalidates
+        assert dispatch.decide(p).backend == "mine"
+    assert dispatch.decide(p).backend == "other"
+    # Availability is part of the decision, so a change needs clear_cache() (documented).
+    mine.available = False
+    ad.unregister_backend("other")
+    ad.clear_cache()
+    assert dispatch.decide(p).backend != "mine"
+
+
+def test_cache_is_thread_safe():
+    p = problem_of(*qkv())
+    results, errors = [], []
+
+    def worker():
+        try:
+            for i in range(200):
+                if i % 50 == 0:
+                    ad.clear_cache()
+                results.append(dispatch.decide(p).backend)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(results)) == 1 and len(results) == 800
+
+
+def test_determinism_rejects_nondeterministic_backward():
+    nd = Recording("nondet", ad.Capabilities(deterministic_backward=False))
+    ad.register_backend(nd, priority="first")
+    q, k, v = qkv(grad=True)
+    d = ad.explain(q, k, v, deterministic=True)
+    assert d.backend != "nondet"
+    assert "deterministic algorithms requested but the backward is nondeterministic" in d.rejected["nondet"]
+    assert ad.explain(q, k, v, deterministic=False).backend == "nondet"
+    with torch.no_grad():                       # no backward: determinism of it is moot
+        assert ad.explain(q, k, v, deterministic=True).backend == "nondet"
+    with ad.use_config({"dispatch": {"deterministic": True}}):
+        assert ad.explain(q, k, v).backend != "nondet"
+
+
+def test_determinism_follows_torch_with_warn_only():
+    nd = Recording("nondet", ad.Capabilities(deterministic_backward=False))
+    ad.register_backend(nd, priority="first")
+    q, k, v = qkv(grad=True)
+    prev = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert ad.explain(q, k, v).backend != "nondet"
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        ad.clear_cache()
+        with pytest.warns(UserWarning, match="nondeterministic backward"):
+            ad.sdpa(q, k, v)
+        assert ad.last_decision().backend == "nondet"
+    finally:
+        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+
+
+def _cuda_problem(**changes):
+    import dataclasses
+    return dataclasses.replace(problem_of(*qkv()), device_type="cuda", compute_capability=(9, 0), **changes)
+
+
+def test_math_on_cuda_warns_once_or_is_forbidden():
+    p = _cuda_problem()
+    with ad.use_backends("math"):
+        with pytest.warns(RuntimeWarning, match="quadratic"):
+            assert dispatch.decide(p).backend == "math"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            dispatch.decide(p)                  # once only
+    dispatch._warned.clear()
+    with ad.use_config({"dispatch": {"math_fallback": "allow"}}), ad.use_backends("math"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert dispatch.decide(p).backend == "math"
+    with ad.use_config({"dispatch": {"math_fallback": "forbid"}}), ad.use_backends("math"):
+        with pytest.raises(ad.NoBackendError, match="forbidden by config"):
+            dispatch.decide(p)
+
+
+def test_on_error_raise_names_backend_and_fallback_records_it():
+    broken = Recording("broken", fail=RuntimeError("CUDA error: illegal memory access"))
+    ad.register_backend(broken, priority="first")
+    q, k, v = qkv()
+    with pytest.raises(ad.BackendRunError, match="backend 'broken' failed while running: RuntimeError: CUDA error"):
+        ad.sdpa(q, k, v)
+    with ad.use_config({"dispatch": {"on_error": "fallback"}}):
+        out = ad.sdpa(q, k, v)
+        d = ad.last_decision()
+    assert d.backend != "broken" and "broken" in d.failures and "illegal memory access" in d.failures["broken"]
+    assert "failed: RuntimeError" in str(d)
+    ref = ad.sdpa(q, k, v, backend="math")
+    torch.testing.assert_close(out, ref)
+
+
+def test_explain_record_last_decision():
+    q, k, v = qkv()
+    d = ad.explain(q, k, v, is_causal=True)
+    assert isinstance(d, ad.Decision) and d.problem.causal == ad.CausalKind.TOP_LEFT
+    with ad.record() as outer:
+        ad.sdpa(q, k, v)
+        with ad.record() as inner:
+            ad.sdpa(q, k, v, backend="math")
+    assert [x.backend for x in inner] == ["math"]
+    assert len(outer) == 2 and outer[1].backend == "math"
+    assert ad.last_decision() is outer[1]
+    ad.register_backend(Recording("never", ad.Capabilities(devices=frozenset({"cuda"}))))
+    d = ad.explain(q, k, v, backend="never")      # explain does not raise: it explains
+    assert d.backend is None and d.rejected["never"] == ["device=cpu not in {cuda}"]
+
+
+def test_logging_every_new_decision(caplog):
+    caplog.set_level(logging.DEBUG, logger="attention_dispatch")
+    q, k, v = qkv()
+    ad.sdpa(q, k, v, backend="math")
+    ad.sdpa(q, k, v, backend="math")       # a cache hit logs nothing new
+    logged = [r for r in caplog.records if "new decision" in r.getMessage()]
+    assert len(logged) == 1 and "math" in logged[0].getMessage()
+
+
+def test_log_env_variable_configures_stderr_logging():
+    code = ("import torch, attention_dispatch as ad\n"
+            "ad.sdpa(*(torch.randn(1, 1, 4, 8) for _ in range(3)), backend='math')\n")
+    env = dict(os.environ, ATTENTION_DISPATCH_LOG="debug")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "[attention_dispatch] DEBUG new decision" in res.stderr and "math" in res.stderr
