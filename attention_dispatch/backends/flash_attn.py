@@ -1,0 +1,319 @@
+"""flash-attn 2, 3 and 4 (Tri Dao's FlashAttention) behind one backend, ``flash_attn``.
+
+Which implementation runs is decided per call from what imports and the GPU's
+architecture, in this order of preference:
+
+- flash-attn 3 (``flash_attn_interface``, built from ``hopper/``): sm90 only; no dropout.
+- flash-attn 4 (``flash_attn.cute``, CuTe DSL): sm90 .. sm11x; no dropout; on sm90 its
+  backward has no window, no varlen and no deterministic mode.
+- flash-attn 2 (``flash_attn.flash_attn_func``): sm80+; the only one with dropout.
+
+A call goes to the first of those that is installed and supports it; the reasons a
+call is refused name the implementation ("flash-attn 4: ...").
+
+Mapping of our call (DESIGN.md section 3):
+
+- layouts: ours (B, H, S, D) -> theirs (B, S, H, D) by ``transpose(1, 2)``: a view, no
+  copy (flash-attn takes any batch/sequence/head strides with a unit last stride), and
+  the output goes back the same way; varlen inputs (total, H, D) pass unchanged with
+  int32 ``cu_seqlens`` and ``max_seqlen``.
+- causal: flash-attn aligns causal bottom-right (``j <= i + Sk - Sq``); top-left equals it
+  when Sq == Sk, otherwise it is rejected (the shared capability check says so).
+- window (left, right), -1 unbounded: flash-attn 2/3 take ``window_size=(left, right)``
+  with -1 unbounded, relative to the same bottom-right diagonal (``causal=True`` forces
+  right = 0, as our ``band()`` does); flash-attn 4 takes ``None`` for unbounded.
+- GQA: native (key/value with fewer heads; query head h reads kv head h // (Hq / Hkv)).
+- scale -> ``softmax_scale``; dropout_p -> ``dropout_p`` (flash-attn 2 only: the mask
+  comes from PyTorch's default CUDA generator, so ``torch.manual_seed`` repeats a run, and
+  the backward replays the forward's philox state); deterministic -> ``deterministic``.
+- no attn_mask / bias: rejected.
+- rows with no allowed key (bottom-right causal with Sq > Sk, or a window that misses
+  every key): flash-attn documents output 0 for them; verified on the GPU by the tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from typing import Callable
+
+import torch
+
+from ..problem import Problem, compute_capability
+from ..semantics import CausalKind, band
+from .base import Backend, Capabilities, not_supported_reasons
+
+_HALF = frozenset({torch.float16, torch.bfloat16})
+INSTALL_HINT = "not installed: pip install flash-attn (or flash-attn-4 for flash_attn.cute)"
+
+FA2_CAPS = Capabilities(
+    devices=frozenset({"cuda"}), min_compute_capability=(8, 0), dtypes=_HALF, head_dim_max=256,
+    different_head_dims=False, causal_kinds=frozenset({CausalKind.BOTTOM_RIGHT}), window=True,
+    bool_mask=False, float_bias=False, bias_grad=False, dropout=True, varlen=True, gqa=True,
+    deterministic_backward=True, needs_last_dim_contiguous=False,
+    notes="flash-attn 2")
+FA3_CAPS = dataclasses.replace(
+    FA2_CAPS, min_compute_capability=(9, 0), max_compute_capability=(9, 0), head_dim_multiple=8,
+    dropout=False, notes="flash-attn 3 (hopper)")
+FA4_CAPS = dataclasses.replace(
+    FA2_CAPS, min_compute_capability=(9, 0), max_compute_capability=(11, 9), head_dim_multiple=8,
+    dropout=False, notes="flash-attn 4 (flash_attn.cute)")
+FA4_HEAD_DIMS = (64, 96, 128)    # what flash_attn.cute 4.0 compiles and we verified; others rejected
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One importable flash-attn generation."""
+
+    key: str                       # "fa2" | "fa3" | "fa4"
+    label: str                     # "flash-attn 2"
+    version: str
+    func: Callable
+    varlen_func: Callable | None
+    caps: Capabilities
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _dist_version(*names: str) -> str:
+    from importlib import metadata
+    for n in names:
+        try:
+            return metadata.version(n)
+        except Exception:
+            continue
+    return ""
+
+
+def _missing(error: ImportError, *names: str) -> bool:
+    """True when the ImportError says one of `names` itself is not installed (not a dependency)."""
+    return isinstance(error, ModuleNotFoundError) and error.name in names
+
+
+def caps_union(caps: list[Capabilities]) -> Capabilities:
+    """The loosest declaration covering every implementation (for tables and the first filter)."""
+    if not caps:
+        return FA2_CAPS
+    if len(caps) == 1:
+        return caps[0]
+    lows = [c.min_compute_capability for c in caps]
+    highs = [c.max_compute_capability for c in caps]
+    import math
+    return Capabilities(
+        devices=frozenset().union(*(c.devices for c in caps)),
+        min_compute_capability=None if None in lows else min(lows),
+        max_compute_capability=None if None in highs else max(highs),
+        dtypes=frozenset().union(*(c.dtypes for c in caps)),
+        head_dim_min=min(c.head_dim_min for c in caps),
+        head_dim_max=None if any(c.head_dim_max is None for c in caps) else max(c.head_dim_max for c in caps),
+        head_dim_multiple=math.gcd(*(c.head_dim_multiple for c in caps)),
+        different_head_dims=any(c.different_head_dims for c in caps),
+        causal_kinds=frozenset().union(*(c.causal_kinds for c in caps)),
+        **{f: any(getattr(c, f) for c in caps) for f in (
+            "window", "bool_mask", "float_bias", "bias_grad", "mask_with_causal", "dropout", "dense",
+            "varlen", "gqa", "backward", "deterministic_backward")},
+        needs_last_dim_contiguous=all(c.needs_last_dim_contiguous for c in caps),
+        notes=" / ".join(c.notes for c in caps),
+    )
+
+
+def _empty_call(query, key, value, packed: bool):
+    """Exact zeros, on the autograd graph, for a call with an empty dimension."""
+    if key.shape[1] != query.shape[1]:   # heads are dim 1 in both (B, H, S, D) and (total, H, D)
+        group = query.shape[1] // max(key.shape[1], 1)
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    if packed:
+        return torch.einsum("qhk,khe->qhe", torch.einsum("qhd,khd->qhk", query, key[:0]), value[:0])
+    return (query @ key.transpose(-1, -2)) @ value
+
+
+class FlashAttnBackend(Backend):
+    """flash-attn 2/3/4; `versions` restricts which generations may be used (default all)."""
+
+    name = "flash_attn"
+
+    def __init__(self, versions: tuple[str, ...] = ("fa3", "fa4", "fa2")):
+        self.versions = tuple(versions)
+        self._loaded: tuple[list[Implementation], list[str], bool] | None = None
+
+    # -- importing ----------------------------------------------------------------
+    def _load(self) -> tuple[list[Implementation], list[str], bool]:
+        """(implementations, import errors, anything installed at all); cached per instance."""
+        if self._loaded is not None:
+            return self._loaded
+        impls: list[Implementation] = []
+        errors: list[str] = []
+        installed = False
+        for key in self.versions:
+            try:
+                impl = getattr(self, f"_import_{key}")()
+            except ImportError as e:
+                if _missing(e, "flash_attn", "flash_attn_interface", "flash_attn.cute"):
+                    continue
+                installed = True
+                errors.append(f"{key}: {_first_line(e)}")
+                continue
+            except Exception as e:   # broken install: ABI mismatch, missing CUDA library, ...
+                installed = True
+                errors.append(f"{key}: {_first_line(e)}")
+                continue
+            if impl is not None:
+                installed = True
+                impls.append(impl)
+        self._loaded = (impls, errors, installed)
+        return self._loaded
+
+    @staticmethod
+    def _import_fa2() -> Implementation | None:
+        mod = importlib.import_module("flash_attn")
+        func = getattr(mod, "flash_attn_func", None)
+        if func is None:      # e.g. only flash-attn 4's flash_attn.cute is installed
+            return None
+        return Implementation("fa2", "flash-attn 2", str(getattr(mod, "__version__", "") or _dist_version("flash-attn")),
+                              func, getattr(mod, "flash_attn_varlen_func", None), FA2_CAPS)
+
+    @staticmethod
+    def _import_fa3() -> Implementation | None:
+        mod = importlib.import_module("flash_attn_interface")
+        return Implementation("fa3", "flash-attn 3", str(getattr(mod, "__version__", "") or _dist_version("flash-attn-3", "flash_attn_3")),
+                              mod.flash_attn_func, getattr(mod, "flash_attn_varlen_func", None), FA3_CAPS)
+
+    @staticmethod
+    def _import_fa4() -> Implementation | None:
+        mod = importlib.import_module("flash_attn.cute")
+        version = getattr(mod, "__version__", "") or _dist_version("flash-attn-4", "flash_attn_4")
+        return Implementation("fa4", "flash-attn 4", str(version), mod.flash_attn_func,
+                              getattr(mod, "flash_attn_varlen_func", None), FA4_CAPS)
+
+    def implementations(self) -> list[Implementation]:
+        return self._load()[0]
+
+    # -- availability -------------------------------------------------------------
+    def is_available(self) -> bool:
+        return not self.unavailable_reason()
+
+    def unavailable_reason(self) -> str:
+        impls, errors, installed = self._load()
+        if not impls:
+            if errors:
+                return "import failed: " + "; ".join(errors)
+            return INSTALL_HINT
+        if not torch.cuda.is_available():
+            return "no CUDA device (torch.cuda.is_available() is False)"
+        return ""
+
+    def version(self) -> str:
+        return ", ".join(f"{i.label} {i.version}".strip() for i in self.implementations())
+
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        return caps_union([i.caps for i in self.implementations()])
+
+    # -- decisions ----------------------------------------------------------------
+    @staticmethod
+    def _impl_checks(impl: Implementation, p: Problem) -> list[str]:
+        reasons = []
+        cc = p.compute_capability
+        if impl.key == "fa2" and cc is not None and p.requires_grad and p.dropout and p.head_dim_qk > 192 \
+                and cc not in ((8, 0), (9, 0)):
+            reasons.append(f"backward with head_dim={p.head_dim_qk} > 192 and dropout needs sm80/sm90")
+        if impl.key == "fa4":
+            for d in {p.head_dim_qk, p.head_dim_v}:
+                if d not in FA4_HEAD_DIMS:
+                    reasons.append(f"head_dim={d} not in {{{', '.join(map(str, FA4_HEAD_DIMS))}}}")
+            if cc is not None and cc[0] == 9 and p.requires_grad:
+                if p.window is not None:
+                    reasons.append("backward with a window not supported on sm90")
+                if p.layout == "varlen":
+                    reasons.append("varlen backward not supported on sm90")
+                if p.deterministic and not p.deterministic_warn_only:
+                    reasons.append("deterministic backward only on sm100/sm110")
+        if p.layout == "varlen" and impl.varlen_func is None:
+            reasons.append("this build has no flash_attn_varlen_func")
+        return reasons
+
+    def impl_reasons(self, impl: Implementation, p: Problem) -> list[str]:
+        return not_supported_reasons(impl.caps, p) + self._impl_checks(impl, p)
+
+    def choose(self, p: Problem) -> tuple[Implementation | None, list[str]]:
+        """The implementation that runs `p`, or None and the reasons of every one."""
+        reasons = []
+        for impl in self.implementations():
+            r = self.impl_reasons(impl, p)
+            if not r:
+                return impl, []
+            reasons.extend(f"{impl.label}: {x}" for x in r)
+        return None, reasons
+
+    def check(self, problem: Problem) -> list[str]:
+        if not self.implementations():
+            return []
+        impl, reasons = self.choose(problem)
+        if impl is not None:
+            return []
+        shared = set(not_supported_reasons(self.capabilities, problem))
+        specific = [r for r in reasons if r.split(": ", 1)[1] not in shared]
+        return specific or (["no flash-attn implementation supports this call"] if not shared else [])
+
+    # -- running ------------------------------------------------------------------
+    @staticmethod
+    def problem_of(query, key, value, *, dropout_p=0.0, causal=None, window=None, cu_seqlens_q=None,
+                   max_seqlen_q=None, max_seqlen_k=None, deterministic=False, **_) -> Problem:
+        """The Problem of a normalised call (flash-attn never sees a mask)."""
+        varlen = cu_seqlens_q is not None
+        if varlen:
+            batch, sq, sk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
+            hq, hkv = query.shape[1], key.shape[1]
+        else:
+            batch, hq, sq = query.shape[:3]
+            hkv, sk = key.shape[1], key.shape[2]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return Problem(
+            batch=batch, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, head_dim_qk=query.shape[-1],
+            head_dim_v=value.shape[-1], dtype=query.dtype, device_type=query.device.type,
+            compute_capability=compute_capability(query.device), layout="varlen" if varlen else "dense",
+            mask_kind="none", mask_shape=None, mask_requires_grad=False, causal=causal, window=window,
+            dropout=dropout_p > 0, requires_grad=grad, deterministic=bool(deterministic),
+            deterministic_warn_only=False, last_dim_contiguous=True, aligned_16=True)
+
+    @staticmethod
+    def window_args(impl: Implementation, causal: CausalKind | None, window) -> tuple[bool, tuple]:
+        """(causal flag, window_size) in the implementation's convention."""
+        is_causal = causal is not None
+        if window is None:
+            return is_causal, ((None, None) if impl.key == "fa4" else (-1, -1))
+        _, left, right = band(causal, window)
+        if impl.key == "fa4":
+            return is_causal, (None if left < 0 else left, None if right < 0 else right)
+        return is_causal, (left, right)
+
+    def run(self, query, key, value, *, attn_mask=None, dropout_p=0.0, causal=None, window=None, scale=None,
+            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, enable_gqa=False,
+            deterministic=False, **_):
+        if attn_mask is not None:
+            raise ValueError("flash_attn: attn_mask is not supported (rejected by check())")
+        p = self.problem_of(query, key, value, dropout_p=dropout_p, causal=causal, window=window,
+                            cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                            deterministic=deterministic)
+        impl, reasons = self.choose(p)
+        if impl is None:
+            raise RuntimeError("flash_attn cannot run this call: " + "; ".join(reasons))
+        if query.numel() == 0 or key.shape[-3 if cu_seqlens_q is not None else -2] == 0:
+            return _empty_call(query, key, value, cu_seqlens_q is not None)
+        is_causal, window_size = self.window_args(impl, causal, window)
+        kwargs = dict(softmax_scale=scale, causal=is_causal, window_size=window_size, deterministic=bool(deterministic))
+        if impl.key == "fa2":
+            kwargs["dropout_p"] = float(dropout_p)
+        if cu_seqlens_q is not None:
+            out = impl.varlen_func(query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                   max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k), **kwargs)
+            return out[0] if isinstance(out, tuple) else out
+        out = impl.func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(1, 2)
+
+
+__all__ = ["FlashAttnBackend", "Implementation", "FA2_CAPS", "FA3_CAPS", "FA4_CAPS", "INSTALL_HINT"]

@@ -1,0 +1,403 @@
+"""PyTorch's own fused kernels, each pinned with ``torch.nn.attention.sdpa_kernel``.
+
+Four backends share one code path (`_TorchSdpaBackend`); each subclass only declares
+which ``SDPBackend`` it pins and the limits PyTorch applies to that kernel, so that the
+dispatcher never picks one that PyTorch would refuse ("No available kernel") or, worse,
+silently reroute. The limits mirror PyTorch's filters (2.11 .. 2.13):
+
+- ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: ``can_use_flash_attention``,
+  ``can_use_mem_efficient_attention``, ``can_use_cudnn_attention`` and their
+  ``check_*`` filters (arch ranges, dtypes, head dims, cuDNN shape limits, determinism);
+- ``aten/src/ATen/native/transformers/sdp_utils_cpp.{h,cpp}``: ``use_flash_attention_cpp``
+  (the CPU flash path: no dropout, no nested, no mask requiring grad, equal head dims),
+  ``check_attn_mask_shape`` (a mask requiring grad disables cuDNN and the CPU kernel);
+- ``aten/src/ATen/native/transformers/cuda/attention_backward.cu``: the flash and
+  efficient backwards are deterministic only under ``torch.use_deterministic_algorithms(True)``
+  (they read the global flag, not an argument);
+- ``torch/nested/_internal/sdpa.py``: jagged nested tensors (our varlen) reach flash
+  (causal aligned bottom-right per sequence) and efficient (``custom_mask_type=1``: causal
+  aligned top-left, and no training), never a mask, never a zero-length sequence;
+- ``torch/nn/attention/bias.py``: ``causal_lower_right`` runs flash/efficient natively
+  and materialises a boolean mask otherwise.
+
+How our call maps onto ``F.scaled_dot_product_attention``:
+
+- causal top-left without a mask: ``is_causal=True``.
+- causal bottom-right without a mask: Sq == Sk is the same as top-left; Sq < Sk goes
+  through ``causal_lower_right`` (flash, efficient) or a folded boolean mask (cuDNN, CPU);
+  Sq > Sk runs only the last Sk query rows as a square causal problem and returns zeros
+  for the first Sq - Sk rows, which have no allowed key (no NaN, gradient 0).
+- an ``attn_mask`` together with causal: the causal band is folded into the mask
+  (PyTorch refuses ``is_causal`` with a mask); a bool mask stays bool, a float mask gets
+  ``-inf`` outside the band (its gradient is 0 there).
+- window: rejected (no PyTorch SDPA kernel expresses it).
+- rows without any allowed key (a mask row all False / all -inf): the CUDA kernels' result
+  for them is not documented, so for cuDNN and efficient the adapter lets those rows attend
+  to everything inside the kernel (finite numbers) and replaces their output by 0; since
+  their incoming gradient is then 0, they contribute exactly 0 to every gradient. The CPU
+  flash kernel already returns 0 with zero gradient for them (tested), so it runs as is.
+- varlen (cu_seqlens): ``torch.nested.nested_tensor_from_jagged`` on the packed tensors;
+  GQA is expanded to full heads first (nested inputs broadcast heads only without grad);
+  sequences of length 0 are left out of the kernel call (their rows are 0).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..problem import Problem
+from ..semantics import CausalKind
+from .base import Backend, Capabilities
+
+_HALF = frozenset({torch.float16, torch.bfloat16})
+
+
+def _deterministic_flag() -> tuple[bool, bool]:
+    """(torch deterministic algorithms on, warn only)."""
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def _empty_like_call(query, key, value):
+    """The output of a call with an empty dimension (B, H, Sq or Sk = 0), on the graph.
+
+    `(q k^T) v` over an empty axis is an exact zero of the right shape whose gradient
+    is zero; the score matrix is empty, so this costs nothing."""
+    if key.shape[-3] != query.shape[-3]:
+        group = query.shape[-3] // max(key.shape[-3], 1)
+        key = key.repeat_interleave(group, dim=-3)
+        value = value.repeat_interleave(group, dim=-3)
+    if query.dim() == 3:   # packed (total, H, D): called with an empty query or key axis
+        return torch.einsum("qhk,khe->qhe", torch.einsum("qhd,khd->qhk", query, key), value)
+    return (query @ key.transpose(-1, -2)) @ value
+
+
+def _band_mask(sq: int, sk: int, causal: CausalKind | None, device) -> torch.Tensor | None:
+    """(Sq, Sk) bool: True where causal allows key j for query i (None without causal)."""
+    if causal is None:
+        return None
+    off = 0 if causal is CausalKind.TOP_LEFT else sk - sq
+    i = torch.arange(sq, device=device).unsqueeze(1)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    return j <= i + off
+
+
+class _TorchSdpaBackend(Backend):
+    """The shared adapter; subclasses set the class attributes below."""
+
+    sdp_backend: str = ""          # name of the torch.nn.attention.SDPBackend member
+    device_type: str = "cuda"
+    native_lower_right = False     # causal_lower_right runs natively (flash, efficient)
+    fix_empty_rows = False         # neutralise rows without allowed keys (see module doc)
+    varlen_causal: CausalKind | None = None   # causal alignment of the nested path
+
+    # -- availability -------------------------------------------------------------
+    def is_available(self) -> bool:
+        return not self.unavailable_reason()
+
+    def unavailable_reason(self) -> str:
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
+            getattr(SDPBackend, self.sdp_backend)
+        except (ImportError, AttributeError) as e:
+            return f"this PyTorch ({torch.__version__}) has no SDPBackend.{self.sdp_backend}: {e}"
+        if self.device_type == "cuda":
+            if not torch.cuda.is_available():
+                return "no CUDA device (torch.cuda.is_available() is False)"
+            built = self._built()
+            if built:
+                return built
+        return ""
+
+    def _built(self) -> str:
+        return ""
+
+    def version(self) -> str:
+        return f"torch {torch.__version__}"
+
+    # -- decisions ----------------------------------------------------------------
+    def check(self, problem: Problem) -> list[str]:
+        p = problem
+        reasons = []
+        if p.layout == "varlen":
+            if p.mask_kind != "none":
+                reasons.append("attn_mask with varlen/nested inputs not supported (PyTorch: 'Masks are not yet supported')")
+            if (p.causal is not None and self.varlen_causal is not None and p.causal is not self.varlen_causal):
+                reasons.append(f"causal={p.causal} with varlen (PyTorch's nested path aligns causal {self.varlen_causal})")
+        if p.requires_grad and p.deterministic and not p.deterministic_warn_only and self.capabilities.deterministic_backward:
+            on, warn_only = _deterministic_flag()
+            if not on or warn_only:
+                reasons.append("deterministic backward needs torch.use_deterministic_algorithms(True) "
+                               "(PyTorch's kernel reads only that global flag)")
+        return reasons + self._kernel_checks(p)
+
+    def _kernel_checks(self, p: Problem) -> list[str]:
+        return []
+
+    # -- running ------------------------------------------------------------------
+    def _context(self):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel([getattr(SDPBackend, self.sdp_backend)])
+
+    def run(self, query, key, value, *, attn_mask=None, dropout_p=0.0, causal=None, window=None,
+            scale=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+            enable_gqa=False, deterministic=False, **_):
+        if window is not None:
+            raise ValueError(f"{self.name}: window={window} is not supported (rejected by check())")
+        if cu_seqlens_q is not None:
+            return self._run_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p, causal, scale)
+        return self._run_dense(query, key, value, attn_mask, dropout_p, causal, scale)
+
+    @staticmethod
+    def _last_dim_contiguous(t):
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    def _sdpa(self, q, k, v, mask, dropout_p, is_causal, scale, gqa):
+        with self._context():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, scale=scale, enable_gqa=gqa)
+
+    def _run_dense(self, query, key, value, mask, dropout_p, causal, scale):
+        b, hq, sq, _ = query.shape
+        hkv, sk = key.shape[1], key.shape[2]
+        if 0 in (b, hq, sq, sk):
+            return _empty_like_call(query, key, value)
+        gqa = hkv != hq
+        query, key, value = (self._last_dim_contiguous(t) for t in (query, key, value))
+        if causal is CausalKind.BOTTOM_RIGHT and sq == sk:
+            causal = CausalKind.TOP_LEFT      # the same function
+        if mask is None:
+            if causal is None:
+                return self._sdpa(query, key, value, None, dropout_p, False, scale, gqa)
+            if causal is CausalKind.TOP_LEFT:
+                return self._sdpa(query, key, value, None, dropout_p, True, scale, gqa)
+            if sq > sk:
+                # rows i < Sq - Sk have no allowed key; the last Sk rows form a square causal problem
+                tail = self._sdpa(query[:, :, sq - sk:], key, value, None, dropout_p, True, scale, gqa)
+                head = tail.new_zeros(b, hq, sq - sk, tail.shape[-1])
+                return torch.cat([head, tail], dim=2)
+            if self.native_lower_right:
+                from torch.nn.attention.bias import causal_lower_right
+                if gqa:   # the lower-right path calls the kernels directly, without enable_gqa
+                    group = hq // hkv
+                    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+                return self._sdpa(query, key, value, causal_lower_right(sq, sk), dropout_p, False, scale, False)
+            mask = _band_mask(sq, sk, causal, query.device).view(1, 1, sq, sk)
+        else:
+            band = _band_mask(sq, sk, causal, query.device)
+            if band is not None:
+                mask = mask & band if mask.dtype == torch.bool else mask.masked_fill(~band, -math.inf)
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+        row_ok = None
+        if self.fix_empty_rows:
+            row_ok = mask.any(-1, keepdim=True) if mask.dtype == torch.bool else (mask > -math.inf).any(-1, keepdim=True)
+            fill = True if mask.dtype == torch.bool else 0.0
+            mask = torch.where(row_ok, mask, torch.full((), fill, dtype=mask.dtype, device=mask.device))
+        out = self._sdpa(query, key, value, mask, dropout_p, False, scale, gqa)
+        if row_ok is not None:
+            out = torch.where(row_ok, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return out
+
+    def _run_varlen(self, query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale):
+        hq, hkv = query.shape[1], key.shape[1]
+        if query.shape[0] == 0 or key.shape[0] == 0 or hq == 0:
+            return _empty_like_call(query, key, value)
+        if hkv != hq:
+            group = hq // hkv
+            key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+        query, key, value = (self._last_dim_contiguous(t) for t in (query, key, value))
+        lq = (cu_q[1:] - cu_q[:-1]).tolist()
+        lk = (cu_k[1:] - cu_k[:-1]).tolist()
+        keep = [i for i in range(len(lq)) if lq[i] > 0 and lk[i] > 0]
+        if len(keep) < len(lq):   # nested kernels refuse zero-length sequences
+            if not keep:
+                return _empty_like_call(query, key[:0], value[:0])
+            cq, ck = cu_q.tolist(), cu_k.tolist()
+            q_idx = torch.cat([torch.arange(cq[i], cq[i + 1]) for i in keep]).to(query.device)
+            k_idx = torch.cat([torch.arange(ck[i], ck[i + 1]) for i in keep]).to(key.device)
+            sub_cq = torch.tensor([0] + [sum(lq[i] for i in keep[:n + 1]) for n in range(len(keep))], device=cu_q.device)
+            sub_ck = torch.tensor([0] + [sum(lk[i] for i in keep[:n + 1]) for n in range(len(keep))], device=cu_k.device)
+            sub = self._nested(query[q_idx], key[k_idx], value[k_idx], sub_cq, sub_ck,
+                               max(lq[i] for i in keep), max(lk[i] for i in keep), dropout_p, causal, scale)
+            out = sub.new_zeros(query.shape[0], hq, sub.shape[-1])
+            return out.index_copy(0, q_idx, sub)
+        return self._nested(query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale)
+
+    def _nested(self, query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale):
+        from torch.nested import nested_tensor_from_jagged as njt
+        off_q = cu_q.to(torch.int64)
+        off_k = off_q if cu_k is cu_q else cu_k.to(torch.int64)
+        q = njt(query, off_q, max_seqlen=max_q).transpose(1, 2)
+        k = njt(key, off_k, max_seqlen=max_k).transpose(1, 2)
+        v = njt(value, off_k, max_seqlen=max_k).transpose(1, 2)
+        with self._context():
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal is not None,
+                                                 scale=scale)
+        return out.transpose(1, 2).values()
+
+
+class CudnnBackend(_TorchSdpaBackend):
+    """cuDNN attention (``SDPBackend.CUDNN_ATTENTION``)."""
+
+    name = "cudnn"
+    sdp_backend = "CUDNN_ATTENTION"
+    fix_empty_rows = True
+    capabilities = Capabilities(
+        devices=frozenset({"cuda"}), min_compute_capability=(8, 0), max_compute_capability=(12, 1),
+        dtypes=_HALF, head_dim_max=256, head_dim_multiple=8,
+        causal_kinds=frozenset(CausalKind), window=False,
+        bias_grad=False,            # check_attn_mask_shape: a mask requiring grad disables cuDNN
+        dropout=False,              # p must be a multiple of 1/16, none on cuDNN 9.11-9.13: not expressible here
+        varlen=False,               # nested needs TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1, sm90/100, Sq > 128
+        deterministic_backward=False,
+        max_batch_heads=None,
+        notes="bottom-right causal as a folded bool mask; head dim 256 only on sm90/sm10x with cuDNN > 9.22",
+    )
+
+    def _built(self) -> str:
+        if not torch.backends.cudnn.is_available():
+            return "PyTorch was built without cuDNN"
+        v = torch.backends.cudnn.version() or 0
+        if v < 90000:
+            return f"cuDNN {v} < 9.0.0 (PyTorch needs 9 for cuDNN attention)"
+        return ""
+
+    def version(self) -> str:
+        v = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        return f"torch {torch.__version__}" + (f", cuDNN {v}" if v else "")
+
+    @staticmethod
+    def _cudnn_version() -> int:
+        try:
+            return int(torch.backends.cudnn.version() or 0) if torch.backends.cudnn.is_available() else 0
+        except Exception:   # pragma: no cover - a broken cuDNN install
+            return 0
+
+    def _kernel_checks(self, p: Problem) -> list[str]:
+        reasons = []
+        on, warn_only = _deterministic_flag()
+        if on and not warn_only:
+            reasons.append("torch.use_deterministic_algorithms(True) is on: PyTorch refuses cuDNN attention "
+                           "(check_cudnn_deterministic)")
+        if p.batch > 65535 or p.heads_q > 65535:
+            reasons.append(f"batch={p.batch} or heads={p.heads_q} > 65535 (cuDNN limit)")
+        if p.layout == "dense" and p.seqlen_k == 1:
+            reasons.append("Sk=1 not supported by cuDNN attention")
+        cc = p.compute_capability or (0, 0)
+        ver = self._cudnn_version()
+        sm90_10x = cc == (9, 0) or cc[0] == 10
+        d256 = sm90_10x and ver > 92200 and not (cc == (10, 7) and ver <= 92500)
+        dqk, dv = p.head_dim_qk, p.head_dim_v
+        if d256:
+            limit = 256
+        elif sm90_10x and ver >= 91100 and (dqk, dv) == (192, 128):
+            limit = 192
+        else:
+            limit = 128
+        if max(dqk, dv) > limit and max(dqk, dv) <= 256:
+            reasons.append(f"head_dim={max(dqk, dv)} > {limit} (cuDNN {ver or 'unknown'} on sm{cc[0]}{cc[1]})")
+        if d256 and p.requires_grad and not (max(dqk, dv) <= 128 or (dqk, dv) in ((192, 128), (256, 256))):
+            reasons.append(f"backward with head dims ({dqk}, {dv}) not supported by cuDNN on sm{cc[0]}{cc[1]}")
+        return reasons
+
+
+class TorchFlashBackend(_TorchSdpaBackend):
+    """PyTorch's FlashAttention-2 (``SDPBackend.FLASH_ATTENTION``) on CUDA."""
+
+    name = "torch_flash"
+    sdp_backend = "FLASH_ATTENTION"
+    native_lower_right = True
+    varlen_causal = CausalKind.BOTTOM_RIGHT
+    capabilities = Capabilities(
+        devices=frozenset({"cuda"}), min_compute_capability=(8, 0), max_compute_capability=(12, 1),
+        dtypes=_HALF, head_dim_max=256, different_head_dims=False,
+        causal_kinds=frozenset({CausalKind.BOTTOM_RIGHT}),   # is_causal with Sq != Sk is refused
+        window=False, bool_mask=False, float_bias=False, bias_grad=False,
+        notes="deterministic backward only under torch.use_deterministic_algorithms(True)",
+    )
+
+    def _built(self) -> str:
+        if not torch.backends.cuda.is_flash_attention_available():
+            return "PyTorch was built without flash attention"
+        return ""
+
+    def _kernel_checks(self, p: Problem) -> list[str]:
+        reasons = []
+        cc = p.compute_capability or (0, 0)
+        if p.requires_grad and ((8, 6) <= cc <= (8, 9) or (12, 0) <= cc <= (12, 1)):
+            d = p.head_dim_qk
+            if 192 < d <= 224 or (d > 224 and p.dropout):
+                reasons.append(f"backward with head_dim={d}{' and dropout' if p.dropout else ''} "
+                               f"not supported on sm{cc[0]}{cc[1]}")
+        if p.layout == "varlen" and p.head_dim_qk % 8:
+            reasons.append(f"head_dim={p.head_dim_qk} is not a multiple of 8 (nested inputs)")
+        return reasons
+
+
+class TorchEfficientBackend(_TorchSdpaBackend):
+    """PyTorch's memory-efficient kernel (``SDPBackend.EFFICIENT_ATTENTION``) on CUDA."""
+
+    name = "torch_efficient"
+    sdp_backend = "EFFICIENT_ATTENTION"
+    native_lower_right = True
+    fix_empty_rows = True
+    varlen_causal = CausalKind.TOP_LEFT
+    capabilities = Capabilities(
+        devices=frozenset({"cuda"}), min_compute_capability=(5, 0), max_compute_capability=(12, 1),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        causal_kinds=frozenset(CausalKind), window=False,
+        notes="varlen: causal top-left, forward only; deterministic backward only under "
+              "torch.use_deterministic_algorithms(True)",
+    )
+
+    def _built(self) -> str:
+        if not torch.backends.cuda.is_flash_attention_available() and not hasattr(torch.ops.aten, "_efficient_attention_forward"):
+            return "PyTorch was built without memory-efficient attention"
+        return ""
+
+    def _kernel_checks(self, p: Problem) -> list[str]:
+        reasons = []
+        cc = p.compute_capability or (0, 0)
+        half = p.dtype in _HALF
+        if cc < (8, 0) and p.dtype == torch.bfloat16:
+            reasons.append(f"dtype=bfloat16 needs sm80+ (got sm{cc[0]}{cc[1]})")
+        # minimum_gemm_alignment(): tensor cores need 16-byte rows of the head dim
+        if cc >= (8, 0):
+            align = 8 if half else 4
+        elif cc >= (7, 0):
+            align = 8 if half else 1
+        else:
+            align = 1
+        for label, d in (("head_dim_qk", p.head_dim_qk), ("head_dim_v", p.head_dim_v)):
+            if d % align:
+                reasons.append(f"{label}={d} is not a multiple of {align} (efficient attention, "
+                               f"{str(p.dtype).removeprefix('torch.')})")
+        if p.layout == "dense" and cc >= (8, 0) and not p.aligned_16:
+            reasons.append("query/key/value not 16-byte aligned (efficient attention on sm80+)")
+        if p.layout == "varlen" and p.requires_grad:
+            reasons.append("backward with varlen/nested inputs not supported (PyTorch: check_requires_grad_and_nested)")
+        if p.dropout and p.requires_grad and p.batch > 65535:
+            reasons.append(f"dropout backward with batch={p.batch} > 65535 not supported")
+        return reasons
+
+
+class TorchCpuBackend(_TorchSdpaBackend):
+    """PyTorch's fused CPU flash kernel (``SDPBackend.FLASH_ATTENTION`` on CPU tensors)."""
+
+    name = "torch_cpu"
+    sdp_backend = "FLASH_ATTENTION"
+    device_type = "cpu"
+    capabilities = Capabilities(
+        devices=frozenset({"cpu"}), different_head_dims=False,
+        causal_kinds=frozenset(CausalKind), window=False,
+        bias_grad=False,        # check_attn_mask_shape: a mask requiring grad falls back to math
+        dropout=False,          # check_for_dropout
+        varlen=False,           # check_nested_tensor
+        notes="bottom-right causal as a folded bool mask",
+    )
+
+
+__all__ = ["CudnnBackend", "TorchFlashBackend", "TorchEfficientBackend", "TorchCpuBackend"]

@@ -1,0 +1,291 @@
+"""xformers' ``memory_efficient_attention`` with its ``attn_bias`` types.
+
+Mapping of our call (DESIGN.md section 3):
+
+- layouts: ours (B, H, S, D) -> xformers' BMHK (B, S, H, D) by ``transpose(1, 2)`` (a view);
+  GQA -> BMGHK: query viewed as (B, S, Hkv, Hq/Hkv, D), key/value expanded (stride 0,
+  no copy) to the same 5-D shape, so query head h reads kv head h // (Hq / Hkv).
+- no mask: causal top-left -> ``LowerTriangularMask``; bottom-right ->
+  ``LowerTriangularFromBottomRightMask``; a window -> ``LocalAttentionFromBottomRightMask``
+  (``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; an unbounded side becomes Sq + Sk).
+  A top-left window with Sq != Sk has no xformers type: rejected.
+- a mask: bool -> float bias (0 / -inf, query's dtype); causal and window are folded in as
+  -inf; passed as a tensor bias expanded to (B, H, Sq, Sk) (padded to a multiple of 8
+  columns when xformers' row alignment needs it). Its gradient flows when it requires grad.
+- rows without an allowed key: with a mask, those rows get a neutral bias inside the
+  kernel and output 0 (gradient 0 everywhere); without a mask (a band missing every key)
+  the call is rejected, since xformers' result for such rows is not specified.
+- varlen: ``BlockDiagonalMask`` / ``BlockDiagonalCausalMask`` (top-left per sequence) /
+  ``BlockDiagonalCausalLocalAttentionMask`` (top-left window, right = 0) from the
+  sequence lengths, on (1, total, H, D); bottom-right causal and masks are rejected.
+- dropout: rejected (xformers' RNG is not PyTorch's generator, so DESIGN.md's
+  repeatability rule cannot be promised); no deterministic backward.
+- xformers' own dispatcher decides whether an operator exists: its "No operator found"
+  answer (per operator, the reasons) becomes our rejection reasons in ``check()``.
+- ``import xformers`` failing (an ABI mismatch with this PyTorch, or xformers tripping over
+  a ``flash_attn`` package without ``flash_attn_interface``) makes the backend unavailable
+  with the error's first line.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import re
+
+import torch
+
+from ..problem import Problem
+from ..semantics import CausalKind, band
+from .base import Backend, Capabilities
+
+INSTALL_HINT = "not installed: pip install xformers"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _dense_empty_rows(sq: int, sk: int, causal, window) -> bool:
+    """True when some query row of a dense (Sq, Sk) band has no allowed key."""
+    if causal is None and window is None:
+        return False
+    bottom_right, left, right = band(causal, window)
+    off = sk - sq if bottom_right else 0
+    first_hi = off + right if right >= 0 else math.inf       # row 0, last allowed key
+    last_lo = sq - 1 + off - left if left >= 0 else -math.inf  # last row, first allowed key
+    return sq > 0 and (first_hi < 0 or last_lo > sk - 1)
+
+
+def parse_no_operator(message: str) -> list[str]:
+    """xformers' "No operator found ..." message -> one reason per operator."""
+    reasons: list[str] = []
+    op, items = None, []
+    for line in message.splitlines():
+        m = re.match(r"\s*`([^`]+)` is not supported because:", line)
+        if m:
+            if op:
+                reasons.append(f"xformers {op}: {'; '.join(items) or 'not supported'}")
+            op, items = m.group(1), []
+        elif op and line.strip():
+            items.append(line.strip())
+    if op:
+        reasons.append(f"xformers {op}: {'; '.join(items) or 'not supported'}")
+    return reasons or [f"xformers: {message.strip().splitlines()[0] if message.strip() else 'no operator found'}"]
+
+
+class XformersBackend(Backend):
+    """xformers.ops.memory_efficient_attention."""
+
+    name = "xformers"
+    capabilities = Capabilities(
+        devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        causal_kinds=frozenset(CausalKind), window=True, bool_mask=True, float_bias=True, bias_grad=True,
+        mask_with_causal=True, dropout=False, varlen=True, gqa=True, deterministic_backward=False,
+        notes="operators and their limits decided by xformers' own dispatcher",
+    )
+
+    def __init__(self):
+        self._mods = None
+        self._error = None
+        self._verdicts: dict = {}
+
+    # -- importing ----------------------------------------------------------------
+    def _load(self):
+        if self._mods is None and self._error is None:
+            try:
+                xformers = importlib.import_module("xformers")
+                ops = importlib.import_module("xformers.ops")
+                fmha = importlib.import_module("xformers.ops.fmha")
+                attn_bias = importlib.import_module("xformers.ops.fmha.attn_bias")
+                self._mods = (xformers, ops, fmha, attn_bias)
+            except ModuleNotFoundError as e:
+                self._error = INSTALL_HINT if e.name == "xformers" else "import failed: " + _first_line(e)
+            except Exception as e:   # ABI mismatch ("undefined symbol"), flash_attn without flash_attn_interface...
+                self._error = "import failed: " + _first_line(e)
+        return self._mods
+
+    def is_available(self) -> bool:
+        return not self.unavailable_reason()
+
+    def unavailable_reason(self) -> str:
+        if self._load() is None:
+            return self._error or INSTALL_HINT
+        if not torch.cuda.is_available():
+            return "no CUDA device (torch.cuda.is_available() is False)"
+        return ""
+
+    def version(self) -> str:
+        mods = self._load()
+        return str(getattr(mods[0], "__version__", "")) if mods else ""
+
+    # -- building xformers' arguments ---------------------------------------------
+    def attn_bias(self, *, batch, heads_q, heads_kv, sq, sk, causal, window, mask, dtype, device,
+                  cu_seqlens_q=None, cu_seqlens_k=None):
+        """(attn_bias for xformers, row_ok or None): the bias object or tensor of one call."""
+        ab = self._load()[3]
+        if cu_seqlens_q is not None:
+            lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+            lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+            if causal is None:
+                return ab.BlockDiagonalMask.from_seqlens(q_seqlen=lq, kv_seqlen=lk), None
+            _, left, _ = band(causal, window)
+            if left < 0:
+                return ab.BlockDiagonalCausalMask.from_seqlens(q_seqlen=lq, kv_seqlen=lk), None
+            return ab.BlockDiagonalCausalLocalAttentionMask.from_seqlens(
+                q_seqlen=lq, kv_seqlen=lk, window_size=left + 1), None
+        if mask is None:
+            if window is None:
+                if causal is None:
+                    return None, None
+                if causal is CausalKind.TOP_LEFT:
+                    return ab.LowerTriangularMask(), None
+                return ab.LowerTriangularFromBottomRightMask(), None
+            _, left, right = band(causal, window)
+            big = sq + sk
+            return ab.LocalAttentionFromBottomRightMask(window_left=left if left >= 0 else big,
+                                                        window_right=right if right >= 0 else big), None
+        # a tensor bias: bool -> 0/-inf, band folded in, empty rows neutralised
+        if mask.dtype == torch.bool:
+            mask = torch.zeros((), dtype=dtype, device=device).masked_fill(~mask, -math.inf)
+        if causal is not None or window is not None:
+            bottom_right, left, right = band(causal, window)
+            off = sk - sq if bottom_right else 0
+            i = torch.arange(sq, device=device).unsqueeze(1) + off
+            j = torch.arange(sk, device=device).unsqueeze(0)
+            allowed = torch.ones(sq, sk, dtype=torch.bool, device=device)
+            if left >= 0:
+                allowed &= j >= i - left
+            if right >= 0:
+                allowed &= j <= i + right
+            mask = mask.masked_fill(~allowed, -math.inf)
+        row_ok = (mask > -math.inf).any(-1, keepdim=True)
+        mask = torch.where(row_ok, mask, torch.zeros((), dtype=mask.dtype, device=mask.device))
+        if mask.shape[-1] == sk and mask.stride(-2) % 8 and mask.stride(-2) != 0:
+            pad = (-sk) % 8
+            mask = torch.nn.functional.pad(mask, (0, pad))[..., :sk]
+        mask = mask.expand(batch, heads_q, sq, sk)
+        if heads_kv != heads_q:
+            mask = mask.unflatten(1, (heads_kv, heads_q // heads_kv))
+        return mask, row_ok
+
+    @staticmethod
+    def layout(query, key, value, packed: bool):
+        """BMHK (or BMGHK for GQA) views of our tensors."""
+        if packed:
+            q, k, v = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+        else:
+            q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        hq, hkv = q.shape[2], k.shape[2]
+        if hq != hkv:
+            g = hq // hkv
+            q = q.unflatten(2, (hkv, g))
+            k = k.unsqueeze(3).expand(k.shape[0], k.shape[1], hkv, g, k.shape[-1])
+            v = v.unsqueeze(3).expand(v.shape[0], v.shape[1], hkv, g, v.shape[-1])
+        return q, k, v
+
+    # -- decisions ----------------------------------------------------------------
+    def check(self, problem: Problem) -> list[str]:
+        p = problem
+        reasons = []
+        if p.layout == "varlen":
+            if p.mask_kind != "none":
+                reasons.append("attn_mask with varlen not supported (xformers' block-diagonal biases carry no tensor)")
+            if p.causal is CausalKind.BOTTOM_RIGHT:
+                reasons.append("causal=bottom_right with varlen not supported (rows without keys in sequences "
+                               "with Sq > Sk are unspecified in xformers)")
+            if p.window is not None and p.causal is None:
+                reasons.append(f"window={p.window} without causal in varlen not supported")
+        else:
+            if p.window is not None and p.causal is CausalKind.TOP_LEFT and p.seqlen_q != p.seqlen_k and p.mask_kind == "none":
+                reasons.append(f"window with causal=top_left and Sq={p.seqlen_q} != Sk={p.seqlen_k} has no xformers mask type")
+            if p.mask_kind == "none" and _dense_empty_rows(p.seqlen_q, p.seqlen_k, p.causal, p.window):
+                reasons.append("some query rows have no allowed key (xformers' result for them is unspecified)")
+        if reasons or self._load() is None:
+            return reasons
+        return self.operator_reasons(p)
+
+    def operator_reasons(self, p: Problem) -> list[str]:
+        """xformers' own dispatcher asked on stand-in tensors of the problem's shape (no memory)."""
+        if p in self._verdicts:
+            return self._verdicts[p]
+        _, _, fmha, _ = self._load()
+        device = torch.device(p.device_type)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            device = torch.device("meta")
+
+        def stand_in(*shape):
+            return torch.empty(1, dtype=p.dtype, device=device).expand(*shape)
+
+        varlen = p.layout == "varlen"
+        if varlen:
+            total_q, total_k = p.batch * p.seqlen_q, p.batch * p.seqlen_k
+            q, k, v = stand_in(total_q, p.heads_q, p.head_dim_qk), stand_in(total_k, p.heads_kv, p.head_dim_qk), \
+                stand_in(total_k, p.heads_kv, p.head_dim_v)
+            cu_q = torch.arange(0, total_q + 1, max(p.seqlen_q, 1), dtype=torch.int32)[:p.batch + 1]
+            cu_k = torch.arange(0, total_k + 1, max(p.seqlen_k, 1), dtype=torch.int32)[:p.batch + 1]
+        else:
+            q = stand_in(p.batch, p.heads_q, p.seqlen_q, p.head_dim_qk)
+            k = stand_in(p.batch, p.heads_kv, p.seqlen_k, p.head_dim_qk)
+            v = stand_in(p.batch, p.heads_kv, p.seqlen_k, p.head_dim_v)
+            cu_q = cu_k = None
+        mask = None
+        if p.mask_kind != "none":   # bool masks become a float bias in run(): stand in with one
+            leaf = torch.empty(1, dtype=p.dtype, device=device, requires_grad=p.mask_requires_grad)
+            mask = leaf.expand(*p.mask_shape)
+        try:
+            bias, _ = self._stand_in_bias(p, mask, device, cu_q, cu_k)
+            qx, kx, vx = self.layout(q, k, v, varlen)
+            inp = fmha.Inputs(query=qx, key=kx, value=vx, attn_bias=bias, p=0.0, scale=None)
+            fmha.dispatch._dispatch_fw(inp, p.requires_grad)
+            if p.requires_grad:
+                fmha.dispatch._dispatch_bw(inp)
+            verdict: list[str] = []
+        except NotImplementedError as e:
+            verdict = parse_no_operator(str(e))
+        except Exception as e:    # xformers could not even describe the inputs
+            verdict = [f"xformers: {_first_line(e)}"]
+        self._verdicts[p] = verdict
+        return verdict
+
+    def _stand_in_bias(self, p, mask, device, cu_q, cu_k):
+        if mask is not None:   # the shape and dtype are what matter to the dispatcher
+            bias = mask.expand(p.batch, p.heads_q, p.seqlen_q, p.seqlen_k)
+            if p.heads_kv != p.heads_q:
+                bias = bias.unflatten(1, (p.heads_kv, p.heads_q // p.heads_kv))
+            return bias, None
+        return self.attn_bias(batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, sq=p.seqlen_q,
+                              sk=p.seqlen_k, causal=p.causal, window=p.window, mask=None, dtype=p.dtype,
+                              device=device, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+    # -- running ------------------------------------------------------------------
+    def run(self, query, key, value, *, attn_mask=None, dropout_p=0.0, causal=None, window=None, scale=None,
+            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, enable_gqa=False,
+            deterministic=False, **_):
+        if dropout_p:
+            raise ValueError("xformers: dropout is not supported (rejected by check())")
+        mods = self._load()
+        if mods is None:
+            raise RuntimeError(f"xformers unavailable: {self._error}")
+        ops = mods[1]
+        packed = cu_seqlens_q is not None
+        if packed:
+            b, sq, sk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
+        else:
+            b, _, sq, _ = query.shape
+            sk = key.shape[2]
+        bias, row_ok = self.attn_bias(batch=b, heads_q=query.shape[-3 if not packed else 1],
+                                      heads_kv=key.shape[-3 if not packed else 1], sq=sq, sk=sk, causal=causal,
+                                      window=window, mask=attn_mask, dtype=query.dtype, device=query.device,
+                                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        q, k, v = self.layout(query, key, value, packed)
+        out = ops.memory_efficient_attention(q, k, v, attn_bias=bias, p=0.0, scale=scale)
+        if out.dim() == 5:
+            out = out.flatten(2, 3)
+        out = out.squeeze(0) if packed else out.transpose(1, 2)
+        if row_ok is not None:
+            out = torch.where(row_ok, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return out
+
+
+__all__ = ["XformersBackend", "parse_no_operator", "INSTALL_HINT"]
