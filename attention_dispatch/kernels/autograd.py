@@ -1,0 +1,150 @@
+"""torch.library integration: one forward op and one backward op, tied together with
+``register_autograd`` so that ``torch.compile(fullgraph=True)`` sees a single opaque op per
+direction (no graph break) and eager autograd works the same way.
+
+The Python-level parameters travel as one frozen :class:`KernelParams`; the op schema gets
+them flattened to primitives (``KernelParams.to_args()`` order).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .launch import KernelParams, attention_backward, attention_forward
+
+_FWD = "attention_dispatch::triton_attention_fwd"
+_BWD = "attention_dispatch::triton_attention_bwd"
+
+
+def _custom_op(name):
+    # The forward draws its dropout seed from the torch generator: tag it like torch's
+    # random ops so compilers never CSE / recompute it (tags exist since torch 2.5-ish).
+    try:
+        return torch.library.custom_op(name, mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+    except TypeError:  # pragma: no cover - older torch
+        return torch.library.custom_op(name, mutates_args=())
+
+
+def _params(scale, align_bottom_right, window_left, window_right, dropout_p, deterministic,
+            block_m, block_n, num_splits, max_grid) -> KernelParams:
+    return KernelParams(scale, align_bottom_right, window_left, window_right, dropout_p, deterministic,
+                        block_m, block_n, num_splits, max_grid)
+
+
+def _opt(x: int):
+    return None if x < 0 else x
+
+
+@_custom_op(_FWD)
+def _fwd_op(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor],
+            cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+            max_seqlen_q: int, max_seqlen_k: int,
+            scale: float, align_bottom_right: bool, window_left: int, window_right: int,
+            dropout_p: float, deterministic: bool, block_m: int, block_n: int, num_splits: int,
+            max_grid: int) -> tuple[Tensor, Tensor, Tensor]:
+    p = _params(scale, align_bottom_right, window_left, window_right, dropout_p, deterministic,
+                block_m, block_n, num_splits, max_grid)
+    return attention_forward(query, key, value, bias, p, cu_seqlens_q, cu_seqlens_k,
+                             _opt(max_seqlen_q), _opt(max_seqlen_k))
+
+
+@_fwd_op.register_fake
+def _fwd_fake(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              scale, align_bottom_right, window_left, window_right, dropout_p, deterministic,
+              block_m, block_n, num_splits, max_grid):
+    if cu_seqlens_q is None:
+        b, hq, sq, _ = query.shape
+        out = query.new_empty((b, hq, sq, value.shape[-1]))
+        lse = query.new_empty((b, hq, sq), dtype=torch.float32)
+    else:
+        t, hq, _ = query.shape
+        out = query.new_empty((t, hq, value.shape[-1]))
+        lse = query.new_empty((t, hq), dtype=torch.float32)
+    seed = query.new_empty((1 if dropout_p > 0 else 0,), dtype=torch.int64)
+    return out, lse, seed
+
+
+@_custom_op(_BWD)
+def _bwd_op(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor],
+            out: Tensor, lse: Tensor, seed: Tensor,
+            cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+            max_seqlen_q: int, max_seqlen_k: int,
+            scale: float, align_bottom_right: bool, window_left: int, window_right: int,
+            dropout_p: float, deterministic: bool, block_m: int, block_n: int, num_splits: int,
+            max_grid: int, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    p = _params(scale, align_bottom_right, window_left, window_right, dropout_p, deterministic,
+                block_m, block_n, num_splits, max_grid)
+    dq, dk, dv, db = attention_backward(grad_out, query, key, value, bias, out, lse, seed, p,
+                                        cu_seqlens_q, cu_seqlens_k, _opt(max_seqlen_q), _opt(max_seqlen_k),
+                                        bias_grad=bias_grad)
+    if db is None:
+        db = query.new_empty((0,))
+    return dq, dk, dv, db
+
+
+@_bwd_op.register_fake
+def _bwd_fake(grad_out, query, key, value, bias, out, lse, seed, cu_seqlens_q, cu_seqlens_k,
+              max_seqlen_q, max_seqlen_k, scale, align_bottom_right, window_left, window_right,
+              dropout_p, deterministic, block_m, block_n, num_splits, max_grid, bias_grad):
+    dq = query.new_empty(query.shape)
+    dk = key.new_empty(key.shape)
+    dv = value.new_empty(value.shape)
+    if bias_grad and bias is not None and bias.dtype.is_floating_point:
+        db = bias.new_empty(bias.shape)
+    else:
+        db = query.new_empty((0,))
+    return dq, dk, dv, db
+
+
+_N_PARAMS = 10  # len(KernelParams.to_args())
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, bias, cu_q, cu_k, max_sq, max_sk = inputs[:8]
+    out, lse, seed = output
+    ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k)
+    ctx.extra = (max_sq, max_sk, tuple(inputs[8:8 + _N_PARAMS]))
+    ctx.mark_non_differentiable(lse, seed)
+
+
+def _backward(ctx, grad_out, grad_lse, grad_seed):
+    query, key, value, bias, out, lse, seed, cu_q, cu_k = ctx.saved_tensors
+    max_sq, max_sk, pargs = ctx.extra
+    bias_grad = bool(bias is not None and ctx.needs_input_grad[3] and bias.dtype.is_floating_point)
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    dq, dk, dv, db = _bwd_op(grad_out, query, key, value, bias, out, lse, seed, cu_q, cu_k,
+                             max_sq, max_sk, *pargs, bias_grad)
+    return (dq, dk, dv, db if bias_grad else None) + (None,) * (4 + _N_PARAMS)
+
+
+torch.library.register_autograd(_FWD, _backward, setup_context=_setup_context)
+
+
+def _last_dim_contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
+    if t is not None and t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+        return t.contiguous()
+    return t
+
+
+def triton_attention(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor],
+                     params: KernelParams, cu_seqlens_q: Optional[Tensor] = None,
+                     cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+                     max_seqlen_k: Optional[int] = None, *, return_lse: bool = False):
+    """Attention with the Triton kernels (see package docstring for layouts and semantics).
+
+    Returns the output (query's dtype), or (output, logsumexp fp32) when ``return_lse``.
+    Differentiable w.r.t. query, key, value and a floating ``bias``."""
+    query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
+    if cu_seqlens_q is not None:
+        if max_seqlen_q is None or max_seqlen_k is None:
+            raise ValueError("varlen: max_seqlen_q and max_seqlen_k (python ints) are required")
+        msq, msk = int(max_seqlen_q), int(max_seqlen_k)
+    else:
+        msq = msk = -1
+    out, lse, _ = _fwd_op(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, msq, msk, *params.to_args())
+    return (out, lse) if return_lse else out

@@ -1,0 +1,329 @@
+"""Triton backward kernels: delta preprocessing, dK/dV (+ d(bias)), dQ (optionally split
+over keys with fp32 atomics).  Conventions: see forward.py.
+
+Gradients (natural-log units): P = exp(s - lse), dP = dO V^T (times keep/(1-p) under
+dropout), dS = P * (dP - delta) with delta = rowsum(dO * O); dQ = scale * dS K,
+dK = scale * dS^T Q, dV = (P * keep/(1-p))^T dO, d(bias) = dS.
+A row whose logsumexp is -inf (nothing allowed) is given lse = +inf so that P = 0 and every
+gradient it touches is exactly 0 (never NaN).
+"""
+import triton
+import triton.language as tl
+
+from .forward import _apply_bias, _band_mask, _dot, _dropout_keep, _load_rows
+
+
+@triton.jit
+def _attn_bwd_preprocess(
+    O, DO, Delta, CuQ,
+    sob, soh, sos, sdob, sdoh, sdos, slb, slh, sls,
+    H, seqlen_q, bh_start,
+    HEAD_DV: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1) + bh_start
+    b = pid_bh // H
+    h = pid_bh % H
+    if IS_VARLEN:
+        q_start = tl.load(CuQ + b).to(tl.int64)
+        sq = (tl.load(CuQ + b + 1).to(tl.int64) - q_start).to(tl.int32)
+    else:
+        q_start = 0
+        sq = seqlen_q
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < sq
+    rows = (q_start + offs_m.to(tl.int64))
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    o = _load_rows(O + b64 * sob + h64 * soh + rows[:, None] * sos + offs_d[None, :], row_ok,
+                   offs_d < HEAD_DV, BLOCK_DV == HEAD_DV)
+    do = _load_rows(DO + b64 * sdob + h64 * sdoh + rows[:, None] * sdos + offs_d[None, :], row_ok,
+                    offs_d < HEAD_DV, BLOCK_DV == HEAD_DV)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + b64 * slb + h64 * slh + rows * sls, delta, mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, Bias, DO, LSE, Delta, Seed, CuQ, CuK, DK, DV, DB,
+    qk_scale, sm_scale, dropout_p,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+    sbb, sbh, sbi, sbj,
+    sdob, sdoh, sdos, slb, slh, sls,
+    sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
+    sdbb, sdbh, sdbi, sdbj,
+    H, GROUP, HK, seqlen_q, seqlen_k, bh_start, window_left, window_right,
+    HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, DB_SUM_ROWS: tl.constexpr, DB_SUM_HEADS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
+):
+    """One program: one key tile of one (batch, kv head); loops over the GROUP query heads
+    that read this kv head and over the query tiles of the band (no atomics)."""
+    pid_n = tl.program_id(0)
+    pid_bhk = tl.program_id(1) + bh_start
+    b = pid_bhk // HK
+    hk = pid_bhk % HK
+    if IS_VARLEN:
+        q_start = tl.load(CuQ + b).to(tl.int64)
+        sq = (tl.load(CuQ + b + 1).to(tl.int64) - q_start).to(tl.int32)
+        k_start = tl.load(CuK + b).to(tl.int64)
+        sk = (tl.load(CuK + b + 1).to(tl.int64) - k_start).to(tl.int32)
+    else:
+        q_start = 0
+        k_start = 0
+        sq = seqlen_q
+        sk = seqlen_k
+    n0 = pid_n * BLOCK_N
+    if n0 >= sk:
+        return
+    if ALIGN_BR:
+        off = sk - sq
+    else:
+        off = 0
+    b64 = b.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_dq = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = offs_n < sk
+    krows = (k_start + offs_n.to(tl.int64))
+
+    k = _load_rows(K + b64 * skb + hk64 * skh + krows[:, None] * sks + offs_dq[None, :], col_ok,
+                   offs_dq < HEAD_DQK, BLOCK_DQK == HEAD_DQK)
+    v = _load_rows(V + b64 * svb + hk64 * svh + krows[:, None] * svs + offs_dv[None, :], col_ok,
+                   offs_dv < HEAD_DV, BLOCK_DV == HEAD_DV)
+
+    # ---- query range of the band for this key tile ----
+    n_last = tl.minimum(n0 + BLOCK_N, sk) - 1
+    lo = 0
+    hi = sq
+    if HAS_WR:
+        lo = tl.maximum(n0 - off - window_right, 0)
+    if HAS_WL:
+        hi = tl.minimum(n_last - off + window_left + 1, sq)
+    lo = (lo // BLOCK_M) * BLOCK_M
+    full_lo = lo
+    full_hi = (sq // BLOCK_M) * BLOCK_M
+    if HAS_WR:
+        full_lo = tl.maximum(((tl.maximum(n_last - off - window_right, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, lo)
+    if HAS_WL:
+        full_hi = tl.minimum(full_hi, (tl.maximum(n0 - off + window_left + 1, 0) // BLOCK_M) * BLOCK_M)
+
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+    else:
+        seed = 0
+    inv_keep = 1.0 / (1.0 - dropout_p)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        h64 = h.to(tl.int64)
+        q_base = Q + b64 * sqb + h64 * sqh + q_start * sqs
+        do_base = DO + b64 * sdob + h64 * sdoh + q_start * sdos
+        l_base = b64 * slb + h64 * slh + q_start * sls
+        bias_base = Bias + b64 * sbb + h64 * sbh
+        if DB_SUM_HEADS:
+            db_base = DB + b64 * sdbb + hk64 * sdbh
+        else:
+            db_base = DB + b64 * sdbb + h64 * sdbh
+        if DB_SUM_ROWS:
+            if not DB_SUM_HEADS:
+                db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        pid_bh64 = b64 * H + h64
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + offs_m0
+            row_ok = offs_m < sq
+            q = _load_rows(q_base + offs_m.to(tl.int64)[:, None] * sqs + offs_dq[None, :], row_ok,
+                           offs_dq < HEAD_DQK, BLOCK_DQK == HEAD_DQK)
+            do = _load_rows(do_base + offs_m.to(tl.int64)[:, None] * sdos + offs_dv[None, :], row_ok,
+                            offs_dv < HEAD_DV, BLOCK_DV == HEAD_DV)
+            lse = tl.load(LSE + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            delta = tl.load(Delta + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
+
+            sT = _dot(k, tl.trans(q), DOT_UPCAST, DOT_IEEE) * qk_scale
+            sT = _apply_bias(sT, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, True)
+            if (start_m < full_lo) | (start_m >= full_hi):
+                sT = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
+                                         HAS_WL, HAS_WR, True), sT, float("-inf"))
+            pT = tl.math.exp2(sT - lse2[None, :])
+            dpT = _dot(v, tl.trans(do), DOT_UPCAST, DOT_IEEE)
+            if HAS_DROPOUT:
+                rng_rows = (pid_bh64 * seqlen_q + offs_m) * seqlen_k
+                keep = _dropout_keep(seed, rng_rows, offs_n, dropout_p, True)
+                pdT = tl.where(keep, pT * inv_keep, 0.0)
+                dpT = tl.where(keep, dpT * inv_keep, 0.0)
+            else:
+                pdT = pT
+            dv += _dot(pdT.to(do.dtype), do, DOT_UPCAST, DOT_IEEE)
+            dsT = pT * (dpT - delta[None, :])
+            dk += _dot(dsT.to(q.dtype), q, DOT_UPCAST, DOT_IEEE)
+            if BIAS_GRAD:
+                if DB_SUM_ROWS:
+                    db_acc += tl.sum(tl.where(row_ok[None, :], dsT, 0.0), 1)
+                else:
+                    db_ptrs = (db_base + offs_n.to(tl.int64)[:, None] * sdbj
+                               + offs_m.to(tl.int64)[None, :] * sdbi)
+                    db_mask = col_ok[:, None] & row_ok[None, :]
+                    if DB_SUM_HEADS:
+                        prev = tl.load(db_ptrs, mask=db_mask, other=0.0)
+                        tl.store(db_ptrs, prev + dsT, mask=db_mask)
+                        tl.debug_barrier()
+                    else:
+                        tl.store(db_ptrs, dsT, mask=db_mask)
+        if BIAS_GRAD:
+            if DB_SUM_ROWS:
+                if not DB_SUM_HEADS:
+                    tl.store(db_base + offs_n.to(tl.int64) * sdbj, db_acc, mask=col_ok)
+    if BIAS_GRAD:
+        if DB_SUM_ROWS:
+            if DB_SUM_HEADS:
+                tl.store(DB + b64 * sdbb + hk64 * sdbh + offs_n.to(tl.int64) * sdbj, db_acc, mask=col_ok)
+
+    dk = dk * sm_scale
+    dk_ptrs = DK + b64 * sdkb + hk64 * sdkh + krows[:, None] * sdks + offs_dq[None, :]
+    dv_ptrs = DV + b64 * sdvb + hk64 * sdvh + krows[:, None] * sdvs + offs_dv[None, :]
+    if BLOCK_DQK == HEAD_DQK:
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    else:
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_dq < HEAD_DQK)[None, :])
+    if BLOCK_DV == HEAD_DV:
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+    else:
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv < HEAD_DV)[None, :])
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, Bias, DO, LSE, Delta, Seed, CuQ, CuK, DQ,
+    qk_scale, sm_scale, dropout_p,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+    sbb, sbh, sbi, sbj,
+    sdob, sdoh, sdos, slb, slh, sls,
+    sdqb, sdqh, sdqs,
+    H, GROUP, seqlen_q, seqlen_k, bh_start, window_left, window_right, num_splits,
+    HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
+):
+    """One program: one query tile of one (batch, head) and one split of its key range.
+    ATOMIC (split-keys): partial dQ is atomically added to an fp32 workspace."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1) + bh_start
+    split = tl.program_id(2)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    if IS_VARLEN:
+        q_start = tl.load(CuQ + b).to(tl.int64)
+        sq = (tl.load(CuQ + b + 1).to(tl.int64) - q_start).to(tl.int32)
+        k_start = tl.load(CuK + b).to(tl.int64)
+        sk = (tl.load(CuK + b + 1).to(tl.int64) - k_start).to(tl.int32)
+    else:
+        q_start = 0
+        k_start = 0
+        sq = seqlen_q
+        sk = seqlen_k
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    if ALIGN_BR:
+        off = sk - sq
+    else:
+        off = 0
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_dq = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < sq
+    rows = q_start + offs_m.to(tl.int64)
+
+    q = _load_rows(Q + b64 * sqb + h64 * sqh + rows[:, None] * sqs + offs_dq[None, :], row_ok,
+                   offs_dq < HEAD_DQK, BLOCK_DQK == HEAD_DQK)
+    do = _load_rows(DO + b64 * sdob + h64 * sdoh + rows[:, None] * sdos + offs_dv[None, :], row_ok,
+                    offs_dv < HEAD_DV, BLOCK_DV == HEAD_DV)
+    l_ptrs = b64 * slb + h64 * slh + rows * sls
+    lse = tl.load(LSE + l_ptrs, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(Delta + l_ptrs, mask=row_ok, other=0.0)
+    k_base = K + b64 * skb + hk64 * skh + k_start * sks
+    v_base = V + b64 * svb + hk64 * svh + k_start * svs
+    bias_base = Bias + b64 * sbb + h64 * sbh
+
+    m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
+    lo = 0
+    hi = sk
+    if HAS_WL:
+        lo = tl.maximum(m0 + off - window_left, 0)
+    if HAS_WR:
+        hi = tl.minimum(m_last + off + window_right + 1, sk)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    full_lo = lo
+    full_hi = (sk // BLOCK_N) * BLOCK_N
+    if HAS_WL:
+        full_lo = tl.maximum(((tl.maximum(m_last + off - window_left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo)
+    if HAS_WR:
+        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + off + window_right + 1, 0) // BLOCK_N) * BLOCK_N)
+    # split-keys: this program takes a contiguous share of the key tiles
+    n_tiles = tl.maximum((hi - lo + BLOCK_N - 1) // BLOCK_N, 0)
+    per = (n_tiles + num_splits - 1) // num_splits
+    seg_lo = lo + split * per * BLOCK_N
+    seg_hi = tl.minimum(hi, seg_lo + per * BLOCK_N)
+
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+        rng_rows = (pid_bh.to(tl.int64) * seqlen_q + offs_m) * seqlen_k
+    else:
+        seed = 0
+        rng_rows = offs_m.to(tl.int64)
+    inv_keep = 1.0 / (1.0 - dropout_p)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    for start_n in range(seg_lo, seg_hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        col_ok = offs_n < sk
+        k = _load_rows(k_base + offs_n.to(tl.int64)[:, None] * sks + offs_dq[None, :], col_ok,
+                       offs_dq < HEAD_DQK, BLOCK_DQK == HEAD_DQK)
+        v = _load_rows(v_base + offs_n.to(tl.int64)[:, None] * svs + offs_dv[None, :], col_ok,
+                       offs_dv < HEAD_DV, BLOCK_DV == HEAD_DV)
+        s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
+        s = _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, False)
+        if (start_n < full_lo) | (start_n >= full_hi):
+            s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
+                                    HAS_WL, HAS_WR, False), s, float("-inf"))
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = _dot(do, tl.trans(v), DOT_UPCAST, DOT_IEEE)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, rng_rows, offs_n, dropout_p, False)
+            dp = tl.where(keep, dp * inv_keep, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, DOT_UPCAST, DOT_IEEE)
+    dq = dq * sm_scale
+
+    dq_ptrs = DQ + b64 * sdqb + h64 * sdqh + rows[:, None] * sdqs + offs_dq[None, :]
+    if BLOCK_DQK == HEAD_DQK:
+        dq_mask = row_ok[:, None] & (offs_dq >= 0)[None, :]
+    else:
+        dq_mask = row_ok[:, None] & (offs_dq < HEAD_DQK)[None, :]
+    if ATOMIC:
+        if seg_hi > seg_lo:
+            tl.atomic_add(dq_ptrs, dq, mask=dq_mask, sem="relaxed")
+    else:
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_mask)

@@ -1,0 +1,185 @@
+"""Launch-configuration table of the Triton attention kernels.
+
+Mirrors what PyTorch's ``attention_backward.cu`` / ``attention.cu`` do for the
+memory-efficient kernels: a list of candidate kernel configurations per
+(kernel kind, head dim, dtype, compute capability), tried best-first; a candidate
+is taken when its shared-memory estimate fits the device's opt-in limit.  When no
+candidate fits, :func:`config_reason` says why (the adapter turns that into a
+dispatcher rejection reason).
+
+Pure data + small pure functions: no Triton, no torch device queries here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Kernel kinds.
+FWD = "fwd"
+BWD_DKDV = "bwd_dkdv"   # key-block parallel: dK, dV (and d(bias))
+BWD_DQ = "bwd_dq"       # query-block parallel: dQ (optionally split over keys)
+KINDS = (FWD, BWD_DKDV, BWD_DQ)
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM = 1
+MAX_HEAD_DIM = 256
+MIN_COMPUTE_CAPABILITY = (7, 5)
+BF16_MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int        # query rows per tile
+    block_n: int        # key rows per tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __str__(self) -> str:  # pragma: no cover - cosmetic
+        return f"BM={self.block_m} BN={self.block_n} warps={self.num_warps} stages={self.num_stages}"
+
+
+@dataclass(frozen=True)
+class ConfigEntry:
+    kind: str
+    min_cc: tuple[int, int]
+    max_cc: tuple[int, int]          # inclusive
+    max_block_d: int                 # applies when the padded head dim (max of qk, v) <= this
+    dtypes: tuple[torch.dtype, ...]  # element types it is meant for
+    config: KernelConfig
+
+
+_HALF = (torch.float16, torch.bfloat16)
+_F32 = (torch.float32,)
+_ALL = _HALF + _F32
+
+_SM90 = ((9, 0), (9, 9))
+_SM80 = ((8, 0), (8, 0))          # A100 / A30: 164 KiB shared memory
+_ANY = ((7, 5), (99, 9))          # fallbacks that fit small shared memories
+
+
+def _e(kind, cc, max_d, dtypes, bm, bn, w, s):
+    return ConfigEntry(kind, cc[0], cc[1], max_d, dtypes, KernelConfig(bm, bn, w, s))
+
+
+# Ordered best-first within each (kind, arch); the first entry that matches and fits wins.
+CONFIG_TABLE: tuple[ConfigEntry, ...] = (
+    # ---------------- forward ----------------
+    _e(FWD, _SM90, 64, _HALF, 128, 64, 4, 3),
+    _e(FWD, _SM90, 128, _HALF, 128, 64, 8, 3),
+    _e(FWD, _SM90, 128, _HALF, 128, 32, 8, 2),
+    _e(FWD, _SM90, 256, _HALF, 128, 64, 8, 2),
+    _e(FWD, _SM90, 256, _HALF, 64, 64, 4, 2),
+    _e(FWD, _SM80, 64, _HALF, 128, 64, 4, 3),
+    _e(FWD, _SM80, 128, _HALF, 128, 64, 8, 2),
+    _e(FWD, _SM80, 256, _HALF, 64, 64, 4, 2),
+    _e(FWD, _ANY, 64, _F32, 64, 64, 4, 2),
+    _e(FWD, _ANY, 128, _F32, 64, 32, 4, 2),
+    _e(FWD, _ANY, 256, _F32, 32, 32, 4, 2),
+    _e(FWD, _ANY, 64, _HALF, 64, 64, 4, 2),
+    _e(FWD, _ANY, 128, _HALF, 64, 32, 4, 2),
+    _e(FWD, _ANY, 256, _ALL, 32, 32, 4, 1),
+    _e(FWD, _ANY, 256, _ALL, 16, 16, 2, 1),
+    # ---------------- backward dK/dV (BM = query tile, BN = key tile) ----------------
+    _e(BWD_DKDV, _SM90, 64, _HALF, 64, 128, 8, 3),
+    _e(BWD_DKDV, _SM90, 128, _HALF, 64, 128, 8, 2),
+    _e(BWD_DKDV, _SM90, 128, _HALF, 32, 128, 8, 2),
+    _e(BWD_DKDV, _SM90, 256, _HALF, 32, 64, 8, 2),
+    _e(BWD_DKDV, _SM80, 64, _HALF, 64, 128, 8, 2),
+    _e(BWD_DKDV, _SM80, 128, _HALF, 32, 128, 8, 2),
+    _e(BWD_DKDV, _SM80, 256, _HALF, 32, 64, 8, 1),
+    _e(BWD_DKDV, _ANY, 64, _ALL, 32, 64, 4, 2),
+    _e(BWD_DKDV, _ANY, 128, _ALL, 32, 64, 4, 1),
+    _e(BWD_DKDV, _ANY, 256, _ALL, 16, 32, 4, 1),
+    _e(BWD_DKDV, _ANY, 256, _ALL, 16, 16, 2, 1),
+    # ---------------- backward dQ ----------------
+    _e(BWD_DQ, _SM90, 64, _HALF, 128, 64, 8, 3),
+    _e(BWD_DQ, _SM90, 128, _HALF, 128, 64, 8, 2),
+    _e(BWD_DQ, _SM90, 128, _HALF, 128, 32, 8, 2),
+    _e(BWD_DQ, _SM90, 256, _HALF, 64, 32, 8, 2),
+    _e(BWD_DQ, _SM80, 64, _HALF, 128, 64, 8, 2),
+    _e(BWD_DQ, _SM80, 128, _HALF, 128, 32, 8, 2),
+    _e(BWD_DQ, _SM80, 256, _HALF, 64, 32, 8, 1),
+    _e(BWD_DQ, _ANY, 64, _ALL, 64, 32, 4, 2),
+    _e(BWD_DQ, _ANY, 128, _ALL, 64, 32, 4, 1),
+    _e(BWD_DQ, _ANY, 256, _ALL, 32, 16, 4, 1),
+    _e(BWD_DQ, _ANY, 256, _ALL, 16, 16, 2, 1),
+)
+
+# Under TRITON_INTERPRET=1 (CPU) there is no shared memory and no warps: small,
+# deliberately asymmetric tiles so that the small test shapes cross several tiles.
+INTERPRETER_CONFIGS = {
+    FWD: KernelConfig(32, 16, 1, 1),
+    BWD_DKDV: KernelConfig(16, 32, 1, 1),
+    BWD_DQ: KernelConfig(32, 16, 1, 1),
+}
+
+
+def block_d(head_dim: int) -> int:
+    """Head dim padded to the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, 1 << max(0, int(head_dim) - 1).bit_length())
+
+
+def shared_memory_estimate(kind: str, cfg: KernelConfig, block_dqk: int, block_dv: int, elem_size: int) -> int:
+    """Rough shared-memory bytes of one program (operand tiles x pipeline stages)."""
+    bm, bn, st = cfg.block_m, cfg.block_n, max(1, cfg.num_stages)
+    if kind == FWD:
+        return (bm * block_dqk + st * bn * (block_dqk + block_dv)) * elem_size
+    if kind == BWD_DKDV:
+        return (bn * (block_dqk + block_dv) + st * bm * (block_dqk + block_dv)) * elem_size + 2 * bm * bn * elem_size
+    if kind == BWD_DQ:
+        return (bm * (block_dqk + block_dv) + st * bn * (block_dqk + block_dv)) * elem_size + bm * bn * elem_size
+    raise ValueError(f"unknown kernel kind {kind!r}")
+
+
+def candidate_configs(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype,
+                      cc: tuple[int, int], smem_limit: int) -> list[KernelConfig]:
+    """All table entries that match and fit, best first (like PyTorch's candidate loop)."""
+    bdq, bdv = block_d(head_dim_qk), block_d(head_dim_v)
+    bd = max(bdq, bdv)
+    esize = torch.empty((), dtype=dtype).element_size()
+    out: list[KernelConfig] = []
+    for e in CONFIG_TABLE:
+        if e.kind != kind or not (e.min_cc <= tuple(cc) <= e.max_cc):
+            continue
+        if bd > e.max_block_d or dtype not in e.dtypes:
+            continue
+        if shared_memory_estimate(kind, e.config, bdq, bdv, esize) > smem_limit:
+            continue
+        if e.config not in out:
+            out.append(e.config)
+    return out
+
+
+def static_reason(head_dim_qk: int, head_dim_v: int, dtype: torch.dtype) -> str | None:
+    """Device-independent limits: dtype and head dims."""
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype={dtype} not in (float16, bfloat16, float32)"
+    for name, d in (("head_dim_qk", head_dim_qk), ("head_dim_v", head_dim_v)):
+        if d > MAX_HEAD_DIM:
+            return f"{name}={d} > {MAX_HEAD_DIM}"
+        if d < MIN_HEAD_DIM:
+            return f"{name}={d} < {MIN_HEAD_DIM}"
+    return None
+
+
+def arch_reason(head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, cc: tuple[int, int],
+                smem_limit: int) -> str | None:
+    """Reason why no configuration of some kernel kind fits this GPU, or None."""
+    r = static_reason(head_dim_qk, head_dim_v, dtype)
+    if r:
+        return r
+    if tuple(cc) < MIN_COMPUTE_CAPABILITY:
+        return (f"compute capability {cc[0]}.{cc[1]} < "
+                f"{MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}")
+    if dtype == torch.bfloat16 and tuple(cc) < BF16_MIN_COMPUTE_CAPABILITY:
+        return f"bfloat16 needs compute capability >= 8.0 (device has {cc[0]}.{cc[1]})"
+    for kind in KINDS:
+        if not candidate_configs(kind, head_dim_qk, head_dim_v, dtype, cc, smem_limit):
+            bdq, bdv = block_d(head_dim_qk), block_d(head_dim_v)
+            esize = torch.empty((), dtype=dtype).element_size()
+            need = min((shared_memory_estimate(kind, e.config, bdq, bdv, esize) for e in CONFIG_TABLE
+                        if e.kind == kind), default=0)
+            return (f"no {kind} kernel configuration for head_dim=({head_dim_qk}, {head_dim_v}) {dtype} "
+                    f"fits sm_{cc[0]}{cc[1]} shared memory ({smem_limit} bytes; smallest needs ~{need})")
+    return None

@@ -1,0 +1,236 @@
+"""Triton forward kernel (FlashAttention-2 style online softmax) and the shared
+tile helpers (band mask, bias tile, dropout keep-mask) that the backward reuses, so
+that forward, backward and :func:`dropout_keep_mask` see bit-identical masks.
+
+Conventions (all kernels):
+  * one program owns a tile of one (batch b, query head h); ``pid_bh = b * H + h`` is the
+    GLOBAL flattened index (``bh_start`` is added for chunked launches);
+  * varlen: ``CuQ/CuK`` hold the cumulative lengths; the batch stride is then 0 and the
+    sequence's first row is added to the row index, so one code path serves both layouts;
+  * scores live in the log2 domain: ``s2 = s * log2(e)``, ``qk_scale = scale * log2(e)``;
+  * a key j is allowed for query i when ``(HAS_WL: j >= i + off - wl)`` and
+    ``(HAS_WR: j <= i + off + wr)``, ``off = Sk - Sq`` (per sequence) if ALIGN_BR else 0;
+  * dropout: Philox ``tl.rand(seed, ((pid_bh * max_sq + i) * max_sk + j))`` (int64 offsets),
+    keep when ``u >= p``.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _dot(a, b, DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr):
+    # DOT_UPCAST: the CPU interpreter's bf16 tl.dot is broken (garbage), so operands are
+    # upcast there (exactly, bf16 -> fp32).  DOT_IEEE: fp32 inputs must not use TF32.
+    if DOT_UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif DOT_IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _load_rows(ptrs, row_mask, col_mask, EVEN_COL: tl.constexpr):
+    if EVEN_COL:
+        return tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        return tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _band_mask(offs_m, offs_n, sk, off, wl, wr,
+               HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, TRANS: tl.constexpr):
+    """Allowed-by-band (and j < sk) tile: (BM, BN), or (BN, BM) when TRANS."""
+    if TRANS:
+        i = offs_m[None, :]
+        j = offs_n[:, None]
+    else:
+        i = offs_m[:, None]
+        j = offs_n[None, :]
+    mask = (j < sk) & (i >= 0)
+    if HAS_WL:
+        mask = mask & (j >= i + off - wl)
+    if HAS_WR:
+        mask = mask & (j <= i + off + wr)
+    return mask
+
+
+@triton.jit
+def _bias_ptrs(bias_base, offs_m, offs_n, sbi, sbj, TRANS: tl.constexpr):
+    rows = offs_m.to(tl.int64) * sbi
+    cols = offs_n.to(tl.int64) * sbj
+    if TRANS:
+        return bias_base + rows[None, :] + cols[:, None]
+    else:
+        return bias_base + rows[:, None] + cols[None, :]
+
+
+@triton.jit
+def _tile_mask(offs_m, offs_n, sq, sk, TRANS: tl.constexpr):
+    if TRANS:
+        return (offs_m[None, :] < sq) & (offs_n[:, None] < sk)
+    else:
+        return (offs_m[:, None] < sq) & (offs_n[None, :] < sk)
+
+
+@triton.jit
+def _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj,
+                BIAS_KIND: tl.constexpr, TRANS: tl.constexpr):
+    """BIAS_KIND 1: add float bias (upcast, log2 domain); 2: bool mask (nonzero = attend)."""
+    if BIAS_KIND == 1:
+        bt = tl.load(_bias_ptrs(bias_base, offs_m, offs_n, sbi, sbj, TRANS),
+                     mask=_tile_mask(offs_m, offs_n, sq, sk, TRANS), other=0.0)
+        s = s + bt.to(tl.float32) * 1.4426950408889634
+    elif BIAS_KIND == 2:
+        bt = tl.load(_bias_ptrs(bias_base, offs_m, offs_n, sbi, sbj, TRANS),
+                     mask=_tile_mask(offs_m, offs_n, sq, sk, TRANS), other=0)
+        s = tl.where(bt != 0, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _dropout_keep(seed, rng_rows, offs_n, dropout_p, TRANS: tl.constexpr):
+    """rng_rows: int64 (pid_bh * max_sq + i) * max_sk per query row (global coordinates)."""
+    if TRANS:
+        offs = rng_rows[None, :] + offs_n.to(tl.int64)[:, None]
+    else:
+        offs = rng_rows[:, None] + offs_n.to(tl.int64)[None, :]
+    return tl.rand(seed, offs) >= dropout_p
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, Bias, O, LSE, Seed, CuQ, CuK,
+    qk_scale, dropout_p,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+    sbb, sbh, sbi, sbj,
+    sob, soh, sos, slb, slh, sls,
+    H, GROUP, seqlen_q, seqlen_k, bh_start, window_left, window_right,
+    HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1) + bh_start
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    if IS_VARLEN:
+        q_start = tl.load(CuQ + b).to(tl.int64)
+        sq = (tl.load(CuQ + b + 1).to(tl.int64) - q_start).to(tl.int32)
+        k_start = tl.load(CuK + b).to(tl.int64)
+        sk = (tl.load(CuK + b + 1).to(tl.int64) - k_start).to(tl.int32)
+    else:
+        q_start = 0
+        k_start = 0
+        sq = seqlen_q
+        sk = seqlen_k
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    if ALIGN_BR:
+        off = sk - sq
+    else:
+        off = 0
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_dq = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < sq
+    b64 = b.to(tl.int64)
+
+    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q_start * sqs
+    k_base = K + b64 * skb + hk.to(tl.int64) * skh + k_start * sks
+    v_base = V + b64 * svb + hk.to(tl.int64) * svh + k_start * svs
+    bias_base = Bias + b64 * sbb + h.to(tl.int64) * sbh
+
+    q = _load_rows(q_base + offs_m.to(tl.int64)[:, None] * sqs + offs_dq[None, :], row_ok,
+                   offs_dq < HEAD_DQK, BLOCK_DQK == HEAD_DQK)
+
+    # ---- key range: blocks entirely outside the band are skipped by the loop bounds ----
+    m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
+    lo = 0
+    hi = sk
+    if HAS_WL:
+        lo = tl.maximum(m0 + off - window_left, 0)
+    if HAS_WR:
+        hi = tl.minimum(m_last + off + window_right + 1, sk)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    # [full_lo, full_hi): key blocks allowed for every row of this tile and inside sk.
+    full_lo = lo
+    full_hi = (sk // BLOCK_N) * BLOCK_N
+    if HAS_WL:
+        full_lo = tl.maximum(((tl.maximum(m_last + off - window_left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo)
+    if HAS_WR:
+        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + off + window_right + 1, 0) // BLOCK_N) * BLOCK_N)
+
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+        rng_rows = (pid_bh.to(tl.int64) * seqlen_q + offs_m) * seqlen_k
+    else:
+        seed = 0
+        rng_rows = offs_m.to(tl.int64)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        col_ok = offs_n < sk
+        k = _load_rows(k_base + offs_n.to(tl.int64)[:, None] * sks + offs_dq[None, :], col_ok,
+                       offs_dq < HEAD_DQK, BLOCK_DQK == HEAD_DQK)
+        s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
+        s = _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, False)
+        if (start_n < full_lo) | (start_n >= full_hi):
+            s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
+                                    HAS_WL, HAS_WR, False), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            p = tl.where(_dropout_keep(seed, rng_rows, offs_n, dropout_p, False), p, 0.0)
+        v = _load_rows(v_base + offs_n.to(tl.int64)[:, None] * svs + offs_dv[None, :], col_ok,
+                       offs_dv < HEAD_DV, BLOCK_DV == HEAD_DV)
+        acc += _dot(p.to(v.dtype), v, DOT_UPCAST, DOT_IEEE)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    out = acc * inv_l[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+
+    o_ptrs = O + b64 * sob + h.to(tl.int64) * soh + (q_start + offs_m.to(tl.int64))[:, None] * sos + offs_dv[None, :]
+    if BLOCK_DV == HEAD_DV:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < HEAD_DV)[None, :])
+    tl.store(LSE + b64 * slb + h.to(tl.int64) * slh + (q_start + offs_m.to(tl.int64)) * sls, lse, mask=row_ok)
+
+
+@triton.jit
+def _dropout_mask_kernel(Out, Seed, dropout_p, so_bh, so_i, H, seqlen_q, seqlen_k, bh_start,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep-mask (uint8) of the element (b, h, i, j): the same offsets as the attention kernels."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1) + bh_start
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    seed = tl.load(Seed)
+    rng_rows = (pid_bh.to(tl.int64) * seqlen_q + offs_m) * seqlen_k
+    base = Out + pid_bh.to(tl.int64) * so_bh
+    for start_n in range(0, seqlen_k, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        keep = _dropout_keep(seed, rng_rows, offs_n, dropout_p, False)
+        ptrs = base + offs_m.to(tl.int64)[:, None] * so_i + offs_n[None, :]
+        tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))

@@ -1,0 +1,489 @@
+"""Host-side launch logic: argument normalisation, configuration choice, grids, chunking
+past the launch-grid limit, the split-keys heuristic and its workspace, empty edge cases.
+
+Everything here only reads shapes/strides and python ints: no host synchronisation and no
+allocation whose size depends on tensor data, so it is CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass, fields
+
+import torch
+import triton
+
+from . import configs as C
+from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
+from .forward import LOG2E, _attn_fwd, _dropout_mask_kernel
+
+# Limit of launch-grid axes 1 and 2 (CUDA's y/z).  Tests lower it to exercise chunking.
+MAX_GRID_YZ = 65535
+# Upper bound on the number of key splits of the dQ pass.
+MAX_SPLITS = 16
+
+
+@dataclass(frozen=True)
+class KernelParams:
+    """Everything about one attention call that is not a tensor.
+
+    A key j is allowed for query i when ``j >= i + off - window_left`` (if window_left >= 0)
+    and ``j <= i + off + window_right`` (if window_right >= 0), ``off = Sk - Sq`` per
+    sequence when ``align_bottom_right`` else 0.  causal top_left == (False, -1, 0);
+    causal bottom_right == (True, -1, 0).
+    """
+    scale: float
+    align_bottom_right: bool = False
+    window_left: int = -1
+    window_right: int = -1
+    dropout_p: float = 0.0
+    deterministic: bool = False
+    # ---- tuning / testing knobs (0 / None = automatic) ----
+    block_m: int = 0            # force the query tile of every kernel
+    block_n: int = 0            # force the key tile of every kernel
+    num_splits: int = 0         # force the dQ key splits (ignored when deterministic)
+    max_grid: int = 0           # grid y/z limit for chunking; 0 = MAX_GRID_YZ
+
+    def __post_init__(self):
+        if not (0.0 <= self.dropout_p < 1.0):
+            raise ValueError(f"dropout_p={self.dropout_p} must be in [0, 1)")
+        if self.window_left < -1 or self.window_right < -1:
+            raise ValueError(f"window=({self.window_left}, {self.window_right}): -1 or >= 0 expected")
+
+    def to_args(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    @classmethod
+    def from_args(cls, args) -> "KernelParams":
+        return cls(*args)
+
+
+# --------------------------------------------------------------------------- device facts
+
+def is_interpreter() -> bool:
+    """True when the kernels were built by Triton's CPU interpreter (TRITON_INTERPRET=1
+    set before triton was imported)."""
+    return type(_attn_fwd).__name__ == "InterpretedFunction"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_info(index: int) -> tuple[tuple[int, int], int, int]:
+    props = torch.cuda.get_device_properties(index)
+    cc = (props.major, props.minor)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or 0
+    if not smem:
+        try:
+            smem = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+        except Exception:  # pragma: no cover
+            smem = 48 * 1024
+    return cc, int(smem), int(props.multi_processor_count)
+
+
+def device_info(device: torch.device) -> tuple[tuple[int, int], int, int]:
+    """(compute capability, shared memory per block (opt-in), SM count)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _cuda_info(device.index if device.index is not None else torch.cuda.current_device())
+    return (0, 0), 1 << 30, 1
+
+
+def config_reason(head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, device) -> str | None:
+    """Why the kernel cannot run this (head dims, dtype, device), or None when it can."""
+    r = C.static_reason(head_dim_qk, head_dim_v, dtype)
+    if r:
+        return r
+    device = torch.device(device)
+    if device.type == "cpu":
+        if not is_interpreter():
+            return "CPU tensors need TRITON_INTERPRET=1 set before triton is imported"
+        return None
+    if device.type != "cuda":
+        return f"device type {device.type!r} not supported (cuda, or cpu under TRITON_INTERPRET=1)"
+    if getattr(torch.version, "hip", None):
+        return "ROCm is not supported by this kernel's configuration table"
+    if is_interpreter():
+        return None
+    cc, smem, _ = device_info(device)
+    return C.arch_reason(head_dim_qk, head_dim_v, dtype, cc, smem)
+
+
+def select_config(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, device,
+                  params: KernelParams | None = None) -> list[C.KernelConfig]:
+    """Candidate configurations, best first (a forced block_m/block_n replaces the tiles)."""
+    if is_interpreter() or torch.device(device).type != "cuda":
+        cands = [C.INTERPRETER_CONFIGS[kind]]
+    else:
+        cc, smem, _ = device_info(device)
+        cands = C.candidate_configs(kind, head_dim_qk, head_dim_v, dtype, cc, smem)
+        if not cands:
+            raise RuntimeError(C.arch_reason(head_dim_qk, head_dim_v, dtype, cc, smem)
+                               or f"no {kind} configuration")
+    if params is not None and (params.block_m or params.block_n):
+        cands = [C.KernelConfig(params.block_m or c.block_m, params.block_n or c.block_n,
+                                c.num_warps, c.num_stages) for c in cands]
+    return cands
+
+
+_CHOSEN: dict = {}
+
+
+def _out_of_resources(e: Exception) -> bool:
+    return type(e).__name__ in ("OutOfResources", "OutOfResourcesError") or "out of resource" in str(e).lower()
+
+
+def _launch(kind, kernel, grid, args, kw, cands, key):
+    """Launch with the first candidate that compiles within the device's resources
+    (PyTorch-style loop over candidate kernels); the winner is remembered per key."""
+    key = key + (tuple(cands),)
+    start = _CHOSEN.get(key, 0)
+    last = None
+    for idx in range(start, len(cands)):
+        cfg = cands[idx]
+        try:
+            kernel[grid(cfg)](*args, **kw, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            _CHOSEN[key] = idx
+            return cfg
+        except Exception as e:  # noqa: BLE001
+            if not _out_of_resources(e):
+                raise
+            last = e
+    raise RuntimeError(f"no {kind} configuration fits this device: {last}")
+
+
+def bh_chunks(n: int, inner: int, limit: int):
+    """Split the flattened (batch x heads) grid axis of length n into launches of at most
+    `limit` programs; chunks are whole batches (multiples of `inner`) when inner <= limit.
+    Yields (start, count)."""
+    step = (limit // inner) * inner if inner <= limit else limit
+    step = max(1, step)
+    start = 0
+    while start < n:
+        cnt = min(step, n - start)
+        yield start, cnt
+        start += cnt
+
+
+def num_splits_heuristic(batch_heads: int, num_m_blocks: int, num_n_blocks: int, num_sms: int,
+                         deterministic: bool, max_splits: int = MAX_SPLITS) -> int:
+    """How many ways to split the key range of the dQ pass (fp32 workspace + atomics).
+
+    1 when deterministic; else split only when batch*heads*query-tiles fills less than two
+    waves of the SMs, keeping at least two key tiles per split."""
+    if deterministic or num_n_blocks <= 1:
+        return 1
+    ctas = max(1, batch_heads * num_m_blocks)
+    target = 2 * max(1, num_sms)
+    if ctas >= target:
+        return 1
+    s = min(-(-target // ctas), num_n_blocks // 2, max_splits)
+    return max(1, s)
+
+
+# --------------------------------------------------------------------------- argument prep
+
+class _Problem:
+    """Shapes and strides of one call (dense or varlen), normalised for the kernels."""
+
+    def __init__(self, q, k, v, cu_q, cu_k, max_sq, max_sk):
+        self.varlen = cu_q is not None
+        if self.varlen:
+            if cu_k is None or q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+                raise ValueError("varlen: query/key/value must be (total, H, D) with cu_seqlens_q and cu_seqlens_k")
+            self.B = cu_q.numel() - 1
+            self.Hq, self.Dqk = q.shape[1], q.shape[2]
+            self.Hkv, self.Dv = k.shape[1], v.shape[2]
+            if max_sq is None or max_sk is None:
+                raise ValueError("varlen: max_seqlen_q and max_seqlen_k are required (python ints)")
+            self.Sq, self.Sk = int(max_sq), int(max_sk)
+            self.q_strides = (0, q.stride(1), q.stride(0))
+            self.k_strides = (0, k.stride(1), k.stride(0))
+            self.v_strides = (0, v.stride(1), v.stride(0))
+            self.out_shape = (q.shape[0], self.Hq, self.Dv)
+            self.lse_shape = (q.shape[0], self.Hq)
+            self.total_q = q.shape[0]
+        else:
+            if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+                raise ValueError("dense: query/key/value must be (B, H, S, D)")
+            self.B, self.Hq, self.Sq, self.Dqk = q.shape
+            self.Hkv, self.Sk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
+            self.q_strides = (q.stride(0), q.stride(1), q.stride(2))
+            self.k_strides = (k.stride(0), k.stride(1), k.stride(2))
+            self.v_strides = (v.stride(0), v.stride(1), v.stride(2))
+            self.out_shape = (self.B, self.Hq, self.Sq, self.Dv)
+            self.lse_shape = (self.B, self.Hq, self.Sq)
+            if k.shape[0] != self.B or v.shape[0] != self.B or v.shape[2] != self.Sk or v.shape[1] != self.Hkv:
+                raise ValueError(f"inconsistent shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+        if k.shape[-1] != self.Dqk:
+            raise ValueError(f"key head dim {k.shape[-1]} != query head dim {self.Dqk}")
+        if self.Hkv == 0 or self.Hq % self.Hkv != 0:
+            if not (self.Hq == 0 and self.Hkv == 0):
+                raise ValueError(f"query heads {self.Hq} not a multiple of key/value heads {self.Hkv}")
+        self.group = self.Hq // self.Hkv if self.Hkv else 1
+
+    def lse_strides(self):
+        if self.varlen:
+            return (0, 1, self.Hq)
+        return (self.Hq * self.Sq, self.Sq, 1)
+
+    def out_strides(self, o):
+        if self.varlen:
+            return (0, o.stride(1), o.stride(0))
+        return (o.stride(0), o.stride(1), o.stride(2))
+
+    def empty(self) -> bool:
+        if self.varlen:
+            return self.B == 0 or self.Hq == 0 or self.total_q == 0 or self.Sq == 0
+        return self.B == 0 or self.Hq == 0 or self.Sq == 0 or self.Sk == 0
+
+
+def _last_contig(t):
+    if t is None:
+        return None
+    if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+        t = t.contiguous()
+    return t
+
+
+def bias_layout(bias: torch.Tensor | None, full: tuple[int, int, int, int]):
+    """Normalise an attention bias/mask for the kernels.
+
+    Accepted: any tensor broadcastable to ``full`` = (B, Hq, Sq, Sk) (varlen: max lengths)
+    whose dims are each either 1 or full size (fewer dims are left-padded).  Size-1 dims are
+    read with stride 0 and their gradient is summed in-kernel/over the workspace.  Returns
+    (kind, tensor_for_kernel, strides(4), broadcast(4 bools))."""
+    if bias is None:
+        return 0, None, (0, 0, 0, 0), (True, True, True, True)
+    if bias.dim() > 4:
+        raise ValueError(f"attn bias must have at most 4 dims, got shape {tuple(bias.shape)}")
+    while bias.dim() < 4:
+        bias = bias.unsqueeze(0)
+    for d in range(4):
+        if bias.shape[d] not in (1, full[d]):
+            raise ValueError(f"attn bias shape {tuple(bias.shape)} does not broadcast to {tuple(full)}"
+                             " (each dim must be 1 or full size)")
+    if bias.dtype == torch.bool:
+        kind, t = 2, bias.view(torch.uint8)
+    elif bias.dtype.is_floating_point:
+        kind, t = 1, bias
+    else:
+        raise TypeError(f"attn bias dtype {bias.dtype}: expected bool or a floating dtype")
+    bcast = tuple(bias.shape[d] == 1 for d in range(4))
+    strides = tuple(0 if bcast[d] else bias.stride(d) for d in range(4))
+    return kind, t, strides, bcast
+
+
+def _common(q, params, prob):
+    dtype = q.dtype
+    return dict(
+        HEAD_DQK=prob.Dqk, HEAD_DV=prob.Dv, IS_VARLEN=prob.varlen,
+        ALIGN_BR=bool(params.align_bottom_right), HAS_WL=params.window_left >= 0,
+        HAS_WR=params.window_right >= 0,
+        BLOCK_DQK=C.block_d(prob.Dqk), BLOCK_DV=C.block_d(prob.Dv),
+        DOT_UPCAST=is_interpreter() and dtype == torch.bfloat16,
+        DOT_IEEE=dtype == torch.float32,
+    )
+
+
+def draw_seed(device) -> torch.Tensor:
+    """The dropout seed: one int64 drawn from the device's torch generator (no host sync)."""
+    return torch.randint(0, 2 ** 62, (1,), device=device, dtype=torch.int64)
+
+
+def _grid_limit(params: KernelParams) -> int:
+    return params.max_grid or MAX_GRID_YZ
+
+
+def _check_inputs(q, k, v):
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"query/key/value dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    r = C.static_reason(q.shape[-1], v.shape[-1], q.dtype)
+    if r:
+        raise ValueError(r)
+
+
+# --------------------------------------------------------------------------- forward
+
+def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None, max_sq=None, max_sk=None):
+    """Returns (out, lse (fp32, natural log), seed (int64 (1,) or empty))."""
+    q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+    _check_inputs(q, k, v)
+    prob = _Problem(q, k, v, cu_q, cu_k, max_sq, max_sk)
+    dev = q.device
+    seed = draw_seed(dev) if params.dropout_p > 0 else torch.empty(0, device=dev, dtype=torch.int64)
+    out = torch.empty(prob.out_shape, device=dev, dtype=q.dtype)
+    lse = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32)
+    if prob.empty():
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse, seed
+    if prob.Sk == 0 or prob.Hkv == 0 or (prob.varlen and k.shape[0] == 0):
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse, seed
+    kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
+    cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params)
+    dummy = q
+    args = (q, k, v, bt if bt is not None else dummy, out, lse, seed if seed.numel() else dummy,
+            cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
+            params.scale * LOG2E, float(params.dropout_p),
+            *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
+            *prob.out_strides(out), *prob.lse_strides(),
+            prob.Hq, prob.group, prob.Sq, prob.Sk)
+    kw = dict(_common(q, params, prob), BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0)
+    n_bh = prob.B * prob.Hq
+    key = ("fwd", dev, q.dtype, prob.Dqk, prob.Dv)
+    for start, cnt in bh_chunks(n_bh, prob.Hq, _grid_limit(params)):
+        def grid(cfg, cnt=cnt):
+            return (triton.cdiv(prob.Sq, cfg.block_m), cnt)
+        cfg = _launch(C.FWD, _attn_fwd, grid, args + (start, params.window_left, params.window_right), kw, cands, key)
+        cands = [cfg]
+    return out, lse, seed
+
+
+# --------------------------------------------------------------------------- backward
+
+def _reduce_dbias(ws: torch.Tensor, bcast, bias: torch.Tensor) -> torch.Tensor:
+    shape4 = [1 if bcast[d] else ws.shape[d] for d in range(4)]
+    dims = [d for d in range(4) if bcast[d] and ws.shape[d] != 1]
+    if dims:
+        ws = ws.sum(dim=dims, keepdim=True)
+    return ws.reshape(shape4).reshape(bias.shape).to(bias.dtype)
+
+
+def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
+                       cu_q=None, cu_k=None, max_sq=None, max_sk=None, bias_grad: bool = False):
+    """Returns (dq, dk, dv, dbias or None).  dbias has bias's shape: summed over its size-1
+    (broadcast) dims; full-size dims (even with stride 0) get the per-element gradient."""
+    q, k, v, do = _last_contig(q), _last_contig(k), _last_contig(v), _last_contig(do)
+    prob = _Problem(q, k, v, cu_q, cu_k, max_sq, max_sk)
+    dev = q.device
+    bias_grad = bool(bias_grad) and bias is not None and bias.dtype.is_floating_point
+    kind, bt, bstr, bcast = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
+    empty = prob.empty() or prob.Sk == 0 or prob.Hkv == 0 or (prob.varlen and k.shape[0] == 0)
+    if empty:
+        dq = torch.zeros(q.shape, device=dev, dtype=q.dtype)
+        dk = torch.zeros(k.shape, device=dev, dtype=k.dtype)
+        dv = torch.zeros(v.shape, device=dev, dtype=v.dtype)
+        dbias = torch.zeros(bias.shape, device=dev, dtype=bias.dtype) if bias_grad else None
+        return dq, dk, dv, dbias
+
+    common = _common(q, params, prob)
+    dummy = q
+    seed_t = seed if seed is not None and seed.numel() else dummy
+    cu_q_t = cu_q if cu_q is not None else dummy
+    cu_k_t = cu_k if cu_k is not None else dummy
+    bias_t = bt if bt is not None else dummy
+    limit = _grid_limit(params)
+    lse_str = prob.lse_strides()
+    do_str = prob.out_strides(do)
+    o_str = prob.out_strides(out)
+    _, _, num_sms = device_info(dev)
+
+    # 1) delta = rowsum(dO * O)
+    delta = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32)
+    bm_pre = 16 if is_interpreter() else 64
+    for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
+        _attn_bwd_preprocess[(triton.cdiv(prob.Sq, bm_pre), cnt)](
+            out, do, delta, cu_q_t, *o_str, *do_str, *lse_str, prob.Hq, prob.Sq, start,
+            HEAD_DV=prob.Dv, IS_VARLEN=prob.varlen, BLOCK_M=bm_pre, BLOCK_DV=common["BLOCK_DV"])
+
+    # 2) dK, dV (+ d(bias)) : key-tile parallel, loops over the query heads of the group
+    dk = torch.empty(k.shape, device=dev, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=dev, dtype=v.dtype)
+    if prob.varlen:
+        dk_str = (0, dk.stride(1), dk.stride(0))
+        dv_str = (0, dv.stride(1), dv.stride(0))
+    else:
+        dk_str = (dk.stride(0), dk.stride(1), dk.stride(2))
+        dv_str = (dv.stride(0), dv.stride(1), dv.stride(2))
+    sum_rows = sum_heads = False
+    if bias_grad:
+        sum_rows = bcast[2] and prob.Sq > 1
+        sum_heads = bcast[1] and prob.group > 1
+        ws_shape = (prob.B, prob.Hkv if sum_heads else prob.Hq, 1 if sum_rows else prob.Sq, prob.Sk)
+        db_ws = torch.zeros(ws_shape, device=dev, dtype=torch.float32)
+        db_str = db_ws.stride()
+    else:
+        db_ws = dummy
+        db_str = (0, 0, 0, 0)
+    cands = select_config(C.BWD_DKDV, prob.Dqk, prob.Dv, q.dtype, dev, params)
+    args = (q, k, v, bias_t, do, lse, delta, seed_t, cu_q_t, cu_k_t, dk, dv, db_ws,
+            params.scale * LOG2E, params.scale, float(params.dropout_p),
+            *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
+            *do_str, *lse_str, *dk_str, *dv_str, *db_str,
+            prob.Hq, prob.group, prob.Hkv, prob.Sq, prob.Sk)
+    kw = dict(common, BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0, BIAS_GRAD=bias_grad,
+              DB_SUM_ROWS=sum_rows, DB_SUM_HEADS=sum_heads)
+    key = ("dkdv", dev, q.dtype, prob.Dqk, prob.Dv)
+    for start, cnt in bh_chunks(prob.B * prob.Hkv, prob.Hkv, limit):
+        def grid(cfg, cnt=cnt):
+            return (triton.cdiv(prob.Sk, cfg.block_n), cnt)
+        cfg = _launch(C.BWD_DKDV, _attn_bwd_dkdv, grid, args + (start, params.window_left, params.window_right),
+                      kw, cands, key)
+        cands = [cfg]
+
+    # 3) dQ : query-tile parallel, optionally split over keys (fp32 workspace + atomics)
+    cands = select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params)
+    bm, bn = cands[0].block_m, cands[0].block_n
+    if params.deterministic:
+        splits = 1
+    elif params.num_splits > 0:
+        splits = min(params.num_splits, max(1, triton.cdiv(prob.Sk, bn)))
+    else:
+        splits = num_splits_heuristic(prob.B * prob.Hq, triton.cdiv(prob.Sq, bm), triton.cdiv(prob.Sk, bn),
+                                      num_sms, params.deterministic)
+    atomic = splits > 1
+    if atomic:
+        dq_ws = torch.zeros(q.shape, device=dev, dtype=torch.float32)
+    else:
+        dq_ws = torch.empty(q.shape, device=dev, dtype=q.dtype)
+    dq_str = (0, dq_ws.stride(1), dq_ws.stride(0)) if prob.varlen else (
+        dq_ws.stride(0), dq_ws.stride(1), dq_ws.stride(2))
+    args = (q, k, v, bias_t, do, lse, delta, seed_t, cu_q_t, cu_k_t, dq_ws,
+            params.scale * LOG2E, params.scale, float(params.dropout_p),
+            *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
+            *do_str, *lse_str, *dq_str,
+            prob.Hq, prob.group, prob.Sq, prob.Sk)
+    kw = dict(common, BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0, ATOMIC=atomic)
+    key = ("dq", dev, q.dtype, prob.Dqk, prob.Dv)
+    for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
+        def grid(cfg, cnt=cnt):
+            return (triton.cdiv(prob.Sq, cfg.block_m), cnt, splits)
+        cfg = _launch(C.BWD_DQ, _attn_bwd_dq, grid,
+                      args + (start, params.window_left, params.window_right, splits), kw, cands, key)
+        cands = [cfg]
+    dq = dq_ws.to(q.dtype) if atomic else dq_ws
+
+    dbias = _reduce_dbias(db_ws, bcast, bias) if bias_grad else None
+    return dq, dk, dv, dbias
+
+
+# --------------------------------------------------------------------------- dropout mask
+
+def dropout_keep_mask(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
+                      device=None, *, seed: torch.Tensor | None = None, max_grid: int = 0) -> torch.Tensor:
+    """Bool keep-mask (batch, num_heads, seqlen_q, seqlen_k) that a forward call with the same
+    shapes and ``dropout_p`` uses right after the same ``torch.manual_seed``.
+
+    Varlen: pass batch = number of sequences and seqlen_q/k = max_seqlen_q/k; element
+    [b, h, i, j] is the mask of local query i / local key j of sequence b.  The seed is drawn
+    exactly like the forward draws it (one int64 from the device generator), unless ``seed``
+    (the forward's seed tensor) is given."""
+    device = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() and not is_interpreter() else "cpu")
+    out = torch.empty((batch, num_heads, seqlen_q, seqlen_k), device=device, dtype=torch.uint8)
+    if dropout_p <= 0:
+        return out.fill_(1).bool()
+    if seed is None:
+        seed = draw_seed(device)
+    if out.numel() == 0:
+        return out.bool()
+    bm, bn = (16, 32) if is_interpreter() else (64, 64)
+    n_bh = batch * num_heads
+    for start, cnt in bh_chunks(n_bh, num_heads, max_grid or MAX_GRID_YZ):
+        _dropout_mask_kernel[(triton.cdiv(seqlen_q, bm), cnt)](
+            out, seed, float(dropout_p), seqlen_q * seqlen_k, seqlen_k, num_heads, seqlen_q, seqlen_k, start,
+            BLOCK_M=bm, BLOCK_N=bn)
+    return out.bool()
