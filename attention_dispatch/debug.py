@@ -79,8 +79,9 @@ def backend_table(markdown: bool = False) -> str:
         return "\n".join(out) + "\n"
     out = []
     width = max(len(n) for n in names)
+    vwidth = max(len(v) for v in versions)
     for n, s, v in zip(names, status, versions):
-        out.append(f"{n:<{width}}  {v:<14}  {s}")
+        out.append(f"{n:<{width}}  {v:<{vwidth}}  {s}")
     out.append("")
     col = max(len(f) for f in features) if features else 0
     cell = [max(len(n), *(len(val[f]) for f in features)) for n, val in zip(names, values)]

@@ -128,7 +128,7 @@ class MathBackend(Backend):
     capabilities = Capabilities(notes="reference; query-chunked, bounded memory; the test oracle in float64")
 
     def version(self) -> str:
-        return torch.__version__
+        return f"torch {torch.__version__}"
 
     def run(self, query, key, value, **options):
         return math_attention(query, key, value, **options)

@@ -38,9 +38,8 @@ class TritonBackend(Backend):
     name = "triton"
 
     def __init__(self):
-        devices = frozenset({"cuda", "cpu"}) if _interpreting() else frozenset({"cuda"})
         self.capabilities = Capabilities(
-            devices=devices, min_compute_capability=(8, 0),
+            devices=frozenset({"cuda", "cpu"}), min_compute_capability=(8, 0),
             dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
             head_dim_min=16, head_dim_max=256,
             notes="this project's kernel; CPU only under TRITON_INTERPRET=1; sm80+ on CUDA")
@@ -62,6 +61,8 @@ class TritonBackend(Backend):
         return triton.__version__
 
     def check(self, problem: Problem) -> list[str]:
+        if problem.device_type == "cpu" and not _interpreting():
+            return ["device=cpu needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)"]
         from ..kernels import config_reason
 
         reason = config_reason(problem.head_dim_qk, problem.head_dim_v, problem.dtype,

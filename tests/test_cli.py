@@ -1,0 +1,88 @@
+"""python -m attention_dispatch info | explain | config --check | demo"""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import attention_dispatch as ad
+from attention_dispatch.cli import main
+from attention_dispatch.debug import backend_table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_info_lists_every_backend_with_status_and_capabilities(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for name in ad.list_backends():
+        backend = ad.get_backend(name)
+        line = next(line for line in out.splitlines() if line.startswith(name + " "))
+        if backend.is_available():
+            assert "available" in line and "unavailable" not in line
+        else:
+            assert "unavailable: " + backend.unavailable_reason() in line
+    assert "head dim" in out and "deterministic bwd" in out
+
+
+def test_info_markdown(capsys):
+    assert main(["info", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| backend | status | version |")
+    assert "| feature | " + " | ".join(f"`{n}`" for n in ad.list_backends()) + " |" in out
+
+
+def test_explain_prints_the_decision(capsys):
+    rc = main(["explain", "--batch", "1", "--heads", "8", "--heads-kv", "2", "--seqlen", "16", "--seqlen-k", "24",
+               "--head-dim", "32", "--causal", "bottom_right", "--mask", "float-grad", "--backend", "math"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "attention_dispatch: math (order from backend= argument)" in out
+    assert "Hq=8 Hkv=2 Sq=16 Sk=24 Dqk=32" in out and "causal=bottom_right" in out and "float mask" in out
+
+
+def test_explain_exit_code_when_nothing_fits(capsys):
+    rc = main(["explain", "--head-dim", "512", "--dtype", "float16", "--backend", "torch_cpu", "--window", "4", "0"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "NO BACKEND" in out and "window" in out
+
+
+def test_explain_help_runs_as_module():
+    res = subprocess.run([sys.executable, "-m", "attention_dispatch", "explain", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "--causal" in res.stdout and "--window" in res.stdout
+
+
+def test_config_check(tmp_path, capsys):
+    good = ROOT / "configs" / "default.toml"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[dispatch]\npolicy = "fastest-ish"\n')
+    assert main(["config", "--check", str(good)]) == 0
+    assert f"{good}: OK" in capsys.readouterr().out
+    assert main(["config", "--check", str(good), str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert str(bad) in err and "dispatch.policy" in err
+
+
+def test_bad_arguments_exit_2(capsys):
+    assert main(["explain", "--dropout", "1.5"]) == 2
+    assert "dropout_p must be a float in [0, 1)" in capsys.readouterr().err
+
+
+def test_docs_backends_md_is_current():
+    """docs/backends.md is `python -m attention_dispatch info --markdown` (make docs) on the
+    CPU machine: regenerate it when a capability or backend changes."""
+    committed = (ROOT / "docs" / "backends.md").read_text()
+    fresh = backend_table(markdown=True)
+    # Availability and versions depend on the machine; capabilities must match exactly.
+    def capability_part(text):
+        return text[text.index("| feature |"):]
+    assert capability_part(committed) == capability_part(fresh), "docs/backends.md is stale: run `make docs`"
+
+
+@pytest.mark.slow
+def test_demo_runs():
+    res = subprocess.run([sys.executable, "-m", "attention_dispatch", "demo"], capture_output=True, text=True,
+                         timeout=900, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "calls match the float64 reference" in res.stdout and "MISMATCH" not in res.stdout
