@@ -88,8 +88,17 @@ def device_info(device: torch.device) -> tuple[tuple[int, int], int, int]:
     return (0, 0), 1 << 30, 1
 
 
-def config_reason(head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, device) -> str | None:
-    """Why the kernel cannot run this (head dims, dtype, device), or None when it can."""
+# Opt-in shared memory per block by compute capability, used when the device cannot be queried.
+_SMEM_BY_CC = {(7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024,
+               (8, 9): 99 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024, (12, 0): 99 * 1024}
+
+
+def config_reason(head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, device,
+                  compute_capability: tuple[int, int] | None = None) -> str | None:
+    """Why the kernel cannot run this (head dims, dtype, device), or None when it can.
+
+    ``device``: a torch.device or a device string/type ("cuda", "cuda:1", "cpu");
+    ``compute_capability``: optional, else queried from the device."""
     r = C.static_reason(head_dim_qk, head_dim_v, dtype)
     if r:
         return r
@@ -104,7 +113,16 @@ def config_reason(head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, device)
         return "ROCm is not supported by this kernel's configuration table"
     if is_interpreter():
         return None
-    cc, smem, _ = device_info(device)
+    if torch.cuda.is_available():
+        cc, smem, _ = device_info(device)
+        if compute_capability is not None and tuple(compute_capability) != cc:
+            cc = tuple(compute_capability)
+            smem = _SMEM_BY_CC.get(cc, 99 * 1024)
+    elif compute_capability is not None:
+        cc = tuple(compute_capability)
+        smem = _SMEM_BY_CC.get(cc, 99 * 1024)
+    else:
+        return "no CUDA device"
     return C.arch_reason(head_dim_qk, head_dim_v, dtype, cc, smem)
 
 
