@@ -298,6 +298,9 @@ class FlashAttnBackend(Backend):
         p = self.problem_of(query, key, value, dropout_p=dropout_p, causal=causal, window=window,
                             cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                             deterministic=deterministic)
+        # device and dtype were vetted by the dispatcher; the choice here is about features
+        # (dropout, window, varlen, head dims, arch), which keeps run() usable on fakes.
+        p = dataclasses.replace(p, device_type="cuda", dtype=p.dtype if p.dtype in _HALF else torch.float16)
         impl, reasons = self.choose(p)
         if impl is None:
             raise RuntimeError("flash_attn cannot run this call: " + "; ".join(reasons))

@@ -1,0 +1,228 @@
+"""Fake `flash_attn` / `flash_attn_interface` / `flash_attn.cute` and `xformers` packages.
+
+They compute through tests/naive.py's float64 `naive_attention` with *their own*
+library's semantics (flash-attn: causal aligned bottom-right, window_size relative to
+that diagonal; xformers: its attn_bias types), and record every call's arguments, so a
+wrong mapping in an adapter gives a wrong number or a wrong recorded argument.
+Install them with `install(monkeypatch, modules)`.
+"""
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+from tests.naive import naive_attention
+
+
+def install(monkeypatch, modules: dict[str, types.ModuleType]) -> None:
+    for name in list(sys.modules):
+        if name.split(".")[0] in {m.split(".")[0] for m in modules}:
+            monkeypatch.delitem(sys.modules, name, raising=False)
+    for name, mod in modules.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def _record(calls, fn, q, k, v, kwargs):
+    calls.append(dict(fn=fn, q=q, k=k, v=v, q_ptr=q.data_ptr(), q_shape=tuple(q.shape), **kwargs))
+
+
+def _dropout_keep(shape, p):
+    return torch.rand(shape, dtype=torch.float64) >= p
+
+
+# ---------------------------------------------------------------- flash-attn -----
+def _fa_window(window_size, v4):
+    left, right = window_size
+    if v4:
+        left = -1 if left is None else left
+        right = -1 if right is None else right
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
+def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
+    """Modules of one flash-attn generation (2, 3 or 4)."""
+    v4 = version == 4
+
+    def dense(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=None,
+              deterministic=False, **extra):
+        window_size = window_size if window_size is not None else ((None, None) if v4 else (-1, -1))
+        _record(calls, "dense", q, k, v, dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                                              window_size=window_size, deterministic=deterministic, extra=extra))
+        assert q.dim() == 4 and q.stride(-1) == 1
+        qb, kb, vb = (t.transpose(1, 2).double() for t in (q, k, v))    # theirs BSHD -> BHSD
+        keep = _dropout_keep((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), dropout_p) if dropout_p else None
+        out = naive_attention(qb, kb, vb, causal="bottom_right" if causal else None,
+                              window=_fa_window(window_size, v4), scale=softmax_scale, keep=keep, dropout_p=dropout_p)
+        out = out.transpose(1, 2).to(q.dtype).contiguous()
+        return (out, None) if version in (3, 4) else out
+
+    def varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+               dropout_p=0.0, softmax_scale=None, causal=False, window_size=None, deterministic=False, **extra):
+        window_size = window_size if window_size is not None else ((None, None) if v4 else (-1, -1))
+        _record(calls, "varlen", q, k, v, dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                                               window_size=window_size, deterministic=deterministic,
+                                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, extra=extra))
+        assert cu_seqlens_q.dtype == torch.int32 and isinstance(max_seqlen_q, int)
+        out = naive_attention(q.double(), k.double(), v.double(), causal="bottom_right" if causal else None,
+                              window=_fa_window(window_size, v4), scale=softmax_scale,
+                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        out = out.to(q.dtype)
+        return (out, None) if version in (3, 4) else out
+
+    if version == 2:
+        fa = types.ModuleType("flash_attn")
+        fa.__version__ = "2.8.3"
+        fa.flash_attn_func, fa.flash_attn_varlen_func = dense, varlen
+        fa.__path__ = []
+        return {"flash_attn": fa}
+    if version == 3:
+        fa3 = types.ModuleType("flash_attn_interface")
+
+        def dense3(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False, **kw):
+            assert "dropout_p" not in kw, "flash-attn 3 has no dropout"
+            return dense(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                         deterministic=deterministic, **kw)
+
+        fa3.flash_attn_func, fa3.flash_attn_varlen_func = dense3, varlen
+        return {"flash_attn_interface": fa3}
+    pkg = types.ModuleType("flash_attn")        # flash-attn 4 alone: a namespace without flash_attn_func
+    pkg.__path__ = []
+    cute = types.ModuleType("flash_attn.cute")
+    cute.__version__ = "4.0.0b36"
+
+    def dense4(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), deterministic=False, **kw):
+        assert "dropout_p" not in kw, "flash-attn 4 has no dropout"
+        assert all(w is None or w >= 0 for w in window_size), "flash-attn 4 takes None for unbounded"
+        return dense(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                     deterministic=deterministic, **kw)
+
+    def varlen4(q, k, v, window_size=(None, None), **kw):
+        assert all(w is None or w >= 0 for w in window_size)
+        return varlen(q, k, v, window_size=window_size, **kw)
+
+    cute.flash_attn_func, cute.flash_attn_varlen_func = dense4, varlen4
+    pkg.cute = cute
+    return {"flash_attn": pkg, "flash_attn.cute": cute}
+
+
+# ---------------------------------------------------------------- xformers -------
+class _Bias:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.__dict__})"
+
+
+class LowerTriangularMask(_Bias):
+    causal, window = "top_left", None
+
+
+class LowerTriangularFromBottomRightMask(_Bias):
+    causal, window = "bottom_right", None
+
+
+class LocalAttentionFromBottomRightMask(_Bias):
+    causal = None
+
+    @property
+    def window(self):
+        return (self.window_left, self.window_right)
+
+
+class BlockDiagonalMask(_Bias):
+    causal = None
+
+    @property
+    def window(self):
+        return None
+
+    @classmethod
+    def from_seqlens(cls, q_seqlen, kv_seqlen=None, **kw):
+        return cls(q_seqlen=list(q_seqlen), kv_seqlen=list(kv_seqlen if kv_seqlen is not None else q_seqlen), **kw)
+
+
+class BlockDiagonalCausalMask(BlockDiagonalMask):
+    causal = "top_left"        # xformers: causal from the top-left of each block
+
+
+class BlockDiagonalCausalLocalAttentionMask(BlockDiagonalMask):
+    causal = "top_left"
+
+    @property
+    def window(self):       # key j allowed when i - window_size < j <= i
+        return (self.window_size - 1, 0)
+
+
+def make_xformers(calls: list, refuse_head_dim_over: int = 128) -> dict[str, types.ModuleType]:
+    xf = types.ModuleType("xformers")
+    xf.__version__ = "0.0.35"
+    xf.__path__ = []
+    ops = types.ModuleType("xformers.ops")
+    ops.__path__ = []
+    fmha = types.ModuleType("xformers.ops.fmha")
+    fmha.__path__ = []
+    ab = types.ModuleType("xformers.ops.fmha.attn_bias")
+    dispatch = types.ModuleType("xformers.ops.fmha.dispatch")
+    for cls in (LowerTriangularMask, LowerTriangularFromBottomRightMask, LocalAttentionFromBottomRightMask,
+                BlockDiagonalMask, BlockDiagonalCausalMask, BlockDiagonalCausalLocalAttentionMask):
+        setattr(ab, cls.__name__, cls)
+
+    class Inputs:
+        def __init__(self, query, key, value, attn_bias=None, p=0.0, scale=None, **kw):
+            self.query, self.key, self.value, self.attn_bias, self.p, self.scale = query, key, value, attn_bias, p, scale
+
+    def _dispatch_fw(inp, needs_gradient):
+        reasons = []
+        if max(inp.query.shape[-1], inp.value.shape[-1]) > refuse_head_dim_over:
+            reasons.append(f"max(query.shape[-1], value.shape[-1]) > {refuse_head_dim_over}")
+        if reasons:
+            raise NotImplementedError(
+                "No operator found for `memory_efficient_attention_forward` with inputs:\n"
+                f"     query       : shape={tuple(inp.query.shape)}\n"
+                "`cutlassF-pt` is not supported because:\n" + "".join(f"    {r}\n" for r in reasons)
+                + "`fa2F@2.8.3` is not supported because:\n    xFormers wasn't build with CUDA support\n")
+        return "cutlassF-pt"
+
+    def _dispatch_bw(inp):
+        return "cutlassB-pt"
+
+    dispatch._dispatch_fw, dispatch._dispatch_bw = _dispatch_fw, _dispatch_bw
+
+    def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=None, **kw):
+        calls.append(dict(q=query, k=key, v=value, attn_bias=attn_bias, p=p, scale=scale, q_ptr=query.data_ptr()))
+        five = query.dim() == 5
+        if five:   # BMGHK: key/value arrive expanded over the group dimension
+            query, key, value = (t.flatten(2, 3) for t in (query, key, value))
+        q, k, v = (t.transpose(1, 2).double() for t in (query, key, value))   # BMHK -> BHSD
+        if isinstance(attn_bias, BlockDiagonalMask):
+            cu_q = torch.tensor([0] + attn_bias.q_seqlen).cumsum(0).to(torch.int32)
+            cu_k = torch.tensor([0] + attn_bias.kv_seqlen).cumsum(0).to(torch.int32)
+            out = naive_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                  causal=attn_bias.causal, window=attn_bias.window, scale=scale,
+                                  cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+            out = out.transpose(0, 1).unsqueeze(0)
+        elif isinstance(attn_bias, torch.Tensor):
+            bias = attn_bias.flatten(1, 2) if five else attn_bias
+            assert bias.shape == (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), bias.shape
+            out = naive_attention(q, k, v, mask=bias.double(), scale=scale)
+        elif attn_bias is None:
+            out = naive_attention(q, k, v, scale=scale)
+        else:
+            out = naive_attention(q, k, v, causal=attn_bias.causal, window=attn_bias.window, scale=scale)
+        out = out.transpose(1, 2).to(query.dtype)
+        if five:   # back to BMGHK
+            g, hg = calls[-1]["k"].shape[2], calls[-1]["k"].shape[3]
+            out = out.unflatten(2, (g, hg))
+        return out
+
+    fmha.Inputs, fmha.dispatch, fmha.attn_bias = Inputs, dispatch, ab
+    fmha.memory_efficient_attention = memory_efficient_attention
+    ops.memory_efficient_attention, ops.fmha = memory_efficient_attention, fmha
+    xf.ops = ops
+    return {"xformers": xf, "xformers.ops": ops, "xformers.ops.fmha": fmha,
+            "xformers.ops.fmha.attn_bias": ab, "xformers.ops.fmha.dispatch": dispatch}
+
