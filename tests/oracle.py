@@ -62,3 +62,42 @@ def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234):
     for name, got in results.items():
         assert_matches(got.cpu(), refs[torch.float64][name], refs[case.dtype][name], f"{backend} {case} {name}")
     return decision
+
+
+def math_keep_mask(case, q, k, cu_q, cu_k, rows=None):
+    """The keep-mask the math backend draws after manual_seed: one torch.rand per query
+    chunk of shape (B, Hkv, G, rows, Sk), per sequence for varlen (empty ones draw nothing)."""
+    g = case.heads_q // case.heads_kv
+
+    def dense(b, sq, sk):
+        if 0 in (b, sq, sk):
+            return torch.zeros(b, case.heads_q, sq, sk, dtype=torch.bool)
+        step = rows or sq
+        parts = [torch.rand(b, case.heads_kv, g, min(step, sq - r), sk) >= case.dropout_p for r in range(0, sq, step)]
+        return torch.cat(parts, dim=3).reshape(b, case.heads_q, sq, sk)
+
+    if cu_q is None:
+        return dense(q.shape[0], q.shape[2], k.shape[2])
+    lq = (cu_q[1:] - cu_q[:-1]).tolist()
+    lk = (cu_k[1:] - cu_k[:-1]).tolist()
+    keep = torch.zeros(len(lq), case.heads_q, max(lq), max(lk), dtype=torch.bool)
+    for i, (a, b) in enumerate(zip(lq, lk)):
+        keep[i, :, :a, :b] = dense(1, a, b)[0]
+    return keep
+
+
+def triton_keep_mask(case, q, k, cu_q, cu_k):
+    """The triton kernel's keep-mask, drawn as its forward draws it."""
+    from attention_dispatch.kernels import dropout_keep_mask
+
+    if cu_q is None:
+        b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+    else:
+        b = cu_q.numel() - 1
+        sq = int((cu_q[1:] - cu_q[:-1]).max()) if b else 0
+        sk = int((cu_k[1:] - cu_k[:-1]).max()) if b else 0
+    return dropout_keep_mask(b, case.heads_q, sq, sk, case.dropout_p, q.device)
+
+
+# Backends whose dropout mask a test can recover exactly; others are checked statistically.
+KEEP_MASKS = {"math": math_keep_mask, "triton": triton_keep_mask}

@@ -8,29 +8,7 @@ import torch
 import attention_dispatch as ad
 from attention_dispatch.backends import math as math_backend
 from cases import Case, make_inputs
-from oracle import compare_backend
-
-
-def math_keep_mask(case, q, k, cu_q, cu_k, rows=None):
-    """The keep-mask the math backend draws after manual_seed: one torch.rand per query
-    chunk of shape (B, Hkv, G, rows, Sk), per sequence for varlen (empty ones draw nothing)."""
-    g = case.heads_q // case.heads_kv
-
-    def dense(b, sq, sk):
-        if 0 in (b, sq, sk):
-            return torch.zeros(b, case.heads_q, sq, sk, dtype=torch.bool)
-        step = rows or sq
-        parts = [torch.rand(b, case.heads_kv, g, min(step, sq - r), sk) >= case.dropout_p for r in range(0, sq, step)]
-        return torch.cat(parts, dim=3).reshape(b, case.heads_q, sq, sk)
-
-    if cu_q is None:
-        return dense(q.shape[0], q.shape[2], k.shape[2])
-    lq = (cu_q[1:] - cu_q[:-1]).tolist()
-    lk = (cu_k[1:] - cu_k[:-1]).tolist()
-    keep = torch.zeros(len(lq), case.heads_q, max(lq), max(lk), dtype=torch.bool)
-    for i, (a, b) in enumerate(zip(lq, lk)):
-        keep[i, :, :a, :b] = dense(1, a, b)[0]
-    return keep
+from oracle import compare_backend, math_keep_mask
 
 
 FEATURES = [

@@ -1,0 +1,133 @@
+"""Capability honesty: every claim a backend declares is exercised against the float64
+oracle, so a claim without a test cannot exist. Cases are generated from each backend's
+Capabilities; a single-feature claim must also be accepted by the backend's checks."""
+import dataclasses
+
+import pytest
+import torch
+
+import attention_dispatch as ad
+from attention_dispatch.api import normalize_call
+from attention_dispatch.backends.math import math_attention
+from cases import Case, make_inputs
+from oracle import KEEP_MASKS, compare_backend
+
+
+def claimed_cases(caps: ad.Capabilities, big: bool = False):
+    """(label, case, single_feature) for what `caps` claims. Small shapes on the CPU."""
+    order = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+    dtypes = [d for d in order if d in caps.dtypes]
+    base_dtype = dtypes[0]
+    s = 256 if big else 24
+    hd_default = 64 if big else 32
+    multiple = caps.head_dim_multiple
+
+    def dim(d):
+        return max(caps.head_dim_min, -(-d // multiple) * multiple)
+
+    hd = dim(hd_default)
+    base = Case(dtype=base_dtype, head_dim=hd, seqlen_q=s, seqlen_k=s, batch=2, heads_q=4, heads_kv=4)
+    out = [(f"dtype={str(d)[6:]}", dataclasses.replace(base, dtype=d), True) for d in dtypes]
+    dims = {dim(caps.head_dim_min), dim(40), caps.head_dim_max or dim(160)}
+    out += [(f"head_dim={d}", dataclasses.replace(base, head_dim=d), True) for d in sorted(dims)
+            if (caps.head_dim_max is None or d <= caps.head_dim_max)]
+    if caps.different_head_dims:
+        out.append(("Dqk!=Dv", dataclasses.replace(base, head_dim_v=dim(hd // 2)), True))
+    for kind in sorted(caps.causal_kinds):
+        for sq, sk in ((s - 7, s + 5), (s + 5, s - 7)):
+            out.append((f"causal={kind} Sq={sq} Sk={sk}", dataclasses.replace(base, causal=str(kind), seqlen_q=sq,
+                                                                            seqlen_k=sk), True))
+    if caps.window:
+        out.append(("window", dataclasses.replace(base, window=(5, 3), seqlen_k=s + 9), True))
+        out.append(("window left only", dataclasses.replace(base, window=(6, -1)), True))
+        for kind in sorted(caps.causal_kinds):
+            out.append((f"window+causal={kind}", dataclasses.replace(base, window=(4, -1), causal=str(kind),
+                                                                    seqlen_k=s + 3), False))
+    if caps.bool_mask:
+        out.append(("bool mask", dataclasses.replace(base, mask="bool"), True))
+        out.append(("bool mask keys", dataclasses.replace(base, mask="bool", mask_shape="keys"), True))
+    if caps.float_bias:
+        out.append(("float bias", dataclasses.replace(base, mask="float", mask_shape="heads"), True))
+        if caps.bias_grad:
+            out.append(("bias grad", dataclasses.replace(base, mask="float_grad", mask_shape="heads"), True))
+            out.append(("bias grad 2-D", dataclasses.replace(base, mask="float_grad", mask_shape="square"), True))
+    if caps.mask_with_causal and (caps.bool_mask or caps.float_bias) and caps.causal_kinds:
+        kind = sorted(caps.causal_kinds)[0]
+        out.append(("mask+causal", dataclasses.replace(base, mask="bool" if caps.bool_mask else "float",
+                                                       causal=str(kind)), True))
+    if caps.gqa:
+        out.append(("gqa", dataclasses.replace(base, heads_q=8, heads_kv=2), True))
+    if caps.varlen:
+        lengths = (s // 3, s, 1, s // 2)
+        out.append(("varlen", dataclasses.replace(base, varlen=lengths), True))
+        for kind in sorted(caps.causal_kinds):
+            out.append((f"varlen causal={kind}", dataclasses.replace(base, varlen=lengths, extra_k=(3, 0, 5, 1),
+                                                                     causal=str(kind)), False))
+    if caps.dropout:
+        out.append(("dropout", dataclasses.replace(base, dropout_p=0.25), True))
+    return out
+
+
+def _available(device_type):
+    for name in ad.list_backends():
+        backend = ad.get_backend(name)
+        if backend.is_available() and device_type in backend.capabilities.devices:
+            yield name
+
+
+def _check_dropout_statistically(backend, case, device):
+    """For kernels whose mask cannot be recovered: the mean over many draws is the
+    dropout-free result, and draws differ."""
+    q, k, v, mask, kw, _ = make_inputs(dataclasses.replace(case, dropout_p=0.0), device, requires_grad=False)
+    exact = ad.sdpa(q, k, v, attn_mask=mask, backend="math", **kw).double()
+    draws = torch.stack([ad.sdpa(q, k, v, attn_mask=mask, dropout_p=case.dropout_p, backend=backend,
+                                 **kw).double() for _ in range(300)])
+    assert not draws.isnan().any()
+    err = (draws.mean(0) - exact).abs().max().item()
+    assert err < 0.2, f"{backend}: dropout mean differs from the exact output by {err}"
+    assert (draws.std(0) > 0).any()
+
+
+def check_claims(backend: str, device="cpu", big=False):
+    caps = ad.get_backend(backend).capabilities
+    checked = 0
+    for label, case, single in claimed_cases(caps, big):
+        q, k, v, mask, kw, _ = make_inputs(case, device)
+        problem = normalize_call(q, k, v, mask, **kw).problem
+        reasons = ad.get_backend(backend).reasons(problem)
+        if reasons:
+            assert not single, f"{backend} claims {label} but rejects it: {reasons}"
+            continue
+        if case.dropout_p and backend not in KEEP_MASKS:
+            _check_dropout_statistically(backend, case, device)
+        else:
+            compare_backend(case, backend, keep_fn=KEEP_MASKS.get(backend), device=device)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("backend", list(_available("cpu")))
+def test_capability_claims_hold_on_cpu(backend):
+    assert check_claims(backend) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", list(_available("cuda")) if torch.cuda.is_available() else [])
+def test_capability_claims_hold_on_gpu(backend):
+    assert check_claims(backend, device="cuda", big=True) > 0
+
+
+class _Liar(ad.Backend):
+    """Claims the sliding window but ignores it: the honesty check must catch this."""
+
+    name = "liar"
+    capabilities = ad.Capabilities(dtypes=frozenset({torch.float32}), dropout=False, varlen=False)
+
+    def run(self, query, key, value, **options):
+        return math_attention(query, key, value, **{**options, "window": None})
+
+
+def test_a_false_claim_fails_the_honesty_check():
+    ad.register_backend(_Liar())
+    with pytest.raises(AssertionError, match="liar .*window.* out: max error"):
+        check_claims("liar")

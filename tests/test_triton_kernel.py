@@ -1,0 +1,640 @@
+"""The Triton attention kernels (attention_dispatch.kernels) against tests/naive.py in float64.
+
+Rule (DESIGN.md section 7): max |kernel - oracle64| <= 2 * max |naive(input dtype) - oracle64|
++ a small absolute slack, and never NaN; for the output, the logsumexp and every gradient.
+
+CPU: runs under TRITON_INTERPRET=1 at small shapes (`pytest -n 2` recommended).
+GPU: the `gpu`-marked tests repeat the matrix at realistic shapes (skipped without CUDA).
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from naive import naive_attention  # noqa: E402
+
+from attention_dispatch.kernels import (  # noqa: E402
+    KERNEL_LIMITS,
+    KernelParams,
+    bh_chunks,
+    config_reason,
+    configs,
+    dropout_keep_mask,
+    is_interpreter,
+    num_splits_heuristic,
+    triton_attention,
+)
+
+INTERP = is_interpreter()
+DEV = "cpu" if INTERP else "cuda"
+if not INTERP and not torch.cuda.is_available():  # pragma: no cover
+    pytest.skip("neither TRITON_INTERPRET=1 nor CUDA", allow_module_level=True)
+
+SLACK = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def band_of(causal, window):
+    """(align_bottom_right, window_left, window_right) of DESIGN.md section 3."""
+    if causal is None and window is None:
+        return False, -1, -1
+    br = causal != "top_left"
+    wl, wr = window if window is not None else (-1, -1)
+    if causal is not None:
+        wr = 0 if wr < 0 else min(wr, 0)
+    return br, wl, wr
+
+
+def make_params(q, causal=None, window=None, dropout_p=0.0, scale=None, **kw):
+    br, wl, wr = band_of(causal, window)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return KernelParams(scale=scale, align_bottom_right=br, window_left=wl, window_right=wr,
+                        dropout_p=dropout_p, **kw)
+
+
+def rand(*shape, dtype=F32, device=None, grad=True):
+    return torch.randn(*shape, dtype=dtype, device=device or DEV).requires_grad_(grad)
+
+
+def max_err(a, b):
+    if a.numel() == 0:
+        return 0.0
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    fin = torch.isfinite(b)
+    assert torch.equal(torch.isfinite(a), fin), "non-finite pattern differs"
+    assert torch.equal(a[~fin], b[~fin]), "infinite values differ"
+    return (a[fin] - b[fin]).abs().max().item() if fin.any() else 0.0
+
+
+def assert_rule(got, ref64, reflow, what, dtype):
+    assert got.shape == ref64.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref64.shape)}"
+    assert not torch.isnan(got).any(), f"{what}: NaN"
+    err = max_err(got, ref64)
+    budget = 2.0 * max_err(reflow, ref64) + SLACK[dtype]
+    assert err <= budget, f"{what}: max error {err:.3e} > allowed {budget:.3e}"
+    return err
+
+
+def seq_dims(q, k, cu_q, max_sq, max_sk):
+    if cu_q is None:
+        return q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    return cu_q.numel() - 1, q.shape[1], max_sq, max_sk
+
+
+def run_and_check(q, k, v, bias=None, *, bias_leaf=None, causal=None, window=None, dropout_p=0.0,
+                  cu_q=None, cu_k=None, max_sq=None, max_sk=None, grads=True, seed=1234, **pkw):
+    """Kernel forward + backward vs naive (float64 and input dtype).  `bias` is what the
+    kernel receives; `bias_leaf` (default: bias) is the tensor gradients are taken for and
+    that the reference broadcasts itself."""
+    bias_leaf = bias if bias_leaf is None else bias_leaf
+    params = make_params(q, causal, window, dropout_p, **pkw)
+    torch.manual_seed(seed)
+    out, lse = triton_attention(q, k, v, bias, params, cu_q, cu_k, max_sq, max_sk, return_lse=True)
+    keep = None
+    if dropout_p:
+        torch.manual_seed(seed)
+        keep = dropout_keep_mask(*seq_dims(q, k, cu_q, max_sq, max_sk), dropout_p, device=q.device).cpu()
+    leaves = [t for t in (q, k, v, bias_leaf) if t is not None and t.requires_grad] if grads else []
+    names = [n for n, t in zip(("dq", "dk", "dv", "dbias"), (q, k, v, bias_leaf))
+             if t is not None and t.requires_grad] if grads else []
+    do = torch.randn_like(out)
+    got = dict(out=out, lse=lse)
+    if leaves:
+        got.update(zip(names, torch.autograd.grad(out, leaves, do)))
+    refs = {}
+    for dt in (torch.float64, q.dtype):
+        cp = [t.detach().cpu().to(dt).requires_grad_(t.requires_grad) for t in (q, k, v)]
+        m = None
+        if bias_leaf is not None:
+            m = bias_leaf.detach().cpu()
+            if m.is_floating_point():
+                m = m.to(dt)
+            m.requires_grad_(bias_leaf.requires_grad)
+        r_out, r_lse = naive_attention(*cp, mask=m, causal=causal, window=window, scale=params.scale,
+                                       keep=keep, dropout_p=dropout_p,
+                                       cu_seqlens_q=None if cu_q is None else cu_q.cpu(),
+                                       cu_seqlens_k=None if cu_k is None else cu_k.cpu(), return_lse=True)
+        r = dict(out=r_out, lse=r_lse)
+        rl = [t for t in cp + [m] if t is not None and t.requires_grad] if grads else []
+        if rl:
+            r.update(zip(names, torch.autograd.grad(r_out, rl, do.detach().cpu().to(dt), allow_unused=True)))
+        refs[dt] = r
+    errs = {}
+    for name, g in got.items():
+        r64, rlo = refs[torch.float64][name], refs[q.dtype][name]
+        if name == "lse":
+            errs[name] = assert_rule(g, r64, r64.float(), name, F32 if q.dtype == F32 else q.dtype)
+            continue
+        if name == "dbias" and g.dtype != q.dtype:
+            rlo = rlo.to(g.dtype)
+        errs[name] = assert_rule(g, r64, rlo, name, q.dtype if name != "dbias" else
+                                 (g.dtype if g.dtype in SLACK else q.dtype))
+    return got, errs
+
+
+def varlen_inputs(lq, lk, hq, hkv, d, dv=None, dtype=F32, device=None):
+    device = device or DEV
+    cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    q = rand(sum(lq), hq, d, dtype=dtype, device=device)
+    k = rand(sum(lk), hkv, d, dtype=dtype, device=device)
+    v = rand(sum(lk), hkv, dv or d, dtype=dtype, device=device)
+    return q, k, v, cu_q, cu_k, max(lq), max(lk)
+
+
+# ----------------------------------------------------------------------------- band
+
+BANDS = [
+    (None, None), ("top_left", None), ("bottom_right", None),
+    (None, (8, -1)), (None, (-1, 8)), (None, (6, 4)), (None, (0, 0)),
+    ("top_left", (8, -1)), ("bottom_right", (5, 3)),
+]
+
+
+@pytest.mark.parametrize("sq,sk", [(40, 40), (24, 56), (56, 24)])
+@pytest.mark.parametrize("causal,window", BANDS)
+def test_band(causal, window, sq, sk):
+    q, k, v = rand(2, 2, sq, 32), rand(2, 2, sk, 32), rand(2, 2, sk, 32)
+    run_and_check(q, k, v, causal=causal, window=window)
+
+
+def test_window_skips_blocks():
+    """A narrow window must give the same result with many key tiles (loop bounds skip
+    the tiles outside the band; the masked/unmasked tile split must be exact)."""
+    q, k, v = rand(1, 1, 64, 16), rand(1, 1, 64, 16), rand(1, 1, 64, 16)
+    for bm, bn in [(16, 16), (32, 16), (16, 32)]:
+        run_and_check(q, k, v, window=(3, 2), block_m=bm, block_n=bn)
+        run_and_check(q, k, v, causal="bottom_right", window=(17, -1), block_m=bm, block_n=bn)
+
+
+# ----------------------------------------------------------------------------- masks / bias
+
+@pytest.mark.parametrize("shape", ["full", "heads", "keys", "square", "rows", "one_key", "expanded"])
+@pytest.mark.parametrize("causal", [None, "top_left"])
+def test_float_bias_grad(shape, causal):
+    B, H, Sq, Sk = 2, 3, 24, 40
+    shp = {"full": (B, H, Sq, Sk), "heads": (1, H, Sq, Sk), "keys": (B, 1, 1, Sk), "square": (Sq, Sk),
+           "rows": (B, H, Sq, 1), "one_key": (1, 1, 1, Sk), "expanded": (1, H, 1, Sk)}[shape]
+    q, k, v = rand(B, H, Sq, 32), rand(B, H, Sk, 32), rand(B, H, Sk, 32)
+    leaf = rand(*shp)
+    bias = leaf.expand(B, H, Sq, Sk) if shape == "expanded" else leaf  # adapter-style broadcast view
+    got, _ = run_and_check(q, k, v, bias, bias_leaf=leaf, causal=causal)
+    assert got["dbias"].shape == leaf.shape
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 24, 40), (2, 1, 24, 40), (1, 1, 1, 40), (2, 4, 24, 40)])
+def test_float_bias_grad_gqa(shape):
+    """Head-broadcast bias with GQA: the dK/dV program sums its group's heads in-kernel."""
+    q, k, v = rand(2, 4, 24, 32), rand(2, 2, 40, 32), rand(2, 2, 40, 32)
+    run_and_check(q, k, v, rand(*shape), causal="bottom_right")
+
+
+@pytest.mark.parametrize("shape", ["full", "keys", "square"])
+def test_bool_mask(shape):
+    B, H, Sq, Sk = 2, 2, 24, 40
+    shp = {"full": (B, H, Sq, Sk), "keys": (B, 1, 1, Sk), "square": (Sq, Sk)}[shape]
+    m = torch.rand(shp, device=DEV) > 0.3
+    q, k, v = rand(B, H, Sq, 32), rand(B, H, Sk, 32), rand(B, H, Sk, 32)
+    run_and_check(q, k, v, m, causal="bottom_right")
+
+
+def test_bias_other_float_dtype():
+    q, k, v = rand(1, 2, 24, 32), rand(1, 2, 24, 32), rand(1, 2, 24, 32)
+    bias = torch.randn(1, 2, 24, 24, dtype=torch.float64, device=DEV).requires_grad_()
+    got, _ = run_and_check(q, k, v, bias)
+    assert got["dbias"].dtype == torch.float64
+
+
+def test_fully_masked_rows():
+    """Rows with no allowed key: output 0, logsumexp -inf, zero gradients, never NaN."""
+    B, H, Sq, Sk = 2, 2, 24, 32
+    q, k, v = rand(B, H, Sq, 32), rand(B, H, Sk, 32), rand(B, H, Sk, 32)
+    m = torch.rand(B, H, Sq, Sk, device=DEV) > 0.5
+    m[:, :, 3] = False
+    m[1, 0, 10:13] = False
+    got, _ = run_and_check(q, k, v, m)
+    assert (got["out"][:, :, 3] == 0).all() and (got["lse"][:, :, 3] == -math.inf).all()
+    assert (got["dq"][:, :, 3] == 0).all()
+    # float bias of -inf on a whole row, with grad
+    bias = torch.randn(B, H, Sq, Sk, device=DEV)
+    bias[0, 1, 5] = -math.inf
+    bias.requires_grad_()
+    got, _ = run_and_check(q, k, v, bias, causal="top_left")
+    assert (got["out"][0, 1, 5] == 0).all() and (got["dbias"][0, 1, 5] == 0).all()
+    # window that leaves the first rows empty (bottom-right with Sq > Sk)
+    q2 = rand(B, H, 40, 32)
+    got, _ = run_and_check(q2, k, v, causal="bottom_right", dropout_p=0.2)
+    assert (got["out"][:, :, :8] == 0).all() and (got["dq"][:, :, :8] == 0).all()
+
+
+# ----------------------------------------------------------------------------- dropout
+
+@pytest.mark.parametrize("causal,window", [(None, None), ("top_left", None), (None, (6, 6))])
+def test_dropout_matches_oracle_with_mask(causal, window):
+    q, k, v = rand(2, 2, 24, 32), rand(2, 2, 40, 32), rand(2, 2, 40, 32)
+    run_and_check(q, k, v, rand(1, 2, 24, 40), causal=causal, window=window, dropout_p=0.3)
+
+
+def test_dropout_gqa_bias_grad():
+    q, k, v = rand(2, 4, 24, 32), rand(2, 1, 24, 32), rand(2, 1, 24, 32)
+    run_and_check(q, k, v, rand(2, 1, 1, 24), dropout_p=0.25)
+
+
+def test_dropout_keep_rate_and_repeatability():
+    p = 0.3
+    torch.manual_seed(7)
+    keep = dropout_keep_mask(2, 4, 64, 64, p, device=DEV)
+    n = keep.numel()
+    rate = keep.float().mean().item()
+    assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n), rate
+    torch.manual_seed(7)
+    assert torch.equal(keep, dropout_keep_mask(2, 4, 64, 64, p, device=DEV))
+    torch.manual_seed(8)
+    assert not torch.equal(keep, dropout_keep_mask(2, 4, 64, 64, p, device=DEV))
+    # rows and heads are not copies of each other
+    assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
+
+    q, k, v = rand(1, 2, 24, 16), rand(1, 2, 24, 16), rand(1, 2, 24, 16)
+    prm = make_params(q, dropout_p=p)
+    torch.manual_seed(3)
+    a = triton_attention(q, k, v, None, prm)
+    torch.manual_seed(3)
+    b = triton_attention(q, k, v, None, prm)
+    c = triton_attention(q, k, v, None, prm)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+# ----------------------------------------------------------------------------- varlen
+
+VARLENS = [
+    ((5, 0, 17, 33), (9, 4, 17, 20)),   # zero-length query sequence, Sk < Sq and Sk > Sq
+    ((8, 12, 0), (0, 30, 0)),           # zero-length key sequence with queries: rows are empty
+]
+
+
+@pytest.mark.parametrize("lens", VARLENS)
+@pytest.mark.parametrize("causal,window", [(None, None), ("bottom_right", None), ("top_left", (4, -1))])
+def test_varlen(lens, causal, window):
+    q, k, v, cu_q, cu_k, msq, msk = varlen_inputs(*lens, hq=2, hkv=2, d=32)
+    run_and_check(q, k, v, causal=causal, window=window, cu_q=cu_q, cu_k=cu_k, max_sq=msq, max_sk=msk)
+
+
+def test_varlen_bias_dropout_gqa():
+    lq, lk = (5, 0, 17, 33), (9, 4, 17, 20)
+    q, k, v, cu_q, cu_k, msq, msk = varlen_inputs(lq, lk, hq=4, hkv=2, d=32, dv=16)
+    bias = rand(4, 1, msq, msk)
+    run_and_check(q, k, v, bias, causal="bottom_right", dropout_p=0.2, cu_q=cu_q, cu_k=cu_k,
+                  max_sq=msq, max_sk=msk)
+    m = torch.rand(1, 4, msq, msk, device=DEV) > 0.3
+    run_and_check(q, k, v, m, window=(8, 8), cu_q=cu_q, cu_k=cu_k, max_sq=msq, max_sk=msk)
+
+
+def test_varlen_all_empty():
+    q, k, v, cu_q, cu_k, msq, msk = varlen_inputs((0, 0), (0, 3), hq=2, hkv=2, d=16)
+    prm = make_params(q)
+    out = triton_attention(q, k, v, None, prm, cu_q, cu_k, msq, msk)
+    assert out.shape == (0, 2, 16)
+    out.sum().backward()
+    assert k.grad.shape == k.shape and (k.grad == 0).all()
+
+
+# ----------------------------------------------------------------------------- heads / dims / dtypes
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 1), (3, 3)])
+def test_gqa_mqa(hq, hkv):
+    q, k, v = rand(2, hq, 24, 32), rand(2, hkv, 40, 32), rand(2, hkv, 40, 32)
+    run_and_check(q, k, v, causal="bottom_right")
+
+
+@pytest.mark.parametrize("d", [16, 40, 64, 80, 96, 128, 160, 192, 256])
+def test_head_dims(d):
+    q, k, v = rand(1, 2, 20, d), rand(1, 1, 24, d), rand(1, 1, 24, d)
+    run_and_check(q, k, v, causal="top_left")
+
+
+@pytest.mark.parametrize("dqk,dv", [(32, 64), (64, 40), (80, 16), (8, 24)])
+def test_head_dim_qk_ne_v(dqk, dv):
+    q, k, v = rand(2, 2, 24, dqk), rand(2, 2, 30, dqk), rand(2, 2, 30, dv)
+    run_and_check(q, k, v, rand(1, 2, 24, 30), window=(10, 2))
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("feature", ["plain", "causal_bias", "varlen_dropout", "d80_gqa"])
+def test_half_dtypes(dtype, feature):
+    if feature == "plain":
+        q, k, v = rand(2, 2, 32, 64, dtype=dtype), rand(2, 2, 32, 64, dtype=dtype), rand(2, 2, 32, 64, dtype=dtype)
+        run_and_check(q, k, v)
+    elif feature == "causal_bias":
+        q, k, v = rand(2, 2, 24, 32, dtype=dtype), rand(2, 2, 40, 32, dtype=dtype), rand(2, 2, 40, 32, dtype=dtype)
+        run_and_check(q, k, v, rand(2, 1, 1, 40, dtype=dtype), causal="bottom_right")
+    elif feature == "varlen_dropout":
+        q, k, v, cu_q, cu_k, msq, msk = varlen_inputs((7, 0, 20), (7, 5, 30), hq=2, hkv=1, d=32, dtype=dtype)
+        run_and_check(q, k, v, causal="top_left", dropout_p=0.2, cu_q=cu_q, cu_k=cu_k, max_sq=msq, max_sk=msk)
+    else:
+        q, k, v = rand(1, 4, 24, 80, dtype=dtype), rand(1, 2, 24, 80, dtype=dtype), rand(1, 2, 24, 80, dtype=dtype)
+        run_and_check(q, k, v, window=(4, 4))
+
+
+def test_fp32_bias_with_half_inputs():
+    q, k, v = rand(1, 2, 24, 32, dtype=F16), rand(1, 2, 24, 32, dtype=F16), rand(1, 2, 24, 32, dtype=F16)
+    bias = rand(1, 2, 24, 24)
+    got, _ = run_and_check(q, k, v, bias)
+    assert got["dbias"].dtype == F32
+
+
+def test_strided_inputs():
+    """(B, S, H, D)-major tensors viewed as (B, H, S, D), and a non-contiguous last dim."""
+    base = torch.randn(2, 24, 3, 32, device=DEV)
+    q = base.transpose(1, 2).requires_grad_()  # not a leaf-copy: strides (S*H*D, D, H*D, 1)
+    q = q.detach().requires_grad_()
+    kb = torch.randn(2, 32, 3, 40, device=DEV)[..., :32]      # padded rows (stride(-2) = 40)
+    k = kb.transpose(1, 2).detach().requires_grad_()
+    v = torch.randn(2, 3, 16, 32, device=DEV).transpose(-1, -2).detach().requires_grad_()  # last dim strided
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) != 1
+    run_and_check(q, k, v, causal="bottom_right")
+
+
+def test_scale_override():
+    q, k, v = rand(1, 2, 24, 32), rand(1, 2, 24, 32), rand(1, 2, 24, 32)
+    run_and_check(q, k, v, scale=0.37)
+
+
+# ----------------------------------------------------------------------------- determinism / split-keys
+
+def _fwd_bwd(q, k, v, bias, prm, seed=11, **kw):
+    torch.manual_seed(seed)
+    out = triton_attention(q, k, v, bias, prm, **kw)
+    leaves = [t for t in (q, k, v, bias) if t is not None and t.requires_grad]
+    torch.manual_seed(99)
+    do = torch.randn_like(out)
+    return [out] + list(torch.autograd.grad(out, leaves, do))
+
+
+def test_determinism_bitwise():
+    q, k, v = rand(2, 4, 40, 32), rand(2, 2, 40, 32), rand(2, 2, 40, 32)
+    bias = rand(1, 4, 40, 40)
+    prm = make_params(q, causal="top_left", dropout_p=0.1, deterministic=True)
+    a = _fwd_bwd(q, k, v, bias, prm)
+    b = _fwd_bwd(q, k, v, bias, prm)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_split_keys_forced_matches():
+    q, k, v = rand(1, 2, 24, 32), rand(1, 2, 80, 32), rand(1, 2, 80, 32)
+    bias = rand(1, 1, 24, 80)
+    ref = _fwd_bwd(q, k, v, bias, make_params(q, causal="bottom_right", dropout_p=0.2, deterministic=True))
+    for splits in (2, 3, 5):
+        got = _fwd_bwd(q, k, v, bias, make_params(q, causal="bottom_right", dropout_p=0.2, num_splits=splits))
+        for x, y in zip(got, ref):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    # and against the oracle, split
+    run_and_check(q, k, v, bias, causal="bottom_right", num_splits=3)
+    run_and_check(q, k, v, window=(20, 5), num_splits=4)
+
+
+def test_deterministic_forces_one_split():
+    q, k, v = rand(1, 1, 16, 16), rand(1, 1, 64, 16), rand(1, 1, 64, 16)
+    prm = make_params(q, num_splits=4, deterministic=True)
+    a = _fwd_bwd(q, k, v, None, prm)
+    b = _fwd_bwd(q, k, v, None, prm)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_split_heuristic():
+    # plenty of parallelism -> 1; tiny batch*heads with many key tiles -> split; deterministic -> 1
+    assert num_splits_heuristic(64 * 16, 32, 32, 132, False) == 1
+    s = num_splits_heuristic(1, 2, 64, 132, False)
+    assert 1 < s <= 16
+    assert num_splits_heuristic(1, 2, 64, 132, True) == 1
+    assert num_splits_heuristic(1, 1, 1, 132, False) == 1
+    assert num_splits_heuristic(1, 1, 4, 132, False) <= 2   # at least two key tiles per split
+
+
+# ----------------------------------------------------------------------------- chunking
+
+def test_bh_chunks():
+    assert list(bh_chunks(10, 2, 4)) == [(0, 4), (4, 4), (8, 2)]        # whole batches
+    assert list(bh_chunks(6, 4, 3)) == [(0, 3), (3, 3)]                 # heads > limit
+    assert list(bh_chunks(5, 5, 65535)) == [(0, 5)]
+
+
+@pytest.mark.parametrize("limit", [1, 3, 4])
+def test_chunking_equals_unchunked(limit):
+    q, k, v = rand(3, 4, 24, 16), rand(3, 2, 32, 16), rand(3, 2, 32, 16)
+    bias = rand(3, 1, 24, 32)
+    base = _fwd_bwd(q, k, v, bias, make_params(q, causal="top_left", dropout_p=0.3, deterministic=True))
+    got = _fwd_bwd(q, k, v, bias, make_params(q, causal="top_left", dropout_p=0.3, deterministic=True,
+                                                 max_grid=limit))
+    assert all(torch.equal(x, y) for x, y in zip(base, got))
+    torch.manual_seed(5)
+    m1 = dropout_keep_mask(3, 4, 24, 32, 0.3, device=DEV)
+    torch.manual_seed(5)
+    m2 = dropout_keep_mask(3, 4, 24, 32, 0.3, device=DEV, max_grid=limit)
+    assert torch.equal(m1, m2)
+
+
+def test_chunking_varlen():
+    q, k, v, cu_q, cu_k, msq, msk = varlen_inputs((5, 0, 17), (9, 4, 17), hq=2, hkv=1, d=16)
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=msq, max_seqlen_k=msk)
+    base = _fwd_bwd(q, k, v, None, make_params(q, dropout_p=0.2, deterministic=True), **kw)
+    got = _fwd_bwd(q, k, v, None, make_params(q, dropout_p=0.2, deterministic=True, max_grid=1), **kw)
+    assert all(torch.equal(x, y) for x, y in zip(base, got))
+
+
+# ----------------------------------------------------------------------------- edge cases
+
+@pytest.mark.parametrize("b,h,sq,sk", [(0, 2, 8, 8), (2, 0, 8, 8), (2, 2, 0, 8), (2, 2, 8, 0)])
+def test_empty(b, h, sq, sk):
+    q, k, v = rand(b, h, sq, 16), rand(b, h, sk, 16), rand(b, h, sk, 24)
+    bias = rand(1, 1, sq, sk)
+    out, lse = triton_attention(q, k, v, bias, make_params(q, dropout_p=0.1), return_lse=True)
+    assert out.shape == (b, h, sq, 24) and (out == 0).all() and not torch.isnan(out).any()
+    assert lse.shape == (b, h, sq)
+    out.sum().backward()
+    for t in (q, k, v, bias):
+        assert t.grad is not None and t.grad.shape == t.shape and (t.grad == 0).all()
+
+
+def test_no_grad_for_bias_unless_required():
+    q, k, v = rand(1, 2, 16, 16), rand(1, 2, 16, 16), rand(1, 2, 16, 16)
+    bias = torch.randn(1, 2, 16, 16, device=DEV)
+    out = triton_attention(q, k, v, bias, make_params(q))
+    out.sum().backward()
+    assert bias.grad is None and q.grad is not None
+
+
+def test_input_errors():
+    q, k, v = rand(1, 3, 8, 16), rand(1, 2, 8, 16), rand(1, 2, 8, 16)
+    with pytest.raises(ValueError):
+        triton_attention(q, k, v, None, make_params(q))
+    q = rand(1, 2, 8, 16)
+    with pytest.raises(ValueError):
+        triton_attention(q, k, v, rand(1, 2, 5, 8), make_params(q))
+    with pytest.raises(TypeError):
+        triton_attention(q, k, v, torch.ones(8, 8, dtype=torch.int32, device=DEV), make_params(q))
+    with pytest.raises(ValueError):
+        KernelParams(scale=1.0, dropout_p=1.0)
+
+
+# ----------------------------------------------------------------------------- configs / limits
+
+def test_config_reason():
+    assert config_reason(128, 128, F16, DEV) is None
+    assert "320 > 256" in config_reason(320, 128, F16, DEV)
+    assert "dtype" in config_reason(64, 64, torch.int8, DEV)
+    assert "bfloat16" in configs.arch_reason(64, 64, BF16, (7, 5), 64 * 1024)
+    assert "compute capability" in configs.arch_reason(64, 64, F16, (7, 0), 96 * 1024)
+
+
+@pytest.mark.parametrize("cc,smem", [((9, 0), 227 * 1024), ((8, 0), 163 * 1024), ((8, 6), 99 * 1024)])
+def test_config_table_covers_all_head_dims(cc, smem):
+    for dtype in (F16, BF16, F32):
+        for d in (16, 32, 40, 64, 80, 96, 128, 160, 192, 256):
+            assert configs.arch_reason(d, d, dtype, cc, smem) is None, (cc, dtype, d)
+            for kind in configs.KINDS:
+                cands = configs.candidate_configs(kind, d, d, dtype, cc, smem)
+                assert cands and all(configs.shared_memory_estimate(kind, c, configs.block_d(d), configs.block_d(d),
+                                                                    torch.empty((), dtype=dtype).element_size())
+                                     <= smem for c in cands)
+    r = configs.arch_reason(256, 256, F32, (7, 5), 48 * 1024)
+    assert r and "shared memory" in r
+
+
+def test_kernel_limits_are_data():
+    assert set(KERNEL_LIMITS.dtypes) == {F16, BF16, F32}
+    assert KERNEL_LIMITS.max_head_dim == 256 and KERNEL_LIMITS.deterministic_backward
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+def test_torch_compile_fullgraph():
+    q, k, v = rand(1, 2, 24, 16), rand(1, 2, 24, 16), rand(1, 2, 24, 16)
+    bias = rand(1, 1, 24, 24)
+    prm = make_params(q, causal="top_left")
+
+    def f(q, k, v, bias):
+        return triton_attention(q, k, v, bias, prm) * 2
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    a = cf(q, k, v, bias)
+    ga = torch.autograd.grad(a.sum(), (q, k, v, bias))
+    b = f(q, k, v, bias)
+    gb = torch.autograd.grad(b.sum(), (q, k, v, bias))
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ga, gb))
+
+
+def test_opcheck():
+    q, k, v = rand(1, 2, 16, 16), rand(1, 2, 16, 16), rand(1, 2, 16, 16)
+    op = torch.ops.attention_dispatch.triton_attention_fwd.default
+    args = (q, k, v, None, None, None, -1, -1) + make_params(q).to_args()
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+# ----------------------------------------------------------------------------- GPU, realistic shapes
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERP, reason="needs a CUDA GPU")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,window", [(None, None), ("top_left", None), ("bottom_right", (256, 0)),
+                                           (None, (128, 128))])
+def test_gpu_dense(dtype, d, causal, window):
+    q = rand(2, 8, 1000, d, dtype=dtype, device="cuda")
+    k = rand(2, 4, 1100, d, dtype=dtype, device="cuda")
+    v = rand(2, 4, 1100, d, dtype=dtype, device="cuda")
+    run_and_check(q, k, v, causal=causal, window=window)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [F16, BF16, F32])
+@pytest.mark.parametrize("d", [40, 80, 96, 160, 192, 256])
+def test_gpu_head_dims(dtype, d):
+    q, k, v = (rand(1, 4, 512, d, dtype=dtype, device="cuda") for _ in range(3))
+    run_and_check(q, k, v, causal="bottom_right")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_gpu_bias_grad_dropout(dtype):
+    q = rand(2, 8, 512, 64, dtype=dtype, device="cuda")
+    k = rand(2, 2, 640, 64, dtype=dtype, device="cuda")
+    v = rand(2, 2, 640, 64, dtype=dtype, device="cuda")
+    run_and_check(q, k, v, rand(2, 1, 1, 640, dtype=dtype, device="cuda"), causal="bottom_right", dropout_p=0.1)
+    run_and_check(q, k, v, rand(1, 8, 512, 640, dtype=dtype, device="cuda"))
+    m = torch.rand(2, 8, 512, 640, device="cuda") > 0.2
+    run_and_check(q, k, v, m, window=(100, 100))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_gpu_varlen(dtype):
+    lq, lk = (300, 0, 513, 1000, 7), (280, 64, 513, 1200, 0)
+    q, k, v, cu_q, cu_k, msq, msk = varlen_inputs(lq, lk, hq=8, hkv=2, d=128, dtype=dtype, device="cuda")
+    run_and_check(q, k, v, causal="bottom_right", dropout_p=0.1, cu_q=cu_q, cu_k=cu_k, max_sq=msq, max_sk=msk)
+    run_and_check(q, k, v, rand(5, 1, msq, msk, dtype=dtype, device="cuda"), window=(64, 64), cu_q=cu_q,
+                  cu_k=cu_k, max_sq=msq, max_sk=msk)
+
+
+@gpu
+@needs_cuda
+def test_gpu_determinism_and_splits():
+    q = rand(1, 2, 256, 128, dtype=BF16, device="cuda")
+    k = rand(1, 2, 4096, 128, dtype=BF16, device="cuda")
+    v = rand(1, 2, 4096, 128, dtype=BF16, device="cuda")
+    bias = rand(1, 2, 256, 4096, dtype=BF16, device="cuda")
+    det = make_params(q, causal="bottom_right", dropout_p=0.1, deterministic=True)
+    a = _fwd_bwd(q, k, v, bias, det)
+    b = _fwd_bwd(q, k, v, bias, det)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    run_and_check(q, k, v, bias, causal="bottom_right")                     # heuristic (splits here)
+    run_and_check(q, k, v, bias, causal="bottom_right", deterministic=True)
+
+
+@gpu
+@needs_cuda
+def test_gpu_chunking_past_grid_limit():
+    # batch*heads = 70000 > 65535 -> two launches; dropout stays exact across chunks
+    q = rand(17500, 4, 16, 32, dtype=F16, device="cuda", grad=False)
+    k = rand(17500, 4, 16, 32, dtype=F16, device="cuda", grad=False)
+    v = rand(17500, 4, 16, 32, dtype=F16, device="cuda", grad=False)
+    prm = make_params(q, dropout_p=0.1)
+    torch.manual_seed(1)
+    a = triton_attention(q, k, v, None, prm)
+    torch.manual_seed(1)
+    b = triton_attention(q, k, v, None, make_params(q, dropout_p=0.1, max_grid=1000))
+    assert torch.equal(a, b)
+
+
+@gpu
+@needs_cuda
+def test_gpu_cuda_graph_capture():
+    q, k, v = (rand(2, 4, 256, 64, dtype=F16, device="cuda", grad=False) for _ in range(3))
+    prm = make_params(q, causal="top_left", dropout_p=0.1)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        triton_attention(q, k, v, None, prm)   # warm-up / compile
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = triton_attention(q, k, v, None, prm)
+    g.replay()
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
