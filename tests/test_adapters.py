@@ -403,6 +403,7 @@ def test_torch_cpu_rejections():
     assert "window=(4, 0) not supported" in r(problem(window=(4, 0), **cpu))
     assert "device=cuda not in {cpu}" in r(problem())
     assert r(problem(dtype=torch.float64, causal=BR, seqlen_q=3, **cpu)) == []
+    assert r(problem(deterministic=True, requires_grad=True, **cpu)) == []
     assert TorchCpuBackend().is_available()
 
 

@@ -91,6 +91,7 @@ class _TorchSdpaBackend(Backend):
     native_lower_right = False     # causal_lower_right runs natively (flash, efficient)
     fix_empty_rows = False         # neutralise rows without allowed keys (see module doc)
     varlen_causal: CausalKind | None = None   # causal alignment of the nested path
+    determinism_from_global_flag = False      # backward deterministic only under use_deterministic_algorithms
 
     # -- availability -------------------------------------------------------------
     def is_available(self) -> bool:
@@ -125,7 +126,7 @@ class _TorchSdpaBackend(Backend):
                 reasons.append("attn_mask with varlen/nested inputs not supported (PyTorch: 'Masks are not yet supported')")
             if (p.causal is not None and self.varlen_causal is not None and p.causal is not self.varlen_causal):
                 reasons.append(f"causal={p.causal} with varlen (PyTorch's nested path aligns causal {self.varlen_causal})")
-        if p.requires_grad and p.deterministic and not p.deterministic_warn_only and self.capabilities.deterministic_backward:
+        if p.requires_grad and p.deterministic and not p.deterministic_warn_only and self.determinism_from_global_flag:
             on, warn_only = _deterministic_flag()
             if not on or warn_only:
                 reasons.append("deterministic backward needs torch.use_deterministic_algorithms(True) "
@@ -309,6 +310,7 @@ class TorchFlashBackend(_TorchSdpaBackend):
 
     name = "torch_flash"
     sdp_backend = "FLASH_ATTENTION"
+    determinism_from_global_flag = True
     native_lower_right = True
     varlen_causal = CausalKind.BOTTOM_RIGHT
     capabilities = Capabilities(
@@ -342,6 +344,7 @@ class TorchEfficientBackend(_TorchSdpaBackend):
 
     name = "torch_efficient"
     sdp_backend = "EFFICIENT_ATTENTION"
+    determinism_from_global_flag = True
     native_lower_right = True
     fix_empty_rows = True
     varlen_causal = CausalKind.TOP_LEFT
