@@ -10,6 +10,7 @@ from . import config as _config
 from . import registry
 from .debug import logger, note_decision
 from .dispatch import BackendRunError, Decision, decide
+from .fastest import choose_fastest
 from .problem import Problem, _aligned_16, compute_capability
 from .semantics import normalize_causal, normalize_window
 
@@ -277,7 +278,11 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     call = normalize_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                           causal=causal, window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, deterministic=deterministic)
-    decision, out = _execute(decide(call.problem, backend), call)
+    decision = decide(call.problem, backend)
+    policy = _config.current_config().dispatch
+    if policy.policy == "fastest" and backend is None:
+        decision = choose_fastest(decision, call, policy.fastest_cache)
+    decision, out = _execute(decision, call)
     note_decision(decision)
     return out if call.restore is None else call.restore(out)
 

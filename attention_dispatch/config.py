@@ -29,7 +29,10 @@ class DispatchSection(BaseModel):
 
     priority: tuple[str, ...] = Field(default=BUILTIN_ORDER, description="candidate order, first wins")
     disabled: tuple[str, ...] = Field(default=(), description="backends never chosen")
-    policy: Literal["priority"] = "priority"
+    policy: Literal["priority", "fastest"] = Field(
+        default="priority", description="first eligible in order, or the measured fastest per shape bucket")
+    fastest_cache: Union[str, None] = Field(
+        default=None, description="JSON file keeping policy='fastest' measurements across processes")
     deterministic: Union[Literal["auto"], bool] = Field(
         default="auto", description="auto follows torch.are_deterministic_algorithms_enabled()")
     math_fallback: Literal["warn", "allow", "forbid"] = Field(

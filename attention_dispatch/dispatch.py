@@ -44,6 +44,7 @@ class Decision:
     eligible: tuple[str, ...]
     failures: dict[str, str] = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)   # ms, policy="fastest"
 
     def __str__(self) -> str:
         head = f"attention_dispatch: {self.backend or 'NO BACKEND'} (order from {self.source})"
@@ -52,6 +53,10 @@ class Decision:
         for name in self.candidates:
             if name == self.backend:
                 status = "chosen"
+                if name in self.timings:
+                    status += f" (measured fastest: {self.timings[name]:.3f} ms)"
+            elif name in self.timings:
+                status = f"eligible ({self.timings[name]:.3f} ms)"
             elif name in self.failures:
                 status = f"failed: {self.failures[name]}"
             elif name in self.rejected:

@@ -335,3 +335,44 @@ def test_log_env_variable_configures_stderr_logging():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "[attention_dispatch] DEBUG new decision" in res.stderr and "math" in res.stderr
+
+
+class Sleepy(Recording):
+    def __init__(self, name, seconds):
+        super().__init__(name)
+        self.seconds = seconds
+
+    def run(self, query, key, value, **options):
+        import time
+        time.sleep(self.seconds)
+        return super().run(query, key, value, **options)
+
+
+def test_policy_fastest_measures_and_caches(tmp_path):
+    from attention_dispatch import fastest
+    fastest.forget()
+    slow, quick = Sleepy("slow", 0.02), Sleepy("quick", 0.0)
+    ad.register_backend(slow, priority="first")
+    ad.register_backend(quick, priority=1)
+    cache = tmp_path / "fastest.json"
+    q, k, v = qkv(grad=True)
+    state = torch.get_rng_state()
+    with ad.use_config({"dispatch": {"policy": "fastest", "fastest_cache": str(cache)}}), \
+            ad.use_backends("slow", "quick"):
+        ad.sdpa(q, k, v).sum().backward()
+        d = ad.last_decision()
+        assert torch.equal(torch.get_rng_state(), state)   # timing left the RNG alone
+        assert d.backend == "quick" and d.timings["slow"] > d.timings["quick"]
+        assert "measured fastest" in str(d) and "policy=fastest" in str(d)
+        runs = slow.runs
+        ad.sdpa(*qkv(1, 2, 7, 16, grad=True))  # same bucket (7 rounds up to 8): no new timing
+        assert slow.runs == runs and ad.last_decision().backend == "quick"
+        stored = __import__("json").loads(cache.read_text())
+        assert [e["backend"] for e in stored.values()] == ["quick"]
+        fastest.forget()                      # a new process: the file answers
+        ad.sdpa(q, k, v)
+        assert slow.runs == runs and ad.last_decision().backend == "quick"
+    assert q.grad is not None and q.grad.abs().sum() > 0
+    with ad.use_config({"dispatch": {"policy": "priority"}}), ad.use_backends("slow", "quick"):
+        ad.sdpa(q, k, v)
+        assert ad.last_decision().backend == "slow"

@@ -1,0 +1,132 @@
+"""policy = "fastest": time every eligible backend once per shape bucket, keep the winner.
+
+A bucket is the Problem with its sizes rounded up to powers of two (all feature flags,
+dtype and device kept). Winners live in memory and, when `dispatch.fastest_cache` names
+a file, in JSON keyed also by the GPU and library versions, so later processes reuse them.
+Timing runs on clones of the caller's tensors with the RNG state forked, so the user's
+random stream and autograd graph are untouched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from . import registry
+from .dispatch import Decision, logger
+from .problem import Problem
+
+_lock = threading.Lock()
+_winners: dict[tuple, tuple[str, dict[str, float]]] = {}
+_loaded_files: set[str] = set()
+REPEATS = 3
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length() if n > 0 else 0
+
+
+def bucket(problem: Problem) -> Problem:
+    """The Problem with sizes rounded up to powers of two: one measurement serves them all."""
+    return dataclasses.replace(problem, batch=_pow2(problem.batch), seqlen_q=_pow2(problem.seqlen_q),
+                               seqlen_k=_pow2(problem.seqlen_k))
+
+
+def _environment(device: torch.device) -> str:
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    versions = ";".join(f"{n}={registry.get_backend(n).version()}" for n in registry.list_backends())
+    return f"{gpu}|torch={torch.__version__}|{versions}"
+
+
+def _file_key(problem: Problem, device: torch.device) -> str:
+    return f"{_environment(device)}|{bucket(problem)!r}"
+
+
+def _load_file(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        logger.warning("fastest cache %s unreadable (%s); starting afresh", path, exc)
+        return {}
+
+
+def _store_file(path: str, key: str, backend: str, timings: dict[str, float]) -> None:
+    data = _load_file(path)
+    data[key] = {"backend": backend, "timings_ms": timings}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    Path(tmp).write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)   # atomic: concurrent processes never read half a file
+
+
+def _time_backend(name: str, call, sync) -> float:
+    """Median milliseconds of one call (forward, plus backward when the call needs grad)."""
+    backend = registry.get_backend(name)
+    grad = call.problem.requires_grad
+
+    def leaf(t):
+        return None if t is None else t.detach().clone().requires_grad_(grad and t.requires_grad)
+
+    q, k, v = leaf(call.query), leaf(call.key), leaf(call.value)
+    mask = call.options["attn_mask"]
+    options = dict(call.options, attn_mask=leaf(mask) if mask is not None and mask.is_floating_point() else mask)
+    samples = []
+    for i in range(REPEATS + 1):   # the first run warms up (compilation, autotuning)
+        sync()
+        start = time.perf_counter()
+        with torch.set_grad_enabled(grad):
+            out = backend.run(q, k, v, **options)
+            if grad:
+                out.backward(torch.ones_like(out))
+        sync()
+        if i:
+            samples.append((time.perf_counter() - start) * 1e3)
+    return sorted(samples)[len(samples) // 2]
+
+
+def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision:
+    """The Decision with its backend replaced by the measured fastest eligible one."""
+    if len(decision.eligible) < 2:
+        return decision
+    key = (bucket(decision.problem), decision.eligible)
+    found = _winners.get(key)
+    device = call.query.device
+    if found is None and cache_path:
+        entry = _load_file(cache_path).get(_file_key(decision.problem, device))
+        if entry and entry.get("backend") in decision.eligible:
+            found = (entry["backend"], dict(entry.get("timings_ms", {})))
+    if found is None:
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        timings, failures = {}, {}
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            for name in decision.eligible:
+                try:
+                    timings[name] = _time_backend(name, call, sync)
+                except Exception as exc:  # a backend that fails to run simply loses
+                    failures[name] = f"{type(exc).__name__}: {exc}"
+        if not timings:
+            return decision
+        winner = min(timings, key=timings.get)
+        found = (winner, timings)
+        if cache_path:
+            with _lock:
+                _store_file(cache_path, _file_key(decision.problem, device), winner, timings)
+        logger.debug("measured %s: %s (failed: %s)", bucket(decision.problem).summary(), timings, failures)
+    with _lock:
+        _winners[key] = found
+    winner, timings = found
+    return dataclasses.replace(decision, backend=winner, timings=timings,
+                               notes=decision.notes + ("policy=fastest: the choice was measured",))
+
+
+def forget() -> None:
+    """Drop the in-memory measurements (the JSON file is kept)."""
+    with _lock:
+        _winners.clear()
