@@ -28,6 +28,7 @@ from attention_dispatch.kernels import (  # noqa: E402
     config_reason,
     configs,
     dropout_keep_mask,
+    group_splits_heuristic,
     is_interpreter,
     num_splits_heuristic,
     triton_attention,
@@ -402,6 +403,14 @@ def test_split_keys_forced_matches():
     run_and_check(q, k, v, window=(20, 5), num_splits=4)
 
 
+@pytest.mark.parametrize("hkv,bias_shape", [(1, (2, 4, 24, 40)), (2, (1, 1, 1, 40)), (1, None)])
+def test_group_split_gqa(hkv, bias_shape):
+    """dK/dV group split (query heads of one kv head over grid axis 2, fp32 partials)."""
+    q, k, v = rand(2, 4, 24, 32), rand(2, hkv, 40, 32), rand(2, hkv, 40, 32)
+    bias = None if bias_shape is None else rand(*bias_shape)
+    run_and_check(q, k, v, bias, causal="top_left", dropout_p=0.2, num_splits=3)
+
+
 def test_deterministic_forces_one_split():
     q, k, v = rand(1, 1, 16, 16), rand(1, 1, 64, 16), rand(1, 1, 64, 16)
     prm = make_params(q, num_splits=4, deterministic=True)
@@ -418,6 +427,10 @@ def test_split_heuristic():
     assert num_splits_heuristic(1, 2, 64, 132, True) == 1
     assert num_splits_heuristic(1, 1, 1, 132, False) == 1
     assert num_splits_heuristic(1, 1, 4, 132, False) <= 2   # at least two key tiles per split
+    assert group_splits_heuristic(1, 8, 32, 132) > 1           # MQA, few key tiles -> split the group
+    assert group_splits_heuristic(1, 8, 32, 132, deterministic=True) == 1
+    assert group_splits_heuristic(64, 32, 8, 132) == 1
+    assert group_splits_heuristic(1, 1, 4, 132) <= 4
 
 
 # ----------------------------------------------------------------------------- chunking

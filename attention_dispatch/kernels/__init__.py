@@ -36,6 +36,7 @@ from .launch import (
     config_reason,
     device_info,
     dropout_keep_mask,
+    group_splits_heuristic,
     is_interpreter,
     num_splits_heuristic,
     select_config,
@@ -73,6 +74,6 @@ KERNEL_LIMITS = KernelLimits()
 __all__ = [
     "KERNEL_LIMITS", "KernelConfig", "KernelLimits", "KernelParams", "MAX_GRID_YZ",
     "attention_backward", "attention_forward", "bh_chunks", "config_reason", "configs",
-    "device_info", "dropout_keep_mask", "is_interpreter", "num_splits_heuristic",
+    "device_info", "dropout_keep_mask", "group_splits_heuristic", "is_interpreter", "num_splits_heuristic",
     "select_config", "triton_attention",
 ]

@@ -57,6 +57,7 @@ def _attn_bwd_dkdv(
     sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
     sdbb, sdbh, sdbi, sdbj,
     H, GROUP, HK, seqlen_q, seqlen_k, bh_start, window_left, window_right,
+    group_per_split, sdk_split, sdv_split,
     HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -64,10 +65,13 @@ def _attn_bwd_dkdv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
 ):
-    """One program: one key tile of one (batch, kv head); loops over the GROUP query heads
-    that read this kv head and over the query tiles of the band (no atomics)."""
+    """One program: one key tile of one (batch, kv head); loops over the query heads of the
+    GROUP that read this kv head (all of them, or the share of split program_id(2), whose
+    partial dK/dV go to an fp32 workspace slice summed on the host) and over the query tiles
+    of the band.  No atomics."""
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1) + bh_start
+    gsplit = tl.program_id(2)
     b = pid_bhk // HK
     hk = pid_bhk % HK
     if IS_VARLEN:
@@ -127,7 +131,9 @@ def _attn_bwd_dkdv(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
 
-    for g in range(0, GROUP):
+    g_lo = gsplit * group_per_split
+    g_hi = tl.minimum(g_lo + group_per_split, GROUP)
+    for g in range(g_lo, g_hi):
         h = hk * GROUP + g
         h64 = h.to(tl.int64)
         q_base = Q + b64 * sqb + h64 * sqh + q_start * sqs
@@ -193,8 +199,8 @@ def _attn_bwd_dkdv(
                 tl.store(DB + b64 * sdbb + hk64 * sdbh + offs_n.to(tl.int64) * sdbj, db_acc, mask=col_ok)
 
     dk = dk * sm_scale
-    dk_ptrs = DK + b64 * sdkb + hk64 * sdkh + krows[:, None] * sdks + offs_dq[None, :]
-    dv_ptrs = DV + b64 * sdvb + hk64 * sdvh + krows[:, None] * sdvs + offs_dv[None, :]
+    dk_ptrs = DK + gsplit.to(tl.int64) * sdk_split + b64 * sdkb + hk64 * sdkh + krows[:, None] * sdks + offs_dq[None, :]
+    dv_ptrs = DV + gsplit.to(tl.int64) * sdv_split + b64 * sdvb + hk64 * sdvh + krows[:, None] * sdvs + offs_dv[None, :]
     if BLOCK_DQK == HEAD_DQK:
         tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
     else:

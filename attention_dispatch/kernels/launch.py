@@ -199,6 +199,20 @@ def num_splits_heuristic(batch_heads: int, num_m_blocks: int, num_n_blocks: int,
     return max(1, s)
 
 
+def group_splits_heuristic(batch_kv_heads: int, num_n_blocks: int, group: int, num_sms: int,
+                           deterministic: bool = False) -> int:
+    """How many ways to split the query heads of a GQA/MQA group in the dK/dV pass (each
+    split writes an fp32 partial dK/dV, summed in a fixed order).  1 when deterministic or
+    when batch*kv_heads*key-tiles already fills two waves of the SMs."""
+    if deterministic or group <= 1:
+        return 1
+    ctas = max(1, batch_kv_heads * num_n_blocks)
+    target = 2 * max(1, num_sms)
+    if ctas >= target:
+        return 1
+    return max(1, min(group, -(-target // ctas)))
+
+
 # --------------------------------------------------------------------------- argument prep
 
 class _Problem:
@@ -408,14 +422,6 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
             HEAD_DV=prob.Dv, IS_VARLEN=prob.varlen, BLOCK_M=bm_pre, BLOCK_DV=common["BLOCK_DV"])
 
     # 2) dK, dV (+ d(bias)) : key-tile parallel, loops over the query heads of the group
-    dk = torch.empty(k.shape, device=dev, dtype=k.dtype)
-    dv = torch.empty(v.shape, device=dev, dtype=v.dtype)
-    if prob.varlen:
-        dk_str = (0, dk.stride(1), dk.stride(0))
-        dv_str = (0, dv.stride(1), dv.stride(0))
-    else:
-        dk_str = (dk.stride(0), dk.stride(1), dk.stride(2))
-        dv_str = (dv.stride(0), dv.stride(1), dv.stride(2))
     sum_rows = sum_heads = False
     if bias_grad:
         sum_rows = bcast[2] and prob.Sq > 1
@@ -427,7 +433,33 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
         db_ws = dummy
         db_str = (0, 0, 0, 0)
     cands = select_config(C.BWD_DKDV, prob.Dqk, prob.Dv, q.dtype, dev, params)
-    args = (q, k, v, bias_t, do, lse, delta, seed_t, cu_q_t, cu_k_t, dk, dv, db_ws,
+    # group split (GQA/MQA): query heads of a kv head spread over grid axis 2, partial
+    # dK/dV in an fp32 workspace summed in a fixed order (never with a head-summed d(bias)).
+    if params.deterministic or prob.group == 1 or (bias_grad and sum_heads):
+        gsplits = 1
+    elif params.num_splits > 0:
+        gsplits = min(params.num_splits, prob.group)
+    else:
+        gsplits = group_splits_heuristic(prob.B * prob.Hkv, triton.cdiv(prob.Sk, cands[0].block_n),
+                                         prob.group, num_sms)
+    per_split = triton.cdiv(prob.group, gsplits)
+    gsplits = triton.cdiv(prob.group, per_split)
+    if gsplits > 1:
+        dk_out = torch.empty((gsplits,) + tuple(k.shape), device=dev, dtype=torch.float32)
+        dv_out = torch.empty((gsplits,) + tuple(v.shape), device=dev, dtype=torch.float32)
+        dk0, dv0 = dk_out[0], dv_out[0]
+        split_str = (dk_out.stride(0), dv_out.stride(0))
+    else:
+        dk_out = dk0 = torch.empty(k.shape, device=dev, dtype=k.dtype)
+        dv_out = dv0 = torch.empty(v.shape, device=dev, dtype=v.dtype)
+        split_str = (0, 0)
+    if prob.varlen:
+        dk_str = (0, dk0.stride(1), dk0.stride(0))
+        dv_str = (0, dv0.stride(1), dv0.stride(0))
+    else:
+        dk_str = (dk0.stride(0), dk0.stride(1), dk0.stride(2))
+        dv_str = (dv0.stride(0), dv0.stride(1), dv0.stride(2))
+    args = (q, k, v, bias_t, do, lse, delta, seed_t, cu_q_t, cu_k_t, dk_out, dv_out, db_ws,
             params.scale * LOG2E, params.scale, float(params.dropout_p),
             *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
             *do_str, *lse_str, *dk_str, *dv_str, *db_str,
@@ -437,10 +469,15 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     key = ("dkdv", dev, q.dtype, prob.Dqk, prob.Dv)
     for start, cnt in bh_chunks(prob.B * prob.Hkv, prob.Hkv, limit):
         def grid(cfg, cnt=cnt):
-            return (triton.cdiv(prob.Sk, cfg.block_n), cnt)
-        cfg = _launch(C.BWD_DKDV, _attn_bwd_dkdv, grid, args + (start, params.window_left, params.window_right),
+            return (triton.cdiv(prob.Sk, cfg.block_n), cnt, gsplits)
+        cfg = _launch(C.BWD_DKDV, _attn_bwd_dkdv, grid,
+                      args + (start, params.window_left, params.window_right, per_split, *split_str),
                       kw, cands, key)
         cands = [cfg]
+    if gsplits > 1:
+        dk, dv = dk_out.sum(0).to(k.dtype), dv_out.sum(0).to(v.dtype)
+    else:
+        dk, dv = dk_out, dv_out
 
     # 3) dQ : query-tile parallel, optionally split over keys (fp32 workspace + atomics)
     cands = select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params)
