@@ -346,6 +346,20 @@ def test_half_dtypes(dtype, feature):
         run_and_check(q, k, v, window=(4, 4))
 
 
+@pytest.mark.skipif(not INTERP, reason="interpreter-only switch")
+@pytest.mark.parametrize("feature", ["plain", "bias_dropout"])
+def test_half_rounding_path_in_interpreter(monkeypatch, feature):
+    """The GPU's numerics (P and dS rounded to the input dtype before the second matmuls),
+    reproduced in the interpreter (fp16: the interpreter's fp16 conversion rounds to nearest)."""
+    from attention_dispatch.kernels import launch
+    monkeypatch.setattr(launch, "INTERPRETER_FP32_PRODUCTS", False)
+    q, k, v = rand(2, 2, 32, 32, dtype=F16), rand(2, 2, 40, 32, dtype=F16), rand(2, 2, 40, 32, dtype=F16)
+    if feature == "plain":
+        run_and_check(q, k, v, causal="top_left")
+    else:
+        run_and_check(q, k, v, rand(1, 2, 32, 40, dtype=F16), dropout_p=0.2, window=(9, 9))
+
+
 def test_fp32_bias_with_half_inputs():
     q, k, v = rand(1, 2, 24, 32, dtype=F16), rand(1, 2, 24, 32, dtype=F16), rand(1, 2, 24, 32, dtype=F16)
     bias = rand(1, 2, 24, 24)

@@ -10,7 +10,7 @@ gradient it touches is exactly 0 (never NaN).
 import triton
 import triton.language as tl
 
-from .forward import _apply_bias, _band_mask, _dot, _dropout_keep, _load_rows
+from .forward import _apply_bias, _band_mask, _dot, _dropout_keep, _load_rows, _lowp
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def _attn_bwd_dkdv(
     BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BIAS_GRAD: tl.constexpr, DB_SUM_ROWS: tl.constexpr, DB_SUM_HEADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr,
 ):
     """One program: one key tile of one (batch, kv head); loops over the query heads of the
     GROUP that read this kv head (all of them, or the share of split program_id(2), whose
@@ -173,9 +173,9 @@ def _attn_bwd_dkdv(
                 dpT = tl.where(keep, dpT * inv_keep, 0.0)
             else:
                 pdT = pT
-            dv += _dot(pdT.to(do.dtype), do, DOT_UPCAST, DOT_IEEE)
+            dv += _dot(_lowp(pdT, do.dtype, ROUND_P), do, DOT_UPCAST, DOT_IEEE)
             dsT = pT * (dpT - delta[None, :])
-            dk += _dot(dsT.to(q.dtype), q, DOT_UPCAST, DOT_IEEE)
+            dk += _dot(_lowp(dsT, q.dtype, ROUND_P), q, DOT_UPCAST, DOT_IEEE)
             if BIAS_GRAD:
                 if DB_SUM_ROWS:
                     db_acc += tl.sum(tl.where(row_ok[None, :], dsT, 0.0), 1)
@@ -224,7 +224,7 @@ def _attn_bwd_dq(
     IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr,
 ):
     """One program: one query tile of one (batch, head) and one split of its key range.
     ATOMIC (split-keys): partial dQ is atomically added to an fp32 workspace."""
@@ -320,7 +320,7 @@ def _attn_bwd_dq(
             keep = _dropout_keep(seed, rng_rows, offs_n, dropout_p, False)
             dp = tl.where(keep, dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, DOT_UPCAST, DOT_IEEE)
+        dq += _dot(_lowp(ds, k.dtype, ROUND_P), k, DOT_UPCAST, DOT_IEEE)
     dq = dq * sm_scale
 
     dq_ptrs = DQ + b64 * sdqb + h64 * sdqh + rows[:, None] * sdqs + offs_dq[None, :]

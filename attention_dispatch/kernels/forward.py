@@ -22,14 +22,24 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def _dot(a, b, DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr):
-    # DOT_UPCAST: the CPU interpreter's bf16 tl.dot is broken (garbage), so operands are
-    # upcast there (exactly, bf16 -> fp32).  DOT_IEEE: fp32 inputs must not use TF32.
+    # DOT_UPCAST: the CPU interpreter's bf16 tl.dot is broken (garbage), so half operands
+    # are upcast there (exactly) to fp32.  DOT_IEEE: fp32 inputs must not use TF32.
     if DOT_UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     elif DOT_IEEE:
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _lowp(x, dtype, ROUND_P: tl.constexpr):
+    # Probabilities / dS enter the second matmuls in the input dtype on the GPU (as in
+    # FlashAttention).  Without ROUND_P (CPU interpreter by default) they stay fp32.
+    if ROUND_P:
+        return x.to(dtype)
+    else:
+        return x
 
 
 @triton.jit
@@ -113,7 +123,7 @@ def _attn_fwd(
     IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1) + bh_start
@@ -201,7 +211,7 @@ def _attn_fwd(
             p = tl.where(_dropout_keep(seed, rng_rows, offs_n, dropout_p, False), p, 0.0)
         v = _load_rows(v_base + offs_n.to(tl.int64)[:, None] * svs + offs_dv[None, :], col_ok,
                        offs_dv < HEAD_DV, BLOCK_DV == HEAD_DV)
-        acc += _dot(p.to(v.dtype), v, DOT_UPCAST, DOT_IEEE)
+        acc += _dot(_lowp(p, v.dtype, ROUND_P), v, DOT_UPCAST, DOT_IEEE)
         m_i = m_new
 
     empty = l_i == 0.0

@@ -22,6 +22,10 @@ from .forward import LOG2E, _attn_fwd, _dropout_mask_kernel
 MAX_GRID_YZ = 65535
 # Upper bound on the number of key splits of the dQ pass.
 MAX_SPLITS = 16
+# Under the CPU interpreter, keep P and dS in fp32 for the second matmuls of fp16/bf16
+# inputs (the interpreter is a correctness harness: its half-precision results then match
+# PyTorch's CPU math path, which upcasts).  False reproduces the GPU rounding exactly.
+INTERPRETER_FP32_PRODUCTS = True
 
 
 @dataclass(frozen=True)
@@ -313,9 +317,16 @@ def _common(q, params, prob):
         ALIGN_BR=bool(params.align_bottom_right), HAS_WL=params.window_left >= 0,
         HAS_WR=params.window_right >= 0,
         BLOCK_DQK=C.block_d(prob.Dqk), BLOCK_DV=C.block_d(prob.Dv),
-        DOT_UPCAST=is_interpreter() and dtype == torch.bfloat16,
+        DOT_UPCAST=is_interpreter() and dtype != torch.float32,
         DOT_IEEE=dtype == torch.float32,
+        ROUND_P=not (is_interpreter() and INTERPRETER_FP32_PRODUCTS),
     )
+
+
+def _store_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The interpreter converts fp32 -> bf16 by truncation (the GPU rounds to nearest even):
+    there, bf16 results are written as fp32 and rounded by torch on the host."""
+    return torch.float32 if dtype == torch.bfloat16 and is_interpreter() else dtype
 
 
 def draw_seed(device) -> torch.Tensor:
@@ -344,16 +355,16 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
     prob = _Problem(q, k, v, cu_q, cu_k, max_sq, max_sk)
     dev = q.device
     seed = draw_seed(dev) if params.dropout_p > 0 else torch.empty(0, device=dev, dtype=torch.int64)
-    out = torch.empty(prob.out_shape, device=dev, dtype=q.dtype)
+    out = torch.empty(prob.out_shape, device=dev, dtype=_store_dtype(q.dtype))
     lse = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32)
     if prob.empty():
         out.zero_()
         lse.fill_(-math.inf)
-        return out, lse, seed
+        return out.to(q.dtype), lse, seed
     if prob.Sk == 0 or prob.Hkv == 0 or (prob.varlen and k.shape[0] == 0):
         out.zero_()
         lse.fill_(-math.inf)
-        return out, lse, seed
+        return out.to(q.dtype), lse, seed
     kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
     cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params)
     dummy = q
@@ -371,7 +382,7 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
             return (triton.cdiv(prob.Sq, cfg.block_m), cnt)
         cfg = _launch(C.FWD, _attn_fwd, grid, args + (start, params.window_left, params.window_right), kw, cands, key)
         cands = [cfg]
-    return out, lse, seed
+    return out.to(q.dtype), lse, seed
 
 
 # --------------------------------------------------------------------------- backward
@@ -450,8 +461,8 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
         dk0, dv0 = dk_out[0], dv_out[0]
         split_str = (dk_out.stride(0), dv_out.stride(0))
     else:
-        dk_out = dk0 = torch.empty(k.shape, device=dev, dtype=k.dtype)
-        dv_out = dv0 = torch.empty(v.shape, device=dev, dtype=v.dtype)
+        dk_out = dk0 = torch.empty(k.shape, device=dev, dtype=_store_dtype(k.dtype))
+        dv_out = dv0 = torch.empty(v.shape, device=dev, dtype=_store_dtype(v.dtype))
         split_str = (0, 0)
     if prob.varlen:
         dk_str = (0, dk0.stride(1), dk0.stride(0))
@@ -477,7 +488,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     if gsplits > 1:
         dk, dv = dk_out.sum(0).to(k.dtype), dv_out.sum(0).to(v.dtype)
     else:
-        dk, dv = dk_out, dv_out
+        dk, dv = dk_out.to(k.dtype), dv_out.to(v.dtype)
 
     # 3) dQ : query-tile parallel, optionally split over keys (fp32 workspace + atomics)
     cands = select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params)
@@ -493,7 +504,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     if atomic:
         dq_ws = torch.zeros(q.shape, device=dev, dtype=torch.float32)
     else:
-        dq_ws = torch.empty(q.shape, device=dev, dtype=q.dtype)
+        dq_ws = torch.empty(q.shape, device=dev, dtype=_store_dtype(q.dtype))
     dq_str = (0, dq_ws.stride(1), dq_ws.stride(0)) if prob.varlen else (
         dq_ws.stride(0), dq_ws.stride(1), dq_ws.stride(2))
     args = (q, k, v, bias_t, do, lse, delta, seed_t, cu_q_t, cu_k_t, dq_ws,
@@ -509,7 +520,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
         cfg = _launch(C.BWD_DQ, _attn_bwd_dq, grid,
                       args + (start, params.window_left, params.window_right, splits), kw, cands, key)
         cands = [cfg]
-    dq = dq_ws.to(q.dtype) if atomic else dq_ws
+    dq = dq_ws.to(q.dtype)
 
     dbias = _reduce_dbias(db_ws, bcast, bias) if bias_grad else None
     return dq, dk, dv, dbias
