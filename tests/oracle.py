@@ -73,8 +73,9 @@ def math_keep_mask(case, q, k, cu_q, cu_k, rows=None):
         if 0 in (b, sq, sk):
             return torch.zeros(b, case.heads_q, sq, sk, dtype=torch.bool)
         step = rows or sq
-        parts = [torch.rand(b, case.heads_kv, g, min(step, sq - r), sk) >= case.dropout_p for r in range(0, sq, step)]
-        return torch.cat(parts, dim=3).reshape(b, case.heads_q, sq, sk)
+        parts = [torch.rand(b, case.heads_kv, g, min(step, sq - r), sk, device=q.device) >= case.dropout_p
+                 for r in range(0, sq, step)]
+        return torch.cat(parts, dim=3).reshape(b, case.heads_q, sq, sk).cpu()
 
     if cu_q is None:
         return dense(q.shape[0], q.shape[2], k.shape[2])

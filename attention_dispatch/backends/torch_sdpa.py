@@ -352,6 +352,7 @@ class TorchEfficientBackend(_TorchSdpaBackend):
         devices=frozenset({"cuda"}), min_compute_capability=(5, 0), max_compute_capability=(12, 1),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         causal_kinds=frozenset(CausalKind), window=False,
+        gqa=False,   # PyTorch 2.11 refuses dense Hq != Hkv for this kernel ("No available kernel", seen on an H100)
         notes="varlen: causal top-left, forward only; deterministic backward only under "
               "torch.use_deterministic_algorithms(True)",
     )
