@@ -16,7 +16,14 @@ Public interface (used by ``attention_dispatch.backends.triton``)::
   additive, upcast to fp32.  Gradient of a float bias: same shape as the bias, summed over its
   size-1 dims (in-kernel for the query-row and head dims, then a deterministic torch.sum);
   a full-size stride-0 dim receives its per-element gradient (the caller's expand() then sums).
-* params: :class:`KernelParams` (scale, band, dropout, determinism, optional tuning knobs).
+  Prefer passing a mask that requires grad UN-expanded (e.g. (Sq, Sk) or (B, 1, 1, Sk)): the
+  kernel broadcasts it through stride 0 and returns the compact gradient without ever
+  allocating (B, Hq, Sq, Sk); an expand()-ed view costs an fp32 (B, Hq, Sq, Sk) workspace.
+* return_lse=True also returns the logsumexp (fp32, natural log; -inf for empty rows):
+  dense (B, Hq, Sq), varlen (total_q, Hq).
+* params: :class:`KernelParams` (scale, band, dropout, determinism, optional tuning knobs:
+  block_m/block_n force the tiles, num_splits forces the backward splits, max_grid lowers
+  the grid y/z limit used for chunking).
 * dropout: seed drawn from the device generator inside the op; :func:`dropout_keep_mask`
   reproduces the mask (see its docstring).
 """
