@@ -1,0 +1,1210 @@
+"""Attention on the GPU, side by side in one process: attention_dispatch against the anchors.
+
+    python benchmarks/bench.py [--quick] [--out DIR] [--doc PATH] [--commit SHA] [--rows PATTERN ...]
+
+Implementations (columns):
+  sdpa      attention_dispatch.sdpa(), automatic choice (the chosen backend is logged)
+  triton    attention_dispatch.sdpa(backend="triton"): this project's kernel
+  cudnn, torch_flash, torch_efficient
+            PyTorch's own kernels, called directly: F.scaled_dot_product_attention under
+            torch.nn.attention.sdpa_kernel([SDPBackend.X]) (varlen through jagged nested tensors)
+  flex      torch.compile(flex_attention, dynamic=False) with create_block_mask (causal,
+            window, varlen documents) or a score_mod (bias); compiled once per shape and mask
+  fa4       flash-attn 4, flash_attn.cute.flash_attn_func / flash_attn_varlen_func (B, S, H, D)
+Anchors (the "best anchor" of a row): cudnn, torch_flash, torch_efficient, flex, fa4.
+
+Grid (issue 5): bf16 and fp16; head dims 64/128/256; B*S = 16384 tokens with S in
+512 .. 16384; hidden 2048 (H = 2048 / D); causal and not; plus, at bf16 hdim 128: float bias
+(1, H, S, S), sliding window (left 1024, right 0), varlen (16 sequences of random lengths
+summing to 16384, fixed seed), GQA (Hq = 4 Hkv) and dropout 0.1.
+
+FLOPs: 4 * Hq * D * (allowed (query, key) pairs) for the forward, where dense rows count
+B*S*S pairs, halved when causal, and window / varlen rows count the pairs they allow
+(varlen causal: half of each sequence's L*L); forward+backward is 3.5x the forward.
+
+An implementation that does not support a row's feature shows "-" (it is never routed to
+something else); a failure shows "err" and its first line goes to details.log. Everything
+is written under --out: bench.json, details.log, bench_<dtype>_d<D>.png; the Markdown
+report goes to --doc. `--from-json FILE` re-renders table, plots and report without a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import fnmatch
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:          # run as a script on a machine where the package is not installed
+    sys.path.insert(0, str(ROOT))
+
+TOKENS = 16384
+HIDDEN = 2048
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("bf16", "fp16")
+WINDOW = (1024, 0)
+VARLEN_SEQS = 16
+VARLEN_SEED = 0
+GQA_GROUP = 4
+DROPOUT = 0.1
+FEATURES = ("dense", "bias", "window", "varlen", "gqa", "dropout")
+MODES = ("fwd", "fwd+bwd")
+BWD_FACTOR = 3.5
+
+IMPLS = ("sdpa", "triton", "cudnn", "torch_flash", "torch_efficient", "flex", "fa4")
+ANCHORS = ("cudnn", "torch_flash", "torch_efficient", "flex", "fa4")
+LABELS = {"sdpa": "sdpa (auto)", "triton": "triton (ours)", "cudnn": "cuDNN", "torch_flash": "torch flash",
+          "torch_efficient": "torch eff", "flex": "Flex", "fa4": "FA4"}
+FA4_HEAD_DIMS = (64, 96, 128)   # flash_attn.cute 4.0 on sm90 (as attention_dispatch.backends.flash_attn)
+
+QUICK_SEQLENS = (4096, 16384)
+DEFAULT_BUDGET_S = 510.0        # the full grid must end within ~9 minutes on one H100
+QUICK_BUDGET_S = 165.0          # --quick within 3 minutes
+DEFAULT_FLEX_BUDGET_S = 200.0   # total seconds of Flex compilation allowed (it is the slowest part)
+QUICK_FLEX_BUDGET_S = 95.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows and FLOPs (pure)
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One problem of the grid. For varlen, S is the packed length (= TOKENS) and B the
+    number of sequences; `lengths` holds the sequence lengths."""
+
+    dtype: str
+    D: int
+    S: int
+    causal: bool
+    feature: str = "dense"
+    tokens: int = TOKENS
+    hidden: int = HIDDEN
+    lengths: tuple[int, ...] = ()
+
+    @property
+    def Hq(self) -> int:
+        return self.hidden // self.D
+
+    @property
+    def Hkv(self) -> int:
+        return self.Hq // GQA_GROUP if self.feature == "gqa" else self.Hq
+
+    @property
+    def B(self) -> int:
+        return len(self.lengths) if self.feature == "varlen" else max(1, self.tokens // self.S)
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        return WINDOW if self.feature == "window" else None
+
+    @property
+    def dropout_p(self) -> float:
+        return DROPOUT if self.feature == "dropout" else 0.0
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.lengths) if self.feature == "varlen" else self.S
+
+    @property
+    def id(self) -> str:
+        mask = "causal" if self.causal else "full"
+        if self.feature == "varlen":
+            return f"{self.dtype}-d{self.D}-varlen{len(self.lengths)}-{mask}"
+        tail = mask if self.feature == "dense" else f"{mask}-{self.feature}"
+        return f"{self.dtype}-d{self.D}-s{self.S}-{tail}"
+
+    def describe(self) -> str:
+        """Short human label used in tables: 'S=4096 causal', 'bias S=4096', ..."""
+        mask = " causal" if self.causal else ""
+        if self.feature == "dense":
+            return f"S={self.S}{mask}"
+        if self.feature == "varlen":
+            return f"varlen {len(self.lengths)} seqs{mask}"
+        if self.feature == "window":
+            return f"window ({WINDOW[0]},{WINDOW[1]}) S={self.S}"
+        if self.feature == "gqa":
+            return f"GQA {self.Hq}/{self.Hkv} S={self.S}{mask}"
+        if self.feature == "dropout":
+            return f"dropout {DROPOUT} S={self.S}{mask}"
+        return f"{self.feature} S={self.S}{mask}"
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["lengths"] = list(self.lengths)
+        d.update(id=self.id, B=self.B, Hq=self.Hq, Hkv=self.Hkv, window=self.window, dropout_p=self.dropout_p,
+                 pairs=allowed_pairs(self), flops_fwd=flops(self, "fwd"), flops_fwd_bwd=flops(self, "fwd+bwd"))
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Row":
+        return cls(dtype=d["dtype"], D=d["D"], S=d["S"], causal=d["causal"], feature=d["feature"],
+                   tokens=d.get("tokens", TOKENS), hidden=d.get("hidden", HIDDEN), lengths=tuple(d.get("lengths", ())))
+
+
+def varlen_lengths(total: int = TOKENS, n: int = VARLEN_SEQS, seed: int = VARLEN_SEED) -> tuple[int, ...]:
+    """n random positive lengths summing to total (reproducible: Python's random with `seed`)."""
+    if n < 1 or total < n:
+        raise ValueError(f"need 1 <= n <= total, got n={n}, total={total}")
+    cuts = sorted(random.Random(seed).sample(range(1, total), n - 1))
+    edges = [0] + cuts + [total]
+    return tuple(b - a for a, b in zip(edges, edges[1:]))
+
+
+def window_pairs(sq: int, sk: int, left: int, right: int) -> int:
+    """Pairs (i, j) with i + off - left <= j <= i + off + right, off = sk - sq (bottom-right,
+    as a window without causal is aligned); -1 = unbounded on that side."""
+    off = sk - sq
+    total = 0
+    for i in range(sq):
+        lo = 0 if left < 0 else max(0, i + off - left)
+        hi = sk - 1 if right < 0 else min(sk - 1, i + off + right)
+        if hi >= lo:
+            total += hi - lo + 1
+    return total
+
+
+def allowed_pairs(row: Row) -> float:
+    """(query, key) pairs the row computes, summed over the batch (per head).
+
+    Dense: B*S*S, halved when causal (the usual convention, not S(S+1)/2); window: the exact
+    count; varlen: sum of L*L over the sequences (halved when causal)."""
+    half = 0.5 if row.causal else 1.0
+    if row.feature == "varlen":
+        return half * sum(n * n for n in row.lengths)
+    if row.feature == "window":
+        left, right = row.window
+        if row.causal:
+            right = 0
+        return float(row.B * window_pairs(row.S, row.S, left, right))
+    return half * row.B * row.S * row.S
+
+
+def flops(row: Row, mode: str) -> float:
+    """4 * Hq * D * pairs for the forward; x3.5 for forward+backward."""
+    f = 4.0 * row.Hq * row.D * allowed_pairs(row)
+    if mode == "fwd":
+        return f
+    if mode == "fwd+bwd":
+        return BWD_FACTOR * f
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def tflops(row: Row, mode: str, ms: float) -> float:
+    return flops(row, mode) / (ms * 1e-3) / 1e12
+
+
+def build_grid(quick: bool = False) -> list[Row]:
+    """Every row, in the order they are measured (most important first, so that a time
+    budget that runs out cuts the least important ones): bf16 hdim 128, its feature rows,
+    then the other head dims and fp16."""
+    seqlens = QUICK_SEQLENS if quick else SEQLENS
+    configs = [("bf16", 128)] if quick else [("bf16", 128), ("bf16", 64), ("bf16", 256),
+                                             ("fp16", 128), ("fp16", 64), ("fp16", 256)]
+    rows: list[Row] = []
+    for dtype, D in configs:
+        for S in seqlens:
+            for causal in (False, True):
+                rows.append(Row(dtype, D, S, causal))
+        if (dtype, D) == ("bf16", 128):
+            rows.extend(feature_rows(dtype, D))
+    return rows
+
+
+def feature_rows(dtype: str = "bf16", D: int = 128) -> list[Row]:
+    lengths = varlen_lengths()
+    return [
+        Row(dtype, D, 4096, False, "bias"),
+        Row(dtype, D, 4096, False, "window"),
+        Row(dtype, D, 16384, False, "window"),
+        Row(dtype, D, TOKENS, False, "varlen", lengths=lengths),
+        Row(dtype, D, TOKENS, True, "varlen", lengths=lengths),
+        Row(dtype, D, 4096, False, "gqa"),
+        Row(dtype, D, 4096, True, "gqa"),
+        Row(dtype, D, 4096, False, "dropout"),
+    ]
+
+
+def smoke_grid() -> list[Row]:
+    """Tiny rows for --smoke-cpu (checks the pipeline on a machine without a GPU)."""
+    kw = dict(tokens=256, hidden=256)
+    lengths = varlen_lengths(256, 4, VARLEN_SEED)
+    return [Row("bf16", 64, 128, False, **kw), Row("bf16", 64, 128, True, **kw),
+            Row("bf16", 64, 256, False, **kw), Row("bf16", 64, 128, False, "bias", **kw),
+            Row("bf16", 64, 256, False, "window", **kw), Row("bf16", 64, 256, False, "varlen", lengths=lengths, **kw),
+            Row("bf16", 64, 256, True, "varlen", lengths=lengths, **kw), Row("bf16", 64, 128, False, "gqa", **kw),
+            Row("bf16", 64, 128, False, "dropout", **kw)]
+
+
+def select_rows(rows: list[Row], patterns: list[str] | None) -> list[Row]:
+    """Rows whose id matches any fnmatch pattern (a pattern without wildcards matches as a
+    substring); no patterns: all rows."""
+    if not patterns:
+        return list(rows)
+    pats = [p if any(c in p for c in "*?[") else f"*{p}*" for p in patterns]
+    return [r for r in rows if any(fnmatch.fnmatchcase(r.id, p) for p in pats)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Which implementation supports which row (pure)
+# ---------------------------------------------------------------------------------------------
+
+def support(impl: str, row: Row, mode: str, flex_dims=(64, 128), flex_dtypes=("bf16",)) -> str | None:
+    """None when `impl` runs this row and mode; otherwise why not (shown as "-")."""
+    f = row.feature
+    if impl in ("sdpa", "triton"):
+        return None
+    if impl in ("cudnn", "torch_flash", "torch_efficient"):
+        if f == "window":
+            return "no sliding window in PyTorch's SDPA kernels"
+        if impl == "torch_flash" and f == "bias":
+            return "torch flash takes no attn_mask"
+        if impl == "torch_efficient" and f == "varlen" and mode == "fwd+bwd":
+            return "torch efficient: no training with jagged nested tensors"
+        if impl == "cudnn" and f == "varlen" and row.D > 128:
+            return "cuDNN nested: head_dim <= 128"
+        return None
+    if impl == "fa4":
+        if row.D not in FA4_HEAD_DIMS:
+            return f"flash-attn 4 on sm90: head_dim {row.D} not in {FA4_HEAD_DIMS}"
+        if f in ("bias", "dropout"):
+            return f"flash-attn 4: no {'attn_mask' if f == 'bias' else 'dropout'}"
+        if f in ("window", "varlen") and mode == "fwd+bwd":
+            return f"flash-attn 4 on sm90: no {f} backward"
+        return None
+    if impl == "flex":
+        if f == "dropout":
+            return "FlexAttention has no dropout"
+        if row.D not in flex_dims or row.dtype not in flex_dtypes:
+            return (f"Flex measured only at {'/'.join(flex_dtypes)} hdim {'/'.join(map(str, flex_dims))} "
+                    "(compile time; widen with --flex-dims/--flex-dtypes)")
+        return None
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Results, ratios, tables (pure)
+# ---------------------------------------------------------------------------------------------
+
+def cell_value(res: dict | None, mode: str) -> float | None:
+    m = (res or {}).get(mode) or {}
+    return m.get("tflops") if m.get("status") == "ok" else None
+
+
+def best_anchor(results: dict, mode: str, anchors=ANCHORS) -> tuple[str | None, float | None]:
+    best, val = None, None
+    for name in anchors:
+        v = cell_value(results.get(name), mode)
+        if v is not None and (val is None or v > val):
+            best, val = name, v
+    return best, val
+
+
+def add_ratios(entry: dict) -> None:
+    """Fill ratio_to_best_anchor for every measured implementation of one row entry."""
+    results = entry["results"]
+    entry["best_anchor"] = {}
+    for mode in MODES:
+        name, val = best_anchor(results, mode)
+        entry["best_anchor"][mode] = name
+        for impl, res in results.items():
+            m = res.get(mode)
+            if not m:
+                continue
+            v = cell_value(res, mode)
+            m["ratio_to_best_anchor"] = (v / val) if (v is not None and val) else None
+
+
+def fmt_num(v: float | None, digits: int = 0) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.{digits}f}"
+
+
+def fmt_cell(res: dict | None, mode: str) -> str:
+    """TFLOP/s as an integer, '-' unsupported, 'err' failed, 'skip' out of time, '?' missing.
+    A '!' marks an output that differed from the reference (see details)."""
+    m = (res or {}).get(mode)
+    if not m:
+        return "?"
+    st = m.get("status")
+    if st == "ok":
+        return f"{m['tflops']:.0f}" + ("!" if (res or {}).get("mismatch") else "")
+    return {"unsupported": "-", "error": "err", "skipped": "skip"}.get(st, "?")
+
+
+def fmt_pair(res: dict | None) -> str:
+    return f"{fmt_cell(res, 'fwd')} / {fmt_cell(res, 'fwd+bwd')}"
+
+
+def fmt_ratio(res: dict | None) -> str:
+    vals = []
+    for mode in MODES:
+        r = ((res or {}).get(mode) or {}).get("ratio_to_best_anchor")
+        vals.append("-" if r is None else f"{r:.2f}")
+    return " / ".join(vals)
+
+
+def ratio_between(entry: dict, a: str, b: str, mode: str) -> float | None:
+    va, vb = cell_value(entry["results"].get(a), mode), cell_value(entry["results"].get(b), mode)
+    return va / vb if (va is not None and vb) else None
+
+
+def text_table(headers: list[str], lines: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *lines)] if lines else [len(h) for h in headers]
+    out = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths)),
+           "  ".join("-" * w for w in widths)]
+    out += ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
+    return "\n".join(out)
+
+
+def md_table(headers: list[str], lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in line) + " |" for line in lines]
+    return "\n".join(out)
+
+
+def row_lines(entries: list[dict], impls: list[str]) -> tuple[list[str], list[list[str]]]:
+    """Headers and lines: one line per row, 'fwd / fwd+bwd' TFLOP/s per implementation,
+    then the best anchor and the ratios of sdpa and triton to it."""
+    headers = ["row"] + [LABELS.get(i, i) for i in impls] + ["best anchor", "sdpa/best", "triton/best"]
+    lines = []
+    for e in entries:
+        row = Row.from_json(e["row"])
+        res = e["results"]
+        best = e.get("best_anchor", {})
+        best_s = " / ".join(LABELS.get(best.get(m) or "", "-") if best.get(m) else "-" for m in MODES)
+        lines.append([row.describe()] + [fmt_pair(res.get(i)) for i in impls]
+                     + [best_s, fmt_ratio(res.get("sdpa")), fmt_ratio(res.get("triton"))])
+    return headers, lines
+
+
+def group_entries(entries: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for e in entries:
+        groups.setdefault((e["row"]["dtype"], e["row"]["D"]), []).append(e)
+    return groups
+
+
+def split_dense(entries: list[dict]) -> tuple[list[dict], list[dict]]:
+    dense = sorted((e for e in entries if e["row"]["feature"] == "dense"),
+                   key=lambda e: (e["row"]["causal"], e["row"]["S"]))
+    feats = [e for e in entries if e["row"]["feature"] != "dense"]
+    return dense, feats
+
+
+def find_entry(entries: list[dict], row_id: str) -> dict | None:
+    for e in entries:
+        if e["row"]["id"] == row_id:
+            return e
+    return None
+
+
+def evaluate_targets(entries: list[dict], impl: str = "triton") -> list[dict]:
+    """The issue-5 targets, each with its measured ratio(s) and met / not met / not measured."""
+    targets = []
+
+    def add(name, ratios, need):
+        vals = [r for r in ratios if r is not None]
+        status = "not measured" if not vals or len(vals) < len(ratios) else ("met" if min(vals) >= need else "not met")
+        targets.append(dict(target=name, need=need, ratios=[None if r is None else round(r, 3) for r in ratios],
+                            worst=None if not vals else round(min(vals), 3), status=status))
+
+    big = [e for e in entries if e["row"]["dtype"] == "bf16" and e["row"]["D"] == 128
+           and e["row"]["feature"] == "dense" and e["row"]["S"] >= 4096]
+    big.sort(key=lambda e: (e["row"]["causal"], e["row"]["S"]))
+    if big:
+        for mode, need_c, need_f in (("fwd", 0.85, 1.2), ("fwd+bwd", 0.80, 1.1)):
+            add(f"{mode} >= {need_c}x cuDNN (bf16 d128 S>=4k, causal and not)",
+                [ratio_between(e, impl, "cudnn", mode) for e in big], need_c)
+            add(f"{mode} >= {need_f}x Flex (bf16 d128 S>=4k, causal and not)",
+                [ratio_between(e, impl, "flex", mode) for e in big], need_f)
+            add(f"{mode} vs flash-attn 4 (reported; long-run aim 1.0)",
+                [ratio_between(e, impl, "fa4", mode) for e in big], 1.0)
+    bias = find_entry(entries, "bf16-d128-s4096-full-bias")
+    if bias:
+        add("bias fwd+bwd >= 1.5x cuDNN's bias path (S=4k)", [ratio_between(bias, impl, "cudnn", "fwd+bwd")], 1.5)
+    win, dense = find_entry(entries, "bf16-d128-s16384-full-window"), find_entry(entries, "bf16-d128-s16384-full")
+    if win and dense:
+        for mode in MODES:
+            a = ((win["results"].get(impl) or {}).get(mode) or {})
+            b = ((dense["results"].get(impl) or {}).get(mode) or {})
+            r = (b["ms"] / a["ms"]) if a.get("status") == "ok" and b.get("status") == "ok" else None
+            add(f"window (1024,0) S=16k {mode}: >= 5x faster than our dense non-causal (time ratio)", [r], 5.0)
+    return targets
+
+
+def targets_table(targets: list[dict]) -> tuple[list[str], list[list[str]]]:
+    headers = ["target", "measured (worst)", "each", "status"]
+    lines = [[t["target"], fmt_num(t["worst"], 2), ", ".join("-" if r is None else f"{r:.2f}" for r in t["ratios"]),
+              t["status"]] for t in targets]
+    return headers, lines
+
+
+def memory_lines(entries: list[dict], impls: list[str]) -> tuple[list[str], list[list[str]]]:
+    headers = ["row"] + [LABELS.get(i, i) for i in impls]
+    lines = []
+    for e in entries:
+        cells = []
+        for i in impls:
+            m = ((e["results"].get(i) or {}).get("fwd+bwd") or {})
+            cells.append(fmt_num(m.get("peak_mib")) if m.get("status") == "ok" else "-")
+        lines.append([Row.from_json(e["row"]).describe()] + cells)
+    return headers, lines
+
+
+def error_notes(entries: list[dict], limit: int = 40) -> list[str]:
+    """One note per (implementation, mode, first line of the error), naming its rows."""
+    seen: dict[tuple[str, str, str], list[str]] = {}
+    for e in entries:
+        for impl, r in e["results"].items():
+            for m in MODES:
+                x = r.get(m) or {}
+                if x.get("status") == "error":
+                    seen.setdefault((impl, m, x.get("note", "")), []).append(e["row"]["id"])
+    notes = []
+    for (impl, m, note), ids in sorted(seen.items()):
+        where = ", ".join(ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
+        notes.append(f"error: {impl} {m} on {where}: {note}")
+    return notes[:limit]
+
+
+def s_label(S: int) -> str:
+    """512 -> '512', 4096 -> '4k'."""
+    return f"{S // 1024}k" if S >= 1024 and S % 1024 == 0 else str(S)
+
+
+def short_report(data: dict) -> str:
+    """The printed table (last in the output): bf16 hdim 128 in full, the rest as ratios."""
+    entries, impls = data["rows"], data["meta"].get("impls", list(IMPLS))
+    out = []
+    groups = group_entries(entries)
+    main = groups.get(("bf16", 128), [])
+    if main:
+        dense, feats = split_dense(main)
+        h, lines = row_lines(dense + feats, impls)
+        out.append("bf16 hdim 128: TFLOP/s fwd / fwd+bwd; ratios to the best anchor ('-' unsupported)")
+        out.append(text_table(h, lines))
+    others = [(k, v) for k, v in groups.items() if k != ("bf16", 128)]
+    if others:
+        out.append("\nother configs: triton / best anchor, fwd / fwd+bwd, per S (c = causal)")
+        for (dtype, D), es in others:
+            dense, _ = split_dense(es)
+            parts = [f"{s_label(e['row']['S'])}{'c' if e['row']['causal'] else ''} "
+                     f"{fmt_ratio(e['results'].get('triton'))}" for e in dense]
+            out.append(f"  {dtype} d{D}: " + "; ".join(parts))
+    targets = data.get("targets") or []
+    if targets:
+        out.append("\ntargets (triton):")
+        for t in targets:
+            out.append(f"  [{t['status']}] {t['target']}: worst {fmt_num(t['worst'], 2)}")
+    meta = data["meta"]
+    out.append(f"\n{meta.get('gpu', '?')} | torch {meta.get('torch')} | triton {meta.get('triton')} | "
+               f"cuDNN {meta.get('cudnn')} | fa4 {meta.get('fa4')} | {meta.get('elapsed_s', 0):.0f} s")
+    return "\n".join(out)
+
+
+def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
+    meta, entries = data["meta"], data["rows"]
+    impls = meta.get("impls", list(IMPLS))
+    lines = ["# Benchmarks", "",
+             "Regenerated by `python benchmarks/bench.py` (do not edit by hand): "
+             f"{'quick mode' if meta.get('quick') else 'full grid'}, {meta.get('date', '?')}.", "",
+             "| | |", "|---|---|",
+             f"| GPU | {meta.get('gpu', '?')} |",
+             f"| PyTorch | {meta.get('torch', '?')} (CUDA {meta.get('cuda', '?')}) |",
+             f"| Triton | {meta.get('triton', '?')} |",
+             f"| cuDNN | {meta.get('cudnn', '?')} |",
+             f"| flash-attn 4 | {meta.get('fa4', '?')} |",
+             f"| commit | {meta.get('commit', '?')} |",
+             f"| command | `{meta.get('command', '?')}` |",
+             f"| run time | {meta.get('elapsed_s', 0):.0f} s |", "",
+             f"B*S = {TOKENS} tokens, hidden {HIDDEN} (H = {HIDDEN} / D). TFLOP/s count 4*B*H*S*S*D for the "
+             "forward (halved when causal; window and varlen rows count only the allowed (query, key) pairs) "
+             f"and {BWD_FACTOR}x that for forward+backward. Cells: forward / forward+backward TFLOP/s; "
+             "`-` = the implementation does not support the row (never routed elsewhere), `err` = it failed "
+             "(first line in details.log), `skip` = out of time budget, `!` = output differed from the "
+             "reference. Ratios are to the best anchor of the row (anchors: "
+             + ", ".join(LABELS[a] for a in ANCHORS) + "). Timing: CUDA events, median of several "
+             "repetitions after warm-up, one process.", ""]
+    for i, (name, link) in enumerate(plot_links.items()):   # the first inline, the others linked
+        lines += [f"![{name}]({link})" if i == 0 else f"- [{name}]({link})", ""]
+    targets = data.get("targets") or []
+    if targets:
+        h, t = targets_table(targets)
+        lines += ["## Targets of issue 5 (triton)", "", md_table(h, t), ""]
+    groups = group_entries(entries)
+    order = sorted(groups, key=lambda k: (k != ("bf16", 128), k[0], k[1]))
+    for key in order:
+        dense, feats = split_dense(groups[key])
+        h, t = row_lines(dense + feats, impls)
+        lines += [f"## {key[0]}, head dim {key[1]}", "", md_table(h, t), ""]
+        if key == ("bf16", 128):
+            mh, mt = memory_lines(dense + feats, impls)
+            lines += ["Peak memory of forward+backward beyond the inputs (MiB):", "", md_table(mh, mt), ""]
+        decisions = sorted({f"{Row.from_json(e['row']).describe()}: {e['results']['sdpa'].get('backend')}"
+                            for e in dense + feats if (e["results"].get("sdpa") or {}).get("backend")})
+        if decisions:
+            chosen = {}
+            for e in dense + feats:
+                b = (e["results"].get("sdpa") or {}).get("backend")
+                if b:
+                    chosen.setdefault(b, []).append(Row.from_json(e["row"]).describe())
+            lines += ["sdpa() chose: " + "; ".join(f"{b} ({len(v)} rows)" for b, v in chosen.items()), ""]
+    notes = meta.get("notes") or []
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def make_plots(data: dict, out_dir: Path) -> list[Path]:
+    """bench_<dtype>_d<D>.png: TFLOP/s against S, one line per implementation; subplots
+    forward / forward+backward x non-causal / causal. Returns the files written."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:   # noqa: BLE001 - plotting is optional
+        data["meta"].setdefault("notes", []).append(f"no plot: matplotlib unavailable ({type(e).__name__})")
+        return []
+    impls = data["meta"].get("impls", list(IMPLS))
+    written = []
+    for (dtype, D), es in group_entries(data["rows"]).items():
+        dense, _ = split_dense(es)
+        if not dense:
+            continue
+        fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
+        for ci, causal in enumerate((False, True)):
+            for mi, mode in enumerate(MODES):
+                ax = axes[ci][mi]
+                for impl in impls:
+                    pts = [(e["row"]["S"], cell_value(e["results"].get(impl), mode)) for e in dense
+                           if e["row"]["causal"] == causal]
+                    pts = [(s, v) for s, v in pts if v is not None]
+                    if pts:
+                        style = "-" if impl in ("sdpa", "triton") else "--"
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=LABELS[impl])
+                ax.set_xscale("log", base=2)
+                xs = sorted({e["row"]["S"] for e in dense})
+                ax.set_xticks(xs, [s_label(x) for x in xs])
+                ax.minorticks_off()
+                ax.set_title(f"{mode}, {'causal' if causal else 'non-causal'}")
+                ax.set_ylabel("TFLOP/s")
+                ax.set_ylim(bottom=0)
+                ax.grid(True, alpha=0.3)
+                if ci == 1:
+                    ax.set_xlabel("sequence length S (B*S = 16k tokens)")
+        handles, labels = [], []
+        for ax in axes.flat:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in labels:
+                    handles.append(h)
+                    labels.append(lab)
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels))
+        fig.suptitle(f"{dtype}, head dim {D}, hidden {HIDDEN} - {data['meta'].get('gpu', '')}")
+        fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+        path = out_dir / f"bench_{dtype}_d{D}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_outputs(data: dict, out_dir: Path, doc: Path | None, plot: bool = True) -> str:
+    """bench.json, plots and the Markdown report; returns the short printed table."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for e in data["rows"]:
+        add_ratios(e)
+    data["targets"] = evaluate_targets(data["rows"])
+    pngs = make_plots(data, out_dir) if plot else []
+    (out_dir / "bench.json").write_text(json.dumps(data, indent=1, default=str))
+    if doc is not None:
+        doc.parent.mkdir(parents=True, exist_ok=True)
+        pngs = sorted(pngs, key=lambda p: p.name != "bench_bf16_d128.png")
+        links = {p.stem: os.path.relpath(p, doc.parent).replace(os.sep, "/") for p in pngs}
+        doc.write_text(markdown_report(data, links))
+    return short_report(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+
+def _csv(kind):
+    def parse(text):
+        try:
+            return tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Row ids look like bf16-d128-s4096-causal, bf16-d128-s4096-full-bias, "
+                                       "bf16-d128-varlen16-full (see --list-rows).")
+    p.add_argument("--quick", action="store_true",
+                   help="bf16 hdim 128 only, S in {4096, 16384}, plus the feature rows (< 3 minutes)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
+                   help="folder for bench.json, details.log and the plots (default: benchmarks/results)")
+    p.add_argument("--doc", type=Path, default=Path("docs/benchmarks.md"),
+                   help="Markdown report to regenerate (default: docs/benchmarks.md)")
+    p.add_argument("--no-doc", action="store_true", help="do not write the Markdown report")
+    p.add_argument("--commit", default=None, help="git commit to report (default: git rev-parse HEAD if possible)")
+    p.add_argument("--rows", nargs="+", default=None, metavar="PATTERN",
+                   help="only rows whose id matches one of these fnmatch patterns (plain text = substring)")
+    p.add_argument("--impls", type=_csv(str), default=IMPLS,
+                   help=f"comma-separated implementations (default: {','.join(IMPLS)})")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help=f"stop measuring after this many seconds from start (default {DEFAULT_BUDGET_S:.0f}, "
+                        f"--quick {QUICK_BUDGET_S:.0f}); rows left are marked skip")
+    p.add_argument("--flex-budget-s", type=float, default=None,
+                   help=f"total seconds of Flex compilation (default {DEFAULT_FLEX_BUDGET_S:.0f}, "
+                        f"--quick {QUICK_FLEX_BUDGET_S:.0f})")
+    p.add_argument("--flex-dims", type=_csv(int), default=(64, 128), help="head dims where Flex is measured")
+    p.add_argument("--flex-dtypes", type=_csv(str), default=("bf16",), help="dtypes where Flex is measured")
+    p.add_argument("--target-ms", type=float, default=40.0, help="time spent per measurement after warm-up (ms)")
+    p.add_argument("--max-reps", type=int, default=15, help="most timed repetitions per measurement")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--no-check", action="store_true", help="skip the output comparison against the reference")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="re-render table, plots and report from an existing bench.json (no GPU needed)")
+    p.add_argument("--list-rows", action="store_true", help="print the selected row ids and exit")
+    p.add_argument("--smoke-cpu", action="store_true",
+                   help="development check without a GPU: tiny rows on the CPU, host timers (numbers meaningless)")
+    a = p.parse_args(argv)
+    unknown = [i for i in a.impls if i not in IMPLS]
+    if unknown:
+        p.error(f"unknown implementation(s) {', '.join(unknown)}; known: {', '.join(IMPLS)}")
+    bad = [d for d in a.flex_dtypes if d not in DTYPES]
+    if bad:
+        p.error(f"--flex-dtypes: unknown {', '.join(bad)}; known: {', '.join(DTYPES)}")
+    if a.budget_s is None:
+        a.budget_s = QUICK_BUDGET_S if a.quick else DEFAULT_BUDGET_S
+    if a.flex_budget_s is None:
+        a.flex_budget_s = QUICK_FLEX_BUDGET_S if a.quick else DEFAULT_FLEX_BUDGET_S
+    return a
+
+
+def git_commit(explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip() or "unknown"
+    except Exception:   # noqa: BLE001 - the GPU machine's copy may have no .git
+        return "unknown"
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU part
+# ---------------------------------------------------------------------------------------------
+
+class Log:
+    """details.log: every line also printed (flushed), so a killed run leaves its trace."""
+
+    def __init__(self, path: Path | None, echo: bool = True):
+        self.f = open(path, "w") if path else None
+        self.echo = echo
+
+    def __call__(self, msg: str) -> None:
+        if self.f:
+            self.f.write(msg + "\n")
+            self.f.flush()
+        if self.echo:
+            print(msg, flush=True)
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+class Runner:
+    """Holds the imported libraries, the Flex compile cache and the clock."""
+
+    def __init__(self, args, log: Log):
+        import torch
+        self.torch = torch
+        self.args, self.log = args, log
+        self.t0 = time.perf_counter()
+        self.dev = "cpu" if args.smoke_cpu else "cuda"
+        self.cuda = self.dev == "cuda"
+        self.notes: list[str] = []
+        self.flex_compile_s = 0.0
+        self.flex_fn = None
+        self.flex_error = None
+        self.fa4 = None
+        self.fa4_error = None
+        self.fa4_version = "not importable"
+        import attention_dispatch as ad
+        from attention_dispatch.api import normalize_call  # noqa: F401 - fail early if the API moved
+        self.ad = ad
+        self.dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+    def empty_cache(self) -> None:
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def left(self) -> float:
+        return self.args.budget_s - self.elapsed()
+
+    # -- optional libraries -------------------------------------------------------------------
+    def load_fa4(self) -> None:
+        t = time.perf_counter()
+        try:
+            from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+            self.fa4 = (flash_attn_func, flash_attn_varlen_func)
+            try:
+                from importlib.metadata import version
+                self.fa4_version = next((version(n) for n in ("flash-attn-4", "flash_attn_4", "flash-attn")
+                                         if _has_dist(n)), "present")
+            except Exception:   # noqa: BLE001
+                self.fa4_version = "present"
+            self.log(f"flash_attn.cute imported ({self.fa4_version}) in {time.perf_counter() - t:.1f} s")
+        except Exception as e:   # noqa: BLE001
+            self.fa4_error = first_line(e)
+            self.notes.append(f"flash-attn 4 not measured: `from flash_attn.cute import ...` failed: {self.fa4_error}")
+            self.log(f"flash-attn 4 unavailable: {self.fa4_error}")
+
+    def load_flex(self) -> None:
+        torch = self.torch
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            cfg = torch._dynamo.config
+            for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                         "accumulated_recompile_limit"):
+                if hasattr(cfg, name):
+                    setattr(cfg, name, 4096)
+            self.flex_fn = torch.compile(flex_attention, dynamic=False)
+            self.create_block_mask = create_block_mask
+        except Exception as e:   # noqa: BLE001
+            self.flex_error = first_line(e)
+            self.notes.append(f"FlexAttention not measured: {self.flex_error}")
+            self.log(f"flex unavailable: {self.flex_error}")
+
+    # -- inputs ------------------------------------------------------------------------------
+    def make_inputs(self, row: Row) -> dict:
+        torch = self.torch
+        dt, dev = self.dtypes[row.dtype], self.dev
+        g = torch.Generator(device=dev)
+        g.manual_seed(self.args.seed)
+
+        def rnd(*shape):
+            return torch.randn(*shape, device=dev, dtype=dt, generator=g)
+        if row.feature == "varlen":
+            T = sum(row.lengths)
+            q, k, v, do = rnd(T, row.Hq, row.D), rnd(T, row.Hkv, row.D), rnd(T, row.Hkv, row.D), rnd(T, row.Hq, row.D)
+            cu = [0]
+            for n in row.lengths:
+                cu.append(cu[-1] + n)
+            inp = dict(q=q, k=k, v=v, do=do, cu=torch.tensor(cu, device=dev, dtype=torch.int32),
+                       cu_list=cu, max_seqlen=row.max_seqlen)
+        else:
+            q = rnd(row.B, row.Hq, row.S, row.D)
+            k, v = rnd(row.B, row.Hkv, row.S, row.D), rnd(row.B, row.Hkv, row.S, row.D)
+            inp = dict(q=q, k=k, v=v, do=rnd(row.B, row.Hq, row.S, row.D))
+        inp["bias"] = rnd(1, row.Hq, row.S, row.S) if row.feature == "bias" else None
+        for name in ("q", "k", "v"):
+            inp[name].requires_grad_(True)
+        return inp
+
+    # -- one implementation of one row: (fwd, leaves, grad_out, canon, ctx) ----------------------
+    def prepare(self, impl: str, row: Row, inp: dict):
+        torch = self.torch
+        F = torch.nn.functional
+        q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
+        gqa = row.Hq != row.Hkv
+        ident = (lambda o: o)
+        if impl in ("sdpa", "triton"):
+            ad = self.ad
+            forced = "triton" if impl == "triton" else None
+            kw = dict(attn_mask=inp["bias"], dropout_p=row.dropout_p, is_causal=row.causal, enable_gqa=gqa,
+                      window=row.window, backend=forced)
+            if row.feature == "varlen":
+                kw.update(cu_seqlens_q=inp["cu"], cu_seqlens_k=inp["cu"], max_seqlen_q=inp["max_seqlen"],
+                          max_seqlen_k=inp["max_seqlen"])
+
+            def fwd():
+                return ad.sdpa(q, k, v, **kw)
+            return fwd, (q, k, v), do, ident, contextlib.nullcontext
+        if impl in ("cudnn", "torch_flash", "torch_efficient"):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "torch_flash": SDPBackend.FLASH_ATTENTION,
+                  "torch_efficient": SDPBackend.EFFICIENT_ATTENTION}[impl]
+
+            def ctx():
+                return sdpa_kernel([be])
+            extra = {"enable_gqa": True} if gqa else {}
+            if row.feature == "varlen":
+                offsets = inp["cu"].to(torch.int64)
+                m = inp["max_seqlen"]
+
+                def nest(t):
+                    return torch.nested.nested_tensor_from_jagged(t, offsets, min_seqlen=min(row.lengths),
+                                                                  max_seqlen=m).transpose(1, 2)
+
+                def fwd():
+                    o = F.scaled_dot_product_attention(nest(q), nest(k), nest(v), dropout_p=row.dropout_p,
+                                                       is_causal=row.causal, **extra)
+                    return o.transpose(1, 2).values()
+                return fwd, (q, k, v), do, ident, ctx
+
+            def fwd():
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=inp["bias"], dropout_p=row.dropout_p,
+                                                      is_causal=row.causal, **extra)
+            return fwd, (q, k, v), do, ident, ctx
+        if impl == "fa4":
+            func, varlen_func = self.fa4
+            window = (None, None) if row.window is None else row.window
+            if row.feature == "varlen":
+                m = inp["max_seqlen"]
+
+                def fwd():
+                    o = varlen_func(q, k, v, cu_seqlens_q=inp["cu"], cu_seqlens_k=inp["cu"], max_seqlen_q=m,
+                                    max_seqlen_k=m, causal=row.causal, window_size=window)
+                    return o[0] if isinstance(o, tuple) else o
+                return fwd, (q, k, v), do, ident, contextlib.nullcontext
+            qb, kb, vb = (t.detach().transpose(1, 2).contiguous().requires_grad_(True) for t in (q, k, v))
+            dob = do.transpose(1, 2).contiguous()
+
+            def fwd():
+                o = func(qb, kb, vb, causal=row.causal, window_size=window)
+                return o[0] if isinstance(o, tuple) else o
+            return fwd, (qb, kb, vb), dob, (lambda o: o.transpose(1, 2)), contextlib.nullcontext
+        if impl == "flex":
+            return self.prepare_flex(row, inp)
+        raise ValueError(impl)
+
+    def prepare_flex(self, row: Row, inp: dict):
+        torch = self.torch
+        q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
+        cbm, dev = self.create_block_mask, self.dev
+        score_mod, bm, canon = None, None, (lambda o: o)
+        S = row.S
+        if row.feature == "varlen":
+            lens = torch.tensor(row.lengths, device=dev)
+            doc = torch.repeat_interleave(torch.arange(len(row.lengths), device=dev), lens)
+            causal = row.causal
+
+            def mask_mod(b, h, qi, ki):
+                same = doc[qi] == doc[ki]
+                return (same & (qi >= ki)) if causal else same
+            bm = cbm(mask_mod, None, None, S, S, device=dev)
+            q, k, v = (t.detach().transpose(0, 1).unsqueeze(0).contiguous().requires_grad_(t.requires_grad)
+                       for t in (q, k, v))
+            do = do.transpose(0, 1).unsqueeze(0).contiguous()
+            canon = (lambda o: o[0].transpose(0, 1))
+        elif row.feature == "window":
+            left = row.window[0]
+
+            def mask_mod(b, h, qi, ki):
+                return (qi >= ki) & (qi - ki <= left)
+            bm = cbm(mask_mod, None, None, S, S, device=dev)
+        elif row.causal:
+            def mask_mod(b, h, qi, ki):
+                return qi >= ki
+            bm = cbm(mask_mod, None, None, S, S, device=dev)
+        if row.feature == "bias":
+            bias = inp["bias"]
+
+            def score_mod(score, b, h, qi, ki):
+                return score + bias[0, h, qi, ki]
+        flex, gqa = self.flex_fn, row.Hq != row.Hkv
+
+        def fwd():
+            return flex(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa)
+        return fwd, (q, k, v), do, canon, contextlib.nullcontext
+
+    # -- timing ------------------------------------------------------------------------------
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def events(self):
+        """(start, end) CUDA events; on the CPU (--smoke-cpu) host-clock stand-ins."""
+        if self.cuda:
+            return self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+        return _HostEvent(), _HostEvent()
+
+    def time_fn(self, fn) -> dict:
+        """First call (compile / warm-up), an estimate, one more warm-up, then repetitions of
+        `inner` calls between CUDA events (inner > 1 only for calls under 0.5 ms); median."""
+        self.sync()
+        t = time.perf_counter()
+        fn()
+        self.sync()
+        first = time.perf_counter() - t
+        s, e = self.events()
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        est = max(s.elapsed_time(e), 1e-3)
+        if est > 1000.0:           # a very slow path: one measurement is enough
+            return dict(ms=est, reps=1, inner=1, first_call_s=first)
+        inner = max(1, math.ceil(0.5 / est)) if est < 0.5 else 1
+        reps = int(min(self.args.max_reps, max(3, self.args.target_ms / (est * inner))))
+        fn()
+        times = []
+        for _ in range(reps):
+            s.record()
+            for _ in range(inner):
+                fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / inner)
+        return dict(ms=statistics.median(times), reps=reps, inner=inner, first_call_s=first,
+                    spread=(max(times) - min(times)) / statistics.median(times))
+
+    def peak_mib(self, fn) -> float | None:
+        torch = self.torch
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+    # -- one row -----------------------------------------------------------------------------
+    def run_row(self, row: Row, impls: list[str]) -> dict:
+        torch = self.torch
+        log = self.log
+        entry = {"row": row.to_json(), "results": {}}
+        if self.left() <= 0:
+            for impl in impls:
+                entry["results"][impl] = {m: dict(status="skipped", note="time budget") for m in MODES}
+            return entry
+        log(f"\n== {row.id}  B={row.B} Hq={row.Hq} Hkv={row.Hkv} S={row.S} D={row.D} "
+            f"fwd {flops(row, 'fwd') / 1e12:.3f} TFLOP  [t={self.elapsed():.0f}s]")
+        try:
+            inp = self.make_inputs(row)
+        except Exception as e:   # noqa: BLE001
+            log(f"  inputs failed: {first_line(e)}")
+            for impl in impls:
+                entry["results"][impl] = {m: dict(status="error", note="inputs: " + first_line(e)) for m in MODES}
+            return entry
+        ref_holder: dict = {}      # the first checked output of the row: (impl, tensor)
+        for impl in impls:
+            res = entry["results"].setdefault(impl, {})
+            self.run_impl(impl, row, inp, res, ref_holder)
+            self.empty_cache()
+        del inp, ref_holder
+        self.empty_cache()
+        return entry
+
+    def run_impl(self, impl: str, row: Row, inp: dict, res: dict, ref_holder: dict) -> None:
+        torch, log, args = self.torch, self.log, self.args
+        reasons = {m: support(impl, row, m, args.flex_dims, args.flex_dtypes) for m in MODES}
+        if impl == "fa4" and self.fa4 is None:
+            reasons = {m: reasons[m] or f"not importable: {self.fa4_error}" for m in MODES}
+        if impl == "flex" and self.flex_fn is None:
+            reasons = {m: reasons[m] or f"unavailable: {self.flex_error}" for m in MODES}
+        if impl == "flex" and all(r is None for r in reasons.values()):
+            if self.flex_compile_s >= args.flex_budget_s:
+                reasons = {m: "Flex compile budget spent (--flex-budget-s)" for m in MODES}
+            elif self.left() < 30:
+                reasons = {m: "too little time left to compile Flex" for m in MODES}
+        for m in MODES:
+            if reasons[m] is not None:
+                skipped = "budget" in reasons[m] or "time left" in reasons[m]
+                res[m] = dict(status="skipped" if skipped else "unsupported", note=reasons[m])
+        todo = [m for m in MODES if reasons[m] is None]
+        if not todo:
+            log(f"  {impl:16s} -  ({reasons['fwd']})")
+            return
+        try:
+            fwd, leaves, go, canon, ctx = self.prepare(impl, row, inp)
+        except Exception as e:   # noqa: BLE001
+            for m in todo:
+                res[m] = dict(status="error", note="prepare: " + first_line(e))
+            log(f"  {impl:16s} err prepare: {first_line(e)}")
+            return
+
+        def fb():
+            o = fwd()
+            torch.autograd.grad(o, leaves, go)
+        fns = {"fwd": fwd, "fwd+bwd": fb}
+        with ctx():
+            for m in todo:
+                if self.left() <= 0:
+                    res[m] = dict(status="skipped", note="time budget")
+                    continue
+                t = time.perf_counter()
+                try:
+                    r = self.time_fn(fns[m])
+                    r["peak_mib"] = self.peak_mib(fns[m])
+                    r.update(status="ok", tflops=tflops(row, m, r["ms"]))
+                    res[m] = r
+                    log(f"  {impl:16s} {m:8s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  peak "
+                        f"{fmt_num(r['peak_mib']):>6s} MiB  reps {r['reps']}x{r['inner']}  first {r['first_call_s']:.2f} s  "
+                        f"spread {r.get('spread', 0):.2f}")
+                except Exception as e:   # noqa: BLE001
+                    res[m] = dict(status="error", note=first_line(e))
+                    log(f"  {impl:16s} {m:8s} err: {first_line(e)}")
+                    if os.environ.get("BENCH_TRACEBACK"):
+                        log(traceback.format_exc())
+                    with contextlib.suppress(Exception):
+                        self.sync()
+                if impl == "flex":     # the first call of each mode compiles (forward, then backward)
+                    self.flex_compile_s += res[m].get("first_call_s", time.perf_counter() - t)
+            if impl in ("sdpa", "triton") and any(res[m].get("status") == "ok" for m in todo):
+                try:
+                    d = self.ad.last_decision()
+                    res["backend"] = getattr(d, "backend", None)
+                    if impl == "sdpa":
+                        log(f"  {'':16s} sdpa chose {res['backend']}")
+                except Exception as e:   # noqa: BLE001
+                    res["backend"] = f"? ({first_line(e)})"
+            if not args.no_check and row.dropout_p == 0 and res.get("fwd", {}).get("status") == "ok":
+                self.check(impl, fwd, canon, res, ref_holder)
+
+    def check(self, impl, fwd, canon, res, ref_holder) -> None:
+        """Relative error of this output against the first measured implementation's."""
+        try:
+            # with grad enabled, as measured: no_grad would recompile Flex and change sdpa()'s Problem
+            out = canon(fwd()).detach().float()
+            ref = ref_holder.get("ref")
+            if ref is None:
+                ref_holder["ref"] = (impl, out)
+                res["ref"] = impl
+                return
+            name, r = ref
+            err = ((out - r).norm() / r.norm().clamp_min(1e-30)).item()
+            res["rel_err"], res["ref"] = err, name
+            if not math.isfinite(err) or err > 2e-2:
+                res["mismatch"] = True
+                self.log(f"  {impl:16s} MISMATCH: relative error {err:.3g} against {name}")
+                self.notes.append(f"{impl} output differs from {name} (relative error {err:.3g})")
+        except Exception as e:   # noqa: BLE001
+            res["check_error"] = first_line(e)
+
+
+class _HostEvent:
+    """torch.cuda.Event's timing interface on the host clock (for --smoke-cpu)."""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def _has_dist(name: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        version(name)
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def environment(runner: Runner) -> dict:
+    torch = runner.torch
+    meta = dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version())
+    try:
+        meta["cudnn"] = torch.backends.cudnn.version()
+    except Exception:   # noqa: BLE001
+        meta["cudnn"] = "?"
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except Exception as e:   # noqa: BLE001
+        meta["triton"] = f"absent ({type(e).__name__})"
+    if runner.cuda:
+        meta["gpu"] = torch.cuda.get_device_name()
+        meta["sm"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    else:
+        meta["gpu"], meta["sm"] = f"CPU smoke test ({platform.processor() or platform.machine()})", None
+    meta["fa4"] = runner.fa4_version
+    meta["attention_dispatch"] = getattr(runner.ad, "__version__", "?")
+    return meta
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    doc = None if args.no_doc else args.doc
+    if args.from_json:
+        data = json.loads(args.from_json.read_text())
+        print(write_outputs(data, args.out, doc, plot=not args.no_plot))
+        return 0
+    rows = select_rows(smoke_grid() if args.smoke_cpu else build_grid(args.quick), args.rows)
+    if args.list_rows:
+        for r in rows:
+            print(r.id)
+        return 0
+    if not rows:
+        print("no row matches --rows", file=sys.stderr)
+        return 2
+    import torch
+    if not torch.cuda.is_available() and not args.smoke_cpu:
+        print("bench.py measures on a CUDA GPU; none is available here (--list-rows, --from-json and --help "
+              "work without one).", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = Log(args.out / "details.log")
+    runner = Runner(args, log)
+    impls = list(args.impls)
+    log(f"bench.py: {len(rows)} rows x {len(impls)} implementations, budget {args.budget_s:.0f} s "
+        f"(Flex compile {args.flex_budget_s:.0f} s); out {args.out}")
+    if "fa4" in impls:
+        runner.load_fa4()
+    if "flex" in impls:
+        runner.load_flex()
+    meta = environment(runner)
+    meta.update(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                commit=git_commit(args.commit), quick=args.quick, impls=impls, anchors=list(ANCHORS),
+                command="python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                budget_s=args.budget_s, flex_budget_s=args.flex_budget_s,
+                flex_dims=list(args.flex_dims), flex_dtypes=list(args.flex_dtypes))
+    log(json.dumps(meta))
+    entries = []
+    data = {"meta": meta, "rows": entries}
+    for row in rows:
+        entries.append(runner.run_row(row, impls))
+        meta["elapsed_s"] = runner.elapsed()
+        if len(entries) % 8 == 0:      # a partial bench.json survives a killed run
+            (args.out / "bench.json").write_text(json.dumps(data, indent=1, default=str))
+    meta["elapsed_s"] = runner.elapsed()
+    meta["flex_compile_s"] = round(runner.flex_compile_s, 1)
+    skipped = sum(1 for e in entries for r in e["results"].values() for m in MODES
+                  if (r.get(m) or {}).get("status") == "skipped" and "budget" in (r.get(m) or {}).get("note", ""))
+    if skipped:
+        runner.notes.append(f"{skipped} measurements skipped by the time budgets (--budget-s {args.budget_s:.0f}, "
+                            f"--flex-budget-s {args.flex_budget_s:.0f})")
+    runner.notes.append(f"Flex compile time in this run: {runner.flex_compile_s:.0f} s; Flex measured at "
+                        f"{'/'.join(args.flex_dtypes)} hdim {'/'.join(map(str, args.flex_dims))} only")
+    runner.notes.extend(error_notes(entries))
+    meta["notes"] = runner.notes
+    log(f"\nmeasured in {runner.elapsed():.0f} s")
+    table = write_outputs(data, args.out, doc, plot=not args.no_plot)
+    log(f"\nwrote {args.out / 'bench.json'}" + (f", {doc}" if doc else "") + "\n")
+    log(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

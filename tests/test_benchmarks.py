@@ -1,0 +1,355 @@
+"""CPU tests of the benchmark's pure helpers: FLOP and pair counting, grid, support table,
+ratios, table / Markdown / JSON output, argument parsing. No timing here."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _load("bench")
+Row = bench.Row
+
+
+def brute_pairs(sq, sk, causal_top_left, window):
+    """Allowed (i, j) per DESIGN.md section 3, by enumeration."""
+    off = 0 if causal_top_left else sk - sq
+    left, right = window if window is not None else (-1, -1)
+    if causal_top_left:
+        right = 0
+    n = 0
+    for i in range(sq):
+        for j in range(sk):
+            if left >= 0 and j < i + off - left:
+                continue
+            if right >= 0 and j > i + off + right:
+                continue
+            n += 1
+    return n
+
+
+# ---- pairs and FLOPs --------------------------------------------------------------------------
+
+def test_dense_flops_match_the_issue_formula():
+    r = Row("bf16", 128, 4096, False)
+    assert (r.B, r.Hq, r.Hkv) == (4, 16, 16)
+    assert bench.flops(r, "fwd") == 4 * 4 * 16 * 4096 * 4096 * 128
+    assert bench.flops(r, "fwd+bwd") == 3.5 * bench.flops(r, "fwd")
+
+
+def test_causal_is_half_of_dense():
+    dense, causal = Row("fp16", 64, 2048, False), Row("fp16", 64, 2048, True)
+    assert bench.flops(causal, "fwd") == bench.flops(dense, "fwd") / 2
+    assert causal.Hq == 32 and causal.B == 8
+
+
+@pytest.mark.parametrize("sq,sk,left,right", [(16, 16, 4, 0), (16, 16, 3, 2), (10, 16, 2, 1), (16, 10, 5, 0),
+                                              (16, 16, -1, 0), (16, 16, 0, -1), (8, 8, 100, 0)])
+def test_window_pairs_match_enumeration(sq, sk, left, right):
+    assert bench.window_pairs(sq, sk, left, right) == brute_pairs(sq, sk, False, (left, right))
+
+
+def test_window_row_counts_only_allowed_pairs():
+    r = Row("bf16", 128, 4096, False, "window")
+    left = bench.WINDOW[0]
+    per_seq = sum(min(i, left) + 1 for i in range(4096))
+    assert bench.allowed_pairs(r) == r.B * per_seq
+    assert bench.flops(r, "fwd") == 4 * r.Hq * r.D * r.B * per_seq
+    assert bench.allowed_pairs(r) < bench.allowed_pairs(Row("bf16", 128, 4096, True)) * 0.5
+
+
+def test_window_row_16k_is_much_cheaper_than_dense():
+    w, d = Row("bf16", 128, 16384, False, "window"), Row("bf16", 128, 16384, False)
+    assert 16 < bench.flops(d, "fwd") / bench.flops(w, "fwd") < 17    # ~ 16384 / (1025 - 32)
+
+
+def test_varlen_lengths_reproducible_and_sum():
+    a, b = bench.varlen_lengths(), bench.varlen_lengths()
+    assert a == b and len(a) == 16 and sum(a) == 16384 and min(a) >= 1
+    assert bench.varlen_lengths(seed=1) != a
+    assert sum(bench.varlen_lengths(100, 100, 3)) == 100
+    with pytest.raises(ValueError):
+        bench.varlen_lengths(3, 4)
+
+
+def test_varlen_pairs_sum_of_squares():
+    lengths = (3, 5, 8)
+    full = Row("bf16", 128, 16, False, "varlen", tokens=16, lengths=lengths)
+    causal = Row("bf16", 128, 16, True, "varlen", tokens=16, lengths=lengths)
+    assert bench.allowed_pairs(full) == 9 + 25 + 64
+    assert bench.allowed_pairs(causal) == (9 + 25 + 64) / 2
+    assert full.B == 3 and full.max_seqlen == 8
+    assert bench.flops(full, "fwd") == 4 * full.Hq * 128 * 98
+
+
+def test_gqa_counts_query_heads():
+    r = Row("bf16", 128, 4096, False, "gqa")
+    assert (r.Hq, r.Hkv) == (16, 4)
+    assert bench.flops(r, "fwd") == bench.flops(Row("bf16", 128, 4096, False), "fwd")
+
+
+def test_bad_mode():
+    with pytest.raises(ValueError):
+        bench.flops(Row("bf16", 128, 512, False), "bwd")
+
+
+def test_tflops():
+    r = Row("bf16", 128, 4096, False)
+    assert bench.tflops(r, "fwd", 1.0) == pytest.approx(bench.flops(r, "fwd") / 1e-3 / 1e12)
+
+
+# ---- grid, rows, support ------------------------------------------------------------------------
+
+def test_full_grid_covers_issue_5():
+    rows = bench.build_grid()
+    dense = [r for r in rows if r.feature == "dense"]
+    assert len(dense) == 2 * 3 * 6 * 2
+    assert {(r.dtype, r.D) for r in dense} == {(d, h) for d in ("bf16", "fp16") for h in (64, 128, 256)}
+    assert all(r.B * r.S == 16384 and r.Hq * r.D == 2048 for r in dense)
+    feats = {r.feature for r in rows}
+    assert feats == set(bench.FEATURES)
+    assert rows[0].id == "bf16-d128-s512-full"           # most important first
+    assert len({r.id for r in rows}) == len(rows)
+
+
+def test_quick_grid():
+    rows = bench.build_grid(quick=True)
+    assert {r.S for r in rows if r.feature == "dense"} == {4096, 16384}
+    assert {(r.dtype, r.D) for r in rows} == {("bf16", 128)}
+    assert {r.feature for r in rows} == set(bench.FEATURES)
+
+
+def test_row_ids_and_json_roundtrip():
+    rows = bench.build_grid(quick=True)
+    ids = [r.id for r in rows]
+    assert "bf16-d128-s4096-causal" in ids and "bf16-d128-s4096-full-bias" in ids
+    assert "bf16-d128-varlen16-causal" in ids and "bf16-d128-s16384-full-window" in ids
+    for r in rows:
+        d = json.loads(json.dumps(r.to_json()))
+        assert Row.from_json(d) == r
+        assert d["flops_fwd"] == bench.flops(r, "fwd")
+
+
+def test_select_rows_patterns():
+    rows = bench.build_grid()
+    assert {r.id for r in bench.select_rows(rows, ["bf16-d128-s4096-*"])} == {
+        "bf16-d128-s4096-full", "bf16-d128-s4096-causal", "bf16-d128-s4096-full-bias", "bf16-d128-s4096-full-window",
+        "bf16-d128-s4096-full-gqa", "bf16-d128-s4096-causal-gqa", "bf16-d128-s4096-full-dropout"}
+    assert all("varlen" in r.id for r in bench.select_rows(rows, ["varlen"]))
+    assert bench.select_rows(rows, None) == rows
+    assert bench.select_rows(rows, ["nothing-like-this"]) == []
+
+
+def test_support_table():
+    s = bench.support
+    window = Row("bf16", 128, 4096, False, "window")
+    for impl in ("cudnn", "torch_flash", "torch_efficient"):
+        assert s(impl, window, "fwd")                    # "-", never routed elsewhere
+    assert s("triton", window, "fwd") is None and s("sdpa", window, "fwd+bwd") is None
+    assert s("fa4", window, "fwd") is None and s("fa4", window, "fwd+bwd")
+    assert s("flex", window, "fwd") is None
+    bias = Row("bf16", 128, 4096, False, "bias")
+    assert s("torch_flash", bias, "fwd") and s("cudnn", bias, "fwd") is None and s("fa4", bias, "fwd")
+    drop = Row("bf16", 128, 4096, False, "dropout")
+    assert s("flex", drop, "fwd") and s("fa4", drop, "fwd") and s("torch_flash", drop, "fwd") is None
+    assert s("fa4", Row("bf16", 256, 4096, False), "fwd")
+    assert s("flex", Row("bf16", 256, 4096, False), "fwd")
+    assert s("flex", Row("fp16", 128, 4096, False), "fwd")
+    assert s("flex", Row("fp16", 128, 4096, False), "fwd", flex_dtypes=("bf16", "fp16")) is None
+    varlen = Row("bf16", 128, 16384, False, "varlen", lengths=bench.varlen_lengths())
+    assert s("torch_efficient", varlen, "fwd") is None and s("torch_efficient", varlen, "fwd+bwd")
+    with pytest.raises(ValueError):
+        s("nope", window, "fwd")
+
+
+# ---- results, ratios, formatting ------------------------------------------------------------------
+
+def ok(tf, ms=1.0, **kw):
+    return dict(status="ok", tflops=tf, ms=ms, **kw)
+
+
+def make_entry(row, per_impl):
+    res = {}
+    for impl in bench.IMPLS:
+        v = per_impl.get(impl)
+        if v is None:
+            res[impl] = {m: dict(status="unsupported", note="no") for m in bench.MODES}
+        elif v == "err":
+            res[impl] = {m: dict(status="error", note="RuntimeError: boom") for m in bench.MODES}
+        else:
+            res[impl] = {m: ok(tf, ms=bench.flops(row, m) / (tf * 1e9)) for m, tf in zip(bench.MODES, v)}
+    return {"row": row.to_json(), "results": res}
+
+
+def test_best_anchor_and_ratios():
+    e = make_entry(Row("bf16", 128, 4096, False), {"triton": (500, 400), "sdpa": (510, 410), "cudnn": (600, 500),
+                                                   "flex": (450, 420), "fa4": (650, 480), "torch_flash": "err"})
+    bench.add_ratios(e)
+    assert e["best_anchor"] == {"fwd": "fa4", "fwd+bwd": "cudnn"}
+    assert e["results"]["triton"]["fwd"]["ratio_to_best_anchor"] == pytest.approx(500 / 650)
+    assert e["results"]["triton"]["fwd+bwd"]["ratio_to_best_anchor"] == pytest.approx(400 / 500)
+    assert e["results"]["cudnn"]["fwd+bwd"]["ratio_to_best_anchor"] == pytest.approx(1.0)
+    assert e["results"]["torch_flash"]["fwd"]["ratio_to_best_anchor"] is None
+    assert bench.fmt_ratio(e["results"]["triton"]) == "0.77 / 0.80"
+    assert bench.ratio_between(e, "triton", "flex", "fwd") == pytest.approx(500 / 450)
+    assert bench.ratio_between(e, "triton", "torch_efficient", "fwd") is None
+
+
+def test_no_anchor_no_ratio():
+    e = make_entry(Row("bf16", 128, 4096, False, "window"), {"triton": (100, 90)})
+    bench.add_ratios(e)
+    assert e["best_anchor"] == {"fwd": None, "fwd+bwd": None}
+    assert bench.fmt_ratio(e["results"]["triton"]) == "- / -"
+
+
+def test_cells():
+    assert bench.fmt_cell({"fwd": ok(612.4)}, "fwd") == "612"
+    assert bench.fmt_cell({"fwd": ok(612.4)}, "fwd+bwd") == "?"
+    assert bench.fmt_cell({"fwd": dict(status="unsupported")}, "fwd") == "-"
+    assert bench.fmt_cell({"fwd": dict(status="error")}, "fwd") == "err"
+    assert bench.fmt_cell({"fwd": dict(status="skipped")}, "fwd") == "skip"
+    assert bench.fmt_cell({"fwd": ok(10), "mismatch": True}, "fwd") == "10!"
+    assert bench.fmt_pair({"fwd": ok(1), "fwd+bwd": dict(status="unsupported")}) == "1 / -"
+    assert bench.s_label(512) == "512" and bench.s_label(16384) == "16k"
+
+
+def test_text_and_markdown_tables():
+    t = bench.text_table(["a", "bb"], [["xxx", "1"], ["y", "22"]]).splitlines()
+    assert t[0].startswith("a  ") and set(t[1].replace(" ", "")) == {"-"} and len(t) == 4
+    m = bench.md_table(["a", "b"], [["1", "2"]]).splitlines()
+    assert m == ["| a | b |", "|---|---|", "| 1 | 2 |"]
+
+
+def fake_data():
+    rows = [r for r in bench.build_grid(quick=True)]
+    entries = []
+    for r in rows:
+        per = {"triton": (500, 450), "sdpa": (500, 450), "cudnn": (600, 520), "flex": (400, 380),
+               "fa4": (650, 560), "torch_flash": (330, 300), "torch_efficient": (170, 150)}
+        per = {k: v for k, v in per.items() if not bench.support(k, r, "fwd")}
+        if r.feature == "window":
+            per["triton"] = (500, 450)
+        entries.append(make_entry(r, per))
+    entries[0]["results"]["sdpa"]["backend"] = "triton"
+    meta = dict(gpu="Fake GPU", torch="2.11", triton="3.6", cudnn=91900, fa4="4.0", commit="abc", date="d",
+                quick=True, impls=list(bench.IMPLS), elapsed_s=12.0, command="x", notes=["a note"])
+    return {"meta": meta, "rows": entries}
+
+
+def test_targets():
+    data = fake_data()
+    for e in data["rows"]:
+        bench.add_ratios(e)
+    t = {x["target"]: x for x in bench.evaluate_targets(data["rows"])}
+    fwd_cudnn = next(v for k, v in t.items() if k.startswith("fwd >= 0.85x cuDNN"))
+    assert fwd_cudnn["status"] == "not met" and fwd_cudnn["worst"] == pytest.approx(500 / 600, abs=1e-3)
+    assert len(fwd_cudnn["ratios"]) == 4
+    flex = next(v for k, v in t.items() if k.startswith("fwd >= 1.2x Flex"))
+    assert flex["status"] == "met"
+    win = next(v for k, v in t.items() if k.startswith("window") and "fwd+bwd" not in k)
+    # same TFLOP/s on ~16x fewer FLOPs: the window run is ~16x faster than the dense one
+    assert win["status"] == "met" and 16 < win["worst"] < 17
+    bias = next(v for k, v in t.items() if k.startswith("bias"))
+    assert bias["status"] == "not met"
+
+
+def test_targets_not_measured_when_missing():
+    assert bench.evaluate_targets([]) == []
+    e = make_entry(Row("bf16", 128, 4096, False), {"triton": (500, 450)})
+    bench.add_ratios(e)
+    assert all(t["status"] == "not measured" for t in bench.evaluate_targets([e]))
+
+
+def test_write_outputs_json_doc_and_table(tmp_path):
+    data = fake_data()
+    doc = tmp_path / "docs" / "benchmarks.md"
+    table = bench.write_outputs(data, tmp_path / "out", doc, plot=False)
+    saved = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert len(saved["rows"]) == len(bench.build_grid(quick=True)) and saved["targets"]
+    assert saved["rows"][0]["best_anchor"]["fwd"] == "fa4"
+    text = doc.read_text()
+    for needle in ("Fake GPU", "2.11", "3.6", "91900", "abc", "| row |", "S=4096 causal", "Targets of issue 5",
+                   "Peak memory", "sdpa() chose: triton", "a note", "window (1024,0) S=16384"):
+        assert needle in text, needle
+    assert "bf16 hdim 128" in table and "S=16384 causal" in table and "targets (triton)" in table
+    assert "Fake GPU" in table.splitlines()[-1]
+
+
+def test_plot_links_are_relative(tmp_path):
+    pytest.importorskip("matplotlib")
+    data = fake_data()
+    doc = tmp_path / "docs" / "benchmarks.md"
+    bench.write_outputs(data, tmp_path / "out", doc, plot=True)
+    assert (tmp_path / "out" / "bench_bf16_d128.png").stat().st_size > 10000
+    assert "](../out/bench_bf16_d128.png)" in doc.read_text()
+
+
+def test_error_notes_group_rows():
+    rows = bench.build_grid(quick=True)[:5]
+    entries = [make_entry(r, {"triton": "err"}) for r in rows]
+    notes = bench.error_notes(entries)
+    assert len(notes) == 2                    # fwd and fwd+bwd
+    assert "and 2 more" in notes[0] and "RuntimeError: boom" in notes[0]
+
+
+# ---- arguments ------------------------------------------------------------------------------------
+
+def test_parse_args_defaults():
+    a = bench.parse_args([])
+    assert not a.quick and a.out == Path("benchmarks/results") and a.doc == Path("docs/benchmarks.md")
+    assert a.budget_s == bench.DEFAULT_BUDGET_S and a.flex_budget_s == bench.DEFAULT_FLEX_BUDGET_S
+    assert a.impls == bench.IMPLS and a.flex_dims == (64, 128) and a.flex_dtypes == ("bf16",)
+
+
+def test_parse_args_quick_and_lists():
+    a = bench.parse_args(["--quick", "--out", "/tmp/x", "--doc", "/tmp/x/b.md", "--commit", "abc",
+                          "--rows", "bf16-d128-s4096-*", "varlen", "--impls", "triton,cudnn", "--flex-dims", "128"])
+    assert a.quick and a.budget_s == bench.QUICK_BUDGET_S and a.flex_budget_s == bench.QUICK_FLEX_BUDGET_S
+    assert a.out == Path("/tmp/x") and a.commit == "abc" and a.rows == ["bf16-d128-s4096-*", "varlen"]
+    assert a.impls == ("triton", "cudnn") and a.flex_dims == (128,)
+    assert bench.parse_args(["--budget-s", "100"]).budget_s == 100
+
+
+@pytest.mark.parametrize("argv", [["--impls", "nope"], ["--flex-dtypes", "fp8"], ["--flex-dims", "x"]])
+def test_parse_args_rejects(argv, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+
+
+def test_git_commit_explicit():
+    assert bench.git_commit("cafe") == "cafe"
+    assert isinstance(bench.git_commit(None), str)
+
+
+def test_main_list_rows_and_from_json(tmp_path, capsys):
+    assert bench.main(["--quick", "--list-rows"]) == 0
+    assert "bf16-d128-s16384-full-window" in capsys.readouterr().out
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(fake_data()))
+    assert bench.main(["--from-json", str(src), "--out", str(tmp_path / "o"), "--doc", str(tmp_path / "b.md"),
+                       "--no-plot"]) == 0
+    assert "bf16 hdim 128" in capsys.readouterr().out and (tmp_path / "b.md").exists()
+
+
+def test_help_runs(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--help"])
+    assert e.value.code == 0 and "--quick" in capsys.readouterr().out
+
+
+def test_overhead_script_imports():
+    mod = _load("overhead")
+    calls = []
+    med, best = mod.per_call_us(lambda: calls.append(1), n=5, repeat=3, sync=lambda: None)
+    assert best <= med and len(calls) == 10 + 15
