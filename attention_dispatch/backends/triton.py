@@ -76,13 +76,7 @@ class TritonBackend(Backend):
         bottom_right, left, right = band(causal, window)
         params = KernelParams(scale=scale, align_bottom_right=bottom_right, window_left=left,
                               window_right=right, dropout_p=dropout_p, deterministic=deterministic)
-        bias = None
-        if attn_mask is not None:
-            if cu_seqlens_q is None:
-                b, hq, sq, _ = query.shape
-                sk = key.shape[2]
-            else:
-                b, hq, sq, sk = cu_seqlens_q.numel() - 1, query.shape[1], max_seqlen_q, max_seqlen_k
-            bias = attn_mask.expand(b, hq, sq, sk)   # a view: stride 0 on broadcast dims
-        return triton_attention(query, key, value, bias, params, cu_seqlens_q=cu_seqlens_q,
+        # The mask goes un-expanded: the kernel broadcasts size-1 dims itself and returns the
+        # bias gradient in the mask's own shape, with no (B, H, Sq, Sk) workspace.
+        return triton_attention(query, key, value, attn_mask, params, cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
