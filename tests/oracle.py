@@ -23,7 +23,7 @@ def assert_matches(got, ref64, ref_lowp, what: str, factor: float = 2.0):
     assert err <= budget, f"{what}: max error {err:.3e} > allowed {budget:.3e}"
 
 
-def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234):
+def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234, requires_grad=True):
     """Run `case` through sdpa(backend=...) forward and backward and check the output and
     every gradient against tests/naive.py in float64 (and in the input dtype for the budget).
 
@@ -35,7 +35,7 @@ def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234):
     from cases import leaf_copy, make_inputs
     from naive import naive_attention
 
-    q, k, v, mask, sdpa_kw, naive_kw = make_inputs(case, device)
+    q, k, v, mask, sdpa_kw, naive_kw = make_inputs(case, device, requires_grad)
     torch.manual_seed(seed)
     out = ad.sdpa(q, k, v, attn_mask=mask, backend=backend, **sdpa_kw)
     decision = ad.last_decision()
@@ -46,8 +46,9 @@ def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234):
         torch.manual_seed(seed)
         keep = keep_fn(case, q, k, sdpa_kw.get("cu_seqlens_q"), sdpa_kw.get("cu_seqlens_k")).cpu()
     grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    leaves = [q, k, v] + ([mask] if mask is not None and mask.requires_grad else [])
+    if requires_grad:
+        out.backward(grad_out)
+    leaves = [q, k, v] + ([mask] if mask is not None and mask.requires_grad else []) if requires_grad else []
     results = {"out": out}
     results.update({name: t.grad for name, t in zip(("dq", "dk", "dv", "dmask"), leaves)})
     refs = {}
@@ -55,8 +56,9 @@ def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234):
         copies = [leaf_copy(t.cpu(), dtype if t.is_floating_point() else None) for t in (q, k, v)]
         m = None if mask is None else leaf_copy(mask.cpu(), dtype if mask.is_floating_point() else None)
         ref = naive_attention(*copies, mask=m, keep=keep, **naive_kw)
-        ref.backward(grad_out.cpu().to(dtype))
-        ref_leaves = copies + ([m] if m is not None and m.requires_grad else [])
+        if requires_grad:
+            ref.backward(grad_out.cpu().to(dtype))
+        ref_leaves = copies + ([m] if m is not None and m.requires_grad else []) if requires_grad else []
         refs[dtype] = {"out": ref}
         refs[dtype].update({name: t.grad for name, t in zip(("dq", "dk", "dv", "dmask"), ref_leaves)})
     for name, got in results.items():
