@@ -14,7 +14,7 @@ CU = torch.tensor([0, 3, 8], dtype=torch.int32)
 PQ, PK, PV = t(8, 4, 16), t(8, 4, 16), t(8, 4, 16)
 
 CASES = [
-    ((Q.numpy(), K, V), {}, TypeError, "query must be a torch.Tensor, got ndarray"),
+    (([[1.0]], K, V), {}, TypeError, "query must be a torch.Tensor, got list"),
     ((Q.long(), K.long(), V.long()), {}, TypeError, "query.dtype=int64 is not allowed; allowed: float16"),
     ((Q, K.double(), V), {}, ValueError, "share one dtype, got query=torch.float32, key=torch.float64"),
     ((Q, t(2, 4, 10, 8), V), {}, ValueError, "query head_dim 16 != key head_dim 8"),

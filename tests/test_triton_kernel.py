@@ -20,6 +20,9 @@ import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from naive import naive_attention  # noqa: E402
+from oracle import SLACK, assert_matches  # noqa: E402
+
+from attention_dispatch.semantics import band, normalize_causal, normalize_window  # noqa: E402
 
 from attention_dispatch.kernels import (  # noqa: E402
     KERNEL_LIMITS,
@@ -39,7 +42,6 @@ DEV = "cpu" if INTERP else "cuda"
 if not INTERP and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("neither TRITON_INTERPRET=1 nor CUDA", allow_module_level=True)
 
-SLACK = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
@@ -47,13 +49,7 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 def band_of(causal, window):
     """(align_bottom_right, window_left, window_right) of DESIGN.md section 3."""
-    if causal is None and window is None:
-        return False, -1, -1
-    br = causal != "top_left"
-    wl, wr = window if window is not None else (-1, -1)
-    if causal is not None:
-        wr = 0 if wr < 0 else min(wr, 0)
-    return br, wl, wr
+    return band(normalize_causal(False, causal), normalize_window(window))
 
 
 def make_params(q, causal=None, window=None, dropout_p=0.0, scale=None, **kw):
@@ -65,25 +61,6 @@ def make_params(q, causal=None, window=None, dropout_p=0.0, scale=None, **kw):
 
 def rand(*shape, dtype=F32, device=None, grad=True):
     return torch.randn(*shape, dtype=dtype, device=device or DEV).requires_grad_(grad)
-
-
-def max_err(a, b):
-    if a.numel() == 0:
-        return 0.0
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    fin = torch.isfinite(b)
-    assert torch.equal(torch.isfinite(a), fin), "non-finite pattern differs"
-    assert torch.equal(a[~fin], b[~fin]), "infinite values differ"
-    return (a[fin] - b[fin]).abs().max().item() if fin.any() else 0.0
-
-
-def assert_rule(got, ref64, reflow, what, dtype):
-    assert got.shape == ref64.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref64.shape)}"
-    assert not torch.isnan(got).any(), f"{what}: NaN"
-    err = max_err(got, ref64)
-    budget = 2.0 * max_err(reflow, ref64) + SLACK[dtype]
-    assert err <= budget, f"{what}: max error {err:.3e} > allowed {budget:.3e}"
-    return err
 
 
 def seq_dims(q, k, cu_q, max_sq, max_sk):
@@ -134,12 +111,12 @@ def run_and_check(q, k, v, bias=None, *, bias_leaf=None, causal=None, window=Non
     for name, g in got.items():
         r64, rlo = refs[torch.float64][name], refs[q.dtype][name]
         if name == "lse":
-            errs[name] = assert_rule(g, r64, r64.float(), name, F32 if q.dtype == F32 else q.dtype)
+            errs[name] = assert_matches(g, r64, r64.float(), name, dtype=F32 if q.dtype == F32 else q.dtype)
             continue
         if name == "dbias" and g.dtype != q.dtype:
             rlo = rlo.to(g.dtype)
-        errs[name] = assert_rule(g, r64, rlo, name, q.dtype if name != "dbias" else
-                                 (g.dtype if g.dtype in SLACK else q.dtype))
+        errs[name] = assert_matches(g, r64, rlo, name, dtype=q.dtype if name != "dbias" else
+                                    (g.dtype if g.dtype in SLACK else q.dtype))
     return got, errs
 
 
