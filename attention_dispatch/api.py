@@ -21,7 +21,7 @@ class _Call:
     """A normalised call: canonical tensors, backend options, the Problem, and how to
     turn the canonical output back into the caller's layout."""
 
-    __slots__ = ("query", "key", "value", "options", "problem", "restore")
+    __slots__ = ("query", "key", "value", "options", "problem", "restore", "facts")
 
     def __init__(self, query, key, value, options, problem, restore):
         self.query, self.key, self.value = query, key, value
@@ -164,6 +164,11 @@ def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                              "both must be batch+1")
         # Reading the offsets syncs the device: done on the CPU, or when max_seqlen must be computed.
         validate = query.device.type == "cpu" or max_seqlen_q is None or max_seqlen_k is None
+        if validate and torch.compiler.is_compiling():
+            if max_seqlen_q is None or max_seqlen_k is None:
+                raise ValueError("under torch.compile, pass max_seqlen_q and max_seqlen_k with cu_seqlens "
+                                 "(computing them reads the offsets back to the host)")
+            validate = False
         max_q = _seqlens(cu_q, "cu_seqlens_q", query.shape[0], max_seqlen_q, validate)
         max_k = _seqlens(cu_k, "cu_seqlens_k", key.shape[0], max_seqlen_k, validate)
         batch, hq, dqk = cu_q.numel() - 1, query.shape[1], query.shape[2]
@@ -211,36 +216,56 @@ def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         batch, hq, sq, dqk = query.shape
         hkv, sk, dv = key.shape[1], key.shape[2], value.shape[3]
         _check_heads(hq, hkv, value.shape[1], enable_gqa)
-    cfg = _config.current_config()
+    grad = torch.is_grad_enabled()
+    mask_grad = attn_mask is not None and grad and attn_mask.requires_grad
+    compiling = torch.compiler.is_compiling()
+    # Everything the decision needs, as plain constants (torch.compile treats them as such).
+    facts = (batch, hq, hkv, sq, sk, dqk, dv, query.dtype, query.device, "varlen" if varlen else "dense",
+             "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float"),
+             None if attn_mask is None else tuple(attn_mask.shape), mask_grad, causal_kind, window,
+             dropout_p > 0,
+             grad and (query.requires_grad or key.requires_grad or value.requires_grad or mask_grad),
+             query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1,
+             all(_aligned_16(t, compiling) for t in (query, key, value)), deterministic)
+    problem = None if compiling else make_problem(facts)
+    options = dict(attn_mask=attn_mask, dropout_p=float(dropout_p), causal=causal_kind, window=window,
+                   scale=float(scale) if scale is not None else (1.0 / math.sqrt(dqk) if dqk else 1.0),
+                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                   enable_gqa=hq != hkv, deterministic=None if problem is None else problem.deterministic)
+    call = _Call(query, key, value, options, problem, restore)
+    call.facts = facts
+    return call
+
+
+def make_problem(facts: tuple) -> Problem:
+    """The Problem of normalize_call's facts, with determinism resolved from the argument,
+    the config, or torch.are_deterministic_algorithms_enabled()."""
+    (batch, hq, hkv, sq, sk, dqk, dv, dtype, device, layout, mask_kind, mask_shape, mask_grad, causal, window,
+     dropout, requires_grad, last_dim_contiguous, aligned_16, deterministic) = facts
+    warn_only = False
     if deterministic is None:
-        policy = cfg.dispatch.deterministic
+        policy = _config.current_config().dispatch.deterministic
         if policy == "auto":
             deterministic = torch.are_deterministic_algorithms_enabled()
             warn_only = deterministic and torch.is_deterministic_algorithms_warn_only_enabled()
         else:
-            deterministic, warn_only = policy, False
-    else:
-        warn_only = False
-    grad = torch.is_grad_enabled()
-    mask_grad = attn_mask is not None and grad and attn_mask.requires_grad
-    mask_kind = "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float")
-    device = query.device
-    problem = Problem(
+            deterministic = policy
+    return Problem(
         batch=batch, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, head_dim_qk=dqk, head_dim_v=dv,
-        dtype=query.dtype, device_type=device.type, compute_capability=compute_capability(device),
-        layout="varlen" if varlen else "dense", mask_kind=mask_kind,
-        mask_shape=None if attn_mask is None else tuple(attn_mask.shape), mask_requires_grad=mask_grad,
-        causal=causal_kind, window=window, dropout=dropout_p > 0,
-        requires_grad=grad and (query.requires_grad or key.requires_grad or value.requires_grad or mask_grad),
-        deterministic=bool(deterministic), deterministic_warn_only=bool(warn_only),
-        last_dim_contiguous=query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1,
-        aligned_16=_aligned_16(query) and _aligned_16(key) and _aligned_16(value),
-    )
-    options = dict(attn_mask=attn_mask, dropout_p=float(dropout_p), causal=causal_kind, window=window,
-                   scale=float(scale) if scale is not None else (1.0 / math.sqrt(dqk) if dqk else 1.0),
-                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                   enable_gqa=hq != hkv, deterministic=bool(deterministic))
-    return _Call(query, key, value, options, problem, restore)
+        dtype=dtype, device_type=device.type, compute_capability=compute_capability(device), layout=layout,
+        mask_kind=mask_kind, mask_shape=mask_shape, mask_requires_grad=mask_grad, causal=causal, window=window,
+        dropout=dropout, requires_grad=requires_grad, deterministic=bool(deterministic),
+        deterministic_warn_only=bool(warn_only), last_dim_contiguous=last_dim_contiguous, aligned_16=aligned_16)
+
+
+@torch.compiler.assume_constant_result
+def _decide_at_trace_time(facts: tuple, forced) -> tuple:
+    """Under torch.compile: decide once while tracing (eagerly, outside the graph), so the
+    graph holds only the chosen backend's ops. Returns (backend name, deterministic)."""
+    problem = make_problem(facts)
+    decision = decide(problem, forced)
+    note_decision(decision)
+    return decision.backend, problem.deterministic
 
 
 def _execute(decision: Decision, call: _Call):
@@ -278,6 +303,10 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     call = normalize_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                           causal=causal, window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, deterministic=deterministic)
+    if call.problem is None:   # tracing under torch.compile: one op, no run-time dispatch
+        name, call.options["deterministic"] = _decide_at_trace_time(call.facts, backend)
+        out = registry.get_backend(name).run(call.query, call.key, call.value, **call.options)
+        return out if call.restore is None else call.restore(out)
     decision = decide(call.problem, backend)
     policy = _config.current_config().dispatch
     if policy.policy == "fastest" and backend is None:
@@ -297,4 +326,4 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     call = normalize_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                           causal=causal, window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, deterministic=deterministic)
-    return decide(call.problem, backend, raise_if_none=False)
+    return decide(call.problem or make_problem(call.facts), backend, raise_if_none=False)
