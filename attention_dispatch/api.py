@@ -135,7 +135,8 @@ def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         offsets_q = query.transpose(1, 2).offsets() if query.is_nested else None
         (query, key, value), cu_seqlens_q, cu_seqlens_k = _unpack_nested(query, key, value)
     _check_tensors(query, key, value)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+    if type(dropout_p) is not float and (isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real)) \
+            or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(scale)):
@@ -226,8 +227,9 @@ def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
              dropout_p > 0,
              grad and (query.requires_grad or key.requires_grad or value.requires_grad or mask_grad),
              query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1,
-             all(_aligned_16(t, compiling) for t in (query, key, value)), deterministic)
-    problem = None if compiling else make_problem(facts)
+             _aligned_16(query, compiling) and _aligned_16(key, compiling) and _aligned_16(value, compiling),
+             deterministic)
+    problem = None if compiling else _cached_problem(facts)
     options = dict(attn_mask=attn_mask, dropout_p=float(dropout_p), causal=causal_kind, window=window,
                    scale=float(scale) if scale is not None else (1.0 / math.sqrt(dqk) if dqk else 1.0),
                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
@@ -235,6 +237,22 @@ def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     call = _Call(query, key, value, options, problem, restore)
     call.facts = facts
     return call
+
+
+_problems: dict = {}
+
+
+def _cached_problem(facts: tuple) -> Problem:
+    """make_problem, memoised on the facts and everything determinism depends on."""
+    cfg = _config.current_config()
+    key = (facts, id(cfg), _config.config_version(), torch.are_deterministic_algorithms_enabled(),
+           torch.is_deterministic_algorithms_warn_only_enabled())
+    problem = _problems.get(key)
+    if problem is None:
+        if len(_problems) >= 4096:
+            _problems.clear()
+        problem = _problems[key] = make_problem(facts)
+    return problem
 
 
 def make_problem(facts: tuple) -> Problem:

@@ -83,5 +83,9 @@ def _aligned_16(t: torch.Tensor, tracing: bool = False) -> bool:
     """16-byte aligned start and strides. While tracing (torch.compile: no data pointer),
     only the strides count."""
     elem = t.dtype.itemsize
-    start = 0 if tracing else t.data_ptr()
-    return start % 16 == 0 and all((s * elem) % 16 == 0 for s in t.stride()[:-1] if s != 0)
+    if not tracing and t.data_ptr() % 16:
+        return False
+    for stride in t.stride()[:-1]:
+        if (stride * elem) % 16:
+            return False
+    return True
