@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call for a whole GPU check (the device tool allows 10 minutes a call):
+#   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|bench|quick|overhead [SHA]
+# (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
+# Everything lands under $OUT; the last lines printed are the short summary.
+set -uo pipefail
+what=${1:-quick}
+sha=${2:-unknown}
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+source .gpudeps/gpu-env.sh
+source .fa4b/fa4-env.sh || echo "flash-attn 4 not prepared: its rows and tests are skipped"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-}
+case "$what" in
+  tests)     # ~9 minutes on an H100
+    timeout 570 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
+      tests/test_triton_kernel.py tests/test_adapters.py tests/test_capabilities.py tests/test_compile.py \
+      2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
+  bench)     # the full grid, ~9 minutes
+    timeout 590 python3 benchmarks/bench.py --out "$out/bench" --doc "$out/bench/benchmarks.md" --commit "$sha" \
+      2>&1 | tee "$out/bench_stdout.txt" | tail -45 ;;
+  quick)     # bf16 hdim 128 + feature rows, ~3 minutes
+    timeout 300 python3 benchmarks/bench.py --quick --out "$out/bench" --doc "$out/bench/benchmarks.md" --commit "$sha" \
+      2>&1 | tee "$out/bench_stdout.txt" | tail -45 ;;
+  overhead)
+    python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -12 ;;
+  *) echo "usage: $0 tests|bench|quick|overhead [SHA]"; exit 2 ;;
+esac
