@@ -54,7 +54,7 @@ def _cmd_explain(args) -> int:
     q, k, v, mask, extra = _build_inputs(args)
     window = tuple(args.window) if args.window else None
     decision = api.explain(q, k, v, attn_mask=mask, dropout_p=args.dropout, causal=args.causal,
-                           window=window, enable_gqa=q.shape[-3 if not args.varlen else 1] != k.shape[-3 if not args.varlen else 1],
+                           window=window, enable_gqa=(args.heads_kv or args.heads) != args.heads,
                            backend=args.backend, deterministic=True if args.deterministic else None, **extra)
     print(decision)
     return 0 if decision.backend else 1
