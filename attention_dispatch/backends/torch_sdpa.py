@@ -83,6 +83,37 @@ def _band_mask(sq: int, sk: int, causal: CausalKind | None, device) -> torch.Ten
     return j <= i + off
 
 
+class _Pinned:
+    """``sdpa_kernel([SDPBackend.X])`` for one backend, without its generator and list
+    bookkeeping (~9 us a call on the CPU): the same process-wide flags through
+    ``torch.backends.cuda``'s public getters and setters, restored on exit."""
+
+    _FLAGS = {  # SDPBackend member -> (getter, setter) of torch.backends.cuda
+        "FLASH_ATTENTION": ("flash_sdp_enabled", "enable_flash_sdp"),
+        "EFFICIENT_ATTENTION": ("mem_efficient_sdp_enabled", "enable_mem_efficient_sdp"),
+        "MATH": ("math_sdp_enabled", "enable_math_sdp"),
+        "CUDNN_ATTENTION": ("cudnn_sdp_enabled", "enable_cudnn_sdp"),
+    }
+    __slots__ = ("wanted", "previous")
+
+    def __init__(self, backend: str):
+        self.wanted = backend
+        self.previous = None
+
+    def __enter__(self):
+        flags = torch.backends.cuda
+        self.previous = [(name, getattr(flags, get)()) for name, (get, _) in self._FLAGS.items()]
+        for name, (_, set_) in self._FLAGS.items():
+            getattr(flags, set_)(name == self.wanted)
+        return self
+
+    def __exit__(self, *exc):
+        flags = torch.backends.cuda
+        for name, enabled in self.previous:
+            getattr(flags, self._FLAGS[name][1])(enabled)
+        return False
+
+
 class _TorchSdpaBackend(Backend):
     """The shared adapter; subclasses set the class attributes below."""
 
@@ -138,8 +169,7 @@ class _TorchSdpaBackend(Backend):
 
     # -- running ------------------------------------------------------------------
     def _context(self):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        return sdpa_kernel([getattr(SDPBackend, self.sdp_backend)])
+        return _Pinned(self.sdp_backend)
 
     def run(self, query, key, value, *, attn_mask=None, dropout_p=0.0, causal=None, window=None,
             scale=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
