@@ -625,3 +625,23 @@ def test_gpu_dropout_mask_is_consistent(name):
     (gv,) = torch.autograd.grad(out, (v,), g)
     # out is linear in v: <out, g> == <v, dv> only if the backward replays the forward's mask
     assert abs((out.double() * g.double()).sum() - (v.double() * gv.double()).sum()) < 1e-1
+
+
+def test_pinning_context_sets_and_restores_the_flags():
+    from attention_dispatch.backends.torch_sdpa import _Pinned
+    flags = torch.backends.cuda
+    getters = [flags.flash_sdp_enabled, flags.mem_efficient_sdp_enabled, flags.math_sdp_enabled,
+               flags.cudnn_sdp_enabled]
+    before = [g() for g in getters]
+    flags.enable_math_sdp(False)        # a non-default state must come back too
+    try:
+        with _Pinned("FLASH_ATTENTION"):
+            assert [g() for g in getters] == [True, False, False, False]
+        assert [g() for g in getters] == [before[0], before[1], False, before[3]]
+        with pytest.raises(RuntimeError):
+            with _Pinned("CUDNN_ATTENTION"):
+                assert [g() for g in getters] == [False, False, False, True]
+                raise RuntimeError("inside")
+        assert [g() for g in getters] == [before[0], before[1], False, before[3]]
+    finally:
+        flags.enable_math_sdp(before[2])
