@@ -48,16 +48,45 @@ def _build_inputs(args):
     return q, k, v, mask, extra
 
 
-def _cmd_explain(args) -> int:
+def _call_from_args(args):
+    """(query, key, value, keyword arguments of sdpa) for the shape flags."""
     if args.config:
         config.load_config(args.config)
     q, k, v, mask, extra = _build_inputs(args)
-    window = tuple(args.window) if args.window else None
-    decision = api.explain(q, k, v, attn_mask=mask, dropout_p=args.dropout, causal=args.causal,
-                           window=window, enable_gqa=(args.heads_kv or args.heads) != args.heads,
-                           backend=args.backend, deterministic=True if args.deterministic else None, **extra)
+    kwargs = dict(attn_mask=mask, dropout_p=args.dropout, causal=args.causal,
+                  window=tuple(args.window) if args.window else None,
+                  enable_gqa=(args.heads_kv or args.heads) != args.heads,
+                  deterministic=True if args.deterministic else None, **extra)
+    return q, k, v, kwargs
+
+
+def _cmd_explain(args) -> int:
+    q, k, v, kwargs = _call_from_args(args)
+    decision = api.explain(q, k, v, backend=args.backend, **kwargs)
     print(decision)
     return 0 if decision.backend else 1
+
+
+def _cmd_bench(args) -> int:
+    """Time every eligible backend on the call described by the flags (forward, plus
+    backward unless --no-grad), in this process: a quick local comparison, not the
+    benchmarks/ suite."""
+    from . import fastest
+
+    q, k, v, kwargs = _call_from_args(args)
+    call = api.normalize_call(q, k, v, **kwargs)
+    decision = api.explain(q, k, v, backend=args.backend, **kwargs)
+    print(f"problem: {decision.problem.summary()}")
+    sync = torch.cuda.synchronize if q.device.type == "cuda" else (lambda: None)
+    for name in decision.candidates:
+        if name in decision.rejected:
+            print(f"  {name:<16} -  ({'; '.join(decision.rejected[name])})")
+            continue
+        try:
+            print(f"  {name:<16} {fastest._time_backend(name, call, sync):9.3f} ms")
+        except Exception as exc:  # a failing backend is reported, the others still run
+            print(f"  {name:<16} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    return 0 if decision.eligible else 1
 
 
 def _cmd_config(args) -> int:
@@ -89,26 +118,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print Markdown tables (docs/backends.md)")
     p.set_defaults(func=_cmd_info)
 
-    p = sub.add_parser("explain", help="the decision table for a call described on the command line")
-    p.add_argument("--batch", "-b", type=int, default=2)
-    p.add_argument("--heads", type=int, default=8, help="query heads")
-    p.add_argument("--heads-kv", type=int, default=None, help="key/value heads (GQA); default = --heads")
-    p.add_argument("--seqlen", "-s", type=int, default=128, help="query length (per sequence)")
-    p.add_argument("--seqlen-k", type=int, default=None, help="key length; default = --seqlen")
-    p.add_argument("--head-dim", "-d", type=int, default=64)
-    p.add_argument("--head-dim-v", type=int, default=None)
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--causal", choices=["top_left", "bottom_right"], default=None)
-    p.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"), default=None)
-    p.add_argument("--mask", choices=["none", "bool", "float", "float-grad"], default="none")
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--varlen", action="store_true", help="packed sequences through cu_seqlens")
-    p.add_argument("--no-grad", action="store_true", help="inference: inputs do not require grad")
-    p.add_argument("--deterministic", action="store_true")
-    p.add_argument("--backend", default=None, help="force one backend")
-    p.add_argument("--config", default=None, help="load this config file first")
+    shape = argparse.ArgumentParser(add_help=False)
+    shape.add_argument("--batch", "-b", type=int, default=2)
+    shape.add_argument("--heads", type=int, default=8, help="query heads")
+    shape.add_argument("--heads-kv", type=int, default=None, help="key/value heads (GQA); default = --heads")
+    shape.add_argument("--seqlen", "-s", type=int, default=128, help="query length (per sequence)")
+    shape.add_argument("--seqlen-k", type=int, default=None, help="key length; default = --seqlen")
+    shape.add_argument("--head-dim", "-d", type=int, default=64)
+    shape.add_argument("--head-dim-v", type=int, default=None)
+    shape.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    shape.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    shape.add_argument("--causal", choices=["top_left", "bottom_right"], default=None)
+    shape.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"), default=None)
+    shape.add_argument("--mask", choices=["none", "bool", "float", "float-grad"], default="none")
+    shape.add_argument("--dropout", type=float, default=0.0)
+    shape.add_argument("--varlen", action="store_true", help="packed sequences through cu_seqlens")
+    shape.add_argument("--no-grad", action="store_true", help="inference: inputs do not require grad")
+    shape.add_argument("--deterministic", action="store_true")
+    shape.add_argument("--backend", default=None, help="force one backend")
+    shape.add_argument("--config", default=None, help="load this config file first")
+    p = sub.add_parser("explain", parents=[shape], help="the decision table for a call described on the command line")
     p.set_defaults(func=_cmd_explain)
+
+    bench = sub.add_parser("bench", parents=[shape], help="time every eligible backend on a call described on the command line")
+    bench.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("config", help="validate config files, or print the current config")
     p.add_argument("--check", nargs="+", metavar="FILE", help="validate these TOML/YAML files")

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import attention_dispatch as ad
 from attention_dispatch.cli import main
@@ -39,6 +40,20 @@ def test_explain_prints_the_decision(capsys):
     assert rc == 0
     assert "attention_dispatch: math (order from backend= argument)" in out
     assert "Hq=8 Hkv=2 Sq=16 Sk=24 Dqk=32" in out and "causal=bottom_right" in out and "float mask" in out
+
+
+def test_bench_times_each_eligible_backend(capsys):
+    rc = main(["bench", "--batch", "1", "--heads", "2", "--seqlen", "16", "--head-dim", "16",
+               "--causal", "bottom_right", "--seqlen-k", "24"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "causal=bottom_right" in out
+    decision = ad.explain(*(torch.randn(1, 2, s, 16, requires_grad=True) for s in (16, 24, 24)), causal="bottom_right")
+    for name in decision.candidates:
+        line = next(line for line in out.splitlines() if line.strip().startswith(name + " "))
+        if name in decision.rejected:
+            assert decision.rejected[name][0] in line
+        else:
+            assert line.rstrip().endswith(" ms") and float(line.split()[1]) > 0
 
 
 def test_explain_exit_code_when_nothing_fits(capsys):
