@@ -128,7 +128,8 @@ def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                    enable_gqa=False, *, causal=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                    max_seqlen_q=None, max_seqlen_k=None, deterministic=None) -> _Call:
     """Validate every argument (raising before any kernel) and build the canonical call."""
-    nested = any(isinstance(t, torch.Tensor) and t.is_nested for t in (query, key, value))
+    nested = (getattr(query, "is_nested", False) or getattr(key, "is_nested", False)
+              or getattr(value, "is_nested", False))
     if nested:
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             raise ValueError("cu_seqlens_q/k must not be given with nested tensors (their offsets are used)")
@@ -186,28 +187,30 @@ def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     else:
         cu_q = cu_k = None
         max_q = max_k = None
-        if query.dim() < 3 or query.dim() != key.dim() or key.dim() != value.dim():
+        qs, ks, vs = query.shape, key.shape, value.shape
+        nd = len(qs)
+        if nd < 3 or nd != len(ks) or nd != len(vs):
             raise ValueError("query, key and value must have the same number of dims, at least 3 "
                              f"((B, H, S, D) or (N, S, D)), got {_shape(query)}, {_shape(key)}, {_shape(value)}")
-        lead = tuple(query.shape[:-3]) if query.dim() > 3 else tuple(query.shape[:-2])
-        if tuple(key.shape[:len(lead)]) != lead or tuple(value.shape[:len(lead)]) != lead:
+        lead = qs[:-3] if nd > 3 else qs[:-2]
+        if ks[:len(lead)] != lead or vs[:len(lead)] != lead:
             raise ValueError(f"batch dims differ: query {_shape(query)}, key {_shape(key)}, value {_shape(value)}")
-        if key.shape[-2] != value.shape[-2]:
-            raise ValueError(f"key has {key.shape[-2]} positions but value has {value.shape[-2]}")
-        if query.shape[-1] != key.shape[-1]:
-            raise ValueError(f"query head_dim {query.shape[-1]} != key head_dim {key.shape[-1]}")
-        target = tuple(query.shape[:-1]) + (key.shape[-2],)
+        if ks[-2] != vs[-2]:
+            raise ValueError(f"key has {ks[-2]} positions but value has {vs[-2]}")
+        if qs[-1] != ks[-1]:
+            raise ValueError(f"query head_dim {qs[-1]} != key head_dim {ks[-1]}")
+        target = tuple(qs[:-1]) + (ks[-2],)
         if attn_mask is not None:
-            attn_mask = _broadcast_mask(attn_mask, target, "(B, Hq, Sq, Sk)" if query.dim() == 4 else
+            attn_mask = _broadcast_mask(attn_mask, target, "(B, Hq, Sq, Sk)" if nd == 4 else
                                         "query.shape[:-1] + (Sk,)", query)
-        if query.dim() == 3:    # (N, S, D): one head
+        if nd == 3:    # (N, S, D): one head
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
             attn_mask = None if attn_mask is None else attn_mask.unsqueeze(1)
 
             def restore(out):
                 return out.squeeze(1)
-        elif query.dim() > 4:   # (*batch, H, S, D): fold the batch dims
-            lead = tuple(query.shape[:-3])
+        elif nd > 4:   # (*batch, H, S, D): fold the batch dims
+            lead = tuple(lead)
             query, key, value = (t.reshape((-1,) + tuple(t.shape[-3:])) for t in (query, key, value))
             if attn_mask is not None:
                 attn_mask = attn_mask.expand(target).reshape((-1,) + target[-3:])
