@@ -351,7 +351,8 @@ class Sleepy(Recording):
 def test_policy_fastest_measures_and_caches(tmp_path):
     from attention_dispatch import fastest
     fastest.forget()
-    slow, quick = Sleepy("slow", 0.25)   # far above any scheduling noise of a loaded CI machine, Sleepy("quick", 0.0)
+    # 0.25 s: far above the scheduling noise of a loaded CI machine (20 ms flaked)
+    slow, quick = Sleepy("slow", 0.25), Sleepy("quick", 0.0)
     ad.register_backend(slow, priority="first")
     ad.register_backend(quick, priority=1)
     cache = tmp_path / "fastest.json"
