@@ -286,6 +286,33 @@ def test_varlen_all_empty():
     assert k.grad.shape == k.shape and (k.grad == 0).all()
 
 
+# ----------------------------------------------------------------------------- TMA descriptor path
+
+@pytest.mark.parametrize("feature", ["dense", "causal_br", "window", "bias", "varlen_gqa_dropout", "dv_ne_dqk"])
+def test_descriptor_path(feature):
+    """descriptors=1: every tile load through tensor descriptors (the Hopper path; the
+    interpreter emulates TMA's out-of-bounds zero fill) matches the oracle like the pointer path."""
+    if feature == "varlen_gqa_dropout":
+        q, k, v, cu_q, cu_k, msq, msk = varlen_inputs((5, 0, 17, 33), (9, 4, 17, 20), hq=4, hkv=2, d=32)
+        run_and_check(q, k, v, causal="bottom_right", dropout_p=0.2, cu_q=cu_q, cu_k=cu_k,
+                      max_sq=msq, max_sk=msk, descriptors=1)
+        return
+    dv = 16 if feature == "dv_ne_dqk" else 32
+    q, k, v = rand(2, 2, 37, 32), rand(2, 2, 45, 32), rand(2, 2, 45, dv)
+    bias = rand(1, 2, 37, 45) if feature == "bias" else None
+    causal = "bottom_right" if feature == "causal_br" else None
+    window = (8, 3) if feature == "window" else None
+    run_and_check(q, k, v, bias, causal=causal, window=window, descriptors=1)
+
+
+def test_descriptor_path_refuses_misaligned_rows():
+    q = rand(1, 2, 20, 6)             # 6 * 4 bytes per row: not a multiple of 16
+    with pytest.raises(ValueError, match="descriptors=1"):
+        triton_attention(q, q, q, None, make_params(q, descriptors=1))
+    with pytest.raises(ValueError, match="descriptors"):
+        KernelParams(scale=1.0, descriptors=2)
+
+
 # ----------------------------------------------------------------------------- heads / dims / dtypes
 
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 1), (3, 3)])
@@ -562,6 +589,16 @@ def test_gpu_dense(dtype, d, causal, window):
     k = rand(2, 4, 1100, d, dtype=dtype, device="cuda")
     v = rand(2, 4, 1100, d, dtype=dtype, device="cuda")
     run_and_check(q, k, v, causal=causal, window=window)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("causal,window", [(None, None), ("bottom_right", None), (None, (100, 20))])
+def test_gpu_pointer_path(causal, window):
+    """descriptors=0 keeps the pointer-load kernels (pre-Hopper GPUs, misaligned rows) tested on the H100."""
+    q = rand(2, 4, 700, 128, dtype=BF16, device="cuda")
+    k, v = rand(2, 2, 900, 128, dtype=BF16, device="cuda"), rand(2, 2, 900, 128, dtype=BF16, device="cuda")
+    run_and_check(q, k, v, causal=causal, window=window, descriptors=0)
 
 
 @gpu

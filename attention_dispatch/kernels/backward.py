@@ -10,7 +10,7 @@ gradient it touches is exactly 0 (never NaN).
 import triton
 import triton.language as tl
 
-from .forward import _apply_bias, _band_mask, _dot, _dropout_keep, _load_rows, _lowp
+from .forward import _apply_bias, _band_mask, _dot, _dropout_keep, _load_kv, _load_rows, _lowp
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def _attn_bwd_dkdv(
     BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BIAS_GRAD: tl.constexpr, DB_SUM_ROWS: tl.constexpr, DB_SUM_HEADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr, USE_DESC: tl.constexpr,
 ):
     """One program: one key tile of one (batch, kv head); loops over the query heads of the
     GROUP that read this kv head (all of them, or the share of split program_id(2), whose
@@ -148,13 +148,19 @@ def _attn_bwd_dkdv(
             if not DB_SUM_HEADS:
                 db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         pid_bh64 = b64 * H + h64
+        if USE_DESC:
+            q_desc = tl.make_tensor_descriptor(q_base, shape=[tl.maximum(sq, 1), HEAD_DQK], strides=[sqs, 1],
+                                               block_shape=[BLOCK_M, BLOCK_DQK])
+            do_desc = tl.make_tensor_descriptor(do_base, shape=[tl.maximum(sq, 1), HEAD_DV], strides=[sdos, 1],
+                                                block_shape=[BLOCK_M, BLOCK_DV])
+        else:
+            q_desc = Q
+            do_desc = DO
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
             row_ok = offs_m < sq
-            q = _load_rows(q_base + offs_m.to(tl.int64)[:, None] * sqs + offs_dq[None, :], row_ok,
-                           offs_dq < HEAD_DQK, BLOCK_DQK == HEAD_DQK)
-            do = _load_rows(do_base + offs_m.to(tl.int64)[:, None] * sdos + offs_dv[None, :], row_ok,
-                            offs_dv < HEAD_DV, BLOCK_DV == HEAD_DV)
+            q = _load_kv(q_desc, q_base, start_m, offs_m, sqs, row_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
+            do = _load_kv(do_desc, do_base, start_m, offs_m, sdos, row_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
             lse = tl.load(LSE + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
             delta = tl.load(Delta + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
@@ -224,7 +230,7 @@ def _attn_bwd_dq(
     IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr, USE_DESC: tl.constexpr,
 ):
     """One program: one query tile of one (batch, head) and one split of its key range.
     ATOMIC (split-keys): partial dQ is atomically added to an fp32 workspace."""
@@ -301,14 +307,20 @@ def _attn_bwd_dq(
         rng_rows = offs_m.to(tl.int64)
     inv_keep = 1.0 / (1.0 - dropout_p)
 
+    if USE_DESC:
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(sk, 1), HEAD_DQK], strides=[sks, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DQK])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(sk, 1), HEAD_DV], strides=[svs, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        k_desc = K
+        v_desc = V
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     for start_n in range(seg_lo, seg_hi, BLOCK_N):
         offs_n = start_n + offs_n0
         col_ok = offs_n < sk
-        k = _load_rows(k_base + offs_n.to(tl.int64)[:, None] * sks + offs_dq[None, :], col_ok,
-                       offs_dq < HEAD_DQK, BLOCK_DQK == HEAD_DQK)
-        v = _load_rows(v_base + offs_n.to(tl.int64)[:, None] * svs + offs_dv[None, :], col_ok,
-                       offs_dv < HEAD_DV, BLOCK_DV == HEAD_DV)
+        k = _load_kv(k_desc, k_base, start_n, offs_n, sks, col_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
+        v = _load_kv(v_desc, v_base, start_n, offs_n, svs, col_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
         s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
         s = _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, False)
         if (start_n < full_lo) | (start_n >= full_hi):

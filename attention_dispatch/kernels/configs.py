@@ -47,6 +47,7 @@ class ConfigEntry:
     max_block_d: int                 # applies when the padded head dim (max of qk, v) <= this
     dtypes: tuple[torch.dtype, ...]  # element types it is meant for
     config: KernelConfig
+    banded: bool | None = None       # only for causal/window calls (True), only for dense (False), any (None)
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -58,16 +59,24 @@ _SM80 = ((8, 0), (8, 0))          # A100 / A30: 164 KiB shared memory
 _ANY = ((7, 5), (99, 9))          # fallbacks that fit small shared memories
 
 
-def _e(kind, cc, max_d, dtypes, bm, bn, w, s):
-    return ConfigEntry(kind, cc[0], cc[1], max_d, dtypes, KernelConfig(bm, bn, w, s))
+def _e(kind, cc, max_d, dtypes, bm, bn, w, s, banded=None):
+    return ConfigEntry(kind, cc[0], cc[1], max_d, dtypes, KernelConfig(bm, bn, w, s), banded)
 
 
 # Ordered best-first within each (kind, arch); the first entry that matches and fits wins.
 CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     # ---------------- forward ----------------
+    # sm90, TMA descriptors + split loops: benchmarks/sweep_configs.py 2026-11-22 run 2 (experiment 4),
+    # S=4k bf16: d=64 dense 128x128x4x3 431, causal 128x64x8x3 367; d=128 dense 128x128x8x3 528,
+    # causal 64x64x4x3 442; d=256 64x64x4x3 530 / 439 TFLOP/s.
+    _e(FWD, _SM90, 64, _HALF, 128, 128, 4, 3, banded=False),
+    _e(FWD, _SM90, 64, _HALF, 128, 64, 8, 3),
     _e(FWD, _SM90, 64, _HALF, 128, 64, 4, 3),
+    _e(FWD, _SM90, 128, _HALF, 64, 64, 4, 3, banded=True),
+    _e(FWD, _SM90, 128, _HALF, 128, 128, 8, 3),
     _e(FWD, _SM90, 128, _HALF, 128, 64, 8, 3),
     _e(FWD, _SM90, 128, _HALF, 128, 32, 8, 2),
+    _e(FWD, _SM90, 256, _HALF, 64, 64, 4, 3),
     _e(FWD, _SM90, 256, _HALF, 128, 64, 8, 2),
     _e(FWD, _SM90, 256, _HALF, 64, 64, 4, 2),
     _e(FWD, _SM80, 64, _HALF, 128, 64, 4, 3),
@@ -81,12 +90,15 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     _e(FWD, _ANY, 256, _ALL, 32, 32, 4, 1),
     _e(FWD, _ANY, 256, _ALL, 16, 16, 2, 1),
     # ---------------- backward dK/dV (BM = query tile, BN = key tile) ----------------
-    _e(BWD_DKDV, _SM90, 64, _HALF, 32, 128, 4, 3),    # sweep 2026-11-22: +7% over 64x128x8x3
-    _e(BWD_DKDV, _SM90, 64, _HALF, 64, 128, 8, 3),
-    _e(BWD_DKDV, _SM90, 128, _HALF, 64, 128, 8, 3),   # sweep: +5% over 2 stages
+    # sm90 sweeps (fwd+bwd TFLOP/s at S=4k): run 2 with TMA descriptors: d=64 32x64x4x3 385 / 357
+    # causal; d=128 dense 64x128x8x3 435, causal 32x64x4x3 376; d=256 64x64x8x2 313 / 289.
+    _e(BWD_DKDV, _SM90, 64, _HALF, 32, 64, 4, 3),
+    _e(BWD_DKDV, _SM90, 64, _HALF, 32, 128, 4, 3),
+    _e(BWD_DKDV, _SM90, 128, _HALF, 32, 64, 4, 3, banded=True),
+    _e(BWD_DKDV, _SM90, 128, _HALF, 64, 128, 8, 3),
     _e(BWD_DKDV, _SM90, 128, _HALF, 64, 128, 8, 2),
     _e(BWD_DKDV, _SM90, 128, _HALF, 32, 128, 8, 2),
-    _e(BWD_DKDV, _SM90, 256, _HALF, 64, 64, 8, 2),    # sweep: +12% over 32x64
+    _e(BWD_DKDV, _SM90, 256, _HALF, 64, 64, 8, 2),
     _e(BWD_DKDV, _SM90, 256, _HALF, 32, 64, 8, 2),
     _e(BWD_DKDV, _SM80, 64, _HALF, 64, 128, 8, 2),
     _e(BWD_DKDV, _SM80, 128, _HALF, 32, 128, 8, 2),
@@ -96,12 +108,13 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     _e(BWD_DKDV, _ANY, 256, _ALL, 16, 32, 4, 1),
     _e(BWD_DKDV, _ANY, 256, _ALL, 16, 16, 2, 1),
     # ---------------- backward dQ ----------------
-    _e(BWD_DQ, _SM90, 64, _HALF, 64, 64, 4, 3),       # sweep: +2% (causal +3%)
+    # sm90 run 2: dQ 128x64x8x3 best for d=64 and d=128 (448 dense / 392 causal at d=128); d=256 128x32x8x2.
     _e(BWD_DQ, _SM90, 64, _HALF, 128, 64, 8, 3),
-    _e(BWD_DQ, _SM90, 128, _HALF, 128, 128, 8, 2),    # sweep: +7% non-causal, +4% causal
+    _e(BWD_DQ, _SM90, 64, _HALF, 64, 64, 4, 3),
+    _e(BWD_DQ, _SM90, 128, _HALF, 128, 64, 8, 3),
     _e(BWD_DQ, _SM90, 128, _HALF, 128, 64, 8, 2),
     _e(BWD_DQ, _SM90, 128, _HALF, 128, 32, 8, 2),
-    _e(BWD_DQ, _SM90, 256, _HALF, 128, 32, 8, 2),     # sweep: +43% over 64x32
+    _e(BWD_DQ, _SM90, 256, _HALF, 128, 32, 8, 2),
     _e(BWD_DQ, _SM90, 256, _HALF, 64, 32, 8, 2),
     _e(BWD_DQ, _SM80, 64, _HALF, 128, 64, 8, 2),
     _e(BWD_DQ, _SM80, 128, _HALF, 128, 32, 8, 2),
@@ -139,8 +152,9 @@ def shared_memory_estimate(kind: str, cfg: KernelConfig, block_dqk: int, block_d
 
 
 def candidate_configs(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype,
-                      cc: tuple[int, int], smem_limit: int) -> list[KernelConfig]:
-    """All table entries that match and fit, best first (like PyTorch's candidate loop)."""
+                      cc: tuple[int, int], smem_limit: int, banded: bool = False) -> list[KernelConfig]:
+    """All table entries that match and fit, best first (like PyTorch's candidate loop).
+    ``banded``: the call is causal or windowed (entries may be reserved for either case)."""
     bdq, bdv = block_d(head_dim_qk), block_d(head_dim_v)
     bd = max(bdq, bdv)
     esize = torch.empty((), dtype=dtype).element_size()
@@ -149,6 +163,8 @@ def candidate_configs(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch
         if e.kind != kind or not (e.min_cc <= tuple(cc) <= e.max_cc):
             continue
         if bd > e.max_block_d or dtype not in e.dtypes:
+            continue
+        if e.banded is not None and e.banded != banded:
             continue
         if shared_memory_estimate(kind, e.config, bdq, bdv, esize) > smem_limit:
             continue

@@ -112,6 +112,69 @@ def _dropout_keep(seed, rng_rows, offs_n, dropout_p, TRANS: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(ptr_or_desc, base, row0, offs_rows, stride, rows_ok, offs_d, HEAD_D: tl.constexpr,
+             BLOCK_D: tl.constexpr, DESC: tl.constexpr):
+    """A tile of rows ``offs_rows`` (= row0 + arange) of one sequence's Q/K/V/dO: a TMA
+    tensor-descriptor load (rows past the sequence and columns past HEAD_D read as zeros)
+    or masked pointer loads."""
+    if DESC:
+        return ptr_or_desc.load([row0, 0])
+    else:
+        return _load_rows(base + offs_rows.to(tl.int64)[:, None] * stride + offs_d[None, :], rows_ok,
+                          offs_d < HEAD_D, BLOCK_D == HEAD_D)
+
+
+@triton.jit
+def _fwd_step(acc, l_i, m_i, q, k, v, start_n, offs_m, offs_n0, qk_scale, sk, sq, off,
+              window_left, window_right, bias_base, sbi, sbj, seed, rng_rows, dropout_p,
+              MASKED: tl.constexpr, MAY_EMPTY: tl.constexpr,
+              HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr):
+    """One key block of the online softmax (log2 domain).  MASKED: apply the band mask
+    (edge blocks); MAY_EMPTY: a row may have seen only masked keys so far (max = -inf)."""
+    offs_n = start_n + offs_n0
+    s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
+    s = _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, False)
+    if MASKED:
+        s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
+                                HAS_WL, HAS_WR, False), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MAY_EMPTY:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if HAS_DROPOUT:
+        p = tl.where(_dropout_keep(seed, rng_rows, offs_n, dropout_p, False), p, 0.0)
+    if DOT_UPCAST | DOT_IEEE:
+        acc += _dot(_lowp(p, v.dtype, ROUND_P), v, DOT_UPCAST, DOT_IEEE)
+    else:
+        acc = tl.dot(_lowp(p, v.dtype, ROUND_P), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, n_lo, n_hi, offs_m, offs_n0,
+               offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
+               bias_base, sbi, sbj, seed, rng_rows, dropout_p, MASKED: tl.constexpr, MAY_EMPTY: tl.constexpr,
+               HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+               BLOCK_DV: tl.constexpr, USE_DESC: tl.constexpr,
+               DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr):
+    """The online softmax over key blocks [n_lo, n_hi) (one software-pipelined loop)."""
+    for start_n in range(n_lo, n_hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k = _load_kv(k_desc, k_base, start_n, offs_n, sks, offs_n < sk, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
+        v = _load_kv(v_desc, v_base, start_n, offs_n, svs, offs_n < sk, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k, v, start_n, offs_m, offs_n0, qk_scale, sk, sq, off,
+                                  window_left, window_right, bias_base, sbi, sbj, seed, rng_rows, dropout_p,
+                                  MASKED, MAY_EMPTY, HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT,
+                                  DOT_UPCAST, DOT_IEEE, ROUND_P)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attn_fwd(
     Q, K, V, Bias, O, LSE, Seed, CuQ, CuK,
     qk_scale, dropout_p,
@@ -124,7 +187,14 @@ def _attn_fwd(
     BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr,
+    USE_DESC: tl.constexpr, MAY_EMPTY: tl.constexpr,
 ):
+    """USE_DESC: Q/K/V/O through TMA tensor descriptors built in-kernel per (sequence, head)
+    (Hopper+; the launcher checks the 16-byte alignment TMA needs and provides the scratch
+    allocator).  MAY_EMPTY: some row may see only masked keys in its first key block.
+    The band-masked edge key blocks run in their own loops and the middle loop runs
+    unmasked: one loop with a per-block branch around two copies of the step pipelines
+    badly (docs/perf-notes.md, experiment 4)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1) + bh_start
     b = pid_bh // H
@@ -158,10 +228,22 @@ def _attn_fwd(
     q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q_start * sqs
     k_base = K + b64 * skb + hk.to(tl.int64) * skh + k_start * sks
     v_base = V + b64 * svb + hk.to(tl.int64) * svh + k_start * svs
+    o_base = O + b64 * sob + h.to(tl.int64) * soh + q_start * sos
     bias_base = Bias + b64 * sbb + h.to(tl.int64) * sbh
 
-    q = _load_rows(q_base + offs_m.to(tl.int64)[:, None] * sqs + offs_dq[None, :], row_ok,
-                   offs_dq < HEAD_DQK, BLOCK_DQK == HEAD_DQK)
+    if USE_DESC:
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(sk, 1), HEAD_DQK], strides=[sks, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DQK])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(sk, 1), HEAD_DV], strides=[svs, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[sq, HEAD_DQK], strides=[sqs, 1],
+                                           block_shape=[BLOCK_M, BLOCK_DQK])
+        q = q_desc.load([m0, 0])
+    else:
+        k_desc = K
+        v_desc = V
+        q = _load_rows(q_base + offs_m.to(tl.int64)[:, None] * sqs + offs_dq[None, :], row_ok,
+                       offs_dq < HEAD_DQK, BLOCK_DQK == HEAD_DQK)
 
     # ---- key range: blocks entirely outside the band are skipped by the loop bounds ----
     m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
@@ -191,29 +273,24 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        col_ok = offs_n < sk
-        k = _load_rows(k_base + offs_n.to(tl.int64)[:, None] * sks + offs_dq[None, :], col_ok,
-                       offs_dq < HEAD_DQK, BLOCK_DQK == HEAD_DQK)
-        s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
-        s = _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, False)
-        if (start_n < full_lo) | (start_n >= full_hi):
-            s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
-                                    HAS_WL, HAS_WR, False), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if HAS_DROPOUT:
-            p = tl.where(_dropout_keep(seed, rng_rows, offs_n, dropout_p, False), p, 0.0)
-        v = _load_rows(v_base + offs_n.to(tl.int64)[:, None] * svs + offs_dv[None, :], col_ok,
-                       offs_dv < HEAD_DV, BLOCK_DV == HEAD_DV)
-        acc += _dot(_lowp(p, v.dtype, ROUND_P), v, DOT_UPCAST, DOT_IEEE)
-        m_i = m_new
-
+    # masked leading edge (window left), unmasked middle, masked trailing edge (causal, sk)
+    mid_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, lo, mid_lo, offs_m, offs_n0,
+                               offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
+                               bias_base, sbi, sbj, seed, rng_rows, dropout_p, True, MAY_EMPTY,
+                               HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK,
+                               BLOCK_DV, USE_DESC, DOT_UPCAST, DOT_IEEE, ROUND_P)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, mid_lo, mid_hi, offs_m, offs_n0,
+                               offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
+                               bias_base, sbi, sbj, seed, rng_rows, dropout_p, False, MAY_EMPTY,
+                               HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK,
+                               BLOCK_DV, USE_DESC, DOT_UPCAST, DOT_IEEE, ROUND_P)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, mid_hi, hi, offs_m, offs_n0,
+                               offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
+                               bias_base, sbi, sbj, seed, rng_rows, dropout_p, True, MAY_EMPTY,
+                               HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK,
+                               BLOCK_DV, USE_DESC, DOT_UPCAST, DOT_IEEE, ROUND_P)
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
     if HAS_DROPOUT:
@@ -221,11 +298,16 @@ def _attn_fwd(
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
 
-    o_ptrs = O + b64 * sob + h.to(tl.int64) * soh + (q_start + offs_m.to(tl.int64))[:, None] * sos + offs_dv[None, :]
-    if BLOCK_DV == HEAD_DV:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    if USE_DESC:
+        o_desc = tl.make_tensor_descriptor(o_base, shape=[sq, HEAD_DV], strides=[sos, 1],
+                                           block_shape=[BLOCK_M, BLOCK_DV])
+        o_desc.store([m0, 0], out.to(O.dtype.element_ty))
     else:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < HEAD_DV)[None, :])
+        o_ptrs = o_base + offs_m.to(tl.int64)[:, None] * sos + offs_dv[None, :]
+        if BLOCK_DV == HEAD_DV:
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < HEAD_DV)[None, :])
     tl.store(LSE + b64 * slb + h.to(tl.int64) * slh + (q_start + offs_m.to(tl.int64)) * sls, lse, mask=row_ok)
 
 

@@ -48,12 +48,15 @@ class KernelParams:
     block_n: int = 0            # force the key tile of every kernel
     num_splits: int = 0         # force the dQ key splits (ignored when deterministic)
     max_grid: int = 0           # grid y/z limit for chunking; 0 = MAX_GRID_YZ
+    descriptors: int = -1       # TMA tensor-descriptor loads: -1 auto (Hopper+, half, aligned), 0 off, 1 on
 
     def __post_init__(self):
         if not (0.0 <= self.dropout_p < 1.0):
             raise ValueError(f"dropout_p={self.dropout_p} must be in [0, 1)")
         if self.window_left < -1 or self.window_right < -1:
             raise ValueError(f"window=({self.window_left}, {self.window_right}): -1 or >= 0 expected")
+        if self.descriptors not in (-1, 0, 1):
+            raise ValueError(f"descriptors={self.descriptors}: -1 (auto), 0 (off) or 1 (on) expected")
 
     def to_args(self) -> tuple:
         return tuple(getattr(self, f.name) for f in fields(self))
@@ -90,6 +93,60 @@ def device_info(device: torch.device) -> tuple[tuple[int, int], int, int]:
     if device.type == "cuda":
         return _cuda_info(device.index if device.index is not None else torch.cuda.current_device())
     return (0, 0), 1 << 30, 1
+
+
+# In-kernel TMA descriptors need a small global scratch buffer per launch, which Triton
+# asks from the allocator in its context variable.  When the caller has not set one, the
+# launch sets ours for its own duration only (restored in finally).
+try:
+    from triton.runtime._allocation import NullAllocator as _NullAllocator
+    from triton.runtime._allocation import _allocator as _TRITON_ALLOCATOR
+except ImportError:  # pragma: no cover - Triton without in-kernel descriptors
+    _TRITON_ALLOCATOR = _NullAllocator = None
+_HAS_DESCRIPTORS = (hasattr(_TRITON_ALLOCATOR, "reset") and hasattr(triton.language, "make_tensor_descriptor"))
+
+
+class _ScratchAllocator:
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __call__(self, size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device=self.device)
+
+
+def _tma_compatible(t: torch.Tensor) -> bool:
+    """TMA reads rows at 16-byte aligned addresses: base and every stride but the last."""
+    es = t.element_size()
+    return (t.data_ptr() % 16 == 0 and (t.shape[-1] * es) % 16 == 0
+            and all((t.stride(d) * es) % 16 == 0 for d in range(t.dim() - 1)))
+
+
+def use_descriptors(params: "KernelParams", tensors, device: torch.device) -> bool:
+    """Whether the kernels load tiles through TMA tensor descriptors (Hopper and newer,
+    fp16/bf16, 16-byte aligned rows); ``params.descriptors`` forces it (1) or turns it off (0)."""
+    if params.descriptors == 0:
+        return False
+    ok = _HAS_DESCRIPTORS and all(_tma_compatible(t) for t in tensors)
+    if params.descriptors == 1:
+        if not ok:
+            raise ValueError("descriptors=1: TMA descriptors need Triton's make_tensor_descriptor and "
+                             "16-byte aligned rows (base, strides and head dim); got "
+                             + ", ".join(f"{tuple(t.shape)}/{t.stride()}" for t in tensors))
+        return True
+    if is_interpreter() or device.type != "cuda" or tensors[0].dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return ok and device_info(device)[0] >= (9, 0)
+
+
+def _run_with_scratch(device: torch.device, uses_descriptors: bool, fn):
+    """Run ``fn`` (kernel launches) with a scratch allocator for in-kernel descriptors."""
+    if not uses_descriptors or not isinstance(_TRITON_ALLOCATOR.get(), _NullAllocator):
+        return fn()
+    token = _TRITON_ALLOCATOR.set(_ScratchAllocator(device))
+    try:
+        return fn()
+    finally:
+        _TRITON_ALLOCATOR.reset(token)
 
 
 # Opt-in shared memory per block by compute capability, used when the device cannot be queried.
@@ -137,13 +194,14 @@ def select_config(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dty
         cands = [C.INTERPRETER_CONFIGS[kind]]
     else:
         cc, smem, _ = device_info(device)
-        cands = C.candidate_configs(kind, head_dim_qk, head_dim_v, dtype, cc, smem)
+        banded = params is not None and (params.window_left >= 0 or params.window_right >= 0)
+        cands = C.candidate_configs(kind, head_dim_qk, head_dim_v, dtype, cc, smem, banded)
         if not cands:
             raise RuntimeError(C.arch_reason(head_dim_qk, head_dim_v, dtype, cc, smem)
                                or f"no {kind} configuration")
     if params is not None and (params.block_m or params.block_n):
-        cands = [C.KernelConfig(params.block_m or c.block_m, params.block_n or c.block_n,
-                                c.num_warps, c.num_stages) for c in cands]
+        cands = list(dict.fromkeys(C.KernelConfig(params.block_m or c.block_m, params.block_n or c.block_n,
+                                                  c.num_warps, c.num_stages) for c in cands))
     return cands
 
 
@@ -163,8 +221,9 @@ def _launch(kind, kernel, grid, args, kw, cands, key):
     for idx in range(start, len(cands)):
         cfg = cands[idx]
         try:
-            kernel[grid(cfg)](*args, **kw, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            _run_with_scratch(args[0].device, kw.get("USE_DESC", False), functools.partial(
+                kernel[grid(cfg)], *args, **kw, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages))
             _CHOSEN[key] = idx
             return cfg
         except Exception as e:  # noqa: BLE001
@@ -367,6 +426,11 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
         return out.to(q.dtype), lse, seed
     kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
     cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params)
+    desc = use_descriptors(params, (q, k, v, out), dev)
+    # A row whose first key block may be entirely masked needs the -inf-safe running max.
+    may_empty = (kind != 0 or params.window_left >= 0
+                 or (params.window_right >= 0 and params.align_bottom_right
+                     and (prob.varlen or prob.Sk - prob.Sq + params.window_right < 0)))
     dummy = q
     args = (q, k, v, bt if bt is not None else dummy, out, lse, seed if seed.numel() else dummy,
             cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
@@ -374,13 +438,16 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
             *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
             *prob.out_strides(out), *prob.lse_strides(),
             prob.Hq, prob.group, prob.Sq, prob.Sk)
-    kw = dict(_common(q, params, prob), BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0)
+    kw = dict(_common(q, params, prob), BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0,
+              USE_DESC=desc, MAY_EMPTY=may_empty)
     n_bh = prob.B * prob.Hq
-    key = ("fwd", dev, q.dtype, prob.Dqk, prob.Dv)
+    key = ("fwd", dev, q.dtype, prob.Dqk, prob.Dv, desc)
+
     for start, cnt in bh_chunks(n_bh, prob.Hq, _grid_limit(params)):
         def grid(cfg, cnt=cnt):
             return (triton.cdiv(prob.Sq, cfg.block_m), cnt)
-        cfg = _launch(C.FWD, _attn_fwd, grid, args + (start, params.window_left, params.window_right), kw, cands, key)
+        cfg = _launch(C.FWD, _attn_fwd, grid, args + (start, params.window_left, params.window_right),
+                      kw, cands, key)
         cands = [cfg]
     return out.to(q.dtype), lse, seed
 
@@ -412,7 +479,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
         dbias = torch.zeros(bias.shape, device=dev, dtype=bias.dtype) if bias_grad else None
         return dq, dk, dv, dbias
 
-    common = _common(q, params, prob)
+    common = dict(_common(q, params, prob), USE_DESC=use_descriptors(params, (q, k, v, do), dev))
     dummy = q
     seed_t = seed if seed is not None and seed.numel() else dummy
     cu_q_t = cu_q if cu_q is not None else dummy
@@ -477,7 +544,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
             prob.Hq, prob.group, prob.Hkv, prob.Sq, prob.Sk)
     kw = dict(common, BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0, BIAS_GRAD=bias_grad,
               DB_SUM_ROWS=sum_rows, DB_SUM_HEADS=sum_heads)
-    key = ("dkdv", dev, q.dtype, prob.Dqk, prob.Dv)
+    key = ("dkdv", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
     for start, cnt in bh_chunks(prob.B * prob.Hkv, prob.Hkv, limit):
         def grid(cfg, cnt=cnt):
             return (triton.cdiv(prob.Sk, cfg.block_n), cnt, gsplits)
@@ -513,7 +580,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
             *do_str, *lse_str, *dq_str,
             prob.Hq, prob.group, prob.Sq, prob.Sk)
     kw = dict(common, BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0, ATOMIC=atomic)
-    key = ("dq", dev, q.dtype, prob.Dqk, prob.Dv)
+    key = ("dq", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
     for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
         def grid(cfg, cnt=cnt):
             return (triton.cdiv(prob.Sq, cfg.block_m), cnt, splits)
