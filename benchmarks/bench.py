@@ -4,6 +4,8 @@
 
 Implementations (columns):
   sdpa      attention_dispatch.sdpa(), automatic choice (the chosen backend is logged)
+  fastest   attention_dispatch.sdpa() under policy = "fastest" (each shape bucket's first call
+            times every eligible backend; that first call is the warm-up, not measured)
   triton    attention_dispatch.sdpa(backend="triton"): this project's kernel
   cudnn, torch_flash, torch_efficient
             PyTorch's own kernels, called directly: F.scaled_dot_product_attention under
@@ -64,9 +66,11 @@ FEATURES = ("dense", "bias", "window", "varlen", "gqa", "dropout")
 MODES = ("fwd", "fwd+bwd")
 BWD_FACTOR = 3.5
 
-IMPLS = ("sdpa", "triton", "cudnn", "torch_flash", "torch_efficient", "flex", "fa4")
+IMPLS = ("sdpa", "fastest", "triton", "cudnn", "torch_flash", "torch_efficient", "flex", "fa4")
+# What policy="fastest" can choose from (FlexAttention is an anchor, not a backend of ours).
+BACKEND_IMPLS = ("triton", "cudnn", "torch_flash", "torch_efficient", "fa4")
 ANCHORS = ("cudnn", "torch_flash", "torch_efficient", "flex", "fa4")
-LABELS = {"sdpa": "sdpa (auto)", "triton": "triton (ours)", "cudnn": "cuDNN", "torch_flash": "torch flash",
+LABELS = {"sdpa": "sdpa (auto)", "fastest": "sdpa (fastest)", "triton": "triton (ours)", "cudnn": "cuDNN", "torch_flash": "torch flash",
           "torch_efficient": "torch eff", "flex": "Flex", "fa4": "FA4"}
 FA4_HEAD_DIMS = (64, 96, 128)   # flash_attn.cute 4.0 on sm90 (as attention_dispatch.backends.flash_attn)
 
@@ -265,7 +269,7 @@ def select_rows(rows: list[Row], patterns: list[str] | None) -> list[Row]:
 def support(impl: str, row: Row, mode: str, flex_dims=(64, 128), flex_dtypes=("bf16",)) -> str | None:
     """None when `impl` runs this row and mode; otherwise why not (shown as "-")."""
     f = row.feature
-    if impl in ("sdpa", "triton"):
+    if impl in ("sdpa", "fastest", "triton"):
         return None
     if impl in ("cudnn", "torch_flash", "torch_efficient"):
         if f == "window":
@@ -380,16 +384,25 @@ def md_table(headers: list[str], lines: list[list[str]]) -> str:
 def row_lines(entries: list[dict], impls: list[str]) -> tuple[list[str], list[list[str]]]:
     """Headers and lines: one line per row, 'fwd / fwd+bwd' TFLOP/s per implementation,
     then the best anchor and the ratios of sdpa and triton to it."""
-    headers = ["row"] + [LABELS.get(i, i) for i in impls] + ["best anchor", "sdpa/best", "triton/best"]
+    headers = (["row"] + [LABELS.get(i, i) for i in impls]
+               + ["best anchor", "sdpa/best", "triton/best", "fastest/best backend"])
     lines = []
     for e in entries:
         row = Row.from_json(e["row"])
         res = e["results"]
         best = e.get("best_anchor", {})
         best_s = " / ".join(LABELS.get(best.get(m) or "", "-") if best.get(m) else "-" for m in MODES)
+        fb = " / ".join(fmt_num(fastest_ratio(e, m), 2) for m in MODES)
         lines.append([row.describe()] + [fmt_pair(res.get(i)) for i in impls]
-                     + [best_s, fmt_ratio(res.get("sdpa")), fmt_ratio(res.get("triton"))])
+                     + [best_s, fmt_ratio(res.get("sdpa")), fmt_ratio(res.get("triton")), fb])
     return headers, lines
+
+
+def fastest_ratio(entry: dict, mode: str) -> float | None:
+    """policy="fastest" against the best single backend it could have chosen, in this row."""
+    v = cell_value(entry["results"].get("fastest"), mode)
+    _, best = best_anchor(entry["results"], mode, BACKEND_IMPLS)
+    return v / best if (v is not None and best) else None
 
 
 def group_entries(entries: list[dict]) -> dict[tuple[str, int], list[dict]]:
@@ -444,6 +457,12 @@ def evaluate_targets(entries: list[dict], impl: str = "triton") -> list[dict]:
             b = ((dense["results"].get(impl) or {}).get(mode) or {})
             r = (b["ms"] / a["ms"]) if a.get("status") == "ok" and b.get("status") == "ok" else None
             add(f"window (1024,0) S=16k {mode}: >= 5x faster than our dense non-causal (time ratio)", [r], 5.0)
+    for mode in MODES:
+        ratios = [fastest_ratio(e, mode) for e in entries if (e["results"].get("fastest") or {}).get(mode)]
+        ratios = [r for r in ratios if r is not None]
+        if ratios:
+            add(f"policy=fastest {mode} >= 0.97x the best single backend, every row ({len(ratios)} rows)",
+                ratios, 0.97)
     return targets
 
 
@@ -834,7 +853,7 @@ class Runner:
         q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
         gqa = row.Hq != row.Hkv
         ident = (lambda o: o)
-        if impl in ("sdpa", "triton"):
+        if impl in ("sdpa", "fastest", "triton"):
             ad = self.ad
             forced = "triton" if impl == "triton" else None
             kw = dict(attn_mask=inp["bias"], dropout_p=row.dropout_p, is_causal=row.causal, enable_gqa=gqa,
@@ -845,6 +864,8 @@ class Runner:
 
             def fwd():
                 return ad.sdpa(q, k, v, **kw)
+            if impl == "fastest":
+                return fwd, (q, k, v), do, ident, (lambda: ad.use_config({"dispatch": {"policy": "fastest"}}))
             return fwd, (q, k, v), do, ident, contextlib.nullcontext
         if impl in ("cudnn", "torch_flash", "torch_efficient"):
             from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -1068,12 +1089,15 @@ class Runner:
                         self.sync()
                 if impl == "flex":     # the first call of each mode compiles (forward, then backward)
                     self.flex_compile_s += res[m].get("first_call_s", time.perf_counter() - t)
-            if impl in ("sdpa", "triton") and any(res[m].get("status") == "ok" for m in todo):
+            if impl in ("sdpa", "fastest", "triton") and any(res[m].get("status") == "ok" for m in todo):
                 try:
                     d = self.ad.last_decision()
                     res["backend"] = getattr(d, "backend", None)
-                    if impl == "sdpa":
-                        log(f"  {'':16s} sdpa chose {res['backend']}")
+                    if impl != "triton":
+                        timings = getattr(d, "timings", None) or {}
+                        log(f"  {'':16s} {impl} chose {res['backend']}"
+                            + (f" (measured ms: {', '.join(f'{k} {v:.3f}' for k, v in timings.items())})"
+                               if timings else ""))
                 except Exception as e:   # noqa: BLE001
                     res["backend"] = f"? ({first_line(e)})"
             if not args.no_check and row.dropout_p == 0 and res.get("fwd", {}).get("status") == "ok":
