@@ -399,9 +399,11 @@ def row_lines(entries: list[dict], impls: list[str]) -> tuple[list[str], list[li
 
 
 def fastest_ratio(entry: dict, mode: str) -> float | None:
-    """policy="fastest" against the best single backend it could have chosen, in this row."""
+    """policy="fastest" against the best single backend it could have chosen in this row: the
+    calls need grad in both modes, so backends without a backward here do not count."""
     v = cell_value(entry["results"].get("fastest"), mode)
-    _, best = best_anchor(entry["results"], mode, BACKEND_IMPLS)
+    trainable = tuple(i for i in BACKEND_IMPLS if cell_value(entry["results"].get(i), "fwd+bwd") is not None)
+    _, best = best_anchor(entry["results"], mode, trainable)
     return v / best if (v is not None and best) else None
 
 
@@ -632,6 +634,9 @@ def make_plots(data: dict, out_dir: Path) -> list[Path]:
                 if lab not in labels:
                     handles.append(h)
                     labels.append(lab)
+        if not handles:          # every measurement of this group skipped or failed
+            plt.close(fig)
+            continue
         fig.legend(handles, labels, loc="lower center", ncol=len(labels))
         fig.suptitle(f"{dtype}, head dim {D}, hidden {HIDDEN} - {data['meta'].get('gpu', '')}")
         fig.tight_layout(rect=(0, 0.05, 1, 0.97))

@@ -125,6 +125,31 @@ def _backward(ctx, grad_out, grad_lse, grad_seed):
 torch.library.register_autograd(_FWD, _backward, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """Eager mode: the same forward and backward as the two ops, without torch.library's
+    per-call dispatch (~200 us of host time per call measured on the H100 machine,
+    docs/perf-notes.md experiment 5).  torch.compile traces the ops instead."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, bias, cu_q, cu_k, max_sq, max_sk, params):
+        out, lse, seed = attention_forward(query, key, value, bias, params, cu_q, cu_k, _opt(max_sq), _opt(max_sk))
+        ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k)
+        ctx.extra = (max_sq, max_sk, params)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, bias, out, lse, seed, cu_q, cu_k = ctx.saved_tensors
+        max_sq, max_sk, params = ctx.extra
+        bias_grad = bool(bias is not None and ctx.needs_input_grad[3] and bias.dtype.is_floating_point)
+        if grad_out.stride(-1) != 1:
+            grad_out = grad_out.contiguous()
+        dq, dk, dv, db = attention_backward(grad_out, query, key, value, bias, out, lse, seed, params,
+                                            cu_q, cu_k, _opt(max_sq), _opt(max_sk), bias_grad=bias_grad)
+        return dq, dk, dv, (db if bias_grad else None), None, None, None, None, None
+
+
 def _last_dim_contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
     if t is not None and t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
         return t.contiguous()
@@ -146,5 +171,8 @@ def triton_attention(query: Tensor, key: Tensor, value: Tensor, bias: Optional[T
         msq, msk = int(max_seqlen_q), int(max_seqlen_k)
     else:
         msq = msk = -1
-    out, lse, _ = _fwd_op(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, msq, msk, *params.to_args())
+    if torch.compiler.is_compiling():
+        out, lse, _ = _fwd_op(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, msq, msk, *params.to_args())
+    else:
+        out, lse = _EagerAttention.apply(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, msq, msk, params)
     return (out, lse) if return_lse else out

@@ -11,6 +11,7 @@ Pure data + small pure functions: no Triton, no torch device queries here.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +156,12 @@ def candidate_configs(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch
                       cc: tuple[int, int], smem_limit: int, banded: bool = False) -> list[KernelConfig]:
     """All table entries that match and fit, best first (like PyTorch's candidate loop).
     ``banded``: the call is causal or windowed (entries may be reserved for either case)."""
+    return list(_candidates(kind, head_dim_qk, head_dim_v, dtype, tuple(cc), smem_limit, bool(banded)))
+
+
+@functools.lru_cache(maxsize=1024)      # pure function of hashable facts; called on every launch
+def _candidates(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype,
+                cc: tuple[int, int], smem_limit: int, banded: bool) -> tuple[KernelConfig, ...]:
     bdq, bdv = block_d(head_dim_qk), block_d(head_dim_v)
     bd = max(bdq, bdv)
     esize = torch.empty((), dtype=dtype).element_size()
@@ -170,7 +177,7 @@ def candidate_configs(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch
             continue
         if e.config not in out:
             out.append(e.config)
-    return out
+    return tuple(out)
 
 
 def static_reason(head_dim_qk: int, head_dim_v: int, dtype: torch.dtype) -> str | None:
