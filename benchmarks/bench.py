@@ -616,7 +616,7 @@ def make_plots(data: dict, out_dir: Path) -> list[Path]:
                            if e["row"]["causal"] == causal]
                     pts = [(s, v) for s, v in pts if v is not None]
                     if pts:
-                        style = "-" if impl in ("sdpa", "triton") else "--"
+                        style = "-" if impl in ("sdpa", "fastest", "triton") else "--"
                         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=LABELS[impl])
                 ax.set_xscale("log", base=2)
                 xs = sorted({e["row"]["S"] for e in dense})
