@@ -24,7 +24,8 @@ FLOPs: 4 * Hq * D * (allowed (query, key) pairs) for the forward, where dense ro
 B*S*S pairs, halved when causal, and window / varlen rows count the pairs they allow
 (varlen causal: half of each sequence's L*L); forward+backward is 3.5x the forward.
 
-An implementation that does not support a row's feature shows "-" (it is never routed to
+Forward is timed under torch.no_grad() (inference; Flex excepted, its compiled graph depends on
+the grad mode); forward+backward with grad.  An implementation that does not support a row's feature shows "-" (it is never routed to
 something else); a failure shows "err" and its first line goes to details.log. Everything
 is written under --out: bench.json, details.log, bench_<dtype>_d<D>.png; the Markdown
 report goes to --doc. `--from-json FILE` re-renders table, plots and report without a GPU.
@@ -560,7 +561,8 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
              "(first line in details.log), `skip` = out of time budget, `!` = output differed from the "
              "reference. Ratios are to the best anchor of the row (anchors: "
              + ", ".join(LABELS[a] for a in ANCHORS) + "). Timing: CUDA events, median of several "
-             "repetitions after warm-up, one process.", ""]
+             "repetitions of back-to-back calls after warm-up, one process; forward = inference "
+             "(torch.no_grad(); Flex with grad enabled, its compiled graph depends on it).", ""]
     for i, (name, link) in enumerate(plot_links.items()):   # the first inline, the others linked
         lines += [f"![{name}]({link})" if i == 0 else f"- [{name}]({link})", ""]
     targets = data.get("targets") or []
@@ -1070,7 +1072,11 @@ class Runner:
         def fb():
             o = fwd()
             torch.autograd.grad(o, leaves, go)
-        fns = {"fwd": fwd, "fwd+bwd": fb}
+        def fwd_inference():
+            with torch.no_grad():
+                return fwd()
+        # forward = inference (no_grad), except Flex whose compiled graph depends on grad mode
+        fns = {"fwd": fwd if impl == "flex" else fwd_inference, "fwd+bwd": fb}
         with ctx():
             for m in todo:
                 if self.left() <= 0:

@@ -173,6 +173,9 @@ def triton_attention(query: Tensor, key: Tensor, value: Tensor, bias: Optional[T
         msq = msk = -1
     if torch.compiler.is_compiling():
         out, lse, _ = _fwd_op(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, msq, msk, *params.to_args())
-    else:
+    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, bias)):
         out, lse = _EagerAttention.apply(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, msq, msk, params)
+    else:   # inference: no autograd node to build
+        out, lse, _ = attention_forward(query, key, value, bias, params, cu_seqlens_q, cu_seqlens_k,
+                                        _opt(msq), _opt(msk))
     return (out, lse) if return_lse else out

@@ -117,8 +117,12 @@ class _ScratchAllocator:
 def _tma_compatible(t: torch.Tensor) -> bool:
     """TMA reads rows at 16-byte aligned addresses: base and every stride but the last."""
     es = t.element_size()
-    return (t.data_ptr() % 16 == 0 and (t.shape[-1] * es) % 16 == 0
-            and all((t.stride(d) * es) % 16 == 0 for d in range(t.dim() - 1)))
+    if t.data_ptr() % 16 or (t.shape[-1] * es) % 16:
+        return False
+    for st in t.stride()[:-1]:
+        if (st * es) % 16:
+            return False
+    return True
 
 
 def use_descriptors(params: "KernelParams", tensors, device: torch.device) -> bool:
@@ -126,16 +130,19 @@ def use_descriptors(params: "KernelParams", tensors, device: torch.device) -> bo
     fp16/bf16, 16-byte aligned rows); ``params.descriptors`` forces it (1) or turns it off (0)."""
     if params.descriptors == 0:
         return False
-    ok = _HAS_DESCRIPTORS and all(_tma_compatible(t) for t in tensors)
     if params.descriptors == 1:
-        if not ok:
+        if not (_HAS_DESCRIPTORS and all(_tma_compatible(t) for t in tensors)):
             raise ValueError("descriptors=1: TMA descriptors need Triton's make_tensor_descriptor and "
                              "16-byte aligned rows (base, strides and head dim); got "
                              + ", ".join(f"{tuple(t.shape)}/{t.stride()}" for t in tensors))
         return True
-    if is_interpreter() or device.type != "cuda" or tensors[0].dtype not in (torch.float16, torch.bfloat16):
+    if (not _HAS_DESCRIPTORS or device.type != "cuda" or is_interpreter()
+            or tensors[0].dtype not in (torch.float16, torch.bfloat16) or device_info(device)[0] < (9, 0)):
         return False
-    return ok and device_info(device)[0] >= (9, 0)
+    for t in tensors:
+        if not _tma_compatible(t):
+            return False
+    return True
 
 
 def _run_with_scratch(device: torch.device, uses_descriptors: bool, fn):
