@@ -703,7 +703,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"--quick {QUICK_FLEX_BUDGET_S:.0f})")
     p.add_argument("--flex-dims", type=_csv(int), default=(64, 128), help="head dims where Flex is measured")
     p.add_argument("--flex-dtypes", type=_csv(str), default=("bf16",), help="dtypes where Flex is measured")
-    p.add_argument("--target-ms", type=float, default=40.0, help="time spent per measurement after warm-up (ms)")
+    p.add_argument("--target-ms", type=float, default=30.0, help="time spent per measurement after warm-up (ms)")
     p.add_argument("--max-reps", type=int, default=15, help="most timed repetitions per measurement")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--no-check", action="store_true", help="skip the output comparison against the reference")

@@ -305,6 +305,20 @@ def test_descriptor_path(feature):
     run_and_check(q, k, v, bias, causal=causal, window=window, descriptors=1)
 
 
+def test_inference_call_builds_no_autograd_node():
+    """Without grad (no_grad, or no input requiring it) the kernel runs without an autograd
+    node and returns exactly what the differentiable call returns."""
+    q, k, v = rand(1, 2, 33, 16), rand(1, 2, 40, 16), rand(1, 2, 40, 16)
+    prm = make_params(q, causal="bottom_right")
+    with_grad = triton_attention(q, k, v, None, prm)
+    assert with_grad.grad_fn is not None
+    with torch.no_grad():
+        inference = triton_attention(q, k, v, None, prm)
+    detached = triton_attention(q.detach(), k.detach(), v.detach(), None, prm)
+    assert inference.grad_fn is None and detached.grad_fn is None
+    assert torch.equal(inference, with_grad.detach()) and torch.equal(detached, inference)
+
+
 def test_descriptor_path_refuses_misaligned_rows():
     q = rand(1, 2, 20, 6)             # 6 * 4 bytes per row: not a multiple of 16
     with pytest.raises(ValueError, match="descriptors=1"):
