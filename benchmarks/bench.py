@@ -561,8 +561,10 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
              "(first line in details.log), `skip` = out of time budget, `!` = output differed from the "
              "reference. Ratios are to the best anchor of the row (anchors: "
              + ", ".join(LABELS[a] for a in ANCHORS) + "). Timing: CUDA events, median of several "
-             "repetitions of back-to-back calls after warm-up, one process; forward = inference "
-             "(torch.no_grad(); Flex with grad enabled, its compiled graph depends on it).", ""]
+             "repetitions of back-to-back calls after warm-up, one process; "
+             + ("forward = inference (torch.no_grad(); Flex with grad enabled, its compiled graph depends on it)."
+                if meta.get("fwd_timing") == "no_grad" else "forward timed with grad enabled (inputs require grad)."),
+             ""]
     for i, (name, link) in enumerate(plot_links.items()):   # the first inline, the others linked
         lines += [f"![{name}]({link})" if i == 0 else f"- [{name}]({link})", ""]
     targets = data.get("targets") or []
@@ -1210,7 +1212,8 @@ def main(argv=None) -> int:
     if "flex" in impls:
         runner.load_flex()
     meta = environment(runner)
-    meta.update(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    meta.update(fwd_timing="no_grad",
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 commit=git_commit(args.commit), quick=args.quick, impls=impls, anchors=list(ANCHORS),
                 command="python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 budget_s=args.budget_s, flex_budget_s=args.flex_budget_s,

@@ -305,6 +305,28 @@ def test_descriptor_path(feature):
     run_and_check(q, k, v, bias, causal=causal, window=window, descriptors=1)
 
 
+def test_descriptor_choice_in_auto_mode(monkeypatch):
+    """Auto mode takes TMA descriptors only on sm90+ CUDA, for fp16/bf16 rows aligned to 16 bytes."""
+    from attention_dispatch.kernels import launch
+    monkeypatch.setattr(launch, "is_interpreter", lambda: False)
+    cc = {"value": (9, 0)}
+    monkeypatch.setattr(launch, "device_info", lambda device: (cc["value"], 232448, 132))
+    cuda = torch.device("cuda")
+    auto = KernelParams(scale=1.0)
+    half = [torch.randn(1, 2, 8, 64, dtype=BF16) for _ in range(4)]
+    if not launch._HAS_DESCRIPTORS:
+        assert not launch.use_descriptors(auto, half, cuda)
+        return
+    assert launch.use_descriptors(auto, half, cuda)
+    assert not launch.use_descriptors(KernelParams(scale=1.0, descriptors=0), half, cuda)
+    assert not launch.use_descriptors(auto, half, torch.device("cpu"))
+    assert not launch.use_descriptors(auto, [t.float() for t in half], cuda)              # fp32
+    assert not launch.use_descriptors(auto, [torch.randn(1, 2, 8, 12, dtype=BF16)] * 4, cuda)  # 24-byte rows
+    assert not launch.use_descriptors(auto, [half[0][..., 1:9]] + half[1:], cuda)       # misaligned base
+    cc["value"] = (8, 0)
+    assert not launch.use_descriptors(auto, half, cuda)
+
+
 def test_inference_call_builds_no_autograd_node():
     """Without grad (no_grad, or no input requiring it) the kernel runs without an autograd
     node and returns exactly what the differentiable call returns."""
