@@ -23,7 +23,8 @@ Public interface (used by ``attention_dispatch.backends.triton``)::
   dense (B, Hq, Sq), varlen (total_q, Hq).
 * params: :class:`KernelParams` (scale, band, dropout, determinism, optional tuning knobs:
   block_m/block_n force the tiles, num_splits forces the backward splits, max_grid lowers
-  the grid y/z limit used for chunking).
+  the grid y/z limit used for chunking, descriptors forces (1) or disables (0) the TMA
+  tensor-descriptor loads that are automatic on Hopper for aligned fp16/bf16 rows).
 * dropout: seed drawn from the device generator inside the op; :func:`dropout_keep_mask`
   reproduces the mask (see its docstring).
 """
