@@ -288,7 +288,8 @@ def test_varlen_all_empty():
 
 # ----------------------------------------------------------------------------- TMA descriptor path
 
-@pytest.mark.parametrize("feature", ["dense", "causal_br", "window", "bias", "varlen_gqa_dropout", "dv_ne_dqk"])
+@pytest.mark.parametrize("feature", ["dense", "causal_br", "window", "bias", "varlen_gqa_dropout", "varlen_empty",
+                                     "dv_ne_dqk"])
 def test_descriptor_path(feature):
     """descriptors=1: every tile load through tensor descriptors (the Hopper path; the
     interpreter emulates TMA's out-of-bounds zero fill) matches the oracle like the pointer path."""
@@ -296,6 +297,10 @@ def test_descriptor_path(feature):
         q, k, v, cu_q, cu_k, msq, msk = varlen_inputs((5, 0, 17, 33), (9, 4, 17, 20), hq=4, hkv=2, d=32)
         run_and_check(q, k, v, causal="bottom_right", dropout_p=0.2, cu_q=cu_q, cu_k=cu_k,
                       max_sq=msq, max_sk=msk, descriptors=1)
+        return
+    if feature == "varlen_empty":     # a key sequence of length 0 under queries, and empty query sequences
+        q, k, v, cu_q, cu_k, msq, msk = varlen_inputs(*VARLENS[1], hq=2, hkv=2, d=32)
+        run_and_check(q, k, v, window=(4, -1), cu_q=cu_q, cu_k=cu_k, max_sq=msq, max_sk=msk, descriptors=1)
         return
     dv = 16 if feature == "dv_ne_dqk" else 32
     q, k, v = rand(2, 2, 37, 32), rand(2, 2, 45, 32), rand(2, 2, 45, dv)
