@@ -310,9 +310,9 @@ class _Problem:
                 raise ValueError("dense: query/key/value must be (B, H, S, D)")
             self.B, self.Hq, self.Sq, self.Dqk = q.shape
             self.Hkv, self.Sk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
-            self.q_strides = (q.stride(0), q.stride(1), q.stride(2))
-            self.k_strides = (k.stride(0), k.stride(1), k.stride(2))
-            self.v_strides = (v.stride(0), v.stride(1), v.stride(2))
+            self.q_strides = q.stride()[:3]
+            self.k_strides = k.stride()[:3]
+            self.v_strides = v.stride()[:3]
             self.out_shape = (self.B, self.Hq, self.Sq, self.Dv)
             self.lse_shape = (self.B, self.Hq, self.Sq)
             if k.shape[0] != self.B or v.shape[0] != self.B or v.shape[2] != self.Sk or v.shape[1] != self.Hkv:
@@ -377,16 +377,30 @@ def bias_layout(bias: torch.Tensor | None, full: tuple[int, int, int, int]):
 
 
 def _common(q, params, prob):
-    dtype = q.dtype
+    """Constexpr arguments shared by every kernel of a call (memoised: built on every launch)."""
+    return _common_constexprs(q.dtype, prob.Dqk, prob.Dv, prob.varlen, bool(params.align_bottom_right),
+                              params.window_left >= 0, params.window_right >= 0, INTERPRETER_FP32_PRODUCTS)
+
+
+@functools.lru_cache(maxsize=256)
+def _common_constexprs(dtype, dqk, dv, varlen, align_br, has_wl, has_wr, fp32_products):
+    interp = is_interpreter()
     return dict(
-        HEAD_DQK=prob.Dqk, HEAD_DV=prob.Dv, IS_VARLEN=prob.varlen,
-        ALIGN_BR=bool(params.align_bottom_right), HAS_WL=params.window_left >= 0,
-        HAS_WR=params.window_right >= 0,
-        BLOCK_DQK=C.block_d(prob.Dqk), BLOCK_DV=C.block_d(prob.Dv),
-        DOT_UPCAST=is_interpreter() and dtype != torch.float32,
+        HEAD_DQK=dqk, HEAD_DV=dv, IS_VARLEN=varlen, ALIGN_BR=align_br, HAS_WL=has_wl, HAS_WR=has_wr,
+        BLOCK_DQK=C.block_d(dqk), BLOCK_DV=C.block_d(dv),
+        DOT_UPCAST=interp and dtype != torch.float32,
         DOT_IEEE=dtype == torch.float32,
-        ROUND_P=not (is_interpreter() and INTERPRETER_FP32_PRODUCTS),
+        ROUND_P=not (interp and fp32_products),
     )
+
+
+def _cdiv(a: int, b: int) -> int:
+    # triton.cdiv is a ConstexprFunction in recent Triton: ~6 us per host-side call (3.9, CPU)
+    return -(-a // b)
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _store_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -426,11 +440,11 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
     if prob.empty():
         out.zero_()
         lse.fill_(-math.inf)
-        return out.to(q.dtype), lse, seed
+        return _as_dtype(out, q.dtype), lse, seed
     if prob.Sk == 0 or prob.Hkv == 0 or (prob.varlen and k.shape[0] == 0):
         out.zero_()
         lse.fill_(-math.inf)
-        return out.to(q.dtype), lse, seed
+        return _as_dtype(out, q.dtype), lse, seed
     kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
     cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params)
     desc = use_descriptors(params, (q, k, v, out), dev)
@@ -452,11 +466,11 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
 
     for start, cnt in bh_chunks(n_bh, prob.Hq, _grid_limit(params)):
         def grid(cfg, cnt=cnt):
-            return (triton.cdiv(prob.Sq, cfg.block_m), cnt)
+            return (_cdiv(prob.Sq, cfg.block_m), cnt)
         cfg = _launch(C.FWD, _attn_fwd, grid, args + (start, params.window_left, params.window_right),
                       kw, cands, key)
         cands = [cfg]
-    return out.to(q.dtype), lse, seed
+    return _as_dtype(out, q.dtype), lse, seed
 
 
 # --------------------------------------------------------------------------- backward
@@ -502,7 +516,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     delta = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32)
     bm_pre = 16 if is_interpreter() else 64
     for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
-        _attn_bwd_preprocess[(triton.cdiv(prob.Sq, bm_pre), cnt)](
+        _attn_bwd_preprocess[(_cdiv(prob.Sq, bm_pre), cnt)](
             out, do, delta, cu_q_t, *o_str, *do_str, *lse_str, prob.Hq, prob.Sq, start,
             HEAD_DV=prob.Dv, IS_VARLEN=prob.varlen, BLOCK_M=bm_pre, BLOCK_DV=common["BLOCK_DV"])
 
@@ -525,10 +539,10 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     elif params.num_splits > 0:
         gsplits = min(params.num_splits, prob.group)
     else:
-        gsplits = group_splits_heuristic(prob.B * prob.Hkv, triton.cdiv(prob.Sk, cands[0].block_n),
+        gsplits = group_splits_heuristic(prob.B * prob.Hkv, _cdiv(prob.Sk, cands[0].block_n),
                                          prob.group, num_sms)
-    per_split = triton.cdiv(prob.group, gsplits)
-    gsplits = triton.cdiv(prob.group, per_split)
+    per_split = _cdiv(prob.group, gsplits)
+    gsplits = _cdiv(prob.group, per_split)
     if gsplits > 1:
         dk_out = torch.empty((gsplits,) + tuple(k.shape), device=dev, dtype=torch.float32)
         dv_out = torch.empty((gsplits,) + tuple(v.shape), device=dev, dtype=torch.float32)
@@ -554,7 +568,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     key = ("dkdv", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
     for start, cnt in bh_chunks(prob.B * prob.Hkv, prob.Hkv, limit):
         def grid(cfg, cnt=cnt):
-            return (triton.cdiv(prob.Sk, cfg.block_n), cnt, gsplits)
+            return (_cdiv(prob.Sk, cfg.block_n), cnt, gsplits)
         cfg = _launch(C.BWD_DKDV, _attn_bwd_dkdv, grid,
                       args + (start, params.window_left, params.window_right, per_split, *split_str),
                       kw, cands, key)
@@ -562,7 +576,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     if gsplits > 1:
         dk, dv = dk_out.sum(0).to(k.dtype), dv_out.sum(0).to(v.dtype)
     else:
-        dk, dv = dk_out.to(k.dtype), dv_out.to(v.dtype)
+        dk, dv = _as_dtype(dk_out, k.dtype), _as_dtype(dv_out, v.dtype)
 
     # 3) dQ : query-tile parallel, optionally split over keys (fp32 workspace + atomics)
     cands = select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params)
@@ -570,9 +584,9 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     if params.deterministic:
         splits = 1
     elif params.num_splits > 0:
-        splits = min(params.num_splits, max(1, triton.cdiv(prob.Sk, bn)))
+        splits = min(params.num_splits, max(1, _cdiv(prob.Sk, bn)))
     else:
-        splits = num_splits_heuristic(prob.B * prob.Hq, triton.cdiv(prob.Sq, bm), triton.cdiv(prob.Sk, bn),
+        splits = num_splits_heuristic(prob.B * prob.Hq, _cdiv(prob.Sq, bm), _cdiv(prob.Sk, bn),
                                       num_sms, params.deterministic)
     atomic = splits > 1
     if atomic:
@@ -590,11 +604,11 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     key = ("dq", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
     for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
         def grid(cfg, cnt=cnt):
-            return (triton.cdiv(prob.Sq, cfg.block_m), cnt, splits)
+            return (_cdiv(prob.Sq, cfg.block_m), cnt, splits)
         cfg = _launch(C.BWD_DQ, _attn_bwd_dq, grid,
                       args + (start, params.window_left, params.window_right, splits), kw, cands, key)
         cands = [cfg]
-    dq = dq_ws.to(q.dtype)
+    dq = _as_dtype(dq_ws, q.dtype)
 
     dbias = _reduce_dbias(db_ws, bcast, bias) if bias_grad else None
     return dq, dk, dv, dbias
@@ -623,7 +637,7 @@ def dropout_keep_mask(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int, 
     bm, bn = (16, 32) if is_interpreter() else (64, 64)
     n_bh = batch * num_heads
     for start, cnt in bh_chunks(n_bh, num_heads, max_grid or MAX_GRID_YZ):
-        _dropout_mask_kernel[(triton.cdiv(seqlen_q, bm), cnt)](
+        _dropout_mask_kernel[(_cdiv(seqlen_q, bm), cnt)](
             out, seed, float(dropout_p), seqlen_q * seqlen_k, seqlen_k, num_heads, seqlen_q, seqlen_k, start,
             BLOCK_M=bm, BLOCK_N=bn)
     return out.bool()
