@@ -321,7 +321,7 @@ def test_descriptor_choice_in_auto_mode(monkeypatch):
     half = [torch.randn(1, 2, 8, 64, dtype=BF16) for _ in range(4)]
     if not launch._HAS_DESCRIPTORS:
         assert not launch.use_descriptors(auto, half, cuda)
-        return
+        pytest.skip("this Triton has no in-kernel tensor descriptors")
     assert launch.use_descriptors(auto, half, cuda)
     assert not launch.use_descriptors(KernelParams(scale=1.0, descriptors=0), half, cuda)
     assert not launch.use_descriptors(auto, half, torch.device("cpu"))

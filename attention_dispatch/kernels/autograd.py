@@ -109,14 +109,22 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, seed)
 
 
-def _backward(ctx, grad_out, grad_lse, grad_seed):
-    query, key, value, bias, out, lse, seed, cu_q, cu_k = ctx.saved_tensors
-    max_sq, max_sk, pargs = ctx.extra
+def _backward_inputs(ctx, grad_out):
+    """(saved tensors, grad_out made last-dim contiguous, whether the float bias needs a grad):
+    what both backward paths (op and eager Function) start from."""
+    saved = ctx.saved_tensors
+    bias, out = saved[3], saved[4]
     bias_grad = bool(bias is not None and ctx.needs_input_grad[3] and bias.dtype.is_floating_point)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
+    return saved, grad_out, bias_grad
+
+
+def _backward(ctx, grad_out, grad_lse, grad_seed):
+    (query, key, value, bias, out, lse, seed, cu_q, cu_k), grad_out, bias_grad = _backward_inputs(ctx, grad_out)
+    max_sq, max_sk, pargs = ctx.extra
     dq, dk, dv, db = _bwd_op(grad_out, query, key, value, bias, out, lse, seed, cu_q, cu_k,
                              max_sq, max_sk, *pargs, bias_grad)
     return (dq, dk, dv, db if bias_grad else None) + (None,) * (4 + _N_PARAMS)
@@ -128,7 +136,7 @@ torch.library.register_autograd(_FWD, _backward, setup_context=_setup_context)
 class _EagerAttention(torch.autograd.Function):
     """Eager mode: the same forward and backward as the two ops, without torch.library's
     per-call dispatch (~200 us of host time per call measured on the H100 machine,
-    docs/perf-notes.md experiment 5).  torch.compile traces the ops instead."""
+    docs/perf-notes.md experiment 6).  torch.compile traces the ops instead."""
 
     @staticmethod
     def forward(ctx, query, key, value, bias, cu_q, cu_k, max_sq, max_sk, params):
@@ -140,11 +148,8 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        query, key, value, bias, out, lse, seed, cu_q, cu_k = ctx.saved_tensors
+        (query, key, value, bias, out, lse, seed, cu_q, cu_k), grad_out, bias_grad = _backward_inputs(ctx, grad_out)
         max_sq, max_sk, params = ctx.extra
-        bias_grad = bool(bias is not None and ctx.needs_input_grad[3] and bias.dtype.is_floating_point)
-        if grad_out.stride(-1) != 1:
-            grad_out = grad_out.contiguous()
         dq, dk, dv, db = attention_backward(grad_out, query, key, value, bias, out, lse, seed, params,
                                             cu_q, cu_k, _opt(max_sq), _opt(max_sk), bias_grad=bias_grad)
         return dq, dk, dv, (db if bias_grad else None), None, None, None, None, None

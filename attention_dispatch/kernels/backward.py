@@ -10,7 +10,7 @@ gradient it touches is exactly 0 (never NaN).
 import triton
 import triton.language as tl
 
-from .forward import _apply_bias, _band_mask, _dot, _dropout_keep, _load_kv, _load_rows, _lowp
+from .forward import _apply_bias, _band_mask, _dot, _dropout_keep, _load_rows, _load_tile, _lowp, _tile_desc
 
 
 @triton.jit
@@ -148,19 +148,13 @@ def _attn_bwd_dkdv(
             if not DB_SUM_HEADS:
                 db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         pid_bh64 = b64 * H + h64
-        if USE_DESC:
-            q_desc = tl.make_tensor_descriptor(q_base, shape=[tl.maximum(sq, 1), HEAD_DQK], strides=[sqs, 1],
-                                               block_shape=[BLOCK_M, BLOCK_DQK])
-            do_desc = tl.make_tensor_descriptor(do_base, shape=[tl.maximum(sq, 1), HEAD_DV], strides=[sdos, 1],
-                                                block_shape=[BLOCK_M, BLOCK_DV])
-        else:
-            q_desc = Q
-            do_desc = DO
+        q_desc = _tile_desc(Q, q_base, sq, sqs, HEAD_DQK, BLOCK_M, BLOCK_DQK, USE_DESC)
+        do_desc = _tile_desc(DO, do_base, sq, sdos, HEAD_DV, BLOCK_M, BLOCK_DV, USE_DESC)
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
             row_ok = offs_m < sq
-            q = _load_kv(q_desc, q_base, start_m, offs_m, sqs, row_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
-            do = _load_kv(do_desc, do_base, start_m, offs_m, sdos, row_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
+            q = _load_tile(q_desc, q_base, start_m, offs_m, sqs, row_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
+            do = _load_tile(do_desc, do_base, start_m, offs_m, sdos, row_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
             lse = tl.load(LSE + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
             delta = tl.load(Delta + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
@@ -307,20 +301,14 @@ def _attn_bwd_dq(
         rng_rows = offs_m.to(tl.int64)
     inv_keep = 1.0 / (1.0 - dropout_p)
 
-    if USE_DESC:
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(sk, 1), HEAD_DQK], strides=[sks, 1],
-                                           block_shape=[BLOCK_N, BLOCK_DQK])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(sk, 1), HEAD_DV], strides=[svs, 1],
-                                           block_shape=[BLOCK_N, BLOCK_DV])
-    else:
-        k_desc = K
-        v_desc = V
+    k_desc = _tile_desc(K, k_base, sk, sks, HEAD_DQK, BLOCK_N, BLOCK_DQK, USE_DESC)
+    v_desc = _tile_desc(V, v_base, sk, svs, HEAD_DV, BLOCK_N, BLOCK_DV, USE_DESC)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     for start_n in range(seg_lo, seg_hi, BLOCK_N):
         offs_n = start_n + offs_n0
         col_ok = offs_n < sk
-        k = _load_kv(k_desc, k_base, start_n, offs_n, sks, col_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
-        v = _load_kv(v_desc, v_base, start_n, offs_n, svs, col_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
+        k = _load_tile(k_desc, k_base, start_n, offs_n, sks, col_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
+        v = _load_tile(v_desc, v_base, start_n, offs_n, svs, col_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
         s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
         s = _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, False)
         if (start_n < full_lo) | (start_n >= full_hi):

@@ -112,13 +112,26 @@ def _dropout_keep(seed, rng_rows, offs_n, dropout_p, TRANS: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(ptr_or_desc, base, row0, offs_rows, stride, rows_ok, offs_d, HEAD_D: tl.constexpr,
-             BLOCK_D: tl.constexpr, DESC: tl.constexpr):
+def _tile_desc(ptr, base, rows, stride, HEAD_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+               DESC: tl.constexpr):
+    """With DESC: a TMA descriptor over the ``rows`` x HEAD_D matrix of one (sequence, head)
+    at ``base`` (row stride ``stride``), read in (BLOCK_R, BLOCK_D) tiles.  Without: ``ptr``
+    unchanged (the pointer path of :func:`_load_tile` reads from ``base``)."""
+    if DESC:
+        return tl.make_tensor_descriptor(base, shape=[tl.maximum(rows, 1), HEAD_D], strides=[stride, 1],
+                                         block_shape=[BLOCK_R, BLOCK_D])
+    else:
+        return ptr
+
+
+@triton.jit
+def _load_tile(desc_or_ptr, base, row0, offs_rows, stride, rows_ok, offs_d, HEAD_D: tl.constexpr,
+               BLOCK_D: tl.constexpr, DESC: tl.constexpr):
     """A tile of rows ``offs_rows`` (= row0 + arange) of one sequence's Q/K/V/dO: a TMA
     tensor-descriptor load (rows past the sequence and columns past HEAD_D read as zeros)
     or masked pointer loads."""
     if DESC:
-        return ptr_or_desc.load([row0, 0])
+        return desc_or_ptr.load([row0, 0])
     else:
         return _load_rows(base + offs_rows.to(tl.int64)[:, None] * stride + offs_d[None, :], rows_ok,
                           offs_d < HEAD_D, BLOCK_D == HEAD_D)
@@ -165,8 +178,8 @@ def _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, n_lo, n_hi, off
     """The online softmax over key blocks [n_lo, n_hi) (one software-pipelined loop)."""
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        k = _load_kv(k_desc, k_base, start_n, offs_n, sks, offs_n < sk, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
-        v = _load_kv(v_desc, v_base, start_n, offs_n, svs, offs_n < sk, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
+        k = _load_tile(k_desc, k_base, start_n, offs_n, sks, offs_n < sk, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
+        v = _load_tile(v_desc, v_base, start_n, offs_n, svs, offs_n < sk, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k, v, start_n, offs_m, offs_n0, qk_scale, sk, sq, off,
                                   window_left, window_right, bias_base, sbi, sbj, seed, rng_rows, dropout_p,
                                   MASKED, MAY_EMPTY, HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT,
@@ -231,19 +244,10 @@ def _attn_fwd(
     o_base = O + b64 * sob + h.to(tl.int64) * soh + q_start * sos
     bias_base = Bias + b64 * sbb + h.to(tl.int64) * sbh
 
-    if USE_DESC:
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(sk, 1), HEAD_DQK], strides=[sks, 1],
-                                           block_shape=[BLOCK_N, BLOCK_DQK])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(sk, 1), HEAD_DV], strides=[svs, 1],
-                                           block_shape=[BLOCK_N, BLOCK_DV])
-        q_desc = tl.make_tensor_descriptor(q_base, shape=[sq, HEAD_DQK], strides=[sqs, 1],
-                                           block_shape=[BLOCK_M, BLOCK_DQK])
-        q = q_desc.load([m0, 0])
-    else:
-        k_desc = K
-        v_desc = V
-        q = _load_rows(q_base + offs_m.to(tl.int64)[:, None] * sqs + offs_dq[None, :], row_ok,
-                       offs_dq < HEAD_DQK, BLOCK_DQK == HEAD_DQK)
+    k_desc = _tile_desc(K, k_base, sk, sks, HEAD_DQK, BLOCK_N, BLOCK_DQK, USE_DESC)
+    v_desc = _tile_desc(V, v_base, sk, svs, HEAD_DV, BLOCK_N, BLOCK_DV, USE_DESC)
+    q = _load_tile(_tile_desc(Q, q_base, sq, sqs, HEAD_DQK, BLOCK_M, BLOCK_DQK, USE_DESC), q_base, m0, offs_m,
+                   sqs, row_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
 
     # ---- key range: blocks entirely outside the band are skipped by the loop bounds ----
     m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
@@ -299,9 +303,7 @@ def _attn_fwd(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
 
     if USE_DESC:
-        o_desc = tl.make_tensor_descriptor(o_base, shape=[sq, HEAD_DV], strides=[sos, 1],
-                                           block_shape=[BLOCK_M, BLOCK_DV])
-        o_desc.store([m0, 0], out.to(O.dtype.element_ty))
+        _tile_desc(O, o_base, sq, sos, HEAD_DV, BLOCK_M, BLOCK_DV, USE_DESC).store([m0, 0], out.to(O.dtype.element_ty))
     else:
         o_ptrs = o_base + offs_m.to(tl.int64)[:, None] * sos + offs_dv[None, :]
         if BLOCK_DV == HEAD_DV:

@@ -115,7 +115,8 @@ class _ScratchAllocator:
 
 
 def _tma_compatible(t: torch.Tensor) -> bool:
-    """TMA reads rows at 16-byte aligned addresses: base and every stride but the last."""
+    """TMA reads rows at 16-byte aligned addresses: the base, every stride but the last and
+    the row length must be multiples of 16 bytes."""
     es = t.element_size()
     if t.data_ptr() % 16 or (t.shape[-1] * es) % 16:
         return False
@@ -240,6 +241,11 @@ def _launch(kind, kernel, grid, args, kw, cands, key):
     raise RuntimeError(f"no {kind} configuration fits this device: {last}")
 
 
+def _cdiv(a: int, b: int) -> int:
+    # triton.cdiv is a ConstexprFunction in recent Triton: ~6 us per host-side call (3.9, CPU)
+    return -(-a // b)
+
+
 def bh_chunks(n: int, inner: int, limit: int):
     """Split the flattened (batch x heads) grid axis of length n into launches of at most
     `limit` programs; chunks are whole batches (multiples of `inner`) when inner <= limit.
@@ -265,7 +271,7 @@ def num_splits_heuristic(batch_heads: int, num_m_blocks: int, num_n_blocks: int,
     target = 2 * max(1, num_sms)
     if ctas >= target:
         return 1
-    s = min(-(-target // ctas), num_n_blocks // 2, max_splits)
+    s = min(_cdiv(target, ctas), num_n_blocks // 2, max_splits)
     return max(1, s)
 
 
@@ -280,7 +286,7 @@ def group_splits_heuristic(batch_kv_heads: int, num_n_blocks: int, group: int, n
     target = 2 * max(1, num_sms)
     if ctas >= target:
         return 1
-    return max(1, min(group, -(-target // ctas)))
+    return max(1, min(group, _cdiv(target, ctas)))
 
 
 # --------------------------------------------------------------------------- argument prep
@@ -392,11 +398,6 @@ def _common_constexprs(dtype, dqk, dv, varlen, align_br, has_wl, has_wr, fp32_pr
         DOT_IEEE=dtype == torch.float32,
         ROUND_P=not (interp and fp32_products),
     )
-
-
-def _cdiv(a: int, b: int) -> int:
-    # triton.cdiv is a ConstexprFunction in recent Triton: ~6 us per host-side call (3.9, CPU)
-    return -(-a // b)
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
