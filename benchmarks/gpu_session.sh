@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|bench|quick|overhead [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|bench|quick|overhead [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # Everything lands under $OUT; the last lines printed are the short summary.
 set -uo pipefail
@@ -15,7 +15,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-}
 case "$what" in
   tests)     # ~9 minutes on an H100
     timeout 570 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
-      tests/test_triton_kernel.py tests/test_adapters.py tests/test_capabilities.py tests/test_compile.py \
+      tests/test_triton_kernel.py tests/test_compiled_cache.py tests/test_adapters.py tests/test_capabilities.py \
+      tests/test_compile.py \
       2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
   bench)     # the full grid (~8 minutes), then the CUDA host overhead (~20 s)
     timeout 545 python3 benchmarks/bench.py --budget-s 500 --out "$out/bench" --doc "$out/bench/benchmarks.md" \
@@ -24,7 +25,12 @@ case "$what" in
   quick)     # bf16 hdim 128 + feature rows, ~3 minutes
     timeout 300 python3 benchmarks/bench.py --quick --out "$out/bench" --doc "$out/bench/benchmarks.md" --commit "$sha" \
       2>&1 | tee "$out/bench_stdout.txt" | tail -45 ;;
+  kernel)    # the kernel, its relaunch cache and torch.compile (~7 minutes), then the host overhead
+    timeout ${KERNEL_TESTS_S:-480} python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
+      tests/test_compiled_cache.py tests/test_triton_kernel.py tests/test_compile.py \
+      2>&1 | tee "$out/gpu_tests.log" | tail -8
+    timeout 40 python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -11 ;;
   overhead)
     python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -12 ;;
-  *) echo "usage: $0 tests|bench|quick|overhead [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|bench|quick|overhead [SHA]"; exit 2 ;;
 esac

@@ -11,6 +11,7 @@ GPU keeps up with the tiny kernels):
   attention_dispatch.api.normalize_call                     -- argument checks + Problem
   attention_dispatch.dispatch.decide(problem), cache hit    -- must add <= 3 us (issue 5)
   hash(problem)                                             -- part of every cache hit
+  sdpa(backend="triton"), forward and forward+backward      -- our kernel's launch path (CUDA)
 """
 from __future__ import annotations
 
@@ -85,6 +86,13 @@ def main(argv=None) -> int:
         ("dispatch.decide (cache hit)", lambda: decide(problem)),
         ("hash(Problem)", lambda: hash(problem)),
     ]
+    if device == "cuda":
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+        def triton_fwd_bwd():
+            ad.sdpa(qg, kg, vg, backend="triton").sum().backward()
+        cases += [("sdpa(backend='triton') forward", lambda: ad.sdpa(q, k, v, backend="triton")),
+                  ("sdpa(backend='triton') fwd+bwd", triton_fwd_bwd)]
     results = {}
     for name, fn in cases:
         med, best = per_call_us(fn, args.n, args.repeat, sync)

@@ -15,6 +15,7 @@ import torch
 import triton
 
 from . import configs as C
+from .compiled_cache import COMPILED
 from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
 from .forward import LOG2E, _attn_fwd, _dropout_mask_kernel
 
@@ -220,6 +221,15 @@ def _out_of_resources(e: Exception) -> bool:
     return type(e).__name__ in ("OutOfResources", "OutOfResourcesError") or "out of resource" in str(e).lower()
 
 
+def _launch_one(kernel, grid, args, constexprs, num_warps, num_stages):
+    """One launch: compiled kernels are relaunched directly (compiled_cache.py); the
+    interpreter always goes through Triton."""
+    if is_interpreter():
+        kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+    else:
+        COMPILED.launch(kernel, grid, args, constexprs, num_warps, num_stages, args[0].device)
+
+
 def _launch(kind, kernel, grid, args, kw, cands, key):
     """Launch with the first candidate that compiles within the device's resources
     (PyTorch-style loop over candidate kernels); the winner is remembered per key."""
@@ -230,8 +240,8 @@ def _launch(kind, kernel, grid, args, kw, cands, key):
         cfg = cands[idx]
         try:
             _run_with_scratch(args[0].device, kw.get("USE_DESC", False), functools.partial(
-                kernel[grid(cfg)], *args, **kw, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                _launch_one, kernel, grid(cfg), args, dict(kw, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
+                cfg.num_warps, cfg.num_stages))
             _CHOSEN[key] = idx
             return cfg
         except Exception as e:  # noqa: BLE001
@@ -517,9 +527,10 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     delta = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32)
     bm_pre = 16 if is_interpreter() else 64
     for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
-        _attn_bwd_preprocess[(_cdiv(prob.Sq, bm_pre), cnt)](
-            out, do, delta, cu_q_t, *o_str, *do_str, *lse_str, prob.Hq, prob.Sq, start,
-            HEAD_DV=prob.Dv, IS_VARLEN=prob.varlen, BLOCK_M=bm_pre, BLOCK_DV=common["BLOCK_DV"])
+        _launch_one(_attn_bwd_preprocess, (_cdiv(prob.Sq, bm_pre), cnt),
+                    (out, do, delta, cu_q_t, *o_str, *do_str, *lse_str, prob.Hq, prob.Sq, start),
+                    dict(HEAD_DV=prob.Dv, IS_VARLEN=prob.varlen, BLOCK_M=bm_pre, BLOCK_DV=common["BLOCK_DV"]),
+                    4, 3)
 
     # 2) dK, dV (+ d(bias)) : key-tile parallel, loops over the query heads of the group
     sum_rows = sum_heads = False

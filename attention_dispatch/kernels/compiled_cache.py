@@ -1,0 +1,122 @@
+"""Direct launches of already compiled Triton kernels.
+
+``kernel[grid](*args, **constexprs)`` goes through Triton's ``JITFunction.run`` on every
+call: it re-binds and re-specialises every argument, hashes the specialisation, reads its
+knobs and builds launch metadata.  With ~50 arguments that cost ~140 us per launch on the
+H100 machine's host (docs/perf-notes.md, experiment 6), longer than many attention kernels
+run.  Here the first launch of a specialisation goes through Triton as usual and returns its
+``CompiledKernel``; later launches with the same specialisation call the compiled kernel's
+launcher directly.
+
+The key is finer than Triton's own specialisation: each tensor's dtype and 16-byte
+alignment, the exact value of every scalar argument, the constexprs, the launch options and
+the device.  Two calls with the same key therefore get the same compiled kernel from Triton
+too.  Arguments are the kernel's leading pointers followed by scalars (every kernel here
+is written that way); a call of another shape keeps Triton's launch path.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+try:
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - Triton < 3.4 keeps hooks on CompiledKernel
+    _knobs = None
+
+# Entries beyond this (e.g. varlen batches whose max_seqlen changes every step) flush the cache.
+MAX_ENTRIES = 4096
+
+
+def leading_tensors(args) -> int:
+    """How many leading arguments are tensors (our kernels take their pointers first)."""
+    n = 0
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            break
+        n += 1
+    return n
+
+
+def specialization_key(args, n_tensors: int) -> tuple:
+    """What Triton's specialisation can depend on, finer than Triton itself: dtype and
+    16-byte alignment of each leading tensor, the exact value of every other argument."""
+    return tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in args[:n_tensors]]), args[n_tensors:]
+
+
+def _current_stream():
+    """The stream Triton's own launch would use (the current device's current stream)."""
+    drv = triton.runtime.driver.active
+    return drv.get_current_stream(drv.get_current_device())
+
+
+def _hooks_installed() -> bool:
+    """Profilers (e.g. proton) install launch hooks that need Triton's own launch path."""
+    if _knobs is None:
+        return True
+    rt = _knobs.runtime
+    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+
+
+class CompiledLaunchCache:
+    """One cache per process: (kernel, device, constexprs, options, specialisation) ->
+    (launcher, CUDA function, packed metadata, constexpr values in signature order)."""
+
+    def __init__(self):
+        self._entries: dict = {}
+        self._n_tensors: dict = {}
+        self.hits = 0
+        self.misses = 0
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._n_tensors.clear()
+        self.hits = self.misses = 0
+
+    def launch(self, kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
+               device: torch.device):
+        """Launch ``kernel[grid](*args, **constexprs, num_warps=, num_stages=)``.  ``args`` are
+        the leading positional parameters, ``constexprs`` every remaining parameter."""
+        n_tensors = self._n_tensors.get(kernel)
+        if n_tensors is None:
+            n_tensors = self._n_tensors[kernel] = leading_tensors(args)
+        key = (kernel, device, tuple(constexprs.items()), num_warps, num_stages,
+               specialization_key(args, n_tensors))
+        entry = self._entries.get(key)
+        if entry is not None and not _hooks_installed():
+            launcher, function, metadata, tail = entry
+            self.hits += 1
+            launcher(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, _current_stream(),
+                     function, metadata, None, None, None, *args, *tail)
+            return
+        self.misses += 1
+        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        order = _constexpr_order(kernel, len(args), constexprs)
+        launcher = getattr(compiled, "run", None)   # the launcher, loaded by the launch above
+        cacheable = (order is not None and launcher is not None and getattr(compiled, "function", None) is not None
+                     and leading_tensors(args) == n_tensors
+                     and not any(isinstance(a, torch.Tensor) for a in args[n_tensors:]))
+        if cacheable:
+            if len(self._entries) >= MAX_ENTRIES:
+                self._entries.clear()
+            # the key holds the constexprs: their values, in signature order, are fixed per entry
+            tail = tuple(constexprs[n] for n in order)
+            self._entries[key] = (launcher, compiled.function, compiled.packed_metadata, tail)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _constexpr_order(kernel, n_positional: int, constexprs: dict):
+    """Names of the parameters after the positional ones, in signature order, when they are
+    exactly the given constexprs (else None: that kernel keeps Triton's launch path)."""
+    names = getattr(kernel, "arg_names", None)
+    if names is None or len(names) != n_positional + len(constexprs):
+        return None
+    rest = names[n_positional:]
+    if set(rest) != set(constexprs):
+        return None
+    return tuple(rest)
+
+
+COMPILED = CompiledLaunchCache()

@@ -1,0 +1,165 @@
+"""Direct relaunch of compiled Triton kernels (attention_dispatch/kernels/compiled_cache.py).
+
+CPU: the cache logic against a fake Triton kernel that records every launch, and the real
+kernels' launches checked to be of the shape the cache can relaunch.  GPU: one process
+mixes specialisations (alignment, ints equal to 1 / multiples of 16, strides) and every
+result is compared with the float64 reference, so a relaunch with the wrong compiled
+kernel cannot pass.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_triton_kernel import run_and_check  # noqa: E402
+
+from attention_dispatch.kernels import KernelParams, is_interpreter, launch, triton_attention  # noqa: E402
+from attention_dispatch.kernels import compiled_cache as cc  # noqa: E402
+
+
+class _FakeCompiled:
+    def __init__(self, log):
+        self.log = log
+        self.function = object()
+        self.packed_metadata = ("meta",)
+
+    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter, exit_, *args):
+        assert function is self.function and metadata == self.packed_metadata
+        self.log.append(("direct", (g0, g1, g2), args, stream))
+
+
+class _FakeKernel:
+    """Triton's JITFunction interface: arg_names and kernel[grid](*args, **kw)."""
+    arg_names = ["X", "Y", "n", "scale", "BLOCK", "FLAG"]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def runner(*args, num_warps, num_stages, **kw):
+            self.log.append(("jit", grid, args, kw, num_warps, num_stages))
+            return _FakeCompiled(self.log)
+        return runner
+
+
+@pytest.fixture
+def cache(monkeypatch):
+    monkeypatch.setattr(cc, "_hooks_installed", lambda: False)
+    return cc.CompiledLaunchCache()
+
+
+def _launch(cache, kern, x, y, n, scale=0.5, block=16, flag=True, grid=(3, 2)):
+    # constexprs given in another order than the signature's: the relaunch must reorder them
+    cache.launch(kern, grid, (x, y, n, scale), dict(FLAG=flag, BLOCK=block), 4, 3, torch.device("cuda"))
+
+
+def test_second_launch_goes_direct_with_args_in_signature_order(cache, monkeypatch):
+    stream = []
+    monkeypatch.setattr(cc, "_current_stream", lambda: stream.append(1) or 1234)
+    kern, x, y = _FakeKernel(), torch.zeros(8), torch.zeros(8)
+    _launch(cache, kern, x, y, 32)
+    _launch(cache, kern, x, y, 32, grid=(5, 1, 2))
+    assert [e[0] for e in kern.log] == ["jit", "direct"]
+    assert kern.log[0][3] == dict(FLAG=True, BLOCK=16) and kern.log[0][4:] == (4, 3)
+    assert kern.log[1][1] == (5, 1, 2)
+    assert kern.log[1][2] == (x, y, 32, 0.5, 16, True)   # BLOCK before FLAG, as declared
+    assert kern.log[1][3] == 1234                        # the current stream
+    assert stream == [1]
+    assert (cache.hits, cache.misses, len(cache)) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "int_value", "float_value", "constexpr"])
+def test_any_change_triton_may_specialise_on_compiles_again(cache, change):
+    kern = _FakeKernel()
+    x, y = torch.zeros(16), torch.zeros(16)
+    _launch(cache, kern, x, y, 32)
+    if change == "misaligned":
+        _launch(cache, kern, x[1:], y, 32)                    # 4-byte offset: not 16-byte aligned
+    elif change == "dtype":
+        _launch(cache, kern, x.half(), y, 32)
+    elif change == "int_value":
+        _launch(cache, kern, x, y, 1)                         # Triton specialises ints equal to 1
+    elif change == "float_value":
+        _launch(cache, kern, x, y, 32, scale=0.25)
+    else:
+        _launch(cache, kern, x, y, 32, block=32)
+    assert [e[0] for e in kern.log] == ["jit", "jit"]
+    assert cache.misses == 2 and cache.hits == 0
+
+
+def test_launch_hooks_keep_tritons_path(cache, monkeypatch):
+    kern, x = _FakeKernel(), torch.zeros(8)
+    _launch(cache, kern, x, x, 8)
+    monkeypatch.setattr(cc, "_hooks_installed", lambda: True)
+    _launch(cache, kern, x, x, 8)
+    assert [e[0] for e in kern.log] == ["jit", "jit"]
+
+
+def test_unexpected_signature_is_never_cached(cache):
+    kern, x = _FakeKernel(), torch.zeros(8)
+    for _ in range(2):   # constexprs missing from the call: Triton's defaults apply, not ours
+        cache.launch(kern, (1,), (x, x, 8, 0.5), dict(BLOCK=16), 4, 3, torch.device("cuda"))
+    assert [e[0] for e in kern.log] == ["jit", "jit"] and len(cache) == 0
+
+
+def test_cache_is_bounded(cache, monkeypatch):
+    monkeypatch.setattr(cc, "MAX_ENTRIES", 3)
+    kern, x = _FakeKernel(), torch.zeros(8)
+    for n in range(10):
+        _launch(cache, kern, x, x, 100 + n)
+    assert len(cache) <= 3
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_every_kernel_launch_is_relaunchable(monkeypatch, dev):
+    """The real kernels' launches (forward, preprocess, dK/dV, dQ) have the shape the cache
+    relaunches: leading pointers then scalars, and every remaining parameter a constexpr."""
+    seen = {}
+    real = launch._launch_one
+
+    def record(kernel, grid, args, constexprs, num_warps, num_stages):
+        n = cc.leading_tensors(args)
+        assert not any(isinstance(a, torch.Tensor) for a in args[n:])
+        assert cc._constexpr_order(kernel, len(args), constexprs) is not None, kernel
+        seen[getattr(kernel, "__name__", None) or kernel.fn.__name__] = n
+        return real(kernel, grid, args, constexprs, num_warps, num_stages)
+
+    if (dev == "cpu") != is_interpreter():
+        pytest.skip("the CPU case runs under the interpreter, the CUDA case on a GPU")
+    monkeypatch.setattr(launch, "_launch_one", record)
+    q, k, v = (torch.randn(1, 2, 24, 16, device=dev, requires_grad=True) for _ in range(3))
+    out = triton_attention(q, k, v, torch.randn(1, 2, 24, 24, device=dev), KernelParams(scale=0.25))
+    out.sum().backward()
+    assert set(seen) == {"_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"}
+
+
+# ----------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(is_interpreter() or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_relaunch_across_specialisations():
+    """Alternate calls whose specialisations differ (ints 1 / 16 / 17, a 2-byte-offset base,
+    a non-contiguous layout): each repeated call is a cache hit and still exact."""
+    torch.manual_seed(0)
+    cc.COMPILED.clear()
+
+    def inputs(s, offset=0, transposed=False):
+        def one():
+            if transposed:   # BSHD storage viewed as BHSD
+                return torch.randn(2, s, 4, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+            buf = torch.randn(2 * 4 * s * 64 + offset, device="cuda", dtype=torch.bfloat16)
+            return buf[offset:].view(2, 4, s, 64)
+        return [one().requires_grad_() for _ in range(3)]
+
+    cases = [inputs(1), inputs(16), inputs(17), inputs(16, offset=1), inputs(16, transposed=True), inputs(100)]
+    for _ in range(2):
+        for q, k, v in cases:
+            run_and_check(q, k, v, causal="bottom_right")
+    assert cc.COMPILED.hits >= 4 * len(cases), (cc.COMPILED.hits, cc.COMPILED.misses)
