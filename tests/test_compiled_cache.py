@@ -102,6 +102,28 @@ def test_launch_hooks_keep_tritons_path(cache, monkeypatch):
     assert [e[0] for e in kern.log] == ["jit", "jit"]
 
 
+def test_no_hooks_by_default_and_an_installed_hook_is_seen():
+    """Triton's knobs hold an (empty) hook chain even when no profiler is attached."""
+    assert not cc._hooks_installed()
+    chain = cc._knobs.runtime.launch_enter_hook
+
+    def hook(metadata):
+        return None
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            assert cc._hooks_installed()
+        finally:
+            chain.remove(hook)
+    else:   # older Triton: a plain attribute
+        cc._knobs.runtime.launch_enter_hook = hook
+        try:
+            assert cc._hooks_installed()
+        finally:
+            cc._knobs.runtime.launch_enter_hook = chain
+    assert not cc._hooks_installed()
+
+
 def test_unexpected_signature_is_never_cached(cache):
     kern, x = _FakeKernel(), torch.zeros(8)
     for _ in range(2):   # constexprs missing from the call: Triton's defaults apply, not ours

@@ -50,12 +50,20 @@ def _current_stream():
     return drv.get_current_stream(drv.get_current_device())
 
 
+def _hook_set(hook) -> bool:
+    # Triton >= 3.4 keeps an always-present HookChain (empty when nothing is installed)
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
 def _hooks_installed() -> bool:
     """Profilers (e.g. proton) install launch hooks that need Triton's own launch path."""
     if _knobs is None:
         return True
     rt = _knobs.runtime
-    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+    return _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
 
 
 class CompiledLaunchCache:
