@@ -146,6 +146,15 @@ def test_band(causal, window, sq, sk):
     run_and_check(q, k, v, causal=causal, window=window)
 
 
+@pytest.mark.parametrize("scale", [0.3, -0.3, 0.0])
+@pytest.mark.parametrize("causal,window", [(None, None), ("bottom_right", None), (None, (6, 4))])
+def test_scale_sign(scale, causal, window):
+    """A positive scale is applied inside exp2 (row max of raw scores x scale); zero and
+    negative scales take the multiply-first path: all three must match."""
+    q, k, v = rand(1, 2, 40, 32), rand(1, 2, 56, 32), rand(1, 2, 56, 32)
+    run_and_check(q, k, v, causal=causal, window=window, scale=scale, block_m=16, block_n=16)
+
+
 def test_window_skips_blocks():
     """A narrow window must give the same result with many key tiles (loop bounds skip
     the tiles outside the band; the masked/unmasked tile split must be exact)."""

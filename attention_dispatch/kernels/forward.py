@@ -140,21 +140,35 @@ def _load_tile(desc_or_ptr, base, row0, offs_rows, stride, rows_ok, offs_d, HEAD
 @triton.jit
 def _fwd_step(acc, l_i, m_i, q, k, v, start_n, offs_m, offs_n0, qk_scale, sk, sq, off,
               window_left, window_right, bias_base, sbi, sbj, seed, rng_rows, dropout_p,
-              MASKED: tl.constexpr, MAY_EMPTY: tl.constexpr,
+              MASKED: tl.constexpr, MAY_EMPTY: tl.constexpr, SCALE_POS: tl.constexpr,
               HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr):
     """One key block of the online softmax (log2 domain).  MASKED: apply the band mask
-    (edge blocks); MAY_EMPTY: a row may have seen only masked keys so far (max = -inf)."""
+    (edge blocks); MAY_EMPTY: a row may have seen only masked keys so far (max = -inf);
+    SCALE_POS: the softmax scale is > 0."""
     offs_n = start_n + offs_n0
-    s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
-    s = _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, False)
-    if MASKED:
-        s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
-                                HAS_WL, HAS_WR, False), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MAY_EMPTY:
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_new[:, None])
+    if BIAS_KIND == 0 and SCALE_POS:
+        # The scale is applied inside exp2's argument (one FMA per score instead of a
+        # multiply and a subtract): the row max of the raw scores times a positive scale
+        # is the max of the scaled ones.
+        s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE)
+        if MASKED:
+            s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
+                                    HAS_WL, HAS_WR, False), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        if MAY_EMPTY:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    else:
+        s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
+        s = _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, False)
+        if MASKED:
+            s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
+                                    HAS_WL, HAS_WR, False), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MAY_EMPTY:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -171,7 +185,7 @@ def _fwd_step(acc, l_i, m_i, q, k, v, start_n, offs_m, offs_n0, qk_scale, sk, sq
 def _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, n_lo, n_hi, offs_m, offs_n0,
                offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
                bias_base, sbi, sbj, seed, rng_rows, dropout_p, MASKED: tl.constexpr, MAY_EMPTY: tl.constexpr,
-               HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               SCALE_POS: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                BLOCK_DV: tl.constexpr, USE_DESC: tl.constexpr,
                DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr):
@@ -182,7 +196,7 @@ def _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, n_lo, n_hi, off
         v = _load_tile(v_desc, v_base, start_n, offs_n, svs, offs_n < sk, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k, v, start_n, offs_m, offs_n0, qk_scale, sk, sq, off,
                                   window_left, window_right, bias_base, sbi, sbj, seed, rng_rows, dropout_p,
-                                  MASKED, MAY_EMPTY, HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT,
+                                  MASKED, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT,
                                   DOT_UPCAST, DOT_IEEE, ROUND_P)
     return acc, l_i, m_i
 
@@ -200,7 +214,7 @@ def _attn_fwd(
     BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr,
-    USE_DESC: tl.constexpr, MAY_EMPTY: tl.constexpr,
+    USE_DESC: tl.constexpr, MAY_EMPTY: tl.constexpr, SCALE_POS: tl.constexpr,
 ):
     """USE_DESC: Q/K/V/O through TMA tensor descriptors built in-kernel per (sequence, head)
     (Hopper+; the launcher checks the 16-byte alignment TMA needs and provides the scratch
@@ -208,7 +222,9 @@ def _attn_fwd(
     The band-masked edge key blocks run in their own loops and the middle loop runs
     unmasked: one loop with a per-block branch around two copies of the step pipelines
     badly (docs/perf-notes.md, experiment 4)."""
-    pid_m = tl.program_id(0)
+    # Last query tiles first: under a causal band they have the most keys, and starting
+    # the longest programs first shortens the tail of the launch.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1) + bh_start
     b = pid_bh // H
     h = pid_bh % H
@@ -282,17 +298,17 @@ def _attn_fwd(
     mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
     acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, lo, mid_lo, offs_m, offs_n0,
                                offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
-                               bias_base, sbi, sbj, seed, rng_rows, dropout_p, True, MAY_EMPTY,
+                               bias_base, sbi, sbj, seed, rng_rows, dropout_p, True, MAY_EMPTY, SCALE_POS,
                                HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK,
                                BLOCK_DV, USE_DESC, DOT_UPCAST, DOT_IEEE, ROUND_P)
     acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, mid_lo, mid_hi, offs_m, offs_n0,
                                offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
-                               bias_base, sbi, sbj, seed, rng_rows, dropout_p, False, MAY_EMPTY,
+                               bias_base, sbi, sbj, seed, rng_rows, dropout_p, False, MAY_EMPTY, SCALE_POS,
                                HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK,
                                BLOCK_DV, USE_DESC, DOT_UPCAST, DOT_IEEE, ROUND_P)
     acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, mid_hi, hi, offs_m, offs_n0,
                                offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
-                               bias_base, sbi, sbj, seed, rng_rows, dropout_p, True, MAY_EMPTY,
+                               bias_base, sbi, sbj, seed, rng_rows, dropout_p, True, MAY_EMPTY, SCALE_POS,
                                HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK,
                                BLOCK_DV, USE_DESC, DOT_UPCAST, DOT_IEEE, ROUND_P)
     empty = l_i == 0.0

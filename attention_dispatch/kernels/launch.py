@@ -471,7 +471,7 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
             *prob.out_strides(out), *prob.lse_strides(),
             prob.Hq, prob.group, prob.Sq, prob.Sk)
     kw = dict(_common(q, params, prob), BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0,
-              USE_DESC=desc, MAY_EMPTY=may_empty)
+              USE_DESC=desc, MAY_EMPTY=may_empty, SCALE_POS=params.scale > 0)
     n_bh = prob.B * prob.Hq
     key = ("fwd", dev, q.dtype, prob.Dqk, prob.Dv, desc)
 
