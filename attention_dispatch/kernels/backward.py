@@ -48,59 +48,6 @@ def _attn_bwd_preprocess(
 
 
 @triton.jit
-def _dkdv_range(dk, dv, db_acc, k, v, q_desc, do_desc, q_base, do_base, LSE, Delta, l_base, bias_base, db_base,
-                seed, m_lo, m_hi, offs_m0, offs_n, offs_dq, offs_dv, col_ok, sqs, sdos, sls, sbi, sbj, sdbi, sdbj,
-                qk_scale, inv_keep, dropout_p, sq, sk, off, window_left, window_right, pid_bh64, seqlen_q, seqlen_k,
-                MASKED: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr,
-                HAS_DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr, DB_SUM_ROWS: tl.constexpr,
-                DB_SUM_HEADS: tl.constexpr, HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
-                ROUND_P: tl.constexpr, USE_DESC: tl.constexpr):
-    """dK/dV (and d(bias)) contributions of the query tiles [m_lo, m_hi) of one query head
-    for one key tile; MASKED: apply the band mask (edge tiles)."""
-    for start_m in range(m_lo, m_hi, BLOCK_M):
-        offs_m = start_m + offs_m0
-        row_ok = offs_m < sq
-        q = _load_tile(q_desc, q_base, start_m, offs_m, sqs, row_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
-        do = _load_tile(do_desc, do_base, start_m, offs_m, sdos, row_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
-        lse = tl.load(LSE + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        delta = tl.load(Delta + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
-
-        sT = _dot(k, tl.trans(q), DOT_UPCAST, DOT_IEEE) * qk_scale
-        sT = _apply_bias(sT, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, True)
-        if MASKED:
-            sT = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
-                                     HAS_WL, HAS_WR, True), sT, float("-inf"))
-        pT = tl.math.exp2(sT - lse2[None, :])
-        dpT = _dot(v, tl.trans(do), DOT_UPCAST, DOT_IEEE)
-        if HAS_DROPOUT:
-            rng_rows = (pid_bh64 * seqlen_q + offs_m) * seqlen_k
-            keep = _dropout_keep(seed, rng_rows, offs_n, dropout_p, True)
-            pdT = tl.where(keep, pT * inv_keep, 0.0)
-            dpT = tl.where(keep, dpT * inv_keep, 0.0)
-        else:
-            pdT = pT
-        dv += _dot(_lowp(pdT, do.dtype, ROUND_P), do, DOT_UPCAST, DOT_IEEE)
-        dsT = pT * (dpT - delta[None, :])
-        dk += _dot(_lowp(dsT, q.dtype, ROUND_P), q, DOT_UPCAST, DOT_IEEE)
-        if BIAS_GRAD:
-            if DB_SUM_ROWS:
-                db_acc += tl.sum(tl.where(row_ok[None, :], dsT, 0.0), 1)
-            else:
-                db_ptrs = (db_base + offs_n.to(tl.int64)[:, None] * sdbj
-                           + offs_m.to(tl.int64)[None, :] * sdbi)
-                db_mask = col_ok[:, None] & row_ok[None, :]
-                if DB_SUM_HEADS:
-                    prev = tl.load(db_ptrs, mask=db_mask, other=0.0)
-                    tl.store(db_ptrs, prev + dsT, mask=db_mask)
-                    tl.debug_barrier()
-                else:
-                    tl.store(db_ptrs, dsT, mask=db_mask)
-    return dk, dv, db_acc
-
-
-@triton.jit
 def _attn_bwd_dkdv(
     Q, K, V, Bias, DO, LSE, Delta, Seed, CuQ, CuK, DK, DV, DB,
     qk_scale, sm_scale, dropout_p,
@@ -203,28 +150,45 @@ def _attn_bwd_dkdv(
         pid_bh64 = b64 * H + h64
         q_desc = _tile_desc(Q, q_base, sq, sqs, HEAD_DQK, BLOCK_M, BLOCK_DQK, USE_DESC)
         do_desc = _tile_desc(DO, do_base, sq, sdos, HEAD_DV, BLOCK_M, BLOCK_DV, USE_DESC)
-        # masked leading edge (causal diagonal), unmasked middle, masked trailing edge
-        # (window left, sq): one loop per kind pipelines better than a per-block branch
-        mid_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-        mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
-        dk, dv, db_acc = _dkdv_range(
-            dk, dv, db_acc, k, v, q_desc, do_desc, q_base, do_base, LSE, Delta, l_base, bias_base, db_base, seed,
-            lo, mid_lo, offs_m0, offs_n, offs_dq, offs_dv, col_ok, sqs, sdos, sls, sbi, sbj, sdbi, sdbj,
-            qk_scale, inv_keep, dropout_p, sq, sk, off, window_left, window_right, pid_bh64, seqlen_q, seqlen_k,
-            True, HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT, BIAS_GRAD, DB_SUM_ROWS, DB_SUM_HEADS,
-            HEAD_DQK, HEAD_DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, DOT_UPCAST, DOT_IEEE, ROUND_P, USE_DESC)
-        dk, dv, db_acc = _dkdv_range(
-            dk, dv, db_acc, k, v, q_desc, do_desc, q_base, do_base, LSE, Delta, l_base, bias_base, db_base, seed,
-            mid_lo, mid_hi, offs_m0, offs_n, offs_dq, offs_dv, col_ok, sqs, sdos, sls, sbi, sbj, sdbi, sdbj,
-            qk_scale, inv_keep, dropout_p, sq, sk, off, window_left, window_right, pid_bh64, seqlen_q, seqlen_k,
-            False, HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT, BIAS_GRAD, DB_SUM_ROWS, DB_SUM_HEADS,
-            HEAD_DQK, HEAD_DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, DOT_UPCAST, DOT_IEEE, ROUND_P, USE_DESC)
-        dk, dv, db_acc = _dkdv_range(
-            dk, dv, db_acc, k, v, q_desc, do_desc, q_base, do_base, LSE, Delta, l_base, bias_base, db_base, seed,
-            mid_hi, hi, offs_m0, offs_n, offs_dq, offs_dv, col_ok, sqs, sdos, sls, sbi, sbj, sdbi, sdbj,
-            qk_scale, inv_keep, dropout_p, sq, sk, off, window_left, window_right, pid_bh64, seqlen_q, seqlen_k,
-            True, HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT, BIAS_GRAD, DB_SUM_ROWS, DB_SUM_HEADS,
-            HEAD_DQK, HEAD_DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, DOT_UPCAST, DOT_IEEE, ROUND_P, USE_DESC)
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + offs_m0
+            row_ok = offs_m < sq
+            q = _load_tile(q_desc, q_base, start_m, offs_m, sqs, row_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
+            do = _load_tile(do_desc, do_base, start_m, offs_m, sdos, row_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
+            lse = tl.load(LSE + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            delta = tl.load(Delta + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
+
+            sT = _dot(k, tl.trans(q), DOT_UPCAST, DOT_IEEE) * qk_scale
+            sT = _apply_bias(sT, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, True)
+            if (start_m < full_lo) | (start_m >= full_hi):
+                sT = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
+                                         HAS_WL, HAS_WR, True), sT, float("-inf"))
+            pT = tl.math.exp2(sT - lse2[None, :])
+            dpT = _dot(v, tl.trans(do), DOT_UPCAST, DOT_IEEE)
+            if HAS_DROPOUT:
+                rng_rows = (pid_bh64 * seqlen_q + offs_m) * seqlen_k
+                keep = _dropout_keep(seed, rng_rows, offs_n, dropout_p, True)
+                pdT = tl.where(keep, pT * inv_keep, 0.0)
+                dpT = tl.where(keep, dpT * inv_keep, 0.0)
+            else:
+                pdT = pT
+            dv += _dot(_lowp(pdT, do.dtype, ROUND_P), do, DOT_UPCAST, DOT_IEEE)
+            dsT = pT * (dpT - delta[None, :])
+            dk += _dot(_lowp(dsT, q.dtype, ROUND_P), q, DOT_UPCAST, DOT_IEEE)
+            if BIAS_GRAD:
+                if DB_SUM_ROWS:
+                    db_acc += tl.sum(tl.where(row_ok[None, :], dsT, 0.0), 1)
+                else:
+                    db_ptrs = (db_base + offs_n.to(tl.int64)[:, None] * sdbj
+                               + offs_m.to(tl.int64)[None, :] * sdbi)
+                    db_mask = col_ok[:, None] & row_ok[None, :]
+                    if DB_SUM_HEADS:
+                        prev = tl.load(db_ptrs, mask=db_mask, other=0.0)
+                        tl.store(db_ptrs, prev + dsT, mask=db_mask)
+                        tl.debug_barrier()
+                    else:
+                        tl.store(db_ptrs, dsT, mask=db_mask)
         if BIAS_GRAD:
             if DB_SUM_ROWS:
                 if not DB_SUM_HEADS:
@@ -248,35 +212,6 @@ def _attn_bwd_dkdv(
 
 
 @triton.jit
-def _dq_range(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, bias_base, seed, rng_rows,
-              n_lo, n_hi, offs_m, offs_n0, offs_dq, offs_dv, sks, svs, sbi, sbj, qk_scale, inv_keep,
-              dropout_p, sq, sk, off, window_left, window_right, MASKED: tl.constexpr, HAS_WL: tl.constexpr,
-              HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DQK: tl.constexpr,
-              HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-              DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr, USE_DESC: tl.constexpr):
-    """dQ contributions of the key tiles [n_lo, n_hi) for one query tile; MASKED: apply the
-    band mask (edge tiles)."""
-    for start_n in range(n_lo, n_hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        col_ok = offs_n < sk
-        k = _load_tile(k_desc, k_base, start_n, offs_n, sks, col_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
-        v = _load_tile(v_desc, v_base, start_n, offs_n, svs, col_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
-        s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
-        s = _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, False)
-        if MASKED:
-            s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
-                                    HAS_WL, HAS_WR, False), s, float("-inf"))
-        p = tl.math.exp2(s - lse2[:, None])
-        dp = _dot(do, tl.trans(v), DOT_UPCAST, DOT_IEEE)
-        if HAS_DROPOUT:
-            keep = _dropout_keep(seed, rng_rows, offs_n, dropout_p, False)
-            dp = tl.where(keep, dp * inv_keep, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(_lowp(ds, k.dtype, ROUND_P), k, DOT_UPCAST, DOT_IEEE)
-    return dq
-
-
-@triton.jit
 def _attn_bwd_dq(
     Q, K, V, Bias, DO, LSE, Delta, Seed, CuQ, CuK, DQ,
     qk_scale, sm_scale, dropout_p,
@@ -293,7 +228,7 @@ def _attn_bwd_dq(
 ):
     """One program: one query tile of one (batch, head) and one split of its key range.
     ATOMIC (split-keys): partial dQ is atomically added to an fp32 workspace."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)   # longest (causal) query tiles first
+    pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1) + bh_start
     split = tl.program_id(2)
     b = pid_bh // H
@@ -369,21 +304,23 @@ def _attn_bwd_dq(
     k_desc = _tile_desc(K, k_base, sk, sks, HEAD_DQK, BLOCK_N, BLOCK_DQK, USE_DESC)
     v_desc = _tile_desc(V, v_base, sk, svs, HEAD_DV, BLOCK_N, BLOCK_DV, USE_DESC)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
-    # masked leading edge (window left), unmasked middle, masked trailing edge (causal, sk)
-    mid_lo = tl.minimum(tl.maximum(full_lo, seg_lo), seg_hi)
-    mid_hi = tl.maximum(tl.minimum(full_hi, seg_hi), mid_lo)
-    dq = _dq_range(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, bias_base, seed, rng_rows,
-                   seg_lo, mid_lo, offs_m, offs_n0, offs_dq, offs_dv, sks, svs, sbi, sbj, qk_scale, inv_keep,
-                   dropout_p, sq, sk, off, window_left, window_right, True, HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT,
-                   HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, DOT_UPCAST, DOT_IEEE, ROUND_P, USE_DESC)
-    dq = _dq_range(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, bias_base, seed, rng_rows,
-                   mid_lo, mid_hi, offs_m, offs_n0, offs_dq, offs_dv, sks, svs, sbi, sbj, qk_scale, inv_keep,
-                   dropout_p, sq, sk, off, window_left, window_right, False, HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT,
-                   HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, DOT_UPCAST, DOT_IEEE, ROUND_P, USE_DESC)
-    dq = _dq_range(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, bias_base, seed, rng_rows,
-                   mid_hi, seg_hi, offs_m, offs_n0, offs_dq, offs_dv, sks, svs, sbi, sbj, qk_scale, inv_keep,
-                   dropout_p, sq, sk, off, window_left, window_right, True, HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT,
-                   HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, DOT_UPCAST, DOT_IEEE, ROUND_P, USE_DESC)
+    for start_n in range(seg_lo, seg_hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        col_ok = offs_n < sk
+        k = _load_tile(k_desc, k_base, start_n, offs_n, sks, col_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
+        v = _load_tile(v_desc, v_base, start_n, offs_n, svs, col_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
+        s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
+        s = _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, False)
+        if (start_n < full_lo) | (start_n >= full_hi):
+            s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
+                                    HAS_WL, HAS_WR, False), s, float("-inf"))
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = _dot(do, tl.trans(v), DOT_UPCAST, DOT_IEEE)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, rng_rows, offs_n, dropout_p, False)
+            dp = tl.where(keep, dp * inv_keep, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(_lowp(ds, k.dtype, ROUND_P), k, DOT_UPCAST, DOT_IEEE)
     dq = dq * sm_scale
 
     dq_ptrs = DQ + b64 * sdqb + h64 * sdqh + rows[:, None] * sdqs + offs_dq[None, :]
