@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import threading
 import time
@@ -24,8 +25,8 @@ from .problem import Problem
 _lock = threading.Lock()
 _winners: dict[tuple, tuple[str, dict[str, float]]] = {}
 _loaded_files: set[str] = set()
-REPEATS = 3
-LOOP_SECONDS = 0.002      # each timed sample runs back-to-back calls for about this long
+REPEATS = 5
+LOOP_SECONDS = 0.003      # each timed sample runs back-to-back calls for about this long
 LOOP_MAX_CALLS = 50
 
 
@@ -67,10 +68,9 @@ def _store_file(path: str, key: str, backend: str, timings: dict[str, float]) ->
     os.replace(tmp, path)   # atomic: concurrent processes never read half a file
 
 
-def _time_backend(name: str, call, sync) -> float:
-    """Milliseconds per call (forward, plus backward when the call needs grad), as a stream of
-    back-to-back calls runs them: host overhead counts when it exceeds the GPU time.
-    Median of REPEATS loops of ~2 ms, after one warm-up call (compilation, autotuning)."""
+def _runner(name: str, call):
+    """One call of backend ``name`` on fresh leaves of ``call``'s inputs (forward, plus the
+    backward when the call needs grad)."""
     backend = registry.get_backend(name)
     grad = call.problem.requires_grad
 
@@ -87,22 +87,51 @@ def _time_backend(name: str, call, sync) -> float:
             out = backend.run(q, k, v, **options)
             if leaves:
                 torch.autograd.grad(out, leaves, torch.ones_like(out))
+    return once
 
-    sync()
-    once()
-    sync()
-    start = time.perf_counter()
-    once()
-    sync()
-    n = max(1, min(LOOP_MAX_CALLS, int(LOOP_SECONDS / max(time.perf_counter() - start, 1e-6))))
-    samples = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        for _ in range(n):
+
+def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str, float]:
+    """Milliseconds per call of each backend, as a stream of back-to-back calls runs them
+    (host overhead counts when it exceeds the GPU time).  After one warm-up call each
+    (compilation, autotuning), REPEATS rounds time every backend in turn for ~LOOP_SECONDS:
+    interleaving exposes all of them to the same clock and power state, and the fastest
+    round of each is kept (interference only ever slows a round down)."""
+    runs, loops = {}, {}
+    for name in names:
+        try:
+            once = _runner(name, call)
+            sync()
             once()
-        sync()
-        samples.append((time.perf_counter() - start) / n * 1e3)
-    return sorted(samples)[len(samples) // 2]
+            sync()
+            start = time.perf_counter()
+            once()
+            sync()
+            took = max(time.perf_counter() - start, 1e-6)
+        except Exception as exc:  # a backend that fails to run simply loses
+            if failures is not None:
+                failures[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        runs[name] = once
+        loops[name] = max(1, min(LOOP_MAX_CALLS, int(LOOP_SECONDS / took)))
+    best = {name: math.inf for name in runs}
+    for _ in range(REPEATS):
+        for name, once in runs.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(loops[name]):
+                once()
+            sync()
+            best[name] = min(best[name], (time.perf_counter() - start) / loops[name] * 1e3)
+    return best
+
+
+def _time_backend(name: str, call, sync) -> float:
+    """Milliseconds per call of one backend (see :func:`_time_backends`)."""
+    failures: dict = {}
+    timings = _time_backends((name,), call, sync, failures)
+    if name not in timings:
+        raise RuntimeError(failures.get(name, f"{name} did not run"))
+    return timings[name]
 
 
 def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision:
@@ -126,11 +155,7 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
         if device.type == "cuda":
             names = tuple(n for n in names if n != "math") or names
         with torch.random.fork_rng(devices=devices):
-            for name in names:
-                try:
-                    timings[name] = _time_backend(name, call, sync)
-                except Exception as exc:  # a backend that fails to run simply loses
-                    failures[name] = f"{type(exc).__name__}: {exc}"
+            timings = _time_backends(names, call, sync, failures)
         if not timings:
             return decision
         winner = min(timings, key=timings.get)

@@ -348,6 +348,33 @@ class Sleepy(Recording):
         return super().run(query, key, value, **options)
 
 
+def test_policy_fastest_interleaves_rounds_and_keeps_the_best_round():
+    """Every backend is timed once per round, in turn, so a burst of interference hits one
+    round of one backend; the fastest round is kept, so that burst does not decide."""
+    from attention_dispatch import fastest
+    fastest.forget()
+    log = []
+
+    class Logged(Sleepy):
+        def run(self, query, key, value, **options):
+            log.append(self.name)
+            if self.name == "bursty" and len(log) == 6:   # one disturbed call, inside round 1
+                import time
+                time.sleep(0.3)
+            return super().run(query, key, value, **options)
+
+    bursty, steady = Logged("bursty", 0.0), Logged("steady", 0.05)
+    ad.register_backend(bursty, priority="first")
+    ad.register_backend(steady, priority=1)
+    with ad.use_config({"dispatch": {"policy": "fastest"}}), ad.use_backends("bursty", "steady"):
+        ad.sdpa(*qkv())
+        d = ad.last_decision()
+    assert d.backend == "bursty" and d.timings["bursty"] < 0.05 * 1e3 < d.timings["steady"]
+    timed = log[4:-1]   # after the warm-up + estimate calls of each backend, before the chosen run
+    rounds = [name for i, name in enumerate(timed) if i == 0 or timed[i - 1] != name]
+    assert rounds == ["bursty", "steady"] * fastest.REPEATS
+
+
 def test_policy_fastest_measures_and_caches(tmp_path):
     from attention_dispatch import fastest
     fastest.forget()
