@@ -147,7 +147,7 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
             found = (entry["backend"], dict(entry.get("timings_ms", {})))
     if found is None:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        timings, failures = {}, {}
+        failures: dict[str, str] = {}
         devices = [device] if device.type == "cuda" else []
         # On a GPU the math reference never beats a fused kernel and timing it costs seconds
         # at long sequences (0.8-2.6 s per call measured on the H100): it runs only when alone.

@@ -400,11 +400,10 @@ def row_lines(entries: list[dict], impls: list[str]) -> tuple[list[str], list[li
 
 
 def fastest_ratio(entry: dict, mode: str) -> float | None:
-    """policy="fastest" against the best single backend it could have chosen in this row: the
-    calls need grad in both modes, so backends without a backward here do not count."""
+    """policy="fastest" against the best single backend it could have chosen in this row and
+    mode (the forward runs under no_grad, so forward-only backends count there)."""
     v = cell_value(entry["results"].get("fastest"), mode)
-    trainable = tuple(i for i in BACKEND_IMPLS if cell_value(entry["results"].get(i), "fwd+bwd") is not None)
-    _, best = best_anchor(entry["results"], mode, trainable)
+    _, best = best_anchor(entry["results"], mode, BACKEND_IMPLS)
     return v / best if (v is not None and best) else None
 
 
@@ -561,7 +560,8 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
              "(first line in details.log), `skip` = out of time budget, `!` = output differed from the "
              "reference. Ratios are to the best anchor of the row (anchors: "
              + ", ".join(LABELS[a] for a in ANCHORS) + "). Timing: CUDA events, median of several "
-             "repetitions of back-to-back calls after warm-up, one process; "
+             "repetitions after warm-up, one process; a repetition is one synchronised call (the "
+             "anchors' own method), or back-to-back calls for calls under 0.5 ms; "
              + ("forward = inference (torch.no_grad(); Flex with grad enabled, its compiled graph depends on it)."
                 if meta.get("fwd_timing") == "no_grad" else "forward timed with grad enabled (inputs require grad)."),
              ""]

@@ -353,3 +353,19 @@ def test_overhead_script_imports():
     calls = []
     med, best = mod.per_call_us(lambda: calls.append(1), n=5, repeat=3, sync=lambda: None)
     assert best <= med and len(calls) == 10 + 15
+
+
+def test_fastest_ratio_counts_our_backends_per_mode():
+    """policy="fastest" is compared with the best backend it could choose in that mode: a
+    forward-only backend counts for the (no_grad) forward, FlexAttention (not a backend of
+    ours) never does."""
+    def cell(fwd, fwd_bwd=None):
+        c = {"fwd": {"status": "ok", "tflops": fwd}}
+        c["fwd+bwd"] = {"status": "ok", "tflops": fwd_bwd} if fwd_bwd else {"status": "unsupported"}
+        return c
+    entry = {"results": {"fastest": cell(90.0, 60.0), "fa4": cell(100.0), "cudnn": cell(80.0, 75.0),
+                         "flex": cell(500.0, 500.0)}}
+    assert bench.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
+    assert bench.fastest_ratio(entry, "fwd+bwd") == pytest.approx(0.8)
+    entry["results"]["fastest"]["fwd"] = {"status": "err"}
+    assert bench.fastest_ratio(entry, "fwd") is None

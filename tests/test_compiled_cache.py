@@ -57,7 +57,7 @@ def cache(monkeypatch):
 
 def _launch(cache, kern, x, y, n, scale=0.5, block=16, flag=True, grid=(3, 2)):
     # constexprs given in another order than the signature's: the relaunch must reorder them
-    cache.launch(kern, grid, (x, y, n, scale), dict(FLAG=flag, BLOCK=block), 4, 3, torch.device("cuda"))
+    cache.launch(kern, grid, (x, y, n, scale), dict(FLAG=flag, BLOCK=block), 4, 3)
 
 
 def test_second_launch_goes_direct_with_args_in_signature_order(cache, monkeypatch):
@@ -127,7 +127,7 @@ def test_no_hooks_by_default_and_an_installed_hook_is_seen():
 def test_unexpected_signature_is_never_cached(cache):
     kern, x = _FakeKernel(), torch.zeros(8)
     for _ in range(2):   # constexprs missing from the call: Triton's defaults apply, not ours
-        cache.launch(kern, (1,), (x, x, 8, 0.5), dict(BLOCK=16), 4, 3, torch.device("cuda"))
+        cache.launch(kern, (1,), (x, x, 8, 0.5), dict(BLOCK=16), 4, 3)
     assert [e[0] for e in kern.log] == ["jit", "jit"] and len(cache) == 0
 
 

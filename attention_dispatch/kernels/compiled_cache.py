@@ -81,14 +81,14 @@ class CompiledLaunchCache:
         self._n_tensors.clear()
         self.hits = self.misses = 0
 
-    def launch(self, kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
-               device: torch.device):
+    def launch(self, kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int):
         """Launch ``kernel[grid](*args, **constexprs, num_warps=, num_stages=)``.  ``args`` are
-        the leading positional parameters, ``constexprs`` every remaining parameter."""
+        the leading positional parameters (the first a tensor on the launch's device),
+        ``constexprs`` every remaining parameter."""
         n_tensors = self._n_tensors.get(kernel)
         if n_tensors is None:
             n_tensors = self._n_tensors[kernel] = leading_tensors(args)
-        key = (kernel, device, tuple(constexprs.items()), num_warps, num_stages,
+        key = (kernel, args[0].device, tuple(constexprs.items()), num_warps, num_stages,
                specialization_key(args, n_tensors))
         entry = self._entries.get(key)
         if entry is not None and not _hooks_installed():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -29,8 +30,8 @@ MIN_COMPUTE_CAPABILITY = (7, 5)
 BF16_MIN_COMPUTE_CAPABILITY = (8, 0)
 
 
-@dataclass(frozen=True)
-class KernelConfig:
+class KernelConfig(NamedTuple):
+    """A launch configuration (a tuple: hashed in C on every launch's chosen-config lookup)."""
     block_m: int        # query rows per tile
     block_n: int        # key rows per tile
     num_warps: int = 4

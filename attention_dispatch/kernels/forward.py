@@ -147,27 +147,24 @@ def _fwd_step(acc, l_i, m_i, q, k, v, start_n, offs_m, offs_n0, qk_scale, sk, sq
     (edge blocks); MAY_EMPTY: a row may have seen only masked keys so far (max = -inf);
     SCALE_POS: the softmax scale is > 0."""
     offs_n = start_n + offs_n0
+    s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE)
+    # Without a bias and with a positive scale, the scale is applied inside exp2's argument
+    # (one FMA per score instead of a multiply and a subtract): the row max of the raw
+    # scores times the scale is the max of the scaled ones.
+    if BIAS_KIND != 0 or not SCALE_POS:
+        s = _apply_bias(s * qk_scale, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, False)
+    if MASKED:
+        s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
+                                HAS_WL, HAS_WR, False), s, float("-inf"))
     if BIAS_KIND == 0 and SCALE_POS:
-        # The scale is applied inside exp2's argument (one FMA per score instead of a
-        # multiply and a subtract): the row max of the raw scores times a positive scale
-        # is the max of the scaled ones.
-        s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE)
-        if MASKED:
-            s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
-                                    HAS_WL, HAS_WR, False), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        if MAY_EMPTY:
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MAY_EMPTY:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if BIAS_KIND == 0 and SCALE_POS:
         p = tl.math.exp2(s * qk_scale - m_new[:, None])
     else:
-        s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
-        s = _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, False)
-        if MASKED:
-            s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
-                                    HAS_WL, HAS_WR, False), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MAY_EMPTY:
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)

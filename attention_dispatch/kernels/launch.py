@@ -227,7 +227,7 @@ def _launch_one(kernel, grid, args, constexprs, num_warps, num_stages):
     if is_interpreter():
         kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
     else:
-        COMPILED.launch(kernel, grid, args, constexprs, num_warps, num_stages, args[0].device)
+        COMPILED.launch(kernel, grid, args, constexprs, num_warps, num_stages)
 
 
 def _launch(kind, kernel, grid, args, kw, cands, key):
