@@ -102,13 +102,35 @@ def _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj,
 
 
 @triton.jit
-def _dropout_keep(seed, rng_rows, offs_n, dropout_p, TRANS: tl.constexpr):
-    """rng_rows: int64 (pid_bh * max_sq + i) * max_sk per query row (global coordinates)."""
+def _rng_rows(pid_bh64, seqlen_q, offs_m, seqlen_k):
+    """First Philox counter of each query row: rows of ceil(max_sk / 4) counters, one counter
+    per 4 consecutive keys (global coordinates: the same in every kernel and every chunk)."""
+    return (pid_bh64 * seqlen_q + offs_m) * ((seqlen_k + 3) // 4)
+
+
+@triton.jit
+def _interleave(a, b):
+    """(R, W), (R, W) -> (R, 2W) with columns a0 b0 a1 b1 ..."""
+    return tl.reshape(tl.join(a, b), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
+    """Keep mask of keys start_n .. start_n + BLOCK_N - 1 (start_n a multiple of 4) for the
+    query rows of ``rng_rows`` (:func:`_rng_rows`): (BM, BLOCK_N), or (BLOCK_N, BM) when
+    TRANS.  Key j of a row takes lane j % 4 of the Philox4x32 draw at counter
+    row + j // 4: one draw per four keys (the draw, ten rounds, dominates the cost)."""
+    cols = (start_n // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.int64)
+    r0, r1, r2, r3 = tl.randint4x(seed, rng_rows[:, None] + cols[None, :])
+    k0 = (tl.random.uint_to_uniform_float(r0) >= dropout_p).to(tl.int8)
+    k1 = (tl.random.uint_to_uniform_float(r1) >= dropout_p).to(tl.int8)
+    k2 = (tl.random.uint_to_uniform_float(r2) >= dropout_p).to(tl.int8)
+    k3 = (tl.random.uint_to_uniform_float(r3) >= dropout_p).to(tl.int8)
+    keep = _interleave(_interleave(k0, k2), _interleave(k1, k3)) != 0
     if TRANS:
-        offs = rng_rows[None, :] + offs_n.to(tl.int64)[:, None]
+        return tl.trans(keep)
     else:
-        offs = rng_rows[:, None] + offs_n.to(tl.int64)[None, :]
-    return tl.rand(seed, offs) >= dropout_p
+        return keep
 
 
 @triton.jit
@@ -170,7 +192,7 @@ def _fwd_step(acc, l_i, m_i, q, k, v, start_n, offs_m, offs_n0, qk_scale, sk, sq
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if HAS_DROPOUT:
-        p = tl.where(_dropout_keep(seed, rng_rows, offs_n, dropout_p, False), p, 0.0)
+        p = tl.where(_dropout_keep(seed, rng_rows, start_n, dropout_p, offs_n0.shape[0], False), p, 0.0)
     if DOT_UPCAST | DOT_IEEE:
         acc += _dot(_lowp(p, v.dtype, ROUND_P), v, DOT_UPCAST, DOT_IEEE)
     else:
@@ -281,7 +303,7 @@ def _attn_fwd(
 
     if HAS_DROPOUT:
         seed = tl.load(Seed)
-        rng_rows = (pid_bh.to(tl.int64) * seqlen_q + offs_m) * seqlen_k
+        rng_rows = _rng_rows(pid_bh.to(tl.int64), seqlen_q, offs_m, seqlen_k)
     else:
         seed = 0
         rng_rows = offs_m.to(tl.int64)
@@ -334,10 +356,10 @@ def _dropout_mask_kernel(Out, Seed, dropout_p, so_bh, so_i, H, seqlen_q, seqlen_
     pid_bh = tl.program_id(1) + bh_start
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     seed = tl.load(Seed)
-    rng_rows = (pid_bh.to(tl.int64) * seqlen_q + offs_m) * seqlen_k
+    rng_rows = _rng_rows(pid_bh.to(tl.int64), seqlen_q, offs_m, seqlen_k)
     base = Out + pid_bh.to(tl.int64) * so_bh
     for start_n in range(0, seqlen_k, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        keep = _dropout_keep(seed, rng_rows, offs_n, dropout_p, False)
+        keep = _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N, False)
         ptrs = base + offs_m.to(tl.int64)[:, None] * so_i + offs_n[None, :]
         tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))
