@@ -462,99 +462,13 @@ def test_split_keys_forced_matches():
     q, k, v = rand(1, 2, 24, 32), rand(1, 2, 80, 32), rand(1, 2, 80, 32)
     bias = rand(1, 1, 24, 80)
     ref = _fwd_bwd(q, k, v, bias, make_params(q, causal="bottom_right", dropout_p=0.2, deterministic=True))
-    for splits in (2, 3, 5):   # the two-pass backward's split dQ pass
-        got = _fwd_bwd(q, k, v, bias, make_params(q, causal="bottom_right", dropout_p=0.2, num_splits=splits,
-                                                     fused_dq=0))
+    for splits in (2, 3, 5):
+        got = _fwd_bwd(q, k, v, bias, make_params(q, causal="bottom_right", dropout_p=0.2, num_splits=splits))
         for x, y in zip(got, ref):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
     # and against the oracle, split
-    run_and_check(q, k, v, bias, causal="bottom_right", num_splits=3, fused_dq=0)
-    run_and_check(q, k, v, window=(20, 5), num_splits=4, fused_dq=0)
-
-
-FUSED_CASES = {
-    # name: (q, k, v shapes or varlen lengths, extra run_and_check kwargs)
-    "dense": dict(),
-    "causal_br_sq_lt_sk": dict(causal="bottom_right", sk=56),
-    "window": dict(window=(9, 3)),
-    "bias_full_dropout": dict(bias=(2, 4, 40, 40), dropout_p=0.2, causal="top_left"),
-    "bias_heads_gqa": dict(bias=(1, 1, 40, 40), hkv=2),
-    "mqa_group_split": dict(hkv=1, num_splits=3, causal="top_left"),
-    "kv3_uneven_head_chunks": dict(hq=3, hkv=3, window=(-1, 0)),
-    "dqk_ne_dv": dict(d=40, dv=24),
-    "descriptor_loads": dict(descriptors=1, causal="bottom_right"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(FUSED_CASES))
-def test_fused_dq_matches_oracle_and_two_pass(case):
-    """The fused backward (dQ by fp32 atomics inside the dK/dV pass, per head chunk) against
-    the float64 oracle, and against the two-pass backward on the same inputs."""
-    c = dict(FUSED_CASES[case])
-    hq, hkv, d, dv = c.pop("hq", 4), c.pop("hkv", 4), c.pop("d", 32), c.pop("dv", None)
-    sk = c.pop("sk", 40)
-    bias = rand(*c.pop("bias")) if "bias" in c else None
-    q, k, v = rand(2, hq, 40, d), rand(2, hkv, sk, d), rand(2, hkv, sk, dv or d)
-    run_and_check(q, k, v, bias, fused_dq=1, **c)
-    fused = _fwd_bwd(q, k, v, bias, make_params(q, **dict(c, fused_dq=1)))
-    two = _fwd_bwd(q, k, v, bias, make_params(q, **dict(c, fused_dq=0)))
-    for name, x, y in zip(("out", "dq", "dk", "dv", "dbias"), fused, two):
-        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5, msg=name)
-
-
-def test_fused_dq_varlen_with_empty_sequences():
-    q, k, v, cu_q, cu_k, msq, msk = varlen_inputs((7, 0, 19, 3), (11, 5, 19, 0), hq=4, hkv=2, d=16)
-    run_and_check(q, k, v, cu_q=cu_q, cu_k=cu_k, max_sq=msq, max_sk=msk, causal="bottom_right",
-                  dropout_p=0.2, fused_dq=1)
-
-
-def _launch_spy(monkeypatch, fail_fused=False):
-    """Records the FUSE_DQ constexpr of every dK/dV launch; optionally makes the fused one
-    fail like a configuration that does not fit the device."""
-    from attention_dispatch.kernels import launch
-    seen = []
-    real = launch._launch_one
-
-    def spy(kernel, grid, args, constexprs, num_warps, num_stages):
-        if "FUSE_DQ" in constexprs:
-            seen.append(constexprs["FUSE_DQ"])
-            if fail_fused and constexprs["FUSE_DQ"]:
-                raise type("OutOfResources", (Exception,), {})("out of resource: shared memory")
-        return real(kernel, grid, args, constexprs, num_warps, num_stages)
-    monkeypatch.setattr(launch, "_launch_one", spy)
-    return seen
-
-
-def test_fused_dq_never_when_deterministic(monkeypatch):
-    seen = _launch_spy(monkeypatch)
-    q, k, v = rand(1, 2, 24, 16), rand(1, 2, 24, 16), rand(1, 2, 24, 16)
-    _fwd_bwd(q, k, v, None, make_params(q, deterministic=True, fused_dq=1))
-    assert seen and not any(seen)
-    seen.clear()
-    _fwd_bwd(q, k, v, None, make_params(q))
-    assert seen and all(seen)       # auto: fused when not deterministic
-
-
-def test_fused_dq_falls_back_to_two_passes(monkeypatch):
-    """No fused configuration fits: the two-pass backward runs, with the same gradients."""
-    q, k, v = rand(2, 4, 24, 16), rand(2, 2, 40, 16), rand(2, 2, 40, 16)
-    bias = rand(2, 1, 24, 40)
-    ref = _fwd_bwd(q, k, v, bias, make_params(q, causal="top_left", fused_dq=0))
-    seen = _launch_spy(monkeypatch, fail_fused=True)
-    got = _fwd_bwd(q, k, v, bias, make_params(q, causal="top_left", fused_dq=1))
-    assert seen[0] is True and seen[-1] is False
-    for x, y in zip(got, ref):
-        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
-
-
-def test_fused_dq_head_chunk_heuristic():
-    from attention_dispatch.kernels.launch import fused_dq_head_chunk
-    assert fused_dq_head_chunk(1, 16, 256, 132) == 8        # workspace = half the heads (S=32k, D=128)
-    assert fused_dq_head_chunk(1, 16, 32, 132) == 16        # few key tiles: all heads in one launch
-    assert fused_dq_head_chunk(4, 16, 32, 132) == 8
-    assert fused_dq_head_chunk(1, 1, 4, 132) == 1
-    with pytest.raises(ValueError, match="fused_dq=2"):
-        KernelParams(scale=1.0, fused_dq=2)
+    run_and_check(q, k, v, bias, causal="bottom_right", num_splits=3)
+    run_and_check(q, k, v, window=(20, 5), num_splits=4)
 
 
 @pytest.mark.parametrize("hkv,bias_shape", [(1, (2, 4, 24, 40)), (2, (1, 1, 1, 40)), (1, None)])

@@ -28,9 +28,9 @@ def _custom_op(name):
 
 
 def _params(scale, align_bottom_right, window_left, window_right, dropout_p, deterministic,
-            block_m, block_n, num_splits, max_grid, descriptors, fused_dq) -> KernelParams:
+            block_m, block_n, num_splits, max_grid, descriptors) -> KernelParams:
     return KernelParams(scale, align_bottom_right, window_left, window_right, dropout_p, deterministic,
-                        block_m, block_n, num_splits, max_grid, descriptors, fused_dq)
+                        block_m, block_n, num_splits, max_grid, descriptors)
 
 
 def _opt(x: int):
@@ -43,9 +43,9 @@ def _fwd_op(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor],
             max_seqlen_q: int, max_seqlen_k: int,
             scale: float, align_bottom_right: bool, window_left: int, window_right: int,
             dropout_p: float, deterministic: bool, block_m: int, block_n: int, num_splits: int,
-            max_grid: int, descriptors: int, fused_dq: int) -> tuple[Tensor, Tensor, Tensor]:
+            max_grid: int, descriptors: int) -> tuple[Tensor, Tensor, Tensor]:
     p = _params(scale, align_bottom_right, window_left, window_right, dropout_p, deterministic,
-                block_m, block_n, num_splits, max_grid, descriptors, fused_dq)
+                block_m, block_n, num_splits, max_grid, descriptors)
     return attention_forward(query, key, value, bias, p, cu_seqlens_q, cu_seqlens_k,
                              _opt(max_seqlen_q), _opt(max_seqlen_k))
 
@@ -53,7 +53,7 @@ def _fwd_op(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor],
 @_fwd_op.register_fake
 def _fwd_fake(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               scale, align_bottom_right, window_left, window_right, dropout_p, deterministic,
-              block_m, block_n, num_splits, max_grid, descriptors, fused_dq):
+              block_m, block_n, num_splits, max_grid, descriptors):
     if cu_seqlens_q is None:
         b, hq, sq, _ = query.shape
         out = query.new_empty((b, hq, sq, value.shape[-1]))
@@ -73,9 +73,9 @@ def _bwd_op(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, bias: O
             max_seqlen_q: int, max_seqlen_k: int,
             scale: float, align_bottom_right: bool, window_left: int, window_right: int,
             dropout_p: float, deterministic: bool, block_m: int, block_n: int, num_splits: int,
-            max_grid: int, descriptors: int, fused_dq: int, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            max_grid: int, descriptors: int, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     p = _params(scale, align_bottom_right, window_left, window_right, dropout_p, deterministic,
-                block_m, block_n, num_splits, max_grid, descriptors, fused_dq)
+                block_m, block_n, num_splits, max_grid, descriptors)
     dq, dk, dv, db = attention_backward(grad_out, query, key, value, bias, out, lse, seed, p,
                                         cu_seqlens_q, cu_seqlens_k, _opt(max_seqlen_q), _opt(max_seqlen_k),
                                         bias_grad=bias_grad)
@@ -87,7 +87,7 @@ def _bwd_op(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, bias: O
 @_bwd_op.register_fake
 def _bwd_fake(grad_out, query, key, value, bias, out, lse, seed, cu_seqlens_q, cu_seqlens_k,
               max_seqlen_q, max_seqlen_k, scale, align_bottom_right, window_left, window_right,
-              dropout_p, deterministic, block_m, block_n, num_splits, max_grid, descriptors, fused_dq, bias_grad):
+              dropout_p, deterministic, block_m, block_n, num_splits, max_grid, descriptors, bias_grad):
     dq = query.new_empty(query.shape)
     dk = key.new_empty(key.shape)
     dv = value.new_empty(value.shape)
@@ -98,7 +98,7 @@ def _bwd_fake(grad_out, query, key, value, bias, out, lse, seed, cu_seqlens_q, c
     return dq, dk, dv, db
 
 
-_N_PARAMS = 12  # len(KernelParams.to_args())
+_N_PARAMS = 11  # len(KernelParams.to_args())
 
 
 def _setup_context(ctx, inputs, output):

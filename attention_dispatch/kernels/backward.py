@@ -1,6 +1,5 @@
-"""Triton backward kernels: delta preprocessing, dK/dV (+ d(bias), + optionally dQ fused in
-with fp32 atomics), dQ (optionally split over keys with fp32 atomics).  Conventions: see
-forward.py.
+"""Triton backward kernels: delta preprocessing, dK/dV (+ d(bias)), dQ (optionally split
+over keys with fp32 atomics).  Conventions: see forward.py.
 
 Gradients (natural-log units): P = exp(s - lse), dP = dO V^T (times keep/(1-p) under
 dropout), dS = P * (dP - delta) with delta = rowsum(dO * O); dQ = scale * dS K,
@@ -51,37 +50,31 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, Bias, DO, LSE, Delta, Seed, CuQ, CuK, DK, DV, DB, DQ,
+    Q, K, V, Bias, DO, LSE, Delta, Seed, CuQ, CuK, DK, DV, DB,
     qk_scale, sm_scale, dropout_p,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
     sbb, sbh, sbi, sbj,
     sdob, sdoh, sdos, slb, slh, sls,
     sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-    sdbb, sdbh, sdbi, sdbj, sdqb, sdqh, sdqs,
-    H, GROUP, seqlen_q, seqlen_k, hk_start, hk_count, bh_start, window_left, window_right,
+    sdbb, sdbh, sdbi, sdbj,
+    H, GROUP, HK, seqlen_q, seqlen_k, bh_start, window_left, window_right,
     group_per_split, sdk_split, sdv_split,
     HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BIAS_GRAD: tl.constexpr, DB_SUM_ROWS: tl.constexpr, DB_SUM_HEADS: tl.constexpr,
-    FUSE_DQ: tl.constexpr, DQ_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr, USE_DESC: tl.constexpr,
 ):
     """One program: one key tile of one (batch, kv head); loops over the query heads of the
     GROUP that read this kv head (all of them, or the share of split program_id(2), whose
     partial dK/dV go to an fp32 workspace slice summed on the host) and over the query tiles
-    of the band.  The kv heads of this launch are hk_start .. hk_start + hk_count - 1.
-
-    FUSE_DQ: also dQ = scale * dS K, added with fp32 atomics into the workspace DQ, which
-    holds the query heads of this launch's kv heads only (head index relative to
-    hk_start * GROUP); DQ_DESC adds whole tiles through a TMA reduce (sm90+, no interpreter).
-    Without FUSE_DQ: no atomics."""
+    of the band.  No atomics."""
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1) + bh_start
     gsplit = tl.program_id(2)
-    b = pid_bhk // hk_count
-    hk = hk_start + pid_bhk % hk_count
+    b = pid_bhk // HK
+    hk = pid_bhk % HK
     if IS_VARLEN:
         q_start = tl.load(CuQ + b).to(tl.int64)
         sq = (tl.load(CuQ + b + 1).to(tl.int64) - q_start).to(tl.int32)
@@ -158,9 +151,6 @@ def _attn_bwd_dkdv(
         pid_bh64 = b64 * H + h64
         q_desc = _tile_desc(Q, q_base, sq, sqs, HEAD_DQK, BLOCK_M, BLOCK_DQK, USE_DESC)
         do_desc = _tile_desc(DO, do_base, sq, sdos, HEAD_DV, BLOCK_M, BLOCK_DV, USE_DESC)
-        if FUSE_DQ:
-            dq_base = DQ + b64 * sdqb + (h64 - hk_start * GROUP) * sdqh + q_start * sdqs
-            dq_desc = _tile_desc(DQ, dq_base, sq, sdqs, HEAD_DQK, BLOCK_M, BLOCK_DQK, DQ_DESC)
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
             row_ok = offs_m < sq
@@ -186,16 +176,7 @@ def _attn_bwd_dkdv(
                 pdT = pT
             dv += _dot(_lowp(pdT, do.dtype, ROUND_P), do, DOT_UPCAST, DOT_IEEE)
             dsT = pT * (dpT - delta[None, :])
-            ds_lp = _lowp(dsT, q.dtype, ROUND_P)
-            dk += _dot(ds_lp, q, DOT_UPCAST, DOT_IEEE)
-            if FUSE_DQ:
-                dq_part = _dot(tl.trans(ds_lp), k, DOT_UPCAST, DOT_IEEE) * sm_scale
-                if DQ_DESC:
-                    dq_desc.atomic_add([start_m, 0], dq_part)
-                else:
-                    dq_ptrs = dq_base + offs_m.to(tl.int64)[:, None] * sdqs + offs_dq[None, :]
-                    tl.atomic_add(dq_ptrs, dq_part, mask=row_ok[:, None] & (offs_dq < HEAD_DQK)[None, :],
-                                  sem="relaxed")
+            dk += _dot(_lowp(dsT, q.dtype, ROUND_P), q, DOT_UPCAST, DOT_IEEE)
             if BIAS_GRAD:
                 if DB_SUM_ROWS:
                     db_acc += tl.sum(tl.where(row_ok[None, :], dsT, 0.0), 1)

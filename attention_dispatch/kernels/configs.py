@@ -21,8 +21,7 @@ import torch
 FWD = "fwd"
 BWD_DKDV = "bwd_dkdv"   # key-block parallel: dK, dV (and d(bias))
 BWD_DQ = "bwd_dq"       # query-block parallel: dQ (optionally split over keys)
-BWD_FUSED = "bwd_fused" # key-block parallel: dK, dV (and d(bias)) and dQ through fp32 atomics
-KINDS = (FWD, BWD_DKDV, BWD_DQ)   # every device needs these; BWD_FUSED is optional (two-pass fallback)
+KINDS = (FWD, BWD_DKDV, BWD_DQ)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM = 1
@@ -126,12 +125,6 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     _e(BWD_DQ, _ANY, 128, _ALL, 64, 32, 4, 1),
     _e(BWD_DQ, _ANY, 256, _ALL, 32, 16, 4, 1),
     _e(BWD_DQ, _ANY, 256, _ALL, 16, 16, 2, 1),
-    # ---------------- fused backward (dK/dV + atomic dQ; optional: falls back to the two passes) -------
-    _e(BWD_FUSED, _SM90, 64, _HALF, 64, 64, 4, 3),
-    _e(BWD_FUSED, _SM90, 128, _HALF, 64, 128, 8, 2),
-    _e(BWD_FUSED, _SM90, 128, _HALF, 64, 64, 8, 2),
-    _e(BWD_FUSED, _SM90, 256, _HALF, 64, 64, 8, 2),
-    _e(BWD_FUSED, _SM90, 256, _HALF, 32, 64, 8, 2),
 )
 
 # Under TRITON_INTERPRET=1 (CPU) there is no shared memory and no warps: small,
@@ -140,7 +133,6 @@ INTERPRETER_CONFIGS = {
     FWD: KernelConfig(32, 16, 1, 1),
     BWD_DKDV: KernelConfig(16, 32, 1, 1),
     BWD_DQ: KernelConfig(32, 16, 1, 1),
-    BWD_FUSED: KernelConfig(16, 32, 1, 1),
 }
 
 
@@ -154,10 +146,8 @@ def shared_memory_estimate(kind: str, cfg: KernelConfig, block_dqk: int, block_d
     bm, bn, st = cfg.block_m, cfg.block_n, max(1, cfg.num_stages)
     if kind == FWD:
         return (bm * block_dqk + st * bn * (block_dqk + block_dv)) * elem_size
-    if kind in (BWD_DKDV, BWD_FUSED):
-        # the fused kernel also stages dS^T for the dQ product
-        n_tiles = 3 if kind == BWD_FUSED else 2
-        return (bn * (block_dqk + block_dv) + st * bm * (block_dqk + block_dv)) * elem_size + n_tiles * bm * bn * elem_size
+    if kind == BWD_DKDV:
+        return (bn * (block_dqk + block_dv) + st * bm * (block_dqk + block_dv)) * elem_size + 2 * bm * bn * elem_size
     if kind == BWD_DQ:
         return (bm * (block_dqk + block_dv) + st * bn * (block_dqk + block_dv)) * elem_size + bm * bn * elem_size
     raise ValueError(f"unknown kernel kind {kind!r}")

@@ -50,16 +50,14 @@ class KernelParams:
     num_splits: int = 0         # force the dQ key splits (ignored when deterministic)
     max_grid: int = 0           # grid y/z limit for chunking; 0 = MAX_GRID_YZ
     descriptors: int = -1       # TMA tensor-descriptor loads: -1 auto (Hopper+, half, aligned), 0 off, 1 on
-    fused_dq: int = -1          # dQ inside the dK/dV pass (fp32 atomics): -1 auto, 0 off, 1 on; never when deterministic
 
     def __post_init__(self):
         if not (0.0 <= self.dropout_p < 1.0):
             raise ValueError(f"dropout_p={self.dropout_p} must be in [0, 1)")
         if self.window_left < -1 or self.window_right < -1:
             raise ValueError(f"window=({self.window_left}, {self.window_right}): -1 or >= 0 expected")
-        for name in ("descriptors", "fused_dq"):
-            if getattr(self, name) not in (-1, 0, 1):
-                raise ValueError(f"{name}={getattr(self, name)}: -1 (auto), 0 (off) or 1 (on) expected")
+        if self.descriptors not in (-1, 0, 1):
+            raise ValueError(f"descriptors={self.descriptors}: -1 (auto), 0 (off) or 1 (on) expected")
 
     def to_args(self) -> tuple:
         return tuple(getattr(self, f.name) for f in fields(self))
@@ -347,8 +345,7 @@ class _Problem:
             return (0, 1, self.Hq)
         return (self.Hq * self.Sq, self.Sq, 1)
 
-    def head_strides(self, o):
-        """(batch, head, row) strides of a (B, H, S, D) or, varlen, (total, H, D) tensor."""
+    def out_strides(self, o):
         if self.varlen:
             return (0, o.stride(1), o.stride(0))
         return (o.stride(0), o.stride(1), o.stride(2))
@@ -471,7 +468,7 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
             cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
             params.scale * LOG2E, float(params.dropout_p),
             *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
-            *prob.head_strides(out), *prob.lse_strides(),
+            *prob.out_strides(out), *prob.lse_strides(),
             prob.Hq, prob.group, prob.Sq, prob.Sk)
     kw = dict(_common(q, params, prob), BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0,
               USE_DESC=desc, MAY_EMPTY=may_empty, SCALE_POS=params.scale > 0)
@@ -495,97 +492,6 @@ def _reduce_dbias(ws: torch.Tensor, bcast, bias: torch.Tensor) -> torch.Tensor:
     if dims:
         ws = ws.sum(dim=dims, keepdim=True)
     return ws.reshape(shape4).reshape(bias.shape).to(bias.dtype)
-
-
-def fused_dq_head_chunk(batch: int, kv_heads: int, num_n_blocks: int, num_sms: int) -> int:
-    """kv heads per launch of the fused dK/dV/dQ pass.  The fp32 dQ workspace holds the
-    query heads of one launch only: half of them at most (the workspace then costs what dQ
-    itself costs, keeping peak memory near the minimum), unless fewer than four waves of
-    programs would be left per launch."""
-    waves4 = _cdiv(4 * max(1, num_sms), max(1, batch * num_n_blocks))
-    return max(1, min(kv_heads, max(waves4, _cdiv(kv_heads, 2))))
-
-
-def _fused_candidates(params: KernelParams, prob, dtype, dev) -> list:
-    """Configurations of the fused dK/dV/dQ kernel, or [] for the two-pass path: deterministic
-    calls (dQ atomics are order-dependent), fused_dq=0, or no fused configuration for this
-    device (auto: the two-pass kernels' table still covers it)."""
-    if params.deterministic or params.fused_dq == 0:
-        return []
-    try:
-        return select_config(C.BWD_FUSED, prob.Dqk, prob.Dv, dtype, dev, params)
-    except RuntimeError:
-        return []
-
-
-def _dkdv_fused_dq(q, prob, args, scalars, kw, tail, cands, gsplits, limit, num_sms):
-    """dK/dV (+ d(bias)) and dQ in one key-tile parallel pass: dQ is added with fp32 atomics
-    into a workspace that covers the query heads of one launch (``fused_dq_head_chunk``), then
-    converted into its slice of dQ.  Returns dQ, or None when no fused configuration
-    compiles within the device's resources (the caller runs the two-pass path; nothing has
-    been written yet then)."""
-    dev = q.device
-    hk_chunk = fused_dq_head_chunk(prob.B, prob.Hkv, _cdiv(prob.Sk, cands[0].block_n), num_sms)
-    g = prob.group
-    ws_shape = (q.shape[0], hk_chunk * g, q.shape[2]) if prob.varlen else (prob.B, hk_chunk * g, prob.Sq, prob.Dqk)
-    ws = torch.empty(ws_shape, device=dev, dtype=torch.float32)
-    dq = torch.empty(q.shape, device=dev, dtype=q.dtype)
-    dq_str = prob.head_strides(ws)
-    kw = dict(kw, FUSE_DQ=True, DQ_DESC=bool(kw["USE_DESC"]) and not is_interpreter())
-    key = ("dkdv_fused", dev, q.dtype, prob.Dqk, prob.Dv, kw["USE_DESC"])
-    for hk0 in range(0, prob.Hkv, hk_chunk):
-        cnt_hk = min(hk_chunk, prob.Hkv - hk0)
-        wsv = ws[:, :cnt_hk * g] if cnt_hk < hk_chunk else ws
-        wsv.zero_()
-        for start, cnt in bh_chunks(prob.B * cnt_hk, cnt_hk, limit):
-            def grid(cfg, cnt=cnt):
-                return (_cdiv(prob.Sk, cfg.block_n), cnt, gsplits)
-            try:
-                cfg = _launch(C.BWD_FUSED, _attn_bwd_dkdv, grid,
-                              args + (ws,) + scalars + dq_str + (prob.Hq, g, prob.Sq, prob.Sk, hk0, cnt_hk, start) + tail,
-                              kw, cands, key)
-            except RuntimeError:
-                if hk0 == 0 and start == 0:
-                    return None
-                raise
-            cands = [cfg]
-        dq[:, hk0 * g:(hk0 + cnt_hk) * g].copy_(wsv)
-    return dq
-
-
-def _dq_pass(q, k, v, bias_t, do, lse, delta, seed_t, cu_q_t, cu_k_t, params, prob, bstr,
-             do_str, lse_str, kw, limit, num_sms):
-    """The query-tile parallel dQ pass of the two-pass backward, optionally split over keys
-    (fp32 workspace + atomics; never when deterministic)."""
-    dev = q.device
-    cands = select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params)
-    bm, bn = cands[0].block_m, cands[0].block_n
-    if params.deterministic:
-        splits = 1
-    elif params.num_splits > 0:
-        splits = min(params.num_splits, max(1, _cdiv(prob.Sk, bn)))
-    else:
-        splits = num_splits_heuristic(prob.B * prob.Hq, _cdiv(prob.Sq, bm), _cdiv(prob.Sk, bn),
-                                      num_sms, params.deterministic)
-    atomic = splits > 1
-    if atomic:
-        dq_ws = torch.zeros(q.shape, device=dev, dtype=torch.float32)
-    else:
-        dq_ws = torch.empty(q.shape, device=dev, dtype=_store_dtype(q.dtype))
-    args = (q, k, v, bias_t, do, lse, delta, seed_t, cu_q_t, cu_k_t, dq_ws,
-            params.scale * LOG2E, params.scale, float(params.dropout_p),
-            *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
-            *do_str, *lse_str, *prob.head_strides(dq_ws),
-            prob.Hq, prob.group, prob.Sq, prob.Sk)
-    kw = dict(kw, ATOMIC=atomic)
-    key = ("dq", dev, q.dtype, prob.Dqk, prob.Dv, kw["USE_DESC"])
-    for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
-        def grid(cfg, cnt=cnt):
-            return (_cdiv(prob.Sq, cfg.block_m), cnt, splits)
-        cfg = _launch(C.BWD_DQ, _attn_bwd_dq, grid,
-                      args + (start, params.window_left, params.window_right, splits), kw, cands, key)
-        cands = [cfg]
-    return _as_dtype(dq_ws, q.dtype)
 
 
 def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
@@ -613,8 +519,8 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     bias_t = bt if bt is not None else dummy
     limit = _grid_limit(params)
     lse_str = prob.lse_strides()
-    do_str = prob.head_strides(do)
-    o_str = prob.head_strides(out)
+    do_str = prob.out_strides(do)
+    o_str = prob.out_strides(out)
     _, _, num_sms = device_info(dev)
 
     # 1) delta = rowsum(dO * O)
@@ -637,8 +543,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     else:
         db_ws = dummy
         db_str = (0, 0, 0, 0)
-    fused_cands = _fused_candidates(params, prob, q.dtype, dev)
-    dkdv_cands = fused_cands or select_config(C.BWD_DKDV, prob.Dqk, prob.Dv, q.dtype, dev, params)
+    cands = select_config(C.BWD_DKDV, prob.Dqk, prob.Dv, q.dtype, dev, params)
     # group split (GQA/MQA): query heads of a kv head spread over grid axis 2, partial
     # dK/dV in an fp32 workspace summed in a fixed order (never with a head-summed d(bias)).
     if params.deterministic or prob.group == 1 or (bias_grad and sum_heads):
@@ -646,7 +551,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     elif params.num_splits > 0:
         gsplits = min(params.num_splits, prob.group)
     else:
-        gsplits = group_splits_heuristic(prob.B * prob.Hkv, _cdiv(prob.Sk, dkdv_cands[0].block_n),
+        gsplits = group_splits_heuristic(prob.B * prob.Hkv, _cdiv(prob.Sk, cands[0].block_n),
                                          prob.group, num_sms)
     per_split = _cdiv(prob.group, gsplits)
     gsplits = _cdiv(prob.group, per_split)
@@ -659,40 +564,63 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
         dk_out = dk0 = torch.empty(k.shape, device=dev, dtype=_store_dtype(k.dtype))
         dv_out = dv0 = torch.empty(v.shape, device=dev, dtype=_store_dtype(v.dtype))
         split_str = (0, 0)
-    dk_str, dv_str = prob.head_strides(dk0), prob.head_strides(dv0)
-    args = (q, k, v, bias_t, do, lse, delta, seed_t, cu_q_t, cu_k_t, dk_out, dv_out, db_ws)
-    scalars = (params.scale * LOG2E, params.scale, float(params.dropout_p),
-               *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
-               *do_str, *lse_str, *dk_str, *dv_str, *db_str)
+    if prob.varlen:
+        dk_str = (0, dk0.stride(1), dk0.stride(0))
+        dv_str = (0, dv0.stride(1), dv0.stride(0))
+    else:
+        dk_str = (dk0.stride(0), dk0.stride(1), dk0.stride(2))
+        dv_str = (dv0.stride(0), dv0.stride(1), dv0.stride(2))
+    args = (q, k, v, bias_t, do, lse, delta, seed_t, cu_q_t, cu_k_t, dk_out, dv_out, db_ws,
+            params.scale * LOG2E, params.scale, float(params.dropout_p),
+            *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
+            *do_str, *lse_str, *dk_str, *dv_str, *db_str,
+            prob.Hq, prob.group, prob.Hkv, prob.Sq, prob.Sk)
     kw = dict(common, BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0, BIAS_GRAD=bias_grad,
               DB_SUM_ROWS=sum_rows, DB_SUM_HEADS=sum_heads)
-    tail = (params.window_left, params.window_right, per_split, *split_str)
-
-    dq = None
-    if fused_cands:
-        dq = _dkdv_fused_dq(q, prob, args, scalars, kw, tail, fused_cands, gsplits, limit, num_sms)
-    if dq is None:
-        cands = select_config(C.BWD_DKDV, prob.Dqk, prob.Dv, q.dtype, dev, params)
-        key = ("dkdv", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
-        kw = dict(kw, FUSE_DQ=False, DQ_DESC=False)
-        for start, cnt in bh_chunks(prob.B * prob.Hkv, prob.Hkv, limit):
-            def grid(cfg, cnt=cnt):
-                return (_cdiv(prob.Sk, cfg.block_n), cnt, gsplits)
-            cfg = _launch(C.BWD_DKDV, _attn_bwd_dkdv, grid,
-                          args + (dummy,) + scalars + (0, 0, 0) + (prob.Hq, prob.group, prob.Sq, prob.Sk, 0, prob.Hkv,
-                                                                  start) + tail,
-                          kw, cands, key)
-            cands = [cfg]
+    key = ("dkdv", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
+    for start, cnt in bh_chunks(prob.B * prob.Hkv, prob.Hkv, limit):
+        def grid(cfg, cnt=cnt):
+            return (_cdiv(prob.Sk, cfg.block_n), cnt, gsplits)
+        cfg = _launch(C.BWD_DKDV, _attn_bwd_dkdv, grid,
+                      args + (start, params.window_left, params.window_right, per_split, *split_str),
+                      kw, cands, key)
+        cands = [cfg]
     if gsplits > 1:
         dk, dv = dk_out.sum(0).to(k.dtype), dv_out.sum(0).to(v.dtype)
     else:
         dk, dv = _as_dtype(dk_out, k.dtype), _as_dtype(dv_out, v.dtype)
 
     # 3) dQ : query-tile parallel, optionally split over keys (fp32 workspace + atomics)
-    if dq is None:
-        dq = _dq_pass(q, k, v, bias_t, do, lse, delta, seed_t, cu_q_t, cu_k_t, params, prob, bstr,
-                      do_str, lse_str, dict(common, BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0),
-                      limit, num_sms)
+    cands = select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params)
+    bm, bn = cands[0].block_m, cands[0].block_n
+    if params.deterministic:
+        splits = 1
+    elif params.num_splits > 0:
+        splits = min(params.num_splits, max(1, _cdiv(prob.Sk, bn)))
+    else:
+        splits = num_splits_heuristic(prob.B * prob.Hq, _cdiv(prob.Sq, bm), _cdiv(prob.Sk, bn),
+                                      num_sms, params.deterministic)
+    atomic = splits > 1
+    if atomic:
+        dq_ws = torch.zeros(q.shape, device=dev, dtype=torch.float32)
+    else:
+        dq_ws = torch.empty(q.shape, device=dev, dtype=_store_dtype(q.dtype))
+    dq_str = (0, dq_ws.stride(1), dq_ws.stride(0)) if prob.varlen else (
+        dq_ws.stride(0), dq_ws.stride(1), dq_ws.stride(2))
+    args = (q, k, v, bias_t, do, lse, delta, seed_t, cu_q_t, cu_k_t, dq_ws,
+            params.scale * LOG2E, params.scale, float(params.dropout_p),
+            *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
+            *do_str, *lse_str, *dq_str,
+            prob.Hq, prob.group, prob.Sq, prob.Sk)
+    kw = dict(common, BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0, ATOMIC=atomic)
+    key = ("dq", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
+    for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
+        def grid(cfg, cnt=cnt):
+            return (_cdiv(prob.Sq, cfg.block_m), cnt, splits)
+        cfg = _launch(C.BWD_DQ, _attn_bwd_dq, grid,
+                      args + (start, params.window_left, params.window_right, splits), kw, cands, key)
+        cands = [cfg]
+    dq = _as_dtype(dq_ws, q.dtype)
 
     dbias = _reduce_dbias(db_ws, bcast, bias) if bias_grad else None
     return dq, dk, dv, dbias
