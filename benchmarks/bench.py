@@ -560,8 +560,10 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
              "(first line in details.log), `skip` = out of time budget, `!` = output differed from the "
              "reference. Ratios are to the best anchor of the row (anchors: "
              + ", ".join(LABELS[a] for a in ANCHORS) + "). Timing: CUDA events, median of several "
-             "repetitions after warm-up, one process; a repetition is one synchronised call (the "
-             "anchors' own method), or back-to-back calls for calls under 0.5 ms; "
+             "repetitions after warm-up, one process; "
+             + (TIMING_QUEUED if meta.get("timing") == "queued" else
+                "a repetition is one synchronised call (the anchors' own method), or back-to-back calls "
+                "for calls under 0.5 ms; ")
              + ("forward = inference (torch.no_grad(); Flex with grad enabled, its compiled graph depends on it)."
                 if meta.get("fwd_timing") == "no_grad" else "forward timed with grad enabled (inputs require grad)."),
              ""]
@@ -977,7 +979,11 @@ class Runner:
 
     def time_fn(self, fn) -> dict:
         """First call (compile / warm-up), an estimate, one more warm-up, then repetitions of
-        `inner` calls between CUDA events (inner > 1 only for calls under 0.5 ms); median."""
+        `inner` calls (inner > 1 only for calls under 0.5 ms), each between its own pair of
+        CUDA events, all enqueued back to back with one synchronisation at the end (as
+        triton.testing.do_bench, without its L2 flush): a repetition measures the device time
+        of a call in steady state, not the host latency before its first kernel, which
+        benchmarks/overhead.py measures; median."""
         self.sync()
         t = time.perf_counter()
         fn()
@@ -994,14 +1000,14 @@ class Runner:
         inner = max(1, math.ceil(0.5 / est)) if est < 0.5 else 1
         reps = int(min(self.args.max_reps, max(3, self.args.target_ms / (est * inner))))
         fn()
-        times = []
-        for _ in range(reps):
+        marks = [self.events() for _ in range(reps)]
+        for s, e in marks:
             s.record()
             for _ in range(inner):
                 fn()
             e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / inner)
+        self.sync()
+        times = [s.elapsed_time(e) / inner for s, e in marks]
         return dict(ms=statistics.median(times), reps=reps, inner=inner, first_call_s=first,
                     spread=(max(times) - min(times)) / statistics.median(times))
 
@@ -1137,6 +1143,11 @@ class Runner:
             res["check_error"] = first_line(e)
 
 
+TIMING_QUEUED = ("repetitions are enqueued back to back, each between its own CUDA events, with one "
+                 "synchronisation at the end (device time in steady state, as triton.testing.do_bench; "
+                 "the host time of one call is benchmarks/overhead.py's); calls under 0.5 ms are grouped; ")
+
+
 class _HostEvent:
     """torch.cuda.Event's timing interface on the host clock (for --smoke-cpu)."""
 
@@ -1212,7 +1223,7 @@ def main(argv=None) -> int:
     if "flex" in impls:
         runner.load_flex()
     meta = environment(runner)
-    meta.update(fwd_timing="no_grad",
+    meta.update(fwd_timing="no_grad", timing="queued",
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 commit=git_commit(args.commit), quick=args.quick, impls=impls, anchors=list(ANCHORS),
                 command="python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),

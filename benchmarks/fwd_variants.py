@@ -41,9 +41,9 @@ def run_kernel(q, k, v, causal, cfg, flags):
     params = KernelParams(scale=q.shape[-1] ** -0.5, window_right=0 if causal else -1)
     args = (q, k, v, q, out, lse, q, q, q, params.scale * LOG2E, 0.0,
             *prob.q_strides, *prob.k_strides, *prob.v_strides, 0, 0, 0, 0,
-            *prob.out_strides(out), *prob.lse_strides(), prob.Hq, prob.group, prob.Sq, prob.Sk,
+            *prob.out_strides(out), *prob.lse_strides(), prob.Hq, prob.B, prob.group, prob.Sq, prob.Sk,
             0, params.window_left, params.window_right)
-    kw = dict(_common(q, params, prob), BIAS_KIND=0, HAS_DROPOUT=False, **flags)
+    kw = dict(_common(q, params, prob), BIAS_KIND=0, HAS_DROPOUT=False, BATCH_MINOR=False, **flags)
     grid = (triton.cdiv(prob.Sq, cfg.block_m), prob.B * prob.Hq)
 
     def fn():

@@ -369,3 +369,21 @@ def test_fastest_ratio_counts_our_backends_per_mode():
     assert bench.fastest_ratio(entry, "fwd+bwd") == pytest.approx(0.8)
     entry["results"]["fastest"]["fwd"] = {"status": "err"}
     assert bench.fastest_ratio(entry, "fwd") is None
+
+
+def test_time_fn_enqueues_repetitions_back_to_back(monkeypatch):
+    """Repetitions are not separated by synchronisations (steady-state device time): one
+    sync after the warm-up call, one at the end; every repetition has its own events."""
+    args = bench.parse_args(["--smoke-cpu", "--target-ms", "5", "--max-reps", "7"])
+    runner = bench.Runner(args, bench.Log(None, echo=False))
+    log = []
+    monkeypatch.setattr(runner, "sync", lambda: log.append("sync"))
+
+    def fn():
+        log.append("call")
+        sum(range(20000))           # ~0.5-1 ms on the host clock
+    r = runner.time_fn(fn)
+    assert r["reps"] >= 3 and r["ms"] > 0
+    timed = log[log.index("sync", 2) + 1:]          # after the first call's two syncs
+    assert timed.count("sync") == 1 and timed[-1] == "sync"
+    assert timed.count("call") == 2 + r["reps"] * r["inner"]   # estimate + warm-up + repetitions

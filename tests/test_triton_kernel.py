@@ -524,6 +524,37 @@ def test_chunking_equals_unchunked(limit):
     assert torch.equal(m1, m2)
 
 
+@pytest.mark.parametrize("limit", [0, 1, 4])
+def test_batch_shared_bias_runs_batch_minor(limit):
+    """A bias shared by the batches launches the programs batch-fastest (launch.batch_minor):
+    same results as the oracle (dropout included: the random stream follows b * H + h, not
+    the launch order), chunked or not, and bitwise equal across chunkings."""
+    from attention_dispatch.kernels import launch
+    q, k, v = rand(3, 4, 24, 16), rand(3, 2, 32, 16), rand(3, 2, 32, 16)
+    bias = rand(1, 4, 24, 32)
+    prm = make_params(q, causal="top_left", dropout_p=0.3, deterministic=True, max_grid=limit)
+    assert launch.batch_minor(*launch.bias_layout(bias, (3, 4, 24, 32))[::2], launch._Problem(
+        q, k, v, None, None, None, None))
+    run_and_check(q, k, v, bias, causal="top_left", dropout_p=0.3, deterministic=True, max_grid=limit)
+    base = _fwd_bwd(q, k, v, bias, make_params(q, causal="top_left", dropout_p=0.3, deterministic=True))
+    assert all(torch.equal(x, y) for x, y in zip(base, _fwd_bwd(q, k, v, bias, prm)))
+
+
+def test_batch_minor_only_for_batch_shared_masks():
+    from attention_dispatch.kernels import launch
+    q = rand(2, 4, 8, 16)
+    prob = launch._Problem(q, q, q, None, None, None, None)
+
+    def minor(mask):
+        kind, _, strides, _ = launch.bias_layout(mask, (2, 4, 8, 8))
+        return launch.batch_minor(kind, strides, prob)
+    assert minor(rand(4, 8, 8)) and minor(torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    assert minor(rand(1, 4, 8, 8).expand(2, 4, 8, 8))          # stride-0 batch dim
+    assert not minor(None) and not minor(rand(2, 1, 8, 8))
+    one = launch._Problem(q[:1], q[:1], q[:1], None, None, None, None)
+    assert not launch.batch_minor(1, (0, 64, 8, 1), one)        # a single batch: nothing to share
+
+
 def test_chunking_varlen():
     q, k, v, cu_q, cu_k, msq, msk = varlen_inputs((5, 0, 17), (9, 4, 17), hq=2, hkv=1, d=16)
     kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=msq, max_seqlen_k=msk)

@@ -10,7 +10,7 @@ gradient it touches is exactly 0 (never NaN).
 import triton
 import triton.language as tl
 
-from .forward import (_apply_bias, _band_mask, _dot, _dropout_keep, _load_rows, _load_tile, _lowp, _rng_rows,
+from .forward import (_apply_bias, _band_mask, _batch_head, _dot, _dropout_keep, _load_rows, _load_tile, _lowp, _rng_rows,
                       _tile_desc)
 
 
@@ -57,11 +57,11 @@ def _attn_bwd_dkdv(
     sdob, sdoh, sdos, slb, slh, sls,
     sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
     sdbb, sdbh, sdbi, sdbj,
-    H, GROUP, HK, seqlen_q, seqlen_k, bh_start, window_left, window_right,
+    H, NB, GROUP, HK, seqlen_q, seqlen_k, bh_start, window_left, window_right,
     group_per_split, sdk_split, sdv_split,
     HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, BATCH_MINOR: tl.constexpr,
     BIAS_GRAD: tl.constexpr, DB_SUM_ROWS: tl.constexpr, DB_SUM_HEADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr, USE_DESC: tl.constexpr,
@@ -71,10 +71,8 @@ def _attn_bwd_dkdv(
     partial dK/dV go to an fp32 workspace slice summed on the host) and over the query tiles
     of the band.  No atomics."""
     pid_n = tl.program_id(0)
-    pid_bhk = tl.program_id(1) + bh_start
     gsplit = tl.program_id(2)
-    b = pid_bhk // HK
-    hk = pid_bhk % HK
+    b, hk = _batch_head(tl.program_id(1) + bh_start, HK, NB, BATCH_MINOR)
     if IS_VARLEN:
         q_start = tl.load(CuQ + b).to(tl.int64)
         sq = (tl.load(CuQ + b + 1).to(tl.int64) - q_start).to(tl.int32)
@@ -220,20 +218,19 @@ def _attn_bwd_dq(
     sbb, sbh, sbi, sbj,
     sdob, sdoh, sdos, slb, slh, sls,
     sdqb, sdqh, sdqs,
-    H, GROUP, seqlen_q, seqlen_k, bh_start, window_left, window_right, num_splits,
+    H, NB, GROUP, seqlen_q, seqlen_k, bh_start, window_left, window_right, num_splits,
     HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC: tl.constexpr,
+    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, BATCH_MINOR: tl.constexpr, ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr, USE_DESC: tl.constexpr,
 ):
     """One program: one query tile of one (batch, head) and one split of its key range.
     ATOMIC (split-keys): partial dQ is atomically added to an fp32 workspace."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1) + bh_start
     split = tl.program_id(2)
-    b = pid_bh // H
-    h = pid_bh % H
+    b, h = _batch_head(tl.program_id(1) + bh_start, H, NB, BATCH_MINOR)
+    pid_bh = b * H + h
     hk = h // GROUP
     if IS_VARLEN:
         q_start = tl.load(CuQ + b).to(tl.int64)

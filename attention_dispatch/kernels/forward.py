@@ -4,14 +4,16 @@ that forward, backward and :func:`dropout_keep_mask` see bit-identical masks.
 
 Conventions (all kernels):
   * one program owns a tile of one (batch b, query head h); ``pid_bh = b * H + h`` is the
-    GLOBAL flattened index (``bh_start`` is added for chunked launches);
+    GLOBAL flattened index (``bh_start`` is added for chunked launches); the launch index
+    runs over (b, h) with h fastest, or b fastest (BATCH_MINOR, :func:`_batch_head`);
   * varlen: ``CuQ/CuK`` hold the cumulative lengths; the batch stride is then 0 and the
     sequence's first row is added to the row index, so one code path serves both layouts;
   * scores live in the log2 domain: ``s2 = s * log2(e)``, ``qk_scale = scale * log2(e)``;
   * a key j is allowed for query i when ``(HAS_WL: j >= i + off - wl)`` and
     ``(HAS_WR: j <= i + off + wr)``, ``off = Sk - Sq`` (per sequence) if ALIGN_BR else 0;
-  * dropout: Philox ``tl.rand(seed, ((pid_bh * max_sq + i) * max_sk + j))`` (int64 offsets),
-    keep when ``u >= p``.
+  * dropout: lane ``j % 4`` of the Philox4x32 draw at counter
+    ``(pid_bh * max_sq + i) * ceil(max_sk / 4) + j // 4`` (:func:`_dropout_keep`), keep when
+    ``u >= p``.
 """
 import triton
 import triton.language as tl
@@ -99,6 +101,18 @@ def _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj,
                      mask=_tile_mask(offs_m, offs_n, sq, sk, TRANS), other=0)
         s = tl.where(bt != 0, s, float("-inf"))
     return s
+
+
+@triton.jit
+def _batch_head(pid, H, NB, BATCH_MINOR: tl.constexpr):
+    """(b, h) of launch index ``pid`` over NB batches x H heads: h fastest, or b fastest with
+    BATCH_MINOR, chosen when the bias is shared by the batches: the programs that read
+    the same bias tiles then run side by side and the tiles come from L2 instead of being
+    read from HBM once per batch."""
+    if BATCH_MINOR:
+        return pid % NB, pid // NB
+    else:
+        return pid // H, pid % H
 
 
 @triton.jit
@@ -227,10 +241,10 @@ def _attn_fwd(
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
     sbb, sbh, sbi, sbj,
     sob, soh, sos, slb, slh, sls,
-    H, GROUP, seqlen_q, seqlen_k, bh_start, window_left, window_right,
+    H, NB, GROUP, seqlen_q, seqlen_k, bh_start, window_left, window_right,
     HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, BATCH_MINOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr,
     USE_DESC: tl.constexpr, MAY_EMPTY: tl.constexpr, SCALE_POS: tl.constexpr,
@@ -244,9 +258,8 @@ def _attn_fwd(
     # Last query tiles first: under a causal band they have the most keys, and starting
     # the longest programs first shortens the tail of the launch.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1) + bh_start
-    b = pid_bh // H
-    h = pid_bh % H
+    b, h = _batch_head(tl.program_id(1) + bh_start, H, NB, BATCH_MINOR)
+    pid_bh = b * H + h
     hk = h // GROUP
     if IS_VARLEN:
         q_start = tl.load(CuQ + b).to(tl.int64)

@@ -392,6 +392,12 @@ def bias_layout(bias: torch.Tensor | None, full: tuple[int, int, int, int]):
     return kind, t, strides, bcast
 
 
+def batch_minor(bias_kind: int, bias_strides, prob) -> bool:
+    """Launch the (batch, head) programs batch-fastest: when a bias/mask is shared by the
+    batches, the programs reading the same bias tiles then run together (L2 reuse)."""
+    return bias_kind != 0 and bias_strides[0] == 0 and prob.B > 1 and not prob.varlen
+
+
 def _common(q, params, prob):
     """Constexpr arguments shared by every kernel of a call (memoised: built on every launch)."""
     return _common_constexprs(q.dtype, prob.Dqk, prob.Dv, prob.varlen, bool(params.align_bottom_right),
@@ -469,8 +475,9 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
             params.scale * LOG2E, float(params.dropout_p),
             *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
             *prob.out_strides(out), *prob.lse_strides(),
-            prob.Hq, prob.group, prob.Sq, prob.Sk)
+            prob.Hq, prob.B, prob.group, prob.Sq, prob.Sk)
     kw = dict(_common(q, params, prob), BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0,
+              BATCH_MINOR=batch_minor(kind, bstr, prob),
               USE_DESC=desc, MAY_EMPTY=may_empty, SCALE_POS=params.scale > 0)
     n_bh = prob.B * prob.Hq
     key = ("fwd", dev, q.dtype, prob.Dqk, prob.Dv, desc)
@@ -511,7 +518,8 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
         dbias = torch.zeros(bias.shape, device=dev, dtype=bias.dtype) if bias_grad else None
         return dq, dk, dv, dbias
 
-    common = dict(_common(q, params, prob), USE_DESC=use_descriptors(params, (q, k, v, do), dev))
+    common = dict(_common(q, params, prob), USE_DESC=use_descriptors(params, (q, k, v, do), dev),
+                  BATCH_MINOR=batch_minor(kind, bstr, prob))
     dummy = q
     seed_t = seed if seed is not None and seed.numel() else dummy
     cu_q_t = cu_q if cu_q is not None else dummy
@@ -574,7 +582,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
             params.scale * LOG2E, params.scale, float(params.dropout_p),
             *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
             *do_str, *lse_str, *dk_str, *dv_str, *db_str,
-            prob.Hq, prob.group, prob.Hkv, prob.Sq, prob.Sk)
+            prob.Hq, prob.B, prob.group, prob.Hkv, prob.Sq, prob.Sk)
     kw = dict(common, BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0, BIAS_GRAD=bias_grad,
               DB_SUM_ROWS=sum_rows, DB_SUM_HEADS=sum_heads)
     key = ("dkdv", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
@@ -611,7 +619,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
             params.scale * LOG2E, params.scale, float(params.dropout_p),
             *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
             *do_str, *lse_str, *dq_str,
-            prob.Hq, prob.group, prob.Sq, prob.Sk)
+            prob.Hq, prob.B, prob.group, prob.Sq, prob.Sk)
     kw = dict(common, BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0, ATOMIC=atomic)
     key = ("dq", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
     for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
