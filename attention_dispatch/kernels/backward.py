@@ -10,8 +10,8 @@ gradient it touches is exactly 0 (never NaN).
 import triton
 import triton.language as tl
 
-from .forward import (_apply_bias, _band_mask, _batch_head, _dot, _dropout_keep, _load_rows, _load_tile, _lowp, _rng_rows,
-                      _tile_desc)
+from .forward import (_apply_bias, _band_mask, _batch_head, _bias_desc, _dot, _dropout_keep, _load_rows,
+                      _load_tile, _lowp, _rng_rows, _tile_desc)
 
 
 @triton.jit
@@ -61,7 +61,7 @@ def _attn_bwd_dkdv(
     group_per_split, sdk_split, sdv_split,
     HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, BATCH_MINOR: tl.constexpr,
+    BIAS_KIND: tl.constexpr, BIAS_DESC: tl.constexpr, HAS_DROPOUT: tl.constexpr, BATCH_MINOR: tl.constexpr,
     BIAS_GRAD: tl.constexpr, DB_SUM_ROWS: tl.constexpr, DB_SUM_HEADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr, USE_DESC: tl.constexpr,
@@ -138,7 +138,7 @@ def _attn_bwd_dkdv(
         q_base = Q + b64 * sqb + h64 * sqh + q_start * sqs
         do_base = DO + b64 * sdob + h64 * sdoh + q_start * sdos
         l_base = b64 * slb + h64 * slh + q_start * sls
-        bias_base = Bias + b64 * sbb + h64 * sbh
+        bias_base = _bias_desc(Bias + b64 * sbb + h64 * sbh, sq, sk, sbi, BLOCK_M, BLOCK_N, BIAS_DESC)
         if DB_SUM_HEADS:
             db_base = DB + b64 * sdbb + hk64 * sdbh
         else:
@@ -159,7 +159,7 @@ def _attn_bwd_dkdv(
             delta = tl.load(Delta + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
 
             sT = _dot(k, tl.trans(q), DOT_UPCAST, DOT_IEEE) * qk_scale
-            sT = _apply_bias(sT, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, True)
+            sT = _apply_bias(sT, bias_base, start_m, n0, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, True)
             if (start_m < full_lo) | (start_m >= full_hi):
                 sT = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
                                          HAS_WL, HAS_WR, True), sT, float("-inf"))
@@ -221,7 +221,7 @@ def _attn_bwd_dq(
     H, NB, GROUP, seqlen_q, seqlen_k, bh_start, window_left, window_right, num_splits,
     HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, BATCH_MINOR: tl.constexpr, ATOMIC: tl.constexpr,
+    BIAS_KIND: tl.constexpr, BIAS_DESC: tl.constexpr, HAS_DROPOUT: tl.constexpr, BATCH_MINOR: tl.constexpr, ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr, USE_DESC: tl.constexpr,
 ):
@@ -269,7 +269,7 @@ def _attn_bwd_dq(
     delta = tl.load(Delta + l_ptrs, mask=row_ok, other=0.0)
     k_base = K + b64 * skb + hk64 * skh + k_start * sks
     v_base = V + b64 * svb + hk64 * svh + k_start * svs
-    bias_base = Bias + b64 * sbb + h64 * sbh
+    bias_base = _bias_desc(Bias + b64 * sbb + h64 * sbh, sq, sk, sbi, BLOCK_M, BLOCK_N, BIAS_DESC)
 
     m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
     lo = 0
@@ -308,7 +308,7 @@ def _attn_bwd_dq(
         k = _load_tile(k_desc, k_base, start_n, offs_n, sks, col_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
         v = _load_tile(v_desc, v_base, start_n, offs_n, svs, col_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
         s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
-        s = _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, False)
+        s = _apply_bias(s, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, False)
         if (start_n < full_lo) | (start_n >= full_hi):
             s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
                                     HAS_WL, HAS_WR, False), s, float("-inf"))

@@ -89,18 +89,36 @@ def _tile_mask(offs_m, offs_n, sq, sk, TRANS: tl.constexpr):
 
 
 @triton.jit
-def _apply_bias(s, bias_base, offs_m, offs_n, sq, sk, sbi, sbj,
-                BIAS_KIND: tl.constexpr, TRANS: tl.constexpr):
-    """BIAS_KIND 1: add float bias (upcast, log2 domain); 2: bool mask (nonzero = attend)."""
-    if BIAS_KIND == 1:
-        bt = tl.load(_bias_ptrs(bias_base, offs_m, offs_n, sbi, sbj, TRANS),
-                     mask=_tile_mask(offs_m, offs_n, sq, sk, TRANS), other=0.0)
-        s = s + bt.to(tl.float32) * 1.4426950408889634
-    elif BIAS_KIND == 2:
-        bt = tl.load(_bias_ptrs(bias_base, offs_m, offs_n, sbi, sbj, TRANS),
-                     mask=_tile_mask(offs_m, offs_n, sq, sk, TRANS), other=0)
-        s = tl.where(bt != 0, s, float("-inf"))
+def _apply_bias(s, bias_src, row0, col0, offs_m, offs_n, sq, sk, sbi, sbj,
+                BIAS_KIND: tl.constexpr, BIAS_DESC: tl.constexpr, TRANS: tl.constexpr):
+    """BIAS_KIND 1: add float bias (upcast, log2 domain); 2: bool mask (nonzero = attend).
+    ``bias_src``: the (sequence, head)'s bias base pointer, or with BIAS_DESC its TMA
+    descriptor (:func:`_bias_desc`; the tile at rows row0.., keys col0.. in one copy, no
+    per-element addresses; out-of-range elements read as 0 like the masked loads)."""
+    if BIAS_KIND != 0:
+        if BIAS_DESC:
+            bt = bias_src.load([row0, col0])
+            if TRANS:
+                bt = tl.trans(bt)
+        else:
+            bt = tl.load(_bias_ptrs(bias_src, offs_m, offs_n, sbi, sbj, TRANS),
+                         mask=_tile_mask(offs_m, offs_n, sq, sk, TRANS), other=0)
+        if BIAS_KIND == 1:
+            s = s + bt.to(tl.float32) * 1.4426950408889634
+        else:
+            s = tl.where(bt != 0, s, float("-inf"))
     return s
+
+
+@triton.jit
+def _bias_desc(bias_base, sq, sk, sbi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_DESC: tl.constexpr):
+    """With BIAS_DESC: a TMA descriptor over the sq x sk bias of one (sequence, head) (rows
+    16-byte aligned, checked by the launcher), read in (BLOCK_M, BLOCK_N) tiles."""
+    if BIAS_DESC:
+        return tl.make_tensor_descriptor(bias_base, shape=[tl.maximum(sq, 1), tl.maximum(sk, 1)],
+                                         strides=[sbi, 1], block_shape=[BLOCK_M, BLOCK_N])
+    else:
+        return bias_base
 
 
 @triton.jit
@@ -174,10 +192,11 @@ def _load_tile(desc_or_ptr, base, row0, offs_rows, stride, rows_ok, offs_d, HEAD
 
 
 @triton.jit
-def _fwd_step(acc, l_i, m_i, q, k, v, start_n, offs_m, offs_n0, qk_scale, sk, sq, off,
+def _fwd_step(acc, l_i, m_i, q, k, v, m0, start_n, offs_m, offs_n0, qk_scale, sk, sq, off,
               window_left, window_right, bias_base, sbi, sbj, seed, rng_rows, dropout_p,
               MASKED: tl.constexpr, MAY_EMPTY: tl.constexpr, SCALE_POS: tl.constexpr,
-              HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr, BIAS_DESC: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr,
               DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr):
     """One key block of the online softmax (log2 domain).  MASKED: apply the band mask
     (edge blocks); MAY_EMPTY: a row may have seen only masked keys so far (max = -inf);
@@ -188,7 +207,8 @@ def _fwd_step(acc, l_i, m_i, q, k, v, start_n, offs_m, offs_n0, qk_scale, sk, sq
     # (one FMA per score instead of a multiply and a subtract): the row max of the raw
     # scores times the scale is the max of the scaled ones.
     if BIAS_KIND != 0 or not SCALE_POS:
-        s = _apply_bias(s * qk_scale, bias_base, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, False)
+        s = _apply_bias(s * qk_scale, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND,
+                        BIAS_DESC, False)
     if MASKED:
         s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
                                 HAS_WL, HAS_WR, False), s, float("-inf"))
@@ -215,10 +235,11 @@ def _fwd_step(acc, l_i, m_i, q, k, v, start_n, offs_m, offs_n0, qk_scale, sk, sq
 
 
 @triton.jit
-def _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, n_lo, n_hi, offs_m, offs_n0,
+def _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, m0, n_lo, n_hi, offs_m, offs_n0,
                offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
                bias_base, sbi, sbj, seed, rng_rows, dropout_p, MASKED: tl.constexpr, MAY_EMPTY: tl.constexpr,
-               SCALE_POS: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               SCALE_POS: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr,
+               BIAS_DESC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                BLOCK_DV: tl.constexpr, USE_DESC: tl.constexpr,
                DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr):
@@ -227,9 +248,9 @@ def _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, n_lo, n_hi, off
         offs_n = start_n + offs_n0
         k = _load_tile(k_desc, k_base, start_n, offs_n, sks, offs_n < sk, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
         v = _load_tile(v_desc, v_base, start_n, offs_n, svs, offs_n < sk, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k, v, start_n, offs_m, offs_n0, qk_scale, sk, sq, off,
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k, v, m0, start_n, offs_m, offs_n0, qk_scale, sk, sq, off,
                                   window_left, window_right, bias_base, sbi, sbj, seed, rng_rows, dropout_p,
-                                  MASKED, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT,
+                                  MASKED, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC, HAS_DROPOUT,
                                   DOT_UPCAST, DOT_IEEE, ROUND_P)
     return acc, l_i, m_i
 
@@ -244,7 +265,7 @@ def _attn_fwd(
     H, NB, GROUP, seqlen_q, seqlen_k, bh_start, window_left, window_right,
     HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-    BIAS_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, BATCH_MINOR: tl.constexpr,
+    BIAS_KIND: tl.constexpr, BIAS_DESC: tl.constexpr, HAS_DROPOUT: tl.constexpr, BATCH_MINOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr,
     USE_DESC: tl.constexpr, MAY_EMPTY: tl.constexpr, SCALE_POS: tl.constexpr,
@@ -290,7 +311,7 @@ def _attn_fwd(
     k_base = K + b64 * skb + hk.to(tl.int64) * skh + k_start * sks
     v_base = V + b64 * svb + hk.to(tl.int64) * svh + k_start * svs
     o_base = O + b64 * sob + h.to(tl.int64) * soh + q_start * sos
-    bias_base = Bias + b64 * sbb + h.to(tl.int64) * sbh
+    bias_base = _bias_desc(Bias + b64 * sbb + h.to(tl.int64) * sbh, sq, sk, sbi, BLOCK_M, BLOCK_N, BIAS_DESC)
 
     k_desc = _tile_desc(K, k_base, sk, sks, HEAD_DQK, BLOCK_N, BLOCK_DQK, USE_DESC)
     v_desc = _tile_desc(V, v_base, sk, svs, HEAD_DV, BLOCK_N, BLOCK_DV, USE_DESC)
@@ -328,20 +349,20 @@ def _attn_fwd(
     # masked leading edge (window left), unmasked middle, masked trailing edge (causal, sk)
     mid_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
-    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, lo, mid_lo, offs_m, offs_n0,
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, m0, lo, mid_lo, offs_m, offs_n0,
                                offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
                                bias_base, sbi, sbj, seed, rng_rows, dropout_p, True, MAY_EMPTY, SCALE_POS,
-                               HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK,
+                               HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK,
                                BLOCK_DV, USE_DESC, DOT_UPCAST, DOT_IEEE, ROUND_P)
-    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, mid_lo, mid_hi, offs_m, offs_n0,
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, m0, mid_lo, mid_hi, offs_m, offs_n0,
                                offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
                                bias_base, sbi, sbj, seed, rng_rows, dropout_p, False, MAY_EMPTY, SCALE_POS,
-                               HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK,
+                               HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK,
                                BLOCK_DV, USE_DESC, DOT_UPCAST, DOT_IEEE, ROUND_P)
-    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, mid_hi, hi, offs_m, offs_n0,
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, m0, mid_hi, hi, offs_m, offs_n0,
                                offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
                                bias_base, sbi, sbj, seed, rng_rows, dropout_p, True, MAY_EMPTY, SCALE_POS,
-                               HAS_WL, HAS_WR, BIAS_KIND, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK,
+                               HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK,
                                BLOCK_DV, USE_DESC, DOT_UPCAST, DOT_IEEE, ROUND_P)
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)

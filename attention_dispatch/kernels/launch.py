@@ -398,6 +398,18 @@ def batch_minor(bias_kind: int, bias_strides, prob) -> bool:
     return bias_kind != 0 and bias_strides[0] == 0 and prob.B > 1 and not prob.varlen
 
 
+def bias_descriptor(use_desc: bool, bias_t, bias_strides) -> bool:
+    """Read bias/mask tiles through TMA descriptors (with the other descriptor loads) when
+    TMA can address them: contiguous keys, a non-broadcast row dim, 16-byte aligned base and
+    strides.  Otherwise masked pointer loads (e.g. a (B, 1, 1, Sk) key-padding mask)."""
+    if not use_desc or bias_t is None:
+        return False
+    es = bias_t.element_size()
+    sbb, sbh, sbi, sbj = bias_strides
+    return (sbj == 1 and sbi > 0 and bias_t.data_ptr() % 16 == 0
+            and all((st * es) % 16 == 0 for st in (sbb, sbh, sbi)))
+
+
 def _common(q, params, prob):
     """Constexpr arguments shared by every kernel of a call (memoised: built on every launch)."""
     return _common_constexprs(q.dtype, prob.Dqk, prob.Dv, prob.varlen, bool(params.align_bottom_right),
@@ -477,7 +489,7 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
             *prob.out_strides(out), *prob.lse_strides(),
             prob.Hq, prob.B, prob.group, prob.Sq, prob.Sk)
     kw = dict(_common(q, params, prob), BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0,
-              BATCH_MINOR=batch_minor(kind, bstr, prob),
+              BATCH_MINOR=batch_minor(kind, bstr, prob), BIAS_DESC=bias_descriptor(desc, bt, bstr),
               USE_DESC=desc, MAY_EMPTY=may_empty, SCALE_POS=params.scale > 0)
     n_bh = prob.B * prob.Hq
     key = ("fwd", dev, q.dtype, prob.Dqk, prob.Dv, desc)
@@ -518,8 +530,9 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
         dbias = torch.zeros(bias.shape, device=dev, dtype=bias.dtype) if bias_grad else None
         return dq, dk, dv, dbias
 
-    common = dict(_common(q, params, prob), USE_DESC=use_descriptors(params, (q, k, v, do), dev),
-                  BATCH_MINOR=batch_minor(kind, bstr, prob))
+    desc = use_descriptors(params, (q, k, v, do), dev)
+    common = dict(_common(q, params, prob), USE_DESC=desc, BATCH_MINOR=batch_minor(kind, bstr, prob),
+                  BIAS_DESC=bias_descriptor(desc, bt, bstr))
     dummy = q
     seed_t = seed if seed is not None and seed.numel() else dummy
     cu_q_t = cu_q if cu_q is not None else dummy
