@@ -344,6 +344,26 @@ def test_bias_tiles_through_descriptors(monkeypatch, mask):
     assert len(seen) == 3 and all(x == (mask != "rows_broadcast") for x in seen)   # fwd, dK/dV, dQ
 
 
+def test_chosen_config_is_remembered_per_constexprs(monkeypatch):
+    """A configuration that does not fit with a bias tile (candidate loop falls back) must not
+    demote the calls without one that share the key."""
+    from attention_dispatch.kernels import launch
+    monkeypatch.setattr(launch, "_CHOSEN", {})
+    tried = []
+
+    def fake_launch_one(kernel, grid, args, constexprs, num_warps, num_stages):
+        tried.append((constexprs["BIAS_DESC"], constexprs["BLOCK_M"]))
+        if constexprs["BIAS_DESC"] and constexprs["BLOCK_M"] == 128:
+            raise type("OutOfResources", (Exception,), {})("out of resource: shared memory")
+    monkeypatch.setattr(launch, "_launch_one", fake_launch_one)
+    cands = [configs.KernelConfig(128, 64), configs.KernelConfig(64, 64)]
+    x = torch.zeros(1)
+    for bias_desc, want in ((True, 64), (False, 128), (True, 64), (False, 128)):
+        cfg = launch._launch("fwd", None, lambda c: (1,), (x,), dict(BIAS_DESC=bias_desc), cands, ("k",))
+        assert cfg.block_m == want, (bias_desc, tried)
+    assert tried == [(True, 128), (True, 64), (False, 128), (True, 64), (False, 128)]
+
+
 def test_descriptor_choice_in_auto_mode(monkeypatch):
     """Auto mode takes TMA descriptors only on sm90+ CUDA, for fp16/bf16 rows aligned to 16 bytes."""
     from attention_dispatch.kernels import launch

@@ -147,6 +147,12 @@ def _interleave(a, b):
 
 
 @triton.jit
+def _keep_lane(r, dropout_p):
+    """One lane of Philox draws -> keep (int8, interleavable): uniform in [0, 1) >= p."""
+    return (tl.random.uint_to_uniform_float(r) >= dropout_p).to(tl.int8)
+
+
+@triton.jit
 def _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
     """Keep mask of keys start_n .. start_n + BLOCK_N - 1 (start_n a multiple of 4) for the
     query rows of ``rng_rows`` (:func:`_rng_rows`): (BM, BLOCK_N), or (BLOCK_N, BM) when
@@ -154,11 +160,8 @@ def _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N: tl.constexpr, TRA
     row + j // 4: one draw per four keys (the draw, ten rounds, dominates the cost)."""
     cols = (start_n // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.int64)
     r0, r1, r2, r3 = tl.randint4x(seed, rng_rows[:, None] + cols[None, :])
-    k0 = (tl.random.uint_to_uniform_float(r0) >= dropout_p).to(tl.int8)
-    k1 = (tl.random.uint_to_uniform_float(r1) >= dropout_p).to(tl.int8)
-    k2 = (tl.random.uint_to_uniform_float(r2) >= dropout_p).to(tl.int8)
-    k3 = (tl.random.uint_to_uniform_float(r3) >= dropout_p).to(tl.int8)
-    keep = _interleave(_interleave(k0, k2), _interleave(k1, k3)) != 0
+    keep = _interleave(_interleave(_keep_lane(r0, dropout_p), _keep_lane(r2, dropout_p)),
+                       _interleave(_keep_lane(r1, dropout_p), _keep_lane(r3, dropout_p))) != 0
     if TRANS:
         return tl.trans(keep)
     else:

@@ -232,8 +232,9 @@ def _launch_one(kernel, grid, args, constexprs, num_warps, num_stages):
 
 def _launch(kind, kernel, grid, args, kw, cands, key):
     """Launch with the first candidate that compiles within the device's resources
-    (PyTorch-style loop over candidate kernels); the winner is remembered per key."""
-    key = key + (tuple(cands),)
+    (PyTorch-style loop over candidate kernels); the winner is remembered per key and
+    constexpr values (a bias tile or dropout changes what fits)."""
+    key = key + (tuple(cands), tuple(kw.values()))
     start = _CHOSEN.get(key, 0)
     last = None
     for idx in range(start, len(cands)):
@@ -392,6 +393,12 @@ def bias_layout(bias: torch.Tensor | None, full: tuple[int, int, int, int]):
     return kind, t, strides, bcast
 
 
+def bias_constexprs(kind: int, bias_t, bias_strides, prob, use_desc: bool) -> dict:
+    """The constexprs that the bias layout decides, for every attention kernel of a call."""
+    return dict(BIAS_KIND=kind, BIAS_DESC=bias_descriptor(use_desc, bias_t, bias_strides),
+                BATCH_MINOR=batch_minor(kind, bias_strides, prob))
+
+
 def batch_minor(bias_kind: int, bias_strides, prob) -> bool:
     """Launch the (batch, head) programs batch-fastest: when a bias/mask is shared by the
     batches, the programs reading the same bias tiles then run together (L2 reuse)."""
@@ -488,9 +495,8 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
             *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
             *prob.out_strides(out), *prob.lse_strides(),
             prob.Hq, prob.B, prob.group, prob.Sq, prob.Sk)
-    kw = dict(_common(q, params, prob), BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0,
-              BATCH_MINOR=batch_minor(kind, bstr, prob), BIAS_DESC=bias_descriptor(desc, bt, bstr),
-              USE_DESC=desc, MAY_EMPTY=may_empty, SCALE_POS=params.scale > 0)
+    kw = dict(_common(q, params, prob), **bias_constexprs(kind, bt, bstr, prob, desc),
+              HAS_DROPOUT=params.dropout_p > 0, USE_DESC=desc, MAY_EMPTY=may_empty, SCALE_POS=params.scale > 0)
     n_bh = prob.B * prob.Hq
     key = ("fwd", dev, q.dtype, prob.Dqk, prob.Dv, desc)
 
@@ -531,8 +537,8 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
         return dq, dk, dv, dbias
 
     desc = use_descriptors(params, (q, k, v, do), dev)
-    common = dict(_common(q, params, prob), USE_DESC=desc, BATCH_MINOR=batch_minor(kind, bstr, prob),
-                  BIAS_DESC=bias_descriptor(desc, bt, bstr))
+    common = dict(_common(q, params, prob), **bias_constexprs(kind, bt, bstr, prob, desc), USE_DESC=desc,
+                  HAS_DROPOUT=params.dropout_p > 0)
     dummy = q
     seed_t = seed if seed is not None and seed.numel() else dummy
     cu_q_t = cu_q if cu_q is not None else dummy
@@ -596,7 +602,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
             *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
             *do_str, *lse_str, *dk_str, *dv_str, *db_str,
             prob.Hq, prob.B, prob.group, prob.Hkv, prob.Sq, prob.Sk)
-    kw = dict(common, BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0, BIAS_GRAD=bias_grad,
+    kw = dict(common, BIAS_GRAD=bias_grad,
               DB_SUM_ROWS=sum_rows, DB_SUM_HEADS=sum_heads)
     key = ("dkdv", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
     for start, cnt in bh_chunks(prob.B * prob.Hkv, prob.Hkv, limit):
@@ -633,7 +639,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
             *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
             *do_str, *lse_str, *dq_str,
             prob.Hq, prob.B, prob.group, prob.Sq, prob.Sk)
-    kw = dict(common, BIAS_KIND=kind, HAS_DROPOUT=params.dropout_p > 0, ATOMIC=atomic)
+    kw = dict(common, ATOMIC=atomic)
     key = ("dq", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
     for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
         def grid(cfg, cnt=cnt):
