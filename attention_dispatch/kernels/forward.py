@@ -219,13 +219,14 @@ def _fwd_step(acc, l_i, m_i, q, k, v, m0, start_n, offs_m, offs_n0, qk_scale, sk
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MAY_EMPTY:
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    # A row with no allowed key so far keeps max -inf (carried as such: a finite placeholder
+    # would underflow the exp2 of later, very negative, scores) and exponentiates against 0.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new) if MAY_EMPTY else m_new
     if BIAS_KIND == 0 and SCALE_POS:
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        p = tl.math.exp2(s * qk_scale - m_use[:, None])
     else:
-        p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if HAS_DROPOUT:
