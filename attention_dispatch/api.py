@@ -9,7 +9,8 @@ import torch
 from . import config as _config
 from . import registry
 from .debug import logger, note_decision
-from .dispatch import BackendRunError, Decision, decide
+from . import dispatch as _dispatch
+from .dispatch import BackendRunError, Decision, _scope, decide
 from .fastest import choose_fastest
 from .problem import Problem, _aligned_16, compute_capability
 from .semantics import normalize_causal, normalize_window
@@ -321,6 +322,21 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     causal: None | "top_left" (= is_causal=True) | "bottom_right"; window: (left, right), -1 unbounded.
     backend: force one backend by name; deterministic: None follows torch's setting.
     """
+    fast_key = None
+    if attn_mask is None and cu_seqlens_q is None and cu_seqlens_k is None:
+        fast_key = _fast_key(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal, window,
+                             deterministic, backend)
+        if fast_key is not None:
+            hit = _dispatch.fast_calls.get(fast_key)
+            if hit is not None:
+                decision, runner = hit
+                try:
+                    out = runner(query, key, value)
+                except Exception:   # noqa: BLE001 - the full path below raises or falls back per config
+                    _dispatch.fast_calls.pop(fast_key, None)
+                else:
+                    note_decision(decision)
+                    return out
     call = normalize_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                           causal=causal, window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, deterministic=deterministic)
@@ -334,7 +350,40 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         decision = choose_fastest(decision, call, policy.fastest_cache)
     decision, out = _execute(decision, call)
     note_decision(decision)
+    if fast_key is not None and not decision.failures and call.restore is None and call.query is query \
+            and call.key is key and call.value is value:
+        if len(_dispatch.fast_calls) >= _dispatch.FAST_CALLS_LIMIT:
+            _dispatch.fast_calls.clear()
+        runner = registry.get_backend(decision.backend).prepare(query, key, value, call.options)
+        _dispatch.fast_calls[fast_key] = (decision, runner)
     return out if call.restore is None else call.restore(out)
+
+
+def _fast_key(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic,
+              backend):
+    """sdpa()'s fast-path key for plain 4-D tensors and scalar options, or None when the call
+    must take the full path.  The key holds everything normalize_call() validates or
+    derives (shapes, strides, dtypes, devices, alignment, grad needs, the exact option
+    values with their types: True == 1.0 must not hit) and everything decide() keys on
+    (config, registry, scope, determinism): a hit is a call that the full path accepted
+    before and would decide the same way."""
+    if (type(query) is not torch.Tensor or type(key) is not torch.Tensor or type(value) is not torch.Tensor
+            or type(dropout_p) is not float or type(is_causal) is not bool or type(enable_gqa) is not bool
+            or not (scale is None or type(scale) is float) or not (causal is None or type(causal) is str)
+            or not (deterministic is None or type(deterministic) is bool)
+            or not (backend is None or type(backend) is str)
+            or not (window is None or (type(window) is tuple and len(window) == 2
+                                       and type(window[0]) is int and type(window[1]) is int))
+            or query.dim() != 4 or torch.compiler.is_compiling()):
+        return None
+    grad = torch.is_grad_enabled()
+    return (query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(),
+            query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
+            query.data_ptr() & 15, key.data_ptr() & 15, value.data_ptr() & 15,
+            grad and (query.requires_grad or key.requires_grad or value.requires_grad),
+            dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic, backend,
+            id(_config.current_config()), _config.config_version(), registry.registry_version(), _scope.get(),
+            torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,

@@ -151,9 +151,17 @@ _CACHE_LIMIT = 4096
 _warned: set = set()
 
 
+# sdpa()'s fast path (api._fast_key): call signature -> (Decision, the backend's prepared
+# runner).  Cleared with the decision cache.
+fast_calls: dict = {}
+FAST_CALLS_LIMIT = 4096
+
+
 def clear_cache() -> None:
+    """Forget every cached Decision and sdpa()'s fast-path entries."""
     with _cache_lock:
         _cache.clear()
+        fast_calls.clear()
 
 
 def decide(problem: Problem, forced: str | None = None, raise_if_none: bool = True) -> Decision:

@@ -8,6 +8,8 @@ GPU keeps up with the tiny kernels):
   F.scaled_dot_product_attention (PyTorch's own dispatch)   -- the reference
   attention_dispatch.sdpa (automatic choice)                -- must be <= the reference (issue 5)
   backend.run() of the chosen backend alone                 -- what sdpa() adds is the rest
+  sdpa() full path: normalize_call + decide + backend.run    -- what a first call of a signature costs
+  sdpa() fast-path lookup (signature key + dict get)         -- what every repeated call adds
   attention_dispatch.api.normalize_call                     -- argument checks + Problem
   attention_dispatch.dispatch.decide(problem), cache hit    -- must add <= 3 us (issue 5)
   hash(problem)                                             -- part of every cache hit
@@ -57,7 +59,8 @@ def main(argv=None) -> int:
 
     import attention_dispatch as ad
     from attention_dispatch import registry
-    from attention_dispatch.api import normalize_call
+    from attention_dispatch import dispatch
+    from attention_dispatch.api import _fast_key, normalize_call
     from attention_dispatch.dispatch import decide
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -78,10 +81,17 @@ def main(argv=None) -> int:
     problem = call.problem
     decide(problem)                      # fill the cache: what follows are hits
 
+    def full_path():
+        c = normalize_call(q, k, v)
+        return registry.get_backend(decide(c.problem).backend).run(c.query, c.key, c.value, **c.options)
+
     cases = [
         ("F.scaled_dot_product_attention", lambda: F.scaled_dot_product_attention(q, k, v)),
         ("attention_dispatch.sdpa (auto)", lambda: ad.sdpa(q, k, v)),
         (f"{decision.backend}.run() alone", lambda: backend.run(call.query, call.key, call.value, **call.options)),
+        ("sdpa() full path (normalize, decide, run)", full_path),
+        ("sdpa() fast-path lookup", lambda: dispatch.fast_calls.get(
+            _fast_key(q, k, v, 0.0, False, None, False, None, None, None, None))),
         ("api.normalize_call", lambda: normalize_call(q, k, v)),
         ("dispatch.decide (cache hit)", lambda: decide(problem)),
         ("hash(Problem)", lambda: hash(problem)),

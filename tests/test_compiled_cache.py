@@ -185,3 +185,112 @@ def test_gpu_relaunch_across_specialisations():
         for q, k, v in cases:
             run_and_check(q, k, v, causal="bottom_right")
     assert cc.COMPILED.hits >= 4 * len(cases), (cc.COMPILED.hits, cc.COMPILED.misses)
+
+
+def test_capture_records_direct_and_first_launches(cache, monkeypatch):
+    monkeypatch.setattr(cc, "_current_stream", lambda: 0)
+    kern, x = _FakeKernel(), torch.zeros(8)
+    with cc.CompiledLaunchCache.capture() as launches:
+        _launch(cache, kern, x, x, 8)
+        _launch(cache, kern, x, x, 8, grid=(7,))
+    assert [(e is not None, g) for e, g, _, _ in launches] == [(True, (3, 2)), (True, (7,))]
+    assert launches[0][0] is launches[1][0] and launches[1][2] == (x, x, 8, 0.5)
+    _launch(cache, kern, x, x, 8)                    # outside the block: nothing recorded
+    assert len(launches) == 2
+
+
+# ----------------------------------------------------------------------------- ForwardPlan
+
+def _plan_inputs(dev, s=24, d=16, dtype=torch.float32):
+    return [torch.randn(2, 3, s, d, device=dev, dtype=dtype) for _ in range(3)]
+
+
+@pytest.mark.skipif(not is_interpreter(), reason="fake relaunch through the interpreter")
+@pytest.mark.parametrize("feature", ["dense", "causal", "gqa"])
+def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
+    """A plan captures the forward's one launch and later relaunches it with the new call's
+    query/key/value and freshly allocated outputs (the interpreter stands in for the compiled
+    launcher: the captured entry relaunches the same kernel with the given arguments)."""
+    from attention_dispatch.kernels import ForwardPlan, prepare_attention
+    real = launch._launch_one
+    relaunched = []
+
+    def launch_and_record(kernel, grid, args, constexprs, num_warps, num_stages):
+        real(kernel, grid, args, constexprs, num_warps, num_stages)
+        cc.COMPILED._record((kernel, constexprs, num_warps, num_stages), grid, args, constexprs)
+
+    def fake_relaunch(entry, grid, args):
+        kernel, constexprs, num_warps, num_stages = entry
+        relaunched.append(grid)
+        real(kernel, grid, args, constexprs, num_warps, num_stages)
+    monkeypatch.setattr(launch, "_launch_one", launch_and_record)
+    monkeypatch.setattr(launch, "relaunch", fake_relaunch)
+    params = KernelParams(scale=0.25, window_right=0 if feature == "causal" else -1)
+    q, k, v = _plan_inputs("cpu")
+    if feature == "gqa":
+        k, v = k[:, :1].contiguous(), v[:, :1].contiguous()
+    plan = prepare_attention(q, k, v, None, params)
+    assert isinstance(plan, ForwardPlan)
+    first = plan(q, k, v)
+    assert plan.launch is not None and relaunched == []
+    for _ in range(2):
+        q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))   # same shapes and strides (the contract)
+        got = plan(q2, k2, v2)
+        monkeypatch.setattr(launch, "_launch_one", real)
+        want = triton_attention(q2, k2, v2, None, params)
+        monkeypatch.setattr(launch, "_launch_one", launch_and_record)
+        assert torch.equal(got, want) and not torch.equal(got, first)
+    assert len(relaunched) == 2
+
+
+@pytest.mark.parametrize("what", ["grad", "bias", "dropout"])
+def test_forward_plan_only_for_repeatable_inference_launches(monkeypatch, what):
+    """Calls that need autograd or a bias get the bound full path; a dropout forward (its seed
+    is drawn per call) builds a plan that never captures and stays exact."""
+    from attention_dispatch.kernels import ForwardPlan, prepare_attention
+    dev = "cpu" if is_interpreter() else "cuda"
+    q, k, v = _plan_inputs(dev)
+    if what == "grad":
+        q.requires_grad_()
+        runner = prepare_attention(q, k, v, None, KernelParams(scale=0.25))
+        assert not isinstance(runner, ForwardPlan)
+        runner(q, k, v).sum().backward()
+        assert q.grad is not None
+    elif what == "bias":
+        bias = torch.randn(1, 3, 24, 24, device=dev)
+        runner = prepare_attention(q, k, v, bias, KernelParams(scale=0.25))
+        assert not isinstance(runner, ForwardPlan)
+        torch.testing.assert_close(runner(q, k, v), triton_attention(q, k, v, bias, KernelParams(scale=0.25)))
+    else:
+        params = KernelParams(scale=0.25, dropout_p=0.3)
+        plan = prepare_attention(q, k, v, None, params)
+        for _ in range(2):
+            torch.manual_seed(5)
+            got = plan(q, k, v)
+            torch.manual_seed(5)
+            torch.testing.assert_close(got, triton_attention(q, k, v, None, params))
+        assert plan.launch is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(is_interpreter() or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_sdpa_fast_path_relaunches_the_plan():
+    """sdpa() on repeated inference calls: the second and later calls run the captured
+    launch (no new cache lookups), each exact against the full path."""
+    import attention_dispatch as ad
+    from attention_dispatch import dispatch
+    from attention_dispatch.kernels import ForwardPlan
+    ad.clear_cache()
+    with torch.no_grad():
+        for causal in (False, True):
+            q, k, v = _plan_inputs("cuda", s=200, d=64, dtype=torch.bfloat16)
+            ad.sdpa(q, k, v, is_causal=causal, backend="triton")
+            plans = [r for _, r in dispatch.fast_calls.values() if isinstance(r, ForwardPlan)]
+            assert plans and plans[-1].launch is not None
+            hits = cc.COMPILED.hits
+            for _ in range(3):
+                q, k, v = (torch.randn_like(t) for t in (q, k, v))
+                got = ad.sdpa(q, k, v, is_causal=causal, backend="triton")
+                want = triton_attention(q, k, v, None, KernelParams(scale=0.125, window_right=0 if causal else -1))
+                assert torch.equal(got, want)
+            assert cc.COMPILED.hits == hits + 3     # only the full-path references looked up the cache

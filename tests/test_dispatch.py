@@ -404,3 +404,117 @@ def test_policy_fastest_measures_and_caches(tmp_path):
     with ad.use_config({"dispatch": {"policy": "priority"}}), ad.use_backends("slow", "quick"):
         ad.sdpa(q, k, v)
         assert ad.last_decision().backend == "slow"
+
+
+# ---- sdpa()'s fast path: a repeated call signature skips normalisation and decide() ----
+
+def _count_normalize(monkeypatch):
+    from attention_dispatch import api
+    calls = []
+    real = api.normalize_call
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(api, "normalize_call", counting)
+    return calls
+
+
+def test_fast_path_hit_runs_new_tensors_and_records_the_decision(monkeypatch):
+    mine = Recording("mine")
+    ad.register_backend(mine, priority="first")
+    calls = _count_normalize(monkeypatch)
+    q, k, v = qkv(2, 3, 9, 16)
+    out1 = ad.sdpa(q, k, v, is_causal=True, scale=0.3)
+    d1 = ad.last_decision()
+    q2, k2, v2 = qkv(2, 3, 9, 16)
+    with ad.record() as seen:
+        out2 = ad.sdpa(q2, k2, v2, is_causal=True, scale=0.3)
+    assert len(calls) == 1 and mine.runs == 2          # the second call skipped normalize_call
+    assert seen == [d1] and ad.last_decision() is d1
+    ref = math_attention(q2.double(), k2.double(), v2.double(), causal=ad.CausalKind.TOP_LEFT, scale=0.3)
+    torch.testing.assert_close(out2.double(), ref, atol=2e-6, rtol=1e-5)   # fp32 vs the float64 oracle
+    assert not torch.equal(out1, out2)
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape", "stride", "requires_grad", "scope", "config", "scale",
+                                    "deterministic_torch"])
+def test_fast_path_misses_when_anything_the_decision_uses_changes(monkeypatch, change):
+    calls = _count_normalize(monkeypatch)
+    q, k, v = qkv(1, 2, 8, 16)
+    ad.sdpa(q, k, v)
+    ad.sdpa(q, k, v)
+    assert len(calls) == 1
+    kwargs = {}
+    if change == "dtype":
+        q, k, v = (t.double() for t in (q, k, v))
+    elif change == "shape":
+        q = torch.randn(1, 2, 7, 16)
+    elif change == "stride":
+        q = torch.randn(1, 8, 2, 16).transpose(1, 2)
+    elif change == "requires_grad":
+        q = q.detach().requires_grad_()
+    elif change == "scale":
+        kwargs["scale"] = 0.5
+    if change == "scope":
+        with ad.use_backends("math"):
+            ad.sdpa(q, k, v)
+            assert ad.last_decision().backend == "math"
+    elif change == "config":
+        with ad.use_config({"dispatch": {"disabled": [ad.last_decision().backend]}}):
+            before = ad.last_decision().backend
+            ad.sdpa(q, k, v)
+            assert ad.last_decision().backend != before
+    elif change == "deterministic_torch":
+        torch.use_deterministic_algorithms(True)
+        try:
+            ad.sdpa(q, k, v)
+            assert ad.last_decision().problem.deterministic
+        finally:
+            torch.use_deterministic_algorithms(False)
+    else:
+        ad.sdpa(q, k, v, **kwargs)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("bad", [dict(scale=True), dict(dropout_p=1), dict(enable_gqa=1), dict(is_causal=1),
+                                 dict(deterministic=1), dict(window=(2.0, 3))])
+def test_fast_path_never_skips_validation(bad):
+    """Values equal (and hashing equal) to a valid call's, of a type the full path rejects,
+    still reach the full path's checks."""
+    q, k, v = qkv()
+    good = dict(scale=1.0, dropout_p=0.0, enable_gqa=False, is_causal=False, deterministic=True, window=(2, 3))
+    valid = {name: good[name] for name in bad}
+    ad.sdpa(q, k, v, **valid)
+    ad.sdpa(q, k, v, **valid)
+    with pytest.raises((TypeError, ValueError)):
+        ad.sdpa(q, k, v, **bad)
+
+
+def test_fast_path_failure_takes_the_full_path_with_fallback():
+    flaky = Recording("flaky")
+    ad.register_backend(flaky, priority="first")
+    q, k, v = qkv()
+    with ad.use_config({"dispatch": {"on_error": "fallback"}}):
+        ad.sdpa(q, k, v)
+        assert ad.last_decision().backend == "flaky"
+        flaky.fail = RuntimeError("device lost")
+        out = ad.sdpa(q, k, v)                  # fast-path runner fails -> full path -> fallback
+        d = ad.last_decision()
+    assert d.backend != "flaky" and "device lost" in d.failures["flaky"]
+    torch.testing.assert_close(out, ad.sdpa(q, k, v, backend="math"))
+    with pytest.raises(ad.BackendRunError, match="device lost"):
+        ad.sdpa(q, k, v)                        # on_error="raise" (default) raises as before
+
+
+def test_clear_cache_forgets_fast_path_entries():
+    mine = Recording("mine")
+    ad.register_backend(mine, priority="first")
+    q, k, v = qkv()
+    ad.sdpa(q, k, v)
+    assert dispatch.fast_calls
+    mine.available = False            # availability is cached; clear_cache() applies it
+    ad.clear_cache()
+    assert not dispatch.fast_calls
+    ad.sdpa(q, k, v)
+    assert ad.last_decision().backend != "mine"

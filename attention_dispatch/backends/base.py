@@ -7,6 +7,7 @@ is empty. Every reason names what was asked and what the backend allows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -178,6 +179,14 @@ class Backend:
     def run(self, query, key, value, **options):
         """Compute the call; options are the normalised arguments (DESIGN.md section 4)."""
         raise NotImplementedError(f"backend {self.name!r} does not implement run()")
+
+    def prepare(self, query, key, value, options: dict):
+        """A callable ``(query, key, value) -> out`` that sdpa() caches for repeated calls with
+        tensors of these shapes, strides, dtypes, devices and 16-byte alignment, the same grad
+        mode and requires_grad, and these options (no tensors among them).  Override it to
+        skip per-call work (the `triton` backend relaunches its compiled kernel); the default
+        calls run()."""
+        return functools.partial(self.run, **options)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -69,14 +69,26 @@ class TritonBackend(Backend):
                                problem.device_type, problem.compute_capability)
         return [reason] if reason else []
 
-    def run(self, query, key, value, *, attn_mask, dropout_p, causal, window, scale, cu_seqlens_q,
-            cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, **_):
-        from ..kernels import KernelParams, triton_attention
+    @staticmethod
+    def _params(causal, window, scale, dropout_p, deterministic, **_):
+        from ..kernels import KernelParams
 
         bottom_right, left, right = band(causal, window)
-        params = KernelParams(scale=scale, align_bottom_right=bottom_right, window_left=left,
-                              window_right=right, dropout_p=dropout_p, deterministic=deterministic)
+        return KernelParams(scale=scale, align_bottom_right=bottom_right, window_left=left,
+                            window_right=right, dropout_p=dropout_p, deterministic=deterministic)
+
+    def run(self, query, key, value, *, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            **options):
+        from ..kernels import triton_attention
+
         # The mask goes un-expanded: the kernel broadcasts size-1 dims itself and returns the
         # bias gradient in the mask's own shape, with no (B, H, Sq, Sk) workspace.
-        return triton_attention(query, key, value, attn_mask, params, cu_seqlens_q=cu_seqlens_q,
+        return triton_attention(query, key, value, attn_mask, self._params(**options), cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+    def prepare(self, query, key, value, options: dict):
+        from ..kernels import prepare_attention
+
+        return prepare_attention(query, key, value, options["attn_mask"], self._params(**options),
+                                 options["cu_seqlens_q"], options["cu_seqlens_k"], options["max_seqlen_q"],
+                                 options["max_seqlen_k"])

@@ -33,10 +33,11 @@ from dataclasses import dataclass
 import torch
 
 from . import configs
-from .autograd import triton_attention
+from .autograd import prepare_attention, triton_attention
 from .configs import KernelConfig
 from .launch import (
     MAX_GRID_YZ,
+    ForwardPlan,
     KernelParams,
     attention_backward,
     attention_forward,
@@ -80,8 +81,8 @@ class KernelLimits:
 KERNEL_LIMITS = KernelLimits()
 
 __all__ = [
-    "KERNEL_LIMITS", "KernelConfig", "KernelLimits", "KernelParams", "MAX_GRID_YZ",
+    "KERNEL_LIMITS", "ForwardPlan", "KernelConfig", "KernelLimits", "KernelParams", "MAX_GRID_YZ",
     "attention_backward", "attention_forward", "bh_chunks", "config_reason", "configs",
     "device_info", "dropout_keep_mask", "group_splits_heuristic", "is_interpreter", "num_splits_heuristic",
-    "select_config", "triton_attention",
+    "prepare_attention", "select_config", "triton_attention",
 ]

@@ -16,6 +16,9 @@ is written that way); a call of another shape keeps Triton's launch path.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 import triton
 
@@ -66,6 +69,10 @@ def _hooks_installed() -> bool:
     return _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
 
 
+# Set by :meth:`CompiledLaunchCache.capture`: every launch appends what relaunches it.
+_capture: contextvars.ContextVar = contextvars.ContextVar("attention_dispatch_launch_capture", default=None)
+
+
 class CompiledLaunchCache:
     """One cache per process: (kernel, device, constexprs, options, specialisation) ->
     (launcher, CUDA function, packed metadata, constexpr values in signature order)."""
@@ -92,10 +99,9 @@ class CompiledLaunchCache:
                specialization_key(args, n_tensors))
         entry = self._entries.get(key)
         if entry is not None and not _hooks_installed():
-            launcher, function, metadata, tail = entry
             self.hits += 1
-            launcher(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, _current_stream(),
-                     function, metadata, None, None, None, *args, *tail)
+            relaunch(entry, grid, args)
+            self._record(entry, grid, args, constexprs)
             return
         self.misses += 1
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
@@ -109,10 +115,36 @@ class CompiledLaunchCache:
                 self._entries.clear()
             # the key holds the constexprs: their values, in signature order, are fixed per entry
             tail = tuple(constexprs[n] for n in order)
-            self._entries[key] = (launcher, compiled.function, compiled.packed_metadata, tail)
+            self._entries[key] = entry = (launcher, compiled.function, compiled.packed_metadata, tail)
+        self._record(entry if cacheable else None, grid, args, constexprs)
+
+    @staticmethod
+    def _record(entry, grid, args, constexprs) -> None:
+        sink = _capture.get()
+        if sink is not None:
+            sink.append((entry, tuple(grid), args, constexprs))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def capture():
+        """Collect ``(entry or None, grid, args, constexprs)`` for every launch in the block
+        (entry: what :func:`relaunch` takes; None when the launch cannot be repeated directly)."""
+        sink: list = []
+        token = _capture.set(sink)
+        try:
+            yield sink
+        finally:
+            _capture.reset(token)
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def relaunch(entry, grid: tuple, args) -> None:
+    """Launch a captured entry again with new leading arguments of the same specialisation."""
+    launcher, function, metadata, tail = entry
+    launcher(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, _current_stream(),
+             function, metadata, None, None, None, *args, *tail)
 
 
 def _constexpr_order(kernel, n_positional: int, constexprs: dict):

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from . import configs as C
-from .compiled_cache import COMPILED
+from .compiled_cache import COMPILED, _hooks_installed, relaunch
 from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
 from .forward import LOG2E, _attn_fwd, _dropout_mask_kernel
 
@@ -507,6 +507,52 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
                       kw, cands, key)
         cands = [cfg]
     return _as_dtype(out, q.dtype), lse, seed
+
+
+class ForwardPlan:
+    """Repeated inference forwards of one call signature: dense query/key/value with the
+    same shapes, strides, dtype, device and 16-byte alignment, no bias, given params.
+
+    The first call runs :func:`attention_forward` and captures its one kernel launch; later
+    calls allocate the output and logsumexp and relaunch the compiled kernel with the new
+    tensors: none of the launch glue above runs again (the dispatcher's fast path caches a
+    plan per signature, docs/perf-notes.md experiment 17).  A call that launches anything
+    else (several chunks, a dropout seed, an empty problem, a dtype conversion) keeps the
+    full path every time."""
+
+    __slots__ = ("params", "device", "launch", "out_shape", "lse_shape")
+
+    def __init__(self, query, params: KernelParams):
+        self.params, self.device, self.launch = params, query.device, None
+
+    def __call__(self, q, k, v):
+        launch = self.launch
+        if launch is None or _hooks_installed():
+            return self._first(q, k, v)
+        entry, grid, sources, scalars, desc = launch
+        pool = (q, k, v, torch.empty(self.out_shape, device=self.device, dtype=q.dtype),
+                torch.empty(self.lse_shape, device=self.device, dtype=torch.float32))
+        args = (*[pool[i] for i in sources], *scalars)
+        _run_with_scratch(self.device, desc, lambda: relaunch(entry, grid, args))
+        return pool[3]
+
+    def _first(self, q, k, v):
+        with COMPILED.capture() as launches:
+            out, lse, _ = attention_forward(q, k, v, None, self.params)
+        if len(launches) == 1 and launches[0][0] is not None and self.launch is None:
+            entry, grid, args, constexprs = launches[0]
+            pool = (q, k, v, out, lse)
+            sources = []
+            for a in args:
+                if not isinstance(a, torch.Tensor):
+                    break
+                idx = next((i for i, t in enumerate(pool) if t is a), None)
+                if idx is None:       # a tensor made inside (seed, converted output): not repeatable
+                    return out
+                sources.append(idx)
+            self.out_shape, self.lse_shape = tuple(out.shape), tuple(lse.shape)
+            self.launch = (entry, grid, tuple(sources), tuple(args[len(sources):]), constexprs.get("USE_DESC", False))
+        return out
 
 
 # --------------------------------------------------------------------------- backward
