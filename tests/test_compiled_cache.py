@@ -275,8 +275,8 @@ def test_forward_plan_only_for_repeatable_inference_launches(monkeypatch, what):
 @pytest.mark.gpu
 @pytest.mark.skipif(is_interpreter() or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_sdpa_fast_path_relaunches_the_plan():
-    """sdpa() on repeated inference calls: the second and later calls run the captured
-    launch (no new cache lookups), each exact against the full path."""
+    """sdpa() on repeated inference calls: from the third call on, the captured launch runs
+    (no compiled-cache lookup), each result equal to the full path's."""
     import attention_dispatch as ad
     from attention_dispatch import dispatch
     from attention_dispatch.kernels import ForwardPlan
@@ -284,7 +284,8 @@ def test_gpu_sdpa_fast_path_relaunches_the_plan():
     with torch.no_grad():
         for causal in (False, True):
             q, k, v = _plan_inputs("cuda", s=200, d=64, dtype=torch.bfloat16)
-            ad.sdpa(q, k, v, is_causal=causal, backend="triton")
+            ad.sdpa(q, k, v, is_causal=causal, backend="triton")      # full path; stores the plan
+            ad.sdpa(q, k, v, is_causal=causal, backend="triton")      # the plan's first call captures
             plans = [r for _, r in dispatch.fast_calls.values() if isinstance(r, ForwardPlan)]
             assert plans and plans[-1].launch is not None
             hits = cc.COMPILED.hits
