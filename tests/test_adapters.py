@@ -460,7 +460,9 @@ def test_cuda_sdpa_rejections(monkeypatch):
     # cuDNN
     assert "dropout_p > 0 not supported" in cudnn(problem(dropout=True))
     assert any("Sk=1" in x for x in cudnn(problem(seqlen_k=1)))
-    assert "head_dim=256 > 128 (cuDNN 91900 on sm90)" in cudnn(problem(head_dim_qk=256, head_dim_v=256))
+    assert cudnn(problem(head_dim_qk=256, head_dim_v=256, requires_grad=True)) == []   # sm90, verified on an H100
+    assert "head_dim=256 > 128 (cuDNN 91900 on sm100)" in \
+        cudnn(problem(head_dim_qk=256, head_dim_v=256, compute_capability=(10, 0)))
     assert cudnn(problem(head_dim_qk=192, head_dim_v=128)) == []
     assert "gradient of a float attn_mask not supported" in \
         cudnn(problem(mask_kind="float", mask_shape=(1, 1, 64, 64), mask_requires_grad=True))
@@ -468,8 +470,11 @@ def test_cuda_sdpa_rejections(monkeypatch):
         cudnn(problem(deterministic=True, requires_grad=True))
     assert "compute capability sm75 < sm80" in cudnn(problem(compute_capability=(7, 5)))
     assert cudnn(problem(causal=BR, seqlen_q=32, mask_kind="bool", mask_shape=(2, 1, 32, 64))) == []
+    monkeypatch.setattr(CudnnBackend, "_cudnn_version", staticmethod(lambda: 91800))
+    assert "head_dim=256 > 128 (cuDNN 91800 on sm90)" in cudnn(problem(head_dim_qk=256, head_dim_v=256))
     monkeypatch.setattr(CudnnBackend, "_cudnn_version", staticmethod(lambda: 92300))
     assert cudnn(problem(head_dim_qk=256, head_dim_v=256, requires_grad=True)) == []
+    assert cudnn(problem(head_dim_qk=256, head_dim_v=256, compute_capability=(10, 0))) == []
     assert any("backward with head dims (256, 128)" in x for x in
                cudnn(problem(head_dim_qk=256, head_dim_v=128, requires_grad=True)))
     # PyTorch flash

@@ -285,7 +285,7 @@ class CudnnBackend(_TorchSdpaBackend):
         varlen=False,               # nested needs TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1, sm90/100, Sq > 128
         deterministic_backward=False,
         max_batch_heads=None,
-        notes="bottom-right causal as a folded bool mask; head dim 256 only on sm90/sm10x with cuDNN > 9.22",
+        notes="bottom-right causal as a folded bool mask; head dim 256 only on sm90 with cuDNN >= 9.19 or sm10x with cuDNN > 9.22",
     )
 
     def _built(self) -> str:
@@ -320,7 +320,10 @@ class CudnnBackend(_TorchSdpaBackend):
         cc = p.compute_capability or (0, 0)
         ver = self._cudnn_version()
         sm90_10x = cc == (9, 0) or cc[0] == 10
-        d256 = sm90_10x and ver > 92200 and not (cc == (10, 7) and ver <= 92500)
+        # head dim 256: cuDNN > 9.22 on sm90/sm10x; also 9.19+ on sm90, where it was verified
+        # forward and backward against the float64 oracle (tests/test_capabilities.py on an
+        # H100, cuDNN 9.19, docs/perf-notes.md)
+        d256 = (sm90_10x and ver > 92200 and not (cc == (10, 7) and ver <= 92500)) or (cc == (9, 0) and ver >= 91900)
         dqk, dv = p.head_dim_qk, p.head_dim_v
         if d256:
             limit = 256
