@@ -115,6 +115,30 @@ DENSE_CASES = [  # (sq, sk, causal, window, hq, hkv)
 ]
 
 
+@pytest.mark.parametrize("version", [2, 4])
+@pytest.mark.parametrize("sq,sk,causal,window,hq,hkv", DENSE_CASES[:4] + DENSE_CASES[-2:])
+def test_flash_attn_prepared_runner_matches_run(fa, version, sq, sk, causal, window, hq, hkv):
+    """prepare() chooses the implementation and its arguments once; the runner then calls it
+    with the new tensors exactly as run() would (same arguments, same result, gradients)."""
+    backend, calls = fa(version)
+    q, k, v = inputs(2, hq, hkv, sq, sk, 64)
+    options = dict(attn_mask=None, dropout_p=0.0, causal=causal, window=window, scale=0.3, cu_seqlens_q=None,
+                   cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, enable_gqa=hkv != hq, deterministic=True)
+    runner = backend.prepare(q, k, v, options)
+    q2, k2, v2 = (torch.randn_like(t).requires_grad_() for t in (q, k, v))
+    got = runner(q2, k2, v2)
+
+    def recorded():   # the arguments flash-attn received, tensors left out
+        return {n: x for n, x in calls[-1].items() if not isinstance(x, torch.Tensor)}
+    via_runner = recorded()
+    assert calls[-1]["q_ptr"] == q2.data_ptr()
+    want = backend.run(q2, k2, v2, **options)
+    assert via_runner == recorded()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    (gq, gk, gv), g = grads(got, (q2, k2, v2))
+    assert torch.equal(gq, torch.autograd.grad(want, q2, g)[0])
+
+
 @pytest.mark.parametrize("version", [2, 3, 4])
 @pytest.mark.parametrize("sq,sk,causal,window,hq,hkv", DENSE_CASES)
 def test_flash_attn_dense_mapping(fa, version, sq, sk, causal, window, hq, hkv):

@@ -33,6 +33,7 @@ Mapping of our call (DESIGN.md section 3):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import sys
 from typing import Callable
@@ -290,11 +291,9 @@ class FlashAttnBackend(Backend):
             return is_causal, (None if left < 0 else left, None if right < 0 else right)
         return is_causal, (left, right)
 
-    def run(self, query, key, value, *, attn_mask=None, dropout_p=0.0, causal=None, window=None, scale=None,
-            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, enable_gqa=False,
-            deterministic=False, **_):
-        if attn_mask is not None:
-            raise ValueError("flash_attn: attn_mask is not supported (rejected by check())")
+    def _resolve(self, query, key, value, dropout_p=0.0, causal=None, window=None, scale=None, cu_seqlens_q=None,
+                 max_seqlen_q=None, max_seqlen_k=None, deterministic=False, **_) -> tuple[Implementation, dict]:
+        """(implementation, its keyword arguments) for a normalised call."""
         p = self.problem_of(query, key, value, dropout_p=dropout_p, causal=causal, window=window,
                             cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                             deterministic=deterministic)
@@ -304,19 +303,41 @@ class FlashAttnBackend(Backend):
         impl, reasons = self.choose(p)
         if impl is None:
             raise RuntimeError("flash_attn cannot run this call: " + "; ".join(reasons))
-        if query.numel() == 0 or key.shape[-3 if cu_seqlens_q is not None else -2] == 0:
-            return _empty_call(query, key, value, cu_seqlens_q is not None)
         is_causal, window_size = self.window_args(impl, causal, window)
         kwargs = dict(softmax_scale=scale, causal=is_causal, window_size=window_size, deterministic=bool(deterministic))
         if impl.key == "fa2":
             kwargs["dropout_p"] = float(dropout_p)
+        return impl, kwargs
+
+    @staticmethod
+    def _dense(func, kwargs: dict, query, key, value):
+        """(B, H, S, D) in and out; flash-attn takes (B, S, H, D): transposed views, no copies
+        (a contiguous copy costs more than the strided reads, docs/perf-notes.md)."""
+        out = func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(1, 2)
+
+    def run(self, query, key, value, *, attn_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+            max_seqlen_k=None, **options):
+        if attn_mask is not None:
+            raise ValueError("flash_attn: attn_mask is not supported (rejected by check())")
+        impl, kwargs = self._resolve(query, key, value, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                                     max_seqlen_k=max_seqlen_k, **options)
+        if query.numel() == 0 or key.shape[-3 if cu_seqlens_q is not None else -2] == 0:
+            return _empty_call(query, key, value, cu_seqlens_q is not None)
         if cu_seqlens_q is not None:
             out = impl.varlen_func(query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                    max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k), **kwargs)
             return out[0] if isinstance(out, tuple) else out
-        out = impl.func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        return out.transpose(1, 2)
+        return self._dense(impl.func, kwargs, query, key, value)
+
+    def prepare(self, query, key, value, options: dict):
+        """Dense calls: the implementation and its arguments chosen once for the signature."""
+        if options["attn_mask"] is not None or options["cu_seqlens_q"] is not None \
+                or query.numel() == 0 or key.shape[-2] == 0:
+            return super().prepare(query, key, value, options)
+        impl, kwargs = self._resolve(query, key, value, **options)
+        return functools.partial(self._dense, impl.func, kwargs)
 
 
 __all__ = ["FlashAttnBackend", "Implementation", "FA2_CAPS", "FA3_CAPS", "FA4_CAPS", "INSTALL_HINT"]
