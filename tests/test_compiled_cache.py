@@ -237,7 +237,8 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
         q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))   # same shapes and strides (the contract)
         got = plan(q2, k2, v2)
         monkeypatch.setattr(launch, "_launch_one", real)
-        want = triton_attention(q2, k2, v2, None, params)
+        want, lse = triton_attention(q2, k2, v2, None, params, return_lse=True)   # the kernel that stores the lse
+        assert torch.isfinite(lse).all()
         monkeypatch.setattr(launch, "_launch_one", launch_and_record)
         assert torch.equal(got, want) and not torch.equal(got, first)
     assert len(relaunched) == 2

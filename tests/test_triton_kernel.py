@@ -400,6 +400,26 @@ def test_descriptor_choice_in_auto_mode(monkeypatch):
     assert not launch.use_descriptors(auto, half, cuda)
 
 
+def test_forward_single_key_tile_skips_descriptors(monkeypatch):
+    """Auto mode: a forward whose keys fit one tile (Sk <= 64) loads through pointers (no
+    descriptor scratch to allocate); longer keys, or descriptors=1, take the descriptors."""
+    from attention_dispatch.kernels import launch
+    monkeypatch.setattr(launch, "use_descriptors", lambda params, tensors, device: params.descriptors != 0)
+    seen = []
+    real = launch._launch_one
+
+    def spy(kernel, grid, args, constexprs, num_warps, num_stages):
+        if kernel is launch._attn_fwd:
+            seen.append(constexprs["USE_DESC"])
+        return real(kernel, grid, args, constexprs, num_warps, num_stages)
+    monkeypatch.setattr(launch, "_launch_one", spy)
+    q = rand(1, 2, 24, 32, grad=False)
+    for sk, forced in ((48, -1), (80, -1), (48, 1)):
+        k, v = rand(1, 2, sk, 32, grad=False), rand(1, 2, sk, 32, grad=False)
+        triton_attention(q, k, v, None, KernelParams(scale=0.2, descriptors=forced))
+    assert seen == [False, True, True]
+
+
 def test_inference_call_builds_no_autograd_node():
     """Without grad (no_grad, or no input requiring it) the kernel runs without an autograd
     node and returns exactly what the differentiable call returns."""

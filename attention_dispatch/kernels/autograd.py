@@ -183,7 +183,7 @@ def triton_attention(query: Tensor, key: Tensor, value: Tensor, bias: Optional[T
         out, lse = _EagerAttention.apply(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, msq, msk, params)
     else:   # inference: no autograd node to build
         out, lse, _ = attention_forward(query, key, value, bias, params, cu_seqlens_q, cu_seqlens_k,
-                                        _opt(msq), _opt(msk))
+                                        _opt(msq), _opt(msk), need_lse=return_lse)
     return (out, lse) if return_lse else out
 
 

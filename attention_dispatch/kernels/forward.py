@@ -272,7 +272,7 @@ def _attn_fwd(
     BIAS_KIND: tl.constexpr, BIAS_DESC: tl.constexpr, HAS_DROPOUT: tl.constexpr, BATCH_MINOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr,
-    USE_DESC: tl.constexpr, MAY_EMPTY: tl.constexpr, SCALE_POS: tl.constexpr,
+    USE_DESC: tl.constexpr, MAY_EMPTY: tl.constexpr, SCALE_POS: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """USE_DESC: Q/K/V/O through TMA tensor descriptors built in-kernel per (sequence, head)
     (Hopper+; the launcher checks the 16-byte alignment TMA needs and provides the scratch
@@ -373,7 +373,6 @@ def _attn_fwd(
     if HAS_DROPOUT:
         inv_l = inv_l / (1.0 - dropout_p)
     out = acc * inv_l[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
 
     if USE_DESC:
         _tile_desc(O, o_base, sq, sos, HEAD_DV, BLOCK_M, BLOCK_DV, USE_DESC).store([m0, 0], out.to(O.dtype.element_ty))
@@ -383,7 +382,9 @@ def _attn_fwd(
             tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
         else:
             tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < HEAD_DV)[None, :])
-    tl.store(LSE + b64 * slb + h.to(tl.int64) * slh + (q_start + offs_m.to(tl.int64)) * sls, lse, mask=row_ok)
+    if STORE_LSE:   # off for inference calls (nothing reads it)
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        tl.store(LSE + b64 * slb + h.to(tl.int64) * slh + (q_start + offs_m.to(tl.int64)) * sls, lse, mask=row_ok)
 
 
 @triton.jit

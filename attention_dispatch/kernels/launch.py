@@ -464,39 +464,41 @@ def _check_inputs(q, k, v):
 
 # --------------------------------------------------------------------------- forward
 
-def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None, max_sq=None, max_sk=None):
-    """Returns (out, lse (fp32, natural log), seed (int64 (1,) or empty))."""
+def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None, max_sq=None, max_sk=None,
+                      need_lse: bool = True):
+    """Returns (out, lse (fp32, natural log; None unless need_lse), seed (int64 (1,) or empty)).
+    Inference calls pass need_lse=False: the kernel then writes no logsumexp."""
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
     _check_inputs(q, k, v)
     prob = _Problem(q, k, v, cu_q, cu_k, max_sq, max_sk)
     dev = q.device
     seed = draw_seed(dev) if params.dropout_p > 0 else torch.empty(0, device=dev, dtype=torch.int64)
     out = torch.empty(prob.out_shape, device=dev, dtype=_store_dtype(q.dtype))
-    lse = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32)
-    if prob.empty():
+    lse = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32) if need_lse else None
+    if prob.empty() or prob.Sk == 0 or prob.Hkv == 0 or (prob.varlen and k.shape[0] == 0):
         out.zero_()
-        lse.fill_(-math.inf)
-        return _as_dtype(out, q.dtype), lse, seed
-    if prob.Sk == 0 or prob.Hkv == 0 or (prob.varlen and k.shape[0] == 0):
-        out.zero_()
-        lse.fill_(-math.inf)
+        if lse is not None:
+            lse.fill_(-math.inf)
         return _as_dtype(out, q.dtype), lse, seed
     kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
     cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params)
-    desc = use_descriptors(params, (q, k, v, out), dev)
+    # A single key tile leaves nothing for TMA to pipeline: pointer loads spare the
+    # descriptors' scratch allocation (host) and their creation (device) on tiny calls.
+    desc = use_descriptors(params, (q, k, v, out), dev) and not (params.descriptors == -1 and prob.Sk <= 64)
     # A row whose first key block may be entirely masked needs the -inf-safe running max.
     may_empty = (kind != 0 or params.window_left >= 0
                  or (params.window_right >= 0 and params.align_bottom_right
                      and (prob.varlen or prob.Sk - prob.Sq + params.window_right < 0)))
     dummy = q
-    args = (q, k, v, bt if bt is not None else dummy, out, lse, seed if seed.numel() else dummy,
+    args = (q, k, v, bt if bt is not None else dummy, out, lse if need_lse else out, seed if seed.numel() else dummy,
             cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
             params.scale * LOG2E, float(params.dropout_p),
             *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
-            *prob.out_strides(out), *prob.lse_strides(),
+            *prob.out_strides(out), *(prob.lse_strides() if need_lse else (0, 0, 0)),
             prob.Hq, prob.B, prob.group, prob.Sq, prob.Sk)
     kw = dict(_common(q, params, prob), **bias_constexprs(kind, bt, bstr, prob, desc),
-              HAS_DROPOUT=params.dropout_p > 0, USE_DESC=desc, MAY_EMPTY=may_empty, SCALE_POS=params.scale > 0)
+              HAS_DROPOUT=params.dropout_p > 0, USE_DESC=desc, MAY_EMPTY=may_empty, SCALE_POS=params.scale > 0,
+              STORE_LSE=need_lse)
     n_bh = prob.B * prob.Hq
     key = ("fwd", dev, q.dtype, prob.Dqk, prob.Dv, desc)
 
@@ -514,13 +516,13 @@ class ForwardPlan:
     same shapes, strides, dtype, device and 16-byte alignment, no bias, given params.
 
     The first call runs :func:`attention_forward` and captures its one kernel launch; later
-    calls allocate the output and logsumexp and relaunch the compiled kernel with the new
+    calls allocate the output (no logsumexp is written) and relaunch the compiled kernel with the new
     tensors: none of the launch glue above runs again (the dispatcher's fast path caches a
     plan per signature, docs/perf-notes.md experiment 17).  A call that launches anything
     else (several chunks, a dropout seed, an empty problem, a dtype conversion) keeps the
     full path every time."""
 
-    __slots__ = ("params", "device", "launch", "out_shape", "lse_shape")
+    __slots__ = ("params", "device", "launch", "out_shape")
 
     def __init__(self, query, params: KernelParams):
         self.params, self.device, self.launch = params, query.device, None
@@ -530,18 +532,17 @@ class ForwardPlan:
         if launch is None or _hooks_installed():
             return self._first(q, k, v)
         entry, grid, sources, scalars, desc = launch
-        pool = (q, k, v, torch.empty(self.out_shape, device=self.device, dtype=q.dtype),
-                torch.empty(self.lse_shape, device=self.device, dtype=torch.float32))
+        pool = (q, k, v, torch.empty(self.out_shape, device=self.device, dtype=q.dtype))
         args = (*[pool[i] for i in sources], *scalars)
         _run_with_scratch(self.device, desc, lambda: relaunch(entry, grid, args))
         return pool[3]
 
     def _first(self, q, k, v):
         with COMPILED.capture() as launches:
-            out, lse, _ = attention_forward(q, k, v, None, self.params)
+            out, _, _ = attention_forward(q, k, v, None, self.params, need_lse=False)
         if len(launches) == 1 and launches[0][0] is not None and self.launch is None:
             entry, grid, args, constexprs = launches[0]
-            pool = (q, k, v, out, lse)
+            pool = (q, k, v, out)
             sources = []
             for a in args:
                 if not isinstance(a, torch.Tensor):
@@ -550,7 +551,7 @@ class ForwardPlan:
                 if idx is None:       # a tensor made inside (seed, converted output): not repeatable
                     return out
                 sources.append(idx)
-            self.out_shape, self.lse_shape = tuple(out.shape), tuple(lse.shape)
+            self.out_shape = tuple(out.shape)
             self.launch = (entry, grid, tuple(sources), tuple(args[len(sources):]), constexprs.get("USE_DESC", False))
         return out
 
