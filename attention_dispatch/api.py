@@ -352,10 +352,15 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     note_decision(decision)
     if fast_key is not None and not decision.failures and call.restore is None and call.query is query \
             and call.key is key and call.value is value:
-        if len(_dispatch.fast_calls) >= _dispatch.FAST_CALLS_LIMIT:
-            _dispatch.fast_calls.clear()
-        runner = registry.get_backend(decision.backend).prepare(query, key, value, call.options)
-        _dispatch.fast_calls[fast_key] = (decision, runner)
+        try:
+            runner = registry.get_backend(decision.backend).prepare(query, key, value, call.options)
+        except Exception as exc:   # noqa: BLE001 - the call succeeded; only its fast path is lost
+            logger.debug("backend %r: prepare() failed (%s); this signature keeps the full path",
+                         decision.backend, exc)
+        else:
+            if len(_dispatch.fast_calls) >= _dispatch.FAST_CALLS_LIMIT:
+                _dispatch.fast_calls.clear()
+            _dispatch.fast_calls[fast_key] = (decision, runner)
     return out if call.restore is None else call.restore(out)
 
 

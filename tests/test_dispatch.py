@@ -518,3 +518,16 @@ def test_clear_cache_forgets_fast_path_entries():
     assert not dispatch.fast_calls
     ad.sdpa(q, k, v)
     assert ad.last_decision().backend != "mine"
+
+
+def test_a_failing_prepare_keeps_the_full_path():
+    class NoPrepare(Recording):
+        def prepare(self, query, key, value, options):
+            raise RuntimeError("cannot prepare")
+    mine = NoPrepare("mine")
+    ad.register_backend(mine, priority="first")
+    q, k, v = qkv()
+    out = ad.sdpa(q, k, v)                       # the call itself succeeds
+    assert not dispatch.fast_calls and mine.runs == 1
+    torch.testing.assert_close(ad.sdpa(q, k, v), out)
+    assert mine.runs == 2
