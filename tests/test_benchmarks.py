@@ -387,3 +387,19 @@ def test_time_fn_enqueues_repetitions_back_to_back(monkeypatch):
     timed = log[log.index("sync", 2) + 1:]          # after the first call's two syncs
     assert timed.count("sync") == 1 and timed[-1] == "sync"
     assert timed.count("call") == 2 + r["reps"] * r["inner"]   # estimate + warm-up + repetitions
+
+
+def test_ratios_rotation_summary_and_targets():
+    from benchmarks import ratios
+    assert [ratios.rotate(("a", "b", "c"), k) for k in range(4)] == [
+        ("a", "b", "c"), ("b", "c", "a"), ("c", "a", "b"), ("a", "b", "c")]
+    s = ratios.summarise([400.0, 500.0, 450.0])
+    assert s["tflops"] == 450.0 and abs(s["spread"] - 100 / 450) < 1e-12
+    cell = lambda f, fb: {"fwd": {"tflops": f}, "fwd+bwd": {"tflops": fb}}   # noqa: E731
+    results = {"bf16-d128-s4096-full": {"triton": cell(500, 400), "cudnn": cell(625, 500), "flex": cell(400, 400)},
+               "bf16-d128-s4096-causal": {"triton": cell(450, 380), "cudnn": cell(500, 400)},
+               "bf16-d128-s4096-full-bias": {"triton": cell(400, 360), "cudnn": cell(300, 300)}}
+    text = "\n".join(ratios.ratio_lines(results))
+    assert "triton/cudnn fwd      worst 0.80  (rows: 0.80 0.90)  target 0.85" in text
+    assert "triton/cudnn fwd+bwd  worst 0.80" in text and "triton/flex fwd      worst 1.25" in text
+    assert "bias fwd+bwd triton/cudnn 1.20  target 1.5" in text and "fa4" not in text
