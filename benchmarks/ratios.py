@@ -75,6 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", nargs="+", default=None, metavar="PATTERN")
     p.add_argument("--impls", type=lambda s: tuple(s.split(",")), default=IMPLS)
     p.add_argument("--target-ms", type=float, default=20.0, help="timed work per implementation and round")
+    p.add_argument("--commit", default=None, help="git commit to report (default: git rev-parse HEAD)")
     p.add_argument("--smoke-cpu", action="store_true",
                    help="development check without a GPU: bench.py's tiny CPU rows, our kernel only")
     a = p.parse_args(argv)
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     torch = runner.torch
     meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
                 rounds=a.rounds, target_ms=a.target_ms, elapsed_s=time.perf_counter() - t0,
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=bench.git_commit(None))
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=bench.git_commit(a.commit))
     print(f"\n{meta['gpu']} | torch {meta['torch']} | {a.rounds} interleaved rounds | {meta['elapsed_s']:.0f} s")
     print("TFLOP/s median over rounds (fwd / fwd+bwd); targets:")
     for line in ratio_lines(results):
