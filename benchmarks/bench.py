@@ -712,8 +712,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--no-check", action="store_true", help="skip the output comparison against the reference")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="re-render table, plots and report from an existing bench.json (no GPU needed)")
+    p.add_argument("--from-json", type=Path, nargs="+", default=None, metavar="FILE",
+                   help="re-render table, plots and report from existing bench.json files (no GPU needed); "
+                        "several files (a grid run in parts with --rows) are merged row by row")
     p.add_argument("--list-rows", action="store_true", help="print the selected row ids and exit")
     p.add_argument("--smoke-cpu", action="store_true",
                    help="development check without a GPU: tiny rows on the CPU, host timers (numbers meaningless)")
@@ -729,6 +730,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.flex_budget_s is None:
         a.flex_budget_s = QUICK_FLEX_BUDGET_S if a.quick else DEFAULT_FLEX_BUDGET_S
     return a
+
+
+def _ok_cells(entry: dict) -> int:
+    return sum(1 for r in entry["results"].values() for m in MODES if (r.get(m) or {}).get("status") == "ok")
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    """One report from a grid measured in parts (bench.py --rows ... per device call): rows
+    in first-seen order; a row measured in several parts keeps the entry with the most
+    measured cells; meta from the first part, with every part listed under "parts"."""
+    if len(runs) == 1:
+        return runs[0]
+    rows: dict[str, dict] = {}
+    for run in runs:
+        for e in run["rows"]:
+            rid = Row.from_json(e["row"]).id
+            if rid not in rows or _ok_cells(e) > _ok_cells(rows[rid]):
+                rows[rid] = e
+    meta = dict(runs[0]["meta"])
+    parts = [dict(commit=r["meta"].get("commit"), date=r["meta"].get("date"), elapsed_s=r["meta"].get("elapsed_s"),
+                  rows=sum(1 for e in r["rows"] if _ok_cells(e))) for r in runs]
+    meta["parts"] = parts
+    commits = list(dict.fromkeys(str(p["commit"]) for p in parts))
+    meta["commit"] = " + ".join(commits)
+    meta["elapsed_s"] = sum(p["elapsed_s"] or 0 for p in parts)
+    meta["notes"] = list(dict.fromkeys(n for r in runs for n in r["meta"].get("notes", [])))
+    meta["notes"].append(f"merged from {len(runs)} runs: " + "; ".join(
+        f"{p['commit']} {p['date']} ({p['rows']} rows measured)" for p in parts))
+    return {"meta": meta, "rows": list(rows.values())}
 
 
 def git_commit(explicit: str | None) -> str:
@@ -1196,7 +1226,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     doc = None if args.no_doc else args.doc
     if args.from_json:
-        data = json.loads(args.from_json.read_text())
+        data = merge_runs([json.loads(f.read_text()) for f in args.from_json])
         print(write_outputs(data, args.out, doc, plot=not args.no_plot))
         return 0
     rows = select_rows(smoke_grid() if args.smoke_cpu else build_grid(args.quick), args.rows)

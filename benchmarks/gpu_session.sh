@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|bench|quick|overhead [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|bench|bench1|bench2|quick|overhead [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # Everything lands under $OUT; the last lines printed are the short summary.
 set -uo pipefail
@@ -23,6 +23,14 @@ case "$what" in
     timeout 545 python3 benchmarks/bench.py --budget-s 500 --out "$out/bench" --doc "$out/bench/benchmarks.md" \
       --commit "$sha" 2>&1 | tee "$out/bench_stdout.txt" | tail -45
     timeout 40 python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -9 ;;
+  bench1|bench2)   # the grid in two device calls (bf16 rows, then fp16 rows + host overhead); merge here with
+                   #   python benchmarks/bench.py --from-json <part1>/bench.json <part2>/bench.json
+    part=$([ "$what" = bench1 ] && echo bf16- || echo fp16-)
+    timeout 545 python3 benchmarks/bench.py --budget-s 500 --rows "$part" --out "$out/bench" \
+      --doc "$out/bench/benchmarks.md" --commit "$sha" 2>&1 | tee "$out/bench_stdout.txt" | tail -30
+    if [ "$what" = bench2 ]; then
+      timeout 40 python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -9
+    fi ;;
   quick)     # bf16 hdim 128 + feature rows, ~3 minutes
     timeout 300 python3 benchmarks/bench.py --quick --out "$out/bench" --doc "$out/bench/benchmarks.md" --commit "$sha" \
       2>&1 | tee "$out/bench_stdout.txt" | tail -45 ;;
@@ -33,5 +41,5 @@ case "$what" in
     timeout 40 python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -11 ;;
   overhead)
     python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -12 ;;
-  *) echo "usage: $0 tests|kernel|bench|quick|overhead [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|bench|bench1|bench2|quick|overhead [SHA]"; exit 2 ;;
 esac

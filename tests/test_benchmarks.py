@@ -403,3 +403,29 @@ def test_ratios_rotation_summary_and_targets():
     assert "triton/cudnn fwd      worst 0.80  (rows: 0.80 0.90)  target 0.85" in text
     assert "triton/cudnn fwd+bwd  worst 0.80" in text and "triton/flex fwd      worst 1.25" in text
     assert "bias fwd+bwd triton/cudnn 1.20  target 1.5" in text and "fa4" not in text
+
+
+def test_merge_runs_of_a_grid_measured_in_parts(tmp_path, capsys):
+    """Two device calls, each with --rows, one report: every row once, a row measured in both
+    parts keeps the entry with more measured cells, both parts named in the notes."""
+    full = fake_data()
+    first = {"meta": dict(full["meta"], commit="aaa", elapsed_s=300.0), "rows": full["rows"][:5]}
+    second = {"meta": dict(full["meta"], commit="bbb", date="e", elapsed_s=200.0, notes=["other"]),
+              "rows": full["rows"][4:]}
+    skipped = {impl: {m: dict(status="skipped", note="time budget") for m in bench.MODES} for impl in bench.IMPLS}
+    second["rows"][0] = {"row": full["rows"][4]["row"], "results": skipped}   # ran out of time in part 2
+    merged = bench.merge_runs([first, second])
+    ids = [bench.Row.from_json(e["row"]).id for e in merged["rows"]]
+    assert ids == [bench.Row.from_json(e["row"]).id for e in full["rows"]]
+    assert merged["rows"][4] is first["rows"][4]
+    assert merged["meta"]["commit"] == "aaa + bbb" and merged["meta"]["elapsed_s"] == 500.0
+    assert "a note" in merged["meta"]["notes"] and "other" in merged["meta"]["notes"]
+    assert any("merged from 2 runs" in n for n in merged["meta"]["notes"])
+    assert bench.merge_runs([first]) is first
+    paths = []
+    for i, part in enumerate((first, second)):
+        paths.append(tmp_path / f"p{i}.json")
+        paths[-1].write_text(json.dumps(part))
+    assert bench.main(["--from-json", *map(str, paths), "--out", str(tmp_path / "o"), "--doc",
+                       str(tmp_path / "b.md"), "--no-plot"]) == 0
+    assert "aaa + bbb" in (tmp_path / "b.md").read_text()
