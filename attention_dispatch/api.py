@@ -371,24 +371,28 @@ def _fast_key(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal
     derives (shapes, strides, dtypes, devices, alignment, grad needs, the exact option
     values with their types: True == 1.0 must not hit) and everything decide() keys on
     (config, registry, scope, determinism): a hit is a call that the full path accepted
-    before and would decide the same way."""
-    if (type(query) is not torch.Tensor or type(key) is not torch.Tensor or type(value) is not torch.Tensor
+    before and would decide the same way.  Kept lean: it is most of what a repeated call
+    costs the dispatcher (issue 5: <= 3 us)."""
+    tensor = torch.Tensor
+    if (type(query) is not tensor or type(key) is not tensor or type(value) is not tensor
             or type(dropout_p) is not float or type(is_causal) is not bool or type(enable_gqa) is not bool
-            or not (scale is None or type(scale) is float) or not (causal is None or type(causal) is str)
-            or not (deterministic is None or type(deterministic) is bool)
-            or not (backend is None or type(backend) is str)
-            or not (window is None or (type(window) is tuple and len(window) == 2
-                                       and type(window[0]) is int and type(window[1]) is int))
-            or query.dim() != 4 or torch.compiler.is_compiling()):
+            or (scale is not None and type(scale) is not float) or (causal is not None and type(causal) is not str)
+            or (deterministic is not None and type(deterministic) is not bool)
+            or (backend is not None and type(backend) is not str)
+            or (window is not None and not (type(window) is tuple and len(window) == 2
+                                            and type(window[0]) is int and type(window[1]) is int))):
         return None
-    grad = torch.is_grad_enabled()
-    return (query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(),
+    qs = query.shape
+    if len(qs) != 4 or torch.compiler.is_compiling():
+        return None
+    det = torch.are_deterministic_algorithms_enabled()
+    return (qs, query.stride(), key.shape, key.stride(), value.shape, value.stride(),
             query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
             query.data_ptr() & 15, key.data_ptr() & 15, value.data_ptr() & 15,
-            grad and (query.requires_grad or key.requires_grad or value.requires_grad),
+            torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
             dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic, backend,
             id(_config.current_config()), _config.config_version(), registry.registry_version(), _scope.get(),
-            torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+            det and (1 + torch.is_deterministic_algorithms_warn_only_enabled()))
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
