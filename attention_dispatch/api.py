@@ -323,15 +323,15 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     backend: force one backend by name; deterministic: None follows torch's setting.
     """
     fast_key = None
-    if attn_mask is None and cu_seqlens_q is None and cu_seqlens_k is None:
-        fast_key = _fast_key(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal, window,
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        fast_key = _fast_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal, window,
                              deterministic, backend)
         if fast_key is not None:
             hit = _dispatch.fast_calls.get(fast_key)
             if hit is not None:
                 decision, runner = hit
                 try:
-                    out = runner(query, key, value)
+                    out = runner(query, key, value) if attn_mask is None else runner(query, key, value, attn_mask)
                 except Exception:   # noqa: BLE001 - the full path below raises or falls back per config
                     _dispatch.fast_calls.pop(fast_key, None)
                 else:
@@ -351,7 +351,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     decision, out = _execute(decision, call)
     note_decision(decision)
     if fast_key is not None and not decision.failures and call.restore is None and call.query is query \
-            and call.key is key and call.value is value:
+            and call.key is key and call.value is value and call.options["attn_mask"] is attn_mask:
         try:
             runner = registry.get_backend(decision.backend).prepare(query, key, value, call.options)
         except Exception as exc:   # noqa: BLE001 - the call succeeded; only its fast path is lost
@@ -364,15 +364,15 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     return out if call.restore is None else call.restore(out)
 
 
-def _fast_key(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic,
+def _fast_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic,
               backend):
-    """sdpa()'s fast-path key for plain 4-D tensors and scalar options, or None when the call
-    must take the full path.  The key holds everything normalize_call() validates or
-    derives (shapes, strides, dtypes, devices, alignment, grad needs, the exact option
-    values with their types: True == 1.0 must not hit) and everything decide() keys on
-    (config, registry, scope, determinism): a hit is a call that the full path accepted
-    before and would decide the same way.  Kept lean: it is most of what a repeated call
-    costs the dispatcher (issue 5: <= 3 us)."""
+    """sdpa()'s fast-path key for plain 4-D tensors (a 4-D mask of bool or the query's dtype
+    included) and scalar options, or None when the call must take the full path.  The key
+    holds everything normalize_call() validates or derives (shapes, strides, dtypes,
+    devices, alignment, grad needs, the exact option values with their types: True == 1.0
+    must not hit) and everything decide() keys on (config, registry, scope, determinism): a
+    hit is a call that the full path accepted before and would decide the same way.  Kept
+    lean: it is most of what a repeated call costs the dispatcher (issue 5: <= 3 us)."""
     tensor = torch.Tensor
     if (type(query) is not tensor or type(key) is not tensor or type(value) is not tensor
             or type(dropout_p) is not float or type(is_causal) is not bool or type(enable_gqa) is not bool
@@ -385,11 +385,20 @@ def _fast_key(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal
     qs = query.shape
     if len(qs) != 4 or torch.compiler.is_compiling():
         return None
+    if attn_mask is None:
+        mask = None
+    elif (type(attn_mask) is not tensor or attn_mask.dim() != 4
+          or (attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype)):
+        return None   # not a tensor, or normalize_call() would reshape / convert it
+    else:
+        mask = (attn_mask.shape, attn_mask.stride(), attn_mask.dtype, attn_mask.device, attn_mask.requires_grad,
+                attn_mask.data_ptr() & 15)
     det = torch.are_deterministic_algorithms_enabled()
     return (qs, query.stride(), key.shape, key.stride(), value.shape, value.stride(),
             query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
-            query.data_ptr() & 15, key.data_ptr() & 15, value.data_ptr() & 15,
-            torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+            query.data_ptr() & 15, key.data_ptr() & 15, value.data_ptr() & 15, mask,
+            torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                         or (mask is not None and attn_mask.requires_grad)),
             dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic, backend,
             id(_config.current_config()), _config.config_version(), registry.registry_version(), _scope.get(),
             det and (1 + torch.is_deterministic_algorithms_warn_only_enabled()))

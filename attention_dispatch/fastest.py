@@ -85,9 +85,12 @@ def _runner(name: str, call):
     with torch.set_grad_enabled(grad):
         run = backend.prepare(q, k, v, options)   # what sdpa()'s fast path runs for the winner
 
+    mask = options["attn_mask"]
+    extra = () if mask is None else (mask,)
+
     def once():
         with torch.set_grad_enabled(grad):
-            out = run(q, k, v)
+            out = run(q, k, v, *extra)
             if leaves:
                 torch.autograd.grad(out, leaves, torch.ones_like(out))
     return once

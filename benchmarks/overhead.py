@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     call = normalize_call(q, k, v)
     problem = call.problem
     decide(problem)                      # fill the cache: what follows are hits
-    fast = dispatch.fast_calls.get(_fast_key(q, k, v, 0.0, False, None, False, None, None, None, None))
+    fast = dispatch.fast_calls.get(_fast_key(q, k, v, None, 0.0, False, None, False, None, None, None, None))
     runner = fast[1] if fast is not None else (lambda *t: backend.run(*t, **call.options))
     runner(q, k, v)                      # a prepared runner's first call may capture its launch
 
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         (f"{decision.backend} prepared runner alone", lambda: runner(q, k, v)),
         ("sdpa() full path (normalize, decide, run)", full_path),
         ("sdpa() fast-path lookup", lambda: dispatch.fast_calls.get(
-            _fast_key(q, k, v, 0.0, False, None, False, None, None, None, None))),
+            _fast_key(q, k, v, None, 0.0, False, None, False, None, None, None, None))),
         ("api.normalize_call", lambda: normalize_call(q, k, v)),
         ("dispatch.decide (cache hit)", lambda: decide(problem)),
         ("hash(Problem)", lambda: hash(problem)),

@@ -246,8 +246,9 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
 
 @pytest.mark.parametrize("what", ["grad", "bias", "dropout"])
 def test_forward_plan_only_for_repeatable_inference_launches(monkeypatch, what):
-    """Calls that need autograd or a bias get the bound full path; a dropout forward (its seed
-    is drawn per call) builds a plan that never captures and stays exact."""
+    """Calls that need autograd or a bias get the full path with the parameters bound (the
+    bias comes with each call); a dropout forward (its seed is drawn per call) builds a plan
+    that never captures and stays exact."""
     from attention_dispatch.kernels import ForwardPlan, prepare_attention
     dev = "cpu" if is_interpreter() else "cuda"
     q, k, v = _plan_inputs(dev)
@@ -261,7 +262,8 @@ def test_forward_plan_only_for_repeatable_inference_launches(monkeypatch, what):
         bias = torch.randn(1, 3, 24, 24, device=dev)
         runner = prepare_attention(q, k, v, bias, KernelParams(scale=0.25))
         assert not isinstance(runner, ForwardPlan)
-        torch.testing.assert_close(runner(q, k, v), triton_attention(q, k, v, bias, KernelParams(scale=0.25)))
+        other = torch.randn_like(bias)        # each call passes its own bias
+        torch.testing.assert_close(runner(q, k, v, other), triton_attention(q, k, v, other, KernelParams(scale=0.25)))
     else:
         params = KernelParams(scale=0.25, dropout_p=0.3)
         plan = prepare_attention(q, k, v, None, params)

@@ -531,3 +531,44 @@ def test_a_failing_prepare_keeps_the_full_path():
     assert not dispatch.fast_calls and mine.runs == 1
     torch.testing.assert_close(ad.sdpa(q, k, v), out)
     assert mine.runs == 2
+
+
+@pytest.mark.parametrize("kind", ["bool", "float", "float_grad"])
+def test_fast_path_with_a_mask_uses_each_calls_mask(monkeypatch, kind):
+    calls = _count_normalize(monkeypatch)
+    q, k, v = qkv(2, 3, 9, 16, grad=kind == "float_grad")
+
+    def mask():
+        if kind == "bool":
+            return torch.rand(2, 1, 9, 9) > 0.3
+        return torch.randn(1, 3, 9, 9, requires_grad=kind == "float_grad")
+    m1, m2 = mask(), mask()
+    ad.sdpa(q, k, v, attn_mask=m1)
+    out = ad.sdpa(q, k, v, attn_mask=m2)
+    assert len(calls) == 1                                  # the second call took the fast path
+    ref = math_attention(q.double(), k.double(), v.double(), attn_mask=m2 if kind == "bool" else m2.double(),
+                         scale=16 ** -0.5)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+    if kind == "float_grad":
+        (gm,) = torch.autograd.grad(out.sum(), m2)
+        (rm,) = torch.autograd.grad(ref.sum(), m2)
+        torch.testing.assert_close(gm.double(), rm.double(), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("change", ["mask_shape", "mask_dtype_converted", "mask_3d", "mask_requires_grad", "no_mask"])
+def test_fast_path_mask_signature(monkeypatch, change):
+    """A mask that normalize_call() would reshape or convert never takes the fast path; any
+    change of the mask's shape, kind or grad need misses; a call without a mask is another
+    signature."""
+    calls = _count_normalize(monkeypatch)
+    q, k, v = qkv(1, 2, 8, 16)
+    m = torch.randn(1, 2, 8, 8)
+    ad.sdpa(q, k, v, attn_mask=m)
+    ad.sdpa(q, k, v, attn_mask=m)
+    assert len(calls) == 1
+    other = {"mask_shape": torch.randn(1, 1, 8, 8), "mask_dtype_converted": m.double(), "mask_3d": m[0],
+             "mask_requires_grad": m.clone().requires_grad_(), "no_mask": None}[change]
+    ad.sdpa(q, k, v, attn_mask=other)
+    ad.sdpa(q, k, v, attn_mask=other)
+    cached_twice = change in ("mask_shape", "mask_requires_grad", "no_mask")
+    assert len(calls) == (2 if cached_twice else 3)

@@ -7,7 +7,6 @@ is empty. Every reason names what was asked and what the backend allows.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -181,12 +180,18 @@ class Backend:
         raise NotImplementedError(f"backend {self.name!r} does not implement run()")
 
     def prepare(self, query, key, value, options: dict):
-        """A callable ``(query, key, value) -> out`` that sdpa() caches for repeated calls with
-        tensors of these shapes, strides, dtypes, devices and 16-byte alignment, the same grad
-        mode and requires_grad, and these options (no tensors among them).  Override it to
-        skip per-call work (the `triton` backend relaunches its compiled kernel); the default
-        calls run()."""
-        return functools.partial(self.run, **options)
+        """A callable ``(query, key, value[, attn_mask]) -> out`` that sdpa() caches for repeated
+        calls whose tensors (a mask included) have these shapes, strides, dtypes, devices and
+        16-byte alignment, under the same grad mode and requires_grad, with these other
+        options.  ``options`` are this call's normalised options; when they hold a mask, each
+        call passes its own as the fourth argument (only the mask's kind may be relied on).
+        Override it to skip per-call work (the `triton` backend relaunches its compiled
+        kernel); the default calls run()."""
+        rest = {name: value for name, value in options.items() if name != "attn_mask"}
+
+        def runner(query, key, value, attn_mask=None):
+            return self.run(query, key, value, attn_mask=attn_mask, **rest)
+        return runner
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
