@@ -9,8 +9,7 @@ import torch
 from . import config as _config
 from . import registry
 from .debug import logger, note_decision
-from . import dispatch as _dispatch
-from .dispatch import BackendRunError, Decision, _scope, decide
+from .dispatch import FAST_CALLS_LIMIT, BackendRunError, Decision, _scope, decide, fast_calls
 from .fastest import choose_fastest
 from .problem import Problem, _aligned_16, compute_capability
 from .semantics import normalize_causal, normalize_window
@@ -327,13 +326,13 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         fast_key = _fast_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal, window,
                              deterministic, backend)
         if fast_key is not None:
-            hit = _dispatch.fast_calls.get(fast_key)
+            hit = fast_calls.get(fast_key)
             if hit is not None:
                 decision, runner = hit
                 try:
                     out = runner(query, key, value) if attn_mask is None else runner(query, key, value, attn_mask)
                 except Exception:   # noqa: BLE001 - the full path below raises or falls back per config
-                    _dispatch.fast_calls.pop(fast_key, None)
+                    fast_calls.pop(fast_key, None)
                 else:
                     note_decision(decision)
                     return out
@@ -358,9 +357,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
             logger.debug("backend %r: prepare() failed (%s); this signature keeps the full path",
                          decision.backend, exc)
         else:
-            if len(_dispatch.fast_calls) >= _dispatch.FAST_CALLS_LIMIT:
-                _dispatch.fast_calls.clear()
-            _dispatch.fast_calls[fast_key] = (decision, runner)
+            if len(fast_calls) >= FAST_CALLS_LIMIT:
+                fast_calls.clear()
+            fast_calls[fast_key] = (decision, runner)
     return out if call.restore is None else call.restore(out)
 
 

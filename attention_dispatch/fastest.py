@@ -80,12 +80,12 @@ def _runner(name: str, call):
 
     q, k, v = leaf(call.query), leaf(call.key), leaf(call.value)
     mask = call.options["attn_mask"]
-    options = dict(call.options, attn_mask=leaf(mask) if mask is not None and mask.is_floating_point() else mask)
-    leaves = [t for t in (q, k, v, options["attn_mask"]) if t is not None and t.requires_grad]
+    if mask is not None and mask.is_floating_point():
+        mask = leaf(mask)
+    options = dict(call.options, attn_mask=mask)
+    leaves = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
     with torch.set_grad_enabled(grad):
         run = backend.prepare(q, k, v, options)   # what sdpa()'s fast path runs for the winner
-
-    mask = options["attn_mask"]
     extra = () if mask is None else (mask,)
 
     def once():

@@ -391,6 +391,9 @@ def test_descriptor_choice_in_auto_mode(monkeypatch):
         assert not launch.use_descriptors(auto, half, cuda)
         pytest.skip("this Triton has no in-kernel tensor descriptors")
     assert launch.use_descriptors(auto, half, cuda)
+    assert launch.use_descriptors(auto, half, cuda, loop_len=65)
+    assert not launch.use_descriptors(auto, half, cuda, loop_len=64)                # one tile: nothing to pipeline
+    assert launch.use_descriptors(KernelParams(scale=1.0, descriptors=1), half, cuda, loop_len=8)   # forced
     assert not launch.use_descriptors(KernelParams(scale=1.0, descriptors=0), half, cuda)
     assert not launch.use_descriptors(auto, half, torch.device("cpu"))
     assert not launch.use_descriptors(auto, [t.float() for t in half], cuda)              # fp32
@@ -402,9 +405,19 @@ def test_descriptor_choice_in_auto_mode(monkeypatch):
 
 def test_forward_single_key_tile_skips_descriptors(monkeypatch):
     """Auto mode: a forward whose keys fit one tile (Sk <= 64) loads through pointers (no
-    descriptor scratch to allocate); longer keys, or descriptors=1, take the descriptors."""
+    descriptor scratch to allocate); longer keys, or descriptors=1, take the descriptors.
+    The real rule on this interpreter-only machine, with the device checks answered as on an H100."""
     from attention_dispatch.kernels import launch
-    monkeypatch.setattr(launch, "use_descriptors", lambda params, tensors, device: params.descriptors != 0)
+    real_use = launch.use_descriptors
+
+    def as_on_hopper(params, tensors, device, loop_len=None):
+        saved = launch.is_interpreter, launch.device_info
+        launch.is_interpreter, launch.device_info = (lambda: False), (lambda device: ((9, 0), 232448, 132))
+        try:   # the kernel itself still runs in the interpreter
+            return real_use(params, [t.to(BF16) for t in tensors], torch.device("cuda"), loop_len)
+        finally:
+            launch.is_interpreter, launch.device_info = saved
+    monkeypatch.setattr(launch, "use_descriptors", as_on_hopper)
     seen = []
     real = launch._launch_one
 

@@ -127,9 +127,12 @@ def _tma_compatible(t: torch.Tensor) -> bool:
     return True
 
 
-def use_descriptors(params: "KernelParams", tensors, device: torch.device) -> bool:
+def use_descriptors(params: "KernelParams", tensors, device: torch.device, loop_len: int | None = None) -> bool:
     """Whether the kernels load tiles through TMA tensor descriptors (Hopper and newer,
-    fp16/bf16, 16-byte aligned rows); ``params.descriptors`` forces it (1) or turns it off (0)."""
+    fp16/bf16, 16-byte aligned rows); ``params.descriptors`` forces it (1) or turns it off (0).
+    ``loop_len``: rows of the loop the descriptors feed; in auto mode one 64-row tile or less
+    leaves nothing for TMA to pipeline, and pointer loads spare the descriptors' scratch
+    allocation (host) and creation (device) on tiny calls."""
     if params.descriptors == 0:
         return False
     if params.descriptors == 1:
@@ -138,7 +141,7 @@ def use_descriptors(params: "KernelParams", tensors, device: torch.device) -> bo
                              "16-byte aligned rows (base, strides and head dim); got "
                              + ", ".join(f"{tuple(t.shape)}/{t.stride()}" for t in tensors))
         return True
-    if (not _HAS_DESCRIPTORS or device.type != "cuda" or is_interpreter()
+    if (not _HAS_DESCRIPTORS or device.type != "cuda" or is_interpreter() or (loop_len is not None and loop_len <= 64)
             or tensors[0].dtype not in (torch.float16, torch.bfloat16) or device_info(device)[0] < (9, 0)):
         return False
     for t in tensors:
@@ -482,9 +485,7 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
         return _as_dtype(out, q.dtype), lse, seed
     kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
     cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params)
-    # A single key tile leaves nothing for TMA to pipeline: pointer loads spare the
-    # descriptors' scratch allocation (host) and their creation (device) on tiny calls.
-    desc = use_descriptors(params, (q, k, v, out), dev) and not (params.descriptors == -1 and prob.Sk <= 64)
+    desc = use_descriptors(params, (q, k, v, out), dev, loop_len=prob.Sk)
     # A row whose first key block may be entirely masked needs the -inf-safe running max.
     may_empty = (kind != 0 or params.window_left >= 0
                  or (params.window_right >= 0 and params.align_bottom_right
