@@ -80,6 +80,11 @@ DEFAULT_BUDGET_S = 510.0        # the full grid must end within ~9 minutes on on
 QUICK_BUDGET_S = 165.0          # --quick within 3 minutes
 DEFAULT_FLEX_BUDGET_S = 200.0   # total seconds of Flex compilation allowed (it is the slowest part)
 QUICK_FLEX_BUDGET_S = 95.0
+DEFAULT_PRECOMPILE_WORKERS = 8  # compile workers on a GPU machine (16 cores there; ptxas is single-threaded)
+# Implementations whose first call compiles (Triton, Inductor, CuTe DSL): the compile workers run these.
+COMPILING_IMPLS = ("sdpa", "triton", "flex", "fa4")
+# Seconds of compilation per row, roughly (session-5 logs): the workers' load balance.
+COMPILE_WEIGHT = {"sdpa": 1.0, "triton": 0.2, "flex": 4.0, "fa4": 1.0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -716,6 +721,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="re-render table, plots and report from existing bench.json files (no GPU needed); "
                         "several files (a grid run in parts with --rows) are merged row by row")
     p.add_argument("--list-rows", action="store_true", help="print the selected row ids and exit")
+    p.add_argument("--precompile-workers", type=int, default=None, metavar="N",
+                   help="compile every kernel of the selected rows in N worker processes before anything is "
+                        "timed (their disk caches then serve this process; default 8 on a GPU, 0 with --smoke-cpu)")
+    p.add_argument("--precompile-s", type=float, default=240.0,
+                   help="stop the compile workers after this many seconds (default 240)")
+    p.add_argument("--compile-only", nargs="+", default=None, metavar="ROW_ID", help=argparse.SUPPRESS)
     p.add_argument("--smoke-cpu", action="store_true",
                    help="development check without a GPU: tiny rows on the CPU, host timers (numbers meaningless)")
     a = p.parse_args(argv)
@@ -729,7 +740,33 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.budget_s = QUICK_BUDGET_S if a.quick else DEFAULT_BUDGET_S
     if a.flex_budget_s is None:
         a.flex_budget_s = QUICK_FLEX_BUDGET_S if a.quick else DEFAULT_FLEX_BUDGET_S
+    if a.precompile_workers is None:
+        a.precompile_workers = 0 if a.smoke_cpu else DEFAULT_PRECOMPILE_WORKERS
+    if a.precompile_workers < 0:
+        p.error(f"--precompile-workers must be >= 0, got {a.precompile_workers}")
     return a
+
+
+def compile_groups(rows: list[Row], impls, flex_dims=(64, 128), flex_dtypes=("bf16",),
+                   workers: int = DEFAULT_PRECOMPILE_WORKERS) -> list[list[Row]]:
+    """Rows split over compile workers.  Rows that share kernels (same dtype, head dim,
+    causal and feature: only S differs, and Triton does not specialise on it) go to the same
+    worker, so that the second of them is a cache hit instead of a concurrent duplicate
+    compile; groups are then spread greedily by their estimated compile seconds."""
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.dtype, r.D, r.causal, r.feature), []).append(r)
+
+    def weight(rs):
+        return sum(COMPILE_WEIGHT[i] * (1 if i != "flex" else len(rs)) for i in impls if i in COMPILE_WEIGHT
+                   and any(support(i, r, m, flex_dims, flex_dtypes) is None for r in rs for m in MODES))
+    buckets: list[list[Row]] = [[] for _ in range(max(1, workers))]
+    loads = [0.0] * len(buckets)
+    for rs in sorted(groups.values(), key=weight, reverse=True):
+        i = loads.index(min(loads))
+        buckets[i].extend(rs)
+        loads[i] += weight(rs)
+    return [b for b in buckets if b]
 
 
 def _ok_cells(entry: dict) -> int:
@@ -956,6 +993,20 @@ class Runner:
             return self.prepare_flex(row, inp)
         raise ValueError(impl)
 
+    def mode_calls(self, impl: str, fwd, leaves, go) -> dict:
+        """What one measurement of each mode calls: the forward as inference (no_grad), except
+        Flex whose compiled graph depends on the grad mode, and forward + backward."""
+        torch = self.torch
+
+        def fb():
+            o = fwd()
+            torch.autograd.grad(o, leaves, go)
+
+        def fwd_inference():
+            with torch.no_grad():
+                return fwd()
+        return {"fwd": fwd if impl == "flex" else fwd_inference, "fwd+bwd": fb}
+
     def prepare_flex(self, row: Row, inp: dict):
         torch = self.torch
         q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
@@ -1107,14 +1158,7 @@ class Runner:
             log(f"  {impl:16s} err prepare: {first_line(e)}")
             return
 
-        def fb():
-            o = fwd()
-            torch.autograd.grad(o, leaves, go)
-        def fwd_inference():
-            with torch.no_grad():
-                return fwd()
-        # forward = inference (no_grad), except Flex whose compiled graph depends on grad mode
-        fns = {"fwd": fwd if impl == "flex" else fwd_inference, "fwd+bwd": fb}
+        fns = self.mode_calls(impl, fwd, leaves, go)
         with ctx():
             for m in todo:
                 if self.left() <= 0:
@@ -1151,6 +1195,33 @@ class Runner:
                     res["backend"] = f"? ({first_line(e)})"
             if not args.no_check and row.dropout_p == 0 and res.get("fwd", {}).get("status") == "ok":
                 self.check(impl, fwd, canon, res, ref_holder)
+
+    def compile_row(self, row: Row, impls: list[str]) -> dict:
+        """Worker side of --precompile-workers: call each compiling implementation once per
+        mode exactly as run_impl will (same inputs, grad modes and contexts), timing nothing;
+        errors are reported, not raised (the measuring process meets them again)."""
+        t = time.perf_counter()
+        errors = []
+        inp = self.make_inputs(row)
+        for impl in impls:
+            if impl not in COMPILING_IMPLS or (impl == "fa4" and self.fa4 is None) or \
+                    (impl == "flex" and self.flex_fn is None):
+                continue
+            modes = [m for m in MODES if support(impl, row, m, self.args.flex_dims, self.args.flex_dtypes) is None]
+            if not modes:
+                continue
+            try:
+                fwd, leaves, go, _canon, ctx = self.prepare(impl, row, inp)
+                fns = self.mode_calls(impl, fwd, leaves, go)
+                with ctx():
+                    for m in modes:
+                        fns[m]()
+                self.sync()
+            except Exception as e:   # noqa: BLE001
+                errors.append(f"{impl}: {first_line(e)}")
+        del inp
+        self.empty_cache()
+        return {"row": row.id, "s": round(time.perf_counter() - t, 2), "errors": errors}
 
     def check(self, impl, fwd, canon, res, ref_holder) -> None:
         """Relative error of this output against the first measured implementation's."""
@@ -1222,6 +1293,76 @@ def environment(runner: Runner) -> dict:
     return meta
 
 
+def _worker_argv(args, row_ids: list[str]) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--compile-only", *row_ids,
+            "--impls", ",".join(i for i in args.impls if i in COMPILING_IMPLS), "--seed", str(args.seed),
+            "--flex-dims", ",".join(map(str, args.flex_dims)), "--flex-dtypes", ",".join(args.flex_dtypes)]
+    if args.smoke_cpu:
+        argv.append("--smoke-cpu")
+    if args.quick:
+        argv.append("--quick")
+    return argv
+
+
+def precompile(args, rows: list[Row], log) -> dict:
+    """Compile every kernel the selected rows will call, in worker processes, before anything
+    is timed: a worker is this script with --compile-only.  Triton's, Inductor's and (with
+    FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED) flash-attn 4's disk caches then serve the
+    measuring process, whose first calls load instead of compile (compilation filled most of
+    the 10-minute budget: docs/perf-notes.md, experiment 20).  Workers past --precompile-s are
+    killed; what they compiled is kept."""
+    impls = [i for i in args.impls if i in COMPILING_IMPLS]
+    if not impls or args.precompile_workers == 0:
+        return {"workers": 0}
+    t0 = time.perf_counter()
+    parts = compile_groups(rows, impls, args.flex_dims, args.flex_dtypes, args.precompile_workers)
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONUNBUFFERED="1")
+    procs = []
+    for i, part in enumerate(parts):
+        err = open(args.out / f"precompile-{i}.log", "w")
+        procs.append((subprocess.Popen(_worker_argv(args, [r.id for r in part]), stdout=subprocess.PIPE,
+                                       stderr=err, text=True, env=env, cwd=ROOT), err))
+    done, errors, killed = [], [], 0
+    for proc, err in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, args.precompile_s - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            killed += 1
+        err.close()
+        for line in out.splitlines():
+            if line.startswith("{"):
+                rec = json.loads(line)
+                done.append(rec)
+                errors.extend(f"{rec['row']}: {e}" for e in rec["errors"])
+    summary = {"workers": len(parts), "rows": len(done), "of": len(rows), "killed": killed,
+               "s": round(time.perf_counter() - t0, 1), "errors": errors[:20]}
+    log(f"precompile: {summary['rows']}/{len(rows)} rows compiled by {len(parts)} workers in {summary['s']} s"
+        + (f", {killed} killed at --precompile-s" if killed else "")
+        + (f"; {len(errors)} errors (first: {errors[0]})" if errors else ""))
+    return summary
+
+
+def compile_only(args) -> int:
+    """--compile-only ROW_ID ...: the worker of precompile(); one JSON line per row."""
+    import torch
+    rows = {r.id: r for r in (smoke_grid() if args.smoke_cpu else build_grid(args.quick))}
+    unknown = [i for i in args.compile_only if i not in rows]
+    if unknown:
+        print(f"unknown row ids: {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    runner = Runner(args, Log(None, echo=False))
+    if "fa4" in args.impls and runner.cuda:
+        runner.load_fa4()
+    if "flex" in args.impls:
+        runner.load_flex()
+    for rid in args.compile_only:
+        print(json.dumps(runner.compile_row(rows[rid], list(args.impls))), flush=True)
+    del torch
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     doc = None if args.no_doc else args.doc
@@ -1229,6 +1370,11 @@ def main(argv=None) -> int:
         data = merge_runs([json.loads(f.read_text()) for f in args.from_json])
         print(write_outputs(data, args.out, doc, plot=not args.no_plot))
         return 0
+    # flash-attn 4 then keeps its compiled kernels on disk: what the compile workers built
+    # is loaded by the measuring process (set before flash_attn.cute is imported)
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    if args.compile_only:
+        return compile_only(args)
     rows = select_rows(smoke_grid() if args.smoke_cpu else build_grid(args.quick), args.rows)
     if args.list_rows:
         for r in rows:
@@ -1259,6 +1405,7 @@ def main(argv=None) -> int:
                 command="python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 budget_s=args.budget_s, flex_budget_s=args.flex_budget_s,
                 flex_dims=list(args.flex_dims), flex_dtypes=list(args.flex_dtypes))
+    meta["precompile"] = precompile(args, rows, log)
     log(json.dumps(meta))
     entries = []
     data = {"meta": meta, "rows": entries}

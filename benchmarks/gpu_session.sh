@@ -18,8 +18,8 @@ case "$what" in
       tests/test_triton_kernel.py tests/test_compiled_cache.py tests/test_adapters.py tests/test_capabilities.py \
       tests/test_compile.py \
       2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
-  bench)     # the full grid, then the CUDA host overhead (~20 s).  Since session 5 the grid needs
-             # ~650 s (compilations: 57 of 80 rows fit 500 s, at 30 or 20 ms per measurement): split it next
+  bench)     # the full grid (kernels compiled first by 8 worker processes: --precompile-workers),
+             # then the CUDA host overhead (~20 s)
     timeout 545 python3 benchmarks/bench.py --budget-s 500 --out "$out/bench" --doc "$out/bench/benchmarks.md" \
       --commit "$sha" 2>&1 | tee "$out/bench_stdout.txt" | tail -45
     timeout 40 python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -9 ;;

@@ -429,3 +429,45 @@ def test_merge_runs_of_a_grid_measured_in_parts(tmp_path, capsys):
     assert bench.main(["--from-json", *map(str, paths), "--out", str(tmp_path / "o"), "--doc",
                        str(tmp_path / "b.md"), "--no-plot"]) == 0
     assert "aaa + bbb" in (tmp_path / "b.md").read_text()
+
+
+def test_compile_groups_keep_shared_kernels_together_and_balance():
+    """Rows differing only in S share their Triton kernels: one worker gets all of them;
+    every row lands in exactly one part; the heaviest groups (Flex compiles per shape) are
+    spread first, so no part is empty while another holds two heavy groups."""
+    rows = bench.build_grid()
+    impls = list(bench.IMPLS)
+    parts = bench.compile_groups(rows, impls, workers=8)
+    assert len(parts) == 8
+    assert sorted(r.id for p in parts for r in p) == sorted(r.id for r in rows)
+    where = {r.id: i for i, p in enumerate(parts) for r in p}
+    for r in rows:
+        for other in rows:
+            if (r.dtype, r.D, r.causal, r.feature) == (other.dtype, other.D, other.causal, other.feature):
+                assert where[r.id] == where[other.id]
+    bf16_d128 = [i for i, p in enumerate(parts) for r in p if r.id in ("bf16-d128-s512-full", "bf16-d128-s512-causal")]
+    assert bf16_d128[0] != bf16_d128[1]          # two of the heaviest groups: different workers
+    one = bench.compile_groups(rows, impls, workers=1)
+    assert len(one) == 1 and sorted(r.id for r in one[0]) == sorted(r.id for r in rows)
+    assert len(bench.compile_groups(rows[:3], impls, workers=8)) <= 3     # never an empty part
+
+
+def test_precompile_workers_run_every_row_and_report_errors(tmp_path):
+    """The compile workers (this script with --compile-only) run each selected row once per
+    implementation and mode; a failure inside a worker is reported, not raised (on the CPU,
+    Flex has no backward: its fwd+bwd call fails in every row)."""
+    args = bench.parse_args(["--smoke-cpu", "--out", str(tmp_path), "--impls", "sdpa,flex,cudnn",
+                             "--precompile-workers", "2"])
+    rows = bench.select_rows(bench.smoke_grid(), ["*s128-full", "*varlen4-causal"])
+    lines = []
+    summary = bench.precompile(args, rows, lines.append)
+    assert summary["workers"] == 2 and summary["killed"] == 0
+    assert summary["rows"] == summary["of"] == len(rows) == 2
+    assert len(summary["errors"]) == 2 and all("flex: NotImplementedError" in e for e in summary["errors"])
+    assert lines and lines[0].startswith("precompile: 2/2 rows compiled by 2 workers")
+    assert sorted(p.name for p in tmp_path.glob("precompile-*.log")) == ["precompile-0.log", "precompile-1.log"]
+    # nothing compiles: no worker at all
+    quiet = bench.parse_args(["--smoke-cpu", "--out", str(tmp_path), "--impls", "cudnn", "--precompile-workers", "2"])
+    assert bench.precompile(quiet, rows, lines.append) == {"workers": 0}
+    assert bench.parse_args(["--smoke-cpu"]).precompile_workers == 0
+    assert bench.parse_args([]).precompile_workers == bench.DEFAULT_PRECOMPILE_WORKERS
