@@ -120,8 +120,10 @@ def _unpack_nested(query, key, value):
             raise ValueError(f"{name} must be a jagged nested tensor of shape (B, H, j, D) (ragged dim 2), "
                              f"got {t.dim()}-D with ragged dim {t._ragged_idx}")
     packed = [t.transpose(1, 2) for t in (query, key, value)]
-    return ([p.values() for p in packed], packed[0].offsets().to(torch.int32),
-            packed[1].offsets().to(torch.int32))
+    offsets_q, offsets_k = packed[0].offsets(), packed[1].offsets()
+    cu_q = offsets_q.to(torch.int32)
+    # one offsets tensor stays one (it tells the dispatcher that query and key lengths match)
+    return [p.values() for p in packed], cu_q, (cu_q if offsets_k is offsets_q else offsets_k.to(torch.int32))
 
 
 def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -159,8 +161,9 @@ def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                                  f"got shape {_shape(t)}")
         if key.shape[0] != value.shape[0]:
             raise ValueError(f"key and value must have the same packed length, got {key.shape[0]} and {value.shape[0]}")
+        same_offsets = cu_seqlens_q is cu_seqlens_k
         cu_q = _cu_tensor(cu_seqlens_q, "cu_seqlens_q", query.device)
-        cu_k = _cu_tensor(cu_seqlens_k, "cu_seqlens_k", query.device)
+        cu_k = cu_q if same_offsets else _cu_tensor(cu_seqlens_k, "cu_seqlens_k", query.device)
         if cu_q.numel() != cu_k.numel():
             raise ValueError(f"cu_seqlens_q has {cu_q.numel()} entries but cu_seqlens_k has {cu_k.numel()}; "
                              "both must be batch+1")
@@ -187,6 +190,7 @@ def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     else:
         cu_q = cu_k = None
         max_q = max_k = None
+        same_offsets = False
         qs, ks, vs = query.shape, key.shape, value.shape
         nd = len(qs)
         if nd < 3 or nd != len(ks) or nd != len(vs):
@@ -231,7 +235,7 @@ def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
              grad and (query.requires_grad or key.requires_grad or value.requires_grad or mask_grad),
              query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1,
              _aligned_16(query, compiling) and _aligned_16(key, compiling) and _aligned_16(value, compiling),
-             deterministic)
+             deterministic, same_offsets)
     problem = None if compiling else _cached_problem(facts)
     options = dict(attn_mask=attn_mask, dropout_p=float(dropout_p), causal=causal_kind, window=window,
                    scale=float(scale) if scale is not None else (1.0 / math.sqrt(dqk) if dqk else 1.0),
@@ -262,7 +266,7 @@ def make_problem(facts: tuple) -> Problem:
     """The Problem of normalize_call's facts, with determinism resolved from the argument,
     the config, or torch.are_deterministic_algorithms_enabled()."""
     (batch, hq, hkv, sq, sk, dqk, dv, dtype, device, layout, mask_kind, mask_shape, mask_grad, causal, window,
-     dropout, requires_grad, last_dim_contiguous, aligned_16, deterministic) = facts
+     dropout, requires_grad, last_dim_contiguous, aligned_16, deterministic, same_offsets) = facts
     warn_only = False
     if deterministic is None:
         policy = _config.current_config().dispatch.deterministic
@@ -276,7 +280,8 @@ def make_problem(facts: tuple) -> Problem:
         dtype=dtype, device_type=device.type, compute_capability=compute_capability(device), layout=layout,
         mask_kind=mask_kind, mask_shape=mask_shape, mask_requires_grad=mask_grad, causal=causal, window=window,
         dropout=dropout, requires_grad=requires_grad, deterministic=bool(deterministic),
-        deterministic_warn_only=bool(warn_only), last_dim_contiguous=last_dim_contiguous, aligned_16=aligned_16)
+        deterministic_warn_only=bool(warn_only), last_dim_contiguous=last_dim_contiguous, aligned_16=aligned_16,
+        same_offsets=same_offsets)
 
 
 @torch.compiler.assume_constant_result

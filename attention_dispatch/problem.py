@@ -48,6 +48,9 @@ class Problem:
     deterministic_warn_only: bool
     last_dim_contiguous: bool
     aligned_16: bool                 # data pointers and non-unit strides allow 16-byte vector loads
+    # varlen whose cu_seqlens_q and cu_seqlens_k are one tensor: every sequence has as many
+    # queries as keys, so top-left and bottom-right causal coincide (packed self-attention)
+    same_offsets: bool = False
 
     @property
     def gqa_ratio(self) -> int:
@@ -55,8 +58,11 @@ class Problem:
 
     @property
     def sequences_match(self) -> bool:
-        """True when top-left and bottom-right causal are the same function."""
-        return self.layout == "dense" and self.seqlen_q == self.seqlen_k
+        """True when top-left and bottom-right causal are the same function: dense with
+        Sq == Sk, or varlen whose query and key offsets are the same tensor."""
+        if self.layout == "varlen":
+            return self.same_offsets
+        return self.seqlen_q == self.seqlen_k
 
     def summary(self) -> str:
         """One readable line, used in errors and decision tables."""

@@ -71,6 +71,7 @@ IMPLS = ("sdpa", "fastest", "triton", "cudnn", "torch_flash", "torch_efficient",
 # What policy="fastest" can choose from (FlexAttention is an anchor, not a backend of ours).
 BACKEND_IMPLS = ("triton", "cudnn", "torch_flash", "torch_efficient", "fa4")
 ANCHORS = ("cudnn", "torch_flash", "torch_efficient", "flex", "fa4")
+BACKEND_NAMES = {"fa4": "flash_attn"}   # column -> attention_dispatch backend name, where they differ
 LABELS = {"sdpa": "sdpa (auto)", "fastest": "sdpa (fastest)", "triton": "triton (ours)", "cudnn": "cuDNN", "torch_flash": "torch flash",
           "torch_efficient": "torch eff", "flex": "Flex", "fa4": "FA4"}
 FA4_HEAD_DIMS = (64, 96, 128)   # flash_attn.cute 4.0 on sm90 (as attention_dispatch.backends.flash_attn)
@@ -408,7 +409,11 @@ def fastest_ratio(entry: dict, mode: str) -> float | None:
     """policy="fastest" against the best single backend it could have chosen in this row and
     mode (the forward runs under no_grad, so forward-only backends count there)."""
     v = cell_value(entry["results"].get("fastest"), mode)
-    _, best = best_anchor(entry["results"], mode, BACKEND_IMPLS)
+    measured = ((entry["results"].get("fastest") or {}).get(mode) or {}).get("measured")
+    # A backend that does not claim the row exactly (cuDNN's dropout, cuDNN on varlen) is not
+    # one it could choose: only the ones it timed count, when the run recorded them.
+    impls = [i for i in BACKEND_IMPLS if not measured or BACKEND_NAMES.get(i, i) in measured]
+    _, best = best_anchor(entry["results"], mode, impls)
     return v / best if (v is not None and best) else None
 
 
@@ -564,7 +569,9 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
              "`-` = the implementation does not support the row (never routed elsewhere), `err` = it failed "
              "(first line in details.log), `skip` = out of time budget, `!` = output differed from the "
              "reference. Ratios are to the best anchor of the row (anchors: "
-             + ", ".join(LABELS[a] for a in ANCHORS) + "). Timing: CUDA events, median of several "
+             + ", ".join(LABELS[a] for a in ANCHORS) + "); `fastest/best backend` compares policy=\"fastest\" "
+             "with the best of the backends it timed for that row and mode (the ones claiming it exactly: "
+             "not cuDNN's dropout, for one). Timing: CUDA events, median of several "
              "repetitions after warm-up, one process; "
              + (TIMING_QUEUED if meta.get("timing") == "queued" else
                 "a repetition is one synchronised call (the anchors' own method), or back-to-back calls "
@@ -1169,6 +1176,8 @@ class Runner:
                     r = self.time_fn(fns[m])
                     r["peak_mib"] = self.peak_mib(fns[m])
                     r.update(status="ok", tflops=tflops(row, m, r["ms"]))
+                    if impl == "fastest":     # the backends it could choose in this mode: what it timed
+                        r["measured"] = list(getattr(self.ad.last_decision(), "timings", None) or {})
                     res[m] = r
                     log(f"  {impl:16s} {m:8s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  peak "
                         f"{fmt_num(r['peak_mib']):>6s} MiB  reps {r['reps']}x{r['inner']}  first {r['first_call_s']:.2f} s  "
@@ -1373,6 +1382,10 @@ def main(argv=None) -> int:
     # flash-attn 4 then keeps its compiled kernels on disk: what the compile workers built
     # is loaded by the measuring process (set before flash_attn.cute is imported)
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    # One Triton cache directory for this process and the compile workers, fixed before
+    # anything runs: Inductor points TRITON_CACHE_DIR at its own folder when Flex first
+    # compiles, and our kernels compiled after that in a worker were then invisible here.
+    os.environ.setdefault("TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache"))
     if args.compile_only:
         return compile_only(args)
     rows = select_rows(smoke_grid() if args.smoke_cpu else build_grid(args.quick), args.rows)

@@ -17,6 +17,7 @@ import textwrap
 import pytest
 import torch
 
+import attention_dispatch
 from attention_dispatch.backends import base
 from attention_dispatch.backends.flash_attn import INSTALL_HINT as FA_HINT, FlashAttnBackend
 from attention_dispatch.backends.torch_sdpa import (CudnnBackend, TorchCpuBackend, TorchEfficientBackend,
@@ -181,6 +182,29 @@ def test_flash_attn_varlen_mapping(fa, version, causal, window):
     assert call["q_ptr"] == q.data_ptr()
 
 
+@pytest.mark.parametrize("version", [2, 4])
+@pytest.mark.parametrize("window", [None, (2, -1)])
+def test_flash_attn_varlen_top_left_with_one_offsets_tensor(fa, version, window):
+    """Packed self-attention (cu_seqlens_q and cu_seqlens_k one tensor): every sequence has
+    Sq == Sk, so PyTorch's top-left causal is flash-attn's bottom-right one: accepted and
+    equal to the top-left oracle.  Equal offsets in two tensors are not looked at (that would
+    read them back from the GPU): still rejected, with the reason."""
+    backend, calls = fa(version)
+    q, k, v, cu, _ = packed([3, 7, 1], [3, 7, 1], 4, 2, 64)
+    out = backend.run(q, k, v, causal=TL, window=window, scale=0.5, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                      max_seqlen_q=7, max_seqlen_k=7, enable_gqa=True)
+    ref = naive_attention(q, k, v, causal="top_left", window=window, scale=0.5, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    assert calls[-1]["fn"] == "varlen" and calls[-1]["causal"] is True
+    with pytest.raises(RuntimeError, match="causal=top_left with varlen"):
+        backend.run(q, k, v, causal=TL, window=window, scale=0.5, cu_seqlens_q=cu, cu_seqlens_k=cu.clone(),
+                    max_seqlen_q=7, max_seqlen_k=7, enable_gqa=True)
+    p = backend.problem_of(q, k, v, causal=TL, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7)
+    assert p.same_offsets and p.sequences_match
+    assert not backend.problem_of(q, k, v, causal=TL, cu_seqlens_q=cu, cu_seqlens_k=cu.clone(), max_seqlen_q=7,
+                                  max_seqlen_k=7).sequences_match
+
+
 def test_flash_attn_dropout_goes_to_fa2_only(fa):
     backend, calls = fa(2, 4)
     p_plain = problem(compute_capability=(9, 0))
@@ -208,6 +232,7 @@ def test_flash_attn_rejections(fa):
     assert "causal=top_left with Sq=3 != Sk=5 (the backend aligns causal bottom_right)" in \
         r(problem(seqlen_q=3, seqlen_k=5, causal=TL))
     assert any("varlen" in x for x in r(problem(layout="varlen", causal=TL)))
+    assert not any("causal" in x for x in r(problem(layout="varlen", causal=TL, same_offsets=True)))
     assert "device=cpu not in {cuda}" in r(problem(device_type="cpu", compute_capability=None))
     assert r(problem(causal=TL)) == []          # square: top-left == bottom-right
     assert r(problem(causal=BR, window=(4, 0), dropout=True, heads_kv=1, requires_grad=True)) == []
@@ -512,11 +537,14 @@ def test_cuda_sdpa_rejections(monkeypatch):
     assert any("torch.use_deterministic_algorithms(True)" in x
                for x in flash(problem(deterministic=True, requires_grad=True)))
     assert "window=(8, 0) not supported" in flash(problem(window=(8, 0)))
+    assert any("causal=top_left with varlen" in x for x in flash(problem(layout="varlen", causal=TL)))
+    assert flash(problem(layout="varlen", causal=TL, same_offsets=True)) == []   # packed self-attention
     # PyTorch efficient
     assert any("head_dim_qk=20 is not a multiple of 8" in x for x in eff(problem(head_dim_qk=20, head_dim_v=20)))
     assert eff(problem(head_dim_qk=20, head_dim_v=20, dtype=torch.float32)) == []
     assert any("varlen" in x and "backward" in x for x in eff(problem(layout="varlen", requires_grad=True)))
     assert any("bottom_right with varlen" in x for x in eff(problem(layout="varlen", causal=BR)))
+    assert eff(problem(layout="varlen", causal=BR, same_offsets=True)) == []
     assert any("16-byte aligned" in x for x in eff(problem(aligned_16=False)))
     assert "dtype=float64 not in {bfloat16, float16, float32}" in eff(problem(dtype=torch.float64))
     assert eff(problem(causal=TL, seqlen_q=32, mask_kind="float", mask_shape=(1, 4, 32, 64),
@@ -674,3 +702,22 @@ def test_pinning_context_sets_and_restores_the_flags():
         assert [g() for g in getters] == [before[0], before[1], False, before[3]]
     finally:
         flags.enable_math_sdp(before[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["flash_attn", "torch_flash"])
+def test_gpu_packed_self_attention_top_left_on_bottom_right_kernels(name):
+    """is_causal=True (top-left) on packed sequences with one offsets tensor: the kernels
+    that align causal bottom-right take it (each sequence is square) and match the oracle."""
+    if name == "flash_attn":
+        pytest.importorskip("flash_attn.cute")
+    lens = [70, 3, 130, 64]
+    q, k, v, cu, _ = packed(lens, lens, 4, 2, 64)
+    cu_dev = cu.cuda()
+    lo = [t.detach().cuda().bfloat16() for t in (q, k, v)]
+    out = attention_dispatch.sdpa(*lo, is_causal=True, cu_seqlens_q=cu_dev, cu_seqlens_k=cu_dev,
+                                  max_seqlen_q=max(lens), max_seqlen_k=max(lens), enable_gqa=True, backend=name)
+    assert attention_dispatch.last_decision().backend == name
+    ref = naive_attention(q, k, v, causal="top_left", cu_seqlens_q=cu, cu_seqlens_k=cu)
+    naive_lo = naive_attention(*[t.cpu() for t in lo], causal="top_left", cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert_matches(out.cpu(), ref.detach(), naive_lo.detach())

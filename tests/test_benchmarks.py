@@ -367,6 +367,11 @@ def test_fastest_ratio_counts_our_backends_per_mode():
                          "flex": cell(500.0, 500.0)}}
     assert bench.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
     assert bench.fastest_ratio(entry, "fwd+bwd") == pytest.approx(0.8)
+    # only the backends it timed (those claiming the row) count, when the run recorded them
+    entry["results"]["fastest"]["fwd"]["measured"] = ["triton", "cudnn"]
+    assert bench.fastest_ratio(entry, "fwd") == pytest.approx(90.0 / 80.0)
+    entry["results"]["fastest"]["fwd"]["measured"] = ["cudnn", "flash_attn"]
+    assert bench.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
     entry["results"]["fastest"]["fwd"] = {"status": "err"}
     assert bench.fastest_ratio(entry, "fwd") is None
 

@@ -572,3 +572,28 @@ def test_fast_path_mask_signature(monkeypatch, change):
     ad.sdpa(q, k, v, attn_mask=other)
     cached_twice = change in ("mask_shape", "mask_requires_grad", "no_mask")
     assert len(calls) == (2 if cached_twice else 3)
+
+
+def test_one_offsets_tensor_means_packed_self_attention():
+    """cu_seqlens_q is cu_seqlens_k (or nested query/key sharing their offsets): every
+    sequence has as many queries as keys, so the Problem says top-left and bottom-right
+    causal coincide; equal offsets in two tensors are not read back (no device sync)."""
+    q = torch.randn(10, 2, 8)
+    cu = torch.tensor([0, 4, 10])              # int64: converted once, and stays one tensor
+    call = normalize_call(q, q, q, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert call.problem.same_offsets and call.problem.sequences_match
+    assert call.options["cu_seqlens_q"] is call.options["cu_seqlens_k"]
+    apart = normalize_call(q, q, q, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu.clone())
+    assert not apart.problem.same_offsets and not apart.problem.sequences_match
+    assert apart.problem != call.problem          # the decision cache tells them apart
+    dense = normalize_call(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), is_causal=True)
+    assert dense.problem.sequences_match and not dense.problem.same_offsets
+    offsets = torch.tensor([0, 4, 10])
+    nq, nk = (torch.nested.nested_tensor_from_jagged(torch.randn(10, 2, 8), offsets).transpose(1, 2)
+              for _ in range(2))
+    assert normalize_call(nq, nk, nk, is_causal=True).problem.same_offsets
+    other = torch.nested.nested_tensor_from_jagged(torch.randn(10, 2, 8), offsets.clone()).transpose(1, 2)
+    assert not normalize_call(nq, other, other, is_causal=True).problem.same_offsets
+    # the result is the same function either way (math backend, top-left per sequence)
+    torch.testing.assert_close(ad.sdpa(q, q, q, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu),
+                               ad.sdpa(q, q, q, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu.clone()))

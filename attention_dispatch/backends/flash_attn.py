@@ -18,7 +18,8 @@ Mapping of our call (DESIGN.md section 3):
   the output goes back the same way; varlen inputs (total, H, D) pass unchanged with
   int32 ``cu_seqlens`` and ``max_seqlen``.
 - causal: flash-attn aligns causal bottom-right (``j <= i + Sk - Sq``); top-left equals it
-  when Sq == Sk, otherwise it is rejected (the shared capability check says so).
+  when Sq == Sk, and for varlen when cu_seqlens_q and cu_seqlens_k are one tensor (every
+  sequence then has Sq == Sk); otherwise it is rejected (the shared capability check says so).
 - window (left, right), -1 unbounded: flash-attn 2/3 take ``window_size=(left, right)``
   with -1 unbounded, relative to the same bottom-right diagonal (``causal=True`` forces
   right = 0, as our ``band()`` does); flash-attn 4 takes ``None`` for unbounded.
@@ -262,7 +263,7 @@ class FlashAttnBackend(Backend):
     # -- running ------------------------------------------------------------------
     @staticmethod
     def problem_of(query, key, value, *, dropout_p=0.0, causal=None, window=None, cu_seqlens_q=None,
-                   max_seqlen_q=None, max_seqlen_k=None, deterministic=False, **_) -> Problem:
+                   cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False, **_) -> Problem:
         """The Problem of a normalised call (flash-attn never sees a mask)."""
         varlen = cu_seqlens_q is not None
         if varlen:
@@ -278,7 +279,8 @@ class FlashAttnBackend(Backend):
             compute_capability=compute_capability(query.device), layout="varlen" if varlen else "dense",
             mask_kind="none", mask_shape=None, mask_requires_grad=False, causal=causal, window=window,
             dropout=dropout_p > 0, requires_grad=grad, deterministic=bool(deterministic),
-            deterministic_warn_only=False, last_dim_contiguous=True, aligned_16=True)
+            deterministic_warn_only=False, last_dim_contiguous=True, aligned_16=True,
+            same_offsets=varlen and cu_seqlens_k is cu_seqlens_q)
 
     @staticmethod
     def window_args(impl: Implementation, causal: CausalKind | None, window) -> tuple[bool, tuple]:
@@ -292,11 +294,12 @@ class FlashAttnBackend(Backend):
         return is_causal, (left, right)
 
     def _resolve(self, query, key, value, dropout_p=0.0, causal=None, window=None, scale=None, cu_seqlens_q=None,
-                 max_seqlen_q=None, max_seqlen_k=None, deterministic=False, **_) -> tuple[Implementation, dict]:
+                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False,
+                 **_) -> tuple[Implementation, dict]:
         """(implementation, its keyword arguments) for a normalised call."""
         p = self.problem_of(query, key, value, dropout_p=dropout_p, causal=causal, window=window,
-                            cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                            deterministic=deterministic)
+                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                            max_seqlen_k=max_seqlen_k, deterministic=deterministic)
         # device and dtype were vetted by the dispatcher; the choice here is about features
         # (dropout, window, varlen, head dims, arch), which keeps run() usable on fakes.
         p = dataclasses.replace(p, device_type="cuda", dtype=p.dtype if p.dtype in _HALF else torch.float16)
@@ -321,8 +324,8 @@ class FlashAttnBackend(Backend):
             max_seqlen_k=None, **options):
         if attn_mask is not None:
             raise ValueError("flash_attn: attn_mask is not supported (rejected by check())")
-        impl, kwargs = self._resolve(query, key, value, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-                                     max_seqlen_k=max_seqlen_k, **options)
+        impl, kwargs = self._resolve(query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **options)
         if query.numel() == 0 or key.shape[-3 if cu_seqlens_q is not None else -2] == 0:
             return _empty_call(query, key, value, cu_seqlens_q is not None)
         if cu_seqlens_q is not None:

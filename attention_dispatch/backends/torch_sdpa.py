@@ -155,7 +155,8 @@ class _TorchSdpaBackend(Backend):
         if p.layout == "varlen":
             if p.mask_kind != "none":
                 reasons.append("attn_mask with varlen/nested inputs not supported (PyTorch: 'Masks are not yet supported')")
-            if (p.causal is not None and self.varlen_causal is not None and p.causal is not self.varlen_causal):
+            if (p.causal is not None and self.varlen_causal is not None and p.causal is not self.varlen_causal
+                    and not p.sequences_match):
                 reasons.append(f"causal={p.causal} with varlen (PyTorch's nested path aligns causal {self.varlen_causal})")
         if p.requires_grad and p.deterministic and not p.deterministic_warn_only and self.determinism_from_global_flag:
             on, warn_only = _deterministic_flag()
