@@ -26,7 +26,10 @@ _lock = threading.Lock()
 _winners: dict[tuple, tuple[str, dict[str, float]]] = {}
 _loaded_files: set[str] = set()
 REPEATS = 5
-LOOP_SECONDS = 0.003      # each timed sample runs back-to-back calls for about this long
+# Each timed sample runs back-to-back calls for about this long.  3 ms let the first call's
+# launch latency weigh on calls of ~1 ms and chose cuDNN over a faster flash-attn 4 at
+# S=1k fwd+bwd; from 10 ms on the choice is stable (docs/perf-notes.md, experiment 21).
+LOOP_SECONDS = 0.010
 LOOP_MAX_CALLS = 50
 
 
