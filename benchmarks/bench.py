@@ -719,8 +719,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"--quick {QUICK_FLEX_BUDGET_S:.0f})")
     p.add_argument("--flex-dims", type=_csv(int), default=(64, 128), help="head dims where Flex is measured")
     p.add_argument("--flex-dtypes", type=_csv(str), default=("bf16",), help="dtypes where Flex is measured")
-    p.add_argument("--target-ms", type=float, default=30.0, help="time spent per measurement after warm-up (ms)")
+    p.add_argument("--target-ms", type=float, default=40.0, help="time spent per measurement after warm-up (ms)")
     p.add_argument("--max-reps", type=int, default=15, help="most timed repetitions per measurement")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds over a row's implementations (the repetitions are split over them)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--no-check", action="store_true", help="skip the output comparison against the reference")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
@@ -1065,13 +1067,10 @@ class Runner:
             return self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
         return _HostEvent(), _HostEvent()
 
-    def time_fn(self, fn) -> dict:
-        """First call (compile / warm-up), an estimate, one more warm-up, then repetitions of
-        `inner` calls (inner > 1 only for calls under 0.5 ms), each between its own pair of
-        CUDA events, all enqueued back to back with one synchronisation at the end (as
-        triton.testing.do_bench, without its L2 flush): a repetition measures the device time
-        of a call in steady state, not the host latency before its first kernel, which
-        benchmarks/overhead.py measures; median."""
+    def warm(self, fn) -> dict:
+        """First call (compile / warm-up), an estimate, one more warm-up: how many calls a
+        repetition groups (`inner` > 1 only for calls under 0.5 ms) and how many repetitions
+        fit --target-ms."""
         self.sync()
         t = time.perf_counter()
         fn()
@@ -1084,10 +1083,17 @@ class Runner:
         e.synchronize()
         est = max(s.elapsed_time(e), 1e-3)
         if est > 1000.0:           # a very slow path: one measurement is enough
-            return dict(ms=est, reps=1, inner=1, first_call_s=first)
+            return dict(est=est, reps=1, inner=1, first_call_s=first)
         inner = max(1, math.ceil(0.5 / est)) if est < 0.5 else 1
         reps = int(min(self.args.max_reps, max(3, self.args.target_ms / (est * inner))))
         fn()
+        return dict(est=est, reps=reps, inner=inner, first_call_s=first)
+
+    def sample(self, fn, reps: int, inner: int) -> list[float]:
+        """`reps` repetitions of `inner` calls, each between its own pair of CUDA events, all
+        enqueued back to back with one synchronisation at the end (as triton.testing.do_bench,
+        without its L2 flush): device time of a call in steady state, not the host latency
+        before its first kernel (benchmarks/overhead.py measures that).  Milliseconds per call."""
         marks = [self.events() for _ in range(reps)]
         for s, e in marks:
             s.record()
@@ -1095,9 +1101,20 @@ class Runner:
                 fn()
             e.record()
         self.sync()
-        times = [s.elapsed_time(e) / inner for s, e in marks]
-        return dict(ms=statistics.median(times), reps=reps, inner=inner, first_call_s=first,
-                    spread=(max(times) - min(times)) / statistics.median(times))
+        return [s.elapsed_time(e) / inner for s, e in marks]
+
+    @staticmethod
+    def summarize(w: dict, times: list[float]) -> dict:
+        med = statistics.median(times)
+        return dict(ms=med, reps=len(times), inner=w["inner"], first_call_s=w["first_call_s"],
+                    spread=(max(times) - min(times)) / med)
+
+    def time_fn(self, fn) -> dict:
+        """One implementation alone: warm(), then all its repetitions (median)."""
+        w = self.warm(fn)
+        if w["reps"] == 1 and w["est"] > 1000.0:
+            return dict(ms=w["est"], reps=1, inner=1, first_call_s=w["first_call_s"])
+        return self.summarize(w, self.sample(fn, w["reps"], w["inner"]))
 
     def peak_mib(self, fn) -> float | None:
         torch = self.torch
@@ -1129,16 +1146,55 @@ class Runner:
                 entry["results"][impl] = {m: dict(status="error", note="inputs: " + first_line(e)) for m in MODES}
             return entry
         ref_holder: dict = {}      # the first checked output of the row: (impl, tensor)
+        pending: list = []         # (impl, mode, call, context, warm-up facts)
         for impl in impls:
             res = entry["results"].setdefault(impl, {})
-            self.run_impl(impl, row, inp, res, ref_holder)
-            self.empty_cache()
-        del inp, ref_holder
+            self.run_impl(impl, row, inp, res, ref_holder, pending)
+        self.measure_rounds(row, entry, pending)
+        del inp, ref_holder, pending
         self.empty_cache()
         return entry
 
-    def run_impl(self, impl: str, row: Row, inp: dict, res: dict, ref_holder: dict) -> None:
-        torch, log, args = self.torch, self.log, self.args
+    def measure_rounds(self, row: Row, entry: dict, pending: list) -> None:
+        """Every warmed-up (implementation, mode) of the row is timed in --rounds interleaved
+        rounds, the order rotated each round, and reported as the median of all its
+        repetitions: the card's clock and power state drift by ~10% over a row (a column
+        measured alone could win or lose by that much, docs/perf-notes.md experiment 21)."""
+        log, rounds = self.log, max(1, self.args.rounds)
+        times: dict[int, list[float]] = {i: [] for i in range(len(pending))}
+        failed: dict[int, str] = {}
+        for rnd in range(rounds):
+            k = rnd % max(1, len(pending))
+            for i in list(range(k, len(pending))) + list(range(k)):
+                impl, m, fn, ctx, w = pending[i]
+                if i in failed or w["est"] > 1000.0 and times[i]:
+                    continue
+                n = 1 if w["est"] > 1000.0 else max(1, math.ceil(w["reps"] / rounds))
+                try:
+                    with ctx():
+                        times[i] += self.sample(fn, n, w["inner"])
+                except Exception as e:   # noqa: BLE001
+                    failed[i] = first_line(e)
+                    with contextlib.suppress(Exception):
+                        self.sync()
+        for i, (impl, m, fn, ctx, w) in enumerate(pending):
+            res = entry["results"][impl]
+            if i in failed:
+                res[m] = dict(status="error", note=failed[i])
+                log(f"  {impl:16s} {m:8s} err: {failed[i]}")
+                continue
+            r = dict(res[m], **self.summarize(w, times[i]))
+            r.update(status="ok", tflops=tflops(row, m, r["ms"]), rounds=rounds)
+            res[m] = r
+            log(f"  {impl:16s} {m:8s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  peak "
+                f"{fmt_num(r.get('peak_mib')):>6s} MiB  reps {r['reps']}x{r['inner']}  first {r['first_call_s']:.2f} s  "
+                f"spread {r.get('spread', 0):.2f}")
+
+    def run_impl(self, impl: str, row: Row, inp: dict, res: dict, ref_holder: dict, pending: list) -> None:
+        """Prepare one implementation for the row and warm up each supported mode (compile,
+        estimate, peak memory, the decision it logged, the output check); the timing itself
+        is left to measure_rounds (appended to `pending`)."""
+        log, args = self.log, self.args
         reasons = {m: support(impl, row, m, args.flex_dims, args.flex_dtypes) for m in MODES}
         if impl == "fa4" and self.fa4 is None:
             reasons = {m: reasons[m] or f"not importable: {self.fa4_error}" for m in MODES}
@@ -1173,15 +1229,12 @@ class Runner:
                     continue
                 t = time.perf_counter()
                 try:
-                    r = self.time_fn(fns[m])
-                    r["peak_mib"] = self.peak_mib(fns[m])
-                    r.update(status="ok", tflops=tflops(row, m, r["ms"]))
+                    w = self.warm(fns[m])
+                    r = dict(status="pending", first_call_s=w["first_call_s"], peak_mib=self.peak_mib(fns[m]))
                     if impl == "fastest":     # the backends it could choose in this mode: what it timed
                         r["measured"] = list(getattr(self.ad.last_decision(), "timings", None) or {})
                     res[m] = r
-                    log(f"  {impl:16s} {m:8s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  peak "
-                        f"{fmt_num(r['peak_mib']):>6s} MiB  reps {r['reps']}x{r['inner']}  first {r['first_call_s']:.2f} s  "
-                        f"spread {r.get('spread', 0):.2f}")
+                    pending.append((impl, m, fns[m], ctx, w))
                 except Exception as e:   # noqa: BLE001
                     res[m] = dict(status="error", note=first_line(e))
                     log(f"  {impl:16s} {m:8s} err: {first_line(e)}")
@@ -1191,7 +1244,8 @@ class Runner:
                         self.sync()
                 if impl == "flex":     # the first call of each mode compiles (forward, then backward)
                     self.flex_compile_s += res[m].get("first_call_s", time.perf_counter() - t)
-            if impl in ("sdpa", "fastest", "triton") and any(res[m].get("status") == "ok" for m in todo):
+            warmed = [m for m in todo if res[m].get("status") == "pending"]
+            if impl in ("sdpa", "fastest", "triton") and warmed:
                 try:
                     d = self.ad.last_decision()
                     res["backend"] = getattr(d, "backend", None)
@@ -1202,7 +1256,7 @@ class Runner:
                                if timings else ""))
                 except Exception as e:   # noqa: BLE001
                     res["backend"] = f"? ({first_line(e)})"
-            if not args.no_check and row.dropout_p == 0 and res.get("fwd", {}).get("status") == "ok":
+            if not args.no_check and row.dropout_p == 0 and "fwd" in warmed:
                 self.check(impl, fwd, canon, res, ref_holder)
 
     def compile_row(self, row: Row, impls: list[str]) -> dict:

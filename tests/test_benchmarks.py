@@ -476,3 +476,29 @@ def test_precompile_workers_run_every_row_and_report_errors(tmp_path):
     assert bench.precompile(quiet, rows, lines.append) == {"workers": 0}
     assert bench.parse_args(["--smoke-cpu"]).precompile_workers == 0
     assert bench.parse_args([]).precompile_workers == bench.DEFAULT_PRECOMPILE_WORKERS
+
+
+def test_measure_rounds_interleave_and_rotate():
+    """A row's measurements run in --rounds rounds, each round starting one implementation
+    later; each result is the median of all its repetitions; a call that fails is reported
+    as an error and skipped in later rounds."""
+    import contextlib
+    args = bench.parse_args(["--smoke-cpu", "--rounds", "3"])
+    runner = bench.Runner(args, bench.Log(None, echo=False))
+    order = []
+
+    def make(name, fail=False):
+        def fn():
+            order.append(name)
+            if fail:
+                raise RuntimeError("boom")
+        return fn
+    w = dict(est=1.0, reps=6, inner=1, first_call_s=0.0)
+    entry = {"results": {n: {"fwd": {"status": "pending", "peak_mib": None}} for n in "abc"}}
+    pending = [(n, "fwd", make(n, fail=n == "c"), contextlib.nullcontext, w) for n in "abc"]
+    runner.measure_rounds(bench.smoke_grid()[0], entry, pending)
+    assert "".join(order) == "aabbc" + "bbaa" + "aabb"
+    for n in "ab":
+        r = entry["results"][n]["fwd"]
+        assert r["status"] == "ok" and r["reps"] == 6 and r["rounds"] == 3 and r["ms"] > 0 and r["tflops"] > 0
+    assert entry["results"]["c"]["fwd"] == {"status": "error", "note": "RuntimeError: boom"}
