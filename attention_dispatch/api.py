@@ -326,21 +326,27 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     causal: None | "top_left" (= is_causal=True) | "bottom_right"; window: (left, right), -1 unbounded.
     backend: force one backend by name; deterministic: None follows torch's setting.
     """
-    fast_key = None
-    if cu_seqlens_q is None and cu_seqlens_k is None:
-        fast_key = _fast_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal, window,
-                             deterministic, backend)
-        if fast_key is not None:
-            hit = fast_calls.get(fast_key)
-            if hit is not None:
-                decision, runner = hit
-                try:
-                    out = runner(query, key, value) if attn_mask is None else runner(query, key, value, attn_mask)
-                except Exception:   # noqa: BLE001 - the full path below raises or falls back per config
-                    fast_calls.pop(fast_key, None)
+    fast_key = _fast_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal, window,
+                         deterministic, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if fast_key is not None:
+        hit = fast_calls.get(fast_key)
+        if hit is not None:
+            decision, runner = hit
+            try:
+                if cu_seqlens_q is not None:
+                    if query.device.type == "cpu":   # normalize_call reads the offsets where that is free
+                        _seqlens(cu_seqlens_q, "cu_seqlens_q", query.shape[0], max_seqlen_q, True)
+                        _seqlens(cu_seqlens_k, "cu_seqlens_k", key.shape[0], max_seqlen_k, True)
+                    out = runner(query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                elif attn_mask is None:
+                    out = runner(query, key, value)
                 else:
-                    note_decision(decision)
-                    return out
+                    out = runner(query, key, value, attn_mask)
+            except Exception:   # noqa: BLE001 - the full path below raises or falls back per config
+                fast_calls.pop(fast_key, None)
+            else:
+                note_decision(decision)
+                return out
     call = normalize_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                           causal=causal, window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, deterministic=deterministic)
@@ -354,8 +360,10 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         decision = choose_fastest(decision, call, policy.fastest_cache)
     decision, out = _execute(decision, call)
     note_decision(decision)
+    opts = call.options
     if fast_key is not None and not decision.failures and call.restore is None and call.query is query \
-            and call.key is key and call.value is value and call.options["attn_mask"] is attn_mask:
+            and call.key is key and call.value is value and opts["attn_mask"] is attn_mask \
+            and opts["cu_seqlens_q"] is cu_seqlens_q and opts["cu_seqlens_k"] is cu_seqlens_k:
         try:
             runner = registry.get_backend(decision.backend).prepare(query, key, value, call.options)
         except Exception as exc:   # noqa: BLE001 - the call succeeded; only its fast path is lost
@@ -369,9 +377,10 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 
 
 def _fast_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic,
-              backend):
+              backend, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """sdpa()'s fast-path key for plain 4-D tensors (a 4-D mask of bool or the query's dtype
-    included) and scalar options, or None when the call must take the full path.  The key
+    included), or packed 3-D ones with int32 offsets and int max_seqlen (no mask), and scalar
+    options; None when the call must take the full path.  The key
     holds everything normalize_call() validates or derives (shapes, strides, dtypes,
     devices, alignment, grad needs, the exact option values with their types: True == 1.0
     must not hit) and everything decide() keys on (config, registry, scope, determinism): a
@@ -387,8 +396,19 @@ def _fast_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
                                             and type(window[0]) is int and type(window[1]) is int))):
         return None
     qs = query.shape
-    if len(qs) != 4 or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return None
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        if len(qs) != 4:
+            return None
+        packed = None
+    elif (len(qs) != 3 or attn_mask is not None or type(cu_seqlens_q) is not tensor
+          or type(cu_seqlens_k) is not tensor or cu_seqlens_q.dtype != torch.int32
+          or cu_seqlens_k.dtype != torch.int32 or type(max_seqlen_q) is not int or type(max_seqlen_k) is not int):
+        return None   # normalize_call() would convert the offsets or compute max_seqlen (a device sync)
+    else:   # the offsets' values are each call's own (read only on the CPU, as normalize_call does)
+        packed = (cu_seqlens_q.shape, cu_seqlens_k.shape, cu_seqlens_q.device, cu_seqlens_k.device,
+                  cu_seqlens_q is cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if attn_mask is None:
         mask = None
     elif (type(attn_mask) is not tensor or attn_mask.dim() != 4
@@ -400,7 +420,7 @@ def _fast_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     det = torch.are_deterministic_algorithms_enabled()
     return (qs, query.stride(), key.shape, key.stride(), value.shape, value.stride(),
             query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
-            query.data_ptr() & 15, key.data_ptr() & 15, value.data_ptr() & 15, mask,
+            query.data_ptr() & 15, key.data_ptr() & 15, value.data_ptr() & 15, mask, packed,
             torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
                                          or (mask is not None and attn_mask.requires_grad)),
             dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic, backend,

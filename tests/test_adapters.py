@@ -140,6 +140,31 @@ def test_flash_attn_prepared_runner_matches_run(fa, version, sq, sk, causal, win
     assert torch.equal(gq, torch.autograd.grad(want, q2, g)[0])
 
 
+@pytest.mark.parametrize("version", [2, 4])
+@pytest.mark.parametrize("causal,same", [(None, False), (BR, False), (TL, True)])
+def test_flash_attn_prepared_varlen_runner_takes_each_calls_offsets(fa, version, causal, same):
+    """Varlen: the runner passes the call's own offsets (max_seqlen bound) and otherwise
+    exactly run()'s arguments; result equal to run() and to the oracle."""
+    backend, calls = fa(version)
+    lq, lk = ([3, 7, 1], [3, 7, 1]) if same else ([3, 7, 1], [5, 4, 6])
+    q, k, v, cu_q, cu_k = packed(lq, lk, 4, 2, 64)
+    cu_k = cu_q if same else cu_k
+    options = dict(attn_mask=None, dropout_p=0.0, causal=causal, window=None, scale=0.3, cu_seqlens_q=cu_q,
+                   cu_seqlens_k=cu_k, max_seqlen_q=8, max_seqlen_k=8, enable_gqa=True, deterministic=True)
+    runner = backend.prepare(q, k, v, options)
+    lq2, lk2 = ([8, 1, 2], [8, 1, 2]) if same else ([8, 1, 2], [2, 8, 5])
+    q2, k2, v2, cu_q2, cu_k2 = packed(lq2, lk2, 4, 2, 64)
+    cu_k2 = cu_q2 if same else cu_k2
+    got = runner(q2, k2, v2, cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k2)
+    via_runner = {n: x for n, x in calls[-1].items() if not isinstance(x, torch.Tensor)}
+    assert calls[-1]["cu_seqlens_q"] is cu_q2 and calls[-1]["cu_seqlens_k"] is cu_k2
+    want = backend.run(q2, k2, v2, **dict(options, cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k2))
+    assert via_runner == {n: x for n, x in calls[-1].items() if not isinstance(x, torch.Tensor)}
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    ref = naive_attention(q2, k2, v2, causal=_str(causal), scale=0.3, cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k2)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("version", [2, 3, 4])
 @pytest.mark.parametrize("sq,sk,causal,window,hq,hkv", DENSE_CASES)
 def test_flash_attn_dense_mapping(fa, version, sq, sk, causal, window, hq, hkv):

@@ -275,6 +275,27 @@ def test_forward_plan_only_for_repeatable_inference_launches(monkeypatch, what):
         assert plan.launch is None
 
 
+def test_prepared_varlen_runner_takes_each_calls_offsets():
+    """A varlen runner (no plan) binds the parameters and max_seqlen; each call passes its
+    own offsets: the result is triton_attention's with those offsets, gradients included."""
+    from attention_dispatch.kernels import ForwardPlan, prepare_attention
+    dev = "cpu" if is_interpreter() else "cuda"
+    params = KernelParams(scale=0.25, window_right=0, deterministic=True)   # bit-equal gradients
+    cu = torch.tensor([0, 9, 20], dtype=torch.int32, device=dev)
+    q, k, v = (torch.randn(20, 2, 16, device=dev) for _ in range(3))
+    runner = prepare_attention(q, k, v, None, params, cu, cu, 11, 11)
+    assert not isinstance(runner, ForwardPlan)
+    cu2 = torch.tensor([0, 11, 20], dtype=torch.int32, device=dev)
+    q2, k2, v2 = (torch.randn(20, 2, 16, device=dev, requires_grad=True) for _ in range(3))
+    got = runner(q2, k2, v2, cu_seqlens_q=cu2, cu_seqlens_k=cu2)
+    want = triton_attention(q2, k2, v2, None, params, cu2, cu2, 11, 11)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(got, triton_attention(q2, k2, v2, None, params, cu, cu, 11, 11))
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q2, k2, v2), g), torch.autograd.grad(want, (q2, k2, v2), g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(is_interpreter() or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_sdpa_fast_path_relaunches_the_plan(monkeypatch):

@@ -597,3 +597,72 @@ def test_one_offsets_tensor_means_packed_self_attention():
     # the result is the same function either way (math backend, top-left per sequence)
     torch.testing.assert_close(ad.sdpa(q, q, q, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu),
                                ad.sdpa(q, q, q, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu.clone()))
+
+
+def _packed(lens, h=2, d=16, grad=False):
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(sum(lens), h, d, requires_grad=grad) for _ in range(3))
+    return q, k, v, cu
+
+
+def _varlen_ref(q, k, v, cu):
+    """Per-sequence top-left causal attention in float64 (the oracle, one sequence at a time)."""
+    outs = []
+    for a, b in zip(cu.tolist(), cu.tolist()[1:]):
+        outs.append(math_attention(*(t[a:b].double().transpose(0, 1)[None] for t in (q, k, v)),
+                                   causal=ad.CausalKind.TOP_LEFT)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def test_fast_path_varlen_uses_each_calls_offsets(monkeypatch):
+    """Packed calls with int32 offsets and int max_seqlen take the fast path: new tensors
+    and new offsets (same shapes and max_seqlen) are used, gradients included; one offsets
+    tensor for both (packed self-attention) and two of them are different signatures."""
+    calls = _count_normalize(monkeypatch)
+    q, k, v, cu = _packed([3, 5, 4], grad=True)
+    kw = dict(is_causal=True, max_seqlen_q=6, max_seqlen_k=6)
+    ad.sdpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)
+    d1 = ad.last_decision()
+    q2, k2, v2, cu2 = _packed([6, 2, 4], grad=True)
+    out = ad.sdpa(q2, k2, v2, cu_seqlens_q=cu2, cu_seqlens_k=cu2, **kw)
+    assert len(calls) == 1 and ad.last_decision() is d1
+    ref = _varlen_ref(q2, k2, v2, cu2)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q2, k2, v2), g)
+    want = torch.autograd.grad(ref, (q2, k2, v2), g.double())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b.double(), atol=2e-5, rtol=1e-4)
+    ad.sdpa(q2, k2, v2, cu_seqlens_q=cu2, cu_seqlens_k=cu2.clone(), **kw)     # two offsets tensors: a miss
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("change", ["int64", "no_max_seqlen", "mask"])
+def test_fast_path_varlen_keeps_the_full_path_when_normalize_call_would_work(monkeypatch, change):
+    """Offsets to convert, a max_seqlen to compute (a device sync) or a mask to broadcast:
+    every call goes through normalize_call."""
+    calls = _count_normalize(monkeypatch)
+    q, k, v, cu = _packed([3, 5, 4])
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)
+    if change == "int64":
+        kw.update(cu_seqlens_q=cu.long(), cu_seqlens_k=cu.long())
+    elif change == "no_max_seqlen":
+        kw.update(max_seqlen_q=None, max_seqlen_k=None)
+    else:
+        kw["attn_mask"] = torch.ones(3, 2, 5, 5, dtype=torch.bool)
+    for _ in range(3):
+        ad.sdpa(q, k, v, **kw)
+    assert len(calls) == 3
+
+
+def test_fast_path_varlen_bad_offsets_raise_as_on_the_full_path():
+    """On the CPU the full path validates the offsets' values; a hit with bad ones raises
+    the same error (the fast path hands the call back to it)."""
+    q, k, v, cu = _packed([3, 5, 4])
+    kw = dict(max_seqlen_q=5, max_seqlen_k=5)
+    ad.sdpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)
+    for bad, match in ((torch.tensor([0, 3, 8, 11], dtype=torch.int32), "must end at the packed length 12"),
+                       (torch.tensor([0, 6, 8, 12], dtype=torch.int32), "less than its longest sequence"),
+                       (torch.tensor([1, 3, 8, 12], dtype=torch.int32), "must start at 0")):
+        with pytest.raises(ValueError, match=match):
+            ad.sdpa(q, k, v, cu_seqlens_q=bad, cu_seqlens_k=bad, **kw)

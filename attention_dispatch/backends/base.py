@@ -180,17 +180,21 @@ class Backend:
         raise NotImplementedError(f"backend {self.name!r} does not implement run()")
 
     def prepare(self, query, key, value, options: dict):
-        """A callable ``(query, key, value[, attn_mask]) -> out`` that sdpa() caches for repeated
-        calls whose tensors (a mask included) have these shapes, strides, dtypes, devices and
-        16-byte alignment, under the same grad mode and requires_grad, with these other
-        options.  ``options`` are this call's normalised options; when they hold a mask, each
-        call passes its own as the fourth argument (only the mask's kind may be relied on).
-        Override it to skip per-call work (the `triton` backend relaunches its compiled
-        kernel); the default calls run()."""
-        rest = {name: value for name, value in options.items() if name != "attn_mask"}
+        """A callable ``(query, key, value[, attn_mask], *, cu_seqlens_q, cu_seqlens_k) -> out``
+        that sdpa() caches for repeated calls whose tensors (a mask included) have these
+        shapes, strides, dtypes, devices and 16-byte alignment, under the same grad mode and
+        requires_grad, with these other options.  ``options`` are this call's normalised
+        options; when they hold a mask, each call passes its own as the fourth argument (only
+        the mask's kind may be relied on); varlen calls pass their own offsets (same shapes and
+        max_seqlen; omitted, the prepared call's are used).  Override it to skip per-call work
+        (the `triton` backend relaunches its compiled kernel); the default calls run()."""
+        rest = {name: value for name, value in options.items()
+                if name not in ("attn_mask", "cu_seqlens_q", "cu_seqlens_k")}
+        cu_q0, cu_k0 = options["cu_seqlens_q"], options["cu_seqlens_k"]
 
-        def runner(query, key, value, attn_mask=None):
-            return self.run(query, key, value, attn_mask=attn_mask, **rest)
+        def runner(query, key, value, attn_mask=None, *, cu_seqlens_q=cu_q0, cu_seqlens_k=cu_k0):
+            return self.run(query, key, value, attn_mask=attn_mask, cu_seqlens_q=cu_seqlens_q,
+                            cu_seqlens_k=cu_seqlens_k, **rest)
         return runner
 
     def __repr__(self) -> str:

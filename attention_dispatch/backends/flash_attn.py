@@ -335,12 +335,21 @@ class FlashAttnBackend(Backend):
         return self._dense(impl.func, kwargs, query, key, value)
 
     def prepare(self, query, key, value, options: dict):
-        """Dense calls: the implementation and its arguments chosen once for the signature."""
-        if options["attn_mask"] is not None or options["cu_seqlens_q"] is not None \
-                or query.numel() == 0 or key.shape[-2] == 0:
+        """The implementation and its arguments chosen once for the signature (varlen calls
+        pass their own offsets; max_seqlen is part of the signature)."""
+        varlen = options["cu_seqlens_q"] is not None
+        if options["attn_mask"] is not None or query.numel() == 0 or key.shape[-3 if varlen else -2] == 0:
             return super().prepare(query, key, value, options)
         impl, kwargs = self._resolve(query, key, value, **options)
-        return functools.partial(self._dense, impl.func, kwargs)
+        if not varlen:
+            return functools.partial(self._dense, impl.func, kwargs)
+        kwargs = dict(kwargs, max_seqlen_q=int(options["max_seqlen_q"]), max_seqlen_k=int(options["max_seqlen_k"]))
+        cu_q0, cu_k0 = options["cu_seqlens_q"], options["cu_seqlens_k"]
+
+        def runner(query, key, value, *, cu_seqlens_q=cu_q0, cu_seqlens_k=cu_k0):
+            out = impl.varlen_func(query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **kwargs)
+            return out[0] if isinstance(out, tuple) else out
+        return runner
 
 
 __all__ = ["FlashAttnBackend", "Implementation", "FA2_CAPS", "FA3_CAPS", "FA4_CAPS", "INSTALL_HINT"]

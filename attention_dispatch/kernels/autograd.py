@@ -189,16 +189,17 @@ def triton_attention(query: Tensor, key: Tensor, value: Tensor, bias: Optional[T
 def prepare_attention(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor], params: KernelParams,
                       cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                       max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None):
-    """A callable ``(query, key, value[, bias]) -> out`` for repeated calls whose tensors have
-    these shapes, strides, dtype, device and alignment, under the same grad mode: a
-    :class:`ForwardPlan` (one captured kernel launch, relaunched) for dense inference calls
-    without a bias, else :func:`triton_attention` with these parameters (``bias`` only says
-    whether the calls have one: each call passes its own)."""
+    """A callable ``(query, key, value[, bias], *, cu_seqlens_q, cu_seqlens_k) -> out`` for
+    repeated calls whose tensors have these shapes, strides, dtype, device and alignment,
+    under the same grad mode: a :class:`ForwardPlan` (one captured kernel launch,
+    relaunched) for dense inference calls without a bias, else :func:`triton_attention` with
+    these parameters (``bias`` only says whether the calls have one: each call passes its
+    own; varlen calls pass their own offsets, of these shapes and max_seqlen)."""
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, bias))
     if bias is None and cu_seqlens_q is None and not needs_grad and query.dim() == 4:
         return ForwardPlan(query, params)
 
-    def run(query, key, value, bias=None):
+    def run(query, key, value, bias=None, *, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k):
         return triton_attention(query, key, value, bias, params, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k)
     return run
