@@ -714,6 +714,26 @@ def test_config_table_covers_all_head_dims(cc, smem):
     assert r and "shared memory" in r
 
 
+def test_subtile_configs_only_where_measured_faster():
+    """Two query sub-tiles (experiment 22) are forward-only and chosen only where they won
+    on the H100: d<=128 dense without a bias, d<=64 causal without a bias; never with a
+    bias, never at d=256 (spills), never on other archs; halves stay >= 16 rows."""
+    sm90 = ((9, 0), 227 * 1024)
+
+    def first(d, banded=False, biased=False, kind=configs.FWD, arch=sm90):
+        return configs.candidate_configs(kind, d, d, BF16, arch[0], arch[1], banded, biased)[0]
+    assert first(128).subtiles == 2 and first(128).block_m == 256
+    assert first(64, banded=True).subtiles == 2
+    for d, banded, biased in ((128, False, True), (128, True, False), (64, False, False), (64, True, True),
+                              (256, False, False), (256, True, False)):
+        assert first(d, banded, biased).subtiles == 1, (d, banded, biased)
+    assert first(128, arch=((8, 0), 163 * 1024)).subtiles == 1
+    for e in configs.CONFIG_TABLE:
+        if e.config.subtiles != 1:
+            assert e.kind == configs.FWD and e.config.subtiles == 2 and e.config.block_m // 2 >= 16
+            assert e.biased is False and e.max_block_d <= 128
+
+
 def test_kernel_limits_are_data():
     assert set(KERNEL_LIMITS.dtypes) == {F16, BF16, F32}
     assert KERNEL_LIMITS.max_head_dim == 256 and KERNEL_LIMITS.deterministic_backward

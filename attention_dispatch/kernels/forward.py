@@ -195,17 +195,17 @@ def _load_tile(desc_or_ptr, base, row0, offs_rows, stride, rows_ok, offs_d, HEAD
 
 
 @triton.jit
-def _fwd_step(acc, l_i, m_i, q, k, v, m0, start_n, offs_m, offs_n0, qk_scale, sk, sq, off,
+def _fwd_step(acc, l_i, m_i, s, v, m0, start_n, offs_m, offs_n0, qk_scale, sk, sq, off,
               window_left, window_right, bias_base, sbi, sbj, seed, rng_rows, dropout_p,
               MASKED: tl.constexpr, MAY_EMPTY: tl.constexpr, SCALE_POS: tl.constexpr,
               HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr, BIAS_DESC: tl.constexpr,
               HAS_DROPOUT: tl.constexpr,
               DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr):
-    """One key block of the online softmax (log2 domain).  MASKED: apply the band mask
-    (edge blocks); MAY_EMPTY: a row may have seen only masked keys so far (max = -inf);
-    SCALE_POS: the softmax scale is > 0."""
+    """One key block of the online softmax (log2 domain) given the raw scores ``s = q k^T``
+    of the rows ``offs_m`` (from ``m0``).  MASKED: apply the band mask (edge blocks);
+    MAY_EMPTY: a row may have seen only masked keys so far (max = -inf); SCALE_POS: the
+    softmax scale is > 0."""
     offs_n = start_n + offs_n0
-    s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE)
     # Without a bias and with a positive scale, the scale is applied inside exp2's argument
     # (one FMA per score instead of a multiply and a subtract): the row max of the raw
     # scores times the scale is the max of the scaled ones.
@@ -239,24 +239,39 @@ def _fwd_step(acc, l_i, m_i, q, k, v, m0, start_n, offs_m, offs_n0, qk_scale, sk
 
 
 @triton.jit
-def _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, m0, n_lo, n_hi, offs_m, offs_n0,
+def _fwd_range(acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng_rows_b,
+               k_desc, v_desc, k_base, v_base, n_lo, n_hi, offs_n0,
                offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
-               bias_base, sbi, sbj, seed, rng_rows, dropout_p, MASKED: tl.constexpr, MAY_EMPTY: tl.constexpr,
+               bias_base, sbi, sbj, seed, dropout_p, MASKED: tl.constexpr, MAY_EMPTY: tl.constexpr,
                SCALE_POS: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr,
                BIAS_DESC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
-               BLOCK_DV: tl.constexpr, USE_DESC: tl.constexpr,
+               BLOCK_DV: tl.constexpr, USE_DESC: tl.constexpr, SUBTILES: tl.constexpr,
                DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr):
-    """The online softmax over key blocks [n_lo, n_hi) (one software-pipelined loop)."""
+    """The online softmax over key blocks [n_lo, n_hi) (one software-pipelined loop).  With
+    SUBTILES=2 the program's query rows are two halves (``q`` at row m0, ``q_b`` right after)
+    sharing each K/V block: both q k^T products are issued before either softmax, so the
+    tensor cores work on the second while the first is exponentiated (docs/perf-notes.md,
+    experiment 22); with SUBTILES=1 the ``_b`` arguments are unused placeholders."""
+    HALF: tl.constexpr = offs_m.shape[0]
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k = _load_tile(k_desc, k_base, start_n, offs_n, sks, offs_n < sk, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
         v = _load_tile(v_desc, v_base, start_n, offs_n, svs, offs_n < sk, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k, v, m0, start_n, offs_m, offs_n0, qk_scale, sk, sq, off,
+        k_t = tl.trans(k)
+        s = _dot(q, k_t, DOT_UPCAST, DOT_IEEE)
+        if SUBTILES == 2:
+            s_b = _dot(q_b, k_t, DOT_UPCAST, DOT_IEEE)
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, s, v, m0, start_n, offs_m, offs_n0, qk_scale, sk, sq, off,
                                   window_left, window_right, bias_base, sbi, sbj, seed, rng_rows, dropout_p,
                                   MASKED, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC, HAS_DROPOUT,
                                   DOT_UPCAST, DOT_IEEE, ROUND_P)
-    return acc, l_i, m_i
+        if SUBTILES == 2:
+            acc_b, l_b, m_b = _fwd_step(acc_b, l_b, m_b, s_b, v, m0 + HALF, start_n, offs_m + HALF, offs_n0, qk_scale,
+                                        sk, sq, off, window_left, window_right, bias_base, sbi, sbj, seed, rng_rows_b,
+                                        dropout_p, MASKED, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC,
+                                        HAS_DROPOUT, DOT_UPCAST, DOT_IEEE, ROUND_P)
+    return acc, l_i, m_i, acc_b, l_b, m_b
 
 
 @triton.jit
@@ -273,13 +288,15 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr,
     USE_DESC: tl.constexpr, MAY_EMPTY: tl.constexpr, SCALE_POS: tl.constexpr, STORE_LSE: tl.constexpr,
+    SUBTILES: tl.constexpr = 1,
 ):
     """USE_DESC: Q/K/V/O through TMA tensor descriptors built in-kernel per (sequence, head)
     (Hopper+; the launcher checks the 16-byte alignment TMA needs and provides the scratch
     allocator).  MAY_EMPTY: some row may see only masked keys in its first key block.
     The band-masked edge key blocks run in their own loops and the middle loop runs
     unmasked: one loop with a per-block branch around two copies of the step pipelines
-    badly (docs/perf-notes.md, experiment 4)."""
+    badly (docs/perf-notes.md, experiment 4).  SUBTILES=2: the BLOCK_M rows are processed
+    as two halves that share every K/V block (:func:`_fwd_range`)."""
     # Last query tiles first: under a causal band they have the most keys, and starting
     # the longest programs first shortens the tail of the launch.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -304,23 +321,25 @@ def _attn_fwd(
     else:
         off = 0
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    # SUBTILES=2: the tile's rows are two halves of HALF rows (see _fwd_range); SUBTILES=1: one.
+    HALF: tl.constexpr = BLOCK_M // SUBTILES
+    offs_m = m0 + tl.arange(0, HALF)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_dq = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < sq
     b64 = b.to(tl.int64)
 
     q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q_start * sqs
     k_base = K + b64 * skb + hk.to(tl.int64) * skh + k_start * sks
     v_base = V + b64 * svb + hk.to(tl.int64) * svh + k_start * svs
     o_base = O + b64 * sob + h.to(tl.int64) * soh + q_start * sos
-    bias_base = _bias_desc(Bias + b64 * sbb + h.to(tl.int64) * sbh, sq, sk, sbi, BLOCK_M, BLOCK_N, BIAS_DESC)
+    lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + q_start * sls
+    bias_base = _bias_desc(Bias + b64 * sbb + h.to(tl.int64) * sbh, sq, sk, sbi, HALF, BLOCK_N, BIAS_DESC)
 
     k_desc = _tile_desc(K, k_base, sk, sks, HEAD_DQK, BLOCK_N, BLOCK_DQK, USE_DESC)
     v_desc = _tile_desc(V, v_base, sk, svs, HEAD_DV, BLOCK_N, BLOCK_DV, USE_DESC)
-    q = _load_tile(_tile_desc(Q, q_base, sq, sqs, HEAD_DQK, BLOCK_M, BLOCK_DQK, USE_DESC), q_base, m0, offs_m,
-                   sqs, row_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
+    q_desc = _tile_desc(Q, q_base, sq, sqs, HEAD_DQK, HALF, BLOCK_DQK, USE_DESC)
+    q = _load_tile(q_desc, q_base, m0, offs_m, sqs, offs_m < sq, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
 
     # ---- key range: blocks entirely outside the band are skipped by the loop bounds ----
     m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
@@ -346,45 +365,78 @@ def _attn_fwd(
         seed = 0
         rng_rows = offs_m.to(tl.int64)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([HALF], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([HALF], dtype=tl.float32)
+    acc = tl.zeros([HALF, BLOCK_DV], dtype=tl.float32)
+    if SUBTILES == 2:
+        q_b = _load_tile(q_desc, q_base, m0 + HALF, offs_m + HALF, sqs, offs_m + HALF < sq, offs_dq, HEAD_DQK,
+                         BLOCK_DQK, USE_DESC)
+        m_b = tl.full([HALF], float("-inf"), dtype=tl.float32)
+        l_b = tl.zeros([HALF], dtype=tl.float32)
+        acc_b = tl.zeros([HALF, BLOCK_DV], dtype=tl.float32)
+        if HAS_DROPOUT:
+            rng_rows_b = _rng_rows(pid_bh.to(tl.int64), seqlen_q, offs_m + HALF, seqlen_k)
+        else:
+            rng_rows_b = (offs_m + HALF).to(tl.int64)
+    else:
+        q_b = q
+        m_b = 0.0
+        l_b = 0.0
+        acc_b = 0.0
+        rng_rows_b = rng_rows
 
     # masked leading edge (window left), unmasked middle, masked trailing edge (causal, sk)
     mid_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
-    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, m0, lo, mid_lo, offs_m, offs_n0,
-                               offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
-                               bias_base, sbi, sbj, seed, rng_rows, dropout_p, True, MAY_EMPTY, SCALE_POS,
-                               HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK,
-                               BLOCK_DV, USE_DESC, DOT_UPCAST, DOT_IEEE, ROUND_P)
-    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, m0, mid_lo, mid_hi, offs_m, offs_n0,
-                               offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
-                               bias_base, sbi, sbj, seed, rng_rows, dropout_p, False, MAY_EMPTY, SCALE_POS,
-                               HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK,
-                               BLOCK_DV, USE_DESC, DOT_UPCAST, DOT_IEEE, ROUND_P)
-    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, m0, mid_hi, hi, offs_m, offs_n0,
-                               offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
-                               bias_base, sbi, sbj, seed, rng_rows, dropout_p, True, MAY_EMPTY, SCALE_POS,
-                               HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK,
-                               BLOCK_DV, USE_DESC, DOT_UPCAST, DOT_IEEE, ROUND_P)
+    acc, l_i, m_i, acc_b, l_b, m_b = _fwd_range(
+        acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng_rows_b, k_desc, v_desc, k_base, v_base,
+        lo, mid_lo, offs_n0, offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
+        bias_base, sbi, sbj, seed, dropout_p, True, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC,
+        HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, USE_DESC, SUBTILES, DOT_UPCAST, DOT_IEEE,
+        ROUND_P)
+    acc, l_i, m_i, acc_b, l_b, m_b = _fwd_range(
+        acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng_rows_b, k_desc, v_desc, k_base, v_base,
+        mid_lo, mid_hi, offs_n0, offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
+        bias_base, sbi, sbj, seed, dropout_p, False, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC,
+        HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, USE_DESC, SUBTILES, DOT_UPCAST, DOT_IEEE,
+        ROUND_P)
+    acc, l_i, m_i, acc_b, l_b, m_b = _fwd_range(
+        acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng_rows_b, k_desc, v_desc, k_base, v_base,
+        mid_hi, hi, offs_n0, offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
+        bias_base, sbi, sbj, seed, dropout_p, True, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC,
+        HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, USE_DESC, SUBTILES, DOT_UPCAST, DOT_IEEE,
+        ROUND_P)
+    o_desc = _tile_desc(O, o_base, sq, sos, HEAD_DV, HALF, BLOCK_DV, USE_DESC)
+    _fwd_store(acc, l_i, m_i, o_desc, o_base, lse_base, m0, offs_m, sq, sos, sls, dropout_p, offs_dv,
+               HEAD_DV, BLOCK_DV, USE_DESC, HAS_DROPOUT, STORE_LSE)
+    if SUBTILES == 2:
+        _fwd_store(acc_b, l_b, m_b, o_desc, o_base, lse_base, m0 + HALF, offs_m + HALF, sq, sos, sls, dropout_p,
+                   offs_dv, HEAD_DV, BLOCK_DV, USE_DESC, HAS_DROPOUT, STORE_LSE)
+
+
+@triton.jit
+def _fwd_store(acc, l_i, m_i, o_desc, o_base, lse_base, m0, offs_m, sq, sos, sls, dropout_p, offs_dv,
+               HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, USE_DESC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               STORE_LSE: tl.constexpr):
+    """Normalise the rows ``offs_m`` (from ``m0``) and store them and, with STORE_LSE, their
+    logsumexp (natural log; -inf for a row with no allowed key, whose output is 0)."""
+    row_ok = offs_m < sq
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
     if HAS_DROPOUT:
         inv_l = inv_l / (1.0 - dropout_p)
-    out = acc * inv_l[:, None]
-
+    out = (acc * inv_l[:, None]).to(o_base.dtype.element_ty)
     if USE_DESC:
-        _tile_desc(O, o_base, sq, sos, HEAD_DV, BLOCK_M, BLOCK_DV, USE_DESC).store([m0, 0], out.to(O.dtype.element_ty))
+        o_desc.store([m0, 0], out)
     else:
         o_ptrs = o_base + offs_m.to(tl.int64)[:, None] * sos + offs_dv[None, :]
         if BLOCK_DV == HEAD_DV:
-            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(o_ptrs, out, mask=row_ok[:, None])
         else:
-            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < HEAD_DV)[None, :])
+            tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_dv < HEAD_DV)[None, :])
     if STORE_LSE:   # off for inference calls (nothing reads it)
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-        tl.store(LSE + b64 * slb + h.to(tl.int64) * slh + (q_start + offs_m.to(tl.int64)) * sls, lse, mask=row_ok)
+        tl.store(lse_base + offs_m.to(tl.int64) * sls, lse, mask=row_ok)
 
 
 @triton.jit
