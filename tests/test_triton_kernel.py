@@ -33,6 +33,7 @@ from attention_dispatch.kernels import (  # noqa: E402
     dropout_keep_mask,
     group_splits_heuristic,
     is_interpreter,
+    launch,
     num_splits_heuristic,
     triton_attention,
 )
@@ -720,18 +721,35 @@ def test_subtile_configs_only_where_measured_faster():
     bias, never at d=256 (spills), never on other archs; halves stay >= 16 rows."""
     sm90 = ((9, 0), 227 * 1024)
 
-    def first(d, banded=False, biased=False, kind=configs.FWD, arch=sm90):
-        return configs.candidate_configs(kind, d, d, BF16, arch[0], arch[1], banded, biased)[0]
+    def first(d, banded=False, extras=False, kind=configs.FWD, arch=sm90):
+        return configs.candidate_configs(kind, d, d, BF16, arch[0], arch[1], banded, extras)[0]
     assert first(128).subtiles == 2 and first(128).block_m == 256
     assert first(64, banded=True).subtiles == 2
-    for d, banded, biased in ((128, False, True), (128, True, False), (64, False, False), (64, True, True),
+    for d, banded, extras in ((128, False, True), (128, True, False), (64, False, False), (64, True, True),
                               (256, False, False), (256, True, False)):
-        assert first(d, banded, biased).subtiles == 1, (d, banded, biased)
+        assert first(d, banded, extras).subtiles == 1, (d, banded, extras)
     assert first(128, arch=((8, 0), 163 * 1024)).subtiles == 1
     for e in configs.CONFIG_TABLE:
         if e.config.subtiles != 1:
             assert e.kind == configs.FWD and e.config.subtiles == 2 and e.config.block_m // 2 >= 16
-            assert e.biased is False and e.max_block_d <= 128
+            assert e.extras is False and e.max_block_d <= 128
+
+
+def test_forward_asks_for_sub_tiles_only_without_bias_or_dropout(monkeypatch):
+    """attention_forward tells the config table whether the call has extras (a bias, a mask
+    or dropout): sub-tile entries are reserved for calls without."""
+    seen = []
+    real = launch.select_config
+
+    def spy(kind, *a, extras=False, **kw):
+        seen.append((kind, extras))
+        return real(kind, *a, extras=extras, **kw)
+    monkeypatch.setattr(launch, "select_config", spy)
+    q, k, v = rand(1, 2, 24, 16), rand(1, 2, 24, 16), rand(1, 2, 24, 16)
+    launch.attention_forward(q, k, v, None, KernelParams(scale=0.25))
+    launch.attention_forward(q, k, v, rand(1, 1, 24, 24), KernelParams(scale=0.25))
+    launch.attention_forward(q, k, v, None, KernelParams(scale=0.25, dropout_p=0.2))
+    assert seen == [(configs.FWD, False), (configs.FWD, True), (configs.FWD, True)]
 
 
 def test_kernel_limits_are_data():

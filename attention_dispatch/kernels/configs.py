@@ -52,7 +52,7 @@ class ConfigEntry:
     dtypes: tuple[torch.dtype, ...]  # element types it is meant for
     config: KernelConfig
     banded: bool | None = None       # only for causal/window calls (True), only for dense (False), any (None)
-    biased: bool | None = None       # only for calls with a bias/mask (True), only without (False), any (None)
+    extras: bool | None = None       # only for calls with a bias/mask or dropout (True), only without (False), any
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -64,8 +64,8 @@ _SM80 = ((8, 0), (8, 0))          # A100 / A30: 164 KiB shared memory
 _ANY = ((7, 5), (99, 9))          # fallbacks that fit small shared memories
 
 
-def _e(kind, cc, max_d, dtypes, bm, bn, w, s, banded=None, subtiles=1, biased=None):
-    return ConfigEntry(kind, cc[0], cc[1], max_d, dtypes, KernelConfig(bm, bn, w, s, subtiles), banded, biased)
+def _e(kind, cc, max_d, dtypes, bm, bn, w, s, banded=None, subtiles=1, extras=None):
+    return ConfigEntry(kind, cc[0], cc[1], max_d, dtypes, KernelConfig(bm, bn, w, s, subtiles), banded, extras)
 
 
 # Ordered best-first within each (kind, arch); the first entry that matches and fits wins.
@@ -76,14 +76,14 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     # causal 64x64x4x3 442; d=256 64x64x4x3 530 / 439 TFLOP/s.
     # Two query sub-tiles per program (experiment 22, same run's cuDNN in brackets): d=128 dense
     # 256x64x8x3 596 / 582 TFLOP/s at S=4k / 16k against 506 / 475 for the table's one tile
-    # (680 / 674); with a bias 364 against 392, causal 443 / 493 against 451 / 529: kept
-    # off for those.  d=64 causal S=16k 128x128x4x3: 482 against 425 (456); d=64 dense and
+    # (680 / 674); with a bias 364 against 392, with dropout 171 against 205 (grid), causal
+    # 443 / 493 against 451 / 529: kept off for those.  d=64 causal S=16k 128x128x4x3: 482 against 425 (456); d=64 dense and
     # d=256 lose (256: the two accumulators spill, 200 against 545).
     _e(FWD, _SM90, 64, _HALF, 128, 128, 4, 3, banded=False),
-    _e(FWD, _SM90, 64, _HALF, 128, 128, 4, 3, banded=True, subtiles=2, biased=False),
+    _e(FWD, _SM90, 64, _HALF, 128, 128, 4, 3, banded=True, subtiles=2, extras=False),
     _e(FWD, _SM90, 64, _HALF, 128, 64, 8, 3),
     _e(FWD, _SM90, 64, _HALF, 128, 64, 4, 3),
-    _e(FWD, _SM90, 128, _HALF, 256, 64, 8, 3, banded=False, subtiles=2, biased=False),
+    _e(FWD, _SM90, 128, _HALF, 256, 64, 8, 3, banded=False, subtiles=2, extras=False),
     _e(FWD, _SM90, 128, _HALF, 64, 64, 4, 3, banded=True),
     _e(FWD, _SM90, 128, _HALF, 128, 128, 8, 3),
     _e(FWD, _SM90, 128, _HALF, 128, 64, 8, 3),
@@ -165,17 +165,17 @@ def shared_memory_estimate(kind: str, cfg: KernelConfig, block_dqk: int, block_d
 
 def candidate_configs(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype,
                       cc: tuple[int, int], smem_limit: int, banded: bool = False,
-                      biased: bool = False) -> list[KernelConfig]:
+                      extras: bool = False) -> list[KernelConfig]:
     """All table entries that match and fit, best first (like PyTorch's candidate loop).
-    ``banded``: the call is causal or windowed; ``biased``: it has a bias or mask (entries
-    may be reserved for either case)."""
+    ``banded``: the call is causal or windowed; ``extras``: it has a bias, a mask or dropout
+    (entries may be reserved for either case)."""
     return list(_candidates(kind, head_dim_qk, head_dim_v, dtype, tuple(cc), smem_limit, bool(banded),
-                            bool(biased)))
+                            bool(extras)))
 
 
 @functools.lru_cache(maxsize=1024)      # pure function of hashable facts; called on every launch
 def _candidates(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype,
-                cc: tuple[int, int], smem_limit: int, banded: bool, biased: bool) -> tuple[KernelConfig, ...]:
+                cc: tuple[int, int], smem_limit: int, banded: bool, extras: bool) -> tuple[KernelConfig, ...]:
     bdq, bdv = block_d(head_dim_qk), block_d(head_dim_v)
     bd = max(bdq, bdv)
     esize = torch.empty((), dtype=dtype).element_size()
@@ -185,7 +185,7 @@ def _candidates(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype
             continue
         if bd > e.max_block_d or dtype not in e.dtypes:
             continue
-        if (e.banded is not None and e.banded != banded) or (e.biased is not None and e.biased != biased):
+        if (e.banded is not None and e.banded != banded) or (e.extras is not None and e.extras != extras):
             continue
         if shared_memory_estimate(kind, e.config, bdq, bdv, esize) > smem_limit:
             continue

@@ -200,7 +200,7 @@ def config_reason(head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, device,
 
 
 def select_config(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, device,
-                  params: KernelParams | None = None, biased: bool = False) -> list[C.KernelConfig]:
+                  params: KernelParams | None = None, extras: bool = False) -> list[C.KernelConfig]:
     """Candidate configurations, best first (a forced block_m/block_n replaces the tiles, in
     one tile: no sub-tiles)."""
     if is_interpreter() or torch.device(device).type != "cuda":
@@ -208,7 +208,7 @@ def select_config(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dty
     else:
         cc, smem, _ = device_info(device)
         banded = params is not None and (params.window_left >= 0 or params.window_right >= 0)
-        cands = C.candidate_configs(kind, head_dim_qk, head_dim_v, dtype, cc, smem, banded, biased)
+        cands = C.candidate_configs(kind, head_dim_qk, head_dim_v, dtype, cc, smem, banded, extras)
         if not cands:
             raise RuntimeError(C.arch_reason(head_dim_qk, head_dim_v, dtype, cc, smem)
                                or f"no {kind} configuration")
@@ -487,7 +487,7 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
             lse.fill_(-math.inf)
         return _as_dtype(out, q.dtype), lse, seed
     kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
-    cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, biased=kind != 0)
+    cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, extras=kind != 0 or params.dropout_p > 0)
     desc = use_descriptors(params, (q, k, v, out), dev, loop_len=prob.Sk)
     # A row whose first key block may be entirely masked needs the -inf-safe running max.
     may_empty = (kind != 0 or params.window_left >= 0
