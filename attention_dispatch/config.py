@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import os
 import threading
 from pathlib import Path
@@ -175,22 +176,52 @@ def config_version() -> int:
     return _version
 
 
+# Cache keys (decisions, sdpa()'s fast path) name the current config by id().  A config that
+# has been scoped stays referenced here, so its id is never given to another object while a
+# key may hold it; entering and leaving a scope then invalidates nothing, and a step loop
+# under `with use_config(...)` keeps its cached decisions and fast path.
+PIN_LIMIT = 256
+_pinned: dict[int, Config] = {}
+_from_dicts: dict[str, Config] = {}   # equal dicts -> one (frozen) Config, so one id
+
+
+def _pin(config: Config) -> None:
+    if _pinned.get(id(config)) is not config:
+        with _lock:
+            if len(_pinned) >= PIN_LIMIT:   # dropping pins frees ids: no key naming them may hit
+                _pinned.clear()
+                _bump()
+            _pinned[id(config)] = config
+
+
+def _config_of_dict(data: dict) -> Config:
+    try:
+        key = json.dumps(data, sort_keys=True)
+    except (TypeError, ValueError):   # not plain data: validated afresh each time
+        return validate_config(data, "<use_config>")
+    config = _from_dicts.get(key)
+    if config is None:
+        config = validate_config(data, "<use_config>")
+        with _lock:
+            if len(_from_dicts) >= PIN_LIMIT:
+                _from_dicts.clear()
+            _from_dicts[key] = config
+    return config
+
+
 @contextlib.contextmanager
 def use_config(config: Config | dict | str | os.PathLike):
     """Scoped configuration for this context (thread / task); restored on exit."""
     if isinstance(config, dict):
-        config = validate_config(config, "<use_config>")
+        config = _config_of_dict(config)
     elif not isinstance(config, Config):
         config = read_config(config)
+    _pin(config)
     token = _scoped.set(config)
-    with _lock:
-        _bump()
     try:
         yield config
     finally:
         _scoped.reset(token)
-        with _lock:
-            _bump()
 
 
 def env_priority() -> tuple[str, ...] | None:

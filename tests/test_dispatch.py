@@ -666,3 +666,41 @@ def test_fast_path_varlen_bad_offsets_raise_as_on_the_full_path():
                        (torch.tensor([1, 3, 8, 12], dtype=torch.int32), "must start at 0")):
         with pytest.raises(ValueError, match=match):
             ad.sdpa(q, k, v, cu_seqlens_q=bad, cu_seqlens_k=bad, **kw)
+
+
+def test_fast_path_survives_entering_the_same_scoped_config(monkeypatch):
+    """`with ad.use_config(same dict)` around every step: one Config object, nothing
+    invalidated by entering or leaving, so the later steps take the fast path; a scope that
+    changes the decision still does, and leaving it restores the earlier one."""
+    from attention_dispatch import config as config_mod
+    calls = _count_normalize(monkeypatch)
+    q, k, v = qkv(1, 2, 8, 16)
+    seen = set()
+    for _ in range(3):
+        with ad.use_config({"dispatch": {"on_error": "raise"}}) as cfg:
+            seen.add(id(cfg))
+            ad.sdpa(q, k, v)
+    assert len(seen) == 1 and len(calls) == 1
+    outside = ad.last_decision().backend
+    with ad.use_config({"dispatch": {"disabled": [outside]}}):
+        ad.sdpa(q, k, v)
+        assert ad.last_decision().backend != outside
+    ad.sdpa(q, k, v)
+    assert ad.last_decision().backend == outside
+    # ids named by cache keys stay taken: the pinned configs are the scoped ones
+    assert config_mod._pinned[next(iter(seen))] is not None
+
+
+def test_config_pins_are_bounded_and_dropping_them_invalidates_keys(monkeypatch):
+    """Past PIN_LIMIT scoped configs the pins are dropped (their ids may be reused) and the
+    config version moves, so no cached key naming them can hit again."""
+    from attention_dispatch import config as config_mod
+    monkeypatch.setattr(config_mod, "PIN_LIMIT", 3)
+    monkeypatch.setattr(config_mod, "_pinned", {})
+    version = config_mod.config_version()
+    for name in ("math", "torch_cpu", "triton"):      # three distinct configs: pinned, nothing bumped
+        with ad.use_config({"dispatch": {"disabled": [name]}}):
+            pass
+    assert config_mod.config_version() == version and len(config_mod._pinned) == 3
+    with ad.use_config({"dispatch": {"disabled": ["xformers"]}}):
+        assert config_mod.config_version() == version + 1 and len(config_mod._pinned) == 1
