@@ -43,11 +43,12 @@ def run_kernel(q, k, v, causal, cfg, flags):
             *prob.q_strides, *prob.k_strides, *prob.v_strides, 0, 0, 0, 0,
             *prob.out_strides(out), *prob.lse_strides(), prob.Hq, prob.B, prob.group, prob.Sq, prob.Sk,
             0, params.window_left, params.window_right)
-    kw = dict(_common(q, params, prob), BIAS_KIND=0, HAS_DROPOUT=False, BATCH_MINOR=False, **flags)
+    kw = dict(_common(q, params, prob), BIAS_KIND=0, BIAS_DESC=False, HAS_DROPOUT=False, BATCH_MINOR=False,
+              SCALE_POS=True, STORE_LSE=True, **flags)
     grid = (triton.cdiv(prob.Sq, cfg.block_m), prob.B * prob.Hq)
 
     def fn():
-        _attn_fwd[grid](*args, **kw, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        _attn_fwd[grid](*args, **kw, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUBTILES=cfg.subtiles,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out
     return fn
@@ -79,6 +80,9 @@ VARIANTS = {
 for _bm, _bn, _w, _st in ((128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4),
                           (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 2), (256, 64, 8, 2), (128, 32, 4, 3)):
     VARIANTS[f"desc_{_bm}x{_bn}w{_w}s{_st}"] = (dict(USE_DESC=True, MAY_EMPTY=False), (_bm, _bn, _w, _st))
+# two query sub-tiles per program (experiment 22)
+for _bm, _bn, _w, _st in ((256, 64, 8, 3), (256, 64, 8, 2), (128, 64, 4, 3), (128, 128, 4, 3)):
+    VARIANTS[f"sub2_{_bm}x{_bn}w{_w}s{_st}"] = (dict(USE_DESC=True, MAY_EMPTY=False), (_bm, _bn, _w, _st, 2))
 
 
 def main(argv=None):
@@ -103,8 +107,8 @@ def main(argv=None):
             t_cudnn = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
         row = {"S": S, "causal": causal, "D": D, "cudnn": flops / t_cudnn / 1e9}
         for name in names:
-            flags, (bm, bn, w, st) = VARIANTS[name]
-            cfg = C.KernelConfig(bm, bn, w, st)
+            flags, tiles = VARIANTS[name]
+            cfg = C.KernelConfig(*tiles)
             t0 = time.perf_counter()
             try:
                 fn = run_kernel(q, k, v, causal, cfg, flags)
