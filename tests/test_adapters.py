@@ -730,19 +730,21 @@ def test_pinning_context_sets_and_restores_the_flags():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["flash_attn", "torch_flash"])
-def test_gpu_packed_self_attention_top_left_on_bottom_right_kernels(name):
-    """is_causal=True (top-left) on packed sequences with one offsets tensor: the kernels
-    that align causal bottom-right take it (each sequence is square) and match the oracle."""
+@pytest.mark.parametrize("name,causal", [("flash_attn", "top_left"), ("torch_flash", "top_left"),
+                                         ("torch_efficient", "bottom_right")])
+def test_gpu_packed_self_attention_on_kernels_of_the_other_alignment(name, causal):
+    """Causal on packed sequences with one offsets tensor: kernels aligning causal the other
+    way (flash: bottom-right, efficient's nested path: top-left) take it (each sequence is
+    square) and match the oracle."""
     if name == "flash_attn":
         pytest.importorskip("flash_attn.cute")
     lens = [70, 3, 130, 64]
     q, k, v, cu, _ = packed(lens, lens, 4, 2, 64)
     cu_dev = cu.cuda()
     lo = [t.detach().cuda().bfloat16() for t in (q, k, v)]
-    out = attention_dispatch.sdpa(*lo, is_causal=True, cu_seqlens_q=cu_dev, cu_seqlens_k=cu_dev,
+    out = attention_dispatch.sdpa(*lo, causal=causal, cu_seqlens_q=cu_dev, cu_seqlens_k=cu_dev,
                                   max_seqlen_q=max(lens), max_seqlen_k=max(lens), enable_gqa=True, backend=name)
     assert attention_dispatch.last_decision().backend == name
-    ref = naive_attention(q, k, v, causal="top_left", cu_seqlens_q=cu, cu_seqlens_k=cu)
-    naive_lo = naive_attention(*[t.cpu() for t in lo], causal="top_left", cu_seqlens_q=cu, cu_seqlens_k=cu)
+    ref = naive_attention(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    naive_lo = naive_attention(*[t.cpu() for t in lo], causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
     assert_matches(out.cpu(), ref.detach(), naive_lo.detach())

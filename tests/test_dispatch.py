@@ -699,8 +699,8 @@ def test_config_pins_are_bounded_and_dropping_them_invalidates_keys(monkeypatch)
     monkeypatch.setattr(config_mod, "_pinned", {})
     version = config_mod.config_version()
     for name in ("math", "torch_cpu", "triton"):      # three distinct configs: pinned, nothing bumped
-        with ad.use_config({"dispatch": {"disabled": [name]}}):
-            pass
+        with ad.use_config({"dispatch": {"disabled": [name]}}) as cfg:
+            assert config_mod.current_config() is cfg and list(cfg.dispatch.disabled) == [name]
     assert config_mod.config_version() == version and len(config_mod._pinned) == 3
     with ad.use_config({"dispatch": {"disabled": ["xformers"]}}):
         assert config_mod.config_version() == version + 1 and len(config_mod._pinned) == 1

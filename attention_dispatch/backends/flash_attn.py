@@ -310,6 +310,8 @@ class FlashAttnBackend(Backend):
         kwargs = dict(softmax_scale=scale, causal=is_causal, window_size=window_size, deterministic=bool(deterministic))
         if impl.key == "fa2":
             kwargs["dropout_p"] = float(dropout_p)
+        if cu_seqlens_q is not None:
+            kwargs.update(max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
         return impl, kwargs
 
     @staticmethod
@@ -320,6 +322,12 @@ class FlashAttnBackend(Backend):
         out = out[0] if isinstance(out, tuple) else out
         return out.transpose(1, 2)
 
+    @staticmethod
+    def _varlen(func, kwargs: dict, query, key, value, *, cu_seqlens_q, cu_seqlens_k):
+        """Packed (total, H, D) in and out, int32 offsets; ``kwargs`` hold max_seqlen."""
+        out = func(query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
     def run(self, query, key, value, *, attn_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
             max_seqlen_k=None, **options):
         if attn_mask is not None:
@@ -329,9 +337,8 @@ class FlashAttnBackend(Backend):
         if query.numel() == 0 or key.shape[-3 if cu_seqlens_q is not None else -2] == 0:
             return _empty_call(query, key, value, cu_seqlens_q is not None)
         if cu_seqlens_q is not None:
-            out = impl.varlen_func(query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                   max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k), **kwargs)
-            return out[0] if isinstance(out, tuple) else out
+            return self._varlen(impl.varlen_func, kwargs, query, key, value, cu_seqlens_q=cu_seqlens_q,
+                                cu_seqlens_k=cu_seqlens_k)
         return self._dense(impl.func, kwargs, query, key, value)
 
     def prepare(self, query, key, value, options: dict):
@@ -343,13 +350,9 @@ class FlashAttnBackend(Backend):
         impl, kwargs = self._resolve(query, key, value, **options)
         if not varlen:
             return functools.partial(self._dense, impl.func, kwargs)
-        kwargs = dict(kwargs, max_seqlen_q=int(options["max_seqlen_q"]), max_seqlen_k=int(options["max_seqlen_k"]))
-        cu_q0, cu_k0 = options["cu_seqlens_q"], options["cu_seqlens_k"]
-
-        def runner(query, key, value, *, cu_seqlens_q=cu_q0, cu_seqlens_k=cu_k0):
-            out = impl.varlen_func(query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **kwargs)
-            return out[0] if isinstance(out, tuple) else out
-        return runner
+        # each call's offsets override these keywords (partial lets call keywords win)
+        return functools.partial(self._varlen, impl.varlen_func, kwargs, cu_seqlens_q=options["cu_seqlens_q"],
+                                 cu_seqlens_k=options["cu_seqlens_k"])
 
 
 __all__ = ["FlashAttnBackend", "Implementation", "FA2_CAPS", "FA3_CAPS", "FA4_CAPS", "INSTALL_HINT"]
