@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import datetime
 import fnmatch
+import gc
 import json
 import math
 import os
@@ -1093,21 +1094,29 @@ class Runner:
         """`reps` repetitions of `inner` calls, each between its own pair of CUDA events, all
         enqueued back to back with one synchronisation at the end (as triton.testing.do_bench,
         without its L2 flush): device time of a call in steady state, not the host latency
-        before its first kernel (benchmarks/overhead.py measures that).  Milliseconds per call."""
+        before its first kernel (benchmarks/overhead.py measures that).  Milliseconds per call.
+        The garbage collector is off meanwhile (as in timeit): a collection of this process's
+        large heap stalls the host for milliseconds, and the device idles until the next launch."""
         marks = [self.events() for _ in range(reps)]
-        for s, e in marks:
-            s.record()
-            for _ in range(inner):
-                fn()
-            e.record()
-        self.sync()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for s, e in marks:
+                s.record()
+                for _ in range(inner):
+                    fn()
+                e.record()
+            self.sync()
+        finally:
+            if was_enabled:
+                gc.enable()
         return [s.elapsed_time(e) / inner for s, e in marks]
 
     @staticmethod
     def summarize(w: dict, times: list[float]) -> dict:
         med = statistics.median(times)
         return dict(ms=med, reps=len(times), inner=w["inner"], first_call_s=w["first_call_s"],
-                    spread=(max(times) - min(times)) / med)
+                    spread=(max(times) - min(times)) / med, samples_ms=[round(t, 4) for t in times])
 
     def time_fn(self, fn) -> dict:
         """One implementation alone: warm(), then all its repetitions (median)."""
@@ -1157,12 +1166,13 @@ class Runner:
 
     def measure_rounds(self, row: Row, entry: dict, pending: list) -> None:
         """Every warmed-up (implementation, mode) of the row is timed in --rounds interleaved
-        rounds, the order rotated each round, and reported as the median of all its
-        repetitions: the card's clock and power state drift by ~10% over a row (a column
+        rounds, the order rotated each round, each turn after one untimed call, and reported
+        as the median of all its repetitions: the card's clock and power state drift by ~10% over a row (a column
         measured alone could win or lose by that much, docs/perf-notes.md experiment 21)."""
         log, rounds = self.log, max(1, self.args.rounds)
         times: dict[int, list[float]] = {i: [] for i in range(len(pending))}
         failed: dict[int, str] = {}
+        gc.collect()    # sample() keeps the collector off while it times; start from a clean heap
         for rnd in range(rounds):
             k = rnd % max(1, len(pending))
             for i in list(range(k, len(pending))) + list(range(k)):
@@ -1172,6 +1182,10 @@ class Runner:
                 n = 1 if w["est"] > 1000.0 else max(1, math.ceil(w["reps"] / rounds))
                 try:
                     with ctx():
+                        if w["est"] <= 1000.0:
+                            # one untimed call first: the first call of each turn ran up to ~35%
+                            # slower for every implementation alike (experiment 23, samples_ms)
+                            fn()
                         times[i] += self.sample(fn, n, w["inner"])
                 except Exception as e:   # noqa: BLE001
                     failed[i] = first_line(e)

@@ -1,7 +1,9 @@
 """CPU tests of the benchmark's pure helpers: FLOP and pair counting, grid, support table,
 ratios, table / Markdown / JSON output, argument parsing. No timing here."""
+import gc
 import importlib.util
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -385,13 +387,19 @@ def test_time_fn_enqueues_repetitions_back_to_back(monkeypatch):
     monkeypatch.setattr(runner, "sync", lambda: log.append("sync"))
 
     def fn():
-        log.append("call")
+        log.append(("call", gc.isenabled()))
         sum(range(20000))           # ~0.5-1 ms on the host clock
+    assert gc.isenabled()
     r = runner.time_fn(fn)
-    assert r["reps"] >= 3 and r["ms"] > 0
+    assert gc.isenabled()           # restored after the timed repetitions
+    log = [x if x == "sync" else x[0] + ("" if x[1] else "-gc-off") for x in log]
+    assert r["reps"] >= 3 and r["ms"] > 0 and len(r["samples_ms"]) == r["reps"]
+    assert abs(r["ms"] - statistics.median(r["samples_ms"])) < 1e-3
     timed = log[log.index("sync", 2) + 1:]          # after the first call's two syncs
     assert timed.count("sync") == 1 and timed[-1] == "sync"
-    assert timed.count("call") == 2 + r["reps"] * r["inner"]   # estimate + warm-up + repetitions
+    calls = [x for x in timed if x != "sync"]
+    # estimate + warm-up with the collector on, then the timed repetitions with it off
+    assert calls == ["call"] * 2 + ["call-gc-off"] * (r["reps"] * r["inner"])
 
 
 def test_ratios_rotation_summary_and_targets():
@@ -480,8 +488,8 @@ def test_precompile_workers_run_every_row_and_report_errors(tmp_path):
 
 def test_measure_rounds_interleave_and_rotate():
     """A row's measurements run in --rounds rounds, each round starting one implementation
-    later; each result is the median of all its repetitions; a call that fails is reported
-    as an error and skipped in later rounds."""
+    later, each turn opening with one untimed call; each result is the median of all its
+    timed repetitions; a call that fails is reported as an error and skipped in later rounds."""
     import contextlib
     args = bench.parse_args(["--smoke-cpu", "--rounds", "3"])
     runner = bench.Runner(args, bench.Log(None, echo=False))
@@ -497,7 +505,7 @@ def test_measure_rounds_interleave_and_rotate():
     entry = {"results": {n: {"fwd": {"status": "pending", "peak_mib": None}} for n in "abc"}}
     pending = [(n, "fwd", make(n, fail=n == "c"), contextlib.nullcontext, w) for n in "abc"]
     runner.measure_rounds(bench.smoke_grid()[0], entry, pending)
-    assert "".join(order) == "aabbc" + "bbaa" + "aabb"
+    assert "".join(order) == "aaabbbc" + "bbbaaa" + "aaabbb"
     for n in "ab":
         r = entry["results"][n]["fwd"]
         assert r["status"] == "ok" and r["reps"] == 6 and r["rounds"] == 3 and r["ms"] > 0 and r["tflops"] > 0
