@@ -158,13 +158,16 @@ def _attn_bwd_dkdv(
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
             delta = tl.load(Delta + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
 
-            sT = _dot(k, tl.trans(q), DOT_UPCAST, DOT_IEEE) * qk_scale
-            sT = _apply_bias(sT, bias_base, start_m, n0, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, True)
+            # both products issued before the exponentials: the tensor cores compute dP^T while
+            # P^T is exponentiated (docs/perf-notes.md, experiment 25)
+            sT = _dot(k, tl.trans(q), DOT_UPCAST, DOT_IEEE)
+            dpT = _dot(v, tl.trans(do), DOT_UPCAST, DOT_IEEE)
+            sT = _apply_bias(sT * qk_scale, bias_base, start_m, n0, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND,
+                             BIAS_DESC, True)
             if (start_m < full_lo) | (start_m >= full_hi):
                 sT = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
                                          HAS_WL, HAS_WR, True), sT, float("-inf"))
             pT = tl.math.exp2(sT - lse2[None, :])
-            dpT = _dot(v, tl.trans(do), DOT_UPCAST, DOT_IEEE)
             if HAS_DROPOUT:
                 rng_rows = _rng_rows(pid_bh64, seqlen_q, offs_m, seqlen_k)
                 keep = _dropout_keep(seed, rng_rows, n0, dropout_p, BLOCK_N, True)
@@ -307,13 +310,14 @@ def _attn_bwd_dq(
         col_ok = offs_n < sk
         k = _load_tile(k_desc, k_base, start_n, offs_n, sks, col_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
         v = _load_tile(v_desc, v_base, start_n, offs_n, svs, col_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
-        s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
-        s = _apply_bias(s, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, False)
+        s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE)
+        dp = _dot(do, tl.trans(v), DOT_UPCAST, DOT_IEEE)     # issued before the exponentials (as dK/dV)
+        s = _apply_bias(s * qk_scale, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND,
+                        BIAS_DESC, False)
         if (start_n < full_lo) | (start_n >= full_hi):
             s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
                                     HAS_WL, HAS_WR, False), s, float("-inf"))
         p = tl.math.exp2(s - lse2[:, None])
-        dp = _dot(do, tl.trans(v), DOT_UPCAST, DOT_IEEE)
         if HAS_DROPOUT:
             keep = _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N, False)
             dp = tl.where(keep, dp * inv_keep, 0.0)
