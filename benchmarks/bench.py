@@ -577,6 +577,9 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
              + (TIMING_QUEUED if meta.get("timing") == "queued" else
                 "a repetition is one synchronised call (the anchors' own method), or back-to-back calls "
                 "for calls under 0.5 ms; ")
+             + (f"a row's implementations take turns in {meta['rounds']} rounds (order rotated), each turn "
+                "opening with one untimed call, with Python's garbage collector off while timing; "
+                if meta.get("sampling") == "gc-off, untimed call per turn" else "")
              + ("forward = inference (torch.no_grad(); Flex with grad enabled, its compiled graph depends on it)."
                 if meta.get("fwd_timing") == "no_grad" else "forward timed with grad enabled (inputs require grad)."),
              ""]
@@ -1478,7 +1481,7 @@ def main(argv=None) -> int:
     if "flex" in impls:
         runner.load_flex()
     meta = environment(runner)
-    meta.update(fwd_timing="no_grad", timing="queued",
+    meta.update(fwd_timing="no_grad", timing="queued", rounds=args.rounds, sampling="gc-off, untimed call per turn",
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 commit=git_commit(args.commit), quick=args.quick, impls=impls, anchors=list(ANCHORS),
                 command="python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
