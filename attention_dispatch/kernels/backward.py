@@ -158,8 +158,8 @@ def _attn_bwd_dkdv(
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
             delta = tl.load(Delta + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
 
-            # both products issued before the exponentials: the tensor cores compute dP^T while
-            # P^T is exponentiated (docs/perf-notes.md, experiment 25)
+            # both products issued before the exponentials, so that dP^T can run on the tensor
+            # cores while P^T is exponentiated (measured neutral so far: docs/perf-notes.md, exp. 25)
             sT = _dot(k, tl.trans(q), DOT_UPCAST, DOT_IEEE)
             dpT = _dot(v, tl.trans(do), DOT_UPCAST, DOT_IEEE)
             sT = _apply_bias(sT * qk_scale, bias_base, start_m, n0, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND,
