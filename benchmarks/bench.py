@@ -579,7 +579,7 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
                 "for calls under 0.5 ms; ")
              + (f"a row's implementations take turns in {meta['rounds']} rounds (order rotated), each turn "
                 "opening with one untimed call, with Python's garbage collector off while timing; "
-                if meta.get("sampling") == "gc-off, untimed call per turn" else "")
+                if meta.get("sampling") == SAMPLING else "")
              + ("forward = inference (torch.no_grad(); Flex with grad enabled, its compiled graph depends on it)."
                 if meta.get("fwd_timing") == "no_grad" else "forward timed with grad enabled (inputs require grad)."),
              ""]
@@ -1170,8 +1170,9 @@ class Runner:
     def measure_rounds(self, row: Row, entry: dict, pending: list) -> None:
         """Every warmed-up (implementation, mode) of the row is timed in --rounds interleaved
         rounds, the order rotated each round, each turn after one untimed call, and reported
-        as the median of all its repetitions: the card's clock and power state drift by ~10% over a row (a column
-        measured alone could win or lose by that much, docs/perf-notes.md experiment 21)."""
+        as the median of all its repetitions: the card's clock and power state drift by ~10%
+        over a row (a column measured alone could win or lose by that much, docs/perf-notes.md
+        experiments 21 and 24)."""
         log, rounds = self.log, max(1, self.args.rounds)
         times: dict[int, list[float]] = {i: [] for i in range(len(pending))}
         failed: dict[int, str] = {}
@@ -1187,7 +1188,7 @@ class Runner:
                     with ctx():
                         if w["est"] <= 1000.0:
                             # one untimed call first: the first call of each turn ran up to ~35%
-                            # slower for every implementation alike (experiment 23, samples_ms)
+                            # slower for every implementation alike (experiment 24, samples_ms)
                             fn()
                         times[i] += self.sample(fn, n, w["inner"])
                 except Exception as e:   # noqa: BLE001
@@ -1324,6 +1325,7 @@ class Runner:
             res["check_error"] = first_line(e)
 
 
+SAMPLING = "gc-off, untimed call per turn"   # meta["sampling"] of runs that time as measure_rounds does now
 TIMING_QUEUED = ("repetitions are enqueued back to back, each between its own CUDA events, with one "
                  "synchronisation at the end (device time in steady state, as triton.testing.do_bench; "
                  "the host time of one call is benchmarks/overhead.py's); calls under 0.5 ms are grouped; ")
@@ -1481,7 +1483,7 @@ def main(argv=None) -> int:
     if "flex" in impls:
         runner.load_flex()
     meta = environment(runner)
-    meta.update(fwd_timing="no_grad", timing="queued", rounds=args.rounds, sampling="gc-off, untimed call per turn",
+    meta.update(fwd_timing="no_grad", timing="queued", rounds=args.rounds, sampling=SAMPLING,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 commit=git_commit(args.commit), quick=args.quick, impls=impls, anchors=list(ANCHORS),
                 command="python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -286,6 +286,10 @@ def test_write_outputs_json_doc_and_table(tmp_path):
         assert needle in text, needle
     assert "bf16 hdim 128" in table and "S=16384 causal" in table and "targets (triton)" in table
     assert "Fake GPU" in table.splitlines()[-1]
+    assert "untimed call" not in text          # older runs did not sample that way: not claimed
+    data["meta"].update(rounds=5, sampling=bench.SAMPLING)
+    bench.write_outputs(data, tmp_path / "out", doc, plot=False)
+    assert "take turns in 5 rounds (order rotated), each turn opening with one untimed call" in doc.read_text()
 
 
 def test_plot_links_are_relative(tmp_path):
