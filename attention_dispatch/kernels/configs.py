@@ -77,8 +77,9 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     # Two query sub-tiles per program (experiment 22, same run's cuDNN in brackets): d=128 dense
     # 256x64x8x3 596 / 582 TFLOP/s at S=4k / 16k against 506 / 475 for the table's one tile
     # (680 / 674); with a bias 364 against 392, with dropout 171 against 205 (grid), causal
-    # 443 / 493 against 451 / 529: kept off for those.  d=64 causal S=16k 128x128x4x3: 482 against 425 (456); d=64 dense and
-    # d=256 lose (256: the two accumulators spill, 200 against 545).
+    # 443 / 493 against 451 / 529: kept off for those.  d=64 causal S=16k 128x128x4x3: 482
+    # against 425 (456); d=64 dense and d=256 lose (256: the two accumulators spill, 200
+    # against 545).
     _e(FWD, _SM90, 64, _HALF, 128, 128, 4, 3, banded=False),
     _e(FWD, _SM90, 64, _HALF, 128, 128, 4, 3, banded=True, subtiles=2, extras=False),
     _e(FWD, _SM90, 64, _HALF, 128, 64, 8, 3),

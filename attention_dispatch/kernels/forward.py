@@ -388,24 +388,19 @@ def _attn_fwd(
     # masked leading edge (window left), unmasked middle, masked trailing edge (causal, sk)
     mid_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
-    acc, l_i, m_i, acc_b, l_b, m_b = _fwd_range(
-        acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng_rows_b, k_desc, v_desc, k_base, v_base,
-        lo, mid_lo, offs_n0, offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
-        bias_base, sbi, sbj, seed, dropout_p, True, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC,
-        HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, USE_DESC, SUBTILES, DOT_UPCAST, DOT_IEEE,
-        ROUND_P)
-    acc, l_i, m_i, acc_b, l_b, m_b = _fwd_range(
-        acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng_rows_b, k_desc, v_desc, k_base, v_base,
-        mid_lo, mid_hi, offs_n0, offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
-        bias_base, sbi, sbj, seed, dropout_p, False, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC,
-        HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, USE_DESC, SUBTILES, DOT_UPCAST, DOT_IEEE,
-        ROUND_P)
-    acc, l_i, m_i, acc_b, l_b, m_b = _fwd_range(
-        acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng_rows_b, k_desc, v_desc, k_base, v_base,
-        mid_hi, hi, offs_n0, offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
-        bias_base, sbi, sbj, seed, dropout_p, True, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC,
-        HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, USE_DESC, SUBTILES, DOT_UPCAST, DOT_IEEE,
-        ROUND_P)
+    for part in tl.static_range(3):   # unrolled at compile time: three loops, only the middle one unmasked
+        if part == 0:
+            n_lo, n_hi = lo, mid_lo
+        elif part == 1:
+            n_lo, n_hi = mid_lo, mid_hi
+        else:
+            n_lo, n_hi = mid_hi, hi
+        acc, l_i, m_i, acc_b, l_b, m_b = _fwd_range(
+            acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng_rows_b, k_desc, v_desc, k_base,
+            v_base, n_lo, n_hi, offs_n0, offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left,
+            window_right, bias_base, sbi, sbj, seed, dropout_p, part != 1, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR,
+            BIAS_KIND, BIAS_DESC, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, USE_DESC, SUBTILES,
+            DOT_UPCAST, DOT_IEEE, ROUND_P)
     o_desc = _tile_desc(O, o_base, sq, sos, HEAD_DV, HALF, BLOCK_DV, USE_DESC)
     _fwd_store(acc, l_i, m_i, o_desc, o_base, lse_base, m0, offs_m, sq, sos, sls, dropout_p, offs_dv,
                HEAD_DV, BLOCK_DV, USE_DESC, HAS_DROPOUT, STORE_LSE)
