@@ -206,7 +206,7 @@ def _plan_inputs(dev, s=24, d=16, dtype=torch.float32):
 
 
 @pytest.mark.skipif(not is_interpreter(), reason="fake relaunch through the interpreter")
-@pytest.mark.parametrize("feature", ["dense", "causal", "gqa"])
+@pytest.mark.parametrize("feature", ["dense", "causal", "gqa", "bshd", "dv"])
 def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
     """A plan captures the forward's one launch and later relaunches it with the new call's
     query/key/value and freshly allocated outputs (the interpreter stands in for the compiled
@@ -229,10 +229,16 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
     q, k, v = _plan_inputs("cpu")
     if feature == "gqa":
         k, v = k[:, :1].contiguous(), v[:, :1].contiguous()
+    elif feature == "bshd":    # (B, S, H, D) memory seen as (B, H, S, D): the output is not q's layout
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    elif feature == "dv":      # value head dim != query head dim: the output is not q's shape
+        v = torch.randn(2, 3, 24, 8)
     plan = prepare_attention(q, k, v, None, params)
     assert isinstance(plan, ForwardPlan)
     first = plan(q, k, v)
     assert plan.launch is not None and relaunched == []
+    # the output is allocated like q (empty_like) only where that is the layout the launch captured
+    assert plan.out_like_query == (feature in ("dense", "causal", "gqa"))
     for _ in range(2):
         q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))   # same shapes and strides (the contract)
         got = plan(q2, k2, v2)

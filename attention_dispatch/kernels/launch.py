@@ -526,7 +526,7 @@ class ForwardPlan:
     else (several chunks, a dropout seed, an empty problem, a dtype conversion) keeps the
     full path every time."""
 
-    __slots__ = ("params", "device", "launch", "out_shape")
+    __slots__ = ("params", "device", "launch", "out_shape", "out_like_query")
 
     def __init__(self, query, params: KernelParams):
         self.params, self.device, self.launch = params, query.device, None
@@ -535,11 +535,19 @@ class ForwardPlan:
         launch = self.launch
         if launch is None or _hooks_installed():
             return self._first(q, k, v)
-        entry, grid, sources, scalars, desc = launch
-        pool = (q, k, v, torch.empty(self.out_shape, device=self.device, dtype=q.dtype))
+        entry, grid, sources, scalars, desc, addresses = launch
+        # empty_like: one C call without torch.empty's argument parsing (~1 us of host time)
+        out = (torch.empty_like(q) if self.out_like_query
+               else torch.empty(self.out_shape, device=self.device, dtype=q.dtype))
+        # Triton's launcher takes an int as the address itself; for a tensor it calls data_ptr()
+        # and cuPointerGetAttribute, once per pointer argument (the dummies repeat q)
+        pool = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()) if addresses else (q, k, v, out)
         args = (*[pool[i] for i in sources], *scalars)
-        _run_with_scratch(self.device, desc, lambda: relaunch(entry, grid, args))
-        return pool[3]
+        if desc:
+            _run_with_scratch(self.device, desc, lambda: relaunch(entry, grid, args))
+        else:
+            relaunch(entry, grid, args)
+        return out
 
     def _first(self, q, k, v):
         with COMPILED.capture() as launches:
@@ -556,7 +564,12 @@ class ForwardPlan:
                     return out
                 sources.append(idx)
             self.out_shape = tuple(out.shape)
-            self.launch = (entry, grid, tuple(sources), tuple(args[len(sources):]), constexprs.get("USE_DESC", False))
+            # the same layout from empty_like: q and out both contiguous of one shape and dtype
+            self.out_like_query = (out.shape == q.shape and out.dtype == q.dtype and q.is_contiguous()
+                                   and out.is_contiguous())
+            # addresses as ints for the compiled launcher; the interpreter (CPU tests) needs tensors
+            self.launch = (entry, grid, tuple(sources), tuple(args[len(sources):]), constexprs.get("USE_DESC", False),
+                           not is_interpreter())
         return out
 
 
