@@ -158,8 +158,8 @@ def _attn_bwd_dkdv(
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
             delta = tl.load(Delta + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
 
-            # both products issued before the exponentials, so that dP^T can run on the tensor
-            # cores while P^T is exponentiated (measured neutral so far: docs/perf-notes.md, exp. 25)
+            # both products first: Triton 3.6 waits for each one where it is issued, so this
+            # order and the other one compile to the same schedule (neutral: perf-notes exp. 25, 27)
             sT = _dot(k, tl.trans(q), DOT_UPCAST, DOT_IEEE)
             dpT = _dot(v, tl.trans(do), DOT_UPCAST, DOT_IEEE)
             sT = _apply_bias(sT * qk_scale, bias_base, start_m, n0, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND,
@@ -311,7 +311,7 @@ def _attn_bwd_dq(
         k = _load_tile(k_desc, k_base, start_n, offs_n, sks, col_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
         v = _load_tile(v_desc, v_base, start_n, offs_n, svs, col_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
         s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE)
-        dp = _dot(do, tl.trans(v), DOT_UPCAST, DOT_IEEE)     # issued before the exponentials (as dK/dV)
+        dp = _dot(do, tl.trans(v), DOT_UPCAST, DOT_IEEE)     # the same order as dK/dV
         s = _apply_bias(s * qk_scale, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND,
                         BIAS_DESC, False)
         if (start_n < full_lo) | (start_n >= full_hi):
