@@ -315,8 +315,9 @@ def test_varlen_all_empty():
 @pytest.mark.parametrize("feature", ["dense", "causal_br", "window", "bias", "varlen_gqa_dropout", "varlen_empty",
                                      "dv_ne_dqk"])
 def test_descriptor_path(feature):
-    """descriptors=1: every tile load through tensor descriptors (the Hopper path; the
-    interpreter emulates TMA's out-of-bounds zero fill) matches the oracle like the pointer path."""
+    """descriptors=1: every streamed tile (K/V in the forward and dQ passes, Q/dO in dK/dV)
+    through tensor descriptors (the Hopper path; the interpreter emulates TMA's out-of-bounds
+    zero fill) matches the oracle like the pointer path."""
     if feature == "varlen_gqa_dropout":
         q, k, v, cu_q, cu_k, msq, msk = varlen_inputs((5, 0, 17, 33), (9, 4, 17, 20), hq=4, hkv=2, d=32)
         run_and_check(q, k, v, causal="bottom_right", dropout_p=0.2, cu_q=cu_q, cu_k=cu_k,
