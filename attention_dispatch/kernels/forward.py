@@ -290,9 +290,9 @@ def _attn_fwd(
     USE_DESC: tl.constexpr, MAY_EMPTY: tl.constexpr, SCALE_POS: tl.constexpr, STORE_LSE: tl.constexpr,
     SUBTILES: tl.constexpr = 1,
 ):
-    """USE_DESC: K/V through TMA tensor descriptors built in-kernel per (sequence, head)
-    (Hopper+; the launcher checks the 16-byte alignment TMA needs and provides the scratch
-    allocator).  MAY_EMPTY: some row may see only masked keys in its first key block.
+    """USE_DESC: K/V (and Q beside a bias descriptor) through TMA tensor descriptors built
+    in-kernel per (sequence, head) (Hopper+; the launcher checks the 16-byte alignment TMA
+    needs and provides the scratch allocator).  MAY_EMPTY: some row may see only masked keys in its first key block.
     The band-masked edge key blocks run in their own loops and the middle loop runs
     unmasked: one loop with a per-block branch around two copies of the step pipelines
     badly (docs/perf-notes.md, experiment 4).  SUBTILES=2: the BLOCK_M rows are processed
@@ -339,8 +339,10 @@ def _attn_fwd(
     k_desc = _tile_desc(K, k_base, sk, sks, HEAD_DQK, BLOCK_N, BLOCK_DQK, USE_DESC)
     v_desc = _tile_desc(V, v_base, sk, svs, HEAD_DV, BLOCK_N, BLOCK_DV, USE_DESC)
     # Q (read once) and O (written once) through pointers: each in-kernel descriptor is a
-    # tensormap written and fenced per program (descriptors for them: -0-12%, experiment 29)
-    q = _load_tile(Q, q_base, m0, offs_m, sqs, offs_m < sq, offs_dq, HEAD_DQK, BLOCK_DQK, False)
+    # tensormap written and fenced per program (descriptors for them: -0-12%, experiment 29).
+    # Beside a bias descriptor Q keeps one: Triton 3.6's ptxas (12.8) crashes (SIGSEGV) on
+    # the pointer load of Q next to the in-kernel bias tensormap, for every tile shape.
+    q = _load_q(Q, q_base, m0, offs_m, sq, sqs, offs_dq, HEAD_DQK, HALF, BLOCK_DQK, BIAS_DESC)
 
     # ---- key range: blocks entirely outside the band are skipped by the loop bounds ----
     m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
@@ -370,8 +372,7 @@ def _attn_fwd(
     l_i = tl.zeros([HALF], dtype=tl.float32)
     acc = tl.zeros([HALF, BLOCK_DV], dtype=tl.float32)
     if SUBTILES == 2:
-        q_b = _load_tile(Q, q_base, m0 + HALF, offs_m + HALF, sqs, offs_m + HALF < sq, offs_dq, HEAD_DQK,
-                         BLOCK_DQK, False)
+        q_b = _load_q(Q, q_base, m0 + HALF, offs_m + HALF, sq, sqs, offs_dq, HEAD_DQK, HALF, BLOCK_DQK, BIAS_DESC)
         m_b = tl.full([HALF], float("-inf"), dtype=tl.float32)
         l_b = tl.zeros([HALF], dtype=tl.float32)
         acc_b = tl.zeros([HALF, BLOCK_DV], dtype=tl.float32)
@@ -407,6 +408,17 @@ def _attn_fwd(
     if SUBTILES == 2:
         _fwd_store(acc_b, l_b, m_b, o_base, lse_base, offs_m + HALF, sq, sos, sls, dropout_p,
                    offs_dv, HEAD_DV, BLOCK_DV, HAS_DROPOUT, STORE_LSE)
+
+
+@triton.jit
+def _load_q(Q, q_base, row0, offs_m, sq, sqs, offs_dq, HEAD_DQK: tl.constexpr, HALF: tl.constexpr,
+            BLOCK_DQK: tl.constexpr, VIA_DESC: tl.constexpr):
+    """The (HALF, BLOCK_DQK) query tile at rows ``row0``.. (``offs_m``): pointer loads, or
+    with VIA_DESC one TMA copy through a descriptor built here."""
+    if VIA_DESC:
+        return _tile_desc(Q, q_base, sq, sqs, HEAD_DQK, HALF, BLOCK_DQK, True).load([row0, 0])
+    else:
+        return _load_tile(Q, q_base, row0, offs_m, sqs, offs_m < sq, offs_dq, HEAD_DQK, BLOCK_DQK, False)
 
 
 @triton.jit

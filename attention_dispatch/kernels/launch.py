@@ -488,7 +488,8 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
         return _as_dtype(out, q.dtype), lse, seed
     kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
     cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, extras=kind != 0 or params.dropout_p > 0)
-    desc = use_descriptors(params, (k, v), dev, loop_len=prob.Sk)   # K/V only (Q, O: pointers)
+    # Q is checked too: it goes through a descriptor beside a bias descriptor (forward.py)
+    desc = use_descriptors(params, (q, k, v), dev, loop_len=prob.Sk)
     # A row whose first key block may be entirely masked needs the -inf-safe running max.
     may_empty = (kind != 0 or params.window_left >= 0
                  or (params.window_right >= 0 and params.align_bottom_right
