@@ -514,3 +514,39 @@ def test_measure_rounds_interleave_and_rotate():
         r = entry["results"][n]["fwd"]
         assert r["status"] == "ok" and r["reps"] == 6 and r["rounds"] == 3 and r["ms"] > 0 and r["tflops"] > 0
     assert entry["results"]["c"]["fwd"] == {"status": "error", "note": "RuntimeError: boom"}
+
+
+# ----------------------------------------------------------------------------- compile_sm90.py
+
+def test_compile_sm90_covers_every_sm90_entry_and_compiles_one():
+    """Every sm90 table entry yields at least one case, each case's feature set is one the
+    entry can be chosen for, and the smallest forward case compiles for sm90 on this
+    GPU-less machine (in a process without the interpreter, which compiles nothing)."""
+    import os
+    import subprocess
+    cs = _load("compile_sm90")
+    from attention_dispatch.kernels import configs as C
+    cases = list(cs.kernel_cases())
+    sm90 = [e for e in C.CONFIG_TABLE if e.min_cc == (9, 0)]
+    assert {id(e) for _, e, _, _ in cases} == {id(e) for e in sm90}
+    for kind, e, label, const in cases:
+        assert e.banded is None or e.banded == const["HAS_WR"], (e, label)
+        assert e.extras is None or e.extras == (const["BIAS_KIND"] != 0 or const["HAS_DROPOUT"]), (e, label)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_sm90.py"), "--kinds", "fwd", "--limit", "1"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "1 kernels compiled for sm90, 0 failed" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+def test_compile_sm90_reports_a_compiler_crash(monkeypatch, capsys):
+    cs = _load("compile_sm90")
+
+    def crash(*a, **k):
+        raise RuntimeError("PTXAS error: `ptxas` failed with error code -11")
+    monkeypatch.setattr(cs.triton, "compile", crash)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert cs.main(["--limit", "1"]) == 2 and "interpreter compiles nothing" in capsys.readouterr().out
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert cs.main(["--kinds", "bwd_dq", "--limit", "2"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("FAILED bwd_dq") == 2 and "error code -11" in out and "2 kernels compiled for sm90, 2 failed" in out

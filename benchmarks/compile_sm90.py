@@ -1,0 +1,95 @@
+"""Compile every sm90 kernel of the configuration table for sm90, without a GPU.
+
+    python benchmarks/compile_sm90.py [--kinds fwd,bwd_dkdv,bwd_dq] [--limit N]
+
+Each sm90 table entry (kernel kind, head dim, tiles, warps, stages) is compiled with the
+installed Triton down to a cubin (ptxas runs), for every feature set the entry can be
+chosen for: causal, dense, float bias through a TMA descriptor with dropout, float bias,
+bool mask, dropout.  Triton 3.6's ptxas crashed (SIGSEGV) on one of these combinations
+(docs/perf-notes.md, experiment 29); this finds such a crash on the development machine
+(`pip install triton==<the GPU's version>` in a scratch venv) before a GPU run does.
+Prints one line per failure and a summary; exit status 1 when anything failed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from attention_dispatch.kernels import backward, configs as C, forward  # noqa: E402
+
+KERNELS = {C.FWD: forward._attn_fwd, C.BWD_DKDV: backward._attn_bwd_dkdv, C.BWD_DQ: backward._attn_bwd_dq}
+POINTERS = dict({n: "*bf16" for n in ("Q", "K", "V", "Bias", "O", "DO", "DK", "DV", "DQ", "DB")},
+                LSE="*fp32", Delta="*fp32", Seed="*i64", CuQ="*i32", CuK="*i32")
+FLOATS = ("qk_scale", "sm_scale", "dropout_p")
+# (label, causal, bias kind, bias through a descriptor, dropout)
+FEATURES = (("causal", True, 0, False, False), ("dense", False, 0, False, False),
+            ("bias-desc+dropout", True, 1, True, True), ("bias-desc", False, 1, True, False),
+            ("bool-mask", False, 2, False, False), ("dropout", False, 0, False, True))
+
+
+def kernel_cases(kinds=tuple(KERNELS)):
+    """(kind, entry, feature label, constexprs) for every sm90 entry and the features it serves."""
+    for e in C.CONFIG_TABLE:
+        if e.kind not in kinds or e.min_cc != (9, 0):
+            continue
+        d, cfg = e.max_block_d, e.config
+        for label, causal, bias, bias_desc, dropout in FEATURES:
+            if (e.banded is not None and e.banded != causal) or (e.extras is not None and e.extras != (bias != 0 or dropout)):
+                continue
+            yield e.kind, e, label, dict(
+                HEAD_DQK=d, HEAD_DV=d, IS_VARLEN=False, ALIGN_BR=causal, HAS_WL=False, HAS_WR=causal,
+                BIAS_KIND=bias, BIAS_DESC=bias_desc, HAS_DROPOUT=dropout, BATCH_MINOR=False,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DQK=d, BLOCK_DV=d, DOT_UPCAST=False,
+                DOT_IEEE=False, ROUND_P=True, USE_DESC=True, MAY_EMPTY=causal or bias != 0, SCALE_POS=True,
+                STORE_LSE=True, SUBTILES=cfg.subtiles, BIAS_GRAD=bias == 1, DB_SUM_ROWS=False,
+                DB_SUM_HEADS=False, ATOMIC=False)
+
+
+def compile_case(kind: str, entry, constexprs: dict) -> str | None:
+    """Compile one kernel for sm90 (bf16); None when it compiled, else the error's first line."""
+    fn = KERNELS[kind]
+    names = fn.arg_names
+    const = {k: v for k, v in constexprs.items() if k in names}
+    sig = {n: "constexpr" if n in const else POINTERS.get(n, "fp32" if n in FLOATS else "i32") for n in names}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    try:
+        triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=entry.config.num_warps, num_stages=entry.config.num_stages))
+    except Exception as e:  # noqa: BLE001 - a compiler failure is the finding
+        return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:200]
+    return None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kinds", type=lambda s: tuple(s.split(",")), default=tuple(KERNELS))
+    p.add_argument("--limit", type=int, default=0, help="compile only the first N cases (0: all)")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("TRITON_INTERPRET=1: the interpreter compiles nothing; run without it")
+        return 2
+    failed = n = 0
+    for kind, entry, label, const in kernel_cases(args.kinds):
+        if args.limit and n >= args.limit:
+            break
+        n += 1
+        err = compile_case(kind, entry, const)
+        if err:
+            failed += 1
+            print(f"FAILED {kind} d<={entry.max_block_d} {entry.config} {label}: {err}", flush=True)
+    print(f"triton {triton.__version__}: {n} kernels compiled for sm90, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
