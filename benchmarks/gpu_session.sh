@@ -13,10 +13,10 @@ source .gpudeps/gpu-env.sh
 source .fa4b/fa4-env.sh || echo "flash-attn 4 not prepared: its rows and tests are skipped"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-}
 case "$what" in
-  tests)     # ~9 minutes on an H100
+  tests)     # the adapters and the capability claims (the kernel's own tests: `kernel`; both together
+             # outgrew one call: 102 of ~110 in 570 s at 7a3041f)
     timeout 570 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
-      tests/test_triton_kernel.py tests/test_compiled_cache.py tests/test_adapters.py tests/test_capabilities.py \
-      tests/test_compile.py \
+      tests/test_adapters.py tests/test_capabilities.py \
       2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
   bench)     # the full grid (kernels compiled first by 8 worker processes: --precompile-workers),
              # then the CUDA host overhead (~20 s)
