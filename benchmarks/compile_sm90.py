@@ -44,7 +44,8 @@ def kernel_cases(kinds=tuple(KERNELS)):
             continue
         d, cfg = e.max_block_d, e.config
         for label, causal, bias, bias_desc, dropout in FEATURES:
-            if (e.banded is not None and e.banded != causal) or (e.extras is not None and e.extras != (bias != 0 or dropout)):
+            extras = bias != 0 or dropout
+            if (e.banded is not None and e.banded != causal) or (e.extras is not None and e.extras != extras):
                 continue
             yield e.kind, e, label, dict(
                 HEAD_DQK=d, HEAD_DV=d, IS_VARLEN=False, ALIGN_BR=causal, HAS_WL=False, HAS_WR=causal,

@@ -292,11 +292,11 @@ def _attn_fwd(
 ):
     """USE_DESC: K/V (and Q beside a bias descriptor) through TMA tensor descriptors built
     in-kernel per (sequence, head) (Hopper+; the launcher checks the 16-byte alignment TMA
-    needs and provides the scratch allocator).  MAY_EMPTY: some row may see only masked keys in its first key block.
-    The band-masked edge key blocks run in their own loops and the middle loop runs
-    unmasked: one loop with a per-block branch around two copies of the step pipelines
-    badly (docs/perf-notes.md, experiment 4).  SUBTILES=2: the BLOCK_M rows are processed
-    as two halves that share every K/V block (:func:`_fwd_range`)."""
+    needs and provides the scratch allocator).  MAY_EMPTY: some row may see only masked keys
+    in its first key block.  The band-masked edge key blocks run in their own loops and the
+    middle loop runs unmasked: one loop with a per-block branch around two copies of the step
+    pipelines badly (docs/perf-notes.md, experiment 4).  SUBTILES=2: the BLOCK_M rows are
+    processed as two halves that share every K/V block (:func:`_fwd_range`)."""
     # Last query tiles first: under a causal band they have the most keys, and starting
     # the longest programs first shortens the tail of the launch.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -424,7 +424,7 @@ def _load_q(Q, q_base, row0, offs_m, sq, sqs, offs_dq, HEAD_DQK: tl.constexpr, H
 @triton.jit
 def _fwd_store(acc, l_i, m_i, o_base, lse_base, offs_m, sq, sos, sls, dropout_p, offs_dv,
                HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_LSE: tl.constexpr):
-    """Normalise the rows ``offs_m`` (from ``m0``) and store them and, with STORE_LSE, their
+    """Normalise the rows ``offs_m`` and store them and, with STORE_LSE, their
     logsumexp (natural log; -inf for a row with no allowed key, whose output is 0)."""
     row_ok = offs_m < sq
     empty = l_i == 0.0
