@@ -150,13 +150,13 @@ def use_descriptors(params: "KernelParams", tensors, device: torch.device, loop_
     return True
 
 
-def _run_with_scratch(device: torch.device, uses_descriptors: bool, fn):
-    """Run ``fn`` (kernel launches) with a scratch allocator for in-kernel descriptors."""
+def _run_with_scratch(device: torch.device, uses_descriptors: bool, fn, *args):
+    """``fn(*args)`` (kernel launches) with a scratch allocator for in-kernel descriptors."""
     if not uses_descriptors or not isinstance(_TRITON_ALLOCATOR.get(), _NullAllocator):
-        return fn()
+        return fn(*args)
     token = _TRITON_ALLOCATOR.set(_ScratchAllocator(device))
     try:
-        return fn()
+        return fn(*args)
     finally:
         _TRITON_ALLOCATOR.reset(token)
 
@@ -247,8 +247,8 @@ def _launch(kind, kernel, grid, args, kw, cands, key):
             tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
             if kind == C.FWD:
                 tiles["SUBTILES"] = cfg.subtiles
-            _run_with_scratch(args[0].device, kw.get("USE_DESC", False), functools.partial(
-                _launch_one, kernel, grid(cfg), args, dict(kw, **tiles), cfg.num_warps, cfg.num_stages))
+            _run_with_scratch(args[0].device, kw.get("USE_DESC", False), _launch_one, kernel, grid(cfg), args,
+                              dict(kw, **tiles), cfg.num_warps, cfg.num_stages)
             _CHOSEN[key] = idx
             return cfg
         except Exception as e:  # noqa: BLE001
@@ -544,10 +544,7 @@ class ForwardPlan:
         # and cuPointerGetAttribute, once per pointer argument (the dummies repeat q)
         pool = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()) if addresses else (q, k, v, out)
         args = (*[pool[i] for i in sources], *scalars)
-        if desc:
-            _run_with_scratch(self.device, desc, lambda: relaunch(entry, grid, args))
-        else:
-            relaunch(entry, grid, args)
+        _run_with_scratch(self.device, desc, relaunch, entry, grid, args)
         return out
 
     def _first(self, q, k, v):
