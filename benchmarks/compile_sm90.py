@@ -44,8 +44,7 @@ def kernel_cases(kinds=tuple(KERNELS)):
             continue
         d, cfg = e.max_block_d, e.config
         for label, causal, bias, bias_desc, dropout in FEATURES:
-            extras = bias != 0 or dropout
-            if (e.banded is not None and e.banded != causal) or (e.extras is not None and e.extras != extras):
+            if not e.serves(causal, bias != 0 or dropout):
                 continue
             yield e.kind, e, label, dict(
                 HEAD_DQK=d, HEAD_DV=d, IS_VARLEN=False, ALIGN_BR=causal, HAS_WL=False, HAS_WR=causal,

@@ -524,14 +524,16 @@ def test_compile_sm90_covers_every_sm90_entry_and_compiles_one():
     GPU-less machine (in a process without the interpreter, which compiles nothing)."""
     import os
     import subprocess
+    import torch
     cs = _load("compile_sm90")
     from attention_dispatch.kernels import configs as C
     cases = list(cs.kernel_cases())
     sm90 = [e for e in C.CONFIG_TABLE if e.min_cc == (9, 0)]
     assert {id(e) for _, e, _, _ in cases} == {id(e) for e in sm90}
-    for kind, e, label, const in cases:
-        assert e.banded is None or e.banded == const["HAS_WR"], (e, label)
-        assert e.extras is None or e.extras == (const["BIAS_KIND"] != 0 or const["HAS_DROPOUT"]), (e, label)
+    for kind, e, label, const in cases:    # the features a case compiles are ones the entry is chosen for
+        banded, extras = const["HAS_WR"], const["BIAS_KIND"] != 0 or const["HAS_DROPOUT"]
+        assert C.candidate_configs(kind, e.max_block_d, e.max_block_d, torch.bfloat16, e.min_cc, 1 << 30,
+                                   banded, extras).count(e.config) == 1, (e, label)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "compile_sm90.py"), "--kinds", "fwd", "--limit", "1"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -54,6 +54,10 @@ class ConfigEntry:
     banded: bool | None = None       # only for causal/window calls (True), only for dense (False), any (None)
     extras: bool | None = None       # only for calls with a bias/mask or dropout (True), only without (False), any
 
+    def serves(self, banded: bool, extras: bool) -> bool:
+        """Whether the entry may be chosen for a call that is (not) banded and has (no) extras."""
+        return (self.banded is None or self.banded == banded) and (self.extras is None or self.extras == extras)
+
 
 _HALF = (torch.float16, torch.bfloat16)
 _F32 = (torch.float32,)
@@ -186,7 +190,7 @@ def _candidates(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype
             continue
         if bd > e.max_block_d or dtype not in e.dtypes:
             continue
-        if (e.banded is not None and e.banded != banded) or (e.extras is not None and e.extras != extras):
+        if not e.serves(banded, extras):
             continue
         if shared_memory_estimate(kind, e.config, bdq, bdv, esize) > smem_limit:
             continue
