@@ -5,7 +5,8 @@
 Each sm90 table entry (kernel kind, head dim, tiles, warps, stages) is compiled with the
 installed Triton down to a cubin (ptxas runs), for every feature set the entry can be
 chosen for: causal, dense, float bias through a TMA descriptor with dropout, float bias,
-bool mask, dropout.  Triton 3.6's ptxas crashed (SIGSEGV) on one of these combinations
+bool mask, dropout; forward kernels with K/V through in-kernel and through host-built
+descriptors.  Triton 3.6's ptxas crashed (SIGSEGV) on one of these combinations
 (docs/perf-notes.md, experiment 29); this finds such a crash on the development machine
 (`pip install triton==<the GPU's version>` in a scratch venv) before a GPU run does.
 Prints one line per failure and a summary; exit status 1 when anything failed.
@@ -46,13 +47,20 @@ def kernel_cases(kinds=tuple(KERNELS)):
         for label, causal, bias, bias_desc, dropout in FEATURES:
             if not e.serves(causal, bias != 0 or dropout):
                 continue
-            yield e.kind, e, label, dict(
-                HEAD_DQK=d, HEAD_DV=d, IS_VARLEN=False, ALIGN_BR=causal, HAS_WL=False, HAS_WR=causal,
-                BIAS_KIND=bias, BIAS_DESC=bias_desc, HAS_DROPOUT=dropout, BATCH_MINOR=False,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DQK=d, BLOCK_DV=d, DOT_UPCAST=False,
-                DOT_IEEE=False, ROUND_P=True, USE_DESC=True, MAY_EMPTY=causal or bias != 0, SCALE_POS=True,
-                STORE_LSE=True, SUBTILES=cfg.subtiles, BIAS_GRAD=bias == 1, DB_SUM_ROWS=False,
-                DB_SUM_HEADS=False, ATOMIC=False)
+            # the forward reads K/V through host-built descriptors (dense calls) or in-kernel ones
+            for kv_host in ((False, True) if e.kind == C.FWD else (False,)):
+                yield e.kind, e, label + ("+host-kv" if kv_host else ""), dict(
+                    _feature_constexprs(d, cfg, causal, bias, bias_desc, dropout), KV_HOST=kv_host)
+
+
+def _feature_constexprs(d, cfg, causal, bias, bias_desc, dropout):
+    return dict(
+        HEAD_DQK=d, HEAD_DV=d, IS_VARLEN=False, ALIGN_BR=causal, HAS_WL=False, HAS_WR=causal,
+        BIAS_KIND=bias, BIAS_DESC=bias_desc, HAS_DROPOUT=dropout, BATCH_MINOR=False,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DQK=d, BLOCK_DV=d, DOT_UPCAST=False,
+        DOT_IEEE=False, ROUND_P=True, USE_DESC=True, MAY_EMPTY=causal or bias != 0, SCALE_POS=True,
+        STORE_LSE=True, SUBTILES=cfg.subtiles, BIAS_GRAD=bias == 1, DB_SUM_ROWS=False,
+        DB_SUM_HEADS=False, ATOMIC=False)
 
 
 def compile_case(kind: str, entry, constexprs: dict) -> str | None:
@@ -61,6 +69,8 @@ def compile_case(kind: str, entry, constexprs: dict) -> str | None:
     names = fn.arg_names
     const = {k: v for k, v in constexprs.items() if k in names}
     sig = {n: "constexpr" if n in const else POINTERS.get(n, "fp32" if n in FLOATS else "i32") for n in names}
+    if const.get("KV_HOST"):    # the host-built K/V descriptors (launch.host_kv_descriptors)
+        sig["KD"] = sig["VD"] = f"tensordesc<bf16[{const['BLOCK_N']}, {const['BLOCK_DQK']}]>"
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
     try:
         triton.compile(src, target=GPUTarget("cuda", 90, 32),

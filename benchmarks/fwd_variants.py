@@ -42,9 +42,9 @@ def run_kernel(q, k, v, causal, cfg, flags):
     args = (q, k, v, q, out, lse, q, q, q, params.scale * LOG2E, 0.0,
             *prob.q_strides, *prob.k_strides, *prob.v_strides, 0, 0, 0, 0,
             *prob.out_strides(out), *prob.lse_strides(), prob.Hq, prob.B, prob.group, prob.Sq, prob.Sk,
-            0, params.window_left, params.window_right)
+            0, params.window_left, params.window_right, 0, 0)
     kw = dict(_common(q, params, prob), BIAS_KIND=0, BIAS_DESC=False, HAS_DROPOUT=False, BATCH_MINOR=False,
-              SCALE_POS=True, STORE_LSE=True, **flags)
+              SCALE_POS=True, STORE_LSE=True, KV_HOST=False, **flags)
     grid = (triton.cdiv(prob.Sq, cfg.block_m), prob.B * prob.Hq)
 
     def fn():

@@ -94,6 +94,28 @@ def test_any_change_triton_may_specialise_on_compiles_again(cache, change):
     assert cache.misses == 2 and cache.hits == 0
 
 
+@pytest.mark.skipif(cc.TensorDescriptor is None, reason="this Triton has no host-side tensor descriptors")
+def test_host_descriptors_are_keyed_by_what_compiles_and_passed_through(cache, monkeypatch):
+    """A host-built TMA descriptor among the arguments (an unhashable dataclass) is keyed by
+    its base's dtype and alignment, its shape, strides, block and padding: the same spec over
+    new tensors relaunches directly with the new descriptor, any other spec compiles again."""
+    monkeypatch.setattr(cc, "_current_stream", lambda: 0)
+    kern = _FakeKernel()
+
+    def desc(t, rows=16, shape=(64, 16)):
+        return cc.TensorDescriptor(t, list(shape), [shape[1], 1], [rows, shape[1]])
+    x, y = torch.randn(64, 16), torch.randn(64, 16)
+    _launch(cache, kern, x, y, 64, scale=desc(x))
+    x2 = torch.randn(64, 16)
+    d2 = desc(x2)
+    _launch(cache, kern, x2, y, 64, scale=d2)
+    assert [e[0] for e in kern.log] == ["jit", "direct"] and kern.log[1][2][3] is d2
+    for other in (desc(x, rows=32), desc(x.half()), desc(x, shape=(32, 32)), desc(x, shape=(48, 16))):
+        _launch(cache, kern, x, y, 64, scale=other)
+    assert [e[0] for e in kern.log] == ["jit", "direct"] + ["jit"] * 4
+    assert (cache.hits, cache.misses, len(cache)) == (1, 5, 5)
+
+
 def test_launch_hooks_keep_tritons_path(cache, monkeypatch):
     kern, x = _FakeKernel(), torch.zeros(8)
     _launch(cache, kern, x, x, 8)
@@ -168,7 +190,8 @@ def test_every_kernel_launch_is_relaunchable(monkeypatch, dev):
 @pytest.mark.skipif(is_interpreter() or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_relaunch_across_specialisations():
     """Alternate calls whose specialisations differ (ints 1 / 16 / 17, a 2-byte-offset base,
-    a non-contiguous layout): each repeated call is a cache hit and still exact."""
+    a non-contiguous layout, K/V through host-built descriptors at 128 / 256 keys): each
+    repeated call is a cache hit and still exact."""
     torch.manual_seed(0)
     cc.COMPILED.clear()
 
@@ -180,7 +203,8 @@ def test_gpu_relaunch_across_specialisations():
             return buf[offset:].view(2, 4, s, 64)
         return [one().requires_grad_() for _ in range(3)]
 
-    cases = [inputs(1), inputs(16), inputs(17), inputs(16, offset=1), inputs(16, transposed=True), inputs(100)]
+    cases = [inputs(1), inputs(16), inputs(17), inputs(16, offset=1), inputs(16, transposed=True), inputs(100),
+             inputs(128), inputs(256)]
     for _ in range(2):
         for q, k, v in cases:
             run_and_check(q, k, v, causal="bottom_right")
@@ -206,11 +230,13 @@ def _plan_inputs(dev, s=24, d=16, dtype=torch.float32):
 
 
 @pytest.mark.skipif(not is_interpreter(), reason="fake relaunch through the interpreter")
-@pytest.mark.parametrize("feature", ["dense", "causal", "gqa", "bshd", "dv"])
+@pytest.mark.parametrize("feature", ["dense", "causal", "gqa", "bshd", "dv", "host_kv"])
 def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
     """A plan captures the forward's one launch and later relaunches it with the new call's
     query/key/value and freshly allocated outputs (the interpreter stands in for the compiled
-    launcher: the captured entry relaunches the same kernel with the given arguments)."""
+    launcher: the captured entry relaunches the same kernel with the given arguments).
+    host_kv: K/V read through host-built descriptors, which the plan rebuilds over the new
+    key/value."""
     from attention_dispatch.kernels import ForwardPlan, prepare_attention
     real = launch._launch_one
     relaunched = []
@@ -225,8 +251,9 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
         real(kernel, grid, args, constexprs, num_warps, num_stages)
     monkeypatch.setattr(launch, "_launch_one", launch_and_record)
     monkeypatch.setattr(launch, "relaunch", fake_relaunch)
-    params = KernelParams(scale=0.25, window_right=0 if feature == "causal" else -1)
-    q, k, v = _plan_inputs("cpu")
+    params = KernelParams(scale=0.25, window_right=0 if feature == "causal" else -1,
+                          descriptors=1 if feature == "host_kv" else -1)
+    q, k, v = _plan_inputs("cpu", s=64 if feature == "host_kv" else 24)
     if feature == "gqa":
         k, v = k[:, :1].contiguous(), v[:, :1].contiguous()
     elif feature == "bshd":    # (B, S, H, D) memory seen as (B, H, S, D): the output is not q's layout
@@ -238,7 +265,9 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
     first = plan(q, k, v)
     assert plan.launch is not None and relaunched == []
     # the output is allocated like q (empty_like) only where that is the layout the launch captured
-    assert plan.out_like_query == (feature in ("dense", "causal", "gqa"))
+    assert plan.out_like_query == (feature in ("dense", "causal", "gqa", "host_kv"))
+    assert [(i, d.base is (q, k, v)[i]) for _, i, d in plan.descriptors] == ([(1, True), (2, True)] if feature == "host_kv"
+                                                                             else [])
     for _ in range(2):
         q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))   # same shapes and strides (the contract)
         got = plan(q2, k2, v2)
@@ -304,9 +333,11 @@ def test_prepared_varlen_runner_takes_each_calls_offsets():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(is_interpreter() or not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_sdpa_fast_path_relaunches_the_plan(monkeypatch):
+@pytest.mark.parametrize("seq", [200, 256])
+def test_gpu_sdpa_fast_path_relaunches_the_plan(monkeypatch, seq):
     """sdpa() on repeated inference calls: from the third call on, the captured launch runs
-    (no compiled-cache lookup, no Triton launch), each result equal to the full path's."""
+    (no compiled-cache lookup, no Triton launch), each result equal to the full path's.
+    seq=256: K/V through host-built descriptors, rebuilt by the plan for each call."""
     import attention_dispatch as ad
     from attention_dispatch import dispatch
     from attention_dispatch.kernels import ForwardPlan
@@ -315,11 +346,12 @@ def test_gpu_sdpa_fast_path_relaunches_the_plan(monkeypatch):
     ad.clear_cache()
     with torch.no_grad():
         for causal in (False, True):
-            q, k, v = _plan_inputs("cuda", s=200, d=64, dtype=torch.bfloat16)
+            q, k, v = _plan_inputs("cuda", s=seq, d=64, dtype=torch.bfloat16)
             ad.sdpa(q, k, v, is_causal=causal, backend="triton")      # full path; stores the plan
             ad.sdpa(q, k, v, is_causal=causal, backend="triton")      # the plan's first call captures
             plans = [r for _, r in dispatch.fast_calls.values() if isinstance(r, ForwardPlan)]
             assert plans and plans[-1].launch is not None
+            assert len(plans[-1].descriptors) == (2 if seq == 256 else 0)
             relaunched.clear()
             for _ in range(3):
                 q, k, v = (torch.randn_like(t) for t in (q, k, v))

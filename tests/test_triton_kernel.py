@@ -335,6 +335,76 @@ def test_descriptor_path(feature):
     run_and_check(q, k, v, bias, causal=causal, window=window, descriptors=1)
 
 
+def _spy_forward_kv_host(monkeypatch):
+    """Record KV_HOST of every forward launch, checking that a host-built K/V descriptor
+    covers its tensor's rows (base k / v itself) with tiles of the launch's key block."""
+    from attention_dispatch.kernels import launch
+    seen = []
+    real = launch._launch_one
+
+    def spy(kernel, grid, args, constexprs, num_warps, num_stages):
+        if kernel is launch._attn_fwd:
+            seen.append(constexprs["KV_HOST"])
+            kd, vd = args[-2:]
+            if constexprs["KV_HOST"]:
+                for d, t in ((kd, args[1]), (vd, args[2])):
+                    assert d.base is t and d.shape == [t.numel() // t.shape[-1], t.shape[-1]]
+                    assert d.block_shape == [constexprs["BLOCK_N"], t.shape[-1]]
+                    assert t.shape[-2] % constexprs["BLOCK_N"] == 0
+            else:
+                assert (kd, vd) == (0, 0)
+        return real(kernel, grid, args, constexprs, num_warps, num_stages)
+    monkeypatch.setattr(launch, "_launch_one", spy)
+    return seen
+
+
+@pytest.mark.parametrize("feature", ["dense", "causal_br", "window", "bias", "gqa_dropout", "dv_ne_dqk"])
+def test_forward_kv_through_host_descriptors(monkeypatch, feature):
+    """Dense contiguous K/V whose length is a multiple of the key tile: the forward reads
+    them through descriptors built on the host over their (B * Hkv * Sk, D) rows.  Checked
+    against the oracle (backward included) and bit-equal to the in-kernel descriptors."""
+    from attention_dispatch.kernels import launch
+    seen = _spy_forward_kv_host(monkeypatch)
+    hkv = 1 if feature == "gqa_dropout" else 2
+    dv = 16 if feature == "dv_ne_dqk" else 32
+    q, k, v = rand(2, 2, 37, 32), rand(2, hkv, 64, 32), rand(2, hkv, 64, dv)
+    bias = rand(1, 2, 37, 64) if feature == "bias" else None
+    kw = dict(causal="bottom_right" if feature == "causal_br" else None,
+              window=(8, 3) if feature == "window" else None,
+              dropout_p=0.2 if feature == "gqa_dropout" else 0.0, descriptors=1)
+    run_and_check(q, k, v, bias, **kw)
+    assert seen and seen[0] is True
+    params = make_params(q, kw["causal"], kw["window"], kw["dropout_p"], descriptors=1)
+    torch.manual_seed(3)
+    host = triton_attention(q, k, v, bias, params, return_lse=True)
+    monkeypatch.setattr(launch, "host_kv_descriptors", lambda *a: None)
+    torch.manual_seed(3)
+    in_kernel = triton_attention(q, k, v, bias, params, return_lse=True)
+    assert seen[-2:] == [True, False]
+    assert all(torch.equal(a, b) for a, b in zip(host, in_kernel))
+
+
+@pytest.mark.parametrize("case", ["ragged_keys", "bshd_memory", "head_dim_24", "varlen", "pointer_loads"])
+def test_forward_kv_host_descriptors_only_where_tiles_stay_in_one_head(monkeypatch, case):
+    """No host-built K/V descriptor where a tile could cross into the next head or the rows
+    are not (B * Hkv * Sk, D): key length not a multiple of the key tile, (B, S, H, D) memory,
+    a head dim below its block, packed sequences; nor without descriptor loads.  The
+    in-kernel descriptors (or pointer loads) then serve, and the result is still exact."""
+    seen = _spy_forward_kv_host(monkeypatch)
+    if case == "varlen":
+        q, k, v, cu_q, cu_k, msq, msk = varlen_inputs((16, 32), (32, 32), hq=2, hkv=2, d=32)
+        run_and_check(q, k, v, cu_q=cu_q, cu_k=cu_k, max_sq=msq, max_sk=msk, descriptors=1)
+    else:
+        d = 24 if case == "head_dim_24" else 32
+        q, k, v = rand(2, 2, 37, d), rand(2, 2, 45 if case == "ragged_keys" else 64, d), rand(2, 2, 64, d)
+        if case == "ragged_keys":
+            v = rand(2, 2, 45, d)
+        if case == "bshd_memory":
+            k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (k, v))
+        run_and_check(q, k, v, descriptors=0 if case == "pointer_loads" else 1)
+    assert seen and not any(seen)
+
+
 @pytest.mark.parametrize("mask", ["float_grad", "bool", "rows_broadcast"])
 def test_bias_tiles_through_descriptors(monkeypatch, mask):
     """Bias/mask tiles read through TMA descriptors when their rows are 16-byte aligned
@@ -811,6 +881,20 @@ def test_gpu_pointer_path(causal, window):
     q = rand(2, 4, 700, 128, dtype=BF16, device="cuda")
     k, v = rand(2, 2, 900, 128, dtype=BF16, device="cuda"), rand(2, 2, 900, 128, dtype=BF16, device="cuda")
     run_and_check(q, k, v, causal=causal, window=window, descriptors=0)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("feature", ["dense", "causal_gqa", "bias"])
+def test_gpu_forward_kv_host_descriptors(monkeypatch, feature):
+    """K/V through host-built descriptors (dense contiguous, 1024 keys) on the H100."""
+    seen = _spy_forward_kv_host(monkeypatch)
+    hkv = 2 if feature == "causal_gqa" else 8
+    q = rand(2, 8, 1000, 128, dtype=BF16, device="cuda")
+    k, v = (rand(2, hkv, 1024, 128, dtype=BF16, device="cuda") for _ in range(2))
+    bias = rand(1, 8, 1000, 1024, dtype=BF16, device="cuda") if feature == "bias" else None
+    run_and_check(q, k, v, bias, causal="bottom_right" if feature == "causal_gqa" else None)
+    assert seen and all(seen)
 
 
 @gpu

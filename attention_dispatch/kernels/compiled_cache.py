@@ -22,6 +22,11 @@ import contextvars
 import torch
 import triton
 
+try:   # descriptors built on the host: Triton's launcher encodes their tensormaps
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - Triton < 3.3
+    TensorDescriptor = None
+
 try:
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover - Triton < 3.4 keeps hooks on CompiledKernel
@@ -45,6 +50,15 @@ def specialization_key(args, n_tensors: int) -> tuple:
     """What Triton's specialisation can depend on, finer than Triton itself: dtype and
     16-byte alignment of each leading tensor, the exact value of every other argument."""
     return tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in args[:n_tensors]]), args[n_tensors:]
+
+
+def _descriptor_key(a):
+    """A host-built TMA descriptor (an unhashable dataclass) as what its compiled form can
+    depend on, finer than Triton: its base's dtype, its shape, strides, block and padding
+    (its base is 16-byte aligned by construction); any other argument unchanged."""
+    if TensorDescriptor is None or not isinstance(a, TensorDescriptor):
+        return a
+    return ("tensordesc", a.base.dtype, tuple(a.shape), tuple(a.strides), tuple(a.block_shape), a.padding)
 
 
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
@@ -106,7 +120,11 @@ class CompiledLaunchCache:
             n_tensors = self._n_tensors[kernel] = leading_tensors(args)
         key = (kernel, args[0].device, tuple(constexprs.items()), num_warps, num_stages,
                specialization_key(args, n_tensors))
-        entry = self._entries.get(key)
+        try:
+            entry = self._entries.get(key)
+        except TypeError:    # unhashable: host-built descriptors among the scalars (kept off the common path)
+            key = key[:-1] + ((key[-1][0], tuple(map(_descriptor_key, key[-1][1]))),)
+            entry = self._entries.get(key)
         if entry is not None and not _hooks_installed():
             self.hits += 1
             relaunch(entry, grid, args)

@@ -240,7 +240,7 @@ def _fwd_step(acc, l_i, m_i, s, v, m0, start_n, offs_m, offs_n0, qk_scale, sk, s
 
 @triton.jit
 def _fwd_range(acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng_rows_b,
-               k_desc, v_desc, k_base, v_base, n_lo, n_hi, offs_n0,
+               k_desc, v_desc, k_base, v_base, kv_row0, n_lo, n_hi, offs_n0,
                offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
                bias_base, sbi, sbj, seed, dropout_p, MASKED: tl.constexpr, MAY_EMPTY: tl.constexpr,
                SCALE_POS: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr,
@@ -256,8 +256,9 @@ def _fwd_range(acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng
     HALF: tl.constexpr = offs_m.shape[0]
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        k = _load_tile(k_desc, k_base, start_n, offs_n, sks, offs_n < sk, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
-        v = _load_tile(v_desc, v_base, start_n, offs_n, svs, offs_n < sk, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
+        row = kv_row0 + start_n
+        k = _load_tile(k_desc, k_base, row, offs_n, sks, offs_n < sk, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
+        v = _load_tile(v_desc, v_base, row, offs_n, svs, offs_n < sk, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
         k_t = tl.trans(k)
         s = _dot(q, k_t, DOT_UPCAST, DOT_IEEE)
         if SUBTILES == 2:
@@ -281,14 +282,14 @@ def _attn_fwd(
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
     sbb, sbh, sbi, sbj,
     sob, soh, sos, slb, slh, sls,
-    H, NB, GROUP, seqlen_q, seqlen_k, bh_start, window_left, window_right,
+    H, NB, GROUP, seqlen_q, seqlen_k, bh_start, window_left, window_right, KD, VD,
     HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     BIAS_KIND: tl.constexpr, BIAS_DESC: tl.constexpr, HAS_DROPOUT: tl.constexpr, BATCH_MINOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr,
     USE_DESC: tl.constexpr, MAY_EMPTY: tl.constexpr, SCALE_POS: tl.constexpr, STORE_LSE: tl.constexpr,
-    SUBTILES: tl.constexpr = 1,
+    SUBTILES: tl.constexpr = 1, KV_HOST: tl.constexpr = False,
 ):
     """USE_DESC: K/V (and Q beside a bias descriptor) through TMA tensor descriptors built
     in-kernel per (sequence, head) (Hopper+; the launcher checks the 16-byte alignment TMA
@@ -296,7 +297,10 @@ def _attn_fwd(
     in its first key block.  The band-masked edge key blocks run in their own loops and the
     middle loop runs unmasked: one loop with a per-block branch around two copies of the step
     pipelines badly (docs/perf-notes.md, experiment 4).  SUBTILES=2: the BLOCK_M rows are
-    processed as two halves that share every K/V block (:func:`_fwd_range`)."""
+    processed as two halves that share every K/V block (:func:`_fwd_range`).  KV_HOST: K/V
+    through the TMA descriptors KD/VD that the launcher built over the (B * Hkv * Sk, D) rows
+    of contiguous K/V (Sk a multiple of BLOCK_N, so no tile reaches into the next head): no
+    tensormap is written per program for them (docs/perf-notes.md, experiment 30)."""
     # Last query tiles first: under a causal band they have the most keys, and starting
     # the longest programs first shortens the tail of the launch.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -336,8 +340,14 @@ def _attn_fwd(
     lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + q_start * sls
     bias_base = _bias_desc(Bias + b64 * sbb + h.to(tl.int64) * sbh, sq, sk, sbi, HALF, BLOCK_N, BIAS_DESC)
 
-    k_desc = _tile_desc(K, k_base, sk, sks, HEAD_DQK, BLOCK_N, BLOCK_DQK, USE_DESC)
-    v_desc = _tile_desc(V, v_base, sk, svs, HEAD_DV, BLOCK_N, BLOCK_DV, USE_DESC)
+    if KV_HOST:   # this head's rows start at kv_row0 of the host-built descriptors
+        k_desc = KD
+        v_desc = VD
+        kv_row0 = (b * (H // GROUP) + hk) * sk
+    else:
+        k_desc = _tile_desc(K, k_base, sk, sks, HEAD_DQK, BLOCK_N, BLOCK_DQK, USE_DESC)
+        v_desc = _tile_desc(V, v_base, sk, svs, HEAD_DV, BLOCK_N, BLOCK_DV, USE_DESC)
+        kv_row0 = 0
     # Q (read once) and O (written once) through pointers: each in-kernel descriptor is a
     # tensormap written and fenced per program (descriptors for them: -0-12%, experiment 29).
     # Beside a bias descriptor Q keeps one: Triton 3.6's ptxas (12.8) crashes (SIGSEGV) on
@@ -399,7 +409,7 @@ def _attn_fwd(
             n_lo, n_hi = mid_hi, hi
         acc, l_i, m_i, acc_b, l_b, m_b = _fwd_range(
             acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng_rows_b, k_desc, v_desc, k_base,
-            v_base, n_lo, n_hi, offs_n0, offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left,
+            v_base, kv_row0, n_lo, n_hi, offs_n0, offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left,
             window_right, bias_base, sbi, sbj, seed, dropout_p, part != 1, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR,
             BIAS_KIND, BIAS_DESC, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, USE_DESC, SUBTILES,
             DOT_UPCAST, DOT_IEEE, ROUND_P)

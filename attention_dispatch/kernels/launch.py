@@ -15,7 +15,7 @@ import torch
 import triton
 
 from . import configs as C
-from .compiled_cache import COMPILED, _hooks_installed, relaunch
+from .compiled_cache import COMPILED, TensorDescriptor, _hooks_installed, relaunch
 from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
 from .forward import LOG2E, _attn_fwd, _dropout_mask_kernel
 
@@ -234,21 +234,27 @@ def _launch_one(kernel, grid, args, constexprs, num_warps, num_stages):
         COMPILED.launch(kernel, grid, args, constexprs, num_warps, num_stages)
 
 
-def _launch(kind, kernel, grid, args, kw, cands, key):
+def _launch(kind, kernel, grid, args, kw, cands, key, tail=None):
     """Launch with the first candidate that compiles within the device's resources
     (PyTorch-style loop over candidate kernels); the winner is remembered per key and
-    constexpr values (a bias tile or dropout changes what fits)."""
+    constexpr values (a bias tile or dropout changes what fits).  ``tail(cfg)``: the
+    (last positional arguments, their constexprs) that depend on the candidate's tiles."""
     key = key + (tuple(cands), tuple(kw.values()))
     start = _CHOSEN.get(key, 0)
     last = None
     for idx in range(start, len(cands)):
         cfg = cands[idx]
         try:
-            tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+            tiles = dict(kw, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
             if kind == C.FWD:
                 tiles["SUBTILES"] = cfg.subtiles
-            _run_with_scratch(args[0].device, kw.get("USE_DESC", False), _launch_one, kernel, grid(cfg), args,
-                              dict(kw, **tiles), cfg.num_warps, cfg.num_stages)
+            cfg_args = args
+            if tail is not None:
+                extra_args, extra_kw = tail(cfg)
+                cfg_args = args + extra_args
+                tiles.update(extra_kw)
+            _run_with_scratch(args[0].device, kw.get("USE_DESC", False), _launch_one, kernel, grid(cfg), cfg_args,
+                              tiles, cfg.num_warps, cfg.num_stages)
             _CHOSEN[key] = idx
             return cfg
         except Exception as e:  # noqa: BLE001
@@ -460,6 +466,27 @@ def _grid_limit(params: KernelParams) -> int:
     return params.max_grid or MAX_GRID_YZ
 
 
+def host_kv_descriptors(k, v, prob: "_Problem", uses_descriptors: bool, block_dqk: int, block_dv: int):
+    """For dense contiguous K/V (B, Hkv, Sk, D) read through descriptors, with D equal to its
+    block: ``descriptors(block_n)`` -> (K, V) TMA descriptors built here over their
+    (B * Hkv * Sk, D) rows, or None when Sk is not a multiple of ``block_n`` (a tile would
+    reach into the next head).  None when K/V are not read that way.  A host descriptor saves
+    each program the tensormap write and fence of an in-kernel one (experiment 30)."""
+    if (not uses_descriptors or TensorDescriptor is None or prob.varlen or not (k.is_contiguous() and v.is_contiguous())
+            or prob.Dqk != block_dqk or prob.Dv != block_dv or prob.B * prob.Hkv * prob.Sk >= 2 ** 31):
+        return None
+    rows = prob.B * prob.Hkv * prob.Sk
+
+    def descriptors(block_n: int):
+        if prob.Sk % block_n:
+            return None
+        # the base is k / v itself (Triton reads only its address and dtype): a relaunch
+        # recognises it (ForwardPlan)
+        return (TensorDescriptor(k, [rows, prob.Dqk], [prob.Dqk, 1], [block_n, prob.Dqk]),
+                TensorDescriptor(v, [rows, prob.Dv], [prob.Dv, 1], [block_n, prob.Dv]))
+    return descriptors
+
+
 def _check_inputs(q, k, v):
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"query/key/value dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
@@ -506,12 +533,17 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
               STORE_LSE=need_lse)
     n_bh = prob.B * prob.Hq
     key = ("fwd", dev, q.dtype, prob.Dqk, prob.Dv, desc)
+    kv_descriptors = host_kv_descriptors(k, v, prob, desc, kw["BLOCK_DQK"], kw["BLOCK_DV"])
+
+    def kv_tail(cfg):
+        kv = kv_descriptors(cfg.block_n) if kv_descriptors is not None else None
+        return (kv or (0, 0)), {"KV_HOST": kv is not None}
 
     for start, cnt in bh_chunks(n_bh, prob.Hq, _grid_limit(params)):
         def grid(cfg, cnt=cnt):
             return (_cdiv(prob.Sq, cfg.block_m), cnt)
         cfg = _launch(C.FWD, _attn_fwd, grid, args + (start, params.window_left, params.window_right),
-                      kw, cands, key)
+                      kw, cands, key, kv_tail)
         cands = [cfg]
     return _as_dtype(out, q.dtype), lse, seed
 
@@ -525,12 +557,12 @@ class ForwardPlan:
     tensors: none of the launch glue above runs again (the dispatcher's fast path caches a
     plan per signature, docs/perf-notes.md experiment 17).  A call that launches anything
     else (several chunks, a dropout seed, an empty problem, a dtype conversion) keeps the
-    full path every time."""
+    full path every time.  Host-built K/V descriptors are rebuilt over the new key/value."""
 
-    __slots__ = ("params", "device", "launch", "out_shape", "out_like_query")
+    __slots__ = ("params", "device", "launch", "out_shape", "out_like_query", "descriptors")
 
     def __init__(self, query, params: KernelParams):
-        self.params, self.device, self.launch = params, query.device, None
+        self.params, self.device, self.launch, self.descriptors = params, query.device, None, ()
 
     def __call__(self, q, k, v):
         launch = self.launch
@@ -544,6 +576,10 @@ class ForwardPlan:
         # and cuPointerGetAttribute, once per pointer argument (the dummies repeat q)
         pool = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()) if addresses else (q, k, v, out)
         args = (*[pool[i] for i in sources], *scalars)
+        if self.descriptors:     # host-built K/V descriptors: the same ones over the new tensors
+            args = list(args)
+            for pos, i, d in self.descriptors:
+                args[pos] = TensorDescriptor((q, k, v, out)[i], d.shape, d.strides, d.block_shape, d.padding)
         _run_with_scratch(self.device, desc, relaunch, entry, grid, args)
         return out
 
@@ -561,6 +597,14 @@ class ForwardPlan:
                 if idx is None:       # a tensor made inside (seed, converted output): not repeatable
                     return out
                 sources.append(idx)
+            descriptors = []     # (argument position, index of its base in the pool, descriptor)
+            for pos, a in enumerate(args):
+                if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
+                    idx = next((i for i, t in enumerate(pool) if t is a.base), None)
+                    if idx is None:
+                        return out
+                    descriptors.append((pos, idx, a))
+            self.descriptors = tuple(descriptors)
             self.out_shape = tuple(out.shape)
             # the same layout from empty_like: q and out both contiguous of one shape and dtype
             self.out_like_query = (out.shape == q.shape and out.dtype == q.dtype and q.is_contiguous()
