@@ -48,7 +48,7 @@ def kernel_cases(kinds=tuple(KERNELS)):
             if not e.serves(causal, bias != 0 or dropout):
                 continue
             # the forward reads K/V through host-built descriptors (dense calls) or in-kernel ones
-            for kv_host in ((False, True) if e.kind == C.FWD else (False,)):
+            for kv_host in ((False, True) if e.kind == C.FWD and cfg.host_kv else (False,)):
                 yield e.kind, e, label + ("+host-kv" if kv_host else ""), dict(
                     _feature_constexprs(d, cfg, causal, bias, bias_desc, dropout), KV_HOST=kv_host)
 

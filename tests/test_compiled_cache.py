@@ -188,12 +188,13 @@ def test_every_kernel_launch_is_relaunchable(monkeypatch, dev):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(is_interpreter() or not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_relaunch_across_specialisations():
+def test_gpu_relaunch_across_specialisations(monkeypatch):
     """Alternate calls whose specialisations differ (ints 1 / 16 / 17, a 2-byte-offset base,
     a non-contiguous layout, K/V through host-built descriptors at 128 / 256 keys): each
     repeated call is a cache hit and still exact."""
     torch.manual_seed(0)
     cc.COMPILED.clear()
+    monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)   # host descriptors at these small shapes too
 
     def inputs(s, offset=0, transposed=False):
         def one():
@@ -251,6 +252,7 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
         real(kernel, grid, args, constexprs, num_warps, num_stages)
     monkeypatch.setattr(launch, "_launch_one", launch_and_record)
     monkeypatch.setattr(launch, "relaunch", fake_relaunch)
+    monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
     params = KernelParams(scale=0.25, window_right=0 if feature == "causal" else -1,
                           descriptors=1 if feature == "host_kv" else -1)
     q, k, v = _plan_inputs("cpu", s=64 if feature == "host_kv" else 24)
@@ -343,6 +345,7 @@ def test_gpu_sdpa_fast_path_relaunches_the_plan(monkeypatch, seq):
     from attention_dispatch.kernels import ForwardPlan
     relaunched = []
     monkeypatch.setattr(launch, "relaunch", lambda *a: relaunched.append(1) or cc.relaunch(*a))
+    monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)   # host descriptors at seq=256 too
     ad.clear_cache()
     with torch.no_grad():
         for causal in (False, True):

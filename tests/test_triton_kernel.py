@@ -337,8 +337,10 @@ def test_descriptor_path(feature):
 
 def _spy_forward_kv_host(monkeypatch):
     """Record KV_HOST of every forward launch, checking that a host-built K/V descriptor
-    covers its tensor's rows (base k / v itself) with tiles of the launch's key block."""
+    covers its tensor's rows (base k / v itself) with tiles of the launch's key block.
+    The minimum call size for host descriptors is lowered to 0 (test shapes are small)."""
     from attention_dispatch.kernels import launch
+    monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
     seen = []
     real = launch._launch_one
 
@@ -384,13 +386,18 @@ def test_forward_kv_through_host_descriptors(monkeypatch, feature):
     assert all(torch.equal(a, b) for a, b in zip(host, in_kernel))
 
 
-@pytest.mark.parametrize("case", ["ragged_keys", "bshd_memory", "head_dim_24", "varlen", "pointer_loads"])
+@pytest.mark.parametrize("case", ["ragged_keys", "bshd_memory", "head_dim_24", "varlen", "pointer_loads",
+                                  "small_call"])
 def test_forward_kv_host_descriptors_only_where_tiles_stay_in_one_head(monkeypatch, case):
     """No host-built K/V descriptor where a tile could cross into the next head or the rows
     are not (B * Hkv * Sk, D): key length not a multiple of the key tile, (B, S, H, D) memory,
-    a head dim below its block, packed sequences; nor without descriptor loads.  The
+    a head dim below its block, packed sequences; nor without descriptor loads, nor for a
+    call below HOST_KV_MIN_WORK (host-bound: the descriptors' host time would show).  The
     in-kernel descriptors (or pointer loads) then serve, and the result is still exact."""
+    from attention_dispatch.kernels import launch
     seen = _spy_forward_kv_host(monkeypatch)
+    if case == "small_call":
+        monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 2 * 2 * 37 * 64 * 32 + 1)
     if case == "varlen":
         q, k, v, cu_q, cu_k, msq, msk = varlen_inputs((16, 32), (32, 32), hq=2, hkv=2, d=32)
         run_and_check(q, k, v, cu_q=cu_q, cu_k=cu_k, max_sq=msq, max_sk=msk, descriptors=1)
@@ -881,6 +888,24 @@ def test_gpu_pointer_path(causal, window):
     q = rand(2, 4, 700, 128, dtype=BF16, device="cuda")
     k, v = rand(2, 2, 900, 128, dtype=BF16, device="cuda"), rand(2, 2, 900, 128, dtype=BF16, device="cuda")
     run_and_check(q, k, v, causal=causal, window=window, descriptors=0)
+
+
+def test_forward_kv_host_descriptors_follow_the_configuration(monkeypatch):
+    """A configuration with host_kv=False keeps in-kernel descriptors; the others get
+    descriptors whose tiles are their key block (None where Sk is not a multiple of it)."""
+    from attention_dispatch.kernels import launch
+    from attention_dispatch.kernels.configs import KernelConfig
+    k, v = torch.randn(2, 2, 128, 32), torch.randn(2, 2, 128, 32)
+    prob = launch._Problem(torch.randn(2, 4, 64, 32), k, v, None, None, None, None)
+    assert launch.HOST_KV_MIN_WORK > 2 * 4 * 64 * 128 * 32
+    assert launch.host_kv_descriptors(k, v, prob, True, 32, 32) is None            # too small a call
+    monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
+    assert launch.host_kv_descriptors(k, v, prob, False, 32, 32) is None           # pointer loads
+    make = launch.host_kv_descriptors(k, v, prob, True, 32, 32)
+    kd, vd = make(KernelConfig(64, 64, 4, 3))
+    assert kd.base is k and vd.base is v and kd.shape == [512, 32] and kd.block_shape == [64, 32]
+    assert make(KernelConfig(64, 64, 4, 3, host_kv=False)) is None
+    assert make(KernelConfig(64, 96, 4, 3)) is None                                 # 128 % 96: crosses heads
 
 
 @gpu

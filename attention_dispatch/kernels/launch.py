@@ -466,19 +466,28 @@ def _grid_limit(params: KernelParams) -> int:
     return params.max_grid or MAX_GRID_YZ
 
 
+# Host-built descriptors cost ~20-30 us of host time per call on the H100 machine (Triton's
+# launcher encodes each tensormap): used only for calls whose kernel runs long enough to hide
+# that, at least this many query-key-dim products B * Hq * Sq * Sk * D (~40 us; experiment 30).
+HOST_KV_MIN_WORK = 1 << 32
+
+
 def host_kv_descriptors(k, v, prob: "_Problem", uses_descriptors: bool, block_dqk: int, block_dv: int):
     """For dense contiguous K/V (B, Hkv, Sk, D) read through descriptors, with D equal to its
-    block: ``descriptors(block_n)`` -> (K, V) TMA descriptors built here over their
-    (B * Hkv * Sk, D) rows, or None when Sk is not a multiple of ``block_n`` (a tile would
-    reach into the next head).  None when K/V are not read that way.  A host descriptor saves
-    each program the tensormap write and fence of an in-kernel one (experiment 30)."""
+    block, in a call of at least HOST_KV_MIN_WORK: ``descriptors(cfg)`` -> (K, V) TMA
+    descriptors built here over their (B * Hkv * Sk, D) rows, or None when the configuration
+    keeps in-kernel ones or Sk is not a multiple of its key tile (a tile would reach into the
+    next head).  None when K/V are not read that way.  A host descriptor saves each program
+    the tensormap write and fence of an in-kernel one (experiment 30)."""
     if (not uses_descriptors or TensorDescriptor is None or prob.varlen or not (k.is_contiguous() and v.is_contiguous())
-            or prob.Dqk != block_dqk or prob.Dv != block_dv or prob.B * prob.Hkv * prob.Sk >= 2 ** 31):
+            or prob.Dqk != block_dqk or prob.Dv != block_dv or prob.B * prob.Hkv * prob.Sk >= 2 ** 31
+            or prob.B * prob.Hq * prob.Sq * prob.Sk * max(prob.Dqk, prob.Dv) < HOST_KV_MIN_WORK):
         return None
     rows = prob.B * prob.Hkv * prob.Sk
 
-    def descriptors(block_n: int):
-        if prob.Sk % block_n:
+    def descriptors(cfg):
+        block_n = cfg.block_n
+        if not cfg.host_kv or prob.Sk % block_n:
             return None
         # the base is k / v itself (Triton reads only its address and dtype): a relaunch
         # recognises it (ForwardPlan)
@@ -536,7 +545,7 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
     kv_descriptors = host_kv_descriptors(k, v, prob, desc, kw["BLOCK_DQK"], kw["BLOCK_DV"])
 
     def kv_tail(cfg):
-        kv = kv_descriptors(cfg.block_n) if kv_descriptors is not None else None
+        kv = kv_descriptors(cfg) if kv_descriptors is not None else None
         return (kv or (0, 0)), {"KV_HOST": kv is not None}
 
     for start, cnt in bh_chunks(n_bh, prob.Hq, _grid_limit(params)):
