@@ -339,7 +339,8 @@ def test_prepared_varlen_runner_takes_each_calls_offsets():
 def test_gpu_sdpa_fast_path_relaunches_the_plan(monkeypatch, seq):
     """sdpa() on repeated inference calls: from the third call on, the captured launch runs
     (no compiled-cache lookup, no Triton launch), each result equal to the full path's.
-    seq=256: K/V through host-built descriptors, rebuilt by the plan for each call."""
+    seq=256 (head dim 128: the d=64 dense configuration keeps in-kernel descriptors): K/V
+    through host-built descriptors, rebuilt by the plan for each call."""
     import attention_dispatch as ad
     from attention_dispatch import dispatch
     from attention_dispatch.kernels import ForwardPlan
@@ -349,7 +350,8 @@ def test_gpu_sdpa_fast_path_relaunches_the_plan(monkeypatch, seq):
     ad.clear_cache()
     with torch.no_grad():
         for causal in (False, True):
-            q, k, v = _plan_inputs("cuda", s=seq, d=64, dtype=torch.bfloat16)
+            d = 128 if seq == 256 else 64
+            q, k, v = _plan_inputs("cuda", s=seq, d=d, dtype=torch.bfloat16)
             ad.sdpa(q, k, v, is_causal=causal, backend="triton")      # full path; stores the plan
             ad.sdpa(q, k, v, is_causal=causal, backend="triton")      # the plan's first call captures
             plans = [r for _, r in dispatch.fast_calls.values() if isinstance(r, ForwardPlan)]
@@ -361,6 +363,6 @@ def test_gpu_sdpa_fast_path_relaunches_the_plan(monkeypatch, seq):
                 before = (cc.COMPILED.hits, cc.COMPILED.misses)
                 got = ad.sdpa(q, k, v, is_causal=causal, backend="triton")
                 assert (cc.COMPILED.hits, cc.COMPILED.misses) == before
-                want = triton_attention(q, k, v, None, KernelParams(scale=0.125, window_right=0 if causal else -1))
+                want = triton_attention(q, k, v, None, KernelParams(scale=d ** -0.5, window_right=0 if causal else -1))
                 assert torch.equal(got, want)
             assert len(relaunched) == 3
