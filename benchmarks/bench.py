@@ -83,6 +83,7 @@ QUICK_BUDGET_S = 165.0          # --quick within 3 minutes
 DEFAULT_FLEX_BUDGET_S = 200.0   # total seconds of Flex compilation allowed (it is the slowest part)
 QUICK_FLEX_BUDGET_S = 95.0
 DEFAULT_PRECOMPILE_WORKERS = 8  # compile workers on a GPU machine (16 cores there; ptxas is single-threaded)
+TURN_WARM_MS = 20.0             # untimed calls opening each turn of a round (experiment 32)
 # Implementations whose first call compiles (Triton, Inductor, CuTe DSL): the compile workers run these.
 COMPILING_IMPLS = ("sdpa", "triton", "flex", "fa4")
 # Seconds of compilation per row, roughly (session-5 logs): the workers' load balance.
@@ -578,8 +579,10 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
                 "a repetition is one synchronised call (the anchors' own method), or back-to-back calls "
                 "for calls under 0.5 ms; ")
              + (f"a row's implementations take turns in {meta['rounds']} rounds (order rotated), each turn "
-                "opening with one untimed call, with Python's garbage collector off while timing; "
-                if meta.get("sampling") == SAMPLING else "")
+                + ("opening with one untimed call" if meta.get("sampling") == SAMPLING_ONE_CALL else
+                   f"opening with at least {meta.get('turn_warm_ms', 0):g} ms of untimed calls")
+                + ", with Python's garbage collector off while timing; "
+                if meta.get("sampling") in (SAMPLING, SAMPLING_ONE_CALL) else "")
              + ("forward = inference (torch.no_grad(); Flex with grad enabled, its compiled graph depends on it)."
                 if meta.get("fwd_timing") == "no_grad" else "forward timed with grad enabled (inputs require grad)."),
              ""]
@@ -727,6 +730,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-reps", type=int, default=15, help="most timed repetitions per measurement")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds over a row's implementations (the repetitions are split over them)")
+    p.add_argument("--turn-warm-ms", type=float, default=TURN_WARM_MS,
+                   help="untimed calls opening each turn of a round, at least this long (ms): the chip's "
+                        "clock follows what ran before (docs/perf-notes.md, experiment 32)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--no-check", action="store_true", help="skip the output comparison against the reference")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
@@ -1169,10 +1175,12 @@ class Runner:
 
     def measure_rounds(self, row: Row, entry: dict, pending: list) -> None:
         """Every warmed-up (implementation, mode) of the row is timed in --rounds interleaved
-        rounds, the order rotated each round, each turn after one untimed call, and reported
-        as the median of all its repetitions: the card's clock and power state drift by ~10%
-        over a row (a column measured alone could win or lose by that much, docs/perf-notes.md
-        experiments 21 and 24)."""
+        rounds, the order rotated each round, each turn after untimed calls of at least
+        --turn-warm-ms, and reported as the median of all its repetitions: the card's clock
+        and power state drift by ~10% over a row (a column measured alone could win or lose
+        by that much, docs/perf-notes.md experiments 21 and 24), and a turn's speed depends on
+        what ran before it (up to 8% for flash-attn 4, experiment 32): the untimed calls bring
+        the chip to the implementation's own steady state."""
         log, rounds = self.log, max(1, self.args.rounds)
         times: dict[int, list[float]] = {i: [] for i in range(len(pending))}
         failed: dict[int, str] = {}
@@ -1187,9 +1195,11 @@ class Runner:
                 try:
                     with ctx():
                         if w["est"] <= 1000.0:
-                            # one untimed call first: the first call of each turn ran up to ~35%
-                            # slower for every implementation alike (experiment 24, samples_ms)
-                            fn()
+                            # untimed calls first: the first call of each turn ran up to ~35% slower
+                            # for every implementation alike (experiment 24, samples_ms), and the
+                            # clock follows the previous turn's implementation (experiment 32)
+                            for _ in range(warm_calls(w["est"], self.args.turn_warm_ms)):
+                                fn()
                         times[i] += self.sample(fn, n, w["inner"])
                 except Exception as e:   # noqa: BLE001
                     failed[i] = first_line(e)
@@ -1325,7 +1335,15 @@ class Runner:
             res["check_error"] = first_line(e)
 
 
-SAMPLING = "gc-off, untimed call per turn"   # meta["sampling"] of runs that time as measure_rounds does now
+def warm_calls(est_ms: float, warm_ms: float, most: int = 200) -> int:
+    """Untimed calls opening a turn: at least one, enough for ``warm_ms`` of device time at
+    ``est_ms`` per call, at most ``most`` (host-bound tiny calls)."""
+    return max(1, min(most, math.ceil(warm_ms / max(est_ms, 1e-3))))
+
+
+# meta["sampling"] of runs that time as measure_rounds did (session 7) and does now
+SAMPLING_ONE_CALL = "gc-off, untimed call per turn"
+SAMPLING = "gc-off, untimed calls of at least turn_warm_ms per turn"
 TIMING_QUEUED = ("repetitions are enqueued back to back, each between its own CUDA events, with one "
                  "synchronisation at the end (device time in steady state, as triton.testing.do_bench; "
                  "the host time of one call is benchmarks/overhead.py's); calls under 0.5 ms are grouped; ")
@@ -1484,6 +1502,7 @@ def main(argv=None) -> int:
         runner.load_flex()
     meta = environment(runner)
     meta.update(fwd_timing="no_grad", timing="queued", rounds=args.rounds, sampling=SAMPLING,
+                turn_warm_ms=args.turn_warm_ms,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 commit=git_commit(args.commit), quick=args.quick, impls=impls, anchors=list(ANCHORS),
                 command="python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),

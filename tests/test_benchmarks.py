@@ -287,9 +287,28 @@ def test_write_outputs_json_doc_and_table(tmp_path):
     assert "bf16 hdim 128" in table and "S=16384 causal" in table and "targets (triton)" in table
     assert "Fake GPU" in table.splitlines()[-1]
     assert "untimed call" not in text          # older runs did not sample that way: not claimed
-    data["meta"].update(rounds=5, sampling=bench.SAMPLING)
+    data["meta"].update(rounds=5, sampling=bench.SAMPLING_ONE_CALL)
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
     assert "take turns in 5 rounds (order rotated), each turn opening with one untimed call" in doc.read_text()
+    data["meta"].update(rounds=3, sampling=bench.SAMPLING, turn_warm_ms=20.0)
+    bench.write_outputs(data, tmp_path / "out", doc, plot=False)
+    assert "take turns in 3 rounds (order rotated), each turn opening with at least 20 ms of untimed calls" \
+        in doc.read_text()
+
+
+def test_turn_warm_up_lasts_turn_warm_ms():
+    """Each turn opens with enough untimed calls for --turn-warm-ms at the estimated time per
+    call (at least one, at most 200 for host-bound tiny calls), then its timed repetitions."""
+    import contextlib
+    assert [bench.warm_calls(est, 20.0) for est in (0.05, 0.3, 2.0, 7.0, 40.0)] == [200, 67, 10, 3, 1]
+    assert bench.warm_calls(2.0, 0.0) == 1 and bench.parse_args([]).turn_warm_ms == bench.TURN_WARM_MS
+    runner = bench.Runner(bench.parse_args(["--smoke-cpu", "--rounds", "2", "--turn-warm-ms", "6"]),
+                          bench.Log(None, echo=False))
+    calls = []
+    w = dict(est=2.0, reps=4, inner=1, first_call_s=0.0)
+    entry = {"results": {"a": {"fwd": {"status": "pending", "peak_mib": None}}}}
+    runner.measure_rounds(bench.smoke_grid()[0], entry, [("a", "fwd", lambda: calls.append(1), contextlib.nullcontext, w)])
+    assert len(calls) == 2 * (3 + 2) and entry["results"]["a"]["fwd"]["reps"] == 4   # 3 untimed + 2 timed per turn
 
 
 def test_plot_links_are_relative(tmp_path):
@@ -492,10 +511,11 @@ def test_precompile_workers_run_every_row_and_report_errors(tmp_path):
 
 def test_measure_rounds_interleave_and_rotate():
     """A row's measurements run in --rounds rounds, each round starting one implementation
-    later, each turn opening with one untimed call; each result is the median of all its
-    timed repetitions; a call that fails is reported as an error and skipped in later rounds."""
+    later, each turn opening with untimed calls (here the minimum, one); each result is the
+    median of all its timed repetitions; a call that fails is reported as an error and
+    skipped in later rounds."""
     import contextlib
-    args = bench.parse_args(["--smoke-cpu", "--rounds", "3"])
+    args = bench.parse_args(["--smoke-cpu", "--rounds", "3", "--turn-warm-ms", "0"])
     runner = bench.Runner(args, bench.Log(None, echo=False))
     order = []
 
