@@ -83,7 +83,7 @@ QUICK_BUDGET_S = 165.0          # --quick within 3 minutes
 DEFAULT_FLEX_BUDGET_S = 200.0   # total seconds of Flex compilation allowed (it is the slowest part)
 QUICK_FLEX_BUDGET_S = 95.0
 DEFAULT_PRECOMPILE_WORKERS = 8  # compile workers on a GPU machine (16 cores there; ptxas is single-threaded)
-TURN_WARM_MS = 20.0             # untimed calls opening each turn of a round (experiment 32)
+TURN_WARM_MS = 0.0              # untimed calls opening each turn beyond the one (experiment 32: 20 ms did not help)
 # Implementations whose first call compiles (Triton, Inductor, CuTe DSL): the compile workers run these.
 COMPILING_IMPLS = ("sdpa", "triton", "flex", "fa4")
 # Seconds of compilation per row, roughly (session-5 logs): the workers' load balance.
@@ -579,8 +579,9 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
                 "a repetition is one synchronised call (the anchors' own method), or back-to-back calls "
                 "for calls under 0.5 ms; ")
              + (f"a row's implementations take turns in {meta['rounds']} rounds (order rotated), each turn "
-                + ("opening with one untimed call" if meta.get("sampling") == SAMPLING_ONE_CALL else
-                   f"opening with at least {meta.get('turn_warm_ms', 0):g} ms of untimed calls")
+                + ("opening with one untimed call" if meta.get("sampling") == SAMPLING_ONE_CALL
+                   or not meta.get("turn_warm_ms") else
+                   f"opening with at least {meta['turn_warm_ms']:g} ms of untimed calls")
                 + ", with Python's garbage collector off while timing; "
                 if meta.get("sampling") in (SAMPLING, SAMPLING_ONE_CALL) else "")
              + ("forward = inference (torch.no_grad(); Flex with grad enabled, its compiled graph depends on it)."
@@ -731,8 +732,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds over a row's implementations (the repetitions are split over them)")
     p.add_argument("--turn-warm-ms", type=float, default=TURN_WARM_MS,
-                   help="untimed calls opening each turn of a round, at least this long (ms): the chip's "
-                        "clock follows what ran before (docs/perf-notes.md, experiment 32)")
+                   help="untimed calls opening each turn of a round, at least this long (ms; 0: one call): "
+                        "the chip's clock follows what ran before (docs/perf-notes.md, experiment 32)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--no-check", action="store_true", help="skip the output comparison against the reference")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
@@ -1179,8 +1180,9 @@ class Runner:
         --turn-warm-ms, and reported as the median of all its repetitions: the card's clock
         and power state drift by ~10% over a row (a column measured alone could win or lose
         by that much, docs/perf-notes.md experiments 21 and 24), and a turn's speed depends on
-        what ran before it (up to 8% for flash-attn 4, experiment 32): the untimed calls bring
-        the chip to the implementation's own steady state."""
+        what ran before it (up to 8% for flash-attn 4, experiment 32; 20 ms of untimed calls
+        per turn did not make two columns running the same kernel agree better, so the
+        default is one call)."""
         log, rounds = self.log, max(1, self.args.rounds)
         times: dict[int, list[float]] = {i: [] for i in range(len(pending))}
         failed: dict[int, str] = {}

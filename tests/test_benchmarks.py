@@ -294,6 +294,9 @@ def test_write_outputs_json_doc_and_table(tmp_path):
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
     assert "take turns in 3 rounds (order rotated), each turn opening with at least 20 ms of untimed calls" \
         in doc.read_text()
+    data["meta"].update(turn_warm_ms=0.0)
+    bench.write_outputs(data, tmp_path / "out", doc, plot=False)
+    assert "take turns in 3 rounds (order rotated), each turn opening with one untimed call" in doc.read_text()
 
 
 def test_turn_warm_up_lasts_turn_warm_ms():
