@@ -1261,8 +1261,11 @@ class Runner:
                 try:
                     w = self.warm(fns[m])
                     r = dict(status="pending", first_call_s=w["first_call_s"], peak_mib=self.peak_mib(fns[m]))
-                    if impl == "fastest":     # the backends it could choose in this mode: what it timed
-                        r["measured"] = list(getattr(self.ad.last_decision(), "timings", None) or {})
+                    if impl in ("sdpa", "fastest"):   # its choice in this mode (forward and fwd+bwd may differ)
+                        d = self.ad.last_decision()
+                        r["backend"] = getattr(d, "backend", None)
+                        if impl == "fastest":     # the backends it could choose in this mode: what it timed
+                            r["measured"] = list(getattr(d, "timings", None) or {})
                     res[m] = r
                     pending.append((impl, m, fns[m], ctx, w))
                 except Exception as e:   # noqa: BLE001

@@ -314,6 +314,24 @@ def test_turn_warm_up_lasts_turn_warm_ms():
     assert len(calls) == 2 * (3 + 2) and entry["results"]["a"]["fwd"]["reps"] == 4   # 3 untimed + 2 timed per turn
 
 
+def test_run_row_records_each_modes_choice():
+    """A smoke row on the CPU through run_row: sdpa() and policy="fastest" record the backend
+    they chose in each mode (the forward may choose a forward-only backend), "fastest" the
+    backends it timed, and every result is measured and checked."""
+    args = bench.parse_args(["--smoke-cpu", "--impls", "sdpa,fastest", "--rounds", "1", "--target-ms", "1",
+                             "--max-reps", "3"])
+    runner = bench.Runner(args, bench.Log(None, echo=False))
+    row = bench.select_rows(bench.smoke_grid(), ["*s128-full"])[0]
+    entry = runner.run_row(row, ["sdpa", "fastest"])
+    for impl in ("sdpa", "fastest"):
+        for m in bench.MODES:
+            r = entry["results"][impl][m]
+            assert r["status"] == "ok" and r["backend"] and r["ms"] > 0, (impl, m, r)
+    for m in bench.MODES:
+        fastest = entry["results"]["fastest"][m]
+        assert fastest["backend"] in fastest["measured"] and len(fastest["measured"]) >= 2
+
+
 def test_plot_links_are_relative(tmp_path):
     pytest.importorskip("matplotlib")
     data = fake_data()
