@@ -6,9 +6,10 @@ Each sm90 table entry (kernel kind, head dim, tiles, warps, stages) is compiled 
 installed Triton down to a cubin (ptxas runs), for every feature set the entry can be
 chosen for: causal, dense, float bias through a TMA descriptor with dropout, float bias,
 bool mask, dropout; forward kernels with K/V through in-kernel and through host-built
-descriptors.  Triton 3.6's ptxas crashed (SIGSEGV) on one of these combinations
-(docs/perf-notes.md, experiment 29); this finds such a crash on the development machine
-(`pip install triton==<the GPU's version>` in a scratch venv) before a GPU run does.
+descriptors (over (B, H, S, D) and (B, S, H, D) memory).  Triton 3.6's ptxas crashed
+(SIGSEGV) on one of these combinations (docs/perf-notes.md, experiment 29); this finds
+such a crash on the development machine (`pip install triton==<the GPU's version>` in a
+scratch venv) before a GPU run does.
 Prints one line per failure and a summary; exit status 1 when anything failed.
 """
 from __future__ import annotations
@@ -48,8 +49,8 @@ def kernel_cases(kinds=tuple(KERNELS)):
             if not e.serves(causal, bias != 0 or dropout):
                 continue
             # the forward reads K/V through host-built descriptors (dense calls) or in-kernel ones
-            for kv_host in ((False, True) if e.kind == C.FWD and cfg.host_kv else (False,)):
-                yield e.kind, e, label + ("+host-kv" if kv_host else ""), dict(
+            for kv_host in ((0, 1, 2) if e.kind == C.FWD and cfg.host_kv else (0,)):
+                yield e.kind, e, label + ("", "+host-kv", "+host-kv-bshd")[kv_host], dict(
                     _feature_constexprs(d, cfg, causal, bias, bias_desc, dropout), KV_HOST=kv_host)
 
 

@@ -44,7 +44,7 @@ def run_kernel(q, k, v, causal, cfg, flags):
             *prob.out_strides(out), *prob.lse_strides(), prob.Hq, prob.B, prob.group, prob.Sq, prob.Sk,
             0, params.window_left, params.window_right, 0, 0)
     kw = dict(_common(q, params, prob), BIAS_KIND=0, BIAS_DESC=False, HAS_DROPOUT=False, BATCH_MINOR=False,
-              SCALE_POS=True, STORE_LSE=True, KV_HOST=False, **flags)
+              SCALE_POS=True, STORE_LSE=True, KV_HOST=0, **flags)
     grid = (triton.cdiv(prob.Sq, cfg.block_m), prob.B * prob.Hq)
 
     def fn():

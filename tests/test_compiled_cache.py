@@ -231,7 +231,7 @@ def _plan_inputs(dev, s=24, d=16, dtype=torch.float32):
 
 
 @pytest.mark.skipif(not is_interpreter(), reason="fake relaunch through the interpreter")
-@pytest.mark.parametrize("feature", ["dense", "causal", "gqa", "bshd", "dv", "host_kv"])
+@pytest.mark.parametrize("feature", ["dense", "causal", "gqa", "bshd", "dv", "host_kv", "host_kv_bshd"])
 def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
     """A plan captures the forward's one launch and later relaunches it with the new call's
     query/key/value and freshly allocated outputs (the interpreter stands in for the compiled
@@ -253,12 +253,13 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
     monkeypatch.setattr(launch, "_launch_one", launch_and_record)
     monkeypatch.setattr(launch, "relaunch", fake_relaunch)
     monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
+    monkeypatch.setattr(launch, "HOST_KV_LAYOUTS", (1, 2))
     params = KernelParams(scale=0.25, window_right=0 if feature == "causal" else -1,
-                          descriptors=1 if feature == "host_kv" else -1)
-    q, k, v = _plan_inputs("cpu", s=64 if feature == "host_kv" else 24)
+                          descriptors=1 if feature.startswith("host_kv") else -1)
+    q, k, v = _plan_inputs("cpu", s=64 if feature.startswith("host_kv") else 24)
     if feature == "gqa":
         k, v = k[:, :1].contiguous(), v[:, :1].contiguous()
-    elif feature == "bshd":    # (B, S, H, D) memory seen as (B, H, S, D): the output is not q's layout
+    elif feature in ("bshd", "host_kv_bshd"):    # (B, S, H, D) memory seen as (B, H, S, D): out is not q's layout
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     elif feature == "dv":      # value head dim != query head dim: the output is not q's shape
         v = torch.randn(2, 3, 24, 8)
@@ -268,8 +269,8 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
     assert plan.launch is not None and relaunched == []
     # the output is allocated like q (empty_like) only where that is the layout the launch captured
     assert plan.out_like_query == (feature in ("dense", "causal", "gqa", "host_kv"))
-    assert [(i, d.base is (q, k, v)[i]) for _, i, d in plan.descriptors] == ([(1, True), (2, True)] if feature == "host_kv"
-                                                                             else [])
+    assert [(i, d.base is (q, k, v)[i]) for _, i, d in plan.descriptors] == (
+        [(1, True), (2, True)] if feature.startswith("host_kv") else [])
     for _ in range(2):
         q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))   # same shapes and strides (the contract)
         got = plan(q2, k2, v2)

@@ -338,9 +338,11 @@ def test_descriptor_path(feature):
 def _spy_forward_kv_host(monkeypatch):
     """Record KV_HOST of every forward launch, checking that a host-built K/V descriptor
     covers its tensor's rows (base k / v itself) with tiles of the launch's key block.
-    The minimum call size for host descriptors is lowered to 0 (test shapes are small)."""
+    The minimum call size for host descriptors is lowered to 0 (test shapes are small), and
+    both memory layouts are allowed."""
     from attention_dispatch.kernels import launch
     monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
+    monkeypatch.setattr(launch, "HOST_KV_LAYOUTS", (1, 2))
     seen = []
     real = launch._launch_one
 
@@ -350,9 +352,10 @@ def _spy_forward_kv_host(monkeypatch):
             kd, vd = args[-2:]
             if constexprs["KV_HOST"]:
                 for d, t in ((kd, args[1]), (vd, args[2])):
-                    assert d.base is t and d.shape == [t.numel() // t.shape[-1], t.shape[-1]]
-                    assert d.block_shape == [constexprs["BLOCK_N"], t.shape[-1]]
-                    assert t.shape[-2] % constexprs["BLOCK_N"] == 0
+                    b, h, s, dim = t.shape    # rows of heads (1) or of tokens (2)
+                    assert d.base is t and d.shape == ([b * h * s, dim] if constexprs["KV_HOST"] == 1
+                                                       else [b * s, h * dim])
+                    assert d.block_shape == [constexprs["BLOCK_N"], dim] and s % constexprs["BLOCK_N"] == 0
             else:
                 assert (kd, vd) == (0, 0)
         return real(kernel, grid, args, constexprs, num_warps, num_stages)
@@ -360,38 +363,44 @@ def _spy_forward_kv_host(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("feature", ["dense", "causal_br", "window", "bias", "gqa_dropout", "dv_ne_dqk"])
+@pytest.mark.parametrize("feature", ["dense", "causal_br", "window", "bias", "gqa_dropout", "dv_ne_dqk",
+                                     "bshd", "bshd_gqa_dv"])
 def test_forward_kv_through_host_descriptors(monkeypatch, feature):
-    """Dense contiguous K/V whose length is a multiple of the key tile: the forward reads
-    them through descriptors built on the host over their (B * Hkv * Sk, D) rows.  Checked
-    against the oracle (backward included) and bit-equal to the in-kernel descriptors."""
+    """Dense K/V in (B, H, S, D) or (B, S, H, D) memory whose length is a multiple of the key
+    tile: the forward reads them through descriptors built on the host over their rows
+    ((B * Hkv * Sk, D), or (B * Sk, Hkv * D) with each head at its column).  Checked against
+    the oracle (backward included) and bit-equal to the in-kernel descriptors."""
     from attention_dispatch.kernels import launch
     seen = _spy_forward_kv_host(monkeypatch)
-    hkv = 1 if feature == "gqa_dropout" else 2
-    dv = 16 if feature == "dv_ne_dqk" else 32
-    q, k, v = rand(2, 2, 37, 32), rand(2, hkv, 64, 32), rand(2, hkv, 64, dv)
-    bias = rand(1, 2, 37, 64) if feature == "bias" else None
+    hkv = 1 if feature == "gqa_dropout" else (2 if feature == "bshd_gqa_dv" else 4)
+    dv = 16 if feature in ("dv_ne_dqk", "bshd_gqa_dv") else 32
+    q, k, v = rand(2, 4, 37, 32), rand(2, hkv, 64, 32), rand(2, hkv, 64, dv)
+    if feature.startswith("bshd"):    # tokens first in memory, seen as (B, H, S, D)
+        k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (k, v))
+    bias = rand(1, 4, 37, 64) if feature == "bias" else None
     kw = dict(causal="bottom_right" if feature == "causal_br" else None,
               window=(8, 3) if feature == "window" else None,
               dropout_p=0.2 if feature == "gqa_dropout" else 0.0, descriptors=1)
     run_and_check(q, k, v, bias, **kw)
-    assert seen and seen[0] is True
+    layout = 2 if feature.startswith("bshd") else 1
+    assert seen and seen[0] == layout
     params = make_params(q, kw["causal"], kw["window"], kw["dropout_p"], descriptors=1)
     torch.manual_seed(3)
     host = triton_attention(q, k, v, bias, params, return_lse=True)
     monkeypatch.setattr(launch, "host_kv_descriptors", lambda *a: None)
     torch.manual_seed(3)
     in_kernel = triton_attention(q, k, v, bias, params, return_lse=True)
-    assert seen[-2:] == [True, False]
+    assert seen[-2:] == [layout, 0]
     assert all(torch.equal(a, b) for a, b in zip(host, in_kernel))
 
 
-@pytest.mark.parametrize("case", ["ragged_keys", "bshd_memory", "head_dim_24", "varlen", "pointer_loads",
+@pytest.mark.parametrize("case", ["ragged_keys", "mixed_layouts", "head_dim_24", "varlen", "pointer_loads",
                                   "small_call"])
 def test_forward_kv_host_descriptors_only_where_tiles_stay_in_one_head(monkeypatch, case):
     """No host-built K/V descriptor where a tile could cross into the next head or the rows
-    are not (B * Hkv * Sk, D): key length not a multiple of the key tile, (B, S, H, D) memory,
-    a head dim below its block, packed sequences; nor without descriptor loads, nor for a
+    are not those of one matrix: key length not a multiple of the key tile, K in
+    (B, S, H, D) memory beside V in (B, H, S, D), a head dim below its block, packed
+    sequences; nor without descriptor loads, nor for a
     call below HOST_KV_MIN_WORK (host-bound: the descriptors' host time would show).  The
     in-kernel descriptors (or pointer loads) then serve, and the result is still exact."""
     from attention_dispatch.kernels import launch
@@ -406,8 +415,8 @@ def test_forward_kv_host_descriptors_only_where_tiles_stay_in_one_head(monkeypat
         q, k, v = rand(2, 2, 37, d), rand(2, 2, 45 if case == "ragged_keys" else 64, d), rand(2, 2, 64, d)
         if case == "ragged_keys":
             v = rand(2, 2, 45, d)
-        if case == "bshd_memory":
-            k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (k, v))
+        if case == "mixed_layouts":
+            k = k.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
         run_and_check(q, k, v, descriptors=0 if case == "pointer_loads" else 1)
     assert seen and not any(seen)
 
@@ -901,25 +910,31 @@ def test_forward_kv_host_descriptors_follow_the_configuration(monkeypatch):
     assert launch.host_kv_descriptors(k, v, prob, True, 32, 32) is None            # too small a call
     monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
     assert launch.host_kv_descriptors(k, v, prob, False, 32, 32) is None           # pointer loads
+    kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))       # (B, S, H, D) memory
+    assert launch.HOST_KV_LAYOUTS == (1,) and launch.host_kv_descriptors(kt, vt, prob, True, 32, 32) is None
+    monkeypatch.setattr(launch, "HOST_KV_LAYOUTS", (1, 2))
+    assert launch.host_kv_descriptors(kt, vt, prob, True, 32, 32)(KernelConfig(64, 64, 4, 3))[2] == 2
     make = launch.host_kv_descriptors(k, v, prob, True, 32, 32)
-    kd, vd = make(KernelConfig(64, 64, 4, 3))
-    assert kd.base is k and vd.base is v and kd.shape == [512, 32] and kd.block_shape == [64, 32]
+    kd, vd, layout = make(KernelConfig(64, 64, 4, 3))
+    assert kd.base is k and vd.base is v and kd.shape == [512, 32] and kd.block_shape == [64, 32] and layout == 1
     assert make(KernelConfig(64, 64, 4, 3, host_kv=False)) is None
     assert make(KernelConfig(64, 96, 4, 3)) is None                                 # 128 % 96: crosses heads
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("feature", ["dense", "causal_gqa", "bias"])
+@pytest.mark.parametrize("feature", ["dense", "causal_gqa", "bias", "bshd_causal_gqa"])
 def test_gpu_forward_kv_host_descriptors(monkeypatch, feature):
-    """K/V through host-built descriptors (dense contiguous, 1024 keys) on the H100."""
+    """K/V through host-built descriptors (1024 keys, (B, H, S, D) or (B, S, H, D) memory) on the H100."""
     seen = _spy_forward_kv_host(monkeypatch)
-    hkv = 2 if feature == "causal_gqa" else 8
+    hkv = 2 if "gqa" in feature else 8
     q = rand(2, 8, 1000, 128, dtype=BF16, device="cuda")
     k, v = (rand(2, hkv, 1024, 128, dtype=BF16, device="cuda") for _ in range(2))
+    if feature.startswith("bshd"):
+        k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (k, v))
     bias = rand(1, 8, 1000, 1024, dtype=BF16, device="cuda") if feature == "bias" else None
-    run_and_check(q, k, v, bias, causal="bottom_right" if feature == "causal_gqa" else None)
-    assert seen and all(seen)
+    run_and_check(q, k, v, bias, causal="bottom_right" if "causal" in feature else None)
+    assert seen and all(x == (2 if feature.startswith("bshd") else 1) for x in seen)
 
 
 @gpu

@@ -240,14 +240,14 @@ def _fwd_step(acc, l_i, m_i, s, v, m0, start_n, offs_m, offs_n0, qk_scale, sk, s
 
 @triton.jit
 def _fwd_range(acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng_rows_b,
-               k_desc, v_desc, k_base, v_base, kv_row0, n_lo, n_hi, offs_n0,
+               k_desc, v_desc, k_base, v_base, kv_row0, k_col0, v_col0, n_lo, n_hi, offs_n0,
                offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
                bias_base, sbi, sbj, seed, dropout_p, MASKED: tl.constexpr, MAY_EMPTY: tl.constexpr,
                SCALE_POS: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr,
                BIAS_DESC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                BLOCK_DV: tl.constexpr, USE_DESC: tl.constexpr, SUBTILES: tl.constexpr,
-               DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr):
+               DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr, KV_HOST: tl.constexpr):
     """The online softmax over key blocks [n_lo, n_hi) (one software-pipelined loop).  With
     SUBTILES=2 the program's query rows are two halves (``q`` at row m0, ``q_b`` right after)
     sharing each K/V block: both q k^T products are issued before either softmax, so the
@@ -256,9 +256,12 @@ def _fwd_range(acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng
     HALF: tl.constexpr = offs_m.shape[0]
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        row = kv_row0 + start_n
-        k = _load_tile(k_desc, k_base, row, offs_n, sks, offs_n < sk, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
-        v = _load_tile(v_desc, v_base, row, offs_n, svs, offs_n < sk, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
+        if KV_HOST != 0:   # host-built descriptors: this head's tile at (kv_row0 + start_n, col0)
+            k = k_desc.load([kv_row0 + start_n, k_col0])
+            v = v_desc.load([kv_row0 + start_n, v_col0])
+        else:
+            k = _load_tile(k_desc, k_base, start_n, offs_n, sks, offs_n < sk, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
+            v = _load_tile(v_desc, v_base, start_n, offs_n, svs, offs_n < sk, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
         k_t = tl.trans(k)
         s = _dot(q, k_t, DOT_UPCAST, DOT_IEEE)
         if SUBTILES == 2:
@@ -289,7 +292,7 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr,
     USE_DESC: tl.constexpr, MAY_EMPTY: tl.constexpr, SCALE_POS: tl.constexpr, STORE_LSE: tl.constexpr,
-    SUBTILES: tl.constexpr = 1, KV_HOST: tl.constexpr = False,
+    SUBTILES: tl.constexpr = 1, KV_HOST: tl.constexpr = 0,
 ):
     """USE_DESC: K/V (and Q beside a bias descriptor) through TMA tensor descriptors built
     in-kernel per (sequence, head) (Hopper+; the launcher checks the 16-byte alignment TMA
@@ -298,8 +301,9 @@ def _attn_fwd(
     middle loop runs unmasked: one loop with a per-block branch around two copies of the step
     pipelines badly (docs/perf-notes.md, experiment 4).  SUBTILES=2: the BLOCK_M rows are
     processed as two halves that share every K/V block (:func:`_fwd_range`).  KV_HOST: K/V
-    through the TMA descriptors KD/VD that the launcher built over the (B * Hkv * Sk, D) rows
-    of contiguous K/V (Sk a multiple of BLOCK_N, so no tile reaches into the next head): no
+    through the TMA descriptors KD/VD that the launcher built (Sk a multiple of BLOCK_N, so
+    no tile reaches into the next head or sequence): 1 over the (B * Hkv * Sk, D) rows of
+    (B, Hkv, Sk, D) memory, 2 over the (B * Sk, Hkv * D) rows of (B, Sk, Hkv, D) memory.  No
     tensormap is written per program for them (docs/perf-notes.md, experiment 30)."""
     # Last query tiles first: under a causal band they have the most keys, and starting
     # the longest programs first shortens the tail of the launch.
@@ -340,14 +344,23 @@ def _attn_fwd(
     lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + q_start * sls
     bias_base = _bias_desc(Bias + b64 * sbb + h.to(tl.int64) * sbh, sq, sk, sbi, HALF, BLOCK_N, BIAS_DESC)
 
-    if KV_HOST:   # this head's rows start at kv_row0 of the host-built descriptors
+    if KV_HOST != 0:   # this head's tiles: rows from kv_row0, columns from k_col0 / v_col0
         k_desc = KD
         v_desc = VD
-        kv_row0 = (b * (H // GROUP) + hk) * sk
+        if KV_HOST == 1:
+            kv_row0 = (b * (H // GROUP) + hk) * sk
+            k_col0 = 0
+            v_col0 = 0
+        else:
+            kv_row0 = b * sk
+            k_col0 = hk * HEAD_DQK
+            v_col0 = hk * HEAD_DV
     else:
         k_desc = _tile_desc(K, k_base, sk, sks, HEAD_DQK, BLOCK_N, BLOCK_DQK, USE_DESC)
         v_desc = _tile_desc(V, v_base, sk, svs, HEAD_DV, BLOCK_N, BLOCK_DV, USE_DESC)
         kv_row0 = 0
+        k_col0 = 0
+        v_col0 = 0
     # Q (read once) and O (written once) through pointers: each in-kernel descriptor is a
     # tensormap written and fenced per program (descriptors for them: -0-12%, experiment 29).
     # Beside a bias descriptor Q keeps one: Triton 3.6's ptxas (12.8) crashes (SIGSEGV) on
@@ -409,10 +422,10 @@ def _attn_fwd(
             n_lo, n_hi = mid_hi, hi
         acc, l_i, m_i, acc_b, l_b, m_b = _fwd_range(
             acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng_rows_b, k_desc, v_desc, k_base,
-            v_base, kv_row0, n_lo, n_hi, offs_n0, offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left,
-            window_right, bias_base, sbi, sbj, seed, dropout_p, part != 1, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR,
-            BIAS_KIND, BIAS_DESC, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, USE_DESC, SUBTILES,
-            DOT_UPCAST, DOT_IEEE, ROUND_P)
+            v_base, kv_row0, k_col0, v_col0, n_lo, n_hi, offs_n0, offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off,
+            window_left, window_right, bias_base, sbi, sbj, seed, dropout_p, part != 1, MAY_EMPTY, SCALE_POS, HAS_WL,
+            HAS_WR, BIAS_KIND, BIAS_DESC, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, USE_DESC,
+            SUBTILES, DOT_UPCAST, DOT_IEEE, ROUND_P, KV_HOST)
     _fwd_store(acc, l_i, m_i, o_base, lse_base, offs_m, sq, sos, sls, dropout_p, offs_dv,
                HEAD_DV, BLOCK_DV, HAS_DROPOUT, STORE_LSE)
     if SUBTILES == 2:

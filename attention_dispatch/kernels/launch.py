@@ -472,18 +472,41 @@ def _grid_limit(params: KernelParams) -> int:
 HOST_KV_MIN_WORK = 1 << 32
 
 
+# K/V memory layouts read through host-built descriptors (see _kv_rows_layout).  Layout 2
+# passes the CPU tests and compiles with Triton 3.6 but has not run on a GPU yet: off until
+# its A/B (.scratch/bshd_ab.py) and the GPU tests have run (docs/perf-notes.md, experiment 30).
+HOST_KV_LAYOUTS = (1,)
+
+
+def _kv_rows_layout(k, v) -> int:
+    """1: K and V are (B, Hkv, Sk, D) in memory (contiguous), 2: (B, Sk, Hkv, D) memory seen as
+    (B, Hkv, Sk, D), the layout of a model that keeps tokens first; 0: anything else."""
+    if k.is_contiguous() and v.is_contiguous():
+        return 1
+    if k.transpose(1, 2).is_contiguous() and v.transpose(1, 2).is_contiguous():
+        return 2
+    return 0
+
+
 def host_kv_descriptors(k, v, prob: "_Problem", uses_descriptors: bool, block_dqk: int, block_dv: int):
-    """For dense contiguous K/V (B, Hkv, Sk, D) read through descriptors, with D equal to its
-    block, in a call of at least HOST_KV_MIN_WORK: ``descriptors(cfg)`` -> (K, V) TMA
-    descriptors built here over their (B * Hkv * Sk, D) rows, or None when the configuration
-    keeps in-kernel ones or Sk is not a multiple of its key tile (a tile would reach into the
-    next head).  None when K/V are not read that way.  A host descriptor saves each program
-    the tensormap write and fence of an in-kernel one (experiment 30)."""
-    if (not uses_descriptors or TensorDescriptor is None or prob.varlen or not (k.is_contiguous() and v.is_contiguous())
+    """For dense K/V read through descriptors, with D equal to its block, laid out as
+    (B, Hkv, Sk, D) or (B, Sk, Hkv, D) in memory, in a call of at least HOST_KV_MIN_WORK:
+    ``descriptors(cfg)`` -> (K descriptor, V descriptor, KV_HOST) built here over the rows of
+    K/V as a matrix ((B * Hkv * Sk, D), KV_HOST=1, or (B * Sk, Hkv * D), KV_HOST=2), or None
+    when the configuration keeps in-kernel ones or Sk is not a multiple of its key tile (a
+    tile would reach into the next head or sequence).  None when K/V are not read that way.
+    A host descriptor saves each program the tensormap write and fence of an in-kernel one
+    (experiment 30)."""
+    if (not uses_descriptors or TensorDescriptor is None or prob.varlen
             or prob.Dqk != block_dqk or prob.Dv != block_dv or prob.B * prob.Hkv * prob.Sk >= 2 ** 31
             or prob.B * prob.Hq * prob.Sq * prob.Sk * max(prob.Dqk, prob.Dv) < HOST_KV_MIN_WORK):
         return None
-    rows = prob.B * prob.Hkv * prob.Sk
+    layout = _kv_rows_layout(k, v)
+    if layout not in HOST_KV_LAYOUTS:
+        return None
+    # rows of the matrix and elements per row: a head's rows (layout 1) or a token's heads (2)
+    rows = prob.B * prob.Hkv * prob.Sk if layout == 1 else prob.B * prob.Sk
+    heads = 1 if layout == 1 else prob.Hkv
 
     def descriptors(cfg):
         block_n = cfg.block_n
@@ -491,8 +514,8 @@ def host_kv_descriptors(k, v, prob: "_Problem", uses_descriptors: bool, block_dq
             return None
         # the base is k / v itself (Triton reads only its address and dtype): a relaunch
         # recognises it (ForwardPlan)
-        return (TensorDescriptor(k, [rows, prob.Dqk], [prob.Dqk, 1], [block_n, prob.Dqk]),
-                TensorDescriptor(v, [rows, prob.Dv], [prob.Dv, 1], [block_n, prob.Dv]))
+        return (TensorDescriptor(k, [rows, heads * prob.Dqk], [heads * prob.Dqk, 1], [block_n, prob.Dqk]),
+                TensorDescriptor(v, [rows, heads * prob.Dv], [heads * prob.Dv, 1], [block_n, prob.Dv]), layout)
     return descriptors
 
 
@@ -546,7 +569,7 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
 
     def kv_tail(cfg):
         kv = kv_descriptors(cfg) if kv_descriptors is not None else None
-        return (kv or (0, 0)), {"KV_HOST": kv is not None}
+        return (kv[:2] if kv else (0, 0)), {"KV_HOST": kv[2] if kv else 0}
 
     for start, cnt in bh_chunks(n_bh, prob.Hq, _grid_limit(params)):
         def grid(cfg, cnt=cnt):
