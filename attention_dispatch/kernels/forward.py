@@ -256,12 +256,13 @@ def _fwd_range(acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng
     HALF: tl.constexpr = offs_m.shape[0]
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        if KV_HOST != 0:   # host-built descriptors: this head's tile at (kv_row0 + start_n, col0)
-            k = k_desc.load([kv_row0 + start_n, k_col0])
-            v = v_desc.load([kv_row0 + start_n, v_col0])
+        row = kv_row0 + start_n
+        if KV_HOST == 2:   # (B * Sk, Hkv * D) rows: this head's tile at its columns
+            k = k_desc.load([row, k_col0])
+            v = v_desc.load([row, v_col0])
         else:
-            k = _load_tile(k_desc, k_base, start_n, offs_n, sks, offs_n < sk, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
-            v = _load_tile(v_desc, v_base, start_n, offs_n, svs, offs_n < sk, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
+            k = _load_tile(k_desc, k_base, row, offs_n, sks, offs_n < sk, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
+            v = _load_tile(v_desc, v_base, row, offs_n, svs, offs_n < sk, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
         k_t = tl.trans(k)
         s = _dot(q, k_t, DOT_UPCAST, DOT_IEEE)
         if SUBTILES == 2:
