@@ -335,6 +335,22 @@ def test_descriptor_path(feature):
     run_and_check(q, k, v, bias, causal=causal, window=window, descriptors=1)
 
 
+def _record_launches(monkeypatch, pick):
+    """Wrap every kernel launch: ``pick(kernel, args, constexprs)`` is appended to the returned
+    list unless it is None; the launch then runs as usual."""
+    from attention_dispatch.kernels import launch
+    seen = []
+    real = launch._launch_one
+
+    def spy(kernel, grid, args, constexprs, num_warps, num_stages):
+        got = pick(kernel, args, constexprs)
+        if got is not None:
+            seen.append(got)
+        return real(kernel, grid, args, constexprs, num_warps, num_stages)
+    monkeypatch.setattr(launch, "_launch_one", spy)
+    return seen
+
+
 def _spy_forward_kv_host(monkeypatch):
     """Record KV_HOST of every forward launch, checking that a host-built K/V descriptor
     covers its tensor's rows (base k / v itself) with tiles of the launch's key block.
@@ -343,24 +359,21 @@ def _spy_forward_kv_host(monkeypatch):
     from attention_dispatch.kernels import launch
     monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
     monkeypatch.setattr(launch, "HOST_KV_LAYOUTS", (1, 2))
-    seen = []
-    real = launch._launch_one
 
-    def spy(kernel, grid, args, constexprs, num_warps, num_stages):
-        if kernel is launch._attn_fwd:
-            seen.append(constexprs["KV_HOST"])
-            kd, vd = args[-2:]
-            if constexprs["KV_HOST"]:
-                for d, t in ((kd, args[1]), (vd, args[2])):
-                    b, h, s, dim = t.shape    # rows of heads (1) or of tokens (2)
-                    assert d.base is t and d.shape == ([b * h * s, dim] if constexprs["KV_HOST"] == 1
-                                                       else [b * s, h * dim])
-                    assert d.block_shape == [constexprs["BLOCK_N"], dim] and s % constexprs["BLOCK_N"] == 0
-            else:
-                assert (kd, vd) == (0, 0)
-        return real(kernel, grid, args, constexprs, num_warps, num_stages)
-    monkeypatch.setattr(launch, "_launch_one", spy)
-    return seen
+    def kv_host(kernel, args, constexprs):
+        if kernel is not launch._attn_fwd:
+            return None
+        kd, vd = args[-2:]
+        if constexprs["KV_HOST"]:
+            for d, t in ((kd, args[1]), (vd, args[2])):
+                b, h, s, dim = t.shape    # rows of heads (1) or of tokens (2)
+                assert d.base is t and d.shape == ([b * h * s, dim] if constexprs["KV_HOST"] == 1
+                                                   else [b * s, h * dim])
+                assert d.block_shape == [constexprs["BLOCK_N"], dim] and s % constexprs["BLOCK_N"] == 0
+        else:
+            assert (kd, vd) == (0, 0)
+        return constexprs["KV_HOST"]
+    return _record_launches(monkeypatch, kv_host)
 
 
 @pytest.mark.parametrize("feature", ["dense", "causal_br", "window", "bias", "gqa_dropout", "dv_ne_dqk",
@@ -426,15 +439,7 @@ def test_bias_tiles_through_descriptors(monkeypatch, mask):
     """Bias/mask tiles read through TMA descriptors when their rows are 16-byte aligned
     (48 keys x 4 bytes, 48 x 1 byte), and through pointer loads when TMA cannot address them
     (a row-broadcast mask has row stride 0): both match the oracle, forward and backward."""
-    from attention_dispatch.kernels import launch
-    seen = []
-    real = launch._launch_one
-
-    def spy(kernel, grid, args, constexprs, num_warps, num_stages):
-        if "BIAS_DESC" in constexprs:
-            seen.append(constexprs["BIAS_DESC"])
-        return real(kernel, grid, args, constexprs, num_warps, num_stages)
-    monkeypatch.setattr(launch, "_launch_one", spy)
+    seen = _record_launches(monkeypatch, lambda kernel, args, constexprs: constexprs.get("BIAS_DESC"))
     q, k, v = rand(2, 2, 37, 32), rand(2, 2, 48, 32), rand(2, 2, 48, 32)
     if mask == "float_grad":
         bias = rand(2, 2, 37, 48)
@@ -506,14 +511,8 @@ def test_forward_single_key_tile_skips_descriptors(monkeypatch):
         finally:
             launch.is_interpreter, launch.device_info = saved
     monkeypatch.setattr(launch, "use_descriptors", as_on_hopper)
-    seen = []
-    real = launch._launch_one
-
-    def spy(kernel, grid, args, constexprs, num_warps, num_stages):
-        if kernel is launch._attn_fwd:
-            seen.append(constexprs["USE_DESC"])
-        return real(kernel, grid, args, constexprs, num_warps, num_stages)
-    monkeypatch.setattr(launch, "_launch_one", spy)
+    seen = _record_launches(monkeypatch, lambda kernel, args, constexprs:
+                            constexprs["USE_DESC"] if kernel is launch._attn_fwd else None)
     q = rand(1, 2, 24, 32, grad=False)
     for sk, forced in ((48, -1), (80, -1), (48, 1)):
         k, v = rand(1, 2, sk, 32, grad=False), rand(1, 2, sk, 32, grad=False)

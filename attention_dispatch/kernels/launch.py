@@ -238,23 +238,22 @@ def _launch(kind, kernel, grid, args, kw, cands, key, tail=None):
     """Launch with the first candidate that compiles within the device's resources
     (PyTorch-style loop over candidate kernels); the winner is remembered per key and
     constexpr values (a bias tile or dropout changes what fits).  ``tail(cfg)``: the
-    (last positional arguments, their constexprs) that depend on the candidate's tiles."""
+    (last positional arguments, their constexprs) that depend on the candidate beyond its
+    tiles (the forward's sub-tiles and host-built descriptors)."""
     key = key + (tuple(cands), tuple(kw.values()))
     start = _CHOSEN.get(key, 0)
     last = None
     for idx in range(start, len(cands)):
         cfg = cands[idx]
         try:
-            tiles = dict(kw, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
-            if kind == C.FWD:
-                tiles["SUBTILES"] = cfg.subtiles
+            constexprs = dict(kw, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
             cfg_args = args
             if tail is not None:
                 extra_args, extra_kw = tail(cfg)
                 cfg_args = args + extra_args
-                tiles.update(extra_kw)
+                constexprs.update(extra_kw)
             _run_with_scratch(args[0].device, kw.get("USE_DESC", False), _launch_one, kernel, grid(cfg), cfg_args,
-                              tiles, cfg.num_warps, cfg.num_stages)
+                              constexprs, cfg.num_warps, cfg.num_stages)
             _CHOSEN[key] = idx
             return cfg
         except Exception as e:  # noqa: BLE001
@@ -567,15 +566,15 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
     key = ("fwd", dev, q.dtype, prob.Dqk, prob.Dv, desc)
     kv_descriptors = host_kv_descriptors(k, v, prob, desc, kw["BLOCK_DQK"], kw["BLOCK_DV"])
 
-    def kv_tail(cfg):
+    def fwd_tail(cfg):
         kv = kv_descriptors(cfg) if kv_descriptors is not None else None
-        return (kv[:2] if kv else (0, 0)), {"KV_HOST": kv[2] if kv else 0}
+        return (kv[:2] if kv else (0, 0)), {"SUBTILES": cfg.subtiles, "KV_HOST": kv[2] if kv else 0}
 
     for start, cnt in bh_chunks(n_bh, prob.Hq, _grid_limit(params)):
         def grid(cfg, cnt=cnt):
             return (_cdiv(prob.Sq, cfg.block_m), cnt)
         cfg = _launch(C.FWD, _attn_fwd, grid, args + (start, params.window_left, params.window_right),
-                      kw, cands, key, kv_tail)
+                      kw, cands, key, fwd_tail)
         cands = [cfg]
     return _as_dtype(out, q.dtype), lse, seed
 
