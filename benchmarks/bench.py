@@ -579,9 +579,8 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
                 "a repetition is one synchronised call (the anchors' own method), or back-to-back calls "
                 "for calls under 0.5 ms; ")
              + (f"a row's implementations take turns in {meta['rounds']} rounds (order rotated), each turn "
-                + ("opening with one untimed call" if meta.get("sampling") == SAMPLING_ONE_CALL
-                   or not meta.get("turn_warm_ms") else
-                   f"opening with at least {meta['turn_warm_ms']:g} ms of untimed calls")
+                + (f"opening with at least {meta['turn_warm_ms']:g} ms of untimed calls" if meta.get("turn_warm_ms")
+                   else "opening with one untimed call")   # runs before experiment 32 have no turn_warm_ms
                 + ", with Python's garbage collector off while timing; "
                 if meta.get("sampling") in (SAMPLING, SAMPLING_ONE_CALL) else "")
              + ("forward = inference (torch.no_grad(); Flex with grad enabled, its compiled graph depends on it)."
