@@ -253,7 +253,6 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
     monkeypatch.setattr(launch, "_launch_one", launch_and_record)
     monkeypatch.setattr(launch, "relaunch", fake_relaunch)
     monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
-    monkeypatch.setattr(launch, "HOST_KV_LAYOUTS", (1, 2))
     params = KernelParams(scale=0.25, window_right=0 if feature == "causal" else -1,
                           descriptors=1 if feature.startswith("host_kv") else -1)
     q, k, v = _plan_inputs("cpu", s=64 if feature.startswith("host_kv") else 24)

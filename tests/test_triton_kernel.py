@@ -354,11 +354,9 @@ def _record_launches(monkeypatch, pick):
 def _spy_forward_kv_host(monkeypatch):
     """Record KV_HOST of every forward launch, checking that a host-built K/V descriptor
     covers its tensor's rows (base k / v itself) with tiles of the launch's key block.
-    The minimum call size for host descriptors is lowered to 0 (test shapes are small), and
-    both memory layouts are allowed."""
+    The minimum call size for host descriptors is lowered to 0 (test shapes are small)."""
     from attention_dispatch.kernels import launch
     monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
-    monkeypatch.setattr(launch, "HOST_KV_LAYOUTS", (1, 2))
 
     def kv_host(kernel, args, constexprs):
         if kernel is not launch._attn_fwd:
@@ -910,8 +908,6 @@ def test_forward_kv_host_descriptors_follow_the_configuration(monkeypatch):
     monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
     assert launch.host_kv_descriptors(k, v, prob, False, 32, 32) is None           # pointer loads
     kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))       # (B, S, H, D) memory
-    assert launch.HOST_KV_LAYOUTS == (1,) and launch.host_kv_descriptors(kt, vt, prob, True, 32, 32) is None
-    monkeypatch.setattr(launch, "HOST_KV_LAYOUTS", (1, 2))
     assert launch.host_kv_descriptors(kt, vt, prob, True, 32, 32)(KernelConfig(64, 64, 4, 3))[2] == 2
     make = launch.host_kv_descriptors(k, v, prob, True, 32, 32)
     kd, vd, layout = make(KernelConfig(64, 64, 4, 3))

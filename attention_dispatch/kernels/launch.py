@@ -471,12 +471,6 @@ def _grid_limit(params: KernelParams) -> int:
 HOST_KV_MIN_WORK = 1 << 32
 
 
-# K/V memory layouts read through host-built descriptors (see _kv_rows_layout).  Layout 2
-# passes the CPU tests and compiles with Triton 3.6 but has not run on a GPU yet: off until
-# its A/B (.scratch/bshd_ab.py) and the GPU tests have run (docs/perf-notes.md, experiment 30).
-HOST_KV_LAYOUTS = (1,)
-
-
 def _kv_rows_layout(k, v) -> int:
     """1: K and V are (B, Hkv, Sk, D) in memory (contiguous), 2: (B, Sk, Hkv, D) memory seen as
     (B, Hkv, Sk, D), the layout of a model that keeps tokens first; 0: anything else."""
@@ -501,7 +495,7 @@ def host_kv_descriptors(k, v, prob: "_Problem", uses_descriptors: bool, block_dq
             or prob.B * prob.Hq * prob.Sq * prob.Sk * max(prob.Dqk, prob.Dv) < HOST_KV_MIN_WORK):
         return None
     layout = _kv_rows_layout(k, v)
-    if layout not in HOST_KV_LAYOUTS:
+    if layout == 0:
         return None
     # rows of the matrix and elements per row: a head's rows (layout 1) or a token's heads (2)
     rows = prob.B * prob.Hkv * prob.Sk if layout == 1 else prob.B * prob.Sk
