@@ -4,6 +4,8 @@
 #   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|bench|bench1|bench2|quick|overhead [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # Everything lands under $OUT; the last lines printed are the short summary.
+# SHA: pass this machine's `git rev-parse --short HEAD`; the device's copy of .git can lag the
+# working tree it runs (session 10: it reported the previous session's commit).
 set -uo pipefail
 what=${1:-quick}
 sha=${2:-unknown}

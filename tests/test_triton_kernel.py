@@ -819,21 +819,40 @@ def test_subtile_configs_only_where_measured_faster():
             assert e.extras is False and e.max_block_d <= 128
 
 
-def test_forward_asks_for_sub_tiles_only_without_bias_or_dropout(monkeypatch):
-    """attention_forward tells the config table whether the call has extras (a bias, a mask
-    or dropout): sub-tile entries are reserved for calls without."""
+def test_kernels_tell_the_config_table_extras_and_grouping(monkeypatch):
+    """The forward and both backward passes tell the config table whether the call has
+    extras (a bias, a mask or dropout) and shares kv heads (GQA): entries are reserved for
+    either side (forward sub-tiles: no extras; dK/dV 32x64x4x4: not grouped)."""
     seen = []
     real = launch.select_config
 
-    def spy(kind, *a, extras=False, **kw):
-        seen.append((kind, extras))
-        return real(kind, *a, extras=extras, **kw)
+    def spy(kind, *a, extras=False, grouped=False, **kw):
+        seen.append((kind, extras, grouped))
+        return real(kind, *a, extras=extras, grouped=grouped, **kw)
     monkeypatch.setattr(launch, "select_config", spy)
     q, k, v = rand(1, 2, 24, 16), rand(1, 2, 24, 16), rand(1, 2, 24, 16)
-    launch.attention_forward(q, k, v, None, KernelParams(scale=0.25))
-    launch.attention_forward(q, k, v, rand(1, 1, 24, 24), KernelParams(scale=0.25))
-    launch.attention_forward(q, k, v, None, KernelParams(scale=0.25, dropout_p=0.2))
-    assert seen == [(configs.FWD, False), (configs.FWD, True), (configs.FWD, True)]
+    k1, v1 = rand(1, 1, 24, 16), rand(1, 1, 24, 16)
+    cases = ((k, v, None, 0.0, False, False), (k, v, rand(1, 1, 24, 24), 0.0, True, False),
+             (k, v, None, 0.2, True, False), (k1, v1, None, 0.0, False, True))
+    for kk, vv, bias, p, extras, grouped in cases:
+        seen.clear()
+        params = KernelParams(scale=0.25, dropout_p=p)
+        out, lse, seed = launch.attention_forward(q, kk, vv, bias, params)
+        launch.attention_backward(torch.randn_like(out), q, kk, vv, bias, out, lse, seed, params)
+        assert seen == [(kind, extras, grouped) for kind in (configs.FWD, configs.BWD_DKDV, configs.BWD_DQ)]
+
+
+def test_small_dkdv_tiles_only_for_dense_calls_without_grouping():
+    """dK/dV 32x64x4x4 (experiments 33, 38) is the sm90 d=128 choice for dense calls, with or
+    without extras, and never for causal ones or GQA (where it lost 4.8%)."""
+    sm90 = ((9, 0), 227 * 1024)
+    small = configs.KernelConfig(32, 64, 4, 4)
+
+    def first(banded, extras, grouped):
+        return configs.candidate_configs(configs.BWD_DKDV, 128, 128, BF16, *sm90, banded, extras, grouped)[0]
+    assert first(False, False, False) == small and first(False, True, False) == small
+    for banded, extras, grouped in ((True, False, False), (False, False, True), (False, True, True)):
+        assert first(banded, extras, grouped) != small, (banded, extras, grouped)
 
 
 def test_kernel_limits_are_data():

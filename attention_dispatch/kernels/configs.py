@@ -55,10 +55,13 @@ class ConfigEntry:
     config: KernelConfig
     banded: bool | None = None       # only for causal/window calls (True), only for dense (False), any (None)
     extras: bool | None = None       # only for calls with a bias/mask or dropout (True), only without (False), any
+    grouped: bool | None = None      # only for GQA/MQA calls (True), only for Hq == Hkv (False), any
 
-    def serves(self, banded: bool, extras: bool) -> bool:
-        """Whether the entry may be chosen for a call that is (not) banded and has (no) extras."""
-        return (self.banded is None or self.banded == banded) and (self.extras is None or self.extras == extras)
+    def serves(self, banded: bool, extras: bool, grouped: bool = False) -> bool:
+        """Whether the entry may be chosen for a call that is (not) banded, has (no) extras and
+        does (not) share kv heads between query heads."""
+        return ((self.banded is None or self.banded == banded) and (self.extras is None or self.extras == extras)
+                and (self.grouped is None or self.grouped == grouped))
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -70,9 +73,9 @@ _SM80 = ((8, 0), (8, 0))          # A100 / A30: 164 KiB shared memory
 _ANY = ((7, 5), (99, 9))          # fallbacks that fit small shared memories
 
 
-def _e(kind, cc, max_d, dtypes, bm, bn, w, s, banded=None, subtiles=1, extras=None, host_kv=True):
+def _e(kind, cc, max_d, dtypes, bm, bn, w, s, banded=None, subtiles=1, extras=None, host_kv=True, grouped=None):
     return ConfigEntry(kind, cc[0], cc[1], max_d, dtypes, KernelConfig(bm, bn, w, s, subtiles, host_kv), banded,
-                       extras)
+                       extras, grouped)
 
 
 # Ordered best-first within each (kind, arch); the first entry that matches and fits wins.
@@ -114,12 +117,13 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     # sm90 sweeps (fwd+bwd TFLOP/s at S=4k): run 2 with TMA descriptors: d=64 32x64x4x3 385 / 357
     # causal; d=128 dense 64x128x8x3 435, causal 32x64x4x3 376; d=256 64x64x8x2 313 / 289.
     # Session 9 re-sweep (experiment 33, d=128 dense, two runs): 32x64x4x4 against 64x128x8x3
-    # +3.3 / +2.6 / +2.6 / -1.5% at S=2k / 4k / 8k / 16k (+7% at 4k in the first run); kept
-    # to dense calls without bias or dropout (where it was measured).
+    # +3.3 / +2.6 / +2.6 / -1.5% at S=2k / 4k / 8k / 16k (+7% at 4k in the first run).  Session
+    # 10 (experiment 38, 10 rounds): +1.9 / +1.2 / +0.2 / -0.6% at 4k / 8k / 12k / 16k, bias
+    # 4k -0.3%, dropout 4k +5.6%, GQA 16/4 16k -4.8%: every dense call but GQA / MQA.
     _e(BWD_DKDV, _SM90, 64, _HALF, 32, 64, 4, 3),
     _e(BWD_DKDV, _SM90, 64, _HALF, 32, 128, 4, 3),
     _e(BWD_DKDV, _SM90, 128, _HALF, 32, 64, 4, 3, banded=True),
-    _e(BWD_DKDV, _SM90, 128, _HALF, 32, 64, 4, 4, banded=False, extras=False),
+    _e(BWD_DKDV, _SM90, 128, _HALF, 32, 64, 4, 4, banded=False, grouped=False),
     _e(BWD_DKDV, _SM90, 128, _HALF, 64, 128, 8, 3),
     _e(BWD_DKDV, _SM90, 128, _HALF, 64, 128, 8, 2),
     _e(BWD_DKDV, _SM90, 128, _HALF, 32, 128, 8, 2),
@@ -178,17 +182,18 @@ def shared_memory_estimate(kind: str, cfg: KernelConfig, block_dqk: int, block_d
 
 def candidate_configs(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype,
                       cc: tuple[int, int], smem_limit: int, banded: bool = False,
-                      extras: bool = False) -> list[KernelConfig]:
+                      extras: bool = False, grouped: bool = False) -> list[KernelConfig]:
     """All table entries that match and fit, best first (like PyTorch's candidate loop).
-    ``banded``: the call is causal or windowed; ``extras``: it has a bias, a mask or dropout
-    (entries may be reserved for either case)."""
+    ``banded``: the call is causal or windowed; ``extras``: it has a bias, a mask or dropout;
+    ``grouped``: query heads share kv heads (GQA / MQA).  Entries may be reserved for either
+    side of each."""
     return list(_candidates(kind, head_dim_qk, head_dim_v, dtype, tuple(cc), smem_limit, bool(banded),
-                            bool(extras)))
+                            bool(extras), bool(grouped)))
 
 
 @functools.lru_cache(maxsize=1024)      # pure function of hashable facts; called on every launch
-def _candidates(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype,
-                cc: tuple[int, int], smem_limit: int, banded: bool, extras: bool) -> tuple[KernelConfig, ...]:
+def _candidates(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, cc: tuple[int, int],
+                smem_limit: int, banded: bool, extras: bool, grouped: bool) -> tuple[KernelConfig, ...]:
     bdq, bdv = block_d(head_dim_qk), block_d(head_dim_v)
     bd = max(bdq, bdv)
     esize = torch.empty((), dtype=dtype).element_size()
@@ -198,7 +203,7 @@ def _candidates(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype
             continue
         if bd > e.max_block_d or dtype not in e.dtypes:
             continue
-        if not e.serves(banded, extras):
+        if not e.serves(banded, extras, grouped):
             continue
         if shared_memory_estimate(kind, e.config, bdq, bdv, esize) > smem_limit:
             continue

@@ -200,15 +200,16 @@ def config_reason(head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, device,
 
 
 def select_config(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, device,
-                  params: KernelParams | None = None, extras: bool = False) -> list[C.KernelConfig]:
+                  params: KernelParams | None = None, extras: bool = False,
+                  grouped: bool = False) -> list[C.KernelConfig]:
     """Candidate configurations, best first (a forced block_m/block_n replaces the tiles, in
-    one tile: no sub-tiles)."""
+    one tile: no sub-tiles).  ``extras``: a bias, mask or dropout; ``grouped``: GQA / MQA."""
     if is_interpreter() or torch.device(device).type != "cuda":
         cands = [C.INTERPRETER_CONFIGS[kind]]
     else:
         cc, smem, _ = device_info(device)
         banded = params is not None and (params.window_left >= 0 or params.window_right >= 0)
-        cands = C.candidate_configs(kind, head_dim_qk, head_dim_v, dtype, cc, smem, banded, extras)
+        cands = C.candidate_configs(kind, head_dim_qk, head_dim_v, dtype, cc, smem, banded, extras, grouped)
         if not cands:
             raise RuntimeError(C.arch_reason(head_dim_qk, head_dim_v, dtype, cc, smem)
                                or f"no {kind} configuration")
@@ -539,7 +540,8 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
             lse.fill_(-math.inf)
         return _as_dtype(out, q.dtype), lse, seed
     kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
-    cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, extras=kind != 0 or params.dropout_p > 0)
+    cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, extras=kind != 0 or params.dropout_p > 0,
+                          grouped=prob.group > 1)
     # Q is checked too: it goes through a descriptor beside a bias descriptor (forward.py)
     desc = use_descriptors(params, (q, k, v), dev, loop_len=prob.Sk)
     # A row whose first key block may be entirely masked needs the -inf-safe running max.
@@ -701,7 +703,8 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     else:
         db_ws = dummy
         db_str = (0, 0, 0, 0)
-    cands = select_config(C.BWD_DKDV, prob.Dqk, prob.Dv, q.dtype, dev, params)
+    extras = kind != 0 or params.dropout_p > 0
+    cands = select_config(C.BWD_DKDV, prob.Dqk, prob.Dv, q.dtype, dev, params, extras=extras, grouped=prob.group > 1)
     # group split (GQA/MQA): query heads of a kv head spread over grid axis 2, partial
     # dK/dV in an fp32 workspace summed in a fixed order (never with a head-summed d(bias)).
     if params.deterministic or prob.group == 1 or (bias_grad and sum_heads):
@@ -749,7 +752,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
         dk, dv = _as_dtype(dk_out, k.dtype), _as_dtype(dv_out, v.dtype)
 
     # 3) dQ : query-tile parallel, optionally split over keys (fp32 workspace + atomics)
-    cands = select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params)
+    cands = select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params, extras=extras, grouped=prob.group > 1)
     bm, bn = cands[0].block_m, cands[0].block_n
     if params.deterministic:
         splits = 1
