@@ -5,6 +5,7 @@ import importlib.util
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -399,6 +400,25 @@ def test_overhead_script_imports():
     calls = []
     med, best = mod.per_call_us(lambda: calls.append(1), n=5, repeat=3, sync=lambda: None)
     assert best <= med and len(calls) == 10 + 15
+
+
+def test_overhead_paired_ratio_times_both_in_every_round():
+    """The interleaved ratio times each function in every round, alternating which goes
+    first, and reports the median of the per-round ratios."""
+    mod = _load("overhead")
+    order = []
+
+    def slow():
+        order.append("slow")
+        time.sleep(0.002)
+
+    def fast():
+        order.append("fast")
+    ratio, rounds = mod.paired_ratio(fast, slow, n=3, repeat=4, sync=lambda: None)
+    timed = order[20:]                                   # after 10 warm-up calls of each
+    assert timed == ["fast"] * 3 + ["slow"] * 3 + ["slow"] * 3 + ["fast"] * 3 + ["fast"] * 3 + ["slow"] * 3 \
+        + ["slow"] * 3 + ["fast"] * 3
+    assert len(rounds) == 4 and ratio == statistics.median(rounds) and min(rounds) > 10
 
 
 def test_fastest_ratio_counts_our_backends_per_mode():
