@@ -222,6 +222,13 @@ def select_config(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dty
 _CHOSEN: dict = {}
 
 
+def _table_traits(bias_kind: int, params: KernelParams, prob: "_Problem") -> dict:
+    """What the config table keys a call on besides dtype, head dims and band (which
+    select_config reads from params), the same for every pass: ``extras`` (a bias, a mask or
+    dropout) and ``grouped`` (GQA / MQA)."""
+    return dict(extras=bias_kind != 0 or params.dropout_p > 0, grouped=prob.group > 1)
+
+
 def _out_of_resources(e: Exception) -> bool:
     return type(e).__name__ in ("OutOfResources", "OutOfResourcesError") or "out of resource" in str(e).lower()
 
@@ -540,8 +547,7 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
             lse.fill_(-math.inf)
         return _as_dtype(out, q.dtype), lse, seed
     kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
-    cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, extras=kind != 0 or params.dropout_p > 0,
-                          grouped=prob.group > 1)
+    cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, **_table_traits(kind, params, prob))
     # Q is checked too: it goes through a descriptor beside a bias descriptor (forward.py)
     desc = use_descriptors(params, (q, k, v), dev, loop_len=prob.Sk)
     # A row whose first key block may be entirely masked needs the -inf-safe running max.
@@ -703,8 +709,8 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     else:
         db_ws = dummy
         db_str = (0, 0, 0, 0)
-    extras = kind != 0 or params.dropout_p > 0
-    cands = select_config(C.BWD_DKDV, prob.Dqk, prob.Dv, q.dtype, dev, params, extras=extras, grouped=prob.group > 1)
+    traits = _table_traits(kind, params, prob)
+    cands = select_config(C.BWD_DKDV, prob.Dqk, prob.Dv, q.dtype, dev, params, **traits)
     # group split (GQA/MQA): query heads of a kv head spread over grid axis 2, partial
     # dK/dV in an fp32 workspace summed in a fixed order (never with a head-summed d(bias)).
     if params.deterministic or prob.group == 1 or (bias_grad and sum_heads):
@@ -752,7 +758,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
         dk, dv = _as_dtype(dk_out, k.dtype), _as_dtype(dv_out, v.dtype)
 
     # 3) dQ : query-tile parallel, optionally split over keys (fp32 workspace + atomics)
-    cands = select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params, extras=extras, grouped=prob.group > 1)
+    cands = select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params, **traits)
     bm, bn = cands[0].block_m, cands[0].block_n
     if params.deterministic:
         splits = 1
