@@ -2,7 +2,8 @@
 
     python benchmarks/compile_sm90.py [--kinds fwd,bwd_dkdv,bwd_dq] [--limit N]
 
-Each sm90 table entry (kernel kind, head dim, tiles, warps, stages) is compiled with the
+The warp-specialised Gluon forward (kind fwd_ws) is compiled for each head dim, causal
+flag and row layout it serves.  Each sm90 table entry (kernel kind, head dim, tiles, warps, stages) is compiled with the
 installed Triton down to a cubin (ptxas runs), for every feature set the entry can be
 chosen for: causal, dense, float bias through a TMA descriptor with dropout, float bias,
 bool mask, dropout; forward kernels with K/V through in-kernel and through host-built
@@ -81,9 +82,44 @@ def compile_case(kind: str, entry, constexprs: dict) -> str | None:
     return None
 
 
+def ws_cases():
+    """The warp-specialised forward (kernels/forward_ws.py) for every head dim it serves:
+    dense / causal, each row layout of Q and K/V, with and without the logsumexp."""
+    for d, cfg in C.WS_FWD_CONFIGS.items():
+        for causal in (False, True):
+            for q_rows, kv_rows in ((1, 1), (2, 2), (1, 2)):
+                for store_lse in (True, False):
+                    yield d, cfg, f"ws d={d} causal={causal} rows={q_rows}/{kv_rows} lse={store_lse}", dict(
+                        CAUSAL=causal, Q_ROWS=q_rows, KV_ROWS=kv_rows, STORE_LSE=store_lse, BLOCK_N=cfg.block_n,
+                        STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
+
+
+def compile_ws_case(d: int, cfg, constexprs: dict) -> str | None:
+    """Compile one warp-specialised forward for sm90 (bf16); None when it compiled."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from attention_dispatch.kernels.forward_ws import _attn_fwd_ws
+    names = _attn_fwd_ws.arg_names
+
+    def desc(rows):
+        lay = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {d}],{lay!r}>"
+    half = cfg.block_m // 2
+    sig = dict(q_desc=desc(half), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(half),
+               lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16", qk_scale="fp32")
+    sig = {n: "constexpr" if n in constexprs else sig.get(n, "i32") for n in names}
+    src = GluonASTSource(_attn_fwd_ws, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    try:
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=cfg.max_regs))
+    except Exception as e:  # noqa: BLE001 - a compiler failure is the finding
+        return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:200]
+    return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kinds", type=lambda s: tuple(s.split(",")), default=tuple(KERNELS))
+    p.add_argument("--kinds", type=lambda s: tuple(s.split(",")), default=tuple(KERNELS) + ("fwd_ws",),
+                   help="fwd, bwd_dkdv, bwd_dq, fwd_ws (the warp-specialised forward)")
     p.add_argument("--limit", type=int, default=0, help="compile only the first N cases (0: all)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -98,6 +134,13 @@ def main(argv=None) -> int:
         if err:
             failed += 1
             print(f"FAILED {kind} d<={entry.max_block_d} {entry.config} {label}: {err}", flush=True)
+    if "fwd_ws" in args.kinds:
+        for d, cfg, label, const in ws_cases():
+            n += 1
+            err = compile_ws_case(d, cfg, const)
+            if err:
+                failed += 1
+                print(f"FAILED {label}: {err}", flush=True)
     print(f"triton {triton.__version__}: {n} kernels compiled for sm90, {failed} failed")
     return 1 if failed else 0
 

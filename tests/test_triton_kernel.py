@@ -1032,3 +1032,102 @@ def test_gpu_cuda_graph_capture():
     g.replay()
     torch.cuda.synchronize()
     assert not torch.isnan(out).any()
+
+
+def _ws_problem(sq=256, sk=256, d=128, hq=4, hkv=4, dv=None):
+    from attention_dispatch.kernels import launch
+    q, k, v = torch.randn(2, hq, sq, d), torch.randn(2, hkv, sk, d), torch.randn(2, hkv, sk, dv or d)
+    return launch._Problem(q, k, v, None, None, None, None)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(), None),
+    (dict(prob=dict(hkv=1)), None),                                             # GQA / MQA are served
+    (dict(params=dict(causal="top_left")), None),
+    (dict(params=dict(causal="bottom_right")), None),
+    (dict(prob=dict(d=64)), None),
+    (dict(cc=(8, 0)), "sm90 only"),
+    (dict(cc=(10, 0)), "sm90 only"),
+    (dict(uses_descriptors=False), "no TMA descriptors"),
+    (dict(dtype=F32), "float16 or bfloat16"),
+    (dict(prob=dict(d=256)), "head dims 256/256"),
+    (dict(prob=dict(d=96)), "head dims 96/96"),
+    (dict(prob=dict(dv=64)), "head dims 128/64"),
+    (dict(bias_kind=1), "bias, mask or dropout"),
+    (dict(params=dict(dropout_p=0.1)), "bias, mask or dropout"),
+    (dict(params=dict(window=(64, 0))), "window"),
+    (dict(params=dict(causal="top_left"), prob=dict(sq=128)), "Sq != Sk"),
+    (dict(params=dict(scale=-0.1)), "scale -0.1"),
+    (dict(params=dict(block_m=64)), "tiles forced"),
+    (dict(prob=dict(sq=200)), "multiples of 128"),
+    (dict(prob=dict(sk=320)), "multiples of 128"),
+    (dict(q_rows=0), "memory layout"),
+    (dict(kv_rows=0), "memory layout"),
+    (dict(params=dict(max_grid=4)), "32-bit limits"),
+    (dict(min_work=True), "below WS_MIN_WORK"),
+])
+def test_warp_specialized_forward_reasons(monkeypatch, change, reason):
+    """Which calls the warp-specialised sm90 forward serves, and the reason it gives for the others."""
+    from attention_dispatch.kernels import launch
+    if launch._attn_fwd_ws is None:
+        pytest.skip("this Triton has no Gluon")
+    if not change.get("min_work"):
+        monkeypatch.setattr(launch, "WS_MIN_WORK", 0)
+    prob = _ws_problem(**change.get("prob", {}))
+    pkw = dict(change.get("params", {}))
+    params = make_params(torch.empty(1, 1, 1, prob.Dqk), pkw.pop("causal", None), pkw.pop("window", None), **pkw)
+    got = launch.ws_forward_reason(prob, change.get("bias_kind", 0), params, change.get("dtype", BF16),
+                                   change.get("cc", (9, 0)), change.get("uses_descriptors", True),
+                                   change.get("q_rows", 1), change.get("kv_rows", 2))
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and reason in got, got
+
+
+def _spy_forward_ws(monkeypatch):
+    """Record the row layouts of every warp-specialised forward launch (its minimum call size
+    lowered to 0: test shapes are small)."""
+    from attention_dispatch.kernels import launch
+    monkeypatch.setattr(launch, "WS_MIN_WORK", 0)
+    seen, real = [], launch._forward_ws
+
+    def spy(q, k, v, out, lse, params, prob, q_rows, kv_rows):
+        seen.append((q_rows, kv_rows))
+        return real(q, k, v, out, lse, params, prob, q_rows, kv_rows)
+    monkeypatch.setattr(launch, "_forward_ws", spy)
+    return seen
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("feature", ["dense", "causal", "causal_gqa", "bshd_dense_gqa", "bshd_causal", "cross"])
+def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, feature):
+    """The Gluon forward against float64 (forward, logsumexp and the backward that reads them):
+    640 query rows (5 tiles: the two-slot K/V ring wraps), (B, H, S, D) or (B, S, H, D) memory."""
+    seen = _spy_forward_ws(monkeypatch)
+    hkv = 1 if "gqa" in feature else 4
+    sk = 768 if feature == "cross" else 640
+    q = rand(2, 4, 640, d, dtype=dtype, device="cuda")
+    k, v = (rand(2, hkv, sk, d, dtype=dtype, device="cuda") for _ in range(2))
+    layout = 1
+    if feature.startswith("bshd"):
+        layout = 2
+        q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    run_and_check(q, k, v, causal="top_left" if "causal" in feature else None)
+    assert seen == [(layout, layout)]
+
+
+@gpu
+@needs_cuda
+def test_gpu_forward_warp_specialized_inference(monkeypatch):
+    """need_lse=False writes no logsumexp and the same output, bit for bit."""
+    from attention_dispatch.kernels.launch import attention_forward
+    seen = _spy_forward_ws(monkeypatch)
+    q, k, v = (rand(1, 8, 1024, 128, dtype=BF16, device="cuda", grad=False) for _ in range(3))
+    params = make_params(q, "top_left")
+    out, lse, _ = attention_forward(q, k, v, None, params)
+    out2, lse2, _ = attention_forward(q, k, v, None, params, need_lse=False)
+    assert lse2 is None and torch.equal(out, out2) and not out.isnan().any() and len(seen) == 2

@@ -156,6 +156,21 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
 
 # Under TRITON_INTERPRET=1 (CPU) there is no shared memory and no warps: small,
 # deliberately asymmetric tiles so that the small test shapes cross several tiles.
+class WsConfig(NamedTuple):
+    """The warp-specialised forward's launch (forward_ws.py): 128 query rows per program in two
+    consumer warpgroups of 64, ``block_n`` key rows per ring slot, ``stages`` slots."""
+    block_n: int = 128
+    stages: int = 2
+    consumer_regs: int = 240    # registers per thread of the second consumer (setmaxnreg)
+    max_regs: int = 168         # kernel-wide limit: 12 warps * 32 * 168 fit the register file
+    block_m: int = 128
+
+
+# sm90 only, by head dim (Dqk == Dv).  Experiment 40 (H100, bf16 d128): two stages against three
+# 618 / 606 TFLOP/s at S=4k, 660 / 649 at 16k; the in-warpgroup overlap +5-10% over none.
+WS_FWD_CONFIGS = {64: WsConfig(), 128: WsConfig()}
+
+
 INTERPRETER_CONFIGS = {
     FWD: KernelConfig(32, 16, 1, 1, subtiles=2),    # forced tiles (tests) run the one-tile path
     BWD_DKDV: KernelConfig(16, 32, 1, 1),

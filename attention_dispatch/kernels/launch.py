@@ -19,6 +19,13 @@ from .compiled_cache import COMPILED, TensorDescriptor, _hooks_installed, relaun
 from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
 from .forward import LOG2E, _attn_fwd, _dropout_mask_kernel
 
+try:   # Gluon (Triton >= 3.5): the warp-specialised sm90 forward
+    from triton.experimental.gluon import language as _gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
+    from .forward_ws import _attn_fwd_ws
+except ImportError:  # pragma: no cover - a Triton without Gluon: the tl forward serves every call
+    _attn_fwd_ws = None
+
 # Limit of launch-grid axes 1 and 2 (CUDA's y/z).  Tests lower it to exercise chunking.
 MAX_GRID_YZ = 65535
 # Upper bound on the number of key splits of the dQ pass.
@@ -479,12 +486,12 @@ def _grid_limit(params: KernelParams) -> int:
 HOST_KV_MIN_WORK = 1 << 32
 
 
-def _kv_rows_layout(k, v) -> int:
-    """1: K and V are (B, Hkv, Sk, D) in memory (contiguous), 2: (B, Sk, Hkv, D) memory seen as
-    (B, Hkv, Sk, D), the layout of a model that keeps tokens first; 0: anything else."""
-    if k.is_contiguous() and v.is_contiguous():
+def _rows_layout(*tensors) -> int:
+    """1: every tensor is (B, H, S, D) in memory (contiguous), 2: (B, S, H, D) memory seen as
+    (B, H, S, D), the layout of a model that keeps tokens first; 0: anything else."""
+    if all(t.is_contiguous() for t in tensors):
         return 1
-    if k.transpose(1, 2).is_contiguous() and v.transpose(1, 2).is_contiguous():
+    if all(t.transpose(1, 2).is_contiguous() for t in tensors):
         return 2
     return 0
 
@@ -502,7 +509,7 @@ def host_kv_descriptors(k, v, prob: "_Problem", uses_descriptors: bool, block_dq
             or prob.Dqk != block_dqk or prob.Dv != block_dv or prob.B * prob.Hkv * prob.Sk >= 2 ** 31
             or prob.B * prob.Hq * prob.Sq * prob.Sk * max(prob.Dqk, prob.Dv) < HOST_KV_MIN_WORK):
         return None
-    layout = _kv_rows_layout(k, v)
+    layout = _rows_layout(k, v)
     if layout == 0:
         return None
     # rows of the matrix and elements per row: a head's rows (layout 1) or a token's heads (2)
@@ -518,6 +525,76 @@ def host_kv_descriptors(k, v, prob: "_Problem", uses_descriptors: bool, block_dq
         return (TensorDescriptor(k, [rows, heads * prob.Dqk], [heads * prob.Dqk, 1], [block_n, prob.Dqk]),
                 TensorDescriptor(v, [rows, heads * prob.Dv], [heads * prob.Dv, 1], [block_n, prob.Dv]), layout)
     return descriptors
+
+
+# The warp-specialised forward (forward_ws.py) runs calls of at least this much work, as the
+# host-built descriptors above (it builds four of them per call).
+WS_MIN_WORK = HOST_KV_MIN_WORK
+
+
+def ws_forward_reason(prob: "_Problem", bias_kind: int, params: KernelParams, dtype: torch.dtype,
+                      cc: tuple[int, int], uses_descriptors: bool, q_rows: int, kv_rows: int) -> str | None:
+    """None when the warp-specialised sm90 forward computes this call, else why not (one line).
+    ``uses_descriptors``: :func:`use_descriptors` of q, k, v; ``q_rows`` / ``kv_rows``:
+    :func:`_rows_layout` of q and of (k, v)."""
+    banded = params.window_left >= 0 or params.window_right >= 0
+    causal = params.window_left < 0 and params.window_right == 0
+    cfg = C.WS_FWD_CONFIGS.get(prob.Dqk)
+    if _attn_fwd_ws is None:
+        return "this Triton has no Gluon"
+    if cc != (9, 0):
+        return f"compute capability {cc[0]}.{cc[1]}: the warp-specialised forward is sm90 only"
+    if not uses_descriptors:
+        return "no TMA descriptors for this call (dtype, 16-byte alignment, interpreter or descriptors=0)"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {dtype}: float16 or bfloat16 only"
+    if cfg is None or prob.Dv != prob.Dqk:
+        return f"head dims {prob.Dqk}/{prob.Dv}: equal and one of {sorted(C.WS_FWD_CONFIGS)} only"
+    if prob.varlen:
+        return "varlen: dense calls only"
+    if bias_kind != 0 or params.dropout_p > 0:
+        return "bias, mask or dropout: not in the warp-specialised forward"
+    if banded and not (causal and prob.Sq == prob.Sk):
+        return "window or causal with Sq != Sk: only dense and causal with Sq == Sk"
+    if params.scale <= 0:
+        return f"scale {params.scale}: positive only (the running max is taken before scaling)"
+    if params.block_m or params.block_n:
+        return "tiles forced by the call's parameters"
+    if prob.Sq % cfg.block_m or prob.Sk % cfg.block_n:
+        return f"Sq={prob.Sq}, Sk={prob.Sk}: multiples of {cfg.block_m} and {cfg.block_n} only"
+    if q_rows == 0 or kv_rows == 0:
+        return "memory layout: query and key/value each (B, H, S, D) or (B, S, H, D) contiguous"
+    if prob.B * prob.Hq > _grid_limit(params) or prob.B * prob.Hq * prob.Sq >= 2 ** 31:
+        return "grid or row count past the kernel's 32-bit limits"
+    if prob.B * prob.Hq * prob.Sq * prob.Sk * prob.Dqk < WS_MIN_WORK:
+        return f"below WS_MIN_WORK ({WS_MIN_WORK} query-key-dim products): the host descriptors cost more"
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _ws_smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
+    return _gl.NVMMASharedLayout.get_default_for([rows, head_dim], _gl.bfloat16 if dtype == torch.bfloat16
+                                                 else _gl.float16)
+
+
+def _rows_descriptor(t: torch.Tensor, rows_layout: int, block_rows: int):
+    """Descriptor over ``t`` (B, H, S, D) as the matrix of its rows layout (see _rows_layout)."""
+    B, H, S, D = t.shape
+    rows, width = (B * H * S, D) if rows_layout == 1 else (B * S, H * D)
+    return _GluonDescriptor(t, [rows, width], [width, 1], [block_rows, D], _ws_smem_layout(block_rows, D, t.dtype))
+
+
+def _forward_ws(q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int):
+    cfg = C.WS_FWD_CONFIGS[prob.Dqk]
+    half = cfg.block_m // 2
+    n_m = prob.Sq // cfg.block_m
+    _attn_fwd_ws[(n_m, prob.B * prob.Hq)](
+        _rows_descriptor(q, q_rows, half), _rows_descriptor(k, kv_rows, cfg.block_n),
+        _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(out, 1, half),
+        lse if lse is not None else out, params.scale * LOG2E, prob.Sq, prob.Sk, prob.Hq, prob.group, n_m,
+        CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, STORE_LSE=lse is not None,
+        BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
+        num_warps=4, maxnreg=cfg.max_regs)
 
 
 def _check_inputs(q, k, v):
@@ -547,9 +624,14 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
             lse.fill_(-math.inf)
         return _as_dtype(out, q.dtype), lse, seed
     kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
-    cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, **_table_traits(kind, params, prob))
     # Q is checked too: it goes through a descriptor beside a bias descriptor (forward.py)
     desc = use_descriptors(params, (q, k, v), dev, loop_len=prob.Sk)
+    if desc and out.dtype == q.dtype:
+        q_rows, kv_rows = _rows_layout(q), _rows_layout(k, v)
+        if ws_forward_reason(prob, kind, params, q.dtype, device_info(dev)[0], desc, q_rows, kv_rows) is None:
+            _forward_ws(q, k, v, out, lse, params, prob, q_rows, kv_rows)
+            return out, lse, seed
+    cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, **_table_traits(kind, params, prob))
     # A row whose first key block may be entirely masked needs the -inf-safe running max.
     may_empty = (kind != 0 or params.window_left >= 0
                  or (params.window_right >= 0 and params.align_bottom_right

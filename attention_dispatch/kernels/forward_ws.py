@@ -1,0 +1,192 @@
+"""Warp-specialised Hopper forward in Gluon (FlashAttention-3's structure).
+
+Triton 3.6 builds no such kernel from ``tl`` code on sm90 (its automatic warp specialisation
+deadlocks there, docs/perf-notes.md experiment 35); Gluon states the partitions, barriers
+and tensor-core calls explicitly (experiment 40):
+
+  * a loader warp streams the K and V tiles of one (batch, kv head) through a ring of
+    ``STAGES`` TMA buffers (``*_ready`` barriers: the copy landed; ``*_empty``: both
+    consumers are done with the slot);
+  * two consumer warpgroups own 64 query rows each of a 128-row tile and share the ring;
+    the warp scheduler runs one's softmax while the other's products occupy the tensor cores;
+  * inside a consumer, ``S_j = Q K_j^T`` and ``P_{j-1} V_{j-1}`` are in flight together and
+    the softmax of ``S_j`` runs while ``P_{j-1} V_{j-1}`` is still computing.
+
+Scope (launch.py's ``ws_forward_reason`` says why a call is not served): sm90, fp16/bf16,
+Dqk == Dv in {64, 128}, no bias, mask, dropout or window other than causal with Sq == Sk,
+dense rows whose lengths are multiples of the tiles, positive scale.  Same conventions as
+forward.py: log2-domain scores, ``lse`` in natural log, ``pid_bh = b * Hq + h``.
+Row layouts (``Q_ROWS`` / ``KV_ROWS``): 1 = (B, H, S, D) memory seen as (B*H*S, D),
+2 = (B, S, H, D) memory seen as (B*S, H*D), the head's columns at ``h * D``.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _tile_origin(pid_bh, head_groups, num_heads, seq, ROWS: gl.constexpr, HEAD_D: gl.constexpr):
+    """(first row, first column) of head ``pid_bh // head_groups`` of a row-layout matrix."""
+    b = pid_bh // num_heads
+    h = (pid_bh % num_heads) // head_groups
+    if ROWS == 1:
+        return (b * (num_heads // head_groups) + h) * seq, 0
+    else:
+        return b * seq, h * HEAD_D
+
+
+@gluon.jit
+def _ws_loader(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars,
+               qk_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
+               WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
+               STORE_LSE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    q_bar, k_ready, v_ready, k_empty, v_empty = bars
+    HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
+    pid_m = n_m_blocks - 1 - gl.program_id(0)      # longest causal rows first
+    kv_row, kv_col = _tile_origin(gl.program_id(1), group, num_heads, seq_k, KV_ROWS, HEAD_D)
+    if CAUSAL:
+        n_tiles = gl.cdiv((pid_m + 1) * 2 * BLOCK_M, BLOCK_N)
+    else:
+        n_tiles = seq_k // BLOCK_N
+    for j in range(n_tiles):
+        s = j % STAGES
+        ph = (j // STAGES) & 1
+        # a fresh barrier counts as having completed phase 1: the first lap does not wait
+        mbarrier.wait(k_empty.index(s), ph ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s))
+        mbarrier.wait(v_empty.index(s), ph ^ 1)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars,
+                 qk_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
+                 WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
+                 STORE_LSE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    q_bar, k_ready, v_ready, k_empty, v_empty = bars
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    pid_m = n_m_blocks - 1 - gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    q_start = pid_m * 2 * BLOCK_M + WG * BLOCK_M        # this warpgroup's first query row
+    q_row, q_col = _tile_origin(pid_bh, 1, num_heads, seq_q, Q_ROWS, HEAD_D)
+    q_buf = q_bufs.index(WG)
+    mbarrier.expect(q_bar.index(WG), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row + q_start, q_col], q_bar.index(WG), q_buf)
+
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    if CAUSAL:
+        n_tiles = gl.cdiv((pid_m + 1) * 2 * BLOCK_M, BLOCK_N)
+        n_full = (pid_m * 2 * BLOCK_M) // BLOCK_N          # tiles below the diagonal: no mask
+    else:
+        n_tiles = seq_k // BLOCK_N
+        n_full = n_tiles
+    rows = q_start + gl.arange(0, BLOCK_M, row_s)
+    mbarrier.wait(q_bar.index(WG), 0)
+
+    # tile 0: its scores start the running max and sum
+    mbarrier.wait(k_ready.index(0), 0)
+    k_buf = k_bufs.index(0)
+    sc = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    sc, _, _ = warpgroup_mma_wait(0, deps=[sc, q_buf, k_buf])
+    mbarrier.arrive(k_empty.index(0), count=1)
+    if n_full == 0:
+        cols = gl.arange(0, BLOCK_N, col_s)
+        sc = gl.where(cols[None, :] <= rows[:, None], sc, float("-inf"))
+    m_i = gl.max(sc, 1) * qk_scale
+    p = gl.exp2(sc * qk_scale - m_i[:, None])
+    l_i = gl.sum(p, 1)
+    for j in range(1, n_tiles):
+        s = j % STAGES
+        sp = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+        k_buf = k_bufs.index(s)
+        sc_tok = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+        v_buf = v_bufs.index(sp)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        # wgmma groups retire in order: one outstanding = S_j done, P_{j-1} V_{j-1} running
+        sc, _, _ = warpgroup_mma_wait(1, deps=[sc_tok, q_buf, k_buf])
+        mbarrier.arrive(k_empty.index(s), count=1)
+        if j >= n_full:
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, col_s)
+            sc = gl.where(cols[None, :] <= rows[:, None], sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
+        p = gl.exp2(sc * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
+        mbarrier.arrive(v_empty.index(sp), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    sl = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
+    v_buf = v_bufs.index(sl)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
+    mbarrier.arrive(v_empty.index(sl), count=1)
+
+    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
+    if STORE_LSE:
+        gl.store(lse_ptr + pid_bh * seq_q + rows, (m_i + gl.log2(l_i)) * LN2)
+    # the output leaves through this warpgroup's Q buffer (Q is no longer read)
+    q_buf.store(acc.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [pid_bh * seq_q + q_start, 0], q_buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
+                 CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Grid (Sq / 128, B * Hq); one program: 128 query rows of one (b, h), O (B*Hq*Sq, D) rows."""
+    BLOCK_M: gl.constexpr = 64        # rows per consumer warpgroup (one wgmma M)
+    dtype: gl.constexpr = q_desc.dtype
+    q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)      # both consumers release a slot
+        mbarrier.init(v_empty.index(i), count=2)
+    bars = (q_bar, k_ready, v_ready, k_empty, v_empty)
+    # partition arguments are spelled out: constexprs inside a concatenated tuple lose their kind
+    WG0: gl.constexpr = 0
+    WG1: gl.constexpr = 1
+    gl.warp_specialize([
+        (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, qk_scale, seq_q,
+                        seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
+                        BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, qk_scale, seq_q,
+                        seq_k, num_heads, group, n_m_blocks, WG1, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
+                        BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_loader, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, qk_scale, seq_q,
+                      seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
+                      BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
