@@ -1103,12 +1103,12 @@ def _spy_forward_ws(monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [F16, BF16])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("feature", ["dense", "causal", "causal_gqa", "bshd_dense_gqa", "bshd_causal", "cross"])
+@pytest.mark.parametrize("feature", ["dense", "causal", "causal_mqa", "bshd_dense_gqa", "bshd_causal", "cross"])
 def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, feature):
     """The Gluon forward against float64 (forward, logsumexp and the backward that reads them):
     640 query rows (5 tiles: the two-slot K/V ring wraps), (B, H, S, D) or (B, S, H, D) memory."""
     seen = _spy_forward_ws(monkeypatch)
-    hkv = 1 if "gqa" in feature else 4
+    hkv = 1 if "mqa" in feature else (2 if "gqa" in feature else 4)   # (B, S, 1, D) would also be layout 1
     sk = 768 if feature == "cross" else 640
     q = rand(2, 4, 640, d, dtype=dtype, device="cuda")
     k, v = (rand(2, hkv, sk, d, dtype=dtype, device="cuda") for _ in range(2))
