@@ -166,9 +166,12 @@ class WsConfig(NamedTuple):
     block_m: int = 128
 
 
-# sm90 only, by head dim (Dqk == Dv).  Experiment 40 (H100, bf16 d128): two stages against three
-# 618 / 606 TFLOP/s at S=4k, 660 / 649 at 16k; the in-warpgroup overlap +5-10% over none.
-WS_FWD_CONFIGS = {64: WsConfig(), 128: WsConfig()}
+# sm90 only, by head dim (Dqk == Dv).  Experiment 40 (H100, forward_ab.py, 5 interleaved rounds):
+# bf16 d128 1.14 / 1.18 / 1.14 / 1.25x the tl forward at 4k / 4k causal / 16k / 16k causal (two
+# stages against three: 618 / 606 TFLOP/s at 4k); d64 0.96-1.02x (softmax-bound: no gain, and
+# its tl configuration has the same tiles and gives bit-equal outputs), so d64 keeps the tl kernel.
+# The kernel itself is written for any head dim of 16..128 (tests and compile_sm90.py cover 64).
+WS_FWD_CONFIGS = {128: WsConfig()}
 
 
 INTERPRETER_CONFIGS = {

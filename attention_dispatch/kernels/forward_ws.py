@@ -13,7 +13,7 @@ and tensor-core calls explicitly (experiment 40):
     the softmax of ``S_j`` runs while ``P_{j-1} V_{j-1}`` is still computing.
 
 Scope (launch.py's ``ws_forward_reason`` says why a call is not served): sm90, fp16/bf16,
-Dqk == Dv in {64, 128}, no bias, mask, dropout or window other than causal with Sq == Sk,
+Dqk == Dv == 128 (configs.WS_FWD_CONFIGS), no bias, mask, dropout or window other than causal with Sq == Sk,
 dense rows whose lengths are multiples of the tiles, positive scale.  Same conventions as
 forward.py: log2-domain scores, ``lse`` in natural log, ``pid_bh = b * Hq + h``.
 Row layouts (``Q_ROWS`` / ``KV_ROWS``): 1 = (B, H, S, D) memory seen as (B*H*S, D),
