@@ -85,7 +85,7 @@ def compile_case(kind: str, entry, constexprs: dict) -> str | None:
 def ws_cases():
     """The warp-specialised forward (kernels/forward_ws.py) for every head dim it serves:
     dense / causal, each row layout of Q and K/V, with and without the logsumexp."""
-    for d, cfg in dict(C.WS_FWD_CONFIGS, **{64: C.WsConfig()}).items():   # d64: tested, not served
+    for d, cfg in {**C.WS_FWD_CONFIGS, 64: C.WsConfig()}.items():   # d64: tested, not served
         for causal in (False, True):
             for q_rows, kv_rows in ((1, 1), (2, 2), (1, 2)):
                 for store_lse in (True, False):
