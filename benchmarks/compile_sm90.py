@@ -94,21 +94,36 @@ def ws_cases():
                         STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
 
 
+def ws_bwd_cases():
+    """The warp-specialised dK/dV pass for every head dim it serves: dense / causal, row layouts."""
+    for d, cfg in C.WS_BWD_CONFIGS.items():
+        for causal in (False, True):
+            for rows in ((1, 1, 1), (2, 2, 2), (1, 2, 1)):
+                yield d, cfg, f"ws dkdv d={d} causal={causal} rows={rows}", dict(
+                    CAUSAL=causal, Q_ROWS=rows[0], KV_ROWS=rows[1], DO_ROWS=rows[2], STAGES=cfg.stages,
+                    CONSUMER_REGS=cfg.consumer_regs)
+
+
 def compile_ws_case(d: int, cfg, constexprs: dict) -> str | None:
     """Compile one warp-specialised forward for sm90 (bf16); None when it compiled."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
-    from attention_dispatch.kernels.forward_ws import _attn_fwd_ws
-    names = _attn_fwd_ws.arg_names
+    from attention_dispatch.kernels.forward_ws import _attn_bwd_dkdv_ws, _attn_fwd_ws
+    fn = _attn_bwd_dkdv_ws if "DO_ROWS" in constexprs else _attn_fwd_ws
+    names = fn.arg_names
 
     def desc(rows):
         lay = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {d}],{lay!r}>"
     half = cfg.block_m // 2
-    sig = dict(q_desc=desc(half), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(half),
-               lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16", qk_scale="fp32")
+    if fn is _attn_bwd_dkdv_ws:
+        sig = dict(q_desc=desc(64), k_desc=desc(64), v_desc=desc(64), do_desc=desc(64), dk_desc=desc(64),
+                   dv_desc=desc(64), lse_ptr="*fp32", delta_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
+    else:
+        sig = dict(q_desc=desc(half), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(half),
+                   lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16", qk_scale="fp32")
     sig = {n: "constexpr" if n in constexprs else sig.get(n, "i32") for n in names}
-    src = GluonASTSource(_attn_fwd_ws, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
     try:
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=cfg.max_regs))
     except Exception as e:  # noqa: BLE001 - a compiler failure is the finding
@@ -135,7 +150,7 @@ def main(argv=None) -> int:
             failed += 1
             print(f"FAILED {kind} d<={entry.max_block_d} {entry.config} {label}: {err}", flush=True)
     if "fwd_ws" in args.kinds:
-        for d, cfg, label, const in ws_cases():
+        for d, cfg, label, const in list(ws_cases()) + list(ws_bwd_cases()):
             n += 1
             err = compile_ws_case(d, cfg, const)
             if err:

@@ -1,10 +1,11 @@
-"""The warp-specialised Gluon forward against the tl forward, in interleaved rounds (GPU).
+"""The warp-specialised Gluon kernels against the tl kernels, in interleaved rounds (GPU).
 
     python benchmarks/forward_ab.py [--rounds 5] [--json out.json] [--commit SHA]
 
 For each row both forwards run through ``triton_attention`` (the kernel's autograd
 function, so that no relaunch cache keeps one of them): "ws" as shipped, "tl" with
-``launch.WS_MIN_WORK`` raised past every call.  Prints forward (and forward+backward where
+``launch.WS_MIN_WORK`` raised past every call (that turns off the warp-specialised
+forward and dK/dV pass together).  Prints forward (and forward+backward where
 asked) TFLOP/s medians and the ws / tl ratio per row; docs/perf-notes.md experiment 40.
 """
 from __future__ import annotations
@@ -36,8 +37,8 @@ ROWS = [("bf16 d128 4k", torch.bfloat16, 128, 4096, False, 16, 16, False, True),
         ("bf16 d64 16k causal", torch.bfloat16, 64, 16384, True, 32, 32, False, False),
         ("fp16 d128 4k", torch.float16, 128, 4096, False, 16, 16, False, False),
         ("fp16 d128 16k causal", torch.float16, 128, 16384, True, 16, 16, False, False),
-        ("bf16 d128 GQA 16/4 4k", torch.bfloat16, 128, 4096, False, 16, 4, False, False),
-        ("bf16 d128 GQA 16/4 4k causal", torch.bfloat16, 128, 4096, True, 16, 4, False, False),
+        ("bf16 d128 GQA 16/4 4k", torch.bfloat16, 128, 4096, False, 16, 4, False, True),
+        ("bf16 d128 GQA 16/4 4k causal", torch.bfloat16, 128, 4096, True, 16, 4, False, True),
         ("bf16 d128 BSHD 4k", torch.bfloat16, 128, 4096, False, 16, 16, True, False),
         ("bf16 d128 BSHD 4k causal", torch.bfloat16, 128, 4096, True, 16, 16, True, False)]
 TOKENS = 16384

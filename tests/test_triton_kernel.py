@@ -1090,12 +1090,17 @@ def _spy_forward_ws(monkeypatch):
     lowered to 0: test shapes are small)."""
     from attention_dispatch.kernels import launch
     monkeypatch.setattr(launch, "WS_MIN_WORK", 0)
-    seen, real = [], launch._forward_ws
+    seen, real, real_dkdv = [], launch._forward_ws, launch._dkdv_ws
 
     def spy(q, k, v, out, lse, params, prob, q_rows, kv_rows):
         seen.append((q_rows, kv_rows))
         return real(q, k, v, out, lse, params, prob, q_rows, kv_rows)
+
+    def spy_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows):
+        seen.append(("dkdv", q_rows, kv_rows, do_rows))
+        return real_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows)
     monkeypatch.setattr(launch, "_forward_ws", spy)
+    monkeypatch.setattr(launch, "_dkdv_ws", spy_dkdv)
     return seen
 
 
@@ -1105,7 +1110,7 @@ def _spy_forward_ws(monkeypatch):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("feature", ["dense", "causal", "causal_mqa", "bshd_dense_gqa", "bshd_causal", "cross"])
 def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, feature):
-    """The Gluon forward against float64 (forward, logsumexp and the backward that reads them):
+    """The Gluon forward and dK/dV pass against float64 (forward, logsumexp, gradients):
     640 query rows (5 tiles: the two-slot K/V ring wraps), (B, H, S, D) or (B, S, H, D) memory.
     d=64 is not served by default (no gain, configs.WS_FWD_CONFIGS); the kernel is checked there too."""
     from attention_dispatch.kernels import configs
@@ -1120,7 +1125,8 @@ def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, feature):
         layout = 2
         q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
     run_and_check(q, k, v, causal="top_left" if "causal" in feature else None)
-    assert seen == [(layout, layout)]
+    # the backward's dK/dV pass is warp-specialised where configs.WS_BWD_CONFIGS has the head dim
+    assert seen == [(layout, layout)] + ([("dkdv", layout, layout, 1)] if d in configs.WS_BWD_CONFIGS else [])
 
 
 @gpu

@@ -172,6 +172,9 @@ class WsConfig(NamedTuple):
 # its tl configuration has the same tiles and gives bit-equal outputs), so d64 keeps the tl kernel.
 # The kernel itself is written for any head dim of 16..128 (tests and compile_sm90.py cover 64).
 WS_FWD_CONFIGS = {128: WsConfig()}
+# The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
+# consumer warpgroups, ``stages`` slots of (Q, dO) 64-row tiles; calls the forward above serves.
+WS_BWD_CONFIGS = {128: WsConfig(block_n=128, stages=2)}
 
 
 INTERPRETER_CONFIGS = {

@@ -190,3 +190,147 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, seq_q, seq_k
                       seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
                       BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# --------------------------------------------------------------------------- dK / dV
+
+@gluon.jit
+def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
+                   q_bufs, do_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
+                   WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
+                   DO_ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    kv_bar, q_ready, q_empty = bars
+    HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
+    pid_n = gl.program_id(0)
+    pid_bkv = gl.program_id(1)                      # b * Hkv + hk
+    n_kv = num_heads // group
+    b = pid_bkv // n_kv
+    hk = pid_bkv % n_kv
+    n0 = pid_n * 2 * BLOCK_N
+    kv_row, kv_col = _tile_origin(b * num_heads + hk * group, group, num_heads, seq_k, KV_ROWS, HEAD_D)
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [kv_row + n0 + w * BLOCK_N, kv_col], kv_bar, k_bufs.index(w))
+        tma.async_copy_global_to_shared(v_desc, [kv_row + n0 + w * BLOCK_N, kv_col], kv_bar, v_bufs.index(w))
+    m_lo = 0
+    if CAUSAL:
+        m_lo = n0 // BLOCK_M
+    n_m = seq_q // BLOCK_M - m_lo
+    for t in range(group * n_m):
+        g = t // n_m
+        m = (m_lo + t % n_m) * BLOCK_M
+        h = b * num_heads + hk * group + g
+        q_row, q_col = _tile_origin(h, 1, num_heads, seq_q, Q_ROWS, HEAD_D)
+        do_row, do_col = _tile_origin(h, 1, num_heads, seq_q, DO_ROWS, HEAD_D)
+        s = t % STAGES
+        mbarrier.wait(q_empty.index(s), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + m, q_col], q_ready.index(s), q_bufs.index(s))
+        tma.async_copy_global_to_shared(do_desc, [do_row + m, do_col], q_ready.index(s), do_bufs.index(s))
+
+
+@gluon.jit
+def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
+                     q_bufs, do_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
+                     WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
+                     DO_ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    # this warpgroup: BLOCK_N (64) keys; scores transposed (keys x queries) as the tl kernel
+    kv_bar, q_ready, q_empty = bars
+    HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = k_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    pid_n = gl.program_id(0)
+    pid_bkv = gl.program_id(1)
+    n_kv = num_heads // group
+    b = pid_bkv // n_kv
+    hk = pid_bkv % n_kv
+    n0 = pid_n * 2 * BLOCK_N
+    k_buf = k_bufs.index(WG)
+    v_buf = v_bufs.index(WG)
+    keys = n0 + WG * BLOCK_N + gl.arange(0, BLOCK_N, row_s)
+    dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    m_lo = 0
+    if CAUSAL:
+        m_lo = n0 // BLOCK_M
+    n_m = seq_q // BLOCK_M - m_lo
+    mbarrier.wait(kv_bar, 0)
+    for t in range(group * n_m):
+        g = t // n_m
+        mi = m_lo + t % n_m
+        h = b * num_heads + hk * group + g
+        s = t % STAGES
+        mbarrier.wait(q_ready.index(s), (t // STAGES) & 1)
+        q_buf = q_bufs.index(s)
+        do_buf = do_bufs.index(s)
+        st_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        offs_m = mi * BLOCK_M + gl.arange(0, BLOCK_M, col_s)
+        lse2 = gl.load(lse_ptr + h * seq_q + offs_m) * 1.4426950408889634
+        delta = gl.load(delta_ptr + h * seq_q + offs_m)
+        st = warpgroup_mma_wait(1, deps=[st_tok])
+        if CAUSAL:
+            if mi * BLOCK_M < n0 + 2 * BLOCK_N:
+                st = gl.where(keys[:, None] <= offs_m[None, :], st, float("-inf"))
+        pt = gl.exp2(st * qk_scale - lse2[None, :])
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dv_tok = warpgroup_mma(pt_op, do_buf, dv, is_async=True)
+        dpt, _ = warpgroup_mma_wait(1, deps=[dpt_tok, pt_op])
+        dst = pt * (dpt - delta[None, :])
+        dst_op = gl.convert_layout(dst.to(dtype), op_layout)
+        dk_tok = warpgroup_mma(dst_op, q_buf, dk, is_async=True)
+        dv, dk, _, _, _ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dst_op, q_buf, do_buf])
+        mbarrier.arrive(q_empty.index(s), count=1)
+    # dK and dV leave through this warpgroup's K and V buffers
+    k_buf.store((dk * sm_scale).to(dtype))
+    v_buf.store(dv.to(dtype))
+    fence_async_shared()
+    out_row = pid_bkv * seq_k + n0 + WG * BLOCK_N
+    tma.async_copy_shared_to_global(dk_desc, [out_row, 0], k_buf)
+    tma.async_copy_shared_to_global(dv_desc, [out_row, 0], v_buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, qk_scale, sm_scale,
+                      seq_q, seq_k, num_heads, group,
+                      CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
+                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Grid (Sk / 128, B * Hkv); one program: 128 keys of one (b, kv head) in two consumer
+    warpgroups of 64, over the 64-row query tiles of every query head of its group.
+    dK, dV: (B * Hkv * Sk, D) rows; lse, delta: (B, Hq, Sq) contiguous."""
+    BLOCK_N: gl.constexpr = 64        # keys per consumer warpgroup
+    BLOCK_M: gl.constexpr = 64        # query rows per tile
+    dtype: gl.constexpr = k_desc.dtype
+    k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+    bars = (kv_bar, q_ready, q_empty)
+    WG0: gl.constexpr = 0
+    WG1: gl.constexpr = 1
+    gl.warp_specialize([
+        (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
+                            q_bufs, do_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
+                            WG0, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
+                            q_bufs, do_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
+                            WG1, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
+                          q_bufs, do_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
+                          WG0, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])

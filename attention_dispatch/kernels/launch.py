@@ -22,9 +22,9 @@ from .forward import LOG2E, _attn_fwd, _dropout_mask_kernel
 try:   # Gluon (Triton >= 3.5): the warp-specialised sm90 forward
     from triton.experimental.gluon import language as _gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
-    from .forward_ws import _attn_fwd_ws
+    from .forward_ws import _attn_bwd_dkdv_ws, _attn_fwd_ws
 except ImportError:  # pragma: no cover - a Triton without Gluon: the tl forward serves every call
-    _attn_fwd_ws = None
+    _attn_fwd_ws = _attn_bwd_dkdv_ws = None
 
 # Limit of launch-grid axes 1 and 2 (CUDA's y/z).  Tests lower it to exercise chunking.
 MAX_GRID_YZ = 65535
@@ -597,6 +597,20 @@ def _forward_ws(q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_row
         num_warps=4, maxnreg=cfg.max_regs)
 
 
+def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int,
+             do_rows: int):
+    """dK, dV of a call the warp-specialised forward serves (same scope, dO in a row layout)."""
+    cfg = C.WS_BWD_CONFIGS[prob.Dqk]
+    dk, dv = torch.empty(k.shape, device=k.device, dtype=k.dtype), torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    _attn_bwd_dkdv_ws[(prob.Sk // cfg.block_n, prob.B * prob.Hkv)](
+        _rows_descriptor(q, q_rows, 64), _rows_descriptor(k, kv_rows, 64), _rows_descriptor(v, kv_rows, 64),
+        _rows_descriptor(do, do_rows, 64), _rows_descriptor(dk, 1, 64), _rows_descriptor(dv, 1, 64),
+        lse, delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq, prob.group,
+        CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows, STAGES=cfg.stages,
+        CONSUMER_REGS=cfg.consumer_regs, num_warps=4, maxnreg=cfg.max_regs)
+    return dk, dv
+
+
 def _check_inputs(q, k, v):
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"query/key/value dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
@@ -740,6 +754,42 @@ def _reduce_dbias(ws: torch.Tensor, bcast, bias: torch.Tensor) -> torch.Tensor:
     return ws.reshape(shape4).reshape(bias.shape).to(bias.dtype)
 
 
+def _dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, params: KernelParams, prob: "_Problem",
+             common: dict, traits: dict, limit: int, num_sms: int, lse_str, do_str) -> torch.Tensor:
+    """dQ: query-tile parallel, optionally split over keys (fp32 workspace + atomics)."""
+    dev = q.device
+    cands = select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params, **traits)
+    bm, bn = cands[0].block_m, cands[0].block_n
+    if params.deterministic:
+        splits = 1
+    elif params.num_splits > 0:
+        splits = min(params.num_splits, max(1, _cdiv(prob.Sk, bn)))
+    else:
+        splits = num_splits_heuristic(prob.B * prob.Hq, _cdiv(prob.Sq, bm), _cdiv(prob.Sk, bn),
+                                      num_sms, params.deterministic)
+    atomic = splits > 1
+    if atomic:
+        dq_ws = torch.zeros(q.shape, device=dev, dtype=torch.float32)
+    else:
+        dq_ws = torch.empty(q.shape, device=dev, dtype=_store_dtype(q.dtype))
+    dq_str = (0, dq_ws.stride(1), dq_ws.stride(0)) if prob.varlen else (
+        dq_ws.stride(0), dq_ws.stride(1), dq_ws.stride(2))
+    args = (q, k, v, bias_t, do, lse, delta, seed_t, cu_q_t, cu_k_t, dq_ws,
+            params.scale * LOG2E, params.scale, float(params.dropout_p),
+            *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
+            *do_str, *lse_str, *dq_str,
+            prob.Hq, prob.B, prob.group, prob.Sq, prob.Sk)
+    kw = dict(common, ATOMIC=atomic)
+    key = ("dq", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
+    for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
+        def grid(cfg, cnt=cnt):
+            return (_cdiv(prob.Sq, cfg.block_m), cnt, splits)
+        cfg = _launch(C.BWD_DQ, _attn_bwd_dq, grid,
+                      args + (start, params.window_left, params.window_right, splits), kw, cands, key)
+        cands = [cfg]
+    return _as_dtype(dq_ws, q.dtype)
+
+
 def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
                        cu_q=None, cu_k=None, max_sq=None, max_sk=None, bias_grad: bool = False):
     """Returns (dq, dk, dv, dbias or None).  dbias has bias's shape: summed over its size-1
@@ -781,6 +831,14 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
                     4, 3)
 
     # 2) dK, dV (+ d(bias)) : key-tile parallel, loops over the query heads of the group
+    traits = _table_traits(kind, params, prob)
+    if desc and prob.Dqk in C.WS_BWD_CONFIGS and not bias_grad:
+        q_rows, kv_rows, do_rows = _rows_layout(q), _rows_layout(k, v), _rows_layout(do)
+        if do_rows and ws_forward_reason(prob, kind, params, q.dtype, device_info(dev)[0], desc, q_rows,
+                                         kv_rows) is None:
+            dk, dv = _dkdv_ws(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows)
+            return (_dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, params, prob, common,
+                             traits, limit, num_sms, lse_str, do_str), dk, dv, None)
     sum_rows = sum_heads = False
     if bias_grad:
         sum_rows = bcast[2] and prob.Sq > 1
@@ -791,7 +849,6 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     else:
         db_ws = dummy
         db_str = (0, 0, 0, 0)
-    traits = _table_traits(kind, params, prob)
     cands = select_config(C.BWD_DKDV, prob.Dqk, prob.Dv, q.dtype, dev, params, **traits)
     # group split (GQA/MQA): query heads of a kv head spread over grid axis 2, partial
     # dK/dV in an fp32 workspace summed in a fixed order (never with a head-summed d(bias)).
@@ -840,36 +897,8 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
         dk, dv = _as_dtype(dk_out, k.dtype), _as_dtype(dv_out, v.dtype)
 
     # 3) dQ : query-tile parallel, optionally split over keys (fp32 workspace + atomics)
-    cands = select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params, **traits)
-    bm, bn = cands[0].block_m, cands[0].block_n
-    if params.deterministic:
-        splits = 1
-    elif params.num_splits > 0:
-        splits = min(params.num_splits, max(1, _cdiv(prob.Sk, bn)))
-    else:
-        splits = num_splits_heuristic(prob.B * prob.Hq, _cdiv(prob.Sq, bm), _cdiv(prob.Sk, bn),
-                                      num_sms, params.deterministic)
-    atomic = splits > 1
-    if atomic:
-        dq_ws = torch.zeros(q.shape, device=dev, dtype=torch.float32)
-    else:
-        dq_ws = torch.empty(q.shape, device=dev, dtype=_store_dtype(q.dtype))
-    dq_str = (0, dq_ws.stride(1), dq_ws.stride(0)) if prob.varlen else (
-        dq_ws.stride(0), dq_ws.stride(1), dq_ws.stride(2))
-    args = (q, k, v, bias_t, do, lse, delta, seed_t, cu_q_t, cu_k_t, dq_ws,
-            params.scale * LOG2E, params.scale, float(params.dropout_p),
-            *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
-            *do_str, *lse_str, *dq_str,
-            prob.Hq, prob.B, prob.group, prob.Sq, prob.Sk)
-    kw = dict(common, ATOMIC=atomic)
-    key = ("dq", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
-    for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
-        def grid(cfg, cnt=cnt):
-            return (_cdiv(prob.Sq, cfg.block_m), cnt, splits)
-        cfg = _launch(C.BWD_DQ, _attn_bwd_dq, grid,
-                      args + (start, params.window_left, params.window_right, splits), kw, cands, key)
-        cands = [cfg]
-    dq = _as_dtype(dq_ws, q.dtype)
+    dq = _dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, params, prob, common, traits, limit,
+                  num_sms, lse_str, do_str)
 
     dbias = _reduce_dbias(db_ws, bcast, bias) if bias_grad else None
     return dq, dk, dv, dbias
