@@ -1043,8 +1043,8 @@ def _ws_problem(sq=256, sk=256, d=128, hq=4, hkv=4, dv=None):
 @pytest.mark.parametrize("change, reason", [
     (dict(), None),
     (dict(prob=dict(hkv=1)), None),                                             # GQA / MQA are served
-    (dict(params=dict(causal="top_left")), None),
-    (dict(params=dict(causal="bottom_right")), None),
+    (dict(params=dict(causal="top_left"), prob=dict(sq=1024, sk=1024)), None),
+    (dict(params=dict(causal="bottom_right"), prob=dict(sq=1024, sk=1024)), None),
     (dict(prob=dict(d=64)), "head dims 64/64"),          # measured: no gain over the tl kernel
     (dict(cc=(8, 0)), "sm90 only"),
     (dict(cc=(10, 0)), "sm90 only"),
@@ -1057,6 +1057,9 @@ def _ws_problem(sq=256, sk=256, d=128, hq=4, hkv=4, dv=None):
     (dict(params=dict(dropout_p=0.1)), "bias, mask or dropout"),
     (dict(params=dict(window=(64, 0))), "window"),
     (dict(params=dict(causal="top_left"), prob=dict(sq=128)), "Sq != Sk"),
+    (dict(params=dict(causal="top_left"), prob=dict(sq=1024, sk=1024)), None),
+    (dict(params=dict(causal="top_left"), prob=dict(sq=896, sk=896)), "causal Sq=896 < 1024"),
+    (dict(prob=dict(sq=896, sk=896)), None),
     (dict(params=dict(scale=-0.1)), "scale -0.1"),
     (dict(params=dict(block_m=64)), "tiles forced"),
     (dict(prob=dict(sq=200)), "multiples of 128"),
@@ -1115,7 +1118,7 @@ def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, feature):
     d=64 is not served by default (no gain, configs.WS_FWD_CONFIGS); the kernel is checked there too."""
     from attention_dispatch.kernels import configs
     seen = _spy_forward_ws(monkeypatch)
-    monkeypatch.setitem(configs.WS_FWD_CONFIGS, d, configs.WsConfig())
+    monkeypatch.setitem(configs.WS_FWD_CONFIGS, d, configs.WsConfig(min_causal_seqlen=0))   # 640 causal rows
     hkv = 1 if "mqa" in feature else (2 if "gqa" in feature else 4)   # (B, S, 1, D) would also be layout 1
     sk = 768 if feature == "cross" else 640
     q = rand(2, 4, 640, d, dtype=dtype, device="cuda")

@@ -556,6 +556,8 @@ def ws_forward_reason(prob: "_Problem", bias_kind: int, params: KernelParams, dt
         return "bias, mask or dropout: not in the warp-specialised forward"
     if banded and not (causal and prob.Sq == prob.Sk):
         return "window or causal with Sq != Sk: only dense and causal with Sq == Sk"
+    if causal and prob.Sq < cfg.min_causal_seqlen:
+        return f"causal Sq={prob.Sq} < {cfg.min_causal_seqlen}: the tl kernel's smaller diagonal tiles are faster"
     if params.scale <= 0:
         return f"scale {params.scale}: positive only (the running max is taken before scaling)"
     if params.block_m or params.block_n:
