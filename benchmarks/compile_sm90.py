@@ -104,19 +104,33 @@ def ws_bwd_cases():
                     CONSUMER_REGS=cfg.consumer_regs)
 
 
+def ws_dq_cases():
+    """The warp-specialised dQ pass for every head dim it serves: dense / causal, row layouts."""
+    for d, cfg in C.WS_DQ_CONFIGS.items():
+        for causal in (False, True):
+            for rows in ((1, 1, 1), (2, 2, 2), (1, 2, 1)):
+                yield d, cfg, f"ws dq d={d} causal={causal} rows={rows}", dict(
+                    CAUSAL=causal, Q_ROWS=rows[0], KV_ROWS=rows[1], DO_ROWS=rows[2], BLOCK_N=cfg.block_n,
+                    STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
+
+
 def compile_ws_case(d: int, cfg, constexprs: dict) -> str | None:
     """Compile one warp-specialised forward for sm90 (bf16); None when it compiled."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
-    from attention_dispatch.kernels.forward_ws import _attn_bwd_dkdv_ws, _attn_fwd_ws
-    fn = _attn_bwd_dkdv_ws if "DO_ROWS" in constexprs else _attn_fwd_ws
+    from attention_dispatch.kernels.forward_ws import _attn_bwd_dkdv_ws, _attn_bwd_dq_ws, _attn_fwd_ws
+    fn = (_attn_fwd_ws if "DO_ROWS" not in constexprs else _attn_bwd_dq_ws if "BLOCK_N" in constexprs
+          else _attn_bwd_dkdv_ws)
     names = fn.arg_names
 
     def desc(rows):
         lay = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {d}],{lay!r}>"
     half = cfg.block_m // 2
-    if fn is _attn_bwd_dkdv_ws:
+    if fn is _attn_bwd_dq_ws:
+        sig = dict(q_desc=desc(half), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), do_desc=desc(half),
+                   dq_desc=desc(half), lse_ptr="*fp32", delta_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
+    elif fn is _attn_bwd_dkdv_ws:
         sig = dict(q_desc=desc(64), k_desc=desc(64), v_desc=desc(64), do_desc=desc(64), dk_desc=desc(64),
                    dv_desc=desc(64), lse_ptr="*fp32", delta_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
     else:
@@ -150,7 +164,7 @@ def main(argv=None) -> int:
             failed += 1
             print(f"FAILED {kind} d<={entry.max_block_d} {entry.config} {label}: {err}", flush=True)
     if "fwd_ws" in args.kinds:
-        for d, cfg, label, const in list(ws_cases()) + list(ws_bwd_cases()):
+        for d, cfg, label, const in list(ws_cases()) + list(ws_bwd_cases()) + list(ws_dq_cases()):
             n += 1
             err = compile_ws_case(d, cfg, const)
             if err:

@@ -5,12 +5,13 @@
 For each row both forwards run through ``triton_attention`` (the kernel's autograd
 function, so that no relaunch cache keeps one of them): "ws" as shipped, "tl" with
 ``launch.WS_MIN_WORK`` raised past every call (that turns off the warp-specialised
-forward and dK/dV pass together).  Prints forward (and forward+backward where
+forward, dK/dV and dQ passes together), and "ws-tl-dq" (forward+backward only) with the tl dQ pass.  Prints forward (and forward+backward where
 asked) TFLOP/s medians and the ws / tl ratio per row; docs/perf-notes.md experiment 40.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -24,7 +25,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from attention_dispatch.kernels import KernelParams, launch, triton_attention  # noqa: E402
+from attention_dispatch.kernels import KernelParams, configs as C, launch, triton_attention  # noqa: E402
 
 # (label, dtype, head dim, S, causal, Hq, Hkv, (B, S, H, D) memory, also forward+backward)
 ROWS = [("bf16 d128 4k", torch.bfloat16, 128, 4096, False, 16, 16, False, True),
@@ -42,6 +43,23 @@ ROWS = [("bf16 d128 4k", torch.bfloat16, 128, 4096, False, 16, 16, False, True),
         ("bf16 d128 BSHD 4k", torch.bfloat16, 128, 4096, False, 16, 16, True, False),
         ("bf16 d128 BSHD 4k causal", torch.bfloat16, 128, 4096, True, 16, 16, True, False)]
 TOKENS = 16384
+# "ws": as shipped; "tl": no warp-specialised kernel; "ws-tl-dq": the warp-specialised forward and
+# dK/dV pass with the tl dQ pass (forward+backward only: its forward is "ws")
+IMPLS = ("ws", "tl", "ws-tl-dq")
+FWD_IMPLS = ("ws", "tl")
+
+
+@contextlib.contextmanager
+def configured(impl: str, ws_min: int):
+    dq = C.WS_DQ_CONFIGS.copy()
+    try:
+        launch.WS_MIN_WORK = 1 << 62 if impl == "tl" else ws_min
+        if impl == "ws-tl-dq":
+            C.WS_DQ_CONFIGS.clear()
+        yield
+    finally:
+        launch.WS_MIN_WORK = ws_min
+        C.WS_DQ_CONFIGS.update(dq)
 
 
 def main(argv=None) -> int:
@@ -75,25 +93,26 @@ def main(argv=None) -> int:
         def fwd_bwd():
             torch.autograd.grad(triton_attention(q, k, v, None, params), (q, k, v), do)
         modes = {"fwd": (fwd, 1.0)} | ({"fwd+bwd": (fwd_bwd, 3.5)} if with_bwd else {})
-        samples = {(impl, m): [] for impl in ("ws", "tl") for m in modes}
+        samples = {(impl, m): [] for impl in IMPLS for m in modes}
         outs = {}
-        for impl in ("ws", "tl"):
-            launch.WS_MIN_WORK = ws_min if impl == "ws" else 1 << 62
-            outs[impl] = fwd()
-        launch.WS_MIN_WORK = ws_min
+        for impl in IMPLS:
+            with configured(impl, ws_min):
+                outs[impl] = fwd()
         err = (outs["ws"].float() - outs["tl"].float()).abs().max().item()
         for rnd in range(a.rounds):
-            for impl in (("ws", "tl") if rnd % 2 == 0 else ("tl", "ws")):
-                launch.WS_MIN_WORK = ws_min if impl == "ws" else 1 << 62
-                for m, (fn, mult) in modes.items():
-                    ms = triton.testing.do_bench(fn, warmup=10, rep=60)
-                    samples[(impl, m)].append(mult * flops / ms / 1e9)
-        launch.WS_MIN_WORK = ws_min
+            for impl in (IMPLS if rnd % 2 == 0 else IMPLS[::-1]):
+                with configured(impl, ws_min):
+                    for m, (fn, mult) in modes.items():
+                        if m == "fwd" and impl not in FWD_IMPLS:
+                            continue
+                        ms = triton.testing.do_bench(fn, warmup=10, rep=60)
+                        samples[(impl, m)].append(mult * flops / ms / 1e9)
+        samples = {key: v for key, v in samples.items() if v}
         med = {f"{impl} {m}": statistics.median(v) for (impl, m), v in samples.items()}
         results[label] = dict(tflops=med, max_abs_diff=err, rounds={f"{i} {m}": v for (i, m), v in samples.items()})
         print(f"{label:30s} " + "  ".join(
-            f"{m}: ws {med['ws ' + m]:.0f} tl {med['tl ' + m]:.0f} ({med['ws ' + m] / med['tl ' + m]:.3f})"
-            for m in modes) + f"  |ws-tl| {err:.1e}", flush=True)
+            f"{m}: " + " ".join(f"{impl} {med[impl + ' ' + m]:.0f}" for impl in IMPLS if impl + " " + m in med)
+            + f" (ws/tl {med['ws ' + m] / med['tl ' + m]:.3f})" for m in modes) + f"  |ws-tl| {err:.1e}", flush=True)
         del q, k, v, do, outs
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 rounds=a.rounds, commit=a.commit, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))

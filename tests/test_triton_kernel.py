@@ -1093,7 +1093,7 @@ def _spy_forward_ws(monkeypatch):
     lowered to 0: test shapes are small)."""
     from attention_dispatch.kernels import launch
     monkeypatch.setattr(launch, "WS_MIN_WORK", 0)
-    seen, real, real_dkdv = [], launch._forward_ws, launch._dkdv_ws
+    seen, real, real_dkdv, real_dq = [], launch._forward_ws, launch._dkdv_ws, launch._dq_ws
 
     def spy(q, k, v, out, lse, params, prob, q_rows, kv_rows):
         seen.append((q_rows, kv_rows))
@@ -1102,8 +1102,12 @@ def _spy_forward_ws(monkeypatch):
     def spy_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows):
         seen.append(("dkdv", q_rows, kv_rows, do_rows))
         return real_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows)
+    def spy_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows):
+        seen.append(("dq", q_rows, kv_rows, do_rows))
+        return real_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows)
     monkeypatch.setattr(launch, "_forward_ws", spy)
     monkeypatch.setattr(launch, "_dkdv_ws", spy_dkdv)
+    monkeypatch.setattr(launch, "_dq_ws", spy_dq)
     return seen
 
 
@@ -1113,7 +1117,7 @@ def _spy_forward_ws(monkeypatch):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("feature", ["dense", "causal", "causal_mqa", "bshd_dense_gqa", "bshd_causal", "cross"])
 def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, feature):
-    """The Gluon forward and dK/dV pass against float64 (forward, logsumexp, gradients):
+    """The Gluon forward, dK/dV and dQ passes against float64 (forward, logsumexp, gradients):
     640 query rows (5 tiles: the two-slot K/V ring wraps), (B, H, S, D) or (B, S, H, D) memory.
     d=64 is not served by default (no gain, configs.WS_FWD_CONFIGS); the kernel is checked there too."""
     from attention_dispatch.kernels import configs
@@ -1128,8 +1132,9 @@ def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, feature):
         layout = 2
         q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
     run_and_check(q, k, v, causal="top_left" if "causal" in feature else None)
-    # the backward's dK/dV pass is warp-specialised where configs.WS_BWD_CONFIGS has the head dim
-    assert seen == [(layout, layout)] + ([("dkdv", layout, layout, 1)] if d in configs.WS_BWD_CONFIGS else [])
+    # the backward's passes are warp-specialised where configs.WS_BWD_CONFIGS / WS_DQ_CONFIGS have the head dim
+    bwd = [("dkdv", layout, layout, 1), ("dq", layout, layout, 1)] if d in configs.WS_BWD_CONFIGS else []
+    assert seen == [(layout, layout)] + bwd
 
 
 @gpu

@@ -180,6 +180,9 @@ WS_FWD_CONFIGS = {128: WsConfig()}
 # The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
 # consumer warpgroups, ``stages`` slots of (Q, dO) 64-row tiles; calls the forward above serves.
 WS_BWD_CONFIGS = {128: WsConfig(block_n=128, stages=2)}
+# The warp-specialised dQ pass (experiment 42): the forward's K/V ring and loader, dP = dO V^T and
+# dQ += dS K in the consumers; after the dK/dV pass above, for the same calls.
+WS_DQ_CONFIGS = {128: WsConfig()}
 
 
 INTERPRETER_CONFIGS = {

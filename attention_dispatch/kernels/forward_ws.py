@@ -334,3 +334,115 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr
                           q_bufs, do_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
                           WG0, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# --------------------------------------------------------------------------- dQ
+
+@gluon.jit
+def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs, k_bufs,
+                        v_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
+                        WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    # the forward's consumer with dP = dO V^T and dQ += dS K in place of the output products
+    q_bar, k_ready, v_ready, k_empty, v_empty = bars
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    pid_m = n_m_blocks - 1 - gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    q_start = pid_m * 2 * BLOCK_M + WG * BLOCK_M
+    q_row, q_col = _tile_origin(pid_bh, 1, num_heads, seq_q, Q_ROWS, HEAD_D)
+    do_row, do_col = _tile_origin(pid_bh, 1, num_heads, seq_q, DO_ROWS, HEAD_D)
+    q_buf = q_bufs.index(WG)
+    do_buf = do_bufs.index(WG)
+    mbarrier.expect(q_bar.index(WG), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row + q_start, q_col], q_bar.index(WG), q_buf)
+    tma.async_copy_global_to_shared(do_desc, [do_row + q_start, do_col], q_bar.index(WG), do_buf)
+
+    rows = q_start + gl.arange(0, BLOCK_M, row_s)
+    lse2 = gl.load(lse_ptr + pid_bh * seq_q + rows) * 1.4426950408889634
+    delta = gl.load(delta_ptr + pid_bh * seq_q + rows)
+    dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    if CAUSAL:
+        n_tiles = gl.cdiv((pid_m + 1) * 2 * BLOCK_M, BLOCK_N)
+        n_full = (pid_m * 2 * BLOCK_M) // BLOCK_N
+    else:
+        n_tiles = seq_k // BLOCK_N
+        n_full = n_tiles
+    mbarrier.wait(q_bar.index(WG), 0)
+    for j in range(n_tiles):
+        s = j % STAGES
+        ph = (j // STAGES) & 1
+        mbarrier.wait(k_ready.index(s), ph)
+        k_buf = k_bufs.index(s)
+        s_tok = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(s), ph)
+        v_buf = v_bufs.index(s)
+        dp_tok = warpgroup_mma(do_buf, v_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        sc = warpgroup_mma_wait(1, deps=[s_tok])
+        if j >= n_full:
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, col_s)
+            sc = gl.where(cols[None, :] <= rows[:, None], sc, float("-inf"))
+        p = gl.exp2(sc * qk_scale - lse2[:, None])
+        dp, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, do_buf, v_buf])
+        mbarrier.arrive(v_empty.index(s), count=1)
+        ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)
+        dq_tok = warpgroup_mma(ds_op, k_buf, dq, is_async=True)
+        dq, _, _ = warpgroup_mma_wait(0, deps=[dq_tok, ds_op, k_buf])
+        mbarrier.arrive(k_empty.index(s), count=1)
+    # dQ leaves through this warpgroup's Q buffer
+    q_buf.store((dq * sm_scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [pid_bh * seq_q + q_start, 0], q_buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, qk_scale, sm_scale,
+                    seq_q, seq_k, num_heads, group, n_m_blocks,
+                    CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Grid (Sq / 128, B * Hq); one program: dQ of 128 query rows of one (b, h), the K/V ring and
+    its loader shared with the forward (_ws_loader).  dQ: (B * Hq * Sq, D) rows."""
+    BLOCK_M: gl.constexpr = 64
+    dtype: gl.constexpr = q_desc.dtype
+    q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    bars = (q_bar, k_ready, v_ready, k_empty, v_empty)
+    WG0: gl.constexpr = 0
+    WG1: gl.constexpr = 1
+    NO_LSE: gl.constexpr = False
+    gl.warp_specialize([
+        (_ws_bwd_dq_consumer, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs,
+                               k_bufs, v_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
+                               WG0, CAUSAL, Q_ROWS, DO_ROWS, BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_bwd_dq_consumer, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs,
+                               k_bufs, v_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
+                               WG1, CAUSAL, Q_ROWS, DO_ROWS, BLOCK_M, BLOCK_N, STAGES)),
+        # the forward's loader: it reads only the K/V descriptors, the barriers and the sizes
+        (_ws_loader, (q_desc, k_desc, v_desc, dq_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, qk_scale, seq_q,
+                      seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, NO_LSE,
+                      BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])

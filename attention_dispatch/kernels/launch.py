@@ -22,9 +22,9 @@ from .forward import LOG2E, _attn_fwd, _dropout_mask_kernel
 try:   # Gluon (Triton >= 3.5): the warp-specialised sm90 forward
     from triton.experimental.gluon import language as _gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
-    from .forward_ws import _attn_bwd_dkdv_ws, _attn_fwd_ws
+    from .forward_ws import _attn_bwd_dkdv_ws, _attn_bwd_dq_ws, _attn_fwd_ws
 except ImportError:  # pragma: no cover - a Triton without Gluon: the tl forward serves every call
-    _attn_fwd_ws = _attn_bwd_dkdv_ws = None
+    _attn_fwd_ws = _attn_bwd_dkdv_ws = _attn_bwd_dq_ws = None
 
 # Limit of launch-grid axes 1 and 2 (CUDA's y/z).  Tests lower it to exercise chunking.
 MAX_GRID_YZ = 65535
@@ -613,6 +613,21 @@ def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_
     return dk, dv
 
 
+def _dq_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int,
+           do_rows: int) -> torch.Tensor:
+    """dQ of a call the warp-specialised forward serves, over the forward's K/V ring."""
+    cfg = C.WS_DQ_CONFIGS[prob.Dqk]
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    half, n_m = cfg.block_m // 2, prob.Sq // cfg.block_m
+    _attn_bwd_dq_ws[(n_m, prob.B * prob.Hq)](
+        _rows_descriptor(q, q_rows, half), _rows_descriptor(k, kv_rows, cfg.block_n),
+        _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(do, do_rows, half),
+        _rows_descriptor(dq, 1, half), lse, delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq,
+        prob.group, n_m, CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows,
+        BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs, num_warps=4, maxnreg=cfg.max_regs)
+    return dq
+
+
 def _check_inputs(q, k, v):
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"query/key/value dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
@@ -839,6 +854,8 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
         if do_rows and ws_forward_reason(prob, kind, params, q.dtype, device_info(dev)[0], desc, q_rows,
                                          kv_rows) is None:
             dk, dv = _dkdv_ws(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows)
+            if prob.Dqk in C.WS_DQ_CONFIGS:
+                return _dq_ws(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows), dk, dv, None
             return (_dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, params, prob, common,
                              traits, limit, num_sms, lse_str, do_str), dk, dv, None)
     sum_rows = sum_heads = False
