@@ -1043,8 +1043,8 @@ def _ws_problem(sq=256, sk=256, d=128, hq=4, hkv=4, dv=None):
 @pytest.mark.parametrize("change, reason", [
     (dict(), None),
     (dict(prob=dict(hkv=1)), None),                                             # GQA / MQA are served
-    (dict(params=dict(causal="top_left"), prob=dict(sq=1024, sk=1024)), None),
-    (dict(params=dict(causal="bottom_right"), prob=dict(sq=1024, sk=1024)), None),
+    (dict(params=dict(causal="top_left"), prob=dict(sq=2048, sk=2048)), None),
+    (dict(params=dict(causal="bottom_right"), prob=dict(sq=2048, sk=2048)), None),
     (dict(prob=dict(d=64)), "head dims 64/64"),          # measured: no gain over the tl kernel
     (dict(cc=(8, 0)), "sm90 only"),
     (dict(cc=(10, 0)), "sm90 only"),
@@ -1057,8 +1057,7 @@ def _ws_problem(sq=256, sk=256, d=128, hq=4, hkv=4, dv=None):
     (dict(params=dict(dropout_p=0.1)), "bias, mask or dropout"),
     (dict(params=dict(window=(64, 0))), "window"),
     (dict(params=dict(causal="top_left"), prob=dict(sq=128)), "Sq != Sk"),
-    (dict(params=dict(causal="top_left"), prob=dict(sq=1024, sk=1024)), None),
-    (dict(params=dict(causal="top_left"), prob=dict(sq=896, sk=896)), "causal Sq=896 < 1024"),
+    (dict(params=dict(causal="top_left"), prob=dict(sq=1920, sk=1920)), "causal Sq=1920 < 2048"),
     (dict(prob=dict(sq=896, sk=896)), None),
     (dict(params=dict(scale=-0.1)), "scale -0.1"),
     (dict(params=dict(block_m=64)), "tiles forced"),
@@ -1143,7 +1142,7 @@ def test_gpu_forward_warp_specialized_inference(monkeypatch):
     """need_lse=False writes no logsumexp and the same output, bit for bit."""
     from attention_dispatch.kernels.launch import attention_forward
     seen = _spy_forward_ws(monkeypatch)
-    q, k, v = (rand(1, 8, 1024, 128, dtype=BF16, device="cuda", grad=False) for _ in range(3))
+    q, k, v = (rand(1, 8, 2048, 128, dtype=BF16, device="cuda", grad=False) for _ in range(3))
     params = make_params(q, "top_left")
     out, lse, _ = attention_forward(q, k, v, None, params)
     out2, lse2, _ = attention_forward(q, k, v, None, params, need_lse=False)
