@@ -1,6 +1,6 @@
 """Compile every sm90 kernel of the configuration table for sm90, without a GPU.
 
-    python benchmarks/compile_sm90.py [--kinds fwd,bwd_dkdv,bwd_dq] [--limit N]
+    python benchmarks/compile_sm90.py [--kinds fwd,bwd_dkdv,bwd_dq,fwd_ws] [--limit N] [--ptx-hashes]
 
 The warp-specialised Gluon forward (kind fwd_ws) is compiled for each head dim, causal
 flag and row layout it serves.  Each sm90 table entry (kernel kind, head dim, tiles, warps, stages) is compiled with the
@@ -16,7 +16,9 @@ Prints one line per failure and a summary; exit status 1 when anything failed.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -65,8 +67,25 @@ def _feature_constexprs(d, cfg, causal, bias, bias_desc, dropout):
         DB_SUM_HEADS=False, ATOMIC=False)
 
 
-def compile_case(kind: str, entry, constexprs: dict) -> str | None:
-    """Compile one kernel for sm90 (bf16); None when it compiled, else the error's first line."""
+def _compile(src, options: dict):
+    """(None, compiled kernel) or (the error's first line, None)."""
+    try:
+        return None, triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    except Exception as e:  # noqa: BLE001 - a compiler failure is the finding
+        return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:200], None
+
+
+def ptx_fingerprint(ptx: str) -> str:
+    """Hash of the PTX without line info, comments, debug sections and the debug-scope labels of
+    inlined calls: a refactor that keeps every fingerprint compiles to the same code."""
+    ptx = ptx[:ptx.find(".section")] if ".section" in ptx else ptx
+    lines = [ln for ln in ptx.splitlines() if not ln.strip().startswith((".loc", ".file", "//"))
+             and not re.fullmatch(r"\$L__tmp\d+:", ln.strip())]
+    return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:12]
+
+
+def compile_case(kind: str, entry, constexprs: dict):
+    """Compile one kernel for sm90 (bf16): (None, kernel) when it compiled, else (the error's first line, None)."""
     fn = KERNELS[kind]
     names = fn.arg_names
     const = {k: v for k, v in constexprs.items() if k in names}
@@ -74,12 +93,7 @@ def compile_case(kind: str, entry, constexprs: dict) -> str | None:
     if const.get("KV_HOST"):    # the host-built K/V descriptors (launch.host_kv_descriptors)
         sig["KD"] = sig["VD"] = f"tensordesc<bf16[{const['BLOCK_N']}, {const['BLOCK_DQK']}]>"
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    try:
-        triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=entry.config.num_warps, num_stages=entry.config.num_stages))
-    except Exception as e:  # noqa: BLE001 - a compiler failure is the finding
-        return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:200]
-    return None
+    return _compile(src, dict(num_warps=entry.config.num_warps, num_stages=entry.config.num_stages))
 
 
 def ws_cases():
@@ -114,8 +128,8 @@ def ws_dq_cases():
                     STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
 
 
-def compile_ws_case(d: int, cfg, constexprs: dict) -> str | None:
-    """Compile one warp-specialised forward for sm90 (bf16); None when it compiled."""
+def compile_ws_case(d: int, cfg, constexprs: dict):
+    """Compile one warp-specialised kernel for sm90 (bf16): as compile_case."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     from attention_dispatch.kernels.forward_ws import _attn_bwd_dkdv_ws, _attn_bwd_dq_ws, _attn_fwd_ws
@@ -138,18 +152,25 @@ def compile_ws_case(d: int, cfg, constexprs: dict) -> str | None:
                    lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16", qk_scale="fp32")
     sig = {n: "constexpr" if n in constexprs else sig.get(n, "i32") for n in names}
     src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    try:
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=cfg.max_regs))
-    except Exception as e:  # noqa: BLE001 - a compiler failure is the finding
-        return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:200]
-    return None
+    return _compile(src, dict(num_warps=4, maxnreg=cfg.max_regs))
+
+
+def _report(label: str, err, kernel, hashes: bool) -> int:
+    if err:
+        print(f"FAILED {label}: {err}", flush=True)
+        return 1
+    if hashes:
+        print(f"{ptx_fingerprint(kernel.asm['ptx'])} {label}", flush=True)
+    return 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kinds", type=lambda s: tuple(s.split(",")), default=tuple(KERNELS) + ("fwd_ws",),
-                   help="fwd, bwd_dkdv, bwd_dq, fwd_ws (the warp-specialised forward)")
+                   help="fwd, bwd_dkdv, bwd_dq, fwd_ws (the warp-specialised Gluon kernels)")
     p.add_argument("--limit", type=int, default=0, help="compile only the first N cases (0: all)")
+    p.add_argument("--ptx-hashes", action="store_true",
+                   help="print each case's PTX fingerprint (diff two runs to check that a refactor changes no code)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("TRITON_INTERPRET=1: the interpreter compiles nothing; run without it")
@@ -159,17 +180,14 @@ def main(argv=None) -> int:
         if args.limit and n >= args.limit:
             break
         n += 1
-        err = compile_case(kind, entry, const)
-        if err:
-            failed += 1
-            print(f"FAILED {kind} d<={entry.max_block_d} {entry.config} {label}: {err}", flush=True)
+        err, kernel = compile_case(kind, entry, const)
+        label = f"{kind} d<={entry.max_block_d} {entry.config} {label}"
+        failed += _report(label, err, kernel, args.ptx_hashes)
     if "fwd_ws" in args.kinds:
         for d, cfg, label, const in list(ws_cases()) + list(ws_bwd_cases()) + list(ws_dq_cases()):
             n += 1
-            err = compile_ws_case(d, cfg, const)
-            if err:
-                failed += 1
-                print(f"FAILED {label}: {err}", flush=True)
+            err, kernel = compile_ws_case(d, cfg, const)
+            failed += _report(label, err, kernel, args.ptx_hashes)
     print(f"triton {triton.__version__}: {n} kernels compiled for sm90, {failed} failed")
     return 1 if failed else 0
 
