@@ -1147,3 +1147,67 @@ def test_gpu_forward_warp_specialized_inference(monkeypatch):
     out, lse, _ = attention_forward(q, k, v, None, params)
     out2, lse2, _ = attention_forward(q, k, v, None, params, need_lse=False)
     assert lse2 is None and torch.equal(out, out2) and not out.isnan().any() and len(seen) == 2
+
+
+@pytest.mark.parametrize("causal", [None, "top_left"])
+def test_warp_specialized_routing(monkeypatch, causal):
+    """The launch glue around the Gluon kernels, without a GPU: for a call they serve, the output
+    and logsumexp come from the forward's entry point, dK/dV and dQ from the backward's (stand-ins
+    computing float64 attention here), each in its place of the results, and delta = rowsum(dO * O)
+    reaches both backward passes."""
+    from attention_dispatch.kernels import configs, launch
+    if launch._attn_fwd_ws is None:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(launch, "WS_MIN_WORK", 0)
+    monkeypatch.setattr(launch, "use_descriptors", lambda *a, **kw: True)
+    monkeypatch.setattr(launch, "device_info", lambda dev: ((9, 0), 232448, 132))
+    monkeypatch.setitem(configs.WS_FWD_CONFIGS, 128, configs.WsConfig(min_causal_seqlen=0))
+    calls, made = [], {}
+
+    def reference(q, k, v, params):
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        o, lse = naive_attention(*leaves, causal=causal, scale=params.scale, return_lse=True)
+        return leaves, o, lse
+
+    def fake_forward(q, k, v, out, lse, params, prob, q_rows, kv_rows):
+        calls.append(("fwd", q_rows, kv_rows))
+        _, o, l_ = reference(q, k, v, params)
+        out.copy_(o.detach().to(out.dtype))
+        if lse is not None:
+            lse.copy_(l_.detach().float())
+        made["out"] = out.clone()
+
+    def fake_grads(q, k, v, do, params):
+        with torch.enable_grad():      # called inside the autograd function's backward
+            leaves, o, _ = reference(q, k, v, params)
+            return torch.autograd.grad(o, leaves, do.double())
+
+    def fake_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows):
+        calls.append(("dkdv", q_rows, kv_rows, do_rows))
+        made["delta_dkdv"] = delta.clone()
+        _, dk, dv = fake_grads(q, k, v, do, params)
+        made["dk"], made["dv"] = dk.to(k.dtype), dv.to(v.dtype)
+        return made["dk"], made["dv"]
+
+    def fake_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows):
+        calls.append(("dq", q_rows, kv_rows, do_rows))
+        made["delta_dq"] = delta.clone()
+        made["dq"] = fake_grads(q, k, v, do, params)[0].to(q.dtype)
+        return made["dq"]
+    monkeypatch.setattr(launch, "_forward_ws", fake_forward)
+    monkeypatch.setattr(launch, "_dkdv_ws", fake_dkdv)
+    monkeypatch.setattr(launch, "_dq_ws", fake_dq)
+
+    # float16: the interpreter writes bf16 outputs as fp32 (launch._store_dtype), which the GPU never does
+    q = rand(1, 2, 256, 128, dtype=F16, device="cpu")
+    k, v = (rand(1, 2, 256, 128, dtype=F16, device="cpu") for _ in range(2))
+    params = make_params(q, causal)
+    out = triton_attention(q, k, v, None, params)
+    do = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    assert calls == [("fwd", 1, 1), ("dkdv", 1, 1, 1), ("dq", 1, 1, 1)]
+    assert torch.equal(out, made["out"]) and torch.equal(dq, made["dq"])
+    assert torch.equal(dk, made["dk"]) and torch.equal(dv, made["dv"])
+    delta = (do.float() * out.float()).sum(-1)
+    for name in ("delta_dkdv", "delta_dq"):
+        torch.testing.assert_close(made[name], delta, rtol=1e-5, atol=1e-5)
