@@ -1,6 +1,6 @@
 """The warp-specialised Gluon kernels against the tl kernels, in interleaved rounds (GPU).
 
-    python benchmarks/forward_ab.py [--rounds 5] [--json out.json] [--commit SHA]
+    python benchmarks/forward_ab.py [--rounds 5] [--json out.json] [--commit SHA] [--rows TEXT] [--min-causal N]
 
 For each row both forwards run through ``triton_attention`` (the kernel's autograd
 function, so that no relaunch cache keeps one of them): "ws" as shipped, "tl" with
@@ -28,7 +28,9 @@ import triton  # noqa: E402
 from attention_dispatch.kernels import KernelParams, configs as C, launch, triton_attention  # noqa: E402
 
 # (label, dtype, head dim, S, causal, Hq, Hkv, (B, S, H, D) memory, also forward+backward)
-ROWS = [("bf16 d128 4k", torch.bfloat16, 128, 4096, False, 16, 16, False, True),
+ROWS = [("bf16 d128 1k causal", torch.bfloat16, 128, 1024, True, 16, 16, False, True),
+        ("bf16 d128 2k causal", torch.bfloat16, 128, 2048, True, 16, 16, False, True),
+        ("bf16 d128 4k", torch.bfloat16, 128, 4096, False, 16, 16, False, True),
         ("bf16 d128 4k causal", torch.bfloat16, 128, 4096, True, 16, 16, False, True),
         ("bf16 d128 16k", torch.bfloat16, 128, 16384, False, 16, 16, False, True),
         ("bf16 d128 16k causal", torch.bfloat16, 128, 16384, True, 16, 16, False, True),
@@ -68,7 +70,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--commit", default="unknown")
     p.add_argument("--rows", default="", help="substring of the row labels to run")
+    p.add_argument("--min-causal", type=int, default=None,
+                   help="the warp-specialised kernels' min_causal_seqlen for this run (e.g. 0 to time 1k causal)")
     a = p.parse_args(argv)
+    if a.min_causal is not None:
+        for d, cfg in C.WS_FWD_CONFIGS.items():
+            C.WS_FWD_CONFIGS[d] = cfg._replace(min_causal_seqlen=a.min_causal)
     ws_min = launch.WS_MIN_WORK
     results = {}
     for label, dt, d, S, causal, hq, hkv, bshd, with_bwd in ROWS:
