@@ -1,23 +1,28 @@
-"""Warp-specialised Hopper forward in Gluon (FlashAttention-3's structure).
+"""Warp-specialised Hopper kernels in Gluon (FlashAttention-3's structure): the forward, the
+dK/dV pass and the dQ pass.
 
 Triton 3.6 builds no such kernel from ``tl`` code on sm90 (its automatic warp specialisation
 deadlocks there, docs/perf-notes.md experiment 35); Gluon states the partitions, barriers
-and tensor-core calls explicitly (experiment 40):
+and tensor-core calls explicitly (experiments 40-42):
 
-  * a loader warp streams the K and V tiles of one (batch, kv head) through a ring of
-    ``STAGES`` TMA buffers (``*_ready`` barriers: the copy landed; ``*_empty``: both
-    consumers are done with the slot);
-  * two consumer warpgroups own 64 query rows each of a 128-row tile and share the ring;
-    the warp scheduler runs one's softmax while the other's products occupy the tensor cores;
-  * inside a consumer, ``S_j = Q K_j^T`` and ``P_{j-1} V_{j-1}`` are in flight together and
-    the softmax of ``S_j`` runs while ``P_{j-1} V_{j-1}`` is still computing.
+  * a loader warp streams tiles through a ring of ``STAGES`` TMA buffers (``*_ready``
+    barriers: the copy landed; ``*_empty``: both consumers are done with the slot): K and V
+    for the forward and the dQ pass (one shared loader, :func:`_ws_loader`), Q and dO for the
+    dK/dV pass;
+  * two consumer warpgroups own 64 rows each (query rows; keys in the dK/dV pass) and share
+    the ring; the warp scheduler runs one's softmax while the other's products occupy the
+    tensor cores;
+  * inside a consumer the next products are issued before the previous results are needed
+    (forward: ``S_j`` and ``P_{j-1} V_{j-1}`` in flight together).
 
 Scope (launch.py's ``ws_forward_reason`` says why a call is not served): sm90, fp16/bf16,
-Dqk == Dv == 128 (configs.WS_FWD_CONFIGS), no bias, mask, dropout or window other than causal with Sq == Sk,
-dense rows whose lengths are multiples of the tiles, positive scale.  Same conventions as
-forward.py: log2-domain scores, ``lse`` in natural log, ``pid_bh = b * Hq + h``.
-Row layouts (``Q_ROWS`` / ``KV_ROWS``): 1 = (B, H, S, D) memory seen as (B*H*S, D),
-2 = (B, S, H, D) memory seen as (B*S, H*D), the head's columns at ``h * D``.
+Dqk == Dv == 128 (configs.WS_*_CONFIGS), dense or causal with Sq == Sk >= min_causal_seqlen,
+no bias, mask, dropout or window, lengths multiples of the tiles, positive scale.  Same
+conventions as forward.py / backward.py: log2-domain scores, ``lse`` in natural log,
+``pid_bh = b * Hq + h``, dS = P * (dP - delta).
+Row layouts (``Q_ROWS`` / ``KV_ROWS`` / ``DO_ROWS``): 1 = (B, H, S, D) memory seen as
+(B*H*S, D), 2 = (B, S, H, D) memory seen as (B*S, H*D), the head's columns at ``h * D``.
+Outputs (O, dQ, dK, dV) are written as (B, H, S, D) contiguous.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
