@@ -534,7 +534,8 @@ WS_MIN_WORK = HOST_KV_MIN_WORK
 
 def ws_forward_reason(prob: "_Problem", bias_kind: int, params: KernelParams, dtype: torch.dtype,
                       cc: tuple[int, int], uses_descriptors: bool, q_rows: int, kv_rows: int) -> str | None:
-    """None when the warp-specialised sm90 forward computes this call, else why not (one line).
+    """None when the warp-specialised sm90 kernels (forward, dK/dV, dQ) compute this call, else why
+    not (one line).
     ``uses_descriptors``: :func:`use_descriptors` of q, k, v; ``q_rows`` / ``kv_rows``:
     :func:`_rows_layout` of q and of (k, v)."""
     banded = params.window_left >= 0 or params.window_right >= 0
