@@ -140,15 +140,16 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
     def desc(rows):
         lay = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {d}],{lay!r}>"
-    half = cfg.block_m // 2
+    from attention_dispatch.kernels.forward_ws import WG_ROWS
+    wg = WG_ROWS.value
     if fn is _attn_bwd_dq_ws:
-        sig = dict(q_desc=desc(half), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), do_desc=desc(half),
-                   dq_desc=desc(half), lse_ptr="*fp32", delta_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
+        sig = dict(q_desc=desc(wg), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), do_desc=desc(wg),
+                   dq_desc=desc(wg), lse_ptr="*fp32", delta_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
     elif fn is _attn_bwd_dkdv_ws:
-        sig = dict(q_desc=desc(64), k_desc=desc(64), v_desc=desc(64), do_desc=desc(64), dk_desc=desc(64),
-                   dv_desc=desc(64), lse_ptr="*fp32", delta_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
+        sig = dict(q_desc=desc(wg), k_desc=desc(wg), v_desc=desc(wg), do_desc=desc(wg), dk_desc=desc(wg),
+                   dv_desc=desc(wg), lse_ptr="*fp32", delta_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
     else:
-        sig = dict(q_desc=desc(half), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(half),
+        sig = dict(q_desc=desc(wg), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(wg),
                    lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16", qk_scale="fp32")
     sig = {n: "constexpr" if n in constexprs else sig.get(n, "i32") for n in names}
     src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})

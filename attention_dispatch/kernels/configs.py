@@ -157,13 +157,13 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
 # Under TRITON_INTERPRET=1 (CPU) there is no shared memory and no warps: small,
 # deliberately asymmetric tiles so that the small test shapes cross several tiles.
 class WsConfig(NamedTuple):
-    """The warp-specialised forward's launch (forward_ws.py): 128 query rows per program in two
-    consumer warpgroups of 64, ``block_n`` key rows per ring slot, ``stages`` slots."""
+    """A warp-specialised kernel's launch (forward_ws.py; its rows per program are the kernel's:
+    two consumer warpgroups of forward_ws.WG_ROWS): ``block_n`` key rows per ring slot (forward
+    and dQ), ``stages`` ring slots."""
     block_n: int = 128
     stages: int = 2
     consumer_regs: int = 240    # registers per thread of the second consumer (setmaxnreg)
     max_regs: int = 168         # kernel-wide limit: 12 warps * 32 * 168 fit the register file
-    block_m: int = 128
     min_causal_seqlen: int = 2048   # shorter causal calls keep the tl kernels (grids, below)
 
 
@@ -179,8 +179,9 @@ class WsConfig(NamedTuple):
 # on the diagonal) and short programs pay the pipeline's fill: min_causal_seqlen = 2048.
 WS_FWD_CONFIGS = {128: WsConfig()}
 # The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
-# consumer warpgroups, ``stages`` slots of (Q, dO) 64-row tiles; calls the forward above serves.
-WS_BWD_CONFIGS = {128: WsConfig(block_n=128, stages=2)}
+# consumer warpgroups, ``stages`` slots of (Q, dO) 64-row tiles (block_n is not read: no K/V
+# ring); calls the forward above serves.
+WS_BWD_CONFIGS = {128: WsConfig()}
 # The warp-specialised dQ pass (experiment 42): the forward's K/V ring and loader, dP = dO V^T and
 # dQ += dS K in the consumers; after the dK/dV pass above, for the same calls.
 WS_DQ_CONFIGS = {128: WsConfig()}

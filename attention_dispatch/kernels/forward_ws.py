@@ -30,6 +30,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 LN2 = gl.constexpr(0.6931471805599453)
+# Rows per consumer warpgroup (one wgmma M): a program covers 2 * WG_ROWS query rows (forward,
+# dQ) or keys (dK/dV); the dK/dV pass streams WG_ROWS-row query tiles.  The launcher reads it.
+WG_ROWS = gl.constexpr(64)
 
 
 @gluon.constexpr_function
@@ -197,7 +200,7 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, seq_q, seq_k
                  CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Grid (Sq / 128, B * Hq); one program: 128 query rows of one (b, h), O (B*Hq*Sq, D) rows."""
-    BLOCK_M: gl.constexpr = 64        # rows per consumer warpgroup (one wgmma M)
+    BLOCK_M: gl.constexpr = WG_ROWS
     q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES)
     # partition arguments are spelled out: constexprs inside a concatenated tuple lose their kind
     WG0: gl.constexpr = 0
@@ -327,8 +330,8 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr
     """Grid (Sk / 128, B * Hkv); one program: 128 keys of one (b, kv head) in two consumer
     warpgroups of 64, over the 64-row query tiles of every query head of its group.
     dK, dV: (B * Hkv * Sk, D) rows; lse, delta: (B, Hq, Sq) contiguous."""
-    BLOCK_N: gl.constexpr = 64        # keys per consumer warpgroup
-    BLOCK_M: gl.constexpr = 64        # query rows per tile
+    BLOCK_N: gl.constexpr = WG_ROWS   # keys per consumer warpgroup
+    BLOCK_M: gl.constexpr = WG_ROWS   # query rows per tile
     dtype: gl.constexpr = k_desc.dtype
     k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
@@ -431,7 +434,7 @@ def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Grid (Sq / 128, B * Hq); one program: dQ of 128 query rows of one (b, h), the K/V ring and
     its loader shared with the forward (_ws_loader).  dQ: (B * Hq * Sq, D) rows."""
-    BLOCK_M: gl.constexpr = 64
+    BLOCK_M: gl.constexpr = WG_ROWS
     q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
     WG0: gl.constexpr = 0

@@ -22,9 +22,11 @@ from .forward import LOG2E, _attn_fwd, _dropout_mask_kernel
 try:   # Gluon (Triton >= 3.5): the warp-specialised sm90 forward
     from triton.experimental.gluon import language as _gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
-    from .forward_ws import _attn_bwd_dkdv_ws, _attn_bwd_dq_ws, _attn_fwd_ws
+    from .forward_ws import WG_ROWS, _attn_bwd_dkdv_ws, _attn_bwd_dq_ws, _attn_fwd_ws
+    _WG_ROWS = WG_ROWS.value   # rows per consumer warpgroup; a program covers two
 except ImportError:  # pragma: no cover - a Triton without Gluon: the tl forward serves every call
     _attn_fwd_ws = _attn_bwd_dkdv_ws = _attn_bwd_dq_ws = None
+    _WG_ROWS = 64
 
 # Limit of launch-grid axes 1 and 2 (CUDA's y/z).  Tests lower it to exercise chunking.
 MAX_GRID_YZ = 65535
@@ -496,6 +498,13 @@ def _rows_layout(*tensors) -> int:
     return 0
 
 
+def _row_matrix(t: torch.Tensor, rows_layout: int) -> tuple[int, int]:
+    """(rows, row length) of ``t`` (B, H, S, D) seen as the matrix of its rows layout (see
+    _rows_layout): (B * H * S, D) for 1, (B * S, H * D) for 2 (a head's columns at h * D)."""
+    B, H, S, D = t.shape
+    return (B * H * S, D) if rows_layout == 1 else (B * S, H * D)
+
+
 def host_kv_descriptors(k, v, prob: "_Problem", uses_descriptors: bool, block_dqk: int, block_dv: int):
     """For dense K/V read through descriptors, with D equal to its block, laid out as
     (B, Hkv, Sk, D) or (B, Sk, Hkv, D) in memory, in a call of at least HOST_KV_MIN_WORK:
@@ -512,9 +521,7 @@ def host_kv_descriptors(k, v, prob: "_Problem", uses_descriptors: bool, block_dq
     layout = _rows_layout(k, v)
     if layout == 0:
         return None
-    # rows of the matrix and elements per row: a head's rows (layout 1) or a token's heads (2)
-    rows = prob.B * prob.Hkv * prob.Sk if layout == 1 else prob.B * prob.Sk
-    heads = 1 if layout == 1 else prob.Hkv
+    (k_rows, k_len), (v_rows, v_len) = _row_matrix(k, layout), _row_matrix(v, layout)
 
     def descriptors(cfg):
         block_n = cfg.block_n
@@ -522,8 +529,8 @@ def host_kv_descriptors(k, v, prob: "_Problem", uses_descriptors: bool, block_dq
             return None
         # the base is k / v itself (Triton reads only its address and dtype): a relaunch
         # recognises it (ForwardPlan)
-        return (TensorDescriptor(k, [rows, heads * prob.Dqk], [heads * prob.Dqk, 1], [block_n, prob.Dqk]),
-                TensorDescriptor(v, [rows, heads * prob.Dv], [heads * prob.Dv, 1], [block_n, prob.Dv]), layout)
+        return (TensorDescriptor(k, [k_rows, k_len], [k_len, 1], [block_n, prob.Dqk]),
+                TensorDescriptor(v, [v_rows, v_len], [v_len, 1], [block_n, prob.Dv]), layout)
     return descriptors
 
 
@@ -563,8 +570,10 @@ def ws_forward_reason(prob: "_Problem", bias_kind: int, params: KernelParams, dt
         return f"scale {params.scale}: positive only (the running max is taken before scaling)"
     if params.block_m or params.block_n:
         return "tiles forced by the call's parameters"
-    if prob.Sq % cfg.block_m or prob.Sk % cfg.block_n:
-        return f"Sq={prob.Sq}, Sk={prob.Sk}: multiples of {cfg.block_m} and {cfg.block_n} only"
+    # a program's rows (forward, dQ) and keys (dK/dV), and the forward's key tile, cover whole heads
+    rows, keys = 2 * _WG_ROWS, math.lcm(2 * _WG_ROWS, cfg.block_n)
+    if prob.Sq % rows or prob.Sk % keys:
+        return f"Sq={prob.Sq}, Sk={prob.Sk}: multiples of {rows} and {keys} only"
     if q_rows == 0 or kv_rows == 0:
         return "memory layout: query and key/value each (B, H, S, D) or (B, S, H, D) contiguous"
     if prob.B * prob.Hq > _grid_limit(params) or prob.B * prob.Hq * prob.Sq >= 2 ** 31:
@@ -574,6 +583,17 @@ def ws_forward_reason(prob: "_Problem", bias_kind: int, params: KernelParams, dt
     return None
 
 
+def _ws_route(q, k, v, bias_kind: int, params: KernelParams, prob: "_Problem", uses_descriptors: bool):
+    """(q rows layout, k/v rows layout) when the warp-specialised kernels serve this call, else None."""
+    if not uses_descriptors:
+        return None
+    q_rows, kv_rows = _rows_layout(q), _rows_layout(k, v)
+    if ws_forward_reason(prob, bias_kind, params, q.dtype, device_info(q.device)[0], uses_descriptors, q_rows,
+                         kv_rows) is not None:
+        return None
+    return q_rows, kv_rows
+
+
 @functools.lru_cache(maxsize=16)
 def _ws_smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
     return _gl.NVMMASharedLayout.get_default_for([rows, head_dim], _gl.bfloat16 if dtype == torch.bfloat16
@@ -581,19 +601,18 @@ def _ws_smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
 
 
 def _rows_descriptor(t: torch.Tensor, rows_layout: int, block_rows: int):
-    """Descriptor over ``t`` (B, H, S, D) as the matrix of its rows layout (see _rows_layout)."""
-    B, H, S, D = t.shape
-    rows, width = (B * H * S, D) if rows_layout == 1 else (B * S, H * D)
+    """Gluon descriptor over ``t`` (B, H, S, D) as the matrix of its rows layout, tiles of one head."""
+    rows, width = _row_matrix(t, rows_layout)
+    D = t.shape[3]
     return _GluonDescriptor(t, [rows, width], [width, 1], [block_rows, D], _ws_smem_layout(block_rows, D, t.dtype))
 
 
 def _forward_ws(q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int):
     cfg = C.WS_FWD_CONFIGS[prob.Dqk]
-    half = cfg.block_m // 2
-    n_m = prob.Sq // cfg.block_m
+    n_m = prob.Sq // (2 * _WG_ROWS)
     _attn_fwd_ws[(n_m, prob.B * prob.Hq)](
-        _rows_descriptor(q, q_rows, half), _rows_descriptor(k, kv_rows, cfg.block_n),
-        _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(out, 1, half),
+        _rows_descriptor(q, q_rows, _WG_ROWS), _rows_descriptor(k, kv_rows, cfg.block_n),
+        _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(out, 1, _WG_ROWS),
         lse if lse is not None else out, params.scale * LOG2E, prob.Sq, prob.Sk, prob.Hq, prob.group, n_m,
         CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, STORE_LSE=lse is not None,
         BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
@@ -605,9 +624,10 @@ def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_
     """dK, dV of a call the warp-specialised forward serves (same scope, dO in a row layout)."""
     cfg = C.WS_BWD_CONFIGS[prob.Dqk]
     dk, dv = torch.empty(k.shape, device=k.device, dtype=k.dtype), torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    _attn_bwd_dkdv_ws[(prob.Sk // cfg.block_n, prob.B * prob.Hkv)](
-        _rows_descriptor(q, q_rows, 64), _rows_descriptor(k, kv_rows, 64), _rows_descriptor(v, kv_rows, 64),
-        _rows_descriptor(do, do_rows, 64), _rows_descriptor(dk, 1, 64), _rows_descriptor(dv, 1, 64),
+    w = _WG_ROWS
+    _attn_bwd_dkdv_ws[(prob.Sk // (2 * w), prob.B * prob.Hkv)](
+        _rows_descriptor(q, q_rows, w), _rows_descriptor(k, kv_rows, w), _rows_descriptor(v, kv_rows, w),
+        _rows_descriptor(do, do_rows, w), _rows_descriptor(dk, 1, w), _rows_descriptor(dv, 1, w),
         lse, delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq, prob.group,
         CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows, STAGES=cfg.stages,
         CONSUMER_REGS=cfg.consumer_regs, num_warps=4, maxnreg=cfg.max_regs)
@@ -619,11 +639,11 @@ def _dq_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_ro
     """dQ of a call the warp-specialised forward serves, over the forward's K/V ring."""
     cfg = C.WS_DQ_CONFIGS[prob.Dqk]
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    half, n_m = cfg.block_m // 2, prob.Sq // cfg.block_m
+    n_m = prob.Sq // (2 * _WG_ROWS)
     _attn_bwd_dq_ws[(n_m, prob.B * prob.Hq)](
-        _rows_descriptor(q, q_rows, half), _rows_descriptor(k, kv_rows, cfg.block_n),
-        _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(do, do_rows, half),
-        _rows_descriptor(dq, 1, half), lse, delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq,
+        _rows_descriptor(q, q_rows, _WG_ROWS), _rows_descriptor(k, kv_rows, cfg.block_n),
+        _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(do, do_rows, _WG_ROWS),
+        _rows_descriptor(dq, 1, _WG_ROWS), lse, delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq,
         prob.group, n_m, CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows,
         BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs, num_warps=4, maxnreg=cfg.max_regs)
     return dq
@@ -658,11 +678,11 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
     kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
     # Q is checked too: it goes through a descriptor beside a bias descriptor (forward.py)
     desc = use_descriptors(params, (q, k, v), dev, loop_len=prob.Sk)
-    if desc and out.dtype == q.dtype:
-        q_rows, kv_rows = _rows_layout(q), _rows_layout(k, v)
-        if ws_forward_reason(prob, kind, params, q.dtype, device_info(dev)[0], desc, q_rows, kv_rows) is None:
-            _forward_ws(q, k, v, out, lse, params, prob, q_rows, kv_rows)
-            return out, lse, seed
+    # (out is q's dtype except for bf16 under the CPU interpreter, which runs no Gluon kernel)
+    route = _ws_route(q, k, v, kind, params, prob, desc) if out.dtype == q.dtype else None
+    if route is not None:
+        _forward_ws(q, k, v, out, lse, params, prob, *route)
+        return out, lse, seed
     cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, **_table_traits(kind, params, prob))
     # A row whose first key block may be entirely masked needs the -inf-safe running max.
     may_empty = (kind != 0 or params.window_left >= 0
@@ -850,15 +870,14 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
 
     # 2) dK, dV (+ d(bias)) : key-tile parallel, loops over the query heads of the group
     traits = _table_traits(kind, params, prob)
-    if desc and prob.Dqk in C.WS_BWD_CONFIGS and not bias_grad:
-        q_rows, kv_rows, do_rows = _rows_layout(q), _rows_layout(k, v), _rows_layout(do)
-        if do_rows and ws_forward_reason(prob, kind, params, q.dtype, device_info(dev)[0], desc, q_rows,
-                                         kv_rows) is None:
-            dk, dv = _dkdv_ws(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows)
-            if prob.Dqk in C.WS_DQ_CONFIGS:
-                return _dq_ws(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows), dk, dv, None
-            return (_dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, params, prob, common,
-                             traits, limit, num_sms, lse_str, do_str), dk, dv, None)
+    route = _ws_route(q, k, v, kind, params, prob, desc) if prob.Dqk in C.WS_BWD_CONFIGS else None
+    do_rows = _rows_layout(do) if route is not None else 0
+    if do_rows:   # (bias_grad needs a bias: kind != 0, which the route excludes)
+        dk, dv = _dkdv_ws(q, k, v, do, lse, delta, params, prob, *route, do_rows)
+        if prob.Dqk in C.WS_DQ_CONFIGS:
+            return _dq_ws(q, k, v, do, lse, delta, params, prob, *route, do_rows), dk, dv, None
+        return (_dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, params, prob, common,
+                         traits, limit, num_sms, lse_str, do_str), dk, dv, None)
     sum_rows = sum_heads = False
     if bias_grad:
         sum_rows = bcast[2] and prob.Sq > 1
