@@ -59,6 +59,28 @@ def _tile_origin(pid_bh, head_groups, num_heads, seq, ROWS: gl.constexpr, HEAD_D
 
 
 @gluon.jit
+def _kv_tiles(pid_m, seq_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(key tiles a program of 2 * BLOCK_M query rows reads, how many of them need no causal
+    mask): the loader and both consumers must agree on the first, or the ring deadlocks."""
+    if CAUSAL:
+        n_tiles = gl.cdiv((pid_m + 1) * 2 * BLOCK_M, BLOCK_N)
+        n_full = (pid_m * 2 * BLOCK_M) // BLOCK_N          # tiles below the diagonal
+    else:
+        n_tiles = seq_k // BLOCK_N
+        n_full = n_tiles
+    return n_tiles, n_full
+
+
+@gluon.jit
+def _store_rows(buf, value, desc, row):
+    """``value`` to rows ``row..`` of ``desc``'s matrix through the shared buffer ``buf``."""
+    buf.store(value)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [row, 0], buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
 def _kv_ring(q_desc, k_desc, v_desc, STAGES: gl.constexpr):
     """Shared memory of the forward and the dQ pass: one Q tile per consumer warpgroup, a ring of
     ``STAGES`` K/V slots, and their barriers (q_bar, k_ready, v_ready, k_empty, v_empty); an empty
@@ -91,10 +113,7 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, 
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     pid_m = n_m_blocks - 1 - gl.program_id(0)      # longest causal rows first
     kv_row, kv_col = _tile_origin(gl.program_id(1), group, num_heads, seq_k, KV_ROWS, HEAD_D)
-    if CAUSAL:
-        n_tiles = gl.cdiv((pid_m + 1) * 2 * BLOCK_M, BLOCK_N)
-    else:
-        n_tiles = seq_k // BLOCK_N
+    n_tiles, _ = _kv_tiles(pid_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
     for j in range(n_tiles):
         s = j % STAGES
         ph = (j // STAGES) & 1
@@ -132,12 +151,7 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
 
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    if CAUSAL:
-        n_tiles = gl.cdiv((pid_m + 1) * 2 * BLOCK_M, BLOCK_N)
-        n_full = (pid_m * 2 * BLOCK_M) // BLOCK_N          # tiles below the diagonal: no mask
-    else:
-        n_tiles = seq_k // BLOCK_N
-        n_full = n_tiles
+    n_tiles, n_full = _kv_tiles(pid_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
     rows = q_start + gl.arange(0, BLOCK_M, row_s)
     mbarrier.wait(q_bar.index(WG), 0)
 
@@ -189,10 +203,7 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
     if STORE_LSE:
         gl.store(lse_ptr + pid_bh * seq_q + rows, (m_i + gl.log2(l_i)) * LN2)
     # the output leaves through this warpgroup's Q buffer (Q is no longer read)
-    q_buf.store(acc.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [pid_bh * seq_q + q_start, 0], q_buf)
-    tma.store_wait(0)
+    _store_rows(q_buf, acc.to(dtype), o_desc, pid_bh * seq_q + q_start)
 
 
 @gluon.jit
@@ -393,12 +404,7 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
     delta = gl.load(delta_ptr + pid_bh * seq_q + rows)
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    if CAUSAL:
-        n_tiles = gl.cdiv((pid_m + 1) * 2 * BLOCK_M, BLOCK_N)
-        n_full = (pid_m * 2 * BLOCK_M) // BLOCK_N
-    else:
-        n_tiles = seq_k // BLOCK_N
-        n_full = n_tiles
+    n_tiles, n_full = _kv_tiles(pid_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
     mbarrier.wait(q_bar.index(WG), 0)
     for j in range(n_tiles):
         s = j % STAGES
@@ -421,10 +427,7 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
         dq, _, _ = warpgroup_mma_wait(0, deps=[dq_tok, ds_op, k_buf])
         mbarrier.arrive(k_empty.index(s), count=1)
     # dQ leaves through this warpgroup's Q buffer
-    q_buf.store((dq * sm_scale).to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [pid_bh * seq_q + q_start, 0], q_buf)
-    tma.store_wait(0)
+    _store_rows(q_buf, (dq * sm_scale).to(dtype), dq_desc, pid_bh * seq_q + q_start)
 
 
 @gluon.jit
