@@ -1211,3 +1211,10 @@ def test_warp_specialized_routing(monkeypatch, causal):
     delta = (do.float() * out.float()).sum(-1)
     for name in ("delta_dkdv", "delta_dq"):
         torch.testing.assert_close(made[name], delta, rtol=1e-5, atol=1e-5)
+    # sdpa()'s relaunch plan for inference captures no tl launch here: every call takes the route
+    plan = launch.ForwardPlan(q, params)
+    for _ in range(2):
+        q2, k2, v2 = (torch.randn_like(t).detach() for t in (q, k, v))
+        got = plan(q2, k2, v2)
+        assert calls[-1] == ("fwd", 1, 1) and torch.equal(got, made["out"])
+    assert len(calls) == 5 and plan.launch is None
