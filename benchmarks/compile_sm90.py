@@ -1,6 +1,6 @@
 """Compile every sm90 kernel of the configuration table for sm90, without a GPU.
 
-    python benchmarks/compile_sm90.py [--kinds fwd,bwd_dkdv,bwd_dq,fwd_ws] [--limit N] [--ptx-hashes]
+    python benchmarks/compile_sm90.py [--kinds fwd,bwd_dkdv,bwd_dq,fwd_ws] [--limit N] [--ptx-hashes] [--spills]
 
 The warp-specialised Gluon forward (kind fwd_ws) is compiled for each head dim, causal
 flag and row layout it serves.  Each sm90 table entry (kernel kind, head dim, tiles, warps, stages) is compiled with the
@@ -156,12 +156,31 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
     return _compile(src, dict(num_warps=4, maxnreg=cfg.max_regs))
 
 
-def _report(label: str, err, kernel, hashes: bool) -> int:
+def ptxas_usage(ptx: str) -> str:
+    """ptxas -v's register and spill summary of ``ptx`` (sm_90a): 'N registers, S bytes spill
+    stores, L bytes spill loads'."""
+    import subprocess
+    import tempfile
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        err = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    regs = re.findall(r"Used (\d+) registers", err)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", err)
+    st, ld = spills[-1] if spills else ("?", "?")
+    return f"{regs[-1] if regs else '?'} registers, {st} bytes spill stores, {ld} bytes spill loads"
+
+
+def _report(label: str, err, kernel, hashes: bool, spills: bool = False) -> int:
     if err:
         print(f"FAILED {label}: {err}", flush=True)
         return 1
     if hashes:
         print(f"{ptx_fingerprint(kernel.asm['ptx'])} {label}", flush=True)
+    if spills:
+        print(f"{ptxas_usage(kernel.asm['ptx'])}, {kernel.metadata.shared} B shared: {label}", flush=True)
     return 0
 
 
@@ -172,6 +191,8 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=0, help="compile only the first N cases (0: all)")
     p.add_argument("--ptx-hashes", action="store_true",
                    help="print each case's PTX fingerprint (diff two runs to check that a refactor changes no code)")
+    p.add_argument("--spills", action="store_true",
+                   help="print each case's registers, spills (ptxas -v) and shared memory")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("TRITON_INTERPRET=1: the interpreter compiles nothing; run without it")
@@ -183,12 +204,12 @@ def main(argv=None) -> int:
         n += 1
         err, kernel = compile_case(kind, entry, const)
         label = f"{kind} d<={entry.max_block_d} {entry.config} {label}"
-        failed += _report(label, err, kernel, args.ptx_hashes)
+        failed += _report(label, err, kernel, args.ptx_hashes, args.spills)
     if "fwd_ws" in args.kinds:
         for d, cfg, label, const in list(ws_cases()) + list(ws_bwd_cases()) + list(ws_dq_cases()):
             n += 1
             err, kernel = compile_ws_case(d, cfg, const)
-            failed += _report(label, err, kernel, args.ptx_hashes)
+            failed += _report(label, err, kernel, args.ptx_hashes, args.spills)
     print(f"triton {triton.__version__}: {n} kernels compiled for sm90, {failed} failed")
     return 1 if failed else 0
 

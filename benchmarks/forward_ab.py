@@ -1,12 +1,16 @@
 """The warp-specialised Gluon kernels against the tl kernels, in interleaved rounds (GPU).
 
-    python benchmarks/forward_ab.py [--rounds 5] [--json out.json] [--commit SHA] [--rows TEXT] [--min-causal N]
+    python benchmarks/forward_ab.py [--rounds 5] [--json out.json] [--commit SHA] [--rows TEXT,...]
+        [--impls ws,tl,ws-tl-dq] [--ref tl] [--base-module PATH] [--bwd-stages N]
 
-For each row both forwards run through ``triton_attention`` (the kernel's autograd
+For each row the implementations run through ``triton_attention`` (the kernel's autograd
 function, so that no relaunch cache keeps one of them): "ws" as shipped, "tl" with
 ``launch.WS_MIN_WORK`` raised past every call (that turns off the warp-specialised
-forward, dK/dV and dQ passes together), and "ws-tl-dq" (forward+backward only) with the tl dQ pass.  Prints forward (and forward+backward where
-asked) TFLOP/s medians and the ws / tl ratio per row; docs/perf-notes.md experiment 40.
+forward, dK/dV and dQ passes together), "ws-tl-dq" (forward+backward only) with the tl dQ
+pass, "base" with the Gluon kernels of another copy of forward_ws.py (``--base-module``, e.g.
+``git show HEAD~1:attention_dispatch/kernels/forward_ws.py``) and "ws-bwd-stages" with
+``--bwd-stages`` (Q, dO) slots in the dK/dV pass.  Prints forward (and forward+backward where
+asked) TFLOP/s medians and each one's ratio to ``--ref``; docs/perf-notes.md experiments 40-43.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ import triton  # noqa: E402
 from attention_dispatch.kernels import KernelParams, configs as C, launch, triton_attention  # noqa: E402
 
 # (label, dtype, head dim, S, causal, Hq, Hkv, (B, S, H, D) memory, also forward+backward)
-ROWS = [("bf16 d128 1k causal", torch.bfloat16, 128, 1024, True, 16, 16, False, True),
+ROWS = [("bf16 d128 512 causal", torch.bfloat16, 128, 512, True, 16, 16, False, True),
+        ("bf16 d128 1k causal", torch.bfloat16, 128, 1024, True, 16, 16, False, True),
         ("bf16 d128 2k causal", torch.bfloat16, 128, 2048, True, 16, 16, False, True),
         ("bf16 d128 4k", torch.bfloat16, 128, 4096, False, 16, 16, False, True),
         ("bf16 d128 4k causal", torch.bfloat16, 128, 4096, True, 16, 16, False, True),
@@ -47,21 +52,42 @@ ROWS = [("bf16 d128 1k causal", torch.bfloat16, 128, 1024, True, 16, 16, False, 
 TOKENS = 16384
 # "ws": as shipped; "tl": no warp-specialised kernel; "ws-tl-dq": the warp-specialised forward and
 # dK/dV pass with the tl dQ pass (forward+backward only: its forward is "ws")
-IMPLS = ("ws", "tl", "ws-tl-dq")
-FWD_IMPLS = ("ws", "tl")
+IMPLS = ("ws", "tl", "ws-tl-dq", "base", "ws-bwd-stages")
+BWD_ONLY = ("ws-tl-dq", "ws-bwd-stages")    # their forward is "ws"
+GLUON_KERNELS = ("_attn_fwd_ws", "_attn_bwd_dkdv_ws", "_attn_bwd_dq_ws")
+
+
+def load_base(path: Path) -> dict:
+    """The Gluon kernels of another copy of forward_ws.py, by launch.py's names."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("forward_ws_base", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod      # gluon.jit reads the module's globals
+    spec.loader.exec_module(mod)
+    return {n: getattr(mod, n) for n in GLUON_KERNELS}
 
 
 @contextlib.contextmanager
-def configured(impl: str, ws_min: int):
-    dq = C.WS_DQ_CONFIGS.copy()
+def configured(impl: str, ws_min: int, base: dict | None = None, bwd_stages: int = 0):
+    dq, bwd = C.WS_DQ_CONFIGS.copy(), C.WS_BWD_CONFIGS.copy()
+    shipped = {n: getattr(launch, n) for n in GLUON_KERNELS}
     try:
         launch.WS_MIN_WORK = 1 << 62 if impl == "tl" else ws_min
         if impl == "ws-tl-dq":
             C.WS_DQ_CONFIGS.clear()
+        if impl == "base":
+            for n, kernel in base.items():
+                setattr(launch, n, kernel)
+        if impl == "ws-bwd-stages":
+            for d, cfg in bwd.items():
+                C.WS_BWD_CONFIGS[d] = cfg._replace(stages=bwd_stages)
         yield
     finally:
         launch.WS_MIN_WORK = ws_min
         C.WS_DQ_CONFIGS.update(dq)
+        C.WS_BWD_CONFIGS.update(bwd)
+        for n, kernel in shipped.items():
+            setattr(launch, n, kernel)
 
 
 def main(argv=None) -> int:
@@ -69,17 +95,21 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--commit", default="unknown")
-    p.add_argument("--rows", default="", help="substring of the row labels to run")
-    p.add_argument("--min-causal", type=int, default=None,
-                   help="the warp-specialised kernels' min_causal_seqlen for this run (e.g. 0 to time 1k causal)")
+    p.add_argument("--rows", default="", help="comma-separated substrings of the row labels to run")
+    p.add_argument("--impls", default="ws,tl,ws-tl-dq", help=f"comma-separated, of {', '.join(IMPLS)}")
+    p.add_argument("--ref", default="tl", help="the implementation the ratios divide by")
+    p.add_argument("--base-module", type=Path, default=None, help="forward_ws.py copy for impl 'base'")
+    p.add_argument("--bwd-stages", type=int, default=3, help="dK/dV pass slots for impl 'ws-bwd-stages'")
     a = p.parse_args(argv)
-    if a.min_causal is not None:
-        for d, cfg in C.WS_FWD_CONFIGS.items():
-            C.WS_FWD_CONFIGS[d] = cfg._replace(min_causal_seqlen=a.min_causal)
+    impls = tuple(a.impls.split(","))
+    unknown = [i for i in impls + (a.ref,) if i not in IMPLS]
+    if unknown or a.ref not in impls or ("base" in impls and a.base_module is None):
+        p.error(f"--impls/--ref: unknown {unknown}, or --ref not among --impls, or 'base' without --base-module")
+    base = load_base(a.base_module) if "base" in impls else None
     ws_min = launch.WS_MIN_WORK
     results = {}
     for label, dt, d, S, causal, hq, hkv, bshd, with_bwd in ROWS:
-        if a.rows not in label:
+        if not any(part in label for part in a.rows.split(",")):
             continue
         B = TOKENS // S
         shapes = [(B, hq, S, d), (B, hkv, S, d), (B, hkv, S, d)]
@@ -100,17 +130,17 @@ def main(argv=None) -> int:
         def fwd_bwd():
             torch.autograd.grad(triton_attention(q, k, v, None, params), (q, k, v), do)
         modes = {"fwd": (fwd, 1.0)} | ({"fwd+bwd": (fwd_bwd, 3.5)} if with_bwd else {})
-        samples = {(impl, m): [] for impl in IMPLS for m in modes}
+        samples = {(impl, m): [] for impl in impls for m in modes}
         outs = {}
-        for impl in IMPLS:
-            with configured(impl, ws_min):
+        for impl in impls:
+            with configured(impl, ws_min, base, a.bwd_stages):
                 outs[impl] = fwd()
-        err = (outs["ws"].float() - outs["tl"].float()).abs().max().item()
+        err = max((outs[i].float() - outs[a.ref].float()).abs().max().item() for i in impls)
         for rnd in range(a.rounds):
-            for impl in (IMPLS if rnd % 2 == 0 else IMPLS[::-1]):
-                with configured(impl, ws_min):
+            for impl in (impls if rnd % 2 == 0 else impls[::-1]):
+                with configured(impl, ws_min, base, a.bwd_stages):
                     for m, (fn, mult) in modes.items():
-                        if m == "fwd" and impl not in FWD_IMPLS:
+                        if m == "fwd" and impl in BWD_ONLY:
                             continue
                         ms = triton.testing.do_bench(fn, warmup=10, rep=60)
                         samples[(impl, m)].append(mult * flops / ms / 1e9)
@@ -118,11 +148,12 @@ def main(argv=None) -> int:
         med = {f"{impl} {m}": statistics.median(v) for (impl, m), v in samples.items()}
         results[label] = dict(tflops=med, max_abs_diff=err, rounds={f"{i} {m}": v for (i, m), v in samples.items()})
         print(f"{label:30s} " + "  ".join(
-            f"{m}: " + " ".join(f"{impl} {med[impl + ' ' + m]:.0f}" for impl in IMPLS if impl + " " + m in med)
-            + f" (ws/tl {med['ws ' + m] / med['tl ' + m]:.3f})" for m in modes) + f"  |ws-tl| {err:.1e}", flush=True)
+            f"{m}: " + " ".join(f"{impl} {med[impl + ' ' + m]:.0f} ({med[impl + ' ' + m] / med[a.ref + ' ' + m]:.3f})"
+                                for impl in impls if impl + " " + m in med) for m in modes)
+            + f"  forward max |impl - {a.ref}| {err:.1e}", flush=True)
         del q, k, v, do, outs
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                rounds=a.rounds, commit=a.commit, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+                rounds=a.rounds, commit=a.commit, impls=impls, ref=a.ref, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(f"{meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | {a.rounds} rounds | {a.commit}")
     if a.json:
         a.json.write_text(json.dumps(dict(meta=meta, results=results), indent=1))

@@ -116,6 +116,74 @@ def test_host_descriptors_are_keyed_by_what_compiles_and_passed_through(cache, m
     assert (cache.hits, cache.misses, len(cache)) == (1, 5, 5)
 
 
+class _FakeGluonKernel(_FakeKernel):
+    """A descriptor-first kernel (forward_ws.py's shape): descriptors, a pointer, scalars."""
+    arg_names = ["QD", "OD", "LSE", "scale", "n", "FLAG"]
+
+
+def _gluon_descriptor(t, rows=16, swizzle=64):
+    from triton.experimental.gluon import language as gl
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8 * t.element_size(), rank=2)
+    return cc.GluonDescriptor(t, list(t.shape), [t.shape[1], 1], [rows, t.shape[1]], layout)
+
+
+@pytest.mark.skipif(cc.GluonDescriptor is None, reason="this Triton has no Gluon")
+def test_gluon_kernels_are_keyed_argument_by_argument(cache, monkeypatch):
+    """A descriptor-first (Gluon) kernel: descriptors keyed by what compiles (incl. their
+    shared-memory layout), later pointers by dtype and alignment (not identity): the same spec
+    over new tensors relaunches directly with the new arguments, any other spec compiles again;
+    launch options (maxnreg) are passed to Triton and are part of the key."""
+    monkeypatch.setattr(cc, "_current_stream", lambda: 0)
+    kern = _FakeGluonKernel()
+
+    def go(q, o, lse, desc=_gluon_descriptor, maxnreg=168):
+        cache.launch(kern, (2, 1), (desc(q), desc(o), lse, 0.5, 64), dict(FLAG=True), 4, 3, maxnreg=maxnreg)
+    go(*(torch.randn(64, 16) for _ in range(2)), torch.randn(64))
+    q2, o2, lse2 = torch.randn(64, 16), torch.randn(64, 16), torch.randn(64)
+    go(q2, o2, lse2)
+    assert [e[0] for e in kern.log] == ["jit", "direct"] and kern.log[0][3] == dict(FLAG=True, maxnreg=168)
+    args = kern.log[1][2]
+    assert args[0].base is q2 and args[1].base is o2 and args[2] is lse2 and args[3:] == (0.5, 64, True)
+    others = [dict(desc=lambda t: _gluon_descriptor(t, rows=32)), dict(desc=lambda t: _gluon_descriptor(t, swizzle=32)),
+              dict(maxnreg=240)]
+    for kw in others:
+        go(torch.randn(64, 16), torch.randn(64, 16), torch.randn(64), **kw)
+    go(torch.randn(64, 16), torch.randn(64, 16), torch.randn(64).half())
+    assert [e[0] for e in kern.log] == ["jit", "direct"] + ["jit"] * 4
+    assert (cache.hits, cache.misses, len(cache)) == (1, 5, 5)
+    assert cc.rebase(args[0], o2).base is o2 and cc.rebase(args[0], o2).layout == args[0].layout
+
+
+@pytest.mark.skipif(cc.GluonDescriptor is None, reason="this Triton has no Gluon")
+def test_forward_plan_rebuilds_gluon_descriptors_and_later_pointers(cache, monkeypatch):
+    """A forward whose one launch is a Gluon kernel (descriptors over q and the output, the
+    output again as a later pointer) is captured by the plan, and each later call relaunches it
+    with descriptors rebuilt over the new query and output and the new output's pointer."""
+    from attention_dispatch.kernels import ForwardPlan
+    monkeypatch.setattr(cc, "_current_stream", lambda: 0)
+    monkeypatch.setattr(launch, "_hooks_installed", lambda: False)
+    kern, relaunched = _FakeGluonKernel(), []
+
+    def forward(q, k, v, bias, params, need_lse):
+        out = torch.empty_like(q)
+        cache.launch(kern, (1,), (_gluon_descriptor(q), _gluon_descriptor(out), out, params.scale, 64),
+                     dict(FLAG=True), 4, 3)
+        return out, None, None
+    monkeypatch.setattr(launch, "attention_forward", forward)
+    monkeypatch.setattr(launch, "relaunch", lambda entry, grid, args: relaunched.append(args))
+    q = torch.randn(64, 16)
+    plan = ForwardPlan(q, KernelParams(scale=0.5))
+    plan(q, q, q)
+    assert plan.launch is not None and [(i, d is None) for _, i, d in plan.patches] == [(0, False), (3, False), (3, True)]
+    q2 = torch.randn(64, 16)
+    out = plan(q2, q2, q2)
+    (args,) = relaunched
+    address = not is_interpreter()      # the compiled launcher takes pointers as ints
+    assert args[0].base is q2 and args[1].base is out
+    assert args[2] == out.data_ptr() if address else args[2] is out
+    assert args[0].layout == _gluon_descriptor(q).layout and tuple(args[3:]) == (0.5, 64)
+
+
 def test_launch_hooks_keep_tritons_path(cache, monkeypatch):
     kern, x = _FakeKernel(), torch.zeros(8)
     _launch(cache, kern, x, x, 8)
@@ -168,12 +236,12 @@ def test_every_kernel_launch_is_relaunchable(monkeypatch, dev):
     seen = {}
     real = launch._launch_one
 
-    def record(kernel, grid, args, constexprs, num_warps, num_stages):
+    def record(kernel, grid, args, constexprs, num_warps, num_stages, **options):
         n = cc.leading_tensors(args)
         assert not any(isinstance(a, torch.Tensor) for a in args[n:])
         assert cc._constexpr_order(kernel, len(args), constexprs) is not None, kernel
         seen[getattr(kernel, "__name__", None) or kernel.fn.__name__] = n
-        return real(kernel, grid, args, constexprs, num_warps, num_stages)
+        return real(kernel, grid, args, constexprs, num_warps, num_stages, **options)
 
     if (dev == "cpu") != is_interpreter():
         pytest.skip("the CPU case runs under the interpreter, the CUDA case on a GPU")
@@ -242,8 +310,8 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
     real = launch._launch_one
     relaunched = []
 
-    def launch_and_record(kernel, grid, args, constexprs, num_warps, num_stages):
-        real(kernel, grid, args, constexprs, num_warps, num_stages)
+    def launch_and_record(kernel, grid, args, constexprs, num_warps, num_stages, **options):
+        real(kernel, grid, args, constexprs, num_warps, num_stages, **options)
         cc.COMPILED._record((kernel, constexprs, num_warps, num_stages), grid, args, constexprs)
 
     def fake_relaunch(entry, grid, args):
@@ -268,7 +336,7 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
     assert plan.launch is not None and relaunched == []
     # the output is allocated like q (empty_like) only where that is the layout the launch captured
     assert plan.out_like_query == (feature in ("dense", "causal", "gqa", "host_kv"))
-    assert [(i, d.base is (q, k, v)[i]) for _, i, d in plan.descriptors] == (
+    assert [(i, d.base is (q, k, v)[i]) for _, i, d in plan.patches if d is not None] == (
         [(1, True), (2, True)] if feature.startswith("host_kv") else [])
     for _ in range(2):
         q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))   # same shapes and strides (the contract)
@@ -356,7 +424,7 @@ def test_gpu_sdpa_fast_path_relaunches_the_plan(monkeypatch, seq):
             ad.sdpa(q, k, v, is_causal=causal, backend="triton")      # the plan's first call captures
             plans = [r for _, r in dispatch.fast_calls.values() if isinstance(r, ForwardPlan)]
             assert plans and plans[-1].launch is not None
-            assert len(plans[-1].descriptors) == (2 if seq == 256 else 0)
+            assert sum(d is not None for _, _, d in plans[-1].patches) == (2 if seq == 256 else 0)
             relaunched.clear()
             for _ in range(3):
                 q, k, v = (torch.randn_like(t) for t in (q, k, v))

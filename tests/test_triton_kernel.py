@@ -1057,7 +1057,7 @@ def _ws_problem(sq=256, sk=256, d=128, hq=4, hkv=4, dv=None):
     (dict(params=dict(dropout_p=0.1)), "bias, mask or dropout"),
     (dict(params=dict(window=(64, 0))), "window"),
     (dict(params=dict(causal="top_left"), prob=dict(sq=128)), "Sq != Sk"),
-    (dict(params=dict(causal="top_left"), prob=dict(sq=1920, sk=1920)), "causal Sq=1920 < 2048"),
+    (dict(params=dict(causal="top_left"), prob=dict(sq=896, sk=896)), None),
     (dict(prob=dict(sq=896, sk=896)), None),
     (dict(params=dict(scale=-0.1)), "scale -0.1"),
     (dict(params=dict(block_m=64)), "tiles forced"),
@@ -1121,7 +1121,7 @@ def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, feature):
     d=64 is not served by default (no gain, configs.WS_FWD_CONFIGS); the kernel is checked there too."""
     from attention_dispatch.kernels import configs
     seen = _spy_forward_ws(monkeypatch)
-    monkeypatch.setitem(configs.WS_FWD_CONFIGS, d, configs.WsConfig(min_causal_seqlen=0))   # 640 causal rows
+    monkeypatch.setitem(configs.WS_FWD_CONFIGS, d, configs.WsConfig())   # d64: not served by default
     hkv = 1 if "mqa" in feature else (2 if "gqa" in feature else 4)   # (B, S, 1, D) would also be layout 1
     sk = 768 if feature == "cross" else 640
     q = rand(2, 4, 640, d, dtype=dtype, device="cuda")
@@ -1149,30 +1149,63 @@ def test_gpu_forward_warp_specialized_inference(monkeypatch):
     assert lse2 is None and torch.equal(out, out2) and not out.isnan().any() and len(seen) == 2
 
 
+@gpu
+@needs_cuda
+def test_gpu_warp_specialized_relaunch(monkeypatch):
+    """The Gluon kernels relaunched by the compiled cache with new tensors (new descriptors,
+    new logsumexp/delta pointers): repeated forward+backward calls each match float64, the
+    second and third of each shape without a Triton launch; and sdpa()'s inference plan
+    captures the Gluon forward and relaunches it over new tensors, equal to the full path."""
+    import attention_dispatch as ad
+    from attention_dispatch import dispatch
+    from attention_dispatch.kernels import ForwardPlan, compiled_cache as cc
+    seen = _spy_forward_ws(monkeypatch)
+    cc.COMPILED.clear()
+    for causal in (None, "top_left"):
+        misses = []
+        for _ in range(3):
+            q, k, v = (rand(1, 2, 512, 128, dtype=BF16, device="cuda") for _ in range(3))
+            run_and_check(q, k, v, causal=causal)
+            misses.append(cc.COMPILED.misses)
+        assert misses[2] == misses[1], misses       # the third call: every launch from the cache
+    assert [x for x in seen if len(x) == 2] == [(1, 1)] * 6
+    ad.clear_cache()
+    with torch.no_grad():
+        q, k, v = (rand(1, 2, 512, 128, dtype=BF16, device="cuda", grad=False) for _ in range(3))
+        ad.sdpa(q, k, v, backend="triton")
+        ad.sdpa(q, k, v, backend="triton")          # the plan's first call captures
+        plans = [r for _, r in dispatch.fast_calls.values() if isinstance(r, ForwardPlan)]
+        assert plans and plans[-1].launch is not None and plans[-1].launch[0][1] is not None
+        for _ in range(3):
+            q, k, v = (torch.randn_like(t) for t in (q, k, v))
+            got = ad.sdpa(q, k, v, backend="triton")
+            want = triton_attention(q, k, v, None, make_params(q, None))
+            assert torch.equal(got, want) and not got.isnan().any()
+
+
 @pytest.mark.parametrize("causal", [None, "top_left"])
 def test_warp_specialized_routing(monkeypatch, causal):
     """The launch glue around the Gluon kernels, without a GPU: for a call they serve, the output
     and logsumexp come from the forward's entry point, dK/dV and dQ from the backward's (stand-ins
     computing float64 attention here), each in its place of the results, and delta = rowsum(dO * O)
     reaches both backward passes."""
-    from attention_dispatch.kernels import configs, launch
+    from attention_dispatch.kernels import launch
     if launch._attn_fwd_ws is None:
         pytest.skip("this Triton has no Gluon")
     monkeypatch.setattr(launch, "WS_MIN_WORK", 0)
     monkeypatch.setattr(launch, "use_descriptors", lambda *a, **kw: True)
     monkeypatch.setattr(launch, "device_info", lambda dev: ((9, 0), 232448, 132))
-    monkeypatch.setitem(configs.WS_FWD_CONFIGS, 128, configs.WsConfig(min_causal_seqlen=0))
     calls, made = [], {}
 
-    def reference(q, k, v, params):
-        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    def reference(q, k, v, params):     # float64 on the CPU (naive_attention's masks live there)
+        leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
         o, lse = naive_attention(*leaves, causal=causal, scale=params.scale, return_lse=True)
         return leaves, o, lse
 
     def fake_forward(q, k, v, out, lse, params, prob, q_rows, kv_rows):
         calls.append(("fwd", q_rows, kv_rows))
         _, o, l_ = reference(q, k, v, params)
-        out.copy_(o.detach().to(out.dtype))
+        out.copy_(o.detach().to(out.dtype))     # copy_ moves it to the output's device
         if lse is not None:
             lse.copy_(l_.detach().float())
         made["out"] = out.clone()
@@ -1180,7 +1213,7 @@ def test_warp_specialized_routing(monkeypatch, causal):
     def fake_grads(q, k, v, do, params):
         with torch.enable_grad():      # called inside the autograd function's backward
             leaves, o, _ = reference(q, k, v, params)
-            return torch.autograd.grad(o, leaves, do.double())
+            return [g.to(do.device) for g in torch.autograd.grad(o, leaves, do.cpu().double())]
 
     def fake_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows):
         calls.append(("dkdv", q_rows, kv_rows, do_rows))
@@ -1199,8 +1232,9 @@ def test_warp_specialized_routing(monkeypatch, causal):
     monkeypatch.setattr(launch, "_dq_ws", fake_dq)
 
     # float16: the interpreter writes bf16 outputs as fp32 (launch._store_dtype), which the GPU never does
-    q = rand(1, 2, 256, 128, dtype=F16, device="cpu")
-    k, v = (rand(1, 2, 256, 128, dtype=F16, device="cpu") for _ in range(2))
+    dev = "cpu" if is_interpreter() else "cuda"   # the stand-ins run anywhere; delta is the real kernel's
+    q = rand(1, 2, 256, 128, dtype=F16, device=dev)
+    k, v = (rand(1, 2, 256, 128, dtype=F16, device=dev) for _ in range(2))
     params = make_params(q, causal)
     out = triton_attention(q, k, v, None, params)
     do = torch.randn_like(out)

@@ -11,8 +11,9 @@ launcher directly.
 The key is finer than Triton's own specialisation: each tensor's dtype and 16-byte
 alignment, the exact value of every scalar argument, the constexprs, the launch options and
 the device.  Two calls with the same key therefore get the same compiled kernel from Triton
-too.  Arguments are the kernel's leading pointers followed by scalars (every kernel here
-is written that way); a call of another shape keeps Triton's launch path.
+too.  The tl kernels take their leading pointers followed by scalars (the common, cheapest
+key); the Gluon kernels (forward_ws.py) start with host-built TMA descriptors and are keyed
+argument by argument.  A call of another shape keeps Triton's launch path.
 """
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ try:   # descriptors built on the host: Triton's launcher encodes their tensorma
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - Triton < 3.3
     TensorDescriptor = None
+
+try:   # Gluon's host-built descriptors (they carry their shared-memory layout)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+except ImportError:  # pragma: no cover - Triton without Gluon
+    GluonDescriptor = None
 
 try:
     from triton import knobs as _knobs
@@ -52,13 +58,37 @@ def specialization_key(args, n_tensors: int) -> tuple:
     return tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in args[:n_tensors]]), args[n_tensors:]
 
 
+def is_descriptor(a) -> bool:
+    """A host-built TMA descriptor (tl's or Gluon's)."""
+    return ((TensorDescriptor is not None and isinstance(a, TensorDescriptor))
+            or (GluonDescriptor is not None and isinstance(a, GluonDescriptor)))
+
+
 def _descriptor_key(a):
     """A host-built TMA descriptor (an unhashable dataclass) as what its compiled form can
-    depend on, finer than Triton: its base's dtype, its shape, strides, block and padding
-    (its base is 16-byte aligned by construction); any other argument unchanged."""
-    if TensorDescriptor is None or not isinstance(a, TensorDescriptor):
+    depend on, finer than Triton: its base's dtype, its shape, strides, block, padding and
+    (Gluon) shared-memory layout (its base is 16-byte aligned by construction); any other
+    argument unchanged."""
+    if not is_descriptor(a):
         return a
-    return ("tensordesc", a.base.dtype, tuple(a.shape), tuple(a.strides), tuple(a.block_shape), a.padding)
+    return ("tensordesc", a.base.dtype, tuple(a.shape), tuple(a.strides), tuple(a.block_shape), a.padding,
+            getattr(a, "layout", None))
+
+
+def _argument_key(a):
+    """One argument of a descriptor-first (Gluon) kernel: a tensor by dtype and 16-byte
+    alignment, a descriptor by :func:`_descriptor_key`, anything else by value."""
+    if isinstance(a, torch.Tensor):
+        return ("tensor", a.dtype, a.data_ptr() & 15 == 0)
+    return _descriptor_key(a)
+
+
+def rebase(descriptor, base: torch.Tensor):
+    """The same host-built descriptor over another tensor of the same shape and strides."""
+    if GluonDescriptor is not None and isinstance(descriptor, GluonDescriptor):
+        return GluonDescriptor(base, descriptor.shape, descriptor.strides, descriptor.block_shape,
+                               descriptor.layout, descriptor.padding)
+    return TensorDescriptor(base, descriptor.shape, descriptor.strides, descriptor.block_shape, descriptor.padding)
 
 
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
@@ -111,19 +141,26 @@ class CompiledLaunchCache:
         self._n_tensors.clear()
         self.hits = self.misses = 0
 
-    def launch(self, kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int):
-        """Launch ``kernel[grid](*args, **constexprs, num_warps=, num_stages=)``.  ``args`` are
-        the leading positional parameters (the first a tensor on the launch's device),
-        ``constexprs`` every remaining parameter."""
+    def launch(self, kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
+               **options):
+        """Launch ``kernel[grid](*args, **constexprs, num_warps=, num_stages=, **options)``.
+        ``args`` are the leading positional parameters (the first a tensor on the launch's
+        device, or a host-built descriptor over one), ``constexprs`` every remaining parameter,
+        ``options`` further launch options (e.g. ``maxnreg``)."""
         n_tensors = self._n_tensors.get(kernel)
         if n_tensors is None:
             n_tensors = self._n_tensors[kernel] = leading_tensors(args)
-        key = (kernel, args[0].device, tuple(constexprs.items()), num_warps, num_stages,
-               specialization_key(args, n_tensors))
-        try:
-            entry = self._entries.get(key)
-        except TypeError:    # unhashable: host-built descriptors among the scalars (kept off the common path)
-            key = key[:-1] + ((key[-1][0], tuple(map(_descriptor_key, key[-1][1]))),)
+        if n_tensors:
+            key = (kernel, args[0].device, tuple(constexprs.items()), num_warps, num_stages,
+                   tuple(options.items()), specialization_key(args, n_tensors))
+            try:
+                entry = self._entries.get(key)
+            except TypeError:    # unhashable: host-built descriptors among the scalars (kept off the common path)
+                key = key[:-1] + ((key[-1][0], tuple(map(_descriptor_key, key[-1][1]))),)
+                entry = self._entries.get(key)
+        else:    # a descriptor-first (Gluon) kernel
+            key = (kernel, args[0].base.device, tuple(constexprs.items()), num_warps, num_stages,
+                   tuple(options.items()), tuple(map(_argument_key, args)))
             entry = self._entries.get(key)
         if entry is not None and not _hooks_installed():
             self.hits += 1
@@ -131,12 +168,13 @@ class CompiledLaunchCache:
             self._record(entry, grid, args, constexprs)
             return
         self.misses += 1
-        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **options)
         order = _constexpr_order(kernel, len(args), constexprs)
         launcher = getattr(compiled, "run", None)   # the launcher, loaded by the launch above
+        # tensors after the leading ones are keyed by identity in the common key: not cacheable there
         cacheable = (order is not None and launcher is not None and getattr(compiled, "function", None) is not None
                      and leading_tensors(args) == n_tensors
-                     and not any(isinstance(a, torch.Tensor) for a in args[n_tensors:]))
+                     and (n_tensors == 0 or not any(isinstance(a, torch.Tensor) for a in args[n_tensors:])))
         if cacheable:
             if len(self._entries) >= MAX_ENTRIES:
                 self._entries.clear()

@@ -164,7 +164,6 @@ class WsConfig(NamedTuple):
     stages: int = 2
     consumer_regs: int = 240    # registers per thread of the second consumer (setmaxnreg)
     max_regs: int = 168         # kernel-wide limit: 12 warps * 32 * 168 fit the register file
-    min_causal_seqlen: int = 2048   # shorter causal calls keep the tl kernels (grids, below)
 
 
 # sm90 only, by head dim (Dqk == Dv).  Experiment 40 (H100, forward_ab.py, 5 interleaved rounds):
@@ -172,11 +171,10 @@ class WsConfig(NamedTuple):
 # stages against three: 618 / 606 TFLOP/s at 4k); d64 0.96-1.02x (softmax-bound: no gain, and
 # its tl configuration has the same tiles and gives bit-equal outputs), so d64 keeps the tl kernel.
 # The kernel itself is written for any head dim of 16..128 (tests and compile_sm90.py cover 64).
-# Short causal calls, triton column, bf16 d128, fwd / fwd+bwd TFLOP/s: tl kernel (grid 9d8c980)
-# S=512 259 / 132, 1k 374 / 238, 2k 449 / 350; warp-specialised (grids b013c75, 6c67ffd,
-# fa8f7f2) S=512 183 / 105, 1k 351 / 284, 282 / 190, 255 / 155, 2k 502 / 372, 510 / 350,
-# 506 / 401.  128-row tiles waste half of each diagonal tile (a 1k head has 8 of its 36 tiles
-# on the diagonal) and short programs pay the pipeline's fill: min_causal_seqlen = 2048.
+# Short causal calls are served too: the grids of session 11 showed them below the tl kernel
+# (S=512 / 1k causal), but those cells were host-bound (Triton's launch path, ~150 us per Gluon
+# launch, before compiled_cache served the Gluon kernels); GPU time, forward_ab.py, 5 rounds,
+# ws / tl fwd and fwd+bwd: S=512 causal 1.06 / 1.27, 1k 1.08 / 1.14, 2k 1.12 / 1.13 (experiment 43).
 WS_FWD_CONFIGS = {128: WsConfig()}
 # The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
 # consumer warpgroups, ``stages`` slots of (Q, dO) 64-row tiles (block_n is not read: no K/V

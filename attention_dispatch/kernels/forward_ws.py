@@ -16,7 +16,7 @@ and tensor-core calls explicitly (experiments 40-42):
     (forward: ``S_j`` and ``P_{j-1} V_{j-1}`` in flight together).
 
 Scope (launch.py's ``ws_forward_reason`` says why a call is not served): sm90, fp16/bf16,
-Dqk == Dv == 128 (configs.WS_*_CONFIGS), dense or causal with Sq == Sk >= min_causal_seqlen,
+Dqk == Dv == 128 (configs.WS_*_CONFIGS), dense or causal with Sq == Sk,
 no bias, mask, dropout or window, lengths multiples of the tiles, positive scale.  Same
 conventions as forward.py / backward.py: log2-domain scores, ``lse`` in natural log,
 ``pid_bh = b * Hq + h``, dS = P * (dP - delta).

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, fields
 
 import torch
 import triton
 
 from . import configs as C
-from .compiled_cache import COMPILED, TensorDescriptor, _hooks_installed, relaunch
+from .compiled_cache import COMPILED, TensorDescriptor, _hooks_installed, is_descriptor, rebase, relaunch
 from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
 from .forward import LOG2E, _attn_fwd, _dropout_mask_kernel
 
@@ -242,13 +241,13 @@ def _out_of_resources(e: Exception) -> bool:
     return type(e).__name__ in ("OutOfResources", "OutOfResourcesError") or "out of resource" in str(e).lower()
 
 
-def _launch_one(kernel, grid, args, constexprs, num_warps, num_stages):
+def _launch_one(kernel, grid, args, constexprs, num_warps, num_stages, **options):
     """One launch: compiled kernels are relaunched directly (compiled_cache.py); the
     interpreter always goes through Triton."""
     if is_interpreter():
-        kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **options)
     else:
-        COMPILED.launch(kernel, grid, args, constexprs, num_warps, num_stages)
+        COMPILED.launch(kernel, grid, args, constexprs, num_warps, num_stages, **options)
 
 
 def _launch(kind, kernel, grid, args, kw, cands, key, tail=None):
@@ -564,8 +563,6 @@ def ws_forward_reason(prob: "_Problem", bias_kind: int, params: KernelParams, dt
         return "bias, mask or dropout: not in the warp-specialised forward"
     if banded and not (causal and prob.Sq == prob.Sk):
         return "window or causal with Sq != Sk: only dense and causal with Sq == Sk"
-    if causal and prob.Sq < cfg.min_causal_seqlen:
-        return f"causal Sq={prob.Sq} < {cfg.min_causal_seqlen}: the tl kernel's smaller diagonal tiles are faster"
     if params.scale <= 0:
         return f"scale {params.scale}: positive only (the running max is taken before scaling)"
     if params.block_m or params.block_n:
@@ -607,16 +604,22 @@ def _rows_descriptor(t: torch.Tensor, rows_layout: int, block_rows: int):
     return _GluonDescriptor(t, [rows, width], [width, 1], [block_rows, D], _ws_smem_layout(block_rows, D, t.dtype))
 
 
+# The Gluon kernels' launch: 4 warps in the default (first consumer) partition; their pipelines
+# are written out.  Launched through compiled_cache like the tl kernels:
+# Triton's own launch path costs ~150 us of host time per call (probe of session 12).
+_WS_WARPS, _WS_STAGES = 4, 3     # num_stages: Triton's default, as Triton's own launch had
+
+
 def _forward_ws(q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int):
     cfg = C.WS_FWD_CONFIGS[prob.Dqk]
     n_m = prob.Sq // (2 * _WG_ROWS)
-    _attn_fwd_ws[(n_m, prob.B * prob.Hq)](
+    _launch_one(_attn_fwd_ws, (n_m, prob.B * prob.Hq), (
         _rows_descriptor(q, q_rows, _WG_ROWS), _rows_descriptor(k, kv_rows, cfg.block_n),
         _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(out, 1, _WG_ROWS),
-        lse if lse is not None else out, params.scale * LOG2E, prob.Sq, prob.Sk, prob.Hq, prob.group, n_m,
-        CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, STORE_LSE=lse is not None,
-        BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
-        num_warps=4, maxnreg=cfg.max_regs)
+        lse if lse is not None else out, params.scale * LOG2E, prob.Sq, prob.Sk, prob.Hq, prob.group, n_m),
+        dict(CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, STORE_LSE=lse is not None,
+             BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs),
+        _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
 
 
 def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int,
@@ -625,12 +628,13 @@ def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_
     cfg = C.WS_BWD_CONFIGS[prob.Dqk]
     dk, dv = torch.empty(k.shape, device=k.device, dtype=k.dtype), torch.empty(v.shape, device=v.device, dtype=v.dtype)
     w = _WG_ROWS
-    _attn_bwd_dkdv_ws[(prob.Sk // (2 * w), prob.B * prob.Hkv)](
+    _launch_one(_attn_bwd_dkdv_ws, (prob.Sk // (2 * w), prob.B * prob.Hkv), (
         _rows_descriptor(q, q_rows, w), _rows_descriptor(k, kv_rows, w), _rows_descriptor(v, kv_rows, w),
         _rows_descriptor(do, do_rows, w), _rows_descriptor(dk, 1, w), _rows_descriptor(dv, 1, w),
-        lse, delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq, prob.group,
-        CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows, STAGES=cfg.stages,
-        CONSUMER_REGS=cfg.consumer_regs, num_warps=4, maxnreg=cfg.max_regs)
+        lse, delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq, prob.group),
+        dict(CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows, STAGES=cfg.stages,
+             CONSUMER_REGS=cfg.consumer_regs),
+        _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
     return dk, dv
 
 
@@ -640,12 +644,14 @@ def _dq_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_ro
     cfg = C.WS_DQ_CONFIGS[prob.Dqk]
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     n_m = prob.Sq // (2 * _WG_ROWS)
-    _attn_bwd_dq_ws[(n_m, prob.B * prob.Hq)](
+    _launch_one(_attn_bwd_dq_ws, (n_m, prob.B * prob.Hq), (
         _rows_descriptor(q, q_rows, _WG_ROWS), _rows_descriptor(k, kv_rows, cfg.block_n),
         _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(do, do_rows, _WG_ROWS),
         _rows_descriptor(dq, 1, _WG_ROWS), lse, delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq,
-        prob.group, n_m, CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows,
-        BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs, num_warps=4, maxnreg=cfg.max_regs)
+        prob.group, n_m),
+        dict(CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows,
+             BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs),
+        _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
     return dq
 
 
@@ -724,12 +730,13 @@ class ForwardPlan:
     tensors: none of the launch glue above runs again (the dispatcher's fast path caches a
     plan per signature, docs/perf-notes.md experiment 17).  A call that launches anything
     else (several chunks, a dropout seed, an empty problem, a dtype conversion) keeps the
-    full path every time.  Host-built K/V descriptors are rebuilt over the new key/value."""
+    full path every time.  Host-built descriptors (the tl forward's K/V, every operand of the
+    Gluon forward) are rebuilt over the new tensors."""
 
-    __slots__ = ("params", "device", "launch", "out_shape", "out_like_query", "descriptors")
+    __slots__ = ("params", "device", "launch", "out_shape", "out_like_query", "patches")
 
     def __init__(self, query, params: KernelParams):
-        self.params, self.device, self.launch, self.descriptors = params, query.device, None, ()
+        self.params, self.device, self.launch, self.patches = params, query.device, None, ()
 
     def __call__(self, q, k, v):
         launch = self.launch
@@ -743,10 +750,11 @@ class ForwardPlan:
         # and cuPointerGetAttribute, once per pointer argument (the dummies repeat q)
         pool = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()) if addresses else (q, k, v, out)
         args = (*[pool[i] for i in sources], *scalars)
-        if self.descriptors:     # host-built K/V descriptors: the same ones over the new tensors
+        if self.patches:     # host-built descriptors and later pointers: the same ones over the new tensors
             args = list(args)
-            for pos, i, d in self.descriptors:
-                args[pos] = TensorDescriptor((q, k, v, out)[i], d.shape, d.strides, d.block_shape, d.padding)
+            tensors = (q, k, v, out)
+            for pos, i, d in self.patches:
+                args[pos] = pool[i] if d is None else rebase(d, tensors[i])
         _run_with_scratch(self.device, desc, relaunch, entry, grid, args)
         return out
 
@@ -756,22 +764,27 @@ class ForwardPlan:
         if len(launches) == 1 and launches[0][0] is not None and self.launch is None:
             entry, grid, args, constexprs = launches[0]
             pool = (q, k, v, out)
+
+            def source(t):
+                return next((i for i, x in enumerate(pool) if x is t), None)
             sources = []
             for a in args:
                 if not isinstance(a, torch.Tensor):
                     break
-                idx = next((i for i, t in enumerate(pool) if t is a), None)
+                idx = source(a)
                 if idx is None:       # a tensor made inside (seed, converted output): not repeatable
                     return out
                 sources.append(idx)
-            descriptors = []     # (argument position, index of its base in the pool, descriptor)
-            for pos, a in enumerate(args):
-                if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
-                    idx = next((i for i, t in enumerate(pool) if t is a.base), None)
+            # (argument position, index in the pool, descriptor or None for the tensor itself): host-built
+            # descriptors (the tl forward's K/V, every Gluon operand) and pointers after the leading ones
+            patches = []
+            for pos, a in enumerate(args[len(sources):], len(sources)):
+                if isinstance(a, torch.Tensor) or is_descriptor(a):
+                    idx = source(a.base if is_descriptor(a) else a)
                     if idx is None:
                         return out
-                    descriptors.append((pos, idx, a))
-            self.descriptors = tuple(descriptors)
+                    patches.append((pos, idx, a if is_descriptor(a) else None))
+            self.patches = tuple(patches)
             self.out_shape = tuple(out.shape)
             # the same layout from empty_like: q and out both contiguous of one shape and dtype
             self.out_like_query = (out.shape == q.shape and out.dtype == q.dtype and q.is_contiguous()
