@@ -174,7 +174,7 @@ class WsConfig(NamedTuple):
 # Short causal calls are served too: the grids of session 11 showed them below the tl kernel
 # (S=512 / 1k causal), but those cells were host-bound (Triton's launch path, ~150 us per Gluon
 # launch, before compiled_cache served the Gluon kernels); GPU time, forward_ab.py, 5 rounds,
-# ws / tl fwd and fwd+bwd: S=512 causal 1.06 / 1.27, 1k 1.08 / 1.14, 2k 1.12 / 1.13 (experiment 43).
+# ws / tl fwd and fwd+bwd: S=512 causal 1.06 / 1.27, 1k 1.08 / 1.14, 2k 1.12 / 1.13 (experiment 45).
 WS_FWD_CONFIGS = {128: WsConfig()}
 # The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
 # consumer warpgroups, ``stages`` slots of (Q, dO) 64-row tiles (block_n is not read: no K/V
