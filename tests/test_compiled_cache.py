@@ -174,7 +174,7 @@ def test_forward_plan_rebuilds_gluon_descriptors_and_later_pointers(cache, monke
     q = torch.randn(64, 16)
     plan = ForwardPlan(q, KernelParams(scale=0.5))
     plan(q, q, q)
-    assert plan.launch is not None and [(i, d is None) for _, i, d in plan.patches] == [(0, False), (3, False), (3, True)]
+    assert plan.launch is not None and [(i, d is None) for _, i, d in plan.launch.patches] == [(0, False), (3, False), (3, True)]
     q2 = torch.randn(64, 16)
     out = plan(q2, q2, q2)
     (args,) = relaunched
@@ -336,7 +336,7 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
     assert plan.launch is not None and relaunched == []
     # the output is allocated like q (empty_like) only where that is the layout the launch captured
     assert plan.out_like_query == (feature in ("dense", "causal", "gqa", "host_kv"))
-    assert [(i, d.base is (q, k, v)[i]) for _, i, d in plan.patches if d is not None] == (
+    assert [(i, d.base is (q, k, v)[i]) for _, i, d in plan.launch.patches if d is not None] == (
         [(1, True), (2, True)] if feature.startswith("host_kv") else [])
     for _ in range(2):
         q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))   # same shapes and strides (the contract)
@@ -347,6 +347,89 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
         monkeypatch.setattr(launch, "_launch_one", launch_and_record)
         assert torch.equal(got, want) and not torch.equal(got, first)
     assert len(relaunched) == 2
+
+
+@pytest.mark.skipif(not is_interpreter(), reason="fake relaunch through the interpreter")
+@pytest.mark.parametrize("causal", [False, True])
+def test_training_plan_replays_the_forward_and_keeps_the_tl_backward(monkeypatch, causal):
+    """A training call's plan captures the forward's launches (logsumexp included) and replays
+    them over the next calls' tensors (the interpreter stands in for the compiled launcher);
+    its backward took the tl route, whose dQ may add into a zeroed buffer: never replayed,
+    the full backward runs each time.  Outputs and gradients equal the unplanned path's."""
+    from attention_dispatch.kernels import TrainingPlan, prepare_attention
+    real = launch._launch_one
+    relaunched = []
+
+    def launch_and_record(kernel, grid, args, constexprs, num_warps, num_stages, **options):
+        real(kernel, grid, args, constexprs, num_warps, num_stages, **options)
+        cc.COMPILED._record((kernel, constexprs, num_warps, num_stages), grid, args, constexprs)
+
+    def fake_relaunch(entry, grid, args):
+        kernel, constexprs, num_warps, num_stages = entry
+        relaunched.append(getattr(kernel, "__name__", None) or kernel.fn.__name__)
+        real(kernel, grid, args, constexprs, num_warps, num_stages)
+    monkeypatch.setattr(launch, "_launch_one", launch_and_record)
+    monkeypatch.setattr(launch, "relaunch", fake_relaunch)
+    params = KernelParams(scale=0.25, window_right=0 if causal else -1)
+    q, k, v = (t.requires_grad_() for t in _plan_inputs("cpu"))
+    runner = prepare_attention(q, k, v, None, params)
+    plans = []
+    for n in range(3):
+        q2, k2, v2 = (torch.randn_like(t).requires_grad_() for t in (q, k, v))
+        do = torch.randn(q.shape)
+        got = runner(q2, k2, v2)
+        got_grads = torch.autograd.grad(got, (q2, k2, v2), do)
+        plans = [c.cell_contents for c in runner.__closure__ if isinstance(c.cell_contents, TrainingPlan)]
+        monkeypatch.setattr(launch, "_launch_one", real)
+        want = triton_attention(q2, k2, v2, None, params)
+        want_grads = torch.autograd.grad(want, (q2, k2, v2), do)
+        monkeypatch.setattr(launch, "_launch_one", launch_and_record)
+        assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
+        assert relaunched == ["_attn_fwd"] * n       # from the second call on, the forward is replayed
+    (plan,) = plans
+    assert plan.fwd is not None and plan.bwd is None
+
+
+@pytest.mark.skipif(cc.GluonDescriptor is None, reason="this Triton has no Gluon")
+def test_training_plan_replays_a_warp_specialised_backward(cache, monkeypatch):
+    """The backward's launches on the warp-specialised route (stand-ins here: a pointer kernel
+    over dO and delta, a descriptor-first kernel over q, dK and out) are captured once and
+    replayed with each call's dO and fresh delta / dQ / dK / dV, for a dO of the captured layout;
+    a dO of another layout takes the full backward."""
+    from attention_dispatch.kernels import TrainingPlan
+    monkeypatch.setattr(cc, "_current_stream", lambda: 0)
+    monkeypatch.setattr(launch, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(launch, "_ws_backward_route", lambda *a, **kw: (1, 1, 1))
+    monkeypatch.setitem(launch.C.WS_DQ_CONFIGS, 16, launch.C.WsConfig())
+    gluon, ptr, relaunched, full = _FakeGluonKernel(), _FakeKernel(), [], []
+
+    def backward(do, q, k, v, bias, out, lse, seed, params, delta=None):
+        full.append(do)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        cache.launch(ptr, (1,), (do, delta, 16, 0.5), dict(FLAG=True, BLOCK=16), 4, 3)
+        cache.launch(gluon, (2,), (_gluon_descriptor(q), _gluon_descriptor(dk), out, params.scale, 64),
+                     dict(FLAG=True), 4, 3)
+        return dq, dk, dv, None
+    monkeypatch.setattr(launch, "attention_backward", backward)
+    monkeypatch.setattr(launch, "relaunch", lambda entry, grid, args: relaunched.append(args))
+    q, k, v, out = (torch.randn(64, 16) for _ in range(4))
+    lse = torch.randn(64)
+    plan = TrainingPlan(q, KernelParams(scale=0.5))
+    plan.backward(torch.randn(64, 16), q, k, v, out, lse)
+    assert plan.bwd is not None and len(plan.bwd.steps) == 2 and len(full) == 1
+    do2, q2, out2 = torch.randn(64, 16), torch.randn(64, 16), torch.randn(64, 16)
+    dq, dk, dv = plan.backward(do2, q2, k, v, out2, lse)
+    assert len(full) == 1 and len(relaunched) == 2 and dk.shape == k.shape and dq.shape == q.shape
+    (p_do, p_delta, *p_rest), (g_q, g_dk, g_out, *g_rest) = relaunched
+    address = not is_interpreter()
+
+    def same(arg, t):
+        return arg == t.data_ptr() if address else arg is t
+    assert same(p_do, do2) and (address or (p_delta.shape == lse.shape and p_delta is not lse))
+    assert tuple(p_rest) == (16, 0.5)
+    assert g_q.base is q2 and g_dk.base is dk and same(g_out, out2) and tuple(g_rest) == (0.5, 64)
+    plan.backward(torch.randn(16, 64).t(), q, k, v, out, lse)     # dO of another layout: the full path
+    assert len(full) == 2 and len(relaunched) == 2
 
 
 @pytest.mark.parametrize("what", ["grad", "bias", "dropout"])
@@ -424,7 +507,7 @@ def test_gpu_sdpa_fast_path_relaunches_the_plan(monkeypatch, seq):
             ad.sdpa(q, k, v, is_causal=causal, backend="triton")      # the plan's first call captures
             plans = [r for _, r in dispatch.fast_calls.values() if isinstance(r, ForwardPlan)]
             assert plans and plans[-1].launch is not None
-            assert sum(d is not None for _, _, d in plans[-1].patches) == (2 if seq == 256 else 0)
+            assert sum(d is not None for _, _, d in plans[-1].launch.patches) == (2 if seq == 256 else 0)
             relaunched.clear()
             for _ in range(3):
                 q, k, v = (torch.randn_like(t) for t in (q, k, v))

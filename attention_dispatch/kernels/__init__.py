@@ -39,6 +39,7 @@ from .launch import (
     MAX_GRID_YZ,
     ForwardPlan,
     KernelParams,
+    TrainingPlan,
     attention_backward,
     attention_forward,
     bh_chunks,
@@ -81,7 +82,7 @@ class KernelLimits:
 KERNEL_LIMITS = KernelLimits()
 
 __all__ = [
-    "KERNEL_LIMITS", "ForwardPlan", "KernelConfig", "KernelLimits", "KernelParams", "MAX_GRID_YZ",
+    "KERNEL_LIMITS", "ForwardPlan", "KernelConfig", "KernelLimits", "KernelParams", "MAX_GRID_YZ", "TrainingPlan",
     "attention_backward", "attention_forward", "bh_chunks", "config_reason", "configs",
     "device_info", "dropout_keep_mask", "group_splits_heuristic", "is_interpreter", "num_splits_heuristic",
     "prepare_attention", "select_config", "triton_attention",

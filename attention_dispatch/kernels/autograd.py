@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .launch import ForwardPlan, KernelParams, attention_backward, attention_forward
+from .launch import ForwardPlan, KernelParams, TrainingPlan, attention_backward, attention_forward
 
 _FWD = "attention_dispatch::triton_attention_fwd"
 _BWD = "attention_dispatch::triton_attention_bwd"
@@ -136,23 +136,32 @@ torch.library.register_autograd(_FWD, _backward, setup_context=_setup_context)
 class _EagerAttention(torch.autograd.Function):
     """Eager mode: the same forward and backward as the two ops, without torch.library's
     per-call dispatch (~200 us of host time per call measured on the H100 machine,
-    docs/perf-notes.md experiment 6).  torch.compile traces the ops instead."""
+    docs/perf-notes.md experiment 6).  torch.compile traces the ops instead.  ``plan``: a
+    :class:`TrainingPlan` of this call's signature (the dispatcher's fast path), which
+    relaunches the kernels its first call captured."""
 
     @staticmethod
-    def forward(ctx, query, key, value, bias, cu_q, cu_k, max_sq, max_sk, params):
-        out, lse, seed = attention_forward(query, key, value, bias, params, cu_q, cu_k, _opt(max_sq), _opt(max_sk))
+    def forward(ctx, query, key, value, bias, cu_q, cu_k, max_sq, max_sk, params, plan=None):
+        if plan is not None:
+            (out, lse), seed = plan.forward(query, key, value), None
+        else:
+            out, lse, seed = attention_forward(query, key, value, bias, params, cu_q, cu_k, _opt(max_sq),
+                                               _opt(max_sk))
         ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k)
-        ctx.extra = (max_sq, max_sk, params)
+        ctx.extra = (max_sq, max_sk, params, plan)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         (query, key, value, bias, out, lse, seed, cu_q, cu_k), grad_out, bias_grad = _backward_inputs(ctx, grad_out)
-        max_sq, max_sk, params = ctx.extra
-        dq, dk, dv, db = attention_backward(grad_out, query, key, value, bias, out, lse, seed, params,
-                                            cu_q, cu_k, _opt(max_sq), _opt(max_sk), bias_grad=bias_grad)
-        return dq, dk, dv, (db if bias_grad else None), None, None, None, None, None
+        max_sq, max_sk, params, plan = ctx.extra
+        if plan is not None:
+            (dq, dk, dv), db = plan.backward(grad_out, query, key, value, out, lse), None
+        else:
+            dq, dk, dv, db = attention_backward(grad_out, query, key, value, bias, out, lse, seed, params,
+                                                cu_q, cu_k, _opt(max_sq), _opt(max_sk), bias_grad=bias_grad)
+        return dq, dk, dv, (db if bias_grad else None), None, None, None, None, None, None
 
 
 def _last_dim_contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -191,13 +200,22 @@ def prepare_attention(query: Tensor, key: Tensor, value: Tensor, bias: Optional[
                       max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None):
     """A callable ``(query, key, value[, bias], *, cu_seqlens_q, cu_seqlens_k) -> out`` for
     repeated calls whose tensors have these shapes, strides, dtype, device and alignment,
-    under the same grad mode: a :class:`ForwardPlan` (one captured kernel launch,
-    relaunched) for dense inference calls without a bias, else :func:`triton_attention` with
+    under the same grad mode: a :class:`ForwardPlan` (captured kernel launches, relaunched) for
+    dense inference calls without a bias, a :class:`TrainingPlan` behind the autograd function
+    for dense training calls without a bias or dropout, else :func:`triton_attention` with
     these parameters (``bias`` only says whether the calls have one: each call passes its
     own; varlen calls pass their own offsets, of these shapes and max_seqlen)."""
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, bias))
-    if bias is None and cu_seqlens_q is None and not needs_grad and query.dim() == 4:
-        return ForwardPlan(query, params)
+    if bias is None and cu_seqlens_q is None and query.dim() == 4:
+        if not needs_grad:
+            return ForwardPlan(query, params)
+        if params.dropout_p == 0:
+            plan = TrainingPlan(query, params)
+
+            def run_planned(query, key, value):
+                return _EagerAttention.apply(_last_dim_contiguous(query), _last_dim_contiguous(key),
+                                             _last_dim_contiguous(value), None, None, None, -1, -1, params, plan)[0]
+            return run_planned
 
     def run(query, key, value, bias=None, *, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k):
         return triton_attention(query, key, value, bias, params, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

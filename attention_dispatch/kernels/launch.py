@@ -721,78 +721,163 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
     return _as_dtype(out, q.dtype), lse, seed
 
 
+class _Replay:
+    """Kernel launches captured during one call (``COMPILED.capture``), relaunched over the
+    tensors of a later call of the same signature.  Every tensor argument and every host-built
+    descriptor's base is found by identity in the call's ``pool`` (its inputs and outputs in a
+    fixed order); :meth:`capture` returns None when a launch cannot be repeated that way (a
+    tensor outside the pool: a dropout seed, a workspace, a converted output; or a launch
+    without a relaunch entry).  Outputs are the caller's to allocate: each replay gets fresh
+    ones, which the captured kernels must write whole."""
+
+    __slots__ = ("steps", "device", "addresses")
+
+    def __init__(self, steps: tuple, device: torch.device, addresses: bool):
+        self.steps, self.device, self.addresses = steps, device, addresses
+
+    @classmethod
+    def capture(cls, launches: list, pool: tuple, device: torch.device) -> "_Replay | None":
+        def index(t):
+            return next((i for i, x in enumerate(pool) if x is t), None)
+        steps = []
+        for entry, grid, args, constexprs in launches:
+            if entry is None:
+                return None
+            sources = []      # the leading tensors, as pool indices
+            for a in args:
+                if not isinstance(a, torch.Tensor):
+                    break
+                idx = index(a)
+                if idx is None:
+                    return None
+                sources.append(idx)
+            # (argument position, pool index, descriptor or None for the tensor itself): host-built
+            # descriptors (the tl forward's K/V, every Gluon operand) and pointers after the leading ones
+            patches = []
+            for pos, a in enumerate(args[len(sources):], len(sources)):
+                desc = is_descriptor(a)
+                if desc or isinstance(a, torch.Tensor):
+                    idx = index(a.base if desc else a)
+                    if idx is None:
+                        return None
+                    patches.append((pos, idx, a if desc else None))
+            steps.append((entry, tuple(grid), tuple(sources), tuple(args[len(sources):]), tuple(patches),
+                          constexprs.get("USE_DESC", False)))
+        # addresses as ints for the compiled launcher; the interpreter (CPU tests) needs tensors
+        return cls(tuple(steps), device, not is_interpreter()) if steps else None
+
+    @property
+    def patches(self) -> tuple:
+        """Every step's patches (tests read which descriptors are rebuilt)."""
+        return tuple(p for step in self.steps for p in step[4])
+
+    def __call__(self, pool: tuple) -> None:
+        # Triton's launcher takes an int as the address itself; for a tensor it calls data_ptr()
+        # and cuPointerGetAttribute, once per pointer argument (the dummies repeat q)
+        addrs = [t.data_ptr() for t in pool] if self.addresses else pool
+        for entry, grid, sources, rest, patches, desc in self.steps:
+            args = (*[addrs[i] for i in sources], *rest)
+            if patches:     # descriptors and later pointers: the same ones over the new tensors
+                args = list(args)
+                for pos, i, d in patches:
+                    args[pos] = addrs[i] if d is None else rebase(d, pool[i])
+            _run_with_scratch(self.device, desc, relaunch, entry, grid, args)
+
+
+def _contiguous(*tensors) -> bool:
+    return all(t is not None and t.is_contiguous() for t in tensors)
+
+
 class ForwardPlan:
     """Repeated inference forwards of one call signature: dense query/key/value with the
     same shapes, strides, dtype, device and 16-byte alignment, no bias, given params.
 
-    The first call runs :func:`attention_forward` and captures its one kernel launch; later
-    calls allocate the output (no logsumexp is written) and relaunch the compiled kernel with the new
-    tensors: none of the launch glue above runs again (the dispatcher's fast path caches a
-    plan per signature, docs/perf-notes.md experiment 17).  A call that launches anything
-    else (several chunks, a dropout seed, an empty problem, a dtype conversion) keeps the
-    full path every time.  Host-built descriptors (the tl forward's K/V, every operand of the
-    Gluon forward) are rebuilt over the new tensors."""
+    The first call runs :func:`attention_forward` and captures its kernel launches; later
+    calls allocate the output (no logsumexp is written) and relaunch the compiled kernels with
+    the new tensors (:class:`_Replay`): none of the launch glue above runs again (the
+    dispatcher's fast path caches a plan per signature, docs/perf-notes.md experiment 17).  A
+    call whose launches touch another tensor (a dropout seed, a dtype conversion) or that
+    launches nothing (an empty problem) keeps the full path every time.  Host-built
+    descriptors (the tl forward's K/V, every operand of the Gluon forward) are rebuilt over
+    the new tensors."""
 
-    __slots__ = ("params", "device", "launch", "out_shape", "out_like_query", "patches")
+    __slots__ = ("params", "device", "launch", "out_shape", "out_like_query")
 
     def __init__(self, query, params: KernelParams):
-        self.params, self.device, self.launch, self.patches = params, query.device, None, ()
+        self.params, self.device, self.launch = params, query.device, None
 
     def __call__(self, q, k, v):
         launch = self.launch
         if launch is None or _hooks_installed():
             return self._first(q, k, v)
-        entry, grid, sources, scalars, desc, addresses = launch
         # empty_like: one C call without torch.empty's argument parsing (~1 us of host time)
         out = (torch.empty_like(q) if self.out_like_query
                else torch.empty(self.out_shape, device=self.device, dtype=q.dtype))
-        # Triton's launcher takes an int as the address itself; for a tensor it calls data_ptr()
-        # and cuPointerGetAttribute, once per pointer argument (the dummies repeat q)
-        pool = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()) if addresses else (q, k, v, out)
-        args = (*[pool[i] for i in sources], *scalars)
-        if self.patches:     # host-built descriptors and later pointers: the same ones over the new tensors
-            args = list(args)
-            tensors = (q, k, v, out)
-            for pos, i, d in self.patches:
-                args[pos] = pool[i] if d is None else rebase(d, tensors[i])
-        _run_with_scratch(self.device, desc, relaunch, entry, grid, args)
+        launch((q, k, v, out))
         return out
 
     def _first(self, q, k, v):
         with COMPILED.capture() as launches:
             out, _, _ = attention_forward(q, k, v, None, self.params, need_lse=False)
-        if len(launches) == 1 and launches[0][0] is not None and self.launch is None:
-            entry, grid, args, constexprs = launches[0]
-            pool = (q, k, v, out)
-
-            def source(t):
-                return next((i for i, x in enumerate(pool) if x is t), None)
-            sources = []
-            for a in args:
-                if not isinstance(a, torch.Tensor):
-                    break
-                idx = source(a)
-                if idx is None:       # a tensor made inside (seed, converted output): not repeatable
-                    return out
-                sources.append(idx)
-            # (argument position, index in the pool, descriptor or None for the tensor itself): host-built
-            # descriptors (the tl forward's K/V, every Gluon operand) and pointers after the leading ones
-            patches = []
-            for pos, a in enumerate(args[len(sources):], len(sources)):
-                if isinstance(a, torch.Tensor) or is_descriptor(a):
-                    idx = source(a.base if is_descriptor(a) else a)
-                    if idx is None:
-                        return out
-                    patches.append((pos, idx, a if is_descriptor(a) else None))
-            self.patches = tuple(patches)
+        if self.launch is None and _contiguous(out):
             self.out_shape = tuple(out.shape)
             # the same layout from empty_like: q and out both contiguous of one shape and dtype
-            self.out_like_query = (out.shape == q.shape and out.dtype == q.dtype and q.is_contiguous()
-                                   and out.is_contiguous())
-            # addresses as ints for the compiled launcher; the interpreter (CPU tests) needs tensors
-            self.launch = (entry, grid, tuple(sources), tuple(args[len(sources):]), constexprs.get("USE_DESC", False),
-                           not is_interpreter())
+            self.out_like_query = out.shape == q.shape and out.dtype == q.dtype and q.is_contiguous()
+            self.launch = _Replay.capture(launches, (q, k, v, out), self.device)
         return out
+
+
+class TrainingPlan:
+    """Repeated training calls of one signature: dense query/key/value with the same shapes,
+    strides, dtype, device and 16-byte alignment, no bias, no dropout, given params (the
+    dispatcher's fast path keeps one per signature).  The first forward and the first backward
+    run the full launch glue and capture their kernel launches; later ones allocate the outputs
+    and relaunch them over the new tensors (:class:`_Replay`; the glue cost ~1 ms of host time
+    per forward+backward on the H100 machine, docs/perf-notes.md experiment 46).  The backward
+    is replayed only where it took the warp-specialised route (its kernels write dQ, dK, dV and
+    delta whole; the tl dQ pass may add into a zeroed buffer) and for a dO of the captured
+    shape, strides, dtype and alignment; anything else keeps the full path."""
+
+    __slots__ = ("params", "device", "fwd", "fwd_outputs", "bwd", "bwd_key", "bwd_outputs")
+
+    def __init__(self, query, params: KernelParams):
+        if params.dropout_p > 0:
+            raise ValueError("TrainingPlan: dropout draws a seed per call (use triton_attention)")
+        self.params, self.device = params, query.device
+        self.fwd = self.bwd = self.bwd_key = None
+
+    def _empty(self, outputs):
+        return [torch.empty(shape, device=self.device, dtype=dtype) for shape, dtype in outputs]
+
+    def forward(self, q, k, v):
+        """(out, lse) as :func:`attention_forward` returns them."""
+        if self.fwd is not None and not _hooks_installed():
+            out, lse = self._empty(self.fwd_outputs)
+            self.fwd((q, k, v, out, lse))
+            return out, lse
+        with COMPILED.capture() as launches:
+            out, lse, _ = attention_forward(q, k, v, None, self.params)
+        if self.fwd is None and _contiguous(out, lse):
+            self.fwd_outputs = ((out.shape, out.dtype), (lse.shape, lse.dtype))
+            self.fwd = _Replay.capture(launches, (q, k, v, out, lse), self.device)
+        return out, lse
+
+    def backward(self, do, q, k, v, out, lse):
+        """(dq, dk, dv) as :func:`attention_backward` returns them (no bias)."""
+        key = (do.shape, do.stride(), do.dtype, do.data_ptr() & 15)
+        if self.bwd is not None and key == self.bwd_key and not _hooks_installed():
+            delta, dq, dk, dv = self._empty(self.bwd_outputs)
+            self.bwd((q, k, v, out, lse, do, delta, dq, dk, dv))
+            return dq, dk, dv
+        delta = torch.empty(lse.shape, device=self.device, dtype=torch.float32)
+        with COMPILED.capture() as launches:
+            dq, dk, dv, _ = attention_backward(do, q, k, v, None, out, lse, None, self.params, delta=delta)
+        if (self.bwd is None and _contiguous(dq, dk, dv) and q.shape[-1] in C.WS_DQ_CONFIGS
+                and _ws_backward_route(do, q, k, v, 0, self.params) is not None):
+            self.bwd_outputs = tuple((t.shape, t.dtype) for t in (delta, dq, dk, dv))
+            self.bwd_key = key
+            self.bwd = _Replay.capture(launches, (q, k, v, out, lse, do, delta, dq, dk, dv), self.device)
+        return dq, dk, dv
 
 
 # --------------------------------------------------------------------------- backward
@@ -841,10 +926,26 @@ def _dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, para
     return _as_dtype(dq_ws, q.dtype)
 
 
+def _ws_backward_route(do, q, k, v, bias_kind: int, params: KernelParams, prob: "_Problem | None" = None,
+                       uses_descriptors: bool | None = None):
+    """(q rows layout, k/v rows layout, dO rows layout) when the warp-specialised dK/dV pass
+    serves this backward (the dQ pass too where configs.WS_DQ_CONFIGS has the head dim), else None."""
+    prob = _Problem(q, k, v, None, None, None, None) if prob is None else prob
+    if prob.Dqk not in C.WS_BWD_CONFIGS:
+        return None
+    if uses_descriptors is None:
+        uses_descriptors = use_descriptors(params, (q, k, v, do), q.device)
+    route = _ws_route(q, k, v, bias_kind, params, prob, uses_descriptors)
+    do_rows = _rows_layout(do) if route is not None else 0
+    return (*route, do_rows) if do_rows else None
+
+
 def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
-                       cu_q=None, cu_k=None, max_sq=None, max_sk=None, bias_grad: bool = False):
+                       cu_q=None, cu_k=None, max_sq=None, max_sk=None, bias_grad: bool = False,
+                       delta: torch.Tensor | None = None):
     """Returns (dq, dk, dv, dbias or None).  dbias has bias's shape: summed over its size-1
-    (broadcast) dims; full-size dims (even with stride 0) get the per-element gradient."""
+    (broadcast) dims; full-size dims (even with stride 0) get the per-element gradient.
+    ``delta``: an fp32 buffer of lse's shape for rowsum(dO * O) (allocated here when None)."""
     q, k, v, do = _last_contig(q), _last_contig(k), _last_contig(v), _last_contig(do)
     prob = _Problem(q, k, v, cu_q, cu_k, max_sq, max_sk)
     dev = q.device
@@ -873,7 +974,8 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     _, _, num_sms = device_info(dev)
 
     # 1) delta = rowsum(dO * O)
-    delta = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32)
+    if delta is None:
+        delta = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32)
     bm_pre = 16 if is_interpreter() else 64
     for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
         _launch_one(_attn_bwd_preprocess, (_cdiv(prob.Sq, bm_pre), cnt),
@@ -883,12 +985,11 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
 
     # 2) dK, dV (+ d(bias)) : key-tile parallel, loops over the query heads of the group
     traits = _table_traits(kind, params, prob)
-    route = _ws_route(q, k, v, kind, params, prob, desc) if prob.Dqk in C.WS_BWD_CONFIGS else None
-    do_rows = _rows_layout(do) if route is not None else 0
-    if do_rows:   # (bias_grad needs a bias: kind != 0, which the route excludes)
-        dk, dv = _dkdv_ws(q, k, v, do, lse, delta, params, prob, *route, do_rows)
+    route = _ws_backward_route(do, q, k, v, kind, params, prob, desc)
+    if route is not None:   # (bias_grad needs a bias: kind != 0, which the route excludes)
+        dk, dv = _dkdv_ws(q, k, v, do, lse, delta, params, prob, *route)
         if prob.Dqk in C.WS_DQ_CONFIGS:
-            return _dq_ws(q, k, v, do, lse, delta, params, prob, *route, do_rows), dk, dv, None
+            return _dq_ws(q, k, v, do, lse, delta, params, prob, *route), dk, dv, None
         return (_dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, params, prob, common,
                          traits, limit, num_sms, lse_str, do_str), dk, dv, None)
     sum_rows = sum_heads = False
