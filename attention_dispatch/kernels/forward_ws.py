@@ -236,8 +236,9 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, d
                    q_bufs, do_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
                    WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
                    DO_ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    kv_bar, q_ready, q_empty = bars
+    kv_bar, q_ready, q_empty, lse_bufs, delta_bufs = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
+    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     pid_n = gl.program_id(0)
     pid_bkv = gl.program_id(1)                      # b * Hkv + hk
     n_kv = num_heads // group
@@ -264,6 +265,12 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, d
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row + m, q_col], q_ready.index(s), q_bufs.index(s))
         tma.async_copy_global_to_shared(do_desc, [do_row + m, do_col], q_ready.index(s), do_bufs.index(s))
+        # the tile's logsumexp and delta rows: the slot's second arrival (the consumers read
+        # them from shared memory instead of waiting on global loads inside each step)
+        offs = h * seq_q + m + gl.arange(0, BLOCK_M, row_layout)
+        lse_bufs.index(s).store(gl.load(lse_ptr + offs) * 1.4426950408889634)
+        delta_bufs.index(s).store(gl.load(delta_ptr + offs))
+        mbarrier.arrive(q_ready.index(s), count=1)
 
 
 @gluon.jit
@@ -272,7 +279,7 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
                      WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
                      DO_ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     # this warpgroup: BLOCK_N (64) keys; scores transposed (keys x queries) as the tl kernel
-    kv_bar, q_ready, q_empty = bars
+    kv_bar, q_ready, q_empty, lse_bufs, delta_bufs = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
@@ -308,8 +315,8 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
         st_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         offs_m = mi * BLOCK_M + gl.arange(0, BLOCK_M, col_s)
-        lse2 = gl.load(lse_ptr + h * seq_q + offs_m) * 1.4426950408889634
-        delta = gl.load(delta_ptr + h * seq_q + offs_m)
+        lse2 = lse_bufs.index(s).load(col_s)
+        delta = delta_bufs.index(s).load(col_s)
         st = warpgroup_mma_wait(1, deps=[st_tok])
         if CAUSAL:
             if mi * BLOCK_M < n0 + 2 * BLOCK_N:
@@ -352,10 +359,14 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    # the (Q, dO) slot's rows of logsumexp (log2 domain) and delta
+    row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
     for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_ready.index(i), count=2)    # the copies' expect, and the rows' arrival
         mbarrier.init(q_empty.index(i), count=2)
-    bars = (kv_bar, q_ready, q_empty)
+    bars = (kv_bar, q_ready, q_empty, lse_bufs, delta_bufs)
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     gl.warp_specialize([
