@@ -298,15 +298,10 @@ def _plan_inputs(dev, s=24, d=16, dtype=torch.float32):
     return [torch.randn(2, 3, s, d, device=dev, dtype=dtype) for _ in range(3)]
 
 
-@pytest.mark.skipif(not is_interpreter(), reason="fake relaunch through the interpreter")
-@pytest.mark.parametrize("feature", ["dense", "causal", "gqa", "bshd", "dv", "host_kv", "host_kv_bshd"])
-def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
-    """A plan captures the forward's one launch and later relaunches it with the new call's
-    query/key/value and freshly allocated outputs (the interpreter stands in for the compiled
-    launcher: the captured entry relaunches the same kernel with the given arguments).
-    host_kv: K/V read through host-built descriptors, which the plan rebuilds over the new
-    key/value."""
-    from attention_dispatch.kernels import ForwardPlan, prepare_attention
+def _interpreted_relaunches(monkeypatch):
+    """Launches recorded for capture and relaunched through the interpreter (standing in for
+    the compiled launcher: a captured entry relaunches the same kernel with the given
+    arguments).  Returns (the launch function without recording, relaunched kernel names)."""
     real = launch._launch_one
     relaunched = []
 
@@ -316,10 +311,23 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
 
     def fake_relaunch(entry, grid, args):
         kernel, constexprs, num_warps, num_stages = entry
-        relaunched.append(grid)
+        relaunched.append(getattr(kernel, "__name__", None) or kernel.fn.__name__)
         real(kernel, grid, args, constexprs, num_warps, num_stages)
     monkeypatch.setattr(launch, "_launch_one", launch_and_record)
     monkeypatch.setattr(launch, "relaunch", fake_relaunch)
+    return real, launch_and_record, relaunched
+
+
+@pytest.mark.skipif(not is_interpreter(), reason="fake relaunch through the interpreter")
+@pytest.mark.parametrize("feature", ["dense", "causal", "gqa", "bshd", "dv", "host_kv", "host_kv_bshd"])
+def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
+    """A plan captures the forward's one launch and later relaunches it with the new call's
+    query/key/value and freshly allocated outputs (the interpreter stands in for the compiled
+    launcher: the captured entry relaunches the same kernel with the given arguments).
+    host_kv: K/V read through host-built descriptors, which the plan rebuilds over the new
+    key/value."""
+    from attention_dispatch.kernels import ForwardPlan, prepare_attention
+    real, launch_and_record, relaunched = _interpreted_relaunches(monkeypatch)
     monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
     params = KernelParams(scale=0.25, window_right=0 if feature == "causal" else -1,
                           descriptors=1 if feature.startswith("host_kv") else -1)
@@ -357,19 +365,7 @@ def test_training_plan_replays_the_forward_and_keeps_the_tl_backward(monkeypatch
     its backward took the tl route, whose dQ may add into a zeroed buffer: never replayed,
     the full backward runs each time.  Outputs and gradients equal the unplanned path's."""
     from attention_dispatch.kernels import TrainingPlan, prepare_attention
-    real = launch._launch_one
-    relaunched = []
-
-    def launch_and_record(kernel, grid, args, constexprs, num_warps, num_stages, **options):
-        real(kernel, grid, args, constexprs, num_warps, num_stages, **options)
-        cc.COMPILED._record((kernel, constexprs, num_warps, num_stages), grid, args, constexprs)
-
-    def fake_relaunch(entry, grid, args):
-        kernel, constexprs, num_warps, num_stages = entry
-        relaunched.append(getattr(kernel, "__name__", None) or kernel.fn.__name__)
-        real(kernel, grid, args, constexprs, num_warps, num_stages)
-    monkeypatch.setattr(launch, "_launch_one", launch_and_record)
-    monkeypatch.setattr(launch, "relaunch", fake_relaunch)
+    real, launch_and_record, relaunched = _interpreted_relaunches(monkeypatch)
     params = KernelParams(scale=0.25, window_right=0 if causal else -1)
     q, k, v = (t.requires_grad_() for t in _plan_inputs("cpu"))
     runner = prepare_attention(q, k, v, None, params)
