@@ -1,0 +1,89 @@
+"""Where the host time of sdpa(backend="triton") training calls goes (GPU; a diagnostic).
+
+    python benchmarks/host_split.py [S]      # bf16 d128, B * S = 16k tokens, 16 heads
+
+Wraps the launch glue's functions with timers (inclusive microseconds per forward+backward
+call; each wrapper adds ~0.3 us), runs 50 repeated sdpa() training calls after a warm-up (the
+prepared runner: TrainingPlan), then an inference loop and the cost of one Gluon descriptor.
+docs/perf-notes.md experiments 44 and 46.
+"""
+import collections
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import attention_dispatch as ad  # noqa: E402
+from attention_dispatch.kernels import launch, autograd as ag, compiled_cache as cc  # noqa: E402
+acc = collections.Counter()
+
+def wrap(obj, name, label=None):
+    real = getattr(obj, name)
+    label = label or name
+    def w(*a, **kw):
+        t = time.perf_counter_ns()
+        try:
+            return real(*a, **kw)
+        finally:
+            acc[label] += time.perf_counter_ns() - t
+    setattr(obj, name, w)
+for n in ("attention_forward", "attention_backward", "_forward_ws", "_dkdv_ws", "_dq_ws", "_rows_descriptor",
+          "_ws_route", "use_descriptors", "_launch_one"):
+    wrap(launch, n)
+wrap(cc.COMPILED, "launch", "COMPILED.launch")
+wrap(launch.TrainingPlan, "forward", "TrainingPlan.forward")
+wrap(launch.TrainingPlan, "backward", "TrainingPlan.backward")
+wrap(launch._Replay, "__call__", "_Replay.__call__")
+wrap(launch, "rebase")
+wrap(launch, "_run_with_scratch")
+wrap(ag._EagerAttention, "backward", "_EagerAttention.backward")
+wrap(ag, "_backward_inputs")
+wrap(cc, "relaunch", "relaunch")
+wrap(launch, "relaunch", "relaunch(launch)")
+for n in ("attention_forward", "attention_backward"):
+    setattr(ag, n, getattr(launch, n)) if hasattr(ag, n) else None
+S = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
+B = 16384 // S
+q, k, v = (torch.randn(B, 16, S, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+do = torch.randn_like(q)
+for _ in range(5):
+    torch.autograd.grad(ad.sdpa(q, k, v, backend="triton"), (q, k, v), do)
+torch.cuda.synchronize()
+acc.clear()
+N = 50
+tf = tb = 0
+for _ in range(N):
+    t0 = time.perf_counter_ns()
+    o = ad.sdpa(q, k, v, backend="triton")
+    t1 = time.perf_counter_ns()
+    torch.autograd.grad(o, (q, k, v), do)
+    t2 = time.perf_counter_ns()
+    tf += t1 - t0; tb += t2 - t1
+    torch.cuda.synchronize()
+print(f"S={S}: sdpa forward (grad) {tf / N / 1e3:.0f} us, autograd.grad {tb / N / 1e3:.0f} us per call")
+for label, ns in acc.most_common():
+    print(f"  {label:24s} {ns / N / 1e3:8.1f} us/call")
+with torch.no_grad():
+    t = time.perf_counter_ns()
+    for _ in range(N):
+        ad.sdpa(q, k, v, backend="triton")
+    print(f"inference sdpa: {(time.perf_counter_ns() - t) / N / 1e3:.0f} us/call")
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as G
+lay = launch._ws_smem_layout(64, 128, q.dtype)
+t = time.perf_counter_ns()
+for _ in range(1000):
+    G(q, [B * 16 * S, 128], [128, 1], [64, 128], lay)
+print(f"GluonDescriptor(): {(time.perf_counter_ns() - t) / 1000 / 1e3:.2f} us")
+t = time.perf_counter_ns()
+for _ in range(1000):
+    d = object.__new__(G)
+    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = q, [B * 16 * S, 128], [128, 1], [64, 128], lay, "zero"
+print(f"without __post_init__: {(time.perf_counter_ns() - t) / 1000 / 1e3:.2f} us")
+t = time.perf_counter_ns()
+for _ in range(1000):
+    launch._ws_smem_layout(64, 128, q.dtype)
+print(f"_ws_smem_layout: {(time.perf_counter_ns() - t) / 1000 / 1e3:.2f} us")

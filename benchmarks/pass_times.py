@@ -1,0 +1,44 @@
+"""GPU time of the forward and of each warp-specialised backward pass (GPU; a diagnostic).
+
+    python benchmarks/pass_times.py
+
+bf16 d128, S = 4k / 16k / 16k causal (B * S = 16k tokens, 16 heads): the forward, the dK/dV
+pass and the dQ pass each timed alone by CUDA events (median of 7 loops of 5 calls), and
+their TFLOP/s counting only their own products (2 / 4 / 3 matrix products of the forward's
+size).  docs/perf-notes.md experiment 47.
+"""
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from attention_dispatch.kernels import launch, KernelParams  # noqa: E402
+from attention_dispatch.kernels.launch import _Problem, attention_forward  # noqa: E402
+for S, causal in ((4096, False), (16384, False), (16384, True)):
+    B = 16384 // S
+    q, k, v, do = (torch.randn(B, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    params = KernelParams(scale=128 ** -0.5, window_right=0 if causal else -1)
+    out, lse, _ = attention_forward(q, k, v, None, params)
+    delta = (do.float() * out.float()).sum(-1)
+    prob = _Problem(q, k, v, None, None, None, None)
+    route = launch._ws_backward_route(do, q, k, v, 0, params, prob)
+    fns = {"fwd": lambda: attention_forward(q, k, v, None, params),
+           "dkdv": lambda: launch._dkdv_ws(q, k, v, do, lse, delta, params, prob, *route),
+           "dq": lambda: launch._dq_ws(q, k, v, do, lse, delta, params, prob, *route)}
+    mm = {"fwd": 2, "dkdv": 4, "dq": 3}
+    flop1 = 2 * B * 16 * S * S * 128 / (2 if causal else 1)
+    res = []
+    for name, fn in fns.items():
+        for _ in range(3):
+            fn()
+        ts = []
+        for _ in range(7):
+            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+            s.record(); [fn() for _ in range(5)]; e.record(); torch.cuda.synchronize()
+            ts.append(s.elapsed_time(e) / 5)
+        ms = sorted(ts)[3]
+        res.append(f"{name} {ms:.3f} ms ({mm[name] * flop1 / ms / 1e9:.0f} TFLOP/s of its {mm[name]} products)")
+    print(f"S={S} causal={causal}: " + "; ".join(res), flush=True)
