@@ -358,17 +358,22 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
 
 
 @pytest.mark.skipif(not is_interpreter(), reason="fake relaunch through the interpreter")
-@pytest.mark.parametrize("causal", [False, True])
-def test_training_plan_replays_the_forward_and_keeps_the_tl_backward(monkeypatch, causal):
-    """A training call's plan captures the forward's launches (logsumexp included) and replays
-    them over the next calls' tensors (the interpreter stands in for the compiled launcher);
-    its backward took the tl route, whose dQ may add into a zeroed buffer: never replayed,
-    the full backward runs each time.  Outputs and gradients equal the unplanned path's."""
+@pytest.mark.parametrize("feature", ["dense", "causal", "dq_split"])
+def test_training_plan_replays_forward_and_backward(monkeypatch, feature):
+    """A training call's plan captures the forward's launches (logsumexp included) and the
+    backward's (delta, dK/dV, dQ), and replays them over the next calls' tensors (the
+    interpreter stands in for the compiled launcher).  dq_split: the dQ pass split over keys
+    adds into a zeroed buffer (ATOMIC), which a replay's fresh output is not: that backward is
+    never replayed, the full one runs each time.  Outputs and gradients equal the unplanned
+    path's in every call."""
     from attention_dispatch.kernels import TrainingPlan, prepare_attention
     real, launch_and_record, relaunched = _interpreted_relaunches(monkeypatch)
-    params = KernelParams(scale=0.25, window_right=0 if causal else -1)
+    params = KernelParams(scale=0.25, window_right=0 if feature == "causal" else -1,
+                          num_splits=2 if feature == "dq_split" else 0)
     q, k, v = (t.requires_grad_() for t in _plan_inputs("cpu"))
     runner = prepare_attention(q, k, v, None, params)
+    per_call = ["_attn_fwd"] + ([] if feature == "dq_split" else
+                                ["_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"])
     plans = []
     for n in range(3):
         q2, k2, v2 = (torch.randn_like(t).requires_grad_() for t in (q, k, v))
@@ -381,22 +386,20 @@ def test_training_plan_replays_the_forward_and_keeps_the_tl_backward(monkeypatch
         want_grads = torch.autograd.grad(want, (q2, k2, v2), do)
         monkeypatch.setattr(launch, "_launch_one", launch_and_record)
         assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
-        assert relaunched == ["_attn_fwd"] * n       # from the second call on, the forward is replayed
+        assert relaunched == per_call * n       # from the second call on, replayed
     (plan,) = plans
-    assert plan.fwd is not None and plan.bwd is None
+    assert plan.fwd is not None and (plan.bwd is None) == (feature == "dq_split")
 
 
 @pytest.mark.skipif(cc.GluonDescriptor is None, reason="this Triton has no Gluon")
 def test_training_plan_replays_a_warp_specialised_backward(cache, monkeypatch):
-    """The backward's launches on the warp-specialised route (stand-ins here: a pointer kernel
+    """A backward's launches (stand-ins here for the warp-specialised route: a pointer kernel
     over dO and delta, a descriptor-first kernel over q, dK and out) are captured once and
     replayed with each call's dO and fresh delta / dQ / dK / dV, for a dO of the captured layout;
     a dO of another layout takes the full backward."""
     from attention_dispatch.kernels import TrainingPlan
     monkeypatch.setattr(cc, "_current_stream", lambda: 0)
     monkeypatch.setattr(launch, "_hooks_installed", lambda: False)
-    monkeypatch.setattr(launch, "_ws_backward_route", lambda *a, **kw: (1, 1, 1))
-    monkeypatch.setitem(launch.C.WS_DQ_CONFIGS, 16, launch.C.WsConfig())
     gluon, ptr, relaunched, full = _FakeGluonKernel(), _FakeKernel(), [], []
 
     def backward(do, q, k, v, bias, out, lse, seed, params, delta=None):

@@ -834,9 +834,9 @@ class TrainingPlan:
     run the full launch glue and capture their kernel launches; later ones allocate the outputs
     and relaunch them over the new tensors (:class:`_Replay`; the glue cost ~1 ms of host time
     per forward+backward on the H100 machine, docs/perf-notes.md experiment 46).  The backward
-    is replayed only where it took the warp-specialised route (its kernels write dQ, dK, dV and
-    delta whole; the tl dQ pass may add into a zeroed buffer) and for a dO of the captured
-    shape, strides, dtype and alignment; anything else keeps the full path."""
+    is replayed for a dO of the captured shape, strides, dtype and alignment, unless one of its
+    launches adds into a buffer zeroed before it (the dQ pass split over keys, ``ATOMIC``: a
+    replay's fresh outputs are not zeroed); anything else keeps the full path."""
 
     __slots__ = ("params", "device", "fwd", "fwd_outputs", "bwd", "bwd_key", "bwd_outputs")
 
@@ -872,8 +872,8 @@ class TrainingPlan:
         delta = torch.empty(lse.shape, device=self.device, dtype=torch.float32)
         with COMPILED.capture() as launches:
             dq, dk, dv, _ = attention_backward(do, q, k, v, None, out, lse, None, self.params, delta=delta)
-        if (self.bwd is None and _contiguous(dq, dk, dv) and q.shape[-1] in C.WS_DQ_CONFIGS
-                and _ws_backward_route(do, q, k, v, 0, self.params) is not None):
+        if (self.bwd is None and _contiguous(dq, dk, dv)
+                and not any(constexprs.get("ATOMIC", False) for _, _, _, constexprs in launches)):
             self.bwd_outputs = tuple((t.shape, t.dtype) for t in (delta, dq, dk, dv))
             self.bwd_key = key
             self.bwd = _Replay.capture(launches, (q, k, v, out, lse, do, delta, dq, dk, dv), self.device)
@@ -926,15 +926,13 @@ def _dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, para
     return _as_dtype(dq_ws, q.dtype)
 
 
-def _ws_backward_route(do, q, k, v, bias_kind: int, params: KernelParams, prob: "_Problem | None" = None,
-                       uses_descriptors: bool | None = None):
+def _ws_backward_route(do, q, k, v, bias_kind: int, params: KernelParams, prob: "_Problem",
+                       uses_descriptors: bool):
     """(q rows layout, k/v rows layout, dO rows layout) when the warp-specialised dK/dV pass
-    serves this backward (the dQ pass too where configs.WS_DQ_CONFIGS has the head dim), else None."""
-    prob = _Problem(q, k, v, None, None, None, None) if prob is None else prob
+    serves this backward (the dQ pass too where configs.WS_DQ_CONFIGS has the head dim), else None.
+    ``uses_descriptors``: :func:`use_descriptors` of q, k, v and dO."""
     if prob.Dqk not in C.WS_BWD_CONFIGS:
         return None
-    if uses_descriptors is None:
-        uses_descriptors = use_descriptors(params, (q, k, v, do), q.device)
     route = _ws_route(q, k, v, bias_kind, params, prob, uses_descriptors)
     do_rows = _rows_layout(do) if route is not None else 0
     return (*route, do_rows) if do_rows else None
