@@ -108,24 +108,17 @@ def ws_cases():
                         STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
 
 
-def ws_bwd_cases():
-    """The warp-specialised dK/dV pass for every head dim it serves: dense / causal, row layouts."""
-    for d, cfg in C.WS_BWD_CONFIGS.items():
-        for causal in (False, True):
-            for rows in ((1, 1, 1), (2, 2, 2), (1, 2, 1)):
-                yield d, cfg, f"ws dkdv d={d} causal={causal} rows={rows}", dict(
-                    CAUSAL=causal, Q_ROWS=rows[0], KV_ROWS=rows[1], DO_ROWS=rows[2], STAGES=cfg.stages,
-                    CONSUMER_REGS=cfg.consumer_regs)
-
-
-def ws_dq_cases():
-    """The warp-specialised dQ pass for every head dim it serves: dense / causal, row layouts."""
-    for d, cfg in C.WS_DQ_CONFIGS.items():
-        for causal in (False, True):
-            for rows in ((1, 1, 1), (2, 2, 2), (1, 2, 1)):
-                yield d, cfg, f"ws dq d={d} causal={causal} rows={rows}", dict(
-                    CAUSAL=causal, Q_ROWS=rows[0], KV_ROWS=rows[1], DO_ROWS=rows[2], BLOCK_N=cfg.block_n,
-                    STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
+def ws_backward_cases():
+    """The warp-specialised dK/dV and dQ passes for every head dim each serves: dense / causal,
+    row layouts of (q, k/v, dO); the dQ pass also takes the forward's key tile (BLOCK_N)."""
+    for kind, configs in (("dkdv", C.WS_BWD_CONFIGS), ("dq", C.WS_DQ_CONFIGS)):
+        for d, cfg in configs.items():
+            for causal in (False, True):
+                for rows in ((1, 1, 1), (2, 2, 2), (1, 2, 1)):
+                    tiles = dict(BLOCK_N=cfg.block_n) if kind == "dq" else {}
+                    yield d, cfg, f"ws {kind} d={d} causal={causal} rows={rows}", dict(
+                        CAUSAL=causal, Q_ROWS=rows[0], KV_ROWS=rows[1], DO_ROWS=rows[2], **tiles,
+                        STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def compile_ws_case(d: int, cfg, constexprs: dict):
@@ -206,7 +199,7 @@ def main(argv=None) -> int:
         label = f"{kind} d<={entry.max_block_d} {entry.config} {label}"
         failed += _report(label, err, kernel, args.ptx_hashes, args.spills)
     if "fwd_ws" in args.kinds:
-        for d, cfg, label, const in list(ws_cases()) + list(ws_bwd_cases()) + list(ws_dq_cases()):
+        for d, cfg, label, const in list(ws_cases()) + list(ws_backward_cases()):
             n += 1
             err, kernel = compile_ws_case(d, cfg, const)
             failed += _report(label, err, kernel, args.ptx_hashes, args.spills)
