@@ -375,6 +375,25 @@ def test_policy_fastest_interleaves_rounds_and_keeps_the_best_round():
     assert rounds == ["bursty", "steady"] * fastest.REPEATS
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_policy_fastest_counts_host_bound_time():
+    """On a GPU each sample is timed by CUDA events once an untimed call has started the
+    stream; a backend whose calls wait on the host (3 ms each) still pays that time there,
+    and the quick one wins."""
+    from attention_dispatch import fastest
+    fastest.forget()
+    slow, quick = Sleepy("slow", 0.003), Sleepy("quick", 0.0)
+    ad.register_backend(slow, priority="first")
+    ad.register_backend(quick, priority=1)
+    q, k, v = (t.cuda() for t in qkv())
+    with ad.use_config({"dispatch": {"policy": "fastest"}}), ad.use_backends("slow", "quick"):
+        out = ad.sdpa(q, k, v)
+        d = ad.last_decision()
+    assert d.backend == "quick" and d.timings["slow"] >= 3.0 > d.timings["quick"], d.timings
+    torch.testing.assert_close(out, math_attention(q, k, v))
+
+
 def test_policy_fastest_measures_and_caches(tmp_path):
     from attention_dispatch import fastest
     fastest.forget()
