@@ -98,27 +98,33 @@ def compile_case(kind: str, entry, constexprs: dict):
 
 def ws_cases():
     """The warp-specialised forward (kernels/forward_ws.py) for every head dim it serves:
-    dense / causal, each row layout of Q and K/V, with and without the logsumexp."""
+    dense / causal, each row layout of Q and K/V, with and without the logsumexp; with a
+    bias, (B, H, S, D) rows with and without causal."""
     for d, cfg in {**C.WS_FWD_CONFIGS, 64: C.WsConfig()}.items():   # d64: tested, not served
         for causal in (False, True):
-            for q_rows, kv_rows in ((1, 1), (2, 2), (1, 2)):
+            for rows, has_bias in (((1, 1), False), ((2, 2), False), ((1, 2), False), ((1, 1), True)):
                 for store_lse in (True, False):
-                    yield d, cfg, f"ws d={d} causal={causal} rows={q_rows}/{kv_rows} lse={store_lse}", dict(
-                        CAUSAL=causal, Q_ROWS=q_rows, KV_ROWS=kv_rows, STORE_LSE=store_lse, BLOCK_N=cfg.block_n,
-                        STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
+                    bias = " bias" if has_bias else ""
+                    yield d, cfg, f"ws d={d} causal={causal} rows={rows[0]}/{rows[1]} lse={store_lse}{bias}", dict(
+                        CAUSAL=causal, Q_ROWS=rows[0], KV_ROWS=rows[1], STORE_LSE=store_lse, HAS_BIAS=has_bias,
+                        BLOCK_N=cfg.block_n, STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages,
+                        CONSUMER_REGS=cfg.consumer_regs)
 
 
 def ws_backward_cases():
     """The warp-specialised dK/dV and dQ passes for every head dim each serves: dense / causal,
-    row layouts of (q, k/v, dO); the dQ pass also takes the forward's key tile (BLOCK_N)."""
+    row layouts of (q, k/v, dO), and (B, H, S, D) rows with a bias; the dQ pass also takes the
+    forward's key tile (BLOCK_N) and bias ring depth."""
     for kind, configs in (("dkdv", C.WS_BWD_CONFIGS), ("dq", C.WS_DQ_CONFIGS)):
         for d, cfg in configs.items():
             for causal in (False, True):
-                for rows in ((1, 1, 1), (2, 2, 2), (1, 2, 1)):
-                    tiles = dict(BLOCK_N=cfg.block_n) if kind == "dq" else {}
-                    yield d, cfg, f"ws {kind} d={d} causal={causal} rows={rows}", dict(
-                        CAUSAL=causal, Q_ROWS=rows[0], KV_ROWS=rows[1], DO_ROWS=rows[2], **tiles,
-                        STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
+                for rows, has_bias in (((1, 1, 1), False), ((2, 2, 2), False), ((1, 2, 1), False),
+                                       ((1, 1, 1), True)):
+                    tiles = dict(BLOCK_N=cfg.block_n, BIAS_STAGES=cfg.bias_stages) if kind == "dq" else {}
+                    bias = " bias" if has_bias else ""
+                    yield d, cfg, f"ws {kind} d={d} causal={causal} rows={rows}{bias}", dict(
+                        CAUSAL=causal, Q_ROWS=rows[0], KV_ROWS=rows[1], DO_ROWS=rows[2], HAS_BIAS=has_bias,
+                        **tiles, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def compile_ws_case(d: int, cfg, constexprs: dict):
@@ -130,22 +136,28 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
           else _attn_bwd_dkdv_ws)
     names = fn.arg_names
 
-    def desc(rows):
-        lay = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {d}],{lay!r}>"
+    def desc(rows, cols=d):
+        lay = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {cols}],{lay!r}>"
     from attention_dispatch.kernels.forward_ws import WG_ROWS
     wg = WG_ROWS.value
     if fn is _attn_bwd_dq_ws:
         sig = dict(q_desc=desc(wg), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), do_desc=desc(wg),
-                   dq_desc=desc(wg), lse_ptr="*fp32", delta_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
+                   dq_desc=desc(wg), bias_desc=desc(2 * wg, cfg.block_n), lse_ptr="*fp32", delta_ptr="*fp32",
+                   qk_scale="fp32", sm_scale="fp32")
     elif fn is _attn_bwd_dkdv_ws:
         sig = dict(q_desc=desc(wg), k_desc=desc(wg), v_desc=desc(wg), do_desc=desc(wg), dk_desc=desc(wg),
-                   dv_desc=desc(wg), lse_ptr="*fp32", delta_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
+                   dv_desc=desc(wg), bias_desc=desc(wg, 2 * wg), lse_ptr="*fp32", delta_ptr="*fp32",
+                   qk_scale="fp32", sm_scale="fp32")
     else:
         sig = dict(q_desc=desc(wg), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(wg),
-                   lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16", qk_scale="fp32")
-    sig = {n: "constexpr" if n in constexprs else sig.get(n, "i32") for n in names}
-    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+                   bias_desc=desc(2 * wg, cfg.block_n), lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16",
+                   qk_scale="fp32")
+    consts = dict(constexprs)
+    if not consts["HAS_BIAS"]:      # launch.py passes None: a constexpr argument
+        consts["bias_desc"] = None
+    sig = {n: "constexpr" if n in consts else sig.get(n, "i32") for n in names}
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
     return _compile(src, dict(num_warps=4, maxnreg=cfg.max_regs))
 
 

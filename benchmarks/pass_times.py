@@ -24,7 +24,7 @@ for S, causal in ((4096, False), (16384, False), (16384, True)):
     out, lse, _ = attention_forward(q, k, v, None, params)
     delta = (do.float() * out.float()).sum(-1)
     prob = _Problem(q, k, v, None, None, None, None)
-    route = launch._ws_backward_route(do, q, k, v, 0, params, prob,
+    route = launch._ws_backward_route(do, q, k, v, None, params, prob,
                                       launch.use_descriptors(params, (q, k, v, do), q.device))
     fns = {"fwd": lambda: attention_forward(q, k, v, None, params),
            "dkdv": lambda: launch._dkdv_ws(q, k, v, do, lse, delta, params, prob, *route),

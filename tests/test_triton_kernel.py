@@ -1053,8 +1053,8 @@ def _ws_problem(sq=256, sk=256, d=128, hq=4, hkv=4, dv=None):
     (dict(prob=dict(d=256)), "head dims 256/256"),
     (dict(prob=dict(d=96)), "head dims 96/96"),
     (dict(prob=dict(dv=64)), "head dims 128/64"),
-    (dict(bias_kind=1), "bias, mask or dropout"),
-    (dict(params=dict(dropout_p=0.1)), "bias, mask or dropout"),
+    (dict(bias_reason="boolean mask: not in the warp-specialised kernels"), "boolean mask"),
+    (dict(params=dict(dropout_p=0.1)), "dropout"),
     (dict(params=dict(window=(64, 0))), "window"),
     (dict(params=dict(causal="top_left"), prob=dict(sq=128)), "Sq != Sk"),
     (dict(params=dict(causal="top_left"), prob=dict(sq=896, sk=896)), None),
@@ -1078,7 +1078,7 @@ def test_warp_specialized_forward_reasons(monkeypatch, change, reason):
     prob = _ws_problem(**change.get("prob", {}))
     pkw = dict(change.get("params", {}))
     params = make_params(torch.empty(1, 1, 1, prob.Dqk), pkw.pop("causal", None), pkw.pop("window", None), **pkw)
-    got = launch.ws_forward_reason(prob, change.get("bias_kind", 0), params, change.get("dtype", BF16),
+    got = launch.ws_forward_reason(prob, change.get("bias_reason"), params, change.get("dtype", BF16),
                                    change.get("cc", (9, 0)), change.get("uses_descriptors", True),
                                    change.get("q_rows", 1), change.get("kv_rows", 2))
     if reason is None:
@@ -1087,23 +1087,66 @@ def test_warp_specialized_forward_reasons(monkeypatch, change, reason):
         assert got is not None and reason in got, got
 
 
+@pytest.mark.parametrize("case, reason", [
+    ("(1, H, S, S)", None),
+    ("(B, H, S, S)", None),
+    ("(B, 1, S, S)", None),
+    ("(S, S)", None),
+    ("float32", "bias dtype torch.float32"),
+    ("bool", "boolean mask"),
+    ("(B, 1, 1, S) key padding", "per-query rows"),
+    ("keys strided", "contiguous keys"),
+    ("rows unaligned", "16-byte"),
+    ("head stride not whole rows", "not whole rows"),
+])
+def test_warp_specialized_bias_reasons(case, reason):
+    """Which biases the Gluon kernels read (through a TMA descriptor over the (rows, Sk) matrix),
+    the reason for the others, and the rows per batch and per head of the ones they read."""
+    from attention_dispatch.kernels import launch
+    b, h, s = 2, 3, 64
+    full = (b, h, s, s)
+    bias = {"(1, H, S, S)": torch.randn(1, h, s, s, dtype=BF16), "(B, H, S, S)": torch.randn(full, dtype=BF16),
+            "(B, 1, S, S)": torch.randn(b, 1, s, s, dtype=BF16), "(S, S)": torch.randn(s, s, dtype=BF16),
+            "float32": torch.randn(full), "bool": torch.rand(full) > 0.5,
+            "(B, 1, 1, S) key padding": torch.randn(b, 1, 1, s, dtype=BF16),
+            "keys strided": torch.randn(b, h, s, 2 * s, dtype=BF16)[..., ::2],
+            "rows unaligned": torch.randn(b, h, s, s + 3, dtype=BF16)[..., :s],     # rows of 134 bytes
+            "head stride not whole rows": torch.randn(2 * b * h * s * s, dtype=BF16)
+            .as_strided(full, (h * s * s + 8, s * s + 8, s, 1))}[case]
+    kind, bt, bstr, _ = launch.bias_layout(bias, full)
+    got = launch.ws_bias_reason(kind, bt, bstr, BF16, True)
+    if reason is not None:
+        assert got is not None and reason in got, got
+        return
+    assert got is None
+    want_batch = {"(B, H, S, S)": h * s, "(B, 1, S, S)": s}.get(case, 0)
+    want_head = {"(1, H, S, S)": s, "(B, H, S, S)": s}.get(case, 0)
+    assert launch.ws_bias_rows(bstr) == (want_batch, want_head)
+    assert launch.ws_bias_reason(0, None, (0, 0, 0, 0), BF16, True) is None
+    assert "bias layout" in launch.ws_bias_reason(kind, bt, bstr, BF16, False)   # no descriptors at all
+
+
 def _spy_forward_ws(monkeypatch):
-    """Record the row layouts of every warp-specialised forward launch (its minimum call size
-    lowered to 0: test shapes are small)."""
+    """Record the row layouts of every warp-specialised launch, with "bias" appended when it
+    reads a bias (its minimum call size lowered to 0: test shapes are small)."""
     from attention_dispatch.kernels import launch
     monkeypatch.setattr(launch, "WS_MIN_WORK", 0)
     seen, real, real_dkdv, real_dq = [], launch._forward_ws, launch._dkdv_ws, launch._dq_ws
 
-    def spy(q, k, v, out, lse, params, prob, q_rows, kv_rows):
-        seen.append((q_rows, kv_rows))
-        return real(q, k, v, out, lse, params, prob, q_rows, kv_rows)
+    def biased(bias):
+        return ("bias",) if bias is not None else ()
 
-    def spy_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows):
-        seen.append(("dkdv", q_rows, kv_rows, do_rows))
-        return real_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows)
-    def spy_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows):
-        seen.append(("dq", q_rows, kv_rows, do_rows))
-        return real_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows)
+    def spy(q, k, v, out, lse, params, prob, q_rows, kv_rows, bias=None):
+        seen.append((q_rows, kv_rows) + biased(bias))
+        return real(q, k, v, out, lse, params, prob, q_rows, kv_rows, bias=bias)
+
+    def spy_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None):
+        seen.append(("dkdv", q_rows, kv_rows, do_rows) + biased(bias))
+        return real_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=bias)
+
+    def spy_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None):
+        seen.append(("dq", q_rows, kv_rows, do_rows) + biased(bias))
+        return real_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=bias)
     monkeypatch.setattr(launch, "_forward_ws", spy)
     monkeypatch.setattr(launch, "_dkdv_ws", spy_dkdv)
     monkeypatch.setattr(launch, "_dq_ws", spy_dq)
@@ -1134,6 +1177,37 @@ def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, feature):
     # the backward's passes are warp-specialised where configs.WS_BWD_CONFIGS / WS_DQ_CONFIGS have the head dim
     bwd = [("dkdv", layout, layout, 1), ("dq", layout, layout, 1)] if d in configs.WS_BWD_CONFIGS else []
     assert seen == [(layout, layout)] + bwd
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("feature", ["heads", "batch_heads_causal", "2d_gqa", "masked", "bias_grad"])
+def test_gpu_warp_specialized_bias(monkeypatch, dtype, feature):
+    """A float bias read by the Gluon forward, dK/dV and dQ passes, against float64 (forward,
+    logsumexp, gradients): (1, H, S, S); (B, H, S, S) with causal; (S, S) with GQA; -inf blocks
+    that mask whole query rows (output 0, logsumexp -inf, zero gradients) and whole key tiles
+    (a running max that stays -inf, then very negative scores); a bias that requires grad:
+    the forward in Gluon, the backward in tl (only it computes d(bias))."""
+    seen = _spy_forward_ws(monkeypatch)
+    hkv = 2 if "gqa" in feature else 4
+    q = rand(2, 4, 640, 128, dtype=dtype, device="cuda")
+    k, v = (rand(2, hkv, 640, 128, dtype=dtype, device="cuda") for _ in range(2))
+    shape = {"heads": (1, 4, 640, 640), "batch_heads_causal": (2, 4, 640, 640), "2d_gqa": (640, 640)}.get(
+        feature, (1, 4, 640, 640))
+    bias = rand(*shape, dtype=dtype, device="cuda", grad=False)
+    if feature == "masked":
+        bias[:, 1, 100:110] = -math.inf                   # whole query rows
+        bias[:, 2, 256:384, :256] = -math.inf             # the first two forward key tiles of rows 256..383
+        bias[:, 2, 256:384, 256:] -= 30.0
+    if feature == "bias_grad":
+        bias.requires_grad_()
+    got, _ = run_and_check(q, k, v, bias, causal="top_left" if "causal" in feature else None)
+    bwd = ([] if feature == "bias_grad" else [("dkdv", 1, 1, 1, "bias"), ("dq", 1, 1, 1, "bias")])
+    assert seen == [(1, 1, "bias")] + bwd
+    if feature == "masked":
+        assert (got["out"][:, 1, 100:110] == 0).all() and (got["lse"][:, 1, 100:110] == -math.inf).all()
+        assert (got["dq"][:, 1, 100:110] == 0).all()
 
 
 @gpu
@@ -1234,12 +1308,14 @@ def test_gpu_training_plan_replays(monkeypatch, causal, route):
         assert len(plans[0].bwd.steps) == 3
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("causal", [None, "top_left"])
-def test_warp_specialized_routing(monkeypatch, causal):
+def test_warp_specialized_routing(monkeypatch, causal, with_bias):
     """The launch glue around the Gluon kernels, without a GPU: for a call they serve, the output
     and logsumexp come from the forward's entry point, dK/dV and dQ from the backward's (stand-ins
     computing float64 attention here), each in its place of the results, and delta = rowsum(dO * O)
-    reaches both backward passes."""
+    reaches both backward passes.  A (1, H, S, S) bias reaches all three as the rows of its
+    matrix: none per batch (broadcast), Sq per head."""
     from attention_dispatch.kernels import launch
     if launch._attn_fwd_ws is None:
         pytest.skip("this Triton has no Gluon")
@@ -1248,35 +1324,42 @@ def test_warp_specialized_routing(monkeypatch, causal):
     monkeypatch.setattr(launch, "device_info", lambda dev: ((9, 0), 232448, 132))
     calls, made = [], {}
 
-    def reference(q, k, v, params):     # float64 on the CPU (naive_attention's masks live there)
+    def reference(q, k, v, params, bias):     # float64 on the CPU (naive_attention's masks live there)
         leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
-        o, lse = naive_attention(*leaves, causal=causal, scale=params.scale, return_lse=True)
+        mask = None if bias is None else bias.tensor.detach().cpu().double()
+        o, lse = naive_attention(*leaves, mask=mask, causal=causal, scale=params.scale, return_lse=True)
         return leaves, o, lse
 
-    def fake_forward(q, k, v, out, lse, params, prob, q_rows, kv_rows):
-        calls.append(("fwd", q_rows, kv_rows))
-        _, o, l_ = reference(q, k, v, params)
+    def bias_rows(bias):
+        if bias is None:
+            return ()
+        assert bias.tensor is attn_bias     # read in place, never copied
+        return (bias.batch_rows, bias.head_rows, bias.rows)
+
+    def fake_forward(q, k, v, out, lse, params, prob, q_rows, kv_rows, bias=None):
+        calls.append(("fwd", q_rows, kv_rows) + bias_rows(bias))
+        _, o, l_ = reference(q, k, v, params, bias)
         out.copy_(o.detach().to(out.dtype))     # copy_ moves it to the output's device
         if lse is not None:
             lse.copy_(l_.detach().float())
         made["out"] = out.clone()
 
-    def fake_grads(q, k, v, do, params):
+    def fake_grads(q, k, v, do, params, bias):
         with torch.enable_grad():      # called inside the autograd function's backward
-            leaves, o, _ = reference(q, k, v, params)
+            leaves, o, _ = reference(q, k, v, params, bias)
             return [g.to(do.device) for g in torch.autograd.grad(o, leaves, do.cpu().double())]
 
-    def fake_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows):
-        calls.append(("dkdv", q_rows, kv_rows, do_rows))
+    def fake_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None):
+        calls.append(("dkdv", q_rows, kv_rows, do_rows) + bias_rows(bias))
         made["delta_dkdv"] = delta.clone()
-        _, dk, dv = fake_grads(q, k, v, do, params)
+        _, dk, dv = fake_grads(q, k, v, do, params, bias)
         made["dk"], made["dv"] = dk.to(k.dtype), dv.to(v.dtype)
         return made["dk"], made["dv"]
 
-    def fake_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows):
-        calls.append(("dq", q_rows, kv_rows, do_rows))
+    def fake_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None):
+        calls.append(("dq", q_rows, kv_rows, do_rows) + bias_rows(bias))
         made["delta_dq"] = delta.clone()
-        made["dq"] = fake_grads(q, k, v, do, params)[0].to(q.dtype)
+        made["dq"] = fake_grads(q, k, v, do, params, bias)[0].to(q.dtype)
         return made["dq"]
     monkeypatch.setattr(launch, "_forward_ws", fake_forward)
     monkeypatch.setattr(launch, "_dkdv_ws", fake_dkdv)
@@ -1286,16 +1369,20 @@ def test_warp_specialized_routing(monkeypatch, causal):
     dev = "cpu" if is_interpreter() else "cuda"   # the stand-ins run anywhere; delta is the real kernel's
     q = rand(1, 2, 256, 128, dtype=F16, device=dev)
     k, v = (rand(1, 2, 256, 128, dtype=F16, device=dev) for _ in range(2))
+    attn_bias = rand(1, 2, 256, 256, dtype=F16, device=dev, grad=False) if with_bias else None
     params = make_params(q, causal)
-    out = triton_attention(q, k, v, None, params)
+    out = triton_attention(q, k, v, attn_bias, params)
     do = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
-    assert calls == [("fwd", 1, 1), ("dkdv", 1, 1, 1), ("dq", 1, 1, 1)]
+    rows = (0, 256, 2 * 256) if with_bias else ()
+    assert calls == [("fwd", 1, 1) + rows, ("dkdv", 1, 1, 1) + rows, ("dq", 1, 1, 1) + rows]
     assert torch.equal(out, made["out"]) and torch.equal(dq, made["dq"])
     assert torch.equal(dk, made["dk"]) and torch.equal(dv, made["dv"])
     delta = (do.float() * out.float()).sum(-1)
     for name in ("delta_dkdv", "delta_dq"):
         torch.testing.assert_close(made[name], delta, rtol=1e-5, atol=1e-5)
+    if with_bias:
+        return
     # sdpa()'s relaunch plan for inference captures no tl launch here: every call takes the route
     plan = launch.ForwardPlan(q, params)
     for _ in range(2):

@@ -162,6 +162,7 @@ class WsConfig(NamedTuple):
     and dQ), ``stages`` ring slots."""
     block_n: int = 128
     stages: int = 2
+    bias_stages: int = 2        # slots of the bias ring (forward and dQ; dK/dV: one per (Q, dO) slot)
     consumer_regs: int = 240    # registers per thread of the second consumer (setmaxnreg)
     max_regs: int = 168         # kernel-wide limit: 12 warps * 32 * 168 fit the register file
 
@@ -182,7 +183,9 @@ WS_FWD_CONFIGS = {128: WsConfig()}
 WS_BWD_CONFIGS = {128: WsConfig()}
 # The warp-specialised dQ pass (experiment 42): the forward's K/V ring and loader, dP = dO V^T and
 # dQ += dS K in the consumers; after the dK/dV pass above, for the same calls.
-WS_DQ_CONFIGS = {128: WsConfig()}
+# With a bias the dQ pass has one bias slot: its Q, dO, K/V ring and a (128, 128) bias tile fill
+# 224 KiB of the 227 KiB of shared memory.
+WS_DQ_CONFIGS = {128: WsConfig(bias_stages=1)}
 
 
 INTERPRETER_CONFIGS = {

@@ -30,6 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 LN2 = gl.constexpr(0.6931471805599453)
+LOG2E = gl.constexpr(1.4426950408889634)
 # Rows per consumer warpgroup (one wgmma M): a program covers 2 * WG_ROWS query rows (forward,
 # dQ) or keys (dK/dV); the dK/dV pass streams WG_ROWS-row query tiles.  The launcher reads it.
 WG_ROWS = gl.constexpr(64)
@@ -105,15 +106,74 @@ def _kv_ring(q_desc, k_desc, v_desc, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _ws_loader(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars,
+def _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, STAGES: gl.constexpr):
+    """Shared memory of the bias tiles (forward and dQ pass): a ring of ``STAGES`` slots beside
+    the K/V ring, its barriers (ready; empty: both consumers are done), and the bias matrix's
+    rows per batch and per head (row of query i of (b, h): b * batch_rows + h * head_rows + i)."""
+    bufs = gl.allocate_shared_memory(bias_desc.dtype, [STAGES] + bias_desc.block_type.shape, bias_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    return bias_desc, bufs, ready, empty, bias_batch_rows, bias_head_rows
+
+
+@gluon.jit
+def _bias_row(pid_bh, num_heads, batch_rows, head_rows):
+    """The bias matrix's row of query 0 of program row ``pid_bh = b * Hq + h``."""
+    return (pid_bh // num_heads) * batch_rows + (pid_bh % num_heads) * head_rows
+
+
+@gluon.jit
+def _load_bias_tile(bias, j, row, col, STAGES: gl.constexpr):
+    """Loader side: bias tile ``j`` of the ring, rows ``row..``, columns ``col..``."""
+    bias_desc, bufs, ready, empty = bias[0], bias[1], bias[2], bias[3]
+    s = j % STAGES
+    mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), bias_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(bias_desc, [row, col], ready.index(s), bufs.index(s))
+
+
+@gluon.jit
+def _biased_scores(sc, qk_scale, bias, j, WG: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer side: ``sc * qk_scale`` plus this warpgroup's ``ROWS`` rows of bias tile ``j``,
+    both in the log2 domain; the slot is released as soon as it is read."""
+    bufs, ready, empty = bias[1], bias[2], bias[3]
+    s = j % STAGES
+    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+    b = bufs.index(s).slice(WG * ROWS, ROWS).load(sc.type.layout)
+    mbarrier.arrive(empty.index(s), count=1)
+    return sc * qk_scale + b.to(gl.float32) * LOG2E
+
+
+@gluon.jit
+def _softmax_step(sc, m_i, scale, MAY_EMPTY: gl.constexpr):
+    """One key tile of the online softmax: (P, rescale factor of the earlier sums, new max).
+    ``sc * scale`` are log2-domain scores; ``m_i`` the running max (scaled), -inf while a row
+    has seen no allowed key: with MAY_EMPTY (a bias can mask a whole tile) such a row is
+    exponentiated against 0, so its P and factor are 0 instead of NaN."""
+    m_new = gl.maximum(m_i, gl.max(sc, 1) * scale)
+    m_use = m_new
+    if MAY_EMPTY:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(sc * scale - m_use[:, None])
+    return p, gl.exp2(m_i - m_use), m_new
+
+
+@gluon.jit
+def _ws_loader(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias,
                qk_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
                WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
-               STORE_LSE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+               STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr):
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     pid_m = n_m_blocks - 1 - gl.program_id(0)      # longest causal rows first
     kv_row, kv_col = _tile_origin(gl.program_id(1), group, num_heads, seq_k, KV_ROWS, HEAD_D)
     n_tiles, _ = _kv_tiles(pid_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
+    if HAS_BIAS:
+        bias_row = _bias_row(gl.program_id(1), num_heads, bias[4], bias[5]) + pid_m * 2 * BLOCK_M
     for j in range(n_tiles):
         s = j % STAGES
         ph = (j // STAGES) & 1
@@ -121,16 +181,19 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, 
         mbarrier.wait(k_empty.index(s), ph ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s))
+        if HAS_BIAS:     # needed right after S_j, before V_j
+            _load_bias_tile(bias, j, bias_row, j * BLOCK_N, BIAS_STAGES)
         mbarrier.wait(v_empty.index(s), ph ^ 1)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(s), v_bufs.index(s))
 
 
 @gluon.jit
-def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars,
+def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias,
                  qk_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
                  WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
-                 STORE_LSE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                 STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr):
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -153,6 +216,10 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     n_tiles, n_full = _kv_tiles(pid_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
     rows = q_start + gl.arange(0, BLOCK_M, row_s)
+    # scores enter the softmax as sc * scale: with a bias they are scaled when it is added
+    scale = qk_scale
+    if HAS_BIAS:
+        scale = 1.0
     mbarrier.wait(q_bar.index(WG), 0)
 
     # tile 0: its scores start the running max and sum
@@ -161,11 +228,12 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
     sc = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     sc, _, _ = warpgroup_mma_wait(0, deps=[sc, q_buf, k_buf])
     mbarrier.arrive(k_empty.index(0), count=1)
+    if HAS_BIAS:
+        sc = _biased_scores(sc, qk_scale, bias, 0, WG, BLOCK_M, BIAS_STAGES)
     if n_full == 0:
         cols = gl.arange(0, BLOCK_N, col_s)
         sc = gl.where(cols[None, :] <= rows[:, None], sc, float("-inf"))
-    m_i = gl.max(sc, 1) * qk_scale
-    p = gl.exp2(sc * qk_scale - m_i[:, None])
+    p, alpha, m_i = _softmax_step(sc, gl.full([BLOCK_M], float("-inf"), gl.float32, row_s), scale, HAS_BIAS)
     l_i = gl.sum(p, 1)
     for j in range(1, n_tiles):
         s = j % STAGES
@@ -180,14 +248,13 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
         # wgmma groups retire in order: one outstanding = S_j done, P_{j-1} V_{j-1} running
         sc, _, _ = warpgroup_mma_wait(1, deps=[sc_tok, q_buf, k_buf])
         mbarrier.arrive(k_empty.index(s), count=1)
+        if HAS_BIAS:
+            sc = _biased_scores(sc, qk_scale, bias, j, WG, BLOCK_M, BIAS_STAGES)
         if j >= n_full:
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, col_s)
             sc = gl.where(cols[None, :] <= rows[:, None], sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
-        p = gl.exp2(sc * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
+        p, alpha, m_i = _softmax_step(sc, m_i, scale, HAS_BIAS)
         l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
         acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
         mbarrier.arrive(v_empty.index(sp), count=1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -199,6 +266,10 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
     mbarrier.arrive(v_empty.index(sl), count=1)
 
+    if HAS_BIAS:    # a row the bias masks whole: output 0, logsumexp -inf
+        empty = l_i == 0.0
+        l_i = gl.where(empty, 1.0, l_i)
+        m_i = gl.where(empty, float("-inf"), m_i)
     acc = acc / gl.convert_layout(l_i, row_o)[:, None]
     if STORE_LSE:
         gl.store(lse_ptr + pid_bh * seq_q + rows, (m_i + gl.log2(l_i)) * LN2)
@@ -207,35 +278,52 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
 
 
 @gluon.jit
-def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
+def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, bias_desc, lse_ptr, qk_scale, seq_q, seq_k, num_heads, group,
+                 n_m_blocks, bias_batch_rows, bias_head_rows,
                  CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """Grid (Sq / 128, B * Hq); one program: 128 query rows of one (b, h), O (B*Hq*Sq, D) rows."""
+                 HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr,
+                 CONSUMER_REGS: gl.constexpr):
+    """Grid (Sq / 128, B * Hq); one program: 128 query rows of one (b, h), O (B*Hq*Sq, D) rows.
+    ``bias_desc`` (HAS_BIAS): (rows, Sk) bias matrix, tiles (128, BLOCK_N); None without."""
     BLOCK_M: gl.constexpr = WG_ROWS
     q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES)
+    if HAS_BIAS:
+        bias = _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, BIAS_STAGES)
+    else:
+        bias = bars     # not read: a stand-in of a type the partitions accept
     # partition arguments are spelled out: constexprs inside a concatenated tuple lose their kind
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     gl.warp_specialize([
-        (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, qk_scale, seq_q,
-                        seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
-                        BLOCK_M, BLOCK_N, STAGES)),
-        (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, qk_scale, seq_q,
-                        seq_k, num_heads, group, n_m_blocks, WG1, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
-                        BLOCK_M, BLOCK_N, STAGES)),
-        (_ws_loader, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, qk_scale, seq_q,
-                      seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
-                      BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
+                        seq_q, seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
+                        HAS_BIAS, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
+        (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
+                        seq_q, seq_k, num_heads, group, n_m_blocks, WG1, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
+                        HAS_BIAS, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
+        (_ws_loader, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
+                      seq_q, seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
+                      HAS_BIAS, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
 # --------------------------------------------------------------------------- dK / dV
 
 @gluon.jit
+def _lse_log2(lse, MAY_EMPTY: gl.constexpr):
+    """Logsumexp rows in the log2 domain for P = exp2(scores - lse); a row with no allowed key
+    (lse = -inf, MAY_EMPTY) becomes +inf, so its P is 0 instead of NaN."""
+    if MAY_EMPTY:
+        lse = gl.where(lse == float("-inf"), float("inf"), lse)
+    return lse * LOG2E
+
+
+@gluon.jit
 def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                   q_bufs, do_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
+                   q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
                    WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
-                   DO_ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                   DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr):
     kv_bar, q_ready, q_empty, lse_bufs, delta_bufs = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
@@ -262,22 +350,30 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, d
         do_row, do_col = _tile_origin(h, 1, num_heads, seq_q, DO_ROWS, HEAD_D)
         s = t % STAGES
         mbarrier.wait(q_empty.index(s), ((t // STAGES) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        if HAS_BIAS:     # the (query tile, 128 keys) bias tile rides in the (Q, dO) slot
+            bias_desc, bias_bufs = bias[0], bias[1]
+            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + bias_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(bias_desc, [_bias_row(h, num_heads, bias[4], bias[5]) + m, n0],
+                                            q_ready.index(s), bias_bufs.index(s))
+        else:
+            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row + m, q_col], q_ready.index(s), q_bufs.index(s))
         tma.async_copy_global_to_shared(do_desc, [do_row + m, do_col], q_ready.index(s), do_bufs.index(s))
         # the tile's logsumexp and delta rows: the slot's second arrival (the consumers read
         # them from shared memory instead of waiting on global loads inside each step)
         offs = h * seq_q + m + gl.arange(0, BLOCK_M, row_layout)
-        lse_bufs.index(s).store(gl.load(lse_ptr + offs) * 1.4426950408889634)
+        lse_bufs.index(s).store(_lse_log2(gl.load(lse_ptr + offs), HAS_BIAS))
         delta_bufs.index(s).store(gl.load(delta_ptr + offs))
         mbarrier.arrive(q_ready.index(s), count=1)
 
 
 @gluon.jit
 def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                     q_bufs, do_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
+                     q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
                      WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
-                     DO_ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                     DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr):
     # this warpgroup: BLOCK_N (64) keys; scores transposed (keys x queries) as the tl kernel
     kv_bar, q_ready, q_empty, lse_bufs, delta_bufs = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
@@ -303,6 +399,9 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
     if CAUSAL:
         m_lo = n0 // BLOCK_M
     n_m = seq_q // BLOCK_M - m_lo
+    scale = qk_scale     # with a bias, scores are scaled when it is added
+    if HAS_BIAS:
+        scale = 1.0
     mbarrier.wait(kv_bar, 0)
     for t in range(group * n_m):
         g = t // n_m
@@ -318,10 +417,13 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
         lse2 = lse_bufs.index(s).load(col_s)
         delta = delta_bufs.index(s).load(col_s)
         st = warpgroup_mma_wait(1, deps=[st_tok])
+        if HAS_BIAS:     # this warpgroup's keys of the slot's bias tile, transposed as the scores
+            bt = bias[1].index(s).slice(WG * BLOCK_N, BLOCK_N, dim=1).permute((1, 0)).load(s_layout)
+            st = st * qk_scale + bt.to(gl.float32) * LOG2E
         if CAUSAL:
             if mi * BLOCK_M < n0 + 2 * BLOCK_N:
                 st = gl.where(keys[:, None] <= offs_m[None, :], st, float("-inf"))
-        pt = gl.exp2(st * qk_scale - lse2[None, :])
+        pt = gl.exp2(st * scale - lse2[None, :])
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_tok = warpgroup_mma(pt_op, do_buf, dv, is_async=True)
         dpt, _ = warpgroup_mma_wait(1, deps=[dpt_tok, pt_op])
@@ -341,13 +443,14 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
 
 
 @gluon.jit
-def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, qk_scale, sm_scale,
-                      seq_q, seq_k, num_heads, group,
+def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_desc, lse_ptr, delta_ptr, qk_scale,
+                      sm_scale, seq_q, seq_k, num_heads, group, bias_batch_rows, bias_head_rows,
                       CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
-                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                      HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Grid (Sk / 128, B * Hkv); one program: 128 keys of one (b, kv head) in two consumer
     warpgroups of 64, over the 64-row query tiles of every query head of its group.
-    dK, dV: (B * Hkv * Sk, D) rows; lse, delta: (B, Hq, Sq) contiguous."""
+    dK, dV: (B * Hkv * Sk, D) rows; lse, delta: (B, Hq, Sq) contiguous; ``bias_desc``
+    (HAS_BIAS): (rows, Sk) bias matrix, tiles (64, 128); None without."""
     BLOCK_N: gl.constexpr = WG_ROWS   # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = WG_ROWS   # query rows per tile
     dtype: gl.constexpr = k_desc.dtype
@@ -367,18 +470,24 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr
         mbarrier.init(q_ready.index(i), count=2)    # the copies' expect, and the rows' arrival
         mbarrier.init(q_empty.index(i), count=2)
     bars = (kv_bar, q_ready, q_empty, lse_bufs, delta_bufs)
+    if HAS_BIAS:    # a bias tile per (Q, dO) slot, under the slot's barriers
+        bias_bufs = gl.allocate_shared_memory(bias_desc.dtype, [STAGES] + bias_desc.block_type.shape,
+                                              bias_desc.layout)
+        bias = (bias_desc, bias_bufs, q_ready, q_empty, bias_batch_rows, bias_head_rows)
+    else:
+        bias = bars     # not read: a stand-in of a type the partitions accept
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                            q_bufs, do_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                            WG0, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, BLOCK_M, BLOCK_N, STAGES)),
+                            q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
+                            WG0, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES)),
         (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                            q_bufs, do_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                            WG1, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, BLOCK_M, BLOCK_N, STAGES)),
+                            q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
+                            WG1, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES)),
         (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                          q_bufs, do_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                          WG0, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, BLOCK_M, BLOCK_N, STAGES)),
+                          q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
+                          WG0, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -386,9 +495,10 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr
 
 @gluon.jit
 def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs, k_bufs,
-                        v_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
+                        v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
                         WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                        HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        BIAS_STAGES: gl.constexpr):
     # the forward's consumer with dP = dO V^T and dQ += dS K in place of the output products
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -411,8 +521,11 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
     tma.async_copy_global_to_shared(do_desc, [do_row + q_start, do_col], q_bar.index(WG), do_buf)
 
     rows = q_start + gl.arange(0, BLOCK_M, row_s)
-    lse2 = gl.load(lse_ptr + pid_bh * seq_q + rows) * 1.4426950408889634
+    lse2 = _lse_log2(gl.load(lse_ptr + pid_bh * seq_q + rows), HAS_BIAS)
     delta = gl.load(delta_ptr + pid_bh * seq_q + rows)
+    scale = qk_scale     # with a bias, scores are scaled when it is added
+    if HAS_BIAS:
+        scale = 1.0
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     n_tiles, n_full = _kv_tiles(pid_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
@@ -427,10 +540,12 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
         v_buf = v_bufs.index(s)
         dp_tok = warpgroup_mma(do_buf, v_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         sc = warpgroup_mma_wait(1, deps=[s_tok])
+        if HAS_BIAS:
+            sc = _biased_scores(sc, qk_scale, bias, j, WG, BLOCK_M, BIAS_STAGES)
         if j >= n_full:
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, col_s)
             sc = gl.where(cols[None, :] <= rows[:, None], sc, float("-inf"))
-        p = gl.exp2(sc * qk_scale - lse2[:, None])
+        p = gl.exp2(sc * scale - lse2[:, None])
         dp, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, do_buf, v_buf])
         mbarrier.arrive(v_empty.index(s), count=1)
         ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)
@@ -442,27 +557,34 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
 
 
 @gluon.jit
-def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, qk_scale, sm_scale,
-                    seq_q, seq_k, num_heads, group, n_m_blocks,
+def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, bias_desc, lse_ptr, delta_ptr, qk_scale, sm_scale,
+                    seq_q, seq_k, num_heads, group, n_m_blocks, bias_batch_rows, bias_head_rows,
                     CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """Grid (Sq / 128, B * Hq); one program: dQ of 128 query rows of one (b, h), the K/V ring and
-    its loader shared with the forward (_ws_loader).  dQ: (B * Hq * Sq, D) rows."""
+                    HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr):
+    """Grid (Sq / 128, B * Hq); one program: dQ of 128 query rows of one (b, h), the K/V ring, the
+    bias ring and their loader shared with the forward (_ws_loader).  dQ: (B * Hq * Sq, D) rows."""
     BLOCK_M: gl.constexpr = WG_ROWS
     q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+    if HAS_BIAS:
+        bias = _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, BIAS_STAGES)
+    else:
+        bias = bars     # not read: a stand-in of a type the partitions accept
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     NO_LSE: gl.constexpr = False
     gl.warp_specialize([
         (_ws_bwd_dq_consumer, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs,
-                               k_bufs, v_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
-                               WG0, CAUSAL, Q_ROWS, DO_ROWS, BLOCK_M, BLOCK_N, STAGES)),
+                               k_bufs, v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
+                               n_m_blocks, WG0, CAUSAL, Q_ROWS, DO_ROWS, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES,
+                               BIAS_STAGES)),
         (_ws_bwd_dq_consumer, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs,
-                               k_bufs, v_bufs, bars, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
-                               WG1, CAUSAL, Q_ROWS, DO_ROWS, BLOCK_M, BLOCK_N, STAGES)),
+                               k_bufs, v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
+                               n_m_blocks, WG1, CAUSAL, Q_ROWS, DO_ROWS, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES,
+                               BIAS_STAGES)),
         # the forward's loader: it reads only the K/V descriptors, the barriers and the sizes
-        (_ws_loader, (q_desc, k_desc, v_desc, dq_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, qk_scale, seq_q,
-                      seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, NO_LSE,
-                      BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_loader, (q_desc, k_desc, v_desc, dq_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
+                      seq_q, seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, NO_LSE,
+                      HAS_BIAS, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])

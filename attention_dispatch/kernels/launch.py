@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 import triton
@@ -444,6 +445,32 @@ def bias_descriptor(use_desc: bool, bias_t, bias_strides) -> bool:
             and all((st * es) % 16 == 0 for st in (sbb, sbh, sbi)))
 
 
+def ws_bias_reason(kind: int, bias_t, bias_strides, dtype: torch.dtype, uses_descriptors: bool) -> str | None:
+    """None when the warp-specialised kernels can read this bias (or there is none), else why
+    not: they take a float bias of the query's dtype through a TMA descriptor over the (rows,
+    Sk) matrix whose row of query i of (b, h) is b * batch_rows + h * head_rows + i
+    (:func:`ws_bias_rows`)."""
+    if kind == 0:
+        return None
+    if kind == 2:
+        return "boolean mask: not in the warp-specialised kernels"
+    if bias_t.dtype != dtype:
+        return f"bias dtype {bias_t.dtype}: the warp-specialised kernels read a bias of the query's dtype ({dtype})"
+    if not bias_descriptor(uses_descriptors, bias_t, bias_strides):
+        return ("bias layout: the warp-specialised kernels need contiguous keys, per-query rows and 16-byte "
+                "aligned rows")
+    sbb, sbh, sbi, _ = bias_strides
+    if sbb % sbi or sbh % sbi:
+        return "bias layout: batch and head strides are not whole rows"
+    return None
+
+
+def ws_bias_rows(bias_strides) -> tuple[int, int]:
+    """(rows per batch, rows per head) of a bias :func:`ws_bias_reason` accepts (0: broadcast)."""
+    sbb, sbh, sbi, _ = bias_strides
+    return sbb // sbi, sbh // sbi
+
+
 def _common(q, params, prob):
     """Constexpr arguments shared by every kernel of a call (memoised: built on every launch)."""
     return _common_constexprs(q.dtype, prob.Dqk, prob.Dv, prob.varlen, bool(params.align_bottom_right),
@@ -538,12 +565,13 @@ def host_kv_descriptors(k, v, prob: "_Problem", uses_descriptors: bool, block_dq
 WS_MIN_WORK = HOST_KV_MIN_WORK
 
 
-def ws_forward_reason(prob: "_Problem", bias_kind: int, params: KernelParams, dtype: torch.dtype,
+def ws_forward_reason(prob: "_Problem", bias_reason: str | None, params: KernelParams, dtype: torch.dtype,
                       cc: tuple[int, int], uses_descriptors: bool, q_rows: int, kv_rows: int) -> str | None:
     """None when the warp-specialised sm90 kernels (forward, dK/dV, dQ) compute this call, else why
     not (one line).
-    ``uses_descriptors``: :func:`use_descriptors` of q, k, v; ``q_rows`` / ``kv_rows``:
-    :func:`_rows_layout` of q and of (k, v)."""
+    ``bias_reason``: :func:`ws_bias_reason` of the call's bias; ``uses_descriptors``:
+    :func:`use_descriptors` of q, k, v; ``q_rows`` / ``kv_rows``: :func:`_rows_layout` of q and
+    of (k, v)."""
     banded = params.window_left >= 0 or params.window_right >= 0
     causal = params.window_left < 0 and params.window_right == 0
     cfg = C.WS_FWD_CONFIGS.get(prob.Dqk)
@@ -559,8 +587,10 @@ def ws_forward_reason(prob: "_Problem", bias_kind: int, params: KernelParams, dt
         return f"head dims {prob.Dqk}/{prob.Dv}: equal and one of {sorted(C.WS_FWD_CONFIGS)} only"
     if prob.varlen:
         return "varlen: dense calls only"
-    if bias_kind != 0 or params.dropout_p > 0:
-        return "bias, mask or dropout: not in the warp-specialised forward"
+    if bias_reason is not None:
+        return bias_reason
+    if params.dropout_p > 0:
+        return "dropout: not in the warp-specialised kernels"
     if banded and not (causal and prob.Sq == prob.Sk):
         return "window or causal with Sq != Sk: only dense and causal with Sq == Sk"
     if params.scale <= 0:
@@ -580,12 +610,13 @@ def ws_forward_reason(prob: "_Problem", bias_kind: int, params: KernelParams, dt
     return None
 
 
-def _ws_route(q, k, v, bias_kind: int, params: KernelParams, prob: "_Problem", uses_descriptors: bool):
-    """(q rows layout, k/v rows layout) when the warp-specialised kernels serve this call, else None."""
+def _ws_route(q, k, v, bias_reason: str | None, params: KernelParams, prob: "_Problem", uses_descriptors: bool):
+    """(q rows layout, k/v rows layout) when the warp-specialised kernels serve this call, else None.
+    ``bias_reason``: :func:`ws_bias_reason` of the call's bias."""
     if not uses_descriptors:
         return None
     q_rows, kv_rows = _rows_layout(q), _rows_layout(k, v)
-    if ws_forward_reason(prob, bias_kind, params, q.dtype, device_info(q.device)[0], uses_descriptors, q_rows,
+    if ws_forward_reason(prob, bias_reason, params, q.dtype, device_info(q.device)[0], uses_descriptors, q_rows,
                          kv_rows) is not None:
         return None
     return q_rows, kv_rows
@@ -604,53 +635,89 @@ def _rows_descriptor(t: torch.Tensor, rows_layout: int, block_rows: int):
     return _GluonDescriptor(t, [rows, width], [width, 1], [block_rows, D], _ws_smem_layout(block_rows, D, t.dtype))
 
 
+class _WsBias(NamedTuple):
+    """A bias the warp-specialised kernels read (:func:`ws_bias_reason`): the tensor, its row
+    stride, the rows of its (rows, Sk) matrix, and its rows per batch and per head."""
+    tensor: torch.Tensor
+    row_stride: int
+    rows: int
+    batch_rows: int
+    head_rows: int
+
+    @classmethod
+    def of(cls, bias_t, bias_strides, prob: "_Problem") -> "_WsBias":
+        batch_rows, head_rows = ws_bias_rows(bias_strides)
+        rows = (prob.B - 1) * batch_rows + (prob.Hq - 1) * head_rows + prob.Sq
+        return cls(bias_t, bias_strides[2], rows, batch_rows, head_rows)
+
+    def descriptor(self, block_rows: int, block_cols: int, seq_k: int):
+        """Gluon descriptor over the bias matrix, tiles of (block_rows, block_cols)."""
+        return _GluonDescriptor(self.tensor, [self.rows, seq_k], [self.row_stride, 1], [block_rows, block_cols],
+                                _ws_smem_layout(block_rows, block_cols, self.tensor.dtype))
+
+    def launch_args(self, block_rows: int, block_cols: int, seq_k: int) -> tuple:
+        return self.descriptor(block_rows, block_cols, seq_k), self.batch_rows, self.head_rows
+
+
+def _bias_args(bias: "_WsBias | None", block_rows: int, block_cols: int, seq_k: int) -> tuple:
+    """(descriptor or None, rows per batch, rows per head): a Gluon kernel's bias arguments."""
+    return (None, 0, 0) if bias is None else bias.launch_args(block_rows, block_cols, seq_k)
+
+
 # The Gluon kernels' launch: 4 warps in the default (first consumer) partition; their pipelines
 # are written out.  Launched through compiled_cache like the tl kernels:
 # Triton's own launch path costs ~150 us of host time per call (probe of session 12).
 _WS_WARPS, _WS_STAGES = 4, 3     # num_stages: Triton's default, as Triton's own launch had
 
 
-def _forward_ws(q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int):
+def _forward_ws(q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int,
+                bias: _WsBias | None = None):
     cfg = C.WS_FWD_CONFIGS[prob.Dqk]
     n_m = prob.Sq // (2 * _WG_ROWS)
+    bias_desc, batch_rows, head_rows = _bias_args(bias, 2 * _WG_ROWS, cfg.block_n, prob.Sk)
     _launch_one(_attn_fwd_ws, (n_m, prob.B * prob.Hq), (
         _rows_descriptor(q, q_rows, _WG_ROWS), _rows_descriptor(k, kv_rows, cfg.block_n),
-        _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(out, 1, _WG_ROWS),
-        lse if lse is not None else out, params.scale * LOG2E, prob.Sq, prob.Sk, prob.Hq, prob.group, n_m),
+        _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(out, 1, _WG_ROWS), bias_desc,
+        lse if lse is not None else out, params.scale * LOG2E, prob.Sq, prob.Sk, prob.Hq, prob.group, n_m,
+        batch_rows, head_rows),
         dict(CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, STORE_LSE=lse is not None,
-             BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs),
+             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages,
+             CONSUMER_REGS=cfg.consumer_regs),
         _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
 
 
 def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int,
-             do_rows: int):
+             do_rows: int, bias: _WsBias | None = None):
     """dK, dV of a call the warp-specialised forward serves (same scope, dO in a row layout)."""
     cfg = C.WS_BWD_CONFIGS[prob.Dqk]
     dk, dv = torch.empty(k.shape, device=k.device, dtype=k.dtype), torch.empty(v.shape, device=v.device, dtype=v.dtype)
     w = _WG_ROWS
+    bias_desc, batch_rows, head_rows = _bias_args(bias, w, 2 * w, prob.Sk)
     _launch_one(_attn_bwd_dkdv_ws, (prob.Sk // (2 * w), prob.B * prob.Hkv), (
         _rows_descriptor(q, q_rows, w), _rows_descriptor(k, kv_rows, w), _rows_descriptor(v, kv_rows, w),
-        _rows_descriptor(do, do_rows, w), _rows_descriptor(dk, 1, w), _rows_descriptor(dv, 1, w),
-        lse, delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq, prob.group),
-        dict(CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows, STAGES=cfg.stages,
-             CONSUMER_REGS=cfg.consumer_regs),
+        _rows_descriptor(do, do_rows, w), _rows_descriptor(dk, 1, w), _rows_descriptor(dv, 1, w), bias_desc,
+        lse, delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq, prob.group, batch_rows, head_rows),
+        dict(CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows,
+             HAS_BIAS=bias is not None, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs),
         _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
     return dk, dv
 
 
 def _dq_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int,
-           do_rows: int) -> torch.Tensor:
+           do_rows: int, bias: _WsBias | None = None) -> torch.Tensor:
     """dQ of a call the warp-specialised forward serves, over the forward's K/V ring."""
     cfg = C.WS_DQ_CONFIGS[prob.Dqk]
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     n_m = prob.Sq // (2 * _WG_ROWS)
+    bias_desc, batch_rows, head_rows = _bias_args(bias, 2 * _WG_ROWS, cfg.block_n, prob.Sk)
     _launch_one(_attn_bwd_dq_ws, (n_m, prob.B * prob.Hq), (
         _rows_descriptor(q, q_rows, _WG_ROWS), _rows_descriptor(k, kv_rows, cfg.block_n),
         _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(do, do_rows, _WG_ROWS),
-        _rows_descriptor(dq, 1, _WG_ROWS), lse, delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq,
-        prob.group, n_m),
+        _rows_descriptor(dq, 1, _WG_ROWS), bias_desc, lse, delta, params.scale * LOG2E, params.scale, prob.Sq,
+        prob.Sk, prob.Hq, prob.group, n_m, batch_rows, head_rows),
         dict(CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows,
-             BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs),
+             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages,
+             CONSUMER_REGS=cfg.consumer_regs),
         _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
     return dq
 
@@ -685,9 +752,10 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
     # Q is checked too: it goes through a descriptor beside a bias descriptor (forward.py)
     desc = use_descriptors(params, (q, k, v), dev, loop_len=prob.Sk)
     # (out is q's dtype except for bf16 under the CPU interpreter, which runs no Gluon kernel)
-    route = _ws_route(q, k, v, kind, params, prob, desc) if out.dtype == q.dtype else None
+    bias_reason = ws_bias_reason(kind, bt, bstr, q.dtype, desc)
+    route = _ws_route(q, k, v, bias_reason, params, prob, desc) if out.dtype == q.dtype else None
     if route is not None:
-        _forward_ws(q, k, v, out, lse, params, prob, *route)
+        _forward_ws(q, k, v, out, lse, params, prob, *route, bias=_WsBias.of(bt, bstr, prob) if kind else None)
         return out, lse, seed
     cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, **_table_traits(kind, params, prob))
     # A row whose first key block may be entirely masked needs the -inf-safe running max.
@@ -926,14 +994,16 @@ def _dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, para
     return _as_dtype(dq_ws, q.dtype)
 
 
-def _ws_backward_route(do, q, k, v, bias_kind: int, params: KernelParams, prob: "_Problem",
+def _ws_backward_route(do, q, k, v, bias_reason: str | None, params: KernelParams, prob: "_Problem",
                        uses_descriptors: bool):
     """(q rows layout, k/v rows layout, dO rows layout) when the warp-specialised dK/dV pass
     serves this backward (the dQ pass too where configs.WS_DQ_CONFIGS has the head dim), else None.
-    ``uses_descriptors``: :func:`use_descriptors` of q, k, v and dO."""
+    ``bias_reason``: :func:`ws_bias_reason` of the call's bias (a bias whose gradient is needed
+    takes the tl kernels: only they compute it); ``uses_descriptors``: :func:`use_descriptors`
+    of q, k, v and dO."""
     if prob.Dqk not in C.WS_BWD_CONFIGS:
         return None
-    route = _ws_route(q, k, v, bias_kind, params, prob, uses_descriptors)
+    route = _ws_route(q, k, v, bias_reason, params, prob, uses_descriptors)
     do_rows = _rows_layout(do) if route is not None else 0
     return (*route, do_rows) if do_rows else None
 
@@ -983,11 +1053,13 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
 
     # 2) dK, dV (+ d(bias)) : key-tile parallel, loops over the query heads of the group
     traits = _table_traits(kind, params, prob)
-    route = _ws_backward_route(do, q, k, v, kind, params, prob, desc)
-    if route is not None:   # (bias_grad needs a bias: kind != 0, which the route excludes)
-        dk, dv = _dkdv_ws(q, k, v, do, lse, delta, params, prob, *route)
+    bias_reason = "a bias whose gradient is needed" if bias_grad else ws_bias_reason(kind, bt, bstr, q.dtype, desc)
+    route = _ws_backward_route(do, q, k, v, bias_reason, params, prob, desc)
+    if route is not None:
+        ws_bias = _WsBias.of(bt, bstr, prob) if kind else None
+        dk, dv = _dkdv_ws(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias)
         if prob.Dqk in C.WS_DQ_CONFIGS:
-            return _dq_ws(q, k, v, do, lse, delta, params, prob, *route), dk, dv, None
+            return _dq_ws(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias), dk, dv, None
         return (_dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, params, prob, common,
                          traits, limit, num_sms, lse_str, do_str), dk, dv, None)
     sum_rows = sum_heads = False
