@@ -99,7 +99,7 @@ def compile_case(kind: str, entry, constexprs: dict):
 def ws_cases():
     """The warp-specialised forward (kernels/forward_ws.py) for every head dim it serves:
     dense / causal, each row layout of Q and K/V, with and without the logsumexp; with a
-    bias, (B, H, S, D) rows with and without causal."""
+    bias (launched batch-fastest), (B, H, S, D) rows with and without causal."""
     for d, cfg in {**C.WS_FWD_CONFIGS, 64: C.WsConfig()}.items():   # d64: tested, not served
         for causal in (False, True):
             for rows, has_bias in (((1, 1), False), ((2, 2), False), ((1, 2), False), ((1, 1), True)):
@@ -107,13 +107,13 @@ def ws_cases():
                     bias = " bias" if has_bias else ""
                     yield d, cfg, f"ws d={d} causal={causal} rows={rows[0]}/{rows[1]} lse={store_lse}{bias}", dict(
                         CAUSAL=causal, Q_ROWS=rows[0], KV_ROWS=rows[1], STORE_LSE=store_lse, HAS_BIAS=has_bias,
-                        BLOCK_N=cfg.block_n, STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages,
+                        BATCH_MINOR=has_bias, BLOCK_N=cfg.block_n, STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages,
                         CONSUMER_REGS=cfg.consumer_regs)
 
 
 def ws_backward_cases():
     """The warp-specialised dK/dV and dQ passes for every head dim each serves: dense / causal,
-    row layouts of (q, k/v, dO), and (B, H, S, D) rows with a bias; the dQ pass also takes the
+    row layouts of (q, k/v, dO), and (B, H, S, D) rows with a bias (launched batch-fastest); the dQ pass also takes the
     forward's key tile (BLOCK_N) and bias ring depth."""
     for kind, configs in (("dkdv", C.WS_BWD_CONFIGS), ("dq", C.WS_DQ_CONFIGS)):
         for d, cfg in configs.items():
@@ -124,7 +124,7 @@ def ws_backward_cases():
                     bias = " bias" if has_bias else ""
                     yield d, cfg, f"ws {kind} d={d} causal={causal} rows={rows}{bias}", dict(
                         CAUSAL=causal, Q_ROWS=rows[0], KV_ROWS=rows[1], DO_ROWS=rows[2], HAS_BIAS=has_bias,
-                        **tiles, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
+                        BATCH_MINOR=has_bias, **tiles, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def compile_ws_case(d: int, cfg, constexprs: dict):

@@ -60,6 +60,17 @@ def _tile_origin(pid_bh, head_groups, num_heads, seq, ROWS: gl.constexpr, HEAD_D
 
 
 @gluon.jit
+def _program_row(heads, BATCH_MINOR: gl.constexpr):
+    """Grid axis 1 as ``b * heads + h``.  BATCH_MINOR launches it batch-fastest: the programs of
+    one head in every batch run together, so a bias shared by the batches is read from L2."""
+    pid = gl.program_id(1)
+    if BATCH_MINOR:
+        batch = gl.num_programs(1) // heads
+        pid = (pid % batch) * heads + pid // batch
+    return pid
+
+
+@gluon.jit
 def _kv_tiles(pid_m, seq_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """(key tiles a program of 2 * BLOCK_M query rows reads, how many of them need no causal
     mask): the loader and both consumers must agree on the first, or the ring deadlocks."""
@@ -165,15 +176,17 @@ def _softmax_step(sc, m_i, scale, MAY_EMPTY: gl.constexpr):
 def _ws_loader(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias,
                qk_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
                WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
-               STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr):
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     pid_m = n_m_blocks - 1 - gl.program_id(0)      # longest causal rows first
-    kv_row, kv_col = _tile_origin(gl.program_id(1), group, num_heads, seq_k, KV_ROWS, HEAD_D)
+    pid_bh = _program_row(num_heads, BATCH_MINOR)
+    kv_row, kv_col = _tile_origin(pid_bh, group, num_heads, seq_k, KV_ROWS, HEAD_D)
     n_tiles, _ = _kv_tiles(pid_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
     if HAS_BIAS:
-        bias_row = _bias_row(gl.program_id(1), num_heads, bias[4], bias[5]) + pid_m * 2 * BLOCK_M
+        bias_row = _bias_row(pid_bh, num_heads, bias[4], bias[5]) + pid_m * 2 * BLOCK_M
     for j in range(n_tiles):
         s = j % STAGES
         ph = (j // STAGES) & 1
@@ -192,7 +205,8 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, 
 def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias,
                  qk_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
                  WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
-                 STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr):
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -205,7 +219,7 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     pid_m = n_m_blocks - 1 - gl.program_id(0)
-    pid_bh = gl.program_id(1)
+    pid_bh = _program_row(num_heads, BATCH_MINOR)
     q_start = pid_m * 2 * BLOCK_M + WG * BLOCK_M        # this warpgroup's first query row
     q_row, q_col = _tile_origin(pid_bh, 1, num_heads, seq_q, Q_ROWS, HEAD_D)
     q_buf = q_bufs.index(WG)
@@ -281,7 +295,8 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
 def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, bias_desc, lse_ptr, qk_scale, seq_q, seq_k, num_heads, group,
                  n_m_blocks, bias_batch_rows, bias_head_rows,
                  CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr,
+                 HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 BIAS_STAGES: gl.constexpr,
                  CONSUMER_REGS: gl.constexpr):
     """Grid (Sq / 128, B * Hq); one program: 128 query rows of one (b, h), O (B*Hq*Sq, D) rows.
     ``bias_desc`` (HAS_BIAS): (rows, Sk) bias matrix, tiles (128, BLOCK_N); None without."""
@@ -297,13 +312,13 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, bias_desc, lse_ptr, qk_scale, s
     gl.warp_specialize([
         (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
                         seq_q, seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
-                        HAS_BIAS, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
+                        HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
         (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
                         seq_q, seq_k, num_heads, group, n_m_blocks, WG1, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
-                        HAS_BIAS, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
+                        HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
         (_ws_loader, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
                       seq_q, seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
-                      HAS_BIAS, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
+                      HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -322,14 +337,15 @@ def _lse_log2(lse, MAY_EMPTY: gl.constexpr):
 def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
                    q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
                    WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
-                   DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr):
     kv_bar, q_ready, q_empty, lse_bufs, delta_bufs = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     pid_n = gl.program_id(0)
-    pid_bkv = gl.program_id(1)                      # b * Hkv + hk
     n_kv = num_heads // group
+    pid_bkv = _program_row(n_kv, BATCH_MINOR)       # b * Hkv + hk
     b = pid_bkv // n_kv
     hk = pid_bkv % n_kv
     n0 = pid_n * 2 * BLOCK_N
@@ -372,7 +388,8 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, d
 def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
                      q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
                      WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
-                     DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr):
     # this warpgroup: BLOCK_N (64) keys; scores transposed (keys x queries) as the tl kernel
     kv_bar, q_ready, q_empty, lse_bufs, delta_bufs = bars
@@ -384,8 +401,8 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     pid_n = gl.program_id(0)
-    pid_bkv = gl.program_id(1)
     n_kv = num_heads // group
+    pid_bkv = _program_row(n_kv, BATCH_MINOR)
     b = pid_bkv // n_kv
     hk = pid_bkv % n_kv
     n0 = pid_n * 2 * BLOCK_N
@@ -446,7 +463,8 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
 def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_desc, lse_ptr, delta_ptr, qk_scale,
                       sm_scale, seq_q, seq_k, num_heads, group, bias_batch_rows, bias_head_rows,
                       CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
-                      HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                      HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, STAGES: gl.constexpr,
+                      CONSUMER_REGS: gl.constexpr):
     """Grid (Sk / 128, B * Hkv); one program: 128 keys of one (b, kv head) in two consumer
     warpgroups of 64, over the 64-row query tiles of every query head of its group.
     dK, dV: (B * Hkv * Sk, D) rows; lse, delta: (B, Hq, Sq) contiguous; ``bias_desc``
@@ -481,13 +499,13 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_de
     gl.warp_specialize([
         (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
                             q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                            WG0, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES)),
+                            WG0, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES)),
         (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
                             q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                            WG1, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES)),
+                            WG1, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES)),
         (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
                           q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                          WG0, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES)),
+                          WG0, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -497,7 +515,8 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_de
 def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs, k_bufs,
                         v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
                         WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
-                        HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         BIAS_STAGES: gl.constexpr):
     # the forward's consumer with dP = dO V^T and dQ += dS K in place of the output products
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
@@ -510,7 +529,7 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     pid_m = n_m_blocks - 1 - gl.program_id(0)
-    pid_bh = gl.program_id(1)
+    pid_bh = _program_row(num_heads, BATCH_MINOR)
     q_start = pid_m * 2 * BLOCK_M + WG * BLOCK_M
     q_row, q_col = _tile_origin(pid_bh, 1, num_heads, seq_q, Q_ROWS, HEAD_D)
     do_row, do_col = _tile_origin(pid_bh, 1, num_heads, seq_q, DO_ROWS, HEAD_D)
@@ -560,7 +579,8 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
 def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, bias_desc, lse_ptr, delta_ptr, qk_scale, sm_scale,
                     seq_q, seq_k, num_heads, group, n_m_blocks, bias_batch_rows, bias_head_rows,
                     CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
-                    HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    BIAS_STAGES: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr):
     """Grid (Sq / 128, B * Hq); one program: dQ of 128 query rows of one (b, h), the K/V ring, the
     bias ring and their loader shared with the forward (_ws_loader).  dQ: (B * Hq * Sq, D) rows."""
@@ -577,14 +597,16 @@ def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, bias_desc, lse_ptr
     gl.warp_specialize([
         (_ws_bwd_dq_consumer, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs,
                                k_bufs, v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                               n_m_blocks, WG0, CAUSAL, Q_ROWS, DO_ROWS, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES,
+                               n_m_blocks, WG0, CAUSAL, Q_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N,
+                               STAGES,
                                BIAS_STAGES)),
         (_ws_bwd_dq_consumer, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs,
                                k_bufs, v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                               n_m_blocks, WG1, CAUSAL, Q_ROWS, DO_ROWS, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES,
+                               n_m_blocks, WG1, CAUSAL, Q_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N,
+                               STAGES,
                                BIAS_STAGES)),
         # the forward's loader: it reads only the K/V descriptors, the barriers and the sizes
         (_ws_loader, (q_desc, k_desc, v_desc, dq_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
                       seq_q, seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, NO_LSE,
-                      HAS_BIAS, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
+                      HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])

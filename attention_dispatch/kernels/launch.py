@@ -637,18 +637,20 @@ def _rows_descriptor(t: torch.Tensor, rows_layout: int, block_rows: int):
 
 class _WsBias(NamedTuple):
     """A bias the warp-specialised kernels read (:func:`ws_bias_reason`): the tensor, its row
-    stride, the rows of its (rows, Sk) matrix, and its rows per batch and per head."""
+    stride, the rows of its (rows, Sk) matrix, its rows per batch and per head, and whether
+    the programs run batch-fastest (:func:`batch_minor`)."""
     tensor: torch.Tensor
     row_stride: int
     rows: int
     batch_rows: int
     head_rows: int
+    batch_minor: bool
 
     @classmethod
     def of(cls, bias_t, bias_strides, prob: "_Problem") -> "_WsBias":
         batch_rows, head_rows = ws_bias_rows(bias_strides)
         rows = (prob.B - 1) * batch_rows + (prob.Hq - 1) * head_rows + prob.Sq
-        return cls(bias_t, bias_strides[2], rows, batch_rows, head_rows)
+        return cls(bias_t, bias_strides[2], rows, batch_rows, head_rows, batch_minor(1, bias_strides, prob))
 
     def descriptor(self, block_rows: int, block_cols: int, seq_k: int):
         """Gluon descriptor over the bias matrix, tiles of (block_rows, block_cols)."""
@@ -681,7 +683,8 @@ def _forward_ws(q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_row
         lse if lse is not None else out, params.scale * LOG2E, prob.Sq, prob.Sk, prob.Hq, prob.group, n_m,
         batch_rows, head_rows),
         dict(CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, STORE_LSE=lse is not None,
-             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages,
+             HAS_BIAS=bias is not None, BATCH_MINOR=bias is not None and bias.batch_minor, BLOCK_N=cfg.block_n,
+             STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages,
              CONSUMER_REGS=cfg.consumer_regs),
         _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
 
@@ -698,7 +701,8 @@ def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_
         _rows_descriptor(do, do_rows, w), _rows_descriptor(dk, 1, w), _rows_descriptor(dv, 1, w), bias_desc,
         lse, delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq, prob.group, batch_rows, head_rows),
         dict(CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows,
-             HAS_BIAS=bias is not None, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs),
+             HAS_BIAS=bias is not None, BATCH_MINOR=bias is not None and bias.batch_minor, STAGES=cfg.stages,
+             CONSUMER_REGS=cfg.consumer_regs),
         _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
     return dk, dv
 
@@ -716,7 +720,8 @@ def _dq_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_ro
         _rows_descriptor(dq, 1, _WG_ROWS), bias_desc, lse, delta, params.scale * LOG2E, params.scale, prob.Sq,
         prob.Sk, prob.Hq, prob.group, n_m, batch_rows, head_rows),
         dict(CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows,
-             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages,
+             HAS_BIAS=bias is not None, BATCH_MINOR=bias is not None and bias.batch_minor, BLOCK_N=cfg.block_n,
+             STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages,
              CONSUMER_REGS=cfg.consumer_regs),
         _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
     return dq
