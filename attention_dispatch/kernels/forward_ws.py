@@ -147,15 +147,21 @@ def _load_bias_tile(bias, j, row, col, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _biased_scores(sc, qk_scale, bias, j, WG: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr):
-    """Consumer side: ``sc * qk_scale`` plus this warpgroup's ``ROWS`` rows of bias tile ``j``,
-    both in the log2 domain; the slot is released as soon as it is read."""
-    bufs, ready, empty = bias[1], bias[2], bias[3]
+def _bias_tile(bias, j, WG: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, layout: gl.constexpr):
+    """Consumer side: this warpgroup's ``ROWS`` rows of bias tile ``j`` in fp32 (natural units:
+    the scores become ``sc * sm_scale + bias``, scaled by log2(e) in the softmax's one FMA),
+    read while the score product runs.  The caller releases the slot (:func:`_release_bias`)
+    once it has used the values: an arrive right after the shared-memory load let the loader's
+    next TMA copy overwrite the slot before the load had returned (dQ, one slot: run-to-run
+    differences, experiment 51)."""
     s = j % STAGES
-    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-    b = bufs.index(s).slice(WG * ROWS, ROWS).load(sc.type.layout)
-    mbarrier.arrive(empty.index(s), count=1)
-    return sc * qk_scale + b.to(gl.float32) * LOG2E
+    mbarrier.wait(bias[2].index(s), (j // STAGES) & 1)
+    return bias[1].index(s).slice(WG * ROWS, ROWS).load(layout).to(gl.float32)
+
+
+@gluon.jit
+def _release_bias(bias, j, STAGES: gl.constexpr):
+    mbarrier.arrive(bias[3].index(j % STAGES), count=1)
 
 
 @gluon.jit
@@ -230,20 +236,24 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     n_tiles, n_full = _kv_tiles(pid_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
     rows = q_start + gl.arange(0, BLOCK_M, row_s)
-    # scores enter the softmax as sc * scale: with a bias they are scaled when it is added
+    # scores enter the softmax as sc * scale; with a bias, as (sc * sm_scale + bias) * log2(e)
     scale = qk_scale
     if HAS_BIAS:
-        scale = 1.0
+        scale = LOG2E
+        sm_scale = qk_scale * LN2
     mbarrier.wait(q_bar.index(WG), 0)
 
     # tile 0: its scores start the running max and sum
     mbarrier.wait(k_ready.index(0), 0)
     k_buf = k_bufs.index(0)
     sc = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if HAS_BIAS:
+        b = _bias_tile(bias, 0, WG, BLOCK_M, BIAS_STAGES, s_layout)
     sc, _, _ = warpgroup_mma_wait(0, deps=[sc, q_buf, k_buf])
     mbarrier.arrive(k_empty.index(0), count=1)
     if HAS_BIAS:
-        sc = _biased_scores(sc, qk_scale, bias, 0, WG, BLOCK_M, BIAS_STAGES)
+        sc = sc * sm_scale + b
+        _release_bias(bias, 0, BIAS_STAGES)
     if n_full == 0:
         cols = gl.arange(0, BLOCK_N, col_s)
         sc = gl.where(cols[None, :] <= rows[:, None], sc, float("-inf"))
@@ -259,11 +269,14 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
         v_buf = v_bufs.index(sp)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        if HAS_BIAS:
+            b = _bias_tile(bias, j, WG, BLOCK_M, BIAS_STAGES, s_layout)
         # wgmma groups retire in order: one outstanding = S_j done, P_{j-1} V_{j-1} running
         sc, _, _ = warpgroup_mma_wait(1, deps=[sc_tok, q_buf, k_buf])
         mbarrier.arrive(k_empty.index(s), count=1)
         if HAS_BIAS:
-            sc = _biased_scores(sc, qk_scale, bias, j, WG, BLOCK_M, BIAS_STAGES)
+            sc = sc * sm_scale + b
+            _release_bias(bias, j, BIAS_STAGES)
         if j >= n_full:
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, col_s)
             sc = gl.where(cols[None, :] <= rows[:, None], sc, float("-inf"))
@@ -416,9 +429,9 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
     if CAUSAL:
         m_lo = n0 // BLOCK_M
     n_m = seq_q // BLOCK_M - m_lo
-    scale = qk_scale     # with a bias, scores are scaled when it is added
+    scale = qk_scale     # with a bias: (st * sm_scale + bias) * log2(e)
     if HAS_BIAS:
-        scale = 1.0
+        scale = LOG2E
     mbarrier.wait(kv_bar, 0)
     for t in range(group * n_m):
         g = t // n_m
@@ -436,7 +449,7 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
         st = warpgroup_mma_wait(1, deps=[st_tok])
         if HAS_BIAS:     # this warpgroup's keys of the slot's bias tile, transposed as the scores
             bt = bias[1].index(s).slice(WG * BLOCK_N, BLOCK_N, dim=1).permute((1, 0)).load(s_layout)
-            st = st * qk_scale + bt.to(gl.float32) * LOG2E
+            st = st * sm_scale + bt.to(gl.float32)
         if CAUSAL:
             if mi * BLOCK_M < n0 + 2 * BLOCK_N:
                 st = gl.where(keys[:, None] <= offs_m[None, :], st, float("-inf"))
@@ -542,9 +555,9 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
     rows = q_start + gl.arange(0, BLOCK_M, row_s)
     lse2 = _lse_log2(gl.load(lse_ptr + pid_bh * seq_q + rows), HAS_BIAS)
     delta = gl.load(delta_ptr + pid_bh * seq_q + rows)
-    scale = qk_scale     # with a bias, scores are scaled when it is added
+    scale = qk_scale     # with a bias: (sc * sm_scale + bias) * log2(e)
     if HAS_BIAS:
-        scale = 1.0
+        scale = LOG2E
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     n_tiles, n_full = _kv_tiles(pid_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
@@ -558,9 +571,12 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
         mbarrier.wait(v_ready.index(s), ph)
         v_buf = v_bufs.index(s)
         dp_tok = warpgroup_mma(do_buf, v_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if HAS_BIAS:
+            b = _bias_tile(bias, j, WG, BLOCK_M, BIAS_STAGES, s_layout)
         sc = warpgroup_mma_wait(1, deps=[s_tok])
         if HAS_BIAS:
-            sc = _biased_scores(sc, qk_scale, bias, j, WG, BLOCK_M, BIAS_STAGES)
+            sc = sc * sm_scale + b
+            _release_bias(bias, j, BIAS_STAGES)
         if j >= n_full:
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, col_s)
             sc = gl.where(cols[None, :] <= rows[:, None], sc, float("-inf"))
