@@ -16,8 +16,12 @@ and tensor-core calls explicitly (experiments 40-42):
     (forward: ``S_j`` and ``P_{j-1} V_{j-1}`` in flight together).
 
 Scope (launch.py's ``ws_forward_reason`` says why a call is not served): sm90, fp16/bf16,
-Dqk == Dv == 128 (configs.WS_*_CONFIGS), dense or causal with Sq == Sk,
-no bias, mask, dropout or window, lengths multiples of the tiles, positive scale.  Same
+Dqk == Dv == 128 (configs.WS_*_CONFIGS), dense or causal with Sq == Sk, no mask, dropout or
+window, lengths multiples of the tiles, positive scale; a float bias of the query's dtype
+that TMA can read as a (rows, Sk) matrix (``ws_bias_reason``; not one whose gradient is
+needed: the tl backward computes it).  The bias rides in its own ring (forward, dQ) or in the
+(Q, dO) slot (dK/dV); with it, scores are ``(q.k * scale + bias) * log2(e)`` and a row it masks
+whole has output 0 and logsumexp -inf.  Same
 conventions as forward.py / backward.py: log2-domain scores, ``lse`` in natural log,
 ``pid_bh = b * Hq + h``, dS = P * (dP - delta).
 Row layouts (``Q_ROWS`` / ``KV_ROWS`` / ``DO_ROWS``): 1 = (B, H, S, D) memory seen as
