@@ -96,35 +96,44 @@ def compile_case(kind: str, entry, constexprs: dict):
     return _compile(src, dict(num_warps=entry.config.num_warps, num_stages=entry.config.num_stages))
 
 
+# (label, window left, window right): dense, causal and two windows (-1: unbounded)
+WS_BANDS = (("dense", -1, -1), ("causal", -1, 0), ("window 256/0", 256, 0), ("window 100/60", 100, 60))
+
+
+def _ws_variants(n_rows: int):
+    """(label, constexprs) of the features every warp-specialised kernel takes: each band with
+    each row layout, and a bias (launched batch-fastest) over (B, H, S, D) rows."""
+    layouts = ((1,) * n_rows, (2,) * n_rows, (1, 2, 1)[:n_rows])
+    for band, left, right in WS_BANDS:
+        for rows, has_bias in [(r, False) for r in layouts] + [((1,) * n_rows, True)]:
+            if band.startswith("window") and (rows != (1,) * n_rows):
+                continue
+            label = f"{band} rows={rows}" + (" bias" if has_bias else "")
+            yield label, dict(WINDOW_LEFT=left, WINDOW_RIGHT=right, Q_ROWS=rows[0], KV_ROWS=rows[1],
+                              HAS_BIAS=has_bias, BATCH_MINOR=has_bias, **({"DO_ROWS": rows[2]} if n_rows == 3 else {}))
+
+
 def ws_cases():
-    """The warp-specialised forward (kernels/forward_ws.py) for every head dim it serves:
-    dense / causal, each row layout of Q and K/V, with and without the logsumexp; with a
-    bias (launched batch-fastest), (B, H, S, D) rows with and without causal."""
+    """The warp-specialised forward (kernels/forward_ws.py) for every head dim it serves
+    (:func:`_ws_variants`), with and without the logsumexp."""
     for d, cfg in {**C.WS_FWD_CONFIGS, 64: C.WsConfig()}.items():   # d64: tested, not served
-        for causal in (False, True):
-            for rows, has_bias in (((1, 1), False), ((2, 2), False), ((1, 2), False), ((1, 1), True)):
-                for store_lse in (True, False):
-                    bias = " bias" if has_bias else ""
-                    yield d, cfg, f"ws d={d} causal={causal} rows={rows[0]}/{rows[1]} lse={store_lse}{bias}", dict(
-                        CAUSAL=causal, Q_ROWS=rows[0], KV_ROWS=rows[1], STORE_LSE=store_lse, HAS_BIAS=has_bias,
-                        BATCH_MINOR=has_bias, BLOCK_N=cfg.block_n, STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages,
-                        CONSUMER_REGS=cfg.consumer_regs)
+        for label, const in _ws_variants(2):
+            for store_lse in (True, False):
+                yield d, cfg, f"ws d={d} {label} lse={store_lse}", dict(
+                    const, STORE_LSE=store_lse, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                    BIAS_STAGES=cfg.bias_stages, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def ws_backward_cases():
-    """The warp-specialised dK/dV and dQ passes for every head dim each serves: dense / causal,
-    row layouts of (q, k/v, dO), and (B, H, S, D) rows with a bias (launched batch-fastest); the dQ pass also takes the
-    forward's key tile (BLOCK_N) and bias ring depth."""
+    """The warp-specialised dK/dV and dQ passes for every head dim each serves
+    (:func:`_ws_variants` with dO's row layout); the dQ pass also takes the forward's key tile
+    (BLOCK_N) and bias ring depth."""
     for kind, configs in (("dkdv", C.WS_BWD_CONFIGS), ("dq", C.WS_DQ_CONFIGS)):
         for d, cfg in configs.items():
-            for causal in (False, True):
-                for rows, has_bias in (((1, 1, 1), False), ((2, 2, 2), False), ((1, 2, 1), False),
-                                       ((1, 1, 1), True)):
-                    tiles = dict(BLOCK_N=cfg.block_n, BIAS_STAGES=cfg.bias_stages) if kind == "dq" else {}
-                    bias = " bias" if has_bias else ""
-                    yield d, cfg, f"ws {kind} d={d} causal={causal} rows={rows}{bias}", dict(
-                        CAUSAL=causal, Q_ROWS=rows[0], KV_ROWS=rows[1], DO_ROWS=rows[2], HAS_BIAS=has_bias,
-                        BATCH_MINOR=has_bias, **tiles, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
+            for label, const in _ws_variants(3):
+                tiles = dict(BLOCK_N=cfg.block_n, BIAS_STAGES=cfg.bias_stages) if kind == "dq" else {}
+                yield d, cfg, f"ws {kind} d={d} {label}", dict(
+                    const, **tiles, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def compile_ws_case(d: int, cfg, constexprs: dict):

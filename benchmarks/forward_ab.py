@@ -31,7 +31,8 @@ import triton  # noqa: E402
 
 from attention_dispatch.kernels import KernelParams, configs as C, launch, triton_attention  # noqa: E402
 
-# (label, dtype, head dim, S, causal, Hq, Hkv, (B, S, H, D) memory, also forward+backward)
+# (label, dtype, head dim, S, causal (True / False, or a window (left, right) with -1 unbounded), Hq,
+#  Hkv, (B, S, H, D) memory, also forward+backward)
 ROWS = [("bf16 d128 512 causal", torch.bfloat16, 128, 512, True, 16, 16, False, True),
         ("bf16 d128 1k causal", torch.bfloat16, 128, 1024, True, 16, 16, False, True),
         ("bf16 d128 2k causal", torch.bfloat16, 128, 2048, True, 16, 16, False, True),
@@ -48,7 +49,10 @@ ROWS = [("bf16 d128 512 causal", torch.bfloat16, 128, 512, True, 16, 16, False, 
         ("bf16 d128 GQA 16/4 4k", torch.bfloat16, 128, 4096, False, 16, 4, False, True),
         ("bf16 d128 GQA 16/4 4k causal", torch.bfloat16, 128, 4096, True, 16, 4, False, True),
         ("bf16 d128 BSHD 4k", torch.bfloat16, 128, 4096, False, 16, 16, True, False),
-        ("bf16 d128 BSHD 4k causal", torch.bfloat16, 128, 4096, True, 16, 16, True, False)]
+        ("bf16 d128 BSHD 4k causal", torch.bfloat16, 128, 4096, True, 16, 16, True, False),
+        ("bf16 d128 4k window 1024/0", torch.bfloat16, 128, 4096, (1024, 0), 16, 16, False, True),
+        ("bf16 d128 16k window 1024/0", torch.bfloat16, 128, 16384, (1024, 0), 16, 16, False, True),
+        ("bf16 d128 4k window 256/256", torch.bfloat16, 128, 4096, (256, 256), 16, 16, False, True)]
 TOKENS = 16384
 # "ws": as shipped; "tl": no warp-specialised kernel; "ws-tl-dq": the warp-specialised forward and
 # dK/dV pass with the tl dQ pass (forward+backward only: its forward is "ws")
@@ -120,8 +124,10 @@ def main(argv=None) -> int:
         for t in (q, k, v):
             t.requires_grad_(True)
         do = torch.randn(B, hq, S, d, device="cuda", dtype=dt)
-        params = KernelParams(scale=d ** -0.5, window_right=0 if causal else -1)
-        flops = 4 * B * hq * S * S * d / (2 if causal else 1)
+        left, right = causal if isinstance(causal, tuple) else (-1, 0 if causal else -1)
+        params = KernelParams(scale=d ** -0.5, window_left=left, window_right=right)
+        pairs = sum(min(S, i + right + 1 if right >= 0 else S) - max(0, i - left if left >= 0 else 0) for i in range(S))
+        flops = 4 * B * hq * pairs * d
 
         def fwd():
             with torch.no_grad():

@@ -1055,7 +1055,8 @@ def _ws_problem(sq=256, sk=256, d=128, hq=4, hkv=4, dv=None):
     (dict(prob=dict(dv=64)), "head dims 128/64"),
     (dict(bias_reason="boolean mask: not in the warp-specialised kernels"), "boolean mask"),
     (dict(params=dict(dropout_p=0.1)), "dropout"),
-    (dict(params=dict(window=(64, 0))), "window"),
+    (dict(params=dict(window=(64, 0))), None),
+    (dict(params=dict(window=(64, 32), causal="bottom_right"), prob=dict(sq=128)), "Sq != Sk"),
     (dict(params=dict(causal="top_left"), prob=dict(sq=128)), "Sq != Sk"),
     (dict(params=dict(causal="top_left"), prob=dict(sq=896, sk=896)), None),
     (dict(prob=dict(sq=896, sk=896)), None),
@@ -1208,6 +1209,29 @@ def test_gpu_warp_specialized_bias(monkeypatch, dtype, feature):
     if feature == "masked":
         assert (got["out"][:, 1, 100:110] == 0).all() and (got["lse"][:, 1, 100:110] == -math.inf).all()
         assert (got["dq"][:, 1, 100:110] == 0).all()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("window", [(64, 0), (200, 50), (-1, 100), (300, -1), (0, 0), (1000, 0)])
+@pytest.mark.parametrize("extra", ["", "bias", "gqa_bshd"])
+def test_gpu_warp_specialized_window(monkeypatch, window, extra):
+    """Sliding windows in the Gluon forward, dK/dV and dQ passes against float64 (forward,
+    logsumexp, gradients), S=640 (5 query tiles, key tiles skipped on both sides): left and
+    right bounds, one side unbounded, the diagonal alone, a window wider than the sequence;
+    with a (1, H, S, S) bias, and with GQA over (B, S, H, D) memory."""
+    seen = _spy_forward_ws(monkeypatch)
+    hkv = 2 if "gqa" in extra else 4
+    q = rand(2, 4, 640, 128, dtype=BF16, device="cuda")
+    k, v = (rand(2, hkv, 640, 128, dtype=BF16, device="cuda") for _ in range(2))
+    layout = 1
+    if "bshd" in extra:
+        layout = 2
+        q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    bias = rand(1, 4, 640, 640, dtype=BF16, device="cuda", grad=False) if extra == "bias" else None
+    run_and_check(q, k, v, bias, window=window)
+    tag = ("bias",) if bias is not None else ()
+    assert seen == [(layout, layout) + tag, ("dkdv", layout, layout, 1) + tag, ("dq", layout, layout, 1) + tag]
 
 
 @gpu

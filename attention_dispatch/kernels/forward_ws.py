@@ -74,17 +74,98 @@ def _program_row(heads, BATCH_MINOR: gl.constexpr):
     return pid
 
 
+@gluon.constexpr_function
+def _causal(left, right):
+    """The band (key j of query i allowed when i - left <= j <= i + right, -1 unbounded) is causal."""
+    return left < 0 and right == 0
+
+
+@gluon.constexpr_function
+def _window(left, right):
+    """The band is another window (causal has its own, cheaper tile bounds and mask)."""
+    return (left >= 0 or right >= 0) and not (left < 0 and right == 0)
+
+
 @gluon.jit
-def _kv_tiles(pid_m, seq_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(key tiles a program of 2 * BLOCK_M query rows reads, how many of them need no causal
-    mask): the loader and both consumers must agree on the first, or the ring deadlocks."""
-    if CAUSAL:
+def _kv_tiles(pid_m, seq_k, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr):
+    """(first key tile a program of 2 * BLOCK_M query rows reads, how many it reads, how many of
+    them need no causal mask): the loader and both consumers must agree on the first two, or
+    the ring deadlocks.  A window's tiles are masked where :func:`_band_edge` says."""
+    first = 0
+    if _causal(WINDOW_LEFT, WINDOW_RIGHT):
         n_tiles = gl.cdiv((pid_m + 1) * 2 * BLOCK_M, BLOCK_N)
         n_full = (pid_m * 2 * BLOCK_M) // BLOCK_N          # tiles below the diagonal
     else:
-        n_tiles = seq_k // BLOCK_N
+        end = seq_k // BLOCK_N
+        if WINDOW_LEFT >= 0:
+            lo = pid_m * 2 * BLOCK_M - WINDOW_LEFT
+            if lo > 0:
+                first = lo // BLOCK_N
+        if WINDOW_RIGHT >= 0:
+            end = gl.minimum(end, gl.cdiv((pid_m + 1) * 2 * BLOCK_M + WINDOW_RIGHT, BLOCK_N))
+        n_tiles = end - first
         n_full = n_tiles
-    return n_tiles, n_full
+    return first, n_tiles, n_full
+
+
+@gluon.jit
+def _band_edge(row0, col0, ROWS: gl.constexpr, COLS: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+               WINDOW_RIGHT: gl.constexpr):
+    """Whether the tile of query rows row0.. and keys col0.. holds a pair outside the window."""
+    edge = row0 < 0      # False, as a runtime value
+    if WINDOW_LEFT >= 0:
+        edge = edge | (row0 + (ROWS - 1) - col0 > WINDOW_LEFT)
+    if WINDOW_RIGHT >= 0:
+        edge = edge | (col0 + (COLS - 1) - row0 > WINDOW_RIGHT)
+    return edge
+
+
+@gluon.jit
+def _masked(sc, rows, cols, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr):
+    """``sc`` with the pairs outside the band at -inf (``rows``, ``cols``: query and key indices
+    broadcast to its shape, whichever its orientation)."""
+    if _causal(WINDOW_LEFT, WINDOW_RIGHT):
+        ok = cols <= rows
+    elif WINDOW_LEFT < 0:
+        ok = cols - rows <= WINDOW_RIGHT
+    elif WINDOW_RIGHT < 0:
+        ok = rows - cols <= WINDOW_LEFT
+    else:
+        ok = (rows - cols <= WINDOW_LEFT) & (cols - rows <= WINDOW_RIGHT)
+    return gl.where(ok, sc, float("-inf"))
+
+
+@gluon.jit
+def _q_tiles(n0, seq_q, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
+             KEYS: gl.constexpr):
+    """(first query tile, how many) the dK/dV program of keys n0..n0 + KEYS reads (loader and
+    consumers must agree)."""
+    m_lo = 0
+    m_hi = seq_q // BLOCK_M
+    if WINDOW_RIGHT >= 0:       # queries i >= j - right
+        if n0 > WINDOW_RIGHT:
+            m_lo = (n0 - WINDOW_RIGHT) // BLOCK_M
+    if WINDOW_LEFT >= 0:        # queries i <= j + left
+        m_hi = gl.minimum(m_hi, gl.cdiv(n0 + KEYS + WINDOW_LEFT, BLOCK_M))
+    return m_lo, m_hi - m_lo
+
+
+@gluon.jit
+def _mask_tile(sc, rows, q_start, t, first, n_full, col_layout: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+               WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Scores (query rows x keys) of step ``t`` of a forward or dQ consumer (key tile first + t;
+    its rows ``rows`` from ``q_start``), masked where the tile crosses the band."""
+    if _causal(WINDOW_LEFT, WINDOW_RIGHT):
+        if t >= n_full:
+            cols = t * BLOCK_N + gl.arange(0, BLOCK_N, col_layout)
+            sc = _masked(sc, rows[:, None], cols[None, :], WINDOW_LEFT, WINDOW_RIGHT)
+    elif _window(WINDOW_LEFT, WINDOW_RIGHT):
+        col0 = (first + t) * BLOCK_N
+        if _band_edge(q_start, col0, BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT):
+            cols = col0 + gl.arange(0, BLOCK_N, col_layout)
+            sc = _masked(sc, rows[:, None], cols[None, :], WINDOW_LEFT, WINDOW_RIGHT)
+    return sc
 
 
 @gluon.jit
@@ -185,7 +266,8 @@ def _softmax_step(sc, m_i, scale, MAY_EMPTY: gl.constexpr):
 @gluon.jit
 def _ws_loader(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias,
                qk_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
-               WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
+               WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
+               KV_ROWS: gl.constexpr,
                STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr):
@@ -194,27 +276,29 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, 
     pid_m = n_m_blocks - 1 - gl.program_id(0)      # longest causal rows first
     pid_bh = _program_row(num_heads, BATCH_MINOR)
     kv_row, kv_col = _tile_origin(pid_bh, group, num_heads, seq_k, KV_ROWS, HEAD_D)
-    n_tiles, _ = _kv_tiles(pid_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
+    first, n_tiles, _ = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
     if HAS_BIAS:
         bias_row = _bias_row(pid_bh, num_heads, bias[4], bias[5]) + pid_m * 2 * BLOCK_M
     for j in range(n_tiles):
+        key0 = (first + j) * BLOCK_N
         s = j % STAGES
         ph = (j // STAGES) & 1
         # a fresh barrier counts as having completed phase 1: the first lap does not wait
         mbarrier.wait(k_empty.index(s), ph ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s))
+        tma.async_copy_global_to_shared(k_desc, [kv_row + key0, kv_col], k_ready.index(s), k_bufs.index(s))
         if HAS_BIAS:     # needed right after S_j, before V_j
-            _load_bias_tile(bias, j, bias_row, j * BLOCK_N, BIAS_STAGES)
+            _load_bias_tile(bias, j, bias_row, key0, BIAS_STAGES)
         mbarrier.wait(v_empty.index(s), ph ^ 1)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(s), v_bufs.index(s))
+        tma.async_copy_global_to_shared(v_desc, [kv_row + key0, kv_col], v_ready.index(s), v_bufs.index(s))
 
 
 @gluon.jit
 def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias,
                  qk_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
-                 WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
+                 WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
+                 KV_ROWS: gl.constexpr,
                  STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr):
@@ -238,7 +322,7 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
 
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    n_tiles, n_full = _kv_tiles(pid_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
+    first, n_tiles, n_full = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
     rows = q_start + gl.arange(0, BLOCK_M, row_s)
     # scores enter the softmax as sc * scale; with a bias, as (sc * sm_scale + bias) * log2(e)
     scale = qk_scale
@@ -258,9 +342,7 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
     if HAS_BIAS:
         sc = sc * sm_scale + b
         _release_bias(bias, 0, BIAS_STAGES)
-    if n_full == 0:
-        cols = gl.arange(0, BLOCK_N, col_s)
-        sc = gl.where(cols[None, :] <= rows[:, None], sc, float("-inf"))
+    sc = _mask_tile(sc, rows, q_start, 0, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
     p, alpha, m_i = _softmax_step(sc, gl.full([BLOCK_M], float("-inf"), gl.float32, row_s), scale, HAS_BIAS)
     l_i = gl.sum(p, 1)
     for j in range(1, n_tiles):
@@ -281,9 +363,7 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
         if HAS_BIAS:
             sc = sc * sm_scale + b
             _release_bias(bias, j, BIAS_STAGES)
-        if j >= n_full:
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, col_s)
-            sc = gl.where(cols[None, :] <= rows[:, None], sc, float("-inf"))
+        sc = _mask_tile(sc, rows, q_start, j, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
         p, alpha, m_i = _softmax_step(sc, m_i, scale, HAS_BIAS)
         l_i = l_i * alpha + gl.sum(p, 1)
         acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
@@ -311,7 +391,8 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
 @gluon.jit
 def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, bias_desc, lse_ptr, qk_scale, seq_q, seq_k, num_heads, group,
                  n_m_blocks, bias_batch_rows, bias_head_rows,
-                 CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr,
+                 WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
+                 STORE_LSE: gl.constexpr,
                  HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  BIAS_STAGES: gl.constexpr,
                  CONSUMER_REGS: gl.constexpr):
@@ -328,13 +409,16 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, bias_desc, lse_ptr, qk_scale, s
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
-                        seq_q, seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
+                        seq_q, seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
+                        STORE_LSE,
                         HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
         (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
-                        seq_q, seq_k, num_heads, group, n_m_blocks, WG1, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
+                        seq_q, seq_k, num_heads, group, n_m_blocks, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
+                        STORE_LSE,
                         HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
         (_ws_loader, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
-                      seq_q, seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, STORE_LSE,
+                      seq_q, seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
+                      STORE_LSE,
                       HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
@@ -353,7 +437,8 @@ def _lse_log2(lse, MAY_EMPTY: gl.constexpr):
 @gluon.jit
 def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
                    q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                   WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
+                   WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
+                   KV_ROWS: gl.constexpr,
                    DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr):
@@ -371,10 +456,7 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, d
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [kv_row + n0 + w * BLOCK_N, kv_col], kv_bar, k_bufs.index(w))
         tma.async_copy_global_to_shared(v_desc, [kv_row + n0 + w * BLOCK_N, kv_col], kv_bar, v_bufs.index(w))
-    m_lo = 0
-    if CAUSAL:
-        m_lo = n0 // BLOCK_M
-    n_m = seq_q // BLOCK_M - m_lo
+    m_lo, n_m = _q_tiles(n0, seq_q, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, 2 * BLOCK_N)
     for t in range(group * n_m):
         g = t // n_m
         m = (m_lo + t % n_m) * BLOCK_M
@@ -404,7 +486,8 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, d
 @gluon.jit
 def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
                      q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                     WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
+                     WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
+                     KV_ROWS: gl.constexpr,
                      DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr):
@@ -420,8 +503,6 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
     pid_n = gl.program_id(0)
     n_kv = num_heads // group
     pid_bkv = _program_row(n_kv, BATCH_MINOR)
-    b = pid_bkv // n_kv
-    hk = pid_bkv % n_kv
     n0 = pid_n * 2 * BLOCK_N
     k_buf = k_bufs.index(WG)
     v_buf = v_bufs.index(WG)
@@ -429,18 +510,13 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
     dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    m_lo = 0
-    if CAUSAL:
-        m_lo = n0 // BLOCK_M
-    n_m = seq_q // BLOCK_M - m_lo
+    m_lo, n_m = _q_tiles(n0, seq_q, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, 2 * BLOCK_N)
     scale = qk_scale     # with a bias: (st * sm_scale + bias) * log2(e)
     if HAS_BIAS:
         scale = LOG2E
     mbarrier.wait(kv_bar, 0)
     for t in range(group * n_m):
-        g = t // n_m
         mi = m_lo + t % n_m
-        h = b * num_heads + hk * group + g
         s = t % STAGES
         mbarrier.wait(q_ready.index(s), (t // STAGES) & 1)
         q_buf = q_bufs.index(s)
@@ -454,9 +530,12 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
         if HAS_BIAS:     # this warpgroup's keys of the slot's bias tile, transposed as the scores
             bt = bias[1].index(s).slice(WG * BLOCK_N, BLOCK_N, dim=1).permute((1, 0)).load(s_layout)
             st = st * sm_scale + bt.to(gl.float32)
-        if CAUSAL:
+        if _causal(WINDOW_LEFT, WINDOW_RIGHT):
             if mi * BLOCK_M < n0 + 2 * BLOCK_N:
-                st = gl.where(keys[:, None] <= offs_m[None, :], st, float("-inf"))
+                st = _masked(st, offs_m[None, :], keys[:, None], WINDOW_LEFT, WINDOW_RIGHT)
+        elif _window(WINDOW_LEFT, WINDOW_RIGHT):
+            if _band_edge(mi * BLOCK_M, n0 + WG * BLOCK_N, BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT):
+                st = _masked(st, offs_m[None, :], keys[:, None], WINDOW_LEFT, WINDOW_RIGHT)
         pt = gl.exp2(st * scale - lse2[None, :])
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_tok = warpgroup_mma(pt_op, do_buf, dv, is_async=True)
@@ -479,7 +558,8 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
 @gluon.jit
 def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_desc, lse_ptr, delta_ptr, qk_scale,
                       sm_scale, seq_q, seq_k, num_heads, group, bias_batch_rows, bias_head_rows,
-                      CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
+                      WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
+                      KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
                       HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, STAGES: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr):
     """Grid (Sk / 128, B * Hkv); one program: 128 keys of one (b, kv head) in two consumer
@@ -516,13 +596,16 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_de
     gl.warp_specialize([
         (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
                             q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                            WG0, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES)),
+                            WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
+                            BLOCK_N, STAGES)),
         (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
                             q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                            WG1, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES)),
+                            WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
+                            BLOCK_N, STAGES)),
         (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
                           q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                          WG0, CAUSAL, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES)),
+                          WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
+                          BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -531,7 +614,8 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_de
 @gluon.jit
 def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs, k_bufs,
                         v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
-                        WG: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
+                        WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
+                        DO_ROWS: gl.constexpr,
                         HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         BIAS_STAGES: gl.constexpr):
@@ -564,7 +648,7 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
         scale = LOG2E
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    n_tiles, n_full = _kv_tiles(pid_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
+    first, n_tiles, n_full = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
     mbarrier.wait(q_bar.index(WG), 0)
     for j in range(n_tiles):
         s = j % STAGES
@@ -581,9 +665,7 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
         if HAS_BIAS:
             sc = sc * sm_scale + b
             _release_bias(bias, j, BIAS_STAGES)
-        if j >= n_full:
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, col_s)
-            sc = gl.where(cols[None, :] <= rows[:, None], sc, float("-inf"))
+        sc = _mask_tile(sc, rows, q_start, j, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
         p = gl.exp2(sc * scale - lse2[:, None])
         dp, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, do_buf, v_buf])
         mbarrier.arrive(v_empty.index(s), count=1)
@@ -598,7 +680,8 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
 @gluon.jit
 def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, bias_desc, lse_ptr, delta_ptr, qk_scale, sm_scale,
                     seq_q, seq_k, num_heads, group, n_m_blocks, bias_batch_rows, bias_head_rows,
-                    CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
+                    WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
+                    KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
                     HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     BIAS_STAGES: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr):
@@ -617,16 +700,19 @@ def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, bias_desc, lse_ptr
     gl.warp_specialize([
         (_ws_bwd_dq_consumer, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs,
                                k_bufs, v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                               n_m_blocks, WG0, CAUSAL, Q_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N,
+                               n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR,
+                               BLOCK_M, BLOCK_N,
                                STAGES,
                                BIAS_STAGES)),
         (_ws_bwd_dq_consumer, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs,
                                k_bufs, v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                               n_m_blocks, WG1, CAUSAL, Q_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N,
+                               n_m_blocks, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR,
+                               BLOCK_M, BLOCK_N,
                                STAGES,
                                BIAS_STAGES)),
         # the forward's loader: it reads only the K/V descriptors, the barriers and the sizes
         (_ws_loader, (q_desc, k_desc, v_desc, dq_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
-                      seq_q, seq_k, num_heads, group, n_m_blocks, WG0, CAUSAL, Q_ROWS, KV_ROWS, NO_LSE,
+                      seq_q, seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
+                      NO_LSE,
                       HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])

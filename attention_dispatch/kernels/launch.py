@@ -573,7 +573,6 @@ def ws_forward_reason(prob: "_Problem", bias_reason: str | None, params: KernelP
     :func:`use_descriptors` of q, k, v; ``q_rows`` / ``kv_rows``: :func:`_rows_layout` of q and
     of (k, v)."""
     banded = params.window_left >= 0 or params.window_right >= 0
-    causal = params.window_left < 0 and params.window_right == 0
     cfg = C.WS_FWD_CONFIGS.get(prob.Dqk)
     if _attn_fwd_ws is None:
         return "this Triton has no Gluon"
@@ -591,8 +590,8 @@ def ws_forward_reason(prob: "_Problem", bias_reason: str | None, params: KernelP
         return bias_reason
     if params.dropout_p > 0:
         return "dropout: not in the warp-specialised kernels"
-    if banded and not (causal and prob.Sq == prob.Sk):
-        return "window or causal with Sq != Sk: only dense and causal with Sq == Sk"
+    if banded and prob.Sq != prob.Sk:
+        return "window or causal with Sq != Sk: banded calls with Sq == Sk only"
     if params.scale <= 0:
         return f"scale {params.scale}: positive only (the running max is taken before scaling)"
     if params.block_m or params.block_n:
@@ -682,7 +681,8 @@ def _forward_ws(q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_row
         _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(out, 1, _WG_ROWS), bias_desc,
         lse if lse is not None else out, params.scale * LOG2E, prob.Sq, prob.Sk, prob.Hq, prob.group, n_m,
         batch_rows, head_rows),
-        dict(CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, STORE_LSE=lse is not None,
+        dict(WINDOW_LEFT=params.window_left, WINDOW_RIGHT=params.window_right, Q_ROWS=q_rows, KV_ROWS=kv_rows,
+        STORE_LSE=lse is not None,
              HAS_BIAS=bias is not None, BATCH_MINOR=bias is not None and bias.batch_minor, BLOCK_N=cfg.block_n,
              STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages,
              CONSUMER_REGS=cfg.consumer_regs),
@@ -700,7 +700,8 @@ def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_
         _rows_descriptor(q, q_rows, w), _rows_descriptor(k, kv_rows, w), _rows_descriptor(v, kv_rows, w),
         _rows_descriptor(do, do_rows, w), _rows_descriptor(dk, 1, w), _rows_descriptor(dv, 1, w), bias_desc,
         lse, delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq, prob.group, batch_rows, head_rows),
-        dict(CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows,
+        dict(WINDOW_LEFT=params.window_left, WINDOW_RIGHT=params.window_right, Q_ROWS=q_rows, KV_ROWS=kv_rows,
+        DO_ROWS=do_rows,
              HAS_BIAS=bias is not None, BATCH_MINOR=bias is not None and bias.batch_minor, STAGES=cfg.stages,
              CONSUMER_REGS=cfg.consumer_regs),
         _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
@@ -719,7 +720,8 @@ def _dq_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_ro
         _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(do, do_rows, _WG_ROWS),
         _rows_descriptor(dq, 1, _WG_ROWS), bias_desc, lse, delta, params.scale * LOG2E, params.scale, prob.Sq,
         prob.Sk, prob.Hq, prob.group, n_m, batch_rows, head_rows),
-        dict(CAUSAL=params.window_right == 0, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows,
+        dict(WINDOW_LEFT=params.window_left, WINDOW_RIGHT=params.window_right, Q_ROWS=q_rows, KV_ROWS=kv_rows,
+        DO_ROWS=do_rows,
              HAS_BIAS=bias is not None, BATCH_MINOR=bias is not None and bias.batch_minor, BLOCK_N=cfg.block_n,
              STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages,
              CONSUMER_REGS=cfg.consumer_regs),
