@@ -1055,7 +1055,11 @@ def _ws_problem(sq=256, sk=256, d=128, hq=4, hkv=4, dv=None):
     (dict(prob=dict(dv=64)), "head dims 128/64"),
     (dict(bias_reason="boolean mask: not in the warp-specialised kernels"), "boolean mask"),
     (dict(params=dict(dropout_p=0.1)), "dropout"),
-    (dict(params=dict(window=(64, 0))), None),
+    (dict(params=dict(window=(64, 0))), "narrower than"),
+    (dict(params=dict(window=(600, 422))), "narrower than"),
+    (dict(params=dict(window=(1024, 0))), None),
+    (dict(params=dict(window=(-1, 100))), None),
+    (dict(params=dict(window=(300, -1))), None),
     (dict(params=dict(window=(64, 32), causal="bottom_right"), prob=dict(sq=128)), "Sq != Sk"),
     (dict(params=dict(causal="top_left"), prob=dict(sq=128)), "Sq != Sk"),
     (dict(params=dict(causal="top_left"), prob=dict(sq=896, sk=896)), None),
@@ -1180,6 +1184,19 @@ def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, feature):
     assert seen == [(layout, layout)] + bwd
 
 
+def _assert_repeatable(q, k, v, bias, params, runs: int = 3):
+    """Forward and gradients bit-equal over ``runs`` calls: a ring slot handed back too early
+    (a race between a consumer's reads and the loader's next copy) shows as run-to-run
+    differences long before it shows against the oracle."""
+    do = torch.randn_like(q)
+    results = []
+    for _ in range(runs):
+        out = triton_attention(q, k, v, bias, params)
+        results.append((out,) + torch.autograd.grad(out, (q, k, v), do))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [F16, BF16])
@@ -1203,9 +1220,12 @@ def test_gpu_warp_specialized_bias(monkeypatch, dtype, feature):
         bias[:, 2, 256:384, 256:] -= 30.0
     if feature == "bias_grad":
         bias.requires_grad_()
-    got, _ = run_and_check(q, k, v, bias, causal="top_left" if "causal" in feature else None)
+    causal = "top_left" if "causal" in feature else None
+    got, _ = run_and_check(q, k, v, bias, causal=causal)
     bwd = ([] if feature == "bias_grad" else [("dkdv", 1, 1, 1, "bias"), ("dq", 1, 1, 1, "bias")])
     assert seen == [(1, 1, "bias")] + bwd
+    if feature != "bias_grad":
+        _assert_repeatable(q, k, v, bias, make_params(q, causal))
     if feature == "masked":
         assert (got["out"][:, 1, 100:110] == 0).all() and (got["lse"][:, 1, 100:110] == -math.inf).all()
         assert (got["dq"][:, 1, 100:110] == 0).all()
@@ -1219,8 +1239,11 @@ def test_gpu_warp_specialized_window(monkeypatch, window, extra):
     """Sliding windows in the Gluon forward, dK/dV and dQ passes against float64 (forward,
     logsumexp, gradients), S=640 (5 query tiles, key tiles skipped on both sides): left and
     right bounds, one side unbounded, the diagonal alone, a window wider than the sequence;
-    with a (1, H, S, S) bias, and with GQA over (B, S, H, D) memory."""
+    with a (1, H, S, S) bias, and with GQA over (B, S, H, D) memory.  (Windows narrower than
+    launch.WS_MIN_WINDOW keep the tl kernels by default: the Gluon kernels are checked there too.)"""
+    from attention_dispatch.kernels import launch
     seen = _spy_forward_ws(monkeypatch)
+    monkeypatch.setattr(launch, "WS_MIN_WINDOW", 0)
     hkv = 2 if "gqa" in extra else 4
     q = rand(2, 4, 640, 128, dtype=BF16, device="cuda")
     k, v = (rand(2, hkv, 640, 128, dtype=BF16, device="cuda") for _ in range(2))
@@ -1232,6 +1255,7 @@ def test_gpu_warp_specialized_window(monkeypatch, window, extra):
     run_and_check(q, k, v, bias, window=window)
     tag = ("bias",) if bias is not None else ()
     assert seen == [(layout, layout) + tag, ("dkdv", layout, layout, 1) + tag, ("dq", layout, layout, 1) + tag]
+    _assert_repeatable(q, k, v, bias, make_params(q, None, window))
 
 
 @gpu

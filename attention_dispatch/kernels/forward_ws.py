@@ -236,9 +236,7 @@ def _bias_tile(bias, j, WG: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constex
     """Consumer side: this warpgroup's ``ROWS`` rows of bias tile ``j`` in fp32 (natural units:
     the scores become ``sc * sm_scale + bias``, scaled by log2(e) in the softmax's one FMA),
     read while the score product runs.  The caller releases the slot (:func:`_release_bias`)
-    once it has used the values: an arrive right after the shared-memory load let the loader's
-    next TMA copy overwrite the slot before the load had returned (dQ, one slot: run-to-run
-    differences, experiment 51)."""
+    once it has used the values."""
     s = j % STAGES
     mbarrier.wait(bias[2].index(s), (j // STAGES) & 1)
     return bias[1].index(s).slice(WG * ROWS, ROWS).load(layout).to(gl.float32)
@@ -246,6 +244,9 @@ def _bias_tile(bias, j, WG: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constex
 
 @gluon.jit
 def _release_bias(bias, j, STAGES: gl.constexpr):
+    # the slot was read through the generic proxy and the loader's next copy writes it through
+    # the async (TMA) proxy: order the two before the barrier hands the slot over
+    fence_async_shared()
     mbarrier.arrive(bias[3].index(j % STAGES), count=1)
 
 
@@ -343,7 +344,10 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
         sc = sc * sm_scale + b
         _release_bias(bias, 0, BIAS_STAGES)
     sc = _mask_tile(sc, rows, q_start, 0, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-    p, alpha, m_i = _softmax_step(sc, gl.full([BLOCK_M], float("-inf"), gl.float32, row_s), scale, HAS_BIAS)
+    # a bias can mask a whole tile, and so can a window's left bound (the second warpgroup's
+    # rows start past the program's first key tile): the running max may still be -inf
+    MAY_EMPTY: gl.constexpr = HAS_BIAS or WINDOW_LEFT >= 0
+    p, alpha, m_i = _softmax_step(sc, gl.full([BLOCK_M], float("-inf"), gl.float32, row_s), scale, MAY_EMPTY)
     l_i = gl.sum(p, 1)
     for j in range(1, n_tiles):
         s = j % STAGES
@@ -364,7 +368,7 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
             sc = sc * sm_scale + b
             _release_bias(bias, j, BIAS_STAGES)
         sc = _mask_tile(sc, rows, q_start, j, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-        p, alpha, m_i = _softmax_step(sc, m_i, scale, HAS_BIAS)
+        p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY)
         l_i = l_i * alpha + gl.sum(p, 1)
         acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
         mbarrier.arrive(v_empty.index(sp), count=1)
@@ -544,6 +548,8 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
         dst_op = gl.convert_layout(dst.to(dtype), op_layout)
         dk_tok = warpgroup_mma(dst_op, q_buf, dk, is_async=True)
         dv, dk, _, _, _ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dst_op, q_buf, do_buf])
+        if HAS_BIAS:     # its bias tile was read through the generic proxy (see _release_bias)
+            fence_async_shared()
         mbarrier.arrive(q_empty.index(s), count=1)
     # dK and dV leave through this warpgroup's K and V buffers
     k_buf.store((dk * sm_scale).to(dtype))

@@ -565,6 +565,11 @@ def host_kv_descriptors(k, v, prob: "_Problem", uses_descriptors: bool, block_dq
 WS_MIN_WORK = HOST_KV_MIN_WORK
 
 
+# Narrower windows keep the tl kernels: (256, 256) ran 0.99x forward and 0.89x forward+backward
+# on the Gluon kernels, (1024, 0) 1.10x / 1.20x (H100, experiment 53).
+WS_MIN_WINDOW = 1024
+
+
 def ws_forward_reason(prob: "_Problem", bias_reason: str | None, params: KernelParams, dtype: torch.dtype,
                       cc: tuple[int, int], uses_descriptors: bool, q_rows: int, kv_rows: int) -> str | None:
     """None when the warp-specialised sm90 kernels (forward, dK/dV, dQ) compute this call, else why
@@ -592,6 +597,11 @@ def ws_forward_reason(prob: "_Problem", bias_reason: str | None, params: KernelP
         return "dropout: not in the warp-specialised kernels"
     if banded and prob.Sq != prob.Sk:
         return "window or causal with Sq != Sk: banded calls with Sq == Sk only"
+    width = (math.inf if params.window_left < 0 or params.window_right < 0
+             else params.window_left + params.window_right + 1)
+    if width < WS_MIN_WINDOW:
+        return (f"window ({params.window_left}, {params.window_right}): narrower than {WS_MIN_WINDOW} keys, "
+                "the tl kernels' smaller tiles waste less")
     if params.scale <= 0:
         return f"scale {params.scale}: positive only (the running max is taken before scaling)"
     if params.block_m or params.block_n:
