@@ -154,8 +154,7 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     _e(BWD_DQ, _ANY, 256, _ALL, 16, 16, 2, 1),
 )
 
-# Under TRITON_INTERPRET=1 (CPU) there is no shared memory and no warps: small,
-# deliberately asymmetric tiles so that the small test shapes cross several tiles.
+
 class WsConfig(NamedTuple):
     """A warp-specialised kernel's launch (forward_ws.py; its rows per program are the kernel's:
     two consumer warpgroups of forward_ws.WG_ROWS): ``block_n`` key rows per ring slot (forward
@@ -184,10 +183,13 @@ WS_BWD_CONFIGS = {128: WsConfig()}
 # The warp-specialised dQ pass (experiment 42): the forward's K/V ring and loader, dP = dO V^T and
 # dQ += dS K in the consumers; after the dK/dV pass above, for the same calls.
 # With a bias the dQ pass has one bias slot: its Q, dO, K/V ring and a (128, 128) bias tile fill
-# 224 KiB of the 227 KiB of shared memory.
+# 224 KiB of the 227 KiB of shared memory (64-key tiles with two or three bias slots ran 0.81x,
+# experiment 50).
 WS_DQ_CONFIGS = {128: WsConfig(bias_stages=1)}
 
 
+# Under TRITON_INTERPRET=1 (CPU) there is no shared memory and no warps: small,
+# deliberately asymmetric tiles so that the small test shapes cross several tiles.
 INTERPRETER_CONFIGS = {
     FWD: KernelConfig(32, 16, 1, 1, subtiles=2),    # forced tiles (tests) run the one-tile path
     BWD_DKDV: KernelConfig(16, 32, 1, 1),
