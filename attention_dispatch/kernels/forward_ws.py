@@ -265,13 +265,11 @@ def _softmax_step(sc, m_i, scale, MAY_EMPTY: gl.constexpr):
 
 
 @gluon.jit
-def _ws_loader(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias,
-               qk_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
-               WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
-               KV_ROWS: gl.constexpr,
-               STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr):
+def _ws_loader(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q, seq_k,
+               num_heads, group, n_m_blocks, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr,
+               BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               BIAS_STAGES: gl.constexpr):
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     pid_m = n_m_blocks - 1 - gl.program_id(0)      # longest causal rows first
@@ -296,12 +294,10 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, 
 
 
 @gluon.jit
-def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias,
-                 qk_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
-                 WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
-                 KV_ROWS: gl.constexpr,
-                 STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr,
+def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q, seq_k,
+                 num_heads, group, n_m_blocks, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+                 WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr,
+                 HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr):
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -394,11 +390,9 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
 
 @gluon.jit
 def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, bias_desc, lse_ptr, qk_scale, seq_q, seq_k, num_heads, group,
-                 n_m_blocks, bias_batch_rows, bias_head_rows,
-                 WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
-                 STORE_LSE: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 BIAS_STAGES: gl.constexpr,
+                 n_m_blocks, bias_batch_rows, bias_head_rows, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+                 Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 BATCH_MINOR: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr,
                  CONSUMER_REGS: gl.constexpr):
     """Grid (Sq / 128, B * Hq); one program: 128 query rows of one (b, h), O (B*Hq*Sq, D) rows.
     ``bias_desc`` (HAS_BIAS): (rows, Sk) bias matrix, tiles (128, BLOCK_N); None without."""
@@ -412,17 +406,14 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, bias_desc, lse_ptr, qk_scale, s
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     gl.warp_specialize([
-        (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
-                        seq_q, seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
-                        STORE_LSE,
-                        HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
-        (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
-                        seq_q, seq_k, num_heads, group, n_m_blocks, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
-                        STORE_LSE,
-                        HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
-        (_ws_loader, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
-                      seq_q, seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
-                      STORE_LSE,
+        (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q,
+                        seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
+                        STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
+        (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q,
+                        seq_k, num_heads, group, n_m_blocks, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
+                        STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
+        (_ws_loader, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q,
+                      seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE,
                       HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
@@ -439,13 +430,11 @@ def _lse_log2(lse, MAY_EMPTY: gl.constexpr):
 
 
 @gluon.jit
-def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                   q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                   WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
-                   KV_ROWS: gl.constexpr,
+def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs, q_bufs,
+                   do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, WG: gl.constexpr,
+                   WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
                    DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr):
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     kv_bar, q_ready, q_empty, lse_bufs, delta_bufs = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
@@ -488,13 +477,11 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, d
 
 
 @gluon.jit
-def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                     q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                     WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
-                     KV_ROWS: gl.constexpr,
-                     DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr):
+def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs, q_bufs,
+                     do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, WG: gl.constexpr,
+                     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
+                     KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     # this warpgroup: BLOCK_N (64) keys; scores transposed (keys x queries) as the tl kernel
     kv_bar, q_ready, q_empty, lse_bufs, delta_bufs = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
@@ -565,9 +552,8 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
 def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_desc, lse_ptr, delta_ptr, qk_scale,
                       sm_scale, seq_q, seq_k, num_heads, group, bias_batch_rows, bias_head_rows,
                       WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
-                      KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
-                      HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, STAGES: gl.constexpr,
-                      CONSUMER_REGS: gl.constexpr):
+                      KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr,
+                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Grid (Sk / 128, B * Hkv); one program: 128 keys of one (b, kv head) in two consumer
     warpgroups of 64, over the 64-row query tiles of every query head of its group.
     dK, dV: (B * Hkv * Sk, D) rows; lse, delta: (B, Hq, Sq) contiguous; ``bias_desc``
@@ -601,16 +587,16 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_de
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                            q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                            WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
+                            q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, WG0,
+                            WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
                             BLOCK_N, STAGES)),
         (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                            q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                            WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
+                            q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, WG1,
+                            WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
                             BLOCK_N, STAGES)),
         (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                          q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                          WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
+                          q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, WG0,
+                          WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
                           BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
@@ -618,13 +604,11 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_de
 # --------------------------------------------------------------------------- dQ
 
 @gluon.jit
-def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs, k_bufs,
-                        v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
-                        WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
-                        DO_ROWS: gl.constexpr,
-                        HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        BIAS_STAGES: gl.constexpr):
+def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs, k_bufs, v_bufs,
+                        bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks, WG: gl.constexpr,
+                        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
+                        DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr):
     # the forward's consumer with dP = dO V^T and dQ += dS K in place of the output products
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -687,9 +671,8 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
 def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, bias_desc, lse_ptr, delta_ptr, qk_scale, sm_scale,
                     seq_q, seq_k, num_heads, group, n_m_blocks, bias_batch_rows, bias_head_rows,
                     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
-                    KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr,
-                    HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    BIAS_STAGES: gl.constexpr,
+                    KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr):
     """Grid (Sq / 128, B * Hq); one program: dQ of 128 query rows of one (b, h), the K/V ring, the
     bias ring and their loader shared with the forward (_ws_loader).  dQ: (B * Hq * Sq, D) rows."""
@@ -704,21 +687,16 @@ def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, bias_desc, lse_ptr
     WG1: gl.constexpr = 1
     NO_LSE: gl.constexpr = False
     gl.warp_specialize([
-        (_ws_bwd_dq_consumer, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs,
-                               k_bufs, v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                               n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR,
-                               BLOCK_M, BLOCK_N,
-                               STAGES,
-                               BIAS_STAGES)),
-        (_ws_bwd_dq_consumer, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs,
-                               k_bufs, v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                               n_m_blocks, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR,
-                               BLOCK_M, BLOCK_N,
-                               STAGES,
-                               BIAS_STAGES)),
+        (_ws_bwd_dq_consumer, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs, k_bufs,
+                               v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
+                               WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
+                               BLOCK_N, STAGES, BIAS_STAGES)),
+        (_ws_bwd_dq_consumer, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs, k_bufs,
+                               v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
+                               WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
+                               BLOCK_N, STAGES, BIAS_STAGES)),
         # the forward's loader: it reads only the K/V descriptors, the barriers and the sizes
-        (_ws_loader, (q_desc, k_desc, v_desc, dq_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
-                      seq_q, seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
-                      NO_LSE,
+        (_ws_loader, (q_desc, k_desc, v_desc, dq_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q,
+                      seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, NO_LSE,
                       HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])

@@ -681,6 +681,12 @@ def _bias_args(bias: "_WsBias | None", block_rows: int, block_cols: int, seq_k: 
 _WS_WARPS, _WS_STAGES = 4, 3     # num_stages: Triton's default, as Triton's own launch had
 
 
+def _ws_constexprs(params: KernelParams, bias: "_WsBias | None", **rest) -> dict:
+    """Constexprs of a Gluon kernel launch: the band, the bias and ``rest`` (row layouts, tiles)."""
+    return dict(WINDOW_LEFT=params.window_left, WINDOW_RIGHT=params.window_right, HAS_BIAS=bias is not None,
+                BATCH_MINOR=bias is not None and bias.batch_minor, **rest)
+
+
 def _forward_ws(q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int,
                 bias: _WsBias | None = None):
     cfg = C.WS_FWD_CONFIGS[prob.Dqk]
@@ -691,11 +697,8 @@ def _forward_ws(q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_row
         _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(out, 1, _WG_ROWS), bias_desc,
         lse if lse is not None else out, params.scale * LOG2E, prob.Sq, prob.Sk, prob.Hq, prob.group, n_m,
         batch_rows, head_rows),
-        dict(WINDOW_LEFT=params.window_left, WINDOW_RIGHT=params.window_right, Q_ROWS=q_rows, KV_ROWS=kv_rows,
-        STORE_LSE=lse is not None,
-             HAS_BIAS=bias is not None, BATCH_MINOR=bias is not None and bias.batch_minor, BLOCK_N=cfg.block_n,
-             STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages,
-             CONSUMER_REGS=cfg.consumer_regs),
+        _ws_constexprs(params, bias, Q_ROWS=q_rows, KV_ROWS=kv_rows, STORE_LSE=lse is not None, BLOCK_N=cfg.block_n,
+                       STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages, CONSUMER_REGS=cfg.consumer_regs),
         _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
 
 
@@ -710,10 +713,8 @@ def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_
         _rows_descriptor(q, q_rows, w), _rows_descriptor(k, kv_rows, w), _rows_descriptor(v, kv_rows, w),
         _rows_descriptor(do, do_rows, w), _rows_descriptor(dk, 1, w), _rows_descriptor(dv, 1, w), bias_desc,
         lse, delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq, prob.group, batch_rows, head_rows),
-        dict(WINDOW_LEFT=params.window_left, WINDOW_RIGHT=params.window_right, Q_ROWS=q_rows, KV_ROWS=kv_rows,
-        DO_ROWS=do_rows,
-             HAS_BIAS=bias is not None, BATCH_MINOR=bias is not None and bias.batch_minor, STAGES=cfg.stages,
-             CONSUMER_REGS=cfg.consumer_regs),
+        _ws_constexprs(params, bias, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows, STAGES=cfg.stages,
+                       CONSUMER_REGS=cfg.consumer_regs),
         _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
     return dk, dv
 
@@ -730,11 +731,8 @@ def _dq_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_ro
         _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(do, do_rows, _WG_ROWS),
         _rows_descriptor(dq, 1, _WG_ROWS), bias_desc, lse, delta, params.scale * LOG2E, params.scale, prob.Sq,
         prob.Sk, prob.Hq, prob.group, n_m, batch_rows, head_rows),
-        dict(WINDOW_LEFT=params.window_left, WINDOW_RIGHT=params.window_right, Q_ROWS=q_rows, KV_ROWS=kv_rows,
-        DO_ROWS=do_rows,
-             HAS_BIAS=bias is not None, BATCH_MINOR=bias is not None and bias.batch_minor, BLOCK_N=cfg.block_n,
-             STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages,
-             CONSUMER_REGS=cfg.consumer_regs),
+        _ws_constexprs(params, bias, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows, BLOCK_N=cfg.block_n,
+                       STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages, CONSUMER_REGS=cfg.consumer_regs),
         _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
     return dq
 
