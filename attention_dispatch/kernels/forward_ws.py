@@ -16,12 +16,14 @@ and tensor-core calls explicitly (experiments 40-42):
     (forward: ``S_j`` and ``P_{j-1} V_{j-1}`` in flight together).
 
 Scope (launch.py's ``ws_forward_reason`` says why a call is not served): sm90, fp16/bf16,
-Dqk == Dv == 128 (configs.WS_*_CONFIGS), dense or causal with Sq == Sk, no mask, dropout or
-window, lengths multiples of the tiles, positive scale; a float bias of the query's dtype
-that TMA can read as a (rows, Sk) matrix (``ws_bias_reason``; not one whose gradient is
-needed: the tl backward computes it).  The bias rides in its own ring (forward, dQ) or in the
-(Q, dO) slot (dK/dV); with it, scores are ``(q.k * scale + bias) * log2(e)`` and a row it masks
-whole has output 0 and logsumexp -inf.  Same
+Dqk == Dv == 128 (configs.WS_*_CONFIGS), dense, causal or a window (``WINDOW_LEFT`` /
+``WINDOW_RIGHT`` constexprs, -1 unbounded; launch.WS_MIN_WINDOW keys wide at least) with
+Sq == Sk, no mask or dropout, lengths multiples of the tiles, positive scale; a float bias of
+the query's dtype that TMA can read as a (rows, Sk) matrix (``ws_bias_reason``; not one whose
+gradient is needed: the tl backward computes it).  A window skips the key (query) tiles
+outside the band and masks the tiles crossing it.  The bias rides in its own ring (forward,
+dQ) or in the (Q, dO) slot (dK/dV); with it, scores are ``(q.k * scale + bias) * log2(e)`` and a
+row it masks whole has output 0 and logsumexp -inf.  Same
 conventions as forward.py / backward.py: log2-domain scores, ``lse`` in natural log,
 ``pid_bh = b * Hq + h``, dS = P * (dP - delta).
 Row layouts (``Q_ROWS`` / ``KV_ROWS`` / ``DO_ROWS``): 1 = (B, H, S, D) memory seen as
@@ -254,8 +256,8 @@ def _release_bias(bias, j, STAGES: gl.constexpr):
 def _softmax_step(sc, m_i, scale, MAY_EMPTY: gl.constexpr):
     """One key tile of the online softmax: (P, rescale factor of the earlier sums, new max).
     ``sc * scale`` are log2-domain scores; ``m_i`` the running max (scaled), -inf while a row
-    has seen no allowed key: with MAY_EMPTY (a bias can mask a whole tile) such a row is
-    exponentiated against 0, so its P and factor are 0 instead of NaN."""
+    has seen no allowed key: with MAY_EMPTY (a bias or a window's left bound can hide a whole
+    tile) such a row is exponentiated against 0, so its P and factor are 0 instead of NaN."""
     m_new = gl.maximum(m_i, gl.max(sc, 1) * scale)
     m_use = m_new
     if MAY_EMPTY:

@@ -632,8 +632,8 @@ def _ws_route(q, k, v, bias_reason: str | None, params: KernelParams, prob: "_Pr
 
 
 @functools.lru_cache(maxsize=16)
-def _ws_smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
-    return _gl.NVMMASharedLayout.get_default_for([rows, head_dim], _gl.bfloat16 if dtype == torch.bfloat16
+def _ws_smem_layout(rows: int, cols: int, dtype: torch.dtype):
+    return _gl.NVMMASharedLayout.get_default_for([rows, cols], _gl.bfloat16 if dtype == torch.bfloat16
                                                  else _gl.float16)
 
 
@@ -666,13 +666,12 @@ class _WsBias(NamedTuple):
         return _GluonDescriptor(self.tensor, [self.rows, seq_k], [self.row_stride, 1], [block_rows, block_cols],
                                 _ws_smem_layout(block_rows, block_cols, self.tensor.dtype))
 
-    def launch_args(self, block_rows: int, block_cols: int, seq_k: int) -> tuple:
-        return self.descriptor(block_rows, block_cols, seq_k), self.batch_rows, self.head_rows
-
 
 def _bias_args(bias: "_WsBias | None", block_rows: int, block_cols: int, seq_k: int) -> tuple:
     """(descriptor or None, rows per batch, rows per head): a Gluon kernel's bias arguments."""
-    return (None, 0, 0) if bias is None else bias.launch_args(block_rows, block_cols, seq_k)
+    if bias is None:
+        return None, 0, 0
+    return bias.descriptor(block_rows, block_cols, seq_k), bias.batch_rows, bias.head_rows
 
 
 # The Gluon kernels' launch: 4 warps in the default (first consumer) partition; their pipelines
