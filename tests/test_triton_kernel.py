@@ -1040,6 +1040,32 @@ def _ws_problem(sq=256, sk=256, d=128, hq=4, hkv=4, dv=None):
     return launch._Problem(q, k, v, None, None, None, None)
 
 
+def _any_triton_runs_gluon(monkeypatch):
+    """The routing tests check the launch glue, not the kernels: let this Triton count as one the
+    Gluon kernels are written for (launch.GLUON_TRITON_VERSIONS; CI installs a newer one)."""
+    import triton
+    from attention_dispatch.kernels import launch
+    monkeypatch.setattr(launch, "GLUON_TRITON_VERSIONS", (triton.__version__,))
+
+
+def test_gluon_kernels_only_on_the_triton_they_are_written_for(monkeypatch):
+    """Another Triton version keeps the tl kernels, with the reason (Gluon's API changes between
+    releases: Triton 3.9 no longer compiles them); the version they are written for passes."""
+    import triton
+    from attention_dispatch.kernels import launch
+    if launch._attn_fwd_ws is None:
+        assert launch.gluon_reason() == "this Triton has no Gluon"
+        return
+    monkeypatch.setattr(launch, "GLUON_TRITON_VERSIONS", ("0.1.",))
+    got = launch.gluon_reason()
+    assert got is not None and f"Triton {triton.__version__}" in got and "0.1" in got
+    prob = _ws_problem()
+    params = make_params(torch.empty(1, 1, 1, 128))
+    assert launch.ws_forward_reason(prob, None, params, BF16, (9, 0), True, 1, 1) == got
+    monkeypatch.setattr(launch, "GLUON_TRITON_VERSIONS", (triton.__version__[:4],))
+    assert launch.gluon_reason() is None
+
+
 @pytest.mark.parametrize("change, reason", [
     (dict(), None),
     (dict(prob=dict(hkv=1)), None),                                             # GQA / MQA are served
@@ -1078,6 +1104,7 @@ def test_warp_specialized_forward_reasons(monkeypatch, change, reason):
     from attention_dispatch.kernels import launch
     if launch._attn_fwd_ws is None:
         pytest.skip("this Triton has no Gluon")
+    _any_triton_runs_gluon(monkeypatch)
     if not change.get("min_work"):
         monkeypatch.setattr(launch, "WS_MIN_WORK", 0)
     prob = _ws_problem(**change.get("prob", {}))
@@ -1367,6 +1394,7 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias):
     from attention_dispatch.kernels import launch
     if launch._attn_fwd_ws is None:
         pytest.skip("this Triton has no Gluon")
+    _any_triton_runs_gluon(monkeypatch)
     monkeypatch.setattr(launch, "WS_MIN_WORK", 0)
     monkeypatch.setattr(launch, "use_descriptors", lambda *a, **kw: True)
     monkeypatch.setattr(launch, "device_info", lambda dev: ((9, 0), 232448, 132))

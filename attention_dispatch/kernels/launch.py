@@ -565,6 +565,24 @@ def host_kv_descriptors(k, v, prob: "_Problem", uses_descriptors: bool, block_dq
 WS_MIN_WORK = HOST_KV_MIN_WORK
 
 
+# The Gluon kernels are written for, compiled and verified with Triton 3.6's Gluon API (the H100
+# machine's Triton).  Gluon is experimental and changes between releases: Triton 3.9 removed
+# tma.async_copy_global_to_shared (async_load replaces it), so the kernels do not compile there.
+# Other versions keep the tl kernels until the Gluon ones are ported and verified on them.
+GLUON_TRITON_VERSIONS = ("3.6.",)
+
+
+def gluon_reason() -> str | None:
+    """None when this Triton runs the Gluon kernels, else why not."""
+    if _attn_fwd_ws is None:
+        return "this Triton has no Gluon"
+    if not triton.__version__.startswith(GLUON_TRITON_VERSIONS):
+        tested = ", ".join(v.rstrip(".") for v in GLUON_TRITON_VERSIONS)
+        return (f"Triton {triton.__version__}: the Gluon kernels are written for Triton {tested}'s Gluon API, "
+                "which changes between releases")
+    return None
+
+
 # Narrower windows keep the tl kernels: (256, 256) ran 0.99x forward and 0.89x forward+backward
 # on the Gluon kernels, (1024, 0) 1.10x / 1.20x (H100, experiment 53).
 WS_MIN_WINDOW = 1024
@@ -579,8 +597,9 @@ def ws_forward_reason(prob: "_Problem", bias_reason: str | None, params: KernelP
     of (k, v)."""
     banded = params.window_left >= 0 or params.window_right >= 0
     cfg = C.WS_FWD_CONFIGS.get(prob.Dqk)
-    if _attn_fwd_ws is None:
-        return "this Triton has no Gluon"
+    gluon = gluon_reason()
+    if gluon is not None:
+        return gluon
     if cc != (9, 0):
         return f"compute capability {cc[0]}.{cc[1]}: the warp-specialised forward is sm90 only"
     if not uses_descriptors:
