@@ -1156,6 +1156,7 @@ def test_warp_specialized_bias_reasons(case, reason):
     assert launch.ws_bias_rows(bstr) == (want_batch, want_head)
     assert launch.ws_bias_reason(0, None, (0, 0, 0, 0), BF16, True) is None
     assert "bias layout" in launch.ws_bias_reason(kind, bt, bstr, BF16, False)   # no descriptors at all
+    assert "gradient" in launch.ws_bias_reason(kind, bt, bstr, BF16, True, grad=True)   # the backward of dbias
 
 
 def _spy_forward_ws(monkeypatch):

@@ -445,13 +445,17 @@ def bias_descriptor(use_desc: bool, bias_t, bias_strides) -> bool:
             and all((st * es) % 16 == 0 for st in (sbb, sbh, sbi)))
 
 
-def ws_bias_reason(kind: int, bias_t, bias_strides, dtype: torch.dtype, uses_descriptors: bool) -> str | None:
+def ws_bias_reason(kind: int, bias_t, bias_strides, dtype: torch.dtype, uses_descriptors: bool,
+                   grad: bool = False) -> str | None:
     """None when the warp-specialised kernels can read this bias (or there is none), else why
     not: they take a float bias of the query's dtype through a TMA descriptor over the (rows,
     Sk) matrix whose row of query i of (b, h) is b * batch_rows + h * head_rows + i
-    (:func:`ws_bias_rows`)."""
+    (:func:`ws_bias_rows`).  ``grad``: a backward that needs the bias's gradient (only the tl
+    backward computes it)."""
     if kind == 0:
         return None
+    if grad:
+        return "a bias whose gradient is needed: only the tl backward computes it"
     if kind == 2:
         return "boolean mask: not in the warp-specialised kernels"
     if bias_t.dtype != dtype:
@@ -1031,9 +1035,8 @@ def _ws_backward_route(do, q, k, v, bias_reason: str | None, params: KernelParam
                        uses_descriptors: bool):
     """(q rows layout, k/v rows layout, dO rows layout) when the warp-specialised dK/dV pass
     serves this backward (the dQ pass too where configs.WS_DQ_CONFIGS has the head dim), else None.
-    ``bias_reason``: :func:`ws_bias_reason` of the call's bias (a bias whose gradient is needed
-    takes the tl kernels: only they compute it); ``uses_descriptors``: :func:`use_descriptors`
-    of q, k, v and dO."""
+    ``bias_reason``: :func:`ws_bias_reason` of the call's bias and whether its gradient is
+    needed; ``uses_descriptors``: :func:`use_descriptors` of q, k, v and dO."""
     if prob.Dqk not in C.WS_BWD_CONFIGS:
         return None
     route = _ws_route(q, k, v, bias_reason, params, prob, uses_descriptors)
@@ -1086,7 +1089,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
 
     # 2) dK, dV (+ d(bias)) : key-tile parallel, loops over the query heads of the group
     traits = _table_traits(kind, params, prob)
-    bias_reason = "a bias whose gradient is needed" if bias_grad else ws_bias_reason(kind, bt, bstr, q.dtype, desc)
+    bias_reason = ws_bias_reason(kind, bt, bstr, q.dtype, desc, grad=bias_grad)
     route = _ws_backward_route(do, q, k, v, bias_reason, params, prob, desc)
     if route is not None:
         ws_bias = _WsBias.of(bt, bstr, prob) if kind else None
