@@ -132,8 +132,10 @@ def ws_backward_cases():
         for d, cfg in configs.items():
             for label, const in _ws_variants(3):
                 tiles = dict(BLOCK_N=cfg.block_n, BIAS_STAGES=cfg.bias_stages) if kind == "dq" else {}
-                yield d, cfg, f"ws {kind} d={d} {label}", dict(
-                    const, **tiles, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
+                for fuse in ((False,) if kind == "dq" else (False, True)):
+                    extra = dict(FUSE_DQ=fuse) if kind == "dkdv" else {}
+                    yield d, cfg, f"ws {kind}{'+dq' if fuse else ''} d={d} {label}", dict(
+                        const, **tiles, **extra, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def compile_ws_case(d: int, cfg, constexprs: dict):
@@ -157,7 +159,7 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
     elif fn is _attn_bwd_dkdv_ws:
         sig = dict(q_desc=desc(wg), k_desc=desc(wg), v_desc=desc(wg), do_desc=desc(wg), dk_desc=desc(wg),
                    dv_desc=desc(wg), bias_desc=desc(wg, 2 * wg), lse_ptr="*fp32", delta_ptr="*fp32",
-                   qk_scale="fp32", sm_scale="fp32")
+                   dq_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
     else:
         sig = dict(q_desc=desc(wg), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(wg),
                    bias_desc=desc(2 * wg, cfg.block_n), lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16",
@@ -166,7 +168,9 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
     if not consts["HAS_BIAS"]:      # launch.py passes None: a constexpr argument
         consts["bias_desc"] = None
     sig = {n: "constexpr" if n in consts else sig.get(n, "i32") for n in names}
-    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    # pointers 16-byte aligned, as the launches specialise them (vector atomics need it)
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=aligned)
     return _compile(src, dict(num_warps=4, maxnreg=cfg.max_regs))
 
 

@@ -3,9 +3,10 @@
     python benchmarks/pass_times.py
 
 bf16 d128, S = 4k / 16k / 16k causal / 4k with a (1, H, S, S) bias (B * S = 16k tokens, 16
-heads): the forward, the dK/dV pass and the dQ pass each timed alone by CUDA events (median of
-7 loops of 5 calls), and their TFLOP/s counting only their own products (2 / 4 / 3 matrix
-products of the forward's size).  docs/perf-notes.md experiments 47 and 50.
+heads): the forward, the dK/dV pass, the dQ pass and the dK/dV pass with dQ fused into it
+(fp32 atomics, configs.WsConfig.fuse_dq) each timed alone by CUDA events (median of 7 loops of
+5 calls), and their TFLOP/s counting only their own products (2 / 4 / 3 / 5 matrix products of
+the forward's size).  docs/perf-notes.md experiments 47, 50 and 54.
 """
 import sys
 from pathlib import Path
@@ -32,8 +33,10 @@ for S, causal, with_bias in ((4096, False, False), (16384, False, False), (16384
     ws_bias = launch._WsBias.of(bt, bstr, prob) if with_bias else None
     fns = {"fwd": lambda: attention_forward(q, k, v, bias, params),
            "dkdv": lambda: launch._dkdv_ws(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias),
+           "dkdv+dq": lambda: launch._dkdv_ws(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias,
+                                              fuse_dq=True),
            "dq": lambda: launch._dq_ws(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias)}
-    mm = {"fwd": 2, "dkdv": 4, "dq": 3}
+    mm = {"fwd": 2, "dkdv": 4, "dq": 3, "dkdv+dq": 5}
     flop1 = 2 * B * 16 * S * S * 128 / (2 if causal else 1)
     res = []
     for name, fn in fns.items():

@@ -1173,9 +1173,10 @@ def _spy_forward_ws(monkeypatch):
         seen.append((q_rows, kv_rows) + biased(bias))
         return real(q, k, v, out, lse, params, prob, q_rows, kv_rows, bias=bias)
 
-    def spy_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None):
-        seen.append(("dkdv", q_rows, kv_rows, do_rows) + biased(bias))
-        return real_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=bias)
+    def spy_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None, fuse_dq=False):
+        seen.append(("dkdv+dq" if fuse_dq else "dkdv", q_rows, kv_rows, do_rows) + biased(bias))
+        return real_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=bias,
+                         fuse_dq=fuse_dq)
 
     def spy_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None):
         seen.append(("dq", q_rows, kv_rows, do_rows) + biased(bias))
@@ -1288,6 +1289,35 @@ def test_gpu_warp_specialized_window(monkeypatch, window, extra):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("feature", ["dense", "causal_mqa", "bshd_dense_gqa", "cross", "bias_causal", "window_bias",
+                                     "window_gqa_bshd"])
+def test_gpu_warp_specialized_fused_dq(monkeypatch, feature):
+    """dQ fused into the Gluon dK/dV pass (configs.WsConfig.fuse_dq: fp32 partials added by the
+    reducer warps' atomics, query tiles visited in a rotated order) against float64 (forward,
+    logsumexp, gradients), S=640 (5 query tiles: the dS and dQ slots wrap), with GQA and MQA
+    groups, (B, S, H, D) memory, Sq != Sk, a bias and windows."""
+    from attention_dispatch.kernels import configs, launch
+    seen = _spy_forward_ws(monkeypatch)
+    monkeypatch.setattr(launch, "WS_MIN_WINDOW", 0)
+    monkeypatch.setitem(configs.WS_BWD_CONFIGS, 128, configs.WsConfig(fuse_dq=True))
+    hkv = 1 if "mqa" in feature else (2 if "gqa" in feature else 4)
+    sk = 768 if feature == "cross" else 640
+    q = rand(2, 4, 640, 128, dtype=BF16, device="cuda")
+    k, v = (rand(2, hkv, sk, 128, dtype=BF16, device="cuda") for _ in range(2))
+    layout = 1
+    if "bshd" in feature:
+        layout = 2
+        q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    bias = rand(1, 4, 640, 640, dtype=BF16, device="cuda", grad=False) if "bias" in feature else None
+    causal = "top_left" if "causal" in feature else None
+    window = (200, 50) if "window" in feature else None
+    run_and_check(q, k, v, bias, causal=causal, window=window)
+    tag = ("bias",) if bias is not None else ()
+    assert seen == [(layout, layout) + tag, ("dkdv+dq", layout, layout, 1) + tag]
+
+
+@gpu
+@needs_cuda
 def test_gpu_forward_warp_specialized_inference(monkeypatch):
     """need_lse=False writes no logsumexp and the same output, bit for bit."""
     from attention_dispatch.kernels.launch import attention_forward
@@ -1384,15 +1414,21 @@ def test_gpu_training_plan_replays(monkeypatch, causal, route):
         assert len(plans[0].bwd.steps) == 3
 
 
+@pytest.mark.parametrize("fuse_dq", ["", "fused", "fused but deterministic"])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("causal", [None, "top_left"])
-def test_warp_specialized_routing(monkeypatch, causal, with_bias):
+def test_warp_specialized_routing(monkeypatch, causal, with_bias, fuse_dq):
     """The launch glue around the Gluon kernels, without a GPU: for a call they serve, the output
     and logsumexp come from the forward's entry point, dK/dV and dQ from the backward's (stand-ins
     computing float64 attention here), each in its place of the results, and delta = rowsum(dO * O)
     reaches both backward passes.  A (1, H, S, S) bias reaches all three as the rows of its
-    matrix: none per batch (broadcast), Sq per head."""
-    from attention_dispatch.kernels import launch
+    matrix: none per batch (broadcast), Sq per head.  With configs.WsConfig.fuse_dq the dK/dV
+    pass returns dQ too and no dQ pass runs, unless the call asks for determinism (dQ's fused
+    additions are atomics)."""
+    from attention_dispatch.kernels import configs, launch
+    if fuse_dq:
+        monkeypatch.setitem(configs.WS_BWD_CONFIGS, 128, configs.WsConfig(fuse_dq=True))
+    fused = fuse_dq == "fused"
     if launch._attn_fwd_ws is None:
         pytest.skip("this Triton has no Gluon")
     _any_triton_runs_gluon(monkeypatch)
@@ -1426,12 +1462,14 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias):
             leaves, o, _ = reference(q, k, v, params, bias)
             return [g.to(do.device) for g in torch.autograd.grad(o, leaves, do.cpu().double())]
 
-    def fake_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None):
-        calls.append(("dkdv", q_rows, kv_rows, do_rows) + bias_rows(bias))
+    def fake_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None, fuse_dq=False):
+        calls.append(("dkdv+dq" if fuse_dq else "dkdv", q_rows, kv_rows, do_rows) + bias_rows(bias))
         made["delta_dkdv"] = delta.clone()
-        _, dk, dv = fake_grads(q, k, v, do, params, bias)
+        dq, dk, dv = fake_grads(q, k, v, do, params, bias)
         made["dk"], made["dv"] = dk.to(k.dtype), dv.to(v.dtype)
-        return made["dk"], made["dv"]
+        if fuse_dq:
+            made["dq"] = dq.to(q.dtype)
+        return made["dk"], made["dv"], made["dq"] if fuse_dq else None
 
     def fake_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None):
         calls.append(("dq", q_rows, kv_rows, do_rows) + bias_rows(bias))
@@ -1447,18 +1485,19 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias):
     q = rand(1, 2, 256, 128, dtype=F16, device=dev)
     k, v = (rand(1, 2, 256, 128, dtype=F16, device=dev) for _ in range(2))
     attn_bias = rand(1, 2, 256, 256, dtype=F16, device=dev, grad=False) if with_bias else None
-    params = make_params(q, causal)
+    params = make_params(q, causal, deterministic=fuse_dq.endswith("deterministic"))
     out = triton_attention(q, k, v, attn_bias, params)
     do = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
     rows = (0, 256, 2 * 256) if with_bias else ()
-    assert calls == [("fwd", 1, 1) + rows, ("dkdv", 1, 1, 1) + rows, ("dq", 1, 1, 1) + rows]
+    backward = [("dkdv+dq", 1, 1, 1) + rows] if fused else [("dkdv", 1, 1, 1) + rows, ("dq", 1, 1, 1) + rows]
+    assert calls == [("fwd", 1, 1) + rows] + backward
     assert torch.equal(out, made["out"]) and torch.equal(dq, made["dq"])
     assert torch.equal(dk, made["dk"]) and torch.equal(dv, made["dv"])
     delta = (do.float() * out.float()).sum(-1)
-    for name in ("delta_dkdv", "delta_dq"):
+    for name in ("delta_dkdv",) + (() if fused else ("delta_dq",)):
         torch.testing.assert_close(made[name], delta, rtol=1e-5, atol=1e-5)
-    if with_bias:
+    if with_bias or fuse_dq:
         return
     # sdpa()'s relaunch plan for inference captures no tl launch here: every call takes the route
     plan = launch.ForwardPlan(q, params)

@@ -432,11 +432,21 @@ def _lse_log2(lse, MAY_EMPTY: gl.constexpr):
 
 
 @gluon.jit
+def _q_tile(t, m_lo, n_m, pid_n, ROTATE: gl.constexpr):
+    """The query tile of a dK/dV program's step ``t`` (of ``n_m`` tiles from ``m_lo``).  ROTATE
+    (the fused dQ): each program starts at its own tile and wraps, so that the programs running
+    together add their dQ partials into different rows (experiment 54: 16k causal 5.72 -> 5.49 ms)."""
+    if ROTATE:
+        return m_lo + (t + pid_n * 2) % n_m
+    return m_lo + t % n_m
+
+
+@gluon.jit
 def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs, q_bufs,
-                   do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, WG: gl.constexpr,
+                   do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, WG: gl.constexpr,
                    WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
-                   DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                   DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, FUSE_DQ: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     kv_bar, q_ready, q_empty, lse_bufs, delta_bufs = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
@@ -454,7 +464,7 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, d
     m_lo, n_m = _q_tiles(n0, seq_q, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, 2 * BLOCK_N)
     for t in range(group * n_m):
         g = t // n_m
-        m = (m_lo + t % n_m) * BLOCK_M
+        m = _q_tile(t, m_lo, n_m, pid_n, FUSE_DQ) * BLOCK_M
         h = b * num_heads + hk * group + g
         q_row, q_col = _tile_origin(h, 1, num_heads, seq_q, Q_ROWS, HEAD_D)
         do_row, do_col = _tile_origin(h, 1, num_heads, seq_q, DO_ROWS, HEAD_D)
@@ -480,11 +490,15 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, d
 
 @gluon.jit
 def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs, q_bufs,
-                     do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, WG: gl.constexpr,
-                     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
+                     do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
+                     WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
                      KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    # this warpgroup: BLOCK_N (64) keys; scores transposed (keys x queries) as the tl kernel
+                     FUSE_DQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    # this warpgroup: BLOCK_N (64) keys; scores transposed (keys x queries) as the tl kernel.
+    # FUSE_DQ: dQ too, FA3's way: both warpgroups put their dS^T half in shared memory, then
+    # each multiplies the whole (queries x 128 keys) dS by its half of K's columns and hands
+    # that (64, HEAD_D / 2) fp32 partial to the reducer (:func:`_ws_dq_reducer`) through a
+    # shared-memory slot: atomics issued here stalled both warpgroups (experiment 54)
     kv_bar, q_ready, q_empty, lse_bufs, delta_bufs = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -507,9 +521,14 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
     scale = qk_scale     # with a bias: (st * sm_scale + bias) * log2(e)
     if HAS_BIAS:
         scale = LOG2E
+    if FUSE_DQ:
+        ds_bufs, ds_ready, kv_done, dq_bufs, dq_ready, dq_empty = dq_fused[1:]
+        DQ_COLS: gl.constexpr = HEAD_D // 2
+        DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
+        gl.static_assert(DQ_COLS == BLOCK_M and BLOCK_N == BLOCK_M)   # zero_s serves the dQ product
     mbarrier.wait(kv_bar, 0)
     for t in range(group * n_m):
-        mi = m_lo + t % n_m
+        mi = _q_tile(t, m_lo, n_m, pid_n, FUSE_DQ)
         s = t % STAGES
         mbarrier.wait(q_ready.index(s), (t // STAGES) & 1)
         q_buf = q_bufs.index(s)
@@ -533,13 +552,39 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_tok = warpgroup_mma(pt_op, do_buf, dv, is_async=True)
         dpt, _ = warpgroup_mma_wait(1, deps=[dpt_tok, pt_op])
-        dst = pt * (dpt - delta[None, :])
-        dst_op = gl.convert_layout(dst.to(dtype), op_layout)
-        dk_tok = warpgroup_mma(dst_op, q_buf, dk, is_async=True)
-        dv, dk, _, _, _ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dst_op, q_buf, do_buf])
+        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        if FUSE_DQ:    # this warpgroup's keys of dS^T, for both warpgroups' dQ products
+            ds_buf = ds_bufs.index(t % 2)
+            ds_buf.slice(WG * BLOCK_N, BLOCK_N).store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(t % 2), count=1)
+        if FUSE_DQ:     # dK's product reads dS^T from there too (no register operand to hold)
+            dk_tok = warpgroup_mma(ds_buf.slice(WG * BLOCK_N, BLOCK_N), q_buf, dk, is_async=True)
+        else:
+            dst_op = gl.convert_layout(dst, op_layout)
+            dk_tok = warpgroup_mma(dst_op, q_buf, dk, is_async=True)
+        if FUSE_DQ:
+            # dQ[:, cols] = dS (queries x 128 keys) K[keys, cols]: the program's two 64-key K tiles
+            mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+            dq_tok = warpgroup_mma(ds_buf.slice(0, BLOCK_N).permute((1, 0)),
+                                   k_bufs.index(0).slice(WG * DQ_COLS, DQ_COLS, dim=1), zero_s, use_acc=False,
+                                   is_async=True)
+            dq_tok = warpgroup_mma(ds_buf.slice(BLOCK_N, BLOCK_N).permute((1, 0)),
+                                   k_bufs.index(1).slice(WG * DQ_COLS, DQ_COLS, dim=1), dq_tok, is_async=True)
+            dv, dk, dq, _, _, _ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok, q_buf, do_buf, ds_buf])
+            # the partial leaves through shared memory: the reducer warps add it into dQ
+            slot = t % DQ_STAGES
+            mbarrier.wait(dq_empty.index(slot), ((t // DQ_STAGES) & 1) ^ 1)
+            dq_bufs.index(slot).slice(WG * DQ_COLS, DQ_COLS, dim=1).store(dq * sm_scale)
+            mbarrier.arrive(dq_ready.index(slot), count=1)
+        else:
+            dv, dk, _, _, _ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dst_op, q_buf, do_buf])
         if HAS_BIAS:     # its bias tile was read through the generic proxy (see _release_bias)
             fence_async_shared()
         mbarrier.arrive(q_empty.index(s), count=1)
+    if FUSE_DQ:    # the other warpgroup's last dQ products read this one's K tile
+        mbarrier.arrive(kv_done, count=1)
+        mbarrier.wait(kv_done, 0)
     # dK and dV leave through this warpgroup's K and V buffers
     k_buf.store((dk * sm_scale).to(dtype))
     v_buf.store(dv.to(dtype))
@@ -551,17 +596,58 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
 
 
 @gluon.jit
-def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_desc, lse_ptr, delta_ptr, qk_scale,
-                      sm_scale, seq_q, seq_k, num_heads, group, bias_batch_rows, bias_head_rows,
+def _ws_dq_reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs, q_bufs,
+                   do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
+                   WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
+                   KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr,
+                   FUSE_DQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """FUSE_DQ: adds each step's (BLOCK_M, HEAD_D) dQ partial from its shared-memory slot into
+    dQ (fp32 rows at ``dq_fused[0]``) with 16-byte atomics, so that the consumers issue none
+    (issued there, 32 per thread and step, they made the pass 12% slower, experiment 54)."""
+    dq_ptr, dq_bufs, dq_ready, dq_empty = dq_fused[0], dq_fused[4], dq_fused[5], dq_fused[6]
+    HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
+    DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
+    # (8, 64) blocks: 8 rows are the swizzle's period; 64 columns keep each thread's share at
+    # two 16-byte atomics, within the 24 registers its warpgroup (shared with the loader) has
+    CHUNK: gl.constexpr = 8
+    COLS: gl.constexpr = 64
+    red_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [gl.num_warps(), 1], [1, 0])
+    offs = (gl.arange(0, CHUNK, gl.SliceLayout(1, red_layout))[:, None] * HEAD_D
+            + gl.arange(0, COLS, gl.SliceLayout(0, red_layout))[None, :])
+    pid_n = gl.program_id(0)
+    n_kv = num_heads // group
+    pid_bkv = _program_row(n_kv, BATCH_MINOR)
+    head0 = (pid_bkv // n_kv) * num_heads + (pid_bkv % n_kv) * group
+    m_lo, n_m = _q_tiles(pid_n * 2 * BLOCK_N, seq_q, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, 2 * BLOCK_N)
+    for t in range(group * n_m):
+        slot = t % DQ_STAGES
+        mbarrier.wait(dq_ready.index(slot), (t // DQ_STAGES) & 1)
+        buf = dq_bufs.index(slot)
+        row0 = (head0 + t // n_m).to(gl.int64) * seq_q + _q_tile(t, m_lo, n_m, pid_n, FUSE_DQ) * BLOCK_M
+        rows = dq_ptr + row0 * HEAD_D
+        for r in gl.static_range(0, BLOCK_M, CHUNK):
+            for c in gl.static_range(0, HEAD_D, COLS):
+                # unrolled: ptxas interleaves the next blocks' loads with these atomics (a barrier
+                # between blocks, to bound the registers, made the handoff 0.6 ms slower at 4k)
+                block = buf.slice(r, CHUNK).slice(c, COLS, dim=1).load(red_layout)
+                gl.atomic_add(rows + r * HEAD_D + c + offs, block, sem="relaxed")
+        mbarrier.arrive(dq_empty.index(slot), count=1)
+
+
+@gluon.jit
+def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_desc, lse_ptr, delta_ptr, dq_ptr,
+                      qk_scale, sm_scale, seq_q, seq_k, num_heads, group, bias_batch_rows, bias_head_rows,
                       WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
                       KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr,
-                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                      FUSE_DQ: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Grid (Sk / 128, B * Hkv); one program: 128 keys of one (b, kv head) in two consumer
     warpgroups of 64, over the 64-row query tiles of every query head of its group.
     dK, dV: (B * Hkv * Sk, D) rows; lse, delta: (B, Hq, Sq) contiguous; ``bias_desc``
-    (HAS_BIAS): (rows, Sk) bias matrix, tiles (64, 128); None without."""
+    (HAS_BIAS): (rows, Sk) bias matrix, tiles (64, 128); None without.  FUSE_DQ: dQ is added
+    into ``dq_ptr``, fp32 (B * Hq * Sq, D) rows zeroed beforehand; otherwise not read."""
     BLOCK_N: gl.constexpr = WG_ROWS   # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = WG_ROWS   # query rows per tile
+    HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
     k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
@@ -585,22 +671,65 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_de
         bias = (bias_desc, bias_bufs, q_ready, q_empty, bias_batch_rows, bias_head_rows)
     else:
         bias = bars     # not read: a stand-in of a type the partitions accept
+    if FUSE_DQ:     # dS^T tiles (128 keys x 64 queries), double-buffered: step t + 2 rewrites step t's
+        # after both warpgroups passed step t + 1's ds_ready, hence after their step-t dQ products
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, BLOCK_M], dtype)
+        ds_bufs = gl.allocate_shared_memory(dtype, [2, 2 * BLOCK_N, BLOCK_M], ds_layout)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kv_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)
+        mbarrier.init(kv_done, count=2)
+        # the partials' slots (fp32, swizzled against the accumulator rows' bank conflicts): two
+        # where shared memory allows, one beside a bias ring
+        DQ_STAGES: gl.constexpr = 1 if HAS_BIAS else 2
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, BLOCK_M, HEAD_D],
+                                            gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+        dq_ready = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(DQ_STAGES):
+            mbarrier.init(dq_ready.index(i), count=2)
+            mbarrier.init(dq_empty.index(i), count=1)
+        dq_fused = (dq_ptr, ds_bufs, ds_ready, kv_done, dq_bufs, dq_ready, dq_empty)
+    else:
+        dq_fused = bars     # not read
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
-    gl.warp_specialize([
-        (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                            q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, WG0,
-                            WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
-                            BLOCK_N, STAGES)),
-        (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                            q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, WG1,
-                            WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
-                            BLOCK_N, STAGES)),
-        (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                          q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, WG0,
-                          WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
-                          BLOCK_N, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    # (every partition takes the same arguments: tuples built here would lose their constexprs)
+    if FUSE_DQ:     # the loader, then the reducer warps
+        gl.warp_specialize([
+            (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
+                                q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
+                                group, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS,
+                                BATCH_MINOR, FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
+            (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
+                                q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
+                                group, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS,
+                                BATCH_MINOR, FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
+            (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
+                              q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
+                              group, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR,
+                              FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
+            (_ws_dq_reducer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
+                              q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
+                              group, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR,
+                              FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
+        ], [4, 1, 2], [CONSUMER_REGS, 24, 24])
+    else:
+        gl.warp_specialize([
+            (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
+                                q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
+                                group, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS,
+                                BATCH_MINOR, FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
+            (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
+                                q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
+                                group, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS,
+                                BATCH_MINOR, FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
+            (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
+                              q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
+                              group, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR,
+                              FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
 
 
 # --------------------------------------------------------------------------- dQ

@@ -725,20 +725,23 @@ def _forward_ws(q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_row
 
 
 def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int,
-             do_rows: int, bias: _WsBias | None = None):
-    """dK, dV of a call the warp-specialised forward serves (same scope, dO in a row layout)."""
+             do_rows: int, bias: _WsBias | None = None, fuse_dq: bool = False):
+    """(dK, dV, dQ or None) of a call the warp-specialised forward serves (same scope, dO in a
+    row layout); ``fuse_dq``: dQ too, added by fp32 atomics into a zeroed buffer."""
     cfg = C.WS_BWD_CONFIGS[prob.Dqk]
     dk, dv = torch.empty(k.shape, device=k.device, dtype=k.dtype), torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fuse_dq else None
     w = _WG_ROWS
     bias_desc, batch_rows, head_rows = _bias_args(bias, w, 2 * w, prob.Sk)
     _launch_one(_attn_bwd_dkdv_ws, (prob.Sk // (2 * w), prob.B * prob.Hkv), (
         _rows_descriptor(q, q_rows, w), _rows_descriptor(k, kv_rows, w), _rows_descriptor(v, kv_rows, w),
         _rows_descriptor(do, do_rows, w), _rows_descriptor(dk, 1, w), _rows_descriptor(dv, 1, w), bias_desc,
-        lse, delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq, prob.group, batch_rows, head_rows),
-        _ws_constexprs(params, bias, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows, STAGES=cfg.stages,
-                       CONSUMER_REGS=cfg.consumer_regs),
+        lse, delta, dq_acc if fuse_dq else delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq,
+        prob.group, batch_rows, head_rows),
+        _ws_constexprs(params, bias, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows, FUSE_DQ=fuse_dq,
+                       STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs),
         _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
-    return dk, dv
+    return dk, dv, (dq_acc.to(q.dtype) if fuse_dq else None)
 
 
 def _dq_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int,
@@ -1093,7 +1096,10 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     route = _ws_backward_route(do, q, k, v, bias_reason, params, prob, desc)
     if route is not None:
         ws_bias = _WsBias.of(bt, bstr, prob) if kind else None
-        dk, dv = _dkdv_ws(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias)
+        fuse_dq = C.WS_BWD_CONFIGS[prob.Dqk].fuse_dq and not params.deterministic
+        dk, dv, dq = _dkdv_ws(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias, fuse_dq=fuse_dq)
+        if dq is not None:
+            return dq, dk, dv, None
         if prob.Dqk in C.WS_DQ_CONFIGS:
             return _dq_ws(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias), dk, dv, None
         return (_dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, params, prob, common,
