@@ -41,6 +41,7 @@ import gc
 import json
 import math
 import os
+import random
 import platform
 import random
 import statistics
@@ -578,11 +579,12 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
              + (TIMING_QUEUED if meta.get("timing") == "queued" else
                 "a repetition is one synchronised call (the anchors' own method), or back-to-back calls "
                 "for calls under 0.5 ms; ")
-             + (f"a row's implementations take turns in {meta['rounds']} rounds (order rotated), each turn "
+             + (f"a row's implementations take turns in {meta['rounds']} rounds (order "
+                + ("shuffled each round" if meta.get("sampling") == SAMPLING_SHUFFLED else "rotated") + "), each turn "
                 + (f"opening with at least {meta['turn_warm_ms']:g} ms of untimed calls" if meta.get("turn_warm_ms")
                    else "opening with one untimed call")   # runs before experiment 32 have no turn_warm_ms
                 + ", with Python's garbage collector off while timing; "
-                if meta.get("sampling") in (SAMPLING, SAMPLING_ONE_CALL) else "")
+                if meta.get("sampling") in (SAMPLING, SAMPLING_ONE_CALL, SAMPLING_SHUFFLED) else "")
              + ("forward = inference (torch.no_grad(); Flex with grad enabled, its compiled graph depends on it)."
                 if meta.get("fwd_timing") == "no_grad" else "forward timed with grad enabled (inputs require grad)."),
              ""]
@@ -728,8 +730,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flex-dtypes", type=_csv(str), default=("bf16",), help="dtypes where Flex is measured")
     p.add_argument("--target-ms", type=float, default=40.0, help="time spent per measurement after warm-up (ms)")
     p.add_argument("--max-reps", type=int, default=15, help="most timed repetitions per measurement")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="interleaved rounds over a row's implementations (the repetitions are split over them)")
+    p.add_argument("--rounds", type=int, default=7,
+                   help="interleaved rounds over a row's implementations, in a new order each round (the "
+                        "repetitions are split over them)")
     p.add_argument("--turn-warm-ms", type=float, default=TURN_WARM_MS,
                    help="untimed calls opening each turn of a round, at least this long (ms; 0: one call): "
                         "the chip's clock follows what ran before (docs/perf-notes.md, experiment 32)")
@@ -1175,7 +1178,7 @@ class Runner:
 
     def measure_rounds(self, row: Row, entry: dict, pending: list) -> None:
         """Every warmed-up (implementation, mode) of the row is timed in --rounds interleaved
-        rounds, the order rotated each round, each turn after untimed calls of at least
+        rounds, in a new order each round (:func:`turn_order`), each turn after untimed calls of at least
         --turn-warm-ms, and reported as the median of all its repetitions: the card's clock
         and power state drift by ~10% over a row (a column measured alone could win or lose
         by that much, docs/perf-notes.md experiments 21 and 24), and a turn's speed depends on
@@ -1187,8 +1190,7 @@ class Runner:
         failed: dict[int, str] = {}
         gc.collect()    # sample() keeps the collector off while it times; start from a clean heap
         for rnd in range(rounds):
-            k = rnd % max(1, len(pending))
-            for i in list(range(k, len(pending))) + list(range(k)):
+            for i in turn_order(len(pending), row.id, rnd, self.args.seed):
                 impl, m, fn, ctx, w = pending[i]
                 if i in failed or w["est"] > 1000.0 and times[i]:
                     continue
@@ -1345,9 +1347,22 @@ def warm_calls(est_ms: float, warm_ms: float, most: int = 200) -> int:
     return max(1, min(most, math.ceil(warm_ms / max(est_ms, 1e-3))))
 
 
+def turn_order(n: int, row_id: str, rnd: int, seed: int) -> list[int]:
+    """The order of a row's ``n`` turns in round ``rnd``: the first round as listed, later ones
+    shuffled (seeded by the row and round).  A turn's speed depends on the one before it (the
+    clock follows the previous implementation, experiment 32); a rotation by one turn per round
+    kept almost every predecessor, and the grid's triton column then ran below its sdpa (auto)
+    column, the same kernels (experiment 55)."""
+    order = list(range(n))
+    if rnd:
+        random.Random(f"{seed}-{row_id}-{rnd}").shuffle(order)
+    return order
+
+
 # meta["sampling"] of runs that time as measure_rounds did (session 7) and does now
 SAMPLING_ONE_CALL = "gc-off, untimed call per turn"
 SAMPLING = "gc-off, untimed calls of at least turn_warm_ms per turn"
+SAMPLING_SHUFFLED = SAMPLING + ", turns shuffled each round"
 TIMING_QUEUED = ("repetitions are enqueued back to back, each between its own CUDA events, with one "
                  "synchronisation at the end (device time in steady state, as triton.testing.do_bench; "
                  "the host time of one call is benchmarks/overhead.py's); calls under 0.5 ms are grouped; ")
@@ -1505,7 +1520,7 @@ def main(argv=None) -> int:
     if "flex" in impls:
         runner.load_flex()
     meta = environment(runner)
-    meta.update(fwd_timing="no_grad", timing="queued", rounds=args.rounds, sampling=SAMPLING,
+    meta.update(fwd_timing="no_grad", timing="queued", rounds=args.rounds, sampling=SAMPLING_SHUFFLED,
                 turn_warm_ms=args.turn_warm_ms,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 commit=git_commit(args.commit), quick=args.quick, impls=impls, anchors=list(ANCHORS),

@@ -298,6 +298,23 @@ def test_write_outputs_json_doc_and_table(tmp_path):
     data["meta"].update(turn_warm_ms=0.0)
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
     assert "take turns in 3 rounds (order rotated), each turn opening with one untimed call" in doc.read_text()
+    data["meta"].update(rounds=7, sampling=bench.SAMPLING_SHUFFLED)
+    bench.write_outputs(data, tmp_path / "out", doc, plot=False)
+    assert "take turns in 7 rounds (order shuffled each round), each turn opening with one untimed call" \
+        in doc.read_text()
+
+
+def test_turn_order_varies_each_turns_predecessor():
+    """Round 0 runs the turns as listed; later rounds shuffle them (the same way for the same row,
+    round and seed), so that over the default rounds a turn follows many different turns: the
+    clock a turn starts with depends on the turn before it."""
+    n, rounds = 16, bench.parse_args([]).rounds
+    orders = [bench.turn_order(n, "bf16-d128-s4096-full", r, 0) for r in range(rounds)]
+    assert orders[0] == list(range(n)) and all(sorted(o) == list(range(n)) for o in orders)
+    assert orders == [bench.turn_order(n, "bf16-d128-s4096-full", r, 0) for r in range(rounds)]
+    assert orders[1] != bench.turn_order(n, "bf16-d128-s8192-full", 1, 0)
+    predecessors = {t: {o[o.index(t) - 1] for o in orders if o.index(t)} for t in range(n)}
+    assert rounds >= 5 and min(len(p) for p in predecessors.values()) >= 3
 
 
 def test_turn_warm_up_lasts_turn_warm_ms():
