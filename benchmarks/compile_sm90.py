@@ -147,9 +147,9 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
           else _attn_bwd_dkdv_ws)
     names = fn.arg_names
 
-    def desc(rows, cols=d):
-        lay = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {cols}],{lay!r}>"
+    def desc(rows, cols=d, dtype="bf16"):
+        lay = gl.NVMMASharedLayout.get_default_for([rows, cols], {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype])
+        return f"tensordesc<{dtype}[{rows}, {cols}],{lay!r}>"
     from attention_dispatch.kernels.forward_ws import WG_ROWS
     wg = WG_ROWS.value
     if fn is _attn_bwd_dq_ws:
@@ -159,7 +159,7 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
     elif fn is _attn_bwd_dkdv_ws:
         sig = dict(q_desc=desc(wg), k_desc=desc(wg), v_desc=desc(wg), do_desc=desc(wg), dk_desc=desc(wg),
                    dv_desc=desc(wg), bias_desc=desc(wg, 2 * wg), lse_ptr="*fp32", delta_ptr="*fp32",
-                   dq_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
+                   dq_desc=desc(wg, d // 2, "fp32"), qk_scale="fp32", sm_scale="fp32")
     else:
         sig = dict(q_desc=desc(wg), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(wg),
                    bias_desc=desc(2 * wg, cfg.block_n), lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16",
@@ -167,6 +167,8 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
     consts = dict(constexprs)
     if not consts["HAS_BIAS"]:      # launch.py passes None: a constexpr argument
         consts["bias_desc"] = None
+    if fn is _attn_bwd_dkdv_ws and not consts["FUSE_DQ"]:
+        consts["dq_desc"] = None
     sig = {n: "constexpr" if n in consts else sig.get(n, "i32") for n in names}
     # pointers 16-byte aligned, as the launches specialise them (vector atomics need it)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}

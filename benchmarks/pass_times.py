@@ -4,7 +4,7 @@
 
 bf16 d128, S = 4k / 16k / 16k causal / 4k with a (1, H, S, S) bias (B * S = 16k tokens, 16
 heads): the forward, the dK/dV pass, the dQ pass and the dK/dV pass with dQ fused into it
-(fp32 atomics, configs.WsConfig.fuse_dq) each timed alone by CUDA events (median of 7 loops of
+(fp32 TMA reduce-adds, configs.WsConfig.fuse_dq) each timed alone by CUDA events (median of 7 loops of
 5 calls), and their TFLOP/s counting only their own products (2 / 4 / 3 / 5 matrix products of
 the forward's size).  docs/perf-notes.md experiments 47, 50 and 54.
 """

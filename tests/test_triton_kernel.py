@@ -1292,8 +1292,8 @@ def test_gpu_warp_specialized_window(monkeypatch, window, extra):
 @pytest.mark.parametrize("feature", ["dense", "causal_mqa", "bshd_dense_gqa", "cross", "bias_causal", "window_bias",
                                      "window_gqa_bshd"])
 def test_gpu_warp_specialized_fused_dq(monkeypatch, feature):
-    """dQ fused into the Gluon dK/dV pass (configs.WsConfig.fuse_dq: fp32 partials added by the
-    reducer warps' atomics, query tiles visited in a rotated order) against float64 (forward,
+    """dQ fused into the Gluon dK/dV pass (configs.WsConfig.fuse_dq: fp32 partials added by TMA
+    reduce-add, query tiles visited in a rotated order) against float64 (forward,
     logsumexp, gradients), S=640 (5 query tiles: the dS and dQ slots wrap), with GQA and MQA
     groups, (B, S, H, D) memory, Sq != Sk, a bias and windows."""
     from attention_dispatch.kernels import configs, launch

@@ -30,8 +30,10 @@ Row layouts (``Q_ROWS`` / ``KV_ROWS`` / ``DO_ROWS``): 1 = (B, H, S, D) memory se
 (B*H*S, D), 2 = (B, S, H, D) memory seen as (B*S, H*D), the head's columns at ``h * D``.
 Outputs (O, dQ, dK, dV) are written as (B, H, S, D) contiguous.
 """
+from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin as _builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
@@ -40,6 +42,15 @@ LOG2E = gl.constexpr(1.4426950408889634)
 # Rows per consumer warpgroup (one wgmma M): a program covers 2 * WG_ROWS query rows (forward,
 # dQ) or keys (dK/dV); the dK/dV pass streams WG_ROWS-row query tiles.  The launcher reads it.
 WG_ROWS = gl.constexpr(64)
+
+
+@_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of shared tile ``src`` into the tensor at ``coord`` (cp.reduce.async.bulk;
+    Triton 3.6's IR has it, its Gluon API does not): an asynchronous bulk operation that
+    :func:`tma.store_wait` waits for, as a TMA store."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.constexpr_function
@@ -435,7 +446,7 @@ def _lse_log2(lse, MAY_EMPTY: gl.constexpr):
 def _q_tile(t, m_lo, n_m, pid_n, ROTATE: gl.constexpr):
     """The query tile of a dK/dV program's step ``t`` (of ``n_m`` tiles from ``m_lo``).  ROTATE
     (the fused dQ): each program starts at its own tile and wraps, so that the programs running
-    together add their dQ partials into different rows (experiment 54: 16k causal 5.72 -> 5.49 ms)."""
+    together add their dQ partials into different rows (experiment 54: 16k 11.2 -> 10.7 ms)."""
     if ROTATE:
         return m_lo + (t + pid_n * 2) % n_m
     return m_lo + t % n_m
@@ -496,9 +507,9 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
                      FUSE_DQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     # this warpgroup: BLOCK_N (64) keys; scores transposed (keys x queries) as the tl kernel.
     # FUSE_DQ: dQ too, FA3's way: both warpgroups put their dS^T half in shared memory, then
-    # each multiplies the whole (queries x 128 keys) dS by its half of K's columns and hands
-    # that (64, HEAD_D / 2) fp32 partial to the reducer (:func:`_ws_dq_reducer`) through a
-    # shared-memory slot: atomics issued here stalled both warpgroups (experiment 54)
+    # each multiplies the whole (queries x 128 keys) dS by its half of K's columns and adds
+    # that (64, HEAD_D / 2) fp32 partial into dQ by TMA reduce-add from a shared slot
+    # (experiment 54: per-thread atomics, here or from a reducer partition, cost more)
     kv_bar, q_ready, q_empty, lse_bufs, delta_bufs = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -522,9 +533,11 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
     if HAS_BIAS:
         scale = LOG2E
     if FUSE_DQ:
-        ds_bufs, ds_ready, kv_done, dq_bufs, dq_ready, dq_empty = dq_fused[1:]
+        dq_desc, ds_bufs, ds_ready, kv_done, dq_bufs = dq_fused
         DQ_COLS: gl.constexpr = HEAD_D // 2
-        DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
+        DQ_STAGES: gl.constexpr = dq_bufs.shape[0] // 2
+        n_kv_heads = num_heads // group
+        dq_head0 = (pid_bkv // n_kv_heads) * num_heads + (pid_bkv % n_kv_heads) * group
         gl.static_assert(DQ_COLS == BLOCK_M and BLOCK_N == BLOCK_M)   # zero_s serves the dQ product
     mbarrier.wait(kv_bar, 0)
     for t in range(group * n_m):
@@ -572,11 +585,15 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
             dq_tok = warpgroup_mma(ds_buf.slice(BLOCK_N, BLOCK_N).permute((1, 0)),
                                    k_bufs.index(1).slice(WG * DQ_COLS, DQ_COLS, dim=1), dq_tok, is_async=True)
             dv, dk, dq, _, _, _ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok, q_buf, do_buf, ds_buf])
-            # the partial leaves through shared memory: the reducer warps add it into dQ
-            slot = t % DQ_STAGES
-            mbarrier.wait(dq_empty.index(slot), ((t // DQ_STAGES) & 1) ^ 1)
-            dq_bufs.index(slot).slice(WG * DQ_COLS, DQ_COLS, dim=1).store(dq * sm_scale)
-            mbarrier.arrive(dq_ready.index(slot), count=1)
+            # the partial leaves through shared memory by TMA reduce-add (FA3's way); the slot's
+            # previous reduce, DQ_STAGES steps ago, must have read it first
+            tma.store_wait(DQ_STAGES - 1)
+            gl.thread_barrier()
+            dq_buf = dq_bufs.index((t % DQ_STAGES) * 2 + WG)
+            dq_buf.store(dq * sm_scale)
+            fence_async_shared()
+            row0 = (dq_head0 + t // n_m) * seq_q + mi * BLOCK_M
+            _tma_reduce_add(dq_desc, [row0, WG * DQ_COLS], dq_buf)
         else:
             dv, dk, _, _, _ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dst_op, q_buf, do_buf])
         if HAS_BIAS:     # its bias tile was read through the generic proxy (see _release_bias)
@@ -596,46 +613,7 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
 
 
 @gluon.jit
-def _ws_dq_reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs, q_bufs,
-                   do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                   WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
-                   KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr,
-                   FUSE_DQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """FUSE_DQ: adds each step's (BLOCK_M, HEAD_D) dQ partial from its shared-memory slot into
-    dQ (fp32 rows at ``dq_fused[0]``) with 16-byte atomics, so that the consumers issue none
-    (issued there, 32 per thread and step, they made the pass 12% slower, experiment 54)."""
-    dq_ptr, dq_bufs, dq_ready, dq_empty = dq_fused[0], dq_fused[4], dq_fused[5], dq_fused[6]
-    HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
-    DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
-    # (8, 64) blocks: 8 rows are the swizzle's period; 64 columns keep each thread's share at
-    # two 16-byte atomics, within the 24 registers its warpgroup (shared with the loader) has
-    CHUNK: gl.constexpr = 8
-    COLS: gl.constexpr = 64
-    red_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [gl.num_warps(), 1], [1, 0])
-    offs = (gl.arange(0, CHUNK, gl.SliceLayout(1, red_layout))[:, None] * HEAD_D
-            + gl.arange(0, COLS, gl.SliceLayout(0, red_layout))[None, :])
-    pid_n = gl.program_id(0)
-    n_kv = num_heads // group
-    pid_bkv = _program_row(n_kv, BATCH_MINOR)
-    head0 = (pid_bkv // n_kv) * num_heads + (pid_bkv % n_kv) * group
-    m_lo, n_m = _q_tiles(pid_n * 2 * BLOCK_N, seq_q, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, 2 * BLOCK_N)
-    for t in range(group * n_m):
-        slot = t % DQ_STAGES
-        mbarrier.wait(dq_ready.index(slot), (t // DQ_STAGES) & 1)
-        buf = dq_bufs.index(slot)
-        row0 = (head0 + t // n_m).to(gl.int64) * seq_q + _q_tile(t, m_lo, n_m, pid_n, FUSE_DQ) * BLOCK_M
-        rows = dq_ptr + row0 * HEAD_D
-        for r in gl.static_range(0, BLOCK_M, CHUNK):
-            for c in gl.static_range(0, HEAD_D, COLS):
-                # unrolled: ptxas interleaves the next blocks' loads with these atomics (a barrier
-                # between blocks, to bound the registers, made the handoff 0.6 ms slower at 4k)
-                block = buf.slice(r, CHUNK).slice(c, COLS, dim=1).load(red_layout)
-                gl.atomic_add(rows + r * HEAD_D + c + offs, block, sem="relaxed")
-        mbarrier.arrive(dq_empty.index(slot), count=1)
-
-
-@gluon.jit
-def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_desc, lse_ptr, delta_ptr, dq_ptr,
+def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_desc, lse_ptr, delta_ptr, dq_desc,
                       qk_scale, sm_scale, seq_q, seq_k, num_heads, group, bias_batch_rows, bias_head_rows,
                       WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
                       KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr,
@@ -644,7 +622,7 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_de
     warpgroups of 64, over the 64-row query tiles of every query head of its group.
     dK, dV: (B * Hkv * Sk, D) rows; lse, delta: (B, Hq, Sq) contiguous; ``bias_desc``
     (HAS_BIAS): (rows, Sk) bias matrix, tiles (64, 128); None without.  FUSE_DQ: dQ is added
-    into ``dq_ptr``, fp32 (B * Hq * Sq, D) rows zeroed beforehand; otherwise not read."""
+    into ``dq_desc``, fp32 (B * Hq * Sq, D) rows zeroed beforehand, tiles (64, D / 2); None without."""
     BLOCK_N: gl.constexpr = WG_ROWS   # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = WG_ROWS   # query rows per tile
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
@@ -680,56 +658,29 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_de
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(kv_done, count=2)
-        # the partials' slots (fp32, swizzled against the accumulator rows' bank conflicts): two
-        # where shared memory allows, one beside a bias ring
+        # each warpgroup's (64, HEAD_D / 2) fp32 partials: two slots where shared memory allows,
+        # one beside a bias
         DQ_STAGES: gl.constexpr = 1 if HAS_BIAS else 2
-        dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, BLOCK_M, HEAD_D],
-                                            gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
-        dq_ready = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], mbarrier.MBarrierLayout())
-        dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(DQ_STAGES):
-            mbarrier.init(dq_ready.index(i), count=2)
-            mbarrier.init(dq_empty.index(i), count=1)
-        dq_fused = (dq_ptr, ds_bufs, ds_ready, kv_done, dq_bufs, dq_ready, dq_empty)
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * DQ_STAGES] + dq_desc.block_type.shape, dq_desc.layout)
+        dq_fused = (dq_desc, ds_bufs, ds_ready, kv_done, dq_bufs)
     else:
         dq_fused = bars     # not read
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
-    # (every partition takes the same arguments: tuples built here would lose their constexprs)
-    if FUSE_DQ:     # the loader, then the reducer warps
-        gl.warp_specialize([
-            (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                                q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
-                                group, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS,
-                                BATCH_MINOR, FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
-            (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                                q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
-                                group, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS,
-                                BATCH_MINOR, FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
-            (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                              q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
-                              group, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR,
-                              FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
-            (_ws_dq_reducer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                              q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
-                              group, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR,
-                              FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
-        ], [4, 1, 2], [CONSUMER_REGS, 24, 24])
-    else:
-        gl.warp_specialize([
-            (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                                q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
-                                group, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS,
-                                BATCH_MINOR, FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
-            (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                                q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
-                                group, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS,
-                                BATCH_MINOR, FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
-            (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                              q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
-                              group, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR,
-                              FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+    gl.warp_specialize([
+        (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
+                            q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
+                            group, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS,
+                            BATCH_MINOR, FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
+                            q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
+                            group, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS,
+                            BATCH_MINOR, FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
+                          q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
+                          group, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR,
+                          FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
 
 
 # --------------------------------------------------------------------------- dQ

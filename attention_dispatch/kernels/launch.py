@@ -724,10 +724,18 @@ def _forward_ws(q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_row
         _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
 
 
+def _dq_acc_descriptor(dq_acc: torch.Tensor):
+    """Gluon descriptor over the fused dQ's fp32 (B * Hq * Sq, D) rows, tiles of (64, D / 2): each
+    consumer warpgroup's partial (forward_ws.py, FUSE_DQ)."""
+    D = dq_acc.shape[-1]
+    layout = _gl.NVMMASharedLayout.get_default_for([_WG_ROWS, D // 2], _gl.float32)
+    return _GluonDescriptor(dq_acc, [dq_acc.numel() // D, D], [D, 1], [_WG_ROWS, D // 2], layout)
+
+
 def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int,
              do_rows: int, bias: _WsBias | None = None, fuse_dq: bool = False):
     """(dK, dV, dQ or None) of a call the warp-specialised forward serves (same scope, dO in a
-    row layout); ``fuse_dq``: dQ too, added by fp32 atomics into a zeroed buffer."""
+    row layout); ``fuse_dq``: dQ too, added by TMA reduce-add into a zeroed fp32 buffer."""
     cfg = C.WS_BWD_CONFIGS[prob.Dqk]
     dk, dv = torch.empty(k.shape, device=k.device, dtype=k.dtype), torch.empty(v.shape, device=v.device, dtype=v.dtype)
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fuse_dq else None
@@ -736,7 +744,8 @@ def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_
     _launch_one(_attn_bwd_dkdv_ws, (prob.Sk // (2 * w), prob.B * prob.Hkv), (
         _rows_descriptor(q, q_rows, w), _rows_descriptor(k, kv_rows, w), _rows_descriptor(v, kv_rows, w),
         _rows_descriptor(do, do_rows, w), _rows_descriptor(dk, 1, w), _rows_descriptor(dv, 1, w), bias_desc,
-        lse, delta, dq_acc if fuse_dq else delta, params.scale * LOG2E, params.scale, prob.Sq, prob.Sk, prob.Hq,
+        lse, delta, _dq_acc_descriptor(dq_acc) if fuse_dq else None, params.scale * LOG2E, params.scale, prob.Sq,
+        prob.Sk, prob.Hq,
         prob.group, batch_rows, head_rows),
         _ws_constexprs(params, bias, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows, FUSE_DQ=fuse_dq,
                        STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs),
