@@ -147,9 +147,13 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
           else _attn_bwd_dkdv_ws)
     names = fn.arg_names
 
-    def desc(rows, cols=d, dtype="bf16"):
-        lay = gl.NVMMASharedLayout.get_default_for([rows, cols], {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype])
-        return f"tensordesc<{dtype}[{rows}, {cols}],{lay!r}>"
+    def desc(rows, cols=d):
+        lay = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {cols}],{lay!r}>"
+
+    def dq_desc(rows, cols):     # the fused dQ's fp32 partials (launch._dq_acc_descriptor)
+        from attention_dispatch.kernels.launch import DQ_ACC_SWIZZLE
+        return f"tensordesc<fp32[{rows}, {cols}],{gl.NVMMASharedLayout(DQ_ACC_SWIZZLE, 32, 2)!r}>"
     from attention_dispatch.kernels.forward_ws import WG_ROWS
     wg = WG_ROWS.value
     if fn is _attn_bwd_dq_ws:
@@ -159,7 +163,7 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
     elif fn is _attn_bwd_dkdv_ws:
         sig = dict(q_desc=desc(wg), k_desc=desc(wg), v_desc=desc(wg), do_desc=desc(wg), dk_desc=desc(wg),
                    dv_desc=desc(wg), bias_desc=desc(wg, 2 * wg), lse_ptr="*fp32", delta_ptr="*fp32",
-                   dq_desc=desc(wg, d // 2, "fp32"), qk_scale="fp32", sm_scale="fp32")
+                   dq_desc=dq_desc(wg, d // 2), qk_scale="fp32", sm_scale="fp32")
     else:
         sig = dict(q_desc=desc(wg), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(wg),
                    bias_desc=desc(2 * wg, cfg.block_n), lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16",
