@@ -2,11 +2,10 @@
 
     python benchmarks/ratios.py [--rounds 5] [--json FILE] [--rows PATTERN ...]
 
-The full grid (bench.py) times each implementation once, one after another; on the H100
-two columns that run the same kernel (sdpa (auto) and triton) then differ by up to ~10%
-(clock and power state drift between measurements, docs/perf-notes.md).  Here every
-implementation of a row is timed in each of --rounds rounds, in turn (the order rotates
-per round), with bench.py's inputs, implementations and timing; a cell is the median over
+A second measurement of the grid's headline cells, with fewer implementations: every
+implementation of a row is timed in each of --rounds rounds, in bench.turn_order's order
+(the clock a turn starts with follows the turn before it, docs/perf-notes.md experiments 32
+and 55), with bench.py's inputs, implementations and timing; a cell is the median over
 rounds, and the spread (max - min) / median is printed beside it.  Rows: bf16 hdim 128,
 S in {4k, 8k, 16k}, causal and not, and the float-bias row.
 """
@@ -32,11 +31,6 @@ MODES = bench.MODES
 def headline_rows() -> list[bench.Row]:
     rows = [bench.Row("bf16", 128, s, c) for s in (4096, 8192, 16384) for c in (False, True)]
     return rows + [bench.Row("bf16", 128, 4096, False, "bias")]
-
-
-def rotate(items: tuple, k: int) -> tuple:
-    k %= len(items)
-    return items[k:] + items[:k]
 
 
 def summarise(samples: list[float]) -> dict:
@@ -113,7 +107,8 @@ def main(argv=None) -> int:
             prepared[impl] = (ctx, {"fwd": fwd if impl == "flex" else inference, "fwd+bwd": fb}, modes)
         samples: dict = {impl: {m: [] for m in prepared[impl][2]} for impl in prepared}
         for rnd in range(a.rounds):
-            for impl in rotate(tuple(prepared), rnd):
+            for k in bench.turn_order(len(prepared), row.id, rnd, args.seed):
+                impl = list(prepared)[k]
                 ctx, fns, modes = prepared[impl]
                 with ctx():
                     for m in modes:

@@ -483,10 +483,8 @@ def test_time_fn_enqueues_repetitions_back_to_back(monkeypatch):
     assert calls == ["call"] * 2 + ["call-gc-off"] * (r["reps"] * r["inner"])
 
 
-def test_ratios_rotation_summary_and_targets():
+def test_ratios_summary_and_targets():
     from benchmarks import ratios
-    assert [ratios.rotate(("a", "b", "c"), k) for k in range(4)] == [
-        ("a", "b", "c"), ("b", "c", "a"), ("c", "a", "b"), ("a", "b", "c")]
     s = ratios.summarise([400.0, 500.0, 450.0])
     assert s["tflops"] == 450.0 and abs(s["spread"] - 100 / 450) < 1e-12
     cell = lambda f, fb: {"fwd": {"tflops": f}, "fwd+bwd": {"tflops": fb}}   # noqa: E731
@@ -567,11 +565,10 @@ def test_precompile_workers_run_every_row_and_report_errors(tmp_path):
     assert bench.parse_args([]).precompile_workers == bench.DEFAULT_PRECOMPILE_WORKERS
 
 
-def test_measure_rounds_interleave_and_rotate():
-    """A row's measurements run in --rounds rounds, each round starting one implementation
-    later, each turn opening with untimed calls (here the minimum, one); each result is the
-    median of all its timed repetitions; a call that fails is reported as an error and
-    skipped in later rounds."""
+def test_measure_rounds_interleave_in_turn_order():
+    """A row's measurements run in --rounds rounds, each in turn_order's order, each turn
+    opening with untimed calls (here the minimum, one); each result is the median of all its
+    timed repetitions; a call that fails is reported as an error and skipped in later rounds."""
     import contextlib
     args = bench.parse_args(["--smoke-cpu", "--rounds", "3", "--turn-warm-ms", "0"])
     runner = bench.Runner(args, bench.Log(None, echo=False))
@@ -586,8 +583,12 @@ def test_measure_rounds_interleave_and_rotate():
     w = dict(est=1.0, reps=6, inner=1, first_call_s=0.0)
     entry = {"results": {n: {"fwd": {"status": "pending", "peak_mib": None}} for n in "abc"}}
     pending = [(n, "fwd", make(n, fail=n == "c"), contextlib.nullcontext, w) for n in "abc"]
-    runner.measure_rounds(bench.smoke_grid()[0], entry, pending)
-    assert "".join(order) == "aaabbbc" + "bbbaaa" + "aaabbb"
+    row = bench.smoke_grid()[0]
+    runner.measure_rounds(row, entry, pending)
+    want = "".join("abc"[i] * (3 if i < 2 else 1) for i in bench.turn_order(3, row.id, 0, args.seed))
+    for rnd in (1, 2):
+        want += "".join("ab"[i] * 3 for i in bench.turn_order(3, row.id, rnd, args.seed) if i < 2)
+    assert "".join(order) == want and want.startswith("aaabbbc")
     for n in "ab":
         r = entry["results"][n]["fwd"]
         assert r["status"] == "ok" and r["reps"] == 6 and r["rounds"] == 3 and r["ms"] > 0 and r["tflops"] > 0
