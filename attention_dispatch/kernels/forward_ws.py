@@ -566,12 +566,11 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
         dv_tok = warpgroup_mma(pt_op, do_buf, dv, is_async=True)
         dpt, _ = warpgroup_mma_wait(1, deps=[dpt_tok, pt_op])
         dst = (pt * (dpt - delta[None, :])).to(dtype)
-        if FUSE_DQ:    # this warpgroup's keys of dS^T, for both warpgroups' dQ products
+        if FUSE_DQ:    # this warpgroup's keys of dS^T, for both warpgroups' dQ products and its dK's
             ds_buf = ds_bufs.index(t % 2)
             ds_buf.slice(WG * BLOCK_N, BLOCK_N).store(dst)
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(t % 2), count=1)
-        if FUSE_DQ:     # dK's product reads dS^T from there too (no register operand to hold)
             dk_tok = warpgroup_mma(ds_buf.slice(WG * BLOCK_N, BLOCK_N), q_buf, dk, is_async=True)
         else:
             dst_op = gl.convert_layout(dst, op_layout)

@@ -751,8 +751,7 @@ def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_
         _rows_descriptor(q, q_rows, w), _rows_descriptor(k, kv_rows, w), _rows_descriptor(v, kv_rows, w),
         _rows_descriptor(do, do_rows, w), _rows_descriptor(dk, 1, w), _rows_descriptor(dv, 1, w), bias_desc,
         lse, delta, _dq_acc_descriptor(dq_acc) if fuse_dq else None, params.scale * LOG2E, params.scale, prob.Sq,
-        prob.Sk, prob.Hq,
-        prob.group, batch_rows, head_rows),
+        prob.Sk, prob.Hq, prob.group, batch_rows, head_rows),
         _ws_constexprs(params, bias, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows, FUSE_DQ=fuse_dq,
                        STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs),
         _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
