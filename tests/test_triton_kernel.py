@@ -1292,14 +1292,15 @@ def test_gpu_warp_specialized_window(monkeypatch, window, extra):
 @pytest.mark.parametrize("feature", ["dense", "causal_mqa", "bshd_dense_gqa", "cross", "bias_causal", "window_bias",
                                      "window_gqa_bshd"])
 def test_gpu_warp_specialized_fused_dq(monkeypatch, feature):
-    """dQ fused into the Gluon dK/dV pass (configs.WsConfig.fuse_dq: fp32 partials added by TMA
-    reduce-add, query tiles visited in a rotated order) against float64 (forward,
-    logsumexp, gradients), S=640 (5 query tiles: the dS and dQ slots wrap), with GQA and MQA
-    groups, (B, S, H, D) memory, Sq != Sk, a bias and windows."""
-    from attention_dispatch.kernels import configs, launch
+    """dQ fused into the Gluon dK/dV pass (fp32 partials added by TMA reduce-add, query tiles
+    visited in a rotated order) against float64 (forward, logsumexp, gradients), S=640 (5 query
+    tiles: the dS and dQ slots wrap), with GQA and MQA groups, (B, S, H, D) memory, Sq != Sk, a
+    bias and windows: every call the kernel takes, also those launch.fuse_dq leaves to the two
+    passes by default (short, causal, biased or windowed)."""
+    from attention_dispatch.kernels import launch
     seen = _spy_forward_ws(monkeypatch)
     monkeypatch.setattr(launch, "WS_MIN_WINDOW", 0)
-    monkeypatch.setitem(configs.WS_BWD_CONFIGS, 128, configs.WsConfig(fuse_dq=True))
+    monkeypatch.setattr(launch, "fuse_dq", lambda params, prob, bias: not params.deterministic)
     hkv = 1 if "mqa" in feature else (2 if "gqa" in feature else 4)
     sk = 768 if feature == "cross" else 640
     q = rand(2, 4, 640, 128, dtype=BF16, device="cuda")
@@ -1414,6 +1415,33 @@ def test_gpu_training_plan_replays(monkeypatch, causal, route):
         assert len(plans[0].bwd.steps) == 3
 
 
+@pytest.mark.parametrize("change, fused", [
+    ({}, True),
+    (dict(sk=2048), False),                       # below FUSE_DQ_MIN_KEYS: measured slower at 1k
+    (dict(causal="top_left"), False),             # measured slower causal
+    (dict(window=(1024, 0)), False),
+    (dict(bias=True), False),
+    (dict(deterministic=True), False),            # reduce-adds in any order
+    (dict(config_off=True), False),
+    (dict(gqa=True), True),
+])
+def test_fuse_dq_is_chosen_where_it_was_measured_faster(monkeypatch, change, fused):
+    """launch.fuse_dq: the warp-specialised backward fuses dQ into its dK/dV pass only for the
+    calls experiment 54 timed faster that way (no band, no bias, Sk >= FUSE_DQ_MIN_KEYS),
+    never for a deterministic call."""
+    from attention_dispatch.kernels import configs, launch
+    if change.get("config_off"):
+        monkeypatch.setitem(configs.WS_BWD_CONFIGS, 128, configs.WsConfig(fuse_dq=False))
+    sk = change.get("sk", 4096)
+    q = torch.empty(1, 4, sk, 128)
+    k = torch.empty(1, 1 if change.get("gqa") else 4, sk, 128)
+    prob = launch._Problem(q, k, k, None, None, None, None)
+    params = make_params(q, change.get("causal"), change.get("window"),
+                         deterministic=change.get("deterministic", False))
+    bias = object() if change.get("bias") else None     # fuse_dq only asks whether there is one
+    assert launch.fuse_dq(params, prob, bias) is fused
+
+
 @pytest.mark.parametrize("fuse_dq", ["", "fused", "fused but deterministic"])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("causal", [None, "top_left"])
@@ -1422,13 +1450,15 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias, fuse_dq):
     and logsumexp come from the forward's entry point, dK/dV and dQ from the backward's (stand-ins
     computing float64 attention here), each in its place of the results, and delta = rowsum(dO * O)
     reaches both backward passes.  A (1, H, S, S) bias reaches all three as the rows of its
-    matrix: none per batch (broadcast), Sq per head.  With configs.WsConfig.fuse_dq the dK/dV
-    pass returns dQ too and no dQ pass runs, unless the call asks for determinism (dQ's fused
-    additions are atomics)."""
+    matrix: none per batch (broadcast), Sq per head.  Where launch.fuse_dq picks it (here its
+    minimum length lowered to 0; not for causal calls or a bias) the dK/dV pass returns dQ too
+    and no dQ pass runs; not when the call asks for determinism, nor with configs.WsConfig's
+    fuse_dq off."""
     from attention_dispatch.kernels import configs, launch
-    if fuse_dq:
-        monkeypatch.setitem(configs.WS_BWD_CONFIGS, 128, configs.WsConfig(fuse_dq=True))
-    fused = fuse_dq == "fused"
+    monkeypatch.setattr(launch, "FUSE_DQ_MIN_KEYS", 0)
+    if not fuse_dq:
+        monkeypatch.setitem(configs.WS_BWD_CONFIGS, 128, configs.WsConfig(fuse_dq=False))
+    fused = fuse_dq == "fused" and causal is None and not with_bias
     if launch._attn_fwd_ws is None:
         pytest.skip("this Triton has no Gluon")
     _any_triton_runs_gluon(monkeypatch)

@@ -164,9 +164,9 @@ class WsConfig(NamedTuple):
     bias_stages: int = 2        # slots of the bias ring (forward and dQ; dK/dV: one per (Q, dO) slot)
     consumer_regs: int = 240    # registers per thread of the second consumer (setmaxnreg)
     max_regs: int = 168         # kernel-wide limit: 12 warps * 32 * 168 fit the register file
-    # dK/dV pass: dQ too (FA3's structure, fp32 reduce-adds, so never for deterministic calls).  Off:
-    # at parity with the separate dQ pass on the H100 (0.97-1.03x, docs/perf-notes.md experiment 54)
-    fuse_dq: bool = False
+    # dK/dV pass: dQ too (FA3's structure, fp32 reduce-adds), for the calls launch.fuse_dq picks
+    # (where it measured faster than the separate dQ pass, docs/perf-notes.md experiment 54)
+    fuse_dq: bool = True
 
 
 # sm90 only, by head dim (Dqk == Dv).  Experiment 40 (H100, forward_ab.py, 5 interleaved rounds):
