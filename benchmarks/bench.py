@@ -41,7 +41,6 @@ import gc
 import json
 import math
 import os
-import random
 import platform
 import random
 import statistics
@@ -1150,7 +1149,6 @@ class Runner:
 
     # -- one row -----------------------------------------------------------------------------
     def run_row(self, row: Row, impls: list[str]) -> dict:
-        torch = self.torch
         log = self.log
         entry = {"row": row.to_json(), "results": {}}
         if self.left() <= 0:
