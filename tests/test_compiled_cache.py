@@ -121,6 +121,11 @@ class _FakeGluonKernel(_FakeKernel):
     arg_names = ["QD", "OD", "LSE", "scale", "n", "FLAG"]
 
 
+class _FakeFusedDqKernel(_FakeKernel):
+    """The same with the dK/dV pass's FUSE_DQ constexpr."""
+    arg_names = ["QD", "OD", "LSE", "scale", "n", "FLAG", "FUSE_DQ"]
+
+
 def _gluon_descriptor(t, rows=16, swizzle=64):
     from triton.experimental.gluon import language as gl
     layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8 * t.element_size(), rank=2)
@@ -392,22 +397,26 @@ def test_training_plan_replays_forward_and_backward(monkeypatch, feature):
 
 
 @pytest.mark.skipif(cc.GluonDescriptor is None, reason="this Triton has no Gluon")
-def test_training_plan_replays_a_warp_specialised_backward(cache, monkeypatch):
+@pytest.mark.parametrize("fused_dq", [False, True])
+def test_training_plan_replays_a_warp_specialised_backward(cache, monkeypatch, fused_dq):
     """A backward's launches (stand-ins here for the warp-specialised route: a pointer kernel
     over dO and delta, a descriptor-first kernel over q, dK and out) are captured once and
     replayed with each call's dO and fresh delta / dQ / dK / dV, for a dO of the captured layout;
-    a dO of another layout takes the full backward."""
+    a dO of another layout takes the full backward.  fused_dq: the dK/dV kernel reduce-adds dQ
+    into a zeroed buffer (FUSE_DQ), which a replay's fresh dQ is not: never replayed, although
+    every tensor it reads is one the plan could patch."""
     from attention_dispatch.kernels import TrainingPlan
     monkeypatch.setattr(cc, "_current_stream", lambda: 0)
     monkeypatch.setattr(launch, "_hooks_installed", lambda: False)
-    gluon, ptr, relaunched, full = _FakeGluonKernel(), _FakeKernel(), [], []
+    gluon = _FakeFusedDqKernel() if fused_dq else _FakeGluonKernel()
+    ptr, relaunched, full = _FakeKernel(), [], []
 
     def backward(do, q, k, v, bias, out, lse, seed, params, delta=None):
         full.append(do)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         cache.launch(ptr, (1,), (do, delta, 16, 0.5), dict(FLAG=True, BLOCK=16), 4, 3)
         cache.launch(gluon, (2,), (_gluon_descriptor(q), _gluon_descriptor(dk), out, params.scale, 64),
-                     dict(FLAG=True), 4, 3)
+                     dict(FLAG=True, **({"FUSE_DQ": True} if fused_dq else {})), 4, 3)
         return dq, dk, dv, None
     monkeypatch.setattr(launch, "attention_backward", backward)
     monkeypatch.setattr(launch, "relaunch", lambda entry, grid, args: relaunched.append(args))
@@ -415,6 +424,11 @@ def test_training_plan_replays_a_warp_specialised_backward(cache, monkeypatch):
     lse = torch.randn(64)
     plan = TrainingPlan(q, KernelParams(scale=0.5))
     plan.backward(torch.randn(64, 16), q, k, v, out, lse)
+    if fused_dq:
+        assert plan.bwd is None
+        plan.backward(torch.randn(64, 16), q, k, v, out, lse)
+        assert plan.bwd is None and len(full) == 2 and relaunched == []
+        return
     assert plan.bwd is not None and len(plan.bwd.steps) == 2 and len(full) == 1
     do2, q2, out2 = torch.randn(64, 16), torch.randn(64, 16), torch.randn(64, 16)
     dq, dk, dv = plan.backward(do2, q2, k, v, out2, lse)

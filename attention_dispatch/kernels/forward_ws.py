@@ -13,7 +13,9 @@ and tensor-core calls explicitly (experiments 40-42):
     the ring; the warp scheduler runs one's softmax while the other's products occupy the
     tensor cores;
   * inside a consumer the next products are issued before the previous results are needed
-    (forward: ``S_j`` and ``P_{j-1} V_{j-1}`` in flight together).
+    (forward: ``S_j`` and ``P_{j-1} V_{j-1}`` in flight together);
+  * ``FUSE_DQ`` (launch.fuse_dq picks the calls): the dK/dV pass computes dQ too, FA3's way,
+    adding fp32 partials by TMA reduce-add (:func:`_tma_reduce_add`), and no dQ pass runs.
 
 Scope (launch.py's ``ws_forward_reason`` says why a call is not served): sm90, fp16/bf16,
 Dqk == Dv == 128 (configs.WS_*_CONFIGS), dense, causal or a window (``WINDOW_LEFT`` /
@@ -454,7 +456,7 @@ def _q_tile(t, m_lo, n_m, pid_n, ROTATE: gl.constexpr):
 
 @gluon.jit
 def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs, q_bufs,
-                   do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, WG: gl.constexpr,
+                   do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, WG: gl.constexpr,
                    WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
                    DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, FUSE_DQ: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
@@ -675,7 +677,7 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_de
                             group, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS,
                             BATCH_MINOR, FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
         (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                          q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
+                          q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads,
                           group, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR,
                           FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])

@@ -963,6 +963,11 @@ class ForwardPlan:
         return out
 
 
+# Launch constexprs of kernels that add into a buffer zeroed before them: the dQ pass split over
+# keys (fp32 atomics) and the dK/dV pass with dQ fused in (TMA reduce-adds).
+_ADDS_INTO_ZEROED = ("ATOMIC", "FUSE_DQ")
+
+
 class TrainingPlan:
     """Repeated training calls of one signature: dense query/key/value with the same shapes,
     strides, dtype, device and 16-byte alignment, no bias, no dropout, given params (the
@@ -971,8 +976,8 @@ class TrainingPlan:
     and relaunch them over the new tensors (:class:`_Replay`; the glue cost ~1 ms of host time
     per forward+backward on the H100 machine, docs/perf-notes.md experiment 46).  The backward
     is replayed for a dO of the captured shape, strides, dtype and alignment, unless one of its
-    launches adds into a buffer zeroed before it (the dQ pass split over keys, ``ATOMIC``: a
-    replay's fresh outputs are not zeroed); anything else keeps the full path."""
+    launches adds into a buffer zeroed before it (:data:`_ADDS_INTO_ZEROED`: a replay's fresh
+    outputs are not zeroed); anything else keeps the full path."""
 
     __slots__ = ("params", "device", "fwd", "fwd_outputs", "bwd", "bwd_key", "bwd_outputs")
 
@@ -1009,7 +1014,8 @@ class TrainingPlan:
         with COMPILED.capture() as launches:
             dq, dk, dv, _ = attention_backward(do, q, k, v, None, out, lse, None, self.params, delta=delta)
         if (self.bwd is None and _contiguous(dq, dk, dv)
-                and not any(constexprs.get("ATOMIC", False) for _, _, _, constexprs in launches)):
+                and not any(constexprs.get(flag, False) for _, _, _, constexprs in launches
+                            for flag in _ADDS_INTO_ZEROED)):
             self.bwd_outputs = tuple((t.shape, t.dtype) for t in (delta, dq, dk, dv))
             self.bwd_key = key
             self.bwd = _Replay.capture(launches, (q, k, v, out, lse, do, delta, dq, dk, dv), self.device)
