@@ -12,6 +12,8 @@ import dataclasses
 import json
 import math
 import os
+import random
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -25,13 +27,19 @@ from .problem import Problem
 _lock = threading.Lock()
 _winners: dict[tuple, tuple[str, dict[str, float]]] = {}
 _loaded_files: set[str] = set()
-REPEATS = 5
-# Each timed sample runs back-to-back calls for about this long.  On a GPU the sample is
-# timed by CUDA events after one untimed call has filled the queue, so the first call's
-# launch latency (0.1-0.2 ms for flash-attn 4) is not counted: timed from the host, it
-# chose our kernel over a 4% faster flash-attn 4 at S=16k causal (experiment 49).
-LOOP_SECONDS = 0.010
-LOOP_MAX_CALLS = 50
+# How a backend is timed (experiment 56): in ROUNDS interleaved rounds, each backend's turn
+# is one untimed call and SAMPLES_PER_TURN samples of about SAMPLE_MS each; a backend's
+# time is the median of all its samples.  Short turns among other backends' turns are how
+# a model calls attention (between other kernels) and how benchmarks/bench.py measures a
+# row: a backend whose host path is as long as its device time loses there, which one long
+# loop of back-to-back calls (the previous method, keeping each backend's best loop) hid.
+ROUNDS = 7
+SAMPLES_PER_TURN = 3
+SAMPLE_MS = 0.5
+# After PRUNE_AFTER rounds a backend whose fastest sample is PRUNE_RATIO times the leader's
+# median stops being timed: it cannot win, and a slow one would cost seconds per bucket.
+PRUNE_AFTER = 2
+PRUNE_RATIO = 1.3
 
 
 def _pow2(n: int) -> int:
@@ -101,12 +109,13 @@ def _runner(name: str, call):
 
 
 def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str, float]:
-    """Milliseconds per call of each backend, as a stream of back-to-back calls runs them
-    (host overhead counts when it exceeds the GPU time; see :func:`_loop_ms_cuda`).  After one warm-up call each
-    (compilation, autotuning), REPEATS rounds time every backend in turn for ~LOOP_SECONDS:
-    interleaving exposes all of them to the same clock and power state, and the fastest
-    round of each is kept (interference only ever slows a round down)."""
-    runs, loops = {}, {}
+    """Milliseconds per call of each backend: after one warm-up call each (compilation,
+    autotuning), ROUNDS interleaved rounds of short turns (see ROUNDS), the turn order
+    shuffled each round after the first (seeded) so that no backend always follows the same
+    one; the median sample of each backend.  On a GPU samples are timed by CUDA events once
+    the turn's untimed call has started the stream, or by the host clock where the host
+    takes longer (:func:`_turn_ms_cuda`)."""
+    runs, calls = {}, {}
     for name in names:
         try:
             once = _runner(name, call)
@@ -116,49 +125,70 @@ def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str,
             start = time.perf_counter()
             once()
             sync()
-            took = max(time.perf_counter() - start, 1e-6)
+            took_ms = max(time.perf_counter() - start, 1e-6) * 1e3
         except Exception as exc:  # a backend that fails to run simply loses
             if failures is not None:
                 failures[name] = f"{type(exc).__name__}: {exc}"
             continue
         runs[name] = once
-        loops[name] = max(1, min(LOOP_MAX_CALLS, int(LOOP_SECONDS / took)))
-    best = {name: math.inf for name in runs}
+        calls[name] = max(1, math.ceil(SAMPLE_MS / took_ms)) if took_ms < SAMPLE_MS else 1
+    samples: dict[str, list[float]] = {name: [] for name in runs}
     cuda = call.query.device.type == "cuda"
-    for _ in range(REPEATS):
-        for name, once in runs.items():
+    active = list(runs)
+    for rnd in range(ROUNDS):
+        order = list(active)
+        if rnd:
+            random.Random(rnd).shuffle(order)
+        for name in order:
             if cuda:
                 with torch.cuda.device(call.query.device):
-                    took = _loop_ms_cuda(once, loops[name])
+                    samples[name] += _turn_ms_cuda(runs[name], calls[name])
             else:
-                took = _loop_ms_host(once, loops[name], sync)
-            best[name] = min(best[name], took)
-    return best
+                samples[name] += _turn_ms_host(runs[name], calls[name], sync)
+        if rnd + 1 == PRUNE_AFTER and len(active) > 1:
+            lead = min(statistics.median(samples[n]) for n in active)
+            active = [n for n in active if min(samples[n]) < PRUNE_RATIO * lead]
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def _loop_ms_host(once, calls: int, sync) -> float:
-    """Milliseconds per call of ``calls`` back-to-back calls, by the host clock."""
+def _turn_ms_host(once, calls: int, sync) -> list[float]:
+    """SAMPLES_PER_TURN samples of ``calls`` calls each after one untimed call, by the host
+    clock: milliseconds per call."""
+    once()
     sync()
-    start = time.perf_counter()
-    for _ in range(calls):
-        once()
-    sync()
-    return (time.perf_counter() - start) / calls * 1e3
+    out = []
+    for _ in range(SAMPLES_PER_TURN):
+        start = time.perf_counter()
+        for _ in range(calls):
+            once()
+        sync()
+        out.append((time.perf_counter() - start) / calls * 1e3)
+    return out
 
 
-def _loop_ms_cuda(once, calls: int) -> float:
-    """Milliseconds per call of ``calls`` back-to-back calls in a stream that one untimed call
-    has already started: CUDA events time the steady state, where the device idles only when
-    the host cannot keep up (so host-bound calls still pay their host time)."""
+def _turn_ms_cuda(once, calls: int) -> list[float]:
+    """SAMPLES_PER_TURN samples of ``calls`` calls each, enqueued back to back behind one
+    untimed call: milliseconds per call, each sample the longer of its device time (CUDA
+    events) and its host time.  The untimed call hides the first call's launch latency
+    (0.1-0.2 ms for flash-attn 4: timed from the host, it chose our kernel over a 4% faster
+    flash-attn 4 at S=16k causal, experiment 49).  The host time counts because in a model
+    the host also launches every other layer: a backend whose host path is as long as its
+    kernels keeps the device waiting there (experiment 56: at S=512 forward+backward our
+    kernel's 0.3-0.9 ms of host time against 0.54 ms on the device)."""
     torch.cuda.synchronize()
     once()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        once()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
+    marks = []
+    for _ in range(SAMPLES_PER_TURN):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        host = time.perf_counter()
+        for _ in range(calls):
+            once()
+        host = time.perf_counter() - host
+        end.record()
+        marks.append((start, end, host))
+    marks[-1][1].synchronize()
+    return [max(start.elapsed_time(end), host * 1e3) / calls for start, end, host in marks]
 
 
 def _time_backend(name: str, call, sync) -> float:

@@ -1264,7 +1264,9 @@ class Runner:
                         d = self.ad.last_decision()
                         r["backend"] = getattr(d, "backend", None)
                         if impl == "fastest":     # the backends it could choose in this mode: what it timed
-                            r["measured"] = list(getattr(d, "timings", None) or {})
+                            timings = getattr(d, "timings", None) or {}
+                            r["measured"] = list(timings)
+                            r["measured_ms"] = {name: round(ms, 4) for name, ms in timings.items()}
                     res[m] = r
                     pending.append((impl, m, fns[m], ctx, w))
                 except Exception as e:   # noqa: BLE001

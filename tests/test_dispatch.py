@@ -3,6 +3,7 @@ import logging
 import os
 import subprocess
 import sys
+import types
 import threading
 import warnings
 
@@ -348,31 +349,60 @@ class Sleepy(Recording):
         return super().run(query, key, value, **options)
 
 
-def test_policy_fastest_interleaves_rounds_and_keeps_the_best_round():
-    """Every backend is timed once per round, in turn, so a burst of interference hits one
-    round of one backend; the fastest round is kept, so that burst does not decide."""
+def _fake_runners(monkeypatch, seconds: dict, hiccup: tuple[str, int, float] | None = None):
+    """fastest._runner replaced by host-sleeping calls; returns the log of turns (one
+    name per turn) and of calls."""
+    import time
     from attention_dispatch import fastest
-    fastest.forget()
-    log = []
+    calls, turns = [], []
 
-    class Logged(Sleepy):
-        def run(self, query, key, value, **options):
-            log.append(self.name)
-            if self.name == "bursty" and len(log) == 6:   # one disturbed call, inside round 1
-                import time
-                time.sleep(0.3)
-            return super().run(query, key, value, **options)
+    def runner(name, call):
+        def once():
+            calls.append(name)
+            if hiccup and name == hiccup[0] and calls.count(name) == hiccup[1]:
+                time.sleep(hiccup[2])
+            time.sleep(seconds[name])
+        once.backend = name
+        return once
+    real_turn = fastest._turn_ms_host
 
-    bursty, steady = Logged("bursty", 0.0), Logged("steady", 0.05)
-    ad.register_backend(bursty, priority="first")
-    ad.register_backend(steady, priority=1)
-    with ad.use_config({"dispatch": {"policy": "fastest"}}), ad.use_backends("bursty", "steady"):
-        ad.sdpa(*qkv())
-        d = ad.last_decision()
-    assert d.backend == "bursty" and d.timings["bursty"] < 0.05 * 1e3 < d.timings["steady"]
-    timed = log[4:-1]   # after the warm-up + estimate calls of each backend, before the chosen run
-    rounds = [name for i, name in enumerate(timed) if i == 0 or timed[i - 1] != name]
-    assert rounds == ["bursty", "steady"] * fastest.REPEATS
+    def turn(once, n, sync):
+        turns.append(once.backend)
+        return real_turn(once, n, sync)
+    monkeypatch.setattr(fastest, "_runner", runner)
+    monkeypatch.setattr(fastest, "_turn_ms_host", turn)
+    return calls, turns
+
+
+def test_policy_fastest_takes_the_median_of_interleaved_short_turns(monkeypatch):
+    """Each backend is timed in ROUNDS rounds of short turns, all backends in each round: a
+    backend's time is its median sample, so one disturbed call (300 ms, in its 6th call) does
+    not decide.  After PRUNE_AFTER rounds the clear losers stop being timed."""
+    from attention_dispatch import fastest
+    seconds = {"a": 0.020, "b": 0.040, "c": 0.010}
+    calls, turns = _fake_runners(monkeypatch, seconds, hiccup=("c", 6, 0.3))
+    call = types.SimpleNamespace(query=torch.empty(1))
+    timings = fastest._time_backends(("a", "b", "c"), call, lambda: None)
+    assert min(timings, key=timings.get) == "c"
+    for name, s in seconds.items():
+        assert s * 1e3 <= timings[name] < s * 1e3 + 8, timings
+    # a and b are > PRUNE_RATIO x c's median: timed PRUNE_AFTER rounds only; c every round
+    assert [turns.count(n) for n in "abc"] == [fastest.PRUNE_AFTER, fastest.PRUNE_AFTER, fastest.ROUNDS]
+    assert sorted(turns[:3]) == sorted(turns[3:6]) == ["a", "b", "c"]
+    # a turn: one untimed call, then SAMPLES_PER_TURN samples of one call (each >= SAMPLE_MS)
+    assert calls.count("c") == 2 + fastest.ROUNDS * (1 + fastest.SAMPLES_PER_TURN)
+
+
+def test_policy_fastest_shuffles_the_turns_after_the_first_round(monkeypatch):
+    """No backend always follows the same one: the turn order changes between rounds."""
+    from attention_dispatch import fastest
+    monkeypatch.setattr(fastest, "PRUNE_RATIO", 1e9)
+    names = ("a", "b", "c", "d")
+    _, turns = _fake_runners(monkeypatch, dict.fromkeys(names, 0.001))
+    fastest._time_backends(names, types.SimpleNamespace(query=torch.empty(1)), lambda: None)
+    rounds = [tuple(turns[i:i + 4]) for i in range(0, len(turns), 4)]
+    assert len(rounds) == fastest.ROUNDS and all(sorted(r) == list(names) for r in rounds)
+    assert rounds[0] == names and len(set(rounds)) > fastest.ROUNDS // 2
 
 
 @pytest.mark.gpu
