@@ -31,10 +31,11 @@ _loaded_files: set[str] = set()
 # is one untimed call and SAMPLES_PER_TURN samples of about SAMPLE_MS each; a backend's
 # time is the median of all its samples.  Short turns among other backends' turns are how
 # a model calls attention (between other kernels) and how benchmarks/bench.py measures a
-# row: a backend whose host path is as long as its device time loses there, which one long
-# loop of back-to-back calls (the previous method, keeping each backend's best loop) hid.
-ROUNDS = 7
-SAMPLES_PER_TURN = 3
+# row; the device's clock holds within a turn and moves by up to 10-20% between turns, so
+# more turns of one sample each beat fewer, longer ones.  (Before: five loops of ~10 ms
+# back-to-back calls per backend, keeping each one's best loop.)
+ROUNDS = 11
+SAMPLES_PER_TURN = 1
 SAMPLE_MS = 0.5
 # After PRUNE_AFTER rounds a backend whose fastest sample is PRUNE_RATIO times the leader's
 # median stops being timed: it cannot win, and a slow one would cost seconds per bucket.
@@ -113,8 +114,7 @@ def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str,
     autotuning), ROUNDS interleaved rounds of short turns (see ROUNDS), the turn order
     shuffled each round after the first (seeded) so that no backend always follows the same
     one; the median sample of each backend.  On a GPU samples are timed by CUDA events once
-    the turn's untimed call has started the stream, or by the host clock where the host
-    takes longer (:func:`_turn_ms_cuda`)."""
+    the turn's untimed call has started the stream (:func:`_turn_ms_cuda`)."""
     runs, calls = {}, {}
     for name in names:
         try:
@@ -168,27 +168,23 @@ def _turn_ms_host(once, calls: int, sync) -> list[float]:
 
 def _turn_ms_cuda(once, calls: int) -> list[float]:
     """SAMPLES_PER_TURN samples of ``calls`` calls each, enqueued back to back behind one
-    untimed call: milliseconds per call, each sample the longer of its device time (CUDA
-    events) and its host time.  The untimed call hides the first call's launch latency
-    (0.1-0.2 ms for flash-attn 4: timed from the host, it chose our kernel over a 4% faster
-    flash-attn 4 at S=16k causal, experiment 49).  The host time counts because in a model
-    the host also launches every other layer: a backend whose host path is as long as its
-    kernels keeps the device waiting there (experiment 56: at S=512 forward+backward our
-    kernel's 0.3-0.9 ms of host time against 0.54 ms on the device)."""
+    untimed call and bracketed by CUDA events: milliseconds per call.  The untimed call
+    hides the first call's launch latency (0.1-0.2 ms for flash-attn 4: timed from the host,
+    it chose our kernel over a 4% faster flash-attn 4 at S=16k causal, experiment 49); the
+    device idles, and the sample pays, only where the host cannot keep up.  (Taking the
+    host's time where it was longer, experiment 56, charged cuDNN's S=512 forward 0.17 ms
+    against the 0.13 ms it runs in the grid.)"""
     torch.cuda.synchronize()
     once()
-    marks = []
-    for _ in range(SAMPLES_PER_TURN):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(SAMPLES_PER_TURN)]
+    for start, end in marks:
         start.record()
-        host = time.perf_counter()
         for _ in range(calls):
             once()
-        host = time.perf_counter() - host
         end.record()
-        marks.append((start, end, host))
     marks[-1][1].synchronize()
-    return [max(start.elapsed_time(end), host * 1e3) / calls for start, end, host in marks]
+    return [start.elapsed_time(end) / calls for start, end in marks]
 
 
 def _time_backend(name: str, call, sync) -> float:

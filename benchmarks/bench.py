@@ -729,7 +729,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flex-dtypes", type=_csv(str), default=("bf16",), help="dtypes where Flex is measured")
     p.add_argument("--target-ms", type=float, default=40.0, help="time spent per measurement after warm-up (ms)")
     p.add_argument("--max-reps", type=int, default=15, help="most timed repetitions per measurement")
-    p.add_argument("--rounds", type=int, default=7,
+    p.add_argument("--rounds", type=int, default=11,
                    help="interleaved rounds over a row's implementations, in a new order each round (the "
                         "repetitions are split over them)")
     p.add_argument("--turn-warm-ms", type=float, default=TURN_WARM_MS,
