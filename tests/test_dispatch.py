@@ -376,11 +376,11 @@ def _fake_runners(monkeypatch, seconds: dict, hiccup: tuple[str, int, float] | N
 
 def test_policy_fastest_takes_the_median_of_interleaved_short_turns(monkeypatch):
     """Each backend is timed in ROUNDS rounds of short turns, all backends in each round: a
-    backend's time is its median sample, so one disturbed call (300 ms, in its 6th call) does
-    not decide.  After PRUNE_AFTER rounds the clear losers stop being timed."""
+    backend's time is its median sample, so one disturbed call (300 ms: c's 12th call, the
+    sample of round 5) does not decide.  After PRUNE_AFTER rounds the clear losers stop being timed."""
     from attention_dispatch import fastest
     seconds = {"a": 0.020, "b": 0.040, "c": 0.010}
-    calls, turns = _fake_runners(monkeypatch, seconds, hiccup=("c", 6, 0.3))
+    calls, turns = _fake_runners(monkeypatch, seconds, hiccup=("c", 12, 0.3))
     call = types.SimpleNamespace(query=torch.empty(1))
     timings = fastest._time_backends(("a", "b", "c"), call, lambda: None)
     assert min(timings, key=timings.get) == "c"
