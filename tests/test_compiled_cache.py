@@ -160,6 +160,23 @@ def test_gluon_kernels_are_keyed_argument_by_argument(cache, monkeypatch):
 
 
 @pytest.mark.skipif(cc.GluonDescriptor is None, reason="this Triton has no Gluon")
+def test_rebase_copies_every_field_and_still_checks_the_base():
+    """rebase() keeps every field of the descriptor but its base (without re-running the
+    constructor's checks); a base of another dtype or a misaligned one goes through the
+    constructor, which checks it."""
+    src = _gluon_descriptor(torch.randn(64, 16))
+    new_base = torch.randn(64, 16)
+    moved = cc.rebase(src, new_base)
+    assert type(moved) is type(src) and moved.base is new_base and src.base is not new_base
+    assert {k: v for k, v in vars(moved).items() if k != "base"} == {k: v for k, v in vars(src).items() if k != "base"}
+    misaligned = torch.randn(64 * 16 + 1)[1:].view(64, 16)
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        cc.rebase(src, misaligned)
+    with pytest.raises(AssertionError):   # fp16 under a layout of 32-bit elements: the constructor refuses it
+        cc.rebase(src, torch.randn(64, 16).half())
+
+
+@pytest.mark.skipif(cc.GluonDescriptor is None, reason="this Triton has no Gluon")
 def test_forward_plan_rebuilds_gluon_descriptors_and_later_pointers(cache, monkeypatch):
     """A forward whose one launch is a Gluon kernel (descriptors over q and the output, the
     output again as a later pointer) is captured by the plan, and each later call relaunches it
