@@ -1071,7 +1071,7 @@ def test_gluon_kernels_only_on_the_triton_they_are_written_for(monkeypatch):
     (dict(prob=dict(hkv=1)), None),                                             # GQA / MQA are served
     (dict(params=dict(causal="top_left"), prob=dict(sq=2048, sk=2048)), None),
     (dict(params=dict(causal="bottom_right"), prob=dict(sq=2048, sk=2048)), None),
-    (dict(prob=dict(d=64)), "head dims 64/64"),          # measured: no gain over the tl kernel
+    (dict(prob=dict(d=64)), None),     # the route of the d64 backward passes (its forward: tl)
     (dict(cc=(8, 0)), "sm90 only"),
     (dict(cc=(10, 0)), "sm90 only"),
     (dict(uses_descriptors=False), "no TMA descriptors"),
@@ -1195,10 +1195,11 @@ def _spy_forward_ws(monkeypatch):
 def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, feature):
     """The Gluon forward, dK/dV and dQ passes against float64 (forward, logsumexp, gradients):
     640 query rows (5 tiles: the two-slot K/V ring wraps), (B, H, S, D) or (B, S, H, D) memory.
-    d=64 is not served by default (no gain, configs.WS_FWD_CONFIGS); the kernel is checked there too."""
+    d=64's forward is not served by default (configs.WS_FWD_CONFIGS: forward=False); the kernel
+    is checked there too (test_gpu_d64_backward_only_is_warp_specialized: the shipped route)."""
     from attention_dispatch.kernels import configs
     seen = _spy_forward_ws(monkeypatch)
-    monkeypatch.setitem(configs.WS_FWD_CONFIGS, d, configs.WsConfig())   # d64: not served by default
+    monkeypatch.setitem(configs.WS_FWD_CONFIGS, d, configs.WsConfig())   # d64: the forward too
     hkv = 1 if "mqa" in feature else (2 if "gqa" in feature else 4)   # (B, S, 1, D) would also be layout 1
     sk = 768 if feature == "cross" else 640
     q = rand(2, 4, 640, d, dtype=dtype, device="cuda")
@@ -1211,6 +1212,30 @@ def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, feature):
     # the backward's passes are warp-specialised where configs.WS_BWD_CONFIGS / WS_DQ_CONFIGS have the head dim
     bwd = [("dkdv", layout, layout, 1), ("dq", layout, layout, 1)] if d in configs.WS_BWD_CONFIGS else []
     assert seen == [(layout, layout)] + bwd
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("feature", ["dense", "causal", "gqa", "bias", "window"])
+def test_gpu_d64_backward_only_is_warp_specialized(monkeypatch, feature):
+    """At head dim 64 as shipped: the tl forward, then the Gluon dK/dV and dQ passes (never the
+    fused dQ, which Gluon 3.6 does not compile there), against float64; run three times,
+    bit-equal.  Dense, causal, GQA, a float bias (1, H, S, S) and a (1024, 0) window at 2048
+    keys (launch.WS_MIN_WINDOW)."""
+    from attention_dispatch.kernels import configs
+    assert not configs.WS_FWD_CONFIGS[64].forward and not configs.WS_BWD_CONFIGS[64].fuse_dq
+    seen = _spy_forward_ws(monkeypatch)
+    s = 2048 if feature == "window" else 640
+    hkv = 1 if feature == "gqa" else 4
+    q = rand(2, 4, s, 64, dtype=BF16, device="cuda")
+    k, v = (rand(2, hkv, s, 64, dtype=BF16, device="cuda") for _ in range(2))
+    bias = rand(1, 4, s, s, dtype=BF16, device="cuda", grad=False) if feature == "bias" else None
+    causal = "top_left" if feature == "causal" else None
+    window = (1024, 0) if feature == "window" else None
+    run_and_check(q, k, v, bias, causal=causal, window=window)
+    tail = ("bias",) if bias is not None else ()
+    assert seen == [("dkdv", 1, 1, 1) + tail, ("dq", 1, 1, 1) + tail]
+    _assert_repeatable(q, k, v, bias, make_params(q, causal, window))
 
 
 def _assert_repeatable(q, k, v, bias, params, runs: int = 3):

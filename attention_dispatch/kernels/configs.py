@@ -167,28 +167,33 @@ class WsConfig(NamedTuple):
     # dK/dV pass: dQ too (FA3's structure, fp32 reduce-adds), for the calls launch.fuse_dq picks
     # (where it measured faster than the separate dQ pass, docs/perf-notes.md experiment 54)
     fuse_dq: bool = True
+    # the forward runs this kernel; False: only the backward passes do (the route is the same)
+    forward: bool = True
 
 
 # sm90 only, by head dim (Dqk == Dv).  Experiment 40 (H100, forward_ab.py, 5 interleaved rounds):
 # bf16 d128 1.14 / 1.18 / 1.14 / 1.25x the tl forward at 4k / 4k causal / 16k / 16k causal (two
 # stages against three: 618 / 606 TFLOP/s at 4k); d64 0.96-1.02x (softmax-bound: no gain, and
-# its tl configuration has the same tiles and gives bit-equal outputs), so d64 keeps the tl kernel.
+# its tl configuration has the same tiles and gives bit-equal outputs), so d64 keeps the tl forward.
 # The kernel itself is written for any head dim of 16..128 (tests and compile_sm90.py cover 64).
 # Short causal calls are served too: the grids of session 11 showed them below the tl kernel
 # (S=512 / 1k causal), but those cells were host-bound (Triton's launch path, ~150 us per Gluon
 # launch, before compiled_cache served the Gluon kernels); GPU time, forward_ab.py, 5 rounds,
 # ws / tl fwd and fwd+bwd: S=512 causal 1.06 / 1.27, 1k 1.08 / 1.14, 2k 1.12 / 1.13 (experiment 45).
-WS_FWD_CONFIGS = {128: WsConfig()}
+# d64 (experiment 58): the backward passes run warp-specialised (forward+backward 1.07-1.09x the tl
+# kernels at 4k / 16k, causal and not), the forward keeps the tl kernel (0.95-1.01x there); the
+# fused dQ does not compile at d64 with Gluon 3.6.
+WS_FWD_CONFIGS = {128: WsConfig(), 64: WsConfig(forward=False)}
 # The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
 # consumer warpgroups, ``stages`` slots of (Q, dO) 64-row tiles (block_n is not read: no K/V
 # ring); calls the forward above serves.
-WS_BWD_CONFIGS = {128: WsConfig()}
+WS_BWD_CONFIGS = {128: WsConfig(), 64: WsConfig(fuse_dq=False)}
 # The warp-specialised dQ pass (experiment 42): the forward's K/V ring and loader, dP = dO V^T and
 # dQ += dS K in the consumers; after the dK/dV pass above, for the same calls.
 # With a bias the dQ pass has one bias slot: its Q, dO, K/V ring and a (128, 128) bias tile fill
 # 224 KiB of the 227 KiB of shared memory (64-key tiles with two or three bias slots ran 0.81x,
 # experiment 50).
-WS_DQ_CONFIGS = {128: WsConfig(bias_stages=1)}
+WS_DQ_CONFIGS = {128: WsConfig(bias_stages=1), 64: WsConfig()}
 
 
 # Under TRITON_INTERPRET=1 (CPU) there is no shared memory and no warps: small,

@@ -822,7 +822,7 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
     # (out is q's dtype except for bf16 under the CPU interpreter, which runs no Gluon kernel)
     bias_reason = ws_bias_reason(kind, bt, bstr, q.dtype, desc)
     route = _ws_route(q, k, v, bias_reason, params, prob, desc) if out.dtype == q.dtype else None
-    if route is not None:
+    if route is not None and C.WS_FWD_CONFIGS[prob.Dqk].forward:
         _forward_ws(q, k, v, out, lse, params, prob, *route, bias=_WsBias.of(bt, bstr, prob) if kind else None)
         return out, lse, seed
     cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, **_table_traits(kind, params, prob))
