@@ -1391,29 +1391,32 @@ def test_gpu_warp_specialized_relaunch(monkeypatch):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("route", ["ws", "tl", "tl-split"])
+@pytest.mark.parametrize("route", ["ws", "ws-d64", "tl", "tl-split"])
 @pytest.mark.parametrize("causal", [None, "top_left"])
 def test_gpu_training_plan_replays(monkeypatch, causal, route):
     """sdpa() training calls of one signature: from the third call on (the first takes the full
     path, the second builds the plan and captures) the forward and backward launches are
     replayed without a compiled-cache lookup, each output and gradient equal to the unplanned
     path's (the same kernels) and free of NaN.  "ws": d=128, the warp-specialised kernels;
-    "tl": d=64, the tl kernels, enough query tiles that the dQ pass is not split; "tl-split":
-    d=64 with few heads, the dQ pass split over keys (fp32 atomics, so dQ is equal only up to
-    the order of its additions): its backward is never replayed, every call launches through
-    the cache."""
+    "ws-d64": d=64, the tl forward and the warp-specialised backward passes; "tl": d=64 with
+    the warp-specialised kernels off, enough query tiles that the dQ pass is not split;
+    "tl-split": the same with few heads, the dQ pass split over keys (fp32 atomics, so dQ is
+    equal only up to the order of its additions): its backward is never replayed, every call
+    launches through the cache."""
     import attention_dispatch as ad
     from attention_dispatch import dispatch
     from attention_dispatch.kernels import TrainingPlan, compiled_cache as cc
     from attention_dispatch.kernels import launch
     _spy_forward_ws(monkeypatch)
+    if route.startswith("tl"):
+        monkeypatch.setattr(launch, "WS_MIN_WORK", 1 << 62)
     ad.clear_cache()
     d, (b, h) = (128, (2, 4)) if route == "ws" else (64, (4, 32) if route == "tl" else (2, 4))
     q = rand(b, h, 512, d, dtype=BF16, device="cuda")
     num_m_blocks = 512 // 128     # the smallest number of query tiles any tl config makes here
     split = launch.num_splits_heuristic(b * h, num_m_blocks, 512 // 64, torch.cuda.get_device_properties(0)
                                         .multi_processor_count, False) > 1
-    assert split == (route == "tl-split") or route == "ws", (route, split)
+    assert split == (route == "tl-split") or route.startswith("ws"), (route, split)
     untouched = []
     for n in range(4):
         q, k, v = (torch.randn_like(q).requires_grad_() for _ in range(3))
@@ -1436,7 +1439,7 @@ def test_gpu_training_plan_replays(monkeypatch, causal, route):
     assert len(plans) == 1 and len(plans[0].fwd.steps) == 1
     replayed = plans[0].bwd is not None
     assert replayed == (route != "tl-split") and untouched == [replayed] * 2
-    if route == "ws":
+    if route.startswith("ws"):
         assert len(plans[0].bwd.steps) == 3
 
 
