@@ -26,7 +26,6 @@ from .problem import Problem
 
 _lock = threading.Lock()
 _winners: dict[tuple, tuple[str, dict[str, float]]] = {}
-_loaded_files: set[str] = set()
 # How a backend is timed (experiment 56): in ROUNDS interleaved rounds, each backend's turn
 # is one untimed call and SAMPLES_PER_TURN samples of about SAMPLE_MS each; a backend's
 # time is the median of all its samples.  Short turns among other backends' turns are how

@@ -18,8 +18,8 @@ and tensor-core calls explicitly (experiments 40-42):
     adding fp32 partials by TMA reduce-add (:func:`_tma_reduce_add`), and no dQ pass runs.
 
 Scope (launch.py's ``ws_forward_reason`` says why a call is not served): sm90, fp16/bf16,
-Dqk == Dv == 128, or 64 for the dK/dV and dQ passes only (configs.WS_*_CONFIGS), dense, causal or a window (``WINDOW_LEFT`` /
-``WINDOW_RIGHT`` constexprs, -1 unbounded; launch.WS_MIN_WINDOW keys wide at least) with
+Dqk == Dv == 128, or 64 for the dK/dV and dQ passes only (configs.WS_*_CONFIGS), dense,
+causal or a window (``WINDOW_LEFT`` / ``WINDOW_RIGHT`` constexprs, -1 unbounded; launch.WS_MIN_WINDOW keys wide at least) with
 Sq == Sk, no mask or dropout, lengths multiples of the tiles, positive scale; a float bias of
 the query's dtype that TMA can read as a (rows, Sk) matrix (``ws_bias_reason``; not one whose
 gradient is needed: the tl backward computes it).  A window skips the key (query) tiles
