@@ -111,11 +111,21 @@ def _runner(name: str, call):
     return once
 
 
+def turn_order(n: int, rnd: int, salt: str = "") -> list[int]:
+    """The order of ``n`` interleaved turns in round ``rnd``: the first round as listed, later
+    ones shuffled (seeded by ``salt`` and the round), so that no turn keeps its predecessor,
+    whose clock state it inherits (docs/perf-notes.md experiments 32 and 55).  benchmarks/bench.py
+    orders a row's turns with it too."""
+    order = list(range(n))
+    if rnd:
+        random.Random(f"{salt}-{rnd}").shuffle(order)
+    return order
+
+
 def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str, float]:
     """Milliseconds per call of each backend: after one warm-up call each (compilation,
-    autotuning), ROUNDS interleaved rounds of short turns (see ROUNDS), the turn order
-    shuffled each round after the first (seeded) so that no backend always follows the same
-    one; the median sample of each backend.  On a GPU samples are timed by CUDA events once
+    autotuning), ROUNDS interleaved rounds of short turns (see ROUNDS) in :func:`turn_order`;
+    the median sample of each backend.  On a GPU samples are timed by CUDA events once
     the turn's untimed call has started the stream (:func:`_turn_ms_cuda`)."""
     runs, calls = {}, {}
     for name in names:
@@ -138,10 +148,7 @@ def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str,
     cuda = call.query.device.type == "cuda"
     active = list(runs)
     for rnd in range(ROUNDS):
-        order = list(active)
-        if rnd:
-            random.Random(rnd).shuffle(order)
-        for name in order:
+        for name in [active[i] for i in turn_order(len(active), rnd)]:
             if cuda:
                 with torch.cuda.device(call.query.device):
                     samples[name] += _turn_ms_cuda(runs[name], calls[name])

@@ -1352,11 +1352,9 @@ def turn_order(n: int, row_id: str, rnd: int, seed: int) -> list[int]:
     shuffled (seeded by the row and round).  A turn's speed depends on the one before it (the
     clock follows the previous implementation, experiment 32); a rotation by one turn per round
     kept almost every predecessor, and the grid's triton column then ran below its sdpa (auto)
-    column, the same kernels (experiment 55)."""
-    order = list(range(n))
-    if rnd:
-        random.Random(f"{seed}-{row_id}-{rnd}").shuffle(order)
-    return order
+    column, the same kernels (experiment 55).  policy="fastest" orders its turns the same way."""
+    from attention_dispatch.fastest import turn_order as shared   # lazy: --from-json needs no torch
+    return shared(n, rnd, f"{seed}-{row_id}")
 
 
 # meta["sampling"] of runs that time as measure_rounds did (session 7) and does now
