@@ -19,6 +19,7 @@ import torch
 
 import attention_dispatch
 from attention_dispatch.backends import base
+from attention_dispatch.backends.fa4_relaunch import ForwardRelauncher, refusal
 from attention_dispatch.backends.flash_attn import INSTALL_HINT as FA_HINT, FlashAttnBackend
 from attention_dispatch.backends.torch_sdpa import (CudnnBackend, TorchCpuBackend, TorchEfficientBackend,
                                                     TorchFlashBackend, _TorchSdpaBackend)
@@ -163,6 +164,91 @@ def test_flash_attn_prepared_varlen_runner_takes_each_calls_offsets(fa, version,
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     ref = naive_attention(q2, k2, v2, causal=_str(causal), scale=0.3, cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k2)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+
+
+def _fa4_options(causal, window, hq, hkv):
+    return dict(attn_mask=None, dropout_p=0.0, causal=causal, window=window, scale=0.3, cu_seqlens_q=None,
+                cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, enable_gqa=hkv != hq, deterministic=False)
+
+
+@pytest.mark.parametrize("sq,sk,causal,window,hq,hkv", DENSE_CASES)
+def test_fa4_inference_runner_relaunches_the_recorded_compiled_call(fa, sq, sk, causal, window, hq, hkv):
+    """Without autograd, the flash-attn 4 runner's first call goes through flash_attn_func and
+    records the compiled call it makes; later calls repeat that call with their own tensors
+    and a fresh output, without flash_attn_func: results equal to run() (and so to the oracle,
+    test_flash_attn_dense_mapping), the module's compile cache put back."""
+    backend, calls = fa(4)
+    iface = sys.modules["flash_attn.cute.interface"]
+    cache = iface._flash_attn_fwd.compile_cache
+    options = _fa4_options(causal, window, hq, hkv)
+    with torch.no_grad():
+        q, k, v = inputs(2, hq, hkv, sq, sk, 64)      # leaves that require grad, used without autograd
+        runner = backend.prepare(q, k, v, options)
+        assert isinstance(runner, ForwardRelauncher)
+        first = runner(q, k, v)
+        assert runner.launch is not None, runner.refused
+        assert iface._flash_attn_fwd.compile_cache is cache
+        torch.testing.assert_close(first, backend.run(q, k, v, **options), rtol=0, atol=0)
+        outs = []
+        for _ in range(2):
+            q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
+            publics, launches = len(calls), len(iface.launches)
+            got = runner(q2, k2, v2)
+            assert len(calls) == publics and len(iface.launches) == launches + 1   # relaunched, not the public call
+            assert iface.launches[-1]["q_ptr"] == q2.data_ptr() and iface.launches[-1]["out_ptr"] == got.data_ptr()
+            assert got.shape == q2.shape and not got.requires_grad
+            torch.testing.assert_close(got, backend.run(q2, k2, v2, **options), rtol=0, atol=0)
+            outs.append(got)
+        assert outs[0].data_ptr() != outs[1].data_ptr()      # a fresh output per call
+
+
+@pytest.mark.parametrize("trouble,reason", [("extra_tensor", "tensors beyond query, key, value and output"),
+                                            ("copy_query", "no compiled call took the caller's query"),
+                                            ("no_interface", "compile_cache not found")])
+def test_fa4_inference_runner_keeps_the_public_call_when_the_record_is_not_understood(fa, monkeypatch, trouble,
+                                                                                        reason):
+    backend, calls = fa(4)
+    iface = sys.modules["flash_attn.cute.interface"]
+    if trouble == "no_interface":
+        monkeypatch.delitem(sys.modules, "flash_attn.cute.interface")
+    else:
+        setattr(iface, trouble, True)
+    options = _fa4_options(BR, None, 4, 2)
+    with torch.no_grad():
+        q, k, v = inputs(2, 4, 2, 6, 9, 64, grad=False)
+        runner = backend.prepare(q, k, v, options)
+        runner(q, k, v)
+        assert runner.launch is None and reason in runner.refused
+        q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
+        publics = len(calls)
+        got = runner(q2, k2, v2)
+        assert len(calls) == publics + 1 and calls[-1]["q_ptr"] == q2.data_ptr()
+        torch.testing.assert_close(got, backend.run(q2, k2, v2, **options), rtol=0, atol=0)
+
+
+def test_fa4_recording_puts_the_compile_cache_back_when_the_call_fails(fa):
+    fa(4)
+    iface = sys.modules["flash_attn.cute.interface"]
+    cache = iface._flash_attn_fwd.compile_cache
+
+    def failing(*args, **kwargs):
+        assert iface._flash_attn_fwd.compile_cache is not cache    # recording
+        raise RuntimeError("boom")
+    runner = ForwardRelauncher(failing, {})
+    q, k, v = inputs(1, 2, 2, 4, 4, 64, grad=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        runner(q, k, v)
+    assert iface._flash_attn_fwd.compile_cache is cache and runner.launch is None
+
+
+def test_fa4_refusal_of_two_compiled_calls_and_of_a_foreign_output():
+    q, k, v, out = (torch.randn(1, 4, 2, 8) for _ in range(4))
+    compiled = object()
+    one = (compiled, (q, k, v, out, None, 0.5))
+    assert refusal([one], q, k, v, out) is None
+    assert "2 compiled calls" in refusal([one, one], q, k, v, out)
+    assert "not the output" in refusal([(compiled, (q, k, v, torch.empty_like(out)))], q, k, v, out)
+    assert "beyond" in refusal([(compiled, (q, k, v, out, [None, (torch.ones(1),)]))], q, k, v, out)
 
 
 @pytest.mark.parametrize("version", [2, 3, 4])
@@ -472,6 +558,50 @@ def test_torch_cpu_rejections():
     assert TorchCpuBackend().is_available()
 
 
+CUDNN_DIRECT_CASES = [  # (hq, hkv, sq, sk, causal, mask, window, last-dim stride 1, op expected)
+    (4, 4, 8, 8, None, None, None, True, True), (4, 4, 8, 8, TL, None, None, True, True),
+    (4, 4, 8, 8, BR, None, None, True, True), (4, 4, 5, 9, BR, None, None, True, False),
+    (4, 4, 9, 5, TL, None, None, True, True), (4, 2, 8, 8, None, None, None, True, False),
+    (4, 4, 8, 8, None, "bool", None, True, False), (4, 4, 8, 8, None, None, None, False, False),
+]
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("hq,hkv,sq,sk,causal,mask,window,unit_stride,direct", CUDNN_DIRECT_CASES)
+def test_cudnn_prepared_runner_calls_the_aten_op_for_plain_calls(monkeypatch, grad, hq, hkv, sq, sk, causal, mask,
+                                                                  window, unit_stride, direct):
+    """cuDNN's runner calls torch._scaled_dot_product_cudnn_attention itself for calls without
+    mask, GQA or bottom-right offset (faked here: it records its arguments and computes with the
+    oracle): is_causal, scale and the log-sum-exp flag (only when the signature needs grad)
+    mapped; every other call goes through run() (F.sdpa pinned to cuDNN)."""
+    seen = []
+
+    def fake_op(q, k, v, bias, lse, dropout_p, is_causal, debug, *, scale=None):
+        seen.append(dict(bias=bias, lse=lse, dropout_p=dropout_p, is_causal=is_causal, debug=debug, scale=scale))
+        return naive_attention(q, k, v, causal="top_left" if is_causal else None, scale=scale), None
+    monkeypatch.setattr(torch, "_scaled_dot_product_cudnn_attention", fake_op)
+    ran = []
+    backend = CudnnBackend()
+    monkeypatch.setattr(backend, "run", lambda *a, **kw: ran.append(kw) or "run()")
+    q, k, v = inputs(2, hq, hkv, sq, sk, 8, grad=grad)
+    if not unit_stride:
+        q = q.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_(grad)
+    m = torch.rand(2, 1, sq, sk) > 0.5 if mask else None
+    options = dict(attn_mask=m, dropout_p=0.0, causal=causal, window=window, scale=0.3, cu_seqlens_q=None,
+                   cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, enable_gqa=hq != hkv, deterministic=False)
+    runner = backend.prepare(q, k, v, options)
+    q2, k2, v2 = (torch.randn_like(t).requires_grad_(grad) for t in (q, k, v))
+    args = (q2, k2, v2) if m is None else (q2, k2, v2, m)
+    out = runner(*args)
+    if not direct:
+        assert out == "run()" and not seen and ran[-1]["causal"] is causal
+        return
+    assert not ran and seen == [dict(bias=None, lse=grad, dropout_p=0.0, is_causal=causal is not None, debug=False,
+                                     scale=0.3)]
+    want = naive_attention(q2, k2, v2, causal=_str(causal), scale=0.3)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
 class _CpuPinned(_TorchSdpaBackend):
     """The shared code path pinned to a CPU kernel, to test the CUDA-only branches here."""
     name = "cpu_pinned"
@@ -667,6 +797,85 @@ def test_gpu_flash_attn_4_matches_oracle(seed):
     if torch.cuda.get_device_capability()[0] == 9:
         case["window"] = None           # flash-attn 4 has no windowed backward on sm90 (rejected)
     _gpu_check(backend, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,h,sq,sk,d,causal,dtype,grad", [
+    (2, 4, 512, 512, 128, None, torch.bfloat16, False), (2, 4, 512, 512, 128, TL, torch.float16, True),
+    (3, 8, 300, 700, 64, TL, torch.bfloat16, True), (2, 2, 640, 640, 256, BR, torch.bfloat16, False),
+    (1, 16, 1000, 1000, 96, None, torch.float16, True)])
+def test_gpu_cudnn_prepared_runner_equals_pinned_sdpa(b, h, sq, sk, d, causal, dtype, grad):
+    """The prepared cuDNN runner (the ATen op called directly) is bit-equal to run() (F.sdpa
+    pinned to cuDNN), forward and gradients, and sdpa()'s fast path uses it."""
+    backend = CudnnBackend()
+    assert backend.is_available(), backend.unavailable_reason()
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype).requires_grad_(grad) for s in (sq, sk, sk))
+    options = dict(attn_mask=None, dropout_p=0.0, causal=causal, window=None, scale=1 / math.sqrt(d), cu_seqlens_q=None,
+                   cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, enable_gqa=False, deterministic=False)
+    runner = backend.prepare(q, k, v, options)
+    assert any(c.cell_contents is torch._scaled_dot_product_cudnn_attention for c in runner.__closure__ or ())
+    q2, k2, v2 = (torch.randn_like(t).requires_grad_(grad) for t in (q, k, v))
+    got, want = runner(q2, k2, v2), backend.run(q2, k2, v2, **options)
+    assert torch.equal(got, want)
+    if grad:
+        g = torch.randn_like(got)
+        for a, b_ in zip(torch.autograd.grad(got, (q2, k2, v2), g), torch.autograd.grad(want, (q2, k2, v2), g)):
+            assert torch.equal(a, b_)
+    for _ in range(2):
+        out = attention_dispatch.sdpa(q2, k2, v2, causal=_str(causal), scale=options["scale"], backend="cudnn")
+    assert torch.equal(out, want)
+    assert any(r.__code__ is runner.__code__ for _, r in attention_dispatch.api.fast_calls.values()
+               if hasattr(r, "__code__"))
+
+
+FA4_RELAUNCH_CASES = [  # (b, hq, hkv, sq, sk, d, causal, window, dtype, memory layout of the inputs)
+    (2, 4, 4, 512, 512, 128, None, None, torch.bfloat16, "bhsd"),
+    (3, 8, 2, 300, 700, 64, BR, None, torch.float16, "bhsd"),
+    (2, 4, 4, 1024, 1024, 128, TL, None, torch.float16, "bshd"),
+    (1, 6, 2, 777, 777, 96, None, (128, 0), torch.bfloat16, "bshd"),
+    (2, 4, 1, 640, 1000, 128, BR, (200, -1), torch.bfloat16, "bhsd"),
+    (4, 16, 16, 256, 256, 64, None, (64, 64), torch.float16, "bhsd"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal,window,dtype,layout", FA4_RELAUNCH_CASES)
+def test_gpu_flash_attn_4_inference_relaunch_equals_flash_attn_func(b, hq, hkv, sq, sk, d, causal, window, dtype,
+                                                                     layout):
+    """Without autograd the prepared flash-attn 4 runner (sdpa()'s fast path) records the
+    compiled forward once and relaunches it: every call bit-equal to flash_attn_func on the
+    same inputs, the relaunch engaged on the real library, and sdpa() using it."""
+    pytest.importorskip("flash_attn.cute")
+    from flash_attn.cute import flash_attn_func
+    backend = FlashAttnBackend(versions=("fa4",))
+    assert backend.is_available(), backend.unavailable_reason()
+
+    def make(h, s):
+        if layout == "bshd":
+            return torch.randn(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn(b, h, s, d, device="cuda", dtype=dtype)
+    options = dict(_fa4_options(causal, window, hq, hkv), scale=1 / math.sqrt(d))
+    with torch.no_grad():
+        q, k, v = make(hq, sq), make(hkv, sk), make(hkv, sk)
+        runner = backend.prepare(q, k, v, options)
+        assert isinstance(runner, ForwardRelauncher)
+        is_causal, window_size = backend.window_args(backend.implementations()[0], causal, window)
+        for i in range(3):
+            if i:
+                q, k, v = (torch.randn_like(t) for t in (q, k, v))
+            got = runner(q, k, v)
+            want = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=options["scale"],
+                                   causal=is_causal, window_size=window_size)
+            want = (want[0] if isinstance(want, tuple) else want).transpose(1, 2)
+            assert runner.launch is not None, runner.refused
+            assert torch.equal(got, want), (got - want).abs().max()
+        ad_causal = None if causal is None else str(causal)
+        for _ in range(2):
+            out = attention_dispatch.sdpa(q, k, v, causal=ad_causal, window=window, scale=options["scale"],
+                                          enable_gqa=hkv != hq, backend="flash_attn")
+        hits = [r for _, r in attention_dispatch.api.fast_calls.values() if isinstance(r, ForwardRelauncher)]
+        assert any(r.launch is not None for r in hits)
+        assert torch.equal(out, got)
 
 
 @pytest.mark.gpu

@@ -44,6 +44,7 @@ import torch
 from ..problem import Problem, compute_capability
 from ..semantics import CausalKind, band
 from .base import Backend, Capabilities, not_supported_reasons
+from .fa4_relaunch import ForwardRelauncher
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 INSTALL_HINT = "not installed: pip install flash-attn (or flash-attn-4 for flash_attn.cute)"
@@ -343,12 +344,17 @@ class FlashAttnBackend(Backend):
 
     def prepare(self, query, key, value, options: dict):
         """The implementation and its arguments chosen once for the signature (varlen calls
-        pass their own offsets; max_seqlen is part of the signature)."""
+        pass their own offsets; max_seqlen is part of the signature).  A flash-attn 4 dense
+        forward without autograd is relaunched from its recorded compiled call
+        (:mod:`.fa4_relaunch`)."""
         varlen = options["cu_seqlens_q"] is not None
         if options["attn_mask"] is not None or query.numel() == 0 or key.shape[-3 if varlen else -2] == 0:
             return super().prepare(query, key, value, options)
         impl, kwargs = self._resolve(query, key, value, **options)
         if not varlen:
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            if impl.key == "fa4" and not grad:   # its Python costs ~10x its kernel launch: relaunched
+                return ForwardRelauncher(impl.func, kwargs)
             return functools.partial(self._dense, impl.func, kwargs)
         # each call's offsets override these keywords (partial lets call keywords win)
         return functools.partial(self._varlen, impl.varlen_func, kwargs, cu_seqlens_q=options["cu_seqlens_q"],

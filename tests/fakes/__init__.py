@@ -50,13 +50,16 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
         window_size = window_size if window_size is not None else ((None, None) if v4 else (-1, -1))
         _record(calls, "dense", q, k, v, dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                                               window_size=window_size, deterministic=deterministic, extra=extra))
+        out = dense_math(q, k, v, dropout_p, softmax_scale, causal, window_size)
+        return (out, None) if version in (3, 4) else out
+
+    def dense_math(q, k, v, dropout_p, softmax_scale, causal, window_size):
         assert q.dim() == 4 and q.stride(-1) == 1
         qb, kb, vb = (t.transpose(1, 2).double() for t in (q, k, v))    # theirs BSHD -> BHSD
         keep = _dropout_keep((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), dropout_p) if dropout_p else None
         out = naive_attention(qb, kb, vb, causal="bottom_right" if causal else None,
                               window=_fa_window(window_size, v4), scale=softmax_scale, keep=keep, dropout_p=dropout_p)
-        out = out.transpose(1, 2).to(q.dtype).contiguous()
-        return (out, None) if version in (3, 4) else out
+        return out.transpose(1, 2).to(q.dtype).contiguous()
 
     def varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                dropout_p=0.0, softmax_scale=None, causal=False, window_size=None, deterministic=False, **extra):
@@ -93,9 +96,17 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
     cute = types.ModuleType("flash_attn.cute")
     cute.__version__ = "4.0.0b36"
 
+    interface = _fa4_interface(dense_math)
+
     def dense4(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), deterministic=False, **kw):
         assert "dropout_p" not in kw, "flash-attn 4 has no dropout"
         assert all(w is None or w >= 0 for w in window_size), "flash-attn 4 takes None for unbounded"
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+            # inference: through the fake interface's compiled call, as flash_attn.cute does
+            _record(calls, "dense", q, k, v, dict(dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
+                                                  window_size=window_size, deterministic=deterministic, extra=kw))
+            return interface._flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                             window_size_left=window_size[0], window_size_right=window_size[1])
         return dense(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                      deterministic=deterministic, **kw)
 
@@ -104,8 +115,55 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
         return varlen(q, k, v, window_size=window_size, **kw)
 
     cute.flash_attn_func, cute.flash_attn_varlen_func = dense4, varlen4
+    cute.interface = interface
     pkg.cute = cute
-    return {"flash_attn": pkg, "flash_attn.cute": cute}
+    return {"flash_attn": pkg, "flash_attn.cute": cute, "flash_attn.cute.interface": interface}
+
+
+class AuxData(tuple):
+    """flash_attn.cute.utils.AuxData: a NamedTuple (tensors, scalars)."""
+
+    def __new__(cls, tensors=None, scalars=None):
+        return super().__new__(cls, (tensors, scalars))
+
+
+def _fa4_interface(dense_math) -> types.ModuleType:
+    """`flash_attn.cute.interface` as far as its inference forward goes: `_flash_attn_fwd`
+    looks its compiled kernel up in `_flash_attn_fwd.compile_cache` by a compile key and calls
+    it as (q, k, v, out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    page_table, window_size_left, window_size_right, learnable_sink, block sparsity, AuxData).
+    `launches` lists the compiled calls (arguments); `extra_tensor` makes the next compile take
+    an LSE tensor too (as a forward kept for a backward does), `copy_query` makes it copy the
+    query first (as a misaligned layout does)."""
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface.launches, interface.extra_tensor, interface.copy_query = [], False, False
+
+    def compiled_for(causal, extra_tensor):
+        def compiled(q, k, v, out, lse, softmax_scale, cu_q, cu_k, used_q, used_k, pages, left, right, sink,
+                     sparse, aux):
+            interface.launches.append(dict(q_ptr=q.data_ptr(), out_ptr=out.data_ptr(), left=left, right=right,
+                                           scale=softmax_scale, causal=causal))
+            assert (lse is not None) == extra_tensor
+            out.copy_(dense_math(q, k, v, 0.0, softmax_scale, causal, (left, right)))
+        return compiled
+
+    def _flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, window_size_left=None, window_size_right=None):
+        if interface.copy_query:
+            q = q.contiguous().clone()
+        extra = interface.extra_tensor
+        key = (q.dtype, q.shape[-1], causal, window_size_left is not None, window_size_right is not None, extra)
+        if key not in _flash_attn_fwd.compile_cache:
+            _flash_attn_fwd.compile_cache[key] = compiled_for(causal, extra)
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1]) if extra else None
+        _flash_attn_fwd.compile_cache[key](q.detach(), k.detach(), v.detach(), out.detach(), lse, softmax_scale,
+                                           None, None, None, None, None, window_size_left, window_size_right, None,
+                                           None, AuxData())
+        return out, lse
+
+    _flash_attn_fwd.compile_cache = {}
+    interface._flash_attn_fwd = _flash_attn_fwd
+    return interface
 
 
 # ---------------------------------------------------------------- xformers -------
