@@ -819,8 +819,13 @@ def test_gpu_cudnn_prepared_runner_equals_pinned_sdpa(b, h, sq, sk, d, causal, d
     assert torch.equal(got, want)
     if grad:
         g = torch.randn_like(got)
-        for a, b_ in zip(torch.autograd.grad(got, (q2, k2, v2), g), torch.autograd.grad(want, (q2, k2, v2), g)):
-            assert torch.equal(a, b_)
+        ours = torch.autograd.grad(got, (q2, k2, v2), g)
+        theirs = torch.autograd.grad(want, (q2, k2, v2), g, retain_graph=True)
+        again = torch.autograd.grad(want, (q2, k2, v2), g)   # cuDNN's backward may sum in any order
+        for a, b_, c, name in zip(ours, theirs, again, "qkv"):
+            noise = (b_.float() - c.float()).abs().max().item()
+            diff = (a.float() - b_.float()).abs().max().item()
+            assert diff <= 2 * noise, f"d{name}: {diff} from run()'s, which differs from itself by {noise}"
     for _ in range(2):
         out = attention_dispatch.sdpa(q2, k2, v2, causal=_str(causal), scale=options["scale"], backend="cudnn")
     assert torch.equal(out, want)
