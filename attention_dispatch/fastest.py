@@ -36,10 +36,14 @@ _winners: dict[tuple, tuple[str, dict[str, float]]] = {}
 ROUNDS = 11
 SAMPLES_PER_TURN = 1
 SAMPLE_MS = 0.5
-# After PRUNE_AFTER rounds a backend whose fastest sample is PRUNE_RATIO times the leader's
-# median stops being timed: it cannot win, and a slow one would cost seconds per bucket.
-PRUNE_AFTER = 2
-PRUNE_RATIO = 1.3
+# The first WARM_ROUNDS rounds run the same turns untimed: the clock ramps up from the idle
+# device and first calls pay for cold caches (in grid 5e3d454 a measurement with both led
+# to flash-attn 4 being pruned at 0.66 ms, where it runs 0.26: experiment 60).
+WARM_ROUNDS = 1
+# After PRUNE_AFTER timed rounds a backend whose fastest sample is PRUNE_RATIO times the
+# leader's median stops being timed: it cannot win, and a slow one would cost seconds per bucket.
+PRUNE_AFTER = 3
+PRUNE_RATIO = 1.5
 
 
 def _pow2(n: int) -> int:
@@ -124,7 +128,8 @@ def turn_order(n: int, rnd: int, salt: str = "") -> list[int]:
 
 def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str, float]:
     """Milliseconds per call of each backend: after one warm-up call each (compilation,
-    autotuning), ROUNDS interleaved rounds of short turns (see ROUNDS) in :func:`turn_order`;
+    autotuning) and WARM_ROUNDS untimed rounds, ROUNDS interleaved rounds of short turns (see
+    ROUNDS) in :func:`turn_order`;
     the median sample of each backend.  On a GPU samples are timed by CUDA events once
     the turn's untimed call has started the stream (:func:`_turn_ms_cuda`)."""
     runs, calls = {}, {}
@@ -147,14 +152,16 @@ def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str,
     samples: dict[str, list[float]] = {name: [] for name in runs}
     cuda = call.query.device.type == "cuda"
     active = list(runs)
-    for rnd in range(ROUNDS):
+    for rnd in range(WARM_ROUNDS + ROUNDS):
         for name in [active[i] for i in turn_order(len(active), rnd)]:
             if cuda:
                 with torch.cuda.device(call.query.device):
-                    samples[name] += _turn_ms_cuda(runs[name], calls[name])
+                    got = _turn_ms_cuda(runs[name], calls[name])
             else:
-                samples[name] += _turn_ms_host(runs[name], calls[name], sync)
-        if rnd + 1 == PRUNE_AFTER and len(active) > 1:
+                got = _turn_ms_host(runs[name], calls[name], sync)
+            if rnd >= WARM_ROUNDS:
+                samples[name] += got
+        if rnd + 1 == WARM_ROUNDS + PRUNE_AFTER and len(active) > 1:
             lead = min(statistics.median(samples[n]) for n in active)
             active = [n for n in active if min(samples[n]) < PRUNE_RATIO * lead]
     return {name: statistics.median(s) for name, s in samples.items()}

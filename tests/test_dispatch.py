@@ -349,9 +349,9 @@ class Sleepy(Recording):
         return super().run(query, key, value, **options)
 
 
-def _fake_runners(monkeypatch, seconds: dict, hiccup: tuple[str, int, float] | None = None):
-    """fastest._runner replaced by host-sleeping calls; returns the log of turns (one
-    name per turn) and of calls."""
+def _fake_runners(monkeypatch, seconds: dict, hiccup: tuple[str, int | set, float] | None = None):
+    """fastest._runner replaced by host-sleeping calls (`hiccup`: (backend, its call number
+    or numbers, extra seconds)); returns the log of turns (one name per turn) and of calls."""
     import time
     from attention_dispatch import fastest
     calls, turns = [], []
@@ -359,7 +359,8 @@ def _fake_runners(monkeypatch, seconds: dict, hiccup: tuple[str, int, float] | N
     def runner(name, call):
         def once():
             calls.append(name)
-            if hiccup and name == hiccup[0] and calls.count(name) == hiccup[1]:
+            if hiccup and name == hiccup[0] and calls.count(name) in ({hiccup[1]} if isinstance(hiccup[1], int)
+                                                                     else hiccup[1]):
                 time.sleep(hiccup[2])
             time.sleep(seconds[name])
         once.backend = name
@@ -386,11 +387,25 @@ def test_policy_fastest_takes_the_median_of_interleaved_short_turns(monkeypatch)
     assert min(timings, key=timings.get) == "c"
     for name, s in seconds.items():
         assert s * 1e3 <= timings[name] < s * 1e3 + 8, timings
-    # a and b are > PRUNE_RATIO x c's median: timed PRUNE_AFTER rounds only; c every round
-    assert [turns.count(n) for n in "abc"] == [fastest.PRUNE_AFTER, fastest.PRUNE_AFTER, fastest.ROUNDS]
+    # a and b are > PRUNE_RATIO x c's median: timed PRUNE_AFTER rounds only (after the warm ones); c every round
+    timed = fastest.WARM_ROUNDS + fastest.PRUNE_AFTER
+    assert [turns.count(n) for n in "abc"] == [timed, timed, fastest.WARM_ROUNDS + fastest.ROUNDS]
     assert sorted(turns[:3]) == sorted(turns[3:6]) == ["a", "b", "c"]
     # a turn: one untimed call, then SAMPLES_PER_TURN samples of one call (each >= SAMPLE_MS)
-    assert calls.count("c") == 2 + fastest.ROUNDS * (1 + fastest.SAMPLES_PER_TURN)
+    assert calls.count("c") == 2 + (fastest.WARM_ROUNDS + fastest.ROUNDS) * (1 + fastest.SAMPLES_PER_TURN)
+
+
+def test_policy_fastest_does_not_prune_the_winner_on_a_slow_start(monkeypatch):
+    """The first (warm) round is not timed, and pruning waits for PRUNE_AFTER timed rounds: the
+    fastest backend disturbed in its first two samples (as when the device's clock is still
+    ramping up) still wins on its median."""
+    from attention_dispatch import fastest
+    assert fastest.WARM_ROUNDS == 1 and fastest.PRUNE_AFTER >= 3
+    # c's calls: 1 warm-up, 2 estimate, then per round an untimed call and one sample (4, 6, 8, ...)
+    _, turns = _fake_runners(monkeypatch, {"a": 0.020, "c": 0.010}, hiccup=("c", {4, 6}, 0.1))
+    timings = fastest._time_backends(("a", "c"), types.SimpleNamespace(query=torch.empty(1)), lambda: None)
+    assert min(timings, key=timings.get) == "c", timings
+    assert 10 <= timings["c"] < 18 and turns.count("c") == fastest.WARM_ROUNDS + fastest.ROUNDS
 
 
 def test_policy_fastest_shuffles_the_turns_after_the_first_round(monkeypatch):
@@ -401,7 +416,7 @@ def test_policy_fastest_shuffles_the_turns_after_the_first_round(monkeypatch):
     _, turns = _fake_runners(monkeypatch, dict.fromkeys(names, 0.001))
     fastest._time_backends(names, types.SimpleNamespace(query=torch.empty(1)), lambda: None)
     rounds = [tuple(turns[i:i + 4]) for i in range(0, len(turns), 4)]
-    assert len(rounds) == fastest.ROUNDS and all(sorted(r) == list(names) for r in rounds)
+    assert len(rounds) == fastest.WARM_ROUNDS + fastest.ROUNDS and all(sorted(r) == list(names) for r in rounds)
     assert rounds[0] == names and len(set(rounds)) > fastest.ROUNDS // 2
 
 
