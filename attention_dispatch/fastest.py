@@ -9,6 +9,7 @@ random stream and autograd graph are untouched.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -152,10 +153,26 @@ def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str,
     samples: dict[str, list[float]] = {name: [] for name in runs}
     cuda = call.query.device.type == "cuda"
     active = list(runs)
+    # The collector is off while samples are taken (as in timeit and benchmarks/bench.py): a
+    # collection of the caller's heap stalls the host for milliseconds, and at S <= 1k a
+    # training call's 0.5-0.8 ms of host time is most of its turn, so whichever backend it
+    # lands on loses (our kernel 0.79 ms with it, 0.70 without, at S=1k causal: experiment 60).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        _rounds(runs, calls, samples, active, cuda, call.query.device, sync)
+    finally:
+        if collecting:
+            gc.enable()
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def _rounds(runs: dict, calls: dict, samples: dict, active: list, cuda: bool, device, sync) -> None:
+    """The warm and timed rounds of :func:`_time_backends`, appending to ``samples``."""
     for rnd in range(WARM_ROUNDS + ROUNDS):
         for name in [active[i] for i in turn_order(len(active), rnd)]:
             if cuda:
-                with torch.cuda.device(call.query.device):
+                with torch.cuda.device(device):
                     got = _turn_ms_cuda(runs[name], calls[name])
             else:
                 got = _turn_ms_host(runs[name], calls[name], sync)
@@ -163,8 +180,7 @@ def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str,
                 samples[name] += got
         if rnd + 1 == WARM_ROUNDS + PRUNE_AFTER and len(active) > 1:
             lead = min(statistics.median(samples[n]) for n in active)
-            active = [n for n in active if min(samples[n]) < PRUNE_RATIO * lead]
-    return {name: statistics.median(s) for name, s in samples.items()}
+            active[:] = [n for n in active if min(samples[n]) < PRUNE_RATIO * lead]
 
 
 def _turn_ms_host(once, calls: int, sync) -> list[float]:

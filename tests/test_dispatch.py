@@ -408,6 +408,31 @@ def test_policy_fastest_does_not_prune_the_winner_on_a_slow_start(monkeypatch):
     assert 10 <= timings["c"] < 18 and turns.count("c") == fastest.WARM_ROUNDS + fastest.ROUNDS
 
 
+def test_policy_fastest_samples_with_the_collector_off_and_restores_it(monkeypatch):
+    """Samples are taken with the garbage collector off (a collection of the caller's heap would
+    land on whichever backend runs then); it is on again afterwards, also when timing fails."""
+    import gc
+    from attention_dispatch import fastest
+    seen = []
+    real = fastest._turn_ms_host
+
+    def turn(once, n, sync):
+        seen.append(gc.isenabled())
+        return real(once, n, sync)
+    _fake_runners(monkeypatch, {"a": 0.001, "b": 0.002})
+    monkeypatch.setattr(fastest, "_turn_ms_host", turn)
+    assert gc.isenabled()
+    fastest._time_backends(("a", "b"), types.SimpleNamespace(query=torch.empty(1)), lambda: None)
+    assert seen and not any(seen) and gc.isenabled()
+
+    def failing(once, n, sync):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(fastest, "_turn_ms_host", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        fastest._time_backends(("a", "b"), types.SimpleNamespace(query=torch.empty(1)), lambda: None)
+    assert gc.isenabled()
+
+
 def test_policy_fastest_shuffles_the_turns_after_the_first_round(monkeypatch):
     """No backend always follows the same one: the turn order changes between rounds."""
     from attention_dispatch import fastest
