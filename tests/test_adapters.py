@@ -202,9 +202,43 @@ def test_fa4_inference_runner_relaunches_the_recorded_compiled_call(fa, sq, sk, 
         assert outs[0].data_ptr() != outs[1].data_ptr()      # a fresh output per call
 
 
-@pytest.mark.parametrize("trouble,reason", [("extra_tensor", "tensors beyond query, key, value and output"),
+@pytest.mark.parametrize("sq,sk,causal,window,hq,hkv", DENSE_CASES[:4] + DENSE_CASES[-2:])
+def test_fa4_training_runner_relaunches_the_forward_and_runs_flash_attn_4s_backward(fa, sq, sk, causal, window,
+                                                                                      hq, hkv):
+    """With autograd the first call goes through flash_attn_func (recording); later calls
+    relaunch the compiled forward with a fresh output and LSE, and their backward is flash-attn
+    4's _flash_attn_bwd on that output and LSE: outputs and gradients equal to run()'s."""
+    backend, calls = fa(4)
+    iface = sys.modules["flash_attn.cute.interface"]
+    options = _fa4_options(causal, window, hq, hkv)
+    q, k, v = inputs(2, hq, hkv, sq, sk, 64)
+    runner = backend.prepare(q, k, v, options)
+    assert isinstance(runner, ForwardRelauncher) and runner.training
+    first = runner(q, k, v)
+    assert runner.launch is not None, runner.refused
+    (gq, _, _), g = grads(first, (q, k, v))
+    for _ in range(2):
+        q2, k2, v2 = (torch.randn_like(t).requires_grad_() for t in (q, k, v))
+        publics, launches, backwards = len(calls), len(iface.launches), len(iface.backwards)
+        got = runner(q2, k2, v2)
+        assert len(calls) == publics and len(iface.launches) == launches + 1 and got.requires_grad
+        want = backend.run(q2, k2, v2, **options)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        g = torch.randn_like(got)
+        ours = torch.autograd.grad(got, (q2, k2, v2), g)
+        assert len(iface.backwards) == backwards + 1
+        bwd = iface.backwards[-1]
+        assert bwd["q_ptr"] == q2.data_ptr() and bwd["out_ptr"] == got.data_ptr()
+        assert bwd["softcap"] == 0.0 and bwd["deterministic"] is False
+        for a, b_ in zip(ours, torch.autograd.grad(want, (q2, k2, v2), g)):
+            torch.testing.assert_close(a, b_, rtol=0, atol=0)
+        ref = naive_attention(q2, k2, v2, causal=_str(causal), window=window, scale=0.3)
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("trouble,reason", [("extra_tensor", "tensors beyond query, key, value, output"),
                                             ("copy_query", "no compiled call took the caller's query"),
-                                            ("no_interface", "compile_cache not found")])
+                                            ("no_interface", "not found")])
 def test_fa4_inference_runner_keeps_the_public_call_when_the_record_is_not_understood(fa, monkeypatch, trouble,
                                                                                         reason):
     backend, calls = fa(4)
@@ -247,8 +281,13 @@ def test_fa4_refusal_of_two_compiled_calls_and_of_a_foreign_output():
     one = (compiled, (q, k, v, out, None, 0.5))
     assert refusal([one], q, k, v, out) is None
     assert "2 compiled calls" in refusal([one, one], q, k, v, out)
-    assert "not the output" in refusal([(compiled, (q, k, v, torch.empty_like(out)))], q, k, v, out)
+    assert "not the output" in refusal([(compiled, (q, k, v, torch.empty_like(out), None))], q, k, v, out)
     assert "beyond" in refusal([(compiled, (q, k, v, out, [None, (torch.ones(1),)]))], q, k, v, out)
+    lse = torch.randn(1, 2, 4)
+    assert refusal([(compiled, (q, k, v, out, lse, 0.5, None))], q, k, v, out, lse) is None
+    assert "beyond" in refusal([(compiled, (q, k, v, out, lse, 0.5, None))], q, k, v, out)   # inference: no LSE
+    assert "log-sum-exp" in refusal([(compiled, (q, k, v, out, lse.clone(), 0.5))], q, k, v, out, lse)
+    assert "beyond" in refusal([(compiled, (q, k, v, out, lse, torch.ones(1)))], q, k, v, out, lse)
 
 
 @pytest.mark.parametrize("version", [2, 3, 4])
@@ -881,6 +920,49 @@ def test_gpu_flash_attn_4_inference_relaunch_equals_flash_attn_func(b, hq, hkv, 
         hits = [r for _, r in attention_dispatch.api.fast_calls.values() if isinstance(r, ForwardRelauncher)]
         assert any(r.launch is not None for r in hits)
         assert torch.equal(out, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal,window,dtype,layout",
+                         [c for c in FA4_RELAUNCH_CASES if c[7] is None])   # sm90: no windowed backward
+def test_gpu_flash_attn_4_training_relaunch_equals_flash_attn_func(b, hq, hkv, sq, sk, d, causal, window, dtype,
+                                                                    layout):
+    """With autograd the prepared flash-attn 4 runner relaunches the recorded forward (output
+    bit-equal to flash_attn_func's) and runs flash-attn 4's backward on its output and LSE:
+    gradients equal to flash_attn_func's within that backward's own run-to-run spread."""
+    pytest.importorskip("flash_attn.cute")
+    from flash_attn.cute import flash_attn_func
+    backend = FlashAttnBackend(versions=("fa4",))
+
+    def make(h, s):
+        t = torch.randn(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2) if layout == "bshd" else \
+            torch.randn(b, h, s, d, device="cuda", dtype=dtype)
+        return t.requires_grad_()
+    options = dict(_fa4_options(causal, window, hq, hkv), scale=1 / math.sqrt(d))
+    q, k, v = make(hq, sq), make(hkv, sk), make(hkv, sk)
+    runner = backend.prepare(q, k, v, options)
+    assert isinstance(runner, ForwardRelauncher) and runner.training
+    is_causal, window_size = backend.window_args(backend.implementations()[0], causal, window)
+
+    def public():
+        o = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=options["scale"],
+                            causal=is_causal, window_size=window_size)
+        return (o[0] if isinstance(o, tuple) else o).transpose(1, 2)
+    for i in range(3):
+        if i:
+            q, k, v = (torch.randn_like(t).requires_grad_() for t in (q, k, v))
+        got = runner(q, k, v)
+        assert runner.launch is not None, runner.refused
+        want = public()
+        assert torch.equal(got, want)
+        g = torch.randn_like(got)
+        ours = torch.autograd.grad(got, (q, k, v), g)
+        theirs = torch.autograd.grad(want, (q, k, v), g)
+        again = torch.autograd.grad(public(), (q, k, v), g)
+        for a, b_, c, name in zip(ours, theirs, again, "qkv"):
+            noise = (b_.float() - c.float()).abs().max().item()
+            diff = (a.float() - b_.float()).abs().max().item()
+            assert diff <= 2 * noise, f"d{name}: {diff} from flash_attn_func's, which differs from itself by {noise}"
 
 
 @pytest.mark.gpu

@@ -1,19 +1,21 @@
-"""flash-attn 4's inference forward, relaunched for sdpa()'s fast path.
+"""flash-attn 4's dense forward, relaunched for sdpa()'s fast path.
 
 ``flash_attn.cute.flash_attn_func`` spends 90-160 us of Python per call on the H100 host
 (docs/perf-notes.md experiment 59) rebuilding arguments that are the same for every call of
 one signature, then calls its compiled kernel (~10 us).  At S <= 2k the kernel itself runs
 0.1-0.3 ms, so that host time decides whether the GPU waits between calls.  sdpa() prepares
 one runner per call signature (shapes, strides, dtypes, device, alignment, grad mode,
-options); for a forward without autograd, the runner here lets the first call go through the
-public function while recording the compiled call it makes, then repeats that call with each
-call's tensors and a fresh output.
+options); the runner here lets the first call go through the public function while recording
+the compiled call it makes, then repeats that call with each call's tensors and a fresh
+output (and, when the signature needs grad, a fresh log-sum-exp, then flash-attn 4's own
+backward: :class:`_TrainingCall`, experiment 61).
 
 What is recorded is checked before it is reused: exactly one compiled call made on our query,
-whose tensor arguments are our query, key and value and the output it returned, and no other
-tensor anywhere (an LSE kept for a backward, split-KV partials, scheduler metadata, aux
-tensors).  Anything else keeps the public function for this signature.  The stream is not an
-argument: flash-attn 4 compiles against the current ("environment") stream, as here.
+whose tensor arguments are our query, key and value, the output it returned and, for
+training, the log-sum-exp it returned, and no other tensor anywhere (split-KV partials,
+scheduler metadata, aux tensors).  Anything else keeps the public function for this
+signature.  The stream is not an argument: flash-attn 4 compiles against the current
+("environment") stream, as here.
 """
 from __future__ import annotations
 
@@ -80,46 +82,58 @@ def _same_view(a, b: torch.Tensor) -> bool:
             and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
-def refusal(calls: list, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> str | None:
-    """Why the recorded ``calls`` cannot be repeated with new tensors (None: they can)."""
+def refusal(calls: list, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor | None = None) -> str | None:
+    """Why the recorded ``calls`` cannot be repeated with new tensors (None: they can).
+    ``lse``: the log-sum-exp the public call returned for a backward (training calls)."""
     if not calls:
         return "no compiled call took the caller's query (flash-attn copied it, or its interface changed)"
     if len(calls) > 1:
         return f"the public call made {len(calls)} compiled calls on the query (one expected)"
     args = calls[0][1]
-    if len(args) < 4:
+    if len(args) < 5:
         return f"the compiled call took {len(args)} arguments"
     for name, got, ours in (("query", args[0], q), ("key", args[1], k), ("value", args[2], v)):
         if not _same_view(got, ours):
             return f"the compiled call's {name} is not the caller's (flash-attn copied it)"
     if not (_same_view(args[3], out) and out.is_contiguous()):
         return "the compiled call's fourth argument is not the output returned"
-    if _holds_tensor(args[4:]):
-        return "the compiled call takes tensors beyond query, key, value and output"
+    if lse is not None and not (_same_view(args[4], lse) and lse.is_contiguous() and lse.dtype == torch.float32):
+        return "the compiled call's fifth argument is not the log-sum-exp returned"
+    if _holds_tensor(args[4:] if lse is None else args[5:]):
+        return "the compiled call takes tensors beyond query, key, value, output" + ("" if lse is None else " and LSE")
     return None
 
 
 class ForwardRelauncher:
-    """sdpa()'s prepared runner for a flash-attn 4 forward without autograd:
-    (query, key, value) in (B, H, S, D) -> (B, Hq, Sq, Dv), flash-attn reading (B, S, H, D)
-    views.  ``public`` is ``flash_attn_func``, ``kwargs`` its keyword arguments."""
+    """sdpa()'s prepared runner for a flash-attn 4 dense call: (query, key, value) in
+    (B, H, S, D) -> (B, Hq, Sq, Dv), flash-attn reading (B, S, H, D) views.  ``public`` is
+    ``flash_attn_func``, ``kwargs`` its keyword arguments; ``training``: the signature needs
+    grad, and the relaunched forward keeps its log-sum-exp for flash-attn 4's own backward
+    (:class:`_TrainingCall`)."""
 
-    __slots__ = ("public", "kwargs", "launch", "refused")
+    __slots__ = ("public", "kwargs", "training", "launch", "backward", "refused")
 
-    def __init__(self, public: Callable, kwargs: dict):
-        self.public, self.kwargs = public, kwargs
-        self.launch = None    # (compiled, its arguments after the output, output shape) once recorded
+    def __init__(self, public: Callable, kwargs: dict, training: bool = False):
+        self.public, self.kwargs, self.training = public, kwargs, training
+        # once recorded: (compiled, its arguments after output [and LSE], output shape, LSE shape or None)
+        self.launch = None
+        self.backward = None  # flash-attn 4's _flash_attn_bwd (training)
         self.refused = None   # why not, once the recording was refused
 
     def __call__(self, query, key, value):
-        # detached as flash-attn does: its kernels take no tensor that requires grad
-        q, k, v = (t.detach().transpose(1, 2) for t in (query, key, value))
         launch = self.launch
         if launch is not None:
-            compiled, rest, shape = launch
+            if self.training:
+                return _TrainingCall.apply(query, key, value, self)
+            # detached as flash-attn does: its kernels take no tensor that requires grad
+            q, k, v = (t.detach().transpose(1, 2) for t in (query, key, value))
+            compiled, rest, shape, _ = launch
             out = torch.empty(shape, dtype=q.dtype, device=q.device)
             compiled(q, k, v, out, *rest)
             return out.transpose(1, 2)
+        # training: the views stay on the autograd graph (flash-attn's own Function runs)
+        q, k, v = (t.transpose(1, 2) if self.training else t.detach().transpose(1, 2) for t in (query, key, value))
         if self.refused is not None:
             return _first(self.public(q, k, v, **self.kwargs)).transpose(1, 2)
         return self._record(q, k, v).transpose(1, 2)
@@ -127,26 +141,66 @@ class ForwardRelauncher:
     def _record(self, q, k, v) -> torch.Tensor:
         """One public call, recording its compiled launch; its output (B, S, H, D)."""
         try:
-            holder = importlib.import_module(INTERFACE)._flash_attn_fwd
+            module = importlib.import_module(INTERFACE)
+            holder = module._flash_attn_fwd
             cache = holder.compile_cache
+            backward = module._flash_attn_bwd if self.training else None
         except (ImportError, AttributeError) as exc:
-            self.refused = f"{INTERFACE}._flash_attn_fwd.compile_cache not found ({type(exc).__name__})"
+            self.refused = f"{INTERFACE}'s _flash_attn_fwd.compile_cache or _flash_attn_bwd not found ({type(exc).__name__})"
             return _first(self.public(q, k, v, **self.kwargs))
         recorder = _Recorder(cache, q.data_ptr())
         with _record_lock:
             holder.compile_cache = recorder
             try:
-                out = _first(self.public(q, k, v, **self.kwargs))
+                returned = self.public(q, k, v, **self.kwargs)
             finally:
                 holder.compile_cache = cache
-        reason = refusal(recorder.calls, q, k, v, out)
+        out = _first(returned)
+        lse = None
+        if self.training:
+            lse = returned[1] if isinstance(returned, tuple) and len(returned) > 1 else None
+            reason = refusal(recorder.calls, q, k, v, out, lse) if lse is not None else \
+                "the public call returned no log-sum-exp"
+        else:
+            reason = refusal(recorder.calls, q, k, v, out)
         if reason is None:
             compiled, args = recorder.calls[0]
-            self.launch = (compiled, tuple(args[4:]), tuple(out.shape))
+            kept = 5 if self.training else 4
+            self.launch = (compiled, tuple(args[kept:]), tuple(out.shape), None if lse is None else tuple(lse.shape))
+            self.backward = backward
         else:
             self.refused = reason
             logger.debug("flash-attn 4 forward not relaunched: %s", reason)
         return out
+
+
+class _TrainingCall(torch.autograd.Function):
+    """flash-attn 4's FlashAttnFunc for a relaunched forward, (B, H, S, D) in and out: the
+    forward relaunches the recorded compiled call with a fresh output and LSE; the backward is
+    flash-attn 4's ``_flash_attn_bwd``, called with the arguments FlashAttnFunc.backward gives it
+    for these keyword arguments (no softcap, score_mod, aux tensors, sinks or returned LSE)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, relauncher):
+        q, k, v = (t.detach().transpose(1, 2) for t in (query, key, value))
+        compiled, rest, out_shape, lse_shape = relauncher.launch
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        compiled(q, k, v, out, lse, *rest)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.relauncher = relauncher
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        relauncher = ctx.relauncher
+        kw = relauncher.kwargs
+        left, right = kw["window_size"]
+        dq, dk, dv = relauncher.backward(q, k, v, out, grad_out.transpose(1, 2), lse, kw["softmax_scale"],
+                                         kw["causal"], 0.0, window_size_left=left, window_size_right=right,
+                                         deterministic=kw["deterministic"])[:3]
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
 
 
 def _first(out):

@@ -345,16 +345,16 @@ class FlashAttnBackend(Backend):
     def prepare(self, query, key, value, options: dict):
         """The implementation and its arguments chosen once for the signature (varlen calls
         pass their own offsets; max_seqlen is part of the signature).  A flash-attn 4 dense
-        forward without autograd is relaunched from its recorded compiled call
-        (:mod:`.fa4_relaunch`)."""
+        forward is relaunched from its recorded compiled call (:mod:`.fa4_relaunch`; with
+        autograd, flash-attn 4's own backward follows)."""
         varlen = options["cu_seqlens_q"] is not None
         if options["attn_mask"] is not None or query.numel() == 0 or key.shape[-3 if varlen else -2] == 0:
             return super().prepare(query, key, value, options)
         impl, kwargs = self._resolve(query, key, value, **options)
         if not varlen:
-            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-            if impl.key == "fa4" and not grad:   # its Python costs ~10x its kernel launch: relaunched
-                return ForwardRelauncher(impl.func, kwargs)
+            if impl.key == "fa4":   # its Python costs ~10x its kernel launch: relaunched
+                grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+                return ForwardRelauncher(impl.func, kwargs, training=grad)
             return functools.partial(self._dense, impl.func, kwargs)
         # each call's offsets override these keywords (partial lets call keywords win)
         return functools.partial(self._varlen, impl.varlen_func, kwargs, cu_seqlens_q=options["cu_seqlens_q"],

@@ -101,14 +101,13 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
     def dense4(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), deterministic=False, **kw):
         assert "dropout_p" not in kw, "flash-attn 4 has no dropout"
         assert all(w is None or w >= 0 for w in window_size), "flash-attn 4 takes None for unbounded"
-        if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
-            # inference: through the fake interface's compiled call, as flash_attn.cute does
-            _record(calls, "dense", q, k, v, dict(dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
-                                                  window_size=window_size, deterministic=deterministic, extra=kw))
-            return interface._flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                             window_size_left=window_size[0], window_size_right=window_size[1])
-        return dense(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                     deterministic=deterministic, **kw)
+        if kw:
+            return dense(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                         deterministic=deterministic, **kw)
+        # through the fake interface's compiled call (and backward), as flash_attn.cute does
+        _record(calls, "dense", q, k, v, dict(dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
+                                              window_size=window_size, deterministic=deterministic, extra=kw))
+        return _FakeFlashAttnFunc.apply(q, k, v, interface, softmax_scale, causal, window_size, deterministic)
 
     def varlen4(q, k, v, window_size=(None, None), **kw):
         assert all(w is None or w >= 0 for w in window_size)
@@ -118,6 +117,27 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
     cute.interface = interface
     pkg.cute = cute
     return {"flash_attn": pkg, "flash_attn.cute": cute, "flash_attn.cute.interface": interface}
+
+
+class _FakeFlashAttnFunc(torch.autograd.Function):
+    """flash_attn.cute's FlashAttnFunc: _flash_attn_fwd, then _flash_attn_bwd."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, interface, softmax_scale, causal, window_size, deterministic):
+        out, lse = interface._flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                             window_size_left=window_size[0], window_size_right=window_size[1])
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (interface, softmax_scale, causal, window_size, deterministic)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        interface, softmax_scale, causal, (left, right), deterministic = ctx.args
+        dq, dk, dv = interface._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, 0.0,
+                                               window_size_left=left, window_size_right=right,
+                                               deterministic=deterministic)
+        return dq, dk, dv, None, None, None, None, None
 
 
 class AuxData(tuple):
@@ -132,22 +152,28 @@ def _fa4_interface(dense_math) -> types.ModuleType:
     looks its compiled kernel up in `_flash_attn_fwd.compile_cache` by a compile key and calls
     it as (q, k, v, out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
     page_table, window_size_left, window_size_right, learnable_sink, block sparsity, AuxData).
-    `launches` lists the compiled calls (arguments); `extra_tensor` makes the next compile take
-    an LSE tensor too (as a forward kept for a backward does), `copy_query` makes it copy the
-    query first (as a misaligned layout does)."""
+    A forward for a backward (an input requires grad) also gets an LSE tensor, filled with a
+    per-call value that `_flash_attn_bwd` checks.  `launches` / `backwards` list the compiled
+    calls and backward calls; `extra_tensor` makes the compiled call take one more tensor (as
+    split-KV partials do), `copy_query` makes it copy the query first (as a misaligned layout
+    does)."""
     interface = types.ModuleType("flash_attn.cute.interface")
-    interface.launches, interface.extra_tensor, interface.copy_query = [], False, False
+    interface.launches, interface.backwards, interface.extra_tensor, interface.copy_query = [], [], False, False
 
     def compiled_for(causal, extra_tensor):
         def compiled(q, k, v, out, lse, softmax_scale, cu_q, cu_k, used_q, used_k, pages, left, right, sink,
                      sparse, aux):
             interface.launches.append(dict(q_ptr=q.data_ptr(), out_ptr=out.data_ptr(), left=left, right=right,
                                            scale=softmax_scale, causal=causal))
-            assert (lse is not None) == extra_tensor
+            assert (sink is not None) == extra_tensor
+            assert not q.requires_grad and not out.requires_grad
             out.copy_(dense_math(q, k, v, 0.0, softmax_scale, causal, (left, right)))
+            if lse is not None:
+                lse.fill_(float(q.sum()))    # a value of this call's inputs
         return compiled
 
     def _flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, window_size_left=None, window_size_right=None):
+        grad = any(t.requires_grad for t in (q, k, v))
         if interface.copy_query:
             q = q.contiguous().clone()
         extra = interface.extra_tensor
@@ -155,14 +181,24 @@ def _fa4_interface(dense_math) -> types.ModuleType:
         if key not in _flash_attn_fwd.compile_cache:
             _flash_attn_fwd.compile_cache[key] = compiled_for(causal, extra)
         out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
-        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1]) if extra else None
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32) if grad else None
         _flash_attn_fwd.compile_cache[key](q.detach(), k.detach(), v.detach(), out.detach(), lse, softmax_scale,
-                                           None, None, None, None, None, window_size_left, window_size_right, None,
-                                           None, AuxData())
+                                           None, None, None, None, None, window_size_left, window_size_right,
+                                           torch.zeros(1) if extra else None, None, AuxData())
         return out, lse
 
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
+                        window_size_left=None, window_size_right=None, deterministic=False):
+        interface.backwards.append(dict(q_ptr=q.data_ptr(), out_ptr=out.data_ptr(), lse_ptr=lse.data_ptr(),
+                                        softcap=softcap, deterministic=deterministic))
+        assert torch.all(lse == float(q.detach().sum())), "the LSE is not this call's"
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            o = dense_math(*leaves, 0.0, softmax_scale, causal, (window_size_left, window_size_right))
+            return torch.autograd.grad(o, leaves, dout)
+
     _flash_attn_fwd.compile_cache = {}
-    interface._flash_attn_fwd = _flash_attn_fwd
+    interface._flash_attn_fwd, interface._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
     return interface
 
 
