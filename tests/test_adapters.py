@@ -236,7 +236,7 @@ def test_fa4_training_runner_relaunches_the_forward_and_runs_flash_attn_4s_backw
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("trouble,reason", [("extra_tensor", "tensors beyond query, key, value, output"),
+@pytest.mark.parametrize("trouble,reason", [("extra_tensor", "beyond query, key, value, output"),
                                             ("copy_query", "no compiled call took the caller's query"),
                                             ("no_interface", "not found")])
 def test_fa4_inference_runner_keeps_the_public_call_when_the_record_is_not_understood(fa, monkeypatch, trouble,
@@ -288,6 +288,8 @@ def test_fa4_refusal_of_two_compiled_calls_and_of_a_foreign_output():
     assert "beyond" in refusal([(compiled, (q, k, v, out, lse, 0.5, None))], q, k, v, out)   # inference: no LSE
     assert "log-sum-exp" in refusal([(compiled, (q, k, v, out, lse.clone(), 0.5))], q, k, v, out, lse)
     assert "beyond" in refusal([(compiled, (q, k, v, out, lse, torch.ones(1)))], q, k, v, out, lse)
+    assert "beyond" in refusal([(compiled, (q, k, v, out, None, object()))], q, k, v, out)   # not plain data
+    assert refusal([(compiled, (q, k, v, out, None, {"a": (1, "x", None)}))], q, k, v, out) is None
 
 
 @pytest.mark.parametrize("version", [2, 3, 4])

@@ -63,18 +63,18 @@ class _Recorder:
 
 
 def _holds_tensor(value, depth: int = 0) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
+    """True unless ``value`` is plain data: None, numbers, strings, and tuples (NamedTuples
+    such as flash-attn's AuxData), lists and dicts of them.  Anything else may hold device
+    state that a relaunch would share between calls, so it counts as a tensor."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return False
     if depth > 4:
-        return True    # deeper than flash-attn's argument tuples go: not understood, refuse
+        return True
     if isinstance(value, (tuple, list)):
         return any(_holds_tensor(x, depth + 1) for x in value)
     if isinstance(value, dict):
         return any(_holds_tensor(x, depth + 1) for x in value.values())
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return False
-    fields = getattr(value, "__dict__", None)
-    return fields is not None and any(_holds_tensor(x, depth + 1) for x in fields.values())
+    return True
 
 
 def _same_view(a, b: torch.Tensor) -> bool:
@@ -101,7 +101,8 @@ def refusal(calls: list, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
     if lse is not None and not (_same_view(args[4], lse) and lse.is_contiguous() and lse.dtype == torch.float32):
         return "the compiled call's fifth argument is not the log-sum-exp returned"
     if _holds_tensor(args[4:] if lse is None else args[5:]):
-        return "the compiled call takes tensors beyond query, key, value, output" + ("" if lse is None else " and LSE")
+        return "the compiled call takes tensors (or objects that are not plain data) beyond query, key, value, " \
+               "output" + ("" if lse is None else " and LSE")
     return None
 
 
