@@ -643,6 +643,32 @@ def test_cudnn_prepared_runner_calls_the_aten_op_for_plain_calls(monkeypatch, gr
     torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,sq,sk,causal,mask,window,unit_stride,direct", CUDNN_DIRECT_CASES)
+def test_torch_cpu_prepared_runner_calls_the_flash_op_for_plain_calls(dtype, hq, hkv, sq, sk, causal, mask, window,
+                                                                      unit_stride, direct):
+    """On the CPU for real: plain calls' runner calls torch._scaled_dot_product_flash_attention_for_cpu
+    (what F.sdpa pinned to flash calls), bit-equal to run() in output and gradients; masks, GQA,
+    a bottom-right offset or a strided last dim keep run()."""
+    backend = TorchCpuBackend()
+    q, k, v = inputs(2, hq, hkv, sq, sk, 16, dtype=dtype)
+    if not unit_stride:
+        q = q.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_()
+    m = torch.rand(2, 1, sq, sk) > 0.3 if mask else None
+    options = dict(attn_mask=m, dropout_p=0.0, causal=causal, window=window, scale=0.3, cu_seqlens_q=None,
+                   cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, enable_gqa=hq != hkv, deterministic=False)
+    runner = backend.prepare(q, k, v, options)
+    op = torch._scaled_dot_product_flash_attention_for_cpu
+    assert any(c.cell_contents is op for c in runner.__closure__ or ()) is direct
+    q2, k2, v2 = (torch.randn_like(t).requires_grad_() for t in (q, k, v))
+    got = runner(q2, k2, v2) if m is None else runner(q2, k2, v2, m)
+    want = backend.run(q2, k2, v2, **options)
+    assert torch.equal(got, want)
+    g = torch.randn_like(got)
+    for a, b_ in zip(torch.autograd.grad(got, (q2, k2, v2), g), torch.autograd.grad(want, (q2, k2, v2), g)):
+        assert torch.equal(a, b_)
+
+
 class _CpuPinned(_TorchSdpaBackend):
     """The shared code path pinned to a CPU kernel, to test the CUDA-only branches here."""
     name = "cpu_pinned"

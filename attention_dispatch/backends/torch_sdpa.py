@@ -172,6 +172,31 @@ class _TorchSdpaBackend(Backend):
     def _context(self):
         return _Pinned(self.sdp_backend)
 
+    def _direct_call(self, is_causal: bool, scale, grad: bool):
+        """A runner ``(query, key, value) -> out`` calling the ATen op that F.sdpa picks under
+        the pin for a plain dense call, or None (then prepare() keeps run())."""
+        return None
+
+    def prepare(self, query, key, value, options: dict):
+        """Plain dense calls (no mask or dropout, Hq == Hkv, causal top-left or none, unit last
+        strides) call the ATen op that F.scaled_dot_product_attention picks for them under the
+        pin (it ran this signature's first call, and passes such tensors to the op unchanged),
+        without its backend selection and the pin's flag toggling: cuDNN on the H100's host
+        15-40 us less per call, where its forward at S=512 runs 0.1 ms (docs/perf-notes.md
+        experiment 59).  Anything else, or a backend without such an op: run()."""
+        o = options
+        causal = o["causal"]
+        if causal is CausalKind.BOTTOM_RIGHT and query.dim() == 4 and query.shape[-2] == key.shape[-2]:
+            causal = CausalKind.TOP_LEFT      # the same function
+        if (o["attn_mask"] is None and not o["dropout_p"] and o["window"] is None and o["cu_seqlens_q"] is None
+                and causal in (None, CausalKind.TOP_LEFT) and query.dim() == 4 and key.shape[1] == query.shape[1]
+                and 0 not in query.shape and 0 not in key.shape and all(t.stride(-1) == 1 for t in (query, key, value))):
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            direct = self._direct_call(causal is not None, o["scale"], grad)
+            if direct is not None:
+                return direct
+        return super().prepare(query, key, value, options)
+
     def run(self, query, key, value, *, attn_mask=None, dropout_p=0.0, causal=None, window=None,
             scale=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
             enable_gqa=False, deterministic=False, **_):
@@ -308,28 +333,14 @@ class CudnnBackend(_TorchSdpaBackend):
         except Exception:   # pragma: no cover - a broken cuDNN install
             return 0
 
-    def prepare(self, query, key, value, options: dict):
-        """Plain dense calls (no mask, Hq == Hkv, causal top-left or none, unit last strides)
-        call the ATen op that F.scaled_dot_product_attention picks for them under the pin (it
-        ran this signature's first call), without its backend selection and the pin's flag
-        toggling: 15-40 us of host time per call on the H100's host, where cuDNN's forward at
-        S=512 runs 0.1 ms (docs/perf-notes.md experiment 59).  Anything else: run()."""
-        o = options
-        causal = o["causal"]
-        if causal is CausalKind.BOTTOM_RIGHT and query.dim() == 4 and query.shape[-2] == key.shape[-2]:
-            causal = CausalKind.TOP_LEFT      # the same function
+    def _direct_call(self, is_causal: bool, scale, grad: bool):
         op = getattr(torch, "_scaled_dot_product_cudnn_attention", None)
-        if (op is None or o["attn_mask"] is not None or o["dropout_p"] or o["window"] is not None
-                or o["cu_seqlens_q"] is not None or causal not in (None, CausalKind.TOP_LEFT) or query.dim() != 4
-                or key.shape[1] != query.shape[1] or 0 in query.shape or 0 in key.shape
-                or any(t.stride(-1) != 1 for t in (query, key, value))):
-            return super().prepare(query, key, value, options)
-        # the log-sum-exp is what its backward reads: computed when this signature needs grad
-        lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        is_causal, scale = causal is not None, o["scale"]
+        if op is None:
+            return None
 
         def runner(query, key, value):
-            return op(query, key, value, None, lse, 0.0, is_causal, False, scale=scale)[0]
+            # the log-sum-exp is what its backward reads: computed when the signature needs grad
+            return op(query, key, value, None, grad, 0.0, is_causal, False, scale=scale)[0]
         return runner
 
     def _kernel_checks(self, p: Problem) -> list[str]:
@@ -460,6 +471,15 @@ class TorchCpuBackend(_TorchSdpaBackend):
         varlen=False,           # check_nested_tensor
         notes="bottom-right causal as a folded bool mask",
     )
+
+    def _direct_call(self, is_causal: bool, scale, grad: bool):
+        op = getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None)
+        if op is None:
+            return None
+
+        def runner(query, key, value):
+            return op(query, key, value, 0.0, is_causal, scale=scale)[0]
+        return runner
 
 
 __all__ = ["CudnnBackend", "TorchFlashBackend", "TorchEfficientBackend", "TorchCpuBackend"]
