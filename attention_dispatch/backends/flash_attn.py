@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import sys
 from typing import Callable
 
 import torch
