@@ -130,9 +130,9 @@ def turn_order(n: int, rnd: int, salt: str = "") -> list[int]:
 def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str, float]:
     """Milliseconds per call of each backend: after one warm-up call each (compilation,
     autotuning) and WARM_ROUNDS untimed rounds, ROUNDS interleaved rounds of short turns (see
-    ROUNDS) in :func:`turn_order`;
-    the median sample of each backend.  On a GPU samples are timed by CUDA events once
-    the turn's untimed call has started the stream (:func:`_turn_ms_cuda`)."""
+    ROUNDS) in :func:`turn_order`; the median sample of each backend.  On a GPU samples are
+    timed by CUDA events once the turn's untimed call has started the stream
+    (:func:`_turn_ms_cuda`)."""
     runs, calls = {}, {}
     for name in names:
         try:

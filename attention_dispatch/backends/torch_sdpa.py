@@ -182,8 +182,10 @@ class _TorchSdpaBackend(Backend):
         strides) call the ATen op that F.scaled_dot_product_attention picks for them under the
         pin (it ran this signature's first call, and passes such tensors to the op unchanged),
         without its backend selection and the pin's flag toggling: cuDNN on the H100's host
-        15-40 us less per call, where its forward at S=512 runs 0.1 ms (docs/perf-notes.md
-        experiment 59).  Anything else, or a backend without such an op: run()."""
+        15-40 us less per call, where its forward at S=512 runs 0.1 ms; the CPU flash kernel
+        4.4 us less on a tiny call (docs/perf-notes.md experiment 59).  Anything else, or a
+        backend without such an op (torch_flash, torch_efficient: F.sdpa pads or converts
+        there): run()."""
         o = options
         causal = o["causal"]
         if causal is CausalKind.BOTTOM_RIGHT and query.dim() == 4 and query.shape[-2] == key.shape[-2]:
