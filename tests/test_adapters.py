@@ -275,6 +275,23 @@ def test_fa4_recording_puts_the_compile_cache_back_when_the_call_fails(fa):
     assert iface._flash_attn_fwd.compile_cache is cache and runner.launch is None
 
 
+def test_fa4_recorder_passes_every_call_through_and_records_only_ours():
+    """While a recording runs, the module's cache is the recorder for every thread: lookups,
+    stores and compiled calls reach the real cache; only calls on our query are recorded."""
+    from attention_dispatch.backends.fa4_relaunch import _Recorder
+    ours, theirs = torch.randn(2, 3), torch.randn(2, 3)
+    made = []
+    cache = {"k": lambda *args: made.append(args) or "ran"}
+    recorder = _Recorder(cache, ours.data_ptr())
+    assert "k" in recorder and "other" not in recorder
+    recorder["new"] = cache["k"]
+    assert cache["new"] is cache["k"]
+    assert recorder["k"](theirs, 1) == "ran" and recorder.calls == []          # another caller's call
+    assert recorder["k"](ours, 2) == "ran" and [a for _, a in recorder.calls] == [(ours, 2)]
+    assert [a[1] for a in made] == [1, 2]
+    assert recorder.keys() == cache.keys()                                       # the rest of the cache's API
+
+
 def test_fa4_refusal_of_two_compiled_calls_and_of_a_foreign_output():
     q, k, v, out = (torch.randn(1, 4, 2, 8) for _ in range(4))
     compiled = object()
