@@ -150,9 +150,6 @@ def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str,
             continue
         runs[name] = once
         calls[name] = max(1, math.ceil(SAMPLE_MS / took_ms)) if took_ms < SAMPLE_MS else 1
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    cuda = call.query.device.type == "cuda"
-    active = list(runs)
     # The collector is off while samples are taken (as in timeit and benchmarks/bench.py): a
     # collection of the caller's heap stalls the host for milliseconds, and at S <= 1k a
     # training call's 0.5-0.8 ms of host time is most of its turn, so whichever backend it
@@ -160,15 +157,18 @@ def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str,
     collecting = gc.isenabled()
     gc.disable()
     try:
-        _rounds(runs, calls, samples, active, cuda, call.query.device, sync)
+        samples = _rounds(runs, calls, call.query.device, sync)
     finally:
         if collecting:
             gc.enable()
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def _rounds(runs: dict, calls: dict, samples: dict, active: list, cuda: bool, device, sync) -> None:
-    """The warm and timed rounds of :func:`_time_backends`, appending to ``samples``."""
+def _rounds(runs: dict, calls: dict, device: torch.device, sync) -> dict[str, list[float]]:
+    """The warm and timed rounds of :func:`_time_backends`: each backend's timed samples (ms)."""
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    cuda = device.type == "cuda"
+    active = list(runs)
     for rnd in range(WARM_ROUNDS + ROUNDS):
         for name in [active[i] for i in turn_order(len(active), rnd)]:
             if cuda:
@@ -180,7 +180,8 @@ def _rounds(runs: dict, calls: dict, samples: dict, active: list, cuda: bool, de
                 samples[name] += got
         if rnd + 1 == WARM_ROUNDS + PRUNE_AFTER and len(active) > 1:
             lead = min(statistics.median(samples[n]) for n in active)
-            active[:] = [n for n in active if min(samples[n]) < PRUNE_RATIO * lead]
+            active = [n for n in active if min(samples[n]) < PRUNE_RATIO * lead]
+    return samples
 
 
 def _turn_ms_host(once, calls: int, sync) -> list[float]:

@@ -260,6 +260,25 @@ def test_fa4_inference_runner_keeps_the_public_call_when_the_record_is_not_under
         torch.testing.assert_close(got, backend.run(q2, k2, v2, **options), rtol=0, atol=0)
 
 
+def test_fa4_training_runner_keeps_the_public_call_without_a_returned_lse(fa):
+    """A training recording needs the log-sum-exp the public call returned (its backward reads
+    it); a flash_attn_func that returns only the output keeps the public path, gradients and all."""
+    backend, calls = fa(4)
+    public = sys.modules["flash_attn.cute"].flash_attn_func
+    runner = ForwardRelauncher(lambda *a, **kw: public(*a, **kw)[0], dict(softmax_scale=0.3, causal=False,
+                                                                          window_size=(None, None),
+                                                                          deterministic=False), training=True)
+    q, k, v = inputs(2, 4, 2, 6, 9, 64)
+    for _ in range(2):
+        out = runner(q, k, v)
+        assert runner.launch is None and runner.refused == "the public call returned no log-sum-exp"
+    (gq, gk, gv), g = grads(out, (q, k, v))
+    ref = naive_attention(q, k, v, scale=0.3)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(gq, torch.autograd.grad(ref, q, g)[0], rtol=0, atol=1e-10)
+    assert len(calls) == 2
+
+
 def test_fa4_recording_puts_the_compile_cache_back_when_the_call_fails(fa):
     fa(4)
     iface = sys.modules["flash_attn.cute.interface"]

@@ -157,13 +157,11 @@ class ForwardRelauncher:
             finally:
                 holder.compile_cache = cache
         out = _first(returned)
-        lse = None
-        if self.training:
-            lse = returned[1] if isinstance(returned, tuple) and len(returned) > 1 else None
-            reason = refusal(recorder.calls, q, k, v, out, lse) if lse is not None else \
-                "the public call returned no log-sum-exp"
+        lse = returned[1] if self.training and isinstance(returned, tuple) and len(returned) > 1 else None
+        if self.training and not isinstance(lse, torch.Tensor):
+            lse, reason = None, "the public call returned no log-sum-exp"
         else:
-            reason = refusal(recorder.calls, q, k, v, out)
+            reason = refusal(recorder.calls, q, k, v, out, lse)
         if reason is None:
             compiled, args = recorder.calls[0]
             kept = 5 if self.training else 4

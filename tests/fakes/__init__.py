@@ -101,10 +101,8 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
     def dense4(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), deterministic=False, **kw):
         assert "dropout_p" not in kw, "flash-attn 4 has no dropout"
         assert all(w is None or w >= 0 for w in window_size), "flash-attn 4 takes None for unbounded"
-        if kw:
-            return dense(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                         deterministic=deterministic, **kw)
-        # through the fake interface's compiled call (and backward), as flash_attn.cute does
+        # through the fake interface's compiled call (and backward), as flash_attn.cute does; other
+        # keywords are recorded (extra) and otherwise ignored, as dense() does
         _record(calls, "dense", q, k, v, dict(dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
                                               window_size=window_size, deterministic=deterministic, extra=kw))
         return _FakeFlashAttnFunc.apply(q, k, v, interface, softmax_scale, causal, window_size, deterministic)
