@@ -84,6 +84,10 @@ DEFAULT_FLEX_BUDGET_S = 200.0   # total seconds of Flex compilation allowed (it 
 QUICK_FLEX_BUDGET_S = 95.0
 DEFAULT_PRECOMPILE_WORKERS = 8  # compile workers on a GPU machine (16 cores there; ptxas is single-threaded)
 TURN_WARM_MS = 0.0              # untimed calls opening each turn beyond the one (experiment 32: 20 ms did not help)
+# A cell's time from its repetitions (experiment 62): slowdowns from the clock state a previous
+# turn left and from host hiccups are one-sided, so the lower quartile measures the call; a
+# quarter of the repetitions must agree on it, so one lucky repetition cannot set it (the minimum).
+STATISTIC = "lower quartile"
 # Implementations whose first call compiles (Triton, Inductor, CuTe DSL): the compile workers run these.
 COMPILING_IMPLS = ("sdpa", "triton", "flex", "fa4")
 # Seconds of compilation per row, roughly (session-5 logs): the workers' load balance.
@@ -573,8 +577,11 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
              "reference. Ratios are to the best anchor of the row (anchors: "
              + ", ".join(LABELS[a] for a in ANCHORS) + "); `fastest/best backend` compares policy=\"fastest\" "
              "with the best of the backends it timed for that row and mode (the ones claiming it exactly: "
-             "not cuDNN's dropout, for one). Timing: CUDA events, median of several "
-             "repetitions after warm-up, one process; "
+             "not cuDNN's dropout, for one). Timing: CUDA events, "
+             + (f"the {meta['statistic']} of several repetitions (slowdowns from the clock state and "
+                "host hiccups are one-sided; docs/perf-notes.md, experiment 62)" if meta.get("statistic")
+                else "median of several repetitions")   # runs before experiment 62 have no statistic
+             + " after warm-up, one process; "
              + (TIMING_QUEUED if meta.get("timing") == "queued" else
                 "a repetition is one synchronised call (the anchors' own method), or back-to-back calls "
                 "for calls under 0.5 ms; ")
@@ -1125,12 +1132,15 @@ class Runner:
 
     @staticmethod
     def summarize(w: dict, times: list[float]) -> dict:
-        med = statistics.median(times)
-        return dict(ms=med, reps=len(times), inner=w["inner"], first_call_s=w["first_call_s"],
-                    spread=(max(times) - min(times)) / med, samples_ms=[round(t, 4) for t in times])
+        """A cell from its repetitions (ms per call): `ms` is their lower quartile (STATISTIC),
+        `ms_median` the median, `spread` (slowest - fastest) / ms."""
+        ms = lower_quartile(times)
+        return dict(ms=ms, ms_median=statistics.median(times), reps=len(times), inner=w["inner"],
+                    first_call_s=w["first_call_s"], spread=(max(times) - min(times)) / ms,
+                    samples_ms=[round(t, 4) for t in times])
 
     def time_fn(self, fn) -> dict:
-        """One implementation alone: warm(), then all its repetitions (median)."""
+        """One implementation alone: warm(), then all its repetitions (summarize())."""
         w = self.warm(fn)
         if w["est"] > 1000.0:       # a very slow path: the estimate is the measurement
             return dict(ms=w["est"], reps=1, inner=1, first_call_s=w["first_call_s"])
@@ -1177,7 +1187,7 @@ class Runner:
     def measure_rounds(self, row: Row, entry: dict, pending: list) -> None:
         """Every warmed-up (implementation, mode) of the row is timed in --rounds interleaved
         rounds, in a new order each round (:func:`turn_order`), each turn after untimed calls of at least
-        --turn-warm-ms, and reported as the median of all its repetitions: the card's clock
+        --turn-warm-ms, and reported as the lower quartile of all its repetitions (STATISTIC): the card's clock
         and power state drift by ~10% over a row (a column measured alone could win or lose
         by that much, docs/perf-notes.md experiments 21 and 24), and a turn's speed depends on
         what ran before it (up to 8% for flash-attn 4, experiment 32; 20 ms of untimed calls
@@ -1339,6 +1349,13 @@ class Runner:
                 self.notes.append(f"{impl} output differs from {name} (relative error {err:.3g})")
         except Exception as e:   # noqa: BLE001
             res["check_error"] = first_line(e)
+
+
+def lower_quartile(times: list[float]) -> float:
+    """The first quartile of ``times`` (linear interpolation between order statistics)."""
+    if len(times) < 2:
+        return times[0]
+    return statistics.quantiles(times, n=4, method="inclusive")[0]
 
 
 def warm_calls(est_ms: float, warm_ms: float, most: int = 200) -> int:
@@ -1519,6 +1536,7 @@ def main(argv=None) -> int:
         runner.load_flex()
     meta = environment(runner)
     meta.update(fwd_timing="no_grad", timing="queued", rounds=args.rounds, sampling=SAMPLING_SHUFFLED,
+                statistic=STATISTIC,
                 turn_warm_ms=args.turn_warm_ms,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 commit=git_commit(args.commit), quick=args.quick, impls=impls, anchors=list(ANCHORS),
