@@ -547,3 +547,131 @@ def test_gpu_sdpa_fast_path_relaunches_the_plan(monkeypatch, seq):
                 want = triton_attention(q, k, v, None, KernelParams(scale=d ** -0.5, window_right=0 if causal else -1))
                 assert torch.equal(got, want)
             assert len(relaunched) == 3
+
+
+# -- DirectLaunch: a launcher shaped as Triton 3.6's CudaLauncher (its descriptor wrapper) -------
+def _fake_triton36_driver(encoded):
+    """A module with what compiled_cache._direct_parts reads from Triton 3.6's nvidia driver:
+    ``_BASE_ARGS_FORMAT_LEN``, ``make_tensordesc_arg(arg, metadata)`` (here it records each
+    encoding and returns a stand-in tensormap for the base address) and a launcher class whose
+    ``launch`` is the wrapper closure over the C launch, ``tensordesc_indices`` and
+    ``tensordesc_meta``, as ``wrap_handle_tensordesc`` builds it there."""
+    import types
+    mod = types.ModuleType("fake_triton36_driver")
+    mod._BASE_ARGS_FORMAT_LEN = 13
+
+    def make_tensordesc_arg(arg, metadata):
+        encoded.append(arg.base.data_ptr())
+        return [("tensormap", arg.base.data_ptr(), metadata["swizzle"]), *arg.shape, *arg.strides]
+
+    def wrap_handle_tensordesc(launcher, signature, tensordesc_meta):
+        tensordesc_indices = {i for i, sig in enumerate(signature) if sig.startswith("tensordesc")}
+
+        def inner(*args):
+            final_args = list(args[:13])
+            k = 0
+            for i, arg in enumerate(args[13:]):
+                if i in tensordesc_indices:
+                    final_args.extend(make_tensordesc_arg(arg, tensordesc_meta[k]))
+                    k += 1
+                else:
+                    final_args.append(arg)
+            return launcher(*final_args)
+        return inner
+
+    class Launcher:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def __init__(self, raw, signature, metas):
+            self.launch = wrap_handle_tensordesc(raw, signature, metas)
+
+        def __call__(self, gx, gy, gz, stream, function, *args):
+            self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None,
+                        *args)
+    Launcher.__module__ = mod.__name__
+    mod.make_tensordesc_arg, mod.Launcher = make_tensordesc_arg, Launcher
+    return mod
+
+
+@pytest.mark.skipif(cc.TensorDescriptor is None, reason="Triton without host-built descriptors")
+def test_direct_launch_passes_what_triton_36s_wrapper_passes_and_keeps_tensormaps_per_address(monkeypatch):
+    """A captured launch with two descriptors, two pointers and scalars: DirectLaunch gives the
+    C launch exactly the values Triton's own wrapper gives it for the same tensors (the
+    descriptors rebuilt over them), encodes a tensormap only for an address not seen before,
+    and keeps at most MAX_TENSORMAPS per descriptor."""
+    encoded, raw_calls = [], []
+    mod = _fake_triton36_driver(encoded)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr(cc, "_current_stream", lambda: 1234)
+    signature = ["tensordesc<bf16[64, 64]>", "*bf16", "tensordesc<bf16[64, 64]>", "*fp32", "fp32", "i32", "constexpr"]
+    metas = [{"swizzle": 128}, {"swizzle": 64}]
+    launcher = mod.Launcher(lambda *a: raw_calls.append(a), signature, metas)
+    entry = (launcher, "function", ("packed", "metadata"), (True,))     # tail: the constexpr's value
+
+    def tensors(n=256):
+        return [torch.randn(n, 64, dtype=torch.bfloat16) for _ in range(2)], torch.randn(n, 64, dtype=torch.bfloat16), \
+            torch.randn(n, dtype=torch.float32)
+    (a, b), p, lse = tensors()
+    da, db = (cc.TensorDescriptor(t, list(t.shape), list(t.stride()), [64, 64]) for t in (a, b))
+    args = (da, p, db, lse, 0.5, 7)
+    pool = (a, b, p, lse)     # what the replay's pool holds, in its order
+    direct = cc.DirectLaunch.build(entry, (3, 2), args, {1: 2, 3: 3}, {0: 0, 2: 1})
+    assert direct is not None
+
+    def through_triton(pool):
+        full = (cc.rebase(da, pool[0]), pool[2].data_ptr(), cc.rebase(db, pool[1]), pool[3].data_ptr(), 0.5, 7)
+        cc.relaunch(entry, (3, 2), full)
+        return raw_calls.pop()
+
+    def direct_call(pool):
+        direct([t.data_ptr() for t in pool], pool)
+        return raw_calls.pop()
+    for step in range(4):
+        if step % 2:             # new tensors every other call; the same ones in between
+            (a2, b2), p2, lse2 = tensors()
+            pool = (a2, b2, p2, lse2)
+        encoded.clear()
+        want = through_triton(pool)
+        n_triton = len(encoded)
+        encoded.clear()
+        got = direct_call(pool)
+        assert got == want and n_triton == 2
+        assert got[3] == 1234 and got[:3] == (3, 2, 1) and got[6] is True
+        assert len(encoded) == (2 if step % 2 else 0), (step, encoded)   # only new addresses are encoded
+    assert direct.hits == 4 and direct.misses == 4
+    # each descriptor keeps at most MAX_TENSORMAPS addresses
+    monkeypatch.setattr(cc, "MAX_TENSORMAPS", 3)
+    for _ in range(5):
+        (a3, b3), p3, lse3 = tensors(64)
+        pool = (a3, b3, p3, lse3)
+        assert direct_call(pool) == through_triton(pool)
+    assert all(len(maps) <= 3 for *_, maps in direct.descriptors)
+
+
+def test_direct_launch_is_refused_for_launchers_it_does_not_know(monkeypatch):
+    """Any launcher not shaped as Triton 3.6's (no wrapper closure, scratch memory per launch,
+    an encoder with another signature, descriptor arguments other than the captured ones, no
+    compiled entry) keeps relaunch()."""
+    mod = _fake_triton36_driver([])
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    signature = ["tensordesc<bf16[64, 64]>", "*bf16"]
+    good = mod.Launcher(lambda *a: None, signature, [{"swizzle": 128}])
+    assert cc._direct_parts(good) is not None
+    t = torch.randn(64, 64, dtype=torch.bfloat16)
+    d = cc.TensorDescriptor(t, [64, 64], [64, 1], [64, 64]) if cc.TensorDescriptor is not None else None
+
+    def build(launcher, descriptors={0: 0}, pointers={1: 1}):
+        return cc.DirectLaunch.build((launcher, "f", "m", ()), (1,), (d, t), pointers, descriptors)
+    if d is not None:
+        assert build(good) is not None
+        assert build(good, descriptors={}) is None                  # a descriptor it would not rebuild
+        assert build(good, descriptors={0: 0, 1: 1}, pointers={}) is None
+    assert cc.DirectLaunch.build(None, (1,), (d, t), {1: 1}, {0: 0}) is None
+    scratch = mod.Launcher(lambda *a: None, signature, [{"swizzle": 128}])
+    scratch.global_scratch_size = 512
+    plain = mod.Launcher(lambda *a: None, ["*bf16", "*bf16"], [])    # no descriptor: Triton wraps nothing
+    plain.launch = lambda *a: None
+    assert cc._direct_parts(scratch) is None and cc._direct_parts(plain) is None
+    monkeypatch.setattr(mod, "make_tensordesc_arg", lambda arg, metadata, extra: [])   # Triton 3.9's signature
+    assert cc._direct_parts(good) is None

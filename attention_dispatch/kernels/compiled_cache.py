@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 
 import torch
 import triton
@@ -218,6 +219,104 @@ def relaunch(entry, grid: tuple, args) -> None:
     launcher, function, metadata, tail = entry
     launcher(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, _current_stream(),
              function, metadata, None, None, None, *args, *tail)
+
+
+# Tensormaps kept per descriptor argument of a DirectLaunch (one per base address seen).
+MAX_TENSORMAPS = 64
+
+
+def _direct_parts(launcher):
+    """(raw launch, {signature index: descriptor metadata}, encoder) of a launcher built the way
+    Triton 3.6's CudaLauncher is: ``launcher.launch`` wraps the C launch in a closure that
+    turns every descriptor argument into ``make_tensordesc_arg(descriptor, metadata)``'s
+    values, after ``_BASE_ARGS_FORMAT_LEN`` (13) leading arguments, and no scratch memory is
+    allocated per launch.  None for any other launcher (other Triton versions, kernels without
+    host-built descriptors or needing scratch): those keep :func:`relaunch`."""
+    wrapper = getattr(launcher, "launch", None)
+    code, closure = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
+    driver = sys.modules.get(type(launcher).__module__)
+    encode = getattr(driver, "make_tensordesc_arg", None)
+    if (code is None or not closure or encode is None or getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) != 13
+            or getattr(getattr(encode, "__code__", None), "co_argcount", None) != 2
+            or getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1)):
+        return None
+    cells = dict(zip(code.co_freevars, closure))
+    try:
+        raw, indices, metas = (cells[n].cell_contents for n in ("launcher", "tensordesc_indices", "tensordesc_meta"))
+    except (KeyError, ValueError):
+        return None
+    if not callable(raw) or not indices or not metas or len(metas) != len(indices) or None in metas:
+        return None
+    return raw, dict(zip(sorted(indices), metas)), encode
+
+
+class DirectLaunch:
+    """A captured launch of a kernel taking host-built TMA descriptors, repeated over new
+    tensors below Triton's per-launch descriptor handling.  Triton 3.6 encodes every
+    descriptor's tensormap again on every launch (a Python expansion and a driver call, ~2-3 us
+    each on the H100 host; a Gluon training call has 15), although a tensormap depends only on
+    the base address once dtype, shape, strides, block and layout are fixed, as they are for a
+    captured launch.  Each descriptor argument keeps the tensormaps of the last
+    ``MAX_TENSORMAPS`` addresses it saw (the caching allocator hands a training loop the same
+    few addresses step after step); the values passed to the C launch are exactly the ones
+    Triton's wrapper would pass (``make_tensordesc_arg`` of the descriptor over the new base)."""
+
+    __slots__ = ("raw", "template", "pointers", "descriptors", "hits", "misses")
+
+    def __init__(self, raw, template, pointers, descriptors):
+        self.raw, self.template, self.pointers, self.descriptors = raw, template, pointers, descriptors
+        self.hits = self.misses = 0
+
+    @classmethod
+    def build(cls, entry, grid: tuple, params: tuple, pointers: dict, descriptors: dict) -> "DirectLaunch | None":
+        """``entry``: a compiled-cache entry; ``params``: the launch's positional arguments as
+        captured; ``pointers``: {argument position: pool index} of the tensors passed by address;
+        ``descriptors``: {argument position: pool index} of the descriptors (each rebuilt over
+        that pool tensor).  None when the entry's launcher is not one :func:`_direct_parts`
+        knows, or its descriptor arguments are not exactly ``descriptors``."""
+        if entry is None:
+            return None
+        launcher, function, metadata, tail = entry
+        parts = _direct_parts(launcher)
+        if parts is None:
+            return None
+        raw, metas, encode = parts
+        if set(metas) != set(descriptors) or set(pointers) & set(descriptors):
+            return None
+        values = [*params, *tail]
+        head = [grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, None, function,
+                launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, metadata, None, None, None]
+        template, slots, descs = list(head), [], []
+        for pos, value in enumerate(values):
+            if pos in descriptors:
+                expanded = encode(value, metas[pos])    # the captured call's own tensormap seeds the cache
+                descs.append((len(template), len(template) + len(expanded), descriptors[pos], value, metas[pos],
+                              encode, {value.base.data_ptr(): expanded}))
+                template.extend(expanded)
+            elif pos in pointers:       # filled per call (no reference to the captured tensor kept)
+                slots.append((len(template), pointers[pos]))
+                template.append(None)
+            else:
+                template.append(value)
+        return cls(raw, template, tuple(slots), tuple(descs))
+
+    def __call__(self, addresses: list, pool: tuple) -> None:
+        args = self.template.copy()
+        args[3] = _current_stream()
+        for at, i in self.pointers:
+            args[at] = addresses[i]
+        for lo, hi, i, descriptor, meta, encode, maps in self.descriptors:
+            address = addresses[i]
+            values = maps.get(address)
+            if values is None:
+                self.misses += 1
+                if len(maps) >= MAX_TENSORMAPS:
+                    maps.clear()
+                values = maps[address] = encode(rebase(descriptor, pool[i]), meta)
+            else:
+                self.hits += 1
+            args[lo:hi] = values
+        self.raw(*args)
 
 
 def _constexpr_order(kernel, n_positional: int, constexprs: dict):

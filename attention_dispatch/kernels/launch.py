@@ -15,7 +15,7 @@ import torch
 import triton
 
 from . import configs as C
-from .compiled_cache import COMPILED, TensorDescriptor, _hooks_installed, is_descriptor, rebase, relaunch
+from .compiled_cache import COMPILED, DirectLaunch, TensorDescriptor, _hooks_installed, is_descriptor, rebase, relaunch
 from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
 from .forward import LOG2E, _attn_fwd, _dropout_mask_kernel
 
@@ -897,8 +897,11 @@ class _Replay:
                     if idx is None:
                         return None
                     patches.append((pos, idx, a if desc else None))
+            direct = None if is_interpreter() else DirectLaunch.build(
+                entry, grid, tuple(args), dict(enumerate(sources)) | {pos: i for pos, i, d in patches if d is None},
+                {pos: i for pos, i, d in patches if d is not None})
             steps.append((entry, tuple(grid), tuple(sources), tuple(args[len(sources):]), tuple(patches),
-                          constexprs.get("USE_DESC", False)))
+                          constexprs.get("USE_DESC", False), direct))
         # addresses as ints for the compiled launcher; the interpreter (CPU tests) needs tensors
         return cls(tuple(steps), device, not is_interpreter()) if steps else None
 
@@ -911,7 +914,10 @@ class _Replay:
         # Triton's launcher takes an int as the address itself; for a tensor it calls data_ptr()
         # and cuPointerGetAttribute, once per pointer argument (the dummies repeat q)
         addrs = [t.data_ptr() for t in pool] if self.addresses else pool
-        for entry, grid, sources, rest, patches, desc in self.steps:
+        for entry, grid, sources, rest, patches, desc, direct in self.steps:
+            if direct is not None:      # descriptors' tensormaps kept per address (compiled_cache.DirectLaunch)
+                direct(addrs, pool)
+                continue
             args = (*[addrs[i] for i in sources], *rest)
             if patches:     # descriptors and later pointers: the same ones over the new tensors
                 args = list(args)
