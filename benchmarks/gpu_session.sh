@@ -3,6 +3,10 @@
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
 #   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|bench|bench1|bench2|quick|overhead [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
+# A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
+# fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
+# between the two (`cp <folder>/* /root/fa4/ && source .gpudeps/gpu-env.sh`); the last call then
+# carries .fa4b alone and starts with `export PYTHONPATH=/tmp/gpudeps` (gpu-env.sh's unpack).
 # Everything lands under $OUT; the last lines printed are the short summary.
 # SHA: pass this machine's `git rev-parse --short HEAD`; the device's copy of .git can lag the
 # working tree it runs (session 10: it reported the previous session's commit).
