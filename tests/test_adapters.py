@@ -19,7 +19,7 @@ import torch
 
 import attention_dispatch
 from attention_dispatch.backends import base
-from attention_dispatch.backends.fa4_relaunch import ForwardRelauncher, refusal
+from attention_dispatch.backends.fa4_relaunch import ForwardRelauncher, VarlenRelauncher, refusal
 from attention_dispatch.backends.flash_attn import INSTALL_HINT as FA_HINT, FlashAttnBackend
 from attention_dispatch.backends.torch_sdpa import (CudnnBackend, TorchCpuBackend, TorchEfficientBackend,
                                                     TorchFlashBackend, _TorchSdpaBackend)
@@ -294,6 +294,103 @@ def test_fa4_recording_puts_the_compile_cache_back_when_the_call_fails(fa):
     assert iface._flash_attn_fwd.compile_cache is cache and runner.launch is None
 
 
+def _varlen_options(causal, window, cu_q, cu_k):
+    return dict(attn_mask=None, dropout_p=0.0, causal=causal, window=window, scale=0.3, cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k, max_seqlen_q=8, max_seqlen_k=8, enable_gqa=True, deterministic=False)
+
+
+def _aligned_copy(cu):
+    """The same offsets in a fresh (allocator-aligned) tensor."""
+    return cu.clone()
+
+
+def _misaligned_copy(cu):
+    """The same offsets at an address 4 bytes past a 16-byte boundary."""
+    room = torch.zeros(cu.numel() + 4, dtype=torch.int32)
+    view = room[1:1 + cu.numel()]
+    view.copy_(cu)
+    assert view.data_ptr() % 16 == 4
+    return view
+
+
+@pytest.mark.parametrize("causal,window,same", [(None, None, False), (BR, None, False), (TL, None, True),
+                                                (BR, (2, 0), False)])
+def test_fa4_varlen_inference_runner_relaunches_with_each_calls_offsets(fa, causal, window, same):
+    """Varlen inference: the flash-attn 4 runner records the compiled call of its first call
+    (which takes the call's offsets) and repeats it with each later call's tensors and offsets,
+    without flash_attn_varlen_func: results equal to run() with those offsets and to the oracle."""
+    backend, calls = fa(4)
+    iface = sys.modules["flash_attn.cute.interface"]
+    lq, lk = ([3, 7, 1], [3, 7, 1]) if same else ([3, 7, 1], [5, 4, 6])
+    with torch.no_grad():
+        q, k, v, cu_q, cu_k = packed(lq, lk, 4, 2, 64)
+        cu_k = cu_q if same else cu_k
+        options = _varlen_options(causal, window, cu_q, cu_k)
+        runner = backend.prepare(q, k, v, options)
+        assert isinstance(runner, VarlenRelauncher)
+        first = runner(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        assert runner.launch is not None, runner.refused
+        torch.testing.assert_close(first, backend.run(q, k, v, **options), rtol=0, atol=0)
+        for lq2, lk2 in (([8, 1, 2], [2, 8, 5]), ([1, 1, 9], [6, 6, 3])):
+            lk2 = lq2 if same else lk2
+            q2, k2, v2, cu_q2, cu_k2 = packed(lq2, lk2, 4, 2, 64)
+            cu_k2 = cu_q2 if same else cu_k2
+            publics, launches = len(calls), len(iface.launches)
+            got = runner(q2, k2, v2, cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k2)
+            assert len(calls) == publics and len(iface.launches) == launches + 1   # relaunched
+            launch = iface.launches[-1]
+            assert launch["q_ptr"] == q2.data_ptr() and launch["cu_q"] is cu_q2 and launch["cu_k"] is cu_k2
+            torch.testing.assert_close(got, backend.run(q2, k2, v2, **dict(options, cu_seqlens_q=cu_q2,
+                                                                                cu_seqlens_k=cu_k2)), rtol=0, atol=0)
+            ref = naive_attention(q2, k2, v2, causal=_str(causal), window=window, scale=0.3, cu_seqlens_q=cu_q2,
+                                  cu_seqlens_k=cu_k2)
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["shared_then_two", "misaligned", "copied_offsets", "two_views_of_one"])
+def test_fa4_varlen_runner_takes_the_public_call_where_the_record_does_not_fit(fa, case):
+    """Calls a recorded varlen launch cannot serve go through flash_attn_varlen_func: offsets
+    recorded as one tensor for queries and keys then given as two, offsets at an address that
+    is not 16-byte aligned (flash-attn 4 copies those), a library that copied the offsets
+    while recording, two tensor objects over the same offsets (which one the compiled call
+    takes is unknown).  Every result equal to the oracle."""
+    backend, calls = fa(4)
+    iface = sys.modules["flash_attn.cute.interface"]
+    iface.copy_offsets = case == "copied_offsets"
+    lq = [3, 7, 1]
+    with torch.no_grad():
+        q, k, v, cu_q, _ = packed(lq, lq, 4, 2, 64)
+        cu_k = cu_q.view(-1) if case == "two_views_of_one" else cu_q
+        options = _varlen_options(None, None, cu_q, cu_k)
+        runner = backend.prepare(q, k, v, options)
+        runner(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        if case in ("copied_offsets", "two_views_of_one"):
+            assert runner.launch is None and ("offsets" in runner.refused), runner.refused
+        else:
+            assert runner.launch is not None, runner.refused
+        q2, k2, v2, cu_q2, _ = packed([8, 1, 2], [8, 1, 2], 4, 2, 64)
+        if case == "shared_then_two":
+            cu_q2, cu_k2 = cu_q2, _aligned_copy(cu_q2)
+        elif case == "misaligned":
+            cu_q2 = cu_k2 = _misaligned_copy(cu_q2)
+        else:
+            cu_k2 = cu_q2
+        publics = len(calls)
+        got = runner(q2, k2, v2, cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k2)
+        assert len(calls) == publics + 1 and calls[-1]["cu_seqlens_q"] is cu_q2    # the public function
+        ref = naive_attention(q2, k2, v2, scale=0.3, cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k2)
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+
+
+def test_fa4_varlen_training_keeps_the_public_varlen_function(fa):
+    """With autograd the varlen signature keeps flash_attn_varlen_func (its backward is not
+    relaunched)."""
+    backend, _ = fa(4)
+    q, k, v, cu_q, cu_k = packed([3, 7, 1], [5, 4, 6], 4, 2, 64)
+    runner = backend.prepare(q, k, v, _varlen_options(None, None, cu_q, cu_k))
+    assert not isinstance(runner, VarlenRelauncher)
+
+
 def test_fa4_recorder_passes_every_call_through_and_records_only_ours():
     """While a recording runs, the module's cache is the recorder for every thread: lookups,
     stores and compiled calls reach the real cache; only calls on our query are recorded."""
@@ -326,6 +423,14 @@ def test_fa4_refusal_of_two_compiled_calls_and_of_a_foreign_output():
     assert "beyond" in refusal([(compiled, (q, k, v, out, lse, torch.ones(1)))], q, k, v, out, lse)
     assert "beyond" in refusal([(compiled, (q, k, v, out, None, object()))], q, k, v, out)   # not plain data
     assert refusal([(compiled, (q, k, v, out, None, {"a": (1, "x", None)}))], q, k, v, out) is None
+    cu_q, cu_k = torch.tensor([0, 2, 4], dtype=torch.int32), torch.tensor([0, 1, 4], dtype=torch.int32)
+    varlen = (compiled, (q, k, v, out, None, 0.5, cu_q, cu_k, None))
+    assert refusal([varlen], q, k, v, out, None, (cu_q, cu_k)) is None
+    assert "beyond" in refusal([varlen], q, k, v, out)                            # offsets not declared
+    assert "offsets" in refusal([(compiled, (q, k, v, out, None, 0.5, cu_q.clone(), cu_k))], q, k, v, out, None,
+                                (cu_q, cu_k))                                     # a copy is another tensor
+    assert "does not take the caller's offsets" in refusal([(compiled, (q, k, v, out, None, 0.5))], q, k, v, out,
+                                                           None, (cu_q, cu_k))
 
 
 @pytest.mark.parametrize("version", [2, 3, 4])
@@ -982,6 +1087,53 @@ def test_gpu_flash_attn_4_inference_relaunch_equals_flash_attn_func(b, hq, hkv, 
             out = attention_dispatch.sdpa(q, k, v, causal=ad_causal, window=window, scale=options["scale"],
                                           enable_gqa=hkv != hq, backend="flash_attn")
         hits = [r for _, r in attention_dispatch.api.fast_calls.values() if isinstance(r, ForwardRelauncher)]
+        assert any(r.launch is not None for r in hits)
+        assert torch.equal(out, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lq,lk,hq,hkv,d,causal,window,dtype,same", [
+    ([700, 33, 1000, 291], [700, 33, 1000, 291], 8, 2, 128, TL, None, torch.bfloat16, True),
+    ([100, 900, 24], [1000, 20, 4], 4, 4, 64, BR, None, torch.float16, False),
+    ([512] * 6, [512] * 6, 16, 16, 96, None, (128, 0), torch.bfloat16, True),
+])
+def test_gpu_flash_attn_4_varlen_relaunch_equals_flash_attn_varlen_func(lq, lk, hq, hkv, d, causal, window, dtype,
+                                                                        same):
+    """Varlen inference: the prepared flash-attn 4 runner records the compiled forward once and
+    relaunches it with each call's offsets (other lengths, same totals): every call bit-equal
+    to flash_attn_varlen_func on the same inputs, the relaunch engaged on the real library, and
+    sdpa() using it."""
+    pytest.importorskip("flash_attn.cute")
+    from flash_attn.cute import flash_attn_varlen_func
+    backend = FlashAttnBackend(versions=("fa4",))
+    assert backend.is_available(), backend.unavailable_reason()
+    max_q, max_k = max(lq), max(lk)
+    options = dict(_varlen_options(causal, window, None, None), scale=1 / math.sqrt(d), max_seqlen_q=max_q,
+                   max_seqlen_k=max_k, enable_gqa=hkv != hq)
+    is_causal, window_size = backend.window_args(backend.implementations()[0], causal, window)
+    with torch.no_grad():
+        for i in range(3):
+            # the same totals and longest sequence, other lengths from the second call on
+            perm = (lambda xs: xs) if i == 0 else (lambda xs: xs[::-1] if i == 1 else xs[1:] + xs[:1])
+            q, k, v, cu_q, cu_k = (t.to("cuda", dtype) if t.is_floating_point() else t.cuda()
+                                   for t in packed(perm(lq), perm(lk), hq, hkv, d))
+            cu_k = cu_q if same else cu_k
+            if i == 0:
+                runner = backend.prepare(q, k, v, dict(options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+                assert isinstance(runner, VarlenRelauncher)
+            got = runner(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+            want = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                          max_seqlen_k=max_k, softmax_scale=options["scale"], causal=is_causal,
+                                          window_size=window_size)
+            want = want[0] if isinstance(want, tuple) else want
+            assert runner.launch is not None, runner.refused
+            assert torch.equal(got, want), (got - want).abs().max()
+        ad_causal = None if causal is None else str(causal)
+        for _ in range(2):
+            out = attention_dispatch.sdpa(q, k, v, causal=ad_causal, window=window, scale=options["scale"],
+                                          enable_gqa=hkv != hq, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                          max_seqlen_q=max_q, max_seqlen_k=max_k, backend="flash_attn")
+        hits = [r for _, r in attention_dispatch.api.fast_calls.values() if isinstance(r, VarlenRelauncher)]
         assert any(r.launch is not None for r in hits)
         assert torch.equal(out, got)
 

@@ -83,9 +83,10 @@ def _same_view(a, b: torch.Tensor) -> bool:
 
 
 def refusal(calls: list, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            lse: torch.Tensor | None = None) -> str | None:
+            lse: torch.Tensor | None = None, offsets: tuple = ()) -> str | None:
     """Why the recorded ``calls`` cannot be repeated with new tensors (None: they can).
-    ``lse``: the log-sum-exp the public call returned for a backward (training calls)."""
+    ``lse``: the log-sum-exp the public call returned for a backward (training calls);
+    ``offsets``: the call's cu_seqlens tensors (varlen), the only other tensors it may take."""
     if not calls:
         return "no compiled call took the caller's query (flash-attn copied it, or its interface changed)"
     if len(calls) > 1:
@@ -100,10 +101,36 @@ def refusal(calls: list, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
         return "the compiled call's fourth argument is not the output returned"
     if lse is not None and not (_same_view(args[4], lse) and lse.is_contiguous() and lse.dtype == torch.float32):
         return "the compiled call's fifth argument is not the log-sum-exp returned"
-    if _holds_tensor(args[4:] if lse is None else args[5:]):
+    rest = args[4:] if lse is None else args[5:]
+    if _holds_tensor([a for a in rest if not any(_same_view(a, t) for t in offsets)]):
         return "the compiled call takes tensors (or objects that are not plain data) beyond query, key, value, " \
-               "output" + ("" if lse is None else " and LSE")
+               "output" + ("" if lse is None else " and LSE") + (" and offsets" if offsets else "")
+    if offsets and not any(_same_view(a, t) for a in rest for t in offsets):
+        return "the compiled call does not take the caller's offsets (flash-attn copied them)"
     return None
+
+
+def _recorded_call(public: Callable, q: torch.Tensor, args: tuple, kwargs: dict, training: bool = False):
+    """``public(*args, **kwargs)`` with flash-attn 4's forward compile cache swapped for a
+    :class:`_Recorder` of calls on ``q``: (what it returned, the recorded calls, flash-attn 4's
+    ``_flash_attn_bwd`` when ``training``, None), or (returned, [], None, why not) when the
+    interface lacks what recording needs."""
+    try:
+        module = importlib.import_module(INTERFACE)
+        holder = module._flash_attn_fwd
+        cache = holder.compile_cache
+        backward = module._flash_attn_bwd if training else None
+    except (ImportError, AttributeError) as exc:
+        why = f"{INTERFACE}'s _flash_attn_fwd.compile_cache or _flash_attn_bwd not found ({type(exc).__name__})"
+        return public(*args, **kwargs), [], None, why
+    recorder = _Recorder(cache, q.data_ptr())
+    with _record_lock:
+        holder.compile_cache = recorder
+        try:
+            returned = public(*args, **kwargs)
+        finally:
+            holder.compile_cache = cache
+    return returned, recorder.calls, backward, None
 
 
 class ForwardRelauncher:
@@ -141,29 +168,18 @@ class ForwardRelauncher:
 
     def _record(self, q, k, v) -> torch.Tensor:
         """One public call, recording its compiled launch; its output (B, S, H, D)."""
-        try:
-            module = importlib.import_module(INTERFACE)
-            holder = module._flash_attn_fwd
-            cache = holder.compile_cache
-            backward = module._flash_attn_bwd if self.training else None
-        except (ImportError, AttributeError) as exc:
-            self.refused = f"{INTERFACE}'s _flash_attn_fwd.compile_cache or _flash_attn_bwd not found ({type(exc).__name__})"
-            return _first(self.public(q, k, v, **self.kwargs))
-        recorder = _Recorder(cache, q.data_ptr())
-        with _record_lock:
-            holder.compile_cache = recorder
-            try:
-                returned = self.public(q, k, v, **self.kwargs)
-            finally:
-                holder.compile_cache = cache
+        returned, calls, backward, reason = _recorded_call(self.public, q, (q, k, v), self.kwargs, self.training)
+        if reason is not None:
+            self.refused = reason
+            return _first(returned)
         out = _first(returned)
         lse = returned[1] if self.training and isinstance(returned, tuple) and len(returned) > 1 else None
         if self.training and not isinstance(lse, torch.Tensor):
             lse, reason = None, "the public call returned no log-sum-exp"
         else:
-            reason = refusal(recorder.calls, q, k, v, out, lse)
+            reason = refusal(calls, q, k, v, out, lse)
         if reason is None:
-            compiled, args = recorder.calls[0]
+            compiled, args = calls[0]
             kept = 5 if self.training else 4
             self.launch = (compiled, tuple(args[kept:]), tuple(out.shape), None if lse is None else tuple(lse.shape))
             self.backward = backward
@@ -171,6 +187,66 @@ class ForwardRelauncher:
             self.refused = reason
             logger.debug("flash-attn 4 forward not relaunched: %s", reason)
         return out
+
+
+class VarlenRelauncher:
+    """sdpa()'s prepared runner for flash-attn 4 varlen inference: packed (total, H, D)
+    query, key, value and each call's int32 offsets -> (total_q, Hq, Dv).  ``public`` is
+    ``flash_attn_varlen_func``, ``kwargs`` its keyword arguments (max_seqlen included: part of
+    the signature, as are the offsets' shapes and whether one tensor serves queries and keys).
+    The first call records the compiled call as :class:`ForwardRelauncher` does, where the
+    call's offsets may appear too; later calls repeat it with their own tensors and offsets.
+    flash-attn 4 reads nothing of the offsets' values on the host (no data-dependent choice
+    to repeat); it copies offsets whose address is not 16-byte aligned, so such a call takes
+    the public function."""
+
+    __slots__ = ("public", "kwargs", "launch", "refused")
+
+    def __init__(self, public: Callable, kwargs: dict):
+        self.public, self.kwargs = public, kwargs
+        # once recorded: (compiled, arguments after the output, the positions of the offsets
+        # among them (0: queries', 1: keys'), output shape, whether one tensor held both)
+        self.launch = None
+        self.refused = None
+
+    def __call__(self, query, key, value, *, cu_seqlens_q, cu_seqlens_k):
+        launch = self.launch
+        if launch is not None and self._relaunchable(cu_seqlens_q, cu_seqlens_k, launch[4]):
+            compiled, rest, positions, shape, _ = launch
+            rest = list(rest)
+            for at, which in positions:
+                rest[at] = cu_seqlens_k if which else cu_seqlens_q
+            out = torch.empty(shape, dtype=query.dtype, device=query.device)
+            compiled(query.detach(), key.detach(), value.detach(), out, *rest)
+            return out
+        q, k, v = (t.detach() for t in (query, key, value))
+        call = dict(self.kwargs, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        if launch is not None or self.refused is not None:
+            return _first(self.public(q, k, v, **call))
+        returned, calls, _, reason = _recorded_call(self.public, q, (q, k, v), call)
+        out = _first(returned)
+        offsets = (cu_seqlens_q, cu_seqlens_k)
+        if reason is None and cu_seqlens_q is not cu_seqlens_k and _same_view(cu_seqlens_q, cu_seqlens_k):
+            reason = "two offsets tensors over the same memory: which one the compiled call takes is not known"
+        reason = reason or refusal(calls, q, k, v, out, None, offsets)
+        if reason is None:
+            compiled, args = calls[0]
+            rest = tuple(args[4:])
+            # which offsets sit where: by identity, the queries' first where one tensor serves both
+            positions = tuple((i, 0 if _same_view(a, cu_seqlens_q) else 1) for i, a in enumerate(rest)
+                              if any(_same_view(a, t) for t in offsets))
+            self.launch = (compiled, rest, positions, tuple(out.shape), cu_seqlens_q is cu_seqlens_k)
+        else:
+            self.refused = reason
+            logger.debug("flash-attn 4 varlen forward not relaunched: %s", reason)
+        return out
+
+    @staticmethod
+    def _relaunchable(cu_q: torch.Tensor, cu_k: torch.Tensor, shared: bool) -> bool:
+        # as recorded: one tensor for both iff it was then; aligned and contiguous, as
+        # flash-attn 4 would pass them itself (it copies them otherwise)
+        return ((cu_q is cu_k) == shared and cu_q.is_contiguous() and cu_k.is_contiguous()
+                and cu_q.data_ptr() % 16 == 0 and cu_k.data_ptr() % 16 == 0)
 
 
 class _TrainingCall(torch.autograd.Function):
@@ -206,4 +282,4 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-__all__ = ["ForwardRelauncher", "refusal", "INTERFACE"]
+__all__ = ["ForwardRelauncher", "VarlenRelauncher", "refusal", "INTERFACE"]

@@ -43,7 +43,7 @@ import torch
 from ..problem import Problem, compute_capability
 from ..semantics import CausalKind, band
 from .base import Backend, Capabilities, not_supported_reasons
-from .fa4_relaunch import ForwardRelauncher
+from .fa4_relaunch import ForwardRelauncher, VarlenRelauncher
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 INSTALL_HINT = "not installed: pip install flash-attn (or flash-attn-4 for flash_attn.cute)"
@@ -345,7 +345,7 @@ class FlashAttnBackend(Backend):
         """The implementation and its arguments chosen once for the signature (varlen calls
         pass their own offsets; max_seqlen is part of the signature).  A flash-attn 4 dense
         forward is relaunched from its recorded compiled call (:mod:`.fa4_relaunch`; with
-        autograd, flash-attn 4's own backward follows)."""
+        autograd, flash-attn 4's own backward follows), and so is its varlen inference forward."""
         varlen = options["cu_seqlens_q"] is not None
         if options["attn_mask"] is not None or query.numel() == 0 or key.shape[-3 if varlen else -2] == 0:
             return super().prepare(query, key, value, options)
@@ -355,6 +355,8 @@ class FlashAttnBackend(Backend):
                 grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
                 return ForwardRelauncher(impl.func, kwargs, training=grad)
             return functools.partial(self._dense, impl.func, kwargs)
+        if impl.key == "fa4" and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
+            return VarlenRelauncher(impl.varlen_func, kwargs)   # inference: relaunched as the dense forward
         # each call's offsets override these keywords (partial lets call keywords win)
         return functools.partial(self._varlen, impl.varlen_func, kwargs, cu_seqlens_q=options["cu_seqlens_q"],
                                  cu_seqlens_k=options["cu_seqlens_k"])

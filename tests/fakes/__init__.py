@@ -69,11 +69,14 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
                                                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, extra=extra))
         assert cu_seqlens_q.dtype == torch.int32 and isinstance(max_seqlen_q, int)
+        out = varlen_math(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size)
+        return (out, None) if version in (3, 4) else out
+
+    def varlen_math(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size):
         out = naive_attention(q.double(), k.double(), v.double(), causal="bottom_right" if causal else None,
                               window=_fa_window(window_size, v4), scale=softmax_scale,
                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-        out = out.to(q.dtype)
-        return (out, None) if version in (3, 4) else out
+        return out.to(q.dtype)
 
     if version == 2:
         fa = types.ModuleType("flash_attn")
@@ -96,7 +99,7 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
     cute = types.ModuleType("flash_attn.cute")
     cute.__version__ = "4.0.0b36"
 
-    interface = _fa4_interface(dense_math)
+    interface = _fa4_interface(dense_math, varlen_math)
 
     def dense4(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), deterministic=False, **kw):
         assert "dropout_p" not in kw, "flash-attn 4 has no dropout"
@@ -109,12 +112,29 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
 
     def varlen4(q, k, v, window_size=(None, None), **kw):
         assert all(w is None or w >= 0 for w in window_size)
-        return varlen(q, k, v, window_size=window_size, **kw)
+        if any(t.requires_grad for t in (q, k, v)):     # the fake has no varlen backward: plain math
+            return varlen(q, k, v, window_size=window_size, **kw)
+        # inference through the fake interface's compiled call, as flash_attn.cute does
+        _record(calls, "varlen", q, k, v, dict(dropout_p=0.0, softmax_scale=kw.get("softmax_scale"),
+                                               causal=kw.get("causal", False), window_size=window_size,
+                                               deterministic=kw.get("deterministic", False),
+                                               cu_seqlens_q=kw["cu_seqlens_q"], cu_seqlens_k=kw["cu_seqlens_k"],
+                                               max_seqlen_q=kw["max_seqlen_q"], max_seqlen_k=kw["max_seqlen_k"],
+                                               extra={n: x for n, x in kw.items() if n not in _VARLEN_KW}))
+        assert kw["cu_seqlens_q"].dtype == torch.int32 and isinstance(kw["max_seqlen_q"], int)
+        return interface._flash_attn_fwd(q, k, v, softmax_scale=kw.get("softmax_scale"), causal=kw.get("causal", False),
+                                         window_size_left=window_size[0], window_size_right=window_size[1],
+                                         cu_seqlens_q=kw["cu_seqlens_q"], cu_seqlens_k=kw["cu_seqlens_k"],
+                                         max_seqlen_q=kw["max_seqlen_q"], max_seqlen_k=kw["max_seqlen_k"])
 
     cute.flash_attn_func, cute.flash_attn_varlen_func = dense4, varlen4
     cute.interface = interface
     pkg.cute = cute
     return {"flash_attn": pkg, "flash_attn.cute": cute, "flash_attn.cute.interface": interface}
+
+
+_VARLEN_KW = ("softmax_scale", "causal", "deterministic", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+              "max_seqlen_k")
 
 
 class _FakeFlashAttnFunc(torch.autograd.Function):
@@ -145,44 +165,53 @@ class AuxData(tuple):
         return super().__new__(cls, (tensors, scalars))
 
 
-def _fa4_interface(dense_math) -> types.ModuleType:
+def _fa4_interface(dense_math, varlen_math) -> types.ModuleType:
     """`flash_attn.cute.interface` as far as its inference forward goes: `_flash_attn_fwd`
     looks its compiled kernel up in `_flash_attn_fwd.compile_cache` by a compile key and calls
     it as (q, k, v, out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-    page_table, window_size_left, window_size_right, learnable_sink, block sparsity, AuxData).
+    page_table, window_size_left, window_size_right, learnable_sink, block sparsity, AuxData);
+    the varlen kernel computes from the offsets it is given.
     A forward for a backward (an input requires grad) also gets an LSE tensor, filled with a
     per-call value that `_flash_attn_bwd` checks.  `launches` / `backwards` list the compiled
     calls and backward calls; `extra_tensor` makes the compiled call take one more tensor (as
     split-KV partials do), `copy_query` makes it copy the query first (as a misaligned layout
-    does)."""
+    does), `copy_offsets` the varlen offsets (as misaligned offsets are)."""
     interface = types.ModuleType("flash_attn.cute.interface")
     interface.launches, interface.backwards, interface.extra_tensor, interface.copy_query = [], [], False, False
+    interface.copy_offsets = False
 
-    def compiled_for(causal, extra_tensor):
+    def compiled_for(causal, extra_tensor, varlen):
         def compiled(q, k, v, out, lse, softmax_scale, cu_q, cu_k, used_q, used_k, pages, left, right, sink,
                      sparse, aux):
             interface.launches.append(dict(q_ptr=q.data_ptr(), out_ptr=out.data_ptr(), left=left, right=right,
-                                           scale=softmax_scale, causal=causal))
-            assert (sink is not None) == extra_tensor
+                                           scale=softmax_scale, causal=causal, cu_q=cu_q, cu_k=cu_k))
+            assert (sink is not None) == extra_tensor and (cu_q is not None) == varlen
             assert not q.requires_grad and not out.requires_grad
-            out.copy_(dense_math(q, k, v, 0.0, softmax_scale, causal, (left, right)))
+            if varlen:
+                out.copy_(varlen_math(q, k, v, cu_q, cu_k, softmax_scale, causal, (left, right)))
+            else:
+                out.copy_(dense_math(q, k, v, 0.0, softmax_scale, causal, (left, right)))
             if lse is not None:
                 lse.fill_(float(q.sum()))    # a value of this call's inputs
         return compiled
 
-    def _flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, window_size_left=None, window_size_right=None):
+    def _flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, window_size_left=None, window_size_right=None,
+                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
         grad = any(t.requires_grad for t in (q, k, v))
         if interface.copy_query:
             q = q.contiguous().clone()
-        extra = interface.extra_tensor
-        key = (q.dtype, q.shape[-1], causal, window_size_left is not None, window_size_right is not None, extra)
+        if interface.copy_offsets and cu_seqlens_q is not None:
+            cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.clone(), cu_seqlens_k.clone()
+        extra, varlen = interface.extra_tensor, cu_seqlens_q is not None
+        key = (q.dtype, q.shape[-1], causal, window_size_left is not None, window_size_right is not None, extra,
+               varlen, max_seqlen_q, max_seqlen_k)
         if key not in _flash_attn_fwd.compile_cache:
-            _flash_attn_fwd.compile_cache[key] = compiled_for(causal, extra)
+            _flash_attn_fwd.compile_cache[key] = compiled_for(causal, extra, varlen)
         out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32) if grad else None
         _flash_attn_fwd.compile_cache[key](q.detach(), k.detach(), v.detach(), out.detach(), lse, softmax_scale,
-                                           None, None, None, None, None, window_size_left, window_size_right,
-                                           torch.zeros(1) if extra else None, None, AuxData())
+                                           cu_seqlens_q, cu_seqlens_k, None, None, None, window_size_left,
+                                           window_size_right, torch.zeros(1) if extra else None, None, AuxData())
         return out, lse
 
     def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
