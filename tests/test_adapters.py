@@ -1174,11 +1174,16 @@ def test_gpu_flash_attn_4_training_relaunch_equals_flash_attn_func(b, hq, hkv, s
         g = torch.randn_like(got)
         ours = torch.autograd.grad(got, (q, k, v), g)
         theirs = torch.autograd.grad(want, (q, k, v), g)
-        again = torch.autograd.grad(public(), (q, k, v), g)
-        for a, b_, c, name in zip(ours, theirs, again, "qkv"):
-            noise = (b_.float() - c.float()).abs().max().item()
+        # flash-attn 4's backward adds dQ with atomics: its own spread over three more runs, and
+        # at least two units in the last place of the largest gradient (two runs can agree bit for
+        # bit by chance where a third does not)
+        again = [torch.autograd.grad(public(), (q, k, v), g) for _ in range(3)]
+        for j, (a, b_, name) in enumerate(zip(ours, theirs, "qkv")):
+            noise = max((b_.float() - c[j].float()).abs().max().item() for c in again)
+            floor = 2 * torch.finfo(dtype).eps * b_.float().abs().max().item()
             diff = (a.float() - b_.float()).abs().max().item()
-            assert diff <= 2 * noise, f"d{name}: {diff} from flash_attn_func's, which differs from itself by {noise}"
+            assert diff <= max(2 * noise, floor), \
+                f"d{name}: {diff} from flash_attn_func's, which differs from itself by {noise} (floor {floor})"
 
 
 @pytest.mark.gpu
