@@ -350,12 +350,12 @@ class FlashAttnBackend(Backend):
         if options["attn_mask"] is not None or query.numel() == 0 or key.shape[-3 if varlen else -2] == 0:
             return super().prepare(query, key, value, options)
         impl, kwargs = self._resolve(query, key, value, **options)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         if not varlen:
             if impl.key == "fa4":   # its Python costs ~10x its kernel launch: relaunched
-                grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
                 return ForwardRelauncher(impl.func, kwargs, training=grad)
             return functools.partial(self._dense, impl.func, kwargs)
-        if impl.key == "fa4" and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
+        if impl.key == "fa4" and not grad:
             return VarlenRelauncher(impl.varlen_func, kwargs)   # inference: relaunched as the dense forward
         # each call's offsets override these keywords (partial lets call keywords win)
         return functools.partial(self._varlen, impl.varlen_func, kwargs, cu_seqlens_q=options["cu_seqlens_q"],

@@ -261,10 +261,11 @@ class DirectLaunch:
     few addresses step after step); the values passed to the C launch are exactly the ones
     Triton's wrapper would pass (``make_tensordesc_arg`` of the descriptor over the new base)."""
 
-    __slots__ = ("raw", "template", "pointers", "descriptors", "hits", "misses")
+    __slots__ = ("raw", "encode", "template", "pointers", "descriptors", "hits", "misses")
 
-    def __init__(self, raw, template, pointers, descriptors):
-        self.raw, self.template, self.pointers, self.descriptors = raw, template, pointers, descriptors
+    def __init__(self, raw, encode, template, pointers, descriptors):
+        self.raw, self.encode, self.template, self.pointers, self.descriptors = raw, encode, template, pointers, \
+            descriptors
         self.hits = self.misses = 0
 
     @classmethod
@@ -291,28 +292,28 @@ class DirectLaunch:
             if pos in descriptors:
                 expanded = encode(value, metas[pos])    # the captured call's own tensormap seeds the cache
                 descs.append((len(template), len(template) + len(expanded), descriptors[pos], value, metas[pos],
-                              encode, {value.base.data_ptr(): expanded}))
+                              {value.base.data_ptr(): expanded}))
                 template.extend(expanded)
             elif pos in pointers:       # filled per call (no reference to the captured tensor kept)
                 slots.append((len(template), pointers[pos]))
                 template.append(None)
             else:
                 template.append(value)
-        return cls(raw, template, tuple(slots), tuple(descs))
+        return cls(raw, encode, template, tuple(slots), tuple(descs))
 
     def __call__(self, addresses: list, pool: tuple) -> None:
         args = self.template.copy()
         args[3] = _current_stream()
         for at, i in self.pointers:
             args[at] = addresses[i]
-        for lo, hi, i, descriptor, meta, encode, maps in self.descriptors:
+        for lo, hi, i, descriptor, meta, maps in self.descriptors:
             address = addresses[i]
             values = maps.get(address)
             if values is None:
                 self.misses += 1
                 if len(maps) >= MAX_TENSORMAPS:
                     maps.clear()
-                values = maps[address] = encode(rebase(descriptor, pool[i]), meta)
+                values = maps[address] = self.encode(rebase(descriptor, pool[i]), meta)
             else:
                 self.hits += 1
             args[lo:hi] = values

@@ -69,6 +69,13 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
                                                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, extra=extra))
         assert cu_seqlens_q.dtype == torch.int32 and isinstance(max_seqlen_q, int)
+        if v4 and not any(t.requires_grad for t in (q, k, v)):
+            # inference through the fake interface's compiled call, as flash_attn.cute does (the
+            # fake has no varlen backward: with grad, plain math)
+            return interface._flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                             window_size_left=window_size[0], window_size_right=window_size[1],
+                                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         out = varlen_math(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size)
         return (out, None) if version in (3, 4) else out
 
@@ -112,29 +119,12 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
 
     def varlen4(q, k, v, window_size=(None, None), **kw):
         assert all(w is None or w >= 0 for w in window_size)
-        if any(t.requires_grad for t in (q, k, v)):     # the fake has no varlen backward: plain math
-            return varlen(q, k, v, window_size=window_size, **kw)
-        # inference through the fake interface's compiled call, as flash_attn.cute does
-        _record(calls, "varlen", q, k, v, dict(dropout_p=0.0, softmax_scale=kw.get("softmax_scale"),
-                                               causal=kw.get("causal", False), window_size=window_size,
-                                               deterministic=kw.get("deterministic", False),
-                                               cu_seqlens_q=kw["cu_seqlens_q"], cu_seqlens_k=kw["cu_seqlens_k"],
-                                               max_seqlen_q=kw["max_seqlen_q"], max_seqlen_k=kw["max_seqlen_k"],
-                                               extra={n: x for n, x in kw.items() if n not in _VARLEN_KW}))
-        assert kw["cu_seqlens_q"].dtype == torch.int32 and isinstance(kw["max_seqlen_q"], int)
-        return interface._flash_attn_fwd(q, k, v, softmax_scale=kw.get("softmax_scale"), causal=kw.get("causal", False),
-                                         window_size_left=window_size[0], window_size_right=window_size[1],
-                                         cu_seqlens_q=kw["cu_seqlens_q"], cu_seqlens_k=kw["cu_seqlens_k"],
-                                         max_seqlen_q=kw["max_seqlen_q"], max_seqlen_k=kw["max_seqlen_k"])
+        return varlen(q, k, v, window_size=window_size, **kw)
 
     cute.flash_attn_func, cute.flash_attn_varlen_func = dense4, varlen4
     cute.interface = interface
     pkg.cute = cute
     return {"flash_attn": pkg, "flash_attn.cute": cute, "flash_attn.cute.interface": interface}
-
-
-_VARLEN_KW = ("softmax_scale", "causal", "deterministic", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-              "max_seqlen_k")
 
 
 class _FakeFlashAttnFunc(torch.autograd.Function):
