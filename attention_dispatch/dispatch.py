@@ -33,7 +33,8 @@ class Decision:
 
     rejected: name -> reasons for every candidate that cannot serve the call.
     eligible: the candidates with no reasons, in order (backend is the first).
-    failures: name -> error for candidates that failed at run time (on_error="fallback").
+    failures: name -> error for candidates that failed at run time (on_error="fallback") or
+    while policy="fastest" timed them.
     """
 
     backend: str | None

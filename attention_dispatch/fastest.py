@@ -26,7 +26,7 @@ from .dispatch import Decision, logger
 from .problem import Problem
 
 _lock = threading.Lock()
-_winners: dict[tuple, tuple[str, dict[str, float]]] = {}
+_winners: dict[tuple, tuple[str, dict[str, float], dict[str, str]]] = {}   # winner, ms, failures
 # How a backend is timed (experiment 56): in ROUNDS interleaved rounds, each backend's turn
 # is one untimed call and SAMPLES_PER_TURN samples of about SAMPLE_MS each; a backend's
 # time is the median of all its samples.  Short turns among other backends' turns are how
@@ -239,7 +239,7 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
     if found is None and cache_path:
         entry = _load_file(cache_path).get(_file_key(decision.problem, device))
         if entry and entry.get("backend") in decision.eligible:
-            found = (entry["backend"], dict(entry.get("timings_ms", {})))
+            found = (entry["backend"], dict(entry.get("timings_ms", {})), {})
     if found is None:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         failures: dict[str, str] = {}
@@ -254,15 +254,16 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
         if not timings:
             return decision
         winner = min(timings, key=timings.get)
-        found = (winner, timings)
+        # kept with the winner: the decision table says why an eligible backend has no time
+        found = (winner, timings, failures)
         if cache_path:
             with _lock:
                 _store_file(cache_path, _file_key(decision.problem, device), winner, timings)
         logger.debug("measured %s: %s (failed: %s)", bucket(decision.problem).summary(), timings, failures)
     with _lock:
         _winners[key] = found
-    winner, timings = found
-    return dataclasses.replace(decision, backend=winner, timings=timings,
+    winner, timings, failed = found
+    return dataclasses.replace(decision, backend=winner, timings=timings, failures={**decision.failures, **failed},
                                notes=decision.notes + ("policy=fastest: the choice was measured",))
 
 

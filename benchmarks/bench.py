@@ -415,10 +415,12 @@ def fastest_ratio(entry: dict, mode: str) -> float | None:
     """policy="fastest" against the best single backend it could have chosen in this row and
     mode (the forward runs under no_grad, so forward-only backends count there)."""
     v = cell_value(entry["results"].get("fastest"), mode)
-    measured = ((entry["results"].get("fastest") or {}).get(mode) or {}).get("measured")
+    cell = (entry["results"].get("fastest") or {}).get(mode) or {}
     # A backend that does not claim the row exactly (cuDNN's dropout, cuDNN on varlen) is not
-    # one it could choose: only the ones it timed count, when the run recorded them.
-    impls = [i for i in BACKEND_IMPLS if not measured or BACKEND_NAMES.get(i, i) in measured]
+    # one it could choose: only the eligible ones count.  One that failed while timed counts
+    # (a user pinning it would get its column); runs before 2026-11-23 recorded only the timed.
+    could = cell.get("eligible") or cell.get("measured")
+    impls = [i for i in BACKEND_IMPLS if not could or BACKEND_NAMES.get(i, i) in could]
     _, best = best_anchor(entry["results"], mode, impls)
     return v / best if (v is not None and best) else None
 
@@ -1273,10 +1275,14 @@ class Runner:
                     if impl in ("sdpa", "fastest"):   # its choice in this mode (forward and fwd+bwd may differ)
                         d = self.ad.last_decision()
                         r["backend"] = getattr(d, "backend", None)
-                        if impl == "fastest":     # the backends it could choose in this mode: what it timed
+                        if impl == "fastest":     # the backends it could choose in this mode, what it timed
                             timings = getattr(d, "timings", None) or {}
+                            r["eligible"] = list(getattr(d, "eligible", ()))
                             r["measured"] = list(timings)
                             r["measured_ms"] = {name: round(ms, 4) for name, ms in timings.items()}
+                            r["failed"] = dict(getattr(d, "failures", None) or {})
+                            for name, why in r["failed"].items():
+                                log(f"  {'':16s} fastest: {name} failed while timed: {why}")
                     res[m] = r
                     pending.append((impl, m, fns[m], ctx, w))
                 except Exception as e:   # noqa: BLE001

@@ -142,6 +142,29 @@ def test_flash_attn_prepared_runner_matches_run(fa, version, sq, sk, causal, win
 
 
 @pytest.mark.parametrize("version", [2, 4])
+@pytest.mark.parametrize("grad", [False, True])
+def test_flash_attn_prepared_varlen_runner_without_offsets_uses_the_prepared_ones(fa, version, grad):
+    """Backend.prepare's contract: a varlen call passing no offsets runs with the prepared
+    call's.  policy="fastest" times runners so; flash-attn 4's inference relauncher once
+    required the offsets, and every varlen timing of flash-attn 4 failed on the H100."""
+    backend, calls = fa(version)
+    q, k, v, cu_q, cu_k = packed([3, 7, 1], [5, 4, 6], 4, 2, 64)
+    options = _varlen_options(BR, None, cu_q, cu_k)
+    with torch.set_grad_enabled(grad):
+        runner = backend.prepare(q, k, v, options)
+        want = backend.run(q, k, v, **options)
+        for _ in range(2):   # flash-attn 4 inference: the recording call, then a relaunch
+            got = runner(q, k, v)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert calls[-1]["cu_seqlens_q"] is cu_q and calls[-1]["cu_seqlens_k"] is cu_k
+    ref = naive_attention(q, k, v, causal="bottom_right", scale=0.3, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    if grad:
+        (gq, gk, gv), g = grads(got, (q, k, v))
+        torch.testing.assert_close(gq, torch.autograd.grad(ref, q, g)[0], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("version", [2, 4])
 @pytest.mark.parametrize("causal,same", [(None, False), (BR, False), (TL, True)])
 def test_flash_attn_prepared_varlen_runner_takes_each_calls_offsets(fa, version, causal, same):
     """Varlen: the runner passes the call's own offsets (max_seqlen bound) and otherwise
@@ -1136,6 +1159,15 @@ def test_gpu_flash_attn_4_varlen_relaunch_equals_flash_attn_varlen_func(lq, lk, 
         hits = [r for _, r in attention_dispatch.api.fast_calls.values() if isinstance(r, VarlenRelauncher)]
         assert any(r.launch is not None for r in hits)
         assert torch.equal(out, got)
+        # policy="fastest" times the prepared runner as it is (no offsets passed): flash-attn 4 runs
+        from attention_dispatch import fastest
+        fastest.forget()
+        with attention_dispatch.use_config({"dispatch": {"policy": "fastest"}}):
+            attention_dispatch.sdpa(q, k, v, causal=ad_causal, window=window, scale=options["scale"],
+                                    enable_gqa=hkv != hq, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                    max_seqlen_k=max_k)
+        decision = attention_dispatch.last_decision()
+        assert "flash_attn" in decision.timings and not decision.failures, str(decision)
 
 
 @pytest.mark.gpu

@@ -348,6 +348,7 @@ def test_run_row_records_each_modes_choice():
     for m in bench.MODES:
         fastest = entry["results"]["fastest"][m]
         assert fastest["backend"] in fastest["measured"] and len(fastest["measured"]) >= 2
+        assert set(fastest["measured"]) <= set(fastest["eligible"]) and fastest["failed"] == {}
 
 
 def test_plot_links_are_relative(tmp_path):
@@ -454,6 +455,10 @@ def test_fastest_ratio_counts_our_backends_per_mode():
     entry["results"]["fastest"]["fwd"]["measured"] = ["triton", "cudnn"]
     assert bench.fastest_ratio(entry, "fwd") == pytest.approx(90.0 / 80.0)
     entry["results"]["fastest"]["fwd"]["measured"] = ["cudnn", "flash_attn"]
+    assert bench.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
+    # an eligible backend that failed while timed still counts: pinned, it runs its column
+    entry["results"]["fastest"]["fwd"].update(measured=["triton", "cudnn"], eligible=["flash_attn", "triton", "cudnn"],
+                                              failed={"flash_attn": "TypeError: ..."})
     assert bench.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
     entry["results"]["fastest"]["fwd"] = {"status": "err"}
     assert bench.fastest_ratio(entry, "fwd") is None

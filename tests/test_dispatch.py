@@ -495,6 +495,25 @@ def test_policy_fastest_measures_and_caches(tmp_path):
         assert ad.last_decision().backend == "slow"
 
 
+def test_policy_fastest_says_which_backend_failed_while_timed():
+    """A backend that fails while timed loses, and the decision table says why it has no time
+    (on the H100 one such failure once hid flash-attn 4 from every varlen timing)."""
+    from attention_dispatch import fastest
+    fastest.forget()
+    ad.register_backend(Recording("broken", fail=TypeError("needs cu_seqlens_q")), priority="first")
+    ad.register_backend(Recording("works"), priority=1)
+    q, k, v = qkv()
+    with ad.use_config({"dispatch": {"policy": "fastest"}}), ad.use_backends("broken", "works"):
+        out = ad.sdpa(q, k, v)
+        d = ad.last_decision()
+        assert d.backend == "works" and list(d.timings) == ["works"]
+        assert d.failures == {"broken": "TypeError: needs cu_seqlens_q"}
+        assert "broken" in str(d) and "failed: TypeError: needs cu_seqlens_q" in str(d)
+        ad.sdpa(q, k, v)                      # the kept measurement keeps the failure too
+        assert ad.last_decision().failures == d.failures
+    torch.testing.assert_close(out, math_attention(q, k, v))
+
+
 # ---- sdpa()'s fast path: a repeated call signature skips normalisation and decide() ----
 
 def _count_normalize(monkeypatch):

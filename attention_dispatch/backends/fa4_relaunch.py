@@ -198,18 +198,21 @@ class VarlenRelauncher:
     call's offsets may appear too; later calls repeat it with their own tensors and offsets.
     flash-attn 4 reads nothing of the offsets' values on the host (no data-dependent choice
     to repeat); it copies offsets whose address is not 16-byte aligned, so such a call takes
-    the public function."""
+    the public function.  ``offsets``: the prepared call's (queries', keys'), used by a call
+    that passes none (the contract of ``Backend.prepare``)."""
 
-    __slots__ = ("public", "kwargs", "launch", "refused")
+    __slots__ = ("public", "kwargs", "offsets", "launch", "refused")
 
-    def __init__(self, public: Callable, kwargs: dict):
-        self.public, self.kwargs = public, kwargs
+    def __init__(self, public: Callable, kwargs: dict, offsets: tuple[torch.Tensor, torch.Tensor]):
+        self.public, self.kwargs, self.offsets = public, kwargs, offsets
         # once recorded: (compiled, arguments after the output, the positions of the offsets
         # among them (0: queries', 1: keys'), output shape, whether one tensor held both)
         self.launch = None
         self.refused = None
 
-    def __call__(self, query, key, value, *, cu_seqlens_q, cu_seqlens_k):
+    def __call__(self, query, key, value, *, cu_seqlens_q=None, cu_seqlens_k=None):
+        cu_seqlens_q = self.offsets[0] if cu_seqlens_q is None else cu_seqlens_q
+        cu_seqlens_k = self.offsets[1] if cu_seqlens_k is None else cu_seqlens_k
         launch = self.launch
         if launch is not None and self._relaunchable(cu_seqlens_q, cu_seqlens_k, launch[4]):
             compiled, rest, positions, shape, _ = launch

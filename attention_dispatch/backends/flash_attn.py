@@ -356,7 +356,8 @@ class FlashAttnBackend(Backend):
                 return ForwardRelauncher(impl.func, kwargs, training=grad)
             return functools.partial(self._dense, impl.func, kwargs)
         if impl.key == "fa4" and not grad:
-            return VarlenRelauncher(impl.varlen_func, kwargs)   # inference: relaunched as the dense forward
+            # inference: relaunched as the dense forward
+            return VarlenRelauncher(impl.varlen_func, kwargs, (options["cu_seqlens_q"], options["cu_seqlens_k"]))
         # each call's offsets override these keywords (partial lets call keywords win)
         return functools.partial(self._varlen, impl.varlen_func, kwargs, cu_seqlens_q=options["cu_seqlens_q"],
                                  cu_seqlens_k=options["cu_seqlens_k"])
