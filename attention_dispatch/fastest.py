@@ -29,9 +29,9 @@ _lock = threading.Lock()
 _winners: dict[tuple, tuple[str, dict[str, float], dict[str, str]]] = {}   # winner, ms, failures
 # How a backend is timed (experiment 56): in ROUNDS interleaved rounds, each backend's turn
 # is one untimed call and SAMPLES_PER_TURN samples of about SAMPLE_MS each; a backend's
-# time is the median of all its samples.  Short turns among other backends' turns are how
-# a model calls attention (between other kernels) and how benchmarks/bench.py measures a
-# row; the device's clock holds within a turn and moves by up to 10-20% between turns, so
+# time is the lower quartile of all its samples (the median until experiment 65).  Short
+# turns among other backends' turns are how a model calls attention (between other kernels)
+# and how benchmarks/bench.py measures a row; the device's clock holds within a turn and moves by up to 10-20% between turns, so
 # more turns of one sample each beat fewer, longer ones.  (Before: five loops of ~10 ms
 # back-to-back calls per backend, keeping each one's best loop.)
 ROUNDS = 11
@@ -42,7 +42,8 @@ SAMPLE_MS = 0.5
 # to flash-attn 4 being pruned at 0.66 ms, where it runs 0.26: experiment 60).
 WARM_ROUNDS = 1
 # After PRUNE_AFTER timed rounds a backend whose fastest sample is PRUNE_RATIO times the
-# leader's median stops being timed: it cannot win, and a slow one would cost seconds per bucket.
+# leader's lower quartile stops being timed: it cannot win, and a slow one would cost
+# seconds per bucket.
 PRUNE_AFTER = 3
 PRUNE_RATIO = 1.5
 
@@ -130,7 +131,7 @@ def turn_order(n: int, rnd: int, salt: str = "") -> list[int]:
 def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str, float]:
     """Milliseconds per call of each backend: after one warm-up call each (compilation,
     autotuning) and WARM_ROUNDS untimed rounds, ROUNDS interleaved rounds of short turns (see
-    ROUNDS) in :func:`turn_order`; the median sample of each backend.  On a GPU samples are
+    ROUNDS) in :func:`turn_order`; the lower quartile of each backend's samples.  On a GPU samples are
     timed by CUDA events once the turn's untimed call has started the stream
     (:func:`_turn_ms_cuda`)."""
     runs, calls = {}, {}
@@ -161,7 +162,17 @@ def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str,
     finally:
         if collecting:
             gc.enable()
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return {name: lower_quartile(s) for name, s in samples.items()}
+
+
+def lower_quartile(times: list[float]) -> float:
+    """The first quartile of ``times`` (linear interpolation between order statistics): the
+    statistic of a timing here and of a cell in benchmarks/bench.py.  Disturbances (host
+    hiccups, a clock still ramping) only slow samples down, so a low quantile resists them;
+    the minimum does not (one lucky sample sets it: experiment 62)."""
+    if len(times) < 2:
+        return times[0]
+    return statistics.quantiles(times, n=4, method="inclusive")[0]
 
 
 def _rounds(runs: dict, calls: dict, device: torch.device, sync) -> dict[str, list[float]]:
@@ -179,7 +190,7 @@ def _rounds(runs: dict, calls: dict, device: torch.device, sync) -> dict[str, li
             if rnd >= WARM_ROUNDS:
                 samples[name] += got
         if rnd + 1 == WARM_ROUNDS + PRUNE_AFTER and len(active) > 1:
-            lead = min(statistics.median(samples[n]) for n in active)
+            lead = min(lower_quartile(samples[n]) for n in active)
             active = [n for n in active if min(samples[n]) < PRUNE_RATIO * lead]
     return samples
 
