@@ -91,6 +91,33 @@ def _check_dropout_statistically(backend, case, device):
     assert (draws.std(0) > 0).any()
 
 
+def check_prepared_runner(backend: str, case, device, grad: bool):
+    """Backend.prepare's runner (what sdpa()'s fast path and policy="fastest"'s timing call)
+    computes what run() does, forward and gradients: given the call's own mask and offsets
+    and, for varlen, with the offsets omitted (the prepared call's are then used)."""
+    q, k, v, mask, kw, _ = make_inputs(case, device, requires_grad=grad)
+    call = normalize_call(q, k, v, mask, **kw)
+    impl, options = ad.get_backend(backend), call.options
+    args = (call.query, call.key, call.value) + (() if options["attn_mask"] is None else (options["attn_mask"],))
+    leaves = [t for t in args if t.requires_grad]
+    varlen = options["cu_seqlens_q"] is not None
+    with torch.set_grad_enabled(grad):
+        want = impl.run(call.query, call.key, call.value, **options)
+        runner = impl.prepare(call.query, call.key, call.value, options)
+        # as sdpa()'s fast path calls it: a dense runner takes no offsets
+        outs = {"as sdpa() calls it": runner(*args, **({n: options[n] for n in ("cu_seqlens_q", "cu_seqlens_k")}
+                                                       if varlen else {}))}
+        if varlen:
+            outs["offsets omitted"] = runner(*args)
+    g = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, leaves, g) if leaves else ()
+    for how, out in outs.items():
+        torch.testing.assert_close(out, want, msg=lambda m: f"{backend} {case} prepared, {how}: {m}")
+        for name, got, ref in zip(("dq", "dk", "dv", "dmask"), torch.autograd.grad(out, leaves, g) if leaves else (),
+                                  want_grads):
+            torch.testing.assert_close(got, ref, msg=lambda m: f"{backend} {case} prepared, {how}, {name}: {m}")
+
+
 def check_claims(backend: str, device="cpu", big=False):
     caps = ad.get_backend(backend).capabilities
     checked = 0
@@ -110,6 +137,8 @@ def check_claims(backend: str, device="cpu", big=False):
             _check_dropout_statistically(backend, case, device)
         else:
             compare_backend(case, backend, keep_fn=KEEP_MASKS.get(backend), device=device, requires_grad=grad)
+        if not case.dropout_p:
+            check_prepared_runner(backend, case, device, grad)
         checked += 1
     return checked
 
