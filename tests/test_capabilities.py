@@ -111,11 +111,17 @@ def check_prepared_runner(backend: str, case, device, grad: bool):
             outs["offsets omitted"] = runner(*args)
     g = torch.randn_like(want)
     want_grads = torch.autograd.grad(want, leaves, g) if leaves else ()
+
+    def close(got, ref, what):
+        # the same kernels, but a backward may sum with atomics: a few units of the last place
+        eps = torch.finfo(ref.dtype).eps
+        torch.testing.assert_close(got, ref, rtol=4 * eps, atol=4 * eps * ref.abs().max().item(),
+                                   msg=lambda m: f"{backend} {case} prepared runner, {what}: {m}")
     for how, out in outs.items():
-        torch.testing.assert_close(out, want, msg=lambda m: f"{backend} {case} prepared, {how}: {m}")
+        close(out, want, how)
         for name, got, ref in zip(("dq", "dk", "dv", "dmask"), torch.autograd.grad(out, leaves, g) if leaves else (),
                                   want_grads):
-            torch.testing.assert_close(got, ref, msg=lambda m: f"{backend} {case} prepared, {how}, {name}: {m}")
+            close(got, ref, f"{how}, {name}")
 
 
 def check_claims(backend: str, device="cpu", big=False):
