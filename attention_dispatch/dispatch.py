@@ -46,6 +46,8 @@ class Decision:
     failures: dict[str, str] = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()
     timings: dict[str, float] = dataclasses.field(default_factory=dict)   # ms, policy="fastest"
+    # each timed backend's samples (ms) behind `timings`, when measured in this process
+    timing_samples: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         head = f"attention_dispatch: {self.backend or 'NO BACKEND'} (order from {self.source})"

@@ -26,7 +26,8 @@ from .dispatch import Decision, logger
 from .problem import Problem
 
 _lock = threading.Lock()
-_winners: dict[tuple, tuple[str, dict[str, float], dict[str, str]]] = {}   # winner, ms, failures
+# winner, ms, failures, samples (ms)
+_winners: dict[tuple, tuple[str, dict[str, float], dict[str, str], dict[str, tuple[float, ...]]]] = {}
 # How a backend is timed (experiment 56): in ROUNDS interleaved rounds, each backend's turn
 # is one untimed call and SAMPLES_PER_TURN samples of about SAMPLE_MS each; a backend's
 # time is the lower quartile of all its samples (the median until experiment 65).  Short
@@ -128,7 +129,8 @@ def turn_order(n: int, rnd: int, salt: str = "") -> list[int]:
     return order
 
 
-def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str, float]:
+def _time_backends(names, call, sync, failures: dict | None = None,
+                   samples_out: dict | None = None) -> dict[str, float]:
     """Milliseconds per call of each backend: after one warm-up call each (compilation,
     autotuning) and WARM_ROUNDS untimed rounds, ROUNDS interleaved rounds of short turns (see
     ROUNDS) in :func:`turn_order`; the lower quartile of each backend's samples.  On a GPU samples are
@@ -162,6 +164,8 @@ def _time_backends(names, call, sync, failures: dict | None = None) -> dict[str,
     finally:
         if collecting:
             gc.enable()
+    if samples_out is not None:
+        samples_out.update((name, tuple(round(x, 4) for x in s)) for name, s in samples.items())
     return {name: lower_quartile(s) for name, s in samples.items()}
 
 
@@ -250,10 +254,11 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
     if found is None and cache_path:
         entry = _load_file(cache_path).get(_file_key(decision.problem, device))
         if entry and entry.get("backend") in decision.eligible:
-            found = (entry["backend"], dict(entry.get("timings_ms", {})), {})
+            found = (entry["backend"], dict(entry.get("timings_ms", {})), {}, {})
     if found is None:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         failures: dict[str, str] = {}
+        samples: dict[str, tuple[float, ...]] = {}
         devices = [device] if device.type == "cuda" else []
         # On a GPU the math reference never beats a fused kernel and timing it costs seconds
         # at long sequences (0.8-2.6 s per call measured on the H100): it runs only when alone.
@@ -261,20 +266,21 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
         if device.type == "cuda":
             names = tuple(n for n in names if n != "math") or names
         with torch.random.fork_rng(devices=devices):
-            timings = _time_backends(names, call, sync, failures)
+            timings = _time_backends(names, call, sync, failures, samples)
         if not timings:
             return decision
         winner = min(timings, key=timings.get)
         # kept with the winner: the decision table says why an eligible backend has no time
-        found = (winner, timings, failures)
+        found = (winner, timings, failures, samples)
         if cache_path:
             with _lock:
                 _store_file(cache_path, _file_key(decision.problem, device), winner, timings)
         logger.debug("measured %s: %s (failed: %s)", bucket(decision.problem).summary(), timings, failures)
     with _lock:
         _winners[key] = found
-    winner, timings, failed = found
+    winner, timings, failed, samples = found
     return dataclasses.replace(decision, backend=winner, timings=timings, failures={**decision.failures, **failed},
+                               timing_samples=samples,
                                notes=decision.notes + ("policy=fastest: the choice was measured",))
 
 

@@ -411,17 +411,23 @@ def row_lines(entries: list[dict], impls: list[str]) -> tuple[list[str], list[li
     return headers, lines
 
 
-def fastest_ratio(entry: dict, mode: str) -> float | None:
-    """policy="fastest" against the best single backend it could have chosen in this row and
-    mode (the forward runs under no_grad, so forward-only backends count there)."""
-    v = cell_value(entry["results"].get("fastest"), mode)
+def best_backend(entry: dict, mode: str) -> tuple[str | None, float | None]:
+    """The column of the best single backend policy="fastest" could have chosen in this row
+    and mode (the forward runs under no_grad, so forward-only backends count there), and its
+    TFLOP/s."""
     cell = (entry["results"].get("fastest") or {}).get(mode) or {}
     # A backend that does not claim the row exactly (cuDNN's dropout, cuDNN on varlen) is not
     # one it could choose: only the eligible ones count.  One that failed while timed counts
     # (a user pinning it would get its column); runs before 2026-11-23 recorded only the timed.
     could = cell.get("eligible") or cell.get("measured")
     impls = [i for i in BACKEND_IMPLS if not could or BACKEND_NAMES.get(i, i) in could]
-    _, best = best_anchor(entry["results"], mode, impls)
+    return best_anchor(entry["results"], mode, impls)
+
+
+def fastest_ratio(entry: dict, mode: str) -> float | None:
+    """policy="fastest" against the best single backend it could have chosen (best_backend)."""
+    v = cell_value(entry["results"].get("fastest"), mode)
+    _, best = best_backend(entry, mode)
     return v / best if (v is not None and best) else None
 
 
@@ -1280,6 +1286,9 @@ class Runner:
                             r["eligible"] = list(getattr(d, "eligible", ()))
                             r["measured"] = list(timings)
                             r["measured_ms"] = {name: round(ms, 4) for name, ms in timings.items()}
+                            # the raw samples: other statistics can be judged from one grid
+                            r["measured_samples"] = {n: list(x) for n, x in
+                                                     (getattr(d, "timing_samples", None) or {}).items()}
                             r["failed"] = dict(getattr(d, "failures", None) or {})
                             for name, why in r["failed"].items():
                                 log(f"  {'':16s} fastest: {name} failed while timed: {why}")

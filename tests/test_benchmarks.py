@@ -349,6 +349,7 @@ def test_run_row_records_each_modes_choice():
         fastest = entry["results"]["fastest"][m]
         assert fastest["backend"] in fastest["measured"] and len(fastest["measured"]) >= 2
         assert set(fastest["measured"]) <= set(fastest["eligible"]) and fastest["failed"] == {}
+        assert set(fastest["measured_samples"]) == set(fastest["measured"])
 
 
 def test_plot_links_are_relative(tmp_path):
@@ -654,3 +655,27 @@ def test_lower_quartile_is_robust_to_one_lucky_repetition_and_to_slow_ones():
         # about a quarter of the repetitions lie below it, about three quarters above
         assert sum(x < q for x in xs) <= n / 4 + 1 and sum(x > q for x in xs) <= 3 * n / 4 + 1
     assert bench.lower_quartile([2.5]) == 2.5
+
+
+def test_fastest_statistics_replays_each_statistic_from_the_samples():
+    """benchmarks/fastest_statistics.py: from a cell's recorded samples, the median picks the
+    backend whose timing a disturbance inflated (cuDNN, 0.90x the best eligible column),
+    the lower quartile our kernel (the best column); a cell without samples is not judged."""
+    from benchmarks import fastest_statistics as fs
+    ours = [1.0] * 5 + [1.5] * 6            # six of eleven samples disturbed
+    cudnn = [1.1] * 11
+
+    def cell(tflops):
+        return {"fwd": {"status": "ok", "tflops": tflops}, "fwd+bwd": {"status": "unsupported"}}
+    timed = {"status": "ok", "tflops": 90.0, "eligible": ["triton", "cudnn", "flash_attn"],
+             "measured": ["triton", "cudnn"], "measured_samples": {"triton": ours, "cudnn": cudnn}}
+    entry = {"row": {"id": "r1"}, "results": {"fastest": {"fwd": timed}, "triton": cell(100.0),
+                                              "cudnn": cell(90.0), "fa4": cell(95.0), "flex": cell(300.0)}}
+    bare = {"row": {"id": "r2"}, "results": {"fastest": {"fwd": {"status": "ok", "tflops": 1.0}},
+                                             "triton": cell(100.0)}}
+    assert fs.replay(entry, "fwd", fs.STATISTICS["median"]) == ("cudnn", pytest.approx(0.9))
+    assert fs.replay(entry, "fwd", fs.STATISTICS["lower quartile"]) == ("triton", pytest.approx(1.0))
+    got = fs.summarise([entry, bare])
+    assert got["median fwd"]["cells"] == 1 and got["median fwd"]["misses"] == [("r1", "cudnn", 0.9)]
+    assert got["lower quartile fwd"]["below"] == 0 and got["lower quartile fwd"]["worst"] == pytest.approx(1.0)
+    assert got["median fwd+bwd"]["cells"] == 0

@@ -494,6 +494,8 @@ def test_policy_fastest_measures_and_caches(tmp_path):
         d = ad.last_decision()
         assert torch.equal(torch.get_rng_state(), state)   # timing left the RNG alone
         assert d.backend == "quick" and d.timings["slow"] > d.timings["quick"]
+        for name, ms in d.timings.items():   # the samples behind each time, as measured
+            assert abs(fastest.lower_quartile(list(d.timing_samples[name])) - ms) < 1e-3
         assert "measured fastest" in str(d) and "policy=fastest" in str(d)
         runs = slow.runs
         ad.sdpa(*qkv(1, 2, 7, 16, grad=True))  # same bucket (7 rounds up to 8): no new timing
