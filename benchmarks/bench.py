@@ -584,8 +584,8 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
              "(first line in details.log), `skip` = out of time budget, `!` = output differed from the "
              "reference. Ratios are to the best anchor of the row (anchors: "
              + ", ".join(LABELS[a] for a in ANCHORS) + "); `fastest/best backend` compares policy=\"fastest\" "
-             "with the best of the backends it timed for that row and mode (the ones claiming it exactly: "
-             "not cuDNN's dropout, for one). Timing: CUDA events, "
+             "with the best of the backends eligible for that row and mode (the ones claiming it exactly: "
+             "not cuDNN's dropout, for one; one that failed while timed still counts). Timing: CUDA events, "
              + (f"the {meta['statistic']} of several repetitions (slowdowns from the clock state and "
                 "host hiccups are one-sided; docs/perf-notes.md, experiment 62)" if meta.get("statistic")
                 else "median of several repetitions")   # runs before experiment 62 have no statistic
