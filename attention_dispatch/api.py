@@ -358,10 +358,12 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     policy = _config.current_config().dispatch
     if policy.policy == "fastest" and backend is None:
         decision = choose_fastest(decision, call, policy.fastest_cache)
+    decided = decision
     decision, out = _execute(decision, call)
     note_decision(decision)
     opts = call.options
-    if fast_key is not None and not decision.failures and call.restore is None and call.query is query \
+    # a call that fell back at run time keeps the full path (failures while fastest timed do not)
+    if fast_key is not None and decision is decided and call.restore is None and call.query is query \
             and call.key is key and call.value is value and opts["attn_mask"] is attn_mask \
             and opts["cu_seqlens_q"] is cu_seqlens_q and opts["cu_seqlens_k"] is cu_seqlens_k:
         try:

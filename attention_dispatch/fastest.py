@@ -32,9 +32,10 @@ _winners: dict[tuple, tuple[str, dict[str, float], dict[str, str], dict[str, tup
 # is one untimed call and SAMPLES_PER_TURN samples of about SAMPLE_MS each; a backend's
 # time is the lower quartile of all its samples (the median until experiment 65).  Short
 # turns among other backends' turns are how a model calls attention (between other kernels)
-# and how benchmarks/bench.py measures a row; the device's clock holds within a turn and moves by up to 10-20% between turns, so
-# more turns of one sample each beat fewer, longer ones.  (Before: five loops of ~10 ms
-# back-to-back calls per backend, keeping each one's best loop.)
+# and how benchmarks/bench.py measures a row; the device's clock holds within a turn and
+# moves by up to 10-20% between turns, so more turns of one sample each beat fewer, longer
+# ones.  (Before: five loops of ~10 ms back-to-back calls per backend, keeping each one's
+# best loop.)
 ROUNDS = 11
 SAMPLES_PER_TURN = 1
 SAMPLE_MS = 0.5
@@ -133,9 +134,9 @@ def _time_backends(names, call, sync, failures: dict | None = None,
                    samples_out: dict | None = None) -> dict[str, float]:
     """Milliseconds per call of each backend: after one warm-up call each (compilation,
     autotuning) and WARM_ROUNDS untimed rounds, ROUNDS interleaved rounds of short turns (see
-    ROUNDS) in :func:`turn_order`; the lower quartile of each backend's samples.  On a GPU samples are
-    timed by CUDA events once the turn's untimed call has started the stream
-    (:func:`_turn_ms_cuda`)."""
+    ROUNDS) in :func:`turn_order`; the lower quartile of each backend's samples (kept in
+    ``samples_out`` when given).  On a GPU samples are timed by CUDA events once the turn's
+    untimed call has started the stream (:func:`_turn_ms_cuda`)."""
     runs, calls = {}, {}
     for name in names:
         try:
