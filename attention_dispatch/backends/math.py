@@ -12,7 +12,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..semantics import CausalKind, band
+from ..semantics import band
 from .base import Backend, Capabilities
 
 # Elements of one chunk's score block (B * Hq * rows * Sk): 2**24 fp32 is 64 MiB.

@@ -30,8 +30,6 @@ Public interface (used by ``attention_dispatch.backends.triton``)::
 """
 from dataclasses import dataclass
 
-import torch
-
 from . import configs
 from .autograd import prepare_attention, triton_attention
 from .configs import KernelConfig
