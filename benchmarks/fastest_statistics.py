@@ -25,12 +25,7 @@ from benchmarks import bench  # noqa: E402
 COLUMNS = {backend: column for column, backend in bench.BACKEND_NAMES.items()}   # backend -> column
 
 
-def _lower_quartile(xs):
-    from attention_dispatch.fastest import lower_quartile
-    return lower_quartile(xs)
-
-
-STATISTICS = {"median": statistics.median, "lower quartile": _lower_quartile, "minimum": min}
+STATISTICS = {"median": statistics.median, "lower quartile": bench.lower_quartile, "minimum": min}
 
 
 def replay(entry: dict, mode: str, statistic) -> tuple[str, float] | None:

@@ -110,9 +110,9 @@ def refusal(calls: list, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
     return None
 
 
-def _recorded_call(public: Callable, q: torch.Tensor, args: tuple, kwargs: dict, training: bool = False):
+def _recorded_call(public: Callable, args: tuple, kwargs: dict, training: bool = False):
     """``public(*args, **kwargs)`` with flash-attn 4's forward compile cache swapped for a
-    :class:`_Recorder` of calls on ``q``: (what it returned, the recorded calls, flash-attn 4's
+    :class:`_Recorder` of calls on the query (``args[0]``): (what it returned, the recorded calls, flash-attn 4's
     ``_flash_attn_bwd`` when ``training``, None), or (returned, [], None, why not) when the
     interface lacks what recording needs."""
     try:
@@ -123,7 +123,7 @@ def _recorded_call(public: Callable, q: torch.Tensor, args: tuple, kwargs: dict,
     except (ImportError, AttributeError) as exc:
         why = f"{INTERFACE}'s _flash_attn_fwd.compile_cache or _flash_attn_bwd not found ({type(exc).__name__})"
         return public(*args, **kwargs), [], None, why
-    recorder = _Recorder(cache, q.data_ptr())
+    recorder = _Recorder(cache, args[0].data_ptr())
     with _record_lock:
         holder.compile_cache = recorder
         try:
@@ -168,7 +168,7 @@ class ForwardRelauncher:
 
     def _record(self, q, k, v) -> torch.Tensor:
         """One public call, recording its compiled launch; its output (B, S, H, D)."""
-        returned, calls, backward, reason = _recorded_call(self.public, q, (q, k, v), self.kwargs, self.training)
+        returned, calls, backward, reason = _recorded_call(self.public, (q, k, v), self.kwargs, self.training)
         if reason is not None:
             self.refused = reason
             return _first(returned)
@@ -226,7 +226,7 @@ class VarlenRelauncher:
         call = dict(self.kwargs, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
         if launch is not None or self.refused is not None:
             return _first(self.public(q, k, v, **call))
-        returned, calls, _, reason = _recorded_call(self.public, q, (q, k, v), call)
+        returned, calls, _, reason = _recorded_call(self.public, (q, k, v), call)
         out = _first(returned)
         offsets = (cu_seqlens_q, cu_seqlens_k)
         if reason is None and cu_seqlens_q is not cu_seqlens_k and _same_view(cu_seqlens_q, cu_seqlens_k):
