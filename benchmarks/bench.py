@@ -88,6 +88,12 @@ TURN_WARM_MS = 0.0              # untimed calls opening each turn beyond the one
 # turn left and from host hiccups are one-sided, so the lower quartile measures the call; a
 # quarter of the repetitions must agree on it, so one lucky repetition cannot set it (the minimum).
 STATISTIC = "lower quartile"
+# Turns the first round finds this much slower than their row's fastest (same mode) cannot be the
+# row's best: they stop after SLOW_ROUNDS rounds, and the device time goes to the contenders,
+# whose turns time at least MIN_PER_TURN calls each (experiment 66).
+SLOW_FACTOR = 1.5
+SLOW_ROUNDS = 3
+MIN_PER_TURN = 2
 # Implementations whose first call compiles (Triton, Inductor, CuTe DSL): the compile workers run these.
 COMPILING_IMPLS = ("sdpa", "triton", "flex", "fa4")
 # Seconds of compilation per row, roughly (session-5 logs): the workers' load balance.
@@ -597,6 +603,9 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
                 + ("shuffled each round" if meta.get("sampling") == SAMPLING_SHUFFLED else "rotated") + "), each turn "
                 + (f"opening with at least {meta['turn_warm_ms']:g} ms of untimed calls" if meta.get("turn_warm_ms")
                    else "opening with one untimed call")   # runs before experiment 32 have no turn_warm_ms
+                + (f", timing at least {meta['min_per_turn']} calls; a turn over {meta['slow_factor']:g}x its "
+                   f"row's fastest in the first round stops after {meta['slow_rounds']} rounds"
+                   if meta.get("slow_factor") else "")   # runs before experiment 66 time every turn alike
                 + ", with Python's garbage collector off while timing; "
                 if meta.get("sampling") in (SAMPLING, SAMPLING_ONE_CALL, SAMPLING_SHUFFLED) else "")
              + ("forward = inference (torch.no_grad(); Flex with grad enabled, its compiled graph depends on it)."
@@ -750,6 +759,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--turn-warm-ms", type=float, default=TURN_WARM_MS,
                    help="untimed calls opening each turn of a round, at least this long (ms; 0: one call): "
                         "the chip's clock follows what ran before (docs/perf-notes.md, experiment 32)")
+    p.add_argument("--slow-factor", type=float, default=SLOW_FACTOR,
+                   help="a turn slower than this times its row's fastest in the first round stops after "
+                        "--slow-rounds rounds (0: never; docs/perf-notes.md, experiment 66)")
+    p.add_argument("--slow-rounds", type=int, default=SLOW_ROUNDS, help="rounds a slow turn takes")
+    p.add_argument("--min-per-turn", type=int, default=MIN_PER_TURN,
+                   help="fewest timed calls in one turn (long calls would otherwise time one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--no-check", action="store_true", help="skip the output comparison against the reference")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
@@ -780,6 +795,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.precompile_workers = 0 if a.smoke_cpu else DEFAULT_PRECOMPILE_WORKERS
     if a.precompile_workers < 0:
         p.error(f"--precompile-workers must be >= 0, got {a.precompile_workers}")
+    for name in ("slow_rounds", "min_per_turn"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     return a
 
 
@@ -1203,14 +1221,19 @@ class Runner:
         default is one call)."""
         log, rounds = self.log, max(1, self.args.rounds)
         times: dict[int, list[float]] = {i: [] for i in range(len(pending))}
+        turns = {i: 0 for i in range(len(pending))}
         failed: dict[int, str] = {}
+        slow: set[int] = set()
         gc.collect()    # sample() keeps the collector off while it times; start from a clean heap
         for rnd in range(rounds):
+            if rnd == 1:
+                slow = slow_turns({i: (pending[i][1], times[i][0]) for i in times if times[i] and i not in failed},
+                                  self.args.slow_factor)
             for i in turn_order(len(pending), row.id, rnd, self.args.seed):
                 impl, m, fn, ctx, w = pending[i]
-                if i in failed or w["est"] > 1000.0 and times[i]:
+                if i in failed or w["est"] > 1000.0 and times[i] or i in slow and rnd >= self.args.slow_rounds:
                     continue
-                n = 1 if w["est"] > 1000.0 else max(1, math.ceil(w["reps"] / rounds))
+                n = 1 if w["est"] > 1000.0 else max(self.args.min_per_turn, math.ceil(w["reps"] / rounds))
                 try:
                     with ctx():
                         if w["est"] <= 1000.0:
@@ -1220,6 +1243,7 @@ class Runner:
                             for _ in range(warm_calls(w["est"], self.args.turn_warm_ms)):
                                 fn()
                         times[i] += self.sample(fn, n, w["inner"])
+                    turns[i] += 1
                 except Exception as e:   # noqa: BLE001
                     failed[i] = first_line(e)
                     with contextlib.suppress(Exception):
@@ -1231,7 +1255,7 @@ class Runner:
                 log(f"  {impl:16s} {m:8s} err: {failed[i]}")
                 continue
             r = dict(res[m], **self.summarize(w, times[i]))
-            r.update(status="ok", tflops=tflops(row, m, r["ms"]), rounds=rounds)
+            r.update(status="ok", tflops=tflops(row, m, r["ms"]), rounds=turns[i])
             res[m] = r
             log(f"  {impl:16s} {m:8s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  peak "
                 f"{fmt_num(r.get('peak_mib')):>6s} MiB  reps {r['reps']}x{r['inner']}  first {r['first_call_s']:.2f} s  "
@@ -1370,6 +1394,18 @@ def lower_quartile(times: list[float]) -> float:
     """The first quartile of ``times``: policy="fastest"'s own statistic (one definition)."""
     from attention_dispatch.fastest import lower_quartile as statistic
     return statistic(times)
+
+
+def slow_turns(first: dict[int, tuple[str, float]], factor: float = SLOW_FACTOR) -> set[int]:
+    """The turns whose first-round time (``first``: turn -> (mode, ms)) exceeds ``factor`` times
+    the fastest first-round time of the same mode: they cannot be the row's best, so their later
+    rounds are skipped (experiment 66).  ``factor`` <= 0 keeps every turn."""
+    if factor <= 0:
+        return set()
+    best: dict[str, float] = {}
+    for mode, ms in first.values():
+        best[mode] = min(ms, best.get(mode, ms))
+    return {i for i, (mode, ms) in first.items() if ms > factor * best[mode]}
 
 
 def warm_calls(est_ms: float, warm_ms: float, most: int = 200) -> int:
@@ -1551,7 +1587,8 @@ def main(argv=None) -> int:
     meta = environment(runner)
     meta.update(fwd_timing="no_grad", timing="queued", rounds=args.rounds, sampling=SAMPLING_SHUFFLED,
                 statistic=STATISTIC,
-                turn_warm_ms=args.turn_warm_ms,
+                turn_warm_ms=args.turn_warm_ms, slow_factor=args.slow_factor, slow_rounds=args.slow_rounds,
+                min_per_turn=args.min_per_turn,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 commit=git_commit(args.commit), quick=args.quick, impls=impls, anchors=list(ANCHORS),
                 command="python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -387,7 +387,8 @@ def test_parse_args_quick_and_lists():
     assert bench.parse_args(["--budget-s", "100"]).budget_s == 100
 
 
-@pytest.mark.parametrize("argv", [["--impls", "nope"], ["--flex-dtypes", "fp8"], ["--flex-dims", "x"]])
+@pytest.mark.parametrize("argv", [["--impls", "nope"], ["--flex-dtypes", "fp8"], ["--flex-dims", "x"],
+                                  ["--slow-rounds", "0"], ["--min-per-turn", "0"]])
 def test_parse_args_rejects(argv, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
@@ -600,6 +601,43 @@ def test_measure_rounds_interleave_in_turn_order():
         r = entry["results"][n]["fwd"]
         assert r["status"] == "ok" and r["reps"] == 6 and r["rounds"] == 3 and r["ms"] > 0 and r["tflops"] > 0
     assert entry["results"]["c"]["fwd"] == {"status": "error", "note": "RuntimeError: boom"}
+
+
+def test_slow_turns_compare_within_a_mode():
+    """A turn is slow when its first-round time exceeds the factor times the fastest of the
+    same mode (a forward is never compared with a training call); factor 0 keeps all."""
+    first = {0: ("fwd", 1.0), 1: ("fwd", 1.49), 2: ("fwd", 1.51), 3: ("fwd+bwd", 3.0), 4: ("fwd+bwd", 4.6)}
+    assert bench.slow_turns(first, 1.5) == {2, 4}
+    assert bench.slow_turns(first, 0) == set() and bench.slow_turns({}, 1.5) == set()
+
+
+def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
+    """After the first round, a turn over --slow-factor times its row's fastest takes only
+    --slow-rounds rounds; every other turn times at least --min-per-turn calls, even a long
+    call whose repetitions (3) would give one per round."""
+    import contextlib
+    import time
+    args = bench.parse_args(["--smoke-cpu", "--rounds", "5", "--turn-warm-ms", "0", "--slow-rounds", "2"])
+    assert (args.slow_factor, args.min_per_turn) == (bench.SLOW_FACTOR, bench.MIN_PER_TURN)
+    runner = bench.Runner(args, bench.Log(None, echo=False))
+    calls = {"fast": 0, "close": 0, "slow": 0}
+
+    def make(name, seconds):
+        def fn():
+            calls[name] += 1
+            time.sleep(seconds)
+        return fn
+    w = dict(est=8.0, reps=3, inner=1, first_call_s=0.0)
+    entry = {"results": {n: {"fwd": {"status": "pending", "peak_mib": None}} for n in calls}}
+    pending = [(n, "fwd", make(n, s), contextlib.nullcontext, w)
+               for n, s in (("fast", 0.004), ("close", 0.005), ("slow", 0.020))]
+    runner.measure_rounds(bench.smoke_grid()[0], entry, pending)
+    per_turn = 1 + bench.MIN_PER_TURN     # one untimed call, then the timed ones
+    assert calls == {"fast": 5 * per_turn, "close": 5 * per_turn, "slow": 2 * per_turn}
+    res = {n: entry["results"][n]["fwd"] for n in calls}
+    assert [res[n]["rounds"] for n in calls] == [5, 5, 2]
+    assert [res[n]["reps"] for n in calls] == [5 * bench.MIN_PER_TURN] * 2 + [2 * bench.MIN_PER_TURN]
+    assert res["fast"]["ms"] < res["close"]["ms"] < res["slow"]["ms"]
 
 
 # ----------------------------------------------------------------------------- compile_sm90.py
