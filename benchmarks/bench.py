@@ -38,6 +38,7 @@ import dataclasses
 import datetime
 import fnmatch
 import gc
+import gzip
 import json
 import math
 import os
@@ -91,9 +92,9 @@ STATISTIC = "lower quartile"
 # Turns the first round finds this much slower than their row's fastest (same mode) cannot be the
 # row's best: they stop after SLOW_ROUNDS rounds, and the device time goes to the contenders,
 # whose turns time at least MIN_PER_TURN calls each (experiment 66).
-SLOW_FACTOR = 1.5
+SLOW_FACTOR = 0.0    # off: grid a88403d did not confirm the change (experiment 66); A/B with 1.5
 SLOW_ROUNDS = 3
-MIN_PER_TURN = 2
+MIN_PER_TURN = 1
 # Implementations whose first call compiles (Triton, Inductor, CuTe DSL): the compile workers run these.
 COMPILING_IMPLS = ("sdpa", "triton", "flex", "fa4")
 # Seconds of compilation per row, roughly (session-5 logs): the workers' load balance.
@@ -827,6 +828,13 @@ def _ok_cells(entry: dict) -> int:
     return sum(1 for r in entry["results"].values() for m in MODES if (r.get(m) or {}).get("status") == "ok")
 
 
+def read_run(path: Path) -> dict:
+    """A bench.json, plain or gzipped (raw grids under results/runs are kept as .json.gz: the
+    device tool carries the tracked tree, at most 64 MiB with flash-attn 4's wheels)."""
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+
+
 def merge_runs(runs: list[dict]) -> dict:
     """One report from a grid measured in parts (bench.py --rows ... per device call): rows
     in first-seen order; a row measured in several parts keeps the entry with the most
@@ -1549,7 +1557,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     doc = None if args.no_doc else args.doc
     if args.from_json:
-        data = merge_runs([json.loads(f.read_text()) for f in args.from_json])
+        data = merge_runs([read_run(f) for f in args.from_json])
         print(write_outputs(data, args.out, doc, plot=not args.no_plot))
         return 0
     # flash-attn 4 then keeps its compiled kernels on disk: what the compile workers built

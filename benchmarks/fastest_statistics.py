@@ -1,6 +1,6 @@
 """Which statistic should policy="fastest" judge a backend by?  Replayed from grids.
 
-    python benchmarks/fastest_statistics.py RUN.json [RUN.json ...]
+    python benchmarks/fastest_statistics.py RUN.json[.gz] [...]
 
 Grids from 2026-11-23 (session 18) on record, in each "fastest" cell, every timed backend's
 samples (`measured_samples`).  For each statistic this picks, per cell, the backend it would
@@ -11,7 +11,6 @@ without the noise of the fastest column's own measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -58,7 +57,7 @@ def main(argv=None) -> None:
     p.add_argument("runs", nargs="+", type=Path)
     args = p.parse_args(argv)
     for path in args.runs:
-        entries = json.loads(path.read_text())["rows"]
+        entries = bench.read_run(path)["rows"]
         print(path.name)
         for key, s in summarise(entries).items():
             worst = "-" if s["worst"] is None else f"{s['worst']:.3f}"

@@ -603,6 +603,14 @@ def test_measure_rounds_interleave_in_turn_order():
     assert entry["results"]["c"]["fwd"] == {"status": "error", "note": "RuntimeError: boom"}
 
 
+def test_read_run_takes_plain_and_gzipped_json(tmp_path):
+    import gzip
+    data = {"meta": {"commit": "abc"}, "rows": [{"row": {"S": 512}}]}
+    (tmp_path / "a.json").write_text(json.dumps(data))
+    (tmp_path / "b.json.gz").write_bytes(gzip.compress(json.dumps(data).encode()))
+    assert bench.read_run(tmp_path / "a.json") == data == bench.read_run(tmp_path / "b.json.gz")
+
+
 def test_slow_turns_compare_within_a_mode():
     """A turn is slow when its first-round time exceeds the factor times the fastest of the
     same mode (a forward is never compared with a training call); factor 0 keeps all."""
@@ -617,8 +625,8 @@ def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
     call whose repetitions (3) would give one per round."""
     import contextlib
     import time
-    args = bench.parse_args(["--smoke-cpu", "--rounds", "5", "--turn-warm-ms", "0", "--slow-rounds", "2"])
-    assert (args.slow_factor, args.min_per_turn) == (bench.SLOW_FACTOR, bench.MIN_PER_TURN)
+    args = bench.parse_args(["--smoke-cpu", "--rounds", "5", "--turn-warm-ms", "0", "--slow-rounds", "2",
+                             "--slow-factor", "1.5", "--min-per-turn", "2"])
     runner = bench.Runner(args, bench.Log(None, echo=False))
     calls = {"fast": 0, "close": 0, "slow": 0}
 
@@ -632,11 +640,11 @@ def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
     pending = [(n, "fwd", make(n, s), contextlib.nullcontext, w)
                for n, s in (("fast", 0.004), ("close", 0.005), ("slow", 0.020))]
     runner.measure_rounds(bench.smoke_grid()[0], entry, pending)
-    per_turn = 1 + bench.MIN_PER_TURN     # one untimed call, then the timed ones
+    per_turn = 1 + 2     # one untimed call, then the timed ones
     assert calls == {"fast": 5 * per_turn, "close": 5 * per_turn, "slow": 2 * per_turn}
     res = {n: entry["results"][n]["fwd"] for n in calls}
     assert [res[n]["rounds"] for n in calls] == [5, 5, 2]
-    assert [res[n]["reps"] for n in calls] == [5 * bench.MIN_PER_TURN] * 2 + [2 * bench.MIN_PER_TURN]
+    assert [res[n]["reps"] for n in calls] == [5 * 2] * 2 + [2 * 2]
     assert res["fast"]["ms"] < res["close"]["ms"] < res["slow"]["ms"]
 
 
