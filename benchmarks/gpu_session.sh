@@ -7,6 +7,8 @@
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
 # between the two (`cp <folder>/* /root/fa4/ && source .gpudeps/gpu-env.sh`); the last call then
 # carries .fa4b alone and starts with `export PYTHONPATH=/tmp/gpudeps` (gpu-env.sh's unpack).
+# Issue these calls one at a time and check each rc: a refused call (tree + carry over 64 MiB, session
+# 19) does not stop the next, which then runs without flash-attn 4. Raw grids stay gzipped for this.
 # Everything lands under $OUT; the last lines printed are the short summary.
 # SHA: pass this machine's `git rev-parse --short HEAD`; the device's copy of .git can lag the
 # working tree it runs (session 10: it reported the previous session's commit).
