@@ -89,10 +89,10 @@ TURN_WARM_MS = 0.0              # untimed calls opening each turn beyond the one
 # turn left and from host hiccups are one-sided, so the lower quartile measures the call; a
 # quarter of the repetitions must agree on it, so one lucky repetition cannot set it (the minimum).
 STATISTIC = "lower quartile"
-# Turns the first round finds this much slower than their row's fastest (same mode) cannot be the
-# row's best: they stop after SLOW_ROUNDS rounds, and the device time goes to the contenders,
-# whose turns time at least MIN_PER_TURN calls each (experiment 66).
-SLOW_FACTOR = 0.0    # off: grid a88403d did not confirm the change (experiment 66); A/B with 1.5
+# Optional (experiment 66): turns the first round finds SLOW_FACTOR times slower than their row's
+# fastest (same mode) stop after SLOW_ROUNDS rounds, and every turn times at least MIN_PER_TURN
+# calls.  Off by default: grid a88403d did not confirm it; A/B --slow-factor 1.5 --min-per-turn 2.
+SLOW_FACTOR = 0.0
 SLOW_ROUNDS = 3
 MIN_PER_TURN = 1
 # Implementations whose first call compiles (Triton, Inductor, CuTe DSL): the compile workers run these.
@@ -1404,7 +1404,7 @@ def lower_quartile(times: list[float]) -> float:
     return statistic(times)
 
 
-def slow_turns(first: dict[int, tuple[str, float]], factor: float = SLOW_FACTOR) -> set[int]:
+def slow_turns(first: dict[int, tuple[str, float]], factor: float) -> set[int]:
     """The turns whose first-round time (``first``: turn -> (mode, ms)) exceeds ``factor`` times
     the fastest first-round time of the same mode: they cannot be the row's best, so their later
     rounds are skipped (experiment 66).  ``factor`` <= 0 keeps every turn."""
