@@ -4,8 +4,11 @@
 
 Wraps the launch glue's functions with timers (inclusive microseconds per forward+backward
 call; each wrapper adds ~0.3 us), runs 50 repeated sdpa() training calls after a warm-up (the
-prepared runner: TrainingPlan), then an inference loop and the cost of one Gluon descriptor.
-docs/perf-notes.md experiments 44 and 46.
+prepared runner: TrainingPlan); the autograd engine's own cost (an identity Function, and one
+shaped as _EagerAttention with and without materialised gradients); an inference loop and the
+cost of one Gluon descriptor; training calls behind a busy device (a synchronisation inside
+would show as one long call); the CUDA runtime calls and aten ops of five training calls
+(torch.profiler).  docs/perf-notes.md experiments 44, 46 and 67.
 """
 import collections
 import sys
@@ -67,6 +70,67 @@ for _ in range(N):
 print(f"S={S}: sdpa forward (grad) {tf / N / 1e3:.0f} us, autograd.grad {tb / N / 1e3:.0f} us per call")
 for label, ns in acc.most_common():
     print(f"  {label:24s} {ns / N / 1e3:8.1f} us/call")
+
+
+class _Identity3(torch.autograd.Function):
+    """The engine's own cost: three inputs, one output, nine saved tensors, a backward that
+    returns the incoming gradient three times (no kernel launched)."""
+    @staticmethod
+    def forward(ctx, a, b, c):
+        ctx.save_for_backward(a, b, c, a, b, c, a, b, c)
+        return a.view_as(a)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.saved_tensors
+        return g, g, g
+
+
+tf = tb = 0
+for i in range(N + 5):
+    t0 = time.perf_counter_ns()
+    o = _Identity3.apply(q, k, v)
+    t1 = time.perf_counter_ns()
+    torch.autograd.grad(o, (q, k, v), do)
+    t2 = time.perf_counter_ns()
+    if i >= 5:
+        tf += t1 - t0; tb += t2 - t1
+print(f"engine alone (identity Function, no kernel): apply {tf / N / 1e3:.0f} us, autograd.grad {tb / N / 1e3:.0f} us")
+
+
+class _Mimic(torch.autograd.Function):
+    """_EagerAttention's shape without kernels: ten inputs, (out, lse) with lse non-differentiable,
+    a backward that allocates three gradients (``materialize``: undefined grads become zeros)."""
+    materialize = True
+
+    @staticmethod
+    def forward(ctx, a, b, c, bias, cq, ck, msq, msk, params, plan):
+        ctx.set_materialize_grads(_Mimic.materialize)
+        out, lse = torch.empty_like(a), torch.empty(a.shape[:-1], device=a.device)
+        ctx.save_for_backward(a, b, c, bias, out, lse, None, cq, ck)
+        ctx.extra = (msq, msk, params, plan)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, g, g_lse):
+        a, b, c = ctx.saved_tensors[:3]
+        return torch.empty_like(a), torch.empty_like(b), torch.empty_like(c), None, None, None, None, None, None, None
+
+
+for materialize in (True, False, True, False):
+    _Mimic.materialize = materialize
+    tf = tb = 0
+    for i in range(N + 5):
+        t0 = time.perf_counter_ns()
+        o = _Mimic.apply(q, k, v, None, None, None, -1, -1, None, None)[0]
+        t1 = time.perf_counter_ns()
+        torch.autograd.grad(o, (q, k, v), do)
+        t2 = time.perf_counter_ns()
+        if i >= 5:
+            tf += t1 - t0; tb += t2 - t1
+    print(f"engine, _EagerAttention's shape (materialize={materialize}): apply {tf / N / 1e3:.0f} us, "
+          f"autograd.grad {tb / N / 1e3:.0f} us")
 with torch.no_grad():
     t = time.perf_counter_ns()
     for _ in range(N):
@@ -87,3 +151,28 @@ t = time.perf_counter_ns()
 for _ in range(1000):
     launch._ws_smem_layout(64, 128, q.dtype)
 print(f"_ws_smem_layout: {(time.perf_counter_ns() - t) / 1000 / 1e3:.2f} us")
+
+# Does a training call wait for the device?  Keep the device busy (~200 ms of spinning) and
+# time host-only training calls behind it: without a synchronisation inside they take their
+# host time; with one, the first waits for the spin to end.
+spin = torch.cuda._sleep
+torch.cuda.synchronize()
+spin(int(2e8))      # ~100-200 ms at the H100's clock
+t = [time.perf_counter_ns()]
+for _ in range(10):
+    torch.autograd.grad(ad.sdpa(q, k, v, backend="triton"), (q, k, v), do)
+    t.append(time.perf_counter_ns())
+torch.cuda.synchronize()
+t_end = time.perf_counter_ns()
+steps = [round((b - a) / 1e3) for a, b in zip(t, t[1:])]
+print(f"training calls behind a busy device: host us per call {steps}; sync after {(t_end - t[-1]) / 1e6:.1f} ms")
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+for _ in range(2):      # the first profile pays CUPTI's start-up
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            torch.autograd.grad(ad.sdpa(q, k, v, backend="triton"), (q, k, v), do)
+        torch.cuda.synchronize()
+rows = sorted((e for e in prof.key_averages() if e.key.startswith(("cuda", "cu", "aten::"))),
+              key=lambda e: -e.cpu_time_total)[:22]
+for e in rows:
+    print(f"  {e.key[:60]:60s} x{e.count // 5:<3d} {e.cpu_time_total / 5:8.1f} us/call (host)")
