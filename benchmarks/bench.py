@@ -89,10 +89,12 @@ TURN_WARM_MS = 0.0              # untimed calls opening each turn beyond the one
 # turn left and from host hiccups are one-sided, so the lower quartile measures the call; a
 # quarter of the repetitions must agree on it, so one lucky repetition cannot set it (the minimum).
 STATISTIC = "lower quartile"
-# Optional (experiment 66): turns the first round finds SLOW_FACTOR times slower than their row's
-# fastest (same mode) stop after SLOW_ROUNDS rounds, and every turn times at least MIN_PER_TURN
-# calls.  Off by default: grid a88403d did not confirm it; A/B --slow-factor 1.5 --min-per-turn 2.
-SLOW_FACTOR = 0.0
+# Turns the first round finds SLOW_FACTOR times slower than their row's fastest (same mode) stop
+# after SLOW_ROUNDS rounds, and every turn times at least MIN_PER_TURN calls (experiment 66: 1.5
+# with 2 calls did not make same-kernel columns agree better).  At 3x (experiment 68) it only
+# trims columns that cannot be a row's best or decide a target (torch efficient, cuDNN and torch
+# flash on varlen): ~38 s of a grid that had reached its 500 s budget with one row left.
+SLOW_FACTOR = 3.0
 SLOW_ROUNDS = 3
 MIN_PER_TURN = 1
 # Implementations whose first call compiles (Triton, Inductor, CuTe DSL): the compile workers run these.
@@ -604,8 +606,9 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
                 + ("shuffled each round" if meta.get("sampling") == SAMPLING_SHUFFLED else "rotated") + "), each turn "
                 + (f"opening with at least {meta['turn_warm_ms']:g} ms of untimed calls" if meta.get("turn_warm_ms")
                    else "opening with one untimed call")   # runs before experiment 32 have no turn_warm_ms
-                + (f", timing at least {meta['min_per_turn']} calls; a turn over {meta['slow_factor']:g}x its "
-                   f"row's fastest in the first round stops after {meta['slow_rounds']} rounds"
+                + (f", timing at least {meta['min_per_turn']} calls" if meta.get("min_per_turn", 1) > 1 else "")
+                + (f"; a turn over {meta['slow_factor']:g}x its row's fastest in the first round stops after "
+                   f"{meta['slow_rounds']} rounds"
                    if meta.get("slow_factor") else "")   # runs before experiment 66 time every turn alike
                 + ", with Python's garbage collector off while timing; "
                 if meta.get("sampling") in (SAMPLING, SAMPLING_ONE_CALL, SAMPLING_SHUFFLED) else "")

@@ -302,11 +302,15 @@ def test_write_outputs_json_doc_and_table(tmp_path):
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
     assert "take turns in 7 rounds (order shuffled each round), each turn opening with one untimed call" \
         in doc.read_text()
-    assert "stops after" not in doc.read_text()     # slow turns off (the default): not claimed
+    assert "stops after" not in doc.read_text()     # slow turns off (runs before experiment 66): not claimed
     data["meta"].update(slow_factor=1.5, slow_rounds=3, min_per_turn=2)
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
     assert ("one untimed call, timing at least 2 calls; a turn over 1.5x its row's fastest in the first "
             "round stops after 3 rounds, with Python's garbage collector off") in doc.read_text()
+    data["meta"].update(slow_factor=3.0, min_per_turn=1)
+    bench.write_outputs(data, tmp_path / "out", doc, plot=False)
+    assert ("one untimed call; a turn over 3x its row's fastest in the first round stops after 3 rounds, "
+            "with Python's garbage collector off") in doc.read_text()
 
 
 def test_turn_order_varies_each_turns_predecessor():
