@@ -143,8 +143,8 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, bias, cu_q, cu_k, max_sq, max_sk, params, plan=None):
         # lse is non-differentiable: materialised, its undefined gradient would cost a zeros
-        # kernel and allocation every backward (~20-60 us of host time at S=512, experiment 67);
-        # an unused output's None gradient is handled by _backward_inputs
+        # kernel and an allocation every backward (experiment 67); an unused output's None
+        # gradient is handled by _backward_inputs
         ctx.set_materialize_grads(False)
         if plan is not None:
             (out, lse), seed = plan.forward(query, key, value), None
