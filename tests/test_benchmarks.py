@@ -475,6 +475,32 @@ def test_fastest_ratio_counts_our_backends_per_mode():
     assert bench.fastest_ratio(entry, "fwd") is None
 
 
+def test_fastest_misses_say_whether_the_choice_was_the_best_column(tmp_path):
+    """A row where policy="fastest" reads below 0.97 of the best backend is listed with its
+    choice: the best column's own backend (two measurements of one kernel) or another one (a
+    wrong choice); both reach the target's line in the printed and Markdown reports."""
+    rows = [Row("bf16", 128, 512, True), Row("bf16", 128, 4096, False), Row("fp16", 64, 16384, False)]
+    per = {"triton": (500, 450), "cudnn": (480, 440), "fa4": (520, 430)}
+    entries = [make_entry(r, dict(per, fastest=f)) for r, f in
+               zip(rows, [(520, 430), (515, 440), (510, 400)])]
+    for e, chose in zip(entries, [("flash_attn", "triton"), ("flash_attn", "triton"), ("flash_attn", "cudnn")]):
+        for m, name in zip(bench.MODES, chose):
+            e["results"]["fastest"][m]["backend"] = name
+    misses = bench.fastest_misses(entries, "fwd+bwd")
+    assert [(m["row"], m["chose"], m["best"], m["same_backend"]) for m in misses] == [
+        ("bf16-d128-s512-causal", "triton", "triton", True),           # 430 / 450: ours, timed twice
+        ("fp16-d64-s16384-full", "cudnn", "triton", False)]            # 400 / 450: a wrong choice
+    assert misses[0]["ratio"] == pytest.approx(430 / 450, abs=1e-3)
+    assert bench.fastest_misses(entries, "fwd") == []                 # 0.98-1.0 of flash-attn 4's 520
+    data = {"meta": dict(gpu="g", impls=list(bench.IMPLS)), "rows": entries}
+    table = bench.write_outputs(data, tmp_path, None, plot=False)
+    assert ("below: bf16-d128-s512-causal 0.96 (chose triton, the best column: one kernel timed twice); "
+            "fp16-d64-s16384-full 0.89 (chose cudnn, the best: triton)") in table
+    target = next(t for t in data["targets"] if t["target"].startswith("policy=fastest fwd+bwd"))
+    assert target["status"] == "not met" and len(target["misses"]) == 2
+    assert "one kernel timed twice" in bench.targets_table(data["targets"])[1][-1][-1]
+
+
 def test_time_fn_enqueues_repetitions_back_to_back(monkeypatch):
     """Repetitions are not separated by synchronisations (steady-state device time): one
     sync after the warm-up call, one at the end; every repetition has its own events."""
