@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|bench|bench1|bench2|quick|overhead [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|bench|bench1|bench2|quick|overhead|probe [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -50,5 +50,9 @@ case "$what" in
     timeout 40 python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -11 ;;
   overhead)
     python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -12 ;;
-  *) echo "usage: $0 tests|kernel|bench|bench1|bench2|quick|overhead [SHA]"; exit 2 ;;
+  probe)     # experiment 67's diagnostics (~90 s): flash-attn 4 on its layout and through sdpa(), then
+             # where a training call's host time goes (S=512)
+    timeout 240 python3 benchmarks/fa4_layout.py --json "$out/fa4_layout.json" 2>&1 | grep -v -i warn | tail -14
+    timeout 120 python3 benchmarks/host_split.py 512 2>&1 | grep -v -i warn | tail -30 ;;
+  *) echo "usage: $0 tests|kernel|bench|bench1|bench2|quick|overhead|probe [SHA]"; exit 2 ;;
 esac
