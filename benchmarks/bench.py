@@ -74,6 +74,7 @@ IMPLS = ("sdpa", "fastest", "triton", "cudnn", "torch_flash", "torch_efficient",
 BACKEND_IMPLS = ("triton", "cudnn", "torch_flash", "torch_efficient", "fa4")
 ANCHORS = ("cudnn", "torch_flash", "torch_efficient", "flex", "fa4")
 BACKEND_NAMES = {"fa4": "flash_attn"}   # column -> attention_dispatch backend name, where they differ
+BACKEND_COLUMNS = {backend: column for column, backend in BACKEND_NAMES.items()}   # backend -> column
 LABELS = {"sdpa": "sdpa (auto)", "fastest": "sdpa (fastest)", "triton": "triton (ours)", "cudnn": "cuDNN", "torch_flash": "torch flash",
           "torch_efficient": "torch eff", "flex": "Flex", "fa4": "FA4"}
 FA4_HEAD_DIMS = (64, 96, 128)   # flash_attn.cute 4.0 on sm90 (as attention_dispatch.backends.flash_attn)
@@ -97,6 +98,11 @@ STATISTIC = "lower quartile"
 SLOW_FACTOR = 3.0
 SLOW_ROUNDS = 3
 MIN_PER_TURN = 1
+# policy="fastest"'s turn runs next to the turn of the column whose backend it chose, after it in
+# even rounds and before it in odd ones (experiment 69): the fastest target compares two
+# measurements of one kernel, and adjacent turns share the host's and the clock's state, which
+# drift over milliseconds to seconds; the order stays symmetric, so neither side gains from it.
+PAIR_FASTEST = True
 # Implementations whose first call compiles (Triton, Inductor, CuTe DSL): the compile workers run these.
 COMPILING_IMPLS = ("sdpa", "triton", "flex", "fa4")
 # Seconds of compilation per row, roughly (session-5 logs): the workers' load balance.
@@ -639,6 +645,9 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
                 + (f"; a turn over {meta['slow_factor']:g}x its row's fastest in the first round stops after "
                    f"{meta['slow_rounds']} rounds"
                    if meta.get("slow_factor") else "")   # runs before experiment 66 time every turn alike
+                + ("; policy=\"fastest\" takes its turn next to the backend it chose (after it in even rounds, "
+                   "before it in odd ones: two measurements of one kernel share the machine's state)"
+                   if meta.get("pair_fastest") else "")
                 + ", with Python's garbage collector off while timing; "
                 if meta.get("sampling") in (SAMPLING, SAMPLING_ONE_CALL, SAMPLING_SHUFFLED) else "")
              + ("forward = inference (torch.no_grad(); Flex with grad enabled, its compiled graph depends on it)."
@@ -798,6 +807,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slow-rounds", type=int, default=SLOW_ROUNDS, help="rounds a slow turn takes")
     p.add_argument("--min-per-turn", type=int, default=MIN_PER_TURN,
                    help="fewest timed calls in one turn (long calls would otherwise time one)")
+    p.add_argument("--no-pair-fastest", dest="pair_fastest", action="store_false", default=PAIR_FASTEST,
+                   help="time policy=\"fastest\" in its shuffled place, not next to the backend it chose "
+                        "(docs/perf-notes.md, experiment 69)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--no-check", action="store_true", help="skip the output comparison against the reference")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
@@ -1264,12 +1276,18 @@ class Runner:
         turns = {i: 0 for i in range(len(pending))}
         failed: dict[int, str] = {}
         slow: set[int] = set()
+        turn_names = [(impl, m) for impl, m, *_ in pending]
+        chosen = {}     # mode -> the column of the backend policy="fastest" chose (PAIR_FASTEST)
+        for m, cell in (entry["results"].get("fastest") or {}).items() if self.args.pair_fastest else ():
+            backend = cell.get("backend") if isinstance(cell, dict) else None
+            if backend:
+                chosen[m] = BACKEND_COLUMNS.get(backend, backend)
         gc.collect()    # sample() keeps the collector off while it times; start from a clean heap
         for rnd in range(rounds):
             if rnd == 1:
                 slow = slow_turns({i: (pending[i][1], times[i][0]) for i in times if times[i] and i not in failed},
                                   self.args.slow_factor)
-            for i in turn_order(len(pending), row.id, rnd, self.args.seed):
+            for i in pair_fastest(turn_order(len(pending), row.id, rnd, self.args.seed), turn_names, chosen, rnd):
                 impl, m, fn, ctx, w = pending[i]
                 if i in failed or w["est"] > 1000.0 and times[i] or i in slow and rnd >= self.args.slow_rounds:
                     continue
@@ -1454,6 +1472,22 @@ def warm_calls(est_ms: float, warm_ms: float, most: int = 200) -> int:
     return max(1, min(most, math.ceil(warm_ms / max(est_ms, 1e-3))))
 
 
+def pair_fastest(order: list[int], turns: list[tuple[str, str]], chosen: dict[str, str], rnd: int) -> list[int]:
+    """``order`` (a round's turn indices) with each policy="fastest" turn moved next to the turn of
+    the column running the backend it chose in that mode (``chosen``: mode -> column): right after
+    it in even rounds, right before it in odd ones.  ``turns``: (implementation, mode) per index.
+    A mode whose choice has no column in the row keeps its place."""
+    out = list(order)
+    for mode, column in chosen.items():
+        if ("fastest", mode) not in turns or (column, mode) not in turns:
+            continue
+        mine = turns.index(("fastest", mode))
+        out.remove(mine)
+        at = out.index(turns.index((column, mode)))
+        out.insert(at + 1 if rnd % 2 == 0 else at, mine)
+    return out
+
+
 def turn_order(n: int, row_id: str, rnd: int, seed: int) -> list[int]:
     """The order of a row's ``n`` turns in round ``rnd``: the first round as listed, later ones
     shuffled (seeded by the row and round).  A turn's speed depends on the one before it (the
@@ -1628,7 +1662,7 @@ def main(argv=None) -> int:
     meta.update(fwd_timing="no_grad", timing="queued", rounds=args.rounds, sampling=SAMPLING_SHUFFLED,
                 statistic=STATISTIC,
                 turn_warm_ms=args.turn_warm_ms, slow_factor=args.slow_factor, slow_rounds=args.slow_rounds,
-                min_per_turn=args.min_per_turn,
+                min_per_turn=args.min_per_turn, pair_fastest=args.pair_fastest,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 commit=git_commit(args.commit), quick=args.quick, impls=impls, anchors=list(ANCHORS),
                 command="python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -21,8 +21,6 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import bench  # noqa: E402
 
-COLUMNS = {backend: column for column, backend in bench.BACKEND_NAMES.items()}   # backend -> column
-
 
 STATISTICS = {"median": statistics.median, "lower quartile": bench.lower_quartile, "minimum": min}
 
@@ -35,7 +33,7 @@ def replay(entry: dict, mode: str, statistic) -> tuple[str, float] | None:
     if not samples:
         return None
     pick = min(samples, key=lambda name: statistic(samples[name]))
-    value = bench.cell_value(entry["results"].get(COLUMNS.get(pick, pick)), mode)
+    value = bench.cell_value(entry["results"].get(bench.BACKEND_COLUMNS.get(pick, pick)), mode)
     _, best = bench.best_backend(entry, mode)
     return (pick, value / best) if value and best else None
 

@@ -683,6 +683,69 @@ def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
     assert max(res["fast"]["ms"], res["close"]["ms"]) < res["slow"]["ms"]
 
 
+def test_pair_fastest_puts_fastest_next_to_its_choice():
+    """policy="fastest"'s turn of each mode lands right after the turn of the column it chose in
+    even rounds and right before it in odd ones; every turn stays once; a choice without a
+    column in the row leaves the order alone."""
+    turns = [("sdpa", "fwd"), ("fastest", "fwd"), ("triton", "fwd"), ("fa4", "fwd"),
+             ("sdpa", "fwd+bwd"), ("fastest", "fwd+bwd"), ("triton", "fwd+bwd"), ("cudnn", "fwd+bwd")]
+    chosen = {"fwd": "fa4", "fwd+bwd": "triton"}
+    for rnd in range(6):
+        order = bench.turn_order(len(turns), "bf16-d128-s512-causal", rnd, 0)
+        paired = bench.pair_fastest(order, turns, chosen, rnd)
+        assert sorted(paired) == list(range(len(turns)))
+        for mode, column in chosen.items():
+            f, c = paired.index(turns.index(("fastest", mode))), paired.index(turns.index((column, mode)))
+            assert f - c == (1 if rnd % 2 == 0 else -1), (rnd, paired)
+        others = [i for i in paired if turns[i][0] != "fastest"]
+        assert others == [i for i in order if turns[i][0] != "fastest"]     # the rest keep their order
+    order = bench.turn_order(len(turns), "x", 3, 0)
+    assert bench.pair_fastest(order, turns, {"fwd": "math"}, 3) == order
+    assert bench.pair_fastest(order, turns, {}, 3) == order
+
+
+def test_measure_rounds_time_fastest_next_to_its_choice():
+    """Through measure_rounds: the "fastest" turn follows its choice's turn in even rounds and
+    precedes it in odd ones (PAIR_FASTEST); --no-pair-fastest leaves the shuffled order."""
+    import contextlib
+    seen = []
+    for flags, paired in (([], True), (["--no-pair-fastest"], False)):
+        args = bench.parse_args(["--smoke-cpu", "--rounds", "6", "--turn-warm-ms", "0", "--slow-factor", "0"] + flags)
+        assert args.pair_fastest is paired
+        runner = bench.Runner(args, bench.Log(None, echo=False))
+        log = []
+        names = ("sdpa", "fastest", "triton", "cudnn", "fa4")
+
+        def make(name):
+            return lambda: log.append(name)
+        w = dict(est=0.6, reps=6, inner=1, first_call_s=0.0)
+        entry = {"results": {n: {"fwd": {"status": "pending", "peak_mib": None}} for n in names}}
+        entry["results"]["fastest"]["fwd"]["backend"] = "flash_attn"      # the fa4 column's backend
+        pending = [(n, "fwd", make(n), contextlib.nullcontext, w) for n in names]
+        runner.measure_rounds(bench.smoke_grid()[0], entry, pending)
+        assert len(log) == 6 * len(names) * 2      # a turn: one untimed call and one timed (6 reps / 6 rounds)
+        turns = log[::2]
+        rounds = [turns[r * len(names):(r + 1) * len(names)] for r in range(6)]
+        assert all(sorted(r) == sorted(names) for r in rounds)
+        steps = [r.index("fastest") - r.index("fa4") for r in rounds]
+        seen.append(steps)
+        if paired:
+            assert steps == [1, -1, 1, -1, 1, -1]
+    assert seen[1] != seen[0]          # unpaired, the shuffle decides
+
+
+def test_pair_fastest_in_the_legend(tmp_path):
+    data = fake_data()
+    data["meta"].update(rounds=11, sampling=bench.SAMPLING_SHUFFLED, pair_fastest=True)
+    doc = tmp_path / "b.md"
+    bench.write_outputs(data, tmp_path / "out", doc, plot=False)
+    assert ("policy=\"fastest\" takes its turn next to the backend it chose (after it in even rounds, before it "
+            "in odd ones") in doc.read_text()
+    data["meta"].pop("pair_fastest")
+    bench.write_outputs(data, tmp_path / "out", doc, plot=False)
+    assert "takes its turn next to" not in doc.read_text()
+
+
 # ----------------------------------------------------------------------------- compile_sm90.py
 
 def test_compile_sm90_covers_every_sm90_entry_and_compiles_one():
