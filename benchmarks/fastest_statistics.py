@@ -7,10 +7,15 @@ samples (`measured_samples`).  For each statistic this picks, per cell, the back
 have chosen from those samples and reads that backend's own grid column against the best
 eligible backend's column (bench.best_backend): the same ratio as the grid's fastest/best,
 without the noise of the fastest column's own measurement.
+
+Then the agreement of two measurements of one kernel (experiment 69): the fastest cell
+against the column of the backend it chose, by cell length (under 1 ms, 1-3.6 ms, longer):
+cells, median |log ratio| and how many read below 0.97.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -50,6 +55,27 @@ def summarise(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
     return out
 
 
+LENGTHS = ((1.0, "under 1 ms"), (3.6, "1-3.6 ms"), (math.inf, "longer"))
+
+
+def agreement(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
+    """The fastest cell against its choice's own column (the same kernel), per cell length
+    (the column's ms, LENGTHS): cells, median |log(fastest ms / column ms)|, cells below
+    ``need`` (fastest slower)."""
+    logs: dict[str, list[float]] = {label: [] for _, label in LENGTHS}
+    for e in entries:
+        for mode in bench.MODES:
+            cell = (e["results"].get("fastest") or {}).get(mode) or {}
+            column = bench.BACKEND_COLUMNS.get(cell.get("backend"), cell.get("backend"))
+            other = ((e["results"].get(column) or {}).get(mode) or {}) if column else {}
+            if cell.get("status") != "ok" or other.get("status") != "ok":
+                continue
+            label = next(lab for limit, lab in LENGTHS if other["ms"] < limit)
+            logs[label].append(math.log(other["ms"] / cell["ms"]))     # < 0: fastest slower
+    return {label: dict(cells=len(v), median_abs=statistics.median([abs(x) for x in v]) if v else None,
+                        below=sum(x < math.log(need) for x in v)) for label, v in logs.items()}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path)
@@ -60,6 +86,10 @@ def main(argv=None) -> None:
         for key, s in summarise(entries).items():
             worst = "-" if s["worst"] is None else f"{s['worst']:.3f}"
             print(f"  {key:26s} cells {s['cells']:3d}  below 0.97 {s['below']:2d}  worst {worst}  {s['misses'][:4]}")
+        for label, a in agreement(entries).items():
+            med = "-" if a["median_abs"] is None else f"{a['median_abs']:.4f}"
+            print(f"  fastest vs its choice's column, {label:10s} cells {a['cells']:3d}  median |log ratio| {med}  "
+                  f"below 0.97 {a['below']:2d}")
 
 
 if __name__ == "__main__":

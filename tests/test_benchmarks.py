@@ -3,6 +3,7 @@ ratios, table / Markdown / JSON output, argument parsing. No timing here."""
 import gc
 import importlib.util
 import json
+import math
 import statistics
 import sys
 import time
@@ -823,3 +824,23 @@ def test_fastest_statistics_replays_each_statistic_from_the_samples():
     assert got["median fwd"]["cells"] == 1 and got["median fwd"]["misses"] == [("r1", "cudnn", 0.9)]
     assert got["lower quartile fwd"]["below"] == 0 and got["lower quartile fwd"]["worst"] == pytest.approx(1.0)
     assert got["median fwd+bwd"]["cells"] == 0
+
+
+def test_fastest_statistics_agreement_of_one_kernel_measured_twice():
+    """The fastest cell against the column of the backend it chose, by the column's length:
+    a flash-attn 4 choice reads the fa4 column; fastest 4% slower counts below 0.97."""
+    from benchmarks import fastest_statistics as fs
+
+    def cell(ms, **kw):
+        return dict(status="ok", ms=ms, tflops=1.0 / ms, **kw)
+    entries = [
+        {"row": {}, "results": {"fastest": {"fwd": cell(0.52, backend="triton"), "fwd+bwd": cell(5.2, backend="flash_attn")},
+                                "triton": {"fwd": cell(0.50), "fwd+bwd": cell(6.0)},
+                                "fa4": {"fwd": cell(0.40), "fwd+bwd": cell(5.0)}}},
+        {"row": {}, "results": {"fastest": {"fwd": cell(2.0, backend="cudnn"), "fwd+bwd": cell(1.0, backend="math")},
+                                "cudnn": {"fwd": cell(2.0), "fwd+bwd": {"status": "unsupported"}}}}]
+    got = fs.agreement(entries)
+    assert got["under 1 ms"]["cells"] == 1 and got["under 1 ms"]["below"] == 1
+    assert got["under 1 ms"]["median_abs"] == pytest.approx(math.log(0.52 / 0.50))
+    assert got["1-3.6 ms"] == dict(cells=1, median_abs=0.0, below=0)
+    assert got["longer"]["cells"] == 1 and got["longer"]["below"] == 1      # 5.2 against the fa4 column's 5.0
