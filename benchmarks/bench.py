@@ -446,6 +446,13 @@ def fastest_ratio(entry: dict, mode: str) -> float | None:
     return v / best if (v is not None and best) else None
 
 
+def chosen_column(results: dict, mode: str) -> str | None:
+    """The column running the backend policy="fastest" chose in this mode (its backend name,
+    BACKEND_COLUMNS where the column is named otherwise), or None before it chose."""
+    backend = ((results.get("fastest") or {}).get(mode) or {}).get("backend")
+    return BACKEND_COLUMNS.get(backend, backend) if backend else None
+
+
 def fastest_misses(entries: list[dict], mode: str, need: float = 0.97) -> list[dict]:
     """The rows where policy="fastest" read below ``need`` of the best single backend: its
     ratio, the backend it chose, the best column's backend, and whether they are one backend
@@ -457,9 +464,8 @@ def fastest_misses(entries: list[dict], mode: str, need: float = 0.97) -> list[d
             continue
         chose = ((e["results"].get("fastest") or {}).get(mode) or {}).get("backend")
         best, _ = best_backend(e, mode)
-        best_name = BACKEND_NAMES.get(best, best)
-        misses.append(dict(row=Row.from_json(e["row"]).id, ratio=round(r, 3), chose=chose, best=best_name,
-                           same_backend=chose is not None and chose == best_name))
+        misses.append(dict(row=Row.from_json(e["row"]).id, ratio=round(r, 3), chose=chose,
+                           best=BACKEND_NAMES.get(best, best), same_backend=chosen_column(e["results"], mode) == best))
     return misses
 
 
@@ -1277,11 +1283,7 @@ class Runner:
         failed: dict[int, str] = {}
         slow: set[int] = set()
         turn_names = [(impl, m) for impl, m, *_ in pending]
-        chosen = {}     # mode -> the column of the backend policy="fastest" chose (PAIR_FASTEST)
-        for m, cell in (entry["results"].get("fastest") or {}).items() if self.args.pair_fastest else ():
-            backend = cell.get("backend") if isinstance(cell, dict) else None
-            if backend:
-                chosen[m] = BACKEND_COLUMNS.get(backend, backend)
+        chosen = {m: c for m in MODES if self.args.pair_fastest and (c := chosen_column(entry["results"], m))}
         gc.collect()    # sample() keeps the collector off while it times; start from a clean heap
         for rnd in range(rounds):
             if rnd == 1:

@@ -58,19 +58,18 @@ def calls(func, fwd_into, dtype, D, S, causal):
            "views+out": lambda: first(fwd_into(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                causal=causal, out=out_bhsd.transpose(1, 2))),
            "sdpa": lambda: ad.sdpa(q, k, v, is_causal=causal, backend="flash_attn")}
-    leaves = {"bshd": ((qb, kb, vb), dob)}
+    # (leaves, gradient of the output in its layout) of the differentiable ones: out= exists only
+    # on the internal forward, which has no autograd
+    training = {"bshd": ((qb, kb, vb), dob), "views": ((q, k, v), dob), "sdpa": ((q, k, v), do)}
     out = {}
     for name, f in fwd.items():
-        lv, go = leaves.get(name, ((q, k, v), do if name == "sdpa" else dob))
-
-        def fb(f=f, lv=lv, go=go):
-            torch.autograd.grad(f(), lv, go)
-
         def inference(f=f):
             with torch.no_grad():
                 f()
         out[(name, "fwd")] = inference
-        if name != "views+out":     # out= exists only on the internal forward (no autograd)
+        if name in training:
+            def fb(f=f, lv_go=training[name]):
+                torch.autograd.grad(f(), *lv_go)
             out[(name, "fwd+bwd")] = fb
     return out
 

@@ -66,7 +66,7 @@ def agreement(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
     for e in entries:
         for mode in bench.MODES:
             cell = (e["results"].get("fastest") or {}).get(mode) or {}
-            column = bench.BACKEND_COLUMNS.get(cell.get("backend"), cell.get("backend"))
+            column = bench.chosen_column(e["results"], mode)
             other = ((e["results"].get(column) or {}).get(mode) or {}) if column else {}
             if cell.get("status") != "ok" or other.get("status") != "ok":
                 continue

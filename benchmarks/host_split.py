@@ -72,6 +72,21 @@ for label, ns in acc.most_common():
     print(f"  {label:24s} {ns / N / 1e3:8.1f} us/call")
 
 
+def apply_and_grad_us(apply) -> tuple[float, float]:
+    """Host microseconds of ``apply()`` (a Function's forward over q, k, v) and of autograd.grad
+    over its output, per call, after five warm-up calls; no synchronisation between calls."""
+    tf = tb = 0
+    for i in range(N + 5):
+        t0 = time.perf_counter_ns()
+        o = apply()
+        t1 = time.perf_counter_ns()
+        torch.autograd.grad(o, (q, k, v), do)
+        t2 = time.perf_counter_ns()
+        if i >= 5:
+            tf += t1 - t0; tb += t2 - t1
+    return tf / N / 1e3, tb / N / 1e3
+
+
 class _Identity3(torch.autograd.Function):
     """The engine's own cost: three inputs, one output, nine saved tensors, a backward that
     returns the incoming gradient three times (no kernel launched)."""
@@ -86,16 +101,8 @@ class _Identity3(torch.autograd.Function):
         return g, g, g
 
 
-tf = tb = 0
-for i in range(N + 5):
-    t0 = time.perf_counter_ns()
-    o = _Identity3.apply(q, k, v)
-    t1 = time.perf_counter_ns()
-    torch.autograd.grad(o, (q, k, v), do)
-    t2 = time.perf_counter_ns()
-    if i >= 5:
-        tf += t1 - t0; tb += t2 - t1
-print(f"engine alone (identity Function, no kernel): apply {tf / N / 1e3:.0f} us, autograd.grad {tb / N / 1e3:.0f} us")
+us = apply_and_grad_us(lambda: _Identity3.apply(q, k, v))
+print(f"engine alone (identity Function, no kernel): apply {us[0]:.0f} us, autograd.grad {us[1]:.0f} us")
 
 
 class _Mimic(torch.autograd.Function):
@@ -127,17 +134,9 @@ class _Mimic(torch.autograd.Function):
 # the launches made from the engine's device thread?  The same Function with 0 and 3 launches.
 for materialize, launches in ((True, 0), (False, 0), (False, 3), (True, 0), (False, 0), (False, 3)):
     _Mimic.materialize, _Mimic.launches = materialize, launches
-    tf = tb = 0
-    for i in range(N + 5):
-        t0 = time.perf_counter_ns()
-        o = _Mimic.apply(q, k, v, None, None, None, -1, -1, None, None)[0]
-        t1 = time.perf_counter_ns()
-        torch.autograd.grad(o, (q, k, v), do)
-        t2 = time.perf_counter_ns()
-        if i >= 5:
-            tf += t1 - t0; tb += t2 - t1
+    us = apply_and_grad_us(lambda: _Mimic.apply(q, k, v, None, None, None, -1, -1, None, None)[0])
     print(f"engine, _EagerAttention's shape (materialize={materialize}, {launches} launches in backward): "
-          f"apply {tf / N / 1e3:.0f} us, autograd.grad {tb / N / 1e3:.0f} us")
+          f"apply {us[0]:.0f} us, autograd.grad {us[1]:.0f} us")
 with torch.no_grad():
     for _ in range(3):      # the inference kernels compile on their first call
         ad.sdpa(q, k, v, backend="triton")
