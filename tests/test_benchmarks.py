@@ -333,7 +333,7 @@ def test_turn_warm_up_lasts_turn_warm_ms():
     import contextlib
     assert [bench.warm_calls(est, 20.0) for est in (0.05, 0.3, 2.0, 7.0, 40.0)] == [200, 67, 10, 3, 1]
     assert bench.warm_calls(2.0, 0.0) == 1 and bench.parse_args([]).turn_warm_ms == bench.TURN_WARM_MS
-    runner = bench.Runner(bench.parse_args(["--smoke-cpu", "--rounds", "2", "--turn-warm-ms", "6"]),
+    runner = bench.Runner(bench.parse_args(["--smoke-cpu", "--rounds", "2", "--turn-warm-ms", "6", "--short-row-ms", "0"]),
                           bench.Log(None, echo=False))
     calls = []
     w = dict(est=2.0, reps=4, inner=1, first_call_s=0.0)
@@ -614,7 +614,7 @@ def test_measure_rounds_interleave_in_turn_order():
     opening with untimed calls (here the minimum, one); each result is the median of all its
     timed repetitions; a call that fails is reported as an error and skipped in later rounds."""
     import contextlib
-    args = bench.parse_args(["--smoke-cpu", "--rounds", "3", "--turn-warm-ms", "0"])
+    args = bench.parse_args(["--smoke-cpu", "--rounds", "3", "--turn-warm-ms", "0", "--short-row-ms", "0"])
     runner = bench.Runner(args, bench.Log(None, echo=False))
     order = []
 
@@ -662,7 +662,7 @@ def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
     import contextlib
     import time
     args = bench.parse_args(["--smoke-cpu", "--rounds", "5", "--turn-warm-ms", "0", "--slow-rounds", "2",
-                             "--slow-factor", "1.5", "--min-per-turn", "2"])
+                             "--slow-factor", "1.5", "--min-per-turn", "2", "--short-row-ms", "0"])
     runner = bench.Runner(args, bench.Log(None, echo=False))
     calls = {"fast": 0, "close": 0, "slow": 0}
 
@@ -711,7 +711,8 @@ def test_measure_rounds_time_fastest_next_to_its_choice():
     import contextlib
     seen = []
     for flags, paired in (([], True), (["--no-pair-fastest"], False)):
-        args = bench.parse_args(["--smoke-cpu", "--rounds", "6", "--turn-warm-ms", "0", "--slow-factor", "0"] + flags)
+        args = bench.parse_args(["--smoke-cpu", "--rounds", "6", "--turn-warm-ms", "0", "--slow-factor", "0",
+                                 "--short-row-ms", "0"] + flags)
         assert args.pair_fastest is paired
         runner = bench.Runner(args, bench.Log(None, echo=False))
         log = []
@@ -733,6 +734,54 @@ def test_measure_rounds_time_fastest_next_to_its_choice():
         if paired:
             assert steps == [1, -1, 1, -1, 1, -1]
     assert seen[1] != seen[0]          # unpaired, the shuffle decides
+
+
+def test_row_rounds_extends_only_short_rows():
+    assert bench.row_rounds(11, 25.0, 40.0, 33) == 33
+    assert bench.row_rounds(11, 40.0, 40.0, 33) == 33
+    assert bench.row_rounds(11, 41.0, 40.0, 33) == 11
+    assert bench.row_rounds(11, 1.0, 0.0, 33) == 11       # 0: never
+    assert bench.row_rounds(11, 1.0, 40.0, 5) == 11       # never fewer than --rounds
+
+
+def test_measure_rounds_gives_short_rows_more_rounds():
+    """Through measure_rounds: a row whose first round is quick takes --short-row-rounds rounds,
+    each turn as long as before (same timed calls per turn); a slow one keeps --rounds."""
+    import contextlib
+    import time as _time
+    for sleep_s, want in ((0.0, 9), (0.012, 3)):
+        args = bench.parse_args(["--smoke-cpu", "--rounds", "3", "--turn-warm-ms", "0", "--slow-factor", "0",
+                                 "--short-row-ms", "20", "--short-row-rounds", "9"])
+        runner = bench.Runner(args, bench.Log(None, echo=False))
+        calls = []
+
+        def make(name):
+            def fn():
+                calls.append(name)
+                _time.sleep(sleep_s)
+            return fn
+        w = dict(est=0.6, reps=6, inner=1, first_call_s=0.0)
+        names = ("triton", "cudnn")
+        entry = {"results": {n: {"fwd": {"status": "pending", "peak_mib": None}} for n in names}}
+        pending = [(n, "fwd", make(n), contextlib.nullcontext, w) for n in names]
+        runner.measure_rounds(bench.smoke_grid()[0], entry, pending)
+        assert entry["rounds"] == want
+        # a turn: one untimed call and ceil(6 reps / 3 rounds) = 2 timed ones, whatever the rounds
+        assert len(calls) == want * len(names) * 3
+        for n in names:
+            assert entry["results"][n]["fwd"]["rounds"] == want
+            assert entry["results"][n]["fwd"]["reps"] == want * 2
+
+
+def test_short_rows_in_the_legend(tmp_path):
+    data = fake_data()
+    data["meta"].update(rounds=11, sampling=bench.SAMPLING_SHUFFLED, short_row_ms=40.0, short_row_rounds=33)
+    doc = tmp_path / "b.md"
+    bench.write_outputs(data, tmp_path / "out", doc, plot=False)
+    assert "a row whose first round took at most 40 ms takes 33 rounds" in doc.read_text()
+    data["meta"].pop("short_row_ms")
+    bench.write_outputs(data, tmp_path / "out", doc, plot=False)
+    assert "first round took at most" not in doc.read_text()
 
 
 def test_pair_fastest_in_the_legend(tmp_path):
