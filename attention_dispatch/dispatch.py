@@ -48,6 +48,8 @@ class Decision:
     timings: dict[str, float] = dataclasses.field(default_factory=dict)   # ms, policy="fastest"
     # each timed backend's samples (ms) behind `timings`, when measured in this process
     timing_samples: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    # host time per call (ms) in those samples, on a GPU: near the device's, a call is host-bound
+    host_timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         head = f"attention_dispatch: {self.backend or 'NO BACKEND'} (order from {self.source})"
@@ -57,9 +59,9 @@ class Decision:
             if name == self.backend:
                 status = "chosen"
                 if name in self.timings:
-                    status += f" (measured fastest: {self.timings[name]:.3f} ms)"
+                    status += f" (measured fastest: {self.timings[name]:.3f} ms{self._host(name)})"
             elif name in self.timings:
-                status = f"eligible ({self.timings[name]:.3f} ms)"
+                status = f"eligible ({self.timings[name]:.3f} ms{self._host(name)})"
             elif name in self.failures:
                 status = f"failed: {self.failures[name]}"
             elif name in self.rejected:
@@ -69,6 +71,9 @@ class Decision:
             lines.append(f"  {name:<{width}}  {status}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    def _host(self, name: str) -> str:
+        return f"; host {self.host_timings[name]:.3f} ms" if name in self.host_timings else ""
 
     def fallback_after_failure(self, failed: str, error: BaseException) -> "Decision":
         """The Decision for the next eligible candidate after `failed` broke at run time."""

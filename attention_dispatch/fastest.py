@@ -26,8 +26,9 @@ from .dispatch import Decision, logger
 from .problem import Problem
 
 _lock = threading.Lock()
-# winner, ms, failures, samples (ms)
-_winners: dict[tuple, tuple[str, dict[str, float], dict[str, str], dict[str, tuple[float, ...]]]] = {}
+# winner, ms, failures, samples (ms), host ms per call (GPU)
+_winners: dict[tuple, tuple[str, dict[str, float], dict[str, str], dict[str, tuple[float, ...]],
+                            dict[str, float]]] = {}
 # How a backend is timed (experiment 56): in ROUNDS interleaved rounds, each backend's turn
 # is one untimed call and SAMPLES_PER_TURN samples of about SAMPLE_MS each; a backend's
 # time is the lower quartile of all its samples (the median until experiment 65).  Short
@@ -80,9 +81,12 @@ def _load_file(path: str) -> dict:
         return {}
 
 
-def _store_file(path: str, key: str, backend: str, timings: dict[str, float]) -> None:
+def _store_file(path: str, key: str, backend: str, timings: dict[str, float],
+                host: dict[str, float] | None = None) -> None:
     data = _load_file(path)
     data[key] = {"backend": backend, "timings_ms": timings}
+    if host:
+        data[key]["host_ms"] = host
     tmp = f"{path}.{os.getpid()}.tmp"
     Path(tmp).write_text(json.dumps(data, indent=1, sort_keys=True))
     os.replace(tmp, path)   # atomic: concurrent processes never read half a file
@@ -131,12 +135,13 @@ def turn_order(n: int, rnd: int, salt: str = "") -> list[int]:
 
 
 def _time_backends(names, call, sync, failures: dict | None = None,
-                   samples_out: dict | None = None) -> dict[str, float]:
+                   samples_out: dict | None = None, host_out: dict | None = None) -> dict[str, float]:
     """Milliseconds per call of each backend: after one warm-up call each (compilation,
     autotuning) and WARM_ROUNDS untimed rounds, ROUNDS interleaved rounds of short turns (see
     ROUNDS) in :func:`turn_order`; the lower quartile of each backend's samples (kept in
     ``samples_out`` when given).  On a GPU samples are timed by CUDA events once the turn's
-    untimed call has started the stream (:func:`_turn_ms_cuda`)."""
+    untimed call has started the stream (:func:`_turn_ms_cuda`), and ``host_out`` gets the
+    lower quartile of the host's time per call in the same samples."""
     runs, calls = {}, {}
     for name in names:
         try:
@@ -161,12 +166,14 @@ def _time_backends(names, call, sync, failures: dict | None = None,
     collecting = gc.isenabled()
     gc.disable()
     try:
-        samples = _rounds(runs, calls, call.query.device, sync)
+        samples, host = _rounds(runs, calls, call.query.device, sync)
     finally:
         if collecting:
             gc.enable()
     if samples_out is not None:
         samples_out.update((name, tuple(round(x, 4) for x in s)) for name, s in samples.items())
+    if host_out is not None:
+        host_out.update((name, round(lower_quartile(s), 4)) for name, s in host.items() if s)
     return {name: lower_quartile(s) for name, s in samples.items()}
 
 
@@ -180,24 +187,29 @@ def lower_quartile(times: list[float]) -> float:
     return statistics.quantiles(times, n=4, method="inclusive")[0]
 
 
-def _rounds(runs: dict, calls: dict, device: torch.device, sync) -> dict[str, list[float]]:
-    """The warm and timed rounds of :func:`_time_backends`: each backend's timed samples (ms)."""
+def _rounds(runs: dict, calls: dict, device: torch.device, sync) -> tuple[dict, dict]:
+    """The warm and timed rounds of :func:`_time_backends`: each backend's timed samples (ms),
+    and on a GPU the host's time per call in each of them (ms; empty lists on the CPU, where
+    the samples are the host's time)."""
     samples: dict[str, list[float]] = {name: [] for name in runs}
+    host: dict[str, list[float]] = {name: [] for name in runs}
     cuda = device.type == "cuda"
     active = list(runs)
     for rnd in range(WARM_ROUNDS + ROUNDS):
         for name in [active[i] for i in turn_order(len(active), rnd)]:
+            enqueued: list[float] = []
             if cuda:
                 with torch.cuda.device(device):
-                    got = _turn_ms_cuda(runs[name], calls[name])
+                    got, enqueued = _turn_ms_cuda(runs[name], calls[name])
             else:
                 got = _turn_ms_host(runs[name], calls[name], sync)
             if rnd >= WARM_ROUNDS:
                 samples[name] += got
+                host[name] += enqueued
         if rnd + 1 == WARM_ROUNDS + PRUNE_AFTER and len(active) > 1:
             lead = min(lower_quartile(samples[n]) for n in active)
             active = [n for n in active if min(samples[n]) < PRUNE_RATIO * lead]
-    return samples
+    return samples, host
 
 
 def _turn_ms_host(once, calls: int, sync) -> list[float]:
@@ -215,25 +227,30 @@ def _turn_ms_host(once, calls: int, sync) -> list[float]:
     return out
 
 
-def _turn_ms_cuda(once, calls: int) -> list[float]:
+def _turn_ms_cuda(once, calls: int) -> tuple[list[float], list[float]]:
     """SAMPLES_PER_TURN samples of ``calls`` calls each, enqueued back to back behind one
     untimed call and bracketed by CUDA events: milliseconds per call.  The untimed call
     hides the first call's launch latency (0.1-0.2 ms for flash-attn 4: timed from the host,
     it chose our kernel over a 4% faster flash-attn 4 at S=16k causal, experiment 49); the
     device idles, and the sample pays, only where the host cannot keep up.  (Taking the
     host's time where it was longer, experiment 56, charged cuDNN's S=512 forward 0.17 ms
-    against the 0.13 ms it runs in the grid.)"""
+    against the 0.13 ms it runs in the grid.)  Also returned: the host's time per call while
+    enqueueing each sample (ms), which the decision table shows: where it approaches the
+    device's, a slower host makes the call host-bound."""
     torch.cuda.synchronize()
     once()
     marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
              for _ in range(SAMPLES_PER_TURN)]
+    enqueued = []
     for start, end in marks:
+        began = time.perf_counter()
         start.record()
         for _ in range(calls):
             once()
         end.record()
+        enqueued.append((time.perf_counter() - began) * 1e3 / calls)
     marks[-1][1].synchronize()
-    return [start.elapsed_time(end) / calls for start, end in marks]
+    return [start.elapsed_time(end) / calls for start, end in marks], enqueued
 
 
 def _time_backend(name: str, call, sync) -> float:
@@ -255,11 +272,12 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
     if found is None and cache_path:
         entry = _load_file(cache_path).get(_file_key(decision.problem, device))
         if entry and entry.get("backend") in decision.eligible:
-            found = (entry["backend"], dict(entry.get("timings_ms", {})), {}, {})
+            found = (entry["backend"], dict(entry.get("timings_ms", {})), {}, {}, dict(entry.get("host_ms", {})))
     if found is None:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         failures: dict[str, str] = {}
         samples: dict[str, tuple[float, ...]] = {}
+        host: dict[str, float] = {}
         devices = [device] if device.type == "cuda" else []
         # On a GPU the math reference never beats a fused kernel and timing it costs seconds
         # at long sequences (0.8-2.6 s per call measured on the H100): it runs only when alone.
@@ -267,21 +285,21 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
         if device.type == "cuda":
             names = tuple(n for n in names if n != "math") or names
         with torch.random.fork_rng(devices=devices):
-            timings = _time_backends(names, call, sync, failures, samples)
+            timings = _time_backends(names, call, sync, failures, samples, host)
         if not timings:
             return decision
         winner = min(timings, key=timings.get)
         # kept with the winner: the decision table says why an eligible backend has no time
-        found = (winner, timings, failures, samples)
+        found = (winner, timings, failures, samples, host)
         if cache_path:
             with _lock:
-                _store_file(cache_path, _file_key(decision.problem, device), winner, timings)
+                _store_file(cache_path, _file_key(decision.problem, device), winner, timings, host)
         logger.debug("measured %s: %s (failed: %s)", bucket(decision.problem).summary(), timings, failures)
     with _lock:
         _winners[key] = found
-    winner, timings, failed, samples = found
+    winner, timings, failed, samples, host = found
     return dataclasses.replace(decision, backend=winner, timings=timings, failures={**decision.failures, **failed},
-                               timing_samples=samples,
+                               timing_samples=samples, host_timings=host,
                                notes=decision.notes + ("policy=fastest: the choice was measured",))
 
 

@@ -103,13 +103,6 @@ MIN_PER_TURN = 1
 # measurements of one kernel, and adjacent turns share the host's and the clock's state, which
 # drift over milliseconds to seconds; the order stays symmetric, so neither side gains from it.
 PAIR_FASTEST = True
-# A row whose first round took at most SHORT_ROW_MS of wall time takes SHORT_ROW_ROUNDS rounds in
-# all (experiment 70): its cells are host-bound or nearly (S <= 1k), where two measurements of
-# one kernel disagree by the host's state over the rounds, not within a turn; over the grids of
-# sessions 18-20 their spread shrank ~2.5x from 6 to 22 samples of 11 rounds, and such a row's
-# round costs under 40 ms, so 22 more rounds cost ~1 s a row.
-SHORT_ROW_MS = 40.0
-SHORT_ROW_ROUNDS = 33
 # Implementations whose first call compiles (Triton, Inductor, CuTe DSL): the compile workers run these.
 COMPILING_IMPLS = ("sdpa", "triton", "flex", "fa4")
 # Seconds of compilation per row, roughly (session-5 logs): the workers' load balance.
@@ -658,8 +651,6 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
                 + (f"; a turn over {meta['slow_factor']:g}x its row's fastest in the first round stops after "
                    f"{meta['slow_rounds']} rounds"
                    if meta.get("slow_factor") else "")   # runs before experiment 66 time every turn alike
-                + (f"; a row whose first round took at most {meta['short_row_ms']:g} ms takes "
-                   f"{meta['short_row_rounds']} rounds" if meta.get("short_row_ms") else "")
                 + ("; policy=\"fastest\" takes its turn next to the backend it chose (after it in even rounds, "
                    "before it in odd ones: two measurements of one kernel share the machine's state)"
                    if meta.get("pair_fastest") else "")
@@ -822,11 +813,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slow-rounds", type=int, default=SLOW_ROUNDS, help="rounds a slow turn takes")
     p.add_argument("--min-per-turn", type=int, default=MIN_PER_TURN,
                    help="fewest timed calls in one turn (long calls would otherwise time one)")
-    p.add_argument("--short-row-ms", type=float, default=SHORT_ROW_MS,
-                   help="a row whose first round takes at most this many ms of wall time takes "
-                        "--short-row-rounds rounds in all (0: never; docs/perf-notes.md, experiment 70)")
-    p.add_argument("--short-row-rounds", type=int, default=SHORT_ROW_ROUNDS,
-                   help="rounds of a short row (see --short-row-ms)")
     p.add_argument("--no-pair-fastest", dest="pair_fastest", action="store_false", default=PAIR_FASTEST,
                    help="time policy=\"fastest\" in its shuffled place, not next to the backend it chose "
                         "(docs/perf-notes.md, experiment 69)")
@@ -860,7 +846,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.precompile_workers = 0 if a.smoke_cpu else DEFAULT_PRECOMPILE_WORKERS
     if a.precompile_workers < 0:
         p.error(f"--precompile-workers must be >= 0, got {a.precompile_workers}")
-    for name in ("slow_rounds", "min_per_turn", "short_row_rounds"):
+    for name in ("slow_rounds", "min_per_turn"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     return a
@@ -1290,10 +1276,8 @@ class Runner:
         by that much, docs/perf-notes.md experiments 21 and 24), and a turn's speed depends on
         what ran before it (up to 8% for flash-attn 4, experiment 32; 20 ms of untimed calls
         per turn did not make two columns running the same kernel agree better, so the
-        default is one call).  A row whose first round takes at most --short-row-ms of wall time
-        gets --short-row-rounds rounds in all (:func:`row_rounds`), turns as long as the others'."""
+        default is one call)."""
         log, rounds = self.log, max(1, self.args.rounds)
-        total = rounds
         times: dict[int, list[float]] = {i: [] for i in range(len(pending))}
         turns = {i: 0 for i in range(len(pending))}
         failed: dict[int, str] = {}
@@ -1301,15 +1285,11 @@ class Runner:
         turn_names = [(impl, m) for impl, m, *_ in pending]
         chosen = {m: c for m in MODES if self.args.pair_fastest and (c := chosen_column(entry["results"], m))}
         gc.collect()    # sample() keeps the collector off while it times; start from a clean heap
-        rnd = 0
-        while rnd < total:
-            if rnd == 0:
-                first_round = time.perf_counter()
+        for rnd in range(rounds):
             if rnd == 1:
                 slow = slow_turns({i: (pending[i][1], times[i][0]) for i in times if times[i] and i not in failed},
-                                  self.args.slow_factor)
-                total = row_rounds(rounds, (time.perf_counter() - first_round) * 1e3, self.args.short_row_ms,
-                                   self.args.short_row_rounds)
+                                  self.args.slow_factor,
+                                  keep={i for i, p in enumerate(pending) if p[0] in ("sdpa", "fastest", "triton")})
             for i in pair_fastest(turn_order(len(pending), row.id, rnd, self.args.seed), turn_names, chosen, rnd):
                 impl, m, fn, ctx, w = pending[i]
                 if i in failed or w["est"] > 1000.0 and times[i] or i in slow and rnd >= self.args.slow_rounds:
@@ -1329,10 +1309,6 @@ class Runner:
                     failed[i] = first_line(e)
                     with contextlib.suppress(Exception):
                         self.sync()
-            rnd += 1
-        entry["rounds"] = total
-        if total != rounds:
-            log(f"  short row: {total} rounds")
         for i, (impl, m, fn, ctx, w) in enumerate(pending):
             res = entry["results"][impl]
             if i in failed:
@@ -1398,6 +1374,8 @@ class Runner:
                             # the raw samples: other statistics can be judged from one grid
                             r["measured_samples"] = {n: list(x) for n, x in
                                                      (getattr(d, "timing_samples", None) or {}).items()}
+                            # the host's time per call in those samples (GPU): how near each was to host-bound
+                            r["measured_host_ms"] = dict(getattr(d, "host_timings", None) or {})
                             r["failed"] = dict(getattr(d, "failures", None) or {})
                             for name, why in r["failed"].items():
                                 log(f"  {'':16s} fastest: {name} failed while timed: {why}")
@@ -1481,30 +1459,24 @@ def lower_quartile(times: list[float]) -> float:
     return statistic(times)
 
 
-def slow_turns(first: dict[int, tuple[str, float]], factor: float) -> set[int]:
+def slow_turns(first: dict[int, tuple[str, float]], factor: float, keep=frozenset()) -> set[int]:
     """The turns whose first-round time (``first``: turn -> (mode, ms)) exceeds ``factor`` times
     the fastest first-round time of the same mode: they cannot be the row's best, so their later
-    rounds are skipped (experiment 66).  ``factor`` <= 0 keeps every turn."""
+    rounds are skipped (experiment 66).  ``factor`` <= 0 keeps every turn, and so are the turns
+    in ``keep``: our own columns, which the targets read (a disturbed first turn had cut
+    policy="fastest" to 6 samples in grid efa536c)."""
     if factor <= 0:
         return set()
     best: dict[str, float] = {}
     for mode, ms in first.values():
         best[mode] = min(ms, best.get(mode, ms))
-    return {i for i, (mode, ms) in first.items() if ms > factor * best[mode]}
+    return {i for i, (mode, ms) in first.items() if ms > factor * best[mode] and i not in keep}
 
 
 def warm_calls(est_ms: float, warm_ms: float, most: int = 200) -> int:
     """Untimed calls opening a turn: at least one, enough for ``warm_ms`` of device time at
     ``est_ms`` per call, at most ``most`` (host-bound tiny calls)."""
     return max(1, min(most, math.ceil(warm_ms / max(est_ms, 1e-3))))
-
-
-def row_rounds(rounds: int, first_round_ms: float, short_row_ms: float, short_row_rounds: int) -> int:
-    """The rounds a row takes in all: ``short_row_rounds`` when its first round took at most
-    ``short_row_ms`` of wall time (and that is more), else ``rounds`` (experiment 70)."""
-    if short_row_ms > 0 and first_round_ms <= short_row_ms:
-        return max(rounds, short_row_rounds)
-    return rounds
 
 
 def pair_fastest(order: list[int], turns: list[tuple[str, str]], chosen: dict[str, str], rnd: int) -> list[int]:
@@ -1698,7 +1670,6 @@ def main(argv=None) -> int:
                 statistic=STATISTIC,
                 turn_warm_ms=args.turn_warm_ms, slow_factor=args.slow_factor, slow_rounds=args.slow_rounds,
                 min_per_turn=args.min_per_turn, pair_fastest=args.pair_fastest,
-                short_row_ms=args.short_row_ms, short_row_rounds=args.short_row_rounds,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 commit=git_commit(args.commit), quick=args.quick, impls=impls, anchors=list(ANCHORS),
                 command="python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),

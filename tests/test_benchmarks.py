@@ -333,7 +333,7 @@ def test_turn_warm_up_lasts_turn_warm_ms():
     import contextlib
     assert [bench.warm_calls(est, 20.0) for est in (0.05, 0.3, 2.0, 7.0, 40.0)] == [200, 67, 10, 3, 1]
     assert bench.warm_calls(2.0, 0.0) == 1 and bench.parse_args([]).turn_warm_ms == bench.TURN_WARM_MS
-    runner = bench.Runner(bench.parse_args(["--smoke-cpu", "--rounds", "2", "--turn-warm-ms", "6", "--short-row-ms", "0"]),
+    runner = bench.Runner(bench.parse_args(["--smoke-cpu", "--rounds", "2", "--turn-warm-ms", "6"]),
                           bench.Log(None, echo=False))
     calls = []
     w = dict(est=2.0, reps=4, inner=1, first_call_s=0.0)
@@ -614,7 +614,7 @@ def test_measure_rounds_interleave_in_turn_order():
     opening with untimed calls (here the minimum, one); each result is the median of all its
     timed repetitions; a call that fails is reported as an error and skipped in later rounds."""
     import contextlib
-    args = bench.parse_args(["--smoke-cpu", "--rounds", "3", "--turn-warm-ms", "0", "--short-row-ms", "0"])
+    args = bench.parse_args(["--smoke-cpu", "--rounds", "3", "--turn-warm-ms", "0"])
     runner = bench.Runner(args, bench.Log(None, echo=False))
     order = []
 
@@ -653,18 +653,20 @@ def test_slow_turns_compare_within_a_mode():
     first = {0: ("fwd", 1.0), 1: ("fwd", 1.49), 2: ("fwd", 1.51), 3: ("fwd+bwd", 3.0), 4: ("fwd+bwd", 4.6)}
     assert bench.slow_turns(first, 1.5) == {2, 4}
     assert bench.slow_turns(first, 0) == set() and bench.slow_turns({}, 1.5) == set()
+    assert bench.slow_turns(first, 1.5, keep={2}) == {4}      # kept turns are never trimmed
 
 
 def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
     """After the first round, a turn over --slow-factor times its row's fastest takes only
     --slow-rounds rounds; every other turn times at least --min-per-turn calls, even a long
-    call whose repetitions (3) would give one per round."""
+    call whose repetitions (3) would give one per round.  policy="fastest" (as sdpa and triton)
+    is never trimmed, however slow its first turn."""
     import contextlib
     import time
     args = bench.parse_args(["--smoke-cpu", "--rounds", "5", "--turn-warm-ms", "0", "--slow-rounds", "2",
-                             "--slow-factor", "1.5", "--min-per-turn", "2", "--short-row-ms", "0"])
+                             "--slow-factor", "1.5", "--min-per-turn", "2"])
     runner = bench.Runner(args, bench.Log(None, echo=False))
-    calls = {"fast": 0, "close": 0, "slow": 0}
+    calls = {"fast": 0, "close": 0, "slow": 0, "fastest": 0}
 
     def make(name, seconds):
         def fn():
@@ -674,13 +676,13 @@ def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
     w = dict(est=8.0, reps=3, inner=1, first_call_s=0.0)
     entry = {"results": {n: {"fwd": {"status": "pending", "peak_mib": None}} for n in calls}}
     pending = [(n, "fwd", make(n, s), contextlib.nullcontext, w)
-               for n, s in (("fast", 0.010), ("close", 0.010), ("slow", 0.060))]   # margins for a loaded host
+               for n, s in (("fast", 0.010), ("close", 0.010), ("slow", 0.060), ("fastest", 0.060))]
     runner.measure_rounds(bench.smoke_grid()[0], entry, pending)
     per_turn = 1 + 2     # one untimed call, then the timed ones
-    assert calls == {"fast": 5 * per_turn, "close": 5 * per_turn, "slow": 2 * per_turn}
+    assert calls == {"fast": 5 * per_turn, "close": 5 * per_turn, "slow": 2 * per_turn, "fastest": 5 * per_turn}
     res = {n: entry["results"][n]["fwd"] for n in calls}
-    assert [res[n]["rounds"] for n in calls] == [5, 5, 2]
-    assert [res[n]["reps"] for n in calls] == [5 * 2] * 2 + [2 * 2]
+    assert [res[n]["rounds"] for n in calls] == [5, 5, 2, 5]
+    assert [res[n]["reps"] for n in calls] == [5 * 2] * 2 + [2 * 2] + [5 * 2]
     assert max(res["fast"]["ms"], res["close"]["ms"]) < res["slow"]["ms"]
 
 
@@ -711,8 +713,7 @@ def test_measure_rounds_time_fastest_next_to_its_choice():
     import contextlib
     seen = []
     for flags, paired in (([], True), (["--no-pair-fastest"], False)):
-        args = bench.parse_args(["--smoke-cpu", "--rounds", "6", "--turn-warm-ms", "0", "--slow-factor", "0",
-                                 "--short-row-ms", "0"] + flags)
+        args = bench.parse_args(["--smoke-cpu", "--rounds", "6", "--turn-warm-ms", "0", "--slow-factor", "0"] + flags)
         assert args.pair_fastest is paired
         runner = bench.Runner(args, bench.Log(None, echo=False))
         log = []
@@ -734,54 +735,6 @@ def test_measure_rounds_time_fastest_next_to_its_choice():
         if paired:
             assert steps == [1, -1, 1, -1, 1, -1]
     assert seen[1] != seen[0]          # unpaired, the shuffle decides
-
-
-def test_row_rounds_extends_only_short_rows():
-    assert bench.row_rounds(11, 25.0, 40.0, 33) == 33
-    assert bench.row_rounds(11, 40.0, 40.0, 33) == 33
-    assert bench.row_rounds(11, 41.0, 40.0, 33) == 11
-    assert bench.row_rounds(11, 1.0, 0.0, 33) == 11       # 0: never
-    assert bench.row_rounds(11, 1.0, 40.0, 5) == 11       # never fewer than --rounds
-
-
-def test_measure_rounds_gives_short_rows_more_rounds():
-    """Through measure_rounds: a row whose first round is quick takes --short-row-rounds rounds,
-    each turn as long as before (same timed calls per turn); a slow one keeps --rounds."""
-    import contextlib
-    import time as _time
-    for sleep_s, want in ((0.0, 9), (0.012, 3)):
-        args = bench.parse_args(["--smoke-cpu", "--rounds", "3", "--turn-warm-ms", "0", "--slow-factor", "0",
-                                 "--short-row-ms", "20", "--short-row-rounds", "9"])
-        runner = bench.Runner(args, bench.Log(None, echo=False))
-        calls = []
-
-        def make(name):
-            def fn():
-                calls.append(name)
-                _time.sleep(sleep_s)
-            return fn
-        w = dict(est=0.6, reps=6, inner=1, first_call_s=0.0)
-        names = ("triton", "cudnn")
-        entry = {"results": {n: {"fwd": {"status": "pending", "peak_mib": None}} for n in names}}
-        pending = [(n, "fwd", make(n), contextlib.nullcontext, w) for n in names]
-        runner.measure_rounds(bench.smoke_grid()[0], entry, pending)
-        assert entry["rounds"] == want
-        # a turn: one untimed call and ceil(6 reps / 3 rounds) = 2 timed ones, whatever the rounds
-        assert len(calls) == want * len(names) * 3
-        for n in names:
-            assert entry["results"][n]["fwd"]["rounds"] == want
-            assert entry["results"][n]["fwd"]["reps"] == want * 2
-
-
-def test_short_rows_in_the_legend(tmp_path):
-    data = fake_data()
-    data["meta"].update(rounds=11, sampling=bench.SAMPLING_SHUFFLED, short_row_ms=40.0, short_row_rounds=33)
-    doc = tmp_path / "b.md"
-    bench.write_outputs(data, tmp_path / "out", doc, plot=False)
-    assert "a row whose first round took at most 40 ms takes 33 rounds" in doc.read_text()
-    data["meta"].pop("short_row_ms")
-    bench.write_outputs(data, tmp_path / "out", doc, plot=False)
-    assert "first round took at most" not in doc.read_text()
 
 
 def test_pair_fastest_in_the_legend(tmp_path):
@@ -873,6 +826,13 @@ def test_fastest_statistics_replays_each_statistic_from_the_samples():
     assert got["median fwd"]["cells"] == 1 and got["median fwd"]["misses"] == [("r1", "cudnn", 0.9)]
     assert got["lower quartile fwd"]["below"] == 0 and got["lower quartile fwd"]["worst"] == pytest.approx(1.0)
     assert got["median fwd+bwd"]["cells"] == 0
+    assert got["lower quartile, host x1.25 fwd"]["cells"] == 0      # no host times recorded: not judged
+    # our kernel's host time (0.9 ms a call) nears its 1.0 ms: with a margin of 1.25 cuDNN
+    # (host 0.2) costs less, at 1.0 ours still does
+    timed["measured_host_ms"] = {"triton": 0.9, "cudnn": 0.2}
+    assert fs.replay(entry, "fwd", fs.STATISTICS["lower quartile"], 1.0) == ("triton", pytest.approx(1.0))
+    assert fs.replay(entry, "fwd", fs.STATISTICS["lower quartile"], 1.25) == ("cudnn", pytest.approx(0.9))
+    assert fs.summarise([entry])["lower quartile, host x1.5 fwd"]["misses"] == [("r1", "cudnn", 0.9)]
 
 
 def test_fastest_statistics_agreement_of_one_kernel_measured_twice():

@@ -475,6 +475,9 @@ def test_gpu_policy_fastest_counts_host_bound_time():
         out = ad.sdpa(q, k, v)
         d = ad.last_decision()
     assert d.backend == "quick" and d.timings["slow"] >= 3.0 > d.timings["quick"], d.timings
+    # the host's time per call, measured in the same samples: the sleep is all host
+    assert set(d.host_timings) == set(d.timings) and d.host_timings["slow"] >= 3.0, d.host_timings
+    assert f"host {d.host_timings['slow']:.3f} ms" in str(d)
     torch.testing.assert_close(out, math_attention(q, k, v))
 
 
@@ -497,6 +500,10 @@ def test_policy_fastest_measures_and_caches(tmp_path):
         for name, ms in d.timings.items():   # the samples behind each time, as measured
             assert abs(fastest.lower_quartile(list(d.timing_samples[name])) - ms) < 1e-3
         assert "measured fastest" in str(d) and "policy=fastest" in str(d)
+        # on the CPU a sample is the host's time: no separate host column
+        assert d.host_timings == {} and "host" not in str(d)
+        shown = str(__import__("dataclasses").replace(d, host_timings={"slow": 250.5, "quick": 0.0123}))
+        assert "(measured fastest: " in shown and "; host 0.012 ms)" in shown and "; host 250.500 ms)" in shown
         runs = slow.runs
         ad.sdpa(*qkv(1, 2, 7, 16, grad=True))  # same bucket (7 rounds up to 8): no new timing
         assert slow.runs == runs and ad.last_decision().backend == "quick"
