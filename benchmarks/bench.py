@@ -781,10 +781,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                                        "bf16-d128-varlen16-full (see --list-rows).")
     p.add_argument("--quick", action="store_true",
                    help="bf16 hdim 128 only, S in {4096, 16384}, plus the feature rows (< 3 minutes)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
-                   help="folder for bench.json, details.log and the plots (default: benchmarks/results)")
-    p.add_argument("--doc", type=Path, default=Path("docs/benchmarks.md"),
-                   help="Markdown report to regenerate (default: docs/benchmarks.md)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for bench.json, details.log and the plots (default: benchmarks/results; "
+                        "with --smoke-cpu, benchmarks/results/smoke-cpu, which git ignores)")
+    p.add_argument("--doc", type=Path, default=None,
+                   help="Markdown report to regenerate (default: docs/benchmarks.md; with --smoke-cpu, "
+                        "benchmarks.md in --out, so that a CPU check never replaces the GPU report)")
     p.add_argument("--no-doc", action="store_true", help="do not write the Markdown report")
     p.add_argument("--commit", default=None, help="git commit to report (default: git rev-parse HEAD if possible)")
     p.add_argument("--rows", nargs="+", default=None, metavar="PATTERN",
@@ -838,6 +840,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [d for d in a.flex_dtypes if d not in DTYPES]
     if bad:
         p.error(f"--flex-dtypes: unknown {', '.join(bad)}; known: {', '.join(DTYPES)}")
+    # a CPU smoke run never replaces the committed GPU grid (bench.json, plots, report)
+    if a.out is None:
+        a.out = Path("benchmarks/results/smoke-cpu" if a.smoke_cpu else "benchmarks/results")
+    if a.doc is None:
+        a.doc = a.out / "benchmarks.md" if a.smoke_cpu else Path("docs/benchmarks.md")
     if a.budget_s is None:
         a.budget_s = QUICK_BUDGET_S if a.quick else DEFAULT_BUDGET_S
     if a.flex_budget_s is None:

@@ -606,6 +606,18 @@ def test_precompile_workers_run_every_row_and_report_errors(tmp_path):
     quiet = bench.parse_args(["--smoke-cpu", "--out", str(tmp_path), "--impls", "cudnn", "--precompile-workers", "2"])
     assert bench.precompile(quiet, rows, lines.append) == {"workers": 0}
     assert bench.parse_args(["--smoke-cpu"]).precompile_workers == 0
+
+
+def test_smoke_cpu_never_replaces_the_gpu_report(tmp_path):
+    """The committed docs/benchmarks.md, bench.json and plots are the GPU grid's: a CPU smoke
+    run writes into benchmarks/results/smoke-cpu (git-ignored) and its report into --out unless
+    --doc says otherwise; a GPU run regenerates the committed ones."""
+    assert bench.parse_args(["--smoke-cpu", "--out", str(tmp_path)]).doc == tmp_path / "benchmarks.md"
+    smoke = bench.parse_args(["--smoke-cpu"])
+    assert smoke.out == Path("benchmarks/results/smoke-cpu") and smoke.doc == smoke.out / "benchmarks.md"
+    gpu = bench.parse_args([])
+    assert gpu.out == Path("benchmarks/results") and gpu.doc == Path("docs/benchmarks.md")
+    assert bench.parse_args(["--smoke-cpu", "--doc", str(tmp_path / "x.md")]).doc == tmp_path / "x.md"
     assert bench.parse_args([]).precompile_workers == bench.DEFAULT_PRECOMPILE_WORKERS
 
 
