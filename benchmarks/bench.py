@@ -70,6 +70,8 @@ MODES = ("fwd", "fwd+bwd")
 BWD_FACTOR = 3.5
 
 IMPLS = ("sdpa", "fastest", "triton", "cudnn", "torch_flash", "torch_efficient", "flex", "fa4")
+# Our own columns: attention_dispatch.sdpa() (auto and policy="fastest") and our kernel forced.
+OURS = ("sdpa", "fastest", "triton")
 # What policy="fastest" can choose from (FlexAttention is an anchor, not a backend of ours).
 BACKEND_IMPLS = ("triton", "cudnn", "torch_flash", "torch_efficient", "fa4")
 ANCHORS = ("cudnn", "torch_flash", "torch_efficient", "flex", "fa4")
@@ -297,7 +299,7 @@ def select_rows(rows: list[Row], patterns: list[str] | None) -> list[Row]:
 def support(impl: str, row: Row, mode: str, flex_dims=(64, 128), flex_dtypes=("bf16",)) -> str | None:
     """None when `impl` runs this row and mode; otherwise why not (shown as "-")."""
     f = row.feature
-    if impl in ("sdpa", "fastest", "triton"):
+    if impl in OURS:
         return None
     if impl in ("cudnn", "torch_flash", "torch_efficient"):
         if f == "window":
@@ -714,7 +716,7 @@ def make_plots(data: dict, out_dir: Path) -> list[Path]:
                            if e["row"]["causal"] == causal]
                     pts = [(s, v) for s, v in pts if v is not None]
                     if pts:
-                        style = "-" if impl in ("sdpa", "fastest", "triton") else "--"
+                        style = "-" if impl in OURS else "--"
                         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=LABELS[impl])
                 ax.set_xscale("log", base=2)
                 xs = sorted({e["row"]["S"] for e in dense})
@@ -1050,7 +1052,7 @@ class Runner:
         q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
         gqa = row.Hq != row.Hkv
         ident = (lambda o: o)
-        if impl in ("sdpa", "fastest", "triton"):
+        if impl in OURS:
             ad = self.ad
             forced = "triton" if impl == "triton" else None
             kw = dict(attn_mask=inp["bias"], dropout_p=row.dropout_p, is_causal=row.causal, enable_gqa=gqa,
@@ -1296,7 +1298,7 @@ class Runner:
             if rnd == 1:
                 slow = slow_turns({i: (pending[i][1], times[i][0]) for i in times if times[i] and i not in failed},
                                   self.args.slow_factor,
-                                  keep={i for i, p in enumerate(pending) if p[0] in ("sdpa", "fastest", "triton")})
+                                  keep={i for i, p in enumerate(pending) if p[0] in OURS})
             for i in pair_fastest(turn_order(len(pending), row.id, rnd, self.args.seed), turn_names, chosen, rnd):
                 impl, m, fn, ctx, w = pending[i]
                 if i in failed or w["est"] > 1000.0 and times[i] or i in slow and rnd >= self.args.slow_rounds:
@@ -1398,7 +1400,7 @@ class Runner:
                 if impl == "flex":     # the first call of each mode compiles (forward, then backward)
                     self.flex_compile_s += res[m].get("first_call_s", time.perf_counter() - t)
             warmed = [m for m in todo if res[m].get("status") == "pending"]
-            if impl in ("sdpa", "fastest", "triton") and warmed:
+            if impl in OURS and warmed:
                 try:
                     d = self.ad.last_decision()
                     res["backend"] = getattr(d, "backend", None)
