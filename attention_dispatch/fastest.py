@@ -49,6 +49,13 @@ WARM_ROUNDS = 1
 # seconds per bucket.
 PRUNE_AFTER = 3
 PRUNE_RATIO = 1.5
+# Where every backend's call takes at least LONG_CALL_MS (its warm-up call, timed from the
+# host), LONG_ROUNDS timed rounds decide (experiment 72): replayed from the samples that 8 grids
+# recorded, choices with the leader at >= 1 ms on the device were as good from 3 to 11 rounds
+# (none below 0.97 of the grid's best column in 665), while the rounds of calls of 2 ms or more
+# were ~40 s of each grid's ~55 s of timing.  Shorter calls, host-bound ones included, keep ROUNDS.
+LONG_CALL_MS = 2.0
+LONG_ROUNDS = 6
 
 
 def _pow2(n: int) -> int:
@@ -138,11 +145,11 @@ def _time_backends(names, call, sync, failures: dict | None = None,
                    samples_out: dict | None = None, host_out: dict | None = None) -> dict[str, float]:
     """Milliseconds per call of each backend: after one warm-up call each (compilation,
     autotuning) and WARM_ROUNDS untimed rounds, ROUNDS interleaved rounds of short turns (see
-    ROUNDS) in :func:`turn_order`; the lower quartile of each backend's samples (kept in
+    ROUNDS; LONG_ROUNDS where every call is long) in :func:`turn_order`; the lower quartile of each backend's samples (kept in
     ``samples_out`` when given).  On a GPU samples are timed by CUDA events once the turn's
     untimed call has started the stream (:func:`_turn_ms_cuda`), and ``host_out`` gets the
     lower quartile of the host's time per call in the same samples."""
-    runs, calls = {}, {}
+    runs, calls, took = {}, {}, {}
     for name in names:
         try:
             once = _runner(name, call)
@@ -157,8 +164,9 @@ def _time_backends(names, call, sync, failures: dict | None = None,
             if failures is not None:
                 failures[name] = f"{type(exc).__name__}: {exc}"
             continue
-        runs[name] = once
+        runs[name], took[name] = once, took_ms
         calls[name] = max(1, math.ceil(SAMPLE_MS / took_ms)) if took_ms < SAMPLE_MS else 1
+    rounds = LONG_ROUNDS if took and min(took.values()) >= LONG_CALL_MS else ROUNDS
     # The collector is off while samples are taken (as in timeit and benchmarks/bench.py): a
     # collection of the caller's heap stalls the host for milliseconds, and at S <= 1k a
     # training call's 0.5-0.8 ms of host time is most of its turn, so whichever backend it
@@ -166,7 +174,7 @@ def _time_backends(names, call, sync, failures: dict | None = None,
     collecting = gc.isenabled()
     gc.disable()
     try:
-        samples, host = _rounds(runs, calls, call.query.device, sync)
+        samples, host = _rounds(runs, calls, call.query.device, sync, rounds)
     finally:
         if collecting:
             gc.enable()
@@ -187,15 +195,15 @@ def lower_quartile(times: list[float]) -> float:
     return statistics.quantiles(times, n=4, method="inclusive")[0]
 
 
-def _rounds(runs: dict, calls: dict, device: torch.device, sync) -> tuple[dict, dict]:
-    """The warm and timed rounds of :func:`_time_backends`: each backend's timed samples (ms),
+def _rounds(runs: dict, calls: dict, device: torch.device, sync, rounds: int = ROUNDS) -> tuple[dict, dict]:
+    """The warm and ``rounds`` timed rounds of :func:`_time_backends`: each backend's timed samples (ms),
     and on a GPU the host's time per call in each of them (ms; empty lists on the CPU, where
     the samples are the host's time)."""
     samples: dict[str, list[float]] = {name: [] for name in runs}
     host: dict[str, list[float]] = {name: [] for name in runs}
     cuda = device.type == "cuda"
     active = list(runs)
-    for rnd in range(WARM_ROUNDS + ROUNDS):
+    for rnd in range(WARM_ROUNDS + rounds):
         for name in [active[i] for i in turn_order(len(active), rnd)]:
             enqueued: list[float] = []
             if cuda:

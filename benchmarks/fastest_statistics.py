@@ -14,7 +14,9 @@ cells, median |log ratio| and how many read below 0.97.
 
 Where the grid recorded the host's time per call of each timed backend (`measured_host_ms`,
 session 21), the lower quartile is also replayed with a host margin: a backend costs the larger
-of its lower quartile and the margin times its host time (HOST_MARGINS).
+of its lower quartile and the margin times its host time (HOST_MARGINS).  And the choice from
+the first k timed rounds only, by the leader's time (experiment 72: how many rounds decide).
+Several runs: each is printed, then (with more than one) all of them together.
 """
 from __future__ import annotations
 
@@ -73,6 +75,32 @@ def summarise(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
 
 
 LENGTHS = ((1.0, "under 1 ms"), (3.6, "1-3.6 ms"), (math.inf, "longer"))
+# Experiment 72: the choice from the first k timed rounds only, by the leader's time (its lower
+# quartile over all rounds); fastest.LONG_ROUNDS is read off this.
+ROUND_COUNTS = (3, 4, 5, 6, 8, 11)
+LEADER_BANDS = ((1.0, "leader under 1 ms"), (2.0, "leader 1-2 ms"), (math.inf, "leader 2 ms or more"))
+
+
+def by_rounds(entries: list[dict], counts=ROUND_COUNTS, need: float = 0.97) -> dict[str, dict[int, dict]]:
+    """Per leader band and round count k: the lower quartile of each backend's first k samples
+    (one per round) picks; cells judged, cells below ``need`` of the best column, the worst."""
+    out: dict[str, dict[int, dict]] = {label: {} for _, label in LEADER_BANDS}
+    for e in entries:
+        for mode in bench.MODES:
+            samples = (((e["results"].get("fastest") or {}).get(mode) or {}).get("measured_samples")) or {}
+            if not samples:
+                continue
+            lead = min(bench.lower_quartile(list(x)) for x in samples.values())
+            band = next(label for limit, label in LEADER_BANDS if lead < limit)
+            for k in counts:
+                got = replay(e, mode, lambda x, k=k: bench.lower_quartile(list(x[:k])))
+                if got is None:
+                    continue
+                cell = out[band].setdefault(k, dict(cells=0, below=0, worst=None))
+                cell["cells"] += 1
+                cell["below"] += got[1] < need
+                cell["worst"] = got[1] if cell["worst"] is None else min(cell["worst"], got[1])
+    return out
 
 
 def agreement(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
@@ -93,20 +121,31 @@ def agreement(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
                         below=sum(x < math.log(need) for x in v)) for label, v in logs.items()}
 
 
+def report(name: str, entries: list[dict]) -> None:
+    print(name)
+    for key, s in summarise(entries).items():
+        worst = "-" if s["worst"] is None else f"{s['worst']:.3f}"
+        print(f"  {key:34s} cells {s['cells']:3d}  below 0.97 {s['below']:2d}  worst {worst}  {s['misses'][:4]}")
+    for band, ks in by_rounds(entries).items():
+        print(f"  first k rounds, {band:20s} " + "  ".join(
+            f"k={k}: {c['below']}/{c['cells']} below" for k, c in ks.items()))
+    for label, a in agreement(entries).items():
+        med = "-" if a["median_abs"] is None else f"{a['median_abs']:.4f}"
+        print(f"  fastest vs its choice's column, {label:10s} cells {a['cells']:3d}  median |log ratio| {med}  "
+              f"below 0.97 {a['below']:2d}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path)
     args = p.parse_args(argv)
+    every: list[dict] = []
     for path in args.runs:
         entries = bench.read_run(path)["rows"]
-        print(path.name)
-        for key, s in summarise(entries).items():
-            worst = "-" if s["worst"] is None else f"{s['worst']:.3f}"
-            print(f"  {key:34s} cells {s['cells']:3d}  below 0.97 {s['below']:2d}  worst {worst}  {s['misses'][:4]}")
-        for label, a in agreement(entries).items():
-            med = "-" if a["median_abs"] is None else f"{a['median_abs']:.4f}"
-            print(f"  fastest vs its choice's column, {label:10s} cells {a['cells']:3d}  median |log ratio| {med}  "
-                  f"below 0.97 {a['below']:2d}")
+        every += entries
+        report(path.name, entries)
+    if len(args.runs) > 1:
+        report(f"all {len(args.runs)} runs", every)
 
 
 if __name__ == "__main__":

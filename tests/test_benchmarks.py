@@ -847,6 +847,26 @@ def test_fastest_statistics_replays_each_statistic_from_the_samples():
     assert fs.summarise([entry])["lower quartile, host x1.5 fwd"]["misses"] == [("r1", "cudnn", 0.9)]
 
 
+def test_fastest_statistics_by_rounds_judges_the_first_k_rounds():
+    """The choice from the first k samples only (one per round), by the leader's band: cuDNN
+    runs 2.9 ms from round 5 on (its first four samples disturbed), so it leads our 3.0 once a
+    quarter of the k samples are fast: k <= 5 picks ours, at 0.95 of the best column."""
+    from benchmarks import fastest_statistics as fs
+
+    def cell(tflops):
+        return {"fwd": {"status": "ok", "tflops": tflops}, "fwd+bwd": {"status": "unsupported"}}
+    ours = [3.0, 3.0, 3.0, 3.0, 3.3, 3.3, 3.3, 3.3, 3.3, 3.3, 3.3]
+    cudnn = [3.4, 3.4, 3.4, 3.4, 2.9, 2.9, 2.9, 2.9, 2.9, 2.9, 2.9]
+    timed = {"status": "ok", "tflops": 1.0, "eligible": ["triton", "cudnn"], "measured": ["triton", "cudnn"],
+             "measured_samples": {"triton": ours, "cudnn": cudnn}}
+    entry = {"row": {"id": "r"}, "results": {"fastest": {"fwd": timed}, "triton": cell(95.0), "cudnn": cell(100.0)}}
+    got = fs.by_rounds([entry], counts=(3, 5, 8, 11))
+    long = got["leader 2 ms or more"]
+    assert {k: c["below"] for k, c in long.items()} == {3: 1, 5: 1, 8: 0, 11: 0}
+    assert long[3]["worst"] == pytest.approx(0.95) and long[11]["worst"] == pytest.approx(1.0)
+    assert got["leader under 1 ms"] == {} and all(c["cells"] == 1 for c in long.values())
+
+
 def test_fastest_statistics_agreement_of_one_kernel_measured_twice():
     """The fastest cell against the column of the backend it chose, by the column's length:
     a flash-attn 4 choice reads the fa4 column; fastest 4% slower counts below 0.97."""

@@ -349,12 +349,17 @@ class Sleepy(Recording):
         return super().run(query, key, value, **options)
 
 
-def _fake_runners(monkeypatch, seconds: dict, hiccup: tuple[str, int | set, float] | None = None):
+def _fake_runners(monkeypatch, seconds: dict, hiccup: tuple[str, int | set, float] | None = None,
+                  long_calls: bool = False):
     """fastest._runner replaced by host-sleeping calls (`hiccup`: (backend, its call number
-    or numbers, extra seconds)); returns the log of turns (one name per turn) and of calls."""
+    or numbers, extra seconds)); returns the log of turns (one name per turn) and of calls.
+    The sleeps are long for a loaded CI machine's sake: unless ``long_calls``, they still count
+    as short calls (ROUNDS timed rounds, not LONG_ROUNDS)."""
     import time
     from attention_dispatch import fastest
     calls, turns = [], []
+    if not long_calls:
+        monkeypatch.setattr(fastest, "LONG_CALL_MS", float("inf"))
 
     def runner(name, call):
         def once():
@@ -393,6 +398,24 @@ def test_policy_fastest_takes_the_lower_quartile_of_interleaved_short_turns(monk
     assert sorted(turns[:3]) == sorted(turns[3:6]) == ["a", "b", "c"]
     # a turn: one untimed call, then SAMPLES_PER_TURN samples of one call (each >= SAMPLE_MS)
     assert calls.count("c") == 2 + (fastest.WARM_ROUNDS + fastest.ROUNDS) * (1 + fastest.SAMPLES_PER_TURN)
+
+
+def test_policy_fastest_times_long_calls_in_fewer_rounds(monkeypatch):
+    """Where every backend's warm-up call takes LONG_CALL_MS or more, LONG_ROUNDS timed rounds
+    decide; one short backend among them keeps ROUNDS for all."""
+    from attention_dispatch import fastest
+    monkeypatch.setattr(fastest, "LONG_CALL_MS", 5.0)
+    call = types.SimpleNamespace(query=torch.empty(1))
+    for seconds, rounds in (({"a": 0.012, "b": 0.010}, fastest.LONG_ROUNDS),
+                            ({"a": 0.012, "b": 0.0}, fastest.ROUNDS)):    # a is pruned there
+        calls, turns = _fake_runners(monkeypatch, seconds, long_calls=True)
+        samples: dict = {}
+        timed = fastest._time_backends(tuple(seconds), call, lambda: None, samples_out=samples)
+        assert min(timed, key=timed.get) == "b"
+        assert len(samples["b"]) == rounds * fastest.SAMPLES_PER_TURN
+        assert turns.count("b") == fastest.WARM_ROUNDS + rounds
+    assert len(samples["a"]) == fastest.PRUNE_AFTER * fastest.SAMPLES_PER_TURN
+    assert fastest.PRUNE_AFTER < fastest.LONG_ROUNDS < fastest.ROUNDS
 
 
 def test_policy_fastest_does_not_prune_the_winner_on_a_slow_start(monkeypatch):
