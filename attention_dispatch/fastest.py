@@ -145,10 +145,10 @@ def _time_backends(names, call, sync, failures: dict | None = None,
                    samples_out: dict | None = None, host_out: dict | None = None) -> dict[str, float]:
     """Milliseconds per call of each backend: after one warm-up call each (compilation,
     autotuning) and WARM_ROUNDS untimed rounds, ROUNDS interleaved rounds of short turns (see
-    ROUNDS; LONG_ROUNDS where every call is long) in :func:`turn_order`; the lower quartile of each backend's samples (kept in
-    ``samples_out`` when given).  On a GPU samples are timed by CUDA events once the turn's
-    untimed call has started the stream (:func:`_turn_ms_cuda`), and ``host_out`` gets the
-    lower quartile of the host's time per call in the same samples."""
+    ROUNDS; LONG_ROUNDS where every call is long) in :func:`turn_order`; the lower quartile of
+    each backend's samples (kept in ``samples_out`` when given).  On a GPU samples are timed by
+    CUDA events once the turn's untimed call has started the stream (:func:`_turn_ms_cuda`),
+    and ``host_out`` gets the lower quartile of the host's time per call in the same samples."""
     runs, calls, took = {}, {}, {}
     for name in names:
         try:
@@ -196,9 +196,9 @@ def lower_quartile(times: list[float]) -> float:
 
 
 def _rounds(runs: dict, calls: dict, device: torch.device, sync, rounds: int = ROUNDS) -> tuple[dict, dict]:
-    """The warm and ``rounds`` timed rounds of :func:`_time_backends`: each backend's timed samples (ms),
-    and on a GPU the host's time per call in each of them (ms; empty lists on the CPU, where
-    the samples are the host's time)."""
+    """The warm and ``rounds`` timed rounds of :func:`_time_backends`: each backend's timed
+    samples (ms), and on a GPU the host's time per call in each of them (ms; empty lists on the
+    CPU, where the samples are the host's time)."""
     samples: dict[str, list[float]] = {name: [] for name in runs}
     host: dict[str, list[float]] = {name: [] for name in runs}
     cuda = device.type == "cuda"
