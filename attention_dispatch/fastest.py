@@ -149,7 +149,8 @@ def _time_backends(names, call, sync, failures: dict | None = None,
     each backend's samples (kept in ``samples_out`` when given).  On a GPU samples are timed by
     CUDA events once the turn's untimed call has started the stream (:func:`_turn_ms_cuda`),
     and ``host_out`` gets the lower quartile of the host's time per call in the same samples."""
-    runs, calls, took = {}, {}, {}
+    runs, calls = {}, {}
+    shortest_ms = math.inf    # the quickest warm-up call: LONG_ROUNDS only where it is long
     for name in names:
         try:
             once = _runner(name, call)
@@ -164,9 +165,9 @@ def _time_backends(names, call, sync, failures: dict | None = None,
             if failures is not None:
                 failures[name] = f"{type(exc).__name__}: {exc}"
             continue
-        runs[name], took[name] = once, took_ms
+        runs[name], shortest_ms = once, min(shortest_ms, took_ms)
         calls[name] = max(1, math.ceil(SAMPLE_MS / took_ms)) if took_ms < SAMPLE_MS else 1
-    rounds = LONG_ROUNDS if took and min(took.values()) >= LONG_CALL_MS else ROUNDS
+    rounds = LONG_ROUNDS if LONG_CALL_MS <= shortest_ms < math.inf else ROUNDS
     # The collector is off while samples are taken (as in timeit and benchmarks/bench.py): a
     # collection of the caller's heap stalls the host for milliseconds, and at S <= 1k a
     # training call's 0.5-0.8 ms of host time is most of its turn, so whichever backend it
