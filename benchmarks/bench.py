@@ -82,7 +82,7 @@ LABELS = {"sdpa": "sdpa (auto)", "fastest": "sdpa (fastest)", "triton": "triton 
 FA4_HEAD_DIMS = (64, 96, 128)   # flash_attn.cute 4.0 on sm90 (as attention_dispatch.backends.flash_attn)
 
 QUICK_SEQLENS = (4096, 16384)
-DEFAULT_BUDGET_S = 510.0        # the full grid must end within ~9 minutes on one H100
+DEFAULT_BUDGET_S = 520.0        # the full grid must end within ~9 minutes on one H100
 QUICK_BUDGET_S = 165.0          # --quick within 3 minutes
 DEFAULT_FLEX_BUDGET_S = 200.0   # total seconds of Flex compilation allowed (it is the slowest part)
 QUICK_FLEX_BUDGET_S = 95.0
@@ -296,7 +296,35 @@ def select_rows(rows: list[Row], patterns: list[str] | None) -> list[Row]:
 # Which implementation supports which row (pure)
 # ---------------------------------------------------------------------------------------------
 
-def support(impl: str, row: Row, mode: str, flex_dims=(64, 128), flex_dtypes=("bf16",)) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class FlexScope:
+    """Where the grid measures FlexAttention, whose compilation is the grid's slowest part: every
+    row of ``dtypes`` x ``dims``, and at every dtype and head dim the dense rows with S >=
+    ``from_s`` (the rows our kernel's ratios are read on, so each config has its ratio to Flex;
+    0: only ``dtypes`` x ``dims``)."""
+    dims: tuple[int, ...] = (64, 128)
+    dtypes: tuple[str, ...] = ("bf16",)
+    from_s: int = 4096
+
+    def why_not(self, row: Row) -> str | None:
+        """None when Flex is measured on ``row``; otherwise why not."""
+        if row.D in self.dims and row.dtype in self.dtypes:
+            return None
+        if self.from_s and row.feature == "dense" and row.S >= self.from_s:
+            return None
+        return f"Flex not measured here: {self.describe()} (compile time; widen with --flex-dims/--flex-dtypes)"
+
+    def describe(self) -> str:
+        where = f"{'/'.join(self.dtypes)} hdim {'/'.join(map(str, self.dims))}"
+        return where + (f", and dense rows with S >= {self.from_s} at every dtype and head dim" if self.from_s else " only")
+
+    def argv(self) -> list[str]:
+        """The command-line options that give this scope (for the compile workers)."""
+        return ["--flex-dims", ",".join(map(str, self.dims)), "--flex-dtypes", ",".join(self.dtypes),
+                "--flex-from-s", str(self.from_s)]
+
+
+def support(impl: str, row: Row, mode: str, flex: FlexScope = FlexScope()) -> str | None:
     """None when `impl` runs this row and mode; otherwise why not (shown as "-")."""
     f = row.feature
     if impl in OURS:
@@ -322,10 +350,7 @@ def support(impl: str, row: Row, mode: str, flex_dims=(64, 128), flex_dtypes=("b
     if impl == "flex":
         if f == "dropout":
             return "FlexAttention has no dropout"
-        if row.D not in flex_dims or row.dtype not in flex_dtypes:
-            return (f"Flex measured only at {'/'.join(flex_dtypes)} hdim {'/'.join(map(str, flex_dims))} "
-                    "(compile time; widen with --flex-dims/--flex-dtypes)")
-        return None
+        return flex.why_not(row)
     raise ValueError(f"unknown implementation {impl!r}")
 
 
@@ -395,6 +420,51 @@ def fmt_ratio(res: dict | None) -> str:
 def ratio_between(entry: dict, a: str, b: str, mode: str) -> float | None:
     va, vb = cell_value(entry["results"].get(a), mode), cell_value(entry["results"].get(b), mode)
     return va / vb if (va is not None and vb) else None
+
+
+# The anchors issue 5 states our kernel's ratios against; every row and every dtype and head dim
+# reports them, not only the bf16 d128 rows that carry targets.
+RATIO_ANCHORS = ("cudnn", "flex", "fa4")
+TARGET_MIN_S = 4096     # the targets read dense rows from this S up
+
+
+def fmt_ratio_pair(entry: dict, a: str, b: str) -> str:
+    """'fwd / fwd+bwd' of ``a``'s TFLOP/s over ``b``'s in one row ('-' where either did not run)."""
+    return " / ".join(fmt_num(ratio_between(entry, a, b, m), 2) for m in MODES)
+
+
+def anchor_ratio_lines(entries: list[dict], impl: str = "triton") -> tuple[list[str], list[list[str]]]:
+    """One line per row: ``impl`` against each of RATIO_ANCHORS, 'fwd / fwd+bwd'."""
+    headers = ["row"] + [f"{impl}/{LABELS[a]}" for a in RATIO_ANCHORS]
+    lines = [[Row.from_json(e["row"]).describe()] + [fmt_ratio_pair(e, impl, a) for a in RATIO_ANCHORS]
+             for e in entries]
+    return headers, lines
+
+
+def target_rows(entries: list[dict]) -> list[dict]:
+    """The dense rows with S >= TARGET_MIN_S, causal and not (by causal, then S)."""
+    big = [e for e in entries if e["row"]["feature"] == "dense" and e["row"]["S"] >= TARGET_MIN_S]
+    return sorted(big, key=lambda e: (e["row"]["causal"], e["row"]["S"]))
+
+
+def config_ratio_lines(entries: list[dict], impl: str = "triton") -> tuple[list[str], list[list[str]]]:
+    """Per dtype and head dim, ``impl``'s worst ratio to each of RATIO_ANCHORS over target_rows,
+    'fwd / fwd+bwd' ('-' where the anchor ran none of them)."""
+    headers = ["config"] + [f"{impl}/{LABELS[a]} (worst)" for a in RATIO_ANCHORS]
+    lines = []
+    for (dtype, D), es in sorted(group_entries(entries).items()):
+        big = target_rows(es)
+        if not big:
+            continue
+        cells = []
+        for a in RATIO_ANCHORS:
+            worst = []
+            for m in MODES:
+                vals = [r for e in big if (r := ratio_between(e, impl, a, m)) is not None]
+                worst.append(fmt_num(min(vals), 2) if vals else "-")
+            cells.append(" / ".join(worst))
+        lines.append([f"{dtype} d{D}"] + cells)
+    return headers, lines
 
 
 def text_table(headers: list[str], lines: list[list[str]]) -> str:
@@ -502,9 +572,7 @@ def evaluate_targets(entries: list[dict], impl: str = "triton") -> list[dict]:
         targets.append(dict(target=name, need=need, ratios=[None if r is None else round(r, 3) for r in ratios],
                             worst=None if not vals else round(min(vals), 3), status=status, **extra))
 
-    big = [e for e in entries if e["row"]["dtype"] == "bf16" and e["row"]["D"] == 128
-           and e["row"]["feature"] == "dense" and e["row"]["S"] >= 4096]
-    big.sort(key=lambda e: (e["row"]["causal"], e["row"]["S"]))
+    big = target_rows([e for e in entries if e["row"]["dtype"] == "bf16" and e["row"]["D"] == 128])
     if big:
         for mode, need_c, need_f in (("fwd", 0.85, 1.2), ("fwd+bwd", 0.80, 1.1)):
             add(f"{mode} >= {need_c}x cuDNN (bf16 d128 S>=4k, causal and not)",
@@ -601,6 +669,10 @@ def short_report(data: dict) -> str:
             parts = [f"{s_label(e['row']['S'])}{'c' if e['row']['causal'] else ''} "
                      f"{fmt_ratio(e['results'].get('triton'))}" for e in dense]
             out.append(f"  {dtype} d{D}: " + "; ".join(parts))
+    h, lines = config_ratio_lines(entries)
+    if lines:
+        out.append(f"\ntriton's worst ratios per config, fwd / fwd+bwd (dense, S >= {s_label(TARGET_MIN_S)}):")
+        out.append(text_table(h, lines))
     targets = data.get("targets") or []
     if targets:
         out.append("\ntargets (triton):")
@@ -667,12 +739,20 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
     if targets:
         h, t = targets_table(targets)
         lines += ["## Targets of issue 5 (triton)", "", md_table(h, t), ""]
+    h, t = config_ratio_lines(entries)
+    if t:
+        lines += [f"The same ratios for every dtype and head dim: our kernel's worst over the dense rows with "
+                  f"S >= {s_label(TARGET_MIN_S)}, causal and not, fwd / fwd+bwd (reported; the targets above "
+                  "are bf16 d128's):", "", md_table(h, t), ""]
     groups = group_entries(entries)
     order = sorted(groups, key=lambda k: (k != ("bf16", 128), k[0], k[1]))
     for key in order:
         dense, feats = split_dense(groups[key])
         h, t = row_lines(dense + feats, impls)
         lines += [f"## {key[0]}, head dim {key[1]}", "", md_table(h, t), ""]
+        rh, rt = anchor_ratio_lines(dense + feats)
+        lines += ["Our kernel against cuDNN, Flex and flash-attn 4, fwd / fwd+bwd (`-`: one of the two did "
+                  "not run the row):", "", md_table(rh, rt), ""]
         if key == ("bf16", 128):
             mh, mt = memory_lines(dense + feats, impls)
             lines += ["Peak memory of forward+backward beyond the inputs (MiB):", "", md_table(mh, mt), ""]
@@ -803,6 +883,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"--quick {QUICK_FLEX_BUDGET_S:.0f})")
     p.add_argument("--flex-dims", type=_csv(int), default=(64, 128), help="head dims where Flex is measured")
     p.add_argument("--flex-dtypes", type=_csv(str), default=("bf16",), help="dtypes where Flex is measured")
+    p.add_argument("--flex-from-s", type=int, default=FlexScope.from_s,
+                   help="Flex also measured at every dtype and head dim on dense rows with S >= this (0: only "
+                        "--flex-dims x --flex-dtypes): our kernel's ratio to Flex for every config")
     p.add_argument("--target-ms", type=float, default=40.0, help="time spent per measurement after warm-up (ms)")
     p.add_argument("--max-reps", type=int, default=15, help="most timed repetitions per measurement")
     p.add_argument("--rounds", type=int, default=11,
@@ -842,6 +925,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [d for d in a.flex_dtypes if d not in DTYPES]
     if bad:
         p.error(f"--flex-dtypes: unknown {', '.join(bad)}; known: {', '.join(DTYPES)}")
+    if a.flex_from_s < 0:
+        p.error(f"--flex-from-s must be >= 0, got {a.flex_from_s}")
+    a.flex = FlexScope(tuple(a.flex_dims), tuple(a.flex_dtypes), a.flex_from_s)
     # a CPU smoke run never replaces the committed GPU grid (bench.json, plots, report)
     if a.out is None:
         a.out = Path("benchmarks/results/smoke-cpu" if a.smoke_cpu else "benchmarks/results")
@@ -861,7 +947,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def compile_groups(rows: list[Row], impls, flex_dims=(64, 128), flex_dtypes=("bf16",),
+def compile_groups(rows: list[Row], impls, flex: FlexScope = FlexScope(),
                    workers: int = DEFAULT_PRECOMPILE_WORKERS) -> list[list[Row]]:
     """Rows split over compile workers.  Rows that share kernels (same dtype, head dim,
     causal and feature: only S differs, and Triton does not specialise on it) go to the same
@@ -873,7 +959,7 @@ def compile_groups(rows: list[Row], impls, flex_dims=(64, 128), flex_dtypes=("bf
 
     def weight(rs):
         return sum(COMPILE_WEIGHT[i] * (1 if i != "flex" else len(rs)) for i in impls if i in COMPILE_WEIGHT
-                   and any(support(i, r, m, flex_dims, flex_dtypes) is None for r in rs for m in MODES))
+                   and any(support(i, r, m, flex) is None for r in rs for m in MODES))
     buckets: list[list[Row]] = [[] for _ in range(max(1, workers))]
     loads = [0.0] * len(buckets)
     for rs in sorted(groups.values(), key=weight, reverse=True):
@@ -1336,7 +1422,7 @@ class Runner:
         estimate, peak memory, the decision it logged, the output check); the timing itself
         is left to measure_rounds (appended to `pending`)."""
         log, args = self.log, self.args
-        reasons = {m: support(impl, row, m, args.flex_dims, args.flex_dtypes) for m in MODES}
+        reasons = {m: support(impl, row, m, args.flex) for m in MODES}
         if impl == "fa4" and self.fa4 is None:
             reasons = {m: reasons[m] or f"not importable: {self.fa4_error}" for m in MODES}
         if impl == "flex" and self.flex_fn is None:
@@ -1425,7 +1511,7 @@ class Runner:
             if impl not in COMPILING_IMPLS or (impl == "fa4" and self.fa4 is None) or \
                     (impl == "flex" and self.flex_fn is None):
                 continue
-            modes = [m for m in MODES if support(impl, row, m, self.args.flex_dims, self.args.flex_dtypes) is None]
+            modes = [m for m in MODES if support(impl, row, m, self.args.flex) is None]
             if not modes:
                 continue
             try:
@@ -1570,7 +1656,7 @@ def environment(runner: Runner) -> dict:
 def _worker_argv(args, row_ids: list[str]) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--compile-only", *row_ids,
             "--impls", ",".join(i for i in args.impls if i in COMPILING_IMPLS), "--seed", str(args.seed),
-            "--flex-dims", ",".join(map(str, args.flex_dims)), "--flex-dtypes", ",".join(args.flex_dtypes)]
+            *args.flex.argv()]
     if args.smoke_cpu:
         argv.append("--smoke-cpu")
     if args.quick:
@@ -1589,7 +1675,7 @@ def precompile(args, rows: list[Row], log) -> dict:
     if not impls or args.precompile_workers == 0:
         return {"workers": 0}
     t0 = time.perf_counter()
-    parts = compile_groups(rows, impls, args.flex_dims, args.flex_dtypes, args.precompile_workers)
+    parts = compile_groups(rows, impls, args.flex, args.precompile_workers)
     env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONUNBUFFERED="1")
     procs = []
     for i, part in enumerate(parts):
@@ -1683,7 +1769,7 @@ def main(argv=None) -> int:
                 commit=git_commit(args.commit), quick=args.quick, impls=impls, anchors=list(ANCHORS),
                 command="python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 budget_s=args.budget_s, flex_budget_s=args.flex_budget_s,
-                flex_dims=list(args.flex_dims), flex_dtypes=list(args.flex_dtypes))
+                flex_dims=list(args.flex_dims), flex_dtypes=list(args.flex_dtypes), flex_from_s=args.flex_from_s)
     meta["precompile"] = precompile(args, rows, log)
     log(json.dumps(meta))
     entries = []
@@ -1701,7 +1787,7 @@ def main(argv=None) -> int:
         runner.notes.append(f"{skipped} measurements skipped by the time budgets (--budget-s {args.budget_s:.0f}, "
                             f"--flex-budget-s {args.flex_budget_s:.0f})")
     runner.notes.append(f"Flex compile time in this run: {runner.flex_compile_s:.0f} s; Flex measured at "
-                        f"{'/'.join(args.flex_dtypes)} hdim {'/'.join(map(str, args.flex_dims))} only")
+                        f"{args.flex.describe()}")
     runner.notes.extend(error_notes(entries))
     meta["notes"] = runner.notes
     log(f"\nmeasured in {runner.elapsed():.0f} s")

@@ -168,9 +168,10 @@ def test_support_table():
     drop = Row("bf16", 128, 4096, False, "dropout")
     assert s("flex", drop, "fwd") and s("fa4", drop, "fwd") and s("torch_flash", drop, "fwd") is None
     assert s("fa4", Row("bf16", 256, 4096, False), "fwd")
-    assert s("flex", Row("bf16", 256, 4096, False), "fwd")
-    assert s("flex", Row("fp16", 128, 4096, False), "fwd")
-    assert s("flex", Row("fp16", 128, 4096, False), "fwd", flex_dtypes=("bf16", "fp16")) is None
+    only = bench.FlexScope(from_s=0)          # bf16 hdim 64/128 only
+    assert s("flex", Row("bf16", 256, 4096, False), "fwd", only)
+    assert s("flex", Row("fp16", 128, 4096, False), "fwd", only)
+    assert s("flex", Row("fp16", 128, 4096, False), "fwd", bench.FlexScope(dtypes=("bf16", "fp16"), from_s=0)) is None
     varlen = Row("bf16", 128, 16384, False, "varlen", lengths=bench.varlen_lengths())
     assert s("torch_efficient", varlen, "fwd") is None and s("torch_efficient", varlen, "fwd+bwd")
     with pytest.raises(ValueError):
@@ -196,6 +197,29 @@ def make_entry(row, per_impl):
     return {"row": row.to_json(), "results": res}
 
 
+def test_flex_scope_covers_every_config_from_the_target_length():
+    """By default Flex runs at bf16 hdim 64/128 everywhere and, at every dtype and head dim, on
+    the dense rows with S >= 4k (where our kernel's ratios are read); not on shorter or feature rows
+    of the other configs.  The compile workers get the same scope."""
+    flex = bench.parse_args([]).flex
+    assert flex == bench.FlexScope((64, 128), ("bf16",), 4096)
+    s = bench.support
+    for dtype, D in (("bf16", 256), ("fp16", 64), ("fp16", 128), ("fp16", 256)):
+        for S in (4096, 8192, 16384):
+            for causal in (False, True):
+                assert s("flex", Row(dtype, D, S, causal), "fwd+bwd", flex) is None
+        assert "S >= 4096" in s("flex", Row(dtype, D, 2048, False), "fwd", flex)
+    assert s("flex", Row("bf16", 128, 512, True), "fwd", flex) is None
+    assert s("flex", Row("fp16", 128, 4096, False, "bias"), "fwd", flex)
+    measured = [r.id for r in bench.build_grid() if s("flex", r, "fwd", flex) is None]
+    assert len(measured) == 24 + 8 + 4 * 6 - 1      # bf16 d64/d128, their feature rows but dropout, 4 x 6
+    narrow = bench.parse_args(["--flex-from-s", "0", "--flex-dims", "128"]).flex
+    assert s("flex", Row("fp16", 128, 16384, False), "fwd", narrow) and "only" in narrow.describe()
+    argv = bench._worker_argv(bench.parse_args(["--flex-from-s", "8192"]), ["x"])
+    assert argv[argv.index("--flex-from-s") + 1] == "8192"
+    assert bench.parse_args(argv[2:]).flex == bench.FlexScope(from_s=8192)
+
+
 def test_best_anchor_and_ratios():
     e = make_entry(Row("bf16", 128, 4096, False), {"triton": (500, 400), "sdpa": (510, 410), "cudnn": (600, 500),
                                                    "flex": (450, 420), "fa4": (650, 480), "torch_flash": "err"})
@@ -208,6 +232,23 @@ def test_best_anchor_and_ratios():
     assert bench.fmt_ratio(e["results"]["triton"]) == "0.77 / 0.80"
     assert bench.ratio_between(e, "triton", "flex", "fwd") == pytest.approx(500 / 450)
     assert bench.ratio_between(e, "triton", "torch_efficient", "fwd") is None
+
+
+def test_ratios_to_the_named_anchors_per_row_and_per_config():
+    """Every row reports our kernel against cuDNN, Flex and flash-attn 4; every dtype and head dim
+    its worst such ratio over the dense rows with S >= 4k ('-' where the anchor ran none)."""
+    rows = [make_entry(Row("fp16", 256, 4096, False), {"triton": (400, 300), "cudnn": (500, 400), "flex": (200, 150)}),
+            make_entry(Row("fp16", 256, 16384, True), {"triton": (450, 320), "cudnn": (500, 500), "flex": (300, 160)}),
+            make_entry(Row("fp16", 256, 2048, False), {"triton": (100, 100), "cudnn": (500, 500)}),
+            make_entry(Row("bf16", 128, 4096, False, "bias"), {"triton": (100, 100), "cudnn": (500, 500)}),
+            make_entry(Row("bf16", 64, 8192, False), {"triton": (600, 500), "fa4": (700, 600)})]
+    h, lines = bench.anchor_ratio_lines(rows)
+    assert h == ["row", "triton/cuDNN", "triton/Flex", "triton/FA4"]
+    assert lines[0] == ["S=4096", "0.80 / 0.75", "2.00 / 2.00", "- / -"]
+    h, lines = bench.config_ratio_lines(rows)
+    assert lines == [["bf16 d64", "- / -", "- / -", "0.86 / 0.83"],
+                     ["fp16 d256", "0.80 / 0.64", "1.50 / 2.00", "- / -"]]   # S=2048 and the bias row not read
+    assert [e["row"]["S"] for e in bench.target_rows(rows)] == [4096, 8192, 16384]
 
 
 def test_no_anchor_no_ratio():
@@ -284,9 +325,12 @@ def test_write_outputs_json_doc_and_table(tmp_path):
     assert saved["rows"][0]["best_anchor"]["fwd"] == "fa4"
     text = doc.read_text()
     for needle in ("Fake GPU", "2.11", "3.6", "91900", "abc", "| row |", "S=4096 causal", "Targets of issue 5",
-                   "Peak memory", "sdpa() chose: triton", "a note", "window (1024,0) S=16384"):
+                   "Peak memory", "sdpa() chose: triton", "a note", "window (1024,0) S=16384",
+                   "Our kernel against cuDNN, Flex and flash-attn 4", "| triton/FA4 |",
+                   "The same ratios for every dtype and head dim", "| bf16 d128 | 0.83 / 0.87 |"):
         assert needle in text, needle
     assert "bf16 hdim 128" in table and "S=16384 causal" in table and "targets (triton)" in table
+    assert "triton's worst ratios per config" in table
     assert "Fake GPU" in table.splitlines()[-1]
     assert "untimed call" not in text          # older runs did not sample that way: not claimed
     data["meta"].update(rounds=5, sampling=bench.SAMPLING_ONE_CALL)
@@ -397,7 +441,7 @@ def test_parse_args_quick_and_lists():
     assert bench.parse_args(["--budget-s", "100"]).budget_s == 100
 
 
-@pytest.mark.parametrize("argv", [["--impls", "nope"], ["--flex-dtypes", "fp8"], ["--flex-dims", "x"],
+@pytest.mark.parametrize("argv", [["--impls", "nope"], ["--flex-dtypes", "fp8"], ["--flex-dims", "x"], ["--flex-from-s", "-1"],
                                   ["--slow-rounds", "0"], ["--min-per-turn", "0"]])
 def test_parse_args_rejects(argv, capsys):
     with pytest.raises(SystemExit):
