@@ -56,6 +56,14 @@ PRUNE_RATIO = 1.5
 # were ~40 s of each grid's ~55 s of timing.  Shorter calls, host-bound ones included, keep ROUNDS.
 LONG_CALL_MS = 2.0
 LONG_ROUNDS = 6
+# A near-tie goes to the backend with host time to spare (experiment 73).  A call whose host
+# time per call is HOST_HEAVY of its device time or more turns host-bound as soon as the host
+# slows, and the host's speed varies ~2x within a run (experiment 67): where the leader is such
+# a call and another backend is within TIE of its device time, the one with the least host time
+# per call wins.  Replayed over 798 decisions of five grids it changed four (flash-attn 4 ->
+# ours at d64 S=512 causal training): 0.69 -> 1.00, 0.97 -> 1.00, 1.00 -> 1.00, 1.00 -> 0.99.
+TIE = 0.03
+HOST_HEAVY = 0.7
 
 
 def _pow2(n: int) -> int:
@@ -186,6 +194,18 @@ def _time_backends(names, call, sync, failures: dict | None = None,
     return {name: lower_quartile(s) for name, s in samples.items()}
 
 
+def pick_winner(timings: dict[str, float], host: dict[str, float]) -> str:
+    """The backend with the lowest time (ms per call), unless the leader is host-heavy (its host
+    time per call, ``host``, at least HOST_HEAVY of its time) and others are within TIE of it:
+    then the one of those with the least host time (see TIE).  Without host times (the CPU,
+    where a sample is the host's time), the lowest time."""
+    leader = min(timings, key=timings.get)
+    if host.get(leader, 0.0) < HOST_HEAVY * timings[leader]:
+        return leader
+    near = [name for name, ms in timings.items() if ms <= timings[leader] * (1 + TIE)]
+    return min(near, key=lambda name: (host.get(name, math.inf), timings[name]))
+
+
 def lower_quartile(times: list[float]) -> float:
     """The first quartile of ``times`` (linear interpolation between order statistics): the
     statistic of a timing here and of a cell in benchmarks/bench.py.  Disturbances (host
@@ -297,7 +317,7 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
             timings = _time_backends(names, call, sync, failures, samples, host)
         if not timings:
             return decision
-        winner = min(timings, key=timings.get)
+        winner = pick_winner(timings, host)
         # kept with the winner: the decision table says why an eligible backend has no time
         found = (winner, timings, failures, samples, host)
         if cache_path:
@@ -307,9 +327,14 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
     with _lock:
         _winners[key] = found
     winner, timings, failed, samples, host = found
+    notes = ("policy=fastest: the choice was measured",)
+    leader = min(timings, key=timings.get) if timings else winner
+    if winner != leader and leader in host and winner in host:
+        notes += (f"policy=fastest: {leader} led by {timings[winner] / timings[leader] - 1:.1%} but spends "
+                  f"{host[leader]:.3f} of its {timings[leader]:.3f} ms on the host; {winner} needs "
+                  f"{host[winner]:.3f} ms there (a near-tie goes to host time to spare)",)
     return dataclasses.replace(decision, backend=winner, timings=timings, failures={**decision.failures, **failed},
-                               timing_samples=samples, host_timings=host,
-                               notes=decision.notes + ("policy=fastest: the choice was measured",))
+                               timing_samples=samples, host_timings=host, notes=decision.notes + notes)
 
 
 def forget() -> None:

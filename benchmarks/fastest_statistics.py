@@ -14,7 +14,9 @@ cells, median |log ratio| and how many read below 0.97.
 
 Where the grid recorded the host's time per call of each timed backend (`measured_host_ms`,
 session 21), the lower quartile is also replayed with a host margin: a backend costs the larger
-of its lower quartile and the margin times its host time (HOST_MARGINS).  And the choice from
+of its lower quartile and the margin times its host time (HOST_MARGINS), and with the library's
+own rule since experiment 73 (a near-tie with a host-heavy leader goes to the backend with the
+least host time: attention_dispatch.fastest.pick_winner).  And the choice from
 the first k timed rounds only, by the leader's time (experiment 72: how many rounds decide).
 Several runs: each is printed, then (with more than one) all of them together.
 """
@@ -44,19 +46,26 @@ STATISTICS = {"median": statistics.median, "lower quartile": bench.lower_quartil
 HOST_MARGINS = (1.0, 1.25, 1.5)
 
 
-def replay(entry: dict, mode: str, statistic, host_margin: float | None = None) -> tuple[str, float] | None:
+def replay(entry: dict, mode: str, statistic, host_margin: float | None = None,
+           host_tie: bool = False) -> tuple[str, float] | None:
     """(backend the statistic picks, its column / the best eligible column), or None when the
-    cell recorded no samples (or, with ``host_margin``, no host times) or a column is missing."""
+    cell recorded no samples (or, with ``host_margin`` or ``host_tie``, no host times) or a
+    column is missing.  ``host_tie``: the library's rule, a near-tie to host time to spare
+    (fastest.pick_winner, experiment 73)."""
     cell = (entry["results"].get("fastest") or {}).get(mode) or {}
     samples = cell.get("measured_samples")
     host = cell.get("measured_host_ms") or {}
-    if not samples or host_margin is not None and not host:
+    if not samples or (host_margin is not None or host_tie) and not host:
         return None
 
     def cost(name: str) -> float:
         own = statistic(samples[name])
         return max(own, host_margin * host[name]) if host_margin is not None and name in host else own
-    pick = min(samples, key=cost)
+    if host_tie:
+        from attention_dispatch.fastest import pick_winner
+        pick = pick_winner({name: statistic(x) for name, x in samples.items()}, host)
+    else:
+        pick = min(samples, key=cost)
     value = bench.cell_value(entry["results"].get(bench.BACKEND_COLUMNS.get(pick, pick)), mode)
     _, best = bench.best_backend(entry, mode)
     return (pick, value / best) if value and best else None
@@ -65,11 +74,12 @@ def replay(entry: dict, mode: str, statistic, host_margin: float | None = None) 
 def summarise(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
     """Per statistic and mode: cells judged, cells below ``need``, the worst ratio, the misses."""
     out: dict[str, dict] = {}
-    variants = [(label, statistic, None) for label, statistic in STATISTICS.items()]
-    variants += [(f"lower quartile, host x{m:g}", STATISTICS["lower quartile"], m) for m in HOST_MARGINS]
-    for label, statistic, margin in variants:
+    variants = [(label, statistic, None, False) for label, statistic in STATISTICS.items()]
+    variants += [(f"lower quartile, host x{m:g}", STATISTICS["lower quartile"], m, False) for m in HOST_MARGINS]
+    variants += [("lower quartile, near-tie to host", STATISTICS["lower quartile"], None, True)]
+    for label, statistic, margin, tie in variants:
         for mode in bench.MODES:
-            got = [(e["row"]["id"], r) for e in entries if (r := replay(e, mode, statistic, margin))]
+            got = [(e["row"]["id"], r) for e in entries if (r := replay(e, mode, statistic, margin, tie))]
             misses = [(rid, pick, round(ratio, 3)) for rid, (pick, ratio) in got if ratio < need]
             out[f"{label} {mode}"] = dict(cells=len(got), below=len(misses),
                                           worst=min((r for _, (_, r) in got), default=None), misses=misses)

@@ -889,6 +889,11 @@ def test_fastest_statistics_replays_each_statistic_from_the_samples():
     assert fs.replay(entry, "fwd", fs.STATISTICS["lower quartile"], 1.0) == ("triton", pytest.approx(1.0))
     assert fs.replay(entry, "fwd", fs.STATISTICS["lower quartile"], 1.25) == ("cudnn", pytest.approx(0.9))
     assert fs.summarise([entry])["lower quartile, host x1.5 fwd"]["misses"] == [("r1", "cudnn", 0.9)]
+    # the library's near-tie rule: cuDNN 10% behind is no tie; 2% behind, it takes the host-heavy lead
+    assert fs.replay(entry, "fwd", fs.STATISTICS["lower quartile"], host_tie=True) == ("triton", pytest.approx(1.0))
+    timed["measured_samples"]["cudnn"] = [1.02] * 11
+    assert fs.replay(entry, "fwd", fs.STATISTICS["lower quartile"], host_tie=True) == ("cudnn", pytest.approx(0.9))
+    assert fs.summarise([entry])["lower quartile, near-tie to host fwd"]["misses"] == [("r1", "cudnn", 0.9)]
 
 
 def test_fastest_statistics_by_rounds_judges_the_first_k_rounds():

@@ -482,6 +482,45 @@ def test_policy_fastest_shuffles_the_turns_after_the_first_round(monkeypatch):
     assert rounds[0] == names and len(set(rounds)) > fastest.ROUNDS // 2
 
 
+def test_policy_fastest_gives_a_near_tie_to_host_time_to_spare():
+    """A leader that spends HOST_HEAVY of its time on the host loses a near-tie (within TIE) to
+    the backend with the least host time; a clear lead, or a leader with host time to spare,
+    keeps it; without host times (the CPU) the lowest time wins."""
+    from attention_dispatch import fastest
+    pick = fastest.pick_winner
+    timings = {"fa4": 0.647, "ours": 0.663, "cudnn": 0.695}        # grid c06cc63, d64 S=512 causal
+    assert pick(timings, {"fa4": 0.572, "ours": 0.437, "cudnn": 0.352}) == "ours"    # cuDNN: 7% off
+    assert pick(timings, {"fa4": 0.40, "ours": 0.437, "cudnn": 0.352}) == "fa4"      # fa4 not host-heavy
+    assert pick({"fa4": 0.60, "ours": 0.663}, {"fa4": 0.572, "ours": 0.437}) == "fa4"   # 10% lead
+    assert pick(timings, {}) == "fa4"
+    heavy = fastest.HOST_HEAVY * 0.647
+    assert pick(timings, {"fa4": heavy, "ours": 0.1}) == "ours"
+    assert pick(timings, {"fa4": heavy * 0.99, "ours": 0.1}) == "fa4"
+    edge = {"fa4": 1.0, "ours": 1.0 + fastest.TIE}
+    assert pick(edge, {"fa4": 0.9, "ours": 0.1}) == "ours"
+    assert pick({"fa4": 1.0, "ours": 1.0 + fastest.TIE * 1.01}, {"fa4": 0.9, "ours": 0.1}) == "fa4"
+
+
+def test_policy_fastest_says_why_a_near_tie_went_to_the_host_light_backend(monkeypatch):
+    """The decision table names the leader it passed over and both host times."""
+    from attention_dispatch import fastest
+    fastest.forget()
+
+    def timed(names, call, sync, failures=None, samples_out=None, host_out=None):
+        host_out.update(heavy=0.60, light=0.30)
+        samples_out.update(heavy=(0.650,), light=(0.660,))
+        return {"heavy": 0.650, "light": 0.660}
+    monkeypatch.setattr(fastest, "_time_backends", timed)
+    ad.register_backend(Recording("heavy"), priority="first")
+    ad.register_backend(Recording("light"), priority=1)
+    with ad.use_config({"dispatch": {"policy": "fastest"}}), ad.use_backends("heavy", "light"):
+        ad.sdpa(*qkv())
+        d = ad.last_decision()
+    fastest.forget()
+    assert d.backend == "light"
+    assert "heavy led by 1.5% but spends 0.600 of its 0.650 ms on the host; light needs 0.300 ms" in str(d)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_policy_fastest_counts_host_bound_time():
