@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|bench|bench1|bench2|quick|overhead|probe [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|bench|bench1|bench2|quick|hostbound|overhead|probe [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -44,6 +44,12 @@ case "$what" in
   quick)     # bf16 hdim 128 + feature rows, ~3 minutes
     timeout 300 python3 benchmarks/bench.py --quick --out "$out/bench" --doc "$out/bench/benchmarks.md" --commit "$sha" \
       2>&1 | tee "$out/bench_stdout.txt" | tail -45 ;;
+  hostbound) # the S=512 rows, where training calls are host-bound and policy="fastest" chooses between
+             # near-ties (experiment 73), the whole grid's timing on 8 rows (~2-3 minutes); then
+             # `python benchmarks/fastest_statistics.py <files_at>/hostbound/bench.json` here
+    timeout 400 python3 benchmarks/bench.py --budget-s 300 --no-doc --out "$out/hostbound" --commit "$sha" \
+      --rows 'bf16-d64-s512-*' 'fp16-d64-s512-*' 'bf16-d128-s512-*' 'fp16-d128-s512-*' \
+      2>&1 | tee "$out/hostbound_stdout.txt" | grep -A12 "^targets" ;;
   kernel)    # the kernel, its relaunch cache and torch.compile (~7 minutes), then the host overhead
     timeout ${KERNEL_TESTS_S:-480} python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
       tests/test_compiled_cache.py tests/test_triton_kernel.py tests/test_compile.py \
@@ -55,5 +61,5 @@ case "$what" in
              # where a training call's host time goes (S=512)
     timeout 240 python3 benchmarks/fa4_layout.py --json "$out/fa4_layout.json" 2>&1 | grep -v -i warn | tail -14
     timeout 120 python3 benchmarks/host_split.py 512 2>&1 | grep -v -i warn | tail -30 ;;
-  *) echo "usage: $0 tests|kernel|bench|bench1|bench2|quick|overhead|probe [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|bench|bench1|bench2|quick|hostbound|overhead|probe [SHA]"; exit 2 ;;
 esac
