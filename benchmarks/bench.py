@@ -306,11 +306,6 @@ class FlexScope:
     dtypes: tuple[str, ...] = ("bf16",)
     from_s: int = 4096
 
-    def extra(self, row: Row) -> bool:
-        """Measured only through ``from_s`` (outside ``dtypes`` x ``dims``): the first Flex cells to
-        go when the grid's budget runs short (Runner.budget_short)."""
-        return not (row.D in self.dims and row.dtype in self.dtypes) and self.why_not(row) is None
-
     def why_not(self, row: Row) -> str | None:
         """None when Flex is measured on ``row``; otherwise why not."""
         if row.D in self.dims and row.dtype in self.dtypes:
@@ -1052,8 +1047,6 @@ class Runner:
         self.torch = torch
         self.args, self.log = args, log
         self.t0 = time.perf_counter()
-        self.rows_total = self.rows_done = 0    # the grid's rows, and those run_row has finished
-        self.rows_start: float | None = None    # elapsed() when the first row began
         self.dev = "cpu" if args.smoke_cpu else "cuda"
         self.cuda = self.dev == "cuda"
         self.notes: list[str] = []
@@ -1077,16 +1070,6 @@ class Runner:
 
     def left(self) -> float:
         return self.args.budget_s - self.elapsed()
-
-    def budget_short(self) -> bool:
-        """Whether the rows left (this one included), at the mean pace of those done, would
-        overrun --budget-s: then the Flex cells of FlexScope.extra rows are skipped, so that a slow
-        host loses reported-only ratios instead of the last rows (session 22: Flex at every config
-        made a cold grid ~43 s longer)."""
-        if not self.rows_done or self.rows_start is None:
-            return False
-        pace = (self.elapsed() - self.rows_start) / self.rows_done
-        return self.left() < pace * (self.rows_total - self.rows_done)
 
     # -- optional libraries -------------------------------------------------------------------
     def load_fa4(self) -> None:
@@ -1361,8 +1344,6 @@ class Runner:
             for impl in impls:
                 entry["results"][impl] = {m: dict(status="skipped", note="time budget") for m in MODES}
             return entry
-        if self.rows_start is None:
-            self.rows_start = self.elapsed()
         log(f"\n== {row.id}  B={row.B} Hq={row.Hq} Hkv={row.Hkv} S={row.S} D={row.D} "
             f"fwd {flops(row, 'fwd') / 1e12:.3f} TFLOP  [t={self.elapsed():.0f}s]")
         try:
@@ -1380,7 +1361,6 @@ class Runner:
         self.measure_rounds(row, entry, pending)
         del inp, ref_holder, pending
         self.empty_cache()
-        self.rows_done += 1
         return entry
 
     def measure_rounds(self, row: Row, entry: dict, pending: list) -> None:
@@ -1452,8 +1432,6 @@ class Runner:
                 reasons = {m: "Flex compile budget spent (--flex-budget-s)" for m in MODES}
             elif self.left() < 30:
                 reasons = {m: "too little time left to compile Flex" for m in MODES}
-            elif args.flex.extra(row) and self.budget_short():
-                reasons = {m: "Flex skipped here: the time budget is kept for the rows left (--budget-s)" for m in MODES}
         for m in MODES:
             if reasons[m] is not None:
                 skipped = "budget" in reasons[m] or "time left" in reasons[m]
@@ -1796,7 +1774,6 @@ def main(argv=None) -> int:
     log(json.dumps(meta))
     entries = []
     data = {"meta": meta, "rows": entries}
-    runner.rows_total = len(rows)
     for row in rows:
         entries.append(runner.run_row(row, impls))
         meta["elapsed_s"] = runner.elapsed()

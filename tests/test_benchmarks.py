@@ -406,30 +406,6 @@ def test_run_row_records_each_modes_choice():
         assert set(fastest["measured_samples"]) == set(fastest["measured"])
 
 
-def test_a_short_budget_drops_flex_on_the_extra_rows_first(monkeypatch):
-    """When the rows left, at the pace of those done, would overrun --budget-s, Flex is skipped
-    (with a note naming the budget) on rows measured only through --flex-from-s; never before
-    a row has finished, and never on rows of --flex-dims x --flex-dtypes."""
-    args = bench.parse_args(["--smoke-cpu", "--budget-s", "100", "--flex-dims", "128", "--flex-from-s", "128"])
-    runner = bench.Runner(args, bench.Log(None, echo=False))
-    clock = {"t": 50.0}
-    monkeypatch.setattr(runner, "elapsed", lambda: clock["t"])
-    runner.rows_total, runner.rows_start = 10, 0.0
-    assert not runner.budget_short()                 # no row done yet: no pace
-    runner.rows_done = 5
-    assert not runner.budget_short()                 # 10 s a row, 5 rows left, 50 s left
-    clock["t"] = 60.0
-    assert runner.budget_short()                     # 12 s a row: 60 s needed, 40 left
-    row = Row("bf16", 64, 128, False, tokens=256, hidden=256)     # in scope through --flex-from-s only
-    assert args.flex.extra(row) and not args.flex.extra(Row("bf16", 128, 128, False, tokens=256, hidden=256))
-    assert not args.flex.extra(Row("bf16", 64, 128, False, "bias", tokens=256, hidden=256))   # not measured at all
-    runner.flex_fn = object()                        # Flex "available" (never called: skipped first)
-    res: dict = {}
-    runner.run_impl("flex", row, {}, res, {}, [])
-    assert {m: r["status"] for m, r in res.items()} == dict.fromkeys(bench.MODES, "skipped")
-    assert "kept for the rows left" in res["fwd"]["note"]
-
-
 def test_plot_links_are_relative(tmp_path):
     pytest.importorskip("matplotlib")
     data = fake_data()
