@@ -18,6 +18,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -25,10 +26,19 @@ from . import registry
 from .dispatch import Decision, logger
 from .problem import Problem
 
+
+
+class Measured(NamedTuple):
+    """What timing a bucket found (or the JSON file kept of it)."""
+    winner: str
+    timings: dict[str, float]                  # ms per call (lower quartile)
+    failures: dict[str, str]                   # backends that failed while timed: why
+    samples: dict[str, tuple[float, ...]]      # ms, behind each timing (this process only)
+    host: dict[str, float]                     # host ms per call in those samples (GPU)
+
+
 _lock = threading.Lock()
-# winner, ms, failures, samples (ms), host ms per call (GPU)
-_winners: dict[tuple, tuple[str, dict[str, float], dict[str, str], dict[str, tuple[float, ...]],
-                            dict[str, float]]] = {}
+_winners: dict[tuple, Measured] = {}
 # How a backend is timed (experiment 56): in ROUNDS interleaved rounds, each backend's turn
 # is one untimed call and SAMPLES_PER_TURN samples of about SAMPLE_MS each; a backend's
 # time is the lower quartile of all its samples (the median until experiment 65).  Short
@@ -206,6 +216,17 @@ def pick_winner(timings: dict[str, float], host: dict[str, float]) -> str:
     return min(near, key=lambda name: (host.get(name, math.inf), timings[name]))
 
 
+def tie_note(winner: str, timings: dict[str, float], host: dict[str, float]) -> str | None:
+    """Why :func:`pick_winner` passed over the leader for ``winner``, for the decision table;
+    None where the leader won."""
+    leader = min(timings, key=timings.get, default=winner)
+    if winner == leader or leader not in host or winner not in host:
+        return None
+    return (f"policy=fastest: {leader} led by {timings[winner] / timings[leader] - 1:.1%} but spends "
+            f"{host[leader]:.3f} of its {timings[leader]:.3f} ms on the host; {winner} needs "
+            f"{host[winner]:.3f} ms there (a near-tie goes to host time to spare)")
+
+
 def lower_quartile(times: list[float]) -> float:
     """The first quartile of ``times`` (linear interpolation between order statistics): the
     statistic of a timing here and of a cell in benchmarks/bench.py.  Disturbances (host
@@ -301,7 +322,7 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
     if found is None and cache_path:
         entry = _load_file(cache_path).get(_file_key(decision.problem, device))
         if entry and entry.get("backend") in decision.eligible:
-            found = (entry["backend"], dict(entry.get("timings_ms", {})), {}, {}, dict(entry.get("host_ms", {})))
+            found = Measured(entry["backend"], dict(entry.get("timings_ms", {})), {}, {}, dict(entry.get("host_ms", {})))
     if found is None:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         failures: dict[str, str] = {}
@@ -319,22 +340,18 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
             return decision
         winner = pick_winner(timings, host)
         # kept with the winner: the decision table says why an eligible backend has no time
-        found = (winner, timings, failures, samples, host)
+        found = Measured(winner, timings, failures, samples, host)
         if cache_path:
             with _lock:
                 _store_file(cache_path, _file_key(decision.problem, device), winner, timings, host)
         logger.debug("measured %s: %s (failed: %s)", bucket(decision.problem).summary(), timings, failures)
     with _lock:
         _winners[key] = found
-    winner, timings, failed, samples, host = found
-    notes = ("policy=fastest: the choice was measured",)
-    leader = min(timings, key=timings.get) if timings else winner
-    if winner != leader and leader in host and winner in host:
-        notes += (f"policy=fastest: {leader} led by {timings[winner] / timings[leader] - 1:.1%} but spends "
-                  f"{host[leader]:.3f} of its {timings[leader]:.3f} ms on the host; {winner} needs "
-                  f"{host[winner]:.3f} ms there (a near-tie goes to host time to spare)",)
-    return dataclasses.replace(decision, backend=winner, timings=timings, failures={**decision.failures, **failed},
-                               timing_samples=samples, host_timings=host, notes=decision.notes + notes)
+    why = tie_note(found.winner, found.timings, found.host)
+    notes = ("policy=fastest: the choice was measured",) + ((why,) if why else ())
+    return dataclasses.replace(decision, backend=found.winner, timings=found.timings,
+                               failures={**decision.failures, **found.failures}, timing_samples=found.samples,
+                               host_timings=found.host, notes=decision.notes + notes)
 
 
 def forget() -> None:

@@ -409,12 +409,13 @@ def fmt_pair(res: dict | None) -> str:
     return f"{fmt_cell(res, 'fwd')} / {fmt_cell(res, 'fwd+bwd')}"
 
 
+def fmt_modes(ratio_in) -> str:
+    """'fwd / fwd+bwd' of ``ratio_in(mode)`` (a ratio or None), two decimals, '-' for None."""
+    return " / ".join(fmt_num(ratio_in(m), 2) for m in MODES)
+
+
 def fmt_ratio(res: dict | None) -> str:
-    vals = []
-    for mode in MODES:
-        r = ((res or {}).get(mode) or {}).get("ratio_to_best_anchor")
-        vals.append("-" if r is None else f"{r:.2f}")
-    return " / ".join(vals)
+    return fmt_modes(lambda m: ((res or {}).get(m) or {}).get("ratio_to_best_anchor"))
 
 
 def ratio_between(entry: dict, a: str, b: str, mode: str) -> float | None:
@@ -428,15 +429,11 @@ RATIO_ANCHORS = ("cudnn", "flex", "fa4")
 TARGET_MIN_S = 4096     # the targets read dense rows from this S up
 
 
-def fmt_ratio_pair(entry: dict, a: str, b: str) -> str:
-    """'fwd / fwd+bwd' of ``a``'s TFLOP/s over ``b``'s in one row ('-' where either did not run)."""
-    return " / ".join(fmt_num(ratio_between(entry, a, b, m), 2) for m in MODES)
-
-
 def anchor_ratio_lines(entries: list[dict], impl: str = "triton") -> tuple[list[str], list[list[str]]]:
     """One line per row: ``impl`` against each of RATIO_ANCHORS, 'fwd / fwd+bwd'."""
     headers = ["row"] + [f"{impl}/{LABELS[a]}" for a in RATIO_ANCHORS]
-    lines = [[Row.from_json(e["row"]).describe()] + [fmt_ratio_pair(e, impl, a) for a in RATIO_ANCHORS]
+    lines = [[Row.from_json(e["row"]).describe()] + [fmt_modes(lambda m, a=a: ratio_between(e, impl, a, m))
+                                                     for a in RATIO_ANCHORS]
              for e in entries]
     return headers, lines
 
@@ -453,17 +450,10 @@ def config_ratio_lines(entries: list[dict], impl: str = "triton") -> tuple[list[
     headers = ["config"] + [f"{impl}/{LABELS[a]} (worst)" for a in RATIO_ANCHORS]
     lines = []
     for (dtype, D), es in sorted(group_entries(entries).items()):
-        big = target_rows(es)
-        if not big:
-            continue
-        cells = []
-        for a in RATIO_ANCHORS:
-            worst = []
-            for m in MODES:
-                vals = [r for e in big if (r := ratio_between(e, impl, a, m)) is not None]
-                worst.append(fmt_num(min(vals), 2) if vals else "-")
-            cells.append(" / ".join(worst))
-        lines.append([f"{dtype} d{D}"] + cells)
+        if big := target_rows(es):
+            lines.append([f"{dtype} d{D}"] + [fmt_modes(lambda m, a=a: min(
+                (r for e in big if (r := ratio_between(e, impl, a, m)) is not None), default=None))
+                for a in RATIO_ANCHORS])
     return headers, lines
 
 
@@ -492,9 +482,9 @@ def row_lines(entries: list[dict], impls: list[str]) -> tuple[list[str], list[li
         res = e["results"]
         best = e.get("best_anchor", {})
         best_s = " / ".join(LABELS.get(best.get(m) or "", "-") if best.get(m) else "-" for m in MODES)
-        fb = " / ".join(fmt_num(fastest_ratio(e, m), 2) for m in MODES)
         lines.append([row.describe()] + [fmt_pair(res.get(i)) for i in impls]
-                     + [best_s, fmt_ratio(res.get("sdpa")), fmt_ratio(res.get("triton")), fb])
+                     + [best_s, fmt_ratio(res.get("sdpa")), fmt_ratio(res.get("triton")),
+                        fmt_modes(lambda m, e=e: fastest_ratio(e, m))])
     return headers, lines
 
 
