@@ -105,14 +105,6 @@ MIN_PER_TURN = 1
 # measurements of one kernel, and adjacent turns share the host's and the clock's state, which
 # drift over milliseconds to seconds; the order stays symmetric, so neither side gains from it.
 PAIR_FASTEST = True
-# In a long cell (policy="fastest" at CLOSE_LONG_MS or more) the turns that decide the fastest
-# target, its own, its choice's column and the columns within CLOSE_MARGIN of the best it could
-# have chosen, take --close-rounds more rounds (experiment 74): at 11 rounds two columns running
-# one kernel there disagreed by 0.4-0.8% (median) and 1-3 long cells a grid read below 0.97 of
-# the same kernel's column, where 33 rounds brought them to 0.2% and 0.98-1.03 (session 22).
-CLOSE_LONG_MS = 3.6
-CLOSE_MARGIN = 0.05
-CLOSE_ROUNDS = 11
 # Implementations whose first call compiles (Triton, Inductor, CuTe DSL): the compile workers run these.
 COMPILING_IMPLS = ("sdpa", "triton", "flex", "fa4")
 # Seconds of compilation per row, roughly (session-5 logs): the workers' load balance.
@@ -500,37 +492,13 @@ def best_backend(entry: dict, mode: str) -> tuple[str | None, float | None]:
     """The column of the best single backend policy="fastest" could have chosen in this row
     and mode (the forward runs under no_grad, so forward-only backends count there), and its
     TFLOP/s."""
-    return best_anchor(entry["results"], mode, choosable_columns(entry, mode))
-
-
-def choosable_columns(entry: dict, mode: str) -> list[str]:
-    """The backend columns policy="fastest" could have chosen in this row and mode."""
     cell = (entry["results"].get("fastest") or {}).get(mode) or {}
     # A backend that does not claim the row exactly (cuDNN's dropout, cuDNN on varlen) is not
     # one it could choose: only the eligible ones count.  One that failed while timed counts
     # (a user pinning it would get its column); runs before 2026-11-23 recorded only the timed.
     could = cell.get("eligible") or cell.get("measured")
-    return [i for i in BACKEND_IMPLS if not could or BACKEND_NAMES.get(i, i) in could]
-
-
-def close_turns(entry: dict, turns: list[tuple[str, str]], long_ms: float = CLOSE_LONG_MS,
-                margin: float = CLOSE_MARGIN) -> set[int]:
-    """The turns (indices into ``turns``: (implementation, mode)) that decide the fastest target
-    in a long cell (experiment 74): where policy="fastest" measured ``long_ms`` or more, its own
-    turn, its choice's column and every column it could have chosen within ``margin`` of the
-    best of them."""
-    out: set[int] = set()
-    results = entry["results"]
-    for mode in MODES:
-        cell = (results.get("fastest") or {}).get(mode) or {}
-        if cell.get("status") != "ok" or cell["ms"] < long_ms:
-            continue
-        _, best = best_backend(entry, mode)
-        close = {"fastest", chosen_column(results, mode)}
-        close |= {i for i in choosable_columns(entry, mode)
-                  if best and (v := cell_value(results.get(i), mode)) and v * (1 + margin) >= best}
-        out |= {turns.index((i, mode)) for i in close if (i, mode) in turns}
-    return out
+    impls = [i for i in BACKEND_IMPLS if not could or BACKEND_NAMES.get(i, i) in could]
+    return best_anchor(entry["results"], mode, impls)
 
 
 def fastest_ratio(entry: dict, mode: str) -> float | None:
@@ -750,9 +718,6 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
                 + ("; policy=\"fastest\" takes its turn next to the backend it chose (after it in even rounds, "
                    "before it in odd ones: two measurements of one kernel share the machine's state)"
                    if meta.get("pair_fastest") else "")
-                + (f"; in a cell where policy=\"fastest\" takes {CLOSE_LONG_MS:g} ms or more, its turn, its "
-                   f"choice's and those of the backends within {CLOSE_MARGIN:.0%} of the best take "
-                   f"{meta['close_rounds']} more rounds (an even total)" if meta.get("close_rounds") else "")
                 + ", with Python's garbage collector off while timing; "
                 if meta.get("sampling") in (SAMPLING, SAMPLING_ONE_CALL, SAMPLING_SHUFFLED) else "")
              + ("forward = inference (torch.no_grad(); Flex with grad enabled, its compiled graph depends on it)."
@@ -925,9 +890,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slow-rounds", type=int, default=SLOW_ROUNDS, help="rounds a slow turn takes")
     p.add_argument("--min-per-turn", type=int, default=MIN_PER_TURN,
                    help="fewest timed calls in one turn (long calls would otherwise time one)")
-    p.add_argument("--close-rounds", type=int, default=CLOSE_ROUNDS,
-                   help="more rounds for the turns deciding the fastest target in a long cell (0: none; "
-                        "docs/perf-notes.md, experiment 74)")
     p.add_argument("--no-pair-fastest", dest="pair_fastest", action="store_false", default=PAIR_FASTEST,
                    help="time policy=\"fastest\" in its shuffled place, not next to the backend it chose "
                         "(docs/perf-notes.md, experiment 69)")
@@ -972,8 +934,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("slow_rounds", "min_per_turn"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if a.close_rounds < 0:
-        p.error(f"--close-rounds must be >= 0, got {a.close_rounds}")
     return a
 
 
@@ -1402,7 +1362,7 @@ class Runner:
         what ran before it (up to 8% for flash-attn 4, experiment 32; 20 ms of untimed calls
         per turn did not make two columns running the same kernel agree better, so the
         default is one call)."""
-        rounds = max(1, self.args.rounds)
+        log, rounds = self.log, max(1, self.args.rounds)
         times: dict[int, list[float]] = {i: [] for i in range(len(pending))}
         turns = {i: 0 for i in range(len(pending))}
         failed: dict[int, str] = {}
@@ -1416,59 +1376,36 @@ class Runner:
                                   self.args.slow_factor,
                                   keep={i for i, p in enumerate(pending) if p[0] in OURS})
             for i in pair_fastest(turn_order(len(pending), row.id, rnd, self.args.seed), turn_names, chosen, rnd):
-                w = pending[i][4]
-                if not (i in failed or w["est"] > 1000.0 and times[i] or i in slow and rnd >= self.args.slow_rounds):
-                    self.take_turn(pending[i], math.ceil(w["reps"] / rounds), times[i], failed, i, turns)
-        self.record_rounds(row, entry, pending, times, turns, failed, log=False)
-        # the turns deciding the fastest target in a long cell take more rounds (experiment 74);
-        # the order stays shuffled and paired, and the rounds' count even, so neither side of a
-        # pair goes first more often
-        close = sorted(close_turns(entry, turn_names) - set(failed)) if self.left() > 0 else []
-        extra = self.args.close_rounds + (self.args.close_rounds + rounds) % 2 if close and self.args.close_rounds else 0
-        for rnd in range(rounds, rounds + extra):
-            for i in pair_fastest(turn_order(len(pending), row.id, rnd, self.args.seed), turn_names, chosen, rnd):
-                if i in close and i not in failed:
-                    self.take_turn(pending[i], math.ceil(pending[i][4]["reps"] / rounds), times[i], failed, i, turns)
-        self.record_rounds(row, entry, pending, times, turns, failed, log=True)
-
-    def take_turn(self, turn: tuple, reps: int, times: list[float], failed: dict, index: int, turns: dict) -> None:
-        """One turn of :meth:`measure_rounds`: untimed calls, then ``reps`` timed repetitions (at
-        least --min-per-turn; one for a call over a second) appended to ``times``; a failure is
-        kept in ``failed`` under ``index``."""
-        impl, m, fn, ctx, w = turn
-        n = 1 if w["est"] > 1000.0 else max(self.args.min_per_turn, reps)
-        try:
-            with ctx():
-                if w["est"] <= 1000.0:
-                    # untimed calls first: the first call of each turn ran up to ~35% slower
-                    # for every implementation alike (experiment 24, samples_ms), and the
-                    # clock follows the previous turn's implementation (experiment 32)
-                    for _ in range(warm_calls(w["est"], self.args.turn_warm_ms)):
-                        fn()
-                times += self.sample(fn, n, w["inner"])
-            turns[index] += 1
-        except Exception as e:   # noqa: BLE001
-            failed[index] = first_line(e)
-            with contextlib.suppress(Exception):
-                self.sync()
-
-    def record_rounds(self, row: Row, entry: dict, pending: list, times: dict, turns: dict, failed: dict,
-                      log: bool) -> None:
-        """Each turn's cell from its repetitions so far (an error where it failed), logged with ``log``."""
+                impl, m, fn, ctx, w = pending[i]
+                if i in failed or w["est"] > 1000.0 and times[i] or i in slow and rnd >= self.args.slow_rounds:
+                    continue
+                n = 1 if w["est"] > 1000.0 else max(self.args.min_per_turn, math.ceil(w["reps"] / rounds))
+                try:
+                    with ctx():
+                        if w["est"] <= 1000.0:
+                            # untimed calls first: the first call of each turn ran up to ~35% slower
+                            # for every implementation alike (experiment 24, samples_ms), and the
+                            # clock follows the previous turn's implementation (experiment 32)
+                            for _ in range(warm_calls(w["est"], self.args.turn_warm_ms)):
+                                fn()
+                        times[i] += self.sample(fn, n, w["inner"])
+                    turns[i] += 1
+                except Exception as e:   # noqa: BLE001
+                    failed[i] = first_line(e)
+                    with contextlib.suppress(Exception):
+                        self.sync()
         for i, (impl, m, fn, ctx, w) in enumerate(pending):
             res = entry["results"][impl]
             if i in failed:
                 res[m] = dict(status="error", note=failed[i])
-                if log:
-                    self.log(f"  {impl:16s} {m:8s} err: {failed[i]}")
+                log(f"  {impl:16s} {m:8s} err: {failed[i]}")
                 continue
             r = dict(res[m], **self.summarize(w, times[i]))
             r.update(status="ok", tflops=tflops(row, m, r["ms"]), rounds=turns[i])
             res[m] = r
-            if log:
-                self.log(f"  {impl:16s} {m:8s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  peak "
-                         f"{fmt_num(r.get('peak_mib')):>6s} MiB  reps {r['reps']}x{r['inner']}  first "
-                         f"{r['first_call_s']:.2f} s  spread {r.get('spread', 0):.2f}")
+            log(f"  {impl:16s} {m:8s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  peak "
+                f"{fmt_num(r.get('peak_mib')):>6s} MiB  reps {r['reps']}x{r['inner']}  first {r['first_call_s']:.2f} s  "
+                f"spread {r.get('spread', 0):.2f}")
 
     def run_impl(self, impl: str, row: Row, inp: dict, res: dict, ref_holder: dict, pending: list) -> None:
         """Prepare one implementation for the row and warm up each supported mode (compile,
@@ -1817,7 +1754,7 @@ def main(argv=None) -> int:
     meta.update(fwd_timing="no_grad", timing="queued", rounds=args.rounds, sampling=SAMPLING_SHUFFLED,
                 statistic=STATISTIC,
                 turn_warm_ms=args.turn_warm_ms, slow_factor=args.slow_factor, slow_rounds=args.slow_rounds,
-                min_per_turn=args.min_per_turn, pair_fastest=args.pair_fastest, close_rounds=args.close_rounds,
+                min_per_turn=args.min_per_turn, pair_fastest=args.pair_fastest,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 commit=git_commit(args.commit), quick=args.quick, impls=impls, anchors=list(ANCHORS),
                 command="python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),

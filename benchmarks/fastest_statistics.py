@@ -118,8 +118,12 @@ def by_rounds(entries: list[dict], counts=ROUND_COUNTS, need: float = 0.97) -> d
 def agreement(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
     """The fastest cell against its choice's own column (the same kernel), per cell length
     (the column's ms, LENGTHS): cells, median |log(fastest ms / column ms)|, cells below
-    ``need`` (fastest slower)."""
+    ``need`` (fastest slower).  Also, where both recorded one sample per round (the grid pairs
+    their turns: bench.pair_fastest), the paired estimate: per cell the median over rounds of
+    log(fastest sample / column sample), then its median |.| and the cells below ``need``
+    (experiment 74: more precise over long cells, no fewer misses over whole grids)."""
     logs: dict[str, list[float]] = {label: [] for _, label in LENGTHS}
+    paired: dict[str, list[float]] = {label: [] for _, label in LENGTHS}
     for e in entries:
         for mode in bench.MODES:
             cell = (e["results"].get("fastest") or {}).get(mode) or {}
@@ -129,8 +133,16 @@ def agreement(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
                 continue
             label = next(lab for limit, lab in LENGTHS if other["ms"] < limit)
             logs[label].append(math.log(other["ms"] / cell["ms"]))     # < 0: fastest slower
-    return {label: dict(cells=len(v), median_abs=statistics.median([abs(x) for x in v]) if v else None,
-                        below=sum(x < math.log(need) for x in v)) for label, v in logs.items()}
+            mine, theirs = cell.get("samples_ms") or [], other.get("samples_ms") or []
+            if mine and len(mine) == len(theirs):
+                paired[label].append(statistics.median(math.log(b / a) for a, b in zip(mine, theirs)))
+
+    def median_abs(v):
+        return statistics.median([abs(x) for x in v]) if v else None
+    return {label: dict(cells=len(v), median_abs=median_abs(v), below=sum(x < math.log(need) for x in v),
+                        paired_cells=len(paired[label]), paired_median_abs=median_abs(paired[label]),
+                        paired_below=sum(x < math.log(need) for x in paired[label]))
+            for label, v in logs.items()}
 
 
 def report(name: str, entries: list[dict]) -> None:
@@ -142,9 +154,10 @@ def report(name: str, entries: list[dict]) -> None:
         print(f"  first k rounds, {band:20s} " + "  ".join(
             f"k={k}: {c['below']}/{c['cells']} below" for k, c in ks.items()))
     for label, a in agreement(entries).items():
-        med = "-" if a["median_abs"] is None else f"{a['median_abs']:.4f}"
+        med, pmed = ("-" if x is None else f"{x:.4f}" for x in (a["median_abs"], a["paired_median_abs"]))
         print(f"  fastest vs its choice's column, {label:10s} cells {a['cells']:3d}  median |log ratio| {med}  "
-              f"below 0.97 {a['below']:2d}")
+              f"below 0.97 {a['below']:2d}  paired: cells {a['paired_cells']:3d} median {pmed} "
+              f"below 0.97 {a['paired_below']:2d}")
 
 
 def main(argv=None) -> None:

@@ -442,7 +442,7 @@ def test_parse_args_quick_and_lists():
 
 
 @pytest.mark.parametrize("argv", [["--impls", "nope"], ["--flex-dtypes", "fp8"], ["--flex-dims", "x"], ["--flex-from-s", "-1"],
-                                  ["--slow-rounds", "0"], ["--min-per-turn", "0"], ["--close-rounds", "-1"]])
+                                  ["--slow-rounds", "0"], ["--min-per-turn", "0"]])
 def test_parse_args_rejects(argv, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
@@ -720,7 +720,7 @@ def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
     import contextlib
     import time
     args = bench.parse_args(["--smoke-cpu", "--rounds", "5", "--turn-warm-ms", "0", "--slow-rounds", "2",
-                             "--slow-factor", "1.5", "--min-per-turn", "2", "--close-rounds", "0"])
+                             "--slow-factor", "1.5", "--min-per-turn", "2"])
     runner = bench.Runner(args, bench.Log(None, echo=False))
     calls = {"fast": 0, "close": 0, "slow": 0, "fastest": 0}
 
@@ -740,62 +740,6 @@ def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
     assert [res[n]["rounds"] for n in calls] == [5, 5, 2, 5]
     assert [res[n]["reps"] for n in calls] == [5 * 2] * 2 + [2 * 2] + [5 * 2]
     assert max(res["fast"]["ms"], res["close"]["ms"]) < res["slow"]["ms"]
-
-
-def test_close_turns_are_the_fastest_targets_sides_in_long_cells():
-    """In a long cell: policy="fastest", its choice's column and the columns it could have
-    chosen within the margin of the best; nothing in a short cell, nothing not eligible."""
-    def cell(ms, **kw):
-        return dict(status="ok", ms=ms, tflops=100.0 / ms, **kw)
-    results = {"fastest": {"fwd": cell(0.5, backend="cudnn", eligible=["triton", "cudnn", "flash_attn"]),
-                           "fwd+bwd": cell(5.2, backend="flash_attn", eligible=["triton", "cudnn", "flash_attn"])},
-               "sdpa": {"fwd": cell(0.6), "fwd+bwd": cell(5.0)},
-               "triton": {"fwd": cell(0.6), "fwd+bwd": cell(5.5)},      # 10% off the best: not close
-               "cudnn": {"fwd": cell(0.5), "fwd+bwd": cell(5.1)},       # 2% off: close
-               "torch_flash": {"fwd": cell(0.5), "fwd+bwd": cell(4.9)},  # not eligible
-               "fa4": {"fwd": cell(0.55), "fwd+bwd": cell(5.0)}}         # the best and the choice
-    turns = [(impl, m) for impl in results for m in bench.MODES]
-    entry = {"results": results}
-    close = bench.close_turns(entry, turns)
-    assert sorted(turns[i] for i in close) == [("cudnn", "fwd+bwd"), ("fa4", "fwd+bwd"), ("fastest", "fwd+bwd")]
-    assert bench.close_turns(entry, turns, long_ms=6.0) == set()
-    wider = bench.close_turns(entry, turns, margin=0.15)
-    assert turns.index(("triton", "fwd+bwd")) in wider and turns.index(("torch_flash", "fwd+bwd")) not in wider
-
-
-def test_measure_rounds_give_close_turns_more_rounds():
-    """With --close-rounds, the turns close_turns names take that many more rounds (one more
-    where the total would be odd: a pair's sides go first equally often), still paired; the
-    others keep --rounds; --close-rounds 0 adds none."""
-    import contextlib
-    import time
-    for close_rounds, want in ((2, 6), (3, 6), (0, 3)):
-        args = bench.parse_args(["--smoke-cpu", "--rounds", "3", "--turn-warm-ms", "0", "--slow-factor", "0",
-                                 "--close-rounds", str(close_rounds)])
-        assert args.close_rounds == close_rounds
-        runner = bench.Runner(args, bench.Log(None, echo=False))
-        log = []
-
-        def make(name, seconds):
-            def fn():
-                log.append(name)
-                time.sleep(seconds)
-            return fn
-        speeds = {"sdpa": 0.004, "fastest": 0.004, "triton": 0.012, "cudnn": 0.004, "fa4": 0.004}
-        w = dict(est=4.0, reps=3, inner=1, first_call_s=0.0)
-        entry = {"results": {n: {"fwd": {"status": "pending", "peak_mib": None}} for n in speeds}}
-        entry["results"]["fastest"]["fwd"].update(backend="flash_attn", eligible=["triton", "cudnn", "flash_attn"])
-        pending = [(n, "fwd", make(n, s), contextlib.nullcontext, w) for n, s in speeds.items()]
-        runner.measure_rounds(bench.smoke_grid()[0], entry, pending)
-        got = {n: entry["results"][n]["fwd"]["rounds"] for n in speeds}
-        assert got == {"sdpa": 3, "triton": 3, "fastest": want, "cudnn": want, "fa4": want}, (close_rounds, got)
-        assert entry["results"]["fastest"]["fwd"]["reps"] == want
-        turns = log[::2]       # each turn: one untimed call, one timed
-        late = turns[5 * 3:]   # the close rounds: three turns each, fastest next to fa4
-        for r in range(want - 3):
-            one = late[3 * r:3 * r + 3]
-            assert sorted(one) == ["cudnn", "fa4", "fastest"]
-            assert one.index("fastest") - one.index("fa4") == (1 if (3 + r) % 2 == 0 else -1)
 
 
 def test_pair_fastest_puts_fastest_next_to_its_choice():
@@ -974,19 +918,25 @@ def test_fastest_statistics_by_rounds_judges_the_first_k_rounds():
 
 def test_fastest_statistics_agreement_of_one_kernel_measured_twice():
     """The fastest cell against the column of the backend it chose, by the column's length:
-    a flash-attn 4 choice reads the fa4 column; fastest 4% slower counts below 0.97."""
+    a flash-attn 4 choice reads the fa4 column; fastest 4% slower counts below 0.97.  The paired
+    estimate takes the median of the per-round ratios, only where both have one sample a round."""
     from benchmarks import fastest_statistics as fs
 
     def cell(ms, **kw):
         return dict(status="ok", ms=ms, tflops=1.0 / ms, **kw)
     entries = [
-        {"row": {}, "results": {"fastest": {"fwd": cell(0.52, backend="triton"), "fwd+bwd": cell(5.2, backend="flash_attn")},
+        {"row": {}, "results": {"fastest": {"fwd": cell(0.52, backend="triton"),
+                                            "fwd+bwd": cell(5.2, backend="flash_attn", samples_ms=[5.0, 5.6, 5.2])},
                                 "triton": {"fwd": cell(0.50), "fwd+bwd": cell(6.0)},
-                                "fa4": {"fwd": cell(0.40), "fwd+bwd": cell(5.0)}}},
+                                "fa4": {"fwd": cell(0.40), "fwd+bwd": cell(5.0, samples_ms=[5.1, 5.0, 5.3])}}},
         {"row": {}, "results": {"fastest": {"fwd": cell(2.0, backend="cudnn"), "fwd+bwd": cell(1.0, backend="math")},
                                 "cudnn": {"fwd": cell(2.0), "fwd+bwd": {"status": "unsupported"}}}}]
     got = fs.agreement(entries)
     assert got["under 1 ms"]["cells"] == 1 and got["under 1 ms"]["below"] == 1
     assert got["under 1 ms"]["median_abs"] == pytest.approx(math.log(0.52 / 0.50))
-    assert got["1-3.6 ms"] == dict(cells=1, median_abs=0.0, below=0)
+    assert got["1-3.6 ms"] == dict(cells=1, median_abs=0.0, below=0, paired_cells=0, paired_median_abs=None, paired_below=0)
     assert got["longer"]["cells"] == 1 and got["longer"]["below"] == 1      # 5.2 against the fa4 column's 5.0
+    # per round: 5.1/5.0, 5.0/5.6, 5.3/5.2 -> the median ratio 5.3/5.2, above 0.97
+    assert got["longer"]["paired_cells"] == 1 and got["longer"]["paired_below"] == 0
+    assert got["longer"]["paired_median_abs"] == pytest.approx(math.log(5.3 / 5.2))
+    assert got["under 1 ms"]["paired_cells"] == 0 and got["under 1 ms"]["paired_median_abs"] is None
