@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|bench|bench1|bench2|quick|hostbound|overhead|probe [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|bench|bench1|bench2|quick|hostbound|overhead|probe [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -50,16 +50,21 @@ case "$what" in
       --rows 'bf16-d64-s512-*' 'fp16-d64-s512-*' 'bf16-d128-s512-*' 'fp16-d128-s512-*' \
       2>&1 | tee "$out/hostbound_stdout.txt" | grep -A12 "^targets"
     timeout 60 python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -3 ;;
-  kernel)    # the kernel, its relaunch cache and torch.compile (~7 minutes), then the host overhead
+  kernel)    # the kernel's first half (relaunch cache, dense, head dims, features: 52 tests), then the
+             # host overhead; `kernel2` runs the warp-specialised paths and the training plan (74 tests).
+             # In one call all 126 outgrew its 480 s on a slow host (83 ran, session 23)
     timeout ${KERNEL_TESTS_S:-480} python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
-      tests/test_compiled_cache.py tests/test_triton_kernel.py tests/test_compile.py \
+      tests/test_compiled_cache.py tests/test_triton_kernel.py tests/test_compile.py -k "not warp_specialized and not training_plan" \
       2>&1 | tee "$out/gpu_tests.log" | tail -8
     timeout 40 python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -11 ;;
+  kernel2)   # the kernel's warp-specialised paths and the training plan's replays
+    timeout ${KERNEL_TESTS_S:-560} python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
+      tests/test_triton_kernel.py -k "warp_specialized or training_plan" 2>&1 | tee "$out/gpu_tests.log" | tail -8 ;;
   overhead)  # sdpa() against F.sdpa and the decision cache on CUDA (~37 s; the issue's host targets)
     python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -12 ;;
   probe)     # experiment 67's diagnostics (~90 s): flash-attn 4 on its layout and through sdpa(), then
              # where a training call's host time goes (S=512)
     timeout 240 python3 benchmarks/fa4_layout.py --json "$out/fa4_layout.json" 2>&1 | grep -v -i warn | tail -14
     timeout 120 python3 benchmarks/host_split.py 512 2>&1 | grep -v -i warn | tail -30 ;;
-  *) echo "usage: $0 tests|kernel|bench|bench1|bench2|quick|hostbound|overhead|probe [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|bench|bench1|bench2|quick|hostbound|overhead|probe [SHA]"; exit 2 ;;
 esac
