@@ -27,7 +27,6 @@ from .dispatch import Decision, logger
 from .problem import Problem
 
 
-
 class Measured(NamedTuple):
     """What timing a bucket found (or the JSON file kept of it)."""
     winner: str

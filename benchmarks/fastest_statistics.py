@@ -120,7 +120,7 @@ def agreement(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
     (the column's ms, LENGTHS): cells, median |log(fastest ms / column ms)|, cells below
     ``need`` (fastest slower).  Also, where both recorded one sample per round (the grid pairs
     their turns: bench.pair_fastest), the paired estimate: per cell the median over rounds of
-    log(fastest sample / column sample), then its median |.| and the cells below ``need``
+    log(column sample / fastest sample), then its median |.| and the cells below ``need``
     (experiment 74: more precise over long cells, no fewer misses over whole grids)."""
     logs: dict[str, list[float]] = {label: [] for _, label in LENGTHS}
     paired: dict[str, list[float]] = {label: [] for _, label in LENGTHS}

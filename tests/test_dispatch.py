@@ -1,4 +1,5 @@
 """Choosing: order sources, forced backends, custom backends, scopes, cache, policies."""
+import dataclasses
 import logging
 import os
 import subprocess
@@ -267,7 +268,6 @@ def test_determinism_follows_torch_with_warn_only():
 
 
 def _cuda_problem(**changes):
-    import dataclasses
     return dataclasses.replace(problem_of(*qkv()), device_type="cuda", compute_capability=(9, 0), **changes)
 
 
@@ -564,7 +564,7 @@ def test_policy_fastest_measures_and_caches(tmp_path):
         assert "measured fastest" in str(d) and "policy=fastest" in str(d)
         # on the CPU a sample is the host's time: no separate host column
         assert d.host_timings == {} and "host" not in str(d)
-        shown = str(__import__("dataclasses").replace(d, host_timings={"slow": 250.5, "quick": 0.0123}))
+        shown = str(dataclasses.replace(d, host_timings={"slow": 250.5, "quick": 0.0123}))
         assert "(measured fastest: " in shown and "; host 0.012 ms)" in shown and "; host 250.500 ms)" in shown
         runs = slow.runs
         ad.sdpa(*qkv(1, 2, 7, 16, grad=True))  # same bucket (7 rounds up to 8): no new timing
