@@ -119,9 +119,9 @@ def agreement(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
     """The fastest cell against its choice's own column (the same kernel), per cell length
     (the column's ms, LENGTHS): cells, median |log(fastest ms / column ms)|, cells below
     ``need`` (fastest slower).  Also, where both recorded one sample per round (the grid pairs
-    their turns: bench.pair_fastest), the paired estimate: per cell the median over rounds of
-    log(column sample / fastest sample), then its median |.| and the cells below ``need``
-    (experiment 74: more precise over long cells, no fewer misses over whole grids)."""
+    their turns: bench.pair_fastest), the paired estimate the target reads there
+    (bench.paired_log_ratio: per round log(column sample / fastest sample), the medians of even
+    and odd rounds averaged), then its median |.| and the cells below ``need`` (experiment 75)."""
     logs: dict[str, list[float]] = {label: [] for _, label in LENGTHS}
     paired: dict[str, list[float]] = {label: [] for _, label in LENGTHS}
     for e in entries:
@@ -133,9 +133,8 @@ def agreement(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
                 continue
             label = next(lab for limit, lab in LENGTHS if other["ms"] < limit)
             logs[label].append(math.log(other["ms"] / cell["ms"]))     # < 0: fastest slower
-            mine, theirs = cell.get("samples_ms") or [], other.get("samples_ms") or []
-            if mine and len(mine) == len(theirs):
-                paired[label].append(statistics.median(math.log(b / a) for a, b in zip(mine, theirs)))
+            if (log_ratio := bench.paired_log_ratio(e, mode)) is not None:
+                paired[label].append(log_ratio)
 
     def median_abs(v):
         return statistics.median([abs(x) for x in v]) if v else None
