@@ -104,6 +104,9 @@ MIN_PER_TURN = 1
 # even rounds and before it in odd ones (experiment 69): the fastest target compares two
 # measurements of one kernel, and adjacent turns share the host's and the clock's state, which
 # drift over milliseconds to seconds; the order stays symmetric, so neither side gains from it.
+# Rounds 2k and 2k + 1 then share one shuffled order (experiment 75): the turn that goes first
+# inherits the clock state of the turn before the pair (a light one leaves a clock up to 15%
+# faster), and so each side goes first after the same turns.
 PAIR_FASTEST = True
 # Implementations whose first call compiles (Triton, Inductor, CuTe DSL): the compile workers run these.
 COMPILING_IMPLS = ("sdpa", "triton", "flex", "fa4")
@@ -764,7 +767,9 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
                    f"{meta['slow_rounds']} rounds"
                    if meta.get("slow_factor") else "")   # runs before experiment 66 time every turn alike
                 + ("; policy=\"fastest\" takes its turn next to the backend it chose (after it in even rounds, "
-                   "before it in odd ones: two measurements of one kernel share the machine's state)"
+                   "before it in odd ones: two measurements of one kernel share the machine's state"
+                   + ("; rounds 2k and 2k + 1 in one order, so each side goes first after the same turns"
+                      if meta.get("pair_rounds") else "") + ")"
                    if meta.get("pair_fastest") else "")
                 + ", with Python's garbage collector off while timing; "
                 if meta.get("sampling") in (SAMPLING, SAMPLING_ONE_CALL, SAMPLING_SHUFFLED) else "")
@@ -1432,7 +1437,10 @@ class Runner:
                 slow = slow_turns({i: (pending[i][1], times[i][0]) for i in times if times[i] and i not in failed},
                                   self.args.slow_factor,
                                   keep={i for i, p in enumerate(pending) if p[0] in OURS})
-            for i in pair_fastest(turn_order(len(pending), row.id, rnd, self.args.seed), turn_names, chosen, rnd):
+            # paired, rounds 2k and 2k + 1 share one order (only the pair's two turns swap): both
+            # sides of the pair go first after the same turn, whose clock state the first inherits
+            order = turn_order(len(pending), row.id, rnd // 2 if chosen else rnd, self.args.seed)
+            for i in pair_fastest(order, turn_names, chosen, rnd):
                 impl, m, fn, ctx, w = pending[i]
                 if i in failed or w["est"] > 1000.0 and times[i] or i in slow and rnd >= self.args.slow_rounds:
                     continue
@@ -1814,6 +1822,7 @@ def main(argv=None) -> int:
                 statistic=STATISTIC,
                 turn_warm_ms=args.turn_warm_ms, slow_factor=args.slow_factor, slow_rounds=args.slow_rounds,
                 min_per_turn=args.min_per_turn, pair_fastest=args.pair_fastest,
+                pair_rounds=args.pair_fastest,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 commit=git_commit(args.commit), quick=args.quick, impls=impls, anchors=list(ANCHORS),
                 command="python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -765,7 +765,8 @@ def test_pair_fastest_puts_fastest_next_to_its_choice():
 
 def test_measure_rounds_time_fastest_next_to_its_choice():
     """Through measure_rounds: the "fastest" turn follows its choice's turn in even rounds and
-    precedes it in odd ones (PAIR_FASTEST); --no-pair-fastest leaves the shuffled order."""
+    precedes it in odd ones (PAIR_FASTEST), rounds 2k and 2k + 1 in one order; --no-pair-fastest
+    leaves the shuffled order."""
     import contextlib
     seen = []
     for flags, paired in (([], True), (["--no-pair-fastest"], False)):
@@ -791,6 +792,16 @@ def test_measure_rounds_time_fastest_next_to_its_choice():
         if paired:
             assert steps == [1, -1, 1, -1, 1, -1]
             assert entry["results"]["fastest"]["fwd"]["paired_with"] == "fa4"    # the reading pairs them
+            # rounds 2k and 2k + 1: one order, only the pair swapped, so both sides go first after
+            # the same turn; the pairs of rounds differ (shuffled)
+            def pair_as_one(r):
+                return [n for n in r if n != "fastest"]
+            for k in range(3):
+                a, b = rounds[2 * k], rounds[2 * k + 1]
+                assert pair_as_one(a) == pair_as_one(b)
+                first_a, first_b = a.index("fa4"), b.index("fastest")
+                assert first_a == first_b and a[:first_a] == b[:first_b]
+            assert len({tuple(pair_as_one(r)) for r in rounds}) > 1
         else:
             assert "paired_with" not in entry["results"]["fastest"]["fwd"]
     assert seen[1] != seen[0]          # unpaired, the shuffle decides
