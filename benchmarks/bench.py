@@ -638,7 +638,7 @@ def target_note(target: dict) -> str:
     parts = []
     for m in target.get("misses") or []:
         why = "the best column: one kernel timed twice" if m["same_backend"] else f"the best: {m['best']}"
-        parts.append(f"{m['row']} {m['ratio']:.2f} (chose {m['chose']}, {why})")
+        parts.append(("below: " if not parts else "") + f"{m['row']} {m['ratio']:.2f} (chose {m['chose']}, {why})")
     if "direct_below" in target:    # policy="fastest": how its rows were read (fastest_ratio)
         parts.append(f"{target['paired_rows']} rows read paired with the choice's column (one call a turn), "
                      f"the others by lower quartiles; lower quartiles alone: worst {target['direct_worst']:.2f}, "
@@ -715,7 +715,7 @@ def short_report(data: dict) -> str:
         for t in targets:
             out.append(f"  [{t['status']}] {t['target']}: worst {fmt_num(t['worst'], 2)}")
             if note := target_note(t):
-                out.append(f"      below: {note}")
+                out.append(f"      {note}")
     meta = data["meta"]
     out.append(f"\n{meta.get('gpu', '?')} | torch {meta.get('torch')} | triton {meta.get('triton')} | "
                f"cuDNN {meta.get('cudnn')} | fa4 {meta.get('fa4')} | {meta.get('elapsed_s', 0):.0f} s")
