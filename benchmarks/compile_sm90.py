@@ -116,12 +116,15 @@ def _ws_variants(n_rows: int):
 def ws_cases():
     """The warp-specialised forward (kernels/forward_ws.py) for every head dim it serves
     (:func:`_ws_variants`), with and without the logsumexp."""
-    for d, cfg in {**C.WS_FWD_CONFIGS, 64: C.WsConfig()}.items():   # d64: tested, not served
+    served = [(d, cfg, f"d={d}") for d, cfg in C.WS_FWD_CONFIGS.items()]
+    if C.WS_FWD_CONFIGS[64].consumers != 2:      # two warpgroups at d64: tested, not served
+        served.append((64, C.WsConfig(), "d=64 two warpgroups"))
+    for d, cfg, name in served:
         for label, const in _ws_variants(2):
             for store_lse in (True, False):
-                yield d, cfg, f"ws d={d} {label} lse={store_lse}", dict(
+                yield d, cfg, f"ws {name} {label} lse={store_lse}", dict(
                     const, STORE_LSE=store_lse, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-                    BIAS_STAGES=cfg.bias_stages, CONSUMER_REGS=cfg.consumer_regs)
+                    BIAS_STAGES=cfg.bias_stages, CONSUMER_REGS=cfg.consumer_regs, NUM_WG=cfg.consumers)
 
 
 def ws_backward_cases():
@@ -166,7 +169,8 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
                    dq_desc=dq_desc(wg, d // 2), qk_scale="fp32", sm_scale="fp32")
     else:
         sig = dict(q_desc=desc(wg), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(wg),
-                   bias_desc=desc(2 * wg, cfg.block_n), lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16",
+                   bias_desc=desc(cfg.consumers * wg, cfg.block_n),
+                   lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16",
                    qk_scale="fp32")
     consts = dict(constexprs)
     if not consts["HAS_BIAS"]:      # launch.py passes None: a constexpr argument

@@ -1094,6 +1094,25 @@ def test_gluon_kernels_only_on_the_triton_they_are_written_for(monkeypatch):
     assert launch.gluon_reason() is None
 
 
+def test_warp_specialized_forward_serves_per_config():
+    """On the warp-specialised route, the Gluon forward runs a call where its config says
+    ``forward``, and with a bias or a window (causal is not one) only with ``forward_features``
+    (d64's three-warpgroup forward: dense and causal only; the others keep the tl forward)."""
+    from attention_dispatch.kernels import configs, launch
+    x = torch.empty(1, 1, 1, 64)
+    dense, causal, window = make_params(x), make_params(x, "top_left"), make_params(x, None, (1024, 0))
+    for cfg, want in ((configs.WsConfig(), (True,) * 4),
+                      (configs.WsConfig(forward_features=False), (True, True, False, False)),
+                      (configs.WsConfig(forward=False), (False,) * 4)):
+        got = (launch.ws_forward_serves(cfg, False, dense), launch.ws_forward_serves(cfg, False, causal),
+               launch.ws_forward_serves(cfg, True, dense), launch.ws_forward_serves(cfg, False, window))
+        assert got == want, cfg
+    d64 = configs.WS_FWD_CONFIGS[64]
+    assert d64.consumers == 3 and not d64.forward_features and configs.WS_FWD_CONFIGS[128].consumers == 2
+    # three warpgroups at 160 registers and the loader's padded warpgroup at 24 fit 65536 registers
+    assert 128 * (3 * d64.consumer_regs + 24) <= 65536 and 16 * 32 * d64.max_regs <= 65536
+
+
 @pytest.mark.parametrize("change, reason", [
     (dict(), None),
     (dict(prob=dict(hkv=1)), None),                                             # GQA / MQA are served
@@ -1218,16 +1237,19 @@ def _spy_forward_ws(monkeypatch):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [F16, BF16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d, consumers", [(64, 3), (64, 2), (128, 2)])
 @pytest.mark.parametrize("feature", ["dense", "causal", "causal_mqa", "bshd_dense_gqa", "bshd_causal", "cross"])
-def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, feature):
+def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, consumers, feature):
     """The Gluon forward, dK/dV and dQ passes against float64 (forward, logsumexp, gradients):
     640 query rows (5 tiles: the two-slot K/V ring wraps), (B, H, S, D) or (B, S, H, D) memory.
-    d=64's forward is not served by default (configs.WS_FWD_CONFIGS: forward=False); the kernel
-    is checked there too (test_gpu_d64_backward_only_is_warp_specialized: the shipped route)."""
+    The forward with two consumer warpgroups (d128 as shipped; d64 checked too) and with three
+    (d64 as shipped: 192-row programs, the last one's second and third warpgroups past 640 rows,
+    storing nothing)."""
     from attention_dispatch.kernels import configs
     seen = _spy_forward_ws(monkeypatch)
-    monkeypatch.setitem(configs.WS_FWD_CONFIGS, d, configs.WsConfig())   # d64: the forward too
+    if consumers == 2:
+        monkeypatch.setitem(configs.WS_FWD_CONFIGS, d, configs.WsConfig())
+    assert configs.WS_FWD_CONFIGS[d].consumers == consumers
     hkv = 1 if "mqa" in feature else (2 if "gqa" in feature else 4)   # (B, S, 1, D) would also be layout 1
     sk = 768 if feature == "cross" else 640
     q = rand(2, 4, 640, d, dtype=dtype, device="cuda")
@@ -1244,25 +1266,30 @@ def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, feature):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("feature", ["dense", "causal", "gqa", "bias", "window"])
-def test_gpu_d64_backward_only_is_warp_specialized(monkeypatch, feature):
-    """At head dim 64 as shipped: the tl forward, then the Gluon dK/dV and dQ passes (never the
-    fused dQ, which Gluon 3.6 does not compile there), against float64; run three times,
-    bit-equal.  Dense, causal, GQA, a float bias (1, H, S, S) and a (1024, 0) window at 2048
-    keys (launch.WS_MIN_WINDOW)."""
+@pytest.mark.parametrize("feature", ["dense", "causal", "causal_384", "causal_2048", "gqa", "bias", "window"])
+def test_gpu_d64_as_shipped(monkeypatch, feature):
+    """At head dim 64 as shipped: the three-warpgroup Gluon forward for dense and causal calls,
+    the tl forward with a bias or a window (configs.WS_FWD_CONFIGS: forward_features=False),
+    then the Gluon dK/dV and dQ passes (never the fused dQ, which Gluon 3.6 does not compile
+    there), against float64; run three times, bit-equal.  640 rows (the last program's last two
+    warpgroups idle), 384 (two whole programs), 2048 causal (11 programs, the last one's third
+    warpgroup idle), GQA, a float bias (1, H, S, S) and a (1024, 0) window at 2048 keys
+    (launch.WS_MIN_WINDOW)."""
     from attention_dispatch.kernels import configs
-    assert not configs.WS_FWD_CONFIGS[64].forward and not configs.WS_BWD_CONFIGS[64].fuse_dq
+    cfg = configs.WS_FWD_CONFIGS[64]
+    assert cfg.forward and cfg.consumers == 3 and not cfg.forward_features and not configs.WS_BWD_CONFIGS[64].fuse_dq
     seen = _spy_forward_ws(monkeypatch)
-    s = 2048 if feature == "window" else 640
+    s = {"window": 2048, "causal_2048": 2048, "causal_384": 384}.get(feature, 640)
     hkv = 1 if feature == "gqa" else 4
     q = rand(2, 4, s, 64, dtype=BF16, device="cuda")
     k, v = (rand(2, hkv, s, 64, dtype=BF16, device="cuda") for _ in range(2))
     bias = rand(1, 4, s, s, dtype=BF16, device="cuda", grad=False) if feature == "bias" else None
-    causal = "top_left" if feature == "causal" else None
+    causal = "top_left" if feature.startswith("causal") else None
     window = (1024, 0) if feature == "window" else None
     run_and_check(q, k, v, bias, causal=causal, window=window)
     tail = ("bias",) if bias is not None else ()
-    assert seen == [("dkdv", 1, 1, 1) + tail, ("dq", 1, 1, 1) + tail]
+    forward = [] if feature in ("bias", "window") else [(1, 1)]
+    assert seen == forward + [("dkdv", 1, 1, 1) + tail, ("dq", 1, 1, 1) + tail]
     _assert_repeatable(q, k, v, bias, make_params(q, causal, window))
 
 
@@ -1372,11 +1399,13 @@ def test_gpu_warp_specialized_fused_dq(monkeypatch, feature):
 
 @gpu
 @needs_cuda
-def test_gpu_forward_warp_specialized_inference(monkeypatch):
-    """need_lse=False writes no logsumexp and the same output, bit for bit."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_forward_warp_specialized_inference(monkeypatch, d):
+    """need_lse=False writes no logsumexp and the same output, bit for bit (two consumer
+    warpgroups at d128, three at d64)."""
     from attention_dispatch.kernels.launch import attention_forward
     seen = _spy_forward_ws(monkeypatch)
-    q, k, v = (rand(1, 8, 2048, 128, dtype=BF16, device="cuda", grad=False) for _ in range(3))
+    q, k, v = (rand(1, 8, 2048, d, dtype=BF16, device="cuda", grad=False) for _ in range(3))
     params = make_params(q, "top_left")
     out, lse, _ = attention_forward(q, k, v, None, params)
     out2, lse2, _ = attention_forward(q, k, v, None, params, need_lse=False)

@@ -103,22 +103,23 @@ def _window(left, right):
 
 @gluon.jit
 def _kv_tiles(pid_m, seq_k, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr):
-    """(first key tile a program of 2 * BLOCK_M query rows reads, how many it reads, how many of
-    them need no causal mask): the loader and both consumers must agree on the first two, or
+              BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr):
+    """(first key tile a program of NUM_WG * BLOCK_M query rows reads, how many it reads, how many
+    of them need no causal mask): the loader and every consumer must agree on the first two, or
     the ring deadlocks.  A window's tiles are masked where :func:`_band_edge` says."""
     first = 0
     if _causal(WINDOW_LEFT, WINDOW_RIGHT):
-        n_tiles = gl.cdiv((pid_m + 1) * 2 * BLOCK_M, BLOCK_N)
-        n_full = (pid_m * 2 * BLOCK_M) // BLOCK_N          # tiles below the diagonal
+        # a last program of three warpgroups can reach past Sq (= Sk): no key tile past Sk
+        n_tiles = gl.minimum(gl.cdiv((pid_m + 1) * NUM_WG * BLOCK_M, BLOCK_N), gl.cdiv(seq_k, BLOCK_N))
+        n_full = (pid_m * NUM_WG * BLOCK_M) // BLOCK_N          # tiles below the diagonal
     else:
         end = seq_k // BLOCK_N
         if WINDOW_LEFT >= 0:
-            lo = pid_m * 2 * BLOCK_M - WINDOW_LEFT
+            lo = pid_m * NUM_WG * BLOCK_M - WINDOW_LEFT
             if lo > 0:
                 first = lo // BLOCK_N
         if WINDOW_RIGHT >= 0:
-            end = gl.minimum(end, gl.cdiv((pid_m + 1) * 2 * BLOCK_M + WINDOW_RIGHT, BLOCK_N))
+            end = gl.minimum(end, gl.cdiv((pid_m + 1) * NUM_WG * BLOCK_M + WINDOW_RIGHT, BLOCK_N))
         n_tiles = end - first
         n_full = n_tiles
     return first, n_tiles, n_full
@@ -193,40 +194,40 @@ def _store_rows(buf, value, desc, row):
 
 
 @gluon.jit
-def _kv_ring(q_desc, k_desc, v_desc, STAGES: gl.constexpr):
-    """Shared memory of the forward and the dQ pass: one Q tile per consumer warpgroup, a ring of
-    ``STAGES`` K/V slots, and their barriers (q_bar, k_ready, v_ready, k_empty, v_empty); an empty
-    barrier completes when both consumers have released the slot."""
+def _kv_ring(q_desc, k_desc, v_desc, STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+    """Shared memory of the forward and the dQ pass: one Q tile per consumer warpgroup (NUM_WG), a
+    ring of ``STAGES`` K/V slots, and their barriers (q_bar, k_ready, v_ready, k_empty, v_empty); an
+    empty barrier completes when every consumer has released the slot."""
     dtype: gl.constexpr = q_desc.dtype
-    q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(NUM_WG):
         mbarrier.init(q_bar.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=NUM_WG)
+        mbarrier.init(v_empty.index(i), count=NUM_WG)
     return q_bufs, k_bufs, v_bufs, (q_bar, k_ready, v_ready, k_empty, v_empty)
 
 
 @gluon.jit
-def _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, STAGES: gl.constexpr):
+def _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, STAGES: gl.constexpr, NUM_WG: gl.constexpr):
     """Shared memory of the bias tiles (forward and dQ pass): a ring of ``STAGES`` slots beside
-    the K/V ring, its barriers (ready; empty: both consumers are done), and the bias matrix's
+    the K/V ring, its barriers (ready; empty: every consumer is done), and the bias matrix's
     rows per batch and per head (row of query i of (b, h): b * batch_rows + h * head_rows + i)."""
     bufs = gl.allocate_shared_memory(bias_desc.dtype, [STAGES] + bias_desc.block_type.shape, bias_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(empty.index(i), count=NUM_WG)
     return bias_desc, bufs, ready, empty, bias_batch_rows, bias_head_rows
 
 
@@ -284,15 +285,15 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, 
                num_heads, group, n_m_blocks, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
                Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr,
                BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               BIAS_STAGES: gl.constexpr):
+               BIAS_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     pid_m = n_m_blocks - 1 - gl.program_id(0)      # longest causal rows first
     pid_bh = _program_row(num_heads, BATCH_MINOR)
     kv_row, kv_col = _tile_origin(pid_bh, group, num_heads, seq_k, KV_ROWS, HEAD_D)
-    first, n_tiles, _ = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+    first, n_tiles, _ = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG)
     if HAS_BIAS:
-        bias_row = _bias_row(pid_bh, num_heads, bias[4], bias[5]) + pid_m * 2 * BLOCK_M
+        bias_row = _bias_row(pid_bh, num_heads, bias[4], bias[5]) + pid_m * NUM_WG * BLOCK_M
     for j in range(n_tiles):
         key0 = (first + j) * BLOCK_N
         s = j % STAGES
@@ -313,7 +314,7 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
                  num_heads, group, n_m_blocks, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                  WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr,
                  HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr):
+                 STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -326,7 +327,7 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
 
     pid_m = n_m_blocks - 1 - gl.program_id(0)
     pid_bh = _program_row(num_heads, BATCH_MINOR)
-    q_start = pid_m * 2 * BLOCK_M + WG * BLOCK_M        # this warpgroup's first query row
+    q_start = pid_m * NUM_WG * BLOCK_M + WG * BLOCK_M        # this warpgroup's first query row
     q_row, q_col = _tile_origin(pid_bh, 1, num_heads, seq_q, Q_ROWS, HEAD_D)
     q_buf = q_bufs.index(WG)
     mbarrier.expect(q_bar.index(WG), q_desc.block_type.nbytes)
@@ -334,7 +335,7 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
 
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    first, n_tiles, n_full = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+    first, n_tiles, n_full = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG)
     rows = q_start + gl.arange(0, BLOCK_M, row_s)
     # scores enter the softmax as sc * scale; with a bias, as (sc * sm_scale + bias) * log2(e)
     scale = qk_scale
@@ -397,10 +398,13 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
         l_i = gl.where(empty, 1.0, l_i)
         m_i = gl.where(empty, float("-inf"), m_i)
     acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-    if STORE_LSE:
-        gl.store(lse_ptr + pid_bh * seq_q + rows, (m_i + gl.log2(l_i)) * LN2)
-    # the output leaves through this warpgroup's Q buffer (Q is no longer read)
-    _store_rows(q_buf, acc.to(dtype), o_desc, pid_bh * seq_q + q_start)
+    # with three warpgroups (Sq a multiple of 64, not of 192) the last program's last ones can
+    # start past Sq: they ran on the next head's rows (or TMA's zeros) and store nothing
+    if q_start < seq_q:
+        if STORE_LSE:
+            gl.store(lse_ptr + pid_bh * seq_q + rows, (m_i + gl.log2(l_i)) * LN2)
+        # the output leaves through this warpgroup's Q buffer (Q is no longer read)
+        _store_rows(q_buf, acc.to(dtype), o_desc, pid_bh * seq_q + q_start)
 
 
 @gluon.jit
@@ -408,29 +412,53 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, bias_desc, lse_ptr, qk_scale, s
                  n_m_blocks, bias_batch_rows, bias_head_rows, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
                  Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr,
                  BATCH_MINOR: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr):
-    """Grid (Sq / 128, B * Hq); one program: 128 query rows of one (b, h), O (B*Hq*Sq, D) rows.
-    ``bias_desc`` (HAS_BIAS): (rows, Sk) bias matrix, tiles (128, BLOCK_N); None without."""
+                 CONSUMER_REGS: gl.constexpr, NUM_WG: gl.constexpr):
+    """Grid (cdiv(Sq, NUM_WG * 64), B * Hq); one program: NUM_WG * 64 query rows of one (b, h),
+    O (B*Hq*Sq, D) rows.  NUM_WG: consumer warpgroups, 2 or 3 (FA3's 192-row tiles at head dim 64,
+    where the softmax is as long as the products and a third warpgroup keeps the tensor cores fed).
+    ``bias_desc`` (HAS_BIAS): (rows, Sk) bias matrix, tiles (NUM_WG * 64, BLOCK_N); None without."""
     BLOCK_M: gl.constexpr = WG_ROWS
-    q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES)
+    q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES, NUM_WG)
     if HAS_BIAS:
-        bias = _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, BIAS_STAGES)
+        bias = _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, BIAS_STAGES, NUM_WG)
     else:
         bias = bars     # not read: a stand-in of a type the partitions accept
     # partition arguments are spelled out: constexprs inside a concatenated tuple lose their kind
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
-    gl.warp_specialize([
-        (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q,
-                        seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
-                        STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
-        (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q,
-                        seq_k, num_heads, group, n_m_blocks, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
-                        STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
-        (_ws_loader, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q,
-                      seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE,
-                      HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    WG2: gl.constexpr = 2
+    if NUM_WG == 3:
+        gl.warp_specialize([
+            (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
+                            seq_q, seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS,
+                            KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES,
+                            NUM_WG)),
+            (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
+                            seq_q, seq_k, num_heads, group, n_m_blocks, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS,
+                            KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES,
+                            NUM_WG)),
+            (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
+                            seq_q, seq_k, num_heads, group, n_m_blocks, WG2, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS,
+                            KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES,
+                            NUM_WG)),
+            (_ws_loader, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q,
+                          seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
+                          STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES, NUM_WG)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
+                            seq_q, seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS,
+                            KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES,
+                            NUM_WG)),
+            (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
+                            seq_q, seq_k, num_heads, group, n_m_blocks, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS,
+                            KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES,
+                            NUM_WG)),
+            (_ws_loader, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q,
+                          seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
+                          STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES, NUM_WG)),
+        ], [4, 1], [CONSUMER_REGS, 24])
 
 
 # --------------------------------------------------------------------------- dK / dV
@@ -720,7 +748,7 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
         scale = LOG2E
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    first, n_tiles, n_full = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+    first, n_tiles, n_full = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, 2)
     mbarrier.wait(q_bar.index(WG), 0)
     for j in range(n_tiles):
         s = j % STAGES
@@ -759,10 +787,11 @@ def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, bias_desc, lse_ptr
     """Grid (Sq / 128, B * Hq); one program: dQ of 128 query rows of one (b, h), the K/V ring, the
     bias ring and their loader shared with the forward (_ws_loader).  dQ: (B * Hq * Sq, D) rows."""
     BLOCK_M: gl.constexpr = WG_ROWS
-    q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES)
+    NUM_WG: gl.constexpr = 2
+    q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES, NUM_WG)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
     if HAS_BIAS:
-        bias = _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, BIAS_STAGES)
+        bias = _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, BIAS_STAGES, NUM_WG)
     else:
         bias = bars     # not read: a stand-in of a type the partitions accept
     WG0: gl.constexpr = 0
@@ -780,5 +809,5 @@ def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, bias_desc, lse_ptr
         # the forward's loader: it reads only the K/V descriptors, the barriers and the sizes
         (_ws_loader, (q_desc, k_desc, v_desc, dq_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q,
                       seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, NO_LSE,
-                      HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES)),
+                      HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES, NUM_WG)),
     ], [4, 1], [CONSUMER_REGS, 24])

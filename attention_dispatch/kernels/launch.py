@@ -712,16 +712,26 @@ def _ws_constexprs(params: KernelParams, bias: "_WsBias | None", **rest) -> dict
 def _forward_ws(q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int,
                 bias: _WsBias | None = None):
     cfg = C.WS_FWD_CONFIGS[prob.Dqk]
-    n_m = prob.Sq // (2 * _WG_ROWS)
-    bias_desc, batch_rows, head_rows = _bias_args(bias, 2 * _WG_ROWS, cfg.block_n, prob.Sk)
+    rows = cfg.consumers * _WG_ROWS
+    n_m = _cdiv(prob.Sq, rows)
+    bias_desc, batch_rows, head_rows = _bias_args(bias, rows, cfg.block_n, prob.Sk)
     _launch_one(_attn_fwd_ws, (n_m, prob.B * prob.Hq), (
         _rows_descriptor(q, q_rows, _WG_ROWS), _rows_descriptor(k, kv_rows, cfg.block_n),
         _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(out, 1, _WG_ROWS), bias_desc,
         lse if lse is not None else out, params.scale * LOG2E, prob.Sq, prob.Sk, prob.Hq, prob.group, n_m,
         batch_rows, head_rows),
         _ws_constexprs(params, bias, Q_ROWS=q_rows, KV_ROWS=kv_rows, STORE_LSE=lse is not None, BLOCK_N=cfg.block_n,
-                       STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages, CONSUMER_REGS=cfg.consumer_regs),
+                       STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages, CONSUMER_REGS=cfg.consumer_regs,
+                       NUM_WG=cfg.consumers),
         _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
+
+
+def ws_forward_serves(cfg: "C.WsConfig", has_bias: bool, params: KernelParams) -> bool:
+    """Whether the warp-specialised forward runs a call on its route (ws_forward_reason): its
+    config's ``forward``, and ``forward_features`` for a bias or a window (causal is not one)."""
+    window = (params.window_left >= 0 or params.window_right >= 0) and not (
+        params.window_left < 0 and params.window_right == 0)
+    return cfg.forward and (cfg.forward_features or not (has_bias or window))
 
 
 # Swizzle (bytes) of the fused dQ's fp32 partial tiles: 64 ran 1-4% faster than 128 (the default
@@ -822,7 +832,7 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
     # (out is q's dtype except for bf16 under the CPU interpreter, which runs no Gluon kernel)
     bias_reason = ws_bias_reason(kind, bt, bstr, q.dtype, desc)
     route = _ws_route(q, k, v, bias_reason, params, prob, desc) if out.dtype == q.dtype else None
-    if route is not None and C.WS_FWD_CONFIGS[prob.Dqk].forward:
+    if route is not None and ws_forward_serves(C.WS_FWD_CONFIGS[prob.Dqk], kind != 0, params):
         _forward_ws(q, k, v, out, lse, params, prob, *route, bias=_WsBias.of(bt, bstr, prob) if kind else None)
         return out, lse, seed
     cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, **_table_traits(kind, params, prob))
