@@ -1096,19 +1096,19 @@ def test_gluon_kernels_only_on_the_triton_they_are_written_for(monkeypatch):
 
 def test_warp_specialized_forward_serves_per_config():
     """On the warp-specialised route, the Gluon forward runs a call where its config says
-    ``forward``, and with a bias or a window (causal is not one) only with ``forward_features``
-    (d64's three-warpgroup forward: dense and causal only; the others keep the tl forward)."""
+    ``forward``, and with a bias, causal or a window only with ``forward_scope="all"`` (d64's
+    three-warpgroup forward: dense calls only; the others keep the tl forward)."""
     from attention_dispatch.kernels import configs, launch
     x = torch.empty(1, 1, 1, 64)
     dense, causal, window = make_params(x), make_params(x, "top_left"), make_params(x, None, (1024, 0))
     for cfg, want in ((configs.WsConfig(), (True,) * 4),
-                      (configs.WsConfig(forward_features=False), (True, True, False, False)),
+                      (configs.WsConfig(forward_scope="dense"), (True, False, False, False)),
                       (configs.WsConfig(forward=False), (False,) * 4)):
         got = (launch.ws_forward_serves(cfg, False, dense), launch.ws_forward_serves(cfg, False, causal),
                launch.ws_forward_serves(cfg, True, dense), launch.ws_forward_serves(cfg, False, window))
         assert got == want, cfg
     d64 = configs.WS_FWD_CONFIGS[64]
-    assert d64.consumers == 3 and not d64.forward_features and configs.WS_FWD_CONFIGS[128].consumers == 2
+    assert d64.consumers == 3 and d64.forward_scope == "dense" and configs.WS_FWD_CONFIGS[128].consumers == 2
     # three warpgroups at 160 registers and the loader's padded warpgroup at 24 fit 65536 registers
     assert 128 * (3 * d64.consumer_regs + 24) <= 65536 and 16 * 32 * d64.max_regs <= 65536
 
@@ -1249,6 +1249,8 @@ def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, consumers, feature)
     seen = _spy_forward_ws(monkeypatch)
     if consumers == 2:
         monkeypatch.setitem(configs.WS_FWD_CONFIGS, d, configs.WsConfig())
+    else:   # the shipped three-warpgroup config, causal calls too
+        monkeypatch.setitem(configs.WS_FWD_CONFIGS, d, configs.WS_FWD_CONFIGS[d]._replace(forward_scope="all"))
     assert configs.WS_FWD_CONFIGS[d].consumers == consumers
     hkv = 1 if "mqa" in feature else (2 if "gqa" in feature else 4)   # (B, S, 1, D) would also be layout 1
     sk = 768 if feature == "cross" else 640
@@ -1268,16 +1270,16 @@ def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, consumers, feature)
 @needs_cuda
 @pytest.mark.parametrize("feature", ["dense", "causal", "causal_384", "causal_2048", "gqa", "bias", "window"])
 def test_gpu_d64_as_shipped(monkeypatch, feature):
-    """At head dim 64 as shipped: the three-warpgroup Gluon forward for dense and causal calls,
-    the tl forward with a bias or a window (configs.WS_FWD_CONFIGS: forward_features=False),
+    """At head dim 64 as shipped: the three-warpgroup Gluon forward for dense calls, the tl
+    forward causal, with a bias or a window (configs.WS_FWD_CONFIGS: forward_scope="dense"),
     then the Gluon dK/dV and dQ passes (never the fused dQ, which Gluon 3.6 does not compile
     there), against float64; run three times, bit-equal.  640 rows (the last program's last two
-    warpgroups idle), 384 (two whole programs), 2048 causal (11 programs, the last one's third
-    warpgroup idle), GQA, a float bias (1, H, S, S) and a (1024, 0) window at 2048 keys
-    (launch.WS_MIN_WINDOW)."""
+    warpgroups idle), causal at 384 and 2048, GQA, a float bias (1, H, S, S) and a (1024, 0)
+    window at 2048 keys (launch.WS_MIN_WINDOW).  test_gpu_forward_warp_specialized runs the
+    three-warpgroup forward causal too."""
     from attention_dispatch.kernels import configs
     cfg = configs.WS_FWD_CONFIGS[64]
-    assert cfg.forward and cfg.consumers == 3 and not cfg.forward_features and not configs.WS_BWD_CONFIGS[64].fuse_dq
+    assert cfg.forward and cfg.consumers == 3 and cfg.forward_scope == "dense" and not configs.WS_BWD_CONFIGS[64].fuse_dq
     seen = _spy_forward_ws(monkeypatch)
     s = {"window": 2048, "causal_2048": 2048, "causal_384": 384}.get(feature, 640)
     hkv = 1 if feature == "gqa" else 4
@@ -1288,7 +1290,7 @@ def test_gpu_d64_as_shipped(monkeypatch, feature):
     window = (1024, 0) if feature == "window" else None
     run_and_check(q, k, v, bias, causal=causal, window=window)
     tail = ("bias",) if bias is not None else ()
-    forward = [] if feature in ("bias", "window") else [(1, 1)]
+    forward = [(1, 1)] if feature in ("dense", "gqa") else []
     assert seen == forward + [("dkdv", 1, 1, 1) + tail, ("dq", 1, 1, 1) + tail]
     _assert_repeatable(q, k, v, bias, make_params(q, causal, window))
 
@@ -1402,11 +1404,11 @@ def test_gpu_warp_specialized_fused_dq(monkeypatch, feature):
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_forward_warp_specialized_inference(monkeypatch, d):
     """need_lse=False writes no logsumexp and the same output, bit for bit (two consumer
-    warpgroups at d128, three at d64)."""
+    warpgroups at d128, causal; three at d64, dense: the calls they serve)."""
     from attention_dispatch.kernels.launch import attention_forward
     seen = _spy_forward_ws(monkeypatch)
     q, k, v = (rand(1, 8, 2048, d, dtype=BF16, device="cuda", grad=False) for _ in range(3))
-    params = make_params(q, "top_left")
+    params = make_params(q, "top_left" if d == 128 else None)
     out, lse, _ = attention_forward(q, k, v, None, params)
     out2, lse2, _ = attention_forward(q, k, v, None, params, need_lse=False)
     assert lse2 is None and torch.equal(out, out2) and not out.isnan().any() and len(seen) == 2

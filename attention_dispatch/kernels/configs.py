@@ -171,9 +171,9 @@ class WsConfig(NamedTuple):
     forward: bool = True
     # consumer warpgroups of the forward (64 query rows each); the dK/dV and dQ passes have two
     consumers: int = 2
-    # the forward serves a bias and windows too; False: dense and causal calls only (the others
-    # keep the tl forward; the backward passes follow the route)
-    forward_features: bool = True
+    # the calls on the route whose forward runs this kernel: "all", or "dense" (no bias, not causal,
+    # no window: the others keep the tl forward; the backward passes follow the route)
+    forward_scope: str = "all"
 
 
 # sm90 only, by head dim (Dqk == Dv).  Experiment 40 (H100, forward_ab.py, 5 interleaved rounds):
@@ -188,10 +188,13 @@ class WsConfig(NamedTuple):
 # d64 (experiment 58): the backward passes run warp-specialised (forward+backward 1.07-1.09x the tl
 # kernels at 4k / 16k, causal and not), the forward keeps the tl kernel (0.95-1.01x there); the
 # fused dQ does not compile at d64 with Gluon 3.6.
-# d64 (experiment 76): FA3's and flash-attn 4's tiles there, three consumer warpgroups of 64 rows
-# (192 per program) at 160 registers each over 128-key slots: 16 warps (the loader's padded to a
-# warpgroup) x 32 x 128 registers fill the file; dense and causal calls only.
-WS_FWD_CONFIGS = {128: WsConfig(), 64: WsConfig(consumers=3, consumer_regs=160, max_regs=128, forward_features=False)}
+# d64 (experiment 76): three consumer warpgroups of 64 rows (192 per program, FA3's and flash-attn
+# 4's rows there) over 64-key slots, 160 registers each: 16 warps (the loader's padded to a
+# warpgroup) x 32 x 128 registers fill the file.  128-key slots spill (ptxas: 1.5 KB at 160
+# registers, 188 B at 168) and ran 0.82-0.96x the tl forward.  Dense calls only: 1.03-1.06x the tl
+# forward at 4k / 16k, causal 0.92-0.99x (192-row tiles waste more of the diagonal).
+WS_FWD_CONFIGS = {128: WsConfig(),
+                  64: WsConfig(block_n=64, consumers=3, consumer_regs=160, max_regs=128, forward_scope="dense")}
 # The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
 # consumer warpgroups, ``stages`` slots of (Q, dO) 64-row tiles (block_n is not read: no K/V
 # ring); calls the forward above serves.

@@ -728,10 +728,9 @@ def _forward_ws(q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_row
 
 def ws_forward_serves(cfg: "C.WsConfig", has_bias: bool, params: KernelParams) -> bool:
     """Whether the warp-specialised forward runs a call on its route (ws_forward_reason): its
-    config's ``forward``, and ``forward_features`` for a bias or a window (causal is not one)."""
-    window = (params.window_left >= 0 or params.window_right >= 0) and not (
-        params.window_left < 0 and params.window_right == 0)
-    return cfg.forward and (cfg.forward_features or not (has_bias or window))
+    config's ``forward`` and ``forward_scope`` ("dense": no bias, not causal, no window)."""
+    banded = params.window_left >= 0 or params.window_right >= 0
+    return cfg.forward and (cfg.forward_scope == "all" or not (has_bias or banded))
 
 
 # Swizzle (bytes) of the fused dQ's fp32 partial tiles: 64 ran 1-4% faster than 128 (the default
