@@ -156,9 +156,9 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
 
 
 class WsConfig(NamedTuple):
-    """A warp-specialised kernel's launch (forward_ws.py; its rows per program are the kernel's:
-    two consumer warpgroups of forward_ws.WG_ROWS): ``block_n`` key rows per ring slot (forward
-    and dQ), ``stages`` ring slots."""
+    """A warp-specialised kernel's launch (forward_ws.py; its rows per program: ``consumers``
+    warpgroups of forward_ws.WG_ROWS in the forward, two in the dK/dV and dQ passes):
+    ``block_n`` key rows per ring slot (forward and dQ), ``stages`` ring slots."""
     block_n: int = 128
     stages: int = 2
     bias_stages: int = 2        # slots of the bias ring (forward and dQ; dK/dV: one per (Q, dO) slot)
@@ -179,7 +179,8 @@ class WsConfig(NamedTuple):
 # sm90 only, by head dim (Dqk == Dv).  Experiment 40 (H100, forward_ab.py, 5 interleaved rounds):
 # bf16 d128 1.14 / 1.18 / 1.14 / 1.25x the tl forward at 4k / 4k causal / 16k / 16k causal (two
 # stages against three: 618 / 606 TFLOP/s at 4k); d64 0.96-1.02x (softmax-bound: no gain, and
-# its tl configuration has the same tiles and gives bit-equal outputs), so d64 keeps the tl forward.
+# its tl configuration has the same tiles and gives bit-equal outputs), so d64 kept the tl forward
+# until experiment 76 (below).
 # The kernel itself is written for any head dim of 16..128 (tests and compile_sm90.py cover 64).
 # Short causal calls are served too: the grids of session 11 showed them below the tl kernel
 # (S=512 / 1k causal), but those cells were host-bound (Triton's launch path, ~150 us per Gluon
@@ -191,7 +192,7 @@ class WsConfig(NamedTuple):
 # d64 (experiment 76): three consumer warpgroups of 64 rows (192 per program, FA3's and flash-attn
 # 4's rows there) over 64-key slots, 160 registers each: 16 warps (the loader's padded to a
 # warpgroup) x 32 x 128 registers fill the file.  128-key slots spill (ptxas: 1.5 KB at 160
-# registers, 188 B at 168) and ran 0.82-0.96x the tl forward.  Dense calls only: 1.03-1.06x the tl
+# registers, 188 B at 168) and ran 0.82-0.96x the tl forward.  Dense calls only: 1.03-1.07x the tl
 # forward at 4k / 16k, causal 0.92-0.99x (192-row tiles waste more of the diagonal).
 WS_FWD_CONFIGS = {128: WsConfig(),
                   64: WsConfig(block_n=64, consumers=3, consumer_regs=160, max_regs=128, forward_scope="dense")}

@@ -11,14 +11,14 @@ and tensor-core calls explicitly (experiments 40-42):
     dK/dV pass;
   * two consumer warpgroups own 64 rows each (query rows; keys in the dK/dV pass) and share
     the ring; the warp scheduler runs one's softmax while the other's products occupy the
-    tensor cores;
+    tensor cores (the forward can take three, ``NUM_WG``: 192-row programs at head dim 64);
   * inside a consumer the next products are issued before the previous results are needed
     (forward: ``S_j`` and ``P_{j-1} V_{j-1}`` in flight together);
   * ``FUSE_DQ`` (launch.fuse_dq picks the calls): the dK/dV pass computes dQ too, FA3's way,
     adding fp32 partials by TMA reduce-add (:func:`_tma_reduce_add`), and no dQ pass runs.
 
 Scope (launch.py's ``ws_forward_reason`` says why a call is not served): sm90, fp16/bf16,
-Dqk == Dv == 128, or 64 for the dK/dV and dQ passes only (configs.WS_*_CONFIGS), dense,
+Dqk == Dv == 128 or 64 (configs.WS_*_CONFIGS; at 64 the forward serves dense calls only), dense,
 causal or a window (``WINDOW_LEFT`` / ``WINDOW_RIGHT`` constexprs, -1 unbounded; launch.WS_MIN_WINDOW keys wide at least) with
 Sq == Sk, no mask or dropout, lengths multiples of the tiles, positive scale; a float bias of
 the query's dtype that TMA can read as a (rows, Sk) matrix (``ws_bias_reason``; not one whose
