@@ -423,7 +423,9 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, bias_desc, lse_ptr, qk_scale, s
         bias = _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, BIAS_STAGES, NUM_WG)
     else:
         bias = bars     # not read: a stand-in of a type the partitions accept
-    # partition arguments are spelled out: constexprs inside a concatenated tuple lose their kind
+    # partition arguments are spelled out: constexprs inside a concatenated tuple lose their kind,
+    # and a (function, arguments) pair held in a variable does not compile (Gluon 3.6), so each
+    # list of partitions is written whole
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     WG2: gl.constexpr = 2
