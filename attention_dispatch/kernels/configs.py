@@ -172,7 +172,8 @@ class WsConfig(NamedTuple):
     # consumer warpgroups of the forward (64 query rows each); the dK/dV and dQ passes have two
     consumers: int = 2
     # the calls on the route whose forward runs this kernel: "all", or "dense" (no bias, not causal,
-    # no window: the others keep the tl forward; the backward passes follow the route)
+    # no window: the others keep the tl forward; the backward passes follow the route).  "all"
+    # needs two consumers for a bias (its TMA tile's rows are a power of two)
     forward_scope: str = "all"
 
 

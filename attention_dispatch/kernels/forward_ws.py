@@ -416,8 +416,10 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, bias_desc, lse_ptr, qk_scale, s
     """Grid (cdiv(Sq, NUM_WG * 64), B * Hq); one program: NUM_WG * 64 query rows of one (b, h),
     O (B*Hq*Sq, D) rows.  NUM_WG: consumer warpgroups, 2 or 3 (FA3's 192-row tiles at head dim 64,
     where the softmax is as long as the products and a third warpgroup keeps the tensor cores fed).
-    ``bias_desc`` (HAS_BIAS): (rows, Sk) bias matrix, tiles (NUM_WG * 64, BLOCK_N); None without."""
+    ``bias_desc`` (HAS_BIAS): (rows, Sk) bias matrix, tiles (NUM_WG * 64, BLOCK_N); None without.
+    A bias needs two warpgroups: a TMA tile's rows are a power of two."""
     BLOCK_M: gl.constexpr = WG_ROWS
+    gl.static_assert(NUM_WG == 2 or (NUM_WG == 3 and not HAS_BIAS))
     q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES, NUM_WG)
     if HAS_BIAS:
         bias = _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, BIAS_STAGES, NUM_WG)
