@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|bench|bench1|bench2|quick|hostbound|overhead|probe [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|quick|hostbound|overhead|probe [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -60,11 +60,19 @@ case "$what" in
   kernel2)   # the kernel's warp-specialised paths and the training plan's replays
     timeout ${KERNEL_TESTS_S:-560} python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
       tests/test_triton_kernel.py -k "warp_specialized or training_plan" 2>&1 | tee "$out/gpu_tests.log" | tail -8 ;;
+  d64)       # head dim 64's Gluon kernels (experiments 76-78; ~6-8 minutes): their GPU tests against float64,
+             # then forward and forward+backward against the tl kernels (and d128's forward, which the
+             # forward consumer's code shares)
+    timeout 380 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
+      tests/test_triton_kernel.py -k "d64 or (warp_specialized and 64) or fused_dq or training_plan" \
+      2>&1 | tee "$out/gpu_tests.log" | tail -6
+    timeout 170 python3 benchmarks/forward_ab.py --rows "d64,bf16 d128 4k causal,bf16 d128 16k causal" --impls ws,tl --rounds 5 \
+      --json "$out/ab.json" --commit "$sha" 2>&1 | tail -14 ;;
   overhead)  # sdpa() against F.sdpa and the decision cache on CUDA (~37 s; the issue's host targets)
     python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -12 ;;
   probe)     # experiment 67's diagnostics (~90 s): flash-attn 4 on its layout and through sdpa(), then
              # where a training call's host time goes (S=512)
     timeout 240 python3 benchmarks/fa4_layout.py --json "$out/fa4_layout.json" 2>&1 | grep -v -i warn | tail -14
     timeout 120 python3 benchmarks/host_split.py 512 2>&1 | grep -v -i warn | tail -30 ;;
-  *) echo "usage: $0 tests|kernel|kernel2|bench|bench1|bench2|quick|hostbound|overhead|probe [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|quick|hostbound|overhead|probe [SHA]"; exit 2 ;;
 esac
