@@ -638,6 +638,8 @@ def target_note(target: dict) -> str:
     parts = []
     for m in target.get("misses") or []:
         why = "the best column: one kernel timed twice" if m["same_backend"] else f"the best: {m['best']}"
+        if m.get("paired"):     # read paired (fastest_ratio): what the lower quartiles alone read
+            why += f"; read paired, lower quartiles {m['direct']:.2f}"
         parts.append(("below: " if not parts else "") + f"{m['row']} {m['ratio']:.2f} (chose {m['chose']}, {why})")
     if "direct_below" in target:    # policy="fastest": how its rows were read (fastest_ratio)
         parts.append(f"{target['paired_rows']} rows read paired with the choice's column (one call a turn), "

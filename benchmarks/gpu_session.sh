@@ -50,8 +50,8 @@ case "$what" in
       --rows 'bf16-d64-s512-*' 'fp16-d64-s512-*' 'bf16-d128-s512-*' 'fp16-d128-s512-*' \
       2>&1 | tee "$out/hostbound_stdout.txt" | grep -A12 "^targets"
     timeout 60 python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -3 ;;
-  kernel)    # the kernel's first half (relaunch cache, dense, head dims, features: 52 tests), then the
-             # host overhead; `kernel2` runs the warp-specialised paths and the training plan (74 tests).
+  kernel)    # the kernel's first half (relaunch cache, dense, head dims, features: 59 tests), then the
+             # host overhead; `kernel2` runs the warp-specialised paths and the training plan.
              # In one call all 126 outgrew its 480 s on a slow host (83 ran, session 23)
     timeout ${KERNEL_TESTS_S:-480} python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
       tests/test_compiled_cache.py tests/test_triton_kernel.py tests/test_compile.py -k "not warp_specialized and not training_plan" \

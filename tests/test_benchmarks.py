@@ -887,6 +887,13 @@ def test_fastest_target_reports_the_direct_reading_too(tmp_path):
     assert target["status"] == "met" and target["paired_rows"] == 1
     assert target["direct_below"] == 1 and target["direct_worst"] < 0.97
     assert "1 rows read paired" in bench.target_note(target) and "lower quartiles alone" in bench.target_note(target)
+    # a row read paired and missed: its note gives the lower quartiles' reading beside it
+    entries = [paired_entry([x * 1.05 for x in fastest], column)]
+    target = next(t for t in bench.evaluate_targets(entries) if t["target"].startswith("policy=fastest fwd+bwd"))
+    miss = target["misses"][0]
+    assert target["status"] == "not met" and miss["paired"] and miss["direct"] < miss["ratio"] < 0.97
+    assert f"{miss['ratio']:.2f} (chose flash_attn, the best column: one kernel timed twice; read paired, " \
+           f"lower quartiles {miss['direct']:.2f})" in bench.target_note(target)
 
 
 def test_pair_fastest_in_the_legend(tmp_path):

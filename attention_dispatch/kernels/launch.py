@@ -594,8 +594,8 @@ WS_MIN_WINDOW = 1024
 
 def ws_forward_reason(prob: "_Problem", bias_reason: str | None, params: KernelParams, dtype: torch.dtype,
                       cc: tuple[int, int], uses_descriptors: bool, q_rows: int, kv_rows: int) -> str | None:
-    """None when the warp-specialised sm90 kernels (forward, dK/dV, dQ; the forward only where its
-    config says ``forward``) compute this call, else why not (one line).
+    """None when the warp-specialised sm90 kernels (forward, dK/dV, dQ; the forward only where
+    :func:`ws_forward_serves` says) compute this call, else why not (one line).
     ``bias_reason``: :func:`ws_bias_reason` of the call's bias; ``uses_descriptors``:
     :func:`use_descriptors` of q, k, v; ``q_rows`` / ``kv_rows``: :func:`_rows_layout` of q and
     of (k, v)."""
