@@ -196,7 +196,7 @@ class WsConfig(NamedTuple):
 # registers, 188 B at 168) and ran 0.82-0.96x the tl forward.  Dense calls only: 1.03-1.07x the tl
 # forward at 4k / 16k, causal 0.92-0.99x (192-row tiles waste more of the diagonal).
 WS_FWD_CONFIGS = {128: WsConfig(),
-                  64: WsConfig(block_n=64, consumers=3, consumer_regs=160, max_regs=128, forward_scope="dense")}
+                  64: WsConfig(consumers=3, consumer_regs=160, max_regs=128, forward_scope="dense")}
 # The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
 # consumer warpgroups, ``stages`` slots of (Q, dO) 64-row tiles (block_n is not read: no K/V
 # ring); calls the forward above serves.

@@ -361,6 +361,7 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
     MAY_EMPTY: gl.constexpr = HAS_BIAS or WINDOW_LEFT >= 0
     p, alpha, m_i = _softmax_step(sc, gl.full([BLOCK_M], float("-inf"), gl.float32, row_s), scale, MAY_EMPTY)
     l_i = gl.sum(p, 1)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
     for j in range(1, n_tiles):
         s = j % STAGES
         sp = (j - 1) % STAGES
@@ -369,7 +370,6 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
         sc_tok = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
         v_buf = v_bufs.index(sp)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
         if HAS_BIAS:
             b = _bias_tile(bias, j, WG, BLOCK_M, BIAS_STAGES, s_layout)
@@ -385,10 +385,10 @@ def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs
         acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
         mbarrier.arrive(v_empty.index(sp), count=1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
     sl = (n_tiles - 1) % STAGES
     mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
     v_buf = v_bufs.index(sl)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
     acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
     mbarrier.arrive(v_empty.index(sl), count=1)
