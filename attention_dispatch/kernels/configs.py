@@ -200,7 +200,7 @@ WS_FWD_CONFIGS = {128: WsConfig(),
 # The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
 # consumer warpgroups, ``stages`` slots of (Q, dO) 64-row tiles (block_n is not read: no K/V
 # ring); calls the forward above serves.
-WS_BWD_CONFIGS = {128: WsConfig(), 64: WsConfig(fuse_dq=False)}
+WS_BWD_CONFIGS = {128: WsConfig(), 64: WsConfig()}   # d64 fused dQ: experiment 78 (branch, not measured)
 # The warp-specialised dQ pass (experiment 42): the forward's K/V ring and loader, dP = dO V^T and
 # dQ += dS K in the consumers; after the dK/dV pass above, for the same calls.
 # With a bias the dQ pass has one bias slot: its Q, dO, K/V ring and a (128, 128) bias tile fill

@@ -572,7 +572,12 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
         DQ_STAGES: gl.constexpr = dq_bufs.shape[0] // 2
         n_kv_heads = num_heads // group
         dq_head0 = (pid_bkv // n_kv_heads) * num_heads + (pid_bkv % n_kv_heads) * group
-        gl.static_assert(DQ_COLS == BLOCK_M and BLOCK_N == BLOCK_M)   # zero_s serves the dQ product
+        gl.static_assert(BLOCK_N == BLOCK_M)
+        # the dQ product's (queries x DQ_COLS) accumulator: zero_s where it has that shape (d128)
+        if DQ_COLS == BLOCK_M:
+            zero_dq = zero_s
+        else:
+            zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, _wgmma_layout(DQ_COLS))
     mbarrier.wait(kv_bar, 0)
     for t in range(group * n_m):
         mi = _q_tile(t, m_lo, n_m, pid_n, FUSE_DQ)
@@ -613,7 +618,7 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
             # dQ[:, cols] = dS (queries x 128 keys) K[keys, cols]: the program's two 64-key K tiles
             mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
             dq_tok = warpgroup_mma(ds_buf.slice(0, BLOCK_N).permute((1, 0)),
-                                   k_bufs.index(0).slice(WG * DQ_COLS, DQ_COLS, dim=1), zero_s, use_acc=False,
+                                   k_bufs.index(0).slice(WG * DQ_COLS, DQ_COLS, dim=1), zero_dq, use_acc=False,
                                    is_async=True)
             dq_tok = warpgroup_mma(ds_buf.slice(BLOCK_N, BLOCK_N).permute((1, 0)),
                                    k_bufs.index(1).slice(WG * DQ_COLS, DQ_COLS, dim=1), dq_tok, is_async=True)
