@@ -9,7 +9,8 @@ function, so that no relaunch cache keeps one of them): "ws" as shipped, "tl" wi
 forward, dK/dV and dQ passes together), "ws-tl-dq" (forward+backward only) with the tl dQ
 pass, "base" with the Gluon kernels of another copy of forward_ws.py (``--base-module``, e.g.
 ``git show HEAD~1:attention_dispatch/kernels/forward_ws.py``) and "ws-bwd-stages" with
-``--bwd-stages`` (Q, dO) slots in the dK/dV pass.  Prints forward (and forward+backward where
+``--bwd-stages`` (Q, dO) slots in the dK/dV pass, "ws-no-fuse" with the dQ pass kept apart from the dK/dV
+pass (experiments 54 and 78).  Prints forward (and forward+backward where
 asked) TFLOP/s medians and each one's ratio to ``--ref``; docs/perf-notes.md experiments 40-43.
 """
 from __future__ import annotations
@@ -56,8 +57,8 @@ ROWS = [("bf16 d128 512 causal", torch.bfloat16, 128, 512, True, 16, 16, False, 
 TOKENS = 16384
 # "ws": as shipped; "tl": no warp-specialised kernel; "ws-tl-dq": the warp-specialised forward and
 # dK/dV pass with the tl dQ pass (forward+backward only: its forward is "ws")
-IMPLS = ("ws", "tl", "ws-tl-dq", "base", "ws-bwd-stages")
-BWD_ONLY = ("ws-tl-dq", "ws-bwd-stages")    # their forward is "ws"
+IMPLS = ("ws", "tl", "ws-tl-dq", "base", "ws-bwd-stages", "ws-no-fuse")
+BWD_ONLY = ("ws-tl-dq", "ws-bwd-stages", "ws-no-fuse")    # their forward is "ws"
 GLUON_KERNELS = ("_attn_fwd_ws", "_attn_bwd_dkdv_ws", "_attn_bwd_dq_ws")
 
 
@@ -85,6 +86,9 @@ def configured(impl: str, ws_min: int, base: dict | None = None, bwd_stages: int
         if impl == "ws-bwd-stages":
             for d, cfg in bwd.items():
                 C.WS_BWD_CONFIGS[d] = cfg._replace(stages=bwd_stages)
+        if impl == "ws-no-fuse":
+            for d, cfg in bwd.items():
+                C.WS_BWD_CONFIGS[d] = cfg._replace(fuse_dq=False)
         yield
     finally:
         launch.WS_MIN_WORK = ws_min

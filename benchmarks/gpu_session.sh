@@ -66,7 +66,7 @@ case "$what" in
     timeout 380 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
       tests/test_triton_kernel.py -k "d64 or (warp_specialized and 64) or fused_dq or training_plan" \
       2>&1 | tee "$out/gpu_tests.log" | tail -6
-    timeout 170 python3 benchmarks/forward_ab.py --rows "d64,bf16 d128 4k causal,bf16 d128 16k causal" --impls ws,tl --rounds 5 \
+    timeout 190 python3 benchmarks/forward_ab.py --rows "d64,bf16 d128 4k causal,bf16 d128 16k causal" --impls ws,tl,ws-no-fuse --rounds 5 \
       --json "$out/ab.json" --commit "$sha" 2>&1 | tail -14 ;;
   overhead)  # sdpa() against F.sdpa and the decision cache on CUDA (~37 s; the host targets)
     python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -12 ;;
