@@ -188,19 +188,21 @@ class WsConfig(NamedTuple):
 # launch, before compiled_cache served the Gluon kernels); GPU time, forward_ab.py, 5 rounds,
 # ws / tl fwd and fwd+bwd: S=512 causal 1.06 / 1.27, 1k 1.08 / 1.14, 2k 1.12 / 1.13 (experiment 45).
 # d64 (experiment 58): the backward passes run warp-specialised (forward+backward 1.07-1.09x the tl
-# kernels at 4k / 16k, causal and not), the forward keeps the tl kernel (0.95-1.01x there); the
-# fused dQ does not compile at d64 with Gluon 3.6.
+# kernels at 4k / 16k, causal and not), the forward keeps the tl kernel (0.95-1.01x there).
 # d64 (experiment 76): three consumer warpgroups of 64 rows (192 per program, FA3's and flash-attn
 # 4's rows there) over 64-key slots, 160 registers each: 16 warps (the loader's padded to a
-# warpgroup) x 32 x 128 registers fill the file.  128-key slots spill (ptxas: 1.5 KB at 160
-# registers, 188 B at 168) and ran 0.82-0.96x the tl forward.  Dense calls only: 1.03-1.07x the tl
-# forward at 4k / 16k, causal 0.92-0.99x (192-row tiles waste more of the diagonal).
+# warpgroup) x 32 x 128 registers fill the file.  128-key slots (flash-attn 4's tile) fit 160
+# registers once P crosses the loop in its bf16 operand layout (experiment 77; they spilled 1.5 KB
+# before): 1.085x / 1.155x the tl forward at 4k / 16k (64-key slots 1.03x / 1.07x).  Dense calls
+# only: causal 0.92x / 0.97x (192-row tiles waste more of the diagonal).
 WS_FWD_CONFIGS = {128: WsConfig(),
                   64: WsConfig(consumers=3, consumer_regs=160, max_regs=128, forward_scope="dense")}
 # The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
 # consumer warpgroups, ``stages`` slots of (Q, dO) 64-row tiles (block_n is not read: no K/V
 # ring); calls the forward above serves.
-WS_BWD_CONFIGS = {128: WsConfig(), 64: WsConfig()}   # d64 fused dQ: experiment 78 (branch, not measured)
+# d64 computes dQ in its own pass: the fused dQ compiles and is exact there (experiment 78) but ran
+# 0.96x / 1.00x the separate pass at 4k / 16k (whole training call).
+WS_BWD_CONFIGS = {128: WsConfig(), 64: WsConfig(fuse_dq=False)}
 # The warp-specialised dQ pass (experiment 42): the forward's K/V ring and loader, dP = dO V^T and
 # dQ += dS K in the consumers; after the dK/dV pass above, for the same calls.
 # With a bias the dQ pass has one bias slot: its Q, dO, K/V ring and a (128, 128) bias tile fill
