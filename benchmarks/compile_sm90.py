@@ -137,7 +137,7 @@ def ws_backward_cases():
         for d, cfg in configs.items():
             for label, const in _ws_variants(3):
                 tiles = dict(BLOCK_N=cfg.block_n, BIAS_STAGES=cfg.bias_stages) if kind == "dq" else {}
-                for fuse in ((False, True) if kind == "dkdv" and cfg.fuse_dq else (False,)):
+                for fuse in ((False, True) if kind == "dkdv" and cfg.fuse_dq and cfg.bwd_block_m == 64 else (False,)):
                     extra = dict(FUSE_DQ=fuse) if kind == "dkdv" else {}
                     yield d, cfg, f"ws {kind}{'+dq' if fuse else ''} d={d} {label}", dict(
                         const, **tiles, **extra, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
@@ -166,8 +166,9 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
                    dq_desc=desc(wg), bias_desc=desc(2 * wg, cfg.block_n), lse_ptr="*fp32", delta_ptr="*fp32",
                    qk_scale="fp32", sm_scale="fp32")
     elif fn is _attn_bwd_dkdv_ws:
-        sig = dict(q_desc=desc(wg), k_desc=desc(wg), v_desc=desc(wg), do_desc=desc(wg), dk_desc=desc(wg),
-                   dv_desc=desc(wg), bias_desc=desc(wg, 2 * wg), lse_ptr="*fp32", delta_ptr="*fp32",
+        m = cfg.bwd_block_m if not constexprs["HAS_BIAS"] else wg
+        sig = dict(q_desc=desc(m), k_desc=desc(wg), v_desc=desc(wg), do_desc=desc(m), dk_desc=desc(wg),
+                   dv_desc=desc(wg), bias_desc=desc(m, 2 * wg), lse_ptr="*fp32", delta_ptr="*fp32",
                    dq_desc=dq_desc(wg, d // 2), qk_scale="fp32", sm_scale="fp32")
     else:
         sig = dict(q_desc=desc(wg), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(wg),

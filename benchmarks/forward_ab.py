@@ -10,7 +10,7 @@ forward, dK/dV and dQ passes together), "ws-tl-dq" (forward+backward only) with 
 pass, "base" with the Gluon kernels of another copy of forward_ws.py (``--base-module``, e.g.
 ``git show HEAD~1:attention_dispatch/kernels/forward_ws.py``) and "ws-bwd-stages" with
 ``--bwd-stages`` (Q, dO) slots in the dK/dV pass, "ws-no-fuse" with the dQ pass kept apart from the dK/dV
-pass (experiments 54 and 78).  Prints forward (and forward+backward where
+pass (experiments 54 and 78), "ws-bwd-block-m" with ``--bwd-block-m`` query rows per dK/dV tile (79).  Prints forward (and forward+backward where
 asked) TFLOP/s medians and each one's ratio to ``--ref``; docs/perf-notes.md experiments 40-43.
 """
 from __future__ import annotations
@@ -57,8 +57,8 @@ ROWS = [("bf16 d128 512 causal", torch.bfloat16, 128, 512, True, 16, 16, False, 
 TOKENS = 16384
 # "ws": as shipped; "tl": no warp-specialised kernel; "ws-tl-dq": the warp-specialised forward and
 # dK/dV pass with the tl dQ pass (forward+backward only: its forward is "ws")
-IMPLS = ("ws", "tl", "ws-tl-dq", "base", "ws-bwd-stages", "ws-no-fuse")
-BWD_ONLY = ("ws-tl-dq", "ws-bwd-stages", "ws-no-fuse")    # their forward is "ws"
+IMPLS = ("ws", "tl", "ws-tl-dq", "base", "ws-bwd-stages", "ws-no-fuse", "ws-bwd-block-m")
+BWD_ONLY = ("ws-tl-dq", "ws-bwd-stages", "ws-no-fuse", "ws-bwd-block-m")    # their forward is "ws"
 GLUON_KERNELS = ("_attn_fwd_ws", "_attn_bwd_dkdv_ws", "_attn_bwd_dq_ws")
 
 
@@ -73,7 +73,7 @@ def load_base(path: Path) -> dict:
 
 
 @contextlib.contextmanager
-def configured(impl: str, ws_min: int, base: dict | None = None, bwd_stages: int = 0):
+def configured(impl: str, ws_min: int, base: dict | None = None, bwd_stages: int = 0, bwd_block_m: int = 64):
     dq, bwd = C.WS_DQ_CONFIGS.copy(), C.WS_BWD_CONFIGS.copy()
     shipped = {n: getattr(launch, n) for n in GLUON_KERNELS}
     try:
@@ -89,6 +89,9 @@ def configured(impl: str, ws_min: int, base: dict | None = None, bwd_stages: int
         if impl == "ws-no-fuse":
             for d, cfg in bwd.items():
                 C.WS_BWD_CONFIGS[d] = cfg._replace(fuse_dq=False)
+        if impl == "ws-bwd-block-m":
+            for d, cfg in bwd.items():
+                C.WS_BWD_CONFIGS[d] = cfg._replace(bwd_block_m=bwd_block_m)
         yield
     finally:
         launch.WS_MIN_WORK = ws_min
@@ -108,6 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--ref", default="tl", help="the implementation the ratios divide by")
     p.add_argument("--base-module", type=Path, default=None, help="forward_ws.py copy for impl 'base'")
     p.add_argument("--bwd-stages", type=int, default=3, help="dK/dV pass slots for impl 'ws-bwd-stages'")
+    p.add_argument("--bwd-block-m", type=int, default=64, help="dK/dV query tile rows for impl 'ws-bwd-block-m'")
     a = p.parse_args(argv)
     impls = tuple(a.impls.split(","))
     unknown = [i for i in impls + (a.ref,) if i not in IMPLS]
@@ -143,12 +147,12 @@ def main(argv=None) -> int:
         samples = {(impl, m): [] for impl in impls for m in modes}
         outs = {}
         for impl in impls:
-            with configured(impl, ws_min, base, a.bwd_stages):
+            with configured(impl, ws_min, base, a.bwd_stages, a.bwd_block_m):
                 outs[impl] = fwd()
         err = max((outs[i].float() - outs[a.ref].float()).abs().max().item() for i in impls)
         for rnd in range(a.rounds):
             for impl in (impls if rnd % 2 == 0 else impls[::-1]):
-                with configured(impl, ws_min, base, a.bwd_stages):
+                with configured(impl, ws_min, base, a.bwd_stages, a.bwd_block_m):
                     for m, (fn, mult) in modes.items():
                         if m == "fwd" and impl in BWD_ONLY:
                             continue

@@ -588,8 +588,6 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
         st_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         offs_m = mi * BLOCK_M + gl.arange(0, BLOCK_M, col_s)
-        lse2 = lse_bufs.index(s).load(col_s)
-        delta = delta_bufs.index(s).load(col_s)
         st = warpgroup_mma_wait(1, deps=[st_tok])
         if HAS_BIAS:     # this warpgroup's keys of the slot's bias tile, transposed as the scores
             bt = bias[1].index(s).slice(WG * BLOCK_N, BLOCK_N, dim=1).permute((1, 0)).load(s_layout)
@@ -600,10 +598,14 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
         elif _window(WINDOW_LEFT, WINDOW_RIGHT):
             if _band_edge(mi * BLOCK_M, n0 + WG * BLOCK_N, BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT):
                 st = _masked(st, offs_m[None, :], keys[:, None], WINDOW_LEFT, WINDOW_RIGHT)
+        # the rows' logsumexp and delta are read where used: per query column they cost BLOCK_M / 4
+        # registers each, and read before the waits they spilled (experiment 79)
+        lse2 = lse_bufs.index(s).load(col_s)
         pt = gl.exp2(st * scale - lse2[None, :])
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_tok = warpgroup_mma(pt_op, do_buf, dv, is_async=True)
         dpt, _ = warpgroup_mma_wait(1, deps=[dpt_tok, pt_op])
+        delta = delta_bufs.index(s).load(col_s)
         dst = (pt * (dpt - delta[None, :])).to(dtype)
         if FUSE_DQ:    # this warpgroup's keys of dS^T, for both warpgroups' dQ products and its dK's
             ds_buf = ds_bufs.index(t % 2)
@@ -657,12 +659,14 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_de
                       KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr,
                       FUSE_DQ: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Grid (Sk / 128, B * Hkv); one program: 128 keys of one (b, kv head) in two consumer
-    warpgroups of 64, over the 64-row query tiles of every query head of its group.
+    warpgroups of 64, over the query tiles (``q_desc``'s rows: 64, or 128 without FUSE_DQ) of
+    every query head of its group.
     dK, dV: (B * Hkv * Sk, D) rows; lse, delta: (B, Hq, Sq) contiguous; ``bias_desc``
-    (HAS_BIAS): (rows, Sk) bias matrix, tiles (64, 128); None without.  FUSE_DQ: dQ is added
+    (HAS_BIAS): (rows, Sk) bias matrix, tiles (query tile rows, 128); None without.  FUSE_DQ: dQ is added
     into ``dq_desc``, fp32 (B * Hq * Sq, D) rows zeroed beforehand, tiles (64, D / 2); None without."""
     BLOCK_N: gl.constexpr = WG_ROWS   # keys per consumer warpgroup
-    BLOCK_M: gl.constexpr = WG_ROWS   # query rows per tile
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]   # query rows per tile
+    gl.static_assert(BLOCK_M == WG_ROWS or (BLOCK_M == 2 * WG_ROWS and not FUSE_DQ))
     dtype: gl.constexpr = k_desc.dtype
     k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)

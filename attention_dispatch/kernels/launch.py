@@ -757,7 +757,8 @@ def fuse_dq(params: KernelParams, prob: "_Problem", bias: "_WsBias | None") -> b
     """Whether the warp-specialised backward computes dQ inside its dK/dV pass: where it was
     measured faster (no band, no bias, Sk >= FUSE_DQ_MIN_KEYS) and the call does not ask for
     determinism (its reduce-adds land in any order)."""
-    return (C.WS_BWD_CONFIGS[prob.Dqk].fuse_dq and not params.deterministic and bias is None
+    cfg = C.WS_BWD_CONFIGS[prob.Dqk]
+    return (cfg.fuse_dq and cfg.bwd_block_m == _WG_ROWS and not params.deterministic and bias is None
             and params.window_left < 0 and params.window_right < 0 and prob.Sk >= FUSE_DQ_MIN_KEYS)
 
 
@@ -768,11 +769,12 @@ def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_
     cfg = C.WS_BWD_CONFIGS[prob.Dqk]
     dk, dv = torch.empty(k.shape, device=k.device, dtype=k.dtype), torch.empty(v.shape, device=v.device, dtype=v.dtype)
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fuse_dq else None
-    w = _WG_ROWS
-    bias_desc, batch_rows, head_rows = _bias_args(bias, w, 2 * w, prob.Sk)
+    # keys per consumer warpgroup, query rows per tile (a bias tile of 128 rows spills at d64)
+    w, m = _WG_ROWS, (cfg.bwd_block_m if bias is None else _WG_ROWS)
+    bias_desc, batch_rows, head_rows = _bias_args(bias, m, 2 * w, prob.Sk)
     _launch_one(_attn_bwd_dkdv_ws, (prob.Sk // (2 * w), prob.B * prob.Hkv), (
-        _rows_descriptor(q, q_rows, w), _rows_descriptor(k, kv_rows, w), _rows_descriptor(v, kv_rows, w),
-        _rows_descriptor(do, do_rows, w), _rows_descriptor(dk, 1, w), _rows_descriptor(dv, 1, w), bias_desc,
+        _rows_descriptor(q, q_rows, m), _rows_descriptor(k, kv_rows, w), _rows_descriptor(v, kv_rows, w),
+        _rows_descriptor(do, do_rows, m), _rows_descriptor(dk, 1, w), _rows_descriptor(dv, 1, w), bias_desc,
         lse, delta, _dq_acc_descriptor(dq_acc) if fuse_dq else None, params.scale * LOG2E, params.scale, prob.Sq,
         prob.Sk, prob.Hq, prob.group, batch_rows, head_rows),
         _ws_constexprs(params, bias, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows, FUSE_DQ=fuse_dq,
