@@ -1380,10 +1380,12 @@ def test_gpu_warp_specialized_fused_dq(monkeypatch, feature, d):
     tiles: the dS and dQ slots wrap), with GQA and MQA groups, (B, S, H, D) memory, Sq != Sk, a
     bias and windows: every call the kernel takes, also those launch.fuse_dq leaves to the two
     passes by default (short, causal, biased or windowed)."""
-    from attention_dispatch.kernels import launch
+    from attention_dispatch.kernels import configs, launch
     seen = _spy_forward_ws(monkeypatch)
     monkeypatch.setattr(launch, "WS_MIN_WINDOW", 0)
     monkeypatch.setattr(launch, "fuse_dq", lambda params, prob, bias: not params.deterministic)
+    # the fused dQ's query tiles are 64 rows (d64 ships 128 without it, experiment 79)
+    monkeypatch.setitem(configs.WS_BWD_CONFIGS, d, configs.WS_BWD_CONFIGS[d]._replace(bwd_block_m=64))
     hkv = 1 if "mqa" in feature else (2 if "gqa" in feature else 4)
     sk = 768 if feature == "cross" else 640
     q = rand(2, 4, 640, d, dtype=BF16, device="cuda")
@@ -1524,15 +1526,18 @@ def test_gpu_training_plan_replays(monkeypatch, causal, route):
     (dict(bias=True), False),
     (dict(deterministic=True), False),            # reduce-adds in any order
     (dict(config_off=True), False),
+    (dict(block_m=128), False),                   # 128-row query tiles: the fused dQ takes 64
     (dict(gqa=True), True),
 ])
 def test_fuse_dq_is_chosen_where_it_was_measured_faster(monkeypatch, change, fused):
     """launch.fuse_dq: the warp-specialised backward fuses dQ into its dK/dV pass only for the
     calls experiment 54 timed faster that way (no band, no bias, Sk >= FUSE_DQ_MIN_KEYS),
-    never for a deterministic call."""
+    never for a deterministic call nor with 128-row query tiles."""
     from attention_dispatch.kernels import configs, launch
     if change.get("config_off"):
         monkeypatch.setitem(configs.WS_BWD_CONFIGS, 128, configs.WsConfig(fuse_dq=False))
+    if change.get("block_m"):
+        monkeypatch.setitem(configs.WS_BWD_CONFIGS, 128, configs.WsConfig(bwd_block_m=change["block_m"]))
     sk = change.get("sk", 4096)
     q = torch.empty(1, 4, sk, 128)
     k = torch.empty(1, 1 if change.get("gqa") else 4, sk, 128)

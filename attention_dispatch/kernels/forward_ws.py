@@ -588,6 +588,13 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
         st_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         offs_m = mi * BLOCK_M + gl.arange(0, BLOCK_M, col_s)
+        # the rows' logsumexp and delta (per query column: BLOCK_M / 4 registers each): with 64-row
+        # tiles read before the waits, with 128 where used (read early they spilled 732 B at d64,
+        # read late at d128 the pass ran 2-4% slower, experiment 79)
+        EARLY_ROWS: gl.constexpr = BLOCK_M == WG_ROWS
+        if EARLY_ROWS:
+            lse2 = lse_bufs.index(s).load(col_s)
+            delta = delta_bufs.index(s).load(col_s)
         st = warpgroup_mma_wait(1, deps=[st_tok])
         if HAS_BIAS:     # this warpgroup's keys of the slot's bias tile, transposed as the scores
             bt = bias[1].index(s).slice(WG * BLOCK_N, BLOCK_N, dim=1).permute((1, 0)).load(s_layout)
@@ -598,14 +605,14 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
         elif _window(WINDOW_LEFT, WINDOW_RIGHT):
             if _band_edge(mi * BLOCK_M, n0 + WG * BLOCK_N, BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT):
                 st = _masked(st, offs_m[None, :], keys[:, None], WINDOW_LEFT, WINDOW_RIGHT)
-        # the rows' logsumexp and delta are read where used: per query column they cost BLOCK_M / 4
-        # registers each, and read before the waits they spilled (experiment 79)
-        lse2 = lse_bufs.index(s).load(col_s)
+        if not EARLY_ROWS:
+            lse2 = lse_bufs.index(s).load(col_s)
         pt = gl.exp2(st * scale - lse2[None, :])
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_tok = warpgroup_mma(pt_op, do_buf, dv, is_async=True)
         dpt, _ = warpgroup_mma_wait(1, deps=[dpt_tok, pt_op])
-        delta = delta_bufs.index(s).load(col_s)
+        if not EARLY_ROWS:
+            delta = delta_bufs.index(s).load(col_s)
         dst = (pt * (dpt - delta[None, :])).to(dtype)
         if FUSE_DQ:    # this warpgroup's keys of dS^T, for both warpgroups' dQ products and its dK's
             ds_buf = ds_bufs.index(t % 2)
