@@ -137,7 +137,8 @@ def ws_backward_cases():
         for d, cfg in configs.items():
             for label, const in _ws_variants(3):
                 tiles = dict(BLOCK_N=cfg.block_n, BIAS_STAGES=cfg.bias_stages) if kind == "dq" else {}
-                for fuse in ((False, True) if kind == "dkdv" and cfg.fuse_dq and cfg.bwd_block_m == 64 else (False,)):
+                fusable = kind == "dkdv" and cfg.fuse_dq and cfg.bwd_block_m == 64   # as launch.fuse_dq
+                for fuse in ((False, True) if fusable else (False,)):
                     extra = dict(FUSE_DQ=fuse) if kind == "dkdv" else {}
                     yield d, cfg, f"ws {kind}{'+dq' if fuse else ''} d={d} {label}", dict(
                         const, **tiles, **extra, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)

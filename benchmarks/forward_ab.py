@@ -9,9 +9,10 @@ function, so that no relaunch cache keeps one of them): "ws" as shipped, "tl" wi
 forward, dK/dV and dQ passes together), "ws-tl-dq" (forward+backward only) with the tl dQ
 pass, "base" with the Gluon kernels of another copy of forward_ws.py (``--base-module``, e.g.
 ``git show HEAD~1:attention_dispatch/kernels/forward_ws.py``) and "ws-bwd-stages" with
-``--bwd-stages`` (Q, dO) slots in the dK/dV pass, "ws-no-fuse" with the dQ pass kept apart from the dK/dV
-pass (experiments 54 and 78), "ws-bwd-block-m" with ``--bwd-block-m`` query rows per dK/dV tile (79).  Prints forward (and forward+backward where
-asked) TFLOP/s medians and each one's ratio to ``--ref``; docs/perf-notes.md experiments 40-43.
+``--bwd-stages`` (Q, dO) slots in the dK/dV pass, "ws-no-fuse" with the dQ pass kept apart
+from the dK/dV pass (experiments 54 and 78) and "ws-bwd-block-m" with ``--bwd-block-m`` query
+rows per dK/dV tile (experiment 79).  Prints forward (and forward+backward where asked) TFLOP/s
+medians and each one's ratio to ``--ref``; docs/perf-notes.md experiments 40-43.
 """
 from __future__ import annotations
 

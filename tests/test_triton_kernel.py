@@ -1272,14 +1272,16 @@ def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, consumers, feature)
 def test_gpu_d64_as_shipped(monkeypatch, feature):
     """At head dim 64 as shipped: the three-warpgroup Gluon forward for dense calls, the tl
     forward causal, with a bias or a window (configs.WS_FWD_CONFIGS: forward_scope="dense"),
-    then the Gluon dK/dV and dQ passes (never the fused dQ: slower there, experiment 78), against
-    float64; run three times, bit-equal.  640 rows (the last program's last two
+    then the Gluon dK/dV pass (128-row query tiles, 64 with the bias: experiment 79) and dQ pass
+    (never the fused dQ: slower there, experiment 78), against float64; run three times, bit-equal.  640 rows (the last program's last two
     warpgroups idle), causal at 384 and 2048, GQA, a float bias (1, H, S, S) and a (1024, 0)
     window at 2048 keys (launch.WS_MIN_WINDOW).  test_gpu_forward_warp_specialized runs the
     three-warpgroup forward causal too."""
     from attention_dispatch.kernels import configs
     cfg = configs.WS_FWD_CONFIGS[64]
-    assert cfg.forward and cfg.consumers == 3 and cfg.forward_scope == "dense" and not configs.WS_BWD_CONFIGS[64].fuse_dq
+    bwd = configs.WS_BWD_CONFIGS[64]
+    assert cfg.forward and cfg.consumers == 3 and cfg.forward_scope == "dense"
+    assert not bwd.fuse_dq and bwd.bwd_block_m == 128
     seen = _spy_forward_ws(monkeypatch)
     s = {"window": 2048, "causal_2048": 2048, "causal_384": 384}.get(feature, 640)
     hkv = 1 if feature == "gqa" else 4

@@ -201,8 +201,8 @@ class WsConfig(NamedTuple):
 WS_FWD_CONFIGS = {128: WsConfig(),
                   64: WsConfig(consumers=3, consumer_regs=160, max_regs=128, forward_scope="dense")}
 # The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
-# consumer warpgroups, ``stages`` slots of (Q, dO) 64-row tiles (block_n is not read: no K/V
-# ring); calls the forward above serves.
+# consumer warpgroups, ``stages`` slots of (Q, dO) tiles of ``bwd_block_m`` rows (block_n is not
+# read: no K/V ring); calls the forward above serves.
 # d64 computes dQ in its own pass: the fused dQ compiles and is exact there (experiment 78) but ran
 # 0.96x / 1.00x the separate pass at 4k / 16k (whole training call).
 WS_BWD_CONFIGS = {128: WsConfig(), 64: WsConfig(fuse_dq=False, bwd_block_m=128)}   # 128 rows: experiment 79
