@@ -1268,14 +1268,16 @@ def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, consumers, feature)
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("feature", ["dense", "causal", "causal_384", "causal_2048", "gqa", "bias", "window"])
+@pytest.mark.parametrize("feature", ["dense", "causal", "causal_384", "causal_2048", "gqa", "bias", "window", "cross",
+                                     "bshd_gqa"])
 def test_gpu_d64_as_shipped(monkeypatch, feature):
     """At head dim 64 as shipped: the three-warpgroup Gluon forward for dense calls, the tl
     forward causal, with a bias or a window (configs.WS_FWD_CONFIGS: forward_scope="dense"),
     then the Gluon dK/dV pass (128-row query tiles, 64 with the bias: experiment 79) and dQ pass
     (never the fused dQ: slower there, experiment 78), against float64; run three times, bit-equal.  640 rows (the last program's last two
-    warpgroups idle), causal at 384 and 2048, GQA, a float bias (1, H, S, S) and a (1024, 0)
-    window at 2048 keys (launch.WS_MIN_WINDOW).  test_gpu_forward_warp_specialized runs the
+    warpgroups idle), causal at 384 and 2048, GQA, a float bias (1, H, S, S), a (1024, 0)
+    window at 2048 keys (launch.WS_MIN_WINDOW), 768 keys for 640 queries, and GQA over
+    (B, S, H, D) memory.  test_gpu_forward_warp_specialized runs the
     three-warpgroup forward causal too."""
     from attention_dispatch.kernels import configs
     cfg = configs.WS_FWD_CONFIGS[64]
@@ -1284,16 +1286,21 @@ def test_gpu_d64_as_shipped(monkeypatch, feature):
     assert not bwd.fuse_dq and bwd.bwd_block_m == 128
     seen = _spy_forward_ws(monkeypatch)
     s = {"window": 2048, "causal_2048": 2048, "causal_384": 384}.get(feature, 640)
-    hkv = 1 if feature == "gqa" else 4
+    hkv = {"gqa": 1, "bshd_gqa": 2}.get(feature, 4)
+    sk = 768 if feature == "cross" else s
     q = rand(2, 4, s, 64, dtype=BF16, device="cuda")
-    k, v = (rand(2, hkv, s, 64, dtype=BF16, device="cuda") for _ in range(2))
+    k, v = (rand(2, hkv, sk, 64, dtype=BF16, device="cuda") for _ in range(2))
+    layout = 1
+    if feature == "bshd_gqa":
+        layout = 2
+        q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
     bias = rand(1, 4, s, s, dtype=BF16, device="cuda", grad=False) if feature == "bias" else None
     causal = "top_left" if feature.startswith("causal") else None
     window = (1024, 0) if feature == "window" else None
     run_and_check(q, k, v, bias, causal=causal, window=window)
     tail = ("bias",) if bias is not None else ()
-    forward = [(1, 1)] if feature in ("dense", "gqa") else []
-    assert seen == forward + [("dkdv", 1, 1, 1) + tail, ("dq", 1, 1, 1) + tail]
+    forward = [(layout, layout)] if feature in ("dense", "gqa", "cross", "bshd_gqa") else []
+    assert seen == forward + [("dkdv", layout, layout, 1) + tail, ("dq", layout, layout, 1) + tail]
     _assert_repeatable(q, k, v, bias, make_params(q, causal, window))
 
 
