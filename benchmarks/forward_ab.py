@@ -10,8 +10,9 @@ forward, dK/dV and dQ passes together), "ws-tl-dq" (forward+backward only) with 
 pass, "base" with the Gluon kernels of another copy of forward_ws.py (``--base-module``, e.g.
 ``git show HEAD~1:attention_dispatch/kernels/forward_ws.py``) and "ws-bwd-stages" with
 ``--bwd-stages`` (Q, dO) slots in the dK/dV pass, "ws-no-fuse" with the dQ pass kept apart
-from the dK/dV pass (experiments 54 and 78) and "ws-bwd-block-m" with ``--bwd-block-m`` query
-rows per dK/dV tile (experiment 79).  Prints forward (and forward+backward where asked) TFLOP/s
+from the dK/dV pass (experiments 54 and 78), "ws-fuse-banded" with dQ fused for causal and
+windowed calls too (launch.fuse_dq leaves them to two passes) and "ws-bwd-block-m" with
+``--bwd-block-m`` query rows per dK/dV tile (experiment 79).  Prints forward (and forward+backward where asked) TFLOP/s
 medians and each one's ratio to ``--ref``; docs/perf-notes.md experiments 40-43.
 """
 from __future__ import annotations
@@ -58,8 +59,8 @@ ROWS = [("bf16 d128 512 causal", torch.bfloat16, 128, 512, True, 16, 16, False, 
 TOKENS = 16384
 # "ws": as shipped; "tl": no warp-specialised kernel; "ws-tl-dq": the warp-specialised forward and
 # dK/dV pass with the tl dQ pass (forward+backward only: its forward is "ws")
-IMPLS = ("ws", "tl", "ws-tl-dq", "base", "ws-bwd-stages", "ws-no-fuse", "ws-bwd-block-m")
-BWD_ONLY = ("ws-tl-dq", "ws-bwd-stages", "ws-no-fuse", "ws-bwd-block-m")    # their forward is "ws"
+IMPLS = ("ws", "tl", "ws-tl-dq", "base", "ws-bwd-stages", "ws-no-fuse", "ws-fuse-banded", "ws-bwd-block-m")
+BWD_ONLY = ("ws-tl-dq", "ws-bwd-stages", "ws-no-fuse", "ws-fuse-banded", "ws-bwd-block-m")    # their forward is "ws"
 GLUON_KERNELS = ("_attn_fwd_ws", "_attn_bwd_dkdv_ws", "_attn_bwd_dq_ws")
 
 
@@ -76,7 +77,7 @@ def load_base(path: Path) -> dict:
 @contextlib.contextmanager
 def configured(impl: str, ws_min: int, base: dict | None = None, bwd_stages: int = 0, bwd_block_m: int = 64):
     dq, bwd = C.WS_DQ_CONFIGS.copy(), C.WS_BWD_CONFIGS.copy()
-    shipped = {n: getattr(launch, n) for n in GLUON_KERNELS}
+    shipped = {n: getattr(launch, n) for n in GLUON_KERNELS + ("fuse_dq",)}
     try:
         launch.WS_MIN_WORK = 1 << 62 if impl == "tl" else ws_min
         if impl == "ws-tl-dq":
@@ -90,6 +91,10 @@ def configured(impl: str, ws_min: int, base: dict | None = None, bwd_stages: int
         if impl == "ws-no-fuse":
             for d, cfg in bwd.items():
                 C.WS_BWD_CONFIGS[d] = cfg._replace(fuse_dq=False)
+        if impl == "ws-fuse-banded":     # launch.fuse_dq without its band condition
+            launch.fuse_dq = lambda params, prob, bias: (C.WS_BWD_CONFIGS[prob.Dqk].fuse_dq and bias is None
+                                                         and not params.deterministic
+                                                         and prob.Sk >= launch.FUSE_DQ_MIN_KEYS)
         if impl == "ws-bwd-block-m":
             for d, cfg in bwd.items():
                 C.WS_BWD_CONFIGS[d] = cfg._replace(bwd_block_m=bwd_block_m)

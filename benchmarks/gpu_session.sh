@@ -60,13 +60,13 @@ case "$what" in
   kernel2)   # the kernel's warp-specialised paths and the training plan's replays
     timeout ${KERNEL_TESTS_S:-560} python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
       tests/test_triton_kernel.py -k "warp_specialized or training_plan" 2>&1 | tee "$out/gpu_tests.log" | tail -8 ;;
-  d64)       # head dim 64's Gluon kernels (experiments 76-78; ~6-8 minutes): their GPU tests against float64,
+  d64)       # head dim 64's Gluon kernels (experiments 76-81; ~6-8 minutes): their GPU tests against float64,
              # then forward and forward+backward against the tl kernels (and d128's forward, which the
              # forward consumer's code shares)
-    timeout 380 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
+    timeout 340 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
       tests/test_triton_kernel.py -k "d64 or (warp_specialized and 64) or fused_dq or training_plan" \
       2>&1 | tee "$out/gpu_tests.log" | tail -6
-    timeout 190 python3 benchmarks/forward_ab.py --rows "d64,bf16 d128 4k causal,bf16 d128 16k causal" --impls ws,tl,ws-no-fuse --rounds 5 \
+    timeout 240 python3 benchmarks/forward_ab.py --rows "d64,bf16 d128 4k causal,bf16 d128 16k causal" --impls ws,tl,ws-no-fuse,ws-fuse-banded --rounds 5 \
       --json "$out/ab.json" --commit "$sha" 2>&1 | tail -14 ;;
   overhead)  # sdpa() against F.sdpa and the decision cache on CUDA (~37 s; the issue's host targets)
     python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -12 ;;
