@@ -1045,3 +1045,28 @@ def test_fastest_statistics_agreement_of_one_kernel_measured_twice():
     assert got["longer"]["paired_cells"] == 1 and got["longer"]["paired_below"] == 1
     assert got["longer"]["paired_median_abs"] == pytest.approx(abs(paired))
     assert got["under 1 ms"]["paired_cells"] == 0 and got["under 1 ms"]["paired_median_abs"] is None
+
+
+@pytest.mark.parametrize("impl", ["ws", "tl", "ws-tl-dq", "ws-bwd-stages", "ws-no-fuse", "ws-fuse-banded",
+                                  "ws-bwd-block-m"])
+def test_forward_ab_configured_changes_one_thing_and_restores_it(impl):
+    """forward_ab.configured: inside, the impl's one change to the launch glue or the Gluon configs
+    (an A/B that leaked a change into the next impl's turn would compare the wrong kernels);
+    after, everything as shipped."""
+    import torch
+    from attention_dispatch.kernels import KernelParams, configs, launch
+    ab = _load("forward_ab")
+    shipped = (launch.WS_MIN_WORK, dict(configs.WS_BWD_CONFIGS), dict(configs.WS_DQ_CONFIGS), launch.fuse_dq)
+    q = torch.empty(1, 4, 4096, 128)
+    prob = launch._Problem(q, q, q, None, None, None, None)
+    causal = KernelParams(scale=0.1, window_left=-1, window_right=0)
+    with ab.configured(impl, launch.WS_MIN_WORK, bwd_stages=3, bwd_block_m=128):
+        inside = (launch.WS_MIN_WORK, dict(configs.WS_BWD_CONFIGS), dict(configs.WS_DQ_CONFIGS))
+        fuses_causal = launch.fuse_dq(causal, prob, None)
+    changed = [name for name, a, b in zip(("WS_MIN_WORK", "WS_BWD_CONFIGS", "WS_DQ_CONFIGS"), shipped, inside)
+               if a != b] + (["fuse_dq"] if fuses_causal else [])
+    expected = {"ws": [], "tl": ["WS_MIN_WORK"], "ws-tl-dq": ["WS_DQ_CONFIGS"], "ws-bwd-stages": ["WS_BWD_CONFIGS"],
+                "ws-no-fuse": ["WS_BWD_CONFIGS"], "ws-fuse-banded": ["fuse_dq"],
+                "ws-bwd-block-m": ["WS_BWD_CONFIGS"]}[impl]
+    assert changed == expected
+    assert (launch.WS_MIN_WORK, dict(configs.WS_BWD_CONFIGS), dict(configs.WS_DQ_CONFIGS), launch.fuse_dq) == shipped
