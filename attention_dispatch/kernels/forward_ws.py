@@ -281,11 +281,17 @@ def _softmax_step(sc, m_i, scale, MAY_EMPTY: gl.constexpr):
 
 
 @gluon.jit
-def _ws_loader(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q, seq_k,
-               num_heads, group, n_m_blocks, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+def _ws_loader(args, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
                Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr,
-               BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               BIAS_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+               BATCH_MINOR: gl.constexpr, BIAS_STAGES: gl.constexpr):
+    """The forward's TMA loader partition (``args``: _attn_fwd_ws's runtime partition arguments)."""
+    (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q, seq_k,
+     num_heads, group, n_m_blocks) = args
+    # the tiles follow from the shared memory the kernel allocated
+    BLOCK_M: gl.constexpr = WG_ROWS
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    NUM_WG: gl.constexpr = q_bufs.shape[0]
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     pid_m = n_m_blocks - 1 - gl.program_id(0)      # longest causal rows first
@@ -310,11 +316,17 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, 
 
 
 @gluon.jit
-def _ws_consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q, seq_k,
-                 num_heads, group, n_m_blocks, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                 WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+def _ws_consumer(args, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+                 Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 BATCH_MINOR: gl.constexpr, BIAS_STAGES: gl.constexpr):
+    """Consumer warpgroup ``WG`` of the forward (``args``: _attn_fwd_ws's runtime partition arguments)."""
+    (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q, seq_k,
+     num_heads, group, n_m_blocks) = args
+    # the tiles follow from the shared memory the kernel allocated
+    BLOCK_M: gl.constexpr = WG_ROWS
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    NUM_WG: gl.constexpr = q_bufs.shape[0]
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -425,43 +437,33 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, bias_desc, lse_ptr, qk_scale, s
         bias = _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, BIAS_STAGES, NUM_WG)
     else:
         bias = bars     # not read: a stand-in of a type the partitions accept
-    # partition arguments are spelled out: constexprs inside a concatenated tuple lose their kind,
-    # and a (function, arguments) pair held in a variable does not compile (Gluon 3.6), so each
-    # list of partitions is written whole
+    # every partition takes the runtime arguments as one tuple; the constexprs are spelled out in
+    # each (inside a tuple they lose their kind, Gluon 3.6), as is each (function, arguments)
+    # pair (held in a variable it does not compile)
+    args = (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q, seq_k,
+            num_heads, group, n_m_blocks)
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     WG2: gl.constexpr = 2
     if NUM_WG == 3:
         gl.warp_specialize([
-            (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
-                            seq_q, seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS,
-                            KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES,
-                            NUM_WG)),
-            (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
-                            seq_q, seq_k, num_heads, group, n_m_blocks, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS,
-                            KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES,
-                            NUM_WG)),
-            (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
-                            seq_q, seq_k, num_heads, group, n_m_blocks, WG2, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS,
-                            KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES,
-                            NUM_WG)),
-            (_ws_loader, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q,
-                          seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
-                          STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES, NUM_WG)),
+            (_ws_consumer, (args, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR,
+                            BIAS_STAGES)),
+            (_ws_consumer, (args, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR,
+                            BIAS_STAGES)),
+            (_ws_consumer, (args, WG2, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR,
+                            BIAS_STAGES)),
+            (_ws_loader, (args, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR,
+                          BIAS_STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
-                            seq_q, seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS,
-                            KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES,
-                            NUM_WG)),
-            (_ws_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale,
-                            seq_q, seq_k, num_heads, group, n_m_blocks, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS,
-                            KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES,
-                            NUM_WG)),
-            (_ws_loader, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q,
-                          seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS,
-                          STORE_LSE, HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES, NUM_WG)),
+            (_ws_consumer, (args, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR,
+                            BIAS_STAGES)),
+            (_ws_consumer, (args, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR,
+                            BIAS_STAGES)),
+            (_ws_loader, (args, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR,
+                          BIAS_STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
