@@ -564,7 +564,8 @@ def fastest_misses(entries: list[dict], mode: str, need: float = 0.97) -> list[d
             continue
         chose = ((e["results"].get("fastest") or {}).get(mode) or {}).get("backend")
         best, _ = best_backend(e, mode)
-        misses.append(dict(row=Row.from_json(e["row"]).id, ratio=round(r, 3), direct=round(fastest_ratio(e, mode, False), 3),
+        misses.append(dict(row=Row.from_json(e["row"]).id, ratio=round(r, 3),
+                           direct=round(fastest_ratio(e, mode, paired=False), 3),
                            paired=paired_log_ratio(e, mode) is not None, chose=chose,
                            best=BACKEND_NAMES.get(best, best), same_backend=chosen_column(e["results"], mode) == best))
     return misses

@@ -1274,11 +1274,11 @@ def test_gpu_d64_as_shipped(monkeypatch, feature):
     """At head dim 64 as shipped: the three-warpgroup Gluon forward for dense calls, the tl
     forward causal, with a bias or a window (configs.WS_FWD_CONFIGS: forward_scope="dense"),
     then the Gluon dK/dV pass (128-row query tiles, 64 with the bias: experiment 79) and dQ pass
-    (never the fused dQ: slower there, experiment 78), against float64; run three times, bit-equal.  640 rows (the last program's last two
-    warpgroups idle), causal at 384 and 2048, GQA, a float bias (1, H, S, S), a (1024, 0)
-    window at 2048 keys (launch.WS_MIN_WINDOW), 768 keys for 640 queries, and GQA over
-    (B, S, H, D) memory.  test_gpu_forward_warp_specialized runs the
-    three-warpgroup forward causal too."""
+    (never the fused dQ: slower there, experiment 78), against float64; run three times,
+    bit-equal.  640 rows (the last program's last two warpgroups idle), causal at 384 and 2048,
+    GQA, a float bias (1, H, S, S), a (1024, 0) window at 2048 keys (launch.WS_MIN_WINDOW), 768
+    keys for 640 queries, and GQA over (B, S, H, D) memory.  test_gpu_forward_warp_specialized
+    runs the three-warpgroup forward causal too."""
     from attention_dispatch.kernels import configs
     cfg = configs.WS_FWD_CONFIGS[64]
     bwd = configs.WS_BWD_CONFIGS[64]
