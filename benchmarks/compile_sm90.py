@@ -221,6 +221,8 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", type=lambda s: tuple(s.split(",")), default=tuple(KERNELS) + ("fwd_ws",),
                    help="fwd, bwd_dkdv, bwd_dq, fwd_ws (the warp-specialised Gluon kernels)")
     p.add_argument("--limit", type=int, default=0, help="compile only the first N cases (0: all)")
+    p.add_argument("--ws-one-each", action="store_true",
+                   help="fwd_ws: compile only the first (dense) case of each warp-specialised kernel and head dim")
     p.add_argument("--ptx-hashes", action="store_true",
                    help="print each case's PTX fingerprint (diff two runs to check that a refactor changes no code)")
     p.add_argument("--spills", action="store_true",
@@ -238,7 +240,12 @@ def main(argv=None) -> int:
         label = f"{kind} d<={entry.max_block_d} {entry.config} {label}"
         failed += _report(label, err, kernel, args.ptx_hashes, args.spills)
     if "fwd_ws" in args.kinds:
+        seen = set()
         for d, cfg, label, const in list(ws_cases()) + list(ws_backward_cases()):
+            kernel_name = re.split(r" (?:dense|causal|window) ", label)[0]     # "ws dkdv+dq d=128"
+            if args.ws_one_each and kernel_name in seen:
+                continue
+            seen.add(kernel_name)
             n += 1
             err, kernel = compile_ws_case(d, cfg, const)
             failed += _report(label, err, kernel, args.ptx_hashes, args.spills)

@@ -819,6 +819,10 @@ def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, bias_desc, lse_ptr
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     NO_LSE: gl.constexpr = False
+    # the forward's loader (its runtime arguments as one tuple): it reads only the K/V descriptors,
+    # the rings, the barriers and the sizes
+    loader_args = (q_desc, k_desc, v_desc, dq_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q,
+                   seq_k, num_heads, group, n_m_blocks)
     gl.warp_specialize([
         (_ws_bwd_dq_consumer, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs, k_bufs,
                                v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
@@ -828,8 +832,6 @@ def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, bias_desc, lse_ptr
                                v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
                                WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
                                BLOCK_N, STAGES, BIAS_STAGES)),
-        # the forward's loader: it reads only the K/V descriptors, the barriers and the sizes
-        (_ws_loader, (q_desc, k_desc, v_desc, dq_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q,
-                      seq_k, num_heads, group, n_m_blocks, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, NO_LSE,
-                      HAS_BIAS, BATCH_MINOR, BLOCK_M, BLOCK_N, STAGES, BIAS_STAGES, NUM_WG)),
+        (_ws_loader, (loader_args, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, NO_LSE, HAS_BIAS, BATCH_MINOR,
+                      BIAS_STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
