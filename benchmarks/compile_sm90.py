@@ -137,8 +137,7 @@ def ws_backward_cases():
         for d, cfg in configs.items():
             for label, const in _ws_variants(3):
                 tiles = dict(BLOCK_N=cfg.block_n, BIAS_STAGES=cfg.bias_stages) if kind == "dq" else {}
-                fusable = kind == "dkdv" and cfg.fuse_dq and cfg.bwd_block_m == 64   # as launch.fuse_dq
-                for fuse in ((False, True) if fusable else (False,)):
+                for fuse in ((False, True) if kind == "dkdv" and cfg.fuse_dq else (False,)):
                     extra = dict(FUSE_DQ=fuse) if kind == "dkdv" else {}
                     yield d, cfg, f"ws {kind}{'+dq' if fuse else ''} d={d} {label}", dict(
                         const, **tiles, **extra, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
@@ -170,7 +169,7 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
         m = cfg.bwd_block_m if not constexprs["HAS_BIAS"] else wg
         sig = dict(q_desc=desc(m), k_desc=desc(wg), v_desc=desc(wg), do_desc=desc(m), dk_desc=desc(wg),
                    dv_desc=desc(wg), bias_desc=desc(m, 2 * wg), lse_ptr="*fp32", delta_ptr="*fp32",
-                   dq_desc=dq_desc(wg, d // 2), qk_scale="fp32", sm_scale="fp32")
+                   dq_desc=dq_desc(wg, d if m == 2 * wg else d // 2), qk_scale="fp32", sm_scale="fp32")
     else:
         sig = dict(q_desc=desc(wg), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(wg),
                    bias_desc=desc(cfg.consumers * wg, cfg.block_n),

@@ -1274,7 +1274,7 @@ def test_gpu_d64_as_shipped(monkeypatch, feature):
     """At head dim 64 as shipped: the three-warpgroup Gluon forward for dense calls, the tl
     forward causal, with a bias or a window (configs.WS_FWD_CONFIGS: forward_scope="dense"),
     then the Gluon dK/dV pass (128-row query tiles, 64 with the bias: experiment 79) and dQ pass
-    (never the fused dQ: slower there, experiment 78), against float64; run three times,
+    (the fused dQ starts at launch.FUSE_DQ_MIN_KEYS keys), against float64; run three times,
     bit-equal.  640 rows (the last program's last two warpgroups idle), causal at 384 and 2048,
     GQA, a float bias (1, H, S, S), a (1024, 0) window at 2048 keys (launch.WS_MIN_WINDOW), 768
     keys for 640 queries, and GQA over (B, S, H, D) memory.  test_gpu_forward_warp_specialized
@@ -1283,7 +1283,7 @@ def test_gpu_d64_as_shipped(monkeypatch, feature):
     cfg = configs.WS_FWD_CONFIGS[64]
     bwd = configs.WS_BWD_CONFIGS[64]
     assert cfg.forward and cfg.consumers == 3 and cfg.forward_scope == "dense"
-    assert not bwd.fuse_dq and bwd.bwd_block_m == 128
+    assert bwd.bwd_block_m == 128      # fuse_dq: from FUSE_DQ_MIN_KEYS keys, none here
     seen = _spy_forward_ws(monkeypatch)
     s = {"window": 2048, "causal_2048": 2048, "causal_384": 384}.get(feature, 640)
     hkv = {"gqa": 1, "bshd_gqa": 2}.get(feature, 4)
@@ -1380,10 +1380,10 @@ def test_gpu_warp_specialized_window(monkeypatch, window, extra):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("d, block_m", [(128, 64), (64, 64), (64, 128)])
 @pytest.mark.parametrize("feature", ["dense", "causal_mqa", "bshd_dense_gqa", "cross", "bias_causal", "window_bias",
                                      "window_gqa_bshd"])
-def test_gpu_warp_specialized_fused_dq(monkeypatch, feature, d):
+def test_gpu_warp_specialized_fused_dq(monkeypatch, feature, d, block_m):
     """dQ fused into the Gluon dK/dV pass (fp32 partials added by TMA reduce-add, query tiles
     visited in a rotated order) against float64 (forward, logsumexp, gradients), S=640 (5 query
     tiles: the dS and dQ slots wrap), with GQA and MQA groups, (B, S, H, D) memory, Sq != Sk, a
@@ -1393,8 +1393,9 @@ def test_gpu_warp_specialized_fused_dq(monkeypatch, feature, d):
     seen = _spy_forward_ws(monkeypatch)
     monkeypatch.setattr(launch, "WS_MIN_WINDOW", 0)
     monkeypatch.setattr(launch, "fuse_dq", lambda params, prob, bias: not params.deterministic)
-    # the fused dQ's query tiles are 64 rows (d64 ships 128 without it, experiment 79)
-    monkeypatch.setitem(configs.WS_BWD_CONFIGS, d, configs.WS_BWD_CONFIGS[d]._replace(bwd_block_m=64))
+    # 64-row query tiles: each warpgroup adds half of dQ's columns; 128 (d64): half of its rows
+    # (experiment 81); a bias keeps 64-row tiles
+    monkeypatch.setitem(configs.WS_BWD_CONFIGS, d, configs.WS_BWD_CONFIGS[d]._replace(bwd_block_m=block_m))
     hkv = 1 if "mqa" in feature else (2 if "gqa" in feature else 4)
     sk = 768 if feature == "cross" else 640
     q = rand(2, 4, 640, d, dtype=BF16, device="cuda")
@@ -1535,7 +1536,7 @@ def test_gpu_training_plan_replays(monkeypatch, causal, route):
     (dict(bias=True), False),
     (dict(deterministic=True), False),            # reduce-adds in any order
     (dict(config_off=True), False),
-    (dict(block_m=128), False),                   # 128-row query tiles: the fused dQ takes 64
+    (dict(block_m=128), True),                    # 128-row query tiles fuse too (experiment 81)
     (dict(gqa=True), True),
 ])
 def test_fuse_dq_is_chosen_where_it_was_measured_faster(monkeypatch, change, fused):

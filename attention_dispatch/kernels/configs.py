@@ -176,7 +176,7 @@ class WsConfig(NamedTuple):
     # needs two consumers for a bias (its TMA tile's rows are a power of two)
     forward_scope: str = "all"
     # dK/dV pass: query rows per (Q, dO) tile, 64 or 128 (FA3's tile at d64: half the steps, each
-    # product twice as wide); 64 with a bias, and the fused dQ takes 64 only
+    # product twice as wide); 64 with a bias
     bwd_block_m: int = 64
 
 
@@ -203,9 +203,9 @@ WS_FWD_CONFIGS = {128: WsConfig(),
 # The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
 # consumer warpgroups, ``stages`` slots of (Q, dO) tiles of ``bwd_block_m`` rows (block_n is not
 # read: no K/V ring); calls the forward above serves.
-# d64 computes dQ in its own pass: the fused dQ compiles and is exact there (experiment 78) but ran
-# 0.96x / 1.00x the separate pass at 4k / 16k (whole training call).
-WS_BWD_CONFIGS = {128: WsConfig(), 64: WsConfig(fuse_dq=False, bwd_block_m=128)}   # 128 rows: experiment 79
+# d64: with 64-row tiles the fused dQ ran 0.96x / 1.00x the separate pass at 4k / 16k (whole
+# training call, experiment 78); with 128-row tiles: experiment 81 (branch, not measured).
+WS_BWD_CONFIGS = {128: WsConfig(), 64: WsConfig(bwd_block_m=128)}   # 128 rows: experiment 79
 # The warp-specialised dQ pass (experiment 42): the forward's K/V ring and loader, dP = dO V^T and
 # dQ += dS K in the consumers; after the dK/dV pass above, for the same calls.
 # With a bias the dQ pass has one bias slot: its Q, dO, K/V ring and a (128, 128) bias tile fill

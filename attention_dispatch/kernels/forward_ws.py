@@ -570,16 +570,20 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
         scale = LOG2E
     if FUSE_DQ:
         dq_desc, ds_bufs, ds_ready, kv_done, dq_bufs = dq_fused
-        DQ_COLS: gl.constexpr = HEAD_D // 2
+        # each warpgroup's share of the tile's dQ: with 64-row tiles the 64 rows x half the columns,
+        # with 128-row tiles its 64-row half x every column (experiment 81)
+        DQ_SPLIT_ROWS: gl.constexpr = BLOCK_M == 2 * WG_ROWS
+        DQ_COLS: gl.constexpr = HEAD_D if DQ_SPLIT_ROWS else HEAD_D // 2
+        gl.static_assert(dq_desc.block_type.shape[0] == WG_ROWS and dq_desc.block_type.shape[1] == DQ_COLS)
+        gl.static_assert(BLOCK_N == BLOCK_M or DQ_SPLIT_ROWS)
         DQ_STAGES: gl.constexpr = dq_bufs.shape[0] // 2
         n_kv_heads = num_heads // group
         dq_head0 = (pid_bkv // n_kv_heads) * num_heads + (pid_bkv % n_kv_heads) * group
-        gl.static_assert(BLOCK_N == BLOCK_M)
-        # the dQ product's (queries x DQ_COLS) accumulator: zero_s where it has that shape (d128)
-        if DQ_COLS == BLOCK_M:
+        # the dQ product's (64 queries x DQ_COLS) accumulator: zero_s where it has that shape (d128)
+        if DQ_COLS == BLOCK_M and not DQ_SPLIT_ROWS:
             zero_dq = zero_s
         else:
-            zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, _wgmma_layout(DQ_COLS))
+            zero_dq = gl.zeros([WG_ROWS, DQ_COLS], gl.float32, _wgmma_layout(DQ_COLS))
     mbarrier.wait(kv_bar, 0)
     for t in range(group * n_m):
         mi = _q_tile(t, m_lo, n_m, pid_n, FUSE_DQ)
@@ -626,13 +630,24 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
             dst_op = gl.convert_layout(dst, op_layout)
             dk_tok = warpgroup_mma(dst_op, q_buf, dk, is_async=True)
         if FUSE_DQ:
-            # dQ[:, cols] = dS (queries x 128 keys) K[keys, cols]: the program's two 64-key K tiles
+            # dQ[rows, cols] = dS (rows x 128 keys) K[keys, cols]: the program's two 64-key K tiles
             mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
-            dq_tok = warpgroup_mma(ds_buf.slice(0, BLOCK_N).permute((1, 0)),
-                                   k_bufs.index(0).slice(WG * DQ_COLS, DQ_COLS, dim=1), zero_dq, use_acc=False,
-                                   is_async=True)
-            dq_tok = warpgroup_mma(ds_buf.slice(BLOCK_N, BLOCK_N).permute((1, 0)),
-                                   k_bufs.index(1).slice(WG * DQ_COLS, DQ_COLS, dim=1), dq_tok, is_async=True)
+            if DQ_SPLIT_ROWS:
+                dq_row: gl.constexpr = WG * WG_ROWS
+                dq_col: gl.constexpr = 0
+                ds_lo = ds_buf.slice(0, BLOCK_N).slice(dq_row, WG_ROWS, dim=1)
+                ds_hi = ds_buf.slice(BLOCK_N, BLOCK_N).slice(dq_row, WG_ROWS, dim=1)
+                k_lo = k_bufs.index(0)
+                k_hi = k_bufs.index(1)
+            else:
+                dq_row: gl.constexpr = 0
+                dq_col: gl.constexpr = WG * DQ_COLS
+                ds_lo = ds_buf.slice(0, BLOCK_N)
+                ds_hi = ds_buf.slice(BLOCK_N, BLOCK_N)
+                k_lo = k_bufs.index(0).slice(dq_col, DQ_COLS, dim=1)
+                k_hi = k_bufs.index(1).slice(dq_col, DQ_COLS, dim=1)
+            dq_tok = warpgroup_mma(ds_lo.permute((1, 0)), k_lo, zero_dq, use_acc=False, is_async=True)
+            dq_tok = warpgroup_mma(ds_hi.permute((1, 0)), k_hi, dq_tok, is_async=True)
             dv, dk, dq, _, _, _ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok, q_buf, do_buf, ds_buf])
             # the partial leaves through shared memory by TMA reduce-add (FA3's way); the slot's
             # previous reduce, DQ_STAGES steps ago, must have read it first
@@ -641,8 +656,8 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
             dq_buf = dq_bufs.index((t % DQ_STAGES) * 2 + WG)
             dq_buf.store(dq * sm_scale)
             fence_async_shared()
-            row0 = (dq_head0 + t // n_m) * seq_q + mi * BLOCK_M
-            _tma_reduce_add(dq_desc, [row0, WG * DQ_COLS], dq_buf)
+            row0 = (dq_head0 + t // n_m) * seq_q + mi * BLOCK_M + dq_row
+            _tma_reduce_add(dq_desc, [row0, dq_col], dq_buf)
         else:
             dv, dk, _, _, _ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dst_op, q_buf, do_buf])
         if HAS_BIAS:     # its bias tile was read through the generic proxy (see _release_bias)
@@ -668,14 +683,15 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_de
                       KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr,
                       FUSE_DQ: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Grid (Sk / 128, B * Hkv); one program: 128 keys of one (b, kv head) in two consumer
-    warpgroups of 64, over the query tiles (``q_desc``'s rows: 64, or 128 without FUSE_DQ) of
-    every query head of its group.
+    warpgroups of 64, over the query tiles (``q_desc``'s rows: 64 or 128) of every query head of
+    its group.
     dK, dV: (B * Hkv * Sk, D) rows; lse, delta: (B, Hq, Sq) contiguous; ``bias_desc``
     (HAS_BIAS): (rows, Sk) bias matrix, tiles (query tile rows, 128); None without.  FUSE_DQ: dQ is added
-    into ``dq_desc``, fp32 (B * Hq * Sq, D) rows zeroed beforehand, tiles (64, D / 2); None without."""
+    into ``dq_desc``, fp32 (B * Hq * Sq, D) rows zeroed beforehand, tiles (64, D / 2) with 64-row
+    query tiles and (64, D) with 128; None without."""
     BLOCK_N: gl.constexpr = WG_ROWS   # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]   # query rows per tile
-    gl.static_assert(BLOCK_M == WG_ROWS or (BLOCK_M == 2 * WG_ROWS and not FUSE_DQ))
+    gl.static_assert(BLOCK_M == WG_ROWS or BLOCK_M == 2 * WG_ROWS)
     dtype: gl.constexpr = k_desc.dtype
     k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)

@@ -739,12 +739,13 @@ def ws_forward_serves(cfg: "C.WsConfig", has_bias: bool, params: KernelParams) -
 DQ_ACC_SWIZZLE = 64
 
 
-def _dq_acc_descriptor(dq_acc: torch.Tensor):
-    """Gluon descriptor over the fused dQ's fp32 (B * Hq * Sq, D) rows, tiles of (64, D / 2): each
-    consumer warpgroup's partial (forward_ws.py, FUSE_DQ)."""
+def _dq_acc_descriptor(dq_acc: torch.Tensor, cols: int):
+    """Gluon descriptor over the fused dQ's fp32 (B * Hq * Sq, D) rows, tiles of (64, ``cols``):
+    each consumer warpgroup's partial (forward_ws.py, FUSE_DQ: D / 2 with 64-row query tiles, D
+    with 128)."""
     D = dq_acc.shape[-1]
     layout = _gl.NVMMASharedLayout(DQ_ACC_SWIZZLE, 32, 2)
-    return _GluonDescriptor(dq_acc, [dq_acc.numel() // D, D], [D, 1], [_WG_ROWS, D // 2], layout)
+    return _GluonDescriptor(dq_acc, [dq_acc.numel() // D, D], [D, 1], [_WG_ROWS, cols], layout)
 
 
 # The fused dQ against the separate dQ pass, whole backward, bf16 d128, H100, 7 interleaved rounds
@@ -757,8 +758,7 @@ def fuse_dq(params: KernelParams, prob: "_Problem", bias: "_WsBias | None") -> b
     """Whether the warp-specialised backward computes dQ inside its dK/dV pass: where it was
     measured faster (no band, no bias, Sk >= FUSE_DQ_MIN_KEYS) and the call does not ask for
     determinism (its reduce-adds land in any order)."""
-    cfg = C.WS_BWD_CONFIGS[prob.Dqk]
-    return (cfg.fuse_dq and cfg.bwd_block_m == _WG_ROWS and not params.deterministic and bias is None
+    return (C.WS_BWD_CONFIGS[prob.Dqk].fuse_dq and not params.deterministic and bias is None
             and params.window_left < 0 and params.window_right < 0 and prob.Sk >= FUSE_DQ_MIN_KEYS)
 
 
@@ -772,10 +772,12 @@ def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_
     # keys per consumer warpgroup, query rows per tile (a bias tile of 128 rows spills at d64)
     w, m = _WG_ROWS, (cfg.bwd_block_m if bias is None else _WG_ROWS)
     bias_desc, batch_rows, head_rows = _bias_args(bias, m, 2 * w, prob.Sk)
+    # a warpgroup's dQ partial: half the columns of a 64-row tile, or every column of its half of 128
+    dq_desc = _dq_acc_descriptor(dq_acc, prob.Dqk if m == 2 * w else prob.Dqk // 2) if fuse_dq else None
     _launch_one(_attn_bwd_dkdv_ws, (prob.Sk // (2 * w), prob.B * prob.Hkv), (
         _rows_descriptor(q, q_rows, m), _rows_descriptor(k, kv_rows, w), _rows_descriptor(v, kv_rows, w),
         _rows_descriptor(do, do_rows, m), _rows_descriptor(dk, 1, w), _rows_descriptor(dv, 1, w), bias_desc,
-        lse, delta, _dq_acc_descriptor(dq_acc) if fuse_dq else None, params.scale * LOG2E, params.scale, prob.Sq,
+        lse, delta, dq_desc, params.scale * LOG2E, params.scale, prob.Sq,
         prob.Sk, prob.Hq, prob.group, batch_rows, head_rows),
         _ws_constexprs(params, bias, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows, FUSE_DQ=fuse_dq,
                        STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs),
