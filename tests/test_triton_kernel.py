@@ -1538,16 +1538,23 @@ def test_gpu_training_plan_replays(monkeypatch, causal, route):
     (dict(config_off=True), False),
     (dict(block_m=128), True),                    # 128-row query tiles fuse too (experiment 81)
     (dict(gqa=True), True),
+    (dict(banded_config=True, causal="top_left"), True),     # d64's config: banded calls too (82)
+    (dict(banded_config=True, window=(1024, 0)), True),
+    (dict(banded_config=True, causal="top_left", bias=True), False),
+    (dict(banded_config=True, window=(1024, 0), deterministic=True), False),
+    (dict(banded_config=True, causal="top_left", sk=2048), False),
 ])
 def test_fuse_dq_is_chosen_where_it_was_measured_faster(monkeypatch, change, fused):
     """launch.fuse_dq: the warp-specialised backward fuses dQ into its dK/dV pass only for the
-    calls experiment 54 timed faster that way (no band, no bias, Sk >= FUSE_DQ_MIN_KEYS),
-    never for a deterministic call nor with 128-row query tiles."""
+    calls experiments 54 and 82 timed faster that way (no bias, Sk >= FUSE_DQ_MIN_KEYS, a band
+    only where the config says so), never for a deterministic call; 128-row tiles fuse too."""
     from attention_dispatch.kernels import configs, launch
     if change.get("config_off"):
         monkeypatch.setitem(configs.WS_BWD_CONFIGS, 128, configs.WsConfig(fuse_dq=False))
     if change.get("block_m"):
         monkeypatch.setitem(configs.WS_BWD_CONFIGS, 128, configs.WsConfig(bwd_block_m=change["block_m"]))
+    if change.get("banded_config"):
+        monkeypatch.setitem(configs.WS_BWD_CONFIGS, 128, configs.WsConfig(fuse_dq_banded=True))
     sk = change.get("sk", 4096)
     q = torch.empty(1, 4, sk, 128)
     k = torch.empty(1, 1 if change.get("gqa") else 4, sk, 128)

@@ -167,6 +167,8 @@ class WsConfig(NamedTuple):
     # dK/dV pass: dQ too (FA3's structure, fp32 reduce-adds), for the calls launch.fuse_dq picks
     # (where it measured faster than the separate dQ pass, docs/perf-notes.md experiment 54)
     fuse_dq: bool = True
+    # ... for causal and windowed calls too (d64, experiment 82; d128 measured 0.96-1.04x there)
+    fuse_dq_banded: bool = False
     # the forward runs this kernel; False: only the backward passes do (the route is the same)
     forward: bool = True
     # consumer warpgroups of the forward (64 query rows each); the dK/dV and dQ passes have two
@@ -205,7 +207,8 @@ WS_FWD_CONFIGS = {128: WsConfig(),
 # read: no K/V ring); calls the forward above serves.
 # d64: with 64-row tiles the fused dQ ran 0.96x / 1.00x the separate pass at 4k / 16k (whole
 # training call, experiment 78); with 128-row tiles: experiment 81 (branch, not measured).
-WS_BWD_CONFIGS = {128: WsConfig(), 64: WsConfig(bwd_block_m=128)}   # 128 rows: experiment 79
+# d64: 128-row query tiles (experiment 79), dQ fused on them (81), banded calls too (82)
+WS_BWD_CONFIGS = {128: WsConfig(), 64: WsConfig(bwd_block_m=128, fuse_dq_banded=True)}
 # The warp-specialised dQ pass (experiment 42): the forward's K/V ring and loader, dP = dO V^T and
 # dQ += dS K in the consumers; after the dK/dV pass above, for the same calls.
 # With a bias the dQ pass has one bias slot: its Q, dO, K/V ring and a (128, 128) bias tile fill

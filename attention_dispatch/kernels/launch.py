@@ -756,10 +756,12 @@ FUSE_DQ_MIN_KEYS = 4096
 
 def fuse_dq(params: KernelParams, prob: "_Problem", bias: "_WsBias | None") -> bool:
     """Whether the warp-specialised backward computes dQ inside its dK/dV pass: where it was
-    measured faster (no band, no bias, Sk >= FUSE_DQ_MIN_KEYS) and the call does not ask for
-    determinism (its reduce-adds land in any order)."""
-    return (C.WS_BWD_CONFIGS[prob.Dqk].fuse_dq and not params.deterministic and bias is None
-            and params.window_left < 0 and params.window_right < 0 and prob.Sk >= FUSE_DQ_MIN_KEYS)
+    measured faster (no bias, Sk >= FUSE_DQ_MIN_KEYS, no band unless the head dim's config says
+    so) and the call does not ask for determinism (its reduce-adds land in any order)."""
+    cfg = C.WS_BWD_CONFIGS[prob.Dqk]
+    banded = params.window_left >= 0 or params.window_right >= 0
+    return (cfg.fuse_dq and (cfg.fuse_dq_banded or not banded) and not params.deterministic and bias is None
+            and prob.Sk >= FUSE_DQ_MIN_KEYS)
 
 
 def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int,
