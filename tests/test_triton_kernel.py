@@ -279,6 +279,28 @@ def test_dropout_keep_rate_and_repeatability():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_dropout_mask_has_no_pattern():
+    """The keep-mask's draws (Philox4x32 with forward.PHILOX_ROUNDS rounds, four keys a draw)
+    are independent to within 5 sigma: the keep rate, and pairs of neighbours that share a
+    draw (keys j, j + 1 with j % 4 < 3), that do not (j % 4 == 3), in the next query row, the
+    next head, and keys four apart (the next counter)."""
+    p = 0.5
+    torch.manual_seed(11)
+    keep = dropout_keep_mask(1, 2, 128, 256, p, device=DEV).float().cpu()
+    rate = keep.mean().item()
+    assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / keep.numel()), rate
+    lane = torch.arange(255) % 4
+    pairs = {"same draw": (keep[..., :-1] * keep[..., 1:])[..., lane < 3],
+             "next draw": (keep[..., :-1] * keep[..., 1:])[..., lane == 3],
+             "four keys apart": keep[..., :-4] * keep[..., 4:],
+             "next row": keep[:, :, :-1] * keep[:, :, 1:],
+             "next head": keep[:, 0] * keep[:, 1]}
+    both = (1 - p) ** 2
+    for name, x in pairs.items():
+        sigma = math.sqrt(both * (1 - both) / x.numel())
+        assert abs(x.mean().item() - both) < 5 * sigma, (name, x.mean().item(), both)
+
+
 # ----------------------------------------------------------------------------- varlen
 
 VARLENS = [
