@@ -58,7 +58,12 @@ ROWS = [("bf16 d128 512 causal", torch.bfloat16, 128, 512, True, 16, 16, False, 
         ("bf16 d128 4k window 256/256", torch.bfloat16, 128, 4096, (256, 256), 16, 16, False, True),
         ("bf16 d64 4k window 1024/0", torch.bfloat16, 64, 4096, (1024, 0), 32, 32, False, True),
         ("bf16 d64 16k window 1024/0", torch.bfloat16, 64, 16384, (1024, 0), 32, 32, False, True),
-        ("bf16 d64 4k window 256/256", torch.bfloat16, 64, 4096, (256, 256), 32, 32, False, True)]
+        ("bf16 d64 4k window 256/256", torch.bfloat16, 64, 4096, (256, 256), 32, 32, False, True),
+        ("bf16 d256 4k", torch.bfloat16, 256, 4096, False, 8, 8, False, True),
+        ("bf16 d256 4k causal", torch.bfloat16, 256, 4096, True, 8, 8, False, True),
+        ("bf16 d256 16k", torch.bfloat16, 256, 16384, False, 8, 8, False, True),
+        ("bf16 d256 16k causal", torch.bfloat16, 256, 16384, True, 8, 8, False, True),
+        ("fp16 d256 1k causal", torch.float16, 256, 1024, True, 8, 8, False, True)]
 TOKENS = 16384
 # "ws": as shipped; "tl": no warp-specialised kernel; "ws-tl-dq": the warp-specialised forward and
 # dK/dV pass with the tl dQ pass (forward+backward only: its forward is "ws")

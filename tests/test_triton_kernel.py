@@ -1145,7 +1145,7 @@ def test_warp_specialized_forward_serves_per_config():
     (dict(cc=(10, 0)), "sm90 only"),
     (dict(uses_descriptors=False), "no TMA descriptors"),
     (dict(dtype=F32), "float16 or bfloat16"),
-    (dict(prob=dict(d=256)), "head dims 256/256"),
+    (dict(prob=dict(d=32)), "head dims 32/32"),
     (dict(prob=dict(d=96)), "head dims 96/96"),
     (dict(prob=dict(dv=64)), "head dims 128/64"),
     (dict(bias_reason="boolean mask: not in the warp-specialised kernels"), "boolean mask"),
@@ -1259,17 +1259,17 @@ def _spy_forward_ws(monkeypatch):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [F16, BF16])
-@pytest.mark.parametrize("d, consumers", [(64, 3), (64, 2), (128, 2)])
+@pytest.mark.parametrize("d, consumers", [(64, 3), (64, 2), (128, 2), (256, 2)])
 @pytest.mark.parametrize("feature", ["dense", "causal", "causal_mqa", "bshd_dense_gqa", "bshd_causal", "cross"])
 def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, consumers, feature):
     """The Gluon forward, dK/dV and dQ passes against float64 (forward, logsumexp, gradients):
     640 query rows (5 tiles: the two-slot K/V ring wraps), (B, H, S, D) or (B, S, H, D) memory.
-    The forward with two consumer warpgroups (d128 as shipped; d64 checked too) and with three
-    (d64 as shipped: 192-row programs, the last one's second and third warpgroups past 640 rows,
-    storing nothing)."""
+    The forward with two consumer warpgroups (d128 and d256 as shipped; d64 checked too) and
+    with three (d64 as shipped: 192-row programs, the last one's second and third warpgroups
+    past 640 rows, storing nothing).  d256: the tl backward after the Gluon forward."""
     from attention_dispatch.kernels import configs
     seen = _spy_forward_ws(monkeypatch)
-    if consumers == 2:
+    if consumers == 2 and d != 256:
         monkeypatch.setitem(configs.WS_FWD_CONFIGS, d, configs.WsConfig())
     else:   # the shipped three-warpgroup config, causal calls too
         monkeypatch.setitem(configs.WS_FWD_CONFIGS, d, configs.WS_FWD_CONFIGS[d]._replace(forward_scope="all"))
@@ -1323,6 +1323,33 @@ def test_gpu_d64_as_shipped(monkeypatch, feature):
     tail = ("bias",) if bias is not None else ()
     forward = [(layout, layout)] if feature in ("dense", "gqa", "cross", "bshd_gqa") else []
     assert seen == forward + [("dkdv", layout, layout, 1) + tail, ("dq", layout, layout, 1) + tail]
+    _assert_repeatable(q, k, v, bias, make_params(q, causal, window))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("feature", ["dense", "causal", "bias", "bias_causal", "window", "gqa_bshd"])
+def test_gpu_d256_as_shipped(monkeypatch, feature):
+    """At head dim 256 as shipped (experiment 85): the Gluon forward over 64-key slots, for
+    every call the route takes (a (1, H, S, S) bias, a (1024, 0) window at 2048 keys, GQA over
+    (B, S, H, D) memory), then the tl backward passes, against float64; three runs bit-equal."""
+    from attention_dispatch.kernels import configs
+    cfg = configs.WS_FWD_CONFIGS[256]
+    assert cfg.forward and cfg.forward_scope == "all" and cfg.block_n == 64 and 256 not in configs.WS_BWD_CONFIGS
+    seen = _spy_forward_ws(monkeypatch)
+    s = 2048 if feature == "window" else 640
+    hkv = 2 if feature == "gqa_bshd" else 4
+    q = rand(1, 4, s, 256, dtype=BF16, device="cuda")
+    k, v = (rand(1, hkv, s, 256, dtype=BF16, device="cuda") for _ in range(2))
+    layout = 1
+    if feature == "gqa_bshd":
+        layout = 2
+        q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    bias = rand(1, 4, s, s, dtype=BF16, device="cuda", grad=False) if feature.startswith("bias") else None
+    causal = "top_left" if "causal" in feature else None
+    window = (1024, 0) if feature == "window" else None
+    run_and_check(q, k, v, bias, causal=causal, window=window)
+    assert seen == [(layout, layout) + (("bias",) if bias is not None else ())]
     _assert_repeatable(q, k, v, bias, make_params(q, causal, window))
 
 

@@ -200,8 +200,12 @@ class WsConfig(NamedTuple):
 # registers once P crosses the loop in its bf16 operand layout (experiment 77; they spilled 1.5 KB
 # before): 1.085x / 1.155x the tl forward at 4k / 16k (64-key slots 1.03x / 1.07x).  Dense calls
 # only: causal 0.92x / 0.97x (192-row tiles waste more of the diagonal).
+# d256 (experiment 85): 64-key slots (two of 32 KB per K and V, Q 64 KB: 196,904 B of shared
+# memory, 229,768 B with a bias ring), no spills (Triton 3.6, sm90); the backward passes keep
+# the tl kernels (a warpgroup's dK and dV accumulators alone would take 256 registers a thread).
 WS_FWD_CONFIGS = {128: WsConfig(),
-                  64: WsConfig(consumers=3, consumer_regs=160, max_regs=128, forward_scope="dense")}
+                  64: WsConfig(consumers=3, consumer_regs=160, max_regs=128, forward_scope="dense"),
+                  256: WsConfig(block_n=64)}
 # The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
 # consumer warpgroups, ``stages`` slots of (Q, dO) tiles of ``bwd_block_m`` rows (block_n is not
 # read: no K/V ring); calls the forward above serves.
