@@ -1228,6 +1228,18 @@ def test_warp_specialized_bias_reasons(case, reason):
     assert "gradient" in launch.ws_bias_reason(kind, bt, bstr, BF16, True, grad=True)   # the backward of dbias
 
 
+def _gpu_qkv(batch: int, hkv: int, sq: int, sk: int, d: int, dtype, bshd: bool = False):
+    """(q, k, v, row layout) on the GPU for the Gluon kernels' tests: q (batch, 4, sq, d), k and v
+    (batch, hkv, sk, d), over (B, H, S, D) memory (layout 1) or, with ``bshd``, (B, S, H, D)
+    memory (layout 2); all three require grad."""
+    q = rand(batch, 4, sq, d, dtype=dtype, device="cuda")
+    k, v = (rand(batch, hkv, sk, d, dtype=dtype, device="cuda") for _ in range(2))
+    if not bshd:
+        return q, k, v, 1
+    q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    return q, k, v, 2
+
+
 def _spy_forward_ws(monkeypatch):
     """Record the row layouts of every warp-specialised launch, with "bias" appended when it
     reads a bias (its minimum call size lowered to 0: test shapes are small)."""
@@ -1276,12 +1288,7 @@ def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, consumers, feature)
     assert configs.WS_FWD_CONFIGS[d].consumers == consumers
     hkv = 1 if "mqa" in feature else (2 if "gqa" in feature else 4)   # (B, S, 1, D) would also be layout 1
     sk = 768 if feature == "cross" else 640
-    q = rand(2, 4, 640, d, dtype=dtype, device="cuda")
-    k, v = (rand(2, hkv, sk, d, dtype=dtype, device="cuda") for _ in range(2))
-    layout = 1
-    if feature.startswith("bshd"):
-        layout = 2
-        q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    q, k, v, layout = _gpu_qkv(2, hkv, 640, sk, d, dtype, bshd=feature.startswith("bshd"))
     run_and_check(q, k, v, causal="top_left" if "causal" in feature else None)
     # the backward's passes are warp-specialised where configs.WS_BWD_CONFIGS / WS_DQ_CONFIGS have the head dim
     bwd = [("dkdv", layout, layout, 1), ("dq", layout, layout, 1)] if d in configs.WS_BWD_CONFIGS else []
@@ -1310,12 +1317,7 @@ def test_gpu_d64_as_shipped(monkeypatch, feature):
     s = {"window": 2048, "causal_2048": 2048, "causal_384": 384}.get(feature, 640)
     hkv = {"gqa": 1, "bshd_gqa": 2}.get(feature, 4)
     sk = 768 if feature == "cross" else s
-    q = rand(2, 4, s, 64, dtype=BF16, device="cuda")
-    k, v = (rand(2, hkv, sk, 64, dtype=BF16, device="cuda") for _ in range(2))
-    layout = 1
-    if feature == "bshd_gqa":
-        layout = 2
-        q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    q, k, v, layout = _gpu_qkv(2, hkv, s, sk, 64, BF16, bshd=feature == "bshd_gqa")
     bias = rand(1, 4, s, s, dtype=BF16, device="cuda", grad=False) if feature == "bias" else None
     causal = "top_left" if feature.startswith("causal") else None
     window = (1024, 0) if feature == "window" else None
@@ -1340,12 +1342,7 @@ def test_gpu_d256_as_shipped(monkeypatch, feature):
     seen = _spy_forward_ws(monkeypatch)
     s = 2048 if feature == "window" else 640
     hkv = 2 if feature == "gqa_bshd" else 4
-    q = rand(1, 4, s, 256, dtype=BF16, device="cuda")
-    k, v = (rand(1, hkv, s, 256, dtype=BF16, device="cuda") for _ in range(2))
-    layout = 1
-    if feature == "gqa_bshd":
-        layout = 2
-        q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    q, k, v, layout = _gpu_qkv(1, hkv, s, s, 256, BF16, bshd=feature == "gqa_bshd")
     bias = rand(1, 4, s, s, dtype=BF16, device="cuda", grad=False) if feature.startswith("bias") else None
     causal = "top_left" if "causal" in feature else None
     window = (1024, 0) if feature == "window" else None
@@ -1416,12 +1413,7 @@ def test_gpu_warp_specialized_window(monkeypatch, window, extra):
     seen = _spy_forward_ws(monkeypatch)
     monkeypatch.setattr(launch, "WS_MIN_WINDOW", 0)
     hkv = 2 if "gqa" in extra else 4
-    q = rand(2, 4, 640, 128, dtype=BF16, device="cuda")
-    k, v = (rand(2, hkv, 640, 128, dtype=BF16, device="cuda") for _ in range(2))
-    layout = 1
-    if "bshd" in extra:
-        layout = 2
-        q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    q, k, v, layout = _gpu_qkv(2, hkv, 640, 640, 128, BF16, bshd="bshd" in extra)
     bias = rand(1, 4, 640, 640, dtype=BF16, device="cuda", grad=False) if extra == "bias" else None
     run_and_check(q, k, v, bias, window=window)
     tag = ("bias",) if bias is not None else ()
@@ -1449,12 +1441,7 @@ def test_gpu_warp_specialized_fused_dq(monkeypatch, feature, d, block_m):
     monkeypatch.setitem(configs.WS_BWD_CONFIGS, d, configs.WS_BWD_CONFIGS[d]._replace(bwd_block_m=block_m))
     hkv = 1 if "mqa" in feature else (2 if "gqa" in feature else 4)
     sk = 768 if feature == "cross" else 640
-    q = rand(2, 4, 640, d, dtype=BF16, device="cuda")
-    k, v = (rand(2, hkv, sk, d, dtype=BF16, device="cuda") for _ in range(2))
-    layout = 1
-    if "bshd" in feature:
-        layout = 2
-        q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    q, k, v, layout = _gpu_qkv(2, hkv, 640, sk, d, BF16, bshd="bshd" in feature)
     bias = rand(1, 4, 640, 640, dtype=BF16, device="cuda", grad=False) if "bias" in feature else None
     causal = "top_left" if "causal" in feature else None
     window = (200, 50) if "window" in feature else None
