@@ -209,9 +209,9 @@ WS_FWD_CONFIGS = {128: WsConfig(),
 # The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
 # consumer warpgroups, ``stages`` slots of (Q, dO) tiles of ``bwd_block_m`` rows (block_n is not
 # read: no K/V ring); calls the forward above serves.
-# d64: with 64-row tiles the fused dQ ran 0.96x / 1.00x the separate pass at 4k / 16k (whole
-# training call, experiment 78); with 128-row tiles: experiment 81 (branch, not measured).
-# d64: 128-row query tiles (experiment 79), dQ fused on them (81), banded calls too (82)
+# d64: 128-row query tiles (experiment 79) and dQ fused on them: 1.04-1.11x the separate pass at
+# 4k / 16k, whole training call (experiment 81; on 64-row tiles it ran 0.96-1.00x, experiment 78),
+# causal and windowed calls too: 1.03-1.08x causal (experiment 82).
 WS_BWD_CONFIGS = {128: WsConfig(), 64: WsConfig(bwd_block_m=128, fuse_dq_banded=True)}
 # The warp-specialised dQ pass (experiment 42): the forward's K/V ring and loader, dP = dO V^T and
 # dQ += dS K in the consumers; after the dK/dV pass above, for the same calls.
