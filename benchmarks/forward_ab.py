@@ -11,9 +11,10 @@ pass, "base" with the Gluon kernels of another copy of forward_ws.py (``--base-m
 ``git show HEAD~1:attention_dispatch/kernels/forward_ws.py``) and "ws-bwd-stages" with
 ``--bwd-stages`` (Q, dO) slots in the dK/dV pass, "ws-no-fuse" with the dQ pass kept apart
 from the dK/dV pass (experiments 54 and 78), "ws-fuse-banded" with dQ fused for causal and
-windowed calls too (launch.fuse_dq leaves them to two passes) and "ws-bwd-block-m" with
-``--bwd-block-m`` query rows per dK/dV tile (experiment 79).  Prints forward (and forward+backward where asked) TFLOP/s
-medians and each one's ratio to ``--ref``; docs/perf-notes.md experiments 40-43.
+windowed calls too (WsConfig.fuse_dq_banded at every head dim) and "ws-bwd-block-m" with
+``--bwd-block-m`` query rows per dK/dV tile (experiment 79).  Prints forward (and
+forward+backward where asked) TFLOP/s medians and each one's ratio to ``--ref``;
+docs/perf-notes.md experiments 40-43.
 """
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def load_base(path: Path) -> dict:
 @contextlib.contextmanager
 def configured(impl: str, ws_min: int, base: dict | None = None, bwd_stages: int = 0, bwd_block_m: int = 64):
     dq, bwd = C.WS_DQ_CONFIGS.copy(), C.WS_BWD_CONFIGS.copy()
-    shipped = {n: getattr(launch, n) for n in GLUON_KERNELS + ("fuse_dq",)}
+    shipped = {n: getattr(launch, n) for n in GLUON_KERNELS}
     try:
         launch.WS_MIN_WORK = 1 << 62 if impl == "tl" else ws_min
         if impl == "ws-tl-dq":
@@ -99,10 +100,9 @@ def configured(impl: str, ws_min: int, base: dict | None = None, bwd_stages: int
         if impl == "ws-no-fuse":
             for d, cfg in bwd.items():
                 C.WS_BWD_CONFIGS[d] = cfg._replace(fuse_dq=False)
-        if impl == "ws-fuse-banded":     # launch.fuse_dq without its band condition
-            launch.fuse_dq = lambda params, prob, bias: (C.WS_BWD_CONFIGS[prob.Dqk].fuse_dq and bias is None
-                                                         and not params.deterministic
-                                                         and prob.Sk >= launch.FUSE_DQ_MIN_KEYS)
+        if impl == "ws-fuse-banded":
+            for d, cfg in bwd.items():
+                C.WS_BWD_CONFIGS[d] = cfg._replace(fuse_dq_banded=True)
         if impl == "ws-bwd-block-m":
             for d, cfg in bwd.items():
                 C.WS_BWD_CONFIGS[d] = cfg._replace(bwd_block_m=bwd_block_m)

@@ -933,6 +933,30 @@ def test_compile_sm90_covers_every_sm90_entry_and_compiles_one():
         run.stdout + run.stderr[-2000:]
 
 
+def test_compile_sm90_ws_one_each_compiles_every_gluon_kernel_once(monkeypatch, capsys):
+    """--ws-one-each: one case of each Gluon kernel and head dim the configs serve (forward per
+    WS_FWD_CONFIGS entry, and d64's two-warpgroup forward; dK/dV per WS_BWD_CONFIGS entry, fused
+    too where it fuses; dQ per WS_DQ_CONFIGS entry), the first of its cases (dense)."""
+    cs = _load("compile_sm90")
+    from attention_dispatch.kernels import configs as C
+    compiled = []
+    monkeypatch.setattr(cs, "compile_ws_case", lambda d, cfg, const: (compiled.append((d, cfg, const)), (None, None))[1])
+    monkeypatch.setattr(cs, "_report", lambda *args: 0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert cs.main(["--kinds", "fwd_ws", "--ws-one-each"]) == 0
+    every = list(cs.ws_cases()) + list(cs.ws_backward_cases())
+    firsts = {}
+    for d, cfg, label, const in every:
+        kernel = (d, cfg, const.get("FUSE_DQ"), "STORE_LSE" in const, "BLOCK_N" in const)
+        firsts.setdefault(kernel, (d, cfg, const))
+    assert compiled == list(firsts.values())
+    want = len(C.WS_FWD_CONFIGS) + (C.WS_FWD_CONFIGS[64].consumers != 2) + len(C.WS_BWD_CONFIGS) \
+        + sum(c.fuse_dq for c in C.WS_BWD_CONFIGS.values()) + len(C.WS_DQ_CONFIGS)
+    assert len(compiled) == want
+    assert all(c["WINDOW_LEFT"] < 0 and c["WINDOW_RIGHT"] < 0 and not c["HAS_BIAS"] for _, _, c in compiled)
+    assert f"{want} kernels compiled for sm90, 0 failed" in capsys.readouterr().out
+
+
 def test_compile_sm90_reports_a_compiler_crash(monkeypatch, capsys):
     cs = _load("compile_sm90")
 
@@ -1066,7 +1090,7 @@ def test_forward_ab_configured_changes_one_thing_and_restores_it(impl):
     changed = [name for name, a, b in zip(("WS_MIN_WORK", "WS_BWD_CONFIGS", "WS_DQ_CONFIGS"), shipped, inside)
                if a != b] + (["fuse_dq"] if fuses_causal else [])
     expected = {"ws": [], "tl": ["WS_MIN_WORK"], "ws-tl-dq": ["WS_DQ_CONFIGS"], "ws-bwd-stages": ["WS_BWD_CONFIGS"],
-                "ws-no-fuse": ["WS_BWD_CONFIGS"], "ws-fuse-banded": ["fuse_dq"],
+                "ws-no-fuse": ["WS_BWD_CONFIGS"], "ws-fuse-banded": ["WS_BWD_CONFIGS", "fuse_dq"],
                 "ws-bwd-block-m": ["WS_BWD_CONFIGS"]}[impl]
     assert changed == expected
     assert (launch.WS_MIN_WORK, dict(configs.WS_BWD_CONFIGS), dict(configs.WS_DQ_CONFIGS), launch.fuse_dq) == shipped
