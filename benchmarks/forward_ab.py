@@ -94,18 +94,13 @@ def configured(impl: str, ws_min: int, base: dict | None = None, bwd_stages: int
         if impl == "base":
             for n, kernel in base.items():
                 setattr(launch, n, kernel)
-        if impl == "ws-bwd-stages":
+        # the impls that change one field of every head dim's dK/dV config
+        bwd_change = {"ws-bwd-stages": dict(stages=bwd_stages), "ws-no-fuse": dict(fuse_dq=False),
+                      "ws-fuse-banded": dict(fuse_dq_banded=True),
+                      "ws-bwd-block-m": dict(bwd_block_m=bwd_block_m)}.get(impl)
+        if bwd_change:
             for d, cfg in bwd.items():
-                C.WS_BWD_CONFIGS[d] = cfg._replace(stages=bwd_stages)
-        if impl == "ws-no-fuse":
-            for d, cfg in bwd.items():
-                C.WS_BWD_CONFIGS[d] = cfg._replace(fuse_dq=False)
-        if impl == "ws-fuse-banded":
-            for d, cfg in bwd.items():
-                C.WS_BWD_CONFIGS[d] = cfg._replace(fuse_dq_banded=True)
-        if impl == "ws-bwd-block-m":
-            for d, cfg in bwd.items():
-                C.WS_BWD_CONFIGS[d] = cfg._replace(bwd_block_m=bwd_block_m)
+                C.WS_BWD_CONFIGS[d] = cfg._replace(**bwd_change)
         yield
     finally:
         launch.WS_MIN_WORK = ws_min
