@@ -28,7 +28,9 @@ class ConfigError(ValueError):
 class DispatchSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    priority: tuple[str, ...] = Field(default=BUILTIN_ORDER, description="candidate order, first wins")
+    priority: Union[tuple[str, ...], None] = Field(
+        default=None, description="candidate order, first wins; omitted: the registry's order (built-ins "
+        f"{', '.join(BUILTIN_ORDER)}, custom backends where they were registered)")
     disabled: tuple[str, ...] = Field(default=(), description="backends never chosen")
     policy: Literal["priority", "fastest"] = Field(
         default="priority", description="first eligible in order, or the measured fastest per shape bucket")
@@ -102,11 +104,11 @@ def validate_config(data: dict, origin: str = "<config>") -> Config:
         raise ConfigError(_format_validation(err, origin)) from None
     known = registry.list_backends()
     for field in ("priority", "disabled"):
-        for name in getattr(config.dispatch, field):
+        for name in getattr(config.dispatch, field) or ():
             if name not in known:
                 raise ConfigError(f"{origin}: dispatch.{field}: unknown backend {name!r}; "
                                   f"registered: {', '.join(known)}")
-    if len(set(config.dispatch.priority)) != len(config.dispatch.priority):
+    if config.dispatch.priority is not None and len(set(config.dispatch.priority)) != len(config.dispatch.priority):
         raise ConfigError(f"{origin}: dispatch.priority: a backend is listed twice: {list(config.dispatch.priority)}")
     for name, options in config.backends.items():
         if name not in known:

@@ -117,11 +117,11 @@ def candidate_order(forced: str | None, cfg) -> tuple[tuple[str, ...], str]:
     env = _config.env_priority()
     if env is not None:
         return env, f"env {_config.ENV_BACKENDS}"
-    if cfg.source != "default":
+    if cfg.source != "default" and cfg.dispatch.priority is not None:
         listed = cfg.dispatch.priority
         # Backends registered but not listed by the file come after, in default order.
         return tuple(listed) + tuple(n for n in registry.list_backends() if n not in listed), cfg.source
-    return tuple(registry.list_backends()), "default"
+    return tuple(registry.list_backends()), "default" if cfg.source == "default" else f"{cfg.source} (registry order)"
 
 
 # ---- deciding ----------------------------------------------------------------------------

@@ -51,6 +51,8 @@ class Problem:
     # varlen whose cu_seqlens_q and cu_seqlens_k are one tensor: every sequence has as many
     # queries as keys, so top-left and bottom-right causal coincide (packed self-attention)
     same_offsets: bool = False
+    # a float32 bias with float16/bfloat16 inputs: added at float32, as F.sdpa does
+    float32_bias: bool = False
 
     @property
     def gqa_ratio(self) -> int:
@@ -71,7 +73,8 @@ class Problem:
                  f"{str(self.dtype).removeprefix('torch.')} on {self.device_type}"
                  + (f" sm{self.compute_capability[0]}{self.compute_capability[1]}" if self.compute_capability else "")]
         if self.mask_kind != "none":
-            parts.append(f"{self.mask_kind} mask {self.mask_shape}" + (" (grad)" if self.mask_requires_grad else ""))
+            parts.append(f"{'float32' if self.float32_bias else self.mask_kind} mask {self.mask_shape}"
+                         + (" (grad)" if self.mask_requires_grad else ""))
         if self.causal is not None:
             parts.append(f"causal={self.causal}")
         if self.window is not None:

@@ -81,7 +81,7 @@ def test_config_check(tmp_path, capsys):
 
 def test_bad_arguments_exit_2(capsys):
     assert main(["explain", "--dropout", "1.5"]) == 2
-    assert "dropout_p must be a float in [0, 1)" in capsys.readouterr().err
+    assert "dropout_p must be a float in [0, 1]" in capsys.readouterr().err
 
 
 def test_docs_backends_md_is_current():

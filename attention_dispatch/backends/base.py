@@ -37,6 +37,7 @@ class Capabilities:
     bool_mask: bool = True
     float_bias: bool = True
     bias_grad: bool = True
+    float32_bias: bool = True                # a float32 bias with 16-bit inputs, added without rounding it
     mask_with_causal: bool = True            # an attn_mask together with causal/window
     dropout: bool = True
     dense: bool = True
@@ -70,7 +71,7 @@ class Capabilities:
             ("head dim", head), ("Dqk != Dv", yes(self.different_head_dims)),
             ("causal", names(self.causal_kinds)), ("window", yes(self.window)),
             ("bool mask", yes(self.bool_mask)), ("float bias", yes(self.float_bias)),
-            ("bias grad", yes(self.bias_grad)), ("mask + causal", yes(self.mask_with_causal)),
+            ("bias grad", yes(self.bias_grad)), ("fp32 bias, 16-bit inputs", yes(self.float32_bias)), ("mask + causal", yes(self.mask_with_causal)),
             ("dropout", yes(self.dropout)), ("dense", yes(self.dense)), ("varlen", yes(self.varlen)),
             ("GQA", yes(self.gqa)), ("backward", yes(self.backward)),
             ("deterministic bwd", yes(self.deterministic_backward)),
@@ -123,6 +124,9 @@ def not_supported_reasons(caps: Capabilities, problem: Problem) -> list[str]:
             reasons.append("float attn_mask (bias) not supported")
         elif p.mask_requires_grad and not caps.bias_grad:
             reasons.append("gradient of a float attn_mask not supported")
+        if p.float32_bias and caps.float_bias and not caps.float32_bias:
+            reasons.append(f"float32 attn_mask with {dtype_name(p.dtype)} inputs (the backend would round the bias "
+                           f"to {dtype_name(p.dtype)}; cast the mask to the query's dtype to allow it)")
     if p.mask_kind != "none" and (p.causal is not None or p.window is not None) and not caps.mask_with_causal:
         reasons.append("attn_mask together with causal/window not supported")
     if p.dropout and not caps.dropout:

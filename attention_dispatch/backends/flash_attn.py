@@ -51,7 +51,7 @@ INSTALL_HINT = "not installed: pip install flash-attn (or flash-attn-4 for flash
 FA2_CAPS = Capabilities(
     devices=frozenset({"cuda"}), min_compute_capability=(8, 0), dtypes=_HALF, head_dim_max=256,
     different_head_dims=False, causal_kinds=frozenset({CausalKind.BOTTOM_RIGHT}), window=True,
-    bool_mask=False, float_bias=False, bias_grad=False, dropout=True, varlen=True, gqa=True,
+    bool_mask=False, float_bias=False, bias_grad=False, float32_bias=False, dropout=True, varlen=True, gqa=True,
     deterministic_backward=True, needs_last_dim_contiguous=False,
     notes="flash-attn 2")
 FA3_CAPS = dataclasses.replace(
@@ -115,7 +115,7 @@ def caps_union(caps: list[Capabilities]) -> Capabilities:
         different_head_dims=any(c.different_head_dims for c in caps),
         causal_kinds=frozenset().union(*(c.causal_kinds for c in caps)),
         **{f: any(getattr(c, f) for c in caps) for f in (
-            "window", "bool_mask", "float_bias", "bias_grad", "mask_with_causal", "dropout", "dense",
+            "window", "bool_mask", "float_bias", "bias_grad", "float32_bias", "mask_with_causal", "dropout", "dense",
             "varlen", "gqa", "backward", "deterministic_backward")},
         needs_last_dim_contiguous=all(c.needs_last_dim_contiguous for c in caps),
         notes=" / ".join(c.notes for c in caps),

@@ -125,7 +125,8 @@ class MathBackend(Backend):
     """Reference implementation of every feature; always available, never fast."""
 
     name = "math"
-    capabilities = Capabilities(notes="reference; query-chunked, bounded memory; the test oracle in float64")
+    capabilities = Capabilities(head_dim_min=0,   # head dim 0: scores are the bias alone, as in F.sdpa
+                                notes="reference; query-chunked, bounded memory; the test oracle in float64")
 
     def version(self) -> str:
         return f"torch {torch.__version__}"

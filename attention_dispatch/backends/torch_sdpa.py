@@ -309,6 +309,7 @@ class CudnnBackend(_TorchSdpaBackend):
         dtypes=_HALF, head_dim_max=256, head_dim_multiple=8,
         causal_kinds=frozenset(CausalKind), window=False,
         bias_grad=False,            # check_attn_mask_shape: a mask requiring grad disables cuDNN
+        float32_bias=False,         # not shown to add a float32 bias unrounded
         dropout=False,              # p must be a multiple of 1/16, none on cuDNN 9.11-9.13: not expressible here
         varlen=False,               # nested needs TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1, sm90/100, Sq > 128
         deterministic_backward=False,
@@ -388,7 +389,7 @@ class TorchFlashBackend(_TorchSdpaBackend):
         devices=frozenset({"cuda"}), min_compute_capability=(8, 0), max_compute_capability=(12, 1),
         dtypes=_HALF, head_dim_max=256, different_head_dims=False,
         causal_kinds=frozenset({CausalKind.BOTTOM_RIGHT}),   # is_causal with Sq != Sk is refused
-        window=False, bool_mask=False, float_bias=False, bias_grad=False,
+        window=False, bool_mask=False, float_bias=False, bias_grad=False, float32_bias=False,
         notes="deterministic backward only under torch.use_deterministic_algorithms(True)",
     )
 
@@ -423,6 +424,7 @@ class TorchEfficientBackend(_TorchSdpaBackend):
         devices=frozenset({"cuda"}), min_compute_capability=(5, 0), max_compute_capability=(12, 1),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         causal_kinds=frozenset(CausalKind), window=False,
+        float32_bias=False,   # not shown to add a float32 bias unrounded
         gqa=False,   # PyTorch 2.11 refuses dense Hq != Hkv for this kernel ("No available kernel", seen on an H100)
         notes="varlen: causal top-left, forward only; deterministic backward only under "
               "torch.use_deterministic_algorithms(True)",

@@ -81,6 +81,7 @@ class XformersBackend(Backend):
     capabilities = Capabilities(
         devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         causal_kinds=frozenset(CausalKind), window=True, bool_mask=True, float_bias=True, bias_grad=True,
+        float32_bias=False,   # attn_bias must have the query's dtype
         mask_with_causal=True, dropout=False, varlen=True, gqa=True, deterministic_backward=False,
         notes="operators and their limits decided by xformers' own dispatcher",
     )
