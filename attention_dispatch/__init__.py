@@ -1,9 +1,10 @@
 """attention_dispatch: one sdpa() for every attention kernel, exact and explained."""
 from .api import explain, sdpa
 from .backends.base import Backend, Capabilities, not_supported_reasons
+from .caches import clear_cache
 from .config import Config, ConfigError, load_config, read_config, reset_config, use_config
 from .debug import configure_logging_from_env, last_decision, record
-from .dispatch import BackendRunError, Decision, NoBackendError, clear_cache, use_backends
+from .dispatch import BackendRunError, Decision, NoBackendError, use_backends
 from .problem import Problem
 from .registry import get_backend, list_backends, register_backend, unregister_backend
 from .semantics import CausalKind

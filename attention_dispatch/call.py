@@ -14,6 +14,7 @@ import sys
 import torch
 
 from . import config as _config
+from .caches import register_cache
 from .problem import Problem, _aligned_16, compute_capability
 from .semantics import CausalKind, normalize_causal, normalize_window
 
@@ -375,6 +376,7 @@ def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
 
 
 _problems: dict = {}
+register_cache("call.problems", _problems.clear)
 
 
 def _cached_problem(facts: tuple) -> Problem:

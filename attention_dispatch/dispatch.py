@@ -10,6 +10,7 @@ import warnings
 
 from . import config as _config
 from . import registry
+from .caches import register_cache
 from .problem import Problem
 
 logger = logging.getLogger("attention_dispatch")
@@ -165,11 +166,13 @@ fast_calls: dict = {}
 FAST_CALLS_LIMIT = 4096
 
 
-def clear_cache() -> None:
-    """Forget every cached Decision and sdpa()'s fast-path entries."""
+def _clear_decisions() -> None:
     with _cache_lock:
         _cache.clear()
         fast_calls.clear()
+
+
+register_cache("dispatch.decisions and fast_calls", _clear_decisions)
 
 
 def decide(problem: Problem, forced: str | None = None, raise_if_none: bool = True) -> Decision:

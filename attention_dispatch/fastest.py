@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from . import registry
+from .caches import register_cache
 from .dispatch import Decision, logger
 from .problem import Problem
 
@@ -361,3 +362,6 @@ def forget() -> None:
     """Drop the in-memory measurements (the JSON file is kept)."""
     with _lock:
         _winners.clear()
+
+
+register_cache("fastest.winners", forget)

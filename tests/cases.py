@@ -19,6 +19,8 @@ class Case:
     window: tuple[int, int] | None = None
     mask: str = "none"              # none | bool | float | float_grad
     mask_shape: str = "full"        # full | heads | keys | square (2-D)
+    # float32 for a float32 bias with 16-bit inputs (values near 100: rounding it would show)
+    mask_dtype: torch.dtype | None = None
     dropout_p: float = 0.0
     varlen: tuple[int, ...] | None = None   # per-sequence q lengths (k lengths = q + extra_k)
     extra_k: tuple[int, ...] | None = None
@@ -57,6 +59,8 @@ def make_inputs(case: Case, device="cpu", requires_grad=True):
                  "keys": (b, 1, 1, sk), "square": (sq, sk)}[case.mask_shape]
         if case.mask == "bool":
             mask = torch.rand(shape, device=device) > 0.25
+        elif case.mask_dtype is not None:
+            mask = torch.randn(shape, device=device, dtype=case.mask_dtype) * 2 + 100
         else:
             mask = torch.randn(shape, **kw)
     for t in (q, k, v):

@@ -9,10 +9,12 @@ PyTorch flash / efficient and flash-attn 4 for real against the oracle.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import random
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -1297,3 +1299,26 @@ def test_gpu_packed_self_attention_on_kernels_of_the_other_alignment(name, causa
     ref = naive_attention(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
     naive_lo = naive_attention(*[t.cpu() for t in lo], causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
     assert_matches(out.cpu(), ref.detach(), naive_lo.detach())
+
+
+def test_xformers_fake_has_the_real_private_signatures(monkeypatch):
+    """The fake's private xformers functions take what the installed xformers' take, so the
+    fake cannot drift from the library again (the adapter's one private call site is
+    `xformers.dispatch_backward`)."""
+    xformers = pytest.importorskip("xformers.ops.fmha.dispatch")
+    fake = fakes.make_xformers([])["xformers.ops.fmha.dispatch"]
+    for name in ("_dispatch_fw", "_dispatch_bw"):
+        real = list(inspect.signature(getattr(xformers, name)).parameters)
+        assert list(inspect.signature(getattr(fake, name)).parameters) == real, name
+
+
+def test_xformers_backward_dispatch_follows_the_signature():
+    """dispatch_backward passes the forward operator's LSE layout where _dispatch_bw takes it."""
+    from attention_dispatch.backends.xformers import dispatch_backward
+
+    class Op:
+        VARLEN_LSE_PACKED = False
+    new = types.SimpleNamespace(_dispatch_bw=lambda inp, varlen_lse_packed: ("new", inp, varlen_lse_packed))
+    old = types.SimpleNamespace(_dispatch_bw=lambda inp: ("old", inp))
+    assert dispatch_backward(new, "inp", Op) == ("new", "inp", False)
+    assert dispatch_backward(old, "inp", Op) == ("old", "inp")

@@ -901,3 +901,20 @@ def test_config_pins_are_bounded_and_dropping_them_invalidates_keys(monkeypatch)
     assert config_mod.config_version() == version and len(config_mod._pinned) == 3
     with ad.use_config({"dispatch": {"disabled": ["xformers"]}}):
         assert config_mod.config_version() == version + 1 and len(config_mod._pinned) == 1
+
+
+def test_clear_cache_empties_every_registered_cache():
+    """Every cache of the package is listed in attention_dispatch.caches; clear_cache() empties
+    each one (a stale decision, Problem, fast-path entry or winner cannot survive it)."""
+    from attention_dispatch import caches, call, dispatch, fastest
+
+    q, k, v = qkv()
+    ad.sdpa(q, k, v)
+    ad.sdpa(q, k, v)
+    assert call._problems and dispatch._cache and dispatch.fast_calls
+    fastest._winners[("stale",)] = None
+    names = caches.cache_names()
+    for name in ("call.problems", "dispatch.decisions and fast_calls", "fastest.winners"):
+        assert name in names
+    ad.clear_cache()
+    assert not call._problems and not dispatch._cache and not dispatch.fast_calls and not fastest._winners

@@ -13,6 +13,7 @@ import torch
 
 from ..problem import Problem
 from ..semantics import band
+from ..caches import register_cache
 from .base import Backend, Capabilities
 
 
@@ -30,6 +31,9 @@ def _import_error() -> str:
     except Exception as exc:  # a broken install must not break the dispatcher
         return f"triton failed to import: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     return ""
+
+
+register_cache("backends.triton.import_error", _import_error.cache_clear)
 
 
 class TritonBackend(Backend):

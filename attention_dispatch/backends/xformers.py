@@ -29,6 +29,7 @@ Mapping of our call (DESIGN.md section 3):
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import re
 
@@ -44,6 +45,15 @@ INSTALL_HINT = "not installed: pip install xformers"
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def dispatch_backward(dispatch, inp, forward_op):
+    """xformers' private ``fmha.dispatch._dispatch_bw``, the one place we call it: from 0.0.28 it
+    takes ``(inp, varlen_lse_packed)``, the forward operator's LSE layout (earlier: ``(inp)``)."""
+    bw = dispatch._dispatch_bw
+    if len(inspect.signature(bw).parameters) >= 2:
+        return bw(inp, getattr(forward_op, "VARLEN_LSE_PACKED", None))
+    return bw(inp)
 
 
 def _dense_empty_rows(sq: int, sk: int, causal, window) -> bool:
@@ -238,9 +248,9 @@ class XformersBackend(Backend):
             bias, _ = self._stand_in_bias(p, mask, device, cu_q, cu_k)
             qx, kx, vx = self.layout(q, k, v, varlen)
             inp = fmha.Inputs(query=qx, key=kx, value=vx, attn_bias=bias, p=0.0, scale=None)
-            fmha.dispatch._dispatch_fw(inp, p.requires_grad)
+            forward_op = fmha.dispatch._dispatch_fw(inp, p.requires_grad)
             if p.requires_grad:
-                fmha.dispatch._dispatch_bw(inp)
+                dispatch_backward(fmha.dispatch, inp, forward_op)
             verdict: list[str] = []
         except NotImplementedError as e:
             verdict = parse_no_operator(str(e))
@@ -289,4 +299,4 @@ class XformersBackend(Backend):
         return out
 
 
-__all__ = ["XformersBackend", "parse_no_operator", "INSTALL_HINT"]
+__all__ = ["XformersBackend", "parse_no_operator", "dispatch_backward", "INSTALL_HINT"]

@@ -24,6 +24,8 @@ import sys
 import torch
 import triton
 
+from ..caches import register_cache
+
 try:   # descriptors built on the host: Triton's launcher encodes their tensormaps
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - Triton < 3.3
@@ -333,3 +335,4 @@ def _constexpr_order(kernel, n_positional: int, constexprs: dict):
 
 
 COMPILED = CompiledLaunchCache()
+register_cache("kernels.compiled_cache.COMPILED", COMPILED.clear)

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from ..caches import register_cache
 from . import configs as C
 from .compiled_cache import COMPILED, DirectLaunch, TensorDescriptor, _hooks_installed, is_descriptor, rebase, relaunch
 from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
@@ -229,6 +230,7 @@ def select_config(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dty
 
 
 _CHOSEN: dict = {}
+register_cache("kernels.launch.chosen_configs", _CHOSEN.clear)
 
 
 def _table_traits(bias_kind: int, params: KernelParams, prob: "_Problem") -> dict:

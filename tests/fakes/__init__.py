@@ -286,6 +286,9 @@ def make_xformers(calls: list, refuse_head_dim_over: int = 128) -> dict[str, typ
         def __init__(self, query, key, value, attn_bias=None, p=0.0, scale=None, **kw):
             self.query, self.key, self.value, self.attn_bias, self.p, self.scale = query, key, value, attn_bias, p, scale
 
+    class _ForwardOp:
+        VARLEN_LSE_PACKED = True
+
     def _dispatch_fw(inp, needs_gradient):
         reasons = []
         if max(inp.query.shape[-1], inp.value.shape[-1]) > refuse_head_dim_over:
@@ -296,9 +299,9 @@ def make_xformers(calls: list, refuse_head_dim_over: int = 128) -> dict[str, typ
                 f"     query       : shape={tuple(inp.query.shape)}\n"
                 "`cutlassF-pt` is not supported because:\n" + "".join(f"    {r}\n" for r in reasons)
                 + "`fa2F@2.8.3` is not supported because:\n    xFormers wasn't build with CUDA support\n")
-        return "cutlassF-pt"
+        return _ForwardOp
 
-    def _dispatch_bw(inp):
+    def _dispatch_bw(inp, varlen_lse_packed):   # xformers >= 0.0.28's signature
         return "cutlassB-pt"
 
     dispatch._dispatch_fw, dispatch._dispatch_bw = _dispatch_fw, _dispatch_bw
