@@ -1,4 +1,5 @@
 """attention_dispatch: one sdpa() for every attention kernel, exact and explained."""
+
 from .api import explain, sdpa
 from .backends.base import Backend, Capabilities, not_supported_reasons
 from .caches import clear_cache
@@ -14,8 +15,29 @@ configure_logging_from_env()
 __version__ = "0.1.0"
 
 __all__ = [
-    "sdpa", "explain", "Backend", "Capabilities", "not_supported_reasons", "Config", "ConfigError",
-    "load_config", "read_config", "reset_config", "use_config", "last_decision", "record", "Decision",
-    "NoBackendError", "BackendRunError", "clear_cache", "use_backends", "Problem", "get_backend",
-    "list_backends", "register_backend", "unregister_backend", "CausalKind", "__version__",
+    "sdpa",
+    "explain",
+    "Backend",
+    "Capabilities",
+    "not_supported_reasons",
+    "Config",
+    "ConfigError",
+    "load_config",
+    "read_config",
+    "reset_config",
+    "use_config",
+    "last_decision",
+    "record",
+    "Decision",
+    "NoBackendError",
+    "BackendRunError",
+    "clear_cache",
+    "use_backends",
+    "Problem",
+    "get_backend",
+    "list_backends",
+    "register_backend",
+    "unregister_backend",
+    "CausalKind",
+    "__version__",
 ]

@@ -3,6 +3,7 @@
 A module that keeps a cache registers how to empty it when it is imported; this module
 imports nothing of the package, so kernels may register here too.
 """
+
 from __future__ import annotations
 
 import threading

@@ -5,6 +5,7 @@ F.scaled_dot_product_attention's broadcasting), dtypes, masks (PyTorch's ``Causa
 mapped to our causal kinds), tensor subclasses (handled on purpose, never taken for plain
 tensors), varlen offsets and nested tensors.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,6 +41,7 @@ def _shape(t) -> str:
 
 # ---- tensor subclasses -------------------------------------------------------------------
 
+
 def _type_name(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -56,44 +58,58 @@ def check_plain_tensor(t, name: str) -> None:
     if isinstance(t, torch.nn.Parameter) or cls.__module__.startswith("torch._subclasses."):
         return
     if cls.__name__ == "DTensor":
-        raise TypeError(f"{name} is a DTensor ({_type_name(cls)}); sdpa() computes on whole local tensors: pass "
-                        f"{name}.to_local() where only batch or heads are sharded, or gather the sequence first")
+        raise TypeError(
+            f"{name} is a DTensor ({_type_name(cls)}); sdpa() computes on whole local tensors: pass "
+            f"{name}.to_local() where only batch or heads are sharded, or gather the sequence first"
+        )
     if getattr(t, "is_nested", False):
-        raise TypeError(f"{name} is a nested tensor; query, key and value must then all be torch.jagged nested "
-                        "tensors (B, H, j, D), and attn_mask a plain tensor")
-    raise TypeError(f"{name} is a {_type_name(cls)}, a torch.Tensor subclass that sdpa() does not know; its "
-                    "meaning cannot be guessed from its storage: pass a plain torch.Tensor")
+        raise TypeError(
+            f"{name} is a nested tensor; query, key and value must then all be torch.jagged nested "
+            "tensors (B, H, j, D), and attn_mask a plain tensor"
+        )
+    raise TypeError(
+        f"{name} is a {_type_name(cls)}, a torch.Tensor subclass that sdpa() does not know; its "
+        "meaning cannot be guessed from its storage: pass a plain torch.Tensor"
+    )
 
 
 def _causal_bias_kind(attn_mask, is_causal: bool, causal) -> CausalKind | None:
     """The causal kind of a torch.nn.attention.bias.CausalBias mask, None for other masks."""
     if type(attn_mask) is torch.Tensor:
         return None
-    bias_module = sys.modules.get("torch.nn.attention.bias")   # not imported: no CausalBias exists
+    bias_module = sys.modules.get("torch.nn.attention.bias")  # not imported: no CausalBias exists
     cls = getattr(bias_module, "CausalBias", None)
     if cls is None or not isinstance(attn_mask, cls):
         return None
     if is_causal or causal not in (None, False):
-        raise ValueError("CausalBias should not be used with causal=True: attn_mask is a CausalBias "
-                         f"({attn_mask.variant.name}), which is the causal mask already; pass only one of them")
+        raise ValueError(
+            "CausalBias should not be used with causal=True: attn_mask is a CausalBias "
+            f"({attn_mask.variant.name}), which is the causal mask already; pass only one of them"
+        )
     variant = bias_module.CausalVariant
     return {variant.UPPER_LEFT: CausalKind.TOP_LEFT, variant.LOWER_RIGHT: CausalKind.BOTTOM_RIGHT}[attn_mask.variant]
 
 
 # ---- checks ------------------------------------------------------------------------------
 
+
 def _check_tensors(query, key, value) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_plain_tensor(t, name)
     if query.dtype not in _ALLOWED_DTYPES:
-        raise TypeError(f"query.dtype={str(query.dtype).removeprefix('torch.')} is not allowed; "
-                        "allowed: float16, bfloat16, float32, float64")
+        raise TypeError(
+            f"query.dtype={str(query.dtype).removeprefix('torch.')} is not allowed; "
+            "allowed: float16, bfloat16, float32, float64"
+        )
     if not (query.dtype == key.dtype == value.dtype):
-        raise ValueError("query, key and value must share one dtype, got "
-                         f"query={query.dtype}, key={key.dtype}, value={value.dtype}")
+        raise ValueError(
+            f"query, key and value must share one dtype, got query={query.dtype}, key={key.dtype}, value={value.dtype}"
+        )
     if not (query.device == key.device == value.device):
-        raise ValueError("query, key and value must be on one device, got "
-                         f"query={query.device}, key={key.device}, value={value.device}")
+        raise ValueError(
+            "query, key and value must be on one device, got "
+            f"query={query.device}, key={key.device}, value={value.device}"
+        )
 
 
 def _check_heads(hq: int, hkv: int, hv: int, enable_gqa: bool) -> None:
@@ -101,8 +117,9 @@ def _check_heads(hq: int, hkv: int, hv: int, enable_gqa: bool) -> None:
         raise ValueError(f"key has {hkv} heads but value has {hv}; they must match")
     if hq != hkv:
         if not enable_gqa:
-            raise ValueError(f"query has {hq} heads but key/value have {hkv}; pass enable_gqa=True "
-                             "for grouped-query attention")
+            raise ValueError(
+                f"query has {hq} heads but key/value have {hkv}; pass enable_gqa=True for grouped-query attention"
+            )
         if hkv == 0 or hq % hkv:
             raise ValueError(f"enable_gqa=True needs query heads ({hq}) to be a multiple of key/value heads ({hkv})")
 
@@ -114,12 +131,14 @@ def _mask_dtype(attn_mask, query):
     if dtype == torch.bool or dtype == query.dtype:
         return attn_mask
     if dtype == torch.float32 and query.dtype in (torch.float16, torch.bfloat16, torch.float64):
-        return attn_mask if query.dtype != torch.float64 else attn_mask.to(torch.float64)   # exact
+        return attn_mask if query.dtype != torch.float64 else attn_mask.to(torch.float64)  # exact
     q = str(query.dtype).removeprefix("torch.")
     floats = " or float32" if q == "float32" else f", float32 or {q}"
-    raise TypeError(f"attn_mask.dtype={str(dtype).removeprefix('torch.')} is not allowed with query.dtype={q}; "
-                    f"allowed: bool (True = attend){floats} (added to the scores), as "
-                    "F.scaled_dot_product_attention")
+    raise TypeError(
+        f"attn_mask.dtype={str(dtype).removeprefix('torch.')} is not allowed with query.dtype={q}; "
+        f"allowed: bool (True = attend){floats} (added to the scores), as "
+        "F.scaled_dot_product_attention"
+    )
 
 
 def _broadcast_mask(attn_mask, target: tuple[int, ...], what: str, query) -> torch.Tensor:
@@ -128,8 +147,10 @@ def _broadcast_mask(attn_mask, target: tuple[int, ...], what: str, query) -> tor
         raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
     check_plain_tensor(attn_mask, "attn_mask")
     if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
-        raise TypeError(f"attn_mask.dtype={attn_mask.dtype} is not allowed; allowed: bool (True = attend) "
-                        "or a floating dtype (added to the scores)")
+        raise TypeError(
+            f"attn_mask.dtype={attn_mask.dtype} is not allowed; allowed: bool (True = attend) "
+            "or a floating dtype (added to the scores)"
+        )
     if attn_mask.device != query.device:
         raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
     shape = tuple(attn_mask.shape)
@@ -141,8 +162,9 @@ def _broadcast_mask(attn_mask, target: tuple[int, ...], what: str, query) -> tor
 
 
 def _seqlens(cu: torch.Tensor, name: str, total: int, max_seqlen, validate: bool) -> int:
-    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral)
-                                   or max_seqlen < 0):
+    if max_seqlen is not None and (
+        isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 0
+    ):
         raise ValueError(f"max_seqlen for {name} must be a non-negative int, got {max_seqlen!r}")
     if not validate:
         return int(max_seqlen)
@@ -180,11 +202,15 @@ def _unpack_nested(query, key, value):
         if not getattr(t, "is_nested", False):
             raise TypeError(f"query, key and value must all be nested tensors or none of them; {name} is not")
         if t.layout != torch.jagged:
-            raise TypeError(f"{name} is a nested tensor with layout {t.layout}; only torch.jagged is supported "
-                            "(torch.nested.nested_tensor(..., layout=torch.jagged))")
+            raise TypeError(
+                f"{name} is a nested tensor with layout {t.layout}; only torch.jagged is supported "
+                "(torch.nested.nested_tensor(..., layout=torch.jagged))"
+            )
         if t.dim() != 4 or t._ragged_idx != 2:
-            raise ValueError(f"{name} must be a jagged nested tensor of shape (B, H, j, D) (ragged dim 2), "
-                             f"got {t.dim()}-D with ragged dim {t._ragged_idx}")
+            raise ValueError(
+                f"{name} must be a jagged nested tensor of shape (B, H, j, D) (ragged dim 2), "
+                f"got {t.dim()}-D with ragged dim {t._ragged_idx}"
+            )
     packed = [t.transpose(1, 2) for t in (query, key, value)]
     offsets_q, offsets_k = packed[0].offsets(), packed[1].offsets()
     cu_q = offsets_q.to(torch.int32)
@@ -195,6 +221,7 @@ def _unpack_nested(query, key, value):
 
 # ---- dense layouts: F.sdpa's broadcasting --------------------------------------------------
 
+
 def _dense_layout(query, key, value, enable_gqa: bool):
     """Bring dense inputs of any rank >= 2 to (B, H, S, D), broadcasting as F.sdpa does:
     leading batch dims broadcast against each other (a 4-D query with 3-D key/value
@@ -204,41 +231,46 @@ def _dense_layout(query, key, value, enable_gqa: bool):
     target."""
     ranks = (query.dim(), key.dim(), value.dim())
     if min(ranks) < 2:
-        raise ValueError("query, key and value need at least 2 dims ((L, E), (N, L, E) or (*batch, H, L, E)), "
-                         f"got {_shape(query)}, {_shape(key)}, {_shape(value)}")
+        raise ValueError(
+            "query, key and value need at least 2 dims ((L, E), (N, L, E) or (*batch, H, L, E)), "
+            f"got {_shape(query)}, {_shape(key)}, {_shape(value)}"
+        )
     rank = max(ranks)
     if key.shape[-2] != value.shape[-2]:
         raise ValueError(f"key has {key.shape[-2]} positions but value has {value.shape[-2]}")
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(f"query head_dim {query.shape[-1]} != key head_dim {key.shape[-1]}")
     full = max(rank, 4)
-    q, k, v = (t if t.dim() == full else t.reshape((1,) * (full - t.dim()) + tuple(t.shape))
-               for t in (query, key, value))
+    q, k, v = (
+        t if t.dim() == full else t.reshape((1,) * (full - t.dim()) + tuple(t.shape)) for t in (query, key, value)
+    )
     try:
         batch = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
     except RuntimeError:
-        raise ValueError(f"batch dims do not broadcast: query {_shape(query)}, key {_shape(key)}, "
-                         f"value {_shape(value)}") from None
+        raise ValueError(
+            f"batch dims do not broadcast: query {_shape(query)}, key {_shape(key)}, value {_shape(value)}"
+        ) from None
     hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
-    if hk != hv and 1 in (hk, hv):   # one of key/value broadcasts over the other's heads
+    if hk != hv and 1 in (hk, hv):  # one of key/value broadcasts over the other's heads
         hk = hv = max(hk, hv)
     heads_out = hq
     if hq != hk and not (enable_gqa and hk and hq % hk == 0):
         if hk == 1:
-            pass                       # one key/value head for every query head: MQA, no copy
+            pass  # one key/value head for every query head: MQA, no copy
         elif hq == 1:
-            heads_out = hk             # one query head against every key/value head
+            heads_out = hk  # one query head against every key/value head
         else:
             _check_heads(hq, hk, hv, enable_gqa)
     _check_heads(heads_out, hk, hv, True)
 
     def canonical(t, heads):
         want = batch + (heads,) + tuple(t.shape[-2:])
-        if tuple(t.shape) != want:      # broadcast: copy, so every backend sees ordinary strides
+        if tuple(t.shape) != want:  # broadcast: copy, so every backend sees ordinary strides
             t = t.expand(want).contiguous()
         return t if t.dim() == 4 else t.reshape((-1,) + want[-3:])
+
     q, k, v = canonical(q, heads_out), canonical(k, hk), canonical(v, hk)
-    out_shape = (batch + (heads_out,))[len(batch) + 1 - (rank - 2):] + (q.shape[2], v.shape[3])
+    out_shape = (batch + (heads_out,))[len(batch) + 1 - (rank - 2) :] + (q.shape[2], v.shape[3])
     same = rank == 4 and q is query and k is key and v is value
     return q, k, v, None if same else out_shape, batch + (heads_out,)
 
@@ -247,35 +279,58 @@ def _fold_mask_batch(mask, batch: tuple[int, ...]):
     """A mask of rank len(batch) + 3 -> 4-D: its batch dims folded into one."""
     if len(batch) == 1:
         return mask
-    lead = tuple(mask.shape[:len(batch)])
+    lead = tuple(mask.shape[: len(batch)])
     if all(n == 1 for n in lead):
-        return mask.reshape((1,) + tuple(mask.shape[len(batch):]))
-    return mask.expand(batch + tuple(mask.shape[len(batch):])).reshape((-1,) + tuple(mask.shape[len(batch):]))
+        return mask.reshape((1,) + tuple(mask.shape[len(batch) :]))
+    return mask.expand(batch + tuple(mask.shape[len(batch) :])).reshape((-1,) + tuple(mask.shape[len(batch) :]))
 
 
 # ---- the whole call ----------------------------------------------------------------------
 
+
 def _check_scalars(dropout_p, scale, enable_gqa, deterministic) -> None:
-    if type(dropout_p) is not float and (isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real)) \
-            or not 0.0 <= dropout_p <= 1.0:
+    if (
+        type(dropout_p) is not float
+        and (isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real))
+        or not 0.0 <= dropout_p <= 1.0
+    ):
         raise ValueError(f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
-                              or not math.isfinite(scale)):
-        raise ValueError(f"scale must be None or a finite float, got {scale!r} (F.sdpa's result for a "
-                         "non-finite scale is NaN wherever a score is positive)")
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale)
+    ):
+        raise ValueError(
+            f"scale must be None or a finite float, got {scale!r} (F.sdpa's result for a "
+            "non-finite scale is NaN wherever a score is positive)"
+        )
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
     if deterministic is not None and not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be None or a bool, got {type(deterministic).__name__}")
 
 
-def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False, *, causal=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                   max_seqlen_q=None, max_seqlen_k=None, deterministic=None) -> Call:
+def normalize_call(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    causal=None,
+    window=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    deterministic=None,
+) -> Call:
     """Validate every argument (raising before any kernel) and build the canonical call."""
-    steps = []    # turn the canonical output back into the caller's layout, in order
-    nested = (getattr(query, "is_nested", False) or getattr(key, "is_nested", False)
-              or getattr(value, "is_nested", False))
+    steps = []  # turn the canonical output back into the caller's layout, in order
+    nested = (
+        getattr(query, "is_nested", False) or getattr(key, "is_nested", False) or getattr(value, "is_nested", False)
+    )
     if nested:
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             raise ValueError("cu_seqlens_q/k must not be given with nested tensors (their offsets are used)")
@@ -285,38 +340,50 @@ def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     mask_causal = None if attn_mask is None else _causal_bias_kind(attn_mask, is_causal, causal)
     if mask_causal is not None:
         lengths = (attn_mask.seq_len_q, attn_mask.seq_len_kv)
-        if (not nested and cu_seqlens_q is None and min(query.dim(), key.dim()) >= 2
-                and lengths != (query.shape[-2], key.shape[-2])):
-            raise ValueError(f"attn_mask is a CausalBias for seq_len_q={lengths[0]}, seq_len_kv={lengths[1]} but "
-                             f"query has {query.shape[-2]} positions and key {key.shape[-2]}")
+        if (
+            not nested
+            and cu_seqlens_q is None
+            and min(query.dim(), key.dim()) >= 2
+            and lengths != (query.shape[-2], key.shape[-2])
+        ):
+            raise ValueError(
+                f"attn_mask is a CausalBias for seq_len_q={lengths[0]}, seq_len_kv={lengths[1]} but "
+                f"query has {query.shape[-2]} positions and key {key.shape[-2]}"
+            )
         attn_mask, causal = None, mask_causal
     causal_kind = normalize_causal(is_causal, causal)
     window = normalize_window(window)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if varlen:
         if mask_causal is not None:
-            raise ValueError("attn_mask=CausalBias with cu_seqlens/nested inputs: pass causal='top_left' or "
-                             "'bottom_right' instead (it applies to each sequence)")
+            raise ValueError(
+                "attn_mask=CausalBias with cu_seqlens/nested inputs: pass causal='top_left' or "
+                "'bottom_right' instead (it applies to each sequence)"
+            )
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t.dim() != 3:
-                raise ValueError(f"with cu_seqlens, {name} must be packed (total, heads, head_dim), "
-                                 f"got shape {_shape(t)}")
+                raise ValueError(
+                    f"with cu_seqlens, {name} must be packed (total, heads, head_dim), got shape {_shape(t)}"
+                )
         if key.shape[0] != value.shape[0]:
             raise ValueError(f"key and value must have the same packed length, got {key.shape[0]} and {value.shape[0]}")
         same_offsets = cu_seqlens_q is cu_seqlens_k
         cu_q = _cu_tensor(cu_seqlens_q, "cu_seqlens_q", query.device)
         cu_k = cu_q if same_offsets else _cu_tensor(cu_seqlens_k, "cu_seqlens_k", query.device)
         if cu_q.numel() != cu_k.numel():
-            raise ValueError(f"cu_seqlens_q has {cu_q.numel()} entries but cu_seqlens_k has {cu_k.numel()}; "
-                             "both must be batch+1")
+            raise ValueError(
+                f"cu_seqlens_q has {cu_q.numel()} entries but cu_seqlens_k has {cu_k.numel()}; both must be batch+1"
+            )
         # Reading the offsets syncs the device: done on the CPU, or when max_seqlen must be computed.
         validate = query.device.type == "cpu" or max_seqlen_q is None or max_seqlen_k is None
         if validate and torch.compiler.is_compiling():
             if max_seqlen_q is None or max_seqlen_k is None:
-                raise ValueError("under torch.compile, pass max_seqlen_q and max_seqlen_k with cu_seqlens "
-                                 "(computing them reads the offsets back to the host)")
+                raise ValueError(
+                    "under torch.compile, pass max_seqlen_q and max_seqlen_k with cu_seqlens "
+                    "(computing them reads the offsets back to the host)"
+                )
             validate = False
         max_q = _seqlens(cu_q, "cu_seqlens_q", query.shape[0], max_seqlen_q, validate)
         max_k = _seqlens(cu_k, "cu_seqlens_k", key.shape[0], max_seqlen_k, validate)
@@ -329,49 +396,79 @@ def normalize_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         if attn_mask is not None:
             attn_mask = _broadcast_mask(attn_mask, (batch, hq, sq, sk), "(B, Hq, max_seqlen_q, max_seqlen_k)", query)
         if nested:
-            steps.append(lambda out, offsets=offsets_q:
-                         torch.nested.nested_tensor_from_jagged(out, offsets).transpose(1, 2))
+            steps.append(
+                lambda out, offsets=offsets_q: torch.nested.nested_tensor_from_jagged(out, offsets).transpose(1, 2)
+            )
     else:
         cu_q = cu_k = None
         max_q = max_k = None
         same_offsets = False
         query, key, value, out_shape, lead = _dense_layout(query, key, value, enable_gqa)
         if attn_mask is not None:
-            attn_mask = _broadcast_mask(attn_mask, lead + (query.shape[2], key.shape[2]),
-                                        "(B, Hq, Sq, Sk)" if len(lead) == 2 else "the output's (*batch, Hq, Sq, Sk)",
-                                        query)
+            attn_mask = _broadcast_mask(
+                attn_mask,
+                lead + (query.shape[2], key.shape[2]),
+                "(B, Hq, Sq, Sk)" if len(lead) == 2 else "the output's (*batch, Hq, Sq, Sk)",
+                query,
+            )
             attn_mask = _fold_mask_batch(attn_mask, lead[:-1])
         if out_shape is not None:
             steps.append(lambda out, shape=out_shape: out.reshape(shape))
         batch, hq, sq, dqk = query.shape
         hkv, sk, dv = key.shape[1], key.shape[2], value.shape[3]
-    if dropout_p == 1.0:   # every weight dropped: F.sdpa multiplies by zero, so do we
+    if dropout_p == 1.0:  # every weight dropped: F.sdpa multiplies by zero, so do we
         steps.insert(0, lambda out: out * 0)
         dropout_p = 0.0
     grad = torch.is_grad_enabled()
     mask_grad = attn_mask is not None and grad and attn_mask.requires_grad
     compiling = torch.compiler.is_compiling()
     # Everything the decision needs, as plain constants (torch.compile treats them as such).
-    facts = (batch, hq, hkv, sq, sk, dqk, dv, query.dtype, query.device, "varlen" if varlen else "dense",
-             "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float"),
-             None if attn_mask is None else tuple(attn_mask.shape), mask_grad, causal_kind, window,
-             dropout_p > 0,
-             grad and (query.requires_grad or key.requires_grad or value.requires_grad or mask_grad),
-             query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1,
-             _aligned_16(query, compiling) and _aligned_16(key, compiling) and _aligned_16(value, compiling),
-             deterministic, same_offsets,
-             attn_mask is not None and attn_mask.dtype == torch.float32 and query.dtype in _HALF)
+    facts = (
+        batch,
+        hq,
+        hkv,
+        sq,
+        sk,
+        dqk,
+        dv,
+        query.dtype,
+        query.device,
+        "varlen" if varlen else "dense",
+        "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float"),
+        None if attn_mask is None else tuple(attn_mask.shape),
+        mask_grad,
+        causal_kind,
+        window,
+        dropout_p > 0,
+        grad and (query.requires_grad or key.requires_grad or value.requires_grad or mask_grad),
+        query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1,
+        _aligned_16(query, compiling) and _aligned_16(key, compiling) and _aligned_16(value, compiling),
+        deterministic,
+        same_offsets,
+        attn_mask is not None and attn_mask.dtype == torch.float32 and query.dtype in _HALF,
+    )
     problem = None if compiling else _cached_problem(facts)
-    options = dict(attn_mask=attn_mask, dropout_p=float(dropout_p), causal=causal_kind, window=window,
-                   scale=float(scale) if scale is not None else (1.0 / math.sqrt(dqk) if dqk else 1.0),
-                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                   enable_gqa=hq != hkv, deterministic=None if problem is None else problem.deterministic)
+    options = dict(
+        attn_mask=attn_mask,
+        dropout_p=float(dropout_p),
+        causal=causal_kind,
+        window=window,
+        scale=float(scale) if scale is not None else (1.0 / math.sqrt(dqk) if dqk else 1.0),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        enable_gqa=hq != hkv,
+        deterministic=None if problem is None else problem.deterministic,
+    )
     restore = None
     if steps:
+
         def restore(out, steps=tuple(steps)):
             for step in steps:
                 out = step(out)
             return out
+
     return Call(query, key, value, options, problem, restore, facts)
 
 
@@ -382,8 +479,13 @@ register_cache("call.problems", _problems.clear)
 def _cached_problem(facts: tuple) -> Problem:
     """make_problem, memoised on the facts and everything determinism depends on."""
     cfg = _config.current_config()
-    key = (facts, id(cfg), _config.config_version(), torch.are_deterministic_algorithms_enabled(),
-           torch.is_deterministic_algorithms_warn_only_enabled())
+    key = (
+        facts,
+        id(cfg),
+        _config.config_version(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     problem = _problems.get(key)
     if problem is None:
         if len(_problems) >= 4096:
@@ -395,8 +497,30 @@ def _cached_problem(facts: tuple) -> Problem:
 def make_problem(facts: tuple) -> Problem:
     """The Problem of normalize_call's facts, with determinism resolved from the argument,
     the config, or torch.are_deterministic_algorithms_enabled()."""
-    (batch, hq, hkv, sq, sk, dqk, dv, dtype, device, layout, mask_kind, mask_shape, mask_grad, causal, window,
-     dropout, requires_grad, last_dim_contiguous, aligned_16, deterministic, same_offsets, float32_bias) = facts
+    (
+        batch,
+        hq,
+        hkv,
+        sq,
+        sk,
+        dqk,
+        dv,
+        dtype,
+        device,
+        layout,
+        mask_kind,
+        mask_shape,
+        mask_grad,
+        causal,
+        window,
+        dropout,
+        requires_grad,
+        last_dim_contiguous,
+        aligned_16,
+        deterministic,
+        same_offsets,
+        float32_bias,
+    ) = facts
     warn_only = False
     if deterministic is None:
         policy = _config.current_config().dispatch.deterministic
@@ -406,9 +530,28 @@ def make_problem(facts: tuple) -> Problem:
         else:
             deterministic = policy
     return Problem(
-        batch=batch, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, head_dim_qk=dqk, head_dim_v=dv,
-        dtype=dtype, device_type=device.type, compute_capability=compute_capability(device), layout=layout,
-        mask_kind=mask_kind, mask_shape=mask_shape, mask_requires_grad=mask_grad, causal=causal, window=window,
-        dropout=dropout, requires_grad=requires_grad, deterministic=bool(deterministic),
-        deterministic_warn_only=bool(warn_only), last_dim_contiguous=last_dim_contiguous, aligned_16=aligned_16,
-        same_offsets=same_offsets, float32_bias=float32_bias)
+        batch=batch,
+        heads_q=hq,
+        heads_kv=hkv,
+        seqlen_q=sq,
+        seqlen_k=sk,
+        head_dim_qk=dqk,
+        head_dim_v=dv,
+        dtype=dtype,
+        device_type=device.type,
+        compute_capability=compute_capability(device),
+        layout=layout,
+        mask_kind=mask_kind,
+        mask_shape=mask_shape,
+        mask_requires_grad=mask_grad,
+        causal=causal,
+        window=window,
+        dropout=dropout,
+        requires_grad=requires_grad,
+        deterministic=bool(deterministic),
+        deterministic_warn_only=bool(warn_only),
+        last_dim_contiguous=last_dim_contiguous,
+        aligned_16=aligned_16,
+        same_offsets=same_offsets,
+        float32_bias=float32_bias,
+    )

@@ -1,4 +1,5 @@
 """python -m attention_dispatch info | explain | config --check FILE | demo"""
+
 from __future__ import annotations
 
 import argparse
@@ -8,8 +9,16 @@ import torch
 
 from . import api, config, debug
 
-_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64}
+_DTYPES = {
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+}
 
 
 def _cmd_info(args) -> int:
@@ -53,10 +62,15 @@ def _call_from_args(args):
     if args.config:
         config.load_config(args.config)
     q, k, v, mask, extra = _build_inputs(args)
-    kwargs = dict(attn_mask=mask, dropout_p=args.dropout, causal=args.causal,
-                  window=tuple(args.window) if args.window else None,
-                  enable_gqa=(args.heads_kv or args.heads) != args.heads,
-                  deterministic=True if args.deterministic else None, **extra)
+    kwargs = dict(
+        attn_mask=mask,
+        dropout_p=args.dropout,
+        causal=args.causal,
+        window=tuple(args.window) if args.window else None,
+        enable_gqa=(args.heads_kv or args.heads) != args.heads,
+        deterministic=True if args.deterministic else None,
+        **extra,
+    )
     return q, k, v, kwargs
 
 
@@ -106,12 +120,14 @@ def _cmd_config(args) -> int:
 
 def _cmd_demo(args) -> int:
     from .demo import main as demo_main
+
     return demo_main()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m attention_dispatch",
-                                     description="One sdpa() for every attention kernel.")
+    parser = argparse.ArgumentParser(
+        prog="python -m attention_dispatch", description="One sdpa() for every attention kernel."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="every registered backend: availability, version, capabilities")
@@ -140,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", parents=[shape], help="the decision table for a call described on the command line")
     p.set_defaults(func=_cmd_explain)
 
-    bench = sub.add_parser("bench", parents=[shape], help="time every eligible backend on a call described on the command line")
+    bench = sub.add_parser(
+        "bench", parents=[shape], help="time every eligible backend on a call described on the command line"
+    )
     bench.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("config", help="validate config files, or print the current config")

@@ -3,6 +3,7 @@
 pydantic is used only here, at load time: the per-call path reads the already
 validated, frozen `Config` through `current_config()`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,19 +30,26 @@ class DispatchSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     priority: Union[tuple[str, ...], None] = Field(
-        default=None, description="candidate order, first wins; omitted: the registry's order (built-ins "
-        f"{', '.join(BUILTIN_ORDER)}, custom backends where they were registered)")
+        default=None,
+        description="candidate order, first wins; omitted: the registry's order (built-ins "
+        f"{', '.join(BUILTIN_ORDER)}, custom backends where they were registered)",
+    )
     disabled: tuple[str, ...] = Field(default=(), description="backends never chosen")
     policy: Literal["priority", "fastest"] = Field(
-        default="priority", description="first eligible in order, or the measured fastest per shape bucket")
+        default="priority", description="first eligible in order, or the measured fastest per shape bucket"
+    )
     fastest_cache: Union[str, None] = Field(
-        default=None, description="JSON file keeping policy='fastest' measurements across processes")
+        default=None, description="JSON file keeping policy='fastest' measurements across processes"
+    )
     deterministic: Union[Literal["auto"], bool] = Field(
-        default="auto", description="auto follows torch.are_deterministic_algorithms_enabled()")
+        default="auto", description="auto follows torch.are_deterministic_algorithms_enabled()"
+    )
     math_fallback: Literal["warn", "allow", "forbid"] = Field(
-        default="warn", description="when math is chosen for a CUDA input")
+        default="warn", description="when math is chosen for a CUDA input"
+    )
     on_error: Literal["raise", "fallback"] = Field(
-        default="raise", description="a backend failing at run time: re-raise, or run the next candidate")
+        default="raise", description="a backend failing at run time: re-raise, or run the next candidate"
+    )
 
 
 class Config(BaseModel):
@@ -82,6 +90,7 @@ def _read_file(path: Path) -> dict:
             data = tomllib.loads(text)
         elif suffix in (".yaml", ".yml"):
             import yaml
+
             data = yaml.safe_load(text) or {}
         else:
             raise ConfigError(f"{path}: unknown configuration format {suffix!r}; allowed: .toml, .yaml, .yml")
@@ -106,8 +115,9 @@ def validate_config(data: dict, origin: str = "<config>") -> Config:
     for field in ("priority", "disabled"):
         for name in getattr(config.dispatch, field) or ():
             if name not in known:
-                raise ConfigError(f"{origin}: dispatch.{field}: unknown backend {name!r}; "
-                                  f"registered: {', '.join(known)}")
+                raise ConfigError(
+                    f"{origin}: dispatch.{field}: unknown backend {name!r}; registered: {', '.join(known)}"
+                )
     if config.dispatch.priority is not None and len(set(config.dispatch.priority)) != len(config.dispatch.priority):
         raise ConfigError(f"{origin}: dispatch.priority: a backend is listed twice: {list(config.dispatch.priority)}")
     for name, options in config.backends.items():
@@ -116,8 +126,7 @@ def validate_config(data: dict, origin: str = "<config>") -> Config:
         model = registry.get_backend(name).options_model
         if model is None:
             if options:
-                raise ConfigError(f"{origin}: backends.{name}: this backend takes no options "
-                                  f"(got {sorted(options)})")
+                raise ConfigError(f"{origin}: backends.{name}: this backend takes no options (got {sorted(options)})")
             continue
         try:
             model.model_validate(options)
@@ -184,13 +193,13 @@ def config_version() -> int:
 # under `with use_config(...)` keeps its cached decisions and fast path.
 PIN_LIMIT = 256
 _pinned: dict[int, Config] = {}
-_from_dicts: dict[str, Config] = {}   # equal dicts -> one (frozen) Config, so one id
+_from_dicts: dict[str, Config] = {}  # equal dicts -> one (frozen) Config, so one id
 
 
 def _pin(config: Config) -> None:
     if _pinned.get(id(config)) is not config:
         with _lock:
-            if len(_pinned) >= PIN_LIMIT:   # dropping pins frees ids: no key naming them may hit
+            if len(_pinned) >= PIN_LIMIT:  # dropping pins frees ids: no key naming them may hit
                 _pinned.clear()
                 _bump()
             _pinned[id(config)] = config
@@ -199,7 +208,7 @@ def _pin(config: Config) -> None:
 def _config_of_dict(data: dict) -> Config:
     try:
         key = json.dumps(data, sort_keys=True)
-    except (TypeError, ValueError):   # not plain data: validated afresh each time
+    except (TypeError, ValueError):  # not plain data: validated afresh each time
         return validate_config(data, "<use_config>")
     config = _from_dicts.get(key)
     if config is None:

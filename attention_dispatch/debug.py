@@ -1,4 +1,5 @@
 """Debug API: last_decision(), record(), logging setup, info tables."""
+
 from __future__ import annotations
 
 import contextlib
@@ -70,8 +71,7 @@ def backend_table(markdown: bool = False) -> str:
     if markdown:
         out = ["| backend | status | version |", "|---|---|---|"]
         out += [f"| `{n}` | {s} | {v} |" for n, s, v in zip(names, status, versions)]
-        out += ["", "| feature | " + " | ".join(f"`{n}`" for n in names) + " |",
-                "|---|" + "---|" * len(names)]
+        out += ["", "| feature | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|" + "---|" * len(names)]
         out += [f"| {f} | " + " | ".join(val[f] for val in values) + " |" for f in features]
         notes = [f"- `{b.name}`: {b.capabilities.notes}" for b in backends if b.capabilities.notes]
         if notes:

@@ -1,4 +1,5 @@
 """Choosing a backend: candidate order, checks, Decision, NoBackendError, the cache."""
+
 from __future__ import annotations
 
 import contextlib
@@ -46,7 +47,7 @@ class Decision:
     eligible: tuple[str, ...]
     failures: dict[str, str] = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()
-    timings: dict[str, float] = dataclasses.field(default_factory=dict)   # ms, policy="fastest"
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)  # ms, policy="fastest"
     # each timed backend's samples (ms) behind `timings`, when measured in this process
     timing_samples: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     # host time per call (ms) in those samples, on a GPU: near the device's, a call is host-bound
@@ -78,16 +79,24 @@ class Decision:
 
     def fallback_after_failure(self, failed: str, error: BaseException) -> "Decision":
         """The Decision for the next eligible candidate after `failed` broke at run time."""
-        failures = {**self.failures, failed: f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+        failures = {
+            **self.failures,
+            failed: f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+        }
         rest = tuple(n for n in self.eligible if n not in failures)
-        return dataclasses.replace(self, backend=rest[0] if rest else None, failures=failures,
-                                   notes=self.notes + (f"{failed} failed at run time; fell back",))
+        return dataclasses.replace(
+            self,
+            backend=rest[0] if rest else None,
+            failures=failures,
+            notes=self.notes + (f"{failed} failed at run time; fell back",),
+        )
 
 
 # ---- candidate order ---------------------------------------------------------------------
 
 _scope: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
-    "attention_dispatch_backends", default=None)
+    "attention_dispatch_backends", default=None
+)
 
 
 @contextlib.contextmanager
@@ -127,6 +136,7 @@ def candidate_order(forced: str | None, cfg) -> tuple[tuple[str, ...], str]:
 
 # ---- deciding ----------------------------------------------------------------------------
 
+
 def _evaluate(problem: Problem, names: tuple[str, ...], source: str, cfg, forced: str | None) -> Decision:
     rejected: dict[str, list[str]] = {}
     eligible: list[str] = []
@@ -150,8 +160,14 @@ def _evaluate(problem: Problem, names: tuple[str, ...], source: str, cfg, forced
             rejected[name] = reasons
         else:
             eligible.append(name)
-    return Decision(backend=eligible[0] if eligible else None, problem=problem, source=source,
-                    candidates=names, rejected=rejected, eligible=tuple(eligible))
+    return Decision(
+        backend=eligible[0] if eligible else None,
+        problem=problem,
+        source=source,
+        candidates=names,
+        rejected=rejected,
+        eligible=tuple(eligible),
+    )
 
 
 _cache: dict = {}
@@ -202,8 +218,11 @@ def decide(problem: Problem, forced: str | None = None, raise_if_none: bool = Tr
 
 def no_backend_message(decision: Decision, forced: str | None) -> str:
     what = f"backend {forced!r} (forced) cannot run this call" if forced else "no available backend for this call"
-    lines = [f"attention_dispatch: {what}", f"  problem: {decision.problem.summary()}",
-             f"  candidates (order from {decision.source}):"]
+    lines = [
+        f"attention_dispatch: {what}",
+        f"  problem: {decision.problem.summary()}",
+        f"  candidates (order from {decision.source}):",
+    ]
     for name in decision.candidates:
         lines.append(f"    {name}: " + "; ".join(decision.rejected.get(name, ["eligible"])))
     return "\n".join(lines)
@@ -214,15 +233,21 @@ def _warn_once(decision: Decision, cfg) -> None:
     if decision.backend == "math" and p.device_type == "cuda" and cfg.dispatch.math_fallback == "warn":
         if "math-cuda" not in _warned:
             _warned.add("math-cuda")
-            warnings.warn("attention_dispatch: falling back to the 'math' backend on a CUDA input "
-                          f"({p.summary()}); it is quadratic in time and chunked but slow. Set "
-                          "dispatch.math_fallback='allow' to silence or 'forbid' to refuse.",
-                          RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                "attention_dispatch: falling back to the 'math' backend on a CUDA input "
+                f"({p.summary()}); it is quadratic in time and chunked but slow. Set "
+                "dispatch.math_fallback='allow' to silence or 'forbid' to refuse.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
     if p.deterministic and p.deterministic_warn_only and p.requires_grad:
         backend = registry.get_backend(decision.backend)
         key = ("nondeterministic", decision.backend)
         if not backend.capabilities.deterministic_backward and key not in _warned:
             _warned.add(key)
-            warnings.warn(f"attention_dispatch: backend {decision.backend!r} has a nondeterministic backward; "
-                          "used anyway because torch.use_deterministic_algorithms(warn_only=True)",
-                          UserWarning, stacklevel=4)
+            warnings.warn(
+                f"attention_dispatch: backend {decision.backend!r} has a nondeterministic backward; "
+                "used anyway because torch.use_deterministic_algorithms(warn_only=True)",
+                UserWarning,
+                stacklevel=4,
+            )

@@ -6,6 +6,7 @@ a file, in JSON keyed also by the GPU and library versions, so later processes r
 Timing runs on clones of the caller's tensors with the RNG state forked, so the user's
 random stream and autograd graph are untouched.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,11 +31,12 @@ from .problem import Problem
 
 class Measured(NamedTuple):
     """What timing a bucket found (or the JSON file kept of it)."""
+
     winner: str
-    timings: dict[str, float]                  # ms per call (lower quartile)
-    failures: dict[str, str]                   # backends that failed while timed: why
-    samples: dict[str, tuple[float, ...]]      # ms, behind each timing (this process only)
-    host: dict[str, float]                     # host ms per call in those samples (GPU)
+    timings: dict[str, float]  # ms per call (lower quartile)
+    failures: dict[str, str]  # backends that failed while timed: why
+    samples: dict[str, tuple[float, ...]]  # ms, behind each timing (this process only)
+    host: dict[str, float]  # host ms per call in those samples (GPU)
 
 
 _lock = threading.Lock()
@@ -86,8 +88,9 @@ def _pow2(n: int) -> int:
 
 def bucket(problem: Problem) -> Problem:
     """The Problem with sizes rounded up to powers of two: one measurement serves them all."""
-    return dataclasses.replace(problem, batch=_pow2(problem.batch), seqlen_q=_pow2(problem.seqlen_q),
-                               seqlen_k=_pow2(problem.seqlen_k))
+    return dataclasses.replace(
+        problem, batch=_pow2(problem.batch), seqlen_q=_pow2(problem.seqlen_q), seqlen_k=_pow2(problem.seqlen_k)
+    )
 
 
 def _environment(device: torch.device) -> str:
@@ -110,15 +113,16 @@ def _load_file(path: str) -> dict:
         return {}
 
 
-def _store_file(path: str, key: str, backend: str, timings: dict[str, float],
-                host: dict[str, float] | None = None) -> None:
+def _store_file(
+    path: str, key: str, backend: str, timings: dict[str, float], host: dict[str, float] | None = None
+) -> None:
     data = _load_file(path)
     data[key] = {"backend": backend, "timings_ms": timings}
     if host:
         data[key]["host_ms"] = host
     tmp = f"{path}.{os.getpid()}.tmp"
     Path(tmp).write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)   # atomic: concurrent processes never read half a file
+    os.replace(tmp, path)  # atomic: concurrent processes never read half a file
 
 
 def _runner(name: str, call):
@@ -138,9 +142,9 @@ def _runner(name: str, call):
     options = dict(call.options, attn_mask=mask)
     leaves = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
     with torch.set_grad_enabled(grad):
-        run = backend.prepare(q, k, v, options)   # what sdpa()'s fast path runs for the winner
+        run = backend.prepare(q, k, v, options)  # what sdpa()'s fast path runs for the winner
     extra = () if mask is None else (mask,)
-    grad_out: list = []   # made once: a model's dO exists before its backward (a fill is ~25 us at S=512)
+    grad_out: list = []  # made once: a model's dO exists before its backward (a fill is ~25 us at S=512)
 
     def once():
         with torch.set_grad_enabled(grad):
@@ -149,13 +153,14 @@ def _runner(name: str, call):
                 if not grad_out:
                     grad_out.append(torch.ones_like(out))
                 torch.autograd.grad(out, leaves, grad_out[0])
+
     return once
 
 
 def turn_order(n: int, rnd: int, salt: str = "") -> list[int]:
     """The order of ``n`` interleaved turns in round ``rnd``: the first round as listed, later
     ones shuffled (seeded by ``salt`` and the round), so that no turn keeps its predecessor,
-    whose clock state it inherits (docs/perf-notes.md experiments 32 and 55).  benchmarks/bench.py
+    whose clock state it inherits (docs/experiments/perf-notes.md experiments 32 and 55).  benchmarks/bench.py
     orders a row's turns with it too."""
     order = list(range(n))
     if rnd:
@@ -163,8 +168,9 @@ def turn_order(n: int, rnd: int, salt: str = "") -> list[int]:
     return order
 
 
-def _time_backends(names, call, sync, failures: dict | None = None,
-                   samples_out: dict | None = None, host_out: dict | None = None) -> dict[str, float]:
+def _time_backends(
+    names, call, sync, failures: dict | None = None, samples_out: dict | None = None, host_out: dict | None = None
+) -> dict[str, float]:
     """Milliseconds per call of each backend: after one warm-up call each (compilation,
     autotuning) and WARM_ROUNDS untimed rounds, ROUNDS interleaved rounds of short turns (see
     ROUNDS; LONG_ROUNDS where every call is long) in :func:`turn_order`; the lower quartile of
@@ -172,7 +178,7 @@ def _time_backends(names, call, sync, failures: dict | None = None,
     CUDA events once the turn's untimed call has started the stream (:func:`_turn_ms_cuda`),
     and ``host_out`` gets the lower quartile of the host's time per call in the same samples."""
     runs, calls = {}, {}
-    shortest_ms = math.inf    # the quickest warm-up call: LONG_ROUNDS only where it is long
+    shortest_ms = math.inf  # the quickest warm-up call: LONG_ROUNDS only where it is long
     for name in names:
         try:
             once = _runner(name, call)
@@ -226,9 +232,11 @@ def tie_note(winner: str, timings: dict[str, float], host: dict[str, float]) -> 
     leader = min(timings, key=timings.get, default=winner)
     if winner == leader or leader not in host or winner not in host:
         return None
-    return (f"policy=fastest: {leader} led by {timings[winner] / timings[leader] - 1:.1%} but spends "
-            f"{host[leader]:.3f} of its {timings[leader]:.3f} ms on the host; {winner} needs "
-            f"{host[winner]:.3f} ms there (a near-tie goes to host time to spare)")
+    return (
+        f"policy=fastest: {leader} led by {timings[winner] / timings[leader] - 1:.1%} but spends "
+        f"{host[leader]:.3f} of its {timings[leader]:.3f} ms on the host; {winner} needs "
+        f"{host[winner]:.3f} ms there (a near-tie goes to host time to spare)"
+    )
 
 
 def lower_quartile(times: list[float]) -> float:
@@ -293,8 +301,9 @@ def _turn_ms_cuda(once, calls: int) -> tuple[list[float], list[float]]:
     device's, a slower host makes the call host-bound."""
     torch.cuda.synchronize()
     once()
-    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in range(SAMPLES_PER_TURN)]
+    marks = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(SAMPLES_PER_TURN)
+    ]
     enqueued = []
     for start, end in marks:
         began = time.perf_counter()
@@ -326,7 +335,9 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
     if found is None and cache_path:
         entry = _load_file(cache_path).get(_file_key(decision.problem, device))
         if entry and entry.get("backend") in decision.eligible:
-            found = Measured(entry["backend"], dict(entry.get("timings_ms", {})), {}, {}, dict(entry.get("host_ms", {})))
+            found = Measured(
+                entry["backend"], dict(entry.get("timings_ms", {})), {}, {}, dict(entry.get("host_ms", {}))
+            )
     if found is None:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         failures: dict[str, str] = {}
@@ -353,9 +364,15 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
         _winners[key] = found
     why = tie_note(found.winner, found.timings, found.host)
     notes = ("policy=fastest: the choice was measured",) + ((why,) if why else ())
-    return dataclasses.replace(decision, backend=found.winner, timings=found.timings,
-                               failures={**decision.failures, **found.failures}, timing_samples=found.samples,
-                               host_timings=found.host, notes=decision.notes + notes)
+    return dataclasses.replace(
+        decision,
+        backend=found.winner,
+        timings=found.timings,
+        failures={**decision.failures, **found.failures},
+        timing_samples=found.samples,
+        host_timings=found.host,
+        notes=decision.notes + notes,
+    )
 
 
 def forget() -> None:

@@ -1,4 +1,5 @@
 """Problem: a frozen, hashable description of one sdpa() call, holding no tensor."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,9 +37,9 @@ class Problem:
     dtype: torch.dtype
     device_type: str
     compute_capability: tuple[int, int] | None
-    layout: str                      # "dense" | "varlen"
-    mask_kind: str                   # "none" | "bool" | "float"
-    mask_shape: tuple[int, ...] | None   # the mask's own 4-D shape (1 on broadcast dims)
+    layout: str  # "dense" | "varlen"
+    mask_kind: str  # "none" | "bool" | "float"
+    mask_shape: tuple[int, ...] | None  # the mask's own 4-D shape (1 on broadcast dims)
     mask_requires_grad: bool
     causal: CausalKind | None
     window: tuple[int, int] | None
@@ -47,7 +48,7 @@ class Problem:
     deterministic: bool
     deterministic_warn_only: bool
     last_dim_contiguous: bool
-    aligned_16: bool                 # data pointers and non-unit strides allow 16-byte vector loads
+    aligned_16: bool  # data pointers and non-unit strides allow 16-byte vector loads
     # varlen whose cu_seqlens_q and cu_seqlens_k are one tensor: every sequence has as many
     # queries as keys, so top-left and bottom-right causal coincide (packed self-attention)
     same_offsets: bool = False
@@ -68,13 +69,17 @@ class Problem:
 
     def summary(self) -> str:
         """One readable line, used in errors and decision tables."""
-        parts = [f"{self.layout} B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} "
-                 f"Sq={self.seqlen_q} Sk={self.seqlen_k} Dqk={self.head_dim_qk} Dv={self.head_dim_v}",
-                 f"{str(self.dtype).removeprefix('torch.')} on {self.device_type}"
-                 + (f" sm{self.compute_capability[0]}{self.compute_capability[1]}" if self.compute_capability else "")]
+        parts = [
+            f"{self.layout} B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} "
+            f"Sq={self.seqlen_q} Sk={self.seqlen_k} Dqk={self.head_dim_qk} Dv={self.head_dim_v}",
+            f"{str(self.dtype).removeprefix('torch.')} on {self.device_type}"
+            + (f" sm{self.compute_capability[0]}{self.compute_capability[1]}" if self.compute_capability else ""),
+        ]
         if self.mask_kind != "none":
-            parts.append(f"{'float32' if self.float32_bias else self.mask_kind} mask {self.mask_shape}"
-                         + (" (grad)" if self.mask_requires_grad else ""))
+            parts.append(
+                f"{'float32' if self.float32_bias else self.mask_kind} mask {self.mask_shape}"
+                + (" (grad)" if self.mask_requires_grad else "")
+            )
         if self.causal is not None:
             parts.append(f"causal={self.causal}")
         if self.window is not None:

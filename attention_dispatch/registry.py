@@ -1,4 +1,5 @@
 """The registry of backends: built-ins at import, custom ones through register_backend."""
+
 from __future__ import annotations
 
 import threading
@@ -7,7 +8,7 @@ from .backends import Backend, builtin_backends
 
 _lock = threading.Lock()
 _backends: dict[str, Backend] = {}
-_order: list[str] = []          # the built-in default order, custom backends included
+_order: list[str] = []  # the built-in default order, custom backends included
 _version = 0
 
 

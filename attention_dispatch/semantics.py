@@ -2,6 +2,7 @@
 
 Everything here is pure Python on small values; no tensor is touched.
 """
+
 from __future__ import annotations
 
 import enum
@@ -37,15 +38,18 @@ def normalize_causal(is_causal: bool, causal) -> CausalKind | None:
             kind = CausalKind(causal)
         except ValueError:
             raise ValueError(
-                f"causal={causal!r} is not allowed; use None, 'top_left', 'bottom_right' or True "
-                "(= 'top_left')") from None
+                f"causal={causal!r} is not allowed; use None, 'top_left', 'bottom_right' or True (= 'top_left')"
+            ) from None
     else:
-        raise TypeError(f"causal must be None, 'top_left', 'bottom_right', a CausalKind or a bool "
-                        f"(True = 'top_left'), got {type(causal).__name__}")
+        raise TypeError(
+            f"causal must be None, 'top_left', 'bottom_right', a CausalKind or a bool "
+            f"(True = 'top_left'), got {type(causal).__name__}"
+        )
     if is_causal:
         if kind is CausalKind.BOTTOM_RIGHT:
-            raise ValueError("is_causal=True means causal='top_left' but causal='bottom_right' was given; "
-                             "pass only one of them")
+            raise ValueError(
+                "is_causal=True means causal='top_left' but causal='bottom_right' was given; pass only one of them"
+            )
         kind = CausalKind.TOP_LEFT
     return kind
 

@@ -30,6 +30,7 @@ something else); a failure shows "err" and its first line goes to details.log. E
 is written under --out: bench.json, details.log, bench_<dtype>_d<D>.png; the Markdown
 report goes to --doc. `--from-json FILE` re-renders table, plots and report without a GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:          # run as a script on a machine where the package is not installed
+if str(ROOT) not in sys.path:  # run as a script on a machine where the package is not installed
     sys.path.insert(0, str(ROOT))
 
 TOKENS = 16384
@@ -75,19 +76,27 @@ OURS = ("sdpa", "fastest", "triton")
 # What policy="fastest" can choose from (FlexAttention is an anchor, not a backend of ours).
 BACKEND_IMPLS = ("triton", "cudnn", "torch_flash", "torch_efficient", "fa4")
 ANCHORS = ("cudnn", "torch_flash", "torch_efficient", "flex", "fa4")
-BACKEND_NAMES = {"fa4": "flash_attn"}   # column -> attention_dispatch backend name, where they differ
-BACKEND_COLUMNS = {backend: column for column, backend in BACKEND_NAMES.items()}   # backend -> column
-LABELS = {"sdpa": "sdpa (auto)", "fastest": "sdpa (fastest)", "triton": "triton (ours)", "cudnn": "cuDNN", "torch_flash": "torch flash",
-          "torch_efficient": "torch eff", "flex": "Flex", "fa4": "FA4"}
-FA4_HEAD_DIMS = (64, 96, 128)   # flash_attn.cute 4.0 on sm90 (as attention_dispatch.backends.flash_attn)
+BACKEND_NAMES = {"fa4": "flash_attn"}  # column -> attention_dispatch backend name, where they differ
+BACKEND_COLUMNS = {backend: column for column, backend in BACKEND_NAMES.items()}  # backend -> column
+LABELS = {
+    "sdpa": "sdpa (auto)",
+    "fastest": "sdpa (fastest)",
+    "triton": "triton (ours)",
+    "cudnn": "cuDNN",
+    "torch_flash": "torch flash",
+    "torch_efficient": "torch eff",
+    "flex": "Flex",
+    "fa4": "FA4",
+}
+FA4_HEAD_DIMS = (64, 96, 128)  # flash_attn.cute 4.0 on sm90 (as attention_dispatch.backends.flash_attn)
 
 QUICK_SEQLENS = (4096, 16384)
-DEFAULT_BUDGET_S = 550.0        # the full grid, started rows included, within ~9.7 minutes on one H100
-QUICK_BUDGET_S = 165.0          # --quick within 3 minutes
-DEFAULT_FLEX_BUDGET_S = 200.0   # total seconds of Flex compilation allowed (it is the slowest part)
+DEFAULT_BUDGET_S = 550.0  # the full grid, started rows included, within ~9.7 minutes on one H100
+QUICK_BUDGET_S = 165.0  # --quick within 3 minutes
+DEFAULT_FLEX_BUDGET_S = 200.0  # total seconds of Flex compilation allowed (it is the slowest part)
 QUICK_FLEX_BUDGET_S = 95.0
 DEFAULT_PRECOMPILE_WORKERS = 8  # compile workers on a GPU machine (16 cores there; ptxas is single-threaded)
-TURN_WARM_MS = 0.0              # untimed calls opening each turn beyond the one (experiment 32: 20 ms did not help)
+TURN_WARM_MS = 0.0  # untimed calls opening each turn beyond the one (experiment 32: 20 ms did not help)
 # A cell's time from its repetitions (experiment 62): slowdowns from the clock state a previous
 # turn left and from host hiccups are one-sided, so the lower quartile measures the call; a
 # quarter of the repetitions must agree on it, so one lucky repetition cannot set it (the minimum).
@@ -117,6 +126,7 @@ COMPILE_WEIGHT = {"sdpa": 1.0, "triton": 0.2, "flex": 4.0, "fa4": 1.0}
 # ---------------------------------------------------------------------------------------------
 # Rows and FLOPs (pure)
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -182,14 +192,31 @@ class Row:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["lengths"] = list(self.lengths)
-        d.update(id=self.id, B=self.B, Hq=self.Hq, Hkv=self.Hkv, window=self.window, dropout_p=self.dropout_p,
-                 pairs=allowed_pairs(self), flops_fwd=flops(self, "fwd"), flops_fwd_bwd=flops(self, "fwd+bwd"))
+        d.update(
+            id=self.id,
+            B=self.B,
+            Hq=self.Hq,
+            Hkv=self.Hkv,
+            window=self.window,
+            dropout_p=self.dropout_p,
+            pairs=allowed_pairs(self),
+            flops_fwd=flops(self, "fwd"),
+            flops_fwd_bwd=flops(self, "fwd+bwd"),
+        )
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "Row":
-        return cls(dtype=d["dtype"], D=d["D"], S=d["S"], causal=d["causal"], feature=d["feature"],
-                   tokens=d.get("tokens", TOKENS), hidden=d.get("hidden", HIDDEN), lengths=tuple(d.get("lengths", ())))
+        return cls(
+            dtype=d["dtype"],
+            D=d["D"],
+            S=d["S"],
+            causal=d["causal"],
+            feature=d["feature"],
+            tokens=d.get("tokens", TOKENS),
+            hidden=d.get("hidden", HIDDEN),
+            lengths=tuple(d.get("lengths", ())),
+        )
 
 
 def varlen_lengths(total: int = TOKENS, n: int = VARLEN_SEQS, seed: int = VARLEN_SEED) -> tuple[int, ...]:
@@ -249,8 +276,11 @@ def build_grid(quick: bool = False) -> list[Row]:
     budget that runs out cuts the least important ones): bf16 hdim 128, its feature rows,
     then the other head dims and fp16."""
     seqlens = QUICK_SEQLENS if quick else SEQLENS
-    configs = [("bf16", 128)] if quick else [("bf16", 128), ("bf16", 64), ("bf16", 256),
-                                             ("fp16", 128), ("fp16", 64), ("fp16", 256)]
+    configs = (
+        [("bf16", 128)]
+        if quick
+        else [("bf16", 128), ("bf16", 64), ("bf16", 256), ("fp16", 128), ("fp16", 64), ("fp16", 256)]
+    )
     rows: list[Row] = []
     for dtype, D in configs:
         for S in seqlens:
@@ -279,11 +309,17 @@ def smoke_grid() -> list[Row]:
     """Tiny rows for --smoke-cpu (checks the pipeline on a machine without a GPU)."""
     kw = dict(tokens=256, hidden=256)
     lengths = varlen_lengths(256, 4, VARLEN_SEED)
-    return [Row("bf16", 64, 128, False, **kw), Row("bf16", 64, 128, True, **kw),
-            Row("bf16", 64, 256, False, **kw), Row("bf16", 64, 128, False, "bias", **kw),
-            Row("bf16", 64, 256, False, "window", **kw), Row("bf16", 64, 256, False, "varlen", lengths=lengths, **kw),
-            Row("bf16", 64, 256, True, "varlen", lengths=lengths, **kw), Row("bf16", 64, 128, False, "gqa", **kw),
-            Row("bf16", 64, 128, False, "dropout", **kw)]
+    return [
+        Row("bf16", 64, 128, False, **kw),
+        Row("bf16", 64, 128, True, **kw),
+        Row("bf16", 64, 256, False, **kw),
+        Row("bf16", 64, 128, False, "bias", **kw),
+        Row("bf16", 64, 256, False, "window", **kw),
+        Row("bf16", 64, 256, False, "varlen", lengths=lengths, **kw),
+        Row("bf16", 64, 256, True, "varlen", lengths=lengths, **kw),
+        Row("bf16", 64, 128, False, "gqa", **kw),
+        Row("bf16", 64, 128, False, "dropout", **kw),
+    ]
 
 
 def select_rows(rows: list[Row], patterns: list[str] | None) -> list[Row]:
@@ -299,12 +335,14 @@ def select_rows(rows: list[Row], patterns: list[str] | None) -> list[Row]:
 # Which implementation supports which row (pure)
 # ---------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class FlexScope:
     """Where the grid measures FlexAttention, whose compilation is the grid's slowest part: every
     row of ``dtypes`` x ``dims``, and at every dtype and head dim the dense rows with S >=
     ``from_s`` (the rows our kernel's ratios are read on, so each config has its ratio to Flex;
     0: only ``dtypes`` x ``dims``)."""
+
     dims: tuple[int, ...] = (64, 128)
     dtypes: tuple[str, ...] = ("bf16",)
     from_s: int = 4096
@@ -319,12 +357,20 @@ class FlexScope:
 
     def describe(self) -> str:
         where = f"{'/'.join(self.dtypes)} hdim {'/'.join(map(str, self.dims))}"
-        return where + (f", and dense rows with S >= {self.from_s} at every dtype and head dim" if self.from_s else " only")
+        return where + (
+            f", and dense rows with S >= {self.from_s} at every dtype and head dim" if self.from_s else " only"
+        )
 
     def argv(self) -> list[str]:
         """The command-line options that give this scope (for the compile workers)."""
-        return ["--flex-dims", ",".join(map(str, self.dims)), "--flex-dtypes", ",".join(self.dtypes),
-                "--flex-from-s", str(self.from_s)]
+        return [
+            "--flex-dims",
+            ",".join(map(str, self.dims)),
+            "--flex-dtypes",
+            ",".join(self.dtypes),
+            "--flex-from-s",
+            str(self.from_s),
+        ]
 
 
 def support(impl: str, row: Row, mode: str, flex: FlexScope = FlexScope()) -> str | None:
@@ -360,6 +406,7 @@ def support(impl: str, row: Row, mode: str, flex: FlexScope = FlexScope()) -> st
 # ---------------------------------------------------------------------------------------------
 # Results, ratios, tables (pure)
 # ---------------------------------------------------------------------------------------------
+
 
 def cell_value(res: dict | None, mode: str) -> float | None:
     m = (res or {}).get(mode) or {}
@@ -429,15 +476,17 @@ def ratio_between(entry: dict, a: str, b: str, mode: str) -> float | None:
 # The anchors issue 5 states our kernel's ratios against; every row and every dtype and head dim
 # reports them, not only the bf16 d128 rows that carry targets.
 RATIO_ANCHORS = ("cudnn", "flex", "fa4")
-TARGET_MIN_S = 4096     # the targets read dense rows from this S up
+TARGET_MIN_S = 4096  # the targets read dense rows from this S up
 
 
 def anchor_ratio_lines(entries: list[dict], impl: str = "triton") -> tuple[list[str], list[list[str]]]:
     """One line per row: ``impl`` against each of RATIO_ANCHORS, 'fwd / fwd+bwd'."""
     headers = ["row"] + [f"{impl}/{LABELS[a]}" for a in RATIO_ANCHORS]
-    lines = [[Row.from_json(e["row"]).describe()] + [fmt_modes(lambda m, a=a: ratio_between(e, impl, a, m))
-                                                     for a in RATIO_ANCHORS]
-             for e in entries]
+    lines = [
+        [Row.from_json(e["row"]).describe()]
+        + [fmt_modes(lambda m, a=a: ratio_between(e, impl, a, m)) for a in RATIO_ANCHORS]
+        for e in entries
+    ]
     return headers, lines
 
 
@@ -454,16 +503,23 @@ def config_ratio_lines(entries: list[dict], impl: str = "triton") -> tuple[list[
     lines = []
     for (dtype, D), es in sorted(group_entries(entries).items()):
         if big := target_rows(es):
-            lines.append([f"{dtype} d{D}"] + [fmt_modes(lambda m, a=a: min(
-                (r for e in big if (r := ratio_between(e, impl, a, m)) is not None), default=None))
-                for a in RATIO_ANCHORS])
+            lines.append(
+                [f"{dtype} d{D}"]
+                + [
+                    fmt_modes(
+                        lambda m, a=a: min(
+                            (r for e in big if (r := ratio_between(e, impl, a, m)) is not None), default=None
+                        )
+                    )
+                    for a in RATIO_ANCHORS
+                ]
+            )
     return headers, lines
 
 
 def text_table(headers: list[str], lines: list[list[str]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *lines)] if lines else [len(h) for h in headers]
-    out = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths)),
-           "  ".join("-" * w for w in widths)]
+    out = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
     out += ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
     return "\n".join(out)
 
@@ -477,17 +533,27 @@ def md_table(headers: list[str], lines: list[list[str]]) -> str:
 def row_lines(entries: list[dict], impls: list[str]) -> tuple[list[str], list[list[str]]]:
     """Headers and lines: one line per row, 'fwd / fwd+bwd' TFLOP/s per implementation,
     then the best anchor and the ratios of sdpa and triton to it."""
-    headers = (["row"] + [LABELS.get(i, i) for i in impls]
-               + ["best anchor", "sdpa/best", "triton/best", "fastest/best backend"])
+    headers = (
+        ["row"]
+        + [LABELS.get(i, i) for i in impls]
+        + ["best anchor", "sdpa/best", "triton/best", "fastest/best backend"]
+    )
     lines = []
     for e in entries:
         row = Row.from_json(e["row"])
         res = e["results"]
         best = e.get("best_anchor", {})
         best_s = " / ".join(LABELS.get(best.get(m) or "", "-") if best.get(m) else "-" for m in MODES)
-        lines.append([row.describe()] + [fmt_pair(res.get(i)) for i in impls]
-                     + [best_s, fmt_ratio(res.get("sdpa")), fmt_ratio(res.get("triton")),
-                        fmt_modes(lambda m, e=e: fastest_ratio(e, m))])
+        lines.append(
+            [row.describe()]
+            + [fmt_pair(res.get(i)) for i in impls]
+            + [
+                best_s,
+                fmt_ratio(res.get("sdpa")),
+                fmt_ratio(res.get("triton")),
+                fmt_modes(lambda m, e=e: fastest_ratio(e, m)),
+            ]
+        )
     return headers, lines
 
 
@@ -514,15 +580,21 @@ def paired_log_ratio(entry: dict, mode: str) -> float | None:
     Per round, log(column sample / fastest sample); the median over the rounds where fastest
     went second (even) and over those where it went first (odd), averaged: an ABBA design.
     The turn that goes second runs on the clock state the first left, which after a heavy turn
-    is ~3% slower on average and up to ~15% (power-limited clock, docs/perf-notes.md experiment
+    is ~3% slower on average and up to ~15% (power-limited clock, docs/experiments/perf-notes.md experiment
     75); with 11 rounds one side goes second once more, and the plain median follows that side."""
     results = entry["results"]
     cell = (results.get("fastest") or {}).get(mode) or {}
     column = cell.get("paired_with")
     other = ((results.get(column) or {}).get(mode) or {}) if column else {}
     mine, theirs, rounds = cell.get("samples_ms") or [], other.get("samples_ms") or [], cell.get("rounds") or 0
-    if (cell.get("status") != "ok" or other.get("status") != "ok" or rounds < 2 or other.get("rounds") != rounds
-            or len(mine) != rounds or len(theirs) != rounds):
+    if (
+        cell.get("status") != "ok"
+        or other.get("status") != "ok"
+        or rounds < 2
+        or other.get("rounds") != rounds
+        or len(mine) != rounds
+        or len(theirs) != rounds
+    ):
         return None
     logs = [math.log(b / a) for a, b in zip(mine, theirs)]
     return (statistics.median(logs[0::2]) + statistics.median(logs[1::2])) / 2
@@ -564,10 +636,17 @@ def fastest_misses(entries: list[dict], mode: str, need: float = 0.97) -> list[d
             continue
         chose = ((e["results"].get("fastest") or {}).get(mode) or {}).get("backend")
         best, _ = best_backend(e, mode)
-        misses.append(dict(row=Row.from_json(e["row"]).id, ratio=round(r, 3),
-                           direct=round(fastest_ratio(e, mode, paired=False), 3),
-                           paired=paired_log_ratio(e, mode) is not None, chose=chose,
-                           best=BACKEND_NAMES.get(best, best), same_backend=chosen_column(e["results"], mode) == best))
+        misses.append(
+            dict(
+                row=Row.from_json(e["row"]).id,
+                ratio=round(r, 3),
+                direct=round(fastest_ratio(e, mode, paired=False), 3),
+                paired=paired_log_ratio(e, mode) is not None,
+                chose=chose,
+                best=BACKEND_NAMES.get(best, best),
+                same_backend=chosen_column(e["results"], mode) == best,
+            )
+        )
     return misses
 
 
@@ -579,8 +658,9 @@ def group_entries(entries: list[dict]) -> dict[tuple[str, int], list[dict]]:
 
 
 def split_dense(entries: list[dict]) -> tuple[list[dict], list[dict]]:
-    dense = sorted((e for e in entries if e["row"]["feature"] == "dense"),
-                   key=lambda e: (e["row"]["causal"], e["row"]["S"]))
+    dense = sorted(
+        (e for e in entries if e["row"]["feature"] == "dense"), key=lambda e: (e["row"]["causal"], e["row"]["S"])
+    )
     feats = [e for e in entries if e["row"]["feature"] != "dense"]
     return dense, feats
 
@@ -599,26 +679,43 @@ def evaluate_targets(entries: list[dict], impl: str = "triton") -> list[dict]:
     def add(name, ratios, need, **extra):
         vals = [r for r in ratios if r is not None]
         status = "not measured" if not vals or len(vals) < len(ratios) else ("met" if min(vals) >= need else "not met")
-        targets.append(dict(target=name, need=need, ratios=[None if r is None else round(r, 3) for r in ratios],
-                            worst=None if not vals else round(min(vals), 3), status=status, **extra))
+        targets.append(
+            dict(
+                target=name,
+                need=need,
+                ratios=[None if r is None else round(r, 3) for r in ratios],
+                worst=None if not vals else round(min(vals), 3),
+                status=status,
+                **extra,
+            )
+        )
 
     big = target_rows([e for e in entries if e["row"]["dtype"] == "bf16" and e["row"]["D"] == 128])
     if big:
         for mode, need_c, need_f in (("fwd", 0.85, 1.2), ("fwd+bwd", 0.80, 1.1)):
-            add(f"{mode} >= {need_c}x cuDNN (bf16 d128 S>=4k, causal and not)",
-                [ratio_between(e, impl, "cudnn", mode) for e in big], need_c)
-            add(f"{mode} >= {need_f}x Flex (bf16 d128 S>=4k, causal and not)",
-                [ratio_between(e, impl, "flex", mode) for e in big], need_f)
-            add(f"{mode} vs flash-attn 4 (reported; long-run aim 1.0)",
-                [ratio_between(e, impl, "fa4", mode) for e in big], 1.0)
+            add(
+                f"{mode} >= {need_c}x cuDNN (bf16 d128 S>=4k, causal and not)",
+                [ratio_between(e, impl, "cudnn", mode) for e in big],
+                need_c,
+            )
+            add(
+                f"{mode} >= {need_f}x Flex (bf16 d128 S>=4k, causal and not)",
+                [ratio_between(e, impl, "flex", mode) for e in big],
+                need_f,
+            )
+            add(
+                f"{mode} vs flash-attn 4 (reported; long-run aim 1.0)",
+                [ratio_between(e, impl, "fa4", mode) for e in big],
+                1.0,
+            )
     bias = find_entry(entries, "bf16-d128-s4096-full-bias")
     if bias:
         add("bias fwd+bwd >= 1.5x cuDNN's bias path (S=4k)", [ratio_between(bias, impl, "cudnn", "fwd+bwd")], 1.5)
     win, dense = find_entry(entries, "bf16-d128-s16384-full-window"), find_entry(entries, "bf16-d128-s16384-full")
     if win and dense:
         for mode in MODES:
-            a = ((win["results"].get(impl) or {}).get(mode) or {})
-            b = ((dense["results"].get(impl) or {}).get(mode) or {})
+            a = (win["results"].get(impl) or {}).get(mode) or {}
+            b = (dense["results"].get(impl) or {}).get(mode) or {}
             r = (b["ms"] / a["ms"]) if a.get("status") == "ok" and b.get("status") == "ok" else None
             add(f"window (1024,0) S=16k {mode}: >= 5x faster than our dense non-causal (time ratio)", [r], 5.0)
     for mode in MODES:
@@ -626,10 +723,15 @@ def evaluate_targets(entries: list[dict], impl: str = "triton") -> list[dict]:
         ratios = [r for e in cells if (r := fastest_ratio(e, mode)) is not None]
         if ratios:
             direct = [r for e in cells if (r := fastest_ratio(e, mode, paired=False)) is not None]
-            add(f"policy=fastest {mode} >= 0.97x the best single backend, every row ({len(ratios)} rows)",
-                ratios, 0.97, misses=fastest_misses(entries, mode, 0.97),
+            add(
+                f"policy=fastest {mode} >= 0.97x the best single backend, every row ({len(ratios)} rows)",
+                ratios,
+                0.97,
+                misses=fastest_misses(entries, mode, 0.97),
                 paired_rows=sum(paired_log_ratio(e, mode) is not None for e in cells),
-                direct_worst=round(min(direct), 3), direct_below=sum(r < 0.97 for r in direct))
+                direct_worst=round(min(direct), 3),
+                direct_below=sum(r < 0.97 for r in direct),
+            )
     return targets
 
 
@@ -639,20 +741,29 @@ def target_note(target: dict) -> str:
     parts = []
     for m in target.get("misses") or []:
         why = "the best column: one kernel timed twice" if m["same_backend"] else f"the best: {m['best']}"
-        if m.get("paired"):     # read paired (fastest_ratio): what the lower quartiles alone read
+        if m.get("paired"):  # read paired (fastest_ratio): what the lower quartiles alone read
             why += f"; read paired, lower quartiles {m['direct']:.2f}"
         parts.append(("below: " if not parts else "") + f"{m['row']} {m['ratio']:.2f} (chose {m['chose']}, {why})")
-    if "direct_below" in target:    # policy="fastest": how its rows were read (fastest_ratio)
-        parts.append(f"{target['paired_rows']} rows read paired with the choice's column (one call a turn), "
-                     f"the others by lower quartiles; lower quartiles alone: worst {target['direct_worst']:.2f}, "
-                     f"{target['direct_below']} rows below")
+    if "direct_below" in target:  # policy="fastest": how its rows were read (fastest_ratio)
+        parts.append(
+            f"{target['paired_rows']} rows read paired with the choice's column (one call a turn), "
+            f"the others by lower quartiles; lower quartiles alone: worst {target['direct_worst']:.2f}, "
+            f"{target['direct_below']} rows below"
+        )
     return "; ".join(parts)
 
 
 def targets_table(targets: list[dict]) -> tuple[list[str], list[list[str]]]:
     headers = ["target", "measured (worst)", "each", "status"]
-    lines = [[t["target"], fmt_num(t["worst"], 2), ", ".join("-" if r is None else f"{r:.2f}" for r in t["ratios"]),
-              t["status"] + (f": {note}" if (note := target_note(t)) else "")] for t in targets]
+    lines = [
+        [
+            t["target"],
+            fmt_num(t["worst"], 2),
+            ", ".join("-" if r is None else f"{r:.2f}" for r in t["ratios"]),
+            t["status"] + (f": {note}" if (note := target_note(t)) else ""),
+        ]
+        for t in targets
+    ]
     return headers, lines
 
 
@@ -662,7 +773,7 @@ def memory_lines(entries: list[dict], impls: list[str]) -> tuple[list[str], list
     for e in entries:
         cells = []
         for i in impls:
-            m = ((e["results"].get(i) or {}).get("fwd+bwd") or {})
+            m = (e["results"].get(i) or {}).get("fwd+bwd") or {}
             cells.append(fmt_num(m.get("peak_mib")) if m.get("status") == "ok" else "-")
         lines.append([Row.from_json(e["row"]).describe()] + cells)
     return headers, lines
@@ -705,8 +816,10 @@ def short_report(data: dict) -> str:
         out.append("\nother configs: triton / best anchor, fwd / fwd+bwd, per S (c = causal)")
         for (dtype, D), es in others:
             dense, _ = split_dense(es)
-            parts = [f"{s_label(e['row']['S'])}{'c' if e['row']['causal'] else ''} "
-                     f"{fmt_ratio(e['results'].get('triton'))}" for e in dense]
+            parts = [
+                f"{s_label(e['row']['S'])}{'c' if e['row']['causal'] else ''} {fmt_ratio(e['results'].get('triton'))}"
+                for e in dense
+            ]
             out.append(f"  {dtype} d{D}: " + "; ".join(parts))
     h, lines = config_ratio_lines(entries)
     if lines:
@@ -720,66 +833,105 @@ def short_report(data: dict) -> str:
             if note := target_note(t):
                 out.append(f"      {note}")
     meta = data["meta"]
-    out.append(f"\n{meta.get('gpu', '?')} | torch {meta.get('torch')} | triton {meta.get('triton')} | "
-               f"cuDNN {meta.get('cudnn')} | fa4 {meta.get('fa4')} | {meta.get('elapsed_s', 0):.0f} s")
+    out.append(
+        f"\n{meta.get('gpu', '?')} | torch {meta.get('torch')} | triton {meta.get('triton')} | "
+        f"cuDNN {meta.get('cudnn')} | fa4 {meta.get('fa4')} | {meta.get('elapsed_s', 0):.0f} s"
+    )
     return "\n".join(out)
 
 
 def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
     meta, entries = data["meta"], data["rows"]
     impls = meta.get("impls", list(IMPLS))
-    lines = ["# Benchmarks", "",
-             "Regenerated by `python benchmarks/bench.py` (do not edit by hand): "
-             f"{'quick mode' if meta.get('quick') else 'full grid'}, {meta.get('date', '?')}.", "",
-             "| | |", "|---|---|",
-             f"| GPU | {meta.get('gpu', '?')} |",
-             f"| PyTorch | {meta.get('torch', '?')} (CUDA {meta.get('cuda', '?')}) |",
-             f"| Triton | {meta.get('triton', '?')} |",
-             f"| cuDNN | {meta.get('cudnn', '?')} |",
-             f"| flash-attn 4 | {meta.get('fa4', '?')} |",
-             f"| commit | {meta.get('commit', '?')} |",
-             f"| command | `{meta.get('command', '?')}` |",
-             f"| run time | {meta.get('elapsed_s', 0):.0f} s |", "",
-             f"B*S = {TOKENS} tokens, hidden {HIDDEN} (H = {HIDDEN} / D). TFLOP/s count 4*B*H*S*S*D for the "
-             "forward (halved when causal; window and varlen rows count only the allowed (query, key) pairs) "
-             f"and {BWD_FACTOR}x that for forward+backward. Cells: forward / forward+backward TFLOP/s; "
-             "`-` = the implementation does not support the row (never routed elsewhere), `err` = it failed "
-             "(first line in details.log), `skip` = out of time budget, `!` = output differed from the "
-             "reference. Ratios are to the best anchor of the row (anchors: "
-             + ", ".join(LABELS[a] for a in ANCHORS) + "); `fastest/best backend` compares policy=\"fastest\" "
-             "with the best of the backends eligible for that row and mode (the ones claiming it exactly: "
-             "not cuDNN's dropout, for one; one that failed while timed still counts)"
-             + ("; where its turns ran next to its choice's column one call a turn (cells over ~3.6 ms), it is "
-                "read as fastest / that column, paired round by round (the medians of the rounds where fastest "
-                "went second and of those where it went first, averaged), times that column / the best "
-                "column (docs/perf-notes.md, experiment 75)" if meta.get("pair_fastest") else "")
-             + ". Timing: CUDA events, "
-             + (f"the {meta['statistic']} of several repetitions (slowdowns from the clock state and "
-                "host hiccups are one-sided; docs/perf-notes.md, experiment 62)" if meta.get("statistic")
-                else "median of several repetitions")   # runs before experiment 62 have no statistic
-             + " after warm-up, one process; "
-             + (TIMING_QUEUED if meta.get("timing") == "queued" else
-                "a repetition is one synchronised call (the anchors' own method), or back-to-back calls "
-                "for calls under 0.5 ms; ")
-             + (f"a row's implementations take turns in {meta['rounds']} rounds (order "
-                + ("shuffled each round" if meta.get("sampling") == SAMPLING_SHUFFLED else "rotated") + "), each turn "
-                + (f"opening with at least {meta['turn_warm_ms']:g} ms of untimed calls" if meta.get("turn_warm_ms")
-                   else "opening with one untimed call")   # runs before experiment 32 have no turn_warm_ms
-                + (f", timing at least {meta['min_per_turn']} calls" if meta.get("min_per_turn", 1) > 1 else "")
-                + (f"; a turn over {meta['slow_factor']:g}x its row's fastest in the first round stops after "
-                   f"{meta['slow_rounds']} rounds"
-                   if meta.get("slow_factor") else "")   # runs before experiment 66 time every turn alike
-                + ("; policy=\"fastest\" takes its turn next to the backend it chose (after it in even rounds, "
-                   "before it in odd ones: two measurements of one kernel share the machine's state"
-                   + ("; rounds 2k and 2k + 1 in one order, so each side goes first after the same turns"
-                      if meta.get("pair_rounds") else "") + ")"
-                   if meta.get("pair_fastest") else "")
-                + ", with Python's garbage collector off while timing; "
-                if meta.get("sampling") in (SAMPLING, SAMPLING_ONE_CALL, SAMPLING_SHUFFLED) else "")
-             + ("forward = inference (torch.no_grad(); Flex with grad enabled, its compiled graph depends on it)."
-                if meta.get("fwd_timing") == "no_grad" else "forward timed with grad enabled (inputs require grad)."),
-             ""]
-    for i, (name, link) in enumerate(plot_links.items()):   # the first inline, the others linked
+    lines = [
+        "# Benchmarks",
+        "",
+        "Regenerated by `python benchmarks/bench.py` (do not edit by hand): "
+        f"{'quick mode' if meta.get('quick') else 'full grid'}, {meta.get('date', '?')}.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| GPU | {meta.get('gpu', '?')} |",
+        f"| PyTorch | {meta.get('torch', '?')} (CUDA {meta.get('cuda', '?')}) |",
+        f"| Triton | {meta.get('triton', '?')} |",
+        f"| cuDNN | {meta.get('cudnn', '?')} |",
+        f"| flash-attn 4 | {meta.get('fa4', '?')} |",
+        f"| commit | {meta.get('commit', '?')} |",
+        f"| command | `{meta.get('command', '?')}` |",
+        f"| run time | {meta.get('elapsed_s', 0):.0f} s |",
+        "",
+        f"B*S = {TOKENS} tokens, hidden {HIDDEN} (H = {HIDDEN} / D). TFLOP/s count 4*B*H*S*S*D for the "
+        "forward (halved when causal; window and varlen rows count only the allowed (query, key) pairs) "
+        f"and {BWD_FACTOR}x that for forward+backward. Cells: forward / forward+backward TFLOP/s; "
+        "`-` = the implementation does not support the row (never routed elsewhere), `err` = it failed "
+        "(first line in details.log), `skip` = out of time budget, `!` = output differed from the "
+        "reference. Ratios are to the best anchor of the row (anchors: "
+        + ", ".join(LABELS[a] for a in ANCHORS)
+        + "); `fastest/best backend` compares policy=\"fastest\" "
+        "with the best of the backends eligible for that row and mode (the ones claiming it exactly: "
+        "not cuDNN's dropout, for one; one that failed while timed still counts)"
+        + (
+            "; where its turns ran next to its choice's column one call a turn (cells over ~3.6 ms), it is "
+            "read as fastest / that column, paired round by round (the medians of the rounds where fastest "
+            "went second and of those where it went first, averaged), times that column / the best "
+            "column (docs/experiments/perf-notes.md, experiment 75)"
+            if meta.get("pair_fastest")
+            else ""
+        )
+        + ". Timing: CUDA events, "
+        + (
+            f"the {meta['statistic']} of several repetitions (slowdowns from the clock state and "
+            "host hiccups are one-sided; docs/experiments/perf-notes.md, experiment 62)"
+            if meta.get("statistic")
+            else "median of several repetitions"
+        )  # runs before experiment 62 have no statistic
+        + " after warm-up, one process; "
+        + (
+            TIMING_QUEUED
+            if meta.get("timing") == "queued"
+            else "a repetition is one synchronised call (the anchors' own method), or back-to-back calls "
+            "for calls under 0.5 ms; "
+        )
+        + (
+            f"a row's implementations take turns in {meta['rounds']} rounds (order "
+            + ("shuffled each round" if meta.get("sampling") == SAMPLING_SHUFFLED else "rotated")
+            + "), each turn "
+            + (
+                f"opening with at least {meta['turn_warm_ms']:g} ms of untimed calls"
+                if meta.get("turn_warm_ms")
+                else "opening with one untimed call"
+            )  # runs before experiment 32 have no turn_warm_ms
+            + (f", timing at least {meta['min_per_turn']} calls" if meta.get("min_per_turn", 1) > 1 else "")
+            + (
+                f"; a turn over {meta['slow_factor']:g}x its row's fastest in the first round stops after "
+                f"{meta['slow_rounds']} rounds"
+                if meta.get("slow_factor")
+                else ""
+            )  # runs before experiment 66 time every turn alike
+            + (
+                "; policy=\"fastest\" takes its turn next to the backend it chose (after it in even rounds, "
+                "before it in odd ones: two measurements of one kernel share the machine's state"
+                + (
+                    "; rounds 2k and 2k + 1 in one order, so each side goes first after the same turns"
+                    if meta.get("pair_rounds")
+                    else ""
+                )
+                + ")"
+                if meta.get("pair_fastest")
+                else ""
+            )
+            + ", with Python's garbage collector off while timing; "
+            if meta.get("sampling") in (SAMPLING, SAMPLING_ONE_CALL, SAMPLING_SHUFFLED)
+            else ""
+        )
+        + (
+            "forward = inference (torch.no_grad(); Flex with grad enabled, its compiled graph depends on it)."
+            if meta.get("fwd_timing") == "no_grad"
+            else "forward timed with grad enabled (inputs require grad)."
+        ),
+        "",
+    ]
+    for i, (name, link) in enumerate(plot_links.items()):  # the first inline, the others linked
         lines += [f"![{name}]({link})" if i == 0 else f"- [{name}]({link})", ""]
     targets = data.get("targets") or []
     if targets:
@@ -787,9 +939,14 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
         lines += ["## Targets of issue 5 (triton)", "", md_table(h, t), ""]
     h, t = config_ratio_lines(entries)
     if t:
-        lines += [f"The same ratios for every dtype and head dim: our kernel's worst over the dense rows with "
-                  f"S >= {s_label(TARGET_MIN_S)}, causal and not, fwd / fwd+bwd (reported; the targets above "
-                  "are bf16 d128's):", "", md_table(h, t), ""]
+        lines += [
+            f"The same ratios for every dtype and head dim: our kernel's worst over the dense rows with "
+            f"S >= {s_label(TARGET_MIN_S)}, causal and not, fwd / fwd+bwd (reported; the targets above "
+            "are bf16 d128's):",
+            "",
+            md_table(h, t),
+            "",
+        ]
     groups = group_entries(entries)
     order = sorted(groups, key=lambda k: (k != ("bf16", 128), k[0], k[1]))
     for key in order:
@@ -797,13 +954,22 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
         h, t = row_lines(dense + feats, impls)
         lines += [f"## {key[0]}, head dim {key[1]}", "", md_table(h, t), ""]
         rh, rt = anchor_ratio_lines(dense + feats)
-        lines += ["Our kernel against cuDNN, Flex and flash-attn 4, fwd / fwd+bwd (`-`: one of the two did "
-                  "not run the row):", "", md_table(rh, rt), ""]
+        lines += [
+            "Our kernel against cuDNN, Flex and flash-attn 4, fwd / fwd+bwd (`-`: one of the two did not run the row):",
+            "",
+            md_table(rh, rt),
+            "",
+        ]
         if key == ("bf16", 128):
             mh, mt = memory_lines(dense + feats, impls)
             lines += ["Peak memory of forward+backward beyond the inputs (MiB):", "", md_table(mh, mt), ""]
-        decisions = sorted({f"{Row.from_json(e['row']).describe()}: {e['results']['sdpa'].get('backend')}"
-                            for e in dense + feats if (e["results"].get("sdpa") or {}).get("backend")})
+        decisions = sorted(
+            {
+                f"{Row.from_json(e['row']).describe()}: {e['results']['sdpa'].get('backend')}"
+                for e in dense + feats
+                if (e["results"].get("sdpa") or {}).get("backend")
+            }
+        )
         if decisions:
             chosen = {}
             for e in dense + feats:
@@ -822,9 +988,10 @@ def make_plots(data: dict, out_dir: Path) -> list[Path]:
     forward / forward+backward x non-causal / causal. Returns the files written."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception as e:   # noqa: BLE001 - plotting is optional
+    except Exception as e:  # noqa: BLE001 - plotting is optional
         data["meta"].setdefault("notes", []).append(f"no plot: matplotlib unavailable ({type(e).__name__})")
         return []
     impls = data["meta"].get("impls", list(IMPLS))
@@ -838,8 +1005,11 @@ def make_plots(data: dict, out_dir: Path) -> list[Path]:
             for mi, mode in enumerate(MODES):
                 ax = axes[ci][mi]
                 for impl in impls:
-                    pts = [(e["row"]["S"], cell_value(e["results"].get(impl), mode)) for e in dense
-                           if e["row"]["causal"] == causal]
+                    pts = [
+                        (e["row"]["S"], cell_value(e["results"].get(impl), mode))
+                        for e in dense
+                        if e["row"]["causal"] == causal
+                    ]
                     pts = [(s, v) for s, v in pts if v is not None]
                     if pts:
                         style = "-" if impl in OURS else "--"
@@ -860,7 +1030,7 @@ def make_plots(data: dict, out_dir: Path) -> list[Path]:
                 if lab not in labels:
                     handles.append(h)
                     labels.append(lab)
-        if not handles:          # every measurement of this group skipped or failed
+        if not handles:  # every measurement of this group skipped or failed
             plt.close(fig)
             continue
         fig.legend(handles, labels, loc="lower center", ncol=len(labels))
@@ -893,77 +1063,149 @@ def write_outputs(data: dict, out_dir: Path, doc: Path | None, plot: bool = True
 # Arguments
 # ---------------------------------------------------------------------------------------------
 
+
 def _csv(kind):
     def parse(text):
         try:
             return tuple(kind(x) for x in text.split(",") if x.strip())
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from e
+
     return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Row ids look like bf16-d128-s4096-causal, bf16-d128-s4096-full-bias, "
-                                       "bf16-d128-varlen16-full (see --list-rows).")
-    p.add_argument("--quick", action="store_true",
-                   help="bf16 hdim 128 only, S in {4096, 16384}, plus the feature rows (< 3 minutes)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="folder for bench.json, details.log and the plots (default: benchmarks/results; "
-                        "with --smoke-cpu, benchmarks/results/smoke-cpu, which git ignores)")
-    p.add_argument("--doc", type=Path, default=None,
-                   help="Markdown report to regenerate (default: docs/benchmarks.md; with --smoke-cpu, "
-                        "benchmarks.md in --out, so that a CPU check never replaces the GPU report)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Row ids look like bf16-d128-s4096-causal, bf16-d128-s4096-full-bias, "
+        "bf16-d128-varlen16-full (see --list-rows).",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="bf16 hdim 128 only, S in {4096, 16384}, plus the feature rows (< 3 minutes)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for bench.json, details.log and the plots (default: benchmarks/results; "
+        "with --smoke-cpu, benchmarks/results/smoke-cpu, which git ignores)",
+    )
+    p.add_argument(
+        "--doc",
+        type=Path,
+        default=None,
+        help="Markdown report to regenerate (default: docs/benchmarks.md; with --smoke-cpu, "
+        "benchmarks.md in --out, so that a CPU check never replaces the GPU report)",
+    )
     p.add_argument("--no-doc", action="store_true", help="do not write the Markdown report")
     p.add_argument("--commit", default=None, help="git commit to report (default: git rev-parse HEAD if possible)")
-    p.add_argument("--rows", nargs="+", default=None, metavar="PATTERN",
-                   help="only rows whose id matches one of these fnmatch patterns (plain text = substring)")
-    p.add_argument("--impls", type=_csv(str), default=IMPLS,
-                   help=f"comma-separated implementations (default: {','.join(IMPLS)})")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help=f"stop measuring after this many seconds from start (default {DEFAULT_BUDGET_S:.0f}, "
-                        f"--quick {QUICK_BUDGET_S:.0f}); rows left are marked skip")
-    p.add_argument("--flex-budget-s", type=float, default=None,
-                   help=f"total seconds of Flex compilation (default {DEFAULT_FLEX_BUDGET_S:.0f}, "
-                        f"--quick {QUICK_FLEX_BUDGET_S:.0f})")
+    p.add_argument(
+        "--rows",
+        nargs="+",
+        default=None,
+        metavar="PATTERN",
+        help="only rows whose id matches one of these fnmatch patterns (plain text = substring)",
+    )
+    p.add_argument(
+        "--impls", type=_csv(str), default=IMPLS, help=f"comma-separated implementations (default: {','.join(IMPLS)})"
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help=f"stop measuring after this many seconds from start (default {DEFAULT_BUDGET_S:.0f}, "
+        f"--quick {QUICK_BUDGET_S:.0f}); rows left are marked skip",
+    )
+    p.add_argument(
+        "--flex-budget-s",
+        type=float,
+        default=None,
+        help=f"total seconds of Flex compilation (default {DEFAULT_FLEX_BUDGET_S:.0f}, "
+        f"--quick {QUICK_FLEX_BUDGET_S:.0f})",
+    )
     p.add_argument("--flex-dims", type=_csv(int), default=(64, 128), help="head dims where Flex is measured")
     p.add_argument("--flex-dtypes", type=_csv(str), default=("bf16",), help="dtypes where Flex is measured")
-    p.add_argument("--flex-from-s", type=int, default=FlexScope.from_s,
-                   help="Flex also measured at every dtype and head dim on dense rows with S >= this (0: only "
-                        "--flex-dims x --flex-dtypes): our kernel's ratio to Flex for every config")
+    p.add_argument(
+        "--flex-from-s",
+        type=int,
+        default=FlexScope.from_s,
+        help="Flex also measured at every dtype and head dim on dense rows with S >= this (0: only "
+        "--flex-dims x --flex-dtypes): our kernel's ratio to Flex for every config",
+    )
     p.add_argument("--target-ms", type=float, default=40.0, help="time spent per measurement after warm-up (ms)")
     p.add_argument("--max-reps", type=int, default=15, help="most timed repetitions per measurement")
-    p.add_argument("--rounds", type=int, default=11,
-                   help="interleaved rounds over a row's implementations, in a new order each round (the "
-                        "repetitions are split over them)")
-    p.add_argument("--turn-warm-ms", type=float, default=TURN_WARM_MS,
-                   help="untimed calls opening each turn of a round, at least this long (ms; 0: one call): "
-                        "the chip's clock follows what ran before (docs/perf-notes.md, experiment 32)")
-    p.add_argument("--slow-factor", type=float, default=SLOW_FACTOR,
-                   help="a turn slower than this times its row's fastest in the first round stops after "
-                        "--slow-rounds rounds (0: never; docs/perf-notes.md, experiment 66)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=11,
+        help="interleaved rounds over a row's implementations, in a new order each round (the "
+        "repetitions are split over them)",
+    )
+    p.add_argument(
+        "--turn-warm-ms",
+        type=float,
+        default=TURN_WARM_MS,
+        help="untimed calls opening each turn of a round, at least this long (ms; 0: one call): "
+        "the chip's clock follows what ran before (docs/experiments/perf-notes.md, experiment 32)",
+    )
+    p.add_argument(
+        "--slow-factor",
+        type=float,
+        default=SLOW_FACTOR,
+        help="a turn slower than this times its row's fastest in the first round stops after "
+        "--slow-rounds rounds (0: never; docs/experiments/perf-notes.md, experiment 66)",
+    )
     p.add_argument("--slow-rounds", type=int, default=SLOW_ROUNDS, help="rounds a slow turn takes")
-    p.add_argument("--min-per-turn", type=int, default=MIN_PER_TURN,
-                   help="fewest timed calls in one turn (long calls would otherwise time one)")
-    p.add_argument("--no-pair-fastest", dest="pair_fastest", action="store_false", default=PAIR_FASTEST,
-                   help="time policy=\"fastest\" in its shuffled place, not next to the backend it chose "
-                        "(docs/perf-notes.md, experiment 69)")
+    p.add_argument(
+        "--min-per-turn",
+        type=int,
+        default=MIN_PER_TURN,
+        help="fewest timed calls in one turn (long calls would otherwise time one)",
+    )
+    p.add_argument(
+        "--no-pair-fastest",
+        dest="pair_fastest",
+        action="store_false",
+        default=PAIR_FASTEST,
+        help="time policy=\"fastest\" in its shuffled place, not next to the backend it chose "
+        "(docs/experiments/perf-notes.md, experiment 69)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--no-check", action="store_true", help="skip the output comparison against the reference")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
-    p.add_argument("--from-json", type=Path, nargs="+", default=None, metavar="FILE",
-                   help="re-render table, plots and report from existing bench.json files (no GPU needed); "
-                        "several files (a grid run in parts with --rows) are merged row by row")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="re-render table, plots and report from existing bench.json files (no GPU needed); "
+        "several files (a grid run in parts with --rows) are merged row by row",
+    )
     p.add_argument("--list-rows", action="store_true", help="print the selected row ids and exit")
-    p.add_argument("--precompile-workers", type=int, default=None, metavar="N",
-                   help="compile every kernel of the selected rows in N worker processes before anything is "
-                        "timed (their disk caches then serve this process; default 8 on a GPU, 0 with --smoke-cpu)")
-    p.add_argument("--precompile-s", type=float, default=240.0,
-                   help="stop the compile workers after this many seconds (default 240)")
+    p.add_argument(
+        "--precompile-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="compile every kernel of the selected rows in N worker processes before anything is "
+        "timed (their disk caches then serve this process; default 8 on a GPU, 0 with --smoke-cpu)",
+    )
+    p.add_argument(
+        "--precompile-s",
+        type=float,
+        default=240.0,
+        help="stop the compile workers after this many seconds (default 240)",
+    )
     p.add_argument("--compile-only", nargs="+", default=None, metavar="ROW_ID", help=argparse.SUPPRESS)
-    p.add_argument("--smoke-cpu", action="store_true",
-                   help="development check without a GPU: tiny rows on the CPU, host timers (numbers meaningless)")
+    p.add_argument(
+        "--smoke-cpu",
+        action="store_true",
+        help="development check without a GPU: tiny rows on the CPU, host timers (numbers meaningless)",
+    )
     a = p.parse_args(argv)
     unknown = [i for i in a.impls if i not in IMPLS]
     if unknown:
@@ -993,8 +1235,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def compile_groups(rows: list[Row], impls, flex: FlexScope = FlexScope(),
-                   workers: int = DEFAULT_PRECOMPILE_WORKERS) -> list[list[Row]]:
+def compile_groups(
+    rows: list[Row], impls, flex: FlexScope = FlexScope(), workers: int = DEFAULT_PRECOMPILE_WORKERS
+) -> list[list[Row]]:
     """Rows split over compile workers.  Rows that share kernels (same dtype, head dim,
     causal and feature: only S differs, and Triton does not specialise on it) go to the same
     worker, so that the second of them is a cache hit instead of a concurrent duplicate
@@ -1004,8 +1247,12 @@ def compile_groups(rows: list[Row], impls, flex: FlexScope = FlexScope(),
         groups.setdefault((r.dtype, r.D, r.causal, r.feature), []).append(r)
 
     def weight(rs):
-        return sum(COMPILE_WEIGHT[i] * (1 if i != "flex" else len(rs)) for i in impls if i in COMPILE_WEIGHT
-                   and any(support(i, r, m, flex) is None for r in rs for m in MODES))
+        return sum(
+            COMPILE_WEIGHT[i] * (1 if i != "flex" else len(rs))
+            for i in impls
+            if i in COMPILE_WEIGHT and any(support(i, r, m, flex) is None for r in rs for m in MODES)
+        )
+
     buckets: list[list[Row]] = [[] for _ in range(max(1, workers))]
     loads = [0.0] * len(buckets)
     for rs in sorted(groups.values(), key=weight, reverse=True):
@@ -1025,12 +1272,16 @@ def read_run(path: Path) -> dict:
     raw = path.read_bytes()
     data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
     if data.get("meta", {}).get("pair_fastest"):
-        for e in data["rows"]:      # runs before experiment 75 paired without saying with which column
+        for e in data["rows"]:  # runs before experiment 75 paired without saying with which column
             for mode in MODES:
                 cell = (e["results"].get("fastest") or {}).get(mode) or {}
                 column = chosen_column(e["results"], mode)
-                if cell.get("status") == "ok" and "paired_with" not in cell and column \
-                        and ((e["results"].get(column) or {}).get(mode) or {}).get("status") == "ok":
+                if (
+                    cell.get("status") == "ok"
+                    and "paired_with" not in cell
+                    and column
+                    and ((e["results"].get(column) or {}).get(mode) or {}).get("status") == "ok"
+                ):
                     cell["paired_with"] = column
     return data
 
@@ -1048,15 +1299,24 @@ def merge_runs(runs: list[dict]) -> dict:
             if rid not in rows or _ok_cells(e) > _ok_cells(rows[rid]):
                 rows[rid] = e
     meta = dict(runs[0]["meta"])
-    parts = [dict(commit=r["meta"].get("commit"), date=r["meta"].get("date"), elapsed_s=r["meta"].get("elapsed_s"),
-                  rows=sum(1 for e in r["rows"] if _ok_cells(e))) for r in runs]
+    parts = [
+        dict(
+            commit=r["meta"].get("commit"),
+            date=r["meta"].get("date"),
+            elapsed_s=r["meta"].get("elapsed_s"),
+            rows=sum(1 for e in r["rows"] if _ok_cells(e)),
+        )
+        for r in runs
+    ]
     meta["parts"] = parts
     commits = list(dict.fromkeys(str(p["commit"]) for p in parts))
     meta["commit"] = " + ".join(commits)
     meta["elapsed_s"] = sum(p["elapsed_s"] or 0 for p in parts)
     meta["notes"] = list(dict.fromkeys(n for r in runs for n in r["meta"].get("notes", [])))
-    meta["notes"].append(f"merged from {len(runs)} runs: " + "; ".join(
-        f"{p['commit']} {p['date']} ({p['rows']} rows measured)" for p in parts))
+    meta["notes"].append(
+        f"merged from {len(runs)} runs: "
+        + "; ".join(f"{p['commit']} {p['date']} ({p['rows']} rows measured)" for p in parts)
+    )
     return {"meta": meta, "rows": list(rows.values())}
 
 
@@ -1064,15 +1324,20 @@ def git_commit(explicit: str | None) -> str:
     if explicit:
         return explicit
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip() or "unknown"
-    except Exception:   # noqa: BLE001 - the GPU machine's copy may have no .git
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
+            or "unknown"
+        )
+    except Exception:  # noqa: BLE001 - the GPU machine's copy may have no .git
         return "unknown"
 
 
 # ---------------------------------------------------------------------------------------------
 # GPU part
 # ---------------------------------------------------------------------------------------------
+
 
 class Log:
     """details.log: every line also printed (flushed), so a killed run leaves its trace."""
@@ -1099,6 +1364,7 @@ class Runner:
 
     def __init__(self, args, log: Log):
         import torch
+
         self.torch = torch
         self.args, self.log = args, log
         self.t0 = time.perf_counter()
@@ -1113,6 +1379,7 @@ class Runner:
         self.fa4_version = "not importable"
         import attention_dispatch as ad
         from attention_dispatch.api import normalize_call  # noqa: F401 - fail early if the API moved
+
         self.ad = ad
         self.dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -1131,15 +1398,18 @@ class Runner:
         t = time.perf_counter()
         try:
             from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
             self.fa4 = (flash_attn_func, flash_attn_varlen_func)
             try:
                 from importlib.metadata import version
-                self.fa4_version = next((version(n) for n in ("flash-attn-4", "flash_attn_4", "flash-attn")
-                                         if _has_dist(n)), "present")
-            except Exception:   # noqa: BLE001
+
+                self.fa4_version = next(
+                    (version(n) for n in ("flash-attn-4", "flash_attn_4", "flash-attn") if _has_dist(n)), "present"
+                )
+            except Exception:  # noqa: BLE001
                 self.fa4_version = "present"
             self.log(f"flash_attn.cute imported ({self.fa4_version}) in {time.perf_counter() - t:.1f} s")
-        except Exception as e:   # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             self.fa4_error = first_line(e)
             self.notes.append(f"flash-attn 4 not measured: `from flash_attn.cute import ...` failed: {self.fa4_error}")
             self.log(f"flash-attn 4 unavailable: {self.fa4_error}")
@@ -1148,14 +1418,19 @@ class Runner:
         torch = self.torch
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
             cfg = torch._dynamo.config
-            for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
-                         "accumulated_recompile_limit"):
+            for name in (
+                "cache_size_limit",
+                "recompile_limit",
+                "accumulated_cache_size_limit",
+                "accumulated_recompile_limit",
+            ):
                 if hasattr(cfg, name):
                     setattr(cfg, name, 4096)
             self.flex_fn = torch.compile(flex_attention, dynamic=False)
             self.create_block_mask = create_block_mask
-        except Exception as e:   # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             self.flex_error = first_line(e)
             self.notes.append(f"FlexAttention not measured: {self.flex_error}")
             self.log(f"flex unavailable: {self.flex_error}")
@@ -1169,14 +1444,22 @@ class Runner:
 
         def rnd(*shape):
             return torch.randn(*shape, device=dev, dtype=dt, generator=g)
+
         if row.feature == "varlen":
             T = sum(row.lengths)
             q, k, v, do = rnd(T, row.Hq, row.D), rnd(T, row.Hkv, row.D), rnd(T, row.Hkv, row.D), rnd(T, row.Hq, row.D)
             cu = [0]
             for n in row.lengths:
                 cu.append(cu[-1] + n)
-            inp = dict(q=q, k=k, v=v, do=do, cu=torch.tensor(cu, device=dev, dtype=torch.int32),
-                       cu_list=cu, max_seqlen=row.max_seqlen)
+            inp = dict(
+                q=q,
+                k=k,
+                v=v,
+                do=do,
+                cu=torch.tensor(cu, device=dev, dtype=torch.int32),
+                cu_list=cu,
+                max_seqlen=row.max_seqlen,
+            )
         else:
             q = rnd(row.B, row.Hq, row.S, row.D)
             k, v = rnd(row.B, row.Hkv, row.S, row.D), rnd(row.B, row.Hkv, row.S, row.D)
@@ -1192,46 +1475,67 @@ class Runner:
         F = torch.nn.functional
         q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
         gqa = row.Hq != row.Hkv
-        ident = (lambda o: o)
+        ident = lambda o: o
         if impl in OURS:
             ad = self.ad
             forced = "triton" if impl == "triton" else None
-            kw = dict(attn_mask=inp["bias"], dropout_p=row.dropout_p, is_causal=row.causal, enable_gqa=gqa,
-                      window=row.window, backend=forced)
+            kw = dict(
+                attn_mask=inp["bias"],
+                dropout_p=row.dropout_p,
+                is_causal=row.causal,
+                enable_gqa=gqa,
+                window=row.window,
+                backend=forced,
+            )
             if row.feature == "varlen":
-                kw.update(cu_seqlens_q=inp["cu"], cu_seqlens_k=inp["cu"], max_seqlen_q=inp["max_seqlen"],
-                          max_seqlen_k=inp["max_seqlen"])
+                kw.update(
+                    cu_seqlens_q=inp["cu"],
+                    cu_seqlens_k=inp["cu"],
+                    max_seqlen_q=inp["max_seqlen"],
+                    max_seqlen_k=inp["max_seqlen"],
+                )
 
             def fwd():
                 return ad.sdpa(q, k, v, **kw)
+
             if impl == "fastest":
                 return fwd, (q, k, v), do, ident, (lambda: ad.use_config({"dispatch": {"policy": "fastest"}}))
             return fwd, (q, k, v), do, ident, contextlib.nullcontext
         if impl in ("cudnn", "torch_flash", "torch_efficient"):
             from torch.nn.attention import SDPBackend, sdpa_kernel
-            be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "torch_flash": SDPBackend.FLASH_ATTENTION,
-                  "torch_efficient": SDPBackend.EFFICIENT_ATTENTION}[impl]
+
+            be = {
+                "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "torch_flash": SDPBackend.FLASH_ATTENTION,
+                "torch_efficient": SDPBackend.EFFICIENT_ATTENTION,
+            }[impl]
 
             def ctx():
                 return sdpa_kernel([be])
+
             extra = {"enable_gqa": True} if gqa else {}
             if row.feature == "varlen":
                 offsets = inp["cu"].to(torch.int64)
                 m = inp["max_seqlen"]
 
                 def nest(t):
-                    return torch.nested.nested_tensor_from_jagged(t, offsets, min_seqlen=min(row.lengths),
-                                                                  max_seqlen=m).transpose(1, 2)
+                    return torch.nested.nested_tensor_from_jagged(
+                        t, offsets, min_seqlen=min(row.lengths), max_seqlen=m
+                    ).transpose(1, 2)
 
                 def fwd():
-                    o = F.scaled_dot_product_attention(nest(q), nest(k), nest(v), dropout_p=row.dropout_p,
-                                                       is_causal=row.causal, **extra)
+                    o = F.scaled_dot_product_attention(
+                        nest(q), nest(k), nest(v), dropout_p=row.dropout_p, is_causal=row.causal, **extra
+                    )
                     return o.transpose(1, 2).values()
+
                 return fwd, (q, k, v), do, ident, ctx
 
             def fwd():
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=inp["bias"], dropout_p=row.dropout_p,
-                                                      is_causal=row.causal, **extra)
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=inp["bias"], dropout_p=row.dropout_p, is_causal=row.causal, **extra
+                )
+
             return fwd, (q, k, v), do, ident, ctx
         if impl == "fa4":
             func, varlen_func = self.fa4
@@ -1240,9 +1544,19 @@ class Runner:
                 m = inp["max_seqlen"]
 
                 def fwd():
-                    o = varlen_func(q, k, v, cu_seqlens_q=inp["cu"], cu_seqlens_k=inp["cu"], max_seqlen_q=m,
-                                    max_seqlen_k=m, causal=row.causal, window_size=window)
+                    o = varlen_func(
+                        q,
+                        k,
+                        v,
+                        cu_seqlens_q=inp["cu"],
+                        cu_seqlens_k=inp["cu"],
+                        max_seqlen_q=m,
+                        max_seqlen_k=m,
+                        causal=row.causal,
+                        window_size=window,
+                    )
                     return o[0] if isinstance(o, tuple) else o
+
                 return fwd, (q, k, v), do, ident, contextlib.nullcontext
             qb, kb, vb = (t.detach().transpose(1, 2).contiguous().requires_grad_(True) for t in (q, k, v))
             dob = do.transpose(1, 2).contiguous()
@@ -1250,6 +1564,7 @@ class Runner:
             def fwd():
                 o = func(qb, kb, vb, causal=row.causal, window_size=window)
                 return o[0] if isinstance(o, tuple) else o
+
             return fwd, (qb, kb, vb), dob, (lambda o: o.transpose(1, 2)), contextlib.nullcontext
         if impl == "flex":
             return self.prepare_flex(row, inp)
@@ -1267,6 +1582,7 @@ class Runner:
         def fwd_inference():
             with torch.no_grad():
                 return fwd()
+
         return {"fwd": fwd if impl == "flex" else fwd_inference, "fwd+bwd": fb}
 
     def prepare_flex(self, row: Row, inp: dict):
@@ -1283,30 +1599,37 @@ class Runner:
             def mask_mod(b, h, qi, ki):
                 same = doc[qi] == doc[ki]
                 return (same & (qi >= ki)) if causal else same
+
             bm = cbm(mask_mod, None, None, S, S, device=dev)
-            q, k, v = (t.detach().transpose(0, 1).unsqueeze(0).contiguous().requires_grad_(t.requires_grad)
-                       for t in (q, k, v))
+            q, k, v = (
+                t.detach().transpose(0, 1).unsqueeze(0).contiguous().requires_grad_(t.requires_grad) for t in (q, k, v)
+            )
             do = do.transpose(0, 1).unsqueeze(0).contiguous()
-            canon = (lambda o: o[0].transpose(0, 1))
+            canon = lambda o: o[0].transpose(0, 1)
         elif row.feature == "window":
             left = row.window[0]
 
             def mask_mod(b, h, qi, ki):
                 return (qi >= ki) & (qi - ki <= left)
+
             bm = cbm(mask_mod, None, None, S, S, device=dev)
         elif row.causal:
+
             def mask_mod(b, h, qi, ki):
                 return qi >= ki
+
             bm = cbm(mask_mod, None, None, S, S, device=dev)
         if row.feature == "bias":
             bias = inp["bias"]
 
             def score_mod(score, b, h, qi, ki):
                 return score + bias[0, h, qi, ki]
+
         flex, gqa = self.flex_fn, row.Hq != row.Hkv
 
         def fwd():
             return flex(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa)
+
         return fwd, (q, k, v), do, canon, contextlib.nullcontext
 
     # -- timing ------------------------------------------------------------------------------
@@ -1335,7 +1658,7 @@ class Runner:
         e.record()
         e.synchronize()
         est = max(s.elapsed_time(e), 1e-3)
-        if est > 1000.0:           # a very slow path: one measurement is enough
+        if est > 1000.0:  # a very slow path: one measurement is enough
             return dict(est=est, reps=1, inner=1, first_call_s=first)
         inner = max(1, math.ceil(0.5 / est)) if est < 0.5 else 1
         reps = int(min(self.args.max_reps, max(3, self.args.target_ms / (est * inner))))
@@ -1369,14 +1692,20 @@ class Runner:
         """A cell from its repetitions (ms per call): `ms` is their lower quartile (STATISTIC),
         `ms_median` the median, `spread` (slowest - fastest) / ms."""
         ms = lower_quartile(times)
-        return dict(ms=ms, ms_median=statistics.median(times), reps=len(times), inner=w["inner"],
-                    first_call_s=w["first_call_s"], spread=(max(times) - min(times)) / ms,
-                    samples_ms=[round(t, 4) for t in times])
+        return dict(
+            ms=ms,
+            ms_median=statistics.median(times),
+            reps=len(times),
+            inner=w["inner"],
+            first_call_s=w["first_call_s"],
+            spread=(max(times) - min(times)) / ms,
+            samples_ms=[round(t, 4) for t in times],
+        )
 
     def time_fn(self, fn) -> dict:
         """One implementation alone: warm(), then all its repetitions (summarize())."""
         w = self.warm(fn)
-        if w["est"] > 1000.0:       # a very slow path: the estimate is the measurement
+        if w["est"] > 1000.0:  # a very slow path: the estimate is the measurement
             return dict(ms=w["est"], reps=1, inner=1, first_call_s=w["first_call_s"])
         return self.summarize(w, self.sample(fn, w["reps"], w["inner"]))
 
@@ -1399,17 +1728,19 @@ class Runner:
             for impl in impls:
                 entry["results"][impl] = {m: dict(status="skipped", note="time budget") for m in MODES}
             return entry
-        log(f"\n== {row.id}  B={row.B} Hq={row.Hq} Hkv={row.Hkv} S={row.S} D={row.D} "
-            f"fwd {flops(row, 'fwd') / 1e12:.3f} TFLOP  [t={self.elapsed():.0f}s]")
+        log(
+            f"\n== {row.id}  B={row.B} Hq={row.Hq} Hkv={row.Hkv} S={row.S} D={row.D} "
+            f"fwd {flops(row, 'fwd') / 1e12:.3f} TFLOP  [t={self.elapsed():.0f}s]"
+        )
         try:
             inp = self.make_inputs(row)
-        except Exception as e:   # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             log(f"  inputs failed: {first_line(e)}")
             for impl in impls:
                 entry["results"][impl] = {m: dict(status="error", note="inputs: " + first_line(e)) for m in MODES}
             return entry
-        ref_holder: dict = {}      # the first checked output of the row: (impl, tensor)
-        pending: list = []         # (impl, mode, call, context, warm-up facts)
+        ref_holder: dict = {}  # the first checked output of the row: (impl, tensor)
+        pending: list = []  # (impl, mode, call, context, warm-up facts)
         for impl in impls:
             res = entry["results"].setdefault(impl, {})
             self.run_impl(impl, row, inp, res, ref_holder, pending)
@@ -1423,7 +1754,7 @@ class Runner:
         rounds, in a new order each round (:func:`turn_order`), each turn after untimed calls of at least
         --turn-warm-ms, and reported as the lower quartile of all its repetitions (STATISTIC): the card's clock
         and power state drift by ~10% over a row (a column measured alone could win or lose
-        by that much, docs/perf-notes.md experiments 21 and 24), and a turn's speed depends on
+        by that much, docs/experiments/perf-notes.md experiments 21 and 24), and a turn's speed depends on
         what ran before it (up to 8% for flash-attn 4, experiment 32; 20 ms of untimed calls
         per turn did not make two columns running the same kernel agree better, so the
         default is one call)."""
@@ -1434,12 +1765,14 @@ class Runner:
         slow: set[int] = set()
         turn_names = [(impl, m) for impl, m, *_ in pending]
         chosen = {m: c for m in MODES if self.args.pair_fastest and (c := chosen_column(entry["results"], m))}
-        gc.collect()    # sample() keeps the collector off while it times; start from a clean heap
+        gc.collect()  # sample() keeps the collector off while it times; start from a clean heap
         for rnd in range(rounds):
             if rnd == 1:
-                slow = slow_turns({i: (pending[i][1], times[i][0]) for i in times if times[i] and i not in failed},
-                                  self.args.slow_factor,
-                                  keep={i for i, p in enumerate(pending) if p[0] in OURS})
+                slow = slow_turns(
+                    {i: (pending[i][1], times[i][0]) for i in times if times[i] and i not in failed},
+                    self.args.slow_factor,
+                    keep={i for i, p in enumerate(pending) if p[0] in OURS},
+                )
             # paired, rounds 2k and 2k + 1 share one order (only the pair's two turns swap): both
             # sides of the pair go first after the same turn, whose clock state the first inherits
             order = turn_order(len(pending), row.id, rnd // 2 if chosen else rnd, self.args.seed)
@@ -1458,7 +1791,7 @@ class Runner:
                                 fn()
                         times[i] += self.sample(fn, n, w["inner"])
                     turns[i] += 1
-                except Exception as e:   # noqa: BLE001
+                except Exception as e:  # noqa: BLE001
                     failed[i] = first_line(e)
                     with contextlib.suppress(Exception):
                         self.sync()
@@ -1471,11 +1804,13 @@ class Runner:
             r = dict(res[m], **self.summarize(w, times[i]))
             r.update(status="ok", tflops=tflops(row, m, r["ms"]), rounds=turns[i])
             if impl == "fastest" and m in chosen and (chosen[m], m) in turn_names:
-                r["paired_with"] = chosen[m]     # its turns ran next to that column's (pair_fastest)
+                r["paired_with"] = chosen[m]  # its turns ran next to that column's (pair_fastest)
             res[m] = r
-            log(f"  {impl:16s} {m:8s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  peak "
+            log(
+                f"  {impl:16s} {m:8s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  peak "
                 f"{fmt_num(r.get('peak_mib')):>6s} MiB  reps {r['reps']}x{r['inner']}  first {r['first_call_s']:.2f} s  "
-                f"spread {r.get('spread', 0):.2f}")
+                f"spread {r.get('spread', 0):.2f}"
+            )
 
     def run_impl(self, impl: str, row: Row, inp: dict, res: dict, ref_holder: dict, pending: list) -> None:
         """Prepare one implementation for the row and warm up each supported mode (compile,
@@ -1502,7 +1837,7 @@ class Runner:
             return
         try:
             fwd, leaves, go, canon, ctx = self.prepare(impl, row, inp)
-        except Exception as e:   # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             for m in todo:
                 res[m] = dict(status="error", note="prepare: " + first_line(e))
             log(f"  {impl:16s} err prepare: {first_line(e)}")
@@ -1518,17 +1853,18 @@ class Runner:
                 try:
                     w = self.warm(fns[m])
                     r = dict(status="pending", first_call_s=w["first_call_s"], peak_mib=self.peak_mib(fns[m]))
-                    if impl in ("sdpa", "fastest"):   # its choice in this mode (forward and fwd+bwd may differ)
+                    if impl in ("sdpa", "fastest"):  # its choice in this mode (forward and fwd+bwd may differ)
                         d = self.ad.last_decision()
                         r["backend"] = getattr(d, "backend", None)
-                        if impl == "fastest":     # the backends it could choose in this mode, what it timed
+                        if impl == "fastest":  # the backends it could choose in this mode, what it timed
                             timings = getattr(d, "timings", None) or {}
                             r["eligible"] = list(getattr(d, "eligible", ()))
                             r["measured"] = list(timings)
                             r["measured_ms"] = {name: round(ms, 4) for name, ms in timings.items()}
                             # the raw samples: other statistics can be judged from one grid
-                            r["measured_samples"] = {n: list(x) for n, x in
-                                                     (getattr(d, "timing_samples", None) or {}).items()}
+                            r["measured_samples"] = {
+                                n: list(x) for n, x in (getattr(d, "timing_samples", None) or {}).items()
+                            }
                             # the host's time per call in those samples (GPU): how near each was to host-bound
                             r["measured_host_ms"] = dict(getattr(d, "host_timings", None) or {})
                             r["failed"] = dict(getattr(d, "failures", None) or {})
@@ -1536,14 +1872,14 @@ class Runner:
                                 log(f"  {'':16s} fastest: {name} failed while timed: {why}")
                     res[m] = r
                     pending.append((impl, m, fns[m], ctx, w))
-                except Exception as e:   # noqa: BLE001
+                except Exception as e:  # noqa: BLE001
                     res[m] = dict(status="error", note=first_line(e))
                     log(f"  {impl:16s} {m:8s} err: {first_line(e)}")
                     if os.environ.get("BENCH_TRACEBACK"):
                         log(traceback.format_exc())
                     with contextlib.suppress(Exception):
                         self.sync()
-                if impl == "flex":     # the first call of each mode compiles (forward, then backward)
+                if impl == "flex":  # the first call of each mode compiles (forward, then backward)
                     self.flex_compile_s += res[m].get("first_call_s", time.perf_counter() - t)
             warmed = [m for m in todo if res[m].get("status") == "pending"]
             if impl in OURS and warmed:
@@ -1552,10 +1888,15 @@ class Runner:
                     res["backend"] = getattr(d, "backend", None)
                     if impl != "triton":
                         timings = getattr(d, "timings", None) or {}
-                        log(f"  {'':16s} {impl} chose {res['backend']}"
-                            + (f" (measured ms: {', '.join(f'{k} {v:.3f}' for k, v in timings.items())})"
-                               if timings else ""))
-                except Exception as e:   # noqa: BLE001
+                        log(
+                            f"  {'':16s} {impl} chose {res['backend']}"
+                            + (
+                                f" (measured ms: {', '.join(f'{k} {v:.3f}' for k, v in timings.items())})"
+                                if timings
+                                else ""
+                            )
+                        )
+                except Exception as e:  # noqa: BLE001
                     res["backend"] = f"? ({first_line(e)})"
             if not args.no_check and row.dropout_p == 0 and "fwd" in warmed:
                 self.check(impl, fwd, canon, res, ref_holder)
@@ -1568,8 +1909,11 @@ class Runner:
         errors = []
         inp = self.make_inputs(row)
         for impl in impls:
-            if impl not in COMPILING_IMPLS or (impl == "fa4" and self.fa4 is None) or \
-                    (impl == "flex" and self.flex_fn is None):
+            if (
+                impl not in COMPILING_IMPLS
+                or (impl == "fa4" and self.fa4 is None)
+                or (impl == "flex" and self.flex_fn is None)
+            ):
                 continue
             modes = [m for m in MODES if support(impl, row, m, self.args.flex) is None]
             if not modes:
@@ -1581,7 +1925,7 @@ class Runner:
                     for m in modes:
                         fns[m]()
                 self.sync()
-            except Exception as e:   # noqa: BLE001
+            except Exception as e:  # noqa: BLE001
                 errors.append(f"{impl}: {first_line(e)}")
         del inp
         self.empty_cache()
@@ -1604,13 +1948,14 @@ class Runner:
                 res["mismatch"] = True
                 self.log(f"  {impl:16s} MISMATCH: relative error {err:.3g} against {name}")
                 self.notes.append(f"{impl} output differs from {name} (relative error {err:.3g})")
-        except Exception as e:   # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             res["check_error"] = first_line(e)
 
 
 def lower_quartile(times: list[float]) -> float:
     """The first quartile of ``times``: policy="fastest"'s own statistic (one definition)."""
     from attention_dispatch.fastest import lower_quartile as statistic
+
     return statistic(times)
 
 
@@ -1656,7 +2001,8 @@ def turn_order(n: int, row_id: str, rnd: int, seed: int) -> list[int]:
     clock follows the previous implementation, experiment 32); a rotation by one turn per round
     kept almost every predecessor, and the grid's triton column then ran below its sdpa (auto)
     column, the same kernels (experiment 55).  policy="fastest" orders its turns the same way."""
-    from attention_dispatch.fastest import turn_order as shared   # lazy: --from-json needs no torch
+    from attention_dispatch.fastest import turn_order as shared  # lazy: --from-json needs no torch
+
     return shared(n, rnd, f"{seed}-{row_id}")
 
 
@@ -1664,9 +2010,11 @@ def turn_order(n: int, row_id: str, rnd: int, seed: int) -> list[int]:
 SAMPLING_ONE_CALL = "gc-off, untimed call per turn"
 SAMPLING = "gc-off, untimed calls of at least turn_warm_ms per turn"
 SAMPLING_SHUFFLED = SAMPLING + ", turns shuffled each round"
-TIMING_QUEUED = ("repetitions are enqueued back to back, each between its own CUDA events, with one "
-                 "synchronisation at the end (device time in steady state, as triton.testing.do_bench; "
-                 "the host time of one call is benchmarks/overhead.py's); calls under 0.5 ms are grouped; ")
+TIMING_QUEUED = (
+    "repetitions are enqueued back to back, each between its own CUDA events, with one "
+    "synchronisation at the end (device time in steady state, as triton.testing.do_bench; "
+    "the host time of one call is benchmarks/overhead.py's); calls under 0.5 ms are grouped; "
+)
 
 
 class _HostEvent:
@@ -1684,6 +2032,7 @@ class _HostEvent:
 
 def _has_dist(name: str) -> bool:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         version(name)
         return True
@@ -1696,12 +2045,13 @@ def environment(runner: Runner) -> dict:
     meta = dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version())
     try:
         meta["cudnn"] = torch.backends.cudnn.version()
-    except Exception:   # noqa: BLE001
+    except Exception:  # noqa: BLE001
         meta["cudnn"] = "?"
     try:
         import triton
+
         meta["triton"] = triton.__version__
-    except Exception as e:   # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
         meta["triton"] = f"absent ({type(e).__name__})"
     if runner.cuda:
         meta["gpu"] = torch.cuda.get_device_name()
@@ -1714,9 +2064,17 @@ def environment(runner: Runner) -> dict:
 
 
 def _worker_argv(args, row_ids: list[str]) -> list[str]:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--compile-only", *row_ids,
-            "--impls", ",".join(i for i in args.impls if i in COMPILING_IMPLS), "--seed", str(args.seed),
-            *args.flex.argv()]
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--compile-only",
+        *row_ids,
+        "--impls",
+        ",".join(i for i in args.impls if i in COMPILING_IMPLS),
+        "--seed",
+        str(args.seed),
+        *args.flex.argv(),
+    ]
     if args.smoke_cpu:
         argv.append("--smoke-cpu")
     if args.quick:
@@ -1729,7 +2087,7 @@ def precompile(args, rows: list[Row], log) -> dict:
     is timed: a worker is this script with --compile-only.  Triton's, Inductor's and (with
     FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED) flash-attn 4's disk caches then serve the
     measuring process, whose first calls load instead of compile (compilation filled most of
-    the 10-minute budget: docs/perf-notes.md, experiment 20).  Workers past --precompile-s are
+    the 10-minute budget: docs/experiments/perf-notes.md, experiment 20).  Workers past --precompile-s are
     killed; what they compiled is kept."""
     impls = [i for i in args.impls if i in COMPILING_IMPLS]
     if not impls or args.precompile_workers == 0:
@@ -1740,8 +2098,19 @@ def precompile(args, rows: list[Row], log) -> dict:
     procs = []
     for i, part in enumerate(parts):
         err = open(args.out / f"precompile-{i}.log", "w")
-        procs.append((subprocess.Popen(_worker_argv(args, [r.id for r in part]), stdout=subprocess.PIPE,
-                                       stderr=err, text=True, env=env, cwd=ROOT), err))
+        procs.append(
+            (
+                subprocess.Popen(
+                    _worker_argv(args, [r.id for r in part]),
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                    env=env,
+                    cwd=ROOT,
+                ),
+                err,
+            )
+        )
     done, errors, killed = [], [], 0
     for proc, err in procs:
         try:
@@ -1756,11 +2125,19 @@ def precompile(args, rows: list[Row], log) -> dict:
                 rec = json.loads(line)
                 done.append(rec)
                 errors.extend(f"{rec['row']}: {e}" for e in rec["errors"])
-    summary = {"workers": len(parts), "rows": len(done), "of": len(rows), "killed": killed,
-               "s": round(time.perf_counter() - t0, 1), "errors": errors[:20]}
-    log(f"precompile: {summary['rows']}/{len(rows)} rows compiled by {len(parts)} workers in {summary['s']} s"
+    summary = {
+        "workers": len(parts),
+        "rows": len(done),
+        "of": len(rows),
+        "killed": killed,
+        "s": round(time.perf_counter() - t0, 1),
+        "errors": errors[:20],
+    }
+    log(
+        f"precompile: {summary['rows']}/{len(rows)} rows compiled by {len(parts)} workers in {summary['s']} s"
         + (f", {killed} killed at --precompile-s" if killed else "")
-        + (f"; {len(errors)} errors (first: {errors[0]})" if errors else ""))
+        + (f"; {len(errors)} errors (first: {errors[0]})" if errors else "")
+    )
     return summary
 
 
@@ -1806,31 +2183,51 @@ def main(argv=None) -> int:
         print("no row matches --rows", file=sys.stderr)
         return 2
     import torch
+
     if not torch.cuda.is_available() and not args.smoke_cpu:
-        print("bench.py measures on a CUDA GPU; none is available here (--list-rows, --from-json and --help "
-              "work without one).", file=sys.stderr)
+        print(
+            "bench.py measures on a CUDA GPU; none is available here (--list-rows, --from-json and --help "
+            "work without one).",
+            file=sys.stderr,
+        )
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     log = Log(args.out / "details.log")
     runner = Runner(args, log)
     impls = list(args.impls)
-    log(f"bench.py: {len(rows)} rows x {len(impls)} implementations, budget {args.budget_s:.0f} s "
-        f"(Flex compile {args.flex_budget_s:.0f} s); out {args.out}")
+    log(
+        f"bench.py: {len(rows)} rows x {len(impls)} implementations, budget {args.budget_s:.0f} s "
+        f"(Flex compile {args.flex_budget_s:.0f} s); out {args.out}"
+    )
     if "fa4" in impls:
         runner.load_fa4()
     if "flex" in impls:
         runner.load_flex()
     meta = environment(runner)
-    meta.update(fwd_timing="no_grad", timing="queued", rounds=args.rounds, sampling=SAMPLING_SHUFFLED,
-                statistic=STATISTIC,
-                turn_warm_ms=args.turn_warm_ms, slow_factor=args.slow_factor, slow_rounds=args.slow_rounds,
-                min_per_turn=args.min_per_turn, pair_fastest=args.pair_fastest,
-                pair_rounds=args.pair_fastest,
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                commit=git_commit(args.commit), quick=args.quick, impls=impls, anchors=list(ANCHORS),
-                command="python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                budget_s=args.budget_s, flex_budget_s=args.flex_budget_s,
-                flex_dims=list(args.flex_dims), flex_dtypes=list(args.flex_dtypes), flex_from_s=args.flex_from_s)
+    meta.update(
+        fwd_timing="no_grad",
+        timing="queued",
+        rounds=args.rounds,
+        sampling=SAMPLING_SHUFFLED,
+        statistic=STATISTIC,
+        turn_warm_ms=args.turn_warm_ms,
+        slow_factor=args.slow_factor,
+        slow_rounds=args.slow_rounds,
+        min_per_turn=args.min_per_turn,
+        pair_fastest=args.pair_fastest,
+        pair_rounds=args.pair_fastest,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        commit=git_commit(args.commit),
+        quick=args.quick,
+        impls=impls,
+        anchors=list(ANCHORS),
+        command="python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        budget_s=args.budget_s,
+        flex_budget_s=args.flex_budget_s,
+        flex_dims=list(args.flex_dims),
+        flex_dtypes=list(args.flex_dtypes),
+        flex_from_s=args.flex_from_s,
+    )
     meta["precompile"] = precompile(args, rows, log)
     log(json.dumps(meta))
     entries = []
@@ -1838,17 +2235,25 @@ def main(argv=None) -> int:
     for row in rows:
         entries.append(runner.run_row(row, impls))
         meta["elapsed_s"] = runner.elapsed()
-        if len(entries) % 8 == 0:      # a partial bench.json survives a killed run
+        if len(entries) % 8 == 0:  # a partial bench.json survives a killed run
             (args.out / "bench.json").write_text(json.dumps(data, indent=1, default=str))
     meta["elapsed_s"] = runner.elapsed()
     meta["flex_compile_s"] = round(runner.flex_compile_s, 1)
-    skipped = sum(1 for e in entries for r in e["results"].values() for m in MODES
-                  if (r.get(m) or {}).get("status") == "skipped" and "budget" in (r.get(m) or {}).get("note", ""))
+    skipped = sum(
+        1
+        for e in entries
+        for r in e["results"].values()
+        for m in MODES
+        if (r.get(m) or {}).get("status") == "skipped" and "budget" in (r.get(m) or {}).get("note", "")
+    )
     if skipped:
-        runner.notes.append(f"{skipped} measurements skipped by the time budgets (--budget-s {args.budget_s:.0f}, "
-                            f"--flex-budget-s {args.flex_budget_s:.0f})")
-    runner.notes.append(f"Flex compile time in this run: {runner.flex_compile_s:.0f} s; Flex measured at "
-                        f"{args.flex.describe()}")
+        runner.notes.append(
+            f"{skipped} measurements skipped by the time budgets (--budget-s {args.budget_s:.0f}, "
+            f"--flex-budget-s {args.flex_budget_s:.0f})"
+        )
+    runner.notes.append(
+        f"Flex compile time in this run: {runner.flex_compile_s:.0f} s; Flex measured at {args.flex.describe()}"
+    )
     runner.notes.extend(error_notes(entries))
     meta["notes"] = runner.notes
     log(f"\nmeasured in {runner.elapsed():.0f} s")

@@ -8,11 +8,12 @@ installed Triton down to a cubin (ptxas runs), for every feature set the entry c
 chosen for: causal, dense, float bias through a TMA descriptor with dropout, float bias,
 bool mask, dropout; forward kernels with K/V through in-kernel and through host-built
 descriptors (over (B, H, S, D) and (B, S, H, D) memory).  Triton 3.6's ptxas crashed
-(SIGSEGV) on one of these combinations (docs/perf-notes.md, experiment 29); this finds
+(SIGSEGV) on one of these combinations (docs/experiments/perf-notes.md, experiment 29); this finds
 such a crash on the development machine (`pip install triton==<the GPU's version>` in a
 scratch venv) before a GPU run does.
 Prints one line per failure and a summary; exit status 1 when anything failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,13 +34,24 @@ from triton.compiler import ASTSource  # noqa: E402
 from attention_dispatch.kernels import backward, configs as C, forward  # noqa: E402
 
 KERNELS = {C.FWD: forward._attn_fwd, C.BWD_DKDV: backward._attn_bwd_dkdv, C.BWD_DQ: backward._attn_bwd_dq}
-POINTERS = dict({n: "*bf16" for n in ("Q", "K", "V", "Bias", "O", "DO", "DK", "DV", "DQ", "DB")},
-                LSE="*fp32", Delta="*fp32", Seed="*i64", CuQ="*i32", CuK="*i32")
+POINTERS = dict(
+    {n: "*bf16" for n in ("Q", "K", "V", "Bias", "O", "DO", "DK", "DV", "DQ", "DB")},
+    LSE="*fp32",
+    Delta="*fp32",
+    Seed="*i64",
+    CuQ="*i32",
+    CuK="*i32",
+)
 FLOATS = ("qk_scale", "sm_scale", "dropout_p")
 # (label, causal, bias kind, bias through a descriptor, dropout)
-FEATURES = (("causal", True, 0, False, False), ("dense", False, 0, False, False),
-            ("bias-desc+dropout", True, 1, True, True), ("bias-desc", False, 1, True, False),
-            ("bool-mask", False, 2, False, False), ("dropout", False, 0, False, True))
+FEATURES = (
+    ("causal", True, 0, False, False),
+    ("dense", False, 0, False, False),
+    ("bias-desc+dropout", True, 1, True, True),
+    ("bias-desc", False, 1, True, False),
+    ("bool-mask", False, 2, False, False),
+    ("dropout", False, 0, False, True),
+)
 
 
 def kernel_cases(kinds=tuple(KERNELS)):
@@ -52,19 +64,44 @@ def kernel_cases(kinds=tuple(KERNELS)):
             if not e.serves(causal, bias != 0 or dropout):
                 continue
             # the forward reads K/V through host-built descriptors (dense calls) or in-kernel ones
-            for kv_host in ((0, 1, 2) if e.kind == C.FWD and cfg.host_kv else (0,)):
-                yield e.kind, e, label + ("", "+host-kv", "+host-kv-bshd")[kv_host], dict(
-                    _feature_constexprs(d, cfg, causal, bias, bias_desc, dropout), KV_HOST=kv_host)
+            for kv_host in (0, 1, 2) if e.kind == C.FWD and cfg.host_kv else (0,):
+                yield (
+                    e.kind,
+                    e,
+                    label + ("", "+host-kv", "+host-kv-bshd")[kv_host],
+                    dict(_feature_constexprs(d, cfg, causal, bias, bias_desc, dropout), KV_HOST=kv_host),
+                )
 
 
 def _feature_constexprs(d, cfg, causal, bias, bias_desc, dropout):
     return dict(
-        HEAD_DQK=d, HEAD_DV=d, IS_VARLEN=False, ALIGN_BR=causal, HAS_WL=False, HAS_WR=causal,
-        BIAS_KIND=bias, BIAS_DESC=bias_desc, HAS_DROPOUT=dropout, BATCH_MINOR=False,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DQK=d, BLOCK_DV=d, DOT_UPCAST=False,
-        DOT_IEEE=False, ROUND_P=True, USE_DESC=True, MAY_EMPTY=causal or bias != 0, SCALE_POS=True,
-        STORE_LSE=True, SUBTILES=cfg.subtiles, BIAS_GRAD=bias == 1, DB_SUM_ROWS=False,
-        DB_SUM_HEADS=False, ATOMIC=False)
+        HEAD_DQK=d,
+        HEAD_DV=d,
+        IS_VARLEN=False,
+        ALIGN_BR=causal,
+        HAS_WL=False,
+        HAS_WR=causal,
+        BIAS_KIND=bias,
+        BIAS_DESC=bias_desc,
+        HAS_DROPOUT=dropout,
+        BATCH_MINOR=False,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_DQK=d,
+        BLOCK_DV=d,
+        DOT_UPCAST=False,
+        DOT_IEEE=False,
+        ROUND_P=True,
+        USE_DESC=True,
+        MAY_EMPTY=causal or bias != 0,
+        SCALE_POS=True,
+        STORE_LSE=True,
+        SUBTILES=cfg.subtiles,
+        BIAS_GRAD=bias == 1,
+        DB_SUM_ROWS=False,
+        DB_SUM_HEADS=False,
+        ATOMIC=False,
+    )
 
 
 def _compile(src, options: dict):
@@ -78,9 +115,12 @@ def _compile(src, options: dict):
 def ptx_fingerprint(ptx: str) -> str:
     """Hash of the PTX without line info, comments, debug sections and the debug-scope labels of
     inlined calls: a refactor that keeps every fingerprint compiles to the same code."""
-    ptx = ptx[:ptx.find(".section")] if ".section" in ptx else ptx
-    lines = [ln for ln in ptx.splitlines() if not ln.strip().startswith((".loc", ".file", "//"))
-             and not re.fullmatch(r"\$L__tmp\d+:", ln.strip())]
+    ptx = ptx[: ptx.find(".section")] if ".section" in ptx else ptx
+    lines = [
+        ln
+        for ln in ptx.splitlines()
+        if not ln.strip().startswith((".loc", ".file", "//")) and not re.fullmatch(r"\$L__tmp\d+:", ln.strip())
+    ]
     return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:12]
 
 
@@ -90,7 +130,7 @@ def compile_case(kind: str, entry, constexprs: dict):
     names = fn.arg_names
     const = {k: v for k, v in constexprs.items() if k in names}
     sig = {n: "constexpr" if n in const else POINTERS.get(n, "fp32" if n in FLOATS else "i32") for n in names}
-    if const.get("KV_HOST"):    # the host-built K/V descriptors (launch.host_kv_descriptors)
+    if const.get("KV_HOST"):  # the host-built K/V descriptors (launch.host_kv_descriptors)
         sig["KD"] = sig["VD"] = f"tensordesc<bf16[{const['BLOCK_N']}, {const['BLOCK_DQK']}]>"
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
     return _compile(src, dict(num_warps=entry.config.num_warps, num_stages=entry.config.num_stages))
@@ -109,24 +149,45 @@ def _ws_variants(n_rows: int):
             if band.startswith("window") and (rows != (1,) * n_rows):
                 continue
             label = f"{band} rows={rows}" + (" bias" if has_bias else "")
-            yield label, dict(WINDOW_LEFT=left, WINDOW_RIGHT=right, Q_ROWS=rows[0], KV_ROWS=rows[1],
-                              HAS_BIAS=has_bias, BATCH_MINOR=has_bias, **({"DO_ROWS": rows[2]} if n_rows == 3 else {}))
+            yield (
+                label,
+                dict(
+                    WINDOW_LEFT=left,
+                    WINDOW_RIGHT=right,
+                    Q_ROWS=rows[0],
+                    KV_ROWS=rows[1],
+                    HAS_BIAS=has_bias,
+                    BATCH_MINOR=has_bias,
+                    **({"DO_ROWS": rows[2]} if n_rows == 3 else {}),
+                ),
+            )
 
 
 def ws_cases():
     """The warp-specialised forward (kernels/forward_ws.py) for every head dim it serves
     (:func:`_ws_variants`), with and without the logsumexp."""
     served = [(d, cfg, f"d={d}") for d, cfg in C.WS_FWD_CONFIGS.items()]
-    if C.WS_FWD_CONFIGS[64].consumers != 2:      # two warpgroups at d64: tested, not served
+    if C.WS_FWD_CONFIGS[64].consumers != 2:  # two warpgroups at d64: tested, not served
         served.append((64, C.WsConfig(), "d=64 two warpgroups"))
     for d, cfg, name in served:
         for label, const in _ws_variants(2):
-            if const["HAS_BIAS"] and cfg.consumers != 2:     # a bias tile's rows: a power of two
+            if const["HAS_BIAS"] and cfg.consumers != 2:  # a bias tile's rows: a power of two
                 continue
             for store_lse in (True, False):
-                yield d, cfg, f"ws {name} {label} lse={store_lse}", dict(
-                    const, STORE_LSE=store_lse, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-                    BIAS_STAGES=cfg.bias_stages, CONSUMER_REGS=cfg.consumer_regs, NUM_WG=cfg.consumers)
+                yield (
+                    d,
+                    cfg,
+                    f"ws {name} {label} lse={store_lse}",
+                    dict(
+                        const,
+                        STORE_LSE=store_lse,
+                        BLOCK_N=cfg.block_n,
+                        STAGES=cfg.stages,
+                        BIAS_STAGES=cfg.bias_stages,
+                        CONSUMER_REGS=cfg.consumer_regs,
+                        NUM_WG=cfg.consumers,
+                    ),
+                )
 
 
 def ws_backward_cases():
@@ -137,10 +198,14 @@ def ws_backward_cases():
         for d, cfg in configs.items():
             for label, const in _ws_variants(3):
                 tiles = dict(BLOCK_N=cfg.block_n, BIAS_STAGES=cfg.bias_stages) if kind == "dq" else {}
-                for fuse in ((False, True) if kind == "dkdv" and cfg.fuse_dq else (False,)):
+                for fuse in (False, True) if kind == "dkdv" and cfg.fuse_dq else (False,):
                     extra = dict(FUSE_DQ=fuse) if kind == "dkdv" else {}
-                    yield d, cfg, f"ws {kind}{'+dq' if fuse else ''} d={d} {label}", dict(
-                        const, **tiles, **extra, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs)
+                    yield (
+                        d,
+                        cfg,
+                        f"ws {kind}{'+dq' if fuse else ''} d={d} {label}",
+                        dict(const, **tiles, **extra, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs),
+                    )
 
 
 def compile_ws_case(d: int, cfg, constexprs: dict):
@@ -148,35 +213,69 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     from attention_dispatch.kernels.forward_ws import _attn_bwd_dkdv_ws, _attn_bwd_dq_ws, _attn_fwd_ws
-    fn = (_attn_fwd_ws if "DO_ROWS" not in constexprs else _attn_bwd_dq_ws if "BLOCK_N" in constexprs
-          else _attn_bwd_dkdv_ws)
+
+    fn = (
+        _attn_fwd_ws
+        if "DO_ROWS" not in constexprs
+        else _attn_bwd_dq_ws
+        if "BLOCK_N" in constexprs
+        else _attn_bwd_dkdv_ws
+    )
     names = fn.arg_names
 
     def desc(rows, cols=d):
         lay = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {cols}],{lay!r}>"
 
-    def dq_desc(rows, cols):     # the fused dQ's fp32 partials (launch._dq_acc_descriptor)
+    def dq_desc(rows, cols):  # the fused dQ's fp32 partials (launch._dq_acc_descriptor)
         from attention_dispatch.kernels.launch import DQ_ACC_SWIZZLE
+
         return f"tensordesc<fp32[{rows}, {cols}],{gl.NVMMASharedLayout(DQ_ACC_SWIZZLE, 32, 2)!r}>"
+
     from attention_dispatch.kernels.forward_ws import WG_ROWS
+
     wg = WG_ROWS.value
     if fn is _attn_bwd_dq_ws:
-        sig = dict(q_desc=desc(wg), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), do_desc=desc(wg),
-                   dq_desc=desc(wg), bias_desc=desc(2 * wg, cfg.block_n), lse_ptr="*fp32", delta_ptr="*fp32",
-                   qk_scale="fp32", sm_scale="fp32")
+        sig = dict(
+            q_desc=desc(wg),
+            k_desc=desc(cfg.block_n),
+            v_desc=desc(cfg.block_n),
+            do_desc=desc(wg),
+            dq_desc=desc(wg),
+            bias_desc=desc(2 * wg, cfg.block_n),
+            lse_ptr="*fp32",
+            delta_ptr="*fp32",
+            qk_scale="fp32",
+            sm_scale="fp32",
+        )
     elif fn is _attn_bwd_dkdv_ws:
         m = cfg.bwd_block_m if not constexprs["HAS_BIAS"] else wg
-        sig = dict(q_desc=desc(m), k_desc=desc(wg), v_desc=desc(wg), do_desc=desc(m), dk_desc=desc(wg),
-                   dv_desc=desc(wg), bias_desc=desc(m, 2 * wg), lse_ptr="*fp32", delta_ptr="*fp32",
-                   dq_desc=dq_desc(wg, d if m == 2 * wg else d // 2), qk_scale="fp32", sm_scale="fp32")
+        sig = dict(
+            q_desc=desc(m),
+            k_desc=desc(wg),
+            v_desc=desc(wg),
+            do_desc=desc(m),
+            dk_desc=desc(wg),
+            dv_desc=desc(wg),
+            bias_desc=desc(m, 2 * wg),
+            lse_ptr="*fp32",
+            delta_ptr="*fp32",
+            dq_desc=dq_desc(wg, d if m == 2 * wg else d // 2),
+            qk_scale="fp32",
+            sm_scale="fp32",
+        )
     else:
-        sig = dict(q_desc=desc(wg), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(wg),
-                   bias_desc=desc(cfg.consumers * wg, cfg.block_n),
-                   lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16",
-                   qk_scale="fp32")
+        sig = dict(
+            q_desc=desc(wg),
+            k_desc=desc(cfg.block_n),
+            v_desc=desc(cfg.block_n),
+            o_desc=desc(wg),
+            bias_desc=desc(cfg.consumers * wg, cfg.block_n),
+            lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16",
+            qk_scale="fp32",
+        )
     consts = dict(constexprs)
-    if not consts["HAS_BIAS"]:      # launch.py passes None: a constexpr argument
+    if not consts["HAS_BIAS"]:  # launch.py passes None: a constexpr argument
         consts["bias_desc"] = None
     if fn is _attn_bwd_dkdv_ws and not consts["FUSE_DQ"]:
         consts["dq_desc"] = None
@@ -192,12 +291,14 @@ def ptxas_usage(ptx: str) -> str:
     stores, L bytes spill loads'."""
     import subprocess
     import tempfile
+
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
-        err = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                             capture_output=True, text=True).stderr
+        err = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True
+        ).stderr
     regs = re.findall(r"Used (\d+) registers", err)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", err)
     st, ld = spills[-1] if spills else ("?", "?")
@@ -217,15 +318,26 @@ def _report(label: str, err, kernel, hashes: bool, spills: bool = False) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kinds", type=lambda s: tuple(s.split(",")), default=tuple(KERNELS) + ("fwd_ws",),
-                   help="fwd, bwd_dkdv, bwd_dq, fwd_ws (the warp-specialised Gluon kernels)")
+    p.add_argument(
+        "--kinds",
+        type=lambda s: tuple(s.split(",")),
+        default=tuple(KERNELS) + ("fwd_ws",),
+        help="fwd, bwd_dkdv, bwd_dq, fwd_ws (the warp-specialised Gluon kernels)",
+    )
     p.add_argument("--limit", type=int, default=0, help="compile only the first N cases (0: all)")
-    p.add_argument("--ws-one-each", action="store_true",
-                   help="fwd_ws: compile only the first (dense) case of each warp-specialised kernel and head dim")
-    p.add_argument("--ptx-hashes", action="store_true",
-                   help="print each case's PTX fingerprint (diff two runs to check that a refactor changes no code)")
-    p.add_argument("--spills", action="store_true",
-                   help="print each case's registers, spills (ptxas -v) and shared memory")
+    p.add_argument(
+        "--ws-one-each",
+        action="store_true",
+        help="fwd_ws: compile only the first (dense) case of each warp-specialised kernel and head dim",
+    )
+    p.add_argument(
+        "--ptx-hashes",
+        action="store_true",
+        help="print each case's PTX fingerprint (diff two runs to check that a refactor changes no code)",
+    )
+    p.add_argument(
+        "--spills", action="store_true", help="print each case's registers, spills (ptxas -v) and shared memory"
+    )
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("TRITON_INTERPRET=1: the interpreter compiles nothing; run without it")
@@ -241,7 +353,7 @@ def main(argv=None) -> int:
     if "fwd_ws" in args.kinds:
         seen = set()
         for d, cfg, label, const in list(ws_cases()) + list(ws_backward_cases()):
-            kernel_name = re.split(r" (?:dense|causal|window) ", label)[0]     # "ws dkdv+dq d=128"
+            kernel_name = re.split(r" (?:dense|causal|window) ", label)[0]  # "ws dkdv+dq d=128"
             if args.ws_one_each and kernel_name in seen:
                 continue
             seen.add(kernel_name)

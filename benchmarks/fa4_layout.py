@@ -5,7 +5,7 @@
 The grid's "fa4" column feeds flash_attn.cute (B, S, H, D) contiguous tensors; sdpa() takes
 (B, H, S, D) and its flash_attn adapter passes ``transpose(1, 2)`` views.  At d64 S=16k the
 policy="fastest" column (flash-attn 4 through the adapter) read ~2% slower than the fa4 column
-in eight grids (docs/perf-notes.md, experiment 67).  Each row times, in interleaved rounds
+in eight grids (docs/experiments/perf-notes.md, experiment 67).  Each row times, in interleaved rounds
 (a new order each round, one untimed call per turn, CUDA events, median of all repetitions):
 
 - ``bshd``: flash_attn.cute on (B, S, H, D) contiguous tensors (the grid's column);
@@ -16,6 +16,7 @@ in eight grids (docs/perf-notes.md, experiment 67).  Each row times, in interlea
 
 and lists the CUDA kernels one ``sdpa`` forward+backward launches (torch.profiler).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,7 @@ import torch  # noqa: E402
 import attention_dispatch as ad  # noqa: E402
 
 TOKENS, HIDDEN = 16384, 2048
-ROWS = [("bf16", 64, 16384, False), ("fp16", 64, 16384, False), ("bf16", 128, 16384, True),
-        ("bf16", 128, 8192, False)]
+ROWS = [("bf16", 64, 16384, False), ("fp16", 64, 16384, False), ("bf16", 128, 16384, True), ("bf16", 128, 8192, False)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 IMPLS = ("bshd", "views", "views+out", "sdpa")
 
@@ -53,23 +53,32 @@ def calls(func, fwd_into, dtype, D, S, causal):
     def first(o):
         return o[0] if isinstance(o, tuple) else o
 
-    fwd = {"bshd": lambda: first(func(qb, kb, vb, causal=causal)),
-           "views": lambda: first(func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)),
-           "views+out": lambda: first(fwd_into(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               causal=causal, out=out_bhsd.transpose(1, 2))),
-           "sdpa": lambda: ad.sdpa(q, k, v, is_causal=causal, backend="flash_attn")}
+    fwd = {
+        "bshd": lambda: first(func(qb, kb, vb, causal=causal)),
+        "views": lambda: first(func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)),
+        "views+out": lambda: first(
+            fwd_into(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, out=out_bhsd.transpose(1, 2)
+            )
+        ),
+        "sdpa": lambda: ad.sdpa(q, k, v, is_causal=causal, backend="flash_attn"),
+    }
     # (leaves, gradient of the output in its layout) of the differentiable ones: out= exists only
     # on the internal forward, which has no autograd
     training = {"bshd": ((qb, kb, vb), dob), "views": ((q, k, v), dob), "sdpa": ((q, k, v), do)}
     out = {}
     for name, f in fwd.items():
+
         def inference(f=f):
             with torch.no_grad():
                 f()
+
         out[(name, "fwd")] = inference
         if name in training:
+
             def fb(f=f, lv_go=training[name]):
                 torch.autograd.grad(f(), *lv_go)
+
             out[(name, "fwd+bwd")] = fb
     return out
 
@@ -77,7 +86,7 @@ def calls(func, fwd_into, dtype, D, S, causal):
 def time_rounds(fns: dict, rounds: int, per_turn: int) -> dict:
     keys = list(fns)
     samples = {k: [] for k in keys}
-    for fn in fns.values():     # compile / warm up
+    for fn in fns.values():  # compile / warm up
         fn()
         fn()
     torch.cuda.synchronize()
@@ -97,13 +106,17 @@ def time_rounds(fns: dict, rounds: int, per_turn: int) -> dict:
 
 def kernels_of(fn) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
+
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [f"{e.key[:90]} x{e.count} {e.device_time_total / e.count:.1f} us"
-            for e in prof.key_averages() if e.device_time_total > 0]
+    return [
+        f"{e.key[:90]} x{e.count} {e.device_time_total / e.count:.1f} us"
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
 
 
 def main() -> None:
@@ -114,14 +127,16 @@ def main() -> None:
     a = p.parse_args()
     from flash_attn.cute import flash_attn_func as func
     from flash_attn.cute.interface import _flash_attn_fwd as fwd_into
+
     report = []
     for dt, D, S, causal in ROWS:
         label = f"{dt} d{D} S={S}{' causal' if causal else ''}"
         fns = calls(func, fwd_into, DTYPES[dt], D, S, causal)
         med = time_rounds(fns, a.rounds, a.per_turn)
         kern = kernels_of(fns[("sdpa", "fwd+bwd")])
-        report.append({"row": label, "median_ms": {f"{n} {m}": ms for (n, m), ms in med.items()},
-                       "sdpa_fwd_bwd_kernels": kern})
+        report.append(
+            {"row": label, "median_ms": {f"{n} {m}": ms for (n, m), ms in med.items()}, "sdpa_fwd_bwd_kernels": kern}
+        )
         for m in ("fwd", "fwd+bwd"):
             base = med[("bshd", m)]
             cells = "  ".join(f"{n} {med[(n, m)]:.3f} ms ({base / med[(n, m)]:.3f})" for n in IMPLS if (n, m) in med)
@@ -129,8 +144,9 @@ def main() -> None:
         print("  sdpa fwd+bwd kernels: " + "; ".join(kern), flush=True)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                      "rows": report}, indent=1))
+        a.json.write_text(
+            json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": report}, indent=1)
+        )
 
 
 if __name__ == "__main__":

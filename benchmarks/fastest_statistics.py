@@ -20,6 +20,7 @@ least host time: attention_dispatch.fastest.pick_winner).  And the choice from
 the first k timed rounds only, by the leader's time (experiment 72: how many rounds decide).
 Several runs: each is printed, then (with more than one) all of them together.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,9 @@ STATISTICS = {"median": statistics.median, "lower quartile": bench.lower_quartil
 HOST_MARGINS = (1.0, 1.25, 1.5)
 
 
-def replay(entry: dict, mode: str, statistic, host_margin: float | None = None,
-           host_tie: bool = False) -> tuple[str, float] | None:
+def replay(
+    entry: dict, mode: str, statistic, host_margin: float | None = None, host_tie: bool = False
+) -> tuple[str, float] | None:
     """(backend the statistic picks, its column / the best eligible column), or None when the
     cell recorded no samples (or, with ``host_margin`` or ``host_tie``, no host times) or a
     column is missing.  ``host_tie``: the library's rule, a near-tie to host time to spare
@@ -61,8 +63,10 @@ def replay(entry: dict, mode: str, statistic, host_margin: float | None = None,
     def cost(name: str) -> float:
         own = statistic(samples[name])
         return max(own, host_margin * host[name]) if host_margin is not None and name in host else own
+
     if host_tie:
         from attention_dispatch.fastest import pick_winner
+
         pick = pick_winner({name: statistic(x) for name, x in samples.items()}, host)
     else:
         pick = min(samples, key=cost)
@@ -81,8 +85,9 @@ def summarise(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
         for mode in bench.MODES:
             got = [(e["row"]["id"], r) for e in entries if (r := replay(e, mode, statistic, margin, tie))]
             misses = [(rid, pick, round(ratio, 3)) for rid, (pick, ratio) in got if ratio < need]
-            out[f"{label} {mode}"] = dict(cells=len(got), below=len(misses),
-                                          worst=min((r for _, (_, r) in got), default=None), misses=misses)
+            out[f"{label} {mode}"] = dict(
+                cells=len(got), below=len(misses), worst=min((r for _, (_, r) in got), default=None), misses=misses
+            )
     return out
 
 
@@ -132,16 +137,24 @@ def agreement(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
             if cell.get("status") != "ok" or other.get("status") != "ok":
                 continue
             label = next(lab for limit, lab in LENGTHS if other["ms"] < limit)
-            logs[label].append(math.log(other["ms"] / cell["ms"]))     # < 0: fastest slower
+            logs[label].append(math.log(other["ms"] / cell["ms"]))  # < 0: fastest slower
             if (log_ratio := bench.paired_log_ratio(e, mode)) is not None:
                 paired[label].append(log_ratio)
 
     def median_abs(v):
         return statistics.median([abs(x) for x in v]) if v else None
-    return {label: dict(cells=len(v), median_abs=median_abs(v), below=sum(x < math.log(need) for x in v),
-                        paired_cells=len(paired[label]), paired_median_abs=median_abs(paired[label]),
-                        paired_below=sum(x < math.log(need) for x in paired[label]))
-            for label, v in logs.items()}
+
+    return {
+        label: dict(
+            cells=len(v),
+            median_abs=median_abs(v),
+            below=sum(x < math.log(need) for x in v),
+            paired_cells=len(paired[label]),
+            paired_median_abs=median_abs(paired[label]),
+            paired_below=sum(x < math.log(need) for x in paired[label]),
+        )
+        for label, v in logs.items()
+    }
 
 
 def report(name: str, entries: list[dict]) -> None:
@@ -150,13 +163,17 @@ def report(name: str, entries: list[dict]) -> None:
         worst = "-" if s["worst"] is None else f"{s['worst']:.3f}"
         print(f"  {key:34s} cells {s['cells']:3d}  below 0.97 {s['below']:2d}  worst {worst}  {s['misses'][:4]}")
     for band, ks in by_rounds(entries).items():
-        print(f"  first k rounds, {band:20s} " + "  ".join(
-            f"k={k}: {c['below']}/{c['cells']} below" for k, c in ks.items()))
+        print(
+            f"  first k rounds, {band:20s} "
+            + "  ".join(f"k={k}: {c['below']}/{c['cells']} below" for k, c in ks.items())
+        )
     for label, a in agreement(entries).items():
         med, pmed = ("-" if x is None else f"{x:.4f}" for x in (a["median_abs"], a["paired_median_abs"]))
-        print(f"  fastest vs its choice's column, {label:10s} cells {a['cells']:3d}  median |log ratio| {med}  "
-              f"below 0.97 {a['below']:2d}  paired: cells {a['paired_cells']:3d} median {pmed} "
-              f"below 0.97 {a['paired_below']:2d}")
+        print(
+            f"  fastest vs its choice's column, {label:10s} cells {a['cells']:3d}  median |log ratio| {med}  "
+            f"below 0.97 {a['below']:2d}  paired: cells {a['paired_cells']:3d} median {pmed} "
+            f"below 0.97 {a['paired_below']:2d}"
+        )
 
 
 def main(argv=None) -> None:

@@ -14,8 +14,9 @@ from the dK/dV pass (experiments 54 and 78), "ws-fuse-banded" with dQ fused for 
 windowed calls too (WsConfig.fuse_dq_banded at every head dim) and "ws-bwd-block-m" with
 ``--bwd-block-m`` query rows per dK/dV tile (experiment 79).  Prints forward (and
 forward+backward where asked) TFLOP/s medians and each one's ratio to ``--ref``;
-docs/perf-notes.md experiments 40-43.
+docs/experiments/perf-notes.md experiments 40-43.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,48 +38,51 @@ from attention_dispatch.kernels import KernelParams, configs as C, launch, trito
 
 # (label, dtype, head dim, S, causal (True / False, or a window (left, right) with -1 unbounded), Hq,
 #  Hkv, (B, S, H, D) memory, also forward+backward)
-ROWS = [("bf16 d128 512 causal", torch.bfloat16, 128, 512, True, 16, 16, False, True),
-        ("bf16 d128 1k causal", torch.bfloat16, 128, 1024, True, 16, 16, False, True),
-        ("bf16 d128 2k causal", torch.bfloat16, 128, 2048, True, 16, 16, False, True),
-        ("bf16 d128 4k", torch.bfloat16, 128, 4096, False, 16, 16, False, True),
-        ("bf16 d128 4k causal", torch.bfloat16, 128, 4096, True, 16, 16, False, True),
-        ("bf16 d128 16k", torch.bfloat16, 128, 16384, False, 16, 16, False, True),
-        ("bf16 d128 16k causal", torch.bfloat16, 128, 16384, True, 16, 16, False, True),
-        ("bf16 d64 4k", torch.bfloat16, 64, 4096, False, 32, 32, False, True),
-        ("bf16 d64 4k causal", torch.bfloat16, 64, 4096, True, 32, 32, False, True),
-        ("bf16 d64 16k", torch.bfloat16, 64, 16384, False, 32, 32, False, True),
-        ("bf16 d64 16k causal", torch.bfloat16, 64, 16384, True, 32, 32, False, True),
-        ("fp16 d128 4k", torch.float16, 128, 4096, False, 16, 16, False, False),
-        ("fp16 d128 16k causal", torch.float16, 128, 16384, True, 16, 16, False, False),
-        ("bf16 d128 GQA 16/4 4k", torch.bfloat16, 128, 4096, False, 16, 4, False, True),
-        ("bf16 d128 GQA 16/4 4k causal", torch.bfloat16, 128, 4096, True, 16, 4, False, True),
-        ("bf16 d128 BSHD 4k", torch.bfloat16, 128, 4096, False, 16, 16, True, False),
-        ("bf16 d128 BSHD 4k causal", torch.bfloat16, 128, 4096, True, 16, 16, True, False),
-        ("bf16 d128 4k window 1024/0", torch.bfloat16, 128, 4096, (1024, 0), 16, 16, False, True),
-        ("bf16 d128 16k window 1024/0", torch.bfloat16, 128, 16384, (1024, 0), 16, 16, False, True),
-        ("bf16 d128 4k window 256/256", torch.bfloat16, 128, 4096, (256, 256), 16, 16, False, True),
-        ("bf16 d64 4k window 1024/0", torch.bfloat16, 64, 4096, (1024, 0), 32, 32, False, True),
-        ("bf16 d64 16k window 1024/0", torch.bfloat16, 64, 16384, (1024, 0), 32, 32, False, True),
-        ("bf16 d64 4k window 256/256", torch.bfloat16, 64, 4096, (256, 256), 32, 32, False, True),
-        ("bf16 d256 4k", torch.bfloat16, 256, 4096, False, 8, 8, False, True),
-        ("bf16 d256 4k causal", torch.bfloat16, 256, 4096, True, 8, 8, False, True),
-        ("bf16 d256 16k", torch.bfloat16, 256, 16384, False, 8, 8, False, True),
-        ("bf16 d256 16k causal", torch.bfloat16, 256, 16384, True, 8, 8, False, True),
-        ("fp16 d256 1k causal", torch.float16, 256, 1024, True, 8, 8, False, True)]
+ROWS = [
+    ("bf16 d128 512 causal", torch.bfloat16, 128, 512, True, 16, 16, False, True),
+    ("bf16 d128 1k causal", torch.bfloat16, 128, 1024, True, 16, 16, False, True),
+    ("bf16 d128 2k causal", torch.bfloat16, 128, 2048, True, 16, 16, False, True),
+    ("bf16 d128 4k", torch.bfloat16, 128, 4096, False, 16, 16, False, True),
+    ("bf16 d128 4k causal", torch.bfloat16, 128, 4096, True, 16, 16, False, True),
+    ("bf16 d128 16k", torch.bfloat16, 128, 16384, False, 16, 16, False, True),
+    ("bf16 d128 16k causal", torch.bfloat16, 128, 16384, True, 16, 16, False, True),
+    ("bf16 d64 4k", torch.bfloat16, 64, 4096, False, 32, 32, False, True),
+    ("bf16 d64 4k causal", torch.bfloat16, 64, 4096, True, 32, 32, False, True),
+    ("bf16 d64 16k", torch.bfloat16, 64, 16384, False, 32, 32, False, True),
+    ("bf16 d64 16k causal", torch.bfloat16, 64, 16384, True, 32, 32, False, True),
+    ("fp16 d128 4k", torch.float16, 128, 4096, False, 16, 16, False, False),
+    ("fp16 d128 16k causal", torch.float16, 128, 16384, True, 16, 16, False, False),
+    ("bf16 d128 GQA 16/4 4k", torch.bfloat16, 128, 4096, False, 16, 4, False, True),
+    ("bf16 d128 GQA 16/4 4k causal", torch.bfloat16, 128, 4096, True, 16, 4, False, True),
+    ("bf16 d128 BSHD 4k", torch.bfloat16, 128, 4096, False, 16, 16, True, False),
+    ("bf16 d128 BSHD 4k causal", torch.bfloat16, 128, 4096, True, 16, 16, True, False),
+    ("bf16 d128 4k window 1024/0", torch.bfloat16, 128, 4096, (1024, 0), 16, 16, False, True),
+    ("bf16 d128 16k window 1024/0", torch.bfloat16, 128, 16384, (1024, 0), 16, 16, False, True),
+    ("bf16 d128 4k window 256/256", torch.bfloat16, 128, 4096, (256, 256), 16, 16, False, True),
+    ("bf16 d64 4k window 1024/0", torch.bfloat16, 64, 4096, (1024, 0), 32, 32, False, True),
+    ("bf16 d64 16k window 1024/0", torch.bfloat16, 64, 16384, (1024, 0), 32, 32, False, True),
+    ("bf16 d64 4k window 256/256", torch.bfloat16, 64, 4096, (256, 256), 32, 32, False, True),
+    ("bf16 d256 4k", torch.bfloat16, 256, 4096, False, 8, 8, False, True),
+    ("bf16 d256 4k causal", torch.bfloat16, 256, 4096, True, 8, 8, False, True),
+    ("bf16 d256 16k", torch.bfloat16, 256, 16384, False, 8, 8, False, True),
+    ("bf16 d256 16k causal", torch.bfloat16, 256, 16384, True, 8, 8, False, True),
+    ("fp16 d256 1k causal", torch.float16, 256, 1024, True, 8, 8, False, True),
+]
 TOKENS = 16384
 # "ws": as shipped; "tl": no warp-specialised kernel; "ws-tl-dq": the warp-specialised forward and
 # dK/dV pass with the tl dQ pass (forward+backward only: its forward is "ws")
 IMPLS = ("ws", "tl", "ws-tl-dq", "base", "ws-bwd-stages", "ws-no-fuse", "ws-fuse-banded", "ws-bwd-block-m")
-BWD_ONLY = ("ws-tl-dq", "ws-bwd-stages", "ws-no-fuse", "ws-fuse-banded", "ws-bwd-block-m")    # their forward is "ws"
+BWD_ONLY = ("ws-tl-dq", "ws-bwd-stages", "ws-no-fuse", "ws-fuse-banded", "ws-bwd-block-m")  # their forward is "ws"
 GLUON_KERNELS = ("_attn_fwd_ws", "_attn_bwd_dkdv_ws", "_attn_bwd_dq_ws")
 
 
 def load_base(path: Path) -> dict:
     """The Gluon kernels of another copy of forward_ws.py, by launch.py's names."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("forward_ws_base", path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod      # gluon.jit reads the module's globals
+    sys.modules[spec.name] = mod  # gluon.jit reads the module's globals
     spec.loader.exec_module(mod)
     return {n: getattr(mod, n) for n in GLUON_KERNELS}
 
@@ -95,9 +99,12 @@ def configured(impl: str, ws_min: int, base: dict | None = None, bwd_stages: int
             for n, kernel in base.items():
                 setattr(launch, n, kernel)
         # the impls that change one field of every head dim's dK/dV config
-        bwd_change = {"ws-bwd-stages": dict(stages=bwd_stages), "ws-no-fuse": dict(fuse_dq=False),
-                      "ws-fuse-banded": dict(fuse_dq_banded=True),
-                      "ws-bwd-block-m": dict(bwd_block_m=bwd_block_m)}.get(impl)
+        bwd_change = {
+            "ws-bwd-stages": dict(stages=bwd_stages),
+            "ws-no-fuse": dict(fuse_dq=False),
+            "ws-fuse-banded": dict(fuse_dq_banded=True),
+            "ws-bwd-block-m": dict(bwd_block_m=bwd_block_m),
+        }.get(impl)
         if bwd_change:
             for d, cfg in bwd.items():
                 C.WS_BWD_CONFIGS[d] = cfg._replace(**bwd_change)
@@ -142,7 +149,7 @@ def main(argv=None) -> int:
             t.requires_grad_(True)
         do = torch.randn(B, hq, S, d, device="cuda", dtype=dt)
         left, right = causal if isinstance(causal, tuple) else (-1, 0 if causal else -1)
-        params = KernelParams(scale=d ** -0.5, window_left=left, window_right=right)
+        params = KernelParams(scale=d**-0.5, window_left=left, window_right=right)
         pairs = sum(min(S, i + right + 1 if right >= 0 else S) - max(0, i - left if left >= 0 else 0) for i in range(S))
         flops = 4 * B * hq * pairs * d
 
@@ -152,6 +159,7 @@ def main(argv=None) -> int:
 
         def fwd_bwd():
             torch.autograd.grad(triton_attention(q, k, v, None, params), (q, k, v), do)
+
         modes = {"fwd": (fwd, 1.0)} | ({"fwd+bwd": (fwd_bwd, 3.5)} if with_bwd else {})
         samples = {(impl, m): [] for impl in impls for m in modes}
         outs = {}
@@ -160,7 +168,7 @@ def main(argv=None) -> int:
                 outs[impl] = fwd()
         err = max((outs[i].float() - outs[a.ref].float()).abs().max().item() for i in impls)
         for rnd in range(a.rounds):
-            for impl in (impls if rnd % 2 == 0 else impls[::-1]):
+            for impl in impls if rnd % 2 == 0 else impls[::-1]:
                 with configured(impl, ws_min, base, a.bwd_stages, a.bwd_block_m):
                     for m, (fn, mult) in modes.items():
                         if m == "fwd" and impl in BWD_ONLY:
@@ -170,13 +178,31 @@ def main(argv=None) -> int:
         samples = {key: v for key, v in samples.items() if v}
         med = {f"{impl} {m}": statistics.median(v) for (impl, m), v in samples.items()}
         results[label] = dict(tflops=med, max_abs_diff=err, rounds={f"{i} {m}": v for (i, m), v in samples.items()})
-        print(f"{label:30s} " + "  ".join(
-            f"{m}: " + " ".join(f"{impl} {med[impl + ' ' + m]:.0f} ({med[impl + ' ' + m] / med[a.ref + ' ' + m]:.3f})"
-                                for impl in impls if impl + " " + m in med) for m in modes)
-            + f"  forward max |impl - {a.ref}| {err:.1e}", flush=True)
-        del q, k, v, do, outs
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                rounds=a.rounds, commit=a.commit, impls=impls, ref=a.ref, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+        print(
+            f"{label:30s} "
+            + "  ".join(
+                f"{m}: "
+                + " ".join(
+                    f"{impl} {med[impl + ' ' + m]:.0f} ({med[impl + ' ' + m] / med[a.ref + ' ' + m]:.3f})"
+                    for impl in impls
+                    if impl + " " + m in med
+                )
+                for m in modes
+            )
+            + f"  forward max |impl - {a.ref}| {err:.1e}",
+            flush=True,
+        )
+        q = k = v = do = outs = None  # free the row's tensors before the next
+    meta = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        rounds=a.rounds,
+        commit=a.commit,
+        impls=impls,
+        ref=a.ref,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )
     print(f"{meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | {a.rounds} rounds | {a.commit}")
     if a.json:
         a.json.write_text(json.dumps(dict(meta=meta, results=results), indent=1))

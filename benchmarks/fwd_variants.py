@@ -5,8 +5,9 @@ switches) and launch configurations, timed next to cuDNN in one process.
 
 Every variant's output is checked against cuDNN's (bf16: max abs error <= 2e-2) before it
 is timed; a variant that fails to compile or to match is reported, never timed.  The result
-goes to docs/perf-notes.md by hand (an experiment record), not to docs/benchmarks.md.
+goes to docs/experiments/perf-notes.md by hand (an experiment record), not to docs/benchmarks.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,18 +40,63 @@ def run_kernel(q, k, v, causal, cfg, flags):
     out = torch.empty(prob.out_shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(prob.lse_shape, device=q.device, dtype=torch.float32)
     params = KernelParams(scale=q.shape[-1] ** -0.5, window_right=0 if causal else -1)
-    args = (q, k, v, q, out, lse, q, q, q, params.scale * LOG2E, 0.0,
-            *prob.q_strides, *prob.k_strides, *prob.v_strides, 0, 0, 0, 0,
-            *prob.out_strides(out), *prob.lse_strides(), prob.Hq, prob.B, prob.group, prob.Sq, prob.Sk,
-            0, params.window_left, params.window_right, 0, 0)
-    kw = dict(_common(q, params, prob), BIAS_KIND=0, BIAS_DESC=False, HAS_DROPOUT=False, BATCH_MINOR=False,
-              SCALE_POS=True, STORE_LSE=True, KV_HOST=0, **flags)
+    args = (
+        q,
+        k,
+        v,
+        q,
+        out,
+        lse,
+        q,
+        q,
+        q,
+        params.scale * LOG2E,
+        0.0,
+        *prob.q_strides,
+        *prob.k_strides,
+        *prob.v_strides,
+        0,
+        0,
+        0,
+        0,
+        *prob.out_strides(out),
+        *prob.lse_strides(),
+        prob.Hq,
+        prob.B,
+        prob.group,
+        prob.Sq,
+        prob.Sk,
+        0,
+        params.window_left,
+        params.window_right,
+        0,
+        0,
+    )
+    kw = dict(
+        _common(q, params, prob),
+        BIAS_KIND=0,
+        BIAS_DESC=False,
+        HAS_DROPOUT=False,
+        BATCH_MINOR=False,
+        SCALE_POS=True,
+        STORE_LSE=True,
+        KV_HOST=0,
+        **flags,
+    )
     grid = (triton.cdiv(prob.Sq, cfg.block_m), prob.B * prob.Hq)
 
     def fn():
-        _attn_fwd[grid](*args, **kw, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUBTILES=cfg.subtiles,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _attn_fwd[grid](
+            *args,
+            **kw,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            SUBTILES=cfg.subtiles,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
         return out
+
     return fn
 
 
@@ -77,8 +123,18 @@ VARIANTS = {
     "ptr_128x64w8s3": (dict(USE_DESC=False, MAY_EMPTY=False), (128, 64, 8, 3)),
     "ptr_128x64w8s3_safe": (dict(USE_DESC=False, MAY_EMPTY=True), (128, 64, 8, 3)),
 }
-for _bm, _bn, _w, _st in ((128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4),
-                          (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 2), (256, 64, 8, 2), (128, 32, 4, 3)):
+for _bm, _bn, _w, _st in (
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (64, 64, 4, 3),
+    (64, 64, 4, 4),
+    (64, 128, 4, 3),
+    (128, 64, 4, 3),
+    (128, 128, 8, 2),
+    (256, 64, 8, 2),
+    (128, 32, 4, 3),
+):
     VARIANTS[f"desc_{_bm}x{_bn}w{_w}s{_st}"] = (dict(USE_DESC=True, MAY_EMPTY=False), (_bm, _bn, _w, _st))
 # two query sub-tiles per program (experiment 22)
 for _bm, _bn, _w, _st in ((256, 64, 8, 3), (256, 64, 8, 2), (128, 64, 4, 3), (128, 128, 4, 3)):
@@ -102,6 +158,7 @@ def main(argv=None):
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
             t_cudnn = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
@@ -127,7 +184,7 @@ def main(argv=None):
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
     # short table, last
-    print(f"{'variant':18s}" + "".join(f"{r['S']//1024}k{'c' if r['causal'] else ''}d{r['D']:<6}" for r in results))
+    print(f"{'variant':18s}" + "".join(f"{r['S'] // 1024}k{'c' if r['causal'] else ''}d{r['D']:<6}" for r in results))
     for name in ["cudnn"] + names:
         cells = []
         for r in results:

@@ -8,8 +8,9 @@ prepared runner: TrainingPlan); the autograd engine's own cost (an identity Func
 shaped as _EagerAttention with and without materialised gradients); an inference loop and the
 cost of one Gluon descriptor; training calls behind a busy device (a synchronisation inside
 would show as one long call); the CUDA runtime calls and aten ops of five training calls
-(torch.profiler).  docs/perf-notes.md experiments 44, 46 and 67.
+(torch.profiler).  docs/experiments/perf-notes.md experiments 44, 46 and 67.
 """
+
 import collections
 import sys
 import time
@@ -22,20 +23,35 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import attention_dispatch as ad  # noqa: E402
 from attention_dispatch.kernels import launch, autograd as ag, compiled_cache as cc  # noqa: E402
+
 acc = collections.Counter()
+
 
 def wrap(obj, name, label=None):
     real = getattr(obj, name)
     label = label or name
+
     def w(*a, **kw):
         t = time.perf_counter_ns()
         try:
             return real(*a, **kw)
         finally:
             acc[label] += time.perf_counter_ns() - t
+
     setattr(obj, name, w)
-for n in ("attention_forward", "attention_backward", "_forward_ws", "_dkdv_ws", "_dq_ws", "_rows_descriptor",
-          "_ws_route", "use_descriptors", "_launch_one"):
+
+
+for n in (
+    "attention_forward",
+    "attention_backward",
+    "_forward_ws",
+    "_dkdv_ws",
+    "_dq_ws",
+    "_rows_descriptor",
+    "_ws_route",
+    "use_descriptors",
+    "_launch_one",
+):
     wrap(launch, n)
 wrap(cc.COMPILED, "launch", "COMPILED.launch")
 wrap(launch.TrainingPlan, "forward", "TrainingPlan.forward")
@@ -65,7 +81,8 @@ for _ in range(N):
     t1 = time.perf_counter_ns()
     torch.autograd.grad(o, (q, k, v), do)
     t2 = time.perf_counter_ns()
-    tf += t1 - t0; tb += t2 - t1
+    tf += t1 - t0
+    tb += t2 - t1
     torch.cuda.synchronize()
 print(f"S={S}: sdpa forward (grad) {tf / N / 1e3:.0f} us, autograd.grad {tb / N / 1e3:.0f} us per call")
 for label, ns in acc.most_common():
@@ -83,13 +100,15 @@ def apply_and_grad_us(apply) -> tuple[float, float]:
         torch.autograd.grad(o, (q, k, v), do)
         t2 = time.perf_counter_ns()
         if i >= 5:
-            tf += t1 - t0; tb += t2 - t1
+            tf += t1 - t0
+            tb += t2 - t1
     return tf / N / 1e3, tb / N / 1e3
 
 
 class _Identity3(torch.autograd.Function):
     """The engine's own cost: three inputs, one output, nine saved tensors, a backward that
     returns the incoming gradient three times (no kernel launched)."""
+
     @staticmethod
     def forward(ctx, a, b, c):
         ctx.save_for_backward(a, b, c, a, b, c, a, b, c)
@@ -108,6 +127,7 @@ print(f"engine alone (identity Function, no kernel): apply {us[0]:.0f} us, autog
 class _Mimic(torch.autograd.Function):
     """_EagerAttention's shape without kernels: ten inputs, (out, lse) with lse non-differentiable,
     a backward that allocates three gradients (``materialize``: undefined grads become zeros)."""
+
     materialize = True
 
     @staticmethod
@@ -119,13 +139,13 @@ class _Mimic(torch.autograd.Function):
         ctx.mark_non_differentiable(lse)
         return out, lse
 
-    launches = 0        # kernels launched by the backward (tiny fills), as the real one launches three
+    launches = 0  # kernels launched by the backward (tiny fills), as the real one launches three
 
     @staticmethod
     def backward(ctx, g, g_lse):
         a, b, c = ctx.saved_tensors[:3]
         grads = torch.empty_like(a), torch.empty_like(b), torch.empty_like(c)
-        for t in grads[:_Mimic.launches]:
+        for t in grads[: _Mimic.launches]:
             t.view(-1)[:1].zero_()
         return (*grads, None, None, None, None, None, None, None)
 
@@ -135,10 +155,12 @@ class _Mimic(torch.autograd.Function):
 for materialize, launches in ((True, 0), (False, 0), (False, 3), (True, 0), (False, 0), (False, 3)):
     _Mimic.materialize, _Mimic.launches = materialize, launches
     us = apply_and_grad_us(lambda: _Mimic.apply(q, k, v, None, None, None, -1, -1, None, None)[0])
-    print(f"engine, _EagerAttention's shape (materialize={materialize}, {launches} launches in backward): "
-          f"apply {us[0]:.0f} us, autograd.grad {us[1]:.0f} us")
+    print(
+        f"engine, _EagerAttention's shape (materialize={materialize}, {launches} launches in backward): "
+        f"apply {us[0]:.0f} us, autograd.grad {us[1]:.0f} us"
+    )
 with torch.no_grad():
-    for _ in range(3):      # the inference kernels compile on their first call
+    for _ in range(3):  # the inference kernels compile on their first call
         ad.sdpa(q, k, v, backend="triton")
     torch.cuda.synchronize()
     t = time.perf_counter_ns()
@@ -146,6 +168,7 @@ with torch.no_grad():
         ad.sdpa(q, k, v, backend="triton")
     print(f"inference sdpa: {(time.perf_counter_ns() - t) / N / 1e3:.0f} us/call")
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as G
+
 lay = launch._ws_smem_layout(64, 128, q.dtype)
 t = time.perf_counter_ns()
 for _ in range(1000):
@@ -154,7 +177,14 @@ print(f"GluonDescriptor(): {(time.perf_counter_ns() - t) / 1000 / 1e3:.2f} us")
 t = time.perf_counter_ns()
 for _ in range(1000):
     d = object.__new__(G)
-    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = q, [B * 16 * S, 128], [128, 1], [64, 128], lay, "zero"
+    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = (
+        q,
+        [B * 16 * S, 128],
+        [128, 1],
+        [64, 128],
+        lay,
+        "zero",
+    )
 print(f"without __post_init__: {(time.perf_counter_ns() - t) / 1000 / 1e3:.2f} us")
 t = time.perf_counter_ns()
 for _ in range(1000):
@@ -166,7 +196,7 @@ print(f"_ws_smem_layout: {(time.perf_counter_ns() - t) / 1000 / 1e3:.2f} us")
 # host time; with one, the first waits for the spin to end.
 spin = torch.cuda._sleep
 torch.cuda.synchronize()
-spin(int(2e8))      # ~100-200 ms at the H100's clock
+spin(int(2e8))  # ~100-200 ms at the H100's clock
 t = [time.perf_counter_ns()]
 for _ in range(10):
     torch.autograd.grad(ad.sdpa(q, k, v, backend="triton"), (q, k, v), do)
@@ -176,12 +206,14 @@ t_end = time.perf_counter_ns()
 steps = [round((b - a) / 1e3) for a, b in zip(t, t[1:])]
 print(f"training calls behind a busy device: host us per call {steps}; sync after {(t_end - t[-1]) / 1e6:.1f} ms")
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
-for _ in range(2):      # the first profile pays CUPTI's start-up
+
+for _ in range(2):  # the first profile pays CUPTI's start-up
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             torch.autograd.grad(ad.sdpa(q, k, v, backend="triton"), (q, k, v), do)
         torch.cuda.synchronize()
-rows = sorted((e for e in prof.key_averages() if e.key.startswith(("cuda", "cu", "aten::"))),
-              key=lambda e: -e.cpu_time_total)[:22]
+rows = sorted(
+    (e for e in prof.key_averages() if e.key.startswith(("cuda", "cu", "aten::"))), key=lambda e: -e.cpu_time_total
+)[:22]
 for e in rows:
     print(f"  {e.key[:60]:60s} x{e.count // 5:<3d} {e.cpu_time_total / 5:8.1f} us/call (host)")

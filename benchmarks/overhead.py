@@ -17,6 +17,7 @@ GPU keeps up with the tiny kernels):
   hash(problem)                                             -- part of every cache hit
   sdpa(backend="triton"), forward and forward+backward      -- our kernel's launch path (CUDA)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,7 +59,7 @@ def paired_ratio(fn_ref, fn, n: int, repeat: int, sync) -> tuple[float, list[flo
     ratios = []
     for r in range(repeat):
         t = {}
-        for name, f in ((("ref", fn_ref), ("fn", fn)) if r % 2 == 0 else (("fn", fn), ("ref", fn_ref))):
+        for name, f in (("ref", fn_ref), ("fn", fn)) if r % 2 == 0 else (("fn", fn), ("ref", fn_ref)):
             start = time.perf_counter()
             for _ in range(n):
                 f()
@@ -73,8 +74,12 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=2000, help="calls per timed loop")
     p.add_argument("--repeat", type=int, default=7, help="timed loops (the median is reported)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: a 16-element problem gains nothing from more, and they add noise)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: a 16-element problem gains nothing from more, and they add noise)",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the numbers to this file")
     args = p.parse_args(argv)
 
@@ -103,10 +108,10 @@ def main(argv=None) -> int:
     backend = registry.get_backend(decision.backend)
     call = normalize_call(q, k, v)
     problem = call.problem
-    decide(problem)                      # fill the cache: what follows are hits
+    decide(problem)  # fill the cache: what follows are hits
     fast = dispatch.fast_calls.get(_fast_key(q, k, v, None, 0.0, False, None, False, None, None, None, None))
     runner = fast[1] if fast is not None else (lambda *t: backend.run(*t, **call.options))
-    runner(q, k, v)                      # a prepared runner's first call may capture its launch
+    runner(q, k, v)  # a prepared runner's first call may capture its launch
 
     def full_path():
         c = normalize_call(q, k, v)
@@ -118,8 +123,10 @@ def main(argv=None) -> int:
         (f"{decision.backend}.run() alone", lambda: backend.run(call.query, call.key, call.value, **call.options)),
         (f"{decision.backend} prepared runner alone", lambda: runner(q, k, v)),
         ("sdpa() full path (normalize, decide, run)", full_path),
-        ("sdpa() fast-path lookup", lambda: dispatch.fast_calls.get(
-            _fast_key(q, k, v, None, 0.0, False, None, False, None, None, None, None))),
+        (
+            "sdpa() fast-path lookup",
+            lambda: dispatch.fast_calls.get(_fast_key(q, k, v, None, 0.0, False, None, False, None, None, None, None)),
+        ),
         ("api.normalize_call", lambda: normalize_call(q, k, v)),
         ("dispatch.decide (cache hit)", lambda: decide(problem)),
         ("hash(Problem)", lambda: hash(problem)),
@@ -129,36 +136,55 @@ def main(argv=None) -> int:
 
         def triton_fwd_bwd():
             ad.sdpa(qg, kg, vg, backend="triton").sum().backward()
-        cases += [("sdpa(backend='triton') forward", lambda: ad.sdpa(q, k, v, backend="triton")),
-                  ("sdpa(backend='triton') fwd+bwd", triton_fwd_bwd)]
+
+        cases += [
+            ("sdpa(backend='triton') forward", lambda: ad.sdpa(q, k, v, backend="triton")),
+            ("sdpa(backend='triton') fwd+bwd", triton_fwd_bwd),
+        ]
     results = {}
     for name, fn in cases:
         med, best = per_call_us(fn, args.n, args.repeat, sync)
         results[name] = {"median_us": med, "min_us": best}
 
-    paired, paired_rounds = paired_ratio(lambda: F.scaled_dot_product_attention(q, k, v), lambda: ad.sdpa(q, k, v),
-                                         args.n, args.repeat, sync)
+    paired, paired_rounds = paired_ratio(
+        lambda: F.scaled_dot_product_attention(q, k, v), lambda: ad.sdpa(q, k, v), args.n, args.repeat, sync
+    )
     ref = results["F.scaled_dot_product_attention"]["median_us"]
     ours = results["attention_dispatch.sdpa (auto)"]["median_us"]
     run_alone = results[f"{decision.backend} prepared runner alone"]["median_us"]
     hit = results["dispatch.decide (cache hit)"]["median_us"]
     gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    print(f"host time per call, 1x1x16x64 {str(dtype).removeprefix('torch.')} on {device} ({gpu}); "
-          f"torch {torch.__version__}; sdpa() chose {decision.backend}; median of {args.repeat} x {args.n} calls")
+    print(
+        f"host time per call, 1x1x16x64 {str(dtype).removeprefix('torch.')} on {device} ({gpu}); "
+        f"torch {torch.__version__}; sdpa() chose {decision.backend}; median of {args.repeat} x {args.n} calls"
+    )
     width = max(len(n) for n in results)
     for name, r in results.items():
         print(f"  {name:<{width}}  {r['median_us']:8.2f} us   (min {r['min_us']:.2f})")
-    print(f"  sdpa() - chosen backend's prepared runner: {ours - run_alone:6.2f} us of dispatcher work per "
-          "repeated call")
-    print(f"  sdpa() / F.sdpa: {paired:.2f}x interleaved (median of {args.repeat} paired loops; {ours / ref:.2f}x from "
-          f"the loops above)  (issue 5: <= 1.0 on CUDA)   decision-cache hit: {hit:.2f} us (issue 5: <= 3 us) -> "
-          f"{'met' if hit <= 3.0 else 'not met'}")
+    print(
+        f"  sdpa() - chosen backend's prepared runner: {ours - run_alone:6.2f} us of dispatcher work per repeated call"
+    )
+    print(
+        f"  sdpa() / F.sdpa: {paired:.2f}x interleaved (median of {args.repeat} paired loops; {ours / ref:.2f}x from "
+        f"the loops above)  (issue 5: <= 1.0 on CUDA)   decision-cache hit: {hit:.2f} us (issue 5: <= 3 us) -> "
+        f"{'met' if hit <= 3.0 else 'not met'}"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"device": device, "gpu": gpu, "torch": torch.__version__,
-                                         "backend": decision.backend, "results": results,
-                                         "sdpa_over_F_sdpa_interleaved": paired,
-                                         "sdpa_over_F_sdpa_rounds": paired_rounds}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": device,
+                    "gpu": gpu,
+                    "torch": torch.__version__,
+                    "backend": decision.backend,
+                    "results": results,
+                    "sdpa_over_F_sdpa_interleaved": paired,
+                    "sdpa_over_F_sdpa_rounds": paired_rounds,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -4,11 +4,12 @@
 
 A second measurement of the grid's headline cells, with fewer implementations: every
 implementation of a row is timed in each of --rounds rounds, in bench.turn_order's order
-(the clock a turn starts with follows the turn before it, docs/perf-notes.md experiments 32
+(the clock a turn starts with follows the turn before it, docs/experiments/perf-notes.md experiments 32
 and 55), with bench.py's inputs, implementations and timing; a cell is the median over
 rounds, and the spread (max - min) / median is printed beside it.  Rows: bf16 hdim 128,
 S in {4k, 8k, 16k}, causal and not, and the float-bias row.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,11 @@ def ratio_lines(results: dict) -> list[str]:
     """Issue 5's targets from the interleaved medians."""
     lines = []
     for mode in MODES:
-        for anchor, need in (("cudnn", 0.85 if mode == "fwd" else 0.80), ("flex", 1.2 if mode == "fwd" else 1.1),
-                             ("fa4", 1.0)):
+        for anchor, need in (
+            ("cudnn", 0.85 if mode == "fwd" else 0.80),
+            ("flex", 1.2 if mode == "fwd" else 1.1),
+            ("fa4", 1.0),
+        ):
             ratios = []
             for rid, cells in results.items():
                 if "bias" in rid:
@@ -53,8 +57,11 @@ def ratio_lines(results: dict) -> list[str]:
                 if ours and theirs:
                     ratios.append(ours["tflops"] / theirs["tflops"])
             if ratios:
-                lines.append(f"  triton/{anchor} {mode:8s} worst {min(ratios):.2f}  (rows: "
-                             + " ".join(f"{r:.2f}" for r in ratios) + f")  target {need}")
+                lines.append(
+                    f"  triton/{anchor} {mode:8s} worst {min(ratios):.2f}  (rows: "
+                    + " ".join(f"{r:.2f}" for r in ratios)
+                    + f")  target {need}"
+                )
     bias = next((c for rid, c in results.items() if "bias" in rid), {})
     if bias.get("triton", {}).get("fwd+bwd") and bias.get("cudnn", {}).get("fwd+bwd"):
         r = bias["triton"]["fwd+bwd"]["tflops"] / bias["cudnn"]["fwd+bwd"]["tflops"]
@@ -70,11 +77,14 @@ def main(argv=None) -> int:
     p.add_argument("--impls", type=lambda s: tuple(s.split(",")), default=IMPLS)
     p.add_argument("--target-ms", type=float, default=20.0, help="timed work per implementation and round")
     p.add_argument("--commit", default=None, help="git commit to report (default: git rev-parse HEAD)")
-    p.add_argument("--smoke-cpu", action="store_true",
-                   help="development check without a GPU: bench.py's tiny CPU rows, our kernel only")
+    p.add_argument(
+        "--smoke-cpu",
+        action="store_true",
+        help="development check without a GPU: bench.py's tiny CPU rows, our kernel only",
+    )
     a = p.parse_args(argv)
     args = bench.parse_args(["--target-ms", str(a.target_ms), "--no-plot"] + (["--smoke-cpu"] if a.smoke_cpu else []))
-    rows = ([r for r in bench.smoke_grid() if r.feature in ("dense", "bias")] if a.smoke_cpu else headline_rows())
+    rows = [r for r in bench.smoke_grid() if r.feature in ("dense", "bias")] if a.smoke_cpu else headline_rows()
     log = bench.Log(None, echo=False)
     runner = bench.Runner(args, log)
     if not a.smoke_cpu:
@@ -93,7 +103,7 @@ def main(argv=None) -> int:
                 continue
             try:
                 fwd, leaves, go, _, ctx = runner.prepare(impl, row, inp)
-            except Exception as e:   # noqa: BLE001
+            except Exception as e:  # noqa: BLE001
                 print(f"  {row.id} {impl}: {bench.first_line(e)}", flush=True)
                 continue
             torch = runner.torch
@@ -104,6 +114,7 @@ def main(argv=None) -> int:
             def inference(fwd=fwd):
                 with torch.no_grad():
                     return fwd()
+
             prepared[impl] = (ctx, {"fwd": fwd if impl == "flex" else inference, "fwd+bwd": fb}, modes)
         samples: dict = {impl: {m: [] for m in prepared[impl][2]} for impl in prepared}
         for rnd in range(a.rounds):
@@ -115,20 +126,34 @@ def main(argv=None) -> int:
                         try:
                             ms = runner.time_fn(fns[m])["ms"]
                             samples[impl][m].append(bench.tflops(row, m, ms))
-                        except Exception as e:   # noqa: BLE001
+                        except Exception as e:  # noqa: BLE001
                             print(f"  {row.id} {impl} {m}: {bench.first_line(e)}", flush=True)
-        results[row.id] = {impl: {m: summarise(v) for m, v in by_mode.items() if v}
-                           for impl, by_mode in samples.items()}
-        cells = "  ".join(f"{impl} " + " / ".join(
-            f"{results[row.id][impl][m]['tflops']:.0f}±{results[row.id][impl][m]['spread'] * 100:.0f}%"
-            if m in results[row.id][impl] else "-" for m in MODES) for impl in prepared)
+        results[row.id] = {
+            impl: {m: summarise(v) for m, v in by_mode.items() if v} for impl, by_mode in samples.items()
+        }
+        cells = "  ".join(
+            f"{impl} "
+            + " / ".join(
+                f"{results[row.id][impl][m]['tflops']:.0f}±{results[row.id][impl][m]['spread'] * 100:.0f}%"
+                if m in results[row.id][impl]
+                else "-"
+                for m in MODES
+            )
+            for impl in prepared
+        )
         print(f"{row.id:28s} {cells}", flush=True)
         del inp, prepared
         runner.empty_cache()
     torch = runner.torch
-    meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
-                rounds=a.rounds, target_ms=a.target_ms, elapsed_s=time.perf_counter() - t0,
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=bench.git_commit(a.commit))
+    meta = dict(
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        torch=torch.__version__,
+        rounds=a.rounds,
+        target_ms=a.target_ms,
+        elapsed_s=time.perf_counter() - t0,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        commit=bench.git_commit(a.commit),
+    )
     print(f"\n{meta['gpu']} | torch {meta['torch']} | {a.rounds} interleaved rounds | {meta['elapsed_s']:.0f} s")
     print("TFLOP/s median over rounds (fwd / fwd+bwd); targets:")
     for line in ratio_lines(results):

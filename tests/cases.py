@@ -1,4 +1,5 @@
 """Random attention problems for tests: fresh inputs each time, never zeros."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,18 +18,19 @@ class Case:
     head_dim_v: int | None = None
     causal: str | None = None
     window: tuple[int, int] | None = None
-    mask: str = "none"              # none | bool | float | float_grad
-    mask_shape: str = "full"        # full | heads | keys | square (2-D)
+    mask: str = "none"  # none | bool | float | float_grad
+    mask_shape: str = "full"  # full | heads | keys | square (2-D)
     # float32 for a float32 bias with 16-bit inputs (values near 100: rounding it would show)
     mask_dtype: torch.dtype | None = None
     dropout_p: float = 0.0
-    varlen: tuple[int, ...] | None = None   # per-sequence q lengths (k lengths = q + extra_k)
+    varlen: tuple[int, ...] | None = None  # per-sequence q lengths (k lengths = q + extra_k)
     extra_k: tuple[int, ...] | None = None
     dtype: torch.dtype = torch.float32
 
     def __str__(self):
-        fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
-                  if getattr(self, f.name) != f.default]
+        fields = [
+            f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self) if getattr(self, f.name) != f.default
+        ]
         return ",".join(fields) or "default"
 
 
@@ -55,8 +57,12 @@ def make_inputs(case: Case, device="cpu", requires_grad=True):
         v = torch.randn(b, case.heads_kv, sk, dv, **kw)
     mask = None
     if case.mask != "none":
-        shape = {"full": (b, case.heads_q, sq, sk), "heads": (1, case.heads_q, sq, sk),
-                 "keys": (b, 1, 1, sk), "square": (sq, sk)}[case.mask_shape]
+        shape = {
+            "full": (b, case.heads_q, sq, sk),
+            "heads": (1, case.heads_q, sq, sk),
+            "keys": (b, 1, 1, sk),
+            "square": (sq, sk),
+        }[case.mask_shape]
         if case.mask == "bool":
             mask = torch.rand(shape, device=device) > 0.25
         elif case.mask_dtype is not None:

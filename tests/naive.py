@@ -3,6 +3,7 @@
 It shares no code with the package: it is what the `math` backend and every kernel are
 checked against. Full S x S matrices, one (batch, head) at a time: only for small shapes.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,14 +56,34 @@ def _one(q, k, v, bias, keep, dropout_p, scale, causal, window):
         if keep is not None:
             kp = keep[h] if keep.dim() == 3 else keep
             p = p * kp.expand(sq, sk).to(p.dtype) / (1.0 - dropout_p)
-        rows.append((p @ v[h // group], torch.where(z.squeeze(-1) > 0, (m + torch.log(z)).squeeze(-1), torch.full_like(z.squeeze(-1), -math.inf))))
+        rows.append(
+            (
+                p @ v[h // group],
+                torch.where(
+                    z.squeeze(-1) > 0, (m + torch.log(z)).squeeze(-1), torch.full_like(z.squeeze(-1), -math.inf)
+                ),
+            )
+        )
     out = torch.stack([r[0] for r in rows])
     lse = torch.stack([r[1] for r in rows])
     return out, lse
 
 
-def naive_attention(q, k, v, *, mask=None, causal=None, window=None, scale=None, keep=None,
-                    dropout_p=0.0, cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False):
+def naive_attention(
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    causal=None,
+    window=None,
+    scale=None,
+    keep=None,
+    dropout_p=0.0,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    return_lse=False,
+):
     """Dense: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv).
     Varlen: q (total_q, Hq, D) etc. with cu_seqlens; mask/keep then index (B, Hq, i, j)
     with positions local to each sequence (broadcastable to (B, Hq, max_sq, max_sk)).
@@ -76,8 +97,20 @@ def naive_attention(q, k, v, *, mask=None, causal=None, window=None, scale=None,
         sk = k.shape[-2]
         bias = None if mask is None else mask.expand(b, hq, sq, sk)
         kp = None if keep is None else keep.expand(b, hq, sq, sk)
-        res = [_one(q[i], k[i], v[i], None if bias is None else bias[i], None if kp is None else kp[i],
-                    dropout_p, scale, causal, window) for i in range(b)]
+        res = [
+            _one(
+                q[i],
+                k[i],
+                v[i],
+                None if bias is None else bias[i],
+                None if kp is None else kp[i],
+                dropout_p,
+                scale,
+                causal,
+                window,
+            )
+            for i in range(b)
+        ]
         out = torch.stack([r[0] for r in res])
         lse = torch.stack([r[1] for r in res])
         return (out, lse) if return_lse else out
@@ -87,9 +120,9 @@ def naive_attention(q, k, v, *, mask=None, causal=None, window=None, scale=None,
     hq = q.shape[1]
     outs, lses = [], []
     for i in range(b):
-        qi = q[cq[i]:cq[i + 1]].transpose(0, 1)
-        ki = k[ck[i]:ck[i + 1]].transpose(0, 1)
-        vi = v[ck[i]:ck[i + 1]].transpose(0, 1)
+        qi = q[cq[i] : cq[i + 1]].transpose(0, 1)
+        ki = k[ck[i] : ck[i + 1]].transpose(0, 1)
+        vi = v[ck[i] : ck[i + 1]].transpose(0, 1)
         sq, sk = qi.shape[1], ki.shape[1]
 
         def crop(t):

@@ -1,5 +1,6 @@
 """DESIGN.md section 7's rule: error vs the float64 oracle at most 2x the error of the
 reference run in the input dtype, plus a small absolute slack; never NaN."""
+
 from __future__ import annotations
 
 import torch
@@ -74,8 +75,9 @@ def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234, r
         refs[dtype] = {"out": ref.to(dtype)}
         refs[dtype].update({name: t.grad.to(dtype) for name, t in zip(("dq", "dk", "dv", "dmask"), ref_leaves)})
     for name, got in results.items():
-        assert_matches(got.cpu(), refs[torch.float64][name], refs[case.dtype][name], f"{backend} {case} {name}",
-                       dtype=case.dtype)
+        assert_matches(
+            got.cpu(), refs[torch.float64][name], refs[case.dtype][name], f"{backend} {case} {name}", dtype=case.dtype
+        )
     return decision
 
 
@@ -88,8 +90,10 @@ def math_keep_mask(case, q, k, cu_q, cu_k, rows=None):
         if 0 in (b, sq, sk):
             return torch.zeros(b, case.heads_q, sq, sk, dtype=torch.bool)
         step = rows or sq
-        parts = [torch.rand(b, case.heads_kv, g, min(step, sq - r), sk, device=q.device) >= case.dropout_p
-                 for r in range(0, sq, step)]
+        parts = [
+            torch.rand(b, case.heads_kv, g, min(step, sq - r), sk, device=q.device) >= case.dropout_p
+            for r in range(0, sq, step)
+        ]
         return torch.cat(parts, dim=3).reshape(b, case.heads_q, sq, sk).cpu()
 
     if cu_q is None:

@@ -6,6 +6,7 @@ the adapters' `run` is called directly, and rejection reasons are checked on Pro
 built for a CUDA device. `torch_cpu` runs for real. GPU tests (marked `gpu`) run cuDNN,
 PyTorch flash / efficient and flash-attn 4 for real against the oracle.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,13 @@ import attention_dispatch
 from attention_dispatch.backends import base
 from attention_dispatch.backends.fa4_relaunch import ForwardRelauncher, VarlenRelauncher, refusal
 from attention_dispatch.backends.flash_attn import INSTALL_HINT as FA_HINT, FlashAttnBackend
-from attention_dispatch.backends.torch_sdpa import (CudnnBackend, TorchCpuBackend, TorchEfficientBackend,
-                                                    TorchFlashBackend, _TorchSdpaBackend)
+from attention_dispatch.backends.torch_sdpa import (
+    CudnnBackend,
+    TorchCpuBackend,
+    TorchEfficientBackend,
+    TorchFlashBackend,
+    _TorchSdpaBackend,
+)
 from attention_dispatch.backends.xformers import INSTALL_HINT as XF_HINT, XformersBackend, parse_no_operator
 from attention_dispatch.problem import Problem
 from attention_dispatch.semantics import CausalKind
@@ -36,11 +42,30 @@ TL, BR = CausalKind.TOP_LEFT, CausalKind.BOTTOM_RIGHT
 
 
 def problem(**kw) -> Problem:
-    base_fields = dict(batch=2, heads_q=4, heads_kv=4, seqlen_q=64, seqlen_k=64, head_dim_qk=64, head_dim_v=64,
-                       dtype=torch.bfloat16, device_type="cuda", compute_capability=(9, 0), layout="dense",
-                       mask_kind="none", mask_shape=None, mask_requires_grad=False, causal=None, window=None,
-                       dropout=False, requires_grad=False, deterministic=False, deterministic_warn_only=False,
-                       last_dim_contiguous=True, aligned_16=True)
+    base_fields = dict(
+        batch=2,
+        heads_q=4,
+        heads_kv=4,
+        seqlen_q=64,
+        seqlen_k=64,
+        head_dim_qk=64,
+        head_dim_v=64,
+        dtype=torch.bfloat16,
+        device_type="cuda",
+        compute_capability=(9, 0),
+        layout="dense",
+        mask_kind="none",
+        mask_shape=None,
+        mask_requires_grad=False,
+        causal=None,
+        window=None,
+        dropout=False,
+        requires_grad=False,
+        deterministic=False,
+        deterministic_warn_only=False,
+        last_dim_contiguous=True,
+        aligned_16=True,
+    )
     base_fields.update(kw)
     return Problem(**base_fields)
 
@@ -71,12 +96,13 @@ def grads(out, tensors):
 @pytest.fixture
 def fa(monkeypatch):
     """fa(2|3|4, ...) installs those fake generations and returns (backend, calls)."""
+
     def make(*versions):
         calls: list = []
         modules: dict = {}
         for v in versions:
             for name, mod in fakes.make_flash_attn(v, calls).items():
-                if name == "flash_attn" and "flash_attn" in modules:   # fa2 + fa4: one package with both
+                if name == "flash_attn" and "flash_attn" in modules:  # fa2 + fa4: one package with both
                     mod = modules["flash_attn"]
                 modules[name] = mod
             if v == 4 and 2 in versions:
@@ -86,6 +112,7 @@ def fa(monkeypatch):
                 monkeypatch.delitem(sys.modules, missing, raising=False)
         fakes.install(monkeypatch, modules)
         return FlashAttnBackend(), calls
+
     return make
 
 
@@ -95,7 +122,8 @@ def test_flash_attn_missing_and_broken(monkeypatch, tmp_path):
     assert FlashAttnBackend().unavailable_reason() == FA_HINT
     (tmp_path / "flash_attn").mkdir()
     (tmp_path / "flash_attn" / "__init__.py").write_text(
-        "raise ImportError('/x/flash_attn_2_cuda.so: undefined symbol: _ZN3c105ErrorC2E\\nmore')\n")
+        "raise ImportError('/x/flash_attn_2_cuda.so: undefined symbol: _ZN3c105ErrorC2E\\nmore')\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     reason = FlashAttnBackend().unavailable_reason()
     assert reason.startswith("import failed: ")
@@ -103,8 +131,10 @@ def test_flash_attn_missing_and_broken(monkeypatch, tmp_path):
     assert "more" not in reason
 
 
-@pytest.mark.parametrize("versions,expect", [((2,), ["fa2"]), ((3,), ["fa3"]), ((4,), ["fa4"]),
-                                             ((2, 4), ["fa4", "fa2"]), ((2, 3, 4), ["fa3", "fa4", "fa2"])])
+@pytest.mark.parametrize(
+    "versions,expect",
+    [((2,), ["fa2"]), ((3,), ["fa3"]), ((4,), ["fa4"]), ((2, 4), ["fa4", "fa2"]), ((2, 3, 4), ["fa3", "fa4", "fa2"])],
+)
 def test_flash_attn_detects_generations(fa, versions, expect):
     backend, _ = fa(*versions)
     assert [i.key for i in backend.implementations()] == expect
@@ -113,8 +143,14 @@ def test_flash_attn_detects_generations(fa, versions, expect):
 
 
 DENSE_CASES = [  # (sq, sk, causal, window, hq, hkv)
-    (8, 8, None, None, 4, 4), (5, 9, BR, None, 4, 2), (9, 5, BR, None, 4, 4), (7, 7, TL, None, 6, 2),
-    (6, 10, None, (2, 1), 4, 4), (10, 6, BR, (3, -1), 4, 1), (8, 8, TL, (2, -1), 4, 4), (5, 12, None, (-1, 0), 2, 2),
+    (8, 8, None, None, 4, 4),
+    (5, 9, BR, None, 4, 2),
+    (9, 5, BR, None, 4, 4),
+    (7, 7, TL, None, 6, 2),
+    (6, 10, None, (2, 1), 4, 4),
+    (10, 6, BR, (3, -1), 4, 1),
+    (8, 8, TL, (2, -1), 4, 4),
+    (5, 12, None, (-1, 0), 2, 2),
     (12, 5, None, (1, -1), 2, 2),
 ]
 
@@ -126,14 +162,26 @@ def test_flash_attn_prepared_runner_matches_run(fa, version, sq, sk, causal, win
     with the new tensors exactly as run() would (same arguments, same result, gradients)."""
     backend, calls = fa(version)
     q, k, v = inputs(2, hq, hkv, sq, sk, 64)
-    options = dict(attn_mask=None, dropout_p=0.0, causal=causal, window=window, scale=0.3, cu_seqlens_q=None,
-                   cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, enable_gqa=hkv != hq, deterministic=True)
+    options = dict(
+        attn_mask=None,
+        dropout_p=0.0,
+        causal=causal,
+        window=window,
+        scale=0.3,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        enable_gqa=hkv != hq,
+        deterministic=True,
+    )
     runner = backend.prepare(q, k, v, options)
     q2, k2, v2 = (torch.randn_like(t).requires_grad_() for t in (q, k, v))
     got = runner(q2, k2, v2)
 
-    def recorded():   # the arguments flash-attn received, tensors left out
+    def recorded():  # the arguments flash-attn received, tensors left out
         return {n: x for n, x in calls[-1].items() if not isinstance(x, torch.Tensor)}
+
     via_runner = recorded()
     assert calls[-1]["q_ptr"] == q2.data_ptr()
     want = backend.run(q2, k2, v2, **options)
@@ -155,7 +203,7 @@ def test_flash_attn_prepared_varlen_runner_without_offsets_uses_the_prepared_one
     with torch.set_grad_enabled(grad):
         runner = backend.prepare(q, k, v, options)
         want = backend.run(q, k, v, **options)
-        for _ in range(2):   # flash-attn 4 inference: the recording call, then a relaunch
+        for _ in range(2):  # flash-attn 4 inference: the recording call, then a relaunch
             got = runner(q, k, v)
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert calls[-1]["cu_seqlens_q"] is cu_q and calls[-1]["cu_seqlens_k"] is cu_k
@@ -175,8 +223,19 @@ def test_flash_attn_prepared_varlen_runner_takes_each_calls_offsets(fa, version,
     lq, lk = ([3, 7, 1], [3, 7, 1]) if same else ([3, 7, 1], [5, 4, 6])
     q, k, v, cu_q, cu_k = packed(lq, lk, 4, 2, 64)
     cu_k = cu_q if same else cu_k
-    options = dict(attn_mask=None, dropout_p=0.0, causal=causal, window=None, scale=0.3, cu_seqlens_q=cu_q,
-                   cu_seqlens_k=cu_k, max_seqlen_q=8, max_seqlen_k=8, enable_gqa=True, deterministic=True)
+    options = dict(
+        attn_mask=None,
+        dropout_p=0.0,
+        causal=causal,
+        window=None,
+        scale=0.3,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=8,
+        max_seqlen_k=8,
+        enable_gqa=True,
+        deterministic=True,
+    )
     runner = backend.prepare(q, k, v, options)
     lq2, lk2 = ([8, 1, 2], [8, 1, 2]) if same else ([8, 1, 2], [2, 8, 5])
     q2, k2, v2, cu_q2, cu_k2 = packed(lq2, lk2, 4, 2, 64)
@@ -192,8 +251,19 @@ def test_flash_attn_prepared_varlen_runner_takes_each_calls_offsets(fa, version,
 
 
 def _fa4_options(causal, window, hq, hkv):
-    return dict(attn_mask=None, dropout_p=0.0, causal=causal, window=window, scale=0.3, cu_seqlens_q=None,
-                cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, enable_gqa=hkv != hq, deterministic=False)
+    return dict(
+        attn_mask=None,
+        dropout_p=0.0,
+        causal=causal,
+        window=window,
+        scale=0.3,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        enable_gqa=hkv != hq,
+        deterministic=False,
+    )
 
 
 @pytest.mark.parametrize("sq,sk,causal,window,hq,hkv", DENSE_CASES)
@@ -207,7 +277,7 @@ def test_fa4_inference_runner_relaunches_the_recorded_compiled_call(fa, sq, sk, 
     cache = iface._flash_attn_fwd.compile_cache
     options = _fa4_options(causal, window, hq, hkv)
     with torch.no_grad():
-        q, k, v = inputs(2, hq, hkv, sq, sk, 64)      # leaves that require grad, used without autograd
+        q, k, v = inputs(2, hq, hkv, sq, sk, 64)  # leaves that require grad, used without autograd
         runner = backend.prepare(q, k, v, options)
         assert isinstance(runner, ForwardRelauncher)
         first = runner(q, k, v)
@@ -219,17 +289,18 @@ def test_fa4_inference_runner_relaunches_the_recorded_compiled_call(fa, sq, sk, 
             q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
             publics, launches = len(calls), len(iface.launches)
             got = runner(q2, k2, v2)
-            assert len(calls) == publics and len(iface.launches) == launches + 1   # relaunched, not the public call
+            assert len(calls) == publics and len(iface.launches) == launches + 1  # relaunched, not the public call
             assert iface.launches[-1]["q_ptr"] == q2.data_ptr() and iface.launches[-1]["out_ptr"] == got.data_ptr()
             assert got.shape == q2.shape and not got.requires_grad
             torch.testing.assert_close(got, backend.run(q2, k2, v2, **options), rtol=0, atol=0)
             outs.append(got)
-        assert outs[0].data_ptr() != outs[1].data_ptr()      # a fresh output per call
+        assert outs[0].data_ptr() != outs[1].data_ptr()  # a fresh output per call
 
 
 @pytest.mark.parametrize("sq,sk,causal,window,hq,hkv", DENSE_CASES[:4] + DENSE_CASES[-2:])
-def test_fa4_training_runner_relaunches_the_forward_and_runs_flash_attn_4s_backward(fa, sq, sk, causal, window,
-                                                                                      hq, hkv):
+def test_fa4_training_runner_relaunches_the_forward_and_runs_flash_attn_4s_backward(
+    fa, sq, sk, causal, window, hq, hkv
+):
     """With autograd the first call goes through flash_attn_func (recording); later calls
     relaunch the compiled forward with a fresh output and LSE, and their backward is flash-attn
     4's _flash_attn_bwd on that output and LSE: outputs and gradients equal to run()'s."""
@@ -261,11 +332,15 @@ def test_fa4_training_runner_relaunches_the_forward_and_runs_flash_attn_4s_backw
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("trouble,reason", [("extra_tensor", "beyond query, key, value, output"),
-                                            ("copy_query", "no compiled call took the caller's query"),
-                                            ("no_interface", "not found")])
-def test_fa4_inference_runner_keeps_the_public_call_when_the_record_is_not_understood(fa, monkeypatch, trouble,
-                                                                                        reason):
+@pytest.mark.parametrize(
+    "trouble,reason",
+    [
+        ("extra_tensor", "beyond query, key, value, output"),
+        ("copy_query", "no compiled call took the caller's query"),
+        ("no_interface", "not found"),
+    ],
+)
+def test_fa4_inference_runner_keeps_the_public_call_when_the_record_is_not_understood(fa, monkeypatch, trouble, reason):
     backend, calls = fa(4)
     iface = sys.modules["flash_attn.cute.interface"]
     if trouble == "no_interface":
@@ -290,9 +365,11 @@ def test_fa4_training_runner_keeps_the_public_call_without_a_returned_lse(fa):
     it); a flash_attn_func that returns only the output keeps the public path, gradients and all."""
     backend, calls = fa(4)
     public = sys.modules["flash_attn.cute"].flash_attn_func
-    runner = ForwardRelauncher(lambda *a, **kw: public(*a, **kw)[0], dict(softmax_scale=0.3, causal=False,
-                                                                          window_size=(None, None),
-                                                                          deterministic=False), training=True)
+    runner = ForwardRelauncher(
+        lambda *a, **kw: public(*a, **kw)[0],
+        dict(softmax_scale=0.3, causal=False, window_size=(None, None), deterministic=False),
+        training=True,
+    )
     q, k, v = inputs(2, 4, 2, 6, 9, 64)
     for _ in range(2):
         out = runner(q, k, v)
@@ -310,8 +387,9 @@ def test_fa4_recording_puts_the_compile_cache_back_when_the_call_fails(fa):
     cache = iface._flash_attn_fwd.compile_cache
 
     def failing(*args, **kwargs):
-        assert iface._flash_attn_fwd.compile_cache is not cache    # recording
+        assert iface._flash_attn_fwd.compile_cache is not cache  # recording
         raise RuntimeError("boom")
+
     runner = ForwardRelauncher(failing, {})
     q, k, v = inputs(1, 2, 2, 4, 4, 64, grad=False)
     with pytest.raises(RuntimeError, match="boom"):
@@ -320,8 +398,19 @@ def test_fa4_recording_puts_the_compile_cache_back_when_the_call_fails(fa):
 
 
 def _varlen_options(causal, window, cu_q, cu_k):
-    return dict(attn_mask=None, dropout_p=0.0, causal=causal, window=window, scale=0.3, cu_seqlens_q=cu_q,
-                cu_seqlens_k=cu_k, max_seqlen_q=8, max_seqlen_k=8, enable_gqa=True, deterministic=False)
+    return dict(
+        attn_mask=None,
+        dropout_p=0.0,
+        causal=causal,
+        window=window,
+        scale=0.3,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=8,
+        max_seqlen_k=8,
+        enable_gqa=True,
+        deterministic=False,
+    )
 
 
 def _aligned_copy(cu):
@@ -332,14 +421,15 @@ def _aligned_copy(cu):
 def _misaligned_copy(cu):
     """The same offsets at an address 4 bytes past a 16-byte boundary."""
     room = torch.zeros(cu.numel() + 4, dtype=torch.int32)
-    view = room[1:1 + cu.numel()]
+    view = room[1 : 1 + cu.numel()]
     view.copy_(cu)
     assert view.data_ptr() % 16 == 4
     return view
 
 
-@pytest.mark.parametrize("causal,window,same", [(None, None, False), (BR, None, False), (TL, None, True),
-                                                (BR, (2, 0), False)])
+@pytest.mark.parametrize(
+    "causal,window,same", [(None, None, False), (BR, None, False), (TL, None, True), (BR, (2, 0), False)]
+)
 def test_fa4_varlen_inference_runner_relaunches_with_each_calls_offsets(fa, causal, window, same):
     """Varlen inference: the flash-attn 4 runner records the compiled call of its first call
     (which takes the call's offsets) and repeats it with each later call's tensors and offsets,
@@ -362,13 +452,15 @@ def test_fa4_varlen_inference_runner_relaunches_with_each_calls_offsets(fa, caus
             cu_k2 = cu_q2 if same else cu_k2
             publics, launches = len(calls), len(iface.launches)
             got = runner(q2, k2, v2, cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k2)
-            assert len(calls) == publics and len(iface.launches) == launches + 1   # relaunched
+            assert len(calls) == publics and len(iface.launches) == launches + 1  # relaunched
             launch = iface.launches[-1]
             assert launch["q_ptr"] == q2.data_ptr() and launch["cu_q"] is cu_q2 and launch["cu_k"] is cu_k2
-            torch.testing.assert_close(got, backend.run(q2, k2, v2, **dict(options, cu_seqlens_q=cu_q2,
-                                                                                cu_seqlens_k=cu_k2)), rtol=0, atol=0)
-            ref = naive_attention(q2, k2, v2, causal=_str(causal), window=window, scale=0.3, cu_seqlens_q=cu_q2,
-                                  cu_seqlens_k=cu_k2)
+            torch.testing.assert_close(
+                got, backend.run(q2, k2, v2, **dict(options, cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k2)), rtol=0, atol=0
+            )
+            ref = naive_attention(
+                q2, k2, v2, causal=_str(causal), window=window, scale=0.3, cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k2
+            )
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
 
 
@@ -402,7 +494,7 @@ def test_fa4_varlen_runner_takes_the_public_call_where_the_record_does_not_fit(f
             cu_k2 = cu_q2
         publics = len(calls)
         got = runner(q2, k2, v2, cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k2)
-        assert len(calls) == publics + 1 and calls[-1]["cu_seqlens_q"] is cu_q2    # the public function
+        assert len(calls) == publics + 1 and calls[-1]["cu_seqlens_q"] is cu_q2  # the public function
         ref = naive_attention(q2, k2, v2, scale=0.3, cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k2)
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
 
@@ -420,6 +512,7 @@ def test_fa4_recorder_passes_every_call_through_and_records_only_ours():
     """While a recording runs, the module's cache is the recorder for every thread: lookups,
     stores and compiled calls reach the real cache; only calls on our query are recorded."""
     from attention_dispatch.backends.fa4_relaunch import _Recorder
+
     ours, theirs = torch.randn(2, 3), torch.randn(2, 3)
     made = []
     cache = {"k": lambda *args: made.append(args) or "ran"}
@@ -427,10 +520,10 @@ def test_fa4_recorder_passes_every_call_through_and_records_only_ours():
     assert "k" in recorder and "other" not in recorder
     recorder["new"] = cache["k"]
     assert cache["new"] is cache["k"]
-    assert recorder["k"](theirs, 1) == "ran" and recorder.calls == []          # another caller's call
+    assert recorder["k"](theirs, 1) == "ran" and recorder.calls == []  # another caller's call
     assert recorder["k"](ours, 2) == "ran" and [a for _, a in recorder.calls] == [(ours, 2)]
     assert [a[1] for a in made] == [1, 2]
-    assert recorder.keys() == cache.keys()                                       # the rest of the cache's API
+    assert recorder.keys() == cache.keys()  # the rest of the cache's API
 
 
 def test_fa4_refusal_of_two_compiled_calls_and_of_a_foreign_output():
@@ -443,19 +536,21 @@ def test_fa4_refusal_of_two_compiled_calls_and_of_a_foreign_output():
     assert "beyond" in refusal([(compiled, (q, k, v, out, [None, (torch.ones(1),)]))], q, k, v, out)
     lse = torch.randn(1, 2, 4)
     assert refusal([(compiled, (q, k, v, out, lse, 0.5, None))], q, k, v, out, lse) is None
-    assert "beyond" in refusal([(compiled, (q, k, v, out, lse, 0.5, None))], q, k, v, out)   # inference: no LSE
+    assert "beyond" in refusal([(compiled, (q, k, v, out, lse, 0.5, None))], q, k, v, out)  # inference: no LSE
     assert "log-sum-exp" in refusal([(compiled, (q, k, v, out, lse.clone(), 0.5))], q, k, v, out, lse)
     assert "beyond" in refusal([(compiled, (q, k, v, out, lse, torch.ones(1)))], q, k, v, out, lse)
-    assert "beyond" in refusal([(compiled, (q, k, v, out, None, object()))], q, k, v, out)   # not plain data
+    assert "beyond" in refusal([(compiled, (q, k, v, out, None, object()))], q, k, v, out)  # not plain data
     assert refusal([(compiled, (q, k, v, out, None, {"a": (1, "x", None)}))], q, k, v, out) is None
     cu_q, cu_k = torch.tensor([0, 2, 4], dtype=torch.int32), torch.tensor([0, 1, 4], dtype=torch.int32)
     varlen = (compiled, (q, k, v, out, None, 0.5, cu_q, cu_k, None))
     assert refusal([varlen], q, k, v, out, None, (cu_q, cu_k)) is None
-    assert "beyond" in refusal([varlen], q, k, v, out)                            # offsets not declared
-    assert "offsets" in refusal([(compiled, (q, k, v, out, None, 0.5, cu_q.clone(), cu_k))], q, k, v, out, None,
-                                (cu_q, cu_k))                                     # a copy is another tensor
-    assert "does not take the caller's offsets" in refusal([(compiled, (q, k, v, out, None, 0.5))], q, k, v, out,
-                                                           None, (cu_q, cu_k))
+    assert "beyond" in refusal([varlen], q, k, v, out)  # offsets not declared
+    assert "offsets" in refusal(
+        [(compiled, (q, k, v, out, None, 0.5, cu_q.clone(), cu_k))], q, k, v, out, None, (cu_q, cu_k)
+    )  # a copy is another tensor
+    assert "does not take the caller's offsets" in refusal(
+        [(compiled, (q, k, v, out, None, 0.5))], q, k, v, out, None, (cu_q, cu_k)
+    )
 
 
 @pytest.mark.parametrize("version", [2, 3, 4])
@@ -464,8 +559,7 @@ def test_flash_attn_dense_mapping(fa, version, sq, sk, causal, window, hq, hkv):
     backend, calls = fa(version)
     q, k, v = inputs(2, hq, hkv, sq, sk, 64)
     scale = 0.3
-    out = backend.run(q, k, v, causal=causal, window=window, scale=scale, deterministic=True,
-                      enable_gqa=hkv != hq)
+    out = backend.run(q, k, v, causal=causal, window=window, scale=scale, deterministic=True, enable_gqa=hkv != hq)
     ref = naive_attention(q, k, v, causal=_str(causal), window=window, scale=scale)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     (gq, gk, gv), g = grads(out, (q, k, v))
@@ -473,7 +567,7 @@ def test_flash_attn_dense_mapping(fa, version, sq, sk, causal, window, hq, hkv):
     for a, b_ in ((gq, rq), (gk, rk), (gv, rv)):
         torch.testing.assert_close(a, b_, rtol=0, atol=1e-10)
     call = calls[-1]
-    assert call["q_shape"] == (2, sq, hq, 64) and call["q_ptr"] == q.data_ptr()   # BSHD view, no copy
+    assert call["q_shape"] == (2, sq, hq, 64) and call["q_ptr"] == q.data_ptr()  # BSHD view, no copy
     assert call["softmax_scale"] == scale and call["deterministic"] is True
     assert call["causal"] is (causal is not None)
     unbounded = None if version == 4 else -1
@@ -491,8 +585,19 @@ def test_flash_attn_dense_mapping(fa, version, sq, sk, causal, window, hq, hkv):
 def test_flash_attn_varlen_mapping(fa, version, causal, window):
     backend, calls = fa(version)
     q, k, v, cu_q, cu_k = packed([3, 7, 1], [5, 4, 6], 4, 2, 64)
-    out = backend.run(q, k, v, causal=causal, window=window, scale=0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                      max_seqlen_q=7, max_seqlen_k=6, enable_gqa=True)
+    out = backend.run(
+        q,
+        k,
+        v,
+        causal=causal,
+        window=window,
+        scale=0.5,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=7,
+        max_seqlen_k=6,
+        enable_gqa=True,
+    )
     ref = naive_attention(q, k, v, causal=_str(causal), window=window, scale=0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     call = calls[-1]
@@ -509,18 +614,41 @@ def test_flash_attn_varlen_top_left_with_one_offsets_tensor(fa, version, window)
     read them back from the GPU): still rejected, with the reason."""
     backend, calls = fa(version)
     q, k, v, cu, _ = packed([3, 7, 1], [3, 7, 1], 4, 2, 64)
-    out = backend.run(q, k, v, causal=TL, window=window, scale=0.5, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                      max_seqlen_q=7, max_seqlen_k=7, enable_gqa=True)
+    out = backend.run(
+        q,
+        k,
+        v,
+        causal=TL,
+        window=window,
+        scale=0.5,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=7,
+        max_seqlen_k=7,
+        enable_gqa=True,
+    )
     ref = naive_attention(q, k, v, causal="top_left", window=window, scale=0.5, cu_seqlens_q=cu, cu_seqlens_k=cu)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     assert calls[-1]["fn"] == "varlen" and calls[-1]["causal"] is True
     with pytest.raises(RuntimeError, match="causal=top_left with varlen"):
-        backend.run(q, k, v, causal=TL, window=window, scale=0.5, cu_seqlens_q=cu, cu_seqlens_k=cu.clone(),
-                    max_seqlen_q=7, max_seqlen_k=7, enable_gqa=True)
+        backend.run(
+            q,
+            k,
+            v,
+            causal=TL,
+            window=window,
+            scale=0.5,
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu.clone(),
+            max_seqlen_q=7,
+            max_seqlen_k=7,
+            enable_gqa=True,
+        )
     p = backend.problem_of(q, k, v, causal=TL, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7)
     assert p.same_offsets and p.sequences_match
-    assert not backend.problem_of(q, k, v, causal=TL, cu_seqlens_q=cu, cu_seqlens_k=cu.clone(), max_seqlen_q=7,
-                                  max_seqlen_k=7).sequences_match
+    assert not backend.problem_of(
+        q, k, v, causal=TL, cu_seqlens_q=cu, cu_seqlens_k=cu.clone(), max_seqlen_q=7, max_seqlen_k=7
+    ).sequences_match
 
 
 def test_flash_attn_dropout_goes_to_fa2_only(fa):
@@ -547,15 +675,20 @@ def test_flash_attn_rejections(fa):
     assert "dtype=float32 not in {bfloat16, float16}" in r(problem(dtype=torch.float32))
     assert "head_dim=320 > 256" in r(problem(head_dim_qk=320, head_dim_v=320))
     assert any("head_dim_qk=64 != head_dim_v=32" in x for x in r(problem(head_dim_v=32)))
-    assert "causal=top_left with Sq=3 != Sk=5 (the backend aligns causal bottom_right)" in \
-        r(problem(seqlen_q=3, seqlen_k=5, causal=TL))
+    assert "causal=top_left with Sq=3 != Sk=5 (the backend aligns causal bottom_right)" in r(
+        problem(seqlen_q=3, seqlen_k=5, causal=TL)
+    )
     assert any("varlen" in x for x in r(problem(layout="varlen", causal=TL)))
     assert not any("causal" in x for x in r(problem(layout="varlen", causal=TL, same_offsets=True)))
     assert "device=cpu not in {cuda}" in r(problem(device_type="cpu", compute_capability=None))
-    assert r(problem(causal=TL)) == []          # square: top-left == bottom-right
+    assert r(problem(causal=TL)) == []  # square: top-left == bottom-right
     assert r(problem(causal=BR, window=(4, 0), dropout=True, heads_kv=1, requires_grad=True)) == []
-    assert any("dropout" in x and "sm80/sm90" in x for x in
-               r(problem(compute_capability=(8, 6), head_dim_qk=256, head_dim_v=256, dropout=True, requires_grad=True)))
+    assert any(
+        "dropout" in x and "sm80/sm90" in x
+        for x in r(
+            problem(compute_capability=(8, 6), head_dim_qk=256, head_dim_v=256, dropout=True, requires_grad=True)
+        )
+    )
 
 
 def test_flash_attn_generation_specific_rejections(fa):
@@ -564,7 +697,9 @@ def test_flash_attn_generation_specific_rejections(fa):
     assert "dropout_p > 0 not supported" in r(problem(dropout=True))
     assert "compute capability sm80 < sm90" in r(problem(compute_capability=(8, 0)))
     assert any("flash-attn 4: head_dim=80 not in {64, 96, 128}" == x for x in r(problem(head_dim_qk=80, head_dim_v=80)))
-    assert any("backward with a window not supported on sm90" in x for x in r(problem(window=(8, 0), requires_grad=True)))
+    assert any(
+        "backward with a window not supported on sm90" in x for x in r(problem(window=(8, 0), requires_grad=True))
+    )
     assert r(problem(window=(8, 0), requires_grad=True, compute_capability=(10, 0))) == []
     assert any("varlen backward" in x for x in r(problem(layout="varlen", requires_grad=True)))
     assert any("deterministic" in x for x in r(problem(deterministic=True, requires_grad=True)))
@@ -592,6 +727,7 @@ def xf(monkeypatch):
         calls: list = []
         fakes.install(monkeypatch, fakes.make_xformers(calls, **kw))
         return XformersBackend(), calls
+
     return make
 
 
@@ -614,14 +750,20 @@ def test_xformers_missing(monkeypatch):
 
 
 def test_xformers_abi_mismatch_is_unavailable(monkeypatch, tmp_path):
-    _broken_package(monkeypatch, tmp_path, "xformers", """
+    _broken_package(
+        monkeypatch,
+        tmp_path,
+        "xformers",
+        """
         raise ImportError("/site-packages/xformers/_C.so: undefined symbol: _ZN2at4_ops10zeros_like4callE\\nsecond line")
-    """)
+    """,
+    )
     b = XformersBackend()
     assert not b.is_available()
-    assert b.unavailable_reason() == ("import failed: ImportError: /site-packages/xformers/_C.so: "
-                                      "undefined symbol: _ZN2at4_ops10zeros_like4callE")
-    assert b.check(problem()) == []     # nothing to ask; availability already says why
+    assert b.unavailable_reason() == (
+        "import failed: ImportError: /site-packages/xformers/_C.so: undefined symbol: _ZN2at4_ops10zeros_like4callE"
+    )
+    assert b.check(problem()) == []  # nothing to ask; availability already says why
 
 
 def test_xformers_without_flash_attn_interface_is_unavailable(monkeypatch, tmp_path):
@@ -632,10 +774,16 @@ def test_xformers_without_flash_attn_interface_is_unavailable(monkeypatch, tmp_p
 
 
 XF_DENSE = [  # (sq, sk, causal, window, hq, hkv, mask)
-    (8, 8, None, None, 4, 4, None), (6, 9, TL, None, 4, 2, None), (9, 9, BR, None, 2, 2, None),
-    (5, 9, BR, None, 4, 4, None), (6, 10, None, (2, 1), 4, 4, None), (6, 10, BR, (2, -1), 4, 1, None),
+    (8, 8, None, None, 4, 4, None),
+    (6, 9, TL, None, 4, 2, None),
+    (9, 9, BR, None, 2, 2, None),
+    (5, 9, BR, None, 4, 4, None),
+    (6, 10, None, (2, 1), 4, 4, None),
+    (6, 10, BR, (2, -1), 4, 1, None),
     (8, 8, TL, (1, -1), 2, 2, None),
-    (7, 9, None, None, 4, 2, "bool"), (7, 9, TL, None, 4, 4, "float"), (9, 7, BR, (2, -1), 4, 4, "float"),
+    (7, 9, None, None, 4, 2, "bool"),
+    (7, 9, TL, None, 4, 4, "float"),
+    (9, 7, BR, (2, -1), 4, 4, "float"),
     (7, 9, TL, (1, -1), 4, 2, "bool_empty_rows"),
 ]
 
@@ -677,8 +825,19 @@ def test_xformers_dense_mapping(xf, sq, sk, causal, window, hq, hkv, mask):
 def test_xformers_varlen_mapping(xf, causal, window):
     backend, calls = xf()
     q, k, v, cu_q, cu_k = packed([3, 7, 2], [5, 4, 6], 4, 2, 8)
-    out = backend.run(q, k, v, causal=causal, window=window, scale=0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                      max_seqlen_q=7, max_seqlen_k=6, enable_gqa=True)
+    out = backend.run(
+        q,
+        k,
+        v,
+        causal=causal,
+        window=window,
+        scale=0.5,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=7,
+        max_seqlen_k=6,
+        enable_gqa=True,
+    )
     ref = naive_attention(q, k, v, causal=_str(causal), window=window, scale=0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     assert calls[-1]["attn_bias"].q_seqlen == [3, 7, 2] and calls[-1]["attn_bias"].kv_seqlen == [5, 4, 6]
@@ -689,17 +848,34 @@ def test_xformers_rejections(xf):
     r = backend.reasons
     assert "dropout_p > 0 not supported" in r(problem(dropout=True))
     assert any("bottom_right with varlen" in x for x in r(problem(layout="varlen", causal=BR)))
-    assert any("attn_mask with varlen" in x for x in r(problem(layout="varlen", mask_kind="bool", mask_shape=(1, 1, 64, 64))))
+    assert any(
+        "attn_mask with varlen" in x for x in r(problem(layout="varlen", mask_kind="bool", mask_shape=(1, 1, 64, 64)))
+    )
     assert any("no xformers mask type" in x for x in r(problem(seqlen_q=5, seqlen_k=9, causal=TL, window=(2, 0))))
     assert any("no allowed key" in x for x in r(problem(seqlen_q=9, seqlen_k=5, causal=BR)))
-    assert "deterministic algorithms requested but the backward is nondeterministic" in \
-        r(problem(deterministic=True, requires_grad=True))
+    assert "deterministic algorithms requested but the backward is nondeterministic" in r(
+        problem(deterministic=True, requires_grad=True)
+    )
     # xformers' own "no operator" answer, one reason per operator
     reasons = r(problem(head_dim_qk=160, head_dim_v=160))
-    assert reasons == ["xformers cutlassF-pt: max(query.shape[-1], value.shape[-1]) > 128",
-                       "xformers fa2F@2.8.3: xFormers wasn't build with CUDA support"]
-    assert r(problem(heads_kv=2, causal=BR, seqlen_q=32, mask_kind="float", mask_shape=(2, 1, 32, 64),
-                     mask_requires_grad=True, requires_grad=True)) == []
+    assert reasons == [
+        "xformers cutlassF-pt: max(query.shape[-1], value.shape[-1]) > 128",
+        "xformers fa2F@2.8.3: xFormers wasn't build with CUDA support",
+    ]
+    assert (
+        r(
+            problem(
+                heads_kv=2,
+                causal=BR,
+                seqlen_q=32,
+                mask_kind="float",
+                mask_shape=(2, 1, 32, 64),
+                mask_requires_grad=True,
+                requires_grad=True,
+            )
+        )
+        == []
+    )
 
 
 def test_parse_no_operator_plain_message():
@@ -723,15 +899,28 @@ def _cpu_cases():
 @pytest.mark.parametrize("dtype,sq,sk,hq,hkv,d,causal,mask", _cpu_cases())
 def test_torch_cpu_matches_oracle(dtype, sq, sk, hq, hkv, d, causal, mask):
     backend = TorchCpuBackend()
-    p = problem(batch=2, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, head_dim_qk=d, head_dim_v=d, dtype=dtype,
-                device_type="cpu", compute_capability=None, causal=causal, mask_kind=mask,
-                mask_shape=None if mask == "none" else (2, 1, sq, sk), requires_grad=True)
+    p = problem(
+        batch=2,
+        heads_q=hq,
+        heads_kv=hkv,
+        seqlen_q=sq,
+        seqlen_k=sk,
+        head_dim_qk=d,
+        head_dim_v=d,
+        dtype=dtype,
+        device_type="cpu",
+        compute_capability=None,
+        causal=causal,
+        mask_kind=mask,
+        mask_shape=None if mask == "none" else (2, 1, sq, sk),
+        requires_grad=True,
+    )
     assert backend.reasons(p) == []
     q, k, v = inputs(2, hq, hkv, sq, sk, d, dtype=torch.float64)
     m = None
     if mask == "bool":
         m = torch.rand(2, 1, sq, sk) > 0.4
-        m[0, 0, 0] = False      # a row without any allowed key
+        m[0, 0, 0] = False  # a row without any allowed key
     elif mask == "float":
         m = torch.randn(2, 1, sq, sk, dtype=torch.float64)
         m[1, 0, -1] = -math.inf
@@ -754,8 +943,9 @@ def test_torch_cpu_rejections():
     r = TorchCpuBackend().reasons
     cpu = dict(device_type="cpu", compute_capability=None)
     assert "dropout_p > 0 not supported" in r(problem(dropout=True, **cpu))
-    assert "gradient of a float attn_mask not supported" in \
-        r(problem(mask_kind="float", mask_shape=(1, 1, 64, 64), mask_requires_grad=True, **cpu))
+    assert "gradient of a float attn_mask not supported" in r(
+        problem(mask_kind="float", mask_shape=(1, 1, 64, 64), mask_requires_grad=True, **cpu)
+    )
     assert "varlen (cu_seqlens / nested) inputs not supported" in r(problem(layout="varlen", **cpu))
     assert any("head_dim_qk=64 != head_dim_v=32" in x for x in r(problem(head_dim_v=32, **cpu)))
     assert "window=(4, 0) not supported" in r(problem(window=(4, 0), **cpu))
@@ -766,17 +956,22 @@ def test_torch_cpu_rejections():
 
 
 CUDNN_DIRECT_CASES = [  # (hq, hkv, sq, sk, causal, mask, window, last-dim stride 1, op expected)
-    (4, 4, 8, 8, None, None, None, True, True), (4, 4, 8, 8, TL, None, None, True, True),
-    (4, 4, 8, 8, BR, None, None, True, True), (4, 4, 5, 9, BR, None, None, True, False),
-    (4, 4, 9, 5, TL, None, None, True, True), (4, 2, 8, 8, None, None, None, True, False),
-    (4, 4, 8, 8, None, "bool", None, True, False), (4, 4, 8, 8, None, None, None, False, False),
+    (4, 4, 8, 8, None, None, None, True, True),
+    (4, 4, 8, 8, TL, None, None, True, True),
+    (4, 4, 8, 8, BR, None, None, True, True),
+    (4, 4, 5, 9, BR, None, None, True, False),
+    (4, 4, 9, 5, TL, None, None, True, True),
+    (4, 2, 8, 8, None, None, None, True, False),
+    (4, 4, 8, 8, None, "bool", None, True, False),
+    (4, 4, 8, 8, None, None, None, False, False),
 ]
 
 
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("hq,hkv,sq,sk,causal,mask,window,unit_stride,direct", CUDNN_DIRECT_CASES)
-def test_cudnn_prepared_runner_calls_the_aten_op_for_plain_calls(monkeypatch, grad, hq, hkv, sq, sk, causal, mask,
-                                                                  window, unit_stride, direct):
+def test_cudnn_prepared_runner_calls_the_aten_op_for_plain_calls(
+    monkeypatch, grad, hq, hkv, sq, sk, causal, mask, window, unit_stride, direct
+):
     """cuDNN's runner calls torch._scaled_dot_product_cudnn_attention itself for calls without
     mask, GQA or bottom-right offset (faked here: it records its arguments and computes with the
     oracle): is_causal, scale and the log-sum-exp flag (only when the signature needs grad)
@@ -786,6 +981,7 @@ def test_cudnn_prepared_runner_calls_the_aten_op_for_plain_calls(monkeypatch, gr
     def fake_op(q, k, v, bias, lse, dropout_p, is_causal, debug, *, scale=None):
         seen.append(dict(bias=bias, lse=lse, dropout_p=dropout_p, is_causal=is_causal, debug=debug, scale=scale))
         return naive_attention(q, k, v, causal="top_left" if is_causal else None, scale=scale), None
+
     monkeypatch.setattr(torch, "_scaled_dot_product_cudnn_attention", fake_op)
     ran = []
     backend = CudnnBackend()
@@ -794,8 +990,19 @@ def test_cudnn_prepared_runner_calls_the_aten_op_for_plain_calls(monkeypatch, gr
     if not unit_stride:
         q = q.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_(grad)
     m = torch.rand(2, 1, sq, sk) > 0.5 if mask else None
-    options = dict(attn_mask=m, dropout_p=0.0, causal=causal, window=window, scale=0.3, cu_seqlens_q=None,
-                   cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, enable_gqa=hq != hkv, deterministic=False)
+    options = dict(
+        attn_mask=m,
+        dropout_p=0.0,
+        causal=causal,
+        window=window,
+        scale=0.3,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        enable_gqa=hq != hkv,
+        deterministic=False,
+    )
     runner = backend.prepare(q, k, v, options)
     q2, k2, v2 = (torch.randn_like(t).requires_grad_(grad) for t in (q, k, v))
     args = (q2, k2, v2) if m is None else (q2, k2, v2, m)
@@ -803,16 +1010,18 @@ def test_cudnn_prepared_runner_calls_the_aten_op_for_plain_calls(monkeypatch, gr
     if not direct:
         assert out == "run()" and not seen and ran[-1]["causal"] is causal
         return
-    assert not ran and seen == [dict(bias=None, lse=grad, dropout_p=0.0, is_causal=causal is not None, debug=False,
-                                     scale=0.3)]
+    assert not ran and seen == [
+        dict(bias=None, lse=grad, dropout_p=0.0, is_causal=causal is not None, debug=False, scale=0.3)
+    ]
     want = naive_attention(q2, k2, v2, causal=_str(causal), scale=0.3)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,sq,sk,causal,mask,window,unit_stride,direct", CUDNN_DIRECT_CASES)
-def test_torch_cpu_prepared_runner_calls_the_flash_op_for_plain_calls(dtype, hq, hkv, sq, sk, causal, mask, window,
-                                                                      unit_stride, direct):
+def test_torch_cpu_prepared_runner_calls_the_flash_op_for_plain_calls(
+    dtype, hq, hkv, sq, sk, causal, mask, window, unit_stride, direct
+):
     """On the CPU for real: plain calls' runner calls torch._scaled_dot_product_flash_attention_for_cpu
     (what F.sdpa pinned to flash calls), bit-equal to run() in output and gradients; masks, GQA,
     a bottom-right offset or a strided last dim keep run()."""
@@ -821,8 +1030,19 @@ def test_torch_cpu_prepared_runner_calls_the_flash_op_for_plain_calls(dtype, hq,
     if not unit_stride:
         q = q.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_()
     m = torch.rand(2, 1, sq, sk) > 0.3 if mask else None
-    options = dict(attn_mask=m, dropout_p=0.0, causal=causal, window=window, scale=0.3, cu_seqlens_q=None,
-                   cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, enable_gqa=hq != hkv, deterministic=False)
+    options = dict(
+        attn_mask=m,
+        dropout_p=0.0,
+        causal=causal,
+        window=window,
+        scale=0.3,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        enable_gqa=hq != hkv,
+        deterministic=False,
+    )
     runner = backend.prepare(q, k, v, options)
     op = torch._scaled_dot_product_flash_attention_for_cpu
     assert any(c.cell_contents is op for c in runner.__closure__ or ()) is direct
@@ -837,6 +1057,7 @@ def test_torch_cpu_prepared_runner_calls_the_flash_op_for_plain_calls(dtype, hq,
 
 class _CpuPinned(_TorchSdpaBackend):
     """The shared code path pinned to a CPU kernel, to test the CUDA-only branches here."""
+
     name = "cpu_pinned"
     device_type = "cpu"
     sdp_backend = "FLASH_ATTENTION"
@@ -844,8 +1065,10 @@ class _CpuPinned(_TorchSdpaBackend):
 
 
 @pytest.mark.parametrize("fix_empty_rows", [False, True])
-@pytest.mark.parametrize("sq,sk,causal,mask", [(11, 5, BR, None), (5, 11, BR, None), (9, 9, BR, None),
-                                               (6, 8, TL, "bool"), (8, 6, BR, "float")])
+@pytest.mark.parametrize(
+    "sq,sk,causal,mask",
+    [(11, 5, BR, None), (5, 11, BR, None), (9, 9, BR, None), (6, 8, TL, "bool"), (8, 6, BR, "float")],
+)
 def test_shared_sdpa_path(sq, sk, causal, mask, fix_empty_rows):
     backend = _CpuPinned()
     backend.fix_empty_rows = fix_empty_rows
@@ -873,8 +1096,17 @@ class _CpuMathPinned(_CpuPinned):
 def test_shared_sdpa_varlen_path(lq, lk):
     backend = _CpuMathPinned()
     q, k, v, cu_q, cu_k = packed(lq, lk, 4, 2, 8)
-    out = backend.run(q, k, v, scale=0.3, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
-                      max_seqlen_k=max(lk), enable_gqa=True)
+    out = backend.run(
+        q,
+        k,
+        v,
+        scale=0.3,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max(lq),
+        max_seqlen_k=max(lk),
+        enable_gqa=True,
+    )
     ref = naive_attention(q, k, v, scale=0.3, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     got, g = grads(out, (q, k, v))
@@ -897,14 +1129,17 @@ def test_cuda_sdpa_rejections(monkeypatch):
     # cuDNN
     assert "dropout_p > 0 not supported" in cudnn(problem(dropout=True))
     assert any("Sk=1" in x for x in cudnn(problem(seqlen_k=1)))
-    assert cudnn(problem(head_dim_qk=256, head_dim_v=256, requires_grad=True)) == []   # sm90, verified on an H100
-    assert "head_dim=256 > 128 (cuDNN 91900 on sm100)" in \
-        cudnn(problem(head_dim_qk=256, head_dim_v=256, compute_capability=(10, 0)))
+    assert cudnn(problem(head_dim_qk=256, head_dim_v=256, requires_grad=True)) == []  # sm90, verified on an H100
+    assert "head_dim=256 > 128 (cuDNN 91900 on sm100)" in cudnn(
+        problem(head_dim_qk=256, head_dim_v=256, compute_capability=(10, 0))
+    )
     assert cudnn(problem(head_dim_qk=192, head_dim_v=128)) == []
-    assert "gradient of a float attn_mask not supported" in \
-        cudnn(problem(mask_kind="float", mask_shape=(1, 1, 64, 64), mask_requires_grad=True))
-    assert "deterministic algorithms requested but the backward is nondeterministic" in \
-        cudnn(problem(deterministic=True, requires_grad=True))
+    assert "gradient of a float attn_mask not supported" in cudnn(
+        problem(mask_kind="float", mask_shape=(1, 1, 64, 64), mask_requires_grad=True)
+    )
+    assert "deterministic algorithms requested but the backward is nondeterministic" in cudnn(
+        problem(deterministic=True, requires_grad=True)
+    )
     assert "compute capability sm75 < sm80" in cudnn(problem(compute_capability=(7, 5)))
     assert cudnn(problem(causal=BR, seqlen_q=32, mask_kind="bool", mask_shape=(2, 1, 32, 64))) == []
     monkeypatch.setattr(CudnnBackend, "_cudnn_version", staticmethod(lambda: 91800))
@@ -912,21 +1147,27 @@ def test_cuda_sdpa_rejections(monkeypatch):
     monkeypatch.setattr(CudnnBackend, "_cudnn_version", staticmethod(lambda: 92300))
     assert cudnn(problem(head_dim_qk=256, head_dim_v=256, requires_grad=True)) == []
     assert cudnn(problem(head_dim_qk=256, head_dim_v=256, compute_capability=(10, 0))) == []
-    assert any("backward with head dims (256, 128)" in x for x in
-               cudnn(problem(head_dim_qk=256, head_dim_v=128, requires_grad=True)))
+    assert any(
+        "backward with head dims (256, 128)" in x
+        for x in cudnn(problem(head_dim_qk=256, head_dim_v=128, requires_grad=True))
+    )
     # PyTorch flash
     assert "bool attn_mask not supported" in flash(problem(mask_kind="bool", mask_shape=(1, 1, 64, 64)))
-    assert "causal=top_left with Sq=32 != Sk=64 (the backend aligns causal bottom_right)" in \
-        flash(problem(seqlen_q=32, causal=TL))
+    assert "causal=top_left with Sq=32 != Sk=64 (the backend aligns causal bottom_right)" in flash(
+        problem(seqlen_q=32, causal=TL)
+    )
     assert flash(problem(seqlen_q=32, causal=BR, heads_kv=2, dropout=True)) == []
-    assert any("head_dim=200" in x for x in flash(problem(compute_capability=(8, 6), head_dim_qk=200,
-                                                         head_dim_v=200, requires_grad=True)))
+    assert any(
+        "head_dim=200" in x
+        for x in flash(problem(compute_capability=(8, 6), head_dim_qk=200, head_dim_v=200, requires_grad=True))
+    )
     assert any("multiple of 8" in x for x in flash(problem(layout="varlen", head_dim_qk=60, head_dim_v=60)))
-    assert any("torch.use_deterministic_algorithms(True)" in x
-               for x in flash(problem(deterministic=True, requires_grad=True)))
+    assert any(
+        "torch.use_deterministic_algorithms(True)" in x for x in flash(problem(deterministic=True, requires_grad=True))
+    )
     assert "window=(8, 0) not supported" in flash(problem(window=(8, 0)))
     assert any("causal=top_left with varlen" in x for x in flash(problem(layout="varlen", causal=TL)))
-    assert flash(problem(layout="varlen", causal=TL, same_offsets=True)) == []   # packed self-attention
+    assert flash(problem(layout="varlen", causal=TL, same_offsets=True)) == []  # packed self-attention
     # PyTorch efficient
     assert any("head_dim_qk=20 is not a multiple of 8" in x for x in eff(problem(head_dim_qk=20, head_dim_v=20)))
     assert eff(problem(head_dim_qk=20, head_dim_v=20, dtype=torch.float32)) == []
@@ -935,8 +1176,20 @@ def test_cuda_sdpa_rejections(monkeypatch):
     assert eff(problem(layout="varlen", causal=BR, same_offsets=True)) == []
     assert any("16-byte aligned" in x for x in eff(problem(aligned_16=False)))
     assert "dtype=float64 not in {bfloat16, float16, float32}" in eff(problem(dtype=torch.float64))
-    assert eff(problem(causal=TL, seqlen_q=32, mask_kind="float", mask_shape=(1, 4, 32, 64),
-                       mask_requires_grad=True, requires_grad=True, dropout=True)) == []
+    assert (
+        eff(
+            problem(
+                causal=TL,
+                seqlen_q=32,
+                mask_kind="float",
+                mask_shape=(1, 4, 32, 64),
+                mask_requires_grad=True,
+                requires_grad=True,
+                dropout=True,
+            )
+        )
+        == []
+    )
 
 
 def test_cuda_sdpa_unavailable_without_gpu():
@@ -963,8 +1216,19 @@ def _sample_gpu_problems(caps: base.Capabilities, n: int, seed: int, extra=None)
         mask = rng.choice(["none"] + (["bool"] if caps.bool_mask else []) + (["float"] if caps.float_bias else []))
         window = rng.choice([None, (16, 8), (32, -1)]) if caps.window else None
         dtype = rng.choice(sorted(caps.dtypes & {torch.float16, torch.bfloat16, torch.float32}, key=str))
-        case = dict(sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dv=dv, causal=causal, mask=mask, window=window, dtype=dtype,
-                    mask_grad=mask == "float" and caps.bias_grad and rng.random() < 0.5)
+        case = dict(
+            sq=sq,
+            sk=sk,
+            hq=hq,
+            hkv=hkv,
+            d=d,
+            dv=dv,
+            causal=causal,
+            mask=mask,
+            window=window,
+            dtype=dtype,
+            mask_grad=mask == "float" and caps.bias_grad and rng.random() < 0.5,
+        )
         if extra:
             case.update(extra(rng))
         out.append(case)
@@ -975,10 +1239,23 @@ def _gpu_check(backend, c):
     dev = torch.device("cuda")
     cc = torch.cuda.get_device_capability()
     b = 2
-    p = problem(batch=b, heads_q=c["hq"], heads_kv=c["hkv"], seqlen_q=c["sq"], seqlen_k=c["sk"], head_dim_qk=c["d"],
-                head_dim_v=c["dv"], dtype=c["dtype"], compute_capability=cc, causal=c["causal"], window=c["window"],
-                mask_kind=c["mask"], mask_shape=None if c["mask"] == "none" else (b, 1, c["sq"], c["sk"]),
-                mask_requires_grad=c["mask_grad"], requires_grad=True)
+    p = problem(
+        batch=b,
+        heads_q=c["hq"],
+        heads_kv=c["hkv"],
+        seqlen_q=c["sq"],
+        seqlen_k=c["sk"],
+        head_dim_qk=c["d"],
+        head_dim_v=c["dv"],
+        dtype=c["dtype"],
+        compute_capability=cc,
+        causal=c["causal"],
+        window=c["window"],
+        mask_kind=c["mask"],
+        mask_shape=None if c["mask"] == "none" else (b, 1, c["sq"], c["sk"]),
+        mask_requires_grad=c["mask_grad"],
+        requires_grad=True,
+    )
     if backend.reasons(p):
         pytest.skip(f"not claimed: {backend.reasons(p)}")
     q, k, v = inputs(b, c["hq"], c["hkv"], c["sq"], c["sk"], c["d"], c["dv"], dtype=torch.float64, device="cpu")
@@ -992,9 +1269,20 @@ def _gpu_check(backend, c):
         m.requires_grad_(c["mask_grad"])
     dt = c["dtype"]
     lo = [t.detach().to(dev, dt).requires_grad_() for t in (q, k, v)]
-    m_lo = None if m is None else (m.to(dev) if m.dtype == torch.bool else m.detach().to(dev, dt).requires_grad_(c["mask_grad"]))
-    out = backend.run(*lo, attn_mask=m_lo, causal=c["causal"], window=c["window"], scale=1 / math.sqrt(c["d"]),
-                      enable_gqa=c["hq"] != c["hkv"], deterministic=False)
+    m_lo = (
+        None
+        if m is None
+        else (m.to(dev) if m.dtype == torch.bool else m.detach().to(dev, dt).requires_grad_(c["mask_grad"]))
+    )
+    out = backend.run(
+        *lo,
+        attn_mask=m_lo,
+        causal=c["causal"],
+        window=c["window"],
+        scale=1 / math.sqrt(c["d"]),
+        enable_gqa=c["hq"] != c["hkv"],
+        deterministic=False,
+    )
     ref = naive_attention(q, k, v, mask=m, causal=_str(c["causal"]), window=c["window"])
     cpu_lo = [t.detach().cpu().requires_grad_() for t in lo]
     m_cpu = None if m_lo is None else m_lo.detach().cpu().requires_grad_(c["mask_grad"])
@@ -1013,7 +1301,9 @@ def _gpu_check(backend, c):
 @pytest.mark.parametrize("name", ["cudnn", "torch_flash", "torch_efficient"])
 @pytest.mark.parametrize("seed", range(12))
 def test_gpu_torch_kernels_match_oracle(name, seed):
-    backend = {"cudnn": CudnnBackend, "torch_flash": TorchFlashBackend, "torch_efficient": TorchEfficientBackend}[name]()
+    backend = {"cudnn": CudnnBackend, "torch_flash": TorchFlashBackend, "torch_efficient": TorchEfficientBackend}[
+        name
+    ]()
     assert backend.is_available(), backend.unavailable_reason()
     (case,) = _sample_gpu_problems(backend.capabilities, 1, seed * 7 + len(name))
     _gpu_check(backend, case)
@@ -1028,23 +1318,40 @@ def test_gpu_flash_attn_4_matches_oracle(seed):
     (case,) = _sample_gpu_problems(backend.capabilities, 1, seed, extra=lambda rng: dict(d=rng.choice([64, 128])))
     case["dv"] = case["d"]
     if torch.cuda.get_device_capability()[0] == 9:
-        case["window"] = None           # flash-attn 4 has no windowed backward on sm90 (rejected)
+        case["window"] = None  # flash-attn 4 has no windowed backward on sm90 (rejected)
     _gpu_check(backend, case)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,h,sq,sk,d,causal,dtype,grad", [
-    (2, 4, 512, 512, 128, None, torch.bfloat16, False), (2, 4, 512, 512, 128, TL, torch.float16, True),
-    (3, 8, 300, 700, 64, TL, torch.bfloat16, True), (2, 2, 640, 640, 256, BR, torch.bfloat16, False),
-    (1, 16, 1000, 1000, 96, None, torch.float16, True)])
+@pytest.mark.parametrize(
+    "b,h,sq,sk,d,causal,dtype,grad",
+    [
+        (2, 4, 512, 512, 128, None, torch.bfloat16, False),
+        (2, 4, 512, 512, 128, TL, torch.float16, True),
+        (3, 8, 300, 700, 64, TL, torch.bfloat16, True),
+        (2, 2, 640, 640, 256, BR, torch.bfloat16, False),
+        (1, 16, 1000, 1000, 96, None, torch.float16, True),
+    ],
+)
 def test_gpu_cudnn_prepared_runner_equals_pinned_sdpa(b, h, sq, sk, d, causal, dtype, grad):
     """The prepared cuDNN runner (the ATen op called directly) is bit-equal to run() (F.sdpa
     pinned to cuDNN), forward and gradients, and sdpa()'s fast path uses it."""
     backend = CudnnBackend()
     assert backend.is_available(), backend.unavailable_reason()
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype).requires_grad_(grad) for s in (sq, sk, sk))
-    options = dict(attn_mask=None, dropout_p=0.0, causal=causal, window=None, scale=1 / math.sqrt(d), cu_seqlens_q=None,
-                   cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, enable_gqa=False, deterministic=False)
+    options = dict(
+        attn_mask=None,
+        dropout_p=0.0,
+        causal=causal,
+        window=None,
+        scale=1 / math.sqrt(d),
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        enable_gqa=False,
+        deterministic=False,
+    )
     runner = backend.prepare(q, k, v, options)
     assert any(c.cell_contents is torch._scaled_dot_product_cudnn_attention for c in runner.__closure__ or ())
     q2, k2, v2 = (torch.randn_like(t).requires_grad_(grad) for t in (q, k, v))
@@ -1054,7 +1361,7 @@ def test_gpu_cudnn_prepared_runner_equals_pinned_sdpa(b, h, sq, sk, d, causal, d
         g = torch.randn_like(got)
         ours = torch.autograd.grad(got, (q2, k2, v2), g)
         theirs = torch.autograd.grad(want, (q2, k2, v2), g, retain_graph=True)
-        again = torch.autograd.grad(want, (q2, k2, v2), g)   # cuDNN's backward may sum in any order
+        again = torch.autograd.grad(want, (q2, k2, v2), g)  # cuDNN's backward may sum in any order
         for a, b_, c, name in zip(ours, theirs, again, "qkv"):
             noise = (b_.float() - c.float()).abs().max().item()
             diff = (a.float() - b_.float()).abs().max().item()
@@ -1062,8 +1369,9 @@ def test_gpu_cudnn_prepared_runner_equals_pinned_sdpa(b, h, sq, sk, d, causal, d
     for _ in range(2):
         out = attention_dispatch.sdpa(q2, k2, v2, causal=_str(causal), scale=options["scale"], backend="cudnn")
     assert torch.equal(out, want)
-    assert any(r.__code__ is runner.__code__ for _, r in attention_dispatch.api.fast_calls.values()
-               if hasattr(r, "__code__"))
+    assert any(
+        r.__code__ is runner.__code__ for _, r in attention_dispatch.api.fast_calls.values() if hasattr(r, "__code__")
+    )
 
 
 FA4_RELAUNCH_CASES = [  # (b, hq, hkv, sq, sk, d, causal, window, dtype, memory layout of the inputs)
@@ -1078,13 +1386,15 @@ FA4_RELAUNCH_CASES = [  # (b, hq, hkv, sq, sk, d, causal, window, dtype, memory 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal,window,dtype,layout", FA4_RELAUNCH_CASES)
-def test_gpu_flash_attn_4_inference_relaunch_equals_flash_attn_func(b, hq, hkv, sq, sk, d, causal, window, dtype,
-                                                                     layout):
+def test_gpu_flash_attn_4_inference_relaunch_equals_flash_attn_func(
+    b, hq, hkv, sq, sk, d, causal, window, dtype, layout
+):
     """Without autograd the prepared flash-attn 4 runner (sdpa()'s fast path) records the
     compiled forward once and relaunches it: every call bit-equal to flash_attn_func on the
     same inputs, the relaunch engaged on the real library, and sdpa() using it."""
     pytest.importorskip("flash_attn.cute")
     from flash_attn.cute import flash_attn_func
+
     backend = FlashAttnBackend(versions=("fa4",))
     assert backend.is_available(), backend.unavailable_reason()
 
@@ -1092,6 +1402,7 @@ def test_gpu_flash_attn_4_inference_relaunch_equals_flash_attn_func(b, hq, hkv, 
         if layout == "bshd":
             return torch.randn(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2)
         return torch.randn(b, h, s, d, device="cuda", dtype=dtype)
+
     options = dict(_fa4_options(causal, window, hq, hkv), scale=1 / math.sqrt(d))
     with torch.no_grad():
         q, k, v = make(hq, sq), make(hkv, sk), make(hkv, sk)
@@ -1102,92 +1413,156 @@ def test_gpu_flash_attn_4_inference_relaunch_equals_flash_attn_func(b, hq, hkv, 
             if i:
                 q, k, v = (torch.randn_like(t) for t in (q, k, v))
             got = runner(q, k, v)
-            want = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=options["scale"],
-                                   causal=is_causal, window_size=window_size)
+            want = flash_attn_func(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                softmax_scale=options["scale"],
+                causal=is_causal,
+                window_size=window_size,
+            )
             want = (want[0] if isinstance(want, tuple) else want).transpose(1, 2)
             assert runner.launch is not None, runner.refused
             assert torch.equal(got, want), (got - want).abs().max()
         ad_causal = None if causal is None else str(causal)
         for _ in range(2):
-            out = attention_dispatch.sdpa(q, k, v, causal=ad_causal, window=window, scale=options["scale"],
-                                          enable_gqa=hkv != hq, backend="flash_attn")
+            out = attention_dispatch.sdpa(
+                q,
+                k,
+                v,
+                causal=ad_causal,
+                window=window,
+                scale=options["scale"],
+                enable_gqa=hkv != hq,
+                backend="flash_attn",
+            )
         hits = [r for _, r in attention_dispatch.api.fast_calls.values() if isinstance(r, ForwardRelauncher)]
         assert any(r.launch is not None for r in hits)
         assert torch.equal(out, got)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lq,lk,hq,hkv,d,causal,window,dtype,same", [
-    ([700, 33, 1000, 291], [700, 33, 1000, 291], 8, 2, 128, TL, None, torch.bfloat16, True),
-    ([100, 900, 24], [1000, 20, 4], 4, 4, 64, BR, None, torch.float16, False),
-    ([512] * 6, [512] * 6, 16, 16, 96, None, (128, 0), torch.bfloat16, True),
-])
-def test_gpu_flash_attn_4_varlen_relaunch_equals_flash_attn_varlen_func(lq, lk, hq, hkv, d, causal, window, dtype,
-                                                                        same):
+@pytest.mark.parametrize(
+    "lq,lk,hq,hkv,d,causal,window,dtype,same",
+    [
+        ([700, 33, 1000, 291], [700, 33, 1000, 291], 8, 2, 128, TL, None, torch.bfloat16, True),
+        ([100, 900, 24], [1000, 20, 4], 4, 4, 64, BR, None, torch.float16, False),
+        ([512] * 6, [512] * 6, 16, 16, 96, None, (128, 0), torch.bfloat16, True),
+    ],
+)
+def test_gpu_flash_attn_4_varlen_relaunch_equals_flash_attn_varlen_func(
+    lq, lk, hq, hkv, d, causal, window, dtype, same
+):
     """Varlen inference: the prepared flash-attn 4 runner records the compiled forward once and
     relaunches it with each call's offsets (other lengths, same totals): every call bit-equal
     to flash_attn_varlen_func on the same inputs, the relaunch engaged on the real library, and
     sdpa() using it."""
     pytest.importorskip("flash_attn.cute")
     from flash_attn.cute import flash_attn_varlen_func
+
     backend = FlashAttnBackend(versions=("fa4",))
     assert backend.is_available(), backend.unavailable_reason()
     max_q, max_k = max(lq), max(lk)
-    options = dict(_varlen_options(causal, window, None, None), scale=1 / math.sqrt(d), max_seqlen_q=max_q,
-                   max_seqlen_k=max_k, enable_gqa=hkv != hq)
+    options = dict(
+        _varlen_options(causal, window, None, None),
+        scale=1 / math.sqrt(d),
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        enable_gqa=hkv != hq,
+    )
     is_causal, window_size = backend.window_args(backend.implementations()[0], causal, window)
     with torch.no_grad():
         for i in range(3):
             # the same totals and longest sequence, other lengths from the second call on
             perm = (lambda xs: xs) if i == 0 else (lambda xs: xs[::-1] if i == 1 else xs[1:] + xs[:1])
-            q, k, v, cu_q, cu_k = (t.to("cuda", dtype) if t.is_floating_point() else t.cuda()
-                                   for t in packed(perm(lq), perm(lk), hq, hkv, d))
+            q, k, v, cu_q, cu_k = (
+                t.to("cuda", dtype) if t.is_floating_point() else t.cuda()
+                for t in packed(perm(lq), perm(lk), hq, hkv, d)
+            )
             cu_k = cu_q if same else cu_k
             if i == 0:
                 runner = backend.prepare(q, k, v, dict(options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
                 assert isinstance(runner, VarlenRelauncher)
             got = runner(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-            want = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                          max_seqlen_k=max_k, softmax_scale=options["scale"], causal=is_causal,
-                                          window_size=window_size)
+            want = flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=max_q,
+                max_seqlen_k=max_k,
+                softmax_scale=options["scale"],
+                causal=is_causal,
+                window_size=window_size,
+            )
             want = want[0] if isinstance(want, tuple) else want
             assert runner.launch is not None, runner.refused
             assert torch.equal(got, want), (got - want).abs().max()
         ad_causal = None if causal is None else str(causal)
         for _ in range(2):
-            out = attention_dispatch.sdpa(q, k, v, causal=ad_causal, window=window, scale=options["scale"],
-                                          enable_gqa=hkv != hq, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                          max_seqlen_q=max_q, max_seqlen_k=max_k, backend="flash_attn")
+            out = attention_dispatch.sdpa(
+                q,
+                k,
+                v,
+                causal=ad_causal,
+                window=window,
+                scale=options["scale"],
+                enable_gqa=hkv != hq,
+                cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=max_q,
+                max_seqlen_k=max_k,
+                backend="flash_attn",
+            )
         hits = [r for _, r in attention_dispatch.api.fast_calls.values() if isinstance(r, VarlenRelauncher)]
         assert any(r.launch is not None for r in hits)
         assert torch.equal(out, got)
         # policy="fastest" times the prepared runner as it is (no offsets passed): flash-attn 4 runs
         from attention_dispatch import fastest
+
         fastest.forget()
         with attention_dispatch.use_config({"dispatch": {"policy": "fastest"}}):
-            attention_dispatch.sdpa(q, k, v, causal=ad_causal, window=window, scale=options["scale"],
-                                    enable_gqa=hkv != hq, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                    max_seqlen_k=max_k)
+            attention_dispatch.sdpa(
+                q,
+                k,
+                v,
+                causal=ad_causal,
+                window=window,
+                scale=options["scale"],
+                enable_gqa=hkv != hq,
+                cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=max_q,
+                max_seqlen_k=max_k,
+            )
         decision = attention_dispatch.last_decision()
         assert "flash_attn" in decision.timings and not decision.failures, str(decision)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal,window,dtype,layout",
-                         [c for c in FA4_RELAUNCH_CASES if c[7] is None])   # sm90: no windowed backward
-def test_gpu_flash_attn_4_training_relaunch_equals_flash_attn_func(b, hq, hkv, sq, sk, d, causal, window, dtype,
-                                                                    layout):
+@pytest.mark.parametrize(
+    "b,hq,hkv,sq,sk,d,causal,window,dtype,layout", [c for c in FA4_RELAUNCH_CASES if c[7] is None]
+)  # sm90: no windowed backward
+def test_gpu_flash_attn_4_training_relaunch_equals_flash_attn_func(
+    b, hq, hkv, sq, sk, d, causal, window, dtype, layout
+):
     """With autograd the prepared flash-attn 4 runner relaunches the recorded forward (output
     bit-equal to flash_attn_func's) and runs flash-attn 4's backward on its output and LSE:
     gradients equal to flash_attn_func's within that backward's own run-to-run spread."""
     pytest.importorskip("flash_attn.cute")
     from flash_attn.cute import flash_attn_func
+
     backend = FlashAttnBackend(versions=("fa4",))
 
     def make(h, s):
-        t = torch.randn(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2) if layout == "bshd" else \
-            torch.randn(b, h, s, d, device="cuda", dtype=dtype)
+        t = (
+            torch.randn(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2)
+            if layout == "bshd"
+            else torch.randn(b, h, s, d, device="cuda", dtype=dtype)
+        )
         return t.requires_grad_()
+
     options = dict(_fa4_options(causal, window, hq, hkv), scale=1 / math.sqrt(d))
     q, k, v = make(hq, sq), make(hkv, sk), make(hkv, sk)
     runner = backend.prepare(q, k, v, options)
@@ -1195,9 +1570,16 @@ def test_gpu_flash_attn_4_training_relaunch_equals_flash_attn_func(b, hq, hkv, s
     is_causal, window_size = backend.window_args(backend.implementations()[0], causal, window)
 
     def public():
-        o = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=options["scale"],
-                            causal=is_causal, window_size=window_size)
+        o = flash_attn_func(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            softmax_scale=options["scale"],
+            causal=is_causal,
+            window_size=window_size,
+        )
         return (o[0] if isinstance(o, tuple) else o).transpose(1, 2)
+
     for i in range(3):
         if i:
             q, k, v = (torch.randn_like(t).requires_grad_() for t in (q, k, v))
@@ -1216,8 +1598,9 @@ def test_gpu_flash_attn_4_training_relaunch_equals_flash_attn_func(b, hq, hkv, s
             noise = max((b_.float() - c[j].float()).abs().max().item() for c in again)
             floor = 2 * torch.finfo(dtype).eps * b_.float().abs().max().item()
             diff = (a.float() - b_.float()).abs().max().item()
-            assert diff <= max(2 * noise, floor), \
+            assert diff <= max(2 * noise, floor), (
                 f"d{name}: {diff} from flash_attn_func's, which differs from itself by {noise} (floor {floor})"
+            )
 
 
 @pytest.mark.gpu
@@ -1228,10 +1611,20 @@ def test_gpu_torch_kernels_varlen(name):
     q, k, v, cu_q, cu_k = packed(lq, lk, 4, 2, 64)
     lo = [t.detach().cuda().half() for t in (q, k, v)]
     causal = BR if name == "torch_flash" else TL
-    out = backend.run(*lo, causal=causal, scale=0.125, cu_seqlens_q=cu_q.cuda(), cu_seqlens_k=cu_k.cuda(),
-                      max_seqlen_q=max(lq), max_seqlen_k=max(lk), enable_gqa=True)
+    out = backend.run(
+        *lo,
+        causal=causal,
+        scale=0.125,
+        cu_seqlens_q=cu_q.cuda(),
+        cu_seqlens_k=cu_k.cuda(),
+        max_seqlen_q=max(lq),
+        max_seqlen_k=max(lk),
+        enable_gqa=True,
+    )
     ref = naive_attention(q, k, v, causal=str(causal), scale=0.125, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    naive_lo = naive_attention(*[t.cpu() for t in lo], causal=str(causal), scale=0.125, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    naive_lo = naive_attention(
+        *[t.cpu() for t in lo], causal=str(causal), scale=0.125, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k
+    )
     assert_matches(out.cpu(), ref.detach(), naive_lo.detach())
 
 
@@ -1250,8 +1643,9 @@ def test_gpu_dropout_mask_is_consistent(name):
     again = backend.run(q, k, v, dropout_p=p, scale=0.125)
     assert torch.equal(out, again)
     keep = out.detach().double().cpu() != 0
-    ref = naive_attention(q.double().cpu(), k.double().cpu(), v.detach().double().cpu(), scale=0.125,
-                          keep=keep, dropout_p=p)
+    ref = naive_attention(
+        q.double().cpu(), k.double().cpu(), v.detach().double().cpu(), scale=0.125, keep=keep, dropout_p=p
+    )
     assert (out.double().cpu() - ref).abs().max() < 2e-2
     assert 0.6 < keep.double().mean() < 0.9
     g = torch.randn_like(out)
@@ -1262,11 +1656,16 @@ def test_gpu_dropout_mask_is_consistent(name):
 
 def test_pinning_context_sets_and_restores_the_flags():
     from attention_dispatch.backends.torch_sdpa import _Pinned
+
     flags = torch.backends.cuda
-    getters = [flags.flash_sdp_enabled, flags.mem_efficient_sdp_enabled, flags.math_sdp_enabled,
-               flags.cudnn_sdp_enabled]
+    getters = [
+        flags.flash_sdp_enabled,
+        flags.mem_efficient_sdp_enabled,
+        flags.math_sdp_enabled,
+        flags.cudnn_sdp_enabled,
+    ]
     before = [g() for g in getters]
-    flags.enable_math_sdp(False)        # a non-default state must come back too
+    flags.enable_math_sdp(False)  # a non-default state must come back too
     try:
         with _Pinned("FLASH_ATTENTION"):
             assert [g() for g in getters] == [True, False, False, False]
@@ -1281,8 +1680,10 @@ def test_pinning_context_sets_and_restores_the_flags():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,causal,heads_kv", [("flash_attn", "top_left", 2), ("torch_flash", "top_left", 2),
-                                                  ("torch_efficient", "bottom_right", 4)])
+@pytest.mark.parametrize(
+    "name,causal,heads_kv",
+    [("flash_attn", "top_left", 2), ("torch_flash", "top_left", 2), ("torch_efficient", "bottom_right", 4)],
+)
 def test_gpu_packed_self_attention_on_kernels_of_the_other_alignment(name, causal, heads_kv):
     """Causal on packed sequences with one offsets tensor: kernels aligning causal the other
     way (flash: bottom-right, efficient's nested path: top-left) take it (each sequence is
@@ -1293,8 +1694,16 @@ def test_gpu_packed_self_attention_on_kernels_of_the_other_alignment(name, causa
     q, k, v, cu, _ = packed(lens, lens, 4, heads_kv, 64)
     cu_dev = cu.cuda()
     lo = [t.detach().cuda().bfloat16() for t in (q, k, v)]
-    out = attention_dispatch.sdpa(*lo, causal=causal, cu_seqlens_q=cu_dev, cu_seqlens_k=cu_dev,
-                                  max_seqlen_q=max(lens), max_seqlen_k=max(lens), enable_gqa=True, backend=name)
+    out = attention_dispatch.sdpa(
+        *lo,
+        causal=causal,
+        cu_seqlens_q=cu_dev,
+        cu_seqlens_k=cu_dev,
+        max_seqlen_q=max(lens),
+        max_seqlen_k=max(lens),
+        enable_gqa=True,
+        backend=name,
+    )
     assert attention_dispatch.last_decision().backend == name
     ref = naive_attention(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
     naive_lo = naive_attention(*[t.cpu() for t in lo], causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
@@ -1318,6 +1727,7 @@ def test_xformers_backward_dispatch_follows_the_signature():
 
     class Op:
         VARLEN_LSE_PACKED = False
+
     new = types.SimpleNamespace(_dispatch_bw=lambda inp, varlen_lse_packed: ("new", inp, varlen_lse_packed))
     old = types.SimpleNamespace(_dispatch_bw=lambda inp: ("old", inp))
     assert dispatch_backward(new, "inp", Op) == ("new", "inp", False)

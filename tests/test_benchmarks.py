@@ -1,5 +1,6 @@
 """CPU tests of the benchmark's pure helpers: FLOP and pair counting, grid, support table,
 ratios, table / Markdown / JSON output, argument parsing. No timing here."""
+
 import gc
 import importlib.util
 import json
@@ -45,6 +46,7 @@ def brute_pairs(sq, sk, causal_top_left, window):
 
 # ---- pairs and FLOPs --------------------------------------------------------------------------
 
+
 def test_dense_flops_match_the_issue_formula():
     r = Row("bf16", 128, 4096, False)
     assert (r.B, r.Hq, r.Hkv) == (4, 16, 16)
@@ -58,8 +60,10 @@ def test_causal_is_half_of_dense():
     assert causal.Hq == 32 and causal.B == 8
 
 
-@pytest.mark.parametrize("sq,sk,left,right", [(16, 16, 4, 0), (16, 16, 3, 2), (10, 16, 2, 1), (16, 10, 5, 0),
-                                              (16, 16, -1, 0), (16, 16, 0, -1), (8, 8, 100, 0)])
+@pytest.mark.parametrize(
+    "sq,sk,left,right",
+    [(16, 16, 4, 0), (16, 16, 3, 2), (10, 16, 2, 1), (16, 10, 5, 0), (16, 16, -1, 0), (16, 16, 0, -1), (8, 8, 100, 0)],
+)
 def test_window_pairs_match_enumeration(sq, sk, left, right):
     assert bench.window_pairs(sq, sk, left, right) == brute_pairs(sq, sk, False, (left, right))
 
@@ -75,7 +79,7 @@ def test_window_row_counts_only_allowed_pairs():
 
 def test_window_row_16k_is_much_cheaper_than_dense():
     w, d = Row("bf16", 128, 16384, False, "window"), Row("bf16", 128, 16384, False)
-    assert 16 < bench.flops(d, "fwd") / bench.flops(w, "fwd") < 17    # ~ 16384 / (1025 - 32)
+    assert 16 < bench.flops(d, "fwd") / bench.flops(w, "fwd") < 17  # ~ 16384 / (1025 - 32)
 
 
 def test_varlen_lengths_reproducible_and_sum():
@@ -115,6 +119,7 @@ def test_tflops():
 
 # ---- grid, rows, support ------------------------------------------------------------------------
 
+
 def test_full_grid_covers_issue_5():
     rows = bench.build_grid()
     dense = [r for r in rows if r.feature == "dense"]
@@ -123,7 +128,7 @@ def test_full_grid_covers_issue_5():
     assert all(r.B * r.S == 16384 and r.Hq * r.D == 2048 for r in dense)
     feats = {r.feature for r in rows}
     assert feats == set(bench.FEATURES)
-    assert rows[0].id == "bf16-d128-s512-full"           # most important first
+    assert rows[0].id == "bf16-d128-s512-full"  # most important first
     assert len({r.id for r in rows}) == len(rows)
 
 
@@ -148,8 +153,14 @@ def test_row_ids_and_json_roundtrip():
 def test_select_rows_patterns():
     rows = bench.build_grid()
     assert {r.id for r in bench.select_rows(rows, ["bf16-d128-s4096-*"])} == {
-        "bf16-d128-s4096-full", "bf16-d128-s4096-causal", "bf16-d128-s4096-full-bias", "bf16-d128-s4096-full-window",
-        "bf16-d128-s4096-full-gqa", "bf16-d128-s4096-causal-gqa", "bf16-d128-s4096-full-dropout"}
+        "bf16-d128-s4096-full",
+        "bf16-d128-s4096-causal",
+        "bf16-d128-s4096-full-bias",
+        "bf16-d128-s4096-full-window",
+        "bf16-d128-s4096-full-gqa",
+        "bf16-d128-s4096-causal-gqa",
+        "bf16-d128-s4096-full-dropout",
+    }
     assert all("varlen" in r.id for r in bench.select_rows(rows, ["varlen"]))
     assert bench.select_rows(rows, None) == rows
     assert bench.select_rows(rows, ["nothing-like-this"]) == []
@@ -159,7 +170,7 @@ def test_support_table():
     s = bench.support
     window = Row("bf16", 128, 4096, False, "window")
     for impl in ("cudnn", "torch_flash", "torch_efficient"):
-        assert s(impl, window, "fwd")                    # "-", never routed elsewhere
+        assert s(impl, window, "fwd")  # "-", never routed elsewhere
     assert s("triton", window, "fwd") is None and s("sdpa", window, "fwd+bwd") is None
     assert s("fa4", window, "fwd") is None and s("fa4", window, "fwd+bwd")
     assert s("flex", window, "fwd") is None
@@ -168,7 +179,7 @@ def test_support_table():
     drop = Row("bf16", 128, 4096, False, "dropout")
     assert s("flex", drop, "fwd") and s("fa4", drop, "fwd") and s("torch_flash", drop, "fwd") is None
     assert s("fa4", Row("bf16", 256, 4096, False), "fwd")
-    only = bench.FlexScope(from_s=0)          # bf16 hdim 64/128 only
+    only = bench.FlexScope(from_s=0)  # bf16 hdim 64/128 only
     assert s("flex", Row("bf16", 256, 4096, False), "fwd", only)
     assert s("flex", Row("fp16", 128, 4096, False), "fwd", only)
     assert s("flex", Row("fp16", 128, 4096, False), "fwd", bench.FlexScope(dtypes=("bf16", "fp16"), from_s=0)) is None
@@ -179,6 +190,7 @@ def test_support_table():
 
 
 # ---- results, ratios, formatting ------------------------------------------------------------------
+
 
 def ok(tf, ms=1.0, **kw):
     return dict(status="ok", tflops=tf, ms=ms, **kw)
@@ -212,7 +224,7 @@ def test_flex_scope_covers_every_config_from_the_target_length():
     assert s("flex", Row("bf16", 128, 512, True), "fwd", flex) is None
     assert s("flex", Row("fp16", 128, 4096, False, "bias"), "fwd", flex)
     measured = [r.id for r in bench.build_grid() if s("flex", r, "fwd", flex) is None]
-    assert len(measured) == 24 + 8 + 4 * 6 - 1      # bf16 d64/d128, their feature rows but dropout, 4 x 6
+    assert len(measured) == 24 + 8 + 4 * 6 - 1  # bf16 d64/d128, their feature rows but dropout, 4 x 6
     narrow = bench.parse_args(["--flex-from-s", "0", "--flex-dims", "128"]).flex
     assert s("flex", Row("fp16", 128, 16384, False), "fwd", narrow) and "only" in narrow.describe()
     argv = bench._worker_argv(bench.parse_args(["--flex-from-s", "8192"]), ["x"])
@@ -221,8 +233,17 @@ def test_flex_scope_covers_every_config_from_the_target_length():
 
 
 def test_best_anchor_and_ratios():
-    e = make_entry(Row("bf16", 128, 4096, False), {"triton": (500, 400), "sdpa": (510, 410), "cudnn": (600, 500),
-                                                   "flex": (450, 420), "fa4": (650, 480), "torch_flash": "err"})
+    e = make_entry(
+        Row("bf16", 128, 4096, False),
+        {
+            "triton": (500, 400),
+            "sdpa": (510, 410),
+            "cudnn": (600, 500),
+            "flex": (450, 420),
+            "fa4": (650, 480),
+            "torch_flash": "err",
+        },
+    )
     bench.add_ratios(e)
     assert e["best_anchor"] == {"fwd": "fa4", "fwd+bwd": "cudnn"}
     assert e["results"]["triton"]["fwd"]["ratio_to_best_anchor"] == pytest.approx(500 / 650)
@@ -237,17 +258,21 @@ def test_best_anchor_and_ratios():
 def test_ratios_to_the_named_anchors_per_row_and_per_config():
     """Every row reports our kernel against cuDNN, Flex and flash-attn 4; every dtype and head dim
     its worst such ratio over the dense rows with S >= 4k ('-' where the anchor ran none)."""
-    rows = [make_entry(Row("fp16", 256, 4096, False), {"triton": (400, 300), "cudnn": (500, 400), "flex": (200, 150)}),
-            make_entry(Row("fp16", 256, 16384, True), {"triton": (450, 320), "cudnn": (500, 500), "flex": (300, 160)}),
-            make_entry(Row("fp16", 256, 2048, False), {"triton": (100, 100), "cudnn": (500, 500)}),
-            make_entry(Row("bf16", 128, 4096, False, "bias"), {"triton": (100, 100), "cudnn": (500, 500)}),
-            make_entry(Row("bf16", 64, 8192, False), {"triton": (600, 500), "fa4": (700, 600)})]
+    rows = [
+        make_entry(Row("fp16", 256, 4096, False), {"triton": (400, 300), "cudnn": (500, 400), "flex": (200, 150)}),
+        make_entry(Row("fp16", 256, 16384, True), {"triton": (450, 320), "cudnn": (500, 500), "flex": (300, 160)}),
+        make_entry(Row("fp16", 256, 2048, False), {"triton": (100, 100), "cudnn": (500, 500)}),
+        make_entry(Row("bf16", 128, 4096, False, "bias"), {"triton": (100, 100), "cudnn": (500, 500)}),
+        make_entry(Row("bf16", 64, 8192, False), {"triton": (600, 500), "fa4": (700, 600)}),
+    ]
     h, lines = bench.anchor_ratio_lines(rows)
     assert h == ["row", "triton/cuDNN", "triton/Flex", "triton/FA4"]
     assert lines[0] == ["S=4096", "0.80 / 0.75", "2.00 / 2.00", "- / -"]
     h, lines = bench.config_ratio_lines(rows)
-    assert lines == [["bf16 d64", "- / -", "- / -", "0.86 / 0.83"],
-                     ["fp16 d256", "0.80 / 0.64", "1.50 / 2.00", "- / -"]]   # S=2048 and the bias row not read
+    assert lines == [
+        ["bf16 d64", "- / -", "- / -", "0.86 / 0.83"],
+        ["fp16 d256", "0.80 / 0.64", "1.50 / 2.00", "- / -"],
+    ]  # S=2048 and the bias row not read
     assert [e["row"]["S"] for e in bench.target_rows(rows)] == [4096, 8192, 16384]
 
 
@@ -280,15 +305,34 @@ def fake_data():
     rows = [r for r in bench.build_grid(quick=True)]
     entries = []
     for r in rows:
-        per = {"triton": (500, 450), "sdpa": (500, 450), "cudnn": (600, 520), "flex": (400, 380),
-               "fa4": (650, 560), "torch_flash": (330, 300), "torch_efficient": (170, 150)}
+        per = {
+            "triton": (500, 450),
+            "sdpa": (500, 450),
+            "cudnn": (600, 520),
+            "flex": (400, 380),
+            "fa4": (650, 560),
+            "torch_flash": (330, 300),
+            "torch_efficient": (170, 150),
+        }
         per = {k: v for k, v in per.items() if not bench.support(k, r, "fwd")}
         if r.feature == "window":
             per["triton"] = (500, 450)
         entries.append(make_entry(r, per))
     entries[0]["results"]["sdpa"]["backend"] = "triton"
-    meta = dict(gpu="Fake GPU", torch="2.11", triton="3.6", cudnn=91900, fa4="4.0", commit="abc", date="d",
-                quick=True, impls=list(bench.IMPLS), elapsed_s=12.0, command="x", notes=["a note"])
+    meta = dict(
+        gpu="Fake GPU",
+        torch="2.11",
+        triton="3.6",
+        cudnn=91900,
+        fa4="4.0",
+        commit="abc",
+        date="d",
+        quick=True,
+        impls=list(bench.IMPLS),
+        elapsed_s=12.0,
+        command="x",
+        notes=["a note"],
+    )
     return {"meta": meta, "rows": entries}
 
 
@@ -324,38 +368,59 @@ def test_write_outputs_json_doc_and_table(tmp_path):
     assert len(saved["rows"]) == len(bench.build_grid(quick=True)) and saved["targets"]
     assert saved["rows"][0]["best_anchor"]["fwd"] == "fa4"
     text = doc.read_text()
-    for needle in ("Fake GPU", "2.11", "3.6", "91900", "abc", "| row |", "S=4096 causal", "Targets of issue 5",
-                   "Peak memory", "sdpa() chose: triton", "a note", "window (1024,0) S=16384",
-                   "Our kernel against cuDNN, Flex and flash-attn 4", "| triton/FA4 |",
-                   "The same ratios for every dtype and head dim", "| bf16 d128 | 0.83 / 0.87 |"):
+    for needle in (
+        "Fake GPU",
+        "2.11",
+        "3.6",
+        "91900",
+        "abc",
+        "| row |",
+        "S=4096 causal",
+        "Targets of issue 5",
+        "Peak memory",
+        "sdpa() chose: triton",
+        "a note",
+        "window (1024,0) S=16384",
+        "Our kernel against cuDNN, Flex and flash-attn 4",
+        "| triton/FA4 |",
+        "The same ratios for every dtype and head dim",
+        "| bf16 d128 | 0.83 / 0.87 |",
+    ):
         assert needle in text, needle
     assert "bf16 hdim 128" in table and "S=16384 causal" in table and "targets (triton)" in table
     assert "triton's worst ratios per config" in table
     assert "Fake GPU" in table.splitlines()[-1]
-    assert "untimed call" not in text          # older runs did not sample that way: not claimed
+    assert "untimed call" not in text  # older runs did not sample that way: not claimed
     data["meta"].update(rounds=5, sampling=bench.SAMPLING_ONE_CALL)
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
     assert "take turns in 5 rounds (order rotated), each turn opening with one untimed call" in doc.read_text()
     data["meta"].update(rounds=3, sampling=bench.SAMPLING, turn_warm_ms=20.0)
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
-    assert "take turns in 3 rounds (order rotated), each turn opening with at least 20 ms of untimed calls" \
+    assert (
+        "take turns in 3 rounds (order rotated), each turn opening with at least 20 ms of untimed calls"
         in doc.read_text()
+    )
     data["meta"].update(turn_warm_ms=0.0)
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
     assert "take turns in 3 rounds (order rotated), each turn opening with one untimed call" in doc.read_text()
     data["meta"].update(rounds=7, sampling=bench.SAMPLING_SHUFFLED)
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
-    assert "take turns in 7 rounds (order shuffled each round), each turn opening with one untimed call" \
-        in doc.read_text()
-    assert "stops after" not in doc.read_text()     # slow turns off (runs before experiment 66): not claimed
+    assert (
+        "take turns in 7 rounds (order shuffled each round), each turn opening with one untimed call" in doc.read_text()
+    )
+    assert "stops after" not in doc.read_text()  # slow turns off (runs before experiment 66): not claimed
     data["meta"].update(slow_factor=1.5, slow_rounds=3, min_per_turn=2)
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
-    assert ("one untimed call, timing at least 2 calls; a turn over 1.5x its row's fastest in the first "
-            "round stops after 3 rounds, with Python's garbage collector off") in doc.read_text()
+    assert (
+        "one untimed call, timing at least 2 calls; a turn over 1.5x its row's fastest in the first "
+        "round stops after 3 rounds, with Python's garbage collector off"
+    ) in doc.read_text()
     data["meta"].update(slow_factor=3.0, min_per_turn=1)
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
-    assert ("one untimed call; a turn over 3x its row's fastest in the first round stops after 3 rounds, "
-            "with Python's garbage collector off") in doc.read_text()
+    assert (
+        "one untimed call; a turn over 3x its row's fastest in the first round stops after 3 rounds, "
+        "with Python's garbage collector off"
+    ) in doc.read_text()
 
 
 def test_turn_order_varies_each_turns_predecessor():
@@ -375,23 +440,28 @@ def test_turn_warm_up_lasts_turn_warm_ms():
     """Each turn opens with enough untimed calls for --turn-warm-ms at the estimated time per
     call (at least one, at most 200 for host-bound tiny calls), then its timed repetitions."""
     import contextlib
+
     assert [bench.warm_calls(est, 20.0) for est in (0.05, 0.3, 2.0, 7.0, 40.0)] == [200, 67, 10, 3, 1]
     assert bench.warm_calls(2.0, 0.0) == 1 and bench.parse_args([]).turn_warm_ms == bench.TURN_WARM_MS
-    runner = bench.Runner(bench.parse_args(["--smoke-cpu", "--rounds", "2", "--turn-warm-ms", "6"]),
-                          bench.Log(None, echo=False))
+    runner = bench.Runner(
+        bench.parse_args(["--smoke-cpu", "--rounds", "2", "--turn-warm-ms", "6"]), bench.Log(None, echo=False)
+    )
     calls = []
     w = dict(est=2.0, reps=4, inner=1, first_call_s=0.0)
     entry = {"results": {"a": {"fwd": {"status": "pending", "peak_mib": None}}}}
-    runner.measure_rounds(bench.smoke_grid()[0], entry, [("a", "fwd", lambda: calls.append(1), contextlib.nullcontext, w)])
-    assert len(calls) == 2 * (3 + 2) and entry["results"]["a"]["fwd"]["reps"] == 4   # 3 untimed + 2 timed per turn
+    runner.measure_rounds(
+        bench.smoke_grid()[0], entry, [("a", "fwd", lambda: calls.append(1), contextlib.nullcontext, w)]
+    )
+    assert len(calls) == 2 * (3 + 2) and entry["results"]["a"]["fwd"]["reps"] == 4  # 3 untimed + 2 timed per turn
 
 
 def test_run_row_records_each_modes_choice():
     """A smoke row on the CPU through run_row: sdpa() and policy="fastest" record the backend
     they chose in each mode (the forward may choose a forward-only backend), "fastest" the
     backends it timed, and every result is measured and checked."""
-    args = bench.parse_args(["--smoke-cpu", "--impls", "sdpa,fastest", "--rounds", "1", "--target-ms", "1",
-                             "--max-reps", "3"])
+    args = bench.parse_args(
+        ["--smoke-cpu", "--impls", "sdpa,fastest", "--rounds", "1", "--target-ms", "1", "--max-reps", "3"]
+    )
     runner = bench.Runner(args, bench.Log(None, echo=False))
     row = bench.select_rows(bench.smoke_grid(), ["*s128-full"])[0]
     entry = runner.run_row(row, ["sdpa", "fastest"])
@@ -419,11 +489,12 @@ def test_error_notes_group_rows():
     rows = bench.build_grid(quick=True)[:5]
     entries = [make_entry(r, {"triton": "err"}) for r in rows]
     notes = bench.error_notes(entries)
-    assert len(notes) == 2                    # fwd and fwd+bwd
+    assert len(notes) == 2  # fwd and fwd+bwd
     assert "and 2 more" in notes[0] and "RuntimeError: boom" in notes[0]
 
 
 # ---- arguments ------------------------------------------------------------------------------------
+
 
 def test_parse_args_defaults():
     a = bench.parse_args([])
@@ -433,16 +504,41 @@ def test_parse_args_defaults():
 
 
 def test_parse_args_quick_and_lists():
-    a = bench.parse_args(["--quick", "--out", "/tmp/x", "--doc", "/tmp/x/b.md", "--commit", "abc",
-                          "--rows", "bf16-d128-s4096-*", "varlen", "--impls", "triton,cudnn", "--flex-dims", "128"])
+    a = bench.parse_args(
+        [
+            "--quick",
+            "--out",
+            "/tmp/x",
+            "--doc",
+            "/tmp/x/b.md",
+            "--commit",
+            "abc",
+            "--rows",
+            "bf16-d128-s4096-*",
+            "varlen",
+            "--impls",
+            "triton,cudnn",
+            "--flex-dims",
+            "128",
+        ]
+    )
     assert a.quick and a.budget_s == bench.QUICK_BUDGET_S and a.flex_budget_s == bench.QUICK_FLEX_BUDGET_S
     assert a.out == Path("/tmp/x") and a.commit == "abc" and a.rows == ["bf16-d128-s4096-*", "varlen"]
     assert a.impls == ("triton", "cudnn") and a.flex_dims == (128,)
     assert bench.parse_args(["--budget-s", "100"]).budget_s == 100
 
 
-@pytest.mark.parametrize("argv", [["--impls", "nope"], ["--flex-dtypes", "fp8"], ["--flex-dims", "x"], ["--flex-from-s", "-1"],
-                                  ["--slow-rounds", "0"], ["--min-per-turn", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--impls", "nope"],
+        ["--flex-dtypes", "fp8"],
+        ["--flex-dims", "x"],
+        ["--flex-from-s", "-1"],
+        ["--slow-rounds", "0"],
+        ["--min-per-turn", "0"],
+    ],
+)
 def test_parse_args_rejects(argv, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
@@ -458,8 +554,12 @@ def test_main_list_rows_and_from_json(tmp_path, capsys):
     assert "bf16-d128-s16384-full-window" in capsys.readouterr().out
     src = tmp_path / "in.json"
     src.write_text(json.dumps(fake_data()))
-    assert bench.main(["--from-json", str(src), "--out", str(tmp_path / "o"), "--doc", str(tmp_path / "b.md"),
-                       "--no-plot"]) == 0
+    assert (
+        bench.main(
+            ["--from-json", str(src), "--out", str(tmp_path / "o"), "--doc", str(tmp_path / "b.md"), "--no-plot"]
+        )
+        == 0
+    )
     assert "bf16 hdim 128" in capsys.readouterr().out and (tmp_path / "b.md").exists()
 
 
@@ -488,10 +588,20 @@ def test_overhead_paired_ratio_times_both_in_every_round():
 
     def fast():
         order.append("fast")
+
     ratio, rounds = mod.paired_ratio(fast, slow, n=3, repeat=4, sync=lambda: None)
-    timed = order[20:]                                   # after 10 warm-up calls of each
-    assert timed == ["fast"] * 3 + ["slow"] * 3 + ["slow"] * 3 + ["fast"] * 3 + ["fast"] * 3 + ["slow"] * 3 \
-        + ["slow"] * 3 + ["fast"] * 3
+    timed = order[20:]  # after 10 warm-up calls of each
+    assert (
+        timed
+        == ["fast"] * 3
+        + ["slow"] * 3
+        + ["slow"] * 3
+        + ["fast"] * 3
+        + ["fast"] * 3
+        + ["slow"] * 3
+        + ["slow"] * 3
+        + ["fast"] * 3
+    )
     assert len(rounds) == 4 and ratio == statistics.median(rounds) and min(rounds) > 10
 
 
@@ -499,12 +609,20 @@ def test_fastest_ratio_counts_our_backends_per_mode():
     """policy="fastest" is compared with the best backend it could choose in that mode: a
     forward-only backend counts for the (no_grad) forward, FlexAttention (not a backend of
     ours) never does."""
+
     def cell(fwd, fwd_bwd=None):
         c = {"fwd": {"status": "ok", "tflops": fwd}}
         c["fwd+bwd"] = {"status": "ok", "tflops": fwd_bwd} if fwd_bwd else {"status": "unsupported"}
         return c
-    entry = {"results": {"fastest": cell(90.0, 60.0), "fa4": cell(100.0), "cudnn": cell(80.0, 75.0),
-                         "flex": cell(500.0, 500.0)}}
+
+    entry = {
+        "results": {
+            "fastest": cell(90.0, 60.0),
+            "fa4": cell(100.0),
+            "cudnn": cell(80.0, 75.0),
+            "flex": cell(500.0, 500.0),
+        }
+    }
     assert bench.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
     assert bench.fastest_ratio(entry, "fwd+bwd") == pytest.approx(0.8)
     # only the backends it timed (those claiming the row) count, when the run recorded them
@@ -513,8 +631,11 @@ def test_fastest_ratio_counts_our_backends_per_mode():
     entry["results"]["fastest"]["fwd"]["measured"] = ["cudnn", "flash_attn"]
     assert bench.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
     # an eligible backend that failed while timed still counts: pinned, it runs its column
-    entry["results"]["fastest"]["fwd"].update(measured=["triton", "cudnn"], eligible=["flash_attn", "triton", "cudnn"],
-                                              failed={"flash_attn": "TypeError: ..."})
+    entry["results"]["fastest"]["fwd"].update(
+        measured=["triton", "cudnn"],
+        eligible=["flash_attn", "triton", "cudnn"],
+        failed={"flash_attn": "TypeError: ..."},
+    )
     assert bench.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
     entry["results"]["fastest"]["fwd"] = {"status": "err"}
     assert bench.fastest_ratio(entry, "fwd") is None
@@ -526,21 +647,23 @@ def test_fastest_misses_say_whether_the_choice_was_the_best_column(tmp_path):
     wrong choice); both reach the target's line in the printed and Markdown reports."""
     rows = [Row("bf16", 128, 512, True), Row("bf16", 128, 4096, False), Row("fp16", 64, 16384, False)]
     per = {"triton": (500, 450), "cudnn": (480, 440), "fa4": (520, 430)}
-    entries = [make_entry(r, dict(per, fastest=f)) for r, f in
-               zip(rows, [(520, 430), (515, 440), (510, 400)])]
+    entries = [make_entry(r, dict(per, fastest=f)) for r, f in zip(rows, [(520, 430), (515, 440), (510, 400)])]
     for e, chose in zip(entries, [("flash_attn", "triton"), ("flash_attn", "triton"), ("flash_attn", "cudnn")]):
         for m, name in zip(bench.MODES, chose):
             e["results"]["fastest"][m]["backend"] = name
     misses = bench.fastest_misses(entries, "fwd+bwd")
     assert [(m["row"], m["chose"], m["best"], m["same_backend"]) for m in misses] == [
-        ("bf16-d128-s512-causal", "triton", "triton", True),           # 430 / 450: ours, timed twice
-        ("fp16-d64-s16384-full", "cudnn", "triton", False)]            # 400 / 450: a wrong choice
+        ("bf16-d128-s512-causal", "triton", "triton", True),  # 430 / 450: ours, timed twice
+        ("fp16-d64-s16384-full", "cudnn", "triton", False),
+    ]  # 400 / 450: a wrong choice
     assert misses[0]["ratio"] == pytest.approx(430 / 450, abs=1e-3)
-    assert bench.fastest_misses(entries, "fwd") == []                 # 0.98-1.0 of flash-attn 4's 520
+    assert bench.fastest_misses(entries, "fwd") == []  # 0.98-1.0 of flash-attn 4's 520
     data = {"meta": dict(gpu="g", impls=list(bench.IMPLS)), "rows": entries}
     table = bench.write_outputs(data, tmp_path, None, plot=False)
-    assert ("below: bf16-d128-s512-causal 0.96 (chose triton, the best column: one kernel timed twice); "
-            "fp16-d64-s16384-full 0.89 (chose cudnn, the best: triton)") in table
+    assert (
+        "below: bf16-d128-s512-causal 0.96 (chose triton, the best column: one kernel timed twice); "
+        "fp16-d64-s16384-full 0.89 (chose cudnn, the best: triton)"
+    ) in table
     target = next(t for t in data["targets"] if t["target"].startswith("policy=fastest fwd+bwd"))
     assert target["status"] == "not met" and len(target["misses"]) == 2
     assert "one kernel timed twice" in bench.targets_table(data["targets"])[1][-1][-1]
@@ -556,15 +679,16 @@ def test_time_fn_enqueues_repetitions_back_to_back(monkeypatch):
 
     def fn():
         log.append(("call", gc.isenabled()))
-        sum(range(20000))           # ~0.5-1 ms on the host clock
+        sum(range(20000))  # ~0.5-1 ms on the host clock
+
     assert gc.isenabled()
     r = runner.time_fn(fn)
-    assert gc.isenabled()           # restored after the timed repetitions
+    assert gc.isenabled()  # restored after the timed repetitions
     log = [x if x == "sync" else x[0] + ("" if x[1] else "-gc-off") for x in log]
     assert r["reps"] >= 3 and r["ms"] > 0 and len(r["samples_ms"]) == r["reps"]
     assert abs(r["ms"] - bench.lower_quartile(r["samples_ms"])) < 1e-3
     assert abs(r["ms_median"] - statistics.median(r["samples_ms"])) < 1e-3 and r["ms"] <= r["ms_median"]
-    timed = log[log.index("sync", 2) + 1:]          # after the first call's two syncs
+    timed = log[log.index("sync", 2) + 1 :]  # after the first call's two syncs
     assert timed.count("sync") == 1 and timed[-1] == "sync"
     calls = [x for x in timed if x != "sync"]
     # estimate + warm-up with the collector on, then the timed repetitions with it off
@@ -573,12 +697,15 @@ def test_time_fn_enqueues_repetitions_back_to_back(monkeypatch):
 
 def test_ratios_summary_and_targets():
     from benchmarks import ratios
+
     s = ratios.summarise([400.0, 500.0, 450.0])
     assert s["tflops"] == 450.0 and abs(s["spread"] - 100 / 450) < 1e-12
-    cell = lambda f, fb: {"fwd": {"tflops": f}, "fwd+bwd": {"tflops": fb}}   # noqa: E731
-    results = {"bf16-d128-s4096-full": {"triton": cell(500, 400), "cudnn": cell(625, 500), "flex": cell(400, 400)},
-               "bf16-d128-s4096-causal": {"triton": cell(450, 380), "cudnn": cell(500, 400)},
-               "bf16-d128-s4096-full-bias": {"triton": cell(400, 360), "cudnn": cell(300, 300)}}
+    cell = lambda f, fb: {"fwd": {"tflops": f}, "fwd+bwd": {"tflops": fb}}  # noqa: E731
+    results = {
+        "bf16-d128-s4096-full": {"triton": cell(500, 400), "cudnn": cell(625, 500), "flex": cell(400, 400)},
+        "bf16-d128-s4096-causal": {"triton": cell(450, 380), "cudnn": cell(500, 400)},
+        "bf16-d128-s4096-full-bias": {"triton": cell(400, 360), "cudnn": cell(300, 300)},
+    }
     text = "\n".join(ratios.ratio_lines(results))
     assert "triton/cudnn fwd      worst 0.80  (rows: 0.80 0.90)  target 0.85" in text
     assert "triton/cudnn fwd+bwd  worst 0.80" in text and "triton/flex fwd      worst 1.25" in text
@@ -590,10 +717,12 @@ def test_merge_runs_of_a_grid_measured_in_parts(tmp_path, capsys):
     parts keeps the entry with more measured cells, both parts named in the notes."""
     full = fake_data()
     first = {"meta": dict(full["meta"], commit="aaa", elapsed_s=300.0), "rows": full["rows"][:5]}
-    second = {"meta": dict(full["meta"], commit="bbb", date="e", elapsed_s=200.0, notes=["other"]),
-              "rows": full["rows"][4:]}
+    second = {
+        "meta": dict(full["meta"], commit="bbb", date="e", elapsed_s=200.0, notes=["other"]),
+        "rows": full["rows"][4:],
+    }
     skipped = {impl: {m: dict(status="skipped", note="time budget") for m in bench.MODES} for impl in bench.IMPLS}
-    second["rows"][0] = {"row": full["rows"][4]["row"], "results": skipped}   # ran out of time in part 2
+    second["rows"][0] = {"row": full["rows"][4]["row"], "results": skipped}  # ran out of time in part 2
     merged = bench.merge_runs([first, second])
     ids = [bench.Row.from_json(e["row"]).id for e in merged["rows"]]
     assert ids == [bench.Row.from_json(e["row"]).id for e in full["rows"]]
@@ -606,8 +735,20 @@ def test_merge_runs_of_a_grid_measured_in_parts(tmp_path, capsys):
     for i, part in enumerate((first, second)):
         paths.append(tmp_path / f"p{i}.json")
         paths[-1].write_text(json.dumps(part))
-    assert bench.main(["--from-json", *map(str, paths), "--out", str(tmp_path / "o"), "--doc",
-                       str(tmp_path / "b.md"), "--no-plot"]) == 0
+    assert (
+        bench.main(
+            [
+                "--from-json",
+                *map(str, paths),
+                "--out",
+                str(tmp_path / "o"),
+                "--doc",
+                str(tmp_path / "b.md"),
+                "--no-plot",
+            ]
+        )
+        == 0
+    )
     assert "aaa + bbb" in (tmp_path / "b.md").read_text()
 
 
@@ -626,18 +767,19 @@ def test_compile_groups_keep_shared_kernels_together_and_balance():
             if (r.dtype, r.D, r.causal, r.feature) == (other.dtype, other.D, other.causal, other.feature):
                 assert where[r.id] == where[other.id]
     bf16_d128 = [i for i, p in enumerate(parts) for r in p if r.id in ("bf16-d128-s512-full", "bf16-d128-s512-causal")]
-    assert bf16_d128[0] != bf16_d128[1]          # two of the heaviest groups: different workers
+    assert bf16_d128[0] != bf16_d128[1]  # two of the heaviest groups: different workers
     one = bench.compile_groups(rows, impls, workers=1)
     assert len(one) == 1 and sorted(r.id for r in one[0]) == sorted(r.id for r in rows)
-    assert len(bench.compile_groups(rows[:3], impls, workers=8)) <= 3     # never an empty part
+    assert len(bench.compile_groups(rows[:3], impls, workers=8)) <= 3  # never an empty part
 
 
 def test_precompile_workers_run_every_row_and_report_errors(tmp_path):
     """The compile workers (this script with --compile-only) run each selected row once per
     implementation and mode; a failure inside a worker is reported, not raised (on the CPU,
     Flex has no backward: its fwd+bwd call fails in every row)."""
-    args = bench.parse_args(["--smoke-cpu", "--out", str(tmp_path), "--impls", "sdpa,flex,cudnn",
-                             "--precompile-workers", "2"])
+    args = bench.parse_args(
+        ["--smoke-cpu", "--out", str(tmp_path), "--impls", "sdpa,flex,cudnn", "--precompile-workers", "2"]
+    )
     rows = bench.select_rows(bench.smoke_grid(), ["*s128-full", "*varlen4-causal"])
     lines = []
     summary = bench.precompile(args, rows, lines.append)
@@ -670,6 +812,7 @@ def test_measure_rounds_interleave_in_turn_order():
     opening with untimed calls (here the minimum, one); each result is the median of all its
     timed repetitions; a call that fails is reported as an error and skipped in later rounds."""
     import contextlib
+
     args = bench.parse_args(["--smoke-cpu", "--rounds", "3", "--turn-warm-ms", "0"])
     runner = bench.Runner(args, bench.Log(None, echo=False))
     order = []
@@ -679,7 +822,9 @@ def test_measure_rounds_interleave_in_turn_order():
             order.append(name)
             if fail:
                 raise RuntimeError("boom")
+
         return fn
+
     w = dict(est=1.0, reps=6, inner=1, first_call_s=0.0)
     entry = {"results": {n: {"fwd": {"status": "pending", "peak_mib": None}} for n in "abc"}}
     pending = [(n, "fwd", make(n, fail=n == "c"), contextlib.nullcontext, w) for n in "abc"]
@@ -697,6 +842,7 @@ def test_measure_rounds_interleave_in_turn_order():
 
 def test_read_run_takes_plain_and_gzipped_json(tmp_path):
     import gzip
+
     data = {"meta": {"commit": "abc"}, "rows": [{"row": {"S": 512}}]}
     (tmp_path / "a.json").write_text(json.dumps(data))
     (tmp_path / "b.json.gz").write_bytes(gzip.compress(json.dumps(data).encode()))
@@ -709,7 +855,7 @@ def test_slow_turns_compare_within_a_mode():
     first = {0: ("fwd", 1.0), 1: ("fwd", 1.49), 2: ("fwd", 1.51), 3: ("fwd+bwd", 3.0), 4: ("fwd+bwd", 4.6)}
     assert bench.slow_turns(first, 1.5) == {2, 4}
     assert bench.slow_turns(first, 0) == set() and bench.slow_turns({}, 1.5) == set()
-    assert bench.slow_turns(first, 1.5, keep={2}) == {4}      # kept turns are never trimmed
+    assert bench.slow_turns(first, 1.5, keep={2}) == {4}  # kept turns are never trimmed
 
 
 def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
@@ -719,8 +865,22 @@ def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
     is never trimmed, however slow its first turn."""
     import contextlib
     import time
-    args = bench.parse_args(["--smoke-cpu", "--rounds", "5", "--turn-warm-ms", "0", "--slow-rounds", "2",
-                             "--slow-factor", "1.5", "--min-per-turn", "2"])
+
+    args = bench.parse_args(
+        [
+            "--smoke-cpu",
+            "--rounds",
+            "5",
+            "--turn-warm-ms",
+            "0",
+            "--slow-rounds",
+            "2",
+            "--slow-factor",
+            "1.5",
+            "--min-per-turn",
+            "2",
+        ]
+    )
     runner = bench.Runner(args, bench.Log(None, echo=False))
     calls = {"fast": 0, "close": 0, "slow": 0, "fastest": 0}
 
@@ -728,13 +888,17 @@ def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
         def fn():
             calls[name] += 1
             time.sleep(seconds)
+
         return fn
+
     w = dict(est=8.0, reps=3, inner=1, first_call_s=0.0)
     entry = {"results": {n: {"fwd": {"status": "pending", "peak_mib": None}} for n in calls}}
-    pending = [(n, "fwd", make(n, s), contextlib.nullcontext, w)
-               for n, s in (("fast", 0.010), ("close", 0.010), ("slow", 0.060), ("fastest", 0.060))]
+    pending = [
+        (n, "fwd", make(n, s), contextlib.nullcontext, w)
+        for n, s in (("fast", 0.010), ("close", 0.010), ("slow", 0.060), ("fastest", 0.060))
+    ]
     runner.measure_rounds(bench.smoke_grid()[0], entry, pending)
-    per_turn = 1 + 2     # one untimed call, then the timed ones
+    per_turn = 1 + 2  # one untimed call, then the timed ones
     assert calls == {"fast": 5 * per_turn, "close": 5 * per_turn, "slow": 2 * per_turn, "fastest": 5 * per_turn}
     res = {n: entry["results"][n]["fwd"] for n in calls}
     assert [res[n]["rounds"] for n in calls] == [5, 5, 2, 5]
@@ -746,8 +910,16 @@ def test_pair_fastest_puts_fastest_next_to_its_choice():
     """policy="fastest"'s turn of each mode lands right after the turn of the column it chose in
     even rounds and right before it in odd ones; every turn stays once; a choice without a
     column in the row leaves the order alone."""
-    turns = [("sdpa", "fwd"), ("fastest", "fwd"), ("triton", "fwd"), ("fa4", "fwd"),
-             ("sdpa", "fwd+bwd"), ("fastest", "fwd+bwd"), ("triton", "fwd+bwd"), ("cudnn", "fwd+bwd")]
+    turns = [
+        ("sdpa", "fwd"),
+        ("fastest", "fwd"),
+        ("triton", "fwd"),
+        ("fa4", "fwd"),
+        ("sdpa", "fwd+bwd"),
+        ("fastest", "fwd+bwd"),
+        ("triton", "fwd+bwd"),
+        ("cudnn", "fwd+bwd"),
+    ]
     chosen = {"fwd": "fa4", "fwd+bwd": "triton"}
     for rnd in range(6):
         order = bench.turn_order(len(turns), "bf16-d128-s512-causal", rnd, 0)
@@ -757,7 +929,7 @@ def test_pair_fastest_puts_fastest_next_to_its_choice():
             f, c = paired.index(turns.index(("fastest", mode))), paired.index(turns.index((column, mode)))
             assert f - c == (1 if rnd % 2 == 0 else -1), (rnd, paired)
         others = [i for i in paired if turns[i][0] != "fastest"]
-        assert others == [i for i in order if turns[i][0] != "fastest"]     # the rest keep their order
+        assert others == [i for i in order if turns[i][0] != "fastest"]  # the rest keep their order
     order = bench.turn_order(len(turns), "x", 3, 0)
     assert bench.pair_fastest(order, turns, {"fwd": "math"}, 3) == order
     assert bench.pair_fastest(order, turns, {}, 3) == order
@@ -768,6 +940,7 @@ def test_measure_rounds_time_fastest_next_to_its_choice():
     precedes it in odd ones (PAIR_FASTEST), rounds 2k and 2k + 1 in one order; --no-pair-fastest
     leaves the shuffled order."""
     import contextlib
+
     seen = []
     for flags, paired in (([], True), (["--no-pair-fastest"], False)):
         args = bench.parse_args(["--smoke-cpu", "--rounds", "6", "--turn-warm-ms", "0", "--slow-factor", "0"] + flags)
@@ -778,24 +951,27 @@ def test_measure_rounds_time_fastest_next_to_its_choice():
 
         def make(name):
             return lambda: log.append(name)
+
         w = dict(est=0.6, reps=6, inner=1, first_call_s=0.0)
         entry = {"results": {n: {"fwd": {"status": "pending", "peak_mib": None}} for n in names}}
-        entry["results"]["fastest"]["fwd"]["backend"] = "flash_attn"      # the fa4 column's backend
+        entry["results"]["fastest"]["fwd"]["backend"] = "flash_attn"  # the fa4 column's backend
         pending = [(n, "fwd", make(n), contextlib.nullcontext, w) for n in names]
         runner.measure_rounds(bench.smoke_grid()[0], entry, pending)
-        assert len(log) == 6 * len(names) * 2      # a turn: one untimed call and one timed (6 reps / 6 rounds)
+        assert len(log) == 6 * len(names) * 2  # a turn: one untimed call and one timed (6 reps / 6 rounds)
         turns = log[::2]
-        rounds = [turns[r * len(names):(r + 1) * len(names)] for r in range(6)]
+        rounds = [turns[r * len(names) : (r + 1) * len(names)] for r in range(6)]
         assert all(sorted(r) == sorted(names) for r in rounds)
         steps = [r.index("fastest") - r.index("fa4") for r in rounds]
         seen.append(steps)
         if paired:
             assert steps == [1, -1, 1, -1, 1, -1]
-            assert entry["results"]["fastest"]["fwd"]["paired_with"] == "fa4"    # the reading pairs them
+            assert entry["results"]["fastest"]["fwd"]["paired_with"] == "fa4"  # the reading pairs them
+
             # rounds 2k and 2k + 1: one order, only the pair swapped, so both sides go first after
             # the same turn; the pairs of rounds differ (shuffled)
             def pair_as_one(r):
                 return [n for n in r if n != "fastest"]
+
             for k in range(3):
                 a, b = rounds[2 * k], rounds[2 * k + 1]
                 assert pair_as_one(a) == pair_as_one(b)
@@ -804,7 +980,7 @@ def test_measure_rounds_time_fastest_next_to_its_choice():
             assert len({tuple(pair_as_one(r)) for r in rounds}) > 1
         else:
             assert "paired_with" not in entry["results"]["fastest"]["fwd"]
-    assert seen[1] != seen[0]          # unpaired, the shuffle decides
+    assert seen[1] != seen[0]  # unpaired, the shuffle decides
 
 
 def paired_entry(fastest_ms, column_ms, best_ms=None, per_turn=1):
@@ -815,11 +991,16 @@ def paired_entry(fastest_ms, column_ms, best_ms=None, per_turn=1):
 
     def cell(samples, **kw):
         ms = bench.lower_quartile(samples)
-        return dict(status="ok", ms=ms, tflops=f / (ms * 1e9), samples_ms=samples,
-                    rounds=len(samples) // per_turn, **kw)
+        return dict(
+            status="ok", ms=ms, tflops=f / (ms * 1e9), samples_ms=samples, rounds=len(samples) // per_turn, **kw
+        )
+
     best_ms = best_ms or [2 * max(column_ms)] * len(column_ms)
-    results = {"fastest": {"fwd+bwd": cell(fastest_ms, backend="flash_attn", paired_with="fa4")},
-               "fa4": {"fwd+bwd": cell(column_ms)}, "cudnn": {"fwd+bwd": cell(best_ms)}}
+    results = {
+        "fastest": {"fwd+bwd": cell(fastest_ms, backend="flash_attn", paired_with="fa4")},
+        "fa4": {"fwd+bwd": cell(column_ms)},
+        "cudnn": {"fwd+bwd": cell(best_ms)},
+    }
     return {"row": row.to_json(), "results": results}
 
 
@@ -829,6 +1010,7 @@ def test_paired_reading_cancels_the_turn_order():
     is second 6 times: the plain median of the per-round ratios reads it slower; the ABBA reading
     (even and odd rounds' medians averaged) reads 1.0."""
     import random
+
     rng = random.Random(5)
     base = [14.0 * (1 + 0.004 * rng.random()) for _ in range(11)]
     slow = 1.08
@@ -836,7 +1018,7 @@ def test_paired_reading_cancels_the_turn_order():
     column = [b * (1.0 if r % 2 == 0 else slow) for r, b in enumerate(base)]
     e = paired_entry(fastest, column)
     logs = [math.log(c / f) for f, c in zip(fastest, column)]
-    assert statistics.median(logs) < math.log(0.95)                    # the naive paired median
+    assert statistics.median(logs) < math.log(0.95)  # the naive paired median
     assert abs(bench.paired_log_ratio(e, "fwd+bwd")) < 0.005
     assert bench.fastest_ratio(e, "fwd+bwd") == pytest.approx(1.0, abs=0.005)
     # a real difference survives: fastest 5% slower in every round, whatever the order
@@ -844,8 +1026,9 @@ def test_paired_reading_cancels_the_turn_order():
     assert bench.fastest_ratio(e, "fwd+bwd") == pytest.approx(1 / 1.05, abs=0.005)
     # and a wrong choice still counts: the chosen column against a faster best column
     e = paired_entry(fastest, column, best_ms=[12.0] * 11)
-    assert bench.fastest_ratio(e, "fwd+bwd") == pytest.approx(bench.lower_quartile(
-        [e["results"]["cudnn"]["fwd+bwd"]["ms"]]) / e["results"]["fa4"]["fwd+bwd"]["ms"], abs=0.005)
+    assert bench.fastest_ratio(e, "fwd+bwd") == pytest.approx(
+        bench.lower_quartile([e["results"]["cudnn"]["fwd+bwd"]["ms"]]) / e["results"]["fa4"]["fwd+bwd"]["ms"], abs=0.005
+    )
 
 
 def test_paired_reading_only_for_one_call_a_turn_of_paired_columns():
@@ -892,8 +1075,10 @@ def test_fastest_target_reports_the_direct_reading_too(tmp_path):
     target = next(t for t in bench.evaluate_targets(entries) if t["target"].startswith("policy=fastest fwd+bwd"))
     miss = target["misses"][0]
     assert target["status"] == "not met" and miss["paired"] and miss["direct"] < miss["ratio"] < 0.97
-    assert f"{miss['ratio']:.2f} (chose flash_attn, the best column: one kernel timed twice; read paired, " \
-           f"lower quartiles {miss['direct']:.2f})" in bench.target_note(target)
+    assert (
+        f"{miss['ratio']:.2f} (chose flash_attn, the best column: one kernel timed twice; read paired, "
+        f"lower quartiles {miss['direct']:.2f})" in bench.target_note(target)
+    )
 
 
 def test_pair_fastest_in_the_legend(tmp_path):
@@ -901,14 +1086,16 @@ def test_pair_fastest_in_the_legend(tmp_path):
     data["meta"].update(rounds=11, sampling=bench.SAMPLING_SHUFFLED, pair_fastest=True)
     doc = tmp_path / "b.md"
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
-    assert ("policy=\"fastest\" takes its turn next to the backend it chose (after it in even rounds, before it "
-            "in odd ones") in doc.read_text()
+    assert (
+        "policy=\"fastest\" takes its turn next to the backend it chose (after it in even rounds, before it in odd ones"
+    ) in doc.read_text()
     data["meta"].pop("pair_fastest")
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
     assert "takes its turn next to" not in doc.read_text()
 
 
 # ----------------------------------------------------------------------------- compile_sm90.py
+
 
 def test_compile_sm90_covers_every_sm90_entry_and_compiles_one():
     """Every sm90 table entry yields at least one case, each case's feature set is one the
@@ -917,20 +1104,27 @@ def test_compile_sm90_covers_every_sm90_entry_and_compiles_one():
     import os
     import subprocess
     import torch
+
     cs = _load("compile_sm90")
     from attention_dispatch.kernels import configs as C
+
     cases = list(cs.kernel_cases())
     sm90 = [e for e in C.CONFIG_TABLE if e.min_cc == (9, 0)]
     assert {id(e) for _, e, _, _ in cases} == {id(e) for e in sm90}
-    for kind, e, label, const in cases:    # the features a case compiles are ones the entry is chosen for
+    for kind, e, label, const in cases:  # the features a case compiles are ones the entry is chosen for
         banded, extras = const["HAS_WR"], const["BIAS_KIND"] != 0 or const["HAS_DROPOUT"]
-        assert C.candidate_configs(kind, e.max_block_d, e.max_block_d, torch.bfloat16, e.min_cc, 1 << 30,
-                                   banded, extras).count(e.config) == 1, (e, label)
+        assert (
+            C.candidate_configs(
+                kind, e.max_block_d, e.max_block_d, torch.bfloat16, e.min_cc, 1 << 30, banded, extras
+            ).count(e.config)
+            == 1
+        ), (e, label)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "compile_sm90.py"), "--kinds", "fwd", "--limit", "1"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "1 kernels compiled for sm90, 0 failed" in run.stdout, \
+    assert run.returncode == 0 and "1 kernels compiled for sm90, 0 failed" in run.stdout, (
         run.stdout + run.stderr[-2000:]
+    )
 
 
 def test_compile_sm90_ws_one_each_compiles_every_gluon_kernel_once(monkeypatch, capsys):
@@ -939,8 +1133,11 @@ def test_compile_sm90_ws_one_each_compiles_every_gluon_kernel_once(monkeypatch, 
     too where it fuses; dQ per WS_DQ_CONFIGS entry), the first of its cases (dense)."""
     cs = _load("compile_sm90")
     from attention_dispatch.kernels import configs as C
+
     compiled = []
-    monkeypatch.setattr(cs, "compile_ws_case", lambda d, cfg, const: (compiled.append((d, cfg, const)), (None, None))[1])
+    monkeypatch.setattr(
+        cs, "compile_ws_case", lambda d, cfg, const: (compiled.append((d, cfg, const)), (None, None))[1]
+    )
     monkeypatch.setattr(cs, "_report", lambda *args: 0)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert cs.main(["--kinds", "fwd_ws", "--ws-one-each"]) == 0
@@ -950,8 +1147,13 @@ def test_compile_sm90_ws_one_each_compiles_every_gluon_kernel_once(monkeypatch, 
         kernel = (d, cfg, const.get("FUSE_DQ"), "STORE_LSE" in const, "BLOCK_N" in const)
         firsts.setdefault(kernel, (d, cfg, const))
     assert compiled == list(firsts.values())
-    want = len(C.WS_FWD_CONFIGS) + (C.WS_FWD_CONFIGS[64].consumers != 2) + len(C.WS_BWD_CONFIGS) \
-        + sum(c.fuse_dq for c in C.WS_BWD_CONFIGS.values()) + len(C.WS_DQ_CONFIGS)
+    want = (
+        len(C.WS_FWD_CONFIGS)
+        + (C.WS_FWD_CONFIGS[64].consumers != 2)
+        + len(C.WS_BWD_CONFIGS)
+        + sum(c.fuse_dq for c in C.WS_BWD_CONFIGS.values())
+        + len(C.WS_DQ_CONFIGS)
+    )
     assert len(compiled) == want
     assert all(c["WINDOW_LEFT"] < 0 and c["WINDOW_RIGHT"] < 0 and not c["HAS_BIAS"] for _, _, c in compiled)
     assert f"{want} kernels compiled for sm90, 0 failed" in capsys.readouterr().out
@@ -962,6 +1164,7 @@ def test_compile_sm90_reports_a_compiler_crash(monkeypatch, capsys):
 
     def crash(*a, **k):
         raise RuntimeError("PTXAS error: `ptxas` failed with error code -11")
+
     monkeypatch.setattr(cs.triton, "compile", crash)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert cs.main(["--limit", "1"]) == 2 and "interpreter compiles nothing" in capsys.readouterr().out
@@ -992,24 +1195,41 @@ def test_fastest_statistics_replays_each_statistic_from_the_samples():
     backend whose timing a disturbance inflated (cuDNN, 0.90x the best eligible column),
     the lower quartile our kernel (the best column); a cell without samples is not judged."""
     from benchmarks import fastest_statistics as fs
-    ours = [1.0] * 5 + [1.5] * 6            # six of eleven samples disturbed
+
+    ours = [1.0] * 5 + [1.5] * 6  # six of eleven samples disturbed
     cudnn = [1.1] * 11
 
     def cell(tflops):
         return {"fwd": {"status": "ok", "tflops": tflops}, "fwd+bwd": {"status": "unsupported"}}
-    timed = {"status": "ok", "tflops": 90.0, "eligible": ["triton", "cudnn", "flash_attn"],
-             "measured": ["triton", "cudnn"], "measured_samples": {"triton": ours, "cudnn": cudnn}}
-    entry = {"row": {"id": "r1"}, "results": {"fastest": {"fwd": timed}, "triton": cell(100.0),
-                                              "cudnn": cell(90.0), "fa4": cell(95.0), "flex": cell(300.0)}}
-    bare = {"row": {"id": "r2"}, "results": {"fastest": {"fwd": {"status": "ok", "tflops": 1.0}},
-                                             "triton": cell(100.0)}}
+
+    timed = {
+        "status": "ok",
+        "tflops": 90.0,
+        "eligible": ["triton", "cudnn", "flash_attn"],
+        "measured": ["triton", "cudnn"],
+        "measured_samples": {"triton": ours, "cudnn": cudnn},
+    }
+    entry = {
+        "row": {"id": "r1"},
+        "results": {
+            "fastest": {"fwd": timed},
+            "triton": cell(100.0),
+            "cudnn": cell(90.0),
+            "fa4": cell(95.0),
+            "flex": cell(300.0),
+        },
+    }
+    bare = {
+        "row": {"id": "r2"},
+        "results": {"fastest": {"fwd": {"status": "ok", "tflops": 1.0}}, "triton": cell(100.0)},
+    }
     assert fs.replay(entry, "fwd", fs.STATISTICS["median"]) == ("cudnn", pytest.approx(0.9))
     assert fs.replay(entry, "fwd", fs.STATISTICS["lower quartile"]) == ("triton", pytest.approx(1.0))
     got = fs.summarise([entry, bare])
     assert got["median fwd"]["cells"] == 1 and got["median fwd"]["misses"] == [("r1", "cudnn", 0.9)]
     assert got["lower quartile fwd"]["below"] == 0 and got["lower quartile fwd"]["worst"] == pytest.approx(1.0)
     assert got["median fwd+bwd"]["cells"] == 0
-    assert got["lower quartile, host x1.25 fwd"]["cells"] == 0      # no host times recorded: not judged
+    assert got["lower quartile, host x1.25 fwd"]["cells"] == 0  # no host times recorded: not judged
     # our kernel's host time (0.9 ms a call) nears its 1.0 ms: with a margin of 1.25 cuDNN
     # (host 0.2) costs less, at 1.0 ours still does
     timed["measured_host_ms"] = {"triton": 0.9, "cudnn": 0.2}
@@ -1031,10 +1251,16 @@ def test_fastest_statistics_by_rounds_judges_the_first_k_rounds():
 
     def cell(tflops):
         return {"fwd": {"status": "ok", "tflops": tflops}, "fwd+bwd": {"status": "unsupported"}}
+
     ours = [3.0, 3.0, 3.0, 3.0, 3.3, 3.3, 3.3, 3.3, 3.3, 3.3, 3.3]
     cudnn = [3.4, 3.4, 3.4, 3.4, 2.9, 2.9, 2.9, 2.9, 2.9, 2.9, 2.9]
-    timed = {"status": "ok", "tflops": 1.0, "eligible": ["triton", "cudnn"], "measured": ["triton", "cudnn"],
-             "measured_samples": {"triton": ours, "cudnn": cudnn}}
+    timed = {
+        "status": "ok",
+        "tflops": 1.0,
+        "eligible": ["triton", "cudnn"],
+        "measured": ["triton", "cudnn"],
+        "measured_samples": {"triton": ours, "cudnn": cudnn},
+    }
     entry = {"row": {"id": "r"}, "results": {"fastest": {"fwd": timed}, "triton": cell(95.0), "cudnn": cell(100.0)}}
     got = fs.by_rounds([entry], counts=(3, 5, 8, 11))
     long = got["leader 2 ms or more"]
@@ -1051,19 +1277,34 @@ def test_fastest_statistics_agreement_of_one_kernel_measured_twice():
 
     def cell(ms, **kw):
         return dict(status="ok", ms=ms, tflops=1.0 / ms, **kw)
+
     entries = [
-        {"row": {}, "results": {"fastest": {"fwd": cell(0.52, backend="triton"),
-                                            "fwd+bwd": cell(5.2, backend="flash_attn", samples_ms=[5.0, 5.6, 5.2],
-                                                            rounds=3, paired_with="fa4")},
-                                "triton": {"fwd": cell(0.50), "fwd+bwd": cell(6.0)},
-                                "fa4": {"fwd": cell(0.40), "fwd+bwd": cell(5.0, samples_ms=[5.1, 5.0, 5.3], rounds=3)}}},
-        {"row": {}, "results": {"fastest": {"fwd": cell(2.0, backend="cudnn"), "fwd+bwd": cell(1.0, backend="math")},
-                                "cudnn": {"fwd": cell(2.0), "fwd+bwd": {"status": "unsupported"}}}}]
+        {
+            "row": {},
+            "results": {
+                "fastest": {
+                    "fwd": cell(0.52, backend="triton"),
+                    "fwd+bwd": cell(5.2, backend="flash_attn", samples_ms=[5.0, 5.6, 5.2], rounds=3, paired_with="fa4"),
+                },
+                "triton": {"fwd": cell(0.50), "fwd+bwd": cell(6.0)},
+                "fa4": {"fwd": cell(0.40), "fwd+bwd": cell(5.0, samples_ms=[5.1, 5.0, 5.3], rounds=3)},
+            },
+        },
+        {
+            "row": {},
+            "results": {
+                "fastest": {"fwd": cell(2.0, backend="cudnn"), "fwd+bwd": cell(1.0, backend="math")},
+                "cudnn": {"fwd": cell(2.0), "fwd+bwd": {"status": "unsupported"}},
+            },
+        },
+    ]
     got = fs.agreement(entries)
     assert got["under 1 ms"]["cells"] == 1 and got["under 1 ms"]["below"] == 1
     assert got["under 1 ms"]["median_abs"] == pytest.approx(math.log(0.52 / 0.50))
-    assert got["1-3.6 ms"] == dict(cells=1, median_abs=0.0, below=0, paired_cells=0, paired_median_abs=None, paired_below=0)
-    assert got["longer"]["cells"] == 1 and got["longer"]["below"] == 1      # 5.2 against the fa4 column's 5.0
+    assert got["1-3.6 ms"] == dict(
+        cells=1, median_abs=0.0, below=0, paired_cells=0, paired_median_abs=None, paired_below=0
+    )
+    assert got["longer"]["cells"] == 1 and got["longer"]["below"] == 1  # 5.2 against the fa4 column's 5.0
     # per round 5.1/5.0, 5.0/5.6, 5.3/5.2: even rounds' median and the odd round averaged, below 0.97
     paired = (math.log(5.1 / 5.0) + math.log(5.3 / 5.2)) / 4 + math.log(5.0 / 5.6) / 2
     assert got["longer"]["paired_cells"] == 1 and got["longer"]["paired_below"] == 1
@@ -1071,14 +1312,16 @@ def test_fastest_statistics_agreement_of_one_kernel_measured_twice():
     assert got["under 1 ms"]["paired_cells"] == 0 and got["under 1 ms"]["paired_median_abs"] is None
 
 
-@pytest.mark.parametrize("impl", ["ws", "tl", "ws-tl-dq", "ws-bwd-stages", "ws-no-fuse", "ws-fuse-banded",
-                                  "ws-bwd-block-m"])
+@pytest.mark.parametrize(
+    "impl", ["ws", "tl", "ws-tl-dq", "ws-bwd-stages", "ws-no-fuse", "ws-fuse-banded", "ws-bwd-block-m"]
+)
 def test_forward_ab_configured_changes_one_thing_and_restores_it(impl):
     """forward_ab.configured: inside, the impl's one change to the launch glue or the Gluon configs
     (an A/B that leaked a change into the next impl's turn would compare the wrong kernels);
     after, everything as shipped."""
     import torch
     from attention_dispatch.kernels import KernelParams, configs, launch
+
     ab = _load("forward_ab")
     shipped = (launch.WS_MIN_WORK, dict(configs.WS_BWD_CONFIGS), dict(configs.WS_DQ_CONFIGS), launch.fuse_dq)
     q = torch.empty(1, 4, 4096, 128)
@@ -1087,10 +1330,17 @@ def test_forward_ab_configured_changes_one_thing_and_restores_it(impl):
     with ab.configured(impl, launch.WS_MIN_WORK, bwd_stages=3, bwd_block_m=128):
         inside = (launch.WS_MIN_WORK, dict(configs.WS_BWD_CONFIGS), dict(configs.WS_DQ_CONFIGS))
         fuses_causal = launch.fuse_dq(causal, prob, None)
-    changed = [name for name, a, b in zip(("WS_MIN_WORK", "WS_BWD_CONFIGS", "WS_DQ_CONFIGS"), shipped, inside)
-               if a != b] + (["fuse_dq"] if fuses_causal else [])
-    expected = {"ws": [], "tl": ["WS_MIN_WORK"], "ws-tl-dq": ["WS_DQ_CONFIGS"], "ws-bwd-stages": ["WS_BWD_CONFIGS"],
-                "ws-no-fuse": ["WS_BWD_CONFIGS"], "ws-fuse-banded": ["WS_BWD_CONFIGS", "fuse_dq"],
-                "ws-bwd-block-m": ["WS_BWD_CONFIGS"]}[impl]
+    changed = [
+        name for name, a, b in zip(("WS_MIN_WORK", "WS_BWD_CONFIGS", "WS_DQ_CONFIGS"), shipped, inside) if a != b
+    ] + (["fuse_dq"] if fuses_causal else [])
+    expected = {
+        "ws": [],
+        "tl": ["WS_MIN_WORK"],
+        "ws-tl-dq": ["WS_DQ_CONFIGS"],
+        "ws-bwd-stages": ["WS_BWD_CONFIGS"],
+        "ws-no-fuse": ["WS_BWD_CONFIGS"],
+        "ws-fuse-banded": ["WS_BWD_CONFIGS", "fuse_dq"],
+        "ws-bwd-block-m": ["WS_BWD_CONFIGS"],
+    }[impl]
     assert changed == expected
     assert (launch.WS_MIN_WORK, dict(configs.WS_BWD_CONFIGS), dict(configs.WS_DQ_CONFIGS), launch.fuse_dq) == shipped

@@ -1,6 +1,7 @@
 """Capability honesty: every claim a backend declares is exercised against the float64
 oracle, so a claim without a test cannot exist. Cases are generated from each backend's
 Capabilities; a single-feature claim must also be accepted by the backend's checks."""
+
 import dataclasses
 
 import pytest
@@ -32,20 +33,33 @@ def claimed_cases(caps: ad.Capabilities, big: bool = False):
     # A head-dim range is refined by the backend's check() (e.g. flash-attn 4's {64, 96, 128},
     # cuDNN's version-dependent limit): those are not single-feature claims.
     dims = {dim(max(caps.head_dim_min, 16)), dim(40), caps.head_dim_max or dim(160)}
-    out += [(f"head_dim={d}", dataclasses.replace(base, head_dim=d), False) for d in sorted(dims)
-            if (caps.head_dim_max is None or d <= caps.head_dim_max)]
+    out += [
+        (f"head_dim={d}", dataclasses.replace(base, head_dim=d), False)
+        for d in sorted(dims)
+        if (caps.head_dim_max is None or d <= caps.head_dim_max)
+    ]
     if caps.different_head_dims:
         out.append(("Dqk!=Dv", dataclasses.replace(base, head_dim_v=dim(hd // 2)), True))
     for kind in sorted(caps.causal_kinds):
         for sq, sk in ((s - 7, s + 5), (s + 5, s - 7)):
-            out.append((f"causal={kind} Sq={sq} Sk={sk}", dataclasses.replace(base, causal=str(kind), seqlen_q=sq,
-                                                                            seqlen_k=sk), True))
+            out.append(
+                (
+                    f"causal={kind} Sq={sq} Sk={sk}",
+                    dataclasses.replace(base, causal=str(kind), seqlen_q=sq, seqlen_k=sk),
+                    True,
+                )
+            )
     if caps.window:
         out.append(("window", dataclasses.replace(base, window=(5, 3), seqlen_k=s + 9), True))
         out.append(("window left only", dataclasses.replace(base, window=(6, -1)), True))
         for kind in sorted(caps.causal_kinds):
-            out.append((f"window+causal={kind}", dataclasses.replace(base, window=(4, -1), causal=str(kind),
-                                                                    seqlen_k=s + 3), False))
+            out.append(
+                (
+                    f"window+causal={kind}",
+                    dataclasses.replace(base, window=(4, -1), causal=str(kind), seqlen_k=s + 3),
+                    False,
+                )
+            )
     if caps.bool_mask:
         out.append(("bool mask", dataclasses.replace(base, mask="bool"), True))
         out.append(("bool mask keys", dataclasses.replace(base, mask="bool", mask_shape="keys"), True))
@@ -59,20 +73,31 @@ def claimed_cases(caps: ad.Capabilities, big: bool = False):
         wide = dataclasses.replace(base, dtype=half[0], mask="float", mask_shape="heads", mask_dtype=torch.float32)
         out.append((f"float32 bias, {str(half[0])[6:]} inputs", wide, True))
         if caps.bias_grad:
-            out.append((f"float32 bias grad, {str(half[0])[6:]} inputs", dataclasses.replace(wide, mask="float_grad"),
-                        True))
+            out.append(
+                (f"float32 bias grad, {str(half[0])[6:]} inputs", dataclasses.replace(wide, mask="float_grad"), True)
+            )
     if caps.mask_with_causal and (caps.bool_mask or caps.float_bias) and caps.causal_kinds:
         kind = sorted(caps.causal_kinds)[0]
-        out.append(("mask+causal", dataclasses.replace(base, mask="bool" if caps.bool_mask else "float",
-                                                       causal=str(kind)), True))
+        out.append(
+            (
+                "mask+causal",
+                dataclasses.replace(base, mask="bool" if caps.bool_mask else "float", causal=str(kind)),
+                True,
+            )
+        )
     if caps.gqa:
         out.append(("gqa", dataclasses.replace(base, heads_q=8, heads_kv=2), True))
     if caps.varlen:
         lengths = (s // 3, s, 1, s // 2)
         out.append(("varlen", dataclasses.replace(base, varlen=lengths), True))
         for kind in sorted(caps.causal_kinds):
-            out.append((f"varlen causal={kind}", dataclasses.replace(base, varlen=lengths, extra_k=(3, 0, 5, 1),
-                                                                     causal=str(kind)), False))
+            out.append(
+                (
+                    f"varlen causal={kind}",
+                    dataclasses.replace(base, varlen=lengths, extra_k=(3, 0, 5, 1), causal=str(kind)),
+                    False,
+                )
+            )
     if caps.dropout:
         out.append(("dropout", dataclasses.replace(base, dropout_p=0.25), True))
     return out
@@ -90,8 +115,9 @@ def _check_dropout_statistically(backend, case, device):
     dropout-free result, and draws differ."""
     q, k, v, mask, kw, _ = make_inputs(dataclasses.replace(case, dropout_p=0.0), device, requires_grad=False)
     exact = ad.sdpa(q, k, v, attn_mask=mask, backend="math", **kw).double()
-    draws = torch.stack([ad.sdpa(q, k, v, attn_mask=mask, dropout_p=case.dropout_p, backend=backend,
-                                 **kw).double() for _ in range(300)])
+    draws = torch.stack(
+        [ad.sdpa(q, k, v, attn_mask=mask, dropout_p=case.dropout_p, backend=backend, **kw).double() for _ in range(300)]
+    )
     assert not draws.isnan().any()
     err = (draws.mean(0) - exact).abs().max().item()
     assert err < 0.2, f"{backend}: dropout mean differs from the exact output by {err}"
@@ -112,8 +138,11 @@ def check_prepared_runner(backend: str, case, device, grad: bool):
         want = impl.run(call.query, call.key, call.value, **options)
         runner = impl.prepare(call.query, call.key, call.value, options)
         # as sdpa()'s fast path calls it: a dense runner takes no offsets
-        outs = {"as sdpa() calls it": runner(*args, **({n: options[n] for n in ("cu_seqlens_q", "cu_seqlens_k")}
-                                                       if varlen else {}))}
+        outs = {
+            "as sdpa() calls it": runner(
+                *args, **({n: options[n] for n in ("cu_seqlens_q", "cu_seqlens_k")} if varlen else {})
+            )
+        }
         if varlen:
             outs["offsets omitted"] = runner(*args)
     g = torch.randn_like(want)
@@ -122,12 +151,19 @@ def check_prepared_runner(backend: str, case, device, grad: bool):
     def close(got, ref, what):
         # the same kernels, but a backward may sum with atomics: a few units of the last place
         eps = torch.finfo(ref.dtype).eps
-        torch.testing.assert_close(got, ref, rtol=4 * eps, atol=4 * eps * ref.abs().max().item(),
-                                   msg=lambda m: f"{backend} {case} prepared runner, {what}: {m}")
+        torch.testing.assert_close(
+            got,
+            ref,
+            rtol=4 * eps,
+            atol=4 * eps * ref.abs().max().item(),
+            msg=lambda m: f"{backend} {case} prepared runner, {what}: {m}",
+        )
+
     for how, out in outs.items():
         close(out, want, how)
-        for name, got, ref in zip(("dq", "dk", "dv", "dmask"), torch.autograd.grad(out, leaves, g) if leaves else (),
-                                  want_grads):
+        for name, got, ref in zip(
+            ("dq", "dk", "dv", "dmask"), torch.autograd.grad(out, leaves, g) if leaves else (), want_grads
+        ):
             close(got, ref, f"{how}, {name}")
 
 

@@ -1,4 +1,5 @@
 """python -m attention_dispatch info | explain | config --check | demo"""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -34,8 +35,29 @@ def test_info_markdown(capsys):
 
 
 def test_explain_prints_the_decision(capsys):
-    rc = main(["explain", "--batch", "1", "--heads", "8", "--heads-kv", "2", "--seqlen", "16", "--seqlen-k", "24",
-               "--head-dim", "32", "--causal", "bottom_right", "--mask", "float-grad", "--backend", "math"])
+    rc = main(
+        [
+            "explain",
+            "--batch",
+            "1",
+            "--heads",
+            "8",
+            "--heads-kv",
+            "2",
+            "--seqlen",
+            "16",
+            "--seqlen-k",
+            "24",
+            "--head-dim",
+            "32",
+            "--causal",
+            "bottom_right",
+            "--mask",
+            "float-grad",
+            "--backend",
+            "math",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "attention_dispatch: math (order from backend= argument)" in out
@@ -43,8 +65,23 @@ def test_explain_prints_the_decision(capsys):
 
 
 def test_bench_times_each_eligible_backend(capsys):
-    rc = main(["bench", "--batch", "1", "--heads", "2", "--seqlen", "16", "--head-dim", "16",
-               "--causal", "bottom_right", "--seqlen-k", "24"])
+    rc = main(
+        [
+            "bench",
+            "--batch",
+            "1",
+            "--heads",
+            "2",
+            "--seqlen",
+            "16",
+            "--head-dim",
+            "16",
+            "--causal",
+            "bottom_right",
+            "--seqlen-k",
+            "24",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "causal=bottom_right" in out
     decision = ad.explain(*(torch.randn(1, 2, s, 16, requires_grad=True) for s in (16, 24, 24)), causal="bottom_right")
@@ -63,8 +100,9 @@ def test_explain_exit_code_when_nothing_fits(capsys):
 
 
 def test_explain_help_runs_as_module():
-    res = subprocess.run([sys.executable, "-m", "attention_dispatch", "explain", "--help"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "attention_dispatch", "explain", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0 and "--causal" in res.stdout and "--window" in res.stdout
 
 
@@ -89,15 +127,18 @@ def test_docs_backends_md_is_current():
     CPU machine: regenerate it when a capability or backend changes."""
     committed = (ROOT / "docs" / "backends.md").read_text()
     fresh = backend_table(markdown=True)
+
     # Availability and versions depend on the machine; capabilities must match exactly.
     def capability_part(text):
-        return text[text.index("| feature |"):]
+        return text[text.index("| feature |") :]
+
     assert capability_part(committed) == capability_part(fresh), "docs/backends.md is stale: run `make docs`"
 
 
 @pytest.mark.slow
 def test_demo_runs():
-    res = subprocess.run([sys.executable, "-m", "attention_dispatch", "demo"], capture_output=True, text=True,
-                         timeout=900, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-m", "attention_dispatch", "demo"], capture_output=True, text=True, timeout=900, cwd=ROOT
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "calls match the float64 reference" in res.stdout and "MISMATCH" not in res.stdout

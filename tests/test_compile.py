@@ -1,5 +1,6 @@
 """torch.compile(fullgraph=True) traces a model calling sdpa(): the decision is taken once
 while tracing, outside the graph, and the graph holds only the chosen backend's ops."""
+
 import pytest
 import torch
 
@@ -36,7 +37,10 @@ def test_compile_varlen_needs_max_seqlen():
     q = torch.randn(8, 2, 16)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     torch._dynamo.reset()
-    f = torch.compile(lambda q: ad.sdpa(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, backend="math"),
-                      fullgraph=True, backend="aot_eager")
+    f = torch.compile(
+        lambda q: ad.sdpa(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, backend="math"),
+        fullgraph=True,
+        backend="aot_eager",
+    )
     with pytest.raises(Exception, match="pass max_seqlen_q and max_seqlen_k"):
         f(q)

@@ -6,6 +6,7 @@ mixes specialisations (alignment, ints equal to 1 / multiples of 16, strides) an
 result is compared with the float64 reference, so a relaunch with the wrong compiled
 kernel cannot pass.
 """
+
 import os
 
 import torch
@@ -37,6 +38,7 @@ class _FakeCompiled:
 
 class _FakeKernel:
     """Triton's JITFunction interface: arg_names and kernel[grid](*args, **kw)."""
+
     arg_names = ["X", "Y", "n", "scale", "BLOCK", "FLAG"]
 
     def __init__(self):
@@ -46,6 +48,7 @@ class _FakeKernel:
         def runner(*args, num_warps, num_stages, **kw):
             self.log.append(("jit", grid, args, kw, num_warps, num_stages))
             return _FakeCompiled(self.log)
+
         return runner
 
 
@@ -69,8 +72,8 @@ def test_second_launch_goes_direct_with_args_in_signature_order(cache, monkeypat
     assert [e[0] for e in kern.log] == ["jit", "direct"]
     assert kern.log[0][3] == dict(FLAG=True, BLOCK=16) and kern.log[0][4:] == (4, 3)
     assert kern.log[1][1] == (5, 1, 2)
-    assert kern.log[1][2] == (x, y, 32, 0.5, 16, True)   # BLOCK before FLAG, as declared
-    assert kern.log[1][3] == 1234                        # the current stream
+    assert kern.log[1][2] == (x, y, 32, 0.5, 16, True)  # BLOCK before FLAG, as declared
+    assert kern.log[1][3] == 1234  # the current stream
     assert stream == [1]
     assert (cache.hits, cache.misses, len(cache)) == (1, 1, 1)
 
@@ -81,11 +84,11 @@ def test_any_change_triton_may_specialise_on_compiles_again(cache, change):
     x, y = torch.zeros(16), torch.zeros(16)
     _launch(cache, kern, x, y, 32)
     if change == "misaligned":
-        _launch(cache, kern, x[1:], y, 32)                    # 4-byte offset: not 16-byte aligned
+        _launch(cache, kern, x[1:], y, 32)  # 4-byte offset: not 16-byte aligned
     elif change == "dtype":
         _launch(cache, kern, x.half(), y, 32)
     elif change == "int_value":
-        _launch(cache, kern, x, y, 1)                         # Triton specialises ints equal to 1
+        _launch(cache, kern, x, y, 1)  # Triton specialises ints equal to 1
     elif change == "float_value":
         _launch(cache, kern, x, y, 32, scale=0.25)
     else:
@@ -104,6 +107,7 @@ def test_host_descriptors_are_keyed_by_what_compiles_and_passed_through(cache, m
 
     def desc(t, rows=16, shape=(64, 16)):
         return cc.TensorDescriptor(t, list(shape), [shape[1], 1], [rows, shape[1]])
+
     x, y = torch.randn(64, 16), torch.randn(64, 16)
     _launch(cache, kern, x, y, 64, scale=desc(x))
     x2 = torch.randn(64, 16)
@@ -118,16 +122,19 @@ def test_host_descriptors_are_keyed_by_what_compiles_and_passed_through(cache, m
 
 class _FakeGluonKernel(_FakeKernel):
     """A descriptor-first kernel (forward_ws.py's shape): descriptors, a pointer, scalars."""
+
     arg_names = ["QD", "OD", "LSE", "scale", "n", "FLAG"]
 
 
 class _FakeFusedDqKernel(_FakeKernel):
     """The same with the dK/dV pass's FUSE_DQ constexpr."""
+
     arg_names = ["QD", "OD", "LSE", "scale", "n", "FLAG", "FUSE_DQ"]
 
 
 def _gluon_descriptor(t, rows=16, swizzle=64):
     from triton.experimental.gluon import language as gl
+
     layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8 * t.element_size(), rank=2)
     return cc.GluonDescriptor(t, list(t.shape), [t.shape[1], 1], [rows, t.shape[1]], layout)
 
@@ -143,14 +150,18 @@ def test_gluon_kernels_are_keyed_argument_by_argument(cache, monkeypatch):
 
     def go(q, o, lse, desc=_gluon_descriptor, maxnreg=168):
         cache.launch(kern, (2, 1), (desc(q), desc(o), lse, 0.5, 64), dict(FLAG=True), 4, 3, maxnreg=maxnreg)
+
     go(*(torch.randn(64, 16) for _ in range(2)), torch.randn(64))
     q2, o2, lse2 = torch.randn(64, 16), torch.randn(64, 16), torch.randn(64)
     go(q2, o2, lse2)
     assert [e[0] for e in kern.log] == ["jit", "direct"] and kern.log[0][3] == dict(FLAG=True, maxnreg=168)
     args = kern.log[1][2]
     assert args[0].base is q2 and args[1].base is o2 and args[2] is lse2 and args[3:] == (0.5, 64, True)
-    others = [dict(desc=lambda t: _gluon_descriptor(t, rows=32)), dict(desc=lambda t: _gluon_descriptor(t, swizzle=32)),
-              dict(maxnreg=240)]
+    others = [
+        dict(desc=lambda t: _gluon_descriptor(t, rows=32)),
+        dict(desc=lambda t: _gluon_descriptor(t, swizzle=32)),
+        dict(maxnreg=240),
+    ]
     for kw in others:
         go(torch.randn(64, 16), torch.randn(64, 16), torch.randn(64), **kw)
     go(torch.randn(64, 16), torch.randn(64, 16), torch.randn(64).half())
@@ -172,7 +183,7 @@ def test_rebase_copies_every_field_and_still_checks_the_base():
     misaligned = torch.randn(64 * 16 + 1)[1:].view(64, 16)
     with pytest.raises(AssertionError, match="16-byte aligned"):
         cc.rebase(src, misaligned)
-    with pytest.raises(AssertionError):   # fp16 under a layout of 32-bit elements: the constructor refuses it
+    with pytest.raises(AssertionError):  # fp16 under a layout of 32-bit elements: the constructor refuses it
         cc.rebase(src, torch.randn(64, 16).half())
 
 
@@ -182,25 +193,32 @@ def test_forward_plan_rebuilds_gluon_descriptors_and_later_pointers(cache, monke
     output again as a later pointer) is captured by the plan, and each later call relaunches it
     with descriptors rebuilt over the new query and output and the new output's pointer."""
     from attention_dispatch.kernels import ForwardPlan
+
     monkeypatch.setattr(cc, "_current_stream", lambda: 0)
     monkeypatch.setattr(launch, "_hooks_installed", lambda: False)
     kern, relaunched = _FakeGluonKernel(), []
 
     def forward(q, k, v, bias, params, need_lse):
         out = torch.empty_like(q)
-        cache.launch(kern, (1,), (_gluon_descriptor(q), _gluon_descriptor(out), out, params.scale, 64),
-                     dict(FLAG=True), 4, 3)
+        cache.launch(
+            kern, (1,), (_gluon_descriptor(q), _gluon_descriptor(out), out, params.scale, 64), dict(FLAG=True), 4, 3
+        )
         return out, None, None
+
     monkeypatch.setattr(launch, "attention_forward", forward)
     monkeypatch.setattr(launch, "relaunch", lambda entry, grid, args: relaunched.append(args))
     q = torch.randn(64, 16)
     plan = ForwardPlan(q, KernelParams(scale=0.5))
     plan(q, q, q)
-    assert plan.launch is not None and [(i, d is None) for _, i, d in plan.launch.patches] == [(0, False), (3, False), (3, True)]
+    assert plan.launch is not None and [(i, d is None) for _, i, d in plan.launch.patches] == [
+        (0, False),
+        (3, False),
+        (3, True),
+    ]
     q2 = torch.randn(64, 16)
     out = plan(q2, q2, q2)
     (args,) = relaunched
-    address = not is_interpreter()      # the compiled launcher takes pointers as ints
+    address = not is_interpreter()  # the compiled launcher takes pointers as ints
     assert args[0].base is q2 and args[1].base is out
     assert args[2] == out.data_ptr() if address else args[2] is out
     assert args[0].layout == _gluon_descriptor(q).layout and tuple(args[3:]) == (0.5, 64)
@@ -221,13 +239,14 @@ def test_no_hooks_by_default_and_an_installed_hook_is_seen():
 
     def hook(metadata):
         return None
+
     if hasattr(chain, "add"):
         chain.add(hook)
         try:
             assert cc._hooks_installed()
         finally:
             chain.remove(hook)
-    else:   # older Triton: a plain attribute
+    else:  # older Triton: a plain attribute
         cc._knobs.runtime.launch_enter_hook = hook
         try:
             assert cc._hooks_installed()
@@ -238,7 +257,7 @@ def test_no_hooks_by_default_and_an_installed_hook_is_seen():
 
 def test_unexpected_signature_is_never_cached(cache):
     kern, x = _FakeKernel(), torch.zeros(8)
-    for _ in range(2):   # constexprs missing from the call: Triton's defaults apply, not ours
+    for _ in range(2):  # constexprs missing from the call: Triton's defaults apply, not ours
         cache.launch(kern, (1,), (x, x, 8, 0.5), dict(BLOCK=16), 4, 3)
     assert [e[0] for e in kern.log] == ["jit", "jit"] and len(cache) == 0
 
@@ -276,6 +295,7 @@ def test_every_kernel_launch_is_relaunchable(monkeypatch, dev):
 
 # ----------------------------------------------------------------------------- GPU
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(is_interpreter() or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_relaunch_across_specialisations(monkeypatch):
@@ -284,18 +304,27 @@ def test_gpu_relaunch_across_specialisations(monkeypatch):
     repeated call is a cache hit and still exact."""
     torch.manual_seed(0)
     cc.COMPILED.clear()
-    monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)   # host descriptors at these small shapes too
+    monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)  # host descriptors at these small shapes too
 
     def inputs(s, offset=0, transposed=False):
         def one():
-            if transposed:   # BSHD storage viewed as BHSD
+            if transposed:  # BSHD storage viewed as BHSD
                 return torch.randn(2, s, 4, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
             buf = torch.randn(2 * 4 * s * 64 + offset, device="cuda", dtype=torch.bfloat16)
             return buf[offset:].view(2, 4, s, 64)
+
         return [one().requires_grad_() for _ in range(3)]
 
-    cases = [inputs(1), inputs(16), inputs(17), inputs(16, offset=1), inputs(16, transposed=True), inputs(100),
-             inputs(128), inputs(256)]
+    cases = [
+        inputs(1),
+        inputs(16),
+        inputs(17),
+        inputs(16, offset=1),
+        inputs(16, transposed=True),
+        inputs(100),
+        inputs(128),
+        inputs(256),
+    ]
     for _ in range(2):
         for q, k, v in cases:
             run_and_check(q, k, v, causal="bottom_right")
@@ -310,11 +339,12 @@ def test_capture_records_direct_and_first_launches(cache, monkeypatch):
         _launch(cache, kern, x, x, 8, grid=(7,))
     assert [(e is not None, g) for e, g, _, _ in launches] == [(True, (3, 2)), (True, (7,))]
     assert launches[0][0] is launches[1][0] and launches[1][2] == (x, x, 8, 0.5)
-    _launch(cache, kern, x, x, 8)                    # outside the block: nothing recorded
+    _launch(cache, kern, x, x, 8)  # outside the block: nothing recorded
     assert len(launches) == 2
 
 
 # ----------------------------------------------------------------------------- ForwardPlan
+
 
 def _plan_inputs(dev, s=24, d=16, dtype=torch.float32):
     return [torch.randn(2, 3, s, d, device=dev, dtype=dtype) for _ in range(3)]
@@ -335,6 +365,7 @@ def _interpreted_relaunches(monkeypatch):
         kernel, constexprs, num_warps, num_stages = entry
         relaunched.append(getattr(kernel, "__name__", None) or kernel.fn.__name__)
         real(kernel, grid, args, constexprs, num_warps, num_stages)
+
     monkeypatch.setattr(launch, "_launch_one", launch_and_record)
     monkeypatch.setattr(launch, "relaunch", fake_relaunch)
     return real, launch_and_record, relaunched
@@ -349,16 +380,20 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
     host_kv: K/V read through host-built descriptors, which the plan rebuilds over the new
     key/value."""
     from attention_dispatch.kernels import ForwardPlan, prepare_attention
+
     real, launch_and_record, relaunched = _interpreted_relaunches(monkeypatch)
     monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
-    params = KernelParams(scale=0.25, window_right=0 if feature == "causal" else -1,
-                          descriptors=1 if feature.startswith("host_kv") else -1)
+    params = KernelParams(
+        scale=0.25,
+        window_right=0 if feature == "causal" else -1,
+        descriptors=1 if feature.startswith("host_kv") else -1,
+    )
     q, k, v = _plan_inputs("cpu", s=64 if feature.startswith("host_kv") else 24)
     if feature == "gqa":
         k, v = k[:, :1].contiguous(), v[:, :1].contiguous()
-    elif feature in ("bshd", "host_kv_bshd"):    # (B, S, H, D) memory seen as (B, H, S, D): out is not q's layout
+    elif feature in ("bshd", "host_kv_bshd"):  # (B, S, H, D) memory seen as (B, H, S, D): out is not q's layout
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-    elif feature == "dv":      # value head dim != query head dim: the output is not q's shape
+    elif feature == "dv":  # value head dim != query head dim: the output is not q's shape
         v = torch.randn(2, 3, 24, 8)
     plan = prepare_attention(q, k, v, None, params)
     assert isinstance(plan, ForwardPlan)
@@ -367,12 +402,13 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
     # the output is allocated like q (empty_like) only where that is the layout the launch captured
     assert plan.out_like_query == (feature in ("dense", "causal", "gqa", "host_kv"))
     assert [(i, d.base is (q, k, v)[i]) for _, i, d in plan.launch.patches if d is not None] == (
-        [(1, True), (2, True)] if feature.startswith("host_kv") else [])
+        [(1, True), (2, True)] if feature.startswith("host_kv") else []
+    )
     for _ in range(2):
-        q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))   # same shapes and strides (the contract)
+        q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))  # same shapes and strides (the contract)
         got = plan(q2, k2, v2)
         monkeypatch.setattr(launch, "_launch_one", real)
-        want, lse = triton_attention(q2, k2, v2, None, params, return_lse=True)   # the kernel that stores the lse
+        want, lse = triton_attention(q2, k2, v2, None, params, return_lse=True)  # the kernel that stores the lse
         assert torch.isfinite(lse).all()
         monkeypatch.setattr(launch, "_launch_one", launch_and_record)
         assert torch.equal(got, want) and not torch.equal(got, first)
@@ -389,13 +425,16 @@ def test_training_plan_replays_forward_and_backward(monkeypatch, feature):
     never replayed, the full one runs each time.  Outputs and gradients equal the unplanned
     path's in every call."""
     from attention_dispatch.kernels import TrainingPlan, prepare_attention
+
     real, launch_and_record, relaunched = _interpreted_relaunches(monkeypatch)
-    params = KernelParams(scale=0.25, window_right=0 if feature == "causal" else -1,
-                          num_splits=2 if feature == "dq_split" else 0)
+    params = KernelParams(
+        scale=0.25, window_right=0 if feature == "causal" else -1, num_splits=2 if feature == "dq_split" else 0
+    )
     q, k, v = (t.requires_grad_() for t in _plan_inputs("cpu"))
     runner = prepare_attention(q, k, v, None, params)
-    per_call = ["_attn_fwd"] + ([] if feature == "dq_split" else
-                                ["_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"])
+    per_call = ["_attn_fwd"] + (
+        [] if feature == "dq_split" else ["_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"]
+    )
     plans = []
     for n in range(3):
         q2, k2, v2 = (torch.randn_like(t).requires_grad_() for t in (q, k, v))
@@ -408,7 +447,7 @@ def test_training_plan_replays_forward_and_backward(monkeypatch, feature):
         want_grads = torch.autograd.grad(want, (q2, k2, v2), do)
         monkeypatch.setattr(launch, "_launch_one", launch_and_record)
         assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
-        assert relaunched == per_call * n       # from the second call on, replayed
+        assert relaunched == per_call * n  # from the second call on, replayed
     (plan,) = plans
     assert plan.fwd is not None and (plan.bwd is None) == (feature == "dq_split")
 
@@ -423,6 +462,7 @@ def test_training_plan_replays_a_warp_specialised_backward(cache, monkeypatch, f
     into a zeroed buffer (FUSE_DQ), which a replay's fresh dQ is not: never replayed, although
     every tensor it reads is one the plan could patch."""
     from attention_dispatch.kernels import TrainingPlan
+
     monkeypatch.setattr(cc, "_current_stream", lambda: 0)
     monkeypatch.setattr(launch, "_hooks_installed", lambda: False)
     gluon = _FakeFusedDqKernel() if fused_dq else _FakeGluonKernel()
@@ -432,9 +472,16 @@ def test_training_plan_replays_a_warp_specialised_backward(cache, monkeypatch, f
         full.append(do)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         cache.launch(ptr, (1,), (do, delta, 16, 0.5), dict(FLAG=True, BLOCK=16), 4, 3)
-        cache.launch(gluon, (2,), (_gluon_descriptor(q), _gluon_descriptor(dk), out, params.scale, 64),
-                     dict(FLAG=True, **({"FUSE_DQ": True} if fused_dq else {})), 4, 3)
+        cache.launch(
+            gluon,
+            (2,),
+            (_gluon_descriptor(q), _gluon_descriptor(dk), out, params.scale, 64),
+            dict(FLAG=True, **({"FUSE_DQ": True} if fused_dq else {})),
+            4,
+            3,
+        )
         return dq, dk, dv, None
+
     monkeypatch.setattr(launch, "attention_backward", backward)
     monkeypatch.setattr(launch, "relaunch", lambda entry, grid, args: relaunched.append(args))
     q, k, v, out = (torch.randn(64, 16) for _ in range(4))
@@ -455,10 +502,11 @@ def test_training_plan_replays_a_warp_specialised_backward(cache, monkeypatch, f
 
     def same(arg, t):
         return arg == t.data_ptr() if address else arg is t
+
     assert same(p_do, do2) and (address or (p_delta.shape == lse.shape and p_delta is not lse))
     assert tuple(p_rest) == (16, 0.5)
     assert g_q.base is q2 and g_dk.base is dk and same(g_out, out2) and tuple(g_rest) == (0.5, 64)
-    plan.backward(torch.randn(16, 64).t(), q, k, v, out, lse)     # dO of another layout: the full path
+    plan.backward(torch.randn(16, 64).t(), q, k, v, out, lse)  # dO of another layout: the full path
     assert len(full) == 2 and len(relaunched) == 2
 
 
@@ -468,6 +516,7 @@ def test_forward_plan_only_for_repeatable_inference_launches(monkeypatch, what):
     bias comes with each call); a dropout forward (its seed is drawn per call) builds a plan
     that never captures and stays exact."""
     from attention_dispatch.kernels import ForwardPlan, prepare_attention
+
     dev = "cpu" if is_interpreter() else "cuda"
     q, k, v = _plan_inputs(dev)
     if what == "grad":
@@ -480,7 +529,7 @@ def test_forward_plan_only_for_repeatable_inference_launches(monkeypatch, what):
         bias = torch.randn(1, 3, 24, 24, device=dev)
         runner = prepare_attention(q, k, v, bias, KernelParams(scale=0.25))
         assert not isinstance(runner, ForwardPlan)
-        other = torch.randn_like(bias)        # each call passes its own bias
+        other = torch.randn_like(bias)  # each call passes its own bias
         torch.testing.assert_close(runner(q, k, v, other), triton_attention(q, k, v, other, KernelParams(scale=0.25)))
     else:
         params = KernelParams(scale=0.25, dropout_p=0.3)
@@ -497,8 +546,9 @@ def test_prepared_varlen_runner_takes_each_calls_offsets():
     """A varlen runner (no plan) binds the parameters and max_seqlen; each call passes its
     own offsets: the result is triton_attention's with those offsets, gradients included."""
     from attention_dispatch.kernels import ForwardPlan, prepare_attention
+
     dev = "cpu" if is_interpreter() else "cuda"
-    params = KernelParams(scale=0.25, window_right=0, deterministic=True)   # bit-equal gradients
+    params = KernelParams(scale=0.25, window_right=0, deterministic=True)  # bit-equal gradients
     cu = torch.tensor([0, 9, 20], dtype=torch.int32, device=dev)
     q, k, v = (torch.randn(20, 2, 16, device=dev) for _ in range(3))
     runner = prepare_attention(q, k, v, None, params, cu, cu, 11, 11)
@@ -525,18 +575,19 @@ def test_gpu_sdpa_fast_path_relaunches_the_plan(monkeypatch, seq):
     import attention_dispatch as ad
     from attention_dispatch import dispatch
     from attention_dispatch.kernels import ForwardPlan
+
     relaunched = []
     monkeypatch.setattr(launch, "relaunch", lambda *a: relaunched.append("relaunch") or cc.relaunch(*a))
     direct_call = cc.DirectLaunch.__call__
     monkeypatch.setattr(cc.DirectLaunch, "__call__", lambda *a: relaunched.append("direct") or direct_call(*a))
-    monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)   # host descriptors at seq=256 too
+    monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)  # host descriptors at seq=256 too
     ad.clear_cache()
     with torch.no_grad():
         for causal in (False, True):
             d = 128 if seq == 256 else 64
             q, k, v = _plan_inputs("cuda", s=seq, d=d, dtype=torch.bfloat16)
-            ad.sdpa(q, k, v, is_causal=causal, backend="triton")      # full path; stores the plan
-            ad.sdpa(q, k, v, is_causal=causal, backend="triton")      # the plan's first call captures
+            ad.sdpa(q, k, v, is_causal=causal, backend="triton")  # full path; stores the plan
+            ad.sdpa(q, k, v, is_causal=causal, backend="triton")  # the plan's first call captures
             plans = [r for _, r in dispatch.fast_calls.values() if isinstance(r, ForwardPlan)]
             assert plans and plans[-1].launch is not None
             assert sum(d is not None for _, _, d in plans[-1].launch.patches) == (2 if seq == 256 else 0)
@@ -546,7 +597,7 @@ def test_gpu_sdpa_fast_path_relaunches_the_plan(monkeypatch, seq):
                 before = (cc.COMPILED.hits, cc.COMPILED.misses)
                 got = ad.sdpa(q, k, v, is_causal=causal, backend="triton")
                 assert (cc.COMPILED.hits, cc.COMPILED.misses) == before
-                want = triton_attention(q, k, v, None, KernelParams(scale=d ** -0.5, window_right=0 if causal else -1))
+                want = triton_attention(q, k, v, None, KernelParams(scale=d**-0.5, window_right=0 if causal else -1))
                 assert torch.equal(got, want)
             # with host-built descriptors the launch goes below Triton's descriptor handling
             assert relaunched == ["direct" if seq == 256 else "relaunch"] * 3
@@ -560,6 +611,7 @@ def _fake_triton36_driver(encoded):
     ``launch`` is the wrapper closure over the C launch, ``tensordesc_indices`` and
     ``tensordesc_meta``, as ``wrap_handle_tensordesc`` builds it there."""
     import types
+
     mod = types.ModuleType("fake_triton36_driver")
     mod._BASE_ARGS_FORMAT_LEN = 13
 
@@ -580,6 +632,7 @@ def _fake_triton36_driver(encoded):
                 else:
                     final_args.append(arg)
             return launcher(*final_args)
+
         return inner
 
     class Launcher:
@@ -590,8 +643,8 @@ def _fake_triton36_driver(encoded):
             self.launch = wrap_handle_tensordesc(raw, signature, metas)
 
         def __call__(self, gx, gy, gz, stream, function, *args):
-            self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None,
-                        *args)
+            self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None, *args)
+
     Launcher.__module__ = mod.__name__
     mod.make_tensordesc_arg, mod.Launcher = make_tensordesc_arg, Launcher
     return mod
@@ -610,15 +663,19 @@ def test_direct_launch_passes_what_triton_36s_wrapper_passes_and_keeps_tensormap
     signature = ["tensordesc<bf16[64, 64]>", "*bf16", "tensordesc<bf16[64, 64]>", "*fp32", "fp32", "i32", "constexpr"]
     metas = [{"swizzle": 128}, {"swizzle": 64}]
     launcher = mod.Launcher(lambda *a: raw_calls.append(a), signature, metas)
-    entry = (launcher, "function", ("packed", "metadata"), (True,))     # tail: the constexpr's value
+    entry = (launcher, "function", ("packed", "metadata"), (True,))  # tail: the constexpr's value
 
     def tensors(n=256):
-        return [torch.randn(n, 64, dtype=torch.bfloat16) for _ in range(2)], torch.randn(n, 64, dtype=torch.bfloat16), \
-            torch.randn(n, dtype=torch.float32)
+        return (
+            [torch.randn(n, 64, dtype=torch.bfloat16) for _ in range(2)],
+            torch.randn(n, 64, dtype=torch.bfloat16),
+            torch.randn(n, dtype=torch.float32),
+        )
+
     (a, b), p, lse = tensors()
     da, db = (cc.TensorDescriptor(t, list(t.shape), list(t.stride()), [64, 64]) for t in (a, b))
     args = (da, p, db, lse, 0.5, 7)
-    pool = (a, b, p, lse)     # what the replay's pool holds, in its order
+    pool = (a, b, p, lse)  # what the replay's pool holds, in its order
     direct = cc.DirectLaunch.build(entry, (3, 2), args, {1: 2, 3: 3}, {0: 0, 2: 1})
     assert direct is not None
 
@@ -630,8 +687,9 @@ def test_direct_launch_passes_what_triton_36s_wrapper_passes_and_keeps_tensormap
     def direct_call(pool):
         direct([t.data_ptr() for t in pool], pool)
         return raw_calls.pop()
+
     for step in range(4):
-        if step % 2:             # new tensors every other call; the same ones in between
+        if step % 2:  # new tensors every other call; the same ones in between
             (a2, b2), p2, lse2 = tensors()
             pool = (a2, b2, p2, lse2)
         encoded.clear()
@@ -641,7 +699,7 @@ def test_direct_launch_passes_what_triton_36s_wrapper_passes_and_keeps_tensormap
         got = direct_call(pool)
         assert got == want and n_triton == 2
         assert got[3] == 1234 and got[:3] == (3, 2, 1) and got[6] is True
-        assert len(encoded) == (2 if step % 2 else 0), (step, encoded)   # only new addresses are encoded
+        assert len(encoded) == (2 if step % 2 else 0), (step, encoded)  # only new addresses are encoded
     assert direct.hits == 4 and direct.misses == 4
     # each descriptor keeps at most MAX_TENSORMAPS addresses
     monkeypatch.setattr(cc, "MAX_TENSORMAPS", 3)
@@ -666,15 +724,16 @@ def test_direct_launch_is_refused_for_launchers_it_does_not_know(monkeypatch):
 
     def build(launcher, descriptors={0: 0}, pointers={1: 1}):
         return cc.DirectLaunch.build((launcher, "f", "m", ()), (1,), (d, t), pointers, descriptors)
+
     if d is not None:
         assert build(good) is not None
-        assert build(good, descriptors={}) is None                  # a descriptor it would not rebuild
+        assert build(good, descriptors={}) is None  # a descriptor it would not rebuild
         assert build(good, descriptors={0: 0, 1: 1}, pointers={}) is None
     assert cc.DirectLaunch.build(None, (1,), (d, t), {1: 1}, {0: 0}) is None
     scratch = mod.Launcher(lambda *a: None, signature, [{"swizzle": 128}])
     scratch.global_scratch_size = 512
-    plain = mod.Launcher(lambda *a: None, ["*bf16", "*bf16"], [])    # no descriptor: Triton wraps nothing
+    plain = mod.Launcher(lambda *a: None, ["*bf16", "*bf16"], [])  # no descriptor: Triton wraps nothing
     plain.launch = lambda *a: None
     assert cc._direct_parts(scratch) is None and cc._direct_parts(plain) is None
-    monkeypatch.setattr(mod, "make_tensordesc_arg", lambda arg, metadata, extra: [])   # Triton 3.9's signature
+    monkeypatch.setattr(mod, "make_tensordesc_arg", lambda arg, metadata, extra: [])  # Triton 3.9's signature
     assert cc._direct_parts(good) is None

@@ -1,4 +1,5 @@
 """Config files: loading TOML and YAML, the shipped files, and every kind of error."""
+
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,15 @@ def test_deterministic_config_sets_policy():
 
 def test_toml_and_yaml_are_the_same_schema(tmp_path):
     toml = tmp_path / "a.toml"
-    toml.write_text('[dispatch]\npriority = ["math"]\ndisabled = ["torch_cpu"]\non_error = "fallback"\n'
-                    'math_fallback = "allow"\ndeterministic = false\n')
+    toml.write_text(
+        '[dispatch]\npriority = ["math"]\ndisabled = ["torch_cpu"]\non_error = "fallback"\n'
+        'math_fallback = "allow"\ndeterministic = false\n'
+    )
     yaml = tmp_path / "a.yaml"
-    yaml.write_text("dispatch:\n  priority: [math]\n  disabled: [torch_cpu]\n  on_error: fallback\n"
-                    "  math_fallback: allow\n  deterministic: false\n")
+    yaml.write_text(
+        "dispatch:\n  priority: [math]\n  disabled: [torch_cpu]\n  on_error: fallback\n"
+        "  math_fallback: allow\n  deterministic: false\n"
+    )
     a, b = ad.read_config(toml), ad.read_config(yaml)
     assert a.dispatch == b.dispatch
     assert a.dispatch.on_error == "fallback" and a.dispatch.deterministic is False

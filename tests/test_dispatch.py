@@ -1,4 +1,5 @@
 """Choosing: order sources, forced backends, custom backends, scopes, cache, policies."""
+
 import dataclasses
 import logging
 import os
@@ -57,7 +58,7 @@ def test_default_order_and_reasons():
     assert d.backend in names
     assert d.source == "default"
     # Everything before the chosen backend is rejected, each with at least one reason.
-    for name in names[:names.index(d.backend)]:
+    for name in names[: names.index(d.backend)]:
         assert d.rejected[name] and all(isinstance(r, str) and r for r in d.rejected[name])
     text = str(d)
     assert d.backend in text and "chosen" in text and "problem:" in text
@@ -72,7 +73,7 @@ def test_custom_backend_first_class_and_priority():
     assert out.shape == (1, 2, 8, 16)
     ad.unregister_backend("mine")
     assert "mine" not in ad.list_backends()
-    ad.register_backend(Recording("late"))        # default: just before math
+    ad.register_backend(Recording("late"))  # default: just before math
     assert ad.list_backends()[-2:] == ["late", "math"]
     ad.register_backend(Recording("at2"), priority=2)
     assert ad.list_backends()[2] == "at2"
@@ -174,9 +175,9 @@ def test_env_order_and_config_order(tmp_path, monkeypatch):
     ad.clear_cache()
     d = ad.explain(*qkv())
     assert d.backend == "aa" and d.source == "env ATTENTION_DISPATCH_BACKENDS"
-    with ad.use_backends("bb"):           # the scope beats the env
+    with ad.use_backends("bb"):  # the scope beats the env
         assert ad.explain(*qkv()).backend == "bb"
-    assert ad.explain(*qkv(), backend="math").backend == "math"   # the argument beats all
+    assert ad.explain(*qkv(), backend="math").backend == "math"  # the argument beats all
 
 
 def test_env_config_path(tmp_path, monkeypatch):
@@ -201,11 +202,11 @@ def test_cache_hit_and_invalidation():
     ad.register_backend(mine, priority="first")
     p = problem_of(*qkv())
     d1 = dispatch.decide(p)
-    assert dispatch.decide(p) is d1                 # a hit returns the same object
-    ad.register_backend(Recording("other"), priority="first")   # registry change invalidates
+    assert dispatch.decide(p) is d1  # a hit returns the same object
+    ad.register_backend(Recording("other"), priority="first")  # registry change invalidates
     d2 = dispatch.decide(p)
     assert d2 is not d1 and d2.backend == "other"
-    with ad.use_config({"dispatch": {"disabled": ["other"]}}):   # config change invalidates
+    with ad.use_config({"dispatch": {"disabled": ["other"]}}):  # config change invalidates
         assert dispatch.decide(p).backend == "mine"
     assert dispatch.decide(p).backend == "other"
     # Availability is part of the decision, so a change needs clear_cache() (documented).
@@ -244,7 +245,7 @@ def test_determinism_rejects_nondeterministic_backward():
     assert d.backend != "nondet"
     assert "deterministic algorithms requested but the backward is nondeterministic" in d.rejected["nondet"]
     assert ad.explain(q, k, v, deterministic=False).backend == "nondet"
-    with torch.no_grad():                       # no backward: determinism of it is moot
+    with torch.no_grad():  # no backward: determinism of it is moot
         assert ad.explain(q, k, v, deterministic=True).backend == "nondet"
     with ad.use_config({"dispatch": {"deterministic": True}}):
         assert ad.explain(q, k, v).backend != "nondet"
@@ -278,7 +279,7 @@ def test_math_on_cuda_warns_once_or_is_forbidden():
             assert dispatch.decide(p).backend == "math"
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            dispatch.decide(p)                  # once only
+            dispatch.decide(p)  # once only
     dispatch._warned.clear()
     with ad.use_config({"dispatch": {"math_fallback": "allow"}}), ad.use_backends("math"):
         with warnings.catch_warnings():
@@ -316,7 +317,7 @@ def test_explain_record_last_decision():
     assert len(outer) == 2 and outer[1].backend == "math"
     assert ad.last_decision() is outer[1]
     ad.register_backend(Recording("never", ad.Capabilities(devices=frozenset({"cuda"}))))
-    d = ad.explain(q, k, v, backend="never")      # explain does not raise: it explains
+    d = ad.explain(q, k, v, backend="never")  # explain does not raise: it explains
     assert d.backend is None and d.rejected["never"] == ["device=cpu not in {cuda}"]
 
 
@@ -324,14 +325,16 @@ def test_logging_every_new_decision(caplog):
     caplog.set_level(logging.DEBUG, logger="attention_dispatch")
     q, k, v = qkv()
     ad.sdpa(q, k, v, backend="math")
-    ad.sdpa(q, k, v, backend="math")       # a cache hit logs nothing new
+    ad.sdpa(q, k, v, backend="math")  # a cache hit logs nothing new
     logged = [r for r in caplog.records if "new decision" in r.getMessage()]
     assert len(logged) == 1 and "math" in logged[0].getMessage()
 
 
 def test_log_env_variable_configures_stderr_logging():
-    code = ("import torch, attention_dispatch as ad\n"
-            "ad.sdpa(*(torch.randn(1, 1, 4, 8) for _ in range(3)), backend='math')\n")
+    code = (
+        "import torch, attention_dispatch as ad\n"
+        "ad.sdpa(*(torch.randn(1, 1, 4, 8) for _ in range(3)), backend='math')\n"
+    )
     env = dict(os.environ, ATTENTION_DISPATCH_LOG="debug")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
@@ -345,18 +348,21 @@ class Sleepy(Recording):
 
     def run(self, query, key, value, **options):
         import time
+
         time.sleep(self.seconds)
         return super().run(query, key, value, **options)
 
 
-def _fake_runners(monkeypatch, seconds: dict, hiccup: tuple[str, int | set, float] | None = None,
-                  long_calls: bool = False):
+def _fake_runners(
+    monkeypatch, seconds: dict, hiccup: tuple[str, int | set, float] | None = None, long_calls: bool = False
+):
     """fastest._runner replaced by host-sleeping calls (`hiccup`: (backend, its call number
     or numbers, extra seconds)); returns the log of turns (one name per turn) and of calls.
     The sleeps are long for a loaded CI machine's sake: unless ``long_calls``, they still count
     as short calls (ROUNDS timed rounds, not LONG_ROUNDS)."""
     import time
     from attention_dispatch import fastest
+
     calls, turns = [], []
     if not long_calls:
         monkeypatch.setattr(fastest, "LONG_CALL_MS", float("inf"))
@@ -364,17 +370,23 @@ def _fake_runners(monkeypatch, seconds: dict, hiccup: tuple[str, int | set, floa
     def runner(name, call):
         def once():
             calls.append(name)
-            if hiccup and name == hiccup[0] and calls.count(name) in ({hiccup[1]} if isinstance(hiccup[1], int)
-                                                                     else hiccup[1]):
+            if (
+                hiccup
+                and name == hiccup[0]
+                and calls.count(name) in ({hiccup[1]} if isinstance(hiccup[1], int) else hiccup[1])
+            ):
                 time.sleep(hiccup[2])
             time.sleep(seconds[name])
+
         once.backend = name
         return once
+
     real_turn = fastest._turn_ms_host
 
     def turn(once, n, sync):
         turns.append(once.backend)
         return real_turn(once, n, sync)
+
     monkeypatch.setattr(fastest, "_runner", runner)
     monkeypatch.setattr(fastest, "_turn_ms_host", turn)
     return calls, turns
@@ -385,6 +397,7 @@ def test_policy_fastest_takes_the_lower_quartile_of_interleaved_short_turns(monk
     backend's time is the lower quartile of its samples, so one disturbed call (300 ms: c's
     12th call, the sample of round 5) does not decide.  After PRUNE_AFTER rounds the clear losers stop being timed."""
     from attention_dispatch import fastest
+
     seconds = {"a": 0.020, "b": 0.040, "c": 0.010}
     calls, turns = _fake_runners(monkeypatch, seconds, hiccup=("c", 12, 0.3))
     call = types.SimpleNamespace(query=torch.empty(1))
@@ -404,10 +417,13 @@ def test_policy_fastest_times_long_calls_in_fewer_rounds(monkeypatch):
     """Where every backend's warm-up call takes LONG_CALL_MS or more, LONG_ROUNDS timed rounds
     decide; one short backend among them keeps ROUNDS for all."""
     from attention_dispatch import fastest
+
     monkeypatch.setattr(fastest, "LONG_CALL_MS", 5.0)
     call = types.SimpleNamespace(query=torch.empty(1))
-    for seconds, rounds in (({"a": 0.012, "b": 0.010}, fastest.LONG_ROUNDS),
-                            ({"a": 0.012, "b": 0.0}, fastest.ROUNDS)):    # a is pruned there
+    for seconds, rounds in (
+        ({"a": 0.012, "b": 0.010}, fastest.LONG_ROUNDS),
+        ({"a": 0.012, "b": 0.0}, fastest.ROUNDS),
+    ):  # a is pruned there
         calls, turns = _fake_runners(monkeypatch, seconds, long_calls=True)
         samples: dict = {}
         timed = fastest._time_backends(tuple(seconds), call, lambda: None, samples_out=samples)
@@ -423,6 +439,7 @@ def test_policy_fastest_does_not_prune_the_winner_on_a_slow_start(monkeypatch):
     fastest backend disturbed in its first two samples (as when the device's clock is still
     ramping up) still wins on its median."""
     from attention_dispatch import fastest
+
     assert fastest.WARM_ROUNDS == 1 and fastest.PRUNE_AFTER >= 3
     # c's calls: 1 warm-up, 2 estimate, then per round an untimed call and one sample (4, 6, 8, ...)
     _, turns = _fake_runners(monkeypatch, {"a": 0.020, "c": 0.010}, hiccup=("c", {4, 6}, 0.1))
@@ -436,9 +453,10 @@ def test_policy_fastest_resists_a_disturbance_of_most_samples(monkeypatch):
     in a row, so it is not pruned): its median would lose to a (20 ms), its lower quartile wins
     (grid 751889c, a disturbed machine: one backend's timing read 20-50% above its column)."""
     from attention_dispatch import fastest
+
     assert fastest.ROUNDS == 11 and fastest.SAMPLES_PER_TURN == 1 and fastest.WARM_ROUNDS == 1
     # c's calls: 1 warm-up, 2 estimate, a warm round (3, 4), then round r's sample is call 4 + 2r
-    slow = {8, 10, 14, 18, 22, 26}                            # rounds 2, 3, 5, 7, 9 and 11
+    slow = {8, 10, 14, 18, 22, 26}  # rounds 2, 3, 5, 7, 9 and 11
     _, turns = _fake_runners(monkeypatch, {"a": 0.020, "c": 0.010}, hiccup=("c", slow, 0.03))
     timings = fastest._time_backends(("a", "c"), types.SimpleNamespace(query=torch.empty(1)), lambda: None)
     assert min(timings, key=timings.get) == "c", timings
@@ -450,12 +468,14 @@ def test_policy_fastest_samples_with_the_collector_off_and_restores_it(monkeypat
     land on whichever backend runs then); it is on again afterwards, also when timing fails."""
     import gc
     from attention_dispatch import fastest
+
     seen = []
     real = fastest._turn_ms_host
 
     def turn(once, n, sync):
         seen.append(gc.isenabled())
         return real(once, n, sync)
+
     _fake_runners(monkeypatch, {"a": 0.001, "b": 0.002})
     monkeypatch.setattr(fastest, "_turn_ms_host", turn)
     assert gc.isenabled()
@@ -464,6 +484,7 @@ def test_policy_fastest_samples_with_the_collector_off_and_restores_it(monkeypat
 
     def failing(once, n, sync):
         raise RuntimeError("device lost")
+
     monkeypatch.setattr(fastest, "_turn_ms_host", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         fastest._time_backends(("a", "b"), types.SimpleNamespace(query=torch.empty(1)), lambda: None)
@@ -473,11 +494,12 @@ def test_policy_fastest_samples_with_the_collector_off_and_restores_it(monkeypat
 def test_policy_fastest_shuffles_the_turns_after_the_first_round(monkeypatch):
     """No backend always follows the same one: the turn order changes between rounds."""
     from attention_dispatch import fastest
+
     monkeypatch.setattr(fastest, "PRUNE_RATIO", 1e9)
     names = ("a", "b", "c", "d")
     _, turns = _fake_runners(monkeypatch, dict.fromkeys(names, 0.001))
     fastest._time_backends(names, types.SimpleNamespace(query=torch.empty(1)), lambda: None)
-    rounds = [tuple(turns[i:i + 4]) for i in range(0, len(turns), 4)]
+    rounds = [tuple(turns[i : i + 4]) for i in range(0, len(turns), 4)]
     assert len(rounds) == fastest.WARM_ROUNDS + fastest.ROUNDS and all(sorted(r) == list(names) for r in rounds)
     assert rounds[0] == names and len(set(rounds)) > fastest.ROUNDS // 2
 
@@ -487,11 +509,12 @@ def test_policy_fastest_gives_a_near_tie_to_host_time_to_spare():
     the backend with the least host time; a clear lead, or a leader with host time to spare,
     keeps it; without host times (the CPU) the lowest time wins."""
     from attention_dispatch import fastest
+
     pick = fastest.pick_winner
-    timings = {"fa4": 0.647, "ours": 0.663, "cudnn": 0.695}        # grid c06cc63, d64 S=512 causal
-    assert pick(timings, {"fa4": 0.572, "ours": 0.437, "cudnn": 0.352}) == "ours"    # cuDNN: 7% off
-    assert pick(timings, {"fa4": 0.40, "ours": 0.437, "cudnn": 0.352}) == "fa4"      # fa4 not host-heavy
-    assert pick({"fa4": 0.60, "ours": 0.663}, {"fa4": 0.572, "ours": 0.437}) == "fa4"   # 10% lead
+    timings = {"fa4": 0.647, "ours": 0.663, "cudnn": 0.695}  # grid c06cc63, d64 S=512 causal
+    assert pick(timings, {"fa4": 0.572, "ours": 0.437, "cudnn": 0.352}) == "ours"  # cuDNN: 7% off
+    assert pick(timings, {"fa4": 0.40, "ours": 0.437, "cudnn": 0.352}) == "fa4"  # fa4 not host-heavy
+    assert pick({"fa4": 0.60, "ours": 0.663}, {"fa4": 0.572, "ours": 0.437}) == "fa4"  # 10% lead
     assert pick(timings, {}) == "fa4"
     heavy = fastest.HOST_HEAVY * 0.647
     assert pick(timings, {"fa4": heavy, "ours": 0.1}) == "ours"
@@ -504,12 +527,14 @@ def test_policy_fastest_gives_a_near_tie_to_host_time_to_spare():
 def test_policy_fastest_says_why_a_near_tie_went_to_the_host_light_backend(monkeypatch):
     """The decision table names the leader it passed over and both host times."""
     from attention_dispatch import fastest
+
     fastest.forget()
 
     def timed(names, call, sync, failures=None, samples_out=None, host_out=None):
         host_out.update(heavy=0.60, light=0.30)
         samples_out.update(heavy=(0.650,), light=(0.660,))
         return {"heavy": 0.650, "light": 0.660}
+
     monkeypatch.setattr(fastest, "_time_backends", timed)
     ad.register_backend(Recording("heavy"), priority="first")
     ad.register_backend(Recording("light"), priority=1)
@@ -528,6 +553,7 @@ def test_gpu_policy_fastest_counts_host_bound_time():
     stream; a backend whose calls wait on the host (3 ms each) still pays that time there,
     and the quick one wins."""
     from attention_dispatch import fastest
+
     fastest.forget()
     slow, quick = Sleepy("slow", 0.003), Sleepy("quick", 0.0)
     ad.register_backend(slow, priority="first")
@@ -545,6 +571,7 @@ def test_gpu_policy_fastest_counts_host_bound_time():
 
 def test_policy_fastest_measures_and_caches(tmp_path):
     from attention_dispatch import fastest
+
     fastest.forget()
     # 0.25 s: far above the scheduling noise of a loaded CI machine (20 ms flaked)
     slow, quick = Sleepy("slow", 0.25), Sleepy("quick", 0.0)
@@ -553,13 +580,15 @@ def test_policy_fastest_measures_and_caches(tmp_path):
     cache = tmp_path / "fastest.json"
     q, k, v = qkv(grad=True)
     state = torch.get_rng_state()
-    with ad.use_config({"dispatch": {"policy": "fastest", "fastest_cache": str(cache)}}), \
-            ad.use_backends("slow", "quick"):
+    with (
+        ad.use_config({"dispatch": {"policy": "fastest", "fastest_cache": str(cache)}}),
+        ad.use_backends("slow", "quick"),
+    ):
         ad.sdpa(q, k, v).sum().backward()
         d = ad.last_decision()
-        assert torch.equal(torch.get_rng_state(), state)   # timing left the RNG alone
+        assert torch.equal(torch.get_rng_state(), state)  # timing left the RNG alone
         assert d.backend == "quick" and d.timings["slow"] > d.timings["quick"]
-        for name, ms in d.timings.items():   # the samples behind each time, as measured
+        for name, ms in d.timings.items():  # the samples behind each time, as measured
             assert abs(fastest.lower_quartile(list(d.timing_samples[name])) - ms) < 1e-3
         assert "measured fastest" in str(d) and "policy=fastest" in str(d)
         # on the CPU a sample is the host's time: no separate host column
@@ -571,7 +600,7 @@ def test_policy_fastest_measures_and_caches(tmp_path):
         assert slow.runs == runs and ad.last_decision().backend == "quick"
         stored = __import__("json").loads(cache.read_text())
         assert [e["backend"] for e in stored.values()] == ["quick"]
-        fastest.forget()                      # a new process: the file answers
+        fastest.forget()  # a new process: the file answers
         ad.sdpa(q, k, v)
         assert slow.runs == runs and ad.last_decision().backend == "quick"
     assert q.grad is not None and q.grad.abs().sum() > 0
@@ -585,6 +614,7 @@ def test_policy_fastest_says_which_backend_failed_while_timed(monkeypatch):
     (on the H100 one such failure once hid flash-attn 4 from every varlen timing); the call's
     signature still gets sdpa()'s fast path."""
     from attention_dispatch import fastest
+
     fastest.forget()
     normalized = _count_normalize(monkeypatch)
     ad.register_backend(Recording("broken", fail=TypeError("needs cu_seqlens_q")), priority="first")
@@ -596,21 +626,24 @@ def test_policy_fastest_says_which_backend_failed_while_timed(monkeypatch):
         assert d.backend == "works" and list(d.timings) == ["works"]
         assert d.failures == {"broken": "TypeError: needs cu_seqlens_q"}
         assert "broken" in str(d) and "failed: TypeError: needs cu_seqlens_q" in str(d)
-        ad.sdpa(q, k, v)                      # the kept measurement keeps the failure too
-        assert ad.last_decision().failures == d.failures and len(normalized) == 1   # a fast-path hit
+        ad.sdpa(q, k, v)  # the kept measurement keeps the failure too
+        assert ad.last_decision().failures == d.failures and len(normalized) == 1  # a fast-path hit
     torch.testing.assert_close(out, math_attention(q, k, v))
 
 
 # ---- sdpa()'s fast path: a repeated call signature skips normalisation and decide() ----
 
+
 def _count_normalize(monkeypatch):
     from attention_dispatch import api
+
     calls = []
     real = api.normalize_call
 
     def counting(*a, **kw):
         calls.append(1)
         return real(*a, **kw)
+
     monkeypatch.setattr(api, "normalize_call", counting)
     return calls
 
@@ -625,15 +658,16 @@ def test_fast_path_hit_runs_new_tensors_and_records_the_decision(monkeypatch):
     q2, k2, v2 = qkv(2, 3, 9, 16)
     with ad.record() as seen:
         out2 = ad.sdpa(q2, k2, v2, is_causal=True, scale=0.3)
-    assert len(calls) == 1 and mine.runs == 2          # the second call skipped normalize_call
+    assert len(calls) == 1 and mine.runs == 2  # the second call skipped normalize_call
     assert seen == [d1] and ad.last_decision() is d1
     ref = math_attention(q2.double(), k2.double(), v2.double(), causal=ad.CausalKind.TOP_LEFT, scale=0.3)
-    torch.testing.assert_close(out2.double(), ref, atol=2e-6, rtol=1e-5)   # fp32 vs the float64 oracle
+    torch.testing.assert_close(out2.double(), ref, atol=2e-6, rtol=1e-5)  # fp32 vs the float64 oracle
     assert not torch.equal(out1, out2)
 
 
-@pytest.mark.parametrize("change", ["dtype", "shape", "stride", "requires_grad", "scope", "config", "scale",
-                                    "deterministic_torch"])
+@pytest.mark.parametrize(
+    "change", ["dtype", "shape", "stride", "requires_grad", "scope", "config", "scale", "deterministic_torch"]
+)
 def test_fast_path_misses_when_anything_the_decision_uses_changes(monkeypatch, change):
     calls = _count_normalize(monkeypatch)
     q, k, v = qkv(1, 2, 8, 16)
@@ -672,8 +706,17 @@ def test_fast_path_misses_when_anything_the_decision_uses_changes(monkeypatch, c
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("bad", [dict(scale=True), dict(dropout_p=False), dict(enable_gqa=1), dict(is_causal=1),
-                                 dict(deterministic=1), dict(window=(2.0, 3))])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(scale=True),
+        dict(dropout_p=False),
+        dict(enable_gqa=1),
+        dict(is_causal=1),
+        dict(deterministic=1),
+        dict(window=(2.0, 3)),
+    ],
+)
 def test_fast_path_never_skips_validation(bad):
     """Values equal (and hashing equal) to a valid call's, of a type the full path rejects,
     still reach the full path's checks."""
@@ -694,12 +737,12 @@ def test_fast_path_failure_takes_the_full_path_with_fallback():
         ad.sdpa(q, k, v)
         assert ad.last_decision().backend == "flaky"
         flaky.fail = RuntimeError("device lost")
-        out = ad.sdpa(q, k, v)                  # fast-path runner fails -> full path -> fallback
+        out = ad.sdpa(q, k, v)  # fast-path runner fails -> full path -> fallback
         d = ad.last_decision()
     assert d.backend != "flaky" and "device lost" in d.failures["flaky"]
     torch.testing.assert_close(out, ad.sdpa(q, k, v, backend="math"))
     with pytest.raises(ad.BackendRunError, match="device lost"):
-        ad.sdpa(q, k, v)                        # on_error="raise" (default) raises as before
+        ad.sdpa(q, k, v)  # on_error="raise" (default) raises as before
 
 
 def test_clear_cache_forgets_fast_path_entries():
@@ -708,7 +751,7 @@ def test_clear_cache_forgets_fast_path_entries():
     q, k, v = qkv()
     ad.sdpa(q, k, v)
     assert dispatch.fast_calls
-    mine.available = False            # availability is cached; clear_cache() applies it
+    mine.available = False  # availability is cached; clear_cache() applies it
     ad.clear_cache()
     assert not dispatch.fast_calls
     ad.sdpa(q, k, v)
@@ -719,10 +762,11 @@ def test_a_failing_prepare_keeps_the_full_path():
     class NoPrepare(Recording):
         def prepare(self, query, key, value, options):
             raise RuntimeError("cannot prepare")
+
     mine = NoPrepare("mine")
     ad.register_backend(mine, priority="first")
     q, k, v = qkv()
-    out = ad.sdpa(q, k, v)                       # the call itself succeeds
+    out = ad.sdpa(q, k, v)  # the call itself succeeds
     assert not dispatch.fast_calls and mine.runs == 1
     torch.testing.assert_close(ad.sdpa(q, k, v), out)
     assert mine.runs == 2
@@ -737,12 +781,14 @@ def test_fast_path_with_a_mask_uses_each_calls_mask(monkeypatch, kind):
         if kind == "bool":
             return torch.rand(2, 1, 9, 9) > 0.3
         return torch.randn(1, 3, 9, 9, requires_grad=kind == "float_grad")
+
     m1, m2 = mask(), mask()
     ad.sdpa(q, k, v, attn_mask=m1)
     out = ad.sdpa(q, k, v, attn_mask=m2)
-    assert len(calls) == 1                                  # the second call took the fast path
-    ref = math_attention(q.double(), k.double(), v.double(), attn_mask=m2 if kind == "bool" else m2.double(),
-                         scale=16 ** -0.5)
+    assert len(calls) == 1  # the second call took the fast path
+    ref = math_attention(
+        q.double(), k.double(), v.double(), attn_mask=m2 if kind == "bool" else m2.double(), scale=16**-0.5
+    )
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
     if kind == "float_grad":
         (gm,) = torch.autograd.grad(out.sum(), m2)
@@ -761,9 +807,14 @@ def test_fast_path_mask_signature(monkeypatch, change):
     ad.sdpa(q, k, v, attn_mask=m)
     ad.sdpa(q, k, v, attn_mask=m)
     assert len(calls) == 1
-    other = {"mask_shape": torch.randn(1, 1, 8, 8), "mask_dtype_converted": m, "mask_3d": m[0],
-             "mask_requires_grad": m.clone().requires_grad_(), "no_mask": None}[change]
-    if change == "mask_dtype_converted":    # a float32 mask with float64 inputs is converted (exactly)
+    other = {
+        "mask_shape": torch.randn(1, 1, 8, 8),
+        "mask_dtype_converted": m,
+        "mask_3d": m[0],
+        "mask_requires_grad": m.clone().requires_grad_(),
+        "no_mask": None,
+    }[change]
+    if change == "mask_dtype_converted":  # a float32 mask with float64 inputs is converted (exactly)
         q, k, v = q.double(), k.double(), v.double()
     ad.sdpa(q, k, v, attn_mask=other)
     ad.sdpa(q, k, v, attn_mask=other)
@@ -776,24 +827,25 @@ def test_one_offsets_tensor_means_packed_self_attention():
     sequence has as many queries as keys, so the Problem says top-left and bottom-right
     causal coincide; equal offsets in two tensors are not read back (no device sync)."""
     q = torch.randn(10, 2, 8)
-    cu = torch.tensor([0, 4, 10])              # int64: converted once, and stays one tensor
+    cu = torch.tensor([0, 4, 10])  # int64: converted once, and stays one tensor
     call = normalize_call(q, q, q, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
     assert call.problem.same_offsets and call.problem.sequences_match
     assert call.options["cu_seqlens_q"] is call.options["cu_seqlens_k"]
     apart = normalize_call(q, q, q, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu.clone())
     assert not apart.problem.same_offsets and not apart.problem.sequences_match
-    assert apart.problem != call.problem          # the decision cache tells them apart
+    assert apart.problem != call.problem  # the decision cache tells them apart
     dense = normalize_call(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), is_causal=True)
     assert dense.problem.sequences_match and not dense.problem.same_offsets
     offsets = torch.tensor([0, 4, 10])
-    nq, nk = (torch.nested.nested_tensor_from_jagged(torch.randn(10, 2, 8), offsets).transpose(1, 2)
-              for _ in range(2))
+    nq, nk = (torch.nested.nested_tensor_from_jagged(torch.randn(10, 2, 8), offsets).transpose(1, 2) for _ in range(2))
     assert normalize_call(nq, nk, nk, is_causal=True).problem.same_offsets
     other = torch.nested.nested_tensor_from_jagged(torch.randn(10, 2, 8), offsets.clone()).transpose(1, 2)
     assert not normalize_call(nq, other, other, is_causal=True).problem.same_offsets
     # the result is the same function either way (math backend, top-left per sequence)
-    torch.testing.assert_close(ad.sdpa(q, q, q, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu),
-                               ad.sdpa(q, q, q, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu.clone()))
+    torch.testing.assert_close(
+        ad.sdpa(q, q, q, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu),
+        ad.sdpa(q, q, q, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu.clone()),
+    )
 
 
 def _packed(lens, h=2, d=16, grad=False):
@@ -806,8 +858,11 @@ def _varlen_ref(q, k, v, cu):
     """Per-sequence top-left causal attention in float64 (the oracle, one sequence at a time)."""
     outs = []
     for a, b in zip(cu.tolist(), cu.tolist()[1:]):
-        outs.append(math_attention(*(t[a:b].double().transpose(0, 1)[None] for t in (q, k, v)),
-                                   causal=ad.CausalKind.TOP_LEFT)[0].transpose(0, 1))
+        outs.append(
+            math_attention(*(t[a:b].double().transpose(0, 1)[None] for t in (q, k, v)), causal=ad.CausalKind.TOP_LEFT)[
+                0
+            ].transpose(0, 1)
+        )
     return torch.cat(outs)
 
 
@@ -830,7 +885,7 @@ def test_fast_path_varlen_uses_each_calls_offsets(monkeypatch):
     want = torch.autograd.grad(ref, (q2, k2, v2), g.double())
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b.double(), atol=2e-5, rtol=1e-4)
-    ad.sdpa(q2, k2, v2, cu_seqlens_q=cu2, cu_seqlens_k=cu2.clone(), **kw)     # two offsets tensors: a miss
+    ad.sdpa(q2, k2, v2, cu_seqlens_q=cu2, cu_seqlens_k=cu2.clone(), **kw)  # two offsets tensors: a miss
     assert len(calls) == 2
 
 
@@ -858,9 +913,11 @@ def test_fast_path_varlen_bad_offsets_raise_as_on_the_full_path():
     q, k, v, cu = _packed([3, 5, 4])
     kw = dict(max_seqlen_q=5, max_seqlen_k=5)
     ad.sdpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)
-    for bad, match in ((torch.tensor([0, 3, 8, 11], dtype=torch.int32), "must end at the packed length 12"),
-                       (torch.tensor([0, 6, 8, 12], dtype=torch.int32), "less than its longest sequence"),
-                       (torch.tensor([1, 3, 8, 12], dtype=torch.int32), "must start at 0")):
+    for bad, match in (
+        (torch.tensor([0, 3, 8, 11], dtype=torch.int32), "must end at the packed length 12"),
+        (torch.tensor([0, 6, 8, 12], dtype=torch.int32), "less than its longest sequence"),
+        (torch.tensor([1, 3, 8, 12], dtype=torch.int32), "must start at 0"),
+    ):
         with pytest.raises(ValueError, match=match):
             ad.sdpa(q, k, v, cu_seqlens_q=bad, cu_seqlens_k=bad, **kw)
 
@@ -870,6 +927,7 @@ def test_fast_path_survives_entering_the_same_scoped_config(monkeypatch):
     invalidated by entering or leaving, so the later steps take the fast path; a scope that
     changes the decision still does, and leaving it restores the earlier one."""
     from attention_dispatch import config as config_mod
+
     calls = _count_normalize(monkeypatch)
     q, k, v = qkv(1, 2, 8, 16)
     seen = set()
@@ -892,10 +950,11 @@ def test_config_pins_are_bounded_and_dropping_them_invalidates_keys(monkeypatch)
     """Past PIN_LIMIT scoped configs the pins are dropped (their ids may be reused) and the
     config version moves, so no cached key naming them can hit again."""
     from attention_dispatch import config as config_mod
+
     monkeypatch.setattr(config_mod, "PIN_LIMIT", 3)
     monkeypatch.setattr(config_mod, "_pinned", {})
     version = config_mod.config_version()
-    for name in ("math", "torch_cpu", "triton"):      # three distinct configs: pinned, nothing bumped
+    for name in ("math", "torch_cpu", "triton"):  # three distinct configs: pinned, nothing bumped
         with ad.use_config({"dispatch": {"disabled": [name]}}) as cfg:
             assert config_mod.current_config() is cfg and list(cfg.dispatch.disabled) == [name]
     assert config_mod.config_version() == version and len(config_mod._pinned) == 3

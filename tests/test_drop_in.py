@@ -1,6 +1,7 @@
 """sdpa() takes what F.scaled_dot_product_attention takes, with its meaning (issue 41):
 PyTorch's CausalBias masks, its broadcasting, its degenerate arguments; and where we
 differ on purpose (docs/semantics.md, "Where we differ from F.sdpa"), a test each."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,7 @@ def _compare_with_torch(backend, shapes, dtype=torch.float32, mask_fn=None, grad
         m = mask_fn() if mask_fn else None
         ref = F.scaled_dot_product_attention(*copies, attn_mask=m, **kw)
         return [ref] + (list(torch.autograd.grad(ref, copies, grad_out.to(dt))) if grad else [])
+
     ref64, ref_low = torch_in(torch.float64), torch_in(dtype)
     for name, got, r64, rlow in zip(["out", "dq", "dk", "dv"], ours, ref64, ref_low):
         assert_matches(got, r64, rlow, f"{backend} {name}")
@@ -64,8 +66,7 @@ def test_causal_bias_is_its_causal_kind(backend, variant, shape):
     'bottom_right': F.sdpa's output and gradients in every backend that runs them."""
     qs, ks = CB_SHAPES[shape]
     make = CAUSAL_BIAS[variant]
-    d = _compare_with_torch(backend, (qs, ks, ks), mask_fn=lambda: make(qs[-2], ks[-2]),
-                            enable_gqa=qs[1] != ks[1])
+    d = _compare_with_torch(backend, (qs, ks, ks), mask_fn=lambda: make(qs[-2], ks[-2]), enable_gqa=qs[1] != ks[1])
     assert d.problem.causal == {"upper_left": "top_left", "lower_right": "bottom_right"}[variant]
     assert d.problem.mask_kind == "none"
 
@@ -149,6 +150,7 @@ def test_causal_true_means_top_left():
 
 # ---- where we differ on purpose (docs/semantics.md) -----------------------------------------
 
+
 def test_key_and_value_lengths_must_match():
     """PyTorch's CPU path does not check it; we raise."""
     q, k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 7, 16), torch.randn(1, 2, 6, 16)
@@ -186,8 +188,10 @@ def test_float32_bias_rejected_where_it_would_be_rounded():
     q, k, v = (torch.randn(1, 2, 6, 16, dtype=torch.bfloat16) for _ in range(3))
     problem = ad.explain(q, k, v, attn_mask=torch.randn(6, 6)).problem
     reasons = ad.not_supported_reasons(caps, problem)
-    assert reasons == ["float32 attn_mask with bfloat16 inputs (the backend would round the bias to bfloat16; "
-                       "cast the mask to the query's dtype to allow it)"]
+    assert reasons == [
+        "float32 attn_mask with bfloat16 inputs (the backend would round the bias to bfloat16; "
+        "cast the mask to the query's dtype to allow it)"
+    ]
     assert not ad.not_supported_reasons(caps, ad.explain(q, k, v, attn_mask=torch.randn(6, 6).bfloat16()).problem)
 
 
@@ -198,6 +202,7 @@ def test_float32_mask_with_float64_inputs_is_exact():
 
 
 # ---- tensor subclasses: each handled on purpose ----------------------------------------------
+
 
 class _Tagged(torch.Tensor):
     """A subclass with a meaning of its own (as a quantised or sharded tensor has)."""
@@ -237,6 +242,7 @@ def test_strided_nested_tensor_gets_our_message():
 
 
 # ---- configuration --------------------------------------------------------------------------
+
 
 class _Custom(ad.Backend):
     name = "custom_first"

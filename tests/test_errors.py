@@ -1,4 +1,5 @@
 """Bad input: a clear error naming the argument, what was given and what is allowed."""
+
 import pytest
 import torch
 
@@ -31,31 +32,105 @@ CASES = [
     ((Q, K, V), dict(window=(-2, 0)), ValueError, "window left=-2 is negative; allowed: >= 0, or -1"),
     ((Q, K, V), dict(window=(3,)), TypeError, "window must be None or a (left, right) pair"),
     ((Q, K, V), dict(window=(1.5, 0)), TypeError, "window left must be an int, got float"),
-    ((Q, K, V), dict(causal="upper"), ValueError, "causal='upper' is not allowed; use None, 'top_left', 'bottom_right' or True"),
+    (
+        (Q, K, V),
+        dict(causal="upper"),
+        ValueError,
+        "causal='upper' is not allowed; use None, 'top_left', 'bottom_right' or True",
+    ),
     ((Q, K, V), dict(is_causal=True, causal="bottom_right"), ValueError, "pass only one of them"),
-    ((Q, K, V), dict(attn_mask=t(3, 8, 10)), ValueError, "attn_mask of shape (3, 8, 10) is not broadcastable to (B, Hq, Sq, Sk) = (2, 4, 8, 10)"),
+    (
+        (Q, K, V),
+        dict(attn_mask=t(3, 8, 10)),
+        ValueError,
+        "attn_mask of shape (3, 8, 10) is not broadcastable to (B, Hq, Sq, Sk) = (2, 4, 8, 10)",
+    ),
     ((Q, K, V), dict(attn_mask=t(8, 11)), ValueError, "not broadcastable"),
-    ((Q, K, V), dict(attn_mask=torch.ones(8, 10, dtype=torch.int64)), TypeError, "attn_mask.dtype=torch.int64 is not allowed"),
-    ((Q, K, V), dict(attn_mask=t(8, 10, dtype=torch.float64)), TypeError,
-     "attn_mask.dtype=float64 is not allowed with query.dtype=float32; allowed: bool (True = attend) or float32"),
-    ((Q.bfloat16(), K.bfloat16(), V.bfloat16()), dict(attn_mask=t(8, 10, dtype=torch.float16)), TypeError,
-     "attn_mask.dtype=float16 is not allowed with query.dtype=bfloat16; allowed: bool (True = attend), float32 or bfloat16"),
+    (
+        (Q, K, V),
+        dict(attn_mask=torch.ones(8, 10, dtype=torch.int64)),
+        TypeError,
+        "attn_mask.dtype=torch.int64 is not allowed",
+    ),
+    (
+        (Q, K, V),
+        dict(attn_mask=t(8, 10, dtype=torch.float64)),
+        TypeError,
+        "attn_mask.dtype=float64 is not allowed with query.dtype=float32; allowed: bool (True = attend) or float32",
+    ),
+    (
+        (Q.bfloat16(), K.bfloat16(), V.bfloat16()),
+        dict(attn_mask=t(8, 10, dtype=torch.float16)),
+        TypeError,
+        "attn_mask.dtype=float16 is not allowed with query.dtype=bfloat16; allowed: bool (True = attend), float32 or bfloat16",
+    ),
     ((Q, K, V), dict(enable_gqa=1), TypeError, "enable_gqa must be a bool"),
     ((Q, K, V), dict(deterministic="yes"), TypeError, "deterministic must be None or a bool"),
     ((PQ, PK, PV), dict(cu_seqlens_q=CU), ValueError, "cu_seqlens_q and cu_seqlens_k must be given together"),
-    ((PQ, PK, PV), dict(cu_seqlens_q=CU.float(), cu_seqlens_k=CU), TypeError, "cu_seqlens_q.dtype=torch.float32 is not allowed"),
+    (
+        (PQ, PK, PV),
+        dict(cu_seqlens_q=CU.float(), cu_seqlens_k=CU),
+        TypeError,
+        "cu_seqlens_q.dtype=torch.float32 is not allowed",
+    ),
     ((PQ, PK, PV), dict(cu_seqlens_q=[0, 3, 8], cu_seqlens_k=CU), TypeError, "cu_seqlens_q must be a torch.Tensor"),
-    ((PQ, PK, PV), dict(cu_seqlens_q=CU.view(1, 3), cu_seqlens_k=CU), ValueError, "cu_seqlens_q must be 1-D of length batch+1"),
-    ((PQ, PK, PV), dict(cu_seqlens_q=torch.tensor([1, 3, 8], dtype=torch.int32), cu_seqlens_k=CU), ValueError, "cu_seqlens_q must start at 0, got 1"),
-    ((PQ, PK, PV), dict(cu_seqlens_q=torch.tensor([0, 5, 3, 8], dtype=torch.int32),
-                        cu_seqlens_k=torch.tensor([0, 1, 3, 8], dtype=torch.int32)), ValueError, "must be non-decreasing"),
-    ((PQ, PK, PV), dict(cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int32), cu_seqlens_k=CU), ValueError, "must end at the packed length 8, got 7"),
-    ((PQ, PK, PV), dict(cu_seqlens_q=CU, cu_seqlens_k=torch.tensor([0, 8], dtype=torch.int32)), ValueError, "cu_seqlens_q has 3 entries but cu_seqlens_k has 2"),
-    ((PQ, PK, PV), dict(cu_seqlens_q=CU, cu_seqlens_k=CU, max_seqlen_q=2), ValueError, "max_seqlen=2 for cu_seqlens_q is less than its longest sequence (5)"),
-    ((PQ, PK, PV), dict(cu_seqlens_q=CU, cu_seqlens_k=CU, max_seqlen_k=-1), ValueError, "must be a non-negative int, got -1"),
-    ((Q, K, V), dict(cu_seqlens_q=CU, cu_seqlens_k=CU), ValueError, "with cu_seqlens, query must be packed (total, heads, head_dim)"),
-    ((PQ, PK, PV), dict(cu_seqlens_q=CU, cu_seqlens_k=CU, attn_mask=t(2, 4, 6, 5)), ValueError,
-     "not broadcastable to (B, Hq, max_seqlen_q, max_seqlen_k) = (2, 4, 5, 5)"),
+    (
+        (PQ, PK, PV),
+        dict(cu_seqlens_q=CU.view(1, 3), cu_seqlens_k=CU),
+        ValueError,
+        "cu_seqlens_q must be 1-D of length batch+1",
+    ),
+    (
+        (PQ, PK, PV),
+        dict(cu_seqlens_q=torch.tensor([1, 3, 8], dtype=torch.int32), cu_seqlens_k=CU),
+        ValueError,
+        "cu_seqlens_q must start at 0, got 1",
+    ),
+    (
+        (PQ, PK, PV),
+        dict(
+            cu_seqlens_q=torch.tensor([0, 5, 3, 8], dtype=torch.int32),
+            cu_seqlens_k=torch.tensor([0, 1, 3, 8], dtype=torch.int32),
+        ),
+        ValueError,
+        "must be non-decreasing",
+    ),
+    (
+        (PQ, PK, PV),
+        dict(cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int32), cu_seqlens_k=CU),
+        ValueError,
+        "must end at the packed length 8, got 7",
+    ),
+    (
+        (PQ, PK, PV),
+        dict(cu_seqlens_q=CU, cu_seqlens_k=torch.tensor([0, 8], dtype=torch.int32)),
+        ValueError,
+        "cu_seqlens_q has 3 entries but cu_seqlens_k has 2",
+    ),
+    (
+        (PQ, PK, PV),
+        dict(cu_seqlens_q=CU, cu_seqlens_k=CU, max_seqlen_q=2),
+        ValueError,
+        "max_seqlen=2 for cu_seqlens_q is less than its longest sequence (5)",
+    ),
+    (
+        (PQ, PK, PV),
+        dict(cu_seqlens_q=CU, cu_seqlens_k=CU, max_seqlen_k=-1),
+        ValueError,
+        "must be a non-negative int, got -1",
+    ),
+    (
+        (Q, K, V),
+        dict(cu_seqlens_q=CU, cu_seqlens_k=CU),
+        ValueError,
+        "with cu_seqlens, query must be packed (total, heads, head_dim)",
+    ),
+    (
+        (PQ, PK, PV),
+        dict(cu_seqlens_q=CU, cu_seqlens_k=CU, attn_mask=t(2, 4, 6, 5)),
+        ValueError,
+        "not broadcastable to (B, Hq, max_seqlen_q, max_seqlen_k) = (2, 4, 5, 5)",
+    ),
 ]
 
 

@@ -1,4 +1,5 @@
 """The math backend (the oracle) against the independent naive float64 reference."""
+
 import subprocess
 import sys
 
@@ -16,17 +17,25 @@ FEATURES = [
     Case(causal="top_left", seqlen_q=20, seqlen_k=31),
     Case(causal="top_left", seqlen_q=31, seqlen_k=20),
     Case(causal="bottom_right", seqlen_q=20, seqlen_k=31),
-    Case(causal="bottom_right", seqlen_q=31, seqlen_k=20),   # first rows fully masked
+    Case(causal="bottom_right", seqlen_q=31, seqlen_k=20),  # first rows fully masked
     Case(window=(5, 3), seqlen_q=20, seqlen_k=31),
-    Case(window=(4, -1)), Case(window=(-1, 2)), Case(window=(0, 0)),
+    Case(window=(4, -1)),
+    Case(window=(-1, 2)),
+    Case(window=(0, 0)),
     Case(causal="top_left", window=(6, -1), seqlen_q=28, seqlen_k=17),
-    Case(mask="bool"), Case(mask="bool", mask_shape="keys", causal="bottom_right"),
-    Case(mask="float"), Case(mask="float_grad", mask_shape="heads"), Case(mask="float_grad", mask_shape="keys"),
+    Case(mask="bool"),
+    Case(mask="bool", mask_shape="keys", causal="bottom_right"),
+    Case(mask="float"),
+    Case(mask="float_grad", mask_shape="heads"),
+    Case(mask="float_grad", mask_shape="keys"),
     Case(mask="float_grad", mask_shape="square", window=(3, 3)),
-    Case(heads_q=8, heads_kv=2), Case(heads_q=6, heads_kv=1, causal="bottom_right", seqlen_k=40),
+    Case(heads_q=8, heads_kv=2),
+    Case(heads_q=6, heads_kv=1, causal="bottom_right", seqlen_k=40),
     Case(head_dim=24, head_dim_v=40),
-    Case(dropout_p=0.3), Case(dropout_p=0.2, heads_q=4, heads_kv=2, mask="float_grad", causal="top_left"),
-    Case(varlen=(5, 0, 13, 9)), Case(varlen=(7, 3, 11), extra_k=(4, 0, 9), causal="bottom_right"),
+    Case(dropout_p=0.3),
+    Case(dropout_p=0.2, heads_q=4, heads_kv=2, mask="float_grad", causal="top_left"),
+    Case(varlen=(5, 0, 13, 9)),
+    Case(varlen=(7, 3, 11), extra_k=(4, 0, 9), causal="bottom_right"),
     Case(varlen=(7, 3, 11), extra_k=(4, 2, 9), causal="top_left", window=(3, -1), heads_q=4, heads_kv=2),
     Case(varlen=(6, 9), mask="float_grad", mask_shape="full", dropout_p=0.25),
     Case(dtype=torch.float64, causal="top_left", mask="float_grad", mask_shape="keys"),
@@ -40,8 +49,14 @@ def test_math_matches_naive(case):
     compare_backend(case, "math", keep_fn=math_keep_mask)
 
 
-@pytest.mark.parametrize("case", [Case(seqlen_q=37, seqlen_k=29, causal="bottom_right", mask="float_grad"),
-                                  Case(seqlen_q=37, dropout_p=0.3, heads_q=4, heads_kv=2)], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(seqlen_q=37, seqlen_k=29, causal="bottom_right", mask="float_grad"),
+        Case(seqlen_q=37, dropout_p=0.3, heads_q=4, heads_kv=2),
+    ],
+    ids=str,
+)
 def test_math_chunked_equals_naive(case, monkeypatch):
     # 4 query rows per chunk: many chunks, each checkpointed under autograd.
     rows = 4

@@ -1,6 +1,7 @@
 """sdpa() is a drop-in for torch.nn.functional.scaled_dot_product_attention on the CPU:
 same output and gradients for every argument combination torch accepts, whichever
 backend serves the call (auto, or each CPU backend that says it can)."""
+
 import itertools
 
 import pytest
@@ -24,13 +25,15 @@ MASKS = ["none", "bool", "bool-2d", "float", "float-grad-heads"]
 
 def _combos():
     for shape, mask, causal, scale, dtype in itertools.product(
-            SHAPES, MASKS, [False, True], [None, 0.3], [torch.float32, torch.float64, torch.bfloat16]):
+        SHAPES, MASKS, [False, True], [None, 0.3], [torch.float32, torch.float64, torch.bfloat16]
+    ):
         if causal and mask != "none":
-            continue            # torch refuses attn_mask together with is_causal
+            continue  # torch refuses attn_mask together with is_causal
         if dtype != torch.float32 and (scale is not None or shape in ("3d", "5d")):
-            continue            # keep the grid small: dtypes on the main shapes
-        yield pytest.param(shape, mask, causal, scale, dtype,
-                           id=f"{shape}-{mask}-causal{int(causal)}-scale{scale}-{str(dtype)[6:]}")
+            continue  # keep the grid small: dtypes on the main shapes
+        yield pytest.param(
+            shape, mask, causal, scale, dtype, id=f"{shape}-{mask}-causal{int(causal)}-scale{scale}-{str(dtype)[6:]}"
+        )
 
 
 def _inputs(shape, mask, dtype):
@@ -90,16 +93,16 @@ def test_nested_jagged_same_as_torch(backend):
     parts = [torch.randn(n, 2, 16) for n in lengths]
 
     def make():
-        return torch.nested.nested_tensor([p.clone() for p in parts], layout=torch.jagged,
-                                          requires_grad=True)
+        return torch.nested.nested_tensor([p.clone() for p in parts], layout=torch.jagged, requires_grad=True)
 
     q, k, v = make(), make(), make()
     if backend != "auto":
         d = ad.explain(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend=backend)
         if d.backend is None:
             pytest.skip(f"{backend} declines: {d.rejected[backend]}")
-    out = ad.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                  backend=None if backend == "auto" else backend)
+    out = ad.sdpa(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend=None if backend == "auto" else backend
+    )
     assert out.is_nested and out.shape[0] == 3
     q2, k2, v2 = make(), make(), make()
     ref = F.scaled_dot_product_attention(q2.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2))
@@ -114,7 +117,7 @@ def test_nested_jagged_same_as_torch(backend):
 def test_dropout_accepted_like_torch_and_unbiased():
     """torch's dropout stream differs from ours, so compare what must agree: shapes, the
     expectation (mean over many draws approaches the dropout-free output)."""
-    torch.manual_seed(0)     # a statistical check: fixed draws so it cannot flake
+    torch.manual_seed(0)  # a statistical check: fixed draws so it cannot flake
     q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64) for _ in range(3))
     exact = ad.sdpa(q, k, v)
     draws = torch.stack([ad.sdpa(q, k, v, dropout_p=0.3) for _ in range(400)])

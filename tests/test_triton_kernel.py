@@ -6,6 +6,7 @@ Rule (DESIGN.md section 7): max |kernel - oracle64| <= 2 * max |naive(input dtyp
 CPU: runs under TRITON_INTERPRET=1 at small shapes (`pytest -n 2` recommended).
 GPU: the `gpu`-marked tests repeat the matrix at realistic shapes (skipped without CUDA).
 """
+
 import os
 
 import torch
@@ -48,6 +49,7 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def band_of(causal, window):
     """(align_bottom_right, window_left, window_right) of DESIGN.md section 3."""
     return band(normalize_causal(False, causal), normalize_window(window))
@@ -56,8 +58,7 @@ def band_of(causal, window):
 def make_params(q, causal=None, window=None, dropout_p=0.0, scale=None, **kw):
     br, wl, wr = band_of(causal, window)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return KernelParams(scale=scale, align_bottom_right=br, window_left=wl, window_right=wr,
-                        dropout_p=dropout_p, **kw)
+    return KernelParams(scale=scale, align_bottom_right=br, window_left=wl, window_right=wr, dropout_p=dropout_p, **kw)
 
 
 def rand(*shape, dtype=F32, device=None, grad=True):
@@ -70,8 +71,24 @@ def seq_dims(q, k, cu_q, max_sq, max_sk):
     return cu_q.numel() - 1, q.shape[1], max_sq, max_sk
 
 
-def run_and_check(q, k, v, bias=None, *, bias_leaf=None, causal=None, window=None, dropout_p=0.0,
-                  cu_q=None, cu_k=None, max_sq=None, max_sk=None, grads=True, seed=1234, **pkw):
+def run_and_check(
+    q,
+    k,
+    v,
+    bias=None,
+    *,
+    bias_leaf=None,
+    causal=None,
+    window=None,
+    dropout_p=0.0,
+    cu_q=None,
+    cu_k=None,
+    max_sq=None,
+    max_sk=None,
+    grads=True,
+    seed=1234,
+    **pkw,
+):
     """Kernel forward + backward vs naive (float64 and input dtype).  `bias` is what the
     kernel receives; `bias_leaf` (default: bias) is the tensor gradients are taken for and
     that the reference broadcasts itself."""
@@ -84,8 +101,11 @@ def run_and_check(q, k, v, bias=None, *, bias_leaf=None, causal=None, window=Non
         torch.manual_seed(seed)
         keep = dropout_keep_mask(*seq_dims(q, k, cu_q, max_sq, max_sk), dropout_p, device=q.device).cpu()
     leaves = [t for t in (q, k, v, bias_leaf) if t is not None and t.requires_grad] if grads else []
-    names = [n for n, t in zip(("dq", "dk", "dv", "dbias"), (q, k, v, bias_leaf))
-             if t is not None and t.requires_grad] if grads else []
+    names = (
+        [n for n, t in zip(("dq", "dk", "dv", "dbias"), (q, k, v, bias_leaf)) if t is not None and t.requires_grad]
+        if grads
+        else []
+    )
     do = torch.randn_like(out)
     got = dict(out=out, lse=lse)
     if leaves:
@@ -99,10 +119,18 @@ def run_and_check(q, k, v, bias=None, *, bias_leaf=None, causal=None, window=Non
             if m.is_floating_point():
                 m = m.to(dt)
             m.requires_grad_(bias_leaf.requires_grad)
-        r_out, r_lse = naive_attention(*cp, mask=m, causal=causal, window=window, scale=params.scale,
-                                       keep=keep, dropout_p=dropout_p,
-                                       cu_seqlens_q=None if cu_q is None else cu_q.cpu(),
-                                       cu_seqlens_k=None if cu_k is None else cu_k.cpu(), return_lse=True)
+        r_out, r_lse = naive_attention(
+            *cp,
+            mask=m,
+            causal=causal,
+            window=window,
+            scale=params.scale,
+            keep=keep,
+            dropout_p=dropout_p,
+            cu_seqlens_q=None if cu_q is None else cu_q.cpu(),
+            cu_seqlens_k=None if cu_k is None else cu_k.cpu(),
+            return_lse=True,
+        )
         r = dict(out=r_out, lse=r_lse)
         rl = [t for t in cp + [m] if t is not None and t.requires_grad] if grads else []
         if rl:
@@ -118,8 +146,11 @@ def run_and_check(q, k, v, bias=None, *, bias_leaf=None, causal=None, window=Non
             rlo = rlo.to(g.dtype)
         # d(bias) is computed in the inputs' dtype and stored in the bias's: the slack of the
         # less precise of the two (a float64 bias of fp32 inputs carries fp32 rounding)
-        slack_dtype = q.dtype if name != "dbias" or g.dtype not in SLACK else max(
-            (g.dtype, q.dtype), key=lambda t: torch.finfo(t).eps)
+        slack_dtype = (
+            q.dtype
+            if name != "dbias" or g.dtype not in SLACK
+            else max((g.dtype, q.dtype), key=lambda t: torch.finfo(t).eps)
+        )
         errs[name] = assert_matches(g, r64, rlo, name, dtype=slack_dtype)
     return got, errs
 
@@ -137,9 +168,15 @@ def varlen_inputs(lq, lk, hq, hkv, d, dv=None, dtype=F32, device=None):
 # ----------------------------------------------------------------------------- band
 
 BANDS = [
-    (None, None), ("top_left", None), ("bottom_right", None),
-    (None, (8, -1)), (None, (-1, 8)), (None, (6, 4)), (None, (0, 0)),
-    ("top_left", (8, -1)), ("bottom_right", (5, 3)),
+    (None, None),
+    ("top_left", None),
+    ("bottom_right", None),
+    (None, (8, -1)),
+    (None, (-1, 8)),
+    (None, (6, 4)),
+    (None, (0, 0)),
+    ("top_left", (8, -1)),
+    ("bottom_right", (5, 3)),
 ]
 
 
@@ -170,12 +207,20 @@ def test_window_skips_blocks():
 
 # ----------------------------------------------------------------------------- masks / bias
 
+
 @pytest.mark.parametrize("shape", ["full", "heads", "keys", "square", "rows", "one_key", "expanded"])
 @pytest.mark.parametrize("causal", [None, "top_left"])
 def test_float_bias_grad(shape, causal):
     B, H, Sq, Sk = 2, 3, 24, 40
-    shp = {"full": (B, H, Sq, Sk), "heads": (1, H, Sq, Sk), "keys": (B, 1, 1, Sk), "square": (Sq, Sk),
-           "rows": (B, H, Sq, 1), "one_key": (1, 1, 1, Sk), "expanded": (1, H, 1, Sk)}[shape]
+    shp = {
+        "full": (B, H, Sq, Sk),
+        "heads": (1, H, Sq, Sk),
+        "keys": (B, 1, 1, Sk),
+        "square": (Sq, Sk),
+        "rows": (B, H, Sq, 1),
+        "one_key": (1, 1, 1, Sk),
+        "expanded": (1, H, 1, Sk),
+    }[shape]
     q, k, v = rand(B, H, Sq, 32), rand(B, H, Sk, 32), rand(B, H, Sk, 32)
     leaf = rand(*shp)
     bias = leaf.expand(B, H, Sq, Sk) if shape == "expanded" else leaf  # adapter-style broadcast view
@@ -235,7 +280,7 @@ def test_masked_first_block_then_very_negative_scores():
     B, H, Sq, Sk = 1, 2, 24, 64
     q, k, v = rand(B, H, Sq, 32), rand(B, H, Sk, 32), rand(B, H, Sk, 32)
     bias = torch.randn(B, H, Sq, Sk, device=DEV) - 200.0
-    bias[..., :32] = -math.inf          # every forward key tile in the first 32 keys
+    bias[..., :32] = -math.inf  # every forward key tile in the first 32 keys
     # forward only: P = exp2(s - lse) near -290 (log2) leaves fp32 gradients ~1 ulp of 290
     # off, past the oracle's fp32 budget, on any schedule (the bug was in the forward)
     got, _ = run_and_check(q, k, v, bias, grads=False)
@@ -243,6 +288,7 @@ def test_masked_first_block_then_very_negative_scores():
 
 
 # ----------------------------------------------------------------------------- dropout
+
 
 @pytest.mark.parametrize("causal,window", [(None, None), ("top_left", None), (None, (6, 6))])
 def test_dropout_matches_oracle_with_mask(causal, window):
@@ -290,11 +336,13 @@ def test_dropout_mask_has_no_pattern():
     rate = keep.mean().item()
     assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / keep.numel()), rate
     lane = torch.arange(255) % 4
-    pairs = {"same draw": (keep[..., :-1] * keep[..., 1:])[..., lane < 3],
-             "next draw": (keep[..., :-1] * keep[..., 1:])[..., lane == 3],
-             "four keys apart": keep[..., :-4] * keep[..., 4:],
-             "next row": keep[:, :, :-1] * keep[:, :, 1:],
-             "next head": keep[:, 0] * keep[:, 1]}
+    pairs = {
+        "same draw": (keep[..., :-1] * keep[..., 1:])[..., lane < 3],
+        "next draw": (keep[..., :-1] * keep[..., 1:])[..., lane == 3],
+        "four keys apart": keep[..., :-4] * keep[..., 4:],
+        "next row": keep[:, :, :-1] * keep[:, :, 1:],
+        "next head": keep[:, 0] * keep[:, 1],
+    }
     both = (1 - p) ** 2
     for name, x in pairs.items():
         sigma = math.sqrt(both * (1 - both) / x.numel())
@@ -304,8 +352,8 @@ def test_dropout_mask_has_no_pattern():
 # ----------------------------------------------------------------------------- varlen
 
 VARLENS = [
-    ((5, 0, 17, 33), (9, 4, 17, 20)),   # zero-length query sequence, Sk < Sq and Sk > Sq
-    ((8, 12, 0), (0, 30, 0)),           # zero-length key sequence with queries: rows are empty
+    ((5, 0, 17, 33), (9, 4, 17, 20)),  # zero-length query sequence, Sk < Sq and Sk > Sq
+    ((8, 12, 0), (0, 30, 0)),  # zero-length key sequence with queries: rows are empty
 ]
 
 
@@ -320,8 +368,7 @@ def test_varlen_bias_dropout_gqa():
     lq, lk = (5, 0, 17, 33), (9, 4, 17, 20)
     q, k, v, cu_q, cu_k, msq, msk = varlen_inputs(lq, lk, hq=4, hkv=2, d=32, dv=16)
     bias = rand(4, 1, msq, msk)
-    run_and_check(q, k, v, bias, causal="bottom_right", dropout_p=0.2, cu_q=cu_q, cu_k=cu_k,
-                  max_sq=msq, max_sk=msk)
+    run_and_check(q, k, v, bias, causal="bottom_right", dropout_p=0.2, cu_q=cu_q, cu_k=cu_k, max_sq=msq, max_sk=msk)
     m = torch.rand(1, 4, msq, msk, device=DEV) > 0.3
     run_and_check(q, k, v, m, window=(8, 8), cu_q=cu_q, cu_k=cu_k, max_sq=msq, max_sk=msk)
 
@@ -337,18 +384,21 @@ def test_varlen_all_empty():
 
 # ----------------------------------------------------------------------------- TMA descriptor path
 
-@pytest.mark.parametrize("feature", ["dense", "causal_br", "window", "bias", "varlen_gqa_dropout", "varlen_empty",
-                                     "dv_ne_dqk"])
+
+@pytest.mark.parametrize(
+    "feature", ["dense", "causal_br", "window", "bias", "varlen_gqa_dropout", "varlen_empty", "dv_ne_dqk"]
+)
 def test_descriptor_path(feature):
     """descriptors=1: every streamed tile (K/V in the forward and dQ passes, Q/dO in dK/dV)
     through tensor descriptors (the Hopper path; the interpreter emulates TMA's out-of-bounds
     zero fill) matches the oracle like the pointer path."""
     if feature == "varlen_gqa_dropout":
         q, k, v, cu_q, cu_k, msq, msk = varlen_inputs((5, 0, 17, 33), (9, 4, 17, 20), hq=4, hkv=2, d=32)
-        run_and_check(q, k, v, causal="bottom_right", dropout_p=0.2, cu_q=cu_q, cu_k=cu_k,
-                      max_sq=msq, max_sk=msk, descriptors=1)
+        run_and_check(
+            q, k, v, causal="bottom_right", dropout_p=0.2, cu_q=cu_q, cu_k=cu_k, max_sq=msq, max_sk=msk, descriptors=1
+        )
         return
-    if feature == "varlen_empty":     # a key sequence of length 0 under queries, and empty query sequences
+    if feature == "varlen_empty":  # a key sequence of length 0 under queries, and empty query sequences
         q, k, v, cu_q, cu_k, msq, msk = varlen_inputs(*VARLENS[1], hq=2, hkv=2, d=32)
         run_and_check(q, k, v, window=(4, -1), cu_q=cu_q, cu_k=cu_k, max_sq=msq, max_sk=msk, descriptors=1)
         return
@@ -364,6 +414,7 @@ def _record_launches(monkeypatch, pick):
     """Wrap every kernel launch: ``pick(kernel, args, constexprs)`` is appended to the returned
     list unless it is None; the launch then runs as usual."""
     from attention_dispatch.kernels import launch
+
     seen = []
     real = launch._launch_one
 
@@ -372,6 +423,7 @@ def _record_launches(monkeypatch, pick):
         if got is not None:
             seen.append(got)
         return real(kernel, grid, args, constexprs, num_warps, num_stages)
+
     monkeypatch.setattr(launch, "_launch_one", spy)
     return seen
 
@@ -381,6 +433,7 @@ def _spy_forward_kv_host(monkeypatch):
     covers its tensor's rows (base k / v itself) with tiles of the launch's key block.
     The minimum call size for host descriptors is lowered to 0 (test shapes are small)."""
     from attention_dispatch.kernels import launch
+
     monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
 
     def kv_host(kernel, args, constexprs):
@@ -389,34 +442,39 @@ def _spy_forward_kv_host(monkeypatch):
         kd, vd = args[-2:]
         if constexprs["KV_HOST"]:
             for d, t in ((kd, args[1]), (vd, args[2])):
-                b, h, s, dim = t.shape    # rows of heads (1) or of tokens (2)
-                assert d.base is t and d.shape == ([b * h * s, dim] if constexprs["KV_HOST"] == 1
-                                                   else [b * s, h * dim])
+                b, h, s, dim = t.shape  # rows of heads (1) or of tokens (2)
+                assert d.base is t and d.shape == ([b * h * s, dim] if constexprs["KV_HOST"] == 1 else [b * s, h * dim])
                 assert d.block_shape == [constexprs["BLOCK_N"], dim] and s % constexprs["BLOCK_N"] == 0
         else:
             assert (kd, vd) == (0, 0)
         return constexprs["KV_HOST"]
+
     return _record_launches(monkeypatch, kv_host)
 
 
-@pytest.mark.parametrize("feature", ["dense", "causal_br", "window", "bias", "gqa_dropout", "dv_ne_dqk",
-                                     "bshd", "bshd_gqa_dv"])
+@pytest.mark.parametrize(
+    "feature", ["dense", "causal_br", "window", "bias", "gqa_dropout", "dv_ne_dqk", "bshd", "bshd_gqa_dv"]
+)
 def test_forward_kv_through_host_descriptors(monkeypatch, feature):
     """Dense K/V in (B, H, S, D) or (B, S, H, D) memory whose length is a multiple of the key
     tile: the forward reads them through descriptors built on the host over their rows
     ((B * Hkv * Sk, D), or (B * Sk, Hkv * D) with each head at its column).  Checked against
     the oracle (backward included) and bit-equal to the in-kernel descriptors."""
     from attention_dispatch.kernels import launch
+
     seen = _spy_forward_kv_host(monkeypatch)
     hkv = 1 if feature == "gqa_dropout" else (2 if feature == "bshd_gqa_dv" else 4)
     dv = 16 if feature in ("dv_ne_dqk", "bshd_gqa_dv") else 32
     q, k, v = rand(2, 4, 37, 32), rand(2, hkv, 64, 32), rand(2, hkv, 64, dv)
-    if feature.startswith("bshd"):    # tokens first in memory, seen as (B, H, S, D)
+    if feature.startswith("bshd"):  # tokens first in memory, seen as (B, H, S, D)
         k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (k, v))
     bias = rand(1, 4, 37, 64) if feature == "bias" else None
-    kw = dict(causal="bottom_right" if feature == "causal_br" else None,
-              window=(8, 3) if feature == "window" else None,
-              dropout_p=0.2 if feature == "gqa_dropout" else 0.0, descriptors=1)
+    kw = dict(
+        causal="bottom_right" if feature == "causal_br" else None,
+        window=(8, 3) if feature == "window" else None,
+        dropout_p=0.2 if feature == "gqa_dropout" else 0.0,
+        descriptors=1,
+    )
     run_and_check(q, k, v, bias, **kw)
     layout = 2 if feature.startswith("bshd") else 1
     assert seen and seen[0] == layout
@@ -430,8 +488,9 @@ def test_forward_kv_through_host_descriptors(monkeypatch, feature):
     assert all(torch.equal(a, b) for a, b in zip(host, in_kernel))
 
 
-@pytest.mark.parametrize("case", ["ragged_keys", "mixed_layouts", "head_dim_24", "varlen", "pointer_loads",
-                                  "small_call"])
+@pytest.mark.parametrize(
+    "case", ["ragged_keys", "mixed_layouts", "head_dim_24", "varlen", "pointer_loads", "small_call"]
+)
 def test_forward_kv_host_descriptors_only_where_tiles_stay_in_one_head(monkeypatch, case):
     """No host-built K/V descriptor where a tile could cross into the next head or the rows
     are not those of one matrix: key length not a multiple of the key tile, K in
@@ -440,6 +499,7 @@ def test_forward_kv_host_descriptors_only_where_tiles_stay_in_one_head(monkeypat
     call below HOST_KV_MIN_WORK (host-bound: the descriptors' host time would show).  The
     in-kernel descriptors (or pointer loads) then serve, and the result is still exact."""
     from attention_dispatch.kernels import launch
+
     seen = _spy_forward_kv_host(monkeypatch)
     if case == "small_call":
         monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 2 * 2 * 37 * 64 * 32 + 1)
@@ -471,13 +531,14 @@ def test_bias_tiles_through_descriptors(monkeypatch, mask):
     else:
         bias = rand(2, 1, 1, 48)
     run_and_check(q, k, v, bias, causal="bottom_right", descriptors=1)
-    assert len(seen) == 3 and all(x == (mask != "rows_broadcast") for x in seen)   # fwd, dK/dV, dQ
+    assert len(seen) == 3 and all(x == (mask != "rows_broadcast") for x in seen)  # fwd, dK/dV, dQ
 
 
 def test_chosen_config_is_remembered_per_constexprs(monkeypatch):
     """A configuration that does not fit with a bias tile (candidate loop falls back) must not
     demote the calls without one that share the key."""
     from attention_dispatch.kernels import launch
+
     monkeypatch.setattr(launch, "_CHOSEN", {})
     tried = []
 
@@ -485,6 +546,7 @@ def test_chosen_config_is_remembered_per_constexprs(monkeypatch):
         tried.append((constexprs["BIAS_DESC"], constexprs["BLOCK_M"]))
         if constexprs["BIAS_DESC"] and constexprs["BLOCK_M"] == 128:
             raise type("OutOfResources", (Exception,), {})("out of resource: shared memory")
+
     monkeypatch.setattr(launch, "_launch_one", fake_launch_one)
     cands = [configs.KernelConfig(128, 64), configs.KernelConfig(64, 64)]
     x = torch.zeros(1)
@@ -497,6 +559,7 @@ def test_chosen_config_is_remembered_per_constexprs(monkeypatch):
 def test_descriptor_choice_in_auto_mode(monkeypatch):
     """Auto mode takes TMA descriptors only on sm90+ CUDA, for fp16/bf16 rows aligned to 16 bytes."""
     from attention_dispatch.kernels import launch
+
     monkeypatch.setattr(launch, "is_interpreter", lambda: False)
     cc = {"value": (9, 0)}
     monkeypatch.setattr(launch, "device_info", lambda device: (cc["value"], 232448, 132))
@@ -508,13 +571,13 @@ def test_descriptor_choice_in_auto_mode(monkeypatch):
         pytest.skip("this Triton has no in-kernel tensor descriptors")
     assert launch.use_descriptors(auto, half, cuda)
     assert launch.use_descriptors(auto, half, cuda, loop_len=65)
-    assert not launch.use_descriptors(auto, half, cuda, loop_len=64)                # one tile: nothing to pipeline
-    assert launch.use_descriptors(KernelParams(scale=1.0, descriptors=1), half, cuda, loop_len=8)   # forced
+    assert not launch.use_descriptors(auto, half, cuda, loop_len=64)  # one tile: nothing to pipeline
+    assert launch.use_descriptors(KernelParams(scale=1.0, descriptors=1), half, cuda, loop_len=8)  # forced
     assert not launch.use_descriptors(KernelParams(scale=1.0, descriptors=0), half, cuda)
     assert not launch.use_descriptors(auto, half, torch.device("cpu"))
-    assert not launch.use_descriptors(auto, [t.float() for t in half], cuda)              # fp32
+    assert not launch.use_descriptors(auto, [t.float() for t in half], cuda)  # fp32
     assert not launch.use_descriptors(auto, [torch.randn(1, 2, 8, 12, dtype=BF16)] * 4, cuda)  # 24-byte rows
-    assert not launch.use_descriptors(auto, [half[0][..., 1:9]] + half[1:], cuda)       # misaligned base
+    assert not launch.use_descriptors(auto, [half[0][..., 1:9]] + half[1:], cuda)  # misaligned base
     cc["value"] = (8, 0)
     assert not launch.use_descriptors(auto, half, cuda)
 
@@ -524,18 +587,21 @@ def test_forward_single_key_tile_skips_descriptors(monkeypatch):
     descriptor scratch to allocate); longer keys, or descriptors=1, take the descriptors.
     The real rule on this interpreter-only machine, with the device checks answered as on an H100."""
     from attention_dispatch.kernels import launch
+
     real_use = launch.use_descriptors
 
     def as_on_hopper(params, tensors, device, loop_len=None):
         saved = launch.is_interpreter, launch.device_info
         launch.is_interpreter, launch.device_info = (lambda: False), (lambda device: ((9, 0), 232448, 132))
-        try:   # the kernel itself still runs in the interpreter
+        try:  # the kernel itself still runs in the interpreter
             return real_use(params, [t.to(BF16) for t in tensors], torch.device("cuda"), loop_len)
         finally:
             launch.is_interpreter, launch.device_info = saved
+
     monkeypatch.setattr(launch, "use_descriptors", as_on_hopper)
-    seen = _record_launches(monkeypatch, lambda kernel, args, constexprs:
-                            constexprs["USE_DESC"] if kernel is launch._attn_fwd else None)
+    seen = _record_launches(
+        monkeypatch, lambda kernel, args, constexprs: constexprs["USE_DESC"] if kernel is launch._attn_fwd else None
+    )
     q = rand(1, 2, 24, 32, grad=False)
     for sk, forced in ((48, -1), (80, -1), (48, 1)):
         k, v = rand(1, 2, sk, 32, grad=False), rand(1, 2, sk, 32, grad=False)
@@ -586,7 +652,7 @@ def test_backward_fills_no_zeros_for_the_logsumexp():
 
 
 def test_descriptor_path_refuses_misaligned_rows():
-    q = rand(1, 2, 20, 6)             # 6 * 4 bytes per row: not a multiple of 16
+    q = rand(1, 2, 20, 6)  # 6 * 4 bytes per row: not a multiple of 16
     with pytest.raises(ValueError, match="descriptors=1"):
         triton_attention(q, q, q, None, make_params(q, descriptors=1))
     with pytest.raises(ValueError, match="descriptors"):
@@ -594,6 +660,7 @@ def test_descriptor_path_refuses_misaligned_rows():
 
 
 # ----------------------------------------------------------------------------- heads / dims / dtypes
+
 
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 1), (3, 3)])
 def test_gqa_mqa(hq, hkv):
@@ -636,6 +703,7 @@ def test_half_rounding_path_in_interpreter(monkeypatch, feature):
     """The GPU's numerics (P and dS rounded to the input dtype before the second matmuls),
     reproduced in the interpreter (fp16: the interpreter's fp16 conversion rounds to nearest)."""
     from attention_dispatch.kernels import launch
+
     monkeypatch.setattr(launch, "INTERPRETER_FP32_PRODUCTS", False)
     q, k, v = rand(2, 2, 32, 32, dtype=F16), rand(2, 2, 40, 32, dtype=F16), rand(2, 2, 40, 32, dtype=F16)
     if feature == "plain":
@@ -656,7 +724,7 @@ def test_strided_inputs():
     base = torch.randn(2, 24, 3, 32, device=DEV)
     q = base.transpose(1, 2).requires_grad_()  # not a leaf-copy: strides (S*H*D, D, H*D, 1)
     q = q.detach().requires_grad_()
-    kb = torch.randn(2, 32, 3, 40, device=DEV)[..., :32]      # padded rows (stride(-2) = 40)
+    kb = torch.randn(2, 32, 3, 40, device=DEV)[..., :32]  # padded rows (stride(-2) = 40)
     k = kb.transpose(1, 2).detach().requires_grad_()
     v = torch.randn(2, 3, 16, 32, device=DEV).transpose(-1, -2).detach().requires_grad_()  # last dim strided
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) != 1
@@ -669,6 +737,7 @@ def test_scale_override():
 
 
 # ----------------------------------------------------------------------------- determinism / split-keys
+
 
 def _fwd_bwd(q, k, v, bias, prm, seed=11, **kw):
     torch.manual_seed(seed)
@@ -724,8 +793,8 @@ def test_split_heuristic():
     assert 1 < s <= 16
     assert num_splits_heuristic(1, 2, 64, 132, True) == 1
     assert num_splits_heuristic(1, 1, 1, 132, False) == 1
-    assert num_splits_heuristic(1, 1, 4, 132, False) <= 2   # at least two key tiles per split
-    assert group_splits_heuristic(1, 8, 32, 132) > 1           # MQA, few key tiles -> split the group
+    assert num_splits_heuristic(1, 1, 4, 132, False) <= 2  # at least two key tiles per split
+    assert group_splits_heuristic(1, 8, 32, 132) > 1  # MQA, few key tiles -> split the group
     assert group_splits_heuristic(1, 8, 32, 132, deterministic=True) == 1
     assert group_splits_heuristic(64, 32, 8, 132) == 1
     assert group_splits_heuristic(1, 1, 4, 132) <= 4
@@ -733,9 +802,10 @@ def test_split_heuristic():
 
 # ----------------------------------------------------------------------------- chunking
 
+
 def test_bh_chunks():
-    assert list(bh_chunks(10, 2, 4)) == [(0, 4), (4, 4), (8, 2)]        # whole batches
-    assert list(bh_chunks(6, 4, 3)) == [(0, 3), (3, 3)]                 # heads > limit
+    assert list(bh_chunks(10, 2, 4)) == [(0, 4), (4, 4), (8, 2)]  # whole batches
+    assert list(bh_chunks(6, 4, 3)) == [(0, 3), (3, 3)]  # heads > limit
     assert list(bh_chunks(5, 5, 65535)) == [(0, 5)]
 
 
@@ -744,8 +814,7 @@ def test_chunking_equals_unchunked(limit):
     q, k, v = rand(3, 4, 24, 16), rand(3, 2, 32, 16), rand(3, 2, 32, 16)
     bias = rand(3, 1, 24, 32)
     base = _fwd_bwd(q, k, v, bias, make_params(q, causal="top_left", dropout_p=0.3, deterministic=True))
-    got = _fwd_bwd(q, k, v, bias, make_params(q, causal="top_left", dropout_p=0.3, deterministic=True,
-                                                 max_grid=limit))
+    got = _fwd_bwd(q, k, v, bias, make_params(q, causal="top_left", dropout_p=0.3, deterministic=True, max_grid=limit))
     assert all(torch.equal(x, y) for x, y in zip(base, got))
     torch.manual_seed(5)
     m1 = dropout_keep_mask(3, 4, 24, 32, 0.3, device=DEV)
@@ -760,11 +829,13 @@ def test_batch_shared_bias_runs_batch_minor(limit):
     same results as the oracle (dropout included: the random stream follows b * H + h, not
     the launch order), chunked or not, and bitwise equal across chunkings."""
     from attention_dispatch.kernels import launch
+
     q, k, v = rand(3, 4, 24, 16), rand(3, 2, 32, 16), rand(3, 2, 32, 16)
     bias = rand(1, 4, 24, 32)
     prm = make_params(q, causal="top_left", dropout_p=0.3, deterministic=True, max_grid=limit)
-    assert launch.batch_minor(*launch.bias_layout(bias, (3, 4, 24, 32))[::2], launch._Problem(
-        q, k, v, None, None, None, None))
+    assert launch.batch_minor(
+        *launch.bias_layout(bias, (3, 4, 24, 32))[::2], launch._Problem(q, k, v, None, None, None, None)
+    )
     run_and_check(q, k, v, bias, causal="top_left", dropout_p=0.3, deterministic=True, max_grid=limit)
     base = _fwd_bwd(q, k, v, bias, make_params(q, causal="top_left", dropout_p=0.3, deterministic=True))
     assert all(torch.equal(x, y) for x, y in zip(base, _fwd_bwd(q, k, v, bias, prm)))
@@ -772,17 +843,19 @@ def test_batch_shared_bias_runs_batch_minor(limit):
 
 def test_batch_minor_only_for_batch_shared_masks():
     from attention_dispatch.kernels import launch
+
     q = rand(2, 4, 8, 16)
     prob = launch._Problem(q, q, q, None, None, None, None)
 
     def minor(mask):
         kind, _, strides, _ = launch.bias_layout(mask, (2, 4, 8, 8))
         return launch.batch_minor(kind, strides, prob)
+
     assert minor(rand(4, 8, 8)) and minor(torch.ones(1, 1, 8, 8, dtype=torch.bool))
-    assert minor(rand(1, 4, 8, 8).expand(2, 4, 8, 8))          # stride-0 batch dim
+    assert minor(rand(1, 4, 8, 8).expand(2, 4, 8, 8))  # stride-0 batch dim
     assert not minor(None) and not minor(rand(2, 1, 8, 8))
     one = launch._Problem(q[:1], q[:1], q[:1], None, None, None, None)
-    assert not launch.batch_minor(1, (0, 64, 8, 1), one)        # a single batch: nothing to share
+    assert not launch.batch_minor(1, (0, 64, 8, 1), one)  # a single batch: nothing to share
 
 
 def test_chunking_varlen():
@@ -794,6 +867,7 @@ def test_chunking_varlen():
 
 
 # ----------------------------------------------------------------------------- edge cases
+
 
 @pytest.mark.parametrize("b,h,sq,sk", [(0, 2, 8, 8), (2, 0, 8, 8), (2, 2, 0, 8), (2, 2, 8, 0)])
 def test_empty(b, h, sq, sk):
@@ -830,6 +904,7 @@ def test_input_errors():
 
 # ----------------------------------------------------------------------------- configs / limits
 
+
 def test_config_reason():
     assert config_reason(128, 128, F16, DEV) is None
     assert "320 > 256" in config_reason(320, 128, F16, DEV)
@@ -845,9 +920,13 @@ def test_config_table_covers_all_head_dims(cc, smem):
             assert configs.arch_reason(d, d, dtype, cc, smem) is None, (cc, dtype, d)
             for kind in configs.KINDS:
                 cands = configs.candidate_configs(kind, d, d, dtype, cc, smem)
-                assert cands and all(configs.shared_memory_estimate(kind, c, configs.block_d(d), configs.block_d(d),
-                                                                    torch.empty((), dtype=dtype).element_size())
-                                     <= smem for c in cands)
+                assert cands and all(
+                    configs.shared_memory_estimate(
+                        kind, c, configs.block_d(d), configs.block_d(d), torch.empty((), dtype=dtype).element_size()
+                    )
+                    <= smem
+                    for c in cands
+                )
     r = configs.arch_reason(256, 256, F32, (7, 5), 48 * 1024)
     assert r and "shared memory" in r
 
@@ -860,10 +939,17 @@ def test_subtile_configs_only_where_measured_faster():
 
     def first(d, banded=False, extras=False, kind=configs.FWD, arch=sm90):
         return configs.candidate_configs(kind, d, d, BF16, arch[0], arch[1], banded, extras)[0]
+
     assert first(128).subtiles == 2 and first(128).block_m == 256
     assert first(64, banded=True).subtiles == 2
-    for d, banded, extras in ((128, False, True), (128, True, False), (64, False, False), (64, True, True),
-                              (256, False, False), (256, True, False)):
+    for d, banded, extras in (
+        (128, False, True),
+        (128, True, False),
+        (64, False, False),
+        (64, True, True),
+        (256, False, False),
+        (256, True, False),
+    ):
         assert first(d, banded, extras).subtiles == 1, (d, banded, extras)
     assert first(128, arch=((8, 0), 163 * 1024)).subtiles == 1
     for e in configs.CONFIG_TABLE:
@@ -882,11 +968,16 @@ def test_kernels_tell_the_config_table_extras_and_grouping(monkeypatch):
     def spy(kind, *a, extras=False, grouped=False, **kw):
         seen.append((kind, extras, grouped))
         return real(kind, *a, extras=extras, grouped=grouped, **kw)
+
     monkeypatch.setattr(launch, "select_config", spy)
     q, k, v = rand(1, 2, 24, 16), rand(1, 2, 24, 16), rand(1, 2, 24, 16)
     k1, v1 = rand(1, 1, 24, 16), rand(1, 1, 24, 16)
-    cases = ((k, v, None, 0.0, False, False), (k, v, rand(1, 1, 24, 24), 0.0, True, False),
-             (k, v, None, 0.2, True, False), (k1, v1, None, 0.0, False, True))
+    cases = (
+        (k, v, None, 0.0, False, False),
+        (k, v, rand(1, 1, 24, 24), 0.0, True, False),
+        (k, v, None, 0.2, True, False),
+        (k1, v1, None, 0.0, False, True),
+    )
     for kk, vv, bias, p, extras, grouped in cases:
         seen.clear()
         params = KernelParams(scale=0.25, dropout_p=p)
@@ -903,6 +994,7 @@ def test_small_dkdv_tiles_only_for_dense_calls_without_grouping():
 
     def first(banded, extras, grouped):
         return configs.candidate_configs(configs.BWD_DKDV, 128, 128, BF16, *sm90, banded, extras, grouped)[0]
+
     assert first(False, False, False) == small and first(False, True, False) == small
     for banded, extras, grouped in ((True, False, False), (False, False, True), (False, True, True)):
         assert first(banded, extras, grouped) != small, (banded, extras, grouped)
@@ -914,6 +1006,7 @@ def test_kernel_limits_are_data():
 
 
 # ----------------------------------------------------------------------------- torch.compile
+
 
 def test_torch_compile_fullgraph():
     q, k, v = rand(1, 2, 24, 16), rand(1, 2, 24, 16), rand(1, 2, 24, 16)
@@ -949,8 +1042,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERP, reason=
 @needs_cuda
 @pytest.mark.parametrize("dtype", [F16, BF16])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal,window", [(None, None), ("top_left", None), ("bottom_right", (256, 0)),
-                                           (None, (128, 128))])
+@pytest.mark.parametrize(
+    "causal,window", [(None, None), ("top_left", None), ("bottom_right", (256, 0)), (None, (128, 128))]
+)
 def test_gpu_dense(dtype, d, causal, window):
     q = rand(2, 8, 1000, d, dtype=dtype, device="cuda")
     k = rand(2, 4, 1100, d, dtype=dtype, device="cuda")
@@ -973,19 +1067,20 @@ def test_forward_kv_host_descriptors_follow_the_configuration(monkeypatch):
     descriptors whose tiles are their key block (None where Sk is not a multiple of it)."""
     from attention_dispatch.kernels import launch
     from attention_dispatch.kernels.configs import KernelConfig
+
     k, v = torch.randn(2, 2, 128, 32), torch.randn(2, 2, 128, 32)
     prob = launch._Problem(torch.randn(2, 4, 64, 32), k, v, None, None, None, None)
     assert launch.HOST_KV_MIN_WORK > 2 * 4 * 64 * 128 * 32
-    assert launch.host_kv_descriptors(k, v, prob, True, 32, 32) is None            # too small a call
+    assert launch.host_kv_descriptors(k, v, prob, True, 32, 32) is None  # too small a call
     monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
-    assert launch.host_kv_descriptors(k, v, prob, False, 32, 32) is None           # pointer loads
-    kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))       # (B, S, H, D) memory
+    assert launch.host_kv_descriptors(k, v, prob, False, 32, 32) is None  # pointer loads
+    kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))  # (B, S, H, D) memory
     assert launch.host_kv_descriptors(kt, vt, prob, True, 32, 32)(KernelConfig(64, 64, 4, 3))[2] == 2
     make = launch.host_kv_descriptors(k, v, prob, True, 32, 32)
     kd, vd, layout = make(KernelConfig(64, 64, 4, 3))
     assert kd.base is k and vd.base is v and kd.shape == [512, 32] and kd.block_shape == [64, 32] and layout == 1
     assert make(KernelConfig(64, 64, 4, 3, host_kv=False)) is None
-    assert make(KernelConfig(64, 96, 4, 3)) is None                                 # 128 % 96: crosses heads
+    assert make(KernelConfig(64, 96, 4, 3)) is None  # 128 % 96: crosses heads
 
 
 @gpu
@@ -1033,8 +1128,17 @@ def test_gpu_varlen(dtype):
     lq, lk = (300, 0, 513, 1000, 7), (280, 64, 513, 1200, 0)
     q, k, v, cu_q, cu_k, msq, msk = varlen_inputs(lq, lk, hq=8, hkv=2, d=128, dtype=dtype, device="cuda")
     run_and_check(q, k, v, causal="bottom_right", dropout_p=0.1, cu_q=cu_q, cu_k=cu_k, max_sq=msq, max_sk=msk)
-    run_and_check(q, k, v, rand(5, 1, msq, msk, dtype=dtype, device="cuda"), window=(64, 64), cu_q=cu_q,
-                  cu_k=cu_k, max_sq=msq, max_sk=msk)
+    run_and_check(
+        q,
+        k,
+        v,
+        rand(5, 1, msq, msk, dtype=dtype, device="cuda"),
+        window=(64, 64),
+        cu_q=cu_q,
+        cu_k=cu_k,
+        max_sq=msq,
+        max_sk=msk,
+    )
 
 
 @gpu
@@ -1048,7 +1152,7 @@ def test_gpu_determinism_and_splits():
     a = _fwd_bwd(q, k, v, bias, det)
     b = _fwd_bwd(q, k, v, bias, det)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
-    run_and_check(q, k, v, bias, causal="bottom_right")                     # heuristic (splits here)
+    run_and_check(q, k, v, bias, causal="bottom_right")  # heuristic (splits here)
     run_and_check(q, k, v, bias, causal="bottom_right", deterministic=True)
 
 
@@ -1074,7 +1178,7 @@ def test_gpu_cuda_graph_capture():
     prm = make_params(q, causal="top_left", dropout_p=0.1)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        triton_attention(q, k, v, None, prm)   # warm-up / compile
+        triton_attention(q, k, v, None, prm)  # warm-up / compile
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -1086,6 +1190,7 @@ def test_gpu_cuda_graph_capture():
 
 def _ws_problem(sq=256, sk=256, d=128, hq=4, hkv=4, dv=None):
     from attention_dispatch.kernels import launch
+
     q, k, v = torch.randn(2, hq, sq, d), torch.randn(2, hkv, sk, d), torch.randn(2, hkv, sk, dv or d)
     return launch._Problem(q, k, v, None, None, None, None)
 
@@ -1095,6 +1200,7 @@ def _any_triton_runs_gluon(monkeypatch):
     Gluon kernels are written for (launch.GLUON_TRITON_VERSIONS; CI installs a newer one)."""
     import triton
     from attention_dispatch.kernels import launch
+
     monkeypatch.setattr(launch, "GLUON_TRITON_VERSIONS", (triton.__version__,))
 
 
@@ -1103,6 +1209,7 @@ def test_gluon_kernels_only_on_the_triton_they_are_written_for(monkeypatch):
     releases: Triton 3.9 no longer compiles them); the version they are written for passes."""
     import triton
     from attention_dispatch.kernels import launch
+
     if launch._attn_fwd_ws is None:
         assert launch.gluon_reason() == "this Triton has no Gluon"
         return
@@ -1121,13 +1228,20 @@ def test_warp_specialized_forward_serves_per_config():
     ``forward``, and with a bias, causal or a window only with ``forward_scope="all"`` (d64's
     three-warpgroup forward: dense calls only; the others keep the tl forward)."""
     from attention_dispatch.kernels import configs, launch
+
     x = torch.empty(1, 1, 1, 64)
     dense, causal, window = make_params(x), make_params(x, "top_left"), make_params(x, None, (1024, 0))
-    for cfg, want in ((configs.WsConfig(), (True,) * 4),
-                      (configs.WsConfig(forward_scope="dense"), (True, False, False, False)),
-                      (configs.WsConfig(forward=False), (False,) * 4)):
-        got = (launch.ws_forward_serves(cfg, False, dense), launch.ws_forward_serves(cfg, False, causal),
-               launch.ws_forward_serves(cfg, True, dense), launch.ws_forward_serves(cfg, False, window))
+    for cfg, want in (
+        (configs.WsConfig(), (True,) * 4),
+        (configs.WsConfig(forward_scope="dense"), (True, False, False, False)),
+        (configs.WsConfig(forward=False), (False,) * 4),
+    ):
+        got = (
+            launch.ws_forward_serves(cfg, False, dense),
+            launch.ws_forward_serves(cfg, False, causal),
+            launch.ws_forward_serves(cfg, True, dense),
+            launch.ws_forward_serves(cfg, False, window),
+        )
         assert got == want, cfg
     d64 = configs.WS_FWD_CONFIGS[64]
     assert d64.consumers == 3 and d64.forward_scope == "dense" and configs.WS_FWD_CONFIGS[128].consumers == 2
@@ -1135,42 +1249,46 @@ def test_warp_specialized_forward_serves_per_config():
     assert 128 * (3 * d64.consumer_regs + 24) <= 65536 and 16 * 32 * d64.max_regs <= 65536
 
 
-@pytest.mark.parametrize("change, reason", [
-    (dict(), None),
-    (dict(prob=dict(hkv=1)), None),                                             # GQA / MQA are served
-    (dict(params=dict(causal="top_left"), prob=dict(sq=2048, sk=2048)), None),
-    (dict(params=dict(causal="bottom_right"), prob=dict(sq=2048, sk=2048)), None),
-    (dict(prob=dict(d=64)), None),     # the route of the d64 backward passes (its forward: tl)
-    (dict(cc=(8, 0)), "sm90 only"),
-    (dict(cc=(10, 0)), "sm90 only"),
-    (dict(uses_descriptors=False), "no TMA descriptors"),
-    (dict(dtype=F32), "float16 or bfloat16"),
-    (dict(prob=dict(d=32)), "head dims 32/32"),
-    (dict(prob=dict(d=96)), "head dims 96/96"),
-    (dict(prob=dict(dv=64)), "head dims 128/64"),
-    (dict(bias_reason="boolean mask: not in the warp-specialised kernels"), "boolean mask"),
-    (dict(params=dict(dropout_p=0.1)), "dropout"),
-    (dict(params=dict(window=(64, 0))), "narrower than"),
-    (dict(params=dict(window=(600, 422))), "narrower than"),
-    (dict(params=dict(window=(1024, 0))), None),
-    (dict(params=dict(window=(-1, 100))), None),
-    (dict(params=dict(window=(300, -1))), None),
-    (dict(params=dict(window=(64, 32), causal="bottom_right"), prob=dict(sq=128)), "Sq != Sk"),
-    (dict(params=dict(causal="top_left"), prob=dict(sq=128)), "Sq != Sk"),
-    (dict(params=dict(causal="top_left"), prob=dict(sq=896, sk=896)), None),
-    (dict(prob=dict(sq=896, sk=896)), None),
-    (dict(params=dict(scale=-0.1)), "scale -0.1"),
-    (dict(params=dict(block_m=64)), "tiles forced"),
-    (dict(prob=dict(sq=200)), "multiples of 128"),
-    (dict(prob=dict(sk=320)), "multiples of 128"),
-    (dict(q_rows=0), "memory layout"),
-    (dict(kv_rows=0), "memory layout"),
-    (dict(params=dict(max_grid=4)), "32-bit limits"),
-    (dict(min_work=True), "below WS_MIN_WORK"),
-])
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (dict(), None),
+        (dict(prob=dict(hkv=1)), None),  # GQA / MQA are served
+        (dict(params=dict(causal="top_left"), prob=dict(sq=2048, sk=2048)), None),
+        (dict(params=dict(causal="bottom_right"), prob=dict(sq=2048, sk=2048)), None),
+        (dict(prob=dict(d=64)), None),  # the route of the d64 backward passes (its forward: tl)
+        (dict(cc=(8, 0)), "sm90 only"),
+        (dict(cc=(10, 0)), "sm90 only"),
+        (dict(uses_descriptors=False), "no TMA descriptors"),
+        (dict(dtype=F32), "float16 or bfloat16"),
+        (dict(prob=dict(d=32)), "head dims 32/32"),
+        (dict(prob=dict(d=96)), "head dims 96/96"),
+        (dict(prob=dict(dv=64)), "head dims 128/64"),
+        (dict(bias_reason="boolean mask: not in the warp-specialised kernels"), "boolean mask"),
+        (dict(params=dict(dropout_p=0.1)), "dropout"),
+        (dict(params=dict(window=(64, 0))), "narrower than"),
+        (dict(params=dict(window=(600, 422))), "narrower than"),
+        (dict(params=dict(window=(1024, 0))), None),
+        (dict(params=dict(window=(-1, 100))), None),
+        (dict(params=dict(window=(300, -1))), None),
+        (dict(params=dict(window=(64, 32), causal="bottom_right"), prob=dict(sq=128)), "Sq != Sk"),
+        (dict(params=dict(causal="top_left"), prob=dict(sq=128)), "Sq != Sk"),
+        (dict(params=dict(causal="top_left"), prob=dict(sq=896, sk=896)), None),
+        (dict(prob=dict(sq=896, sk=896)), None),
+        (dict(params=dict(scale=-0.1)), "scale -0.1"),
+        (dict(params=dict(block_m=64)), "tiles forced"),
+        (dict(prob=dict(sq=200)), "multiples of 128"),
+        (dict(prob=dict(sk=320)), "multiples of 128"),
+        (dict(q_rows=0), "memory layout"),
+        (dict(kv_rows=0), "memory layout"),
+        (dict(params=dict(max_grid=4)), "32-bit limits"),
+        (dict(min_work=True), "below WS_MIN_WORK"),
+    ],
+)
 def test_warp_specialized_forward_reasons(monkeypatch, change, reason):
     """Which calls the warp-specialised sm90 forward serves, and the reason it gives for the others."""
     from attention_dispatch.kernels import launch
+
     if launch._attn_fwd_ws is None:
         pytest.skip("this Triton has no Gluon")
     _any_triton_runs_gluon(monkeypatch)
@@ -1179,41 +1297,58 @@ def test_warp_specialized_forward_reasons(monkeypatch, change, reason):
     prob = _ws_problem(**change.get("prob", {}))
     pkw = dict(change.get("params", {}))
     params = make_params(torch.empty(1, 1, 1, prob.Dqk), pkw.pop("causal", None), pkw.pop("window", None), **pkw)
-    got = launch.ws_forward_reason(prob, change.get("bias_reason"), params, change.get("dtype", BF16),
-                                   change.get("cc", (9, 0)), change.get("uses_descriptors", True),
-                                   change.get("q_rows", 1), change.get("kv_rows", 2))
+    got = launch.ws_forward_reason(
+        prob,
+        change.get("bias_reason"),
+        params,
+        change.get("dtype", BF16),
+        change.get("cc", (9, 0)),
+        change.get("uses_descriptors", True),
+        change.get("q_rows", 1),
+        change.get("kv_rows", 2),
+    )
     if reason is None:
         assert got is None
     else:
         assert got is not None and reason in got, got
 
 
-@pytest.mark.parametrize("case, reason", [
-    ("(1, H, S, S)", None),
-    ("(B, H, S, S)", None),
-    ("(B, 1, S, S)", None),
-    ("(S, S)", None),
-    ("float32", "bias dtype torch.float32"),
-    ("bool", "boolean mask"),
-    ("(B, 1, 1, S) key padding", "per-query rows"),
-    ("keys strided", "contiguous keys"),
-    ("rows unaligned", "16-byte"),
-    ("head stride not whole rows", "not whole rows"),
-])
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("(1, H, S, S)", None),
+        ("(B, H, S, S)", None),
+        ("(B, 1, S, S)", None),
+        ("(S, S)", None),
+        ("float32", "bias dtype torch.float32"),
+        ("bool", "boolean mask"),
+        ("(B, 1, 1, S) key padding", "per-query rows"),
+        ("keys strided", "contiguous keys"),
+        ("rows unaligned", "16-byte"),
+        ("head stride not whole rows", "not whole rows"),
+    ],
+)
 def test_warp_specialized_bias_reasons(case, reason):
     """Which biases the Gluon kernels read (through a TMA descriptor over the (rows, Sk) matrix),
     the reason for the others, and the rows per batch and per head of the ones they read."""
     from attention_dispatch.kernels import launch
+
     b, h, s = 2, 3, 64
     full = (b, h, s, s)
-    bias = {"(1, H, S, S)": torch.randn(1, h, s, s, dtype=BF16), "(B, H, S, S)": torch.randn(full, dtype=BF16),
-            "(B, 1, S, S)": torch.randn(b, 1, s, s, dtype=BF16), "(S, S)": torch.randn(s, s, dtype=BF16),
-            "float32": torch.randn(full), "bool": torch.rand(full) > 0.5,
-            "(B, 1, 1, S) key padding": torch.randn(b, 1, 1, s, dtype=BF16),
-            "keys strided": torch.randn(b, h, s, 2 * s, dtype=BF16)[..., ::2],
-            "rows unaligned": torch.randn(b, h, s, s + 3, dtype=BF16)[..., :s],     # rows of 134 bytes
-            "head stride not whole rows": torch.randn(2 * b * h * s * s, dtype=BF16)
-            .as_strided(full, (h * s * s + 8, s * s + 8, s, 1))}[case]
+    bias = {
+        "(1, H, S, S)": torch.randn(1, h, s, s, dtype=BF16),
+        "(B, H, S, S)": torch.randn(full, dtype=BF16),
+        "(B, 1, S, S)": torch.randn(b, 1, s, s, dtype=BF16),
+        "(S, S)": torch.randn(s, s, dtype=BF16),
+        "float32": torch.randn(full),
+        "bool": torch.rand(full) > 0.5,
+        "(B, 1, 1, S) key padding": torch.randn(b, 1, 1, s, dtype=BF16),
+        "keys strided": torch.randn(b, h, s, 2 * s, dtype=BF16)[..., ::2],
+        "rows unaligned": torch.randn(b, h, s, s + 3, dtype=BF16)[..., :s],  # rows of 134 bytes
+        "head stride not whole rows": torch.randn(2 * b * h * s * s, dtype=BF16).as_strided(
+            full, (h * s * s + 8, s * s + 8, s, 1)
+        ),
+    }[case]
     kind, bt, bstr, _ = launch.bias_layout(bias, full)
     got = launch.ws_bias_reason(kind, bt, bstr, BF16, True)
     if reason is not None:
@@ -1224,8 +1359,8 @@ def test_warp_specialized_bias_reasons(case, reason):
     want_head = {"(1, H, S, S)": s, "(B, H, S, S)": s}.get(case, 0)
     assert launch.ws_bias_rows(bstr) == (want_batch, want_head)
     assert launch.ws_bias_reason(0, None, (0, 0, 0, 0), BF16, True) is None
-    assert "bias layout" in launch.ws_bias_reason(kind, bt, bstr, BF16, False)   # no descriptors at all
-    assert "gradient" in launch.ws_bias_reason(kind, bt, bstr, BF16, True, grad=True)   # the backward of dbias
+    assert "bias layout" in launch.ws_bias_reason(kind, bt, bstr, BF16, False)  # no descriptors at all
+    assert "gradient" in launch.ws_bias_reason(kind, bt, bstr, BF16, True, grad=True)  # the backward of dbias
 
 
 def _gpu_qkv(batch: int, hkv: int, sq: int, sk: int, d: int, dtype, bshd: bool = False):
@@ -1244,6 +1379,7 @@ def _spy_forward_ws(monkeypatch):
     """Record the row layouts of every warp-specialised launch, with "bias" appended when it
     reads a bias (its minimum call size lowered to 0: test shapes are small)."""
     from attention_dispatch.kernels import launch
+
     monkeypatch.setattr(launch, "WS_MIN_WORK", 0)
     seen, real, real_dkdv, real_dq = [], launch._forward_ws, launch._dkdv_ws, launch._dq_ws
 
@@ -1256,12 +1392,12 @@ def _spy_forward_ws(monkeypatch):
 
     def spy_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None, fuse_dq=False):
         seen.append(("dkdv+dq" if fuse_dq else "dkdv", q_rows, kv_rows, do_rows) + biased(bias))
-        return real_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=bias,
-                         fuse_dq=fuse_dq)
+        return real_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=bias, fuse_dq=fuse_dq)
 
     def spy_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None):
         seen.append(("dq", q_rows, kv_rows, do_rows) + biased(bias))
         return real_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=bias)
+
     monkeypatch.setattr(launch, "_forward_ws", spy)
     monkeypatch.setattr(launch, "_dkdv_ws", spy_dkdv)
     monkeypatch.setattr(launch, "_dq_ws", spy_dq)
@@ -1280,13 +1416,14 @@ def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, consumers, feature)
     with three (d64 as shipped: 192-row programs, the last one's second and third warpgroups
     past 640 rows, storing nothing).  d256: the tl backward after the Gluon forward."""
     from attention_dispatch.kernels import configs
+
     seen = _spy_forward_ws(monkeypatch)
     if consumers == 2 and d != 256:
         monkeypatch.setitem(configs.WS_FWD_CONFIGS, d, configs.WsConfig())
-    else:   # the shipped three-warpgroup config, causal calls too
+    else:  # the shipped three-warpgroup config, causal calls too
         monkeypatch.setitem(configs.WS_FWD_CONFIGS, d, configs.WS_FWD_CONFIGS[d]._replace(forward_scope="all"))
     assert configs.WS_FWD_CONFIGS[d].consumers == consumers
-    hkv = 1 if "mqa" in feature else (2 if "gqa" in feature else 4)   # (B, S, 1, D) would also be layout 1
+    hkv = 1 if "mqa" in feature else (2 if "gqa" in feature else 4)  # (B, S, 1, D) would also be layout 1
     sk = 768 if feature == "cross" else 640
     q, k, v, layout = _gpu_qkv(2, hkv, 640, sk, d, dtype, bshd=feature.startswith("bshd"))
     run_and_check(q, k, v, causal="top_left" if "causal" in feature else None)
@@ -1297,8 +1434,9 @@ def test_gpu_forward_warp_specialized(monkeypatch, dtype, d, consumers, feature)
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("feature", ["dense", "causal", "causal_384", "causal_2048", "gqa", "bias", "window", "cross",
-                                     "bshd_gqa"])
+@pytest.mark.parametrize(
+    "feature", ["dense", "causal", "causal_384", "causal_2048", "gqa", "bias", "window", "cross", "bshd_gqa"]
+)
 def test_gpu_d64_as_shipped(monkeypatch, feature):
     """At head dim 64 as shipped: the three-warpgroup Gluon forward for dense calls, the tl
     forward causal, with a bias or a window (configs.WS_FWD_CONFIGS: forward_scope="dense"),
@@ -1309,10 +1447,11 @@ def test_gpu_d64_as_shipped(monkeypatch, feature):
     keys for 640 queries, and GQA over (B, S, H, D) memory.  test_gpu_forward_warp_specialized
     runs the three-warpgroup forward causal too."""
     from attention_dispatch.kernels import configs
+
     cfg = configs.WS_FWD_CONFIGS[64]
     bwd = configs.WS_BWD_CONFIGS[64]
     assert cfg.forward and cfg.consumers == 3 and cfg.forward_scope == "dense"
-    assert bwd.bwd_block_m == 128      # fuse_dq: from FUSE_DQ_MIN_KEYS keys, none here
+    assert bwd.bwd_block_m == 128  # fuse_dq: from FUSE_DQ_MIN_KEYS keys, none here
     seen = _spy_forward_ws(monkeypatch)
     s = {"window": 2048, "causal_2048": 2048, "causal_384": 384}.get(feature, 640)
     hkv = {"gqa": 1, "bshd_gqa": 2}.get(feature, 4)
@@ -1337,6 +1476,7 @@ def test_gpu_d256_as_shipped(monkeypatch, feature):
     (B, S, H, D) memory), then the tl backward passes, against float64; three runs bit-equal
     (the backward asked to be deterministic)."""
     from attention_dispatch.kernels import configs
+
     cfg = configs.WS_FWD_CONFIGS[256]
     assert cfg.forward and cfg.forward_scope == "all" and cfg.block_n == 64 and 256 not in configs.WS_BWD_CONFIGS
     seen = _spy_forward_ws(monkeypatch)
@@ -1380,17 +1520,18 @@ def test_gpu_warp_specialized_bias(monkeypatch, dtype, feature):
     q = rand(2, 4, 640, 128, dtype=dtype, device="cuda")
     k, v = (rand(2, hkv, 640, 128, dtype=dtype, device="cuda") for _ in range(2))
     shape = {"heads": (1, 4, 640, 640), "batch_heads_causal": (2, 4, 640, 640), "2d_gqa": (640, 640)}.get(
-        feature, (1, 4, 640, 640))
+        feature, (1, 4, 640, 640)
+    )
     bias = rand(*shape, dtype=dtype, device="cuda", grad=False)
     if feature == "masked":
-        bias[:, 1, 100:110] = -math.inf                   # whole query rows
-        bias[:, 2, 256:384, :256] = -math.inf             # the first two forward key tiles of rows 256..383
+        bias[:, 1, 100:110] = -math.inf  # whole query rows
+        bias[:, 2, 256:384, :256] = -math.inf  # the first two forward key tiles of rows 256..383
         bias[:, 2, 256:384, 256:] -= 30.0
     if feature == "bias_grad":
         bias.requires_grad_()
     causal = "top_left" if "causal" in feature else None
     got, _ = run_and_check(q, k, v, bias, causal=causal)
-    bwd = ([] if feature == "bias_grad" else [("dkdv", 1, 1, 1, "bias"), ("dq", 1, 1, 1, "bias")])
+    bwd = [] if feature == "bias_grad" else [("dkdv", 1, 1, 1, "bias"), ("dq", 1, 1, 1, "bias")]
     assert seen == [(1, 1, "bias")] + bwd
     if feature != "bias_grad":
         _assert_repeatable(q, k, v, bias, make_params(q, causal))
@@ -1410,6 +1551,7 @@ def test_gpu_warp_specialized_window(monkeypatch, window, extra):
     with a (1, H, S, S) bias, and with GQA over (B, S, H, D) memory.  (Windows narrower than
     launch.WS_MIN_WINDOW keep the tl kernels by default: the Gluon kernels are checked there too.)"""
     from attention_dispatch.kernels import launch
+
     seen = _spy_forward_ws(monkeypatch)
     monkeypatch.setattr(launch, "WS_MIN_WINDOW", 0)
     hkv = 2 if "gqa" in extra else 4
@@ -1424,8 +1566,9 @@ def test_gpu_warp_specialized_window(monkeypatch, window, extra):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("d, block_m", [(128, 64), (64, 64), (64, 128)])
-@pytest.mark.parametrize("feature", ["dense", "causal_mqa", "bshd_dense_gqa", "cross", "bias_causal", "window_bias",
-                                     "window_gqa_bshd"])
+@pytest.mark.parametrize(
+    "feature", ["dense", "causal_mqa", "bshd_dense_gqa", "cross", "bias_causal", "window_bias", "window_gqa_bshd"]
+)
 def test_gpu_warp_specialized_fused_dq(monkeypatch, feature, d, block_m):
     """dQ fused into the Gluon dK/dV pass (fp32 partials added by TMA reduce-add, query tiles
     visited in a rotated order) against float64 (forward, logsumexp, gradients), S=640 (5 query
@@ -1433,6 +1576,7 @@ def test_gpu_warp_specialized_fused_dq(monkeypatch, feature, d, block_m):
     bias and windows: every call the kernel takes, also those launch.fuse_dq leaves to the two
     passes by default (short, causal, biased or windowed)."""
     from attention_dispatch.kernels import configs, launch
+
     seen = _spy_forward_ws(monkeypatch)
     monkeypatch.setattr(launch, "WS_MIN_WINDOW", 0)
     monkeypatch.setattr(launch, "fuse_dq", lambda params, prob, bias: not params.deterministic)
@@ -1459,6 +1603,7 @@ def test_gpu_forward_warp_specialized_inference(monkeypatch, d):
     """need_lse=False writes no logsumexp and the same output, bit for bit (two consumer
     warpgroups at d128, causal; three at d64, dense: the calls they serve)."""
     from attention_dispatch.kernels.launch import attention_forward
+
     seen = _spy_forward_ws(monkeypatch)
     q, k, v = (rand(1, 8, 2048, d, dtype=BF16, device="cuda", grad=False) for _ in range(3))
     params = make_params(q, "top_left" if d == 128 else None)
@@ -1477,6 +1622,7 @@ def test_gpu_warp_specialized_relaunch(monkeypatch):
     import attention_dispatch as ad
     from attention_dispatch import dispatch
     from attention_dispatch.kernels import ForwardPlan, compiled_cache as cc
+
     seen = _spy_forward_ws(monkeypatch)
     cc.COMPILED.clear()
     for causal in (None, "top_left"):
@@ -1485,13 +1631,13 @@ def test_gpu_warp_specialized_relaunch(monkeypatch):
             q, k, v = (rand(1, 2, 512, 128, dtype=BF16, device="cuda") for _ in range(3))
             run_and_check(q, k, v, causal=causal)
             misses.append(cc.COMPILED.misses)
-        assert misses[2] == misses[1], misses       # the third call: every launch from the cache
+        assert misses[2] == misses[1], misses  # the third call: every launch from the cache
     assert [x for x in seen if len(x) == 2] == [(1, 1)] * 6
     ad.clear_cache()
     with torch.no_grad():
         q, k, v = (rand(1, 2, 512, 128, dtype=BF16, device="cuda", grad=False) for _ in range(3))
         ad.sdpa(q, k, v, backend="triton")
-        ad.sdpa(q, k, v, backend="triton")          # the plan's first call captures
+        ad.sdpa(q, k, v, backend="triton")  # the plan's first call captures
         plans = [r for _, r in dispatch.fast_calls.values() if isinstance(r, ForwardPlan)]
         assert plans and plans[-1].launch is not None and len(plans[-1].launch.steps) == 1
         for _ in range(3):
@@ -1520,15 +1666,20 @@ def test_gpu_training_plan_replays(monkeypatch, causal, route):
     from attention_dispatch import dispatch
     from attention_dispatch.kernels import TrainingPlan, compiled_cache as cc
     from attention_dispatch.kernels import launch
+
     _spy_forward_ws(monkeypatch)
     if route.startswith("tl"):
         monkeypatch.setattr(launch, "WS_MIN_WORK", 1 << 62)
     ad.clear_cache()
     d, (b, h) = (128, (2, 4)) if route == "ws" else (64, (4, 32) if route == "tl" else (2, 4))
     q = rand(b, h, 512, d, dtype=BF16, device="cuda")
-    num_m_blocks = 512 // 128     # the smallest number of query tiles any tl config makes here
-    split = launch.num_splits_heuristic(b * h, num_m_blocks, 512 // 64, torch.cuda.get_device_properties(0)
-                                        .multi_processor_count, False) > 1
+    num_m_blocks = 512 // 128  # the smallest number of query tiles any tl config makes here
+    split = (
+        launch.num_splits_heuristic(
+            b * h, num_m_blocks, 512 // 64, torch.cuda.get_device_properties(0).multi_processor_count, False
+        )
+        > 1
+    )
     assert split == (route == "tl-split") or route.startswith("ws"), (route, split)
     untouched = []
     for n in range(4):
@@ -1547,8 +1698,12 @@ def test_gpu_training_plan_replays(monkeypatch, causal, route):
         else:
             assert torch.equal(grads[0], want_grads[0])
         assert not out.isnan().any() and not any(g.isnan().any() for g in grads)
-    plans = [c.cell_contents for _, r in dispatch.fast_calls.values() for c in (getattr(r, "__closure__", None) or ())
-             if isinstance(c.cell_contents, TrainingPlan)]
+    plans = [
+        c.cell_contents
+        for _, r in dispatch.fast_calls.values()
+        for c in (getattr(r, "__closure__", None) or ())
+        if isinstance(c.cell_contents, TrainingPlan)
+    ]
     assert len(plans) == 1 and len(plans[0].fwd.steps) == 1
     replayed = plans[0].bwd is not None
     assert replayed == (route != "tl-split") and untouched == [replayed] * 2
@@ -1557,7 +1712,7 @@ def test_gpu_training_plan_replays(monkeypatch, causal, route):
         # the Gluon launches go below Triton's descriptor handling (compiled_cache.DirectLaunch),
         # their tensormaps kept per address: the same tensors again encode nothing new
         direct = [s[6] for plan in (plans[0].fwd, plans[0].bwd) for s in plan.steps if s[6] is not None]
-        gluon_forward = route == "ws" or causal is None     # d64: the Gluon forward serves dense calls
+        gluon_forward = route == "ws" or causal is None  # d64: the Gluon forward serves dense calls
         assert len(direct) == (3 if gluon_forward else 2), [s[6] for s in plans[0].bwd.steps]
         for _ in range(2):
             out = ad.sdpa(q, k, v, is_causal=causal is not None, backend="triton")
@@ -1566,27 +1721,31 @@ def test_gpu_training_plan_replays(monkeypatch, causal, route):
         assert all(x.hits > 0 for x in direct)
 
 
-@pytest.mark.parametrize("change, fused", [
-    ({}, True),
-    (dict(sk=2048), False),                       # below FUSE_DQ_MIN_KEYS: measured slower at 1k
-    (dict(causal="top_left"), False),             # measured slower causal
-    (dict(window=(1024, 0)), False),
-    (dict(bias=True), False),
-    (dict(deterministic=True), False),            # reduce-adds in any order
-    (dict(config_off=True), False),
-    (dict(block_m=128), True),                    # 128-row query tiles fuse too (experiment 81)
-    (dict(gqa=True), True),
-    (dict(banded_config=True, causal="top_left"), True),     # d64's config: banded calls too (82)
-    (dict(banded_config=True, window=(1024, 0)), True),
-    (dict(banded_config=True, causal="top_left", bias=True), False),
-    (dict(banded_config=True, window=(1024, 0), deterministic=True), False),
-    (dict(banded_config=True, causal="top_left", sk=2048), False),
-])
+@pytest.mark.parametrize(
+    "change, fused",
+    [
+        ({}, True),
+        (dict(sk=2048), False),  # below FUSE_DQ_MIN_KEYS: measured slower at 1k
+        (dict(causal="top_left"), False),  # measured slower causal
+        (dict(window=(1024, 0)), False),
+        (dict(bias=True), False),
+        (dict(deterministic=True), False),  # reduce-adds in any order
+        (dict(config_off=True), False),
+        (dict(block_m=128), True),  # 128-row query tiles fuse too (experiment 81)
+        (dict(gqa=True), True),
+        (dict(banded_config=True, causal="top_left"), True),  # d64's config: banded calls too (82)
+        (dict(banded_config=True, window=(1024, 0)), True),
+        (dict(banded_config=True, causal="top_left", bias=True), False),
+        (dict(banded_config=True, window=(1024, 0), deterministic=True), False),
+        (dict(banded_config=True, causal="top_left", sk=2048), False),
+    ],
+)
 def test_fuse_dq_is_chosen_where_it_was_measured_faster(monkeypatch, change, fused):
     """launch.fuse_dq: the warp-specialised backward fuses dQ into its dK/dV pass only for the
     calls experiments 54 and 82 timed faster that way (no bias, Sk >= FUSE_DQ_MIN_KEYS, a band
     only where the config says so), never for a deterministic call; 128-row tiles fuse too."""
     from attention_dispatch.kernels import configs, launch
+
     if change.get("config_off"):
         monkeypatch.setitem(configs.WS_BWD_CONFIGS, 128, configs.WsConfig(fuse_dq=False))
     if change.get("block_m"):
@@ -1597,9 +1756,10 @@ def test_fuse_dq_is_chosen_where_it_was_measured_faster(monkeypatch, change, fus
     q = torch.empty(1, 4, sk, 128)
     k = torch.empty(1, 1 if change.get("gqa") else 4, sk, 128)
     prob = launch._Problem(q, k, k, None, None, None, None)
-    params = make_params(q, change.get("causal"), change.get("window"),
-                         deterministic=change.get("deterministic", False))
-    bias = object() if change.get("bias") else None     # fuse_dq only asks whether there is one
+    params = make_params(
+        q, change.get("causal"), change.get("window"), deterministic=change.get("deterministic", False)
+    )
+    bias = object() if change.get("bias") else None  # fuse_dq only asks whether there is one
     assert launch.fuse_dq(params, prob, bias) is fused
 
 
@@ -1616,6 +1776,7 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias, fuse_dq):
     and no dQ pass runs; not when the call asks for determinism, nor with configs.WsConfig's
     fuse_dq off."""
     from attention_dispatch.kernels import configs, launch
+
     monkeypatch.setattr(launch, "FUSE_DQ_MIN_KEYS", 0)
     if not fuse_dq:
         monkeypatch.setitem(configs.WS_BWD_CONFIGS, 128, configs.WsConfig(fuse_dq=False))
@@ -1628,7 +1789,7 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias, fuse_dq):
     monkeypatch.setattr(launch, "device_info", lambda dev: ((9, 0), 232448, 132))
     calls, made = [], {}
 
-    def reference(q, k, v, params, bias):     # float64 on the CPU (naive_attention's masks live there)
+    def reference(q, k, v, params, bias):  # float64 on the CPU (naive_attention's masks live there)
         leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
         mask = None if bias is None else bias.tensor.detach().cpu().double()
         o, lse = naive_attention(*leaves, mask=mask, causal=causal, scale=params.scale, return_lse=True)
@@ -1637,19 +1798,19 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias, fuse_dq):
     def bias_rows(bias):
         if bias is None:
             return ()
-        assert bias.tensor is attn_bias     # read in place, never copied
+        assert bias.tensor is attn_bias  # read in place, never copied
         return (bias.batch_rows, bias.head_rows, bias.rows)
 
     def fake_forward(q, k, v, out, lse, params, prob, q_rows, kv_rows, bias=None):
         calls.append(("fwd", q_rows, kv_rows) + bias_rows(bias))
         _, o, l_ = reference(q, k, v, params, bias)
-        out.copy_(o.detach().to(out.dtype))     # copy_ moves it to the output's device
+        out.copy_(o.detach().to(out.dtype))  # copy_ moves it to the output's device
         if lse is not None:
             lse.copy_(l_.detach().float())
         made["out"] = out.clone()
 
     def fake_grads(q, k, v, do, params, bias):
-        with torch.enable_grad():      # called inside the autograd function's backward
+        with torch.enable_grad():  # called inside the autograd function's backward
             leaves, o, _ = reference(q, k, v, params, bias)
             return [g.to(do.device) for g in torch.autograd.grad(o, leaves, do.cpu().double())]
 
@@ -1667,12 +1828,13 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias, fuse_dq):
         made["delta_dq"] = delta.clone()
         made["dq"] = fake_grads(q, k, v, do, params, bias)[0].to(q.dtype)
         return made["dq"]
+
     monkeypatch.setattr(launch, "_forward_ws", fake_forward)
     monkeypatch.setattr(launch, "_dkdv_ws", fake_dkdv)
     monkeypatch.setattr(launch, "_dq_ws", fake_dq)
 
     # float16: the interpreter writes bf16 outputs as fp32 (launch._store_dtype), which the GPU never does
-    dev = "cpu" if is_interpreter() else "cuda"   # the stand-ins run anywhere; delta is the real kernel's
+    dev = "cpu" if is_interpreter() else "cuda"  # the stand-ins run anywhere; delta is the real kernel's
     q = rand(1, 2, 256, 128, dtype=F16, device=dev)
     k, v = (rand(1, 2, 256, 128, dtype=F16, device=dev) for _ in range(2))
     attn_bias = rand(1, 2, 256, 256, dtype=F16, device=dev, grad=False) if with_bias else None

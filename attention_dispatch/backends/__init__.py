@@ -3,11 +3,11 @@
 Optional libraries are imported lazily inside each adapter, so importing this package
 never fails because one of them is missing or broken.
 """
+
 from .base import Backend, Capabilities, not_supported_reasons
 
 # Default priority: our kernel first, the reference last.
-BUILTIN_ORDER = ("triton", "flash_attn", "cudnn", "torch_flash", "torch_efficient",
-                 "xformers", "torch_cpu", "math")
+BUILTIN_ORDER = ("triton", "flash_attn", "cudnn", "torch_flash", "torch_efficient", "xformers", "torch_cpu", "math")
 
 
 def builtin_backends() -> list[Backend]:
@@ -18,8 +18,16 @@ def builtin_backends() -> list[Backend]:
     from .triton import TritonBackend
     from .xformers import XformersBackend
 
-    found = [TritonBackend(), FlashAttnBackend(), CudnnBackend(), TorchFlashBackend(),
-             TorchEfficientBackend(), XformersBackend(), TorchCpuBackend(), MathBackend()]
+    found = [
+        TritonBackend(),
+        FlashAttnBackend(),
+        CudnnBackend(),
+        TorchFlashBackend(),
+        TorchEfficientBackend(),
+        XformersBackend(),
+        TorchCpuBackend(),
+        MathBackend(),
+    ]
     assert tuple(b.name for b in found) == BUILTIN_ORDER
     return found
 

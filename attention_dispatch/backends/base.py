@@ -4,6 +4,7 @@
 backend's declaration into readable reasons; a backend supports a call when the list
 is empty. Every reason names what was asked and what the backend allows.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,33 +26,34 @@ class Capabilities:
     """What a backend computes exactly. The defaults allow everything."""
 
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
-    min_compute_capability: tuple[int, int] | None = None    # CUDA only
+    min_compute_capability: tuple[int, int] | None = None  # CUDA only
     max_compute_capability: tuple[int, int] | None = None
     dtypes: frozenset[torch.dtype] = FLOAT_DTYPES
     head_dim_min: int = 1
-    head_dim_max: int | None = None          # applies to Dqk and Dv
-    head_dim_multiple: int = 1               # e.g. 8 for kernels that load 16-byte vectors
-    different_head_dims: bool = True         # Dqk != Dv
+    head_dim_max: int | None = None  # applies to Dqk and Dv
+    head_dim_multiple: int = 1  # e.g. 8 for kernels that load 16-byte vectors
+    different_head_dims: bool = True  # Dqk != Dv
     causal_kinds: frozenset[CausalKind] = frozenset(CausalKind)
     window: bool = True
     bool_mask: bool = True
     float_bias: bool = True
     bias_grad: bool = True
-    float32_bias: bool = True                # a float32 bias with 16-bit inputs, added without rounding it
-    mask_with_causal: bool = True            # an attn_mask together with causal/window
+    float32_bias: bool = True  # a float32 bias with 16-bit inputs, added without rounding it
+    mask_with_causal: bool = True  # an attn_mask together with causal/window
     dropout: bool = True
     dense: bool = True
     varlen: bool = True
     gqa: bool = True
     backward: bool = True
-    deterministic_backward: bool = True      # can the backward be made bitwise repeatable
+    deterministic_backward: bool = True  # can the backward be made bitwise repeatable
     max_seqlen: int | None = None
     max_batch_heads: int | None = None
     needs_last_dim_contiguous: bool = False  # the adapter does not copy a strided last dim
-    notes: str = ""                          # free text for `info`, never used to decide
+    notes: str = ""  # free text for `info`, never used to decide
 
     def rows(self) -> list[tuple[str, str]]:
         """(feature, value) pairs for the `info` table."""
+
         def names(items):
             return ", ".join(sorted(dtype_name(i) if isinstance(i, torch.dtype) else str(i) for i in items)) or "-"
 
@@ -67,15 +69,26 @@ class Capabilities:
         if self.head_dim_multiple > 1:
             head += f", multiple of {self.head_dim_multiple}"
         return [
-            ("devices", names(self.devices)), ("CUDA arch", arch), ("dtypes", names(self.dtypes)),
-            ("head dim", head), ("Dqk != Dv", yes(self.different_head_dims)),
-            ("causal", names(self.causal_kinds)), ("window", yes(self.window)),
-            ("bool mask", yes(self.bool_mask)), ("float bias", yes(self.float_bias)),
-            ("bias grad", yes(self.bias_grad)), ("fp32 bias, 16-bit inputs", yes(self.float32_bias)), ("mask + causal", yes(self.mask_with_causal)),
-            ("dropout", yes(self.dropout)), ("dense", yes(self.dense)), ("varlen", yes(self.varlen)),
-            ("GQA", yes(self.gqa)), ("backward", yes(self.backward)),
+            ("devices", names(self.devices)),
+            ("CUDA arch", arch),
+            ("dtypes", names(self.dtypes)),
+            ("head dim", head),
+            ("Dqk != Dv", yes(self.different_head_dims)),
+            ("causal", names(self.causal_kinds)),
+            ("window", yes(self.window)),
+            ("bool mask", yes(self.bool_mask)),
+            ("float bias", yes(self.float_bias)),
+            ("bias grad", yes(self.bias_grad)),
+            ("fp32 bias, 16-bit inputs", yes(self.float32_bias)),
+            ("mask + causal", yes(self.mask_with_causal)),
+            ("dropout", yes(self.dropout)),
+            ("dense", yes(self.dense)),
+            ("varlen", yes(self.varlen)),
+            ("GQA", yes(self.gqa)),
+            ("backward", yes(self.backward)),
             ("deterministic bwd", yes(self.deterministic_backward)),
-            ("max seqlen", str(self.max_seqlen or "any")), ("max B*H", str(self.max_batch_heads or "any")),
+            ("max seqlen", str(self.max_seqlen or "any")),
+            ("max B*H", str(self.max_batch_heads or "any")),
         ]
 
 
@@ -94,8 +107,11 @@ def not_supported_reasons(caps: Capabilities, problem: Problem) -> list[str]:
     if p.dtype not in caps.dtypes:
         allowed = ", ".join(sorted(dtype_name(d) for d in caps.dtypes))
         reasons.append(f"dtype={dtype_name(p.dtype)} not in {{{allowed}}}")
-    dims = {"head_dim": p.head_dim_qk} if p.head_dim_qk == p.head_dim_v else {
-        "head_dim_qk": p.head_dim_qk, "head_dim_v": p.head_dim_v}
+    dims = (
+        {"head_dim": p.head_dim_qk}
+        if p.head_dim_qk == p.head_dim_v
+        else {"head_dim_qk": p.head_dim_qk, "head_dim_v": p.head_dim_v}
+    )
     for label, dim in dims.items():
         if caps.head_dim_max is not None and dim > caps.head_dim_max:
             reasons.append(f"{label}={dim} > {caps.head_dim_max}")
@@ -125,8 +141,10 @@ def not_supported_reasons(caps: Capabilities, problem: Problem) -> list[str]:
         elif p.mask_requires_grad and not caps.bias_grad:
             reasons.append("gradient of a float attn_mask not supported")
         if p.float32_bias and caps.float_bias and not caps.float32_bias:
-            reasons.append(f"float32 attn_mask with {dtype_name(p.dtype)} inputs (the backend would round the bias "
-                           f"to {dtype_name(p.dtype)}; cast the mask to the query's dtype to allow it)")
+            reasons.append(
+                f"float32 attn_mask with {dtype_name(p.dtype)} inputs (the backend would round the bias "
+                f"to {dtype_name(p.dtype)}; cast the mask to the query's dtype to allow it)"
+            )
     if p.mask_kind != "none" and (p.causal is not None or p.window is not None) and not caps.mask_with_causal:
         reasons.append("attn_mask together with causal/window not supported")
     if p.dropout and not caps.dropout:
@@ -139,8 +157,7 @@ def not_supported_reasons(caps: Capabilities, problem: Problem) -> list[str]:
         reasons.append(f"GQA (Hq={p.heads_q}, Hkv={p.heads_kv}) not supported")
     if p.requires_grad and not caps.backward:
         reasons.append("backward (inputs require grad) not supported")
-    if (p.requires_grad and p.deterministic and not p.deterministic_warn_only
-            and not caps.deterministic_backward):
+    if p.requires_grad and p.deterministic and not p.deterministic_warn_only and not caps.deterministic_backward:
         reasons.append("deterministic algorithms requested but the backward is nondeterministic")
     if caps.max_seqlen is not None and max(p.seqlen_q, p.seqlen_k) > caps.max_seqlen:
         reasons.append(f"seqlen={max(p.seqlen_q, p.seqlen_k)} > {caps.max_seqlen}")
@@ -160,7 +177,7 @@ class Backend:
 
     name: str = ""
     capabilities: Capabilities = Capabilities()
-    options_model = None   # optional pydantic model for [backends.<name>] config options
+    options_model = None  # optional pydantic model for [backends.<name>] config options
 
     def is_available(self) -> bool:
         return True
@@ -192,13 +209,16 @@ class Backend:
         the mask's kind may be relied on); varlen calls pass their own offsets (same shapes and
         max_seqlen; omitted, the prepared call's are used).  Override it to skip per-call work
         (the `triton` backend relaunches its compiled kernel); the default calls run()."""
-        rest = {name: value for name, value in options.items()
-                if name not in ("attn_mask", "cu_seqlens_q", "cu_seqlens_k")}
+        rest = {
+            name: value for name, value in options.items() if name not in ("attn_mask", "cu_seqlens_q", "cu_seqlens_k")
+        }
         cu_q0, cu_k0 = options["cu_seqlens_q"], options["cu_seqlens_k"]
 
         def runner(query, key, value, attn_mask=None, *, cu_seqlens_q=cu_q0, cu_seqlens_k=cu_k0):
-            return self.run(query, key, value, attn_mask=attn_mask, cu_seqlens_q=cu_seqlens_q,
-                            cu_seqlens_k=cu_seqlens_k, **rest)
+            return self.run(
+                query, key, value, attn_mask=attn_mask, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **rest
+            )
+
         return runner
 
     def __repr__(self) -> str:

@@ -1,7 +1,7 @@
 """flash-attn 4's dense forward, relaunched for sdpa()'s fast path.
 
 ``flash_attn.cute.flash_attn_func`` spends 90-160 us of Python per call on the H100 host
-(docs/perf-notes.md experiment 59) rebuilding arguments that are the same for every call of
+(docs/experiments/perf-notes.md experiment 59) rebuilding arguments that are the same for every call of
 one signature, then calls its compiled kernel (~10 us).  At S <= 2k the kernel itself runs
 0.1-0.3 ms, so that host time decides whether the GPU waits between calls.  sdpa() prepares
 one runner per call signature (shapes, strides, dtypes, device, alignment, grad mode,
@@ -17,6 +17,7 @@ scheduler metadata, aux tensors).  Anything else keeps the public function for t
 signature.  The stream is not an argument: flash-attn 4 compiles against the current
 ("environment") stream, as here.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -56,9 +57,10 @@ class _Recorder:
             if isinstance(first, torch.Tensor) and first.data_ptr() == self.query_ptr:
                 self.calls.append((compiled, args))
             return compiled(*args)
+
         return call
 
-    def __getattr__(self, name):   # anything else the cache offers (clear(), ...)
+    def __getattr__(self, name):  # anything else the cache offers (clear(), ...)
         return getattr(self.cache, name)
 
 
@@ -78,12 +80,24 @@ def _holds_tensor(value, depth: int = 0) -> bool:
 
 
 def _same_view(a, b: torch.Tensor) -> bool:
-    return (isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
-            and a.stride() == b.stride() and a.dtype == b.dtype)
+    return (
+        isinstance(a, torch.Tensor)
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
 
 
-def refusal(calls: list, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            lse: torch.Tensor | None = None, offsets: tuple = ()) -> str | None:
+def refusal(
+    calls: list,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None = None,
+    offsets: tuple = (),
+) -> str | None:
     """Why the recorded ``calls`` cannot be repeated with new tensors (None: they can).
     ``lse``: the log-sum-exp the public call returned for a backward (training calls);
     ``offsets``: the call's cu_seqlens tensors (varlen), the only other tensors it may take."""
@@ -103,8 +117,10 @@ def refusal(calls: list, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
         return "the compiled call's fifth argument is not the log-sum-exp returned"
     rest = args[4:] if lse is None else args[5:]
     if _holds_tensor([a for a in rest if not any(_same_view(a, t) for t in offsets)]):
-        return "the compiled call takes tensors (or objects that are not plain data) beyond query, key, value, " \
-               "output" + ("" if lse is None else " and LSE") + (" and offsets" if offsets else "")
+        return (
+            "the compiled call takes tensors (or objects that are not plain data) beyond query, key, value, "
+            "output" + ("" if lse is None else " and LSE") + (" and offsets" if offsets else "")
+        )
     if offsets and not any(_same_view(a, t) for a in rest for t in offsets):
         return "the compiled call does not take the caller's offsets (flash-attn copied them)"
     return None
@@ -147,7 +163,7 @@ class ForwardRelauncher:
         # once recorded: (compiled, its arguments after output [and LSE], output shape, LSE shape or None)
         self.launch = None
         self.backward = None  # flash-attn 4's _flash_attn_bwd (training)
-        self.refused = None   # why not, once the recording was refused
+        self.refused = None  # why not, once the recording was refused
 
     def __call__(self, query, key, value):
         launch = self.launch
@@ -236,8 +252,11 @@ class VarlenRelauncher:
             compiled, args = calls[0]
             rest = tuple(args[4:])
             # which offsets sit where: by identity, the queries' first where one tensor serves both
-            positions = tuple((i, 0 if _same_view(a, cu_seqlens_q) else 1) for i, a in enumerate(rest)
-                              if any(_same_view(a, t) for t in offsets))
+            positions = tuple(
+                (i, 0 if _same_view(a, cu_seqlens_q) else 1)
+                for i, a in enumerate(rest)
+                if any(_same_view(a, t) for t in offsets)
+            )
             self.launch = (compiled, rest, positions, tuple(out.shape), cu_seqlens_q is cu_seqlens_k)
         else:
             self.refused = reason
@@ -248,8 +267,13 @@ class VarlenRelauncher:
     def _relaunchable(cu_q: torch.Tensor, cu_k: torch.Tensor, shared: bool) -> bool:
         # as recorded: one tensor for both iff it was then; aligned and contiguous, as
         # flash-attn 4 would pass them itself (it copies them otherwise)
-        return ((cu_q is cu_k) == shared and cu_q.is_contiguous() and cu_k.is_contiguous()
-                and cu_q.data_ptr() % 16 == 0 and cu_k.data_ptr() % 16 == 0)
+        return (
+            (cu_q is cu_k) == shared
+            and cu_q.is_contiguous()
+            and cu_k.is_contiguous()
+            and cu_q.data_ptr() % 16 == 0
+            and cu_k.data_ptr() % 16 == 0
+        )
 
 
 class _TrainingCall(torch.autograd.Function):
@@ -275,9 +299,20 @@ class _TrainingCall(torch.autograd.Function):
         relauncher = ctx.relauncher
         kw = relauncher.kwargs
         left, right = kw["window_size"]
-        dq, dk, dv = relauncher.backward(q, k, v, out, grad_out.transpose(1, 2), lse, kw["softmax_scale"],
-                                         kw["causal"], 0.0, window_size_left=left, window_size_right=right,
-                                         deterministic=kw["deterministic"])[:3]
+        dq, dk, dv = relauncher.backward(
+            q,
+            k,
+            v,
+            out,
+            grad_out.transpose(1, 2),
+            lse,
+            kw["softmax_scale"],
+            kw["causal"],
+            0.0,
+            window_size_left=left,
+            window_size_right=right,
+            deterministic=kw["deterministic"],
+        )[:3]
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
 
 

@@ -31,6 +31,7 @@ Mapping of our call (DESIGN.md section 3):
 - rows with no allowed key (bottom-right causal with Sq > Sk, or a window that misses
   every key): flash-attn documents output 0 for them; verified on the GPU by the tests.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,26 +50,49 @@ _HALF = frozenset({torch.float16, torch.bfloat16})
 INSTALL_HINT = "not installed: pip install flash-attn (or flash-attn-4 for flash_attn.cute)"
 
 FA2_CAPS = Capabilities(
-    devices=frozenset({"cuda"}), min_compute_capability=(8, 0), dtypes=_HALF, head_dim_max=256,
-    different_head_dims=False, causal_kinds=frozenset({CausalKind.BOTTOM_RIGHT}), window=True,
-    bool_mask=False, float_bias=False, bias_grad=False, float32_bias=False, dropout=True, varlen=True, gqa=True,
-    deterministic_backward=True, needs_last_dim_contiguous=False,
-    notes="flash-attn 2")
+    devices=frozenset({"cuda"}),
+    min_compute_capability=(8, 0),
+    dtypes=_HALF,
+    head_dim_max=256,
+    different_head_dims=False,
+    causal_kinds=frozenset({CausalKind.BOTTOM_RIGHT}),
+    window=True,
+    bool_mask=False,
+    float_bias=False,
+    bias_grad=False,
+    float32_bias=False,
+    dropout=True,
+    varlen=True,
+    gqa=True,
+    deterministic_backward=True,
+    needs_last_dim_contiguous=False,
+    notes="flash-attn 2",
+)
 FA3_CAPS = dataclasses.replace(
-    FA2_CAPS, min_compute_capability=(9, 0), max_compute_capability=(9, 0), head_dim_multiple=8,
-    dropout=False, notes="flash-attn 3 (hopper)")
+    FA2_CAPS,
+    min_compute_capability=(9, 0),
+    max_compute_capability=(9, 0),
+    head_dim_multiple=8,
+    dropout=False,
+    notes="flash-attn 3 (hopper)",
+)
 FA4_CAPS = dataclasses.replace(
-    FA2_CAPS, min_compute_capability=(9, 0), max_compute_capability=(11, 9), head_dim_multiple=8,
-    dropout=False, notes="flash-attn 4 (flash_attn.cute)")
-FA4_HEAD_DIMS = (64, 96, 128)    # what flash_attn.cute 4.0 compiles and we verified; others rejected
+    FA2_CAPS,
+    min_compute_capability=(9, 0),
+    max_compute_capability=(11, 9),
+    head_dim_multiple=8,
+    dropout=False,
+    notes="flash-attn 4 (flash_attn.cute)",
+)
+FA4_HEAD_DIMS = (64, 96, 128)  # what flash_attn.cute 4.0 compiles and we verified; others rejected
 
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
     """One importable flash-attn generation."""
 
-    key: str                       # "fa2" | "fa3" | "fa4"
-    label: str                     # "flash-attn 2"
+    key: str  # "fa2" | "fa3" | "fa4"
+    label: str  # "flash-attn 2"
     version: str
     func: Callable
     varlen_func: Callable | None
@@ -82,6 +106,7 @@ def _first_line(error: BaseException) -> str:
 
 def _dist_version(*names: str) -> str:
     from importlib import metadata
+
     for n in names:
         try:
             return metadata.version(n)
@@ -104,6 +129,7 @@ def caps_union(caps: list[Capabilities]) -> Capabilities:
     lows = [c.min_compute_capability for c in caps]
     highs = [c.max_compute_capability for c in caps]
     import math
+
     return Capabilities(
         devices=frozenset().union(*(c.devices for c in caps)),
         min_compute_capability=None if None in lows else min(lows),
@@ -114,9 +140,23 @@ def caps_union(caps: list[Capabilities]) -> Capabilities:
         head_dim_multiple=math.gcd(*(c.head_dim_multiple for c in caps)),
         different_head_dims=any(c.different_head_dims for c in caps),
         causal_kinds=frozenset().union(*(c.causal_kinds for c in caps)),
-        **{f: any(getattr(c, f) for c in caps) for f in (
-            "window", "bool_mask", "float_bias", "bias_grad", "float32_bias", "mask_with_causal", "dropout", "dense",
-            "varlen", "gqa", "backward", "deterministic_backward")},
+        **{
+            f: any(getattr(c, f) for c in caps)
+            for f in (
+                "window",
+                "bool_mask",
+                "float_bias",
+                "bias_grad",
+                "float32_bias",
+                "mask_with_causal",
+                "dropout",
+                "dense",
+                "varlen",
+                "gqa",
+                "backward",
+                "deterministic_backward",
+            )
+        },
         needs_last_dim_contiguous=all(c.needs_last_dim_contiguous for c in caps),
         notes=" / ".join(c.notes for c in caps),
     )
@@ -124,7 +164,7 @@ def caps_union(caps: list[Capabilities]) -> Capabilities:
 
 def _empty_call(query, key, value, packed: bool):
     """Exact zeros, on the autograd graph, for a call with an empty dimension."""
-    if key.shape[1] != query.shape[1]:   # heads are dim 1 in both (B, H, S, D) and (total, H, D)
+    if key.shape[1] != query.shape[1]:  # heads are dim 1 in both (B, H, S, D) and (total, H, D)
         group = query.shape[1] // max(key.shape[1], 1)
         key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
     if packed:
@@ -158,7 +198,7 @@ class FlashAttnBackend(Backend):
                 installed = True
                 errors.append(f"{key}: {_first_line(e)}")
                 continue
-            except Exception as e:   # broken install: ABI mismatch, missing CUDA library, ...
+            except Exception as e:  # broken install: ABI mismatch, missing CUDA library, ...
                 installed = True
                 errors.append(f"{key}: {_first_line(e)}")
                 continue
@@ -172,23 +212,41 @@ class FlashAttnBackend(Backend):
     def _import_fa2() -> Implementation | None:
         mod = importlib.import_module("flash_attn")
         func = getattr(mod, "flash_attn_func", None)
-        if func is None:      # e.g. only flash-attn 4's flash_attn.cute is installed
+        if func is None:  # e.g. only flash-attn 4's flash_attn.cute is installed
             return None
-        return Implementation("fa2", "flash-attn 2", str(getattr(mod, "__version__", "") or _dist_version("flash-attn")),
-                              func, getattr(mod, "flash_attn_varlen_func", None), FA2_CAPS)
+        return Implementation(
+            "fa2",
+            "flash-attn 2",
+            str(getattr(mod, "__version__", "") or _dist_version("flash-attn")),
+            func,
+            getattr(mod, "flash_attn_varlen_func", None),
+            FA2_CAPS,
+        )
 
     @staticmethod
     def _import_fa3() -> Implementation | None:
         mod = importlib.import_module("flash_attn_interface")
-        return Implementation("fa3", "flash-attn 3", str(getattr(mod, "__version__", "") or _dist_version("flash-attn-3", "flash_attn_3")),
-                              mod.flash_attn_func, getattr(mod, "flash_attn_varlen_func", None), FA3_CAPS)
+        return Implementation(
+            "fa3",
+            "flash-attn 3",
+            str(getattr(mod, "__version__", "") or _dist_version("flash-attn-3", "flash_attn_3")),
+            mod.flash_attn_func,
+            getattr(mod, "flash_attn_varlen_func", None),
+            FA3_CAPS,
+        )
 
     @staticmethod
     def _import_fa4() -> Implementation | None:
         mod = importlib.import_module("flash_attn.cute")
         version = getattr(mod, "__version__", "") or _dist_version("flash-attn-4", "flash_attn_4")
-        return Implementation("fa4", "flash-attn 4", str(version), mod.flash_attn_func,
-                              getattr(mod, "flash_attn_varlen_func", None), FA4_CAPS)
+        return Implementation(
+            "fa4",
+            "flash-attn 4",
+            str(version),
+            mod.flash_attn_func,
+            getattr(mod, "flash_attn_varlen_func", None),
+            FA4_CAPS,
+        )
 
     def implementations(self) -> list[Implementation]:
         return self._load()[0]
@@ -219,8 +277,14 @@ class FlashAttnBackend(Backend):
     def _impl_checks(impl: Implementation, p: Problem) -> list[str]:
         reasons = []
         cc = p.compute_capability
-        if impl.key == "fa2" and cc is not None and p.requires_grad and p.dropout and p.head_dim_qk > 192 \
-                and cc not in ((8, 0), (9, 0)):
+        if (
+            impl.key == "fa2"
+            and cc is not None
+            and p.requires_grad
+            and p.dropout
+            and p.head_dim_qk > 192
+            and cc not in ((8, 0), (9, 0))
+        ):
             reasons.append(f"backward with head_dim={p.head_dim_qk} > 192 and dropout needs sm80/sm90")
         if impl.key == "fa4":
             for d in {p.head_dim_qk, p.head_dim_v}:
@@ -262,8 +326,21 @@ class FlashAttnBackend(Backend):
 
     # -- running ------------------------------------------------------------------
     @staticmethod
-    def problem_of(query, key, value, *, dropout_p=0.0, causal=None, window=None, cu_seqlens_q=None,
-                   cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False, **_) -> Problem:
+    def problem_of(
+        query,
+        key,
+        value,
+        *,
+        dropout_p=0.0,
+        causal=None,
+        window=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        deterministic=False,
+        **_,
+    ) -> Problem:
         """The Problem of a normalised call (flash-attn never sees a mask)."""
         varlen = cu_seqlens_q is not None
         if varlen:
@@ -274,13 +351,30 @@ class FlashAttnBackend(Backend):
             hkv, sk = key.shape[1], key.shape[2]
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         return Problem(
-            batch=batch, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, head_dim_qk=query.shape[-1],
-            head_dim_v=value.shape[-1], dtype=query.dtype, device_type=query.device.type,
-            compute_capability=compute_capability(query.device), layout="varlen" if varlen else "dense",
-            mask_kind="none", mask_shape=None, mask_requires_grad=False, causal=causal, window=window,
-            dropout=dropout_p > 0, requires_grad=grad, deterministic=bool(deterministic),
-            deterministic_warn_only=False, last_dim_contiguous=True, aligned_16=True,
-            same_offsets=varlen and cu_seqlens_k is cu_seqlens_q)
+            batch=batch,
+            heads_q=hq,
+            heads_kv=hkv,
+            seqlen_q=sq,
+            seqlen_k=sk,
+            head_dim_qk=query.shape[-1],
+            head_dim_v=value.shape[-1],
+            dtype=query.dtype,
+            device_type=query.device.type,
+            compute_capability=compute_capability(query.device),
+            layout="varlen" if varlen else "dense",
+            mask_kind="none",
+            mask_shape=None,
+            mask_requires_grad=False,
+            causal=causal,
+            window=window,
+            dropout=dropout_p > 0,
+            requires_grad=grad,
+            deterministic=bool(deterministic),
+            deterministic_warn_only=False,
+            last_dim_contiguous=True,
+            aligned_16=True,
+            same_offsets=varlen and cu_seqlens_k is cu_seqlens_q,
+        )
 
     @staticmethod
     def window_args(impl: Implementation, causal: CausalKind | None, window) -> tuple[bool, tuple]:
@@ -293,13 +387,36 @@ class FlashAttnBackend(Backend):
             return is_causal, (None if left < 0 else left, None if right < 0 else right)
         return is_causal, (left, right)
 
-    def _resolve(self, query, key, value, dropout_p=0.0, causal=None, window=None, scale=None, cu_seqlens_q=None,
-                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False,
-                 **_) -> tuple[Implementation, dict]:
+    def _resolve(
+        self,
+        query,
+        key,
+        value,
+        dropout_p=0.0,
+        causal=None,
+        window=None,
+        scale=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        deterministic=False,
+        **_,
+    ) -> tuple[Implementation, dict]:
         """(implementation, its keyword arguments) for a normalised call."""
-        p = self.problem_of(query, key, value, dropout_p=dropout_p, causal=causal, window=window,
-                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                            max_seqlen_k=max_seqlen_k, deterministic=deterministic)
+        p = self.problem_of(
+            query,
+            key,
+            value,
+            dropout_p=dropout_p,
+            causal=causal,
+            window=window,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            deterministic=deterministic,
+        )
         # device and dtype were vetted by the dispatcher; the choice here is about features
         # (dropout, window, varlen, head dims, arch), which keeps run() usable on fakes.
         p = dataclasses.replace(p, device_type="cuda", dtype=p.dtype if p.dtype in _HALF else torch.float16)
@@ -317,7 +434,7 @@ class FlashAttnBackend(Backend):
     @staticmethod
     def _dense(func, kwargs: dict, query, key, value):
         """(B, H, S, D) in and out; flash-attn takes (B, S, H, D): transposed views, no copies
-        (a contiguous copy costs more than the strided reads, docs/perf-notes.md)."""
+        (a contiguous copy costs more than the strided reads, docs/experiments/perf-notes.md)."""
         out = func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
         out = out[0] if isinstance(out, tuple) else out
         return out.transpose(1, 2)
@@ -328,17 +445,37 @@ class FlashAttnBackend(Backend):
         out = func(query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
-    def run(self, query, key, value, *, attn_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-            max_seqlen_k=None, **options):
+    def run(
+        self,
+        query,
+        key,
+        value,
+        *,
+        attn_mask=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        **options,
+    ):
         if attn_mask is not None:
             raise ValueError("flash_attn: attn_mask is not supported (rejected by check())")
-        impl, kwargs = self._resolve(query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **options)
+        impl, kwargs = self._resolve(
+            query,
+            key,
+            value,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            **options,
+        )
         if query.numel() == 0 or key.shape[-3 if cu_seqlens_q is not None else -2] == 0:
             return _empty_call(query, key, value, cu_seqlens_q is not None)
         if cu_seqlens_q is not None:
-            return self._varlen(impl.varlen_func, kwargs, query, key, value, cu_seqlens_q=cu_seqlens_q,
-                                cu_seqlens_k=cu_seqlens_k)
+            return self._varlen(
+                impl.varlen_func, kwargs, query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k
+            )
         return self._dense(impl.func, kwargs, query, key, value)
 
     def prepare(self, query, key, value, options: dict):
@@ -352,15 +489,20 @@ class FlashAttnBackend(Backend):
         impl, kwargs = self._resolve(query, key, value, **options)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         if not varlen:
-            if impl.key == "fa4":   # its Python costs ~10x its kernel launch: relaunched
+            if impl.key == "fa4":  # its Python costs ~10x its kernel launch: relaunched
                 return ForwardRelauncher(impl.func, kwargs, training=grad)
             return functools.partial(self._dense, impl.func, kwargs)
         if impl.key == "fa4" and not grad:
             # inference: relaunched as the dense forward
             return VarlenRelauncher(impl.varlen_func, kwargs, (options["cu_seqlens_q"], options["cu_seqlens_k"]))
         # each call's offsets override these keywords (partial lets call keywords win)
-        return functools.partial(self._varlen, impl.varlen_func, kwargs, cu_seqlens_q=options["cu_seqlens_q"],
-                                 cu_seqlens_k=options["cu_seqlens_k"])
+        return functools.partial(
+            self._varlen,
+            impl.varlen_func,
+            kwargs,
+            cu_seqlens_q=options["cu_seqlens_q"],
+            cu_seqlens_k=options["cu_seqlens_k"],
+        )
 
 
 __all__ = ["FlashAttnBackend", "Implementation", "FA2_CAPS", "FA3_CAPS", "FA4_CAPS", "INSTALL_HINT"]

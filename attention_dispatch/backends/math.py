@@ -5,6 +5,7 @@ autograd each chunk is checkpointed (with its RNG state, so dropout is replayed
 exactly), which bounds the backward's memory too. GQA folds the query-head group into
 the rows of one matmul per key/value head, so K and V are never repeated.
 """
+
 from __future__ import annotations
 
 import math
@@ -66,8 +67,9 @@ def _chunk_attention(q, k, v, bias, row0, seqlen_q, seqlen_k, bottom_right, left
     return out.view(b, hkv, g, c, v.shape[-1])
 
 
-def dense_math_attention(query, key, value, attn_mask, *, scale, bottom_right, left, right,
-                         dropout_p=0.0, chunk_elements=None):
+def dense_math_attention(
+    query, key, value, attn_mask, *, scale, bottom_right, left, right, dropout_p=0.0, chunk_elements=None
+):
     """query (B, Hq, Sq, D), key (B, Hkv, Sk, D), value (B, Hkv, Sk, Dv); attn_mask None or
     broadcastable to (B, Hq, Sq, Sk). The band is `semantics.band`'s. Returns (B, Hq, Sq, Dv)."""
     b, hq, sq, d = query.shape
@@ -79,13 +81,24 @@ def dense_math_attention(query, key, value, attn_mask, *, scale, bottom_right, l
     k, v = key.to(compute), value.to(compute)
     bias = None if attn_mask is None else attn_mask.expand(b, hq, sq, sk)
     rows = max(1, min(sq, (chunk_elements or CHUNK_ELEMENTS) // max(1, b * hq * sk)))
-    grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, attn_mask))
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask))
     outs = []
     for row0 in range(0, sq, rows):
         row1 = min(sq, row0 + rows)
-        args = (q[:, :, :, row0:row1], k, v, None if bias is None else bias[:, :, row0:row1],
-                row0, sq, sk, bottom_right, left, right, scale, dropout_p)
+        args = (
+            q[:, :, :, row0:row1],
+            k,
+            v,
+            None if bias is None else bias[:, :, row0:row1],
+            row0,
+            sq,
+            sk,
+            bottom_right,
+            left,
+            right,
+            scale,
+            dropout_p,
+        )
         if grad and rows < sq:
             outs.append(checkpoint(_chunk_attention, *args, use_reentrant=False))
         else:
@@ -94,13 +107,32 @@ def dense_math_attention(query, key, value, attn_mask, *, scale, bottom_right, l
     return out.reshape(b, hq, sq, dv).to(query.dtype)
 
 
-def math_attention(query, key, value, *, attn_mask=None, dropout_p=0.0, causal=None, window=None,
-                   scale=None, cu_seqlens_q=None, cu_seqlens_k=None, chunk_elements=None, **_):
+def math_attention(
+    query,
+    key,
+    value,
+    *,
+    attn_mask=None,
+    dropout_p=0.0,
+    causal=None,
+    window=None,
+    scale=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    chunk_elements=None,
+    **_,
+):
     """The normalised call (DESIGN.md section 4) computed exactly; dense or varlen."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     bottom_right, left, right = band(causal, window)
-    common = dict(scale=scale, bottom_right=bottom_right, left=left, right=right,
-                  dropout_p=dropout_p, chunk_elements=chunk_elements)
+    common = dict(
+        scale=scale,
+        bottom_right=bottom_right,
+        left=left,
+        right=right,
+        dropout_p=dropout_p,
+        chunk_elements=chunk_elements,
+    )
     if cu_seqlens_q is None:
         return dense_math_attention(query, key, value, attn_mask, **common)
     # Varlen: each sequence is one dense problem; the mask is indexed by local positions.
@@ -108,13 +140,13 @@ def math_attention(query, key, value, *, attn_mask=None, dropout_p=0.0, causal=N
     starts_k = cu_seqlens_k.tolist()
     outs = []
     for i in range(len(starts_q) - 1):
-        q = query[starts_q[i]:starts_q[i + 1]].transpose(0, 1).unsqueeze(0)
-        k = key[starts_k[i]:starts_k[i + 1]].transpose(0, 1).unsqueeze(0)
-        v = value[starts_k[i]:starts_k[i + 1]].transpose(0, 1).unsqueeze(0)
+        q = query[starts_q[i] : starts_q[i + 1]].transpose(0, 1).unsqueeze(0)
+        k = key[starts_k[i] : starts_k[i + 1]].transpose(0, 1).unsqueeze(0)
+        v = value[starts_k[i] : starts_k[i + 1]].transpose(0, 1).unsqueeze(0)
         mask = None
         if attn_mask is not None:
             rows = attn_mask[min(i, attn_mask.shape[0] - 1)].unsqueeze(0)
-            mask = rows[..., :q.shape[2] if rows.shape[-2] > 1 else 1, :k.shape[2] if rows.shape[-1] > 1 else 1]
+            mask = rows[..., : q.shape[2] if rows.shape[-2] > 1 else 1, : k.shape[2] if rows.shape[-1] > 1 else 1]
         outs.append(dense_math_attention(q, k, v, mask, **common)[0].transpose(0, 1))
     if not outs:
         return _empty_output(query, key, value, (0, query.shape[1], value.shape[-1]))
@@ -125,8 +157,10 @@ class MathBackend(Backend):
     """Reference implementation of every feature; always available, never fast."""
 
     name = "math"
-    capabilities = Capabilities(head_dim_min=0,   # head dim 0: scores are the bias alone, as in F.sdpa
-                                notes="reference; query-chunked, bounded memory; the test oracle in float64")
+    capabilities = Capabilities(
+        head_dim_min=0,  # head dim 0: scores are the bias alone, as in F.sdpa
+        notes="reference; query-chunked, bounded memory; the test oracle in float64",
+    )
 
     def version(self) -> str:
         return f"torch {torch.__version__}"

@@ -40,6 +40,7 @@ How our call maps onto ``F.scaled_dot_product_attention``:
   GQA is expanded to full heads first (nested inputs broadcast heads only without grad);
   sequences of length 0 are left out of the kernel call (their rows are 0).
 """
+
 from __future__ import annotations
 
 import math
@@ -68,7 +69,7 @@ def _empty_like_call(query, key, value):
         group = query.shape[-3] // max(key.shape[-3], 1)
         key = key.repeat_interleave(group, dim=-3)
         value = value.repeat_interleave(group, dim=-3)
-    if query.dim() == 3:   # packed (total, H, D): called with an empty query or key axis
+    if query.dim() == 3:  # packed (total, H, D): called with an empty query or key axis
         return torch.einsum("qhk,khe->qhe", torch.einsum("qhd,khd->qhk", query, key), value)
     return (query @ key.transpose(-1, -2)) @ value
 
@@ -117,12 +118,12 @@ class _Pinned:
 class _TorchSdpaBackend(Backend):
     """The shared adapter; subclasses set the class attributes below."""
 
-    sdp_backend: str = ""          # name of the torch.nn.attention.SDPBackend member
+    sdp_backend: str = ""  # name of the torch.nn.attention.SDPBackend member
     device_type: str = "cuda"
-    native_lower_right = False     # causal_lower_right runs natively (flash, efficient)
-    fix_empty_rows = False         # neutralise rows without allowed keys (see module doc)
-    varlen_causal: CausalKind | None = None   # causal alignment of the nested path
-    determinism_from_global_flag = False      # backward deterministic only under use_deterministic_algorithms
+    native_lower_right = False  # causal_lower_right runs natively (flash, efficient)
+    fix_empty_rows = False  # neutralise rows without allowed keys (see module doc)
+    varlen_causal: CausalKind | None = None  # causal alignment of the nested path
+    determinism_from_global_flag = False  # backward deterministic only under use_deterministic_algorithms
 
     # -- availability -------------------------------------------------------------
     def is_available(self) -> bool:
@@ -131,6 +132,7 @@ class _TorchSdpaBackend(Backend):
     def unavailable_reason(self) -> str:
         try:
             from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
+
             getattr(SDPBackend, self.sdp_backend)
         except (ImportError, AttributeError) as e:
             return f"this PyTorch ({torch.__version__}) has no SDPBackend.{self.sdp_backend}: {e}"
@@ -154,15 +156,25 @@ class _TorchSdpaBackend(Backend):
         reasons = []
         if p.layout == "varlen":
             if p.mask_kind != "none":
-                reasons.append("attn_mask with varlen/nested inputs not supported (PyTorch: 'Masks are not yet supported')")
-            if (p.causal is not None and self.varlen_causal is not None and p.causal is not self.varlen_causal
-                    and not p.sequences_match):
-                reasons.append(f"causal={p.causal} with varlen (PyTorch's nested path aligns causal {self.varlen_causal})")
+                reasons.append(
+                    "attn_mask with varlen/nested inputs not supported (PyTorch: 'Masks are not yet supported')"
+                )
+            if (
+                p.causal is not None
+                and self.varlen_causal is not None
+                and p.causal is not self.varlen_causal
+                and not p.sequences_match
+            ):
+                reasons.append(
+                    f"causal={p.causal} with varlen (PyTorch's nested path aligns causal {self.varlen_causal})"
+                )
         if p.requires_grad and p.deterministic and not p.deterministic_warn_only and self.determinism_from_global_flag:
             on, warn_only = _deterministic_flag()
             if not on or warn_only:
-                reasons.append("deterministic backward needs torch.use_deterministic_algorithms(True) "
-                               "(PyTorch's kernel reads only that global flag)")
+                reasons.append(
+                    "deterministic backward needs torch.use_deterministic_algorithms(True) "
+                    "(PyTorch's kernel reads only that global flag)"
+                )
         return reasons + self._kernel_checks(p)
 
     def _kernel_checks(self, p: Problem) -> list[str]:
@@ -183,30 +195,56 @@ class _TorchSdpaBackend(Backend):
         pin (it ran this signature's first call, and passes such tensors to the op unchanged),
         without its backend selection and the pin's flag toggling: cuDNN on the H100's host
         15-40 us less per call, where its forward at S=512 runs 0.1 ms; the CPU flash kernel
-        4.4 us less on a tiny call (docs/perf-notes.md experiment 59).  Anything else, or a
+        4.4 us less on a tiny call (docs/experiments/perf-notes.md experiment 59).  Anything else, or a
         backend without such an op (torch_flash, torch_efficient: F.sdpa pads or converts
         there): run()."""
         o = options
         causal = o["causal"]
         if causal is CausalKind.BOTTOM_RIGHT and query.dim() == 4 and query.shape[-2] == key.shape[-2]:
-            causal = CausalKind.TOP_LEFT      # the same function
-        if (o["attn_mask"] is None and not o["dropout_p"] and o["window"] is None and o["cu_seqlens_q"] is None
-                and causal in (None, CausalKind.TOP_LEFT) and query.dim() == 4 and key.shape[1] == query.shape[1]
-                and 0 not in query.shape and 0 not in key.shape and all(t.stride(-1) == 1 for t in (query, key, value))):
+            causal = CausalKind.TOP_LEFT  # the same function
+        if (
+            o["attn_mask"] is None
+            and not o["dropout_p"]
+            and o["window"] is None
+            and o["cu_seqlens_q"] is None
+            and causal in (None, CausalKind.TOP_LEFT)
+            and query.dim() == 4
+            and key.shape[1] == query.shape[1]
+            and 0 not in query.shape
+            and 0 not in key.shape
+            and all(t.stride(-1) == 1 for t in (query, key, value))
+        ):
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
             direct = self._direct_call(causal is not None, o["scale"], grad)
             if direct is not None:
                 return direct
         return super().prepare(query, key, value, options)
 
-    def run(self, query, key, value, *, attn_mask=None, dropout_p=0.0, causal=None, window=None,
-            scale=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-            enable_gqa=False, deterministic=False, **_):
+    def run(
+        self,
+        query,
+        key,
+        value,
+        *,
+        attn_mask=None,
+        dropout_p=0.0,
+        causal=None,
+        window=None,
+        scale=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        enable_gqa=False,
+        deterministic=False,
+        **_,
+    ):
         if window is not None:
             raise ValueError(f"{self.name}: window={window} is not supported (rejected by check())")
         if cu_seqlens_q is not None:
-            return self._run_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    dropout_p, causal, scale)
+            return self._run_varlen(
+                query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal, scale
+            )
         return self._run_dense(query, key, value, attn_mask, dropout_p, causal, scale)
 
     @staticmethod
@@ -215,8 +253,9 @@ class _TorchSdpaBackend(Backend):
 
     def _sdpa(self, q, k, v, mask, dropout_p, is_causal, scale, gqa):
         with self._context():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                  is_causal=is_causal, scale=scale, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
+            )
 
     def _run_dense(self, query, key, value, mask, dropout_p, causal, scale):
         b, hq, sq, _ = query.shape
@@ -226,7 +265,7 @@ class _TorchSdpaBackend(Backend):
         gqa = hkv != hq
         query, key, value = (self._last_dim_contiguous(t) for t in (query, key, value))
         if causal is CausalKind.BOTTOM_RIGHT and sq == sk:
-            causal = CausalKind.TOP_LEFT      # the same function
+            causal = CausalKind.TOP_LEFT  # the same function
         if mask is None:
             if causal is None:
                 return self._sdpa(query, key, value, None, dropout_p, False, scale, gqa)
@@ -234,12 +273,13 @@ class _TorchSdpaBackend(Backend):
                 return self._sdpa(query, key, value, None, dropout_p, True, scale, gqa)
             if sq > sk:
                 # rows i < Sq - Sk have no allowed key; the last Sk rows form a square causal problem
-                tail = self._sdpa(query[:, :, sq - sk:], key, value, None, dropout_p, True, scale, gqa)
+                tail = self._sdpa(query[:, :, sq - sk :], key, value, None, dropout_p, True, scale, gqa)
                 head = tail.new_zeros(b, hq, sq - sk, tail.shape[-1])
                 return torch.cat([head, tail], dim=2)
             if self.native_lower_right:
                 from torch.nn.attention.bias import causal_lower_right
-                if gqa:   # the lower-right path calls the kernels directly, without enable_gqa
+
+                if gqa:  # the lower-right path calls the kernels directly, without enable_gqa
                     group = hq // hkv
                     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
                 return self._sdpa(query, key, value, causal_lower_right(sq, sk), dropout_p, False, scale, False)
@@ -252,7 +292,9 @@ class _TorchSdpaBackend(Backend):
             mask = mask.contiguous()
         row_ok = None
         if self.fix_empty_rows:
-            row_ok = mask.any(-1, keepdim=True) if mask.dtype == torch.bool else (mask > -math.inf).any(-1, keepdim=True)
+            row_ok = (
+                mask.any(-1, keepdim=True) if mask.dtype == torch.bool else (mask > -math.inf).any(-1, keepdim=True)
+            )
             fill = True if mask.dtype == torch.bool else 0.0
             mask = torch.where(row_ok, mask, torch.full((), fill, dtype=mask.dtype, device=mask.device))
         out = self._sdpa(query, key, value, mask, dropout_p, False, scale, gqa)
@@ -271,30 +313,46 @@ class _TorchSdpaBackend(Backend):
         lq = (cu_q[1:] - cu_q[:-1]).tolist()
         lk = (cu_k[1:] - cu_k[:-1]).tolist()
         keep = [i for i in range(len(lq)) if lq[i] > 0 and lk[i] > 0]
-        if len(keep) < len(lq):   # nested kernels refuse zero-length sequences
+        if len(keep) < len(lq):  # nested kernels refuse zero-length sequences
             if not keep:
                 return _empty_like_call(query, key[:0], value[:0])
             cq, ck = cu_q.tolist(), cu_k.tolist()
             q_idx = torch.cat([torch.arange(cq[i], cq[i + 1]) for i in keep]).to(query.device)
             k_idx = torch.cat([torch.arange(ck[i], ck[i + 1]) for i in keep]).to(key.device)
-            sub_cq = torch.tensor([0] + [sum(lq[i] for i in keep[:n + 1]) for n in range(len(keep))], device=cu_q.device)
-            sub_ck = torch.tensor([0] + [sum(lk[i] for i in keep[:n + 1]) for n in range(len(keep))], device=cu_k.device)
-            sub = self._nested(query[q_idx], key[k_idx], value[k_idx], sub_cq, sub_ck,
-                               max(lq[i] for i in keep), max(lk[i] for i in keep), dropout_p, causal, scale)
+            sub_cq = torch.tensor(
+                [0] + [sum(lq[i] for i in keep[: n + 1]) for n in range(len(keep))], device=cu_q.device
+            )
+            sub_ck = torch.tensor(
+                [0] + [sum(lk[i] for i in keep[: n + 1]) for n in range(len(keep))], device=cu_k.device
+            )
+            sub = self._nested(
+                query[q_idx],
+                key[k_idx],
+                value[k_idx],
+                sub_cq,
+                sub_ck,
+                max(lq[i] for i in keep),
+                max(lk[i] for i in keep),
+                dropout_p,
+                causal,
+                scale,
+            )
             out = sub.new_zeros(query.shape[0], hq, sub.shape[-1])
             return out.index_copy(0, q_idx, sub)
         return self._nested(query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale)
 
     def _nested(self, query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale):
         from torch.nested import nested_tensor_from_jagged as njt
+
         off_q = cu_q.to(torch.int64)
         off_k = off_q if cu_k is cu_q else cu_k.to(torch.int64)
         q = njt(query, off_q, max_seqlen=max_q).transpose(1, 2)
         k = njt(key, off_k, max_seqlen=max_k).transpose(1, 2)
         v = njt(value, off_k, max_seqlen=max_k).transpose(1, 2)
         with self._context():
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal is not None,
-                                                 scale=scale)
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=causal is not None, scale=scale
+            )
         return out.transpose(1, 2).values()
 
 
@@ -305,13 +363,18 @@ class CudnnBackend(_TorchSdpaBackend):
     sdp_backend = "CUDNN_ATTENTION"
     fix_empty_rows = True
     capabilities = Capabilities(
-        devices=frozenset({"cuda"}), min_compute_capability=(8, 0), max_compute_capability=(12, 1),
-        dtypes=_HALF, head_dim_max=256, head_dim_multiple=8,
-        causal_kinds=frozenset(CausalKind), window=False,
-        bias_grad=False,            # check_attn_mask_shape: a mask requiring grad disables cuDNN
-        float32_bias=False,         # not shown to add a float32 bias unrounded
-        dropout=False,              # p must be a multiple of 1/16, none on cuDNN 9.11-9.13: not expressible here
-        varlen=False,               # nested needs TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1, sm90/100, Sq > 128
+        devices=frozenset({"cuda"}),
+        min_compute_capability=(8, 0),
+        max_compute_capability=(12, 1),
+        dtypes=_HALF,
+        head_dim_max=256,
+        head_dim_multiple=8,
+        causal_kinds=frozenset(CausalKind),
+        window=False,
+        bias_grad=False,  # check_attn_mask_shape: a mask requiring grad disables cuDNN
+        float32_bias=False,  # not shown to add a float32 bias unrounded
+        dropout=False,  # p must be a multiple of 1/16, none on cuDNN 9.11-9.13: not expressible here
+        varlen=False,  # nested needs TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1, sm90/100, Sq > 128
         deterministic_backward=False,
         max_batch_heads=None,
         notes="bottom-right causal as a folded bool mask; head dim 256 only on sm90 with cuDNN >= 9.19 or sm10x with cuDNN > 9.22",
@@ -333,7 +396,7 @@ class CudnnBackend(_TorchSdpaBackend):
     def _cudnn_version() -> int:
         try:
             return int(torch.backends.cudnn.version() or 0) if torch.backends.cudnn.is_available() else 0
-        except Exception:   # pragma: no cover - a broken cuDNN install
+        except Exception:  # pragma: no cover - a broken cuDNN install
             return 0
 
     def _direct_call(self, is_causal: bool, scale, grad: bool):
@@ -344,14 +407,17 @@ class CudnnBackend(_TorchSdpaBackend):
         def runner(query, key, value):
             # the log-sum-exp is what its backward reads: computed when the signature needs grad
             return op(query, key, value, None, grad, 0.0, is_causal, False, scale=scale)[0]
+
         return runner
 
     def _kernel_checks(self, p: Problem) -> list[str]:
         reasons = []
         on, warn_only = _deterministic_flag()
         if on and not warn_only:
-            reasons.append("torch.use_deterministic_algorithms(True) is on: PyTorch refuses cuDNN attention "
-                           "(check_cudnn_deterministic)")
+            reasons.append(
+                "torch.use_deterministic_algorithms(True) is on: PyTorch refuses cuDNN attention "
+                "(check_cudnn_deterministic)"
+            )
         if p.batch > 65535 or p.heads_q > 65535:
             reasons.append(f"batch={p.batch} or heads={p.heads_q} > 65535 (cuDNN limit)")
         if p.layout == "dense" and p.seqlen_k == 1:
@@ -361,7 +427,7 @@ class CudnnBackend(_TorchSdpaBackend):
         sm90_10x = cc == (9, 0) or cc[0] == 10
         # head dim 256: cuDNN > 9.22 on sm90/sm10x; also 9.19+ on sm90, where it was verified
         # forward and backward against the float64 oracle (tests/test_capabilities.py on an
-        # H100, cuDNN 9.19, docs/perf-notes.md)
+        # H100, cuDNN 9.19, docs/experiments/perf-notes.md)
         d256 = (sm90_10x and ver > 92200 and not (cc == (10, 7) and ver <= 92500)) or (cc == (9, 0) and ver >= 91900)
         dqk, dv = p.head_dim_qk, p.head_dim_v
         if d256:
@@ -386,10 +452,18 @@ class TorchFlashBackend(_TorchSdpaBackend):
     native_lower_right = True
     varlen_causal = CausalKind.BOTTOM_RIGHT
     capabilities = Capabilities(
-        devices=frozenset({"cuda"}), min_compute_capability=(8, 0), max_compute_capability=(12, 1),
-        dtypes=_HALF, head_dim_max=256, different_head_dims=False,
-        causal_kinds=frozenset({CausalKind.BOTTOM_RIGHT}),   # is_causal with Sq != Sk is refused
-        window=False, bool_mask=False, float_bias=False, bias_grad=False, float32_bias=False,
+        devices=frozenset({"cuda"}),
+        min_compute_capability=(8, 0),
+        max_compute_capability=(12, 1),
+        dtypes=_HALF,
+        head_dim_max=256,
+        different_head_dims=False,
+        causal_kinds=frozenset({CausalKind.BOTTOM_RIGHT}),  # is_causal with Sq != Sk is refused
+        window=False,
+        bool_mask=False,
+        float_bias=False,
+        bias_grad=False,
+        float32_bias=False,
         notes="deterministic backward only under torch.use_deterministic_algorithms(True)",
     )
 
@@ -404,8 +478,9 @@ class TorchFlashBackend(_TorchSdpaBackend):
         if p.requires_grad and ((8, 6) <= cc <= (8, 9) or (12, 0) <= cc <= (12, 1)):
             d = p.head_dim_qk
             if 192 < d <= 224 or (d > 224 and p.dropout):
-                reasons.append(f"backward with head_dim={d}{' and dropout' if p.dropout else ''} "
-                               f"not supported on sm{cc[0]}{cc[1]}")
+                reasons.append(
+                    f"backward with head_dim={d}{' and dropout' if p.dropout else ''} not supported on sm{cc[0]}{cc[1]}"
+                )
         if p.layout == "varlen" and p.head_dim_qk % 8:
             reasons.append(f"head_dim={p.head_dim_qk} is not a multiple of 8 (nested inputs)")
         return reasons
@@ -421,17 +496,22 @@ class TorchEfficientBackend(_TorchSdpaBackend):
     fix_empty_rows = True
     varlen_causal = CausalKind.TOP_LEFT
     capabilities = Capabilities(
-        devices=frozenset({"cuda"}), min_compute_capability=(5, 0), max_compute_capability=(12, 1),
+        devices=frozenset({"cuda"}),
+        min_compute_capability=(5, 0),
+        max_compute_capability=(12, 1),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        causal_kinds=frozenset(CausalKind), window=False,
-        float32_bias=False,   # not shown to add a float32 bias unrounded
-        gqa=False,   # PyTorch 2.11 refuses dense Hq != Hkv for this kernel ("No available kernel", seen on an H100)
+        causal_kinds=frozenset(CausalKind),
+        window=False,
+        float32_bias=False,  # not shown to add a float32 bias unrounded
+        gqa=False,  # PyTorch 2.11 refuses dense Hq != Hkv for this kernel ("No available kernel", seen on an H100)
         notes="varlen: causal top-left, forward only; deterministic backward only under "
-              "torch.use_deterministic_algorithms(True)",
+        "torch.use_deterministic_algorithms(True)",
     )
 
     def _built(self) -> str:
-        if not torch.backends.cuda.is_flash_attention_available() and not hasattr(torch.ops.aten, "_efficient_attention_forward"):
+        if not torch.backends.cuda.is_flash_attention_available() and not hasattr(
+            torch.ops.aten, "_efficient_attention_forward"
+        ):
             return "PyTorch was built without memory-efficient attention"
         return ""
 
@@ -450,8 +530,10 @@ class TorchEfficientBackend(_TorchSdpaBackend):
             align = 1
         for label, d in (("head_dim_qk", p.head_dim_qk), ("head_dim_v", p.head_dim_v)):
             if d % align:
-                reasons.append(f"{label}={d} is not a multiple of {align} (efficient attention, "
-                               f"{str(p.dtype).removeprefix('torch.')})")
+                reasons.append(
+                    f"{label}={d} is not a multiple of {align} (efficient attention, "
+                    f"{str(p.dtype).removeprefix('torch.')})"
+                )
         if p.layout == "dense" and cc >= (8, 0) and not p.aligned_16:
             reasons.append("query/key/value not 16-byte aligned (efficient attention on sm80+)")
         if p.layout == "varlen" and p.requires_grad:
@@ -468,11 +550,13 @@ class TorchCpuBackend(_TorchSdpaBackend):
     sdp_backend = "FLASH_ATTENTION"
     device_type = "cpu"
     capabilities = Capabilities(
-        devices=frozenset({"cpu"}), different_head_dims=False,
-        causal_kinds=frozenset(CausalKind), window=False,
-        bias_grad=False,        # check_attn_mask_shape: a mask requiring grad falls back to math
-        dropout=False,          # check_for_dropout
-        varlen=False,           # check_nested_tensor
+        devices=frozenset({"cpu"}),
+        different_head_dims=False,
+        causal_kinds=frozenset(CausalKind),
+        window=False,
+        bias_grad=False,  # check_attn_mask_shape: a mask requiring grad falls back to math
+        dropout=False,  # check_for_dropout
+        varlen=False,  # check_nested_tensor
         notes="bottom-right causal as a folded bool mask",
     )
 
@@ -483,6 +567,7 @@ class TorchCpuBackend(_TorchSdpaBackend):
 
         def runner(query, key, value):
             return op(query, key, value, 0.0, is_causal, scale=scale)[0]
+
         return runner
 
 

@@ -3,6 +3,7 @@
 On a GPU it needs Triton and CUDA; on the CPU it runs under Triton's interpreter
 (TRITON_INTERPRET=1 set before triton is imported), which is how CI tests it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,10 +44,13 @@ class TritonBackend(Backend):
 
     def __init__(self):
         self.capabilities = Capabilities(
-            devices=frozenset({"cuda", "cpu"}), min_compute_capability=(8, 0),
+            devices=frozenset({"cuda", "cpu"}),
+            min_compute_capability=(8, 0),
             dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-            head_dim_min=16, head_dim_max=256,
-            notes="this project's kernel; CPU only under TRITON_INTERPRET=1; sm80+ on CUDA")
+            head_dim_min=16,
+            head_dim_max=256,
+            notes="this project's kernel; CPU only under TRITON_INTERPRET=1; sm80+ on CUDA",
+        )
 
     def is_available(self) -> bool:
         return not self.unavailable_reason()
@@ -62,6 +66,7 @@ class TritonBackend(Backend):
         if importlib.util.find_spec("triton") is None:
             return ""
         import triton
+
         return triton.__version__
 
     def check(self, problem: Problem) -> list[str]:
@@ -69,8 +74,9 @@ class TritonBackend(Backend):
             return ["device=cpu needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)"]
         from ..kernels import config_reason
 
-        reason = config_reason(problem.head_dim_qk, problem.head_dim_v, problem.dtype,
-                               problem.device_type, problem.compute_capability)
+        reason = config_reason(
+            problem.head_dim_qk, problem.head_dim_v, problem.dtype, problem.device_type, problem.compute_capability
+        )
         return [reason] if reason else []
 
     @staticmethod
@@ -78,21 +84,43 @@ class TritonBackend(Backend):
         from ..kernels import KernelParams
 
         bottom_right, left, right = band(causal, window)
-        return KernelParams(scale=scale, align_bottom_right=bottom_right, window_left=left,
-                            window_right=right, dropout_p=dropout_p, deterministic=deterministic)
+        return KernelParams(
+            scale=scale,
+            align_bottom_right=bottom_right,
+            window_left=left,
+            window_right=right,
+            dropout_p=dropout_p,
+            deterministic=deterministic,
+        )
 
-    def run(self, query, key, value, *, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            **options):
+    def run(self, query, key, value, *, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
         from ..kernels import triton_attention
 
         # The mask goes un-expanded: the kernel broadcasts size-1 dims itself and returns the
         # bias gradient in the mask's own shape, with no (B, H, Sq, Sk) workspace.
-        return triton_attention(query, key, value, attn_mask, self._params(**options), cu_seqlens_q=cu_seqlens_q,
-                                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        return triton_attention(
+            query,
+            key,
+            value,
+            attn_mask,
+            self._params(**options),
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+        )
 
     def prepare(self, query, key, value, options: dict):
         from ..kernels import prepare_attention
 
-        return prepare_attention(query, key, value, options["attn_mask"], self._params(**options),
-                                 options["cu_seqlens_q"], options["cu_seqlens_k"], options["max_seqlen_q"],
-                                 options["max_seqlen_k"])
+        return prepare_attention(
+            query,
+            key,
+            value,
+            options["attn_mask"],
+            self._params(**options),
+            options["cu_seqlens_q"],
+            options["cu_seqlens_k"],
+            options["max_seqlen_q"],
+            options["max_seqlen_k"],
+        )

@@ -26,6 +26,7 @@ Mapping of our call (DESIGN.md section 3):
   a ``flash_attn`` package without ``flash_attn_interface``) makes the backend unavailable
   with the error's first line.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -62,7 +63,7 @@ def _dense_empty_rows(sq: int, sk: int, causal, window) -> bool:
         return False
     bottom_right, left, right = band(causal, window)
     off = sk - sq if bottom_right else 0
-    first_hi = off + right if right >= 0 else math.inf       # row 0, last allowed key
+    first_hi = off + right if right >= 0 else math.inf  # row 0, last allowed key
     last_lo = sq - 1 + off - left if left >= 0 else -math.inf  # last row, first allowed key
     return sq > 0 and (first_hi < 0 or last_lo > sk - 1)
 
@@ -89,10 +90,19 @@ class XformersBackend(Backend):
 
     name = "xformers"
     capabilities = Capabilities(
-        devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        causal_kinds=frozenset(CausalKind), window=True, bool_mask=True, float_bias=True, bias_grad=True,
-        float32_bias=False,   # attn_bias must have the query's dtype
-        mask_with_causal=True, dropout=False, varlen=True, gqa=True, deterministic_backward=False,
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        causal_kinds=frozenset(CausalKind),
+        window=True,
+        bool_mask=True,
+        float_bias=True,
+        bias_grad=True,
+        float32_bias=False,  # attn_bias must have the query's dtype
+        mask_with_causal=True,
+        dropout=False,
+        varlen=True,
+        gqa=True,
+        deterministic_backward=False,
         notes="operators and their limits decided by xformers' own dispatcher",
     )
 
@@ -112,7 +122,7 @@ class XformersBackend(Backend):
                 self._mods = (xformers, ops, fmha, attn_bias)
             except ModuleNotFoundError as e:
                 self._error = INSTALL_HINT if e.name == "xformers" else "import failed: " + _first_line(e)
-            except Exception as e:   # ABI mismatch ("undefined symbol"), flash_attn without flash_attn_interface...
+            except Exception as e:  # ABI mismatch ("undefined symbol"), flash_attn without flash_attn_interface...
                 self._error = "import failed: " + _first_line(e)
         return self._mods
 
@@ -131,8 +141,22 @@ class XformersBackend(Backend):
         return str(getattr(mods[0], "__version__", "")) if mods else ""
 
     # -- building xformers' arguments ---------------------------------------------
-    def attn_bias(self, *, batch, heads_q, heads_kv, sq, sk, causal, window, mask, dtype, device,
-                  cu_seqlens_q=None, cu_seqlens_k=None):
+    def attn_bias(
+        self,
+        *,
+        batch,
+        heads_q,
+        heads_kv,
+        sq,
+        sk,
+        causal,
+        window,
+        mask,
+        dtype,
+        device,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+    ):
         """(attn_bias for xformers, row_ok or None): the bias object or tensor of one call."""
         ab = self._load()[3]
         if cu_seqlens_q is not None:
@@ -144,7 +168,8 @@ class XformersBackend(Backend):
             if left < 0:
                 return ab.BlockDiagonalCausalMask.from_seqlens(q_seqlen=lq, kv_seqlen=lk), None
             return ab.BlockDiagonalCausalLocalAttentionMask.from_seqlens(
-                q_seqlen=lq, kv_seqlen=lk, window_size=left + 1), None
+                q_seqlen=lq, kv_seqlen=lk, window_size=left + 1
+            ), None
         if mask is None:
             if window is None:
                 if causal is None:
@@ -154,8 +179,9 @@ class XformersBackend(Backend):
                 return ab.LowerTriangularFromBottomRightMask(), None
             _, left, right = band(causal, window)
             big = sq + sk
-            return ab.LocalAttentionFromBottomRightMask(window_left=left if left >= 0 else big,
-                                                        window_right=right if right >= 0 else big), None
+            return ab.LocalAttentionFromBottomRightMask(
+                window_left=left if left >= 0 else big, window_right=right if right >= 0 else big
+            ), None
         # a tensor bias: bool -> 0/-inf, band folded in, empty rows neutralised
         if mask.dtype == torch.bool:
             mask = torch.zeros((), dtype=dtype, device=device).masked_fill(~mask, -math.inf)
@@ -203,13 +229,22 @@ class XformersBackend(Backend):
             if p.mask_kind != "none":
                 reasons.append("attn_mask with varlen not supported (xformers' block-diagonal biases carry no tensor)")
             if p.causal is CausalKind.BOTTOM_RIGHT:
-                reasons.append("causal=bottom_right with varlen not supported (rows without keys in sequences "
-                               "with Sq > Sk are unspecified in xformers)")
+                reasons.append(
+                    "causal=bottom_right with varlen not supported (rows without keys in sequences "
+                    "with Sq > Sk are unspecified in xformers)"
+                )
             if p.window is not None and p.causal is None:
                 reasons.append(f"window={p.window} without causal in varlen not supported")
         else:
-            if p.window is not None and p.causal is CausalKind.TOP_LEFT and p.seqlen_q != p.seqlen_k and p.mask_kind == "none":
-                reasons.append(f"window with causal=top_left and Sq={p.seqlen_q} != Sk={p.seqlen_k} has no xformers mask type")
+            if (
+                p.window is not None
+                and p.causal is CausalKind.TOP_LEFT
+                and p.seqlen_q != p.seqlen_k
+                and p.mask_kind == "none"
+            ):
+                reasons.append(
+                    f"window with causal=top_left and Sq={p.seqlen_q} != Sk={p.seqlen_k} has no xformers mask type"
+                )
             if p.mask_kind == "none" and _dense_empty_rows(p.seqlen_q, p.seqlen_k, p.causal, p.window):
                 reasons.append("some query rows have no allowed key (xformers' result for them is unspecified)")
         if reasons or self._load() is None:
@@ -231,17 +266,20 @@ class XformersBackend(Backend):
         varlen = p.layout == "varlen"
         if varlen:
             total_q, total_k = p.batch * p.seqlen_q, p.batch * p.seqlen_k
-            q, k, v = stand_in(total_q, p.heads_q, p.head_dim_qk), stand_in(total_k, p.heads_kv, p.head_dim_qk), \
-                stand_in(total_k, p.heads_kv, p.head_dim_v)
-            cu_q = torch.arange(0, total_q + 1, max(p.seqlen_q, 1), dtype=torch.int32)[:p.batch + 1]
-            cu_k = torch.arange(0, total_k + 1, max(p.seqlen_k, 1), dtype=torch.int32)[:p.batch + 1]
+            q, k, v = (
+                stand_in(total_q, p.heads_q, p.head_dim_qk),
+                stand_in(total_k, p.heads_kv, p.head_dim_qk),
+                stand_in(total_k, p.heads_kv, p.head_dim_v),
+            )
+            cu_q = torch.arange(0, total_q + 1, max(p.seqlen_q, 1), dtype=torch.int32)[: p.batch + 1]
+            cu_k = torch.arange(0, total_k + 1, max(p.seqlen_k, 1), dtype=torch.int32)[: p.batch + 1]
         else:
             q = stand_in(p.batch, p.heads_q, p.seqlen_q, p.head_dim_qk)
             k = stand_in(p.batch, p.heads_kv, p.seqlen_k, p.head_dim_qk)
             v = stand_in(p.batch, p.heads_kv, p.seqlen_k, p.head_dim_v)
             cu_q = cu_k = None
         mask = None
-        if p.mask_kind != "none":   # bool masks become a float bias in run(): stand in with one
+        if p.mask_kind != "none":  # bool masks become a float bias in run(): stand in with one
             leaf = torch.empty(1, dtype=p.dtype, device=device, requires_grad=p.mask_requires_grad)
             mask = leaf.expand(*p.mask_shape)
         try:
@@ -254,25 +292,52 @@ class XformersBackend(Backend):
             verdict: list[str] = []
         except NotImplementedError as e:
             verdict = parse_no_operator(str(e))
-        except Exception as e:    # xformers could not even describe the inputs
+        except Exception as e:  # xformers could not even describe the inputs
             verdict = [f"xformers: {_first_line(e)}"]
         self._verdicts[p] = verdict
         return verdict
 
     def _stand_in_bias(self, p, mask, device, cu_q, cu_k):
-        if mask is not None:   # the shape and dtype are what matter to the dispatcher
+        if mask is not None:  # the shape and dtype are what matter to the dispatcher
             bias = mask.expand(p.batch, p.heads_q, p.seqlen_q, p.seqlen_k)
             if p.heads_kv != p.heads_q:
                 bias = bias.unflatten(1, (p.heads_kv, p.heads_q // p.heads_kv))
             return bias, None
-        return self.attn_bias(batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, sq=p.seqlen_q,
-                              sk=p.seqlen_k, causal=p.causal, window=p.window, mask=None, dtype=p.dtype,
-                              device=device, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        return self.attn_bias(
+            batch=p.batch,
+            heads_q=p.heads_q,
+            heads_kv=p.heads_kv,
+            sq=p.seqlen_q,
+            sk=p.seqlen_k,
+            causal=p.causal,
+            window=p.window,
+            mask=None,
+            dtype=p.dtype,
+            device=device,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+        )
 
     # -- running ------------------------------------------------------------------
-    def run(self, query, key, value, *, attn_mask=None, dropout_p=0.0, causal=None, window=None, scale=None,
-            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, enable_gqa=False,
-            deterministic=False, **_):
+    def run(
+        self,
+        query,
+        key,
+        value,
+        *,
+        attn_mask=None,
+        dropout_p=0.0,
+        causal=None,
+        window=None,
+        scale=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        enable_gqa=False,
+        deterministic=False,
+        **_,
+    ):
         if dropout_p:
             raise ValueError("xformers: dropout is not supported (rejected by check())")
         mods = self._load()
@@ -285,10 +350,20 @@ class XformersBackend(Backend):
         else:
             b, _, sq, _ = query.shape
             sk = key.shape[2]
-        bias, row_ok = self.attn_bias(batch=b, heads_q=query.shape[-3 if not packed else 1],
-                                      heads_kv=key.shape[-3 if not packed else 1], sq=sq, sk=sk, causal=causal,
-                                      window=window, mask=attn_mask, dtype=query.dtype, device=query.device,
-                                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        bias, row_ok = self.attn_bias(
+            batch=b,
+            heads_q=query.shape[-3 if not packed else 1],
+            heads_kv=key.shape[-3 if not packed else 1],
+            sq=sq,
+            sk=sk,
+            causal=causal,
+            window=window,
+            mask=attn_mask,
+            dtype=query.dtype,
+            device=query.device,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+        )
         q, k, v = self.layout(query, key, value, packed)
         out = ops.memory_efficient_attention(q, k, v, attn_bias=bias, p=0.0, scale=scale)
         if out.dim() == 5:

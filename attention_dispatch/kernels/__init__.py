@@ -28,6 +28,7 @@ Public interface (used by ``attention_dispatch.backends.triton``)::
 * dropout: seed drawn from the device generator inside the op; :func:`dropout_keep_mask`
   reproduces the mask (see its docstring).
 """
+
 from dataclasses import dataclass
 
 from . import configs
@@ -54,25 +55,26 @@ from .launch import (
 @dataclass(frozen=True)
 class KernelLimits:
     """What the kernel supports, as data (for the adapter's Capabilities)."""
+
     dtypes: tuple = configs.SUPPORTED_DTYPES
     min_head_dim: int = configs.MIN_HEAD_DIM
     max_head_dim: int = configs.MAX_HEAD_DIM
-    head_dim_qk_ne_v: bool = True            # Dqk != Dv supported
+    head_dim_qk_ne_v: bool = True  # Dqk != Dv supported
     causal_kinds: tuple = ("top_left", "bottom_right")
-    window: bool = True                      # (left, right), -1 unbounded, either alignment
+    window: bool = True  # (left, right), -1 unbounded, either alignment
     bool_mask: bool = True
     float_bias: bool = True
     bias_grad: bool = True
     dropout: bool = True
-    varlen: bool = True                      # incl. zero-length sequences
+    varlen: bool = True  # incl. zero-length sequences
     gqa: bool = True
-    deterministic_backward: bool = True      # params.deterministic=True: bitwise repeatable
+    deterministic_backward: bool = True  # params.deterministic=True: bitwise repeatable
     default_backward_deterministic: bool = False  # split-keys (fp32 atomics) may be used otherwise
     forward_deterministic: bool = True
-    device_types: tuple = ("cuda", "cpu")    # cpu only under TRITON_INTERPRET=1
+    device_types: tuple = ("cuda", "cpu")  # cpu only under TRITON_INTERPRET=1
     min_compute_capability: tuple = configs.MIN_COMPUTE_CAPABILITY
     bf16_min_compute_capability: tuple = configs.BF16_MIN_COMPUTE_CAPABILITY
-    max_grid_yz: int = MAX_GRID_YZ           # larger batch*heads are chunked (no user limit)
+    max_grid_yz: int = MAX_GRID_YZ  # larger batch*heads are chunked (no user limit)
     cuda_graph_safe: bool = True
     torch_compile: bool = True
 
@@ -80,8 +82,24 @@ class KernelLimits:
 KERNEL_LIMITS = KernelLimits()
 
 __all__ = [
-    "KERNEL_LIMITS", "ForwardPlan", "KernelConfig", "KernelLimits", "KernelParams", "MAX_GRID_YZ", "TrainingPlan",
-    "attention_backward", "attention_forward", "bh_chunks", "config_reason", "configs",
-    "device_info", "dropout_keep_mask", "group_splits_heuristic", "is_interpreter", "num_splits_heuristic",
-    "prepare_attention", "select_config", "triton_attention",
+    "KERNEL_LIMITS",
+    "ForwardPlan",
+    "KernelConfig",
+    "KernelLimits",
+    "KernelParams",
+    "MAX_GRID_YZ",
+    "TrainingPlan",
+    "attention_backward",
+    "attention_forward",
+    "bh_chunks",
+    "config_reason",
+    "configs",
+    "device_info",
+    "dropout_keep_mask",
+    "group_splits_heuristic",
+    "is_interpreter",
+    "num_splits_heuristic",
+    "prepare_attention",
+    "select_config",
+    "triton_attention",
 ]

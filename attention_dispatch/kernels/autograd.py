@@ -5,6 +5,7 @@ direction (no graph break) and eager autograd works the same way.
 The Python-level parameters travel as one frozen :class:`KernelParams`; the op schema gets
 them flattened to primitives (``KernelParams.to_args()`` order).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -27,10 +28,32 @@ def _custom_op(name):
         return torch.library.custom_op(name, mutates_args=())
 
 
-def _params(scale, align_bottom_right, window_left, window_right, dropout_p, deterministic,
-            block_m, block_n, num_splits, max_grid, descriptors) -> KernelParams:
-    return KernelParams(scale, align_bottom_right, window_left, window_right, dropout_p, deterministic,
-                        block_m, block_n, num_splits, max_grid, descriptors)
+def _params(
+    scale,
+    align_bottom_right,
+    window_left,
+    window_right,
+    dropout_p,
+    deterministic,
+    block_m,
+    block_n,
+    num_splits,
+    max_grid,
+    descriptors,
+) -> KernelParams:
+    return KernelParams(
+        scale,
+        align_bottom_right,
+        window_left,
+        window_right,
+        dropout_p,
+        deterministic,
+        block_m,
+        block_n,
+        num_splits,
+        max_grid,
+        descriptors,
+    )
 
 
 def _opt(x: int):
@@ -38,22 +61,67 @@ def _opt(x: int):
 
 
 @_custom_op(_FWD)
-def _fwd_op(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor],
-            cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-            max_seqlen_q: int, max_seqlen_k: int,
-            scale: float, align_bottom_right: bool, window_left: int, window_right: int,
-            dropout_p: float, deterministic: bool, block_m: int, block_n: int, num_splits: int,
-            max_grid: int, descriptors: int) -> tuple[Tensor, Tensor, Tensor]:
-    p = _params(scale, align_bottom_right, window_left, window_right, dropout_p, deterministic,
-                block_m, block_n, num_splits, max_grid, descriptors)
-    return attention_forward(query, key, value, bias, p, cu_seqlens_q, cu_seqlens_k,
-                             _opt(max_seqlen_q), _opt(max_seqlen_k))
+def _fwd_op(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: Optional[Tensor],
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    align_bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    dropout_p: float,
+    deterministic: bool,
+    block_m: int,
+    block_n: int,
+    num_splits: int,
+    max_grid: int,
+    descriptors: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    p = _params(
+        scale,
+        align_bottom_right,
+        window_left,
+        window_right,
+        dropout_p,
+        deterministic,
+        block_m,
+        block_n,
+        num_splits,
+        max_grid,
+        descriptors,
+    )
+    return attention_forward(
+        query, key, value, bias, p, cu_seqlens_q, cu_seqlens_k, _opt(max_seqlen_q), _opt(max_seqlen_k)
+    )
 
 
 @_fwd_op.register_fake
-def _fwd_fake(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              scale, align_bottom_right, window_left, window_right, dropout_p, deterministic,
-              block_m, block_n, num_splits, max_grid, descriptors):
+def _fwd_fake(
+    query,
+    key,
+    value,
+    bias,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    align_bottom_right,
+    window_left,
+    window_right,
+    dropout_p,
+    deterministic,
+    block_m,
+    block_n,
+    num_splits,
+    max_grid,
+    descriptors,
+):
     if cu_seqlens_q is None:
         b, hq, sq, _ = query.shape
         out = query.new_empty((b, hq, sq, value.shape[-1]))
@@ -67,27 +135,93 @@ def _fwd_fake(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
 
 @_custom_op(_BWD)
-def _bwd_op(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor],
-            out: Tensor, lse: Tensor, seed: Tensor,
-            cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-            max_seqlen_q: int, max_seqlen_k: int,
-            scale: float, align_bottom_right: bool, window_left: int, window_right: int,
-            dropout_p: float, deterministic: bool, block_m: int, block_n: int, num_splits: int,
-            max_grid: int, descriptors: int, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    p = _params(scale, align_bottom_right, window_left, window_right, dropout_p, deterministic,
-                block_m, block_n, num_splits, max_grid, descriptors)
-    dq, dk, dv, db = attention_backward(grad_out, query, key, value, bias, out, lse, seed, p,
-                                        cu_seqlens_q, cu_seqlens_k, _opt(max_seqlen_q), _opt(max_seqlen_k),
-                                        bias_grad=bias_grad)
+def _bwd_op(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    seed: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    align_bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    dropout_p: float,
+    deterministic: bool,
+    block_m: int,
+    block_n: int,
+    num_splits: int,
+    max_grid: int,
+    descriptors: int,
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    p = _params(
+        scale,
+        align_bottom_right,
+        window_left,
+        window_right,
+        dropout_p,
+        deterministic,
+        block_m,
+        block_n,
+        num_splits,
+        max_grid,
+        descriptors,
+    )
+    dq, dk, dv, db = attention_backward(
+        grad_out,
+        query,
+        key,
+        value,
+        bias,
+        out,
+        lse,
+        seed,
+        p,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        _opt(max_seqlen_q),
+        _opt(max_seqlen_k),
+        bias_grad=bias_grad,
+    )
     if db is None:
         db = query.new_empty((0,))
     return dq, dk, dv, db
 
 
 @_bwd_op.register_fake
-def _bwd_fake(grad_out, query, key, value, bias, out, lse, seed, cu_seqlens_q, cu_seqlens_k,
-              max_seqlen_q, max_seqlen_k, scale, align_bottom_right, window_left, window_right,
-              dropout_p, deterministic, block_m, block_n, num_splits, max_grid, descriptors, bias_grad):
+def _bwd_fake(
+    grad_out,
+    query,
+    key,
+    value,
+    bias,
+    out,
+    lse,
+    seed,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    align_bottom_right,
+    window_left,
+    window_right,
+    dropout_p,
+    deterministic,
+    block_m,
+    block_n,
+    num_splits,
+    max_grid,
+    descriptors,
+    bias_grad,
+):
     dq = query.new_empty(query.shape)
     dk = key.new_empty(key.shape)
     dv = value.new_empty(value.shape)
@@ -105,7 +239,7 @@ def _setup_context(ctx, inputs, output):
     query, key, value, bias, cu_q, cu_k, max_sq, max_sk = inputs[:8]
     out, lse, seed = output
     ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k)
-    ctx.extra = (max_sq, max_sk, tuple(inputs[8:8 + _N_PARAMS]))
+    ctx.extra = (max_sq, max_sk, tuple(inputs[8 : 8 + _N_PARAMS]))
     ctx.mark_non_differentiable(lse, seed)
 
 
@@ -125,8 +259,9 @@ def _backward_inputs(ctx, grad_out):
 def _backward(ctx, grad_out, grad_lse, grad_seed):
     (query, key, value, bias, out, lse, seed, cu_q, cu_k), grad_out, bias_grad = _backward_inputs(ctx, grad_out)
     max_sq, max_sk, pargs = ctx.extra
-    dq, dk, dv, db = _bwd_op(grad_out, query, key, value, bias, out, lse, seed, cu_q, cu_k,
-                             max_sq, max_sk, *pargs, bias_grad)
+    dq, dk, dv, db = _bwd_op(
+        grad_out, query, key, value, bias, out, lse, seed, cu_q, cu_k, max_sq, max_sk, *pargs, bias_grad
+    )
     return (dq, dk, dv, db if bias_grad else None) + (None,) * (4 + _N_PARAMS)
 
 
@@ -136,7 +271,7 @@ torch.library.register_autograd(_FWD, _backward, setup_context=_setup_context)
 class _EagerAttention(torch.autograd.Function):
     """Eager mode: the same forward and backward as the two ops, without torch.library's
     per-call dispatch (~200 us of host time per call measured on the H100 machine,
-    docs/perf-notes.md experiment 6).  torch.compile traces the ops instead.  ``plan``: a
+    docs/experiments/perf-notes.md experiment 6).  torch.compile traces the ops instead.  ``plan``: a
     :class:`TrainingPlan` of this call's signature (the dispatcher's fast path), which
     relaunches the kernels its first call captured."""
 
@@ -149,8 +284,7 @@ class _EagerAttention(torch.autograd.Function):
         if plan is not None:
             (out, lse), seed = plan.forward(query, key, value), None
         else:
-            out, lse, seed = attention_forward(query, key, value, bias, params, cu_q, cu_k, _opt(max_sq),
-                                               _opt(max_sk))
+            out, lse, seed = attention_forward(query, key, value, bias, params, cu_q, cu_k, _opt(max_sq), _opt(max_sk))
         ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k)
         ctx.extra = (max_sq, max_sk, params, plan)
         ctx.mark_non_differentiable(lse)
@@ -163,8 +297,22 @@ class _EagerAttention(torch.autograd.Function):
         if plan is not None:
             (dq, dk, dv), db = plan.backward(grad_out, query, key, value, out, lse), None
         else:
-            dq, dk, dv, db = attention_backward(grad_out, query, key, value, bias, out, lse, seed, params,
-                                                cu_q, cu_k, _opt(max_sq), _opt(max_sk), bias_grad=bias_grad)
+            dq, dk, dv, db = attention_backward(
+                grad_out,
+                query,
+                key,
+                value,
+                bias,
+                out,
+                lse,
+                seed,
+                params,
+                cu_q,
+                cu_k,
+                _opt(max_sq),
+                _opt(max_sk),
+                bias_grad=bias_grad,
+            )
         return dq, dk, dv, (db if bias_grad else None), None, None, None, None, None, None
 
 
@@ -174,10 +322,19 @@ def _last_dim_contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
     return t
 
 
-def triton_attention(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor],
-                     params: KernelParams, cu_seqlens_q: Optional[Tensor] = None,
-                     cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
-                     max_seqlen_k: Optional[int] = None, *, return_lse: bool = False):
+def triton_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: Optional[Tensor],
+    params: KernelParams,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    *,
+    return_lse: bool = False,
+):
     """Attention with the Triton kernels (see package docstring for layouts and semantics).
 
     Returns the output (query's dtype), or (output, logsumexp fp32) when ``return_lse``.
@@ -193,15 +350,24 @@ def triton_attention(query: Tensor, key: Tensor, value: Tensor, bias: Optional[T
         out, lse, _ = _fwd_op(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, msq, msk, *params.to_args())
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, bias)):
         out, lse = _EagerAttention.apply(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, msq, msk, params)
-    else:   # inference: no autograd node to build
-        out, lse, _ = attention_forward(query, key, value, bias, params, cu_seqlens_q, cu_seqlens_k,
-                                        _opt(msq), _opt(msk), need_lse=return_lse)
+    else:  # inference: no autograd node to build
+        out, lse, _ = attention_forward(
+            query, key, value, bias, params, cu_seqlens_q, cu_seqlens_k, _opt(msq), _opt(msk), need_lse=return_lse
+        )
     return (out, lse) if return_lse else out
 
 
-def prepare_attention(query: Tensor, key: Tensor, value: Tensor, bias: Optional[Tensor], params: KernelParams,
-                      cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-                      max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None):
+def prepare_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: Optional[Tensor],
+    params: KernelParams,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+):
     """A callable ``(query, key, value[, bias], *, cu_seqlens_q, cu_seqlens_k) -> out`` for
     repeated calls whose tensors have these shapes, strides, dtype, device and alignment,
     under the same grad mode: a :class:`ForwardPlan` (captured kernel launches, relaunched) for
@@ -217,11 +383,22 @@ def prepare_attention(query: Tensor, key: Tensor, value: Tensor, bias: Optional[
             plan = TrainingPlan(query, params)
 
             def run_planned(query, key, value):
-                return _EagerAttention.apply(_last_dim_contiguous(query), _last_dim_contiguous(key),
-                                             _last_dim_contiguous(value), None, None, None, -1, -1, params, plan)[0]
+                return _EagerAttention.apply(
+                    _last_dim_contiguous(query),
+                    _last_dim_contiguous(key),
+                    _last_dim_contiguous(value),
+                    None,
+                    None,
+                    None,
+                    -1,
+                    -1,
+                    params,
+                    plan,
+                )[0]
+
             return run_planned
 
     def run(query, key, value, bias=None, *, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k):
-        return triton_attention(query, key, value, bias, params, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                max_seqlen_k)
+        return triton_attention(query, key, value, bias, params, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
     return run

@@ -7,19 +7,47 @@ dK = scale * dS^T Q, dV = (P * keep/(1-p))^T dO, d(bias) = dS.
 A row whose logsumexp is -inf (nothing allowed) is given lse = +inf so that P = 0 and every
 gradient it touches is exactly 0 (never NaN).
 """
+
 import triton
 import triton.language as tl
 
-from .forward import (_apply_bias, _band_mask, _batch_head, _bias_desc, _dot, _dropout_keep, _load_rows,
-                      _load_tile, _lowp, _rng_rows, _tile_desc)
+from .forward import (
+    _apply_bias,
+    _band_mask,
+    _batch_head,
+    _bias_desc,
+    _dot,
+    _dropout_keep,
+    _load_rows,
+    _load_tile,
+    _lowp,
+    _rng_rows,
+    _tile_desc,
+)
 
 
 @triton.jit
 def _attn_bwd_preprocess(
-    O, DO, Delta, CuQ,
-    sob, soh, sos, sdob, sdoh, sdos, slb, slh, sls,
-    H, seqlen_q, bh_start,
-    HEAD_DV: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    O,
+    DO,
+    Delta,
+    CuQ,
+    sob,
+    soh,
+    sos,
+    sdob,
+    sdoh,
+    sdos,
+    slb,
+    slh,
+    sls,
+    H,
+    seqlen_q,
+    bh_start,
+    HEAD_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1) + bh_start
@@ -37,34 +65,102 @@ def _attn_bwd_preprocess(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < sq
-    rows = (q_start + offs_m.to(tl.int64))
+    rows = q_start + offs_m.to(tl.int64)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
-    o = _load_rows(O + b64 * sob + h64 * soh + rows[:, None] * sos + offs_d[None, :], row_ok,
-                   offs_d < HEAD_DV, BLOCK_DV == HEAD_DV)
-    do = _load_rows(DO + b64 * sdob + h64 * sdoh + rows[:, None] * sdos + offs_d[None, :], row_ok,
-                    offs_d < HEAD_DV, BLOCK_DV == HEAD_DV)
+    o = _load_rows(
+        O + b64 * sob + h64 * soh + rows[:, None] * sos + offs_d[None, :], row_ok, offs_d < HEAD_DV, BLOCK_DV == HEAD_DV
+    )
+    do = _load_rows(
+        DO + b64 * sdob + h64 * sdoh + rows[:, None] * sdos + offs_d[None, :],
+        row_ok,
+        offs_d < HEAD_DV,
+        BLOCK_DV == HEAD_DV,
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b64 * slb + h64 * slh + rows * sls, delta, mask=row_ok)
 
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, Bias, DO, LSE, Delta, Seed, CuQ, CuK, DK, DV, DB,
-    qk_scale, sm_scale, dropout_p,
-    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-    sbb, sbh, sbi, sbj,
-    sdob, sdoh, sdos, slb, slh, sls,
-    sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-    sdbb, sdbh, sdbi, sdbj,
-    H, NB, GROUP, HK, seqlen_q, seqlen_k, bh_start, window_left, window_right,
-    group_per_split, sdk_split, sdv_split,
-    HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-    BIAS_KIND: tl.constexpr, BIAS_DESC: tl.constexpr, HAS_DROPOUT: tl.constexpr, BATCH_MINOR: tl.constexpr,
-    BIAS_GRAD: tl.constexpr, DB_SUM_ROWS: tl.constexpr, DB_SUM_HEADS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr, USE_DESC: tl.constexpr,
+    Q,
+    K,
+    V,
+    Bias,
+    DO,
+    LSE,
+    Delta,
+    Seed,
+    CuQ,
+    CuK,
+    DK,
+    DV,
+    DB,
+    qk_scale,
+    sm_scale,
+    dropout_p,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sbb,
+    sbh,
+    sbi,
+    sbj,
+    sdob,
+    sdoh,
+    sdos,
+    slb,
+    slh,
+    sls,
+    sdkb,
+    sdkh,
+    sdks,
+    sdvb,
+    sdvh,
+    sdvs,
+    sdbb,
+    sdbh,
+    sdbi,
+    sdbj,
+    H,
+    NB,
+    GROUP,
+    HK,
+    seqlen_q,
+    seqlen_k,
+    bh_start,
+    window_left,
+    window_right,
+    group_per_split,
+    sdk_split,
+    sdv_split,
+    HEAD_DQK: tl.constexpr,
+    HEAD_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    ALIGN_BR: tl.constexpr,
+    HAS_WL: tl.constexpr,
+    HAS_WR: tl.constexpr,
+    BIAS_KIND: tl.constexpr,
+    BIAS_DESC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    BATCH_MINOR: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    DB_SUM_ROWS: tl.constexpr,
+    DB_SUM_HEADS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+    ROUND_P: tl.constexpr,
+    USE_DESC: tl.constexpr,
 ):
     """One program: one key tile of one (batch, kv head); loops over the query heads of the
     GROUP that read this kv head (all of them, or the share of split program_id(2), whose
@@ -97,12 +193,20 @@ def _attn_bwd_dkdv(
     offs_dq = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < sk
-    krows = (k_start + offs_n.to(tl.int64))
+    krows = k_start + offs_n.to(tl.int64)
 
-    k = _load_rows(K + b64 * skb + hk64 * skh + krows[:, None] * sks + offs_dq[None, :], col_ok,
-                   offs_dq < HEAD_DQK, BLOCK_DQK == HEAD_DQK)
-    v = _load_rows(V + b64 * svb + hk64 * svh + krows[:, None] * svs + offs_dv[None, :], col_ok,
-                   offs_dv < HEAD_DV, BLOCK_DV == HEAD_DV)
+    k = _load_rows(
+        K + b64 * skb + hk64 * skh + krows[:, None] * sks + offs_dq[None, :],
+        col_ok,
+        offs_dq < HEAD_DQK,
+        BLOCK_DQK == HEAD_DQK,
+    )
+    v = _load_rows(
+        V + b64 * svb + hk64 * svh + krows[:, None] * svs + offs_dv[None, :],
+        col_ok,
+        offs_dv < HEAD_DV,
+        BLOCK_DV == HEAD_DV,
+    )
 
     # ---- query range of the band for this key tile ----
     n_last = tl.minimum(n0 + BLOCK_N, sk) - 1
@@ -162,11 +266,15 @@ def _attn_bwd_dkdv(
             # order and the other one compile to the same schedule (neutral: perf-notes exp. 25, 27)
             sT = _dot(k, tl.trans(q), DOT_UPCAST, DOT_IEEE)
             dpT = _dot(v, tl.trans(do), DOT_UPCAST, DOT_IEEE)
-            sT = _apply_bias(sT * qk_scale, bias_base, start_m, n0, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND,
-                             BIAS_DESC, True)
+            sT = _apply_bias(
+                sT * qk_scale, bias_base, start_m, n0, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, True
+            )
             if (start_m < full_lo) | (start_m >= full_hi):
-                sT = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
-                                         HAS_WL, HAS_WR, True), sT, float("-inf"))
+                sT = tl.where(
+                    _band_mask(offs_m, offs_n, sk, off, window_left, window_right, HAS_WL, HAS_WR, True),
+                    sT,
+                    float("-inf"),
+                )
             pT = tl.math.exp2(sT - lse2[None, :])
             if HAS_DROPOUT:
                 rng_rows = _rng_rows(pid_bh64, seqlen_q, offs_m, seqlen_k)
@@ -182,8 +290,7 @@ def _attn_bwd_dkdv(
                 if DB_SUM_ROWS:
                     db_acc += tl.sum(tl.where(row_ok[None, :], dsT, 0.0), 1)
                 else:
-                    db_ptrs = (db_base + offs_n.to(tl.int64)[:, None] * sdbj
-                               + offs_m.to(tl.int64)[None, :] * sdbi)
+                    db_ptrs = db_base + offs_n.to(tl.int64)[:, None] * sdbj + offs_m.to(tl.int64)[None, :] * sdbi
                     db_mask = col_ok[:, None] & row_ok[None, :]
                     if DB_SUM_HEADS:
                         prev = tl.load(db_ptrs, mask=db_mask, other=0.0)
@@ -215,18 +322,70 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, Bias, DO, LSE, Delta, Seed, CuQ, CuK, DQ,
-    qk_scale, sm_scale, dropout_p,
-    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-    sbb, sbh, sbi, sbj,
-    sdob, sdoh, sdos, slb, slh, sls,
-    sdqb, sdqh, sdqs,
-    H, NB, GROUP, seqlen_q, seqlen_k, bh_start, window_left, window_right, num_splits,
-    HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-    BIAS_KIND: tl.constexpr, BIAS_DESC: tl.constexpr, HAS_DROPOUT: tl.constexpr, BATCH_MINOR: tl.constexpr, ATOMIC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr, USE_DESC: tl.constexpr,
+    Q,
+    K,
+    V,
+    Bias,
+    DO,
+    LSE,
+    Delta,
+    Seed,
+    CuQ,
+    CuK,
+    DQ,
+    qk_scale,
+    sm_scale,
+    dropout_p,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sbb,
+    sbh,
+    sbi,
+    sbj,
+    sdob,
+    sdoh,
+    sdos,
+    slb,
+    slh,
+    sls,
+    sdqb,
+    sdqh,
+    sdqs,
+    H,
+    NB,
+    GROUP,
+    seqlen_q,
+    seqlen_k,
+    bh_start,
+    window_left,
+    window_right,
+    num_splits,
+    HEAD_DQK: tl.constexpr,
+    HEAD_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    ALIGN_BR: tl.constexpr,
+    HAS_WL: tl.constexpr,
+    HAS_WR: tl.constexpr,
+    BIAS_KIND: tl.constexpr,
+    BIAS_DESC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    BATCH_MINOR: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+    ROUND_P: tl.constexpr,
+    USE_DESC: tl.constexpr,
 ):
     """One program: one query tile of one (batch, head) and one split of its key range.
     ATOMIC (split-keys): partial dQ is atomically added to an fp32 workspace."""
@@ -262,10 +421,18 @@ def _attn_bwd_dq(
     row_ok = offs_m < sq
     rows = q_start + offs_m.to(tl.int64)
 
-    q = _load_rows(Q + b64 * sqb + h64 * sqh + rows[:, None] * sqs + offs_dq[None, :], row_ok,
-                   offs_dq < HEAD_DQK, BLOCK_DQK == HEAD_DQK)
-    do = _load_rows(DO + b64 * sdob + h64 * sdoh + rows[:, None] * sdos + offs_dv[None, :], row_ok,
-                    offs_dv < HEAD_DV, BLOCK_DV == HEAD_DV)
+    q = _load_rows(
+        Q + b64 * sqb + h64 * sqh + rows[:, None] * sqs + offs_dq[None, :],
+        row_ok,
+        offs_dq < HEAD_DQK,
+        BLOCK_DQK == HEAD_DQK,
+    )
+    do = _load_rows(
+        DO + b64 * sdob + h64 * sdoh + rows[:, None] * sdos + offs_dv[None, :],
+        row_ok,
+        offs_dv < HEAD_DV,
+        BLOCK_DV == HEAD_DV,
+    )
     l_ptrs = b64 * slb + h64 * slh + rows * sls
     lse = tl.load(LSE + l_ptrs, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -311,12 +478,14 @@ def _attn_bwd_dq(
         k = _load_tile(k_desc, k_base, start_n, offs_n, sks, col_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
         v = _load_tile(v_desc, v_base, start_n, offs_n, svs, col_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
         s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE)
-        dp = _dot(do, tl.trans(v), DOT_UPCAST, DOT_IEEE)     # the same order as dK/dV
-        s = _apply_bias(s * qk_scale, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND,
-                        BIAS_DESC, False)
+        dp = _dot(do, tl.trans(v), DOT_UPCAST, DOT_IEEE)  # the same order as dK/dV
+        s = _apply_bias(
+            s * qk_scale, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, False
+        )
         if (start_n < full_lo) | (start_n >= full_hi):
-            s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
-                                    HAS_WL, HAS_WR, False), s, float("-inf"))
+            s = tl.where(
+                _band_mask(offs_m, offs_n, sk, off, window_left, window_right, HAS_WL, HAS_WR, False), s, float("-inf")
+            )
         p = tl.math.exp2(s - lse2[:, None])
         if HAS_DROPOUT:
             keep = _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N, False)

@@ -3,7 +3,7 @@
 ``kernel[grid](*args, **constexprs)`` goes through Triton's ``JITFunction.run`` on every
 call: it re-binds and re-specialises every argument, hashes the specialisation, reads its
 knobs and builds launch metadata.  With ~50 arguments that cost ~140 us per launch on the
-H100 machine's host (docs/perf-notes.md, experiment 6), longer than many attention kernels
+H100 machine's host (docs/experiments/perf-notes.md, experiment 6), longer than many attention kernels
 run.  Here the first launch of a specialisation goes through Triton as usual and returns its
 ``CompiledKernel``; later launches with the same specialisation call the compiled kernel's
 launcher directly.
@@ -15,6 +15,7 @@ too.  The tl kernels take their leading pointers followed by scalars (the common
 key); the Gluon kernels (forward_ws.py) start with host-built TMA descriptors and are keyed
 argument by argument.  A call of another shape keeps Triton's launch path.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,12 +27,12 @@ import triton
 
 from ..caches import register_cache
 
-try:   # descriptors built on the host: Triton's launcher encodes their tensormaps
+try:  # descriptors built on the host: Triton's launcher encodes their tensormaps
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - Triton < 3.3
     TensorDescriptor = None
 
-try:   # Gluon's host-built descriptors (they carry their shared-memory layout)
+try:  # Gluon's host-built descriptors (they carry their shared-memory layout)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 except ImportError:  # pragma: no cover - Triton without Gluon
     GluonDescriptor = None
@@ -63,8 +64,9 @@ def specialization_key(args, n_tensors: int) -> tuple:
 
 def is_descriptor(a) -> bool:
     """A host-built TMA descriptor (tl's or Gluon's)."""
-    return ((TensorDescriptor is not None and isinstance(a, TensorDescriptor))
-            or (GluonDescriptor is not None and isinstance(a, GluonDescriptor)))
+    return (TensorDescriptor is not None and isinstance(a, TensorDescriptor)) or (
+        GluonDescriptor is not None and isinstance(a, GluonDescriptor)
+    )
 
 
 def _descriptor_key(a):
@@ -74,8 +76,15 @@ def _descriptor_key(a):
     argument unchanged."""
     if not is_descriptor(a):
         return a
-    return ("tensordesc", a.base.dtype, tuple(a.shape), tuple(a.strides), tuple(a.block_shape), a.padding,
-            getattr(a, "layout", None))
+    return (
+        "tensordesc",
+        a.base.dtype,
+        tuple(a.shape),
+        tuple(a.strides),
+        tuple(a.block_shape),
+        a.padding,
+        getattr(a, "layout", None),
+    )
 
 
 def _argument_key(a):
@@ -97,8 +106,9 @@ def rebase(descriptor, base: torch.Tensor):
         copy.base = base
         return copy
     if GluonDescriptor is not None and isinstance(descriptor, GluonDescriptor):
-        return GluonDescriptor(base, descriptor.shape, descriptor.strides, descriptor.block_shape,
-                               descriptor.layout, descriptor.padding)
+        return GluonDescriptor(
+            base, descriptor.shape, descriptor.strides, descriptor.block_shape, descriptor.layout, descriptor.padding
+        )
     return TensorDescriptor(base, descriptor.shape, descriptor.strides, descriptor.block_shape, descriptor.padding)
 
 
@@ -152,8 +162,7 @@ class CompiledLaunchCache:
         self._n_tensors.clear()
         self.hits = self.misses = 0
 
-    def launch(self, kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
-               **options):
+    def launch(self, kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int, **options):
         """Launch ``kernel[grid](*args, **constexprs, num_warps=, num_stages=, **options)``.
         ``args`` are the leading positional parameters (the first a tensor on the launch's
         device, or a host-built descriptor over one), ``constexprs`` every remaining parameter,
@@ -162,16 +171,30 @@ class CompiledLaunchCache:
         if n_tensors is None:
             n_tensors = self._n_tensors[kernel] = leading_tensors(args)
         if n_tensors:
-            key = (kernel, args[0].device, tuple(constexprs.items()), num_warps, num_stages,
-                   tuple(options.items()), specialization_key(args, n_tensors))
+            key = (
+                kernel,
+                args[0].device,
+                tuple(constexprs.items()),
+                num_warps,
+                num_stages,
+                tuple(options.items()),
+                specialization_key(args, n_tensors),
+            )
             try:
                 entry = self._entries.get(key)
-            except TypeError:    # unhashable: host-built descriptors among the scalars (kept off the common path)
+            except TypeError:  # unhashable: host-built descriptors among the scalars (kept off the common path)
                 key = key[:-1] + ((key[-1][0], tuple(map(_descriptor_key, key[-1][1]))),)
                 entry = self._entries.get(key)
-        else:    # a descriptor-first (Gluon) kernel
-            key = (kernel, args[0].base.device, tuple(constexprs.items()), num_warps, num_stages,
-                   tuple(options.items()), tuple(map(_argument_key, args)))
+        else:  # a descriptor-first (Gluon) kernel
+            key = (
+                kernel,
+                args[0].base.device,
+                tuple(constexprs.items()),
+                num_warps,
+                num_stages,
+                tuple(options.items()),
+                tuple(map(_argument_key, args)),
+            )
             entry = self._entries.get(key)
         if entry is not None and not _hooks_installed():
             self.hits += 1
@@ -181,11 +204,15 @@ class CompiledLaunchCache:
         self.misses += 1
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **options)
         order = _constexpr_order(kernel, len(args), constexprs)
-        launcher = getattr(compiled, "run", None)   # the launcher, loaded by the launch above
+        launcher = getattr(compiled, "run", None)  # the launcher, loaded by the launch above
         # tensors after the leading ones are keyed by identity in the common key: not cacheable there
-        cacheable = (order is not None and launcher is not None and getattr(compiled, "function", None) is not None
-                     and leading_tensors(args) == n_tensors
-                     and (n_tensors == 0 or not any(isinstance(a, torch.Tensor) for a in args[n_tensors:])))
+        cacheable = (
+            order is not None
+            and launcher is not None
+            and getattr(compiled, "function", None) is not None
+            and leading_tensors(args) == n_tensors
+            and (n_tensors == 0 or not any(isinstance(a, torch.Tensor) for a in args[n_tensors:]))
+        )
         if cacheable:
             if len(self._entries) >= MAX_ENTRIES:
                 self._entries.clear()
@@ -219,8 +246,19 @@ class CompiledLaunchCache:
 def relaunch(entry, grid: tuple, args) -> None:
     """Launch a captured entry again with new leading arguments of the same specialisation."""
     launcher, function, metadata, tail = entry
-    launcher(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, _current_stream(),
-             function, metadata, None, None, None, *args, *tail)
+    launcher(
+        grid[0],
+        grid[1] if len(grid) > 1 else 1,
+        grid[2] if len(grid) > 2 else 1,
+        _current_stream(),
+        function,
+        metadata,
+        None,
+        None,
+        None,
+        *args,
+        *tail,
+    )
 
 
 # Tensormaps kept per descriptor argument of a DirectLaunch (one per base address seen).
@@ -238,9 +276,15 @@ def _direct_parts(launcher):
     code, closure = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
     driver = sys.modules.get(type(launcher).__module__)
     encode = getattr(driver, "make_tensordesc_arg", None)
-    if (code is None or not closure or encode is None or getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) != 13
-            or getattr(getattr(encode, "__code__", None), "co_argcount", None) != 2
-            or getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1)):
+    if (
+        code is None
+        or not closure
+        or encode is None
+        or getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) != 13
+        or getattr(getattr(encode, "__code__", None), "co_argcount", None) != 2
+        or getattr(launcher, "global_scratch_size", 1)
+        or getattr(launcher, "profile_scratch_size", 1)
+    ):
         return None
     cells = dict(zip(code.co_freevars, closure))
     try:
@@ -266,8 +310,13 @@ class DirectLaunch:
     __slots__ = ("raw", "encode", "template", "pointers", "descriptors", "hits", "misses")
 
     def __init__(self, raw, encode, template, pointers, descriptors):
-        self.raw, self.encode, self.template, self.pointers, self.descriptors = raw, encode, template, pointers, \
-            descriptors
+        self.raw, self.encode, self.template, self.pointers, self.descriptors = (
+            raw,
+            encode,
+            template,
+            pointers,
+            descriptors,
+        )
         self.hits = self.misses = 0
 
     @classmethod
@@ -287,16 +336,37 @@ class DirectLaunch:
         if set(metas) != set(descriptors) or set(pointers) & set(descriptors):
             return None
         values = [*params, *tail]
-        head = [grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, None, function,
-                launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, metadata, None, None, None]
+        head = [
+            grid[0],
+            grid[1] if len(grid) > 1 else 1,
+            grid[2] if len(grid) > 2 else 1,
+            None,
+            function,
+            launcher.launch_cooperative_grid,
+            launcher.launch_pdl,
+            None,
+            None,
+            metadata,
+            None,
+            None,
+            None,
+        ]
         template, slots, descs = list(head), [], []
         for pos, value in enumerate(values):
             if pos in descriptors:
-                expanded = encode(value, metas[pos])    # the captured call's own tensormap seeds the cache
-                descs.append((len(template), len(template) + len(expanded), descriptors[pos], value, metas[pos],
-                              {value.base.data_ptr(): expanded}))
+                expanded = encode(value, metas[pos])  # the captured call's own tensormap seeds the cache
+                descs.append(
+                    (
+                        len(template),
+                        len(template) + len(expanded),
+                        descriptors[pos],
+                        value,
+                        metas[pos],
+                        {value.base.data_ptr(): expanded},
+                    )
+                )
                 template.extend(expanded)
-            elif pos in pointers:       # filled per call (no reference to the captured tensor kept)
+            elif pos in pointers:  # filled per call (no reference to the captured tensor kept)
                 slots.append((len(template), pointers[pos]))
                 template.append(None)
             else:

@@ -9,6 +9,7 @@ dispatcher rejection reason).
 
 Pure data + small pure functions: no Triton, no torch device queries here.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,8 +20,8 @@ import torch
 
 # Kernel kinds.
 FWD = "fwd"
-BWD_DKDV = "bwd_dkdv"   # key-block parallel: dK, dV (and d(bias))
-BWD_DQ = "bwd_dq"       # query-block parallel: dQ (optionally split over keys)
+BWD_DKDV = "bwd_dkdv"  # key-block parallel: dK, dV (and d(bias))
+BWD_DQ = "bwd_dq"  # query-block parallel: dQ (optionally split over keys)
 KINDS = (FWD, BWD_DKDV, BWD_DQ)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -32,36 +33,42 @@ BF16_MIN_COMPUTE_CAPABILITY = (8, 0)
 
 class KernelConfig(NamedTuple):
     """A launch configuration (a tuple: hashed in C on every launch's chosen-config lookup)."""
-    block_m: int        # query rows per tile
-    block_n: int        # key rows per tile
+
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
     num_warps: int = 4
     num_stages: int = 2
-    subtiles: int = 1   # forward only: the query tile as 2 halves sharing each K/V block
+    subtiles: int = 1  # forward only: the query tile as 2 halves sharing each K/V block
     host_kv: bool = True  # forward only: K/V through host-built descriptors where the call allows
 
     def __str__(self) -> str:  # pragma: no cover - cosmetic
-        return (f"BM={self.block_m} BN={self.block_n} warps={self.num_warps} stages={self.num_stages}"
-                + (f" subtiles={self.subtiles}" if self.subtiles > 1 else "")
-                + ("" if self.host_kv else " host_kv=off"))
+        return (
+            f"BM={self.block_m} BN={self.block_n} warps={self.num_warps} stages={self.num_stages}"
+            + (f" subtiles={self.subtiles}" if self.subtiles > 1 else "")
+            + ("" if self.host_kv else " host_kv=off")
+        )
 
 
 @dataclass(frozen=True)
 class ConfigEntry:
     kind: str
     min_cc: tuple[int, int]
-    max_cc: tuple[int, int]          # inclusive
-    max_block_d: int                 # applies when the padded head dim (max of qk, v) <= this
+    max_cc: tuple[int, int]  # inclusive
+    max_block_d: int  # applies when the padded head dim (max of qk, v) <= this
     dtypes: tuple[torch.dtype, ...]  # element types it is meant for
     config: KernelConfig
-    banded: bool | None = None       # only for causal/window calls (True), only for dense (False), any (None)
-    extras: bool | None = None       # only for calls with a bias/mask or dropout (True), only without (False), any
-    grouped: bool | None = None      # only for GQA/MQA calls (True), only for Hq == Hkv (False), any
+    banded: bool | None = None  # only for causal/window calls (True), only for dense (False), any (None)
+    extras: bool | None = None  # only for calls with a bias/mask or dropout (True), only without (False), any
+    grouped: bool | None = None  # only for GQA/MQA calls (True), only for Hq == Hkv (False), any
 
     def serves(self, banded: bool, extras: bool, grouped: bool = False) -> bool:
         """Whether the entry may be chosen for a call that is (not) banded, has (no) extras and
         does (not) share kv heads between query heads."""
-        return ((self.banded is None or self.banded == banded) and (self.extras is None or self.extras == extras)
-                and (self.grouped is None or self.grouped == grouped))
+        return (
+            (self.banded is None or self.banded == banded)
+            and (self.extras is None or self.extras == extras)
+            and (self.grouped is None or self.grouped == grouped)
+        )
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -69,13 +76,14 @@ _F32 = (torch.float32,)
 _ALL = _HALF + _F32
 
 _SM90 = ((9, 0), (9, 9))
-_SM80 = ((8, 0), (8, 0))          # A100 / A30: 164 KiB shared memory
-_ANY = ((7, 5), (99, 9))          # fallbacks that fit small shared memories
+_SM80 = ((8, 0), (8, 0))  # A100 / A30: 164 KiB shared memory
+_ANY = ((7, 5), (99, 9))  # fallbacks that fit small shared memories
 
 
 def _e(kind, cc, max_d, dtypes, bm, bn, w, s, banded=None, subtiles=1, extras=None, host_kv=True, grouped=None):
-    return ConfigEntry(kind, cc[0], cc[1], max_d, dtypes, KernelConfig(bm, bn, w, s, subtiles, host_kv), banded,
-                       extras, grouped)
+    return ConfigEntry(
+        kind, cc[0], cc[1], max_d, dtypes, KernelConfig(bm, bn, w, s, subtiles, host_kv), banded, extras, grouped
+    )
 
 
 # Ordered best-first within each (kind, arch); the first entry that matches and fits wins.
@@ -159,13 +167,14 @@ class WsConfig(NamedTuple):
     """A warp-specialised kernel's launch (forward_ws.py; its rows per program: ``consumers``
     warpgroups of forward_ws.WG_ROWS in the forward, two in the dK/dV and dQ passes):
     ``block_n`` key rows per ring slot (forward and dQ), ``stages`` ring slots."""
+
     block_n: int = 128
     stages: int = 2
-    bias_stages: int = 2        # slots of the bias ring (forward and dQ; dK/dV: one per (Q, dO) slot)
-    consumer_regs: int = 240    # registers per thread of the second consumer (setmaxnreg)
-    max_regs: int = 168         # kernel-wide limit: 12 warps * 32 * 168 fit the register file
+    bias_stages: int = 2  # slots of the bias ring (forward and dQ; dK/dV: one per (Q, dO) slot)
+    consumer_regs: int = 240  # registers per thread of the second consumer (setmaxnreg)
+    max_regs: int = 168  # kernel-wide limit: 12 warps * 32 * 168 fit the register file
     # dK/dV pass: dQ too (FA3's structure, fp32 reduce-adds), for the calls launch.fuse_dq picks
-    # (where it measured faster than the separate dQ pass, docs/perf-notes.md experiment 54)
+    # (where it measured faster than the separate dQ pass, docs/experiments/perf-notes.md experiment 54)
     fuse_dq: bool = True
     # ... for causal and windowed calls too (d64, experiment 82; d128 measured 0.96-1.04x there)
     fuse_dq_banded: bool = False
@@ -203,9 +212,11 @@ class WsConfig(NamedTuple):
 # d256 (experiment 85): 64-key slots (two of 32 KB per K and V, Q 64 KB: 196,904 B of shared
 # memory, 229,768 B with a bias ring), no spills (Triton 3.6, sm90); the backward passes keep
 # the tl kernels (a warpgroup's dK and dV accumulators alone would take 256 registers a thread).
-WS_FWD_CONFIGS = {128: WsConfig(),
-                  64: WsConfig(consumers=3, consumer_regs=160, max_regs=128, forward_scope="dense"),
-                  256: WsConfig(block_n=64)}
+WS_FWD_CONFIGS = {
+    128: WsConfig(),
+    64: WsConfig(consumers=3, consumer_regs=160, max_regs=128, forward_scope="dense"),
+    256: WsConfig(block_n=64),
+}
 # The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
 # consumer warpgroups, ``stages`` slots of (Q, dO) tiles of ``bwd_block_m`` rows (block_n is not
 # read: no K/V ring); calls the forward above serves.
@@ -224,7 +235,7 @@ WS_DQ_CONFIGS = {128: WsConfig(bias_stages=1), 64: WsConfig()}
 # Under TRITON_INTERPRET=1 (CPU) there is no shared memory and no warps: small,
 # deliberately asymmetric tiles so that the small test shapes cross several tiles.
 INTERPRETER_CONFIGS = {
-    FWD: KernelConfig(32, 16, 1, 1, subtiles=2),    # forced tiles (tests) run the one-tile path
+    FWD: KernelConfig(32, 16, 1, 1, subtiles=2),  # forced tiles (tests) run the one-tile path
     BWD_DKDV: KernelConfig(16, 32, 1, 1),
     BWD_DQ: KernelConfig(32, 16, 1, 1),
 }
@@ -247,20 +258,40 @@ def shared_memory_estimate(kind: str, cfg: KernelConfig, block_dqk: int, block_d
     raise ValueError(f"unknown kernel kind {kind!r}")
 
 
-def candidate_configs(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype,
-                      cc: tuple[int, int], smem_limit: int, banded: bool = False,
-                      extras: bool = False, grouped: bool = False) -> list[KernelConfig]:
+def candidate_configs(
+    kind: str,
+    head_dim_qk: int,
+    head_dim_v: int,
+    dtype: torch.dtype,
+    cc: tuple[int, int],
+    smem_limit: int,
+    banded: bool = False,
+    extras: bool = False,
+    grouped: bool = False,
+) -> list[KernelConfig]:
     """All table entries that match and fit, best first (like PyTorch's candidate loop).
     ``banded``: the call is causal or windowed; ``extras``: it has a bias, a mask or dropout;
     ``grouped``: query heads share kv heads (GQA / MQA).  Entries may be reserved for either
     side of each."""
-    return list(_candidates(kind, head_dim_qk, head_dim_v, dtype, tuple(cc), smem_limit, bool(banded),
-                            bool(extras), bool(grouped)))
+    return list(
+        _candidates(
+            kind, head_dim_qk, head_dim_v, dtype, tuple(cc), smem_limit, bool(banded), bool(extras), bool(grouped)
+        )
+    )
 
 
-@functools.lru_cache(maxsize=1024)      # pure function of hashable facts; called on every launch
-def _candidates(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, cc: tuple[int, int],
-                smem_limit: int, banded: bool, extras: bool, grouped: bool) -> tuple[KernelConfig, ...]:
+@functools.lru_cache(maxsize=1024)  # pure function of hashable facts; called on every launch
+def _candidates(
+    kind: str,
+    head_dim_qk: int,
+    head_dim_v: int,
+    dtype: torch.dtype,
+    cc: tuple[int, int],
+    smem_limit: int,
+    banded: bool,
+    extras: bool,
+    grouped: bool,
+) -> tuple[KernelConfig, ...]:
     bdq, bdv = block_d(head_dim_qk), block_d(head_dim_v)
     bd = max(bdq, bdv)
     esize = torch.empty((), dtype=dtype).element_size()
@@ -291,23 +322,27 @@ def static_reason(head_dim_qk: int, head_dim_v: int, dtype: torch.dtype) -> str 
     return None
 
 
-def arch_reason(head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, cc: tuple[int, int],
-                smem_limit: int) -> str | None:
+def arch_reason(
+    head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, cc: tuple[int, int], smem_limit: int
+) -> str | None:
     """Reason why no configuration of some kernel kind fits this GPU, or None."""
     r = static_reason(head_dim_qk, head_dim_v, dtype)
     if r:
         return r
     if tuple(cc) < MIN_COMPUTE_CAPABILITY:
-        return (f"compute capability {cc[0]}.{cc[1]} < "
-                f"{MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}")
+        return f"compute capability {cc[0]}.{cc[1]} < {MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}"
     if dtype == torch.bfloat16 and tuple(cc) < BF16_MIN_COMPUTE_CAPABILITY:
         return f"bfloat16 needs compute capability >= 8.0 (device has {cc[0]}.{cc[1]})"
     for kind in KINDS:
         if not candidate_configs(kind, head_dim_qk, head_dim_v, dtype, cc, smem_limit):
             bdq, bdv = block_d(head_dim_qk), block_d(head_dim_v)
             esize = torch.empty((), dtype=dtype).element_size()
-            need = min((shared_memory_estimate(kind, e.config, bdq, bdv, esize) for e in CONFIG_TABLE
-                        if e.kind == kind), default=0)
-            return (f"no {kind} kernel configuration for head_dim=({head_dim_qk}, {head_dim_v}) {dtype} "
-                    f"fits sm_{cc[0]}{cc[1]} shared memory ({smem_limit} bytes; smallest needs ~{need})")
+            need = min(
+                (shared_memory_estimate(kind, e.config, bdq, bdv, esize) for e in CONFIG_TABLE if e.kind == kind),
+                default=0,
+            )
+            return (
+                f"no {kind} kernel configuration for head_dim=({head_dim_qk}, {head_dim_v}) {dtype} "
+                f"fits sm_{cc[0]}{cc[1]} shared memory ({smem_limit} bytes; smallest needs ~{need})"
+            )
     return None

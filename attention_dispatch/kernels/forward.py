@@ -15,6 +15,7 @@ Conventions (all kernels):
     ``(pid_bh * max_sq + i) * ceil(max_sk / 4) + j // 4`` (:func:`_dropout_keep`), keep when
     ``u >= p``.
 """
+
 import triton
 import triton.language as tl
 
@@ -57,8 +58,7 @@ def _load_rows(ptrs, row_mask, col_mask, EVEN_COL: tl.constexpr):
 
 
 @triton.jit
-def _band_mask(offs_m, offs_n, sk, off, wl, wr,
-               HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, TRANS: tl.constexpr):
+def _band_mask(offs_m, offs_n, sk, off, wl, wr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, TRANS: tl.constexpr):
     """Allowed-by-band (and j < sk) tile: (BM, BN), or (BN, BM) when TRANS."""
     if TRANS:
         i = offs_m[None, :]
@@ -93,8 +93,21 @@ def _tile_mask(offs_m, offs_n, sq, sk, TRANS: tl.constexpr):
 
 
 @triton.jit
-def _apply_bias(s, bias_src, row0, col0, offs_m, offs_n, sq, sk, sbi, sbj,
-                BIAS_KIND: tl.constexpr, BIAS_DESC: tl.constexpr, TRANS: tl.constexpr):
+def _apply_bias(
+    s,
+    bias_src,
+    row0,
+    col0,
+    offs_m,
+    offs_n,
+    sq,
+    sk,
+    sbi,
+    sbj,
+    BIAS_KIND: tl.constexpr,
+    BIAS_DESC: tl.constexpr,
+    TRANS: tl.constexpr,
+):
     """BIAS_KIND 1: add float bias (upcast, log2 domain); 2: bool mask (nonzero = attend).
     ``bias_src``: the (sequence, head)'s bias base pointer, or with BIAS_DESC its TMA
     descriptor (:func:`_bias_desc`; the tile at rows row0.., keys col0.. in one copy, no
@@ -105,8 +118,11 @@ def _apply_bias(s, bias_src, row0, col0, offs_m, offs_n, sq, sk, sbi, sbj,
             if TRANS:
                 bt = tl.trans(bt)
         else:
-            bt = tl.load(_bias_ptrs(bias_src, offs_m, offs_n, sbi, sbj, TRANS),
-                         mask=_tile_mask(offs_m, offs_n, sq, sk, TRANS), other=0)
+            bt = tl.load(
+                _bias_ptrs(bias_src, offs_m, offs_n, sbi, sbj, TRANS),
+                mask=_tile_mask(offs_m, offs_n, sq, sk, TRANS),
+                other=0,
+            )
         if BIAS_KIND == 1:
             s = s + bt.to(tl.float32) * 1.4426950408889634
         else:
@@ -119,8 +135,9 @@ def _bias_desc(bias_base, sq, sk, sbi, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
     """With BIAS_DESC: a TMA descriptor over the sq x sk bias of one (sequence, head) (rows
     16-byte aligned, checked by the launcher), read in (BLOCK_M, BLOCK_N) tiles."""
     if BIAS_DESC:
-        return tl.make_tensor_descriptor(bias_base, shape=[tl.maximum(sq, 1), tl.maximum(sk, 1)],
-                                         strides=[sbi, 1], block_shape=[BLOCK_M, BLOCK_N])
+        return tl.make_tensor_descriptor(
+            bias_base, shape=[tl.maximum(sq, 1), tl.maximum(sk, 1)], strides=[sbi, 1], block_shape=[BLOCK_M, BLOCK_N]
+        )
     else:
         return bias_base
 
@@ -164,8 +181,13 @@ def _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N: tl.constexpr, TRA
     row + j // 4: one draw per four keys (the draw, PHILOX_ROUNDS rounds, dominates the cost)."""
     cols = (start_n // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.int64)
     r0, r1, r2, r3 = tl.randint4x(seed, rng_rows[:, None] + cols[None, :], PHILOX_ROUNDS)
-    keep = _interleave(_interleave(_keep_lane(r0, dropout_p), _keep_lane(r2, dropout_p)),
-                       _interleave(_keep_lane(r1, dropout_p), _keep_lane(r3, dropout_p))) != 0
+    keep = (
+        _interleave(
+            _interleave(_keep_lane(r0, dropout_p), _keep_lane(r2, dropout_p)),
+            _interleave(_keep_lane(r1, dropout_p), _keep_lane(r3, dropout_p)),
+        )
+        != 0
+    )
     if TRANS:
         return tl.trans(keep)
     else:
@@ -173,38 +195,82 @@ def _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N: tl.constexpr, TRA
 
 
 @triton.jit
-def _tile_desc(ptr, base, rows, stride, HEAD_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-               DESC: tl.constexpr):
+def _tile_desc(
+    ptr, base, rows, stride, HEAD_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr
+):
     """With DESC: a TMA descriptor over the ``rows`` x HEAD_D matrix of one (sequence, head)
     at ``base`` (row stride ``stride``), read in (BLOCK_R, BLOCK_D) tiles.  Without: ``ptr``
     unchanged (the pointer path of :func:`_load_tile` reads from ``base``)."""
     if DESC:
-        return tl.make_tensor_descriptor(base, shape=[tl.maximum(rows, 1), HEAD_D], strides=[stride, 1],
-                                         block_shape=[BLOCK_R, BLOCK_D])
+        return tl.make_tensor_descriptor(
+            base, shape=[tl.maximum(rows, 1), HEAD_D], strides=[stride, 1], block_shape=[BLOCK_R, BLOCK_D]
+        )
     else:
         return ptr
 
 
 @triton.jit
-def _load_tile(desc_or_ptr, base, row0, offs_rows, stride, rows_ok, offs_d, HEAD_D: tl.constexpr,
-               BLOCK_D: tl.constexpr, DESC: tl.constexpr):
+def _load_tile(
+    desc_or_ptr,
+    base,
+    row0,
+    offs_rows,
+    stride,
+    rows_ok,
+    offs_d,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DESC: tl.constexpr,
+):
     """A tile of rows ``offs_rows`` (= row0 + arange) of one sequence's Q/K/V/dO: a TMA
     tensor-descriptor load (rows past the sequence and columns past HEAD_D read as zeros)
     or masked pointer loads."""
     if DESC:
         return desc_or_ptr.load([row0, 0])
     else:
-        return _load_rows(base + offs_rows.to(tl.int64)[:, None] * stride + offs_d[None, :], rows_ok,
-                          offs_d < HEAD_D, BLOCK_D == HEAD_D)
+        return _load_rows(
+            base + offs_rows.to(tl.int64)[:, None] * stride + offs_d[None, :],
+            rows_ok,
+            offs_d < HEAD_D,
+            BLOCK_D == HEAD_D,
+        )
 
 
 @triton.jit
-def _fwd_step(acc, l_i, m_i, s, v, m0, start_n, offs_m, offs_n0, qk_scale, sk, sq, off,
-              window_left, window_right, bias_base, sbi, sbj, seed, rng_rows, dropout_p,
-              MASKED: tl.constexpr, MAY_EMPTY: tl.constexpr, SCALE_POS: tl.constexpr,
-              HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr, BIAS_DESC: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr,
-              DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr):
+def _fwd_step(
+    acc,
+    l_i,
+    m_i,
+    s,
+    v,
+    m0,
+    start_n,
+    offs_m,
+    offs_n0,
+    qk_scale,
+    sk,
+    sq,
+    off,
+    window_left,
+    window_right,
+    bias_base,
+    sbi,
+    sbj,
+    seed,
+    rng_rows,
+    dropout_p,
+    MASKED: tl.constexpr,
+    MAY_EMPTY: tl.constexpr,
+    SCALE_POS: tl.constexpr,
+    HAS_WL: tl.constexpr,
+    HAS_WR: tl.constexpr,
+    BIAS_KIND: tl.constexpr,
+    BIAS_DESC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+    ROUND_P: tl.constexpr,
+):
     """One key block of the online softmax (log2 domain) given the raw scores ``s = q k^T``
     of the rows ``offs_m`` (from ``m0``).  MASKED: apply the band mask (edge blocks);
     MAY_EMPTY: a row may have seen only masked keys so far (max = -inf); SCALE_POS: the
@@ -214,11 +280,13 @@ def _fwd_step(acc, l_i, m_i, s, v, m0, start_n, offs_m, offs_n0, qk_scale, sk, s
     # (one FMA per score instead of a multiply and a subtract): the row max of the raw
     # scores times the scale is the max of the scaled ones.
     if BIAS_KIND != 0 or not SCALE_POS:
-        s = _apply_bias(s * qk_scale, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND,
-                        BIAS_DESC, False)
+        s = _apply_bias(
+            s * qk_scale, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, False
+        )
     if MASKED:
-        s = tl.where(_band_mask(offs_m, offs_n, sk, off, window_left, window_right,
-                                HAS_WL, HAS_WR, False), s, float("-inf"))
+        s = tl.where(
+            _band_mask(offs_m, offs_n, sk, off, window_left, window_right, HAS_WL, HAS_WR, False), s, float("-inf")
+        )
     if BIAS_KIND == 0 and SCALE_POS:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     else:
@@ -243,25 +311,74 @@ def _fwd_step(acc, l_i, m_i, s, v, m0, start_n, offs_m, offs_n0, qk_scale, sk, s
 
 
 @triton.jit
-def _fwd_range(acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng_rows_b,
-               k_desc, v_desc, k_base, v_base, kv_row0, k_col0, v_col0, n_lo, n_hi, offs_n0,
-               offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off, window_left, window_right,
-               bias_base, sbi, sbj, seed, dropout_p, MASKED: tl.constexpr, MAY_EMPTY: tl.constexpr,
-               SCALE_POS: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BIAS_KIND: tl.constexpr,
-               BIAS_DESC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
-               BLOCK_DV: tl.constexpr, USE_DESC: tl.constexpr, SUBTILES: tl.constexpr,
-               DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr, KV_HOST: tl.constexpr):
+def _fwd_range(
+    acc,
+    l_i,
+    m_i,
+    q,
+    m0,
+    offs_m,
+    rng_rows,
+    acc_b,
+    l_b,
+    m_b,
+    q_b,
+    rng_rows_b,
+    k_desc,
+    v_desc,
+    k_base,
+    v_base,
+    kv_row0,
+    k_col0,
+    v_col0,
+    n_lo,
+    n_hi,
+    offs_n0,
+    offs_dq,
+    offs_dv,
+    sks,
+    svs,
+    qk_scale,
+    sk,
+    sq,
+    off,
+    window_left,
+    window_right,
+    bias_base,
+    sbi,
+    sbj,
+    seed,
+    dropout_p,
+    MASKED: tl.constexpr,
+    MAY_EMPTY: tl.constexpr,
+    SCALE_POS: tl.constexpr,
+    HAS_WL: tl.constexpr,
+    HAS_WR: tl.constexpr,
+    BIAS_KIND: tl.constexpr,
+    BIAS_DESC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    HEAD_DQK: tl.constexpr,
+    HEAD_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    USE_DESC: tl.constexpr,
+    SUBTILES: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+    ROUND_P: tl.constexpr,
+    KV_HOST: tl.constexpr,
+):
     """The online softmax over key blocks [n_lo, n_hi) (one software-pipelined loop).  With
     SUBTILES=2 the program's query rows are two halves (``q`` at row m0, ``q_b`` right after)
     sharing each K/V block: both q k^T products are issued before either softmax, so the
-    tensor cores work on the second while the first is exponentiated (docs/perf-notes.md,
+    tensor cores work on the second while the first is exponentiated (docs/experiments/perf-notes.md,
     experiment 22); with SUBTILES=1 the ``_b`` arguments are unused placeholders."""
     HALF: tl.constexpr = offs_m.shape[0]
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + offs_n0
         row = kv_row0 + start_n
-        if KV_HOST == 2:   # (B * Sk, Hkv * D) rows: this head's tile at its columns
+        if KV_HOST == 2:  # (B * Sk, Hkv * D) rows: this head's tile at its columns
             k = k_desc.load([row, k_col0])
             v = v_desc.load([row, v_col0])
         else:
@@ -271,45 +388,155 @@ def _fwd_range(acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng
         s = _dot(q, k_t, DOT_UPCAST, DOT_IEEE)
         if SUBTILES == 2:
             s_b = _dot(q_b, k_t, DOT_UPCAST, DOT_IEEE)
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, s, v, m0, start_n, offs_m, offs_n0, qk_scale, sk, sq, off,
-                                  window_left, window_right, bias_base, sbi, sbj, seed, rng_rows, dropout_p,
-                                  MASKED, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC, HAS_DROPOUT,
-                                  DOT_UPCAST, DOT_IEEE, ROUND_P)
+        acc, l_i, m_i = _fwd_step(
+            acc,
+            l_i,
+            m_i,
+            s,
+            v,
+            m0,
+            start_n,
+            offs_m,
+            offs_n0,
+            qk_scale,
+            sk,
+            sq,
+            off,
+            window_left,
+            window_right,
+            bias_base,
+            sbi,
+            sbj,
+            seed,
+            rng_rows,
+            dropout_p,
+            MASKED,
+            MAY_EMPTY,
+            SCALE_POS,
+            HAS_WL,
+            HAS_WR,
+            BIAS_KIND,
+            BIAS_DESC,
+            HAS_DROPOUT,
+            DOT_UPCAST,
+            DOT_IEEE,
+            ROUND_P,
+        )
         if SUBTILES == 2:
-            acc_b, l_b, m_b = _fwd_step(acc_b, l_b, m_b, s_b, v, m0 + HALF, start_n, offs_m + HALF, offs_n0, qk_scale,
-                                        sk, sq, off, window_left, window_right, bias_base, sbi, sbj, seed, rng_rows_b,
-                                        dropout_p, MASKED, MAY_EMPTY, SCALE_POS, HAS_WL, HAS_WR, BIAS_KIND, BIAS_DESC,
-                                        HAS_DROPOUT, DOT_UPCAST, DOT_IEEE, ROUND_P)
+            acc_b, l_b, m_b = _fwd_step(
+                acc_b,
+                l_b,
+                m_b,
+                s_b,
+                v,
+                m0 + HALF,
+                start_n,
+                offs_m + HALF,
+                offs_n0,
+                qk_scale,
+                sk,
+                sq,
+                off,
+                window_left,
+                window_right,
+                bias_base,
+                sbi,
+                sbj,
+                seed,
+                rng_rows_b,
+                dropout_p,
+                MASKED,
+                MAY_EMPTY,
+                SCALE_POS,
+                HAS_WL,
+                HAS_WR,
+                BIAS_KIND,
+                BIAS_DESC,
+                HAS_DROPOUT,
+                DOT_UPCAST,
+                DOT_IEEE,
+                ROUND_P,
+            )
     return acc, l_i, m_i, acc_b, l_b, m_b
 
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, Bias, O, LSE, Seed, CuQ, CuK,
-    qk_scale, dropout_p,
-    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-    sbb, sbh, sbi, sbj,
-    sob, soh, sos, slb, slh, sls,
-    H, NB, GROUP, seqlen_q, seqlen_k, bh_start, window_left, window_right, KD, VD,
-    HEAD_DQK: tl.constexpr, HEAD_DV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, ALIGN_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-    BIAS_KIND: tl.constexpr, BIAS_DESC: tl.constexpr, HAS_DROPOUT: tl.constexpr, BATCH_MINOR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_P: tl.constexpr,
-    USE_DESC: tl.constexpr, MAY_EMPTY: tl.constexpr, SCALE_POS: tl.constexpr, STORE_LSE: tl.constexpr,
-    SUBTILES: tl.constexpr = 1, KV_HOST: tl.constexpr = 0,
+    Q,
+    K,
+    V,
+    Bias,
+    O,
+    LSE,
+    Seed,
+    CuQ,
+    CuK,
+    qk_scale,
+    dropout_p,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sbb,
+    sbh,
+    sbi,
+    sbj,
+    sob,
+    soh,
+    sos,
+    slb,
+    slh,
+    sls,
+    H,
+    NB,
+    GROUP,
+    seqlen_q,
+    seqlen_k,
+    bh_start,
+    window_left,
+    window_right,
+    KD,
+    VD,
+    HEAD_DQK: tl.constexpr,
+    HEAD_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    ALIGN_BR: tl.constexpr,
+    HAS_WL: tl.constexpr,
+    HAS_WR: tl.constexpr,
+    BIAS_KIND: tl.constexpr,
+    BIAS_DESC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    BATCH_MINOR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+    ROUND_P: tl.constexpr,
+    USE_DESC: tl.constexpr,
+    MAY_EMPTY: tl.constexpr,
+    SCALE_POS: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    SUBTILES: tl.constexpr = 1,
+    KV_HOST: tl.constexpr = 0,
 ):
     """USE_DESC: K/V (and Q beside a bias descriptor) through TMA tensor descriptors built
     in-kernel per (sequence, head) (Hopper+; the launcher checks the 16-byte alignment TMA
     needs and provides the scratch allocator).  MAY_EMPTY: some row may see only masked keys
     in its first key block.  The band-masked edge key blocks run in their own loops and the
     middle loop runs unmasked: one loop with a per-block branch around two copies of the step
-    pipelines badly (docs/perf-notes.md, experiment 4).  SUBTILES=2: the BLOCK_M rows are
+    pipelines badly (docs/experiments/perf-notes.md, experiment 4).  SUBTILES=2: the BLOCK_M rows are
     processed as two halves that share every K/V block (:func:`_fwd_range`).  KV_HOST: K/V
     through the TMA descriptors KD/VD that the launcher built (Sk a multiple of BLOCK_N, so
     no tile reaches into the next head or sequence): 1 over the (B * Hkv * Sk, D) rows of
     (B, Hkv, Sk, D) memory, 2 over the (B * Sk, Hkv * D) rows of (B, Sk, Hkv, D) memory.  No
-    tensormap is written per program for them (docs/perf-notes.md, experiment 30)."""
+    tensormap is written per program for them (docs/experiments/perf-notes.md, experiment 30)."""
     # Last query tiles first: under a causal band they have the most keys, and starting
     # the longest programs first shortens the tail of the launch.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -349,7 +576,7 @@ def _attn_fwd(
     lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + q_start * sls
     bias_base = _bias_desc(Bias + b64 * sbb + h.to(tl.int64) * sbh, sq, sk, sbi, HALF, BLOCK_N, BIAS_DESC)
 
-    if KV_HOST != 0:   # this head's tiles: rows from kv_row0, columns from k_col0 / v_col0
+    if KV_HOST != 0:  # this head's tiles: rows from kv_row0, columns from k_col0 / v_col0
         k_desc = KD
         v_desc = VD
         if KV_HOST == 1:
@@ -418,7 +645,7 @@ def _attn_fwd(
     # masked leading edge (window left), unmasked middle, masked trailing edge (causal, sk)
     mid_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
-    for part in tl.static_range(3):   # unrolled at compile time: three loops, only the middle one unmasked
+    for part in tl.static_range(3):  # unrolled at compile time: three loops, only the middle one unmasked
         if part == 0:
             n_lo, n_hi = lo, mid_lo
         elif part == 1:
@@ -426,21 +653,114 @@ def _attn_fwd(
         else:
             n_lo, n_hi = mid_hi, hi
         acc, l_i, m_i, acc_b, l_b, m_b = _fwd_range(
-            acc, l_i, m_i, q, m0, offs_m, rng_rows, acc_b, l_b, m_b, q_b, rng_rows_b, k_desc, v_desc, k_base,
-            v_base, kv_row0, k_col0, v_col0, n_lo, n_hi, offs_n0, offs_dq, offs_dv, sks, svs, qk_scale, sk, sq, off,
-            window_left, window_right, bias_base, sbi, sbj, seed, dropout_p, part != 1, MAY_EMPTY, SCALE_POS, HAS_WL,
-            HAS_WR, BIAS_KIND, BIAS_DESC, HAS_DROPOUT, HEAD_DQK, HEAD_DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, USE_DESC,
-            SUBTILES, DOT_UPCAST, DOT_IEEE, ROUND_P, KV_HOST)
-    _fwd_store(acc, l_i, m_i, o_base, lse_base, offs_m, sq, sos, sls, dropout_p, offs_dv,
-               HEAD_DV, BLOCK_DV, HAS_DROPOUT, STORE_LSE)
+            acc,
+            l_i,
+            m_i,
+            q,
+            m0,
+            offs_m,
+            rng_rows,
+            acc_b,
+            l_b,
+            m_b,
+            q_b,
+            rng_rows_b,
+            k_desc,
+            v_desc,
+            k_base,
+            v_base,
+            kv_row0,
+            k_col0,
+            v_col0,
+            n_lo,
+            n_hi,
+            offs_n0,
+            offs_dq,
+            offs_dv,
+            sks,
+            svs,
+            qk_scale,
+            sk,
+            sq,
+            off,
+            window_left,
+            window_right,
+            bias_base,
+            sbi,
+            sbj,
+            seed,
+            dropout_p,
+            part != 1,
+            MAY_EMPTY,
+            SCALE_POS,
+            HAS_WL,
+            HAS_WR,
+            BIAS_KIND,
+            BIAS_DESC,
+            HAS_DROPOUT,
+            HEAD_DQK,
+            HEAD_DV,
+            BLOCK_N,
+            BLOCK_DQK,
+            BLOCK_DV,
+            USE_DESC,
+            SUBTILES,
+            DOT_UPCAST,
+            DOT_IEEE,
+            ROUND_P,
+            KV_HOST,
+        )
+    _fwd_store(
+        acc,
+        l_i,
+        m_i,
+        o_base,
+        lse_base,
+        offs_m,
+        sq,
+        sos,
+        sls,
+        dropout_p,
+        offs_dv,
+        HEAD_DV,
+        BLOCK_DV,
+        HAS_DROPOUT,
+        STORE_LSE,
+    )
     if SUBTILES == 2:
-        _fwd_store(acc_b, l_b, m_b, o_base, lse_base, offs_m + HALF, sq, sos, sls, dropout_p,
-                   offs_dv, HEAD_DV, BLOCK_DV, HAS_DROPOUT, STORE_LSE)
+        _fwd_store(
+            acc_b,
+            l_b,
+            m_b,
+            o_base,
+            lse_base,
+            offs_m + HALF,
+            sq,
+            sos,
+            sls,
+            dropout_p,
+            offs_dv,
+            HEAD_DV,
+            BLOCK_DV,
+            HAS_DROPOUT,
+            STORE_LSE,
+        )
 
 
 @triton.jit
-def _load_q(Q, q_base, row0, offs_m, sq, sqs, offs_dq, HEAD_DQK: tl.constexpr, HALF: tl.constexpr,
-            BLOCK_DQK: tl.constexpr, VIA_DESC: tl.constexpr):
+def _load_q(
+    Q,
+    q_base,
+    row0,
+    offs_m,
+    sq,
+    sqs,
+    offs_dq,
+    HEAD_DQK: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    VIA_DESC: tl.constexpr,
+):
     """The (HALF, BLOCK_DQK) query tile at rows ``row0``.. (``offs_m``): pointer loads, or
     with VIA_DESC one TMA copy through a descriptor built here."""
     if VIA_DESC:
@@ -450,8 +770,23 @@ def _load_q(Q, q_base, row0, offs_m, sq, sqs, offs_dq, HEAD_DQK: tl.constexpr, H
 
 
 @triton.jit
-def _fwd_store(acc, l_i, m_i, o_base, lse_base, offs_m, sq, sos, sls, dropout_p, offs_dv,
-               HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_LSE: tl.constexpr):
+def _fwd_store(
+    acc,
+    l_i,
+    m_i,
+    o_base,
+    lse_base,
+    offs_m,
+    sq,
+    sos,
+    sls,
+    dropout_p,
+    offs_dv,
+    HEAD_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
     """Normalise the rows ``offs_m`` and store them and, with STORE_LSE, their
     logsumexp (natural log; -inf for a row with no allowed key, whose output is 0)."""
     row_ok = offs_m < sq
@@ -465,14 +800,15 @@ def _fwd_store(acc, l_i, m_i, o_base, lse_base, offs_m, sq, sos, sls, dropout_p,
         tl.store(o_ptrs, out, mask=row_ok[:, None])
     else:
         tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_dv < HEAD_DV)[None, :])
-    if STORE_LSE:   # off for inference calls (nothing reads it)
+    if STORE_LSE:  # off for inference calls (nothing reads it)
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
         tl.store(lse_base + offs_m.to(tl.int64) * sls, lse, mask=row_ok)
 
 
 @triton.jit
-def _dropout_mask_kernel(Out, Seed, dropout_p, so_bh, so_i, H, seqlen_q, seqlen_k, bh_start,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dropout_mask_kernel(
+    Out, Seed, dropout_p, so_bh, so_i, H, seqlen_q, seqlen_k, bh_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """Keep-mask (uint8) of the element (b, h, i, j): the same offsets as the attention kernels."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1) + bh_start

@@ -2,7 +2,7 @@
 dK/dV pass and the dQ pass.
 
 Triton 3.6 builds no such kernel from ``tl`` code on sm90 (its automatic warp specialisation
-deadlocks there, docs/perf-notes.md experiment 35); Gluon states the partitions, barriers
+deadlocks there, docs/experiments/perf-notes.md experiment 35); Gluon states the partitions, barriers
 and tensor-core calls explicitly (experiments 40-42):
 
   * a loader warp streams tiles through a ring of ``STAGES`` TMA buffers (``*_ready``
@@ -32,12 +32,18 @@ Row layouts (``Q_ROWS`` / ``KV_ROWS`` / ``DO_ROWS``): 1 = (B, H, S, D) memory se
 (B*H*S, D), 2 = (B, S, H, D) memory seen as (B*S, H*D), the head's columns at ``h * D``.
 Outputs (O, dQ, dK, dV) are written as (B, H, S, D) contiguous.
 """
+
 from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin as _builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -102,8 +108,15 @@ def _window(left, right):
 
 
 @gluon.jit
-def _kv_tiles(pid_m, seq_k, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr):
+def _kv_tiles(
+    pid_m,
+    seq_k,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_WG: gl.constexpr,
+):
     """(first key tile a program of NUM_WG * BLOCK_M query rows reads, how many it reads, how many
     of them need no causal mask): the loader and every consumer must agree on the first two, or
     the ring deadlocks.  A window's tiles are masked where :func:`_band_edge` says."""
@@ -111,7 +124,7 @@ def _kv_tiles(pid_m, seq_k, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexp
     if _causal(WINDOW_LEFT, WINDOW_RIGHT):
         # a last program of three warpgroups can reach past Sq (= Sk): no key tile past Sk
         n_tiles = gl.minimum(gl.cdiv((pid_m + 1) * NUM_WG * BLOCK_M, BLOCK_N), gl.cdiv(seq_k, BLOCK_N))
-        n_full = (pid_m * NUM_WG * BLOCK_M) // BLOCK_N          # tiles below the diagonal
+        n_full = (pid_m * NUM_WG * BLOCK_M) // BLOCK_N  # tiles below the diagonal
     else:
         end = seq_k // BLOCK_N
         if WINDOW_LEFT >= 0:
@@ -126,10 +139,11 @@ def _kv_tiles(pid_m, seq_k, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexp
 
 
 @gluon.jit
-def _band_edge(row0, col0, ROWS: gl.constexpr, COLS: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-               WINDOW_RIGHT: gl.constexpr):
+def _band_edge(
+    row0, col0, ROWS: gl.constexpr, COLS: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr
+):
     """Whether the tile of query rows row0.. and keys col0.. holds a pair outside the window."""
-    edge = row0 < 0      # False, as a runtime value
+    edge = row0 < 0  # False, as a runtime value
     if WINDOW_LEFT >= 0:
         edge = edge | (row0 + (ROWS - 1) - col0 > WINDOW_LEFT)
     if WINDOW_RIGHT >= 0:
@@ -153,23 +167,35 @@ def _masked(sc, rows, cols, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexp
 
 
 @gluon.jit
-def _q_tiles(n0, seq_q, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
-             KEYS: gl.constexpr):
+def _q_tiles(
+    n0, seq_q, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr
+):
     """(first query tile, how many) the dK/dV program of keys n0..n0 + KEYS reads (loader and
     consumers must agree)."""
     m_lo = 0
     m_hi = seq_q // BLOCK_M
-    if WINDOW_RIGHT >= 0:       # queries i >= j - right
+    if WINDOW_RIGHT >= 0:  # queries i >= j - right
         if n0 > WINDOW_RIGHT:
             m_lo = (n0 - WINDOW_RIGHT) // BLOCK_M
-    if WINDOW_LEFT >= 0:        # queries i <= j + left
+    if WINDOW_LEFT >= 0:  # queries i <= j + left
         m_hi = gl.minimum(m_hi, gl.cdiv(n0 + KEYS + WINDOW_LEFT, BLOCK_M))
     return m_lo, m_hi - m_lo
 
 
 @gluon.jit
-def _mask_tile(sc, rows, q_start, t, first, n_full, col_layout: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-               WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _mask_tile(
+    sc,
+    rows,
+    q_start,
+    t,
+    first,
+    n_full,
+    col_layout: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
     """Scores (query rows x keys) of step ``t`` of a forward or dQ consumer (key tile first + t;
     its rows ``rows`` from ``q_start``), masked where the tile crosses the band."""
     if _causal(WINDOW_LEFT, WINDOW_RIGHT):
@@ -281,12 +307,37 @@ def _softmax_step(sc, m_i, scale, MAY_EMPTY: gl.constexpr):
 
 
 @gluon.jit
-def _ws_loader(args, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr,
-               BATCH_MINOR: gl.constexpr, BIAS_STAGES: gl.constexpr):
+def _ws_loader(
+    args,
+    WG: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    Q_ROWS: gl.constexpr,
+    KV_ROWS: gl.constexpr,
+    STORE_LSE: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BATCH_MINOR: gl.constexpr,
+    BIAS_STAGES: gl.constexpr,
+):
     """The forward's TMA loader partition (``args``: _attn_fwd_ws's runtime partition arguments)."""
-    (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q, seq_k,
-     num_heads, group, n_m_blocks) = args
+    (
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        lse_ptr,
+        q_bufs,
+        k_bufs,
+        v_bufs,
+        bars,
+        bias,
+        qk_scale,
+        seq_q,
+        seq_k,
+        num_heads,
+        group,
+        n_m_blocks,
+    ) = args
     # the tiles follow from the shared memory the kernel allocated
     BLOCK_M: gl.constexpr = WG_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -294,7 +345,7 @@ def _ws_loader(args, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: 
     NUM_WG: gl.constexpr = q_bufs.shape[0]
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
-    pid_m = n_m_blocks - 1 - gl.program_id(0)      # longest causal rows first
+    pid_m = n_m_blocks - 1 - gl.program_id(0)  # longest causal rows first
     pid_bh = _program_row(num_heads, BATCH_MINOR)
     kv_row, kv_col = _tile_origin(pid_bh, group, num_heads, seq_k, KV_ROWS, HEAD_D)
     first, n_tiles, _ = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG)
@@ -308,7 +359,7 @@ def _ws_loader(args, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: 
         mbarrier.wait(k_empty.index(s), ph ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row + key0, kv_col], k_ready.index(s), k_bufs.index(s))
-        if HAS_BIAS:     # needed right after S_j, before V_j
+        if HAS_BIAS:  # needed right after S_j, before V_j
             _load_bias_tile(bias, j, bias_row, key0, BIAS_STAGES)
         mbarrier.wait(v_empty.index(s), ph ^ 1)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
@@ -316,12 +367,37 @@ def _ws_loader(args, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: 
 
 
 @gluon.jit
-def _ws_consumer(args, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-                 Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 BATCH_MINOR: gl.constexpr, BIAS_STAGES: gl.constexpr):
+def _ws_consumer(
+    args,
+    WG: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    Q_ROWS: gl.constexpr,
+    KV_ROWS: gl.constexpr,
+    STORE_LSE: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BATCH_MINOR: gl.constexpr,
+    BIAS_STAGES: gl.constexpr,
+):
     """Consumer warpgroup ``WG`` of the forward (``args``: _attn_fwd_ws's runtime partition arguments)."""
-    (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q, seq_k,
-     num_heads, group, n_m_blocks) = args
+    (
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        lse_ptr,
+        q_bufs,
+        k_bufs,
+        v_bufs,
+        bars,
+        bias,
+        qk_scale,
+        seq_q,
+        seq_k,
+        num_heads,
+        group,
+        n_m_blocks,
+    ) = args
     # the tiles follow from the shared memory the kernel allocated
     BLOCK_M: gl.constexpr = WG_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -339,7 +415,7 @@ def _ws_consumer(args, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT
 
     pid_m = n_m_blocks - 1 - gl.program_id(0)
     pid_bh = _program_row(num_heads, BATCH_MINOR)
-    q_start = pid_m * NUM_WG * BLOCK_M + WG * BLOCK_M        # this warpgroup's first query row
+    q_start = pid_m * NUM_WG * BLOCK_M + WG * BLOCK_M  # this warpgroup's first query row
     q_row, q_col = _tile_origin(pid_bh, 1, num_heads, seq_q, Q_ROWS, HEAD_D)
     q_buf = q_bufs.index(WG)
     mbarrier.expect(q_bar.index(WG), q_desc.block_type.nbytes)
@@ -405,7 +481,7 @@ def _ws_consumer(args, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
     mbarrier.arrive(v_empty.index(sl), count=1)
 
-    if HAS_BIAS:    # a row the bias masks whole: output 0, logsumexp -inf
+    if HAS_BIAS:  # a row the bias masks whole: output 0, logsumexp -inf
         empty = l_i == 0.0
         l_i = gl.where(empty, 1.0, l_i)
         m_i = gl.where(empty, float("-inf"), m_i)
@@ -420,54 +496,193 @@ def _ws_consumer(args, WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT
 
 
 @gluon.jit
-def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, bias_desc, lse_ptr, qk_scale, seq_q, seq_k, num_heads, group,
-                 n_m_blocks, bias_batch_rows, bias_head_rows, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-                 Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, STORE_LSE: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 BATCH_MINOR: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr, NUM_WG: gl.constexpr):
+def _attn_fwd_ws(
+    q_desc,
+    k_desc,
+    v_desc,
+    o_desc,
+    bias_desc,
+    lse_ptr,
+    qk_scale,
+    seq_q,
+    seq_k,
+    num_heads,
+    group,
+    n_m_blocks,
+    bias_batch_rows,
+    bias_head_rows,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    Q_ROWS: gl.constexpr,
+    KV_ROWS: gl.constexpr,
+    STORE_LSE: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BATCH_MINOR: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    BIAS_STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    NUM_WG: gl.constexpr,
+):
     """Grid (cdiv(Sq, NUM_WG * 64), B * Hq); one program: NUM_WG * 64 query rows of one (b, h),
     O (B*Hq*Sq, D) rows.  NUM_WG: consumer warpgroups, 2 or 3 (FA3's 192-row tiles at head dim 64,
     where the softmax is as long as the products and a third warpgroup keeps the tensor cores fed).
     ``bias_desc`` (HAS_BIAS): (rows, Sk) bias matrix, tiles (NUM_WG * 64, BLOCK_N); None without.
     A bias needs two warpgroups: a TMA tile's rows are a power of two."""
-    BLOCK_M: gl.constexpr = WG_ROWS
+    BLOCK_M: gl.constexpr = WG_ROWS  # noqa: F841 - the tile height the docstring names
     gl.static_assert(NUM_WG == 2 or (NUM_WG == 3 and not HAS_BIAS))
     q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES, NUM_WG)
     if HAS_BIAS:
         bias = _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, BIAS_STAGES, NUM_WG)
     else:
-        bias = bars     # not read: a stand-in of a type the partitions accept
+        bias = bars  # not read: a stand-in of a type the partitions accept
     # every partition takes the runtime arguments as one tuple; the constexprs are spelled out in
     # each (inside a tuple they lose their kind, Gluon 3.6), as is each (function, arguments)
     # pair (held in a variable it does not compile)
-    args = (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q, seq_k,
-            num_heads, group, n_m_blocks)
+    args = (
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        lse_ptr,
+        q_bufs,
+        k_bufs,
+        v_bufs,
+        bars,
+        bias,
+        qk_scale,
+        seq_q,
+        seq_k,
+        num_heads,
+        group,
+        n_m_blocks,
+    )
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     WG2: gl.constexpr = 2
     if NUM_WG == 3:
-        gl.warp_specialize([
-            (_ws_consumer, (args, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR,
-                            BIAS_STAGES)),
-            (_ws_consumer, (args, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR,
-                            BIAS_STAGES)),
-            (_ws_consumer, (args, WG2, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR,
-                            BIAS_STAGES)),
-            (_ws_loader, (args, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR,
-                          BIAS_STAGES)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+        gl.warp_specialize(
+            [
+                (
+                    _ws_consumer,
+                    (
+                        args,
+                        WG0,
+                        WINDOW_LEFT,
+                        WINDOW_RIGHT,
+                        Q_ROWS,
+                        KV_ROWS,
+                        STORE_LSE,
+                        HAS_BIAS,
+                        BATCH_MINOR,
+                        BIAS_STAGES,
+                    ),
+                ),
+                (
+                    _ws_consumer,
+                    (
+                        args,
+                        WG1,
+                        WINDOW_LEFT,
+                        WINDOW_RIGHT,
+                        Q_ROWS,
+                        KV_ROWS,
+                        STORE_LSE,
+                        HAS_BIAS,
+                        BATCH_MINOR,
+                        BIAS_STAGES,
+                    ),
+                ),
+                (
+                    _ws_consumer,
+                    (
+                        args,
+                        WG2,
+                        WINDOW_LEFT,
+                        WINDOW_RIGHT,
+                        Q_ROWS,
+                        KV_ROWS,
+                        STORE_LSE,
+                        HAS_BIAS,
+                        BATCH_MINOR,
+                        BIAS_STAGES,
+                    ),
+                ),
+                (
+                    _ws_loader,
+                    (
+                        args,
+                        WG0,
+                        WINDOW_LEFT,
+                        WINDOW_RIGHT,
+                        Q_ROWS,
+                        KV_ROWS,
+                        STORE_LSE,
+                        HAS_BIAS,
+                        BATCH_MINOR,
+                        BIAS_STAGES,
+                    ),
+                ),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, CONSUMER_REGS, 24],
+        )
     else:
-        gl.warp_specialize([
-            (_ws_consumer, (args, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR,
-                            BIAS_STAGES)),
-            (_ws_consumer, (args, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR,
-                            BIAS_STAGES)),
-            (_ws_loader, (args, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, STORE_LSE, HAS_BIAS, BATCH_MINOR,
-                          BIAS_STAGES)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+        gl.warp_specialize(
+            [
+                (
+                    _ws_consumer,
+                    (
+                        args,
+                        WG0,
+                        WINDOW_LEFT,
+                        WINDOW_RIGHT,
+                        Q_ROWS,
+                        KV_ROWS,
+                        STORE_LSE,
+                        HAS_BIAS,
+                        BATCH_MINOR,
+                        BIAS_STAGES,
+                    ),
+                ),
+                (
+                    _ws_consumer,
+                    (
+                        args,
+                        WG1,
+                        WINDOW_LEFT,
+                        WINDOW_RIGHT,
+                        Q_ROWS,
+                        KV_ROWS,
+                        STORE_LSE,
+                        HAS_BIAS,
+                        BATCH_MINOR,
+                        BIAS_STAGES,
+                    ),
+                ),
+                (
+                    _ws_loader,
+                    (
+                        args,
+                        WG0,
+                        WINDOW_LEFT,
+                        WINDOW_RIGHT,
+                        Q_ROWS,
+                        KV_ROWS,
+                        STORE_LSE,
+                        HAS_BIAS,
+                        BATCH_MINOR,
+                        BIAS_STAGES,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, 24],
+        )
 
 
 # --------------------------------------------------------------------------- dK / dV
+
 
 @gluon.jit
 def _lse_log2(lse, MAY_EMPTY: gl.constexpr):
@@ -489,17 +704,46 @@ def _q_tile(t, m_lo, n_m, pid_n, ROTATE: gl.constexpr):
 
 
 @gluon.jit
-def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs, q_bufs,
-                   do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, WG: gl.constexpr,
-                   WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
-                   DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr, FUSE_DQ: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _ws_bwd_loader(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    dk_desc,
+    dv_desc,
+    lse_ptr,
+    delta_ptr,
+    k_bufs,
+    v_bufs,
+    q_bufs,
+    do_bufs,
+    bars,
+    bias,
+    qk_scale,
+    sm_scale,
+    seq_q,
+    seq_k,
+    num_heads,
+    group,
+    WG: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    Q_ROWS: gl.constexpr,
+    KV_ROWS: gl.constexpr,
+    DO_ROWS: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BATCH_MINOR: gl.constexpr,
+    FUSE_DQ: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     kv_bar, q_ready, q_empty, lse_bufs, delta_bufs = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     pid_n = gl.program_id(0)
     n_kv = num_heads // group
-    pid_bkv = _program_row(n_kv, BATCH_MINOR)       # b * Hkv + hk
+    pid_bkv = _program_row(n_kv, BATCH_MINOR)  # b * Hkv + hk
     b = pid_bkv // n_kv
     hk = pid_bkv % n_kv
     n0 = pid_n * 2 * BLOCK_N
@@ -517,12 +761,14 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, d
         do_row, do_col = _tile_origin(h, 1, num_heads, seq_q, DO_ROWS, HEAD_D)
         s = t % STAGES
         mbarrier.wait(q_empty.index(s), ((t // STAGES) & 1) ^ 1)
-        if HAS_BIAS:     # the (query tile, 128 keys) bias tile rides in the (Q, dO) slot
+        if HAS_BIAS:  # the (query tile, 128 keys) bias tile rides in the (Q, dO) slot
             bias_desc, bias_bufs = bias[0], bias[1]
-            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                            + bias_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(bias_desc, [_bias_row(h, num_heads, bias[4], bias[5]) + m, n0],
-                                            q_ready.index(s), bias_bufs.index(s))
+            mbarrier.expect(
+                q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes + bias_desc.block_type.nbytes
+            )
+            tma.async_copy_global_to_shared(
+                bias_desc, [_bias_row(h, num_heads, bias[4], bias[5]) + m, n0], q_ready.index(s), bias_bufs.index(s)
+            )
         else:
             mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row + m, q_col], q_ready.index(s), q_bufs.index(s))
@@ -536,11 +782,41 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, d
 
 
 @gluon.jit
-def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs, q_bufs,
-                     do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads, group,
-                     WG: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
-                     KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr,
-                     FUSE_DQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _ws_bwd_consumer(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    dk_desc,
+    dv_desc,
+    lse_ptr,
+    delta_ptr,
+    k_bufs,
+    v_bufs,
+    q_bufs,
+    do_bufs,
+    bars,
+    bias,
+    dq_fused,
+    qk_scale,
+    sm_scale,
+    seq_q,
+    seq_k,
+    num_heads,
+    group,
+    WG: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    Q_ROWS: gl.constexpr,
+    KV_ROWS: gl.constexpr,
+    DO_ROWS: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BATCH_MINOR: gl.constexpr,
+    FUSE_DQ: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     # this warpgroup: BLOCK_N (64) keys; scores transposed (keys x queries) as the tl kernel.
     # FUSE_DQ: dQ too, FA3's way: both warpgroups put their dS^T half in shared memory, then
     # each multiplies the whole (queries x 128 keys) dS by its half of K's columns and adds
@@ -565,7 +841,7 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     m_lo, n_m = _q_tiles(n0, seq_q, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, 2 * BLOCK_N)
-    scale = qk_scale     # with a bias: (st * sm_scale + bias) * log2(e)
+    scale = qk_scale  # with a bias: (st * sm_scale + bias) * log2(e)
     if HAS_BIAS:
         scale = LOG2E
     if FUSE_DQ:
@@ -602,7 +878,7 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
             lse2 = lse_bufs.index(s).load(col_s)
             delta = delta_bufs.index(s).load(col_s)
         st = warpgroup_mma_wait(1, deps=[st_tok])
-        if HAS_BIAS:     # this warpgroup's keys of the slot's bias tile, transposed as the scores
+        if HAS_BIAS:  # this warpgroup's keys of the slot's bias tile, transposed as the scores
             bt = bias[1].index(s).slice(WG * BLOCK_N, BLOCK_N, dim=1).permute((1, 0)).load(s_layout)
             st = st * sm_scale + bt.to(gl.float32)
         if _causal(WINDOW_LEFT, WINDOW_RIGHT):
@@ -620,7 +896,7 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
         if not EARLY_ROWS:
             delta = delta_bufs.index(s).load(col_s)
         dst = (pt * (dpt - delta[None, :])).to(dtype)
-        if FUSE_DQ:    # this warpgroup's keys of dS^T, for both warpgroups' dQ products and its dK's
+        if FUSE_DQ:  # this warpgroup's keys of dS^T, for both warpgroups' dQ products and its dK's
             ds_buf = ds_bufs.index(t % 2)
             ds_buf.slice(WG * BLOCK_N, BLOCK_N).store(dst)
             fence_async_shared()
@@ -660,10 +936,10 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
             _tma_reduce_add(dq_desc, [row0, dq_col], dq_buf)
         else:
             dv, dk, _, _, _ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dst_op, q_buf, do_buf])
-        if HAS_BIAS:     # its bias tile was read through the generic proxy (see _release_bias)
+        if HAS_BIAS:  # its bias tile was read through the generic proxy (see _release_bias)
             fence_async_shared()
         mbarrier.arrive(q_empty.index(s), count=1)
-    if FUSE_DQ:    # the other warpgroup's last dQ products read this one's K tile
+    if FUSE_DQ:  # the other warpgroup's last dQ products read this one's K tile
         mbarrier.arrive(kv_done, count=1)
         mbarrier.wait(kv_done, 0)
     # dK and dV leave through this warpgroup's K and V buffers
@@ -677,11 +953,36 @@ def _ws_bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr,
 
 
 @gluon.jit
-def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_desc, lse_ptr, delta_ptr, dq_desc,
-                      qk_scale, sm_scale, seq_q, seq_k, num_heads, group, bias_batch_rows, bias_head_rows,
-                      WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
-                      KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr,
-                      FUSE_DQ: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+def _attn_bwd_dkdv_ws(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    dk_desc,
+    dv_desc,
+    bias_desc,
+    lse_ptr,
+    delta_ptr,
+    dq_desc,
+    qk_scale,
+    sm_scale,
+    seq_q,
+    seq_k,
+    num_heads,
+    group,
+    bias_batch_rows,
+    bias_head_rows,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    Q_ROWS: gl.constexpr,
+    KV_ROWS: gl.constexpr,
+    DO_ROWS: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BATCH_MINOR: gl.constexpr,
+    FUSE_DQ: gl.constexpr,
+    STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
     """Grid (Sk / 128, B * Hkv); one program: 128 keys of one (b, kv head) in two consumer
     warpgroups of 64, over the query tiles (``q_desc``'s rows: 64 or 128) of every query head of
     its group.
@@ -689,8 +990,8 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_de
     (HAS_BIAS): (rows, Sk) bias matrix, tiles (query tile rows, 128); None without.  FUSE_DQ: dQ is added
     into ``dq_desc``, fp32 (B * Hq * Sq, D) rows zeroed beforehand, tiles (64, D / 2) with 64-row
     query tiles and (64, D) with 128; None without."""
-    BLOCK_N: gl.constexpr = WG_ROWS   # keys per consumer warpgroup
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]   # query rows per tile
+    BLOCK_N: gl.constexpr = WG_ROWS  # keys per consumer warpgroup
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]  # query rows per tile
     gl.static_assert(BLOCK_M == WG_ROWS or BLOCK_M == 2 * WG_ROWS)
     dtype: gl.constexpr = k_desc.dtype
     k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
@@ -706,16 +1007,15 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_de
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
     for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=2)    # the copies' expect, and the rows' arrival
+        mbarrier.init(q_ready.index(i), count=2)  # the copies' expect, and the rows' arrival
         mbarrier.init(q_empty.index(i), count=2)
     bars = (kv_bar, q_ready, q_empty, lse_bufs, delta_bufs)
-    if HAS_BIAS:    # a bias tile per (Q, dO) slot, under the slot's barriers
-        bias_bufs = gl.allocate_shared_memory(bias_desc.dtype, [STAGES] + bias_desc.block_type.shape,
-                                              bias_desc.layout)
+    if HAS_BIAS:  # a bias tile per (Q, dO) slot, under the slot's barriers
+        bias_bufs = gl.allocate_shared_memory(bias_desc.dtype, [STAGES] + bias_desc.block_type.shape, bias_desc.layout)
         bias = (bias_desc, bias_bufs, q_ready, q_empty, bias_batch_rows, bias_head_rows)
     else:
-        bias = bars     # not read: a stand-in of a type the partitions accept
-    if FUSE_DQ:     # dS^T tiles (128 keys x 64 queries), double-buffered: step t + 2 rewrites step t's
+        bias = bars  # not read: a stand-in of a type the partitions accept
+    if FUSE_DQ:  # dS^T tiles (128 keys x 64 queries), double-buffered: step t + 2 rewrites step t's
         # after both warpgroups passed step t + 1's ds_ready, hence after their step-t dQ products
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, BLOCK_M], dtype)
         ds_bufs = gl.allocate_shared_memory(dtype, [2, 2 * BLOCK_N, BLOCK_M], ds_layout)
@@ -730,33 +1030,167 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, bias_de
         dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * DQ_STAGES] + dq_desc.block_type.shape, dq_desc.layout)
         dq_fused = (dq_desc, ds_bufs, ds_ready, kv_done, dq_bufs)
     else:
-        dq_fused = bars     # not read
+        dq_fused = bars  # not read
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
-    gl.warp_specialize([
-        (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                            q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
-                            group, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS,
-                            BATCH_MINOR, FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
-        (_ws_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                            q_bufs, do_bufs, bars, bias, dq_fused, qk_scale, sm_scale, seq_q, seq_k, num_heads,
-                            group, WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS,
-                            BATCH_MINOR, FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
-        (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, k_bufs, v_bufs,
-                          q_bufs, do_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads,
-                          group, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR,
-                          FUSE_DQ, BLOCK_M, BLOCK_N, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    gl.warp_specialize(
+        [
+            (
+                _ws_bwd_consumer,
+                (
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    do_desc,
+                    dk_desc,
+                    dv_desc,
+                    lse_ptr,
+                    delta_ptr,
+                    k_bufs,
+                    v_bufs,
+                    q_bufs,
+                    do_bufs,
+                    bars,
+                    bias,
+                    dq_fused,
+                    qk_scale,
+                    sm_scale,
+                    seq_q,
+                    seq_k,
+                    num_heads,
+                    group,
+                    WG0,
+                    WINDOW_LEFT,
+                    WINDOW_RIGHT,
+                    Q_ROWS,
+                    KV_ROWS,
+                    DO_ROWS,
+                    HAS_BIAS,
+                    BATCH_MINOR,
+                    FUSE_DQ,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                ),
+            ),
+            (
+                _ws_bwd_consumer,
+                (
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    do_desc,
+                    dk_desc,
+                    dv_desc,
+                    lse_ptr,
+                    delta_ptr,
+                    k_bufs,
+                    v_bufs,
+                    q_bufs,
+                    do_bufs,
+                    bars,
+                    bias,
+                    dq_fused,
+                    qk_scale,
+                    sm_scale,
+                    seq_q,
+                    seq_k,
+                    num_heads,
+                    group,
+                    WG1,
+                    WINDOW_LEFT,
+                    WINDOW_RIGHT,
+                    Q_ROWS,
+                    KV_ROWS,
+                    DO_ROWS,
+                    HAS_BIAS,
+                    BATCH_MINOR,
+                    FUSE_DQ,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                ),
+            ),
+            (
+                _ws_bwd_loader,
+                (
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    do_desc,
+                    dk_desc,
+                    dv_desc,
+                    lse_ptr,
+                    delta_ptr,
+                    k_bufs,
+                    v_bufs,
+                    q_bufs,
+                    do_bufs,
+                    bars,
+                    bias,
+                    qk_scale,
+                    sm_scale,
+                    seq_q,
+                    seq_k,
+                    num_heads,
+                    group,
+                    WG0,
+                    WINDOW_LEFT,
+                    WINDOW_RIGHT,
+                    Q_ROWS,
+                    KV_ROWS,
+                    DO_ROWS,
+                    HAS_BIAS,
+                    BATCH_MINOR,
+                    FUSE_DQ,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )
 
 
 # --------------------------------------------------------------------------- dQ
 
+
 @gluon.jit
-def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs, k_bufs, v_bufs,
-                        bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks, WG: gl.constexpr,
-                        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
-                        DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr):
+def _ws_bwd_dq_consumer(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    dq_desc,
+    lse_ptr,
+    delta_ptr,
+    q_bufs,
+    do_bufs,
+    k_bufs,
+    v_bufs,
+    bars,
+    bias,
+    qk_scale,
+    sm_scale,
+    seq_q,
+    seq_k,
+    num_heads,
+    group,
+    n_m_blocks,
+    WG: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    Q_ROWS: gl.constexpr,
+    DO_ROWS: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BATCH_MINOR: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    BIAS_STAGES: gl.constexpr,
+):
     # the forward's consumer with dP = dO V^T and dQ += dS K in place of the output products
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -781,7 +1215,7 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
     rows = q_start + gl.arange(0, BLOCK_M, row_s)
     lse2 = _lse_log2(gl.load(lse_ptr + pid_bh * seq_q + rows), HAS_BIAS)
     delta = gl.load(delta_ptr + pid_bh * seq_q + rows)
-    scale = qk_scale     # with a bias: (sc * sm_scale + bias) * log2(e)
+    scale = qk_scale  # with a bias: (sc * sm_scale + bias) * log2(e)
     if HAS_BIAS:
         scale = LOG2E
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
@@ -816,12 +1250,36 @@ def _ws_bwd_dq_consumer(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
 
 
 @gluon.jit
-def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, bias_desc, lse_ptr, delta_ptr, qk_scale, sm_scale,
-                    seq_q, seq_k, num_heads, group, n_m_blocks, bias_batch_rows, bias_head_rows,
-                    WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, Q_ROWS: gl.constexpr,
-                    KV_ROWS: gl.constexpr, DO_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, BATCH_MINOR: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BIAS_STAGES: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr):
+def _attn_bwd_dq_ws(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    dq_desc,
+    bias_desc,
+    lse_ptr,
+    delta_ptr,
+    qk_scale,
+    sm_scale,
+    seq_q,
+    seq_k,
+    num_heads,
+    group,
+    n_m_blocks,
+    bias_batch_rows,
+    bias_head_rows,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    Q_ROWS: gl.constexpr,
+    KV_ROWS: gl.constexpr,
+    DO_ROWS: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BATCH_MINOR: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    BIAS_STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
     """Grid (Sq / 128, B * Hq); one program: dQ of 128 query rows of one (b, h), the K/V ring, the
     bias ring and their loader shared with the forward (_ws_loader).  dQ: (B * Hq * Sq, D) rows."""
     BLOCK_M: gl.constexpr = WG_ROWS
@@ -831,23 +1289,120 @@ def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, bias_desc, lse_ptr
     if HAS_BIAS:
         bias = _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, BIAS_STAGES, NUM_WG)
     else:
-        bias = bars     # not read: a stand-in of a type the partitions accept
+        bias = bars  # not read: a stand-in of a type the partitions accept
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     NO_LSE: gl.constexpr = False
     # the forward's loader (its runtime arguments as one tuple): it reads only the K/V descriptors,
     # the rings, the barriers and the sizes
-    loader_args = (q_desc, k_desc, v_desc, dq_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, bias, qk_scale, seq_q,
-                   seq_k, num_heads, group, n_m_blocks)
-    gl.warp_specialize([
-        (_ws_bwd_dq_consumer, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs, k_bufs,
-                               v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
-                               WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
-                               BLOCK_N, STAGES, BIAS_STAGES)),
-        (_ws_bwd_dq_consumer, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, q_bufs, do_bufs, k_bufs,
-                               v_bufs, bars, bias, qk_scale, sm_scale, seq_q, seq_k, num_heads, group, n_m_blocks,
-                               WG1, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, DO_ROWS, HAS_BIAS, BATCH_MINOR, BLOCK_M,
-                               BLOCK_N, STAGES, BIAS_STAGES)),
-        (_ws_loader, (loader_args, WG0, WINDOW_LEFT, WINDOW_RIGHT, Q_ROWS, KV_ROWS, NO_LSE, HAS_BIAS, BATCH_MINOR,
-                      BIAS_STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    loader_args = (
+        q_desc,
+        k_desc,
+        v_desc,
+        dq_desc,
+        lse_ptr,
+        q_bufs,
+        k_bufs,
+        v_bufs,
+        bars,
+        bias,
+        qk_scale,
+        seq_q,
+        seq_k,
+        num_heads,
+        group,
+        n_m_blocks,
+    )
+    gl.warp_specialize(
+        [
+            (
+                _ws_bwd_dq_consumer,
+                (
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    do_desc,
+                    dq_desc,
+                    lse_ptr,
+                    delta_ptr,
+                    q_bufs,
+                    do_bufs,
+                    k_bufs,
+                    v_bufs,
+                    bars,
+                    bias,
+                    qk_scale,
+                    sm_scale,
+                    seq_q,
+                    seq_k,
+                    num_heads,
+                    group,
+                    n_m_blocks,
+                    WG0,
+                    WINDOW_LEFT,
+                    WINDOW_RIGHT,
+                    Q_ROWS,
+                    DO_ROWS,
+                    HAS_BIAS,
+                    BATCH_MINOR,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                    BIAS_STAGES,
+                ),
+            ),
+            (
+                _ws_bwd_dq_consumer,
+                (
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    do_desc,
+                    dq_desc,
+                    lse_ptr,
+                    delta_ptr,
+                    q_bufs,
+                    do_bufs,
+                    k_bufs,
+                    v_bufs,
+                    bars,
+                    bias,
+                    qk_scale,
+                    sm_scale,
+                    seq_q,
+                    seq_k,
+                    num_heads,
+                    group,
+                    n_m_blocks,
+                    WG1,
+                    WINDOW_LEFT,
+                    WINDOW_RIGHT,
+                    Q_ROWS,
+                    DO_ROWS,
+                    HAS_BIAS,
+                    BATCH_MINOR,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                    BIAS_STAGES,
+                ),
+            ),
+            (
+                _ws_loader,
+                (
+                    loader_args,
+                    WG0,
+                    WINDOW_LEFT,
+                    WINDOW_RIGHT,
+                    Q_ROWS,
+                    KV_ROWS,
+                    NO_LSE,
+                    HAS_BIAS,
+                    BATCH_MINOR,
+                    BIAS_STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )

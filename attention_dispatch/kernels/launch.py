@@ -4,6 +4,7 @@ past the launch-grid limit, the split-keys heuristic and its workspace, empty ed
 Everything here only reads shapes/strides and python ints: no host synchronisation and no
 allocation whose size depends on tensor data, so it is CUDA-graph capturable.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,11 +21,12 @@ from .compiled_cache import COMPILED, DirectLaunch, TensorDescriptor, _hooks_ins
 from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
 from .forward import LOG2E, _attn_fwd, _dropout_mask_kernel
 
-try:   # Gluon (Triton >= 3.5): the warp-specialised sm90 forward
+try:  # Gluon (Triton >= 3.5): the warp-specialised sm90 forward
     from triton.experimental.gluon import language as _gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
     from .forward_ws import WG_ROWS, _attn_bwd_dkdv_ws, _attn_bwd_dq_ws, _attn_fwd_ws
-    _WG_ROWS = WG_ROWS.value   # rows per consumer warpgroup; a program covers two
+
+    _WG_ROWS = WG_ROWS.value  # rows per consumer warpgroup; a program covers two
 except ImportError:  # pragma: no cover - a Triton without Gluon: the tl forward serves every call
     _attn_fwd_ws = _attn_bwd_dkdv_ws = _attn_bwd_dq_ws = None
     _WG_ROWS = 64
@@ -48,6 +50,7 @@ class KernelParams:
     sequence when ``align_bottom_right`` else 0.  causal top_left == (False, -1, 0);
     causal bottom_right == (True, -1, 0).
     """
+
     scale: float
     align_bottom_right: bool = False
     window_left: int = -1
@@ -55,11 +58,11 @@ class KernelParams:
     dropout_p: float = 0.0
     deterministic: bool = False
     # ---- tuning / testing knobs (0 / None = automatic) ----
-    block_m: int = 0            # force the query tile of every kernel
-    block_n: int = 0            # force the key tile of every kernel
-    num_splits: int = 0         # force the dQ key splits (ignored when deterministic)
-    max_grid: int = 0           # grid y/z limit for chunking; 0 = MAX_GRID_YZ
-    descriptors: int = -1       # TMA tensor-descriptor loads: -1 auto (Hopper+, half, aligned), 0 off, 1 on
+    block_m: int = 0  # force the query tile of every kernel
+    block_n: int = 0  # force the key tile of every kernel
+    num_splits: int = 0  # force the dQ key splits (ignored when deterministic)
+    max_grid: int = 0  # grid y/z limit for chunking; 0 = MAX_GRID_YZ
+    descriptors: int = -1  # TMA tensor-descriptor loads: -1 auto (Hopper+, half, aligned), 0 off, 1 on
 
     def __post_init__(self):
         if not (0.0 <= self.dropout_p < 1.0):
@@ -78,6 +81,7 @@ class KernelParams:
 
 
 # --------------------------------------------------------------------------- device facts
+
 
 def is_interpreter() -> bool:
     """True when the kernels were built by Triton's CPU interpreter (TRITON_INTERPRET=1
@@ -114,7 +118,7 @@ try:
     from triton.runtime._allocation import _allocator as _TRITON_ALLOCATOR
 except ImportError:  # pragma: no cover - Triton without in-kernel descriptors
     _TRITON_ALLOCATOR = _NullAllocator = None
-_HAS_DESCRIPTORS = (hasattr(_TRITON_ALLOCATOR, "reset") and hasattr(triton.language, "make_tensor_descriptor"))
+_HAS_DESCRIPTORS = hasattr(_TRITON_ALLOCATOR, "reset") and hasattr(triton.language, "make_tensor_descriptor")
 
 
 class _ScratchAllocator:
@@ -147,12 +151,20 @@ def use_descriptors(params: "KernelParams", tensors, device: torch.device, loop_
         return False
     if params.descriptors == 1:
         if not (_HAS_DESCRIPTORS and all(_tma_compatible(t) for t in tensors)):
-            raise ValueError("descriptors=1: TMA descriptors need Triton's make_tensor_descriptor and "
-                             "16-byte aligned rows (base, strides and head dim); got "
-                             + ", ".join(f"{tuple(t.shape)}/{t.stride()}" for t in tensors))
+            raise ValueError(
+                "descriptors=1: TMA descriptors need Triton's make_tensor_descriptor and "
+                "16-byte aligned rows (base, strides and head dim); got "
+                + ", ".join(f"{tuple(t.shape)}/{t.stride()}" for t in tensors)
+            )
         return True
-    if (not _HAS_DESCRIPTORS or device.type != "cuda" or is_interpreter() or (loop_len is not None and loop_len <= 64)
-            or tensors[0].dtype not in (torch.float16, torch.bfloat16) or device_info(device)[0] < (9, 0)):
+    if (
+        not _HAS_DESCRIPTORS
+        or device.type != "cuda"
+        or is_interpreter()
+        or (loop_len is not None and loop_len <= 64)
+        or tensors[0].dtype not in (torch.float16, torch.bfloat16)
+        or device_info(device)[0] < (9, 0)
+    ):
         return False
     for t in tensors:
         if not _tma_compatible(t):
@@ -172,12 +184,21 @@ def _run_with_scratch(device: torch.device, uses_descriptors: bool, fn, *args):
 
 
 # Opt-in shared memory per block by compute capability, used when the device cannot be queried.
-_SMEM_BY_CC = {(7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024,
-               (8, 9): 99 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024, (12, 0): 99 * 1024}
+_SMEM_BY_CC = {
+    (7, 5): 64 * 1024,
+    (8, 0): 163 * 1024,
+    (8, 6): 99 * 1024,
+    (8, 7): 163 * 1024,
+    (8, 9): 99 * 1024,
+    (9, 0): 227 * 1024,
+    (10, 0): 227 * 1024,
+    (12, 0): 99 * 1024,
+}
 
 
-def config_reason(head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, device,
-                  compute_capability: tuple[int, int] | None = None) -> str | None:
+def config_reason(
+    head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, device, compute_capability: tuple[int, int] | None = None
+) -> str | None:
     """Why the kernel cannot run this (head dims, dtype, device), or None when it can.
 
     ``device``: a torch.device or a device string/type ("cuda", "cuda:1", "cpu");
@@ -209,9 +230,16 @@ def config_reason(head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, device,
     return C.arch_reason(head_dim_qk, head_dim_v, dtype, cc, smem)
 
 
-def select_config(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, device,
-                  params: KernelParams | None = None, extras: bool = False,
-                  grouped: bool = False) -> list[C.KernelConfig]:
+def select_config(
+    kind: str,
+    head_dim_qk: int,
+    head_dim_v: int,
+    dtype: torch.dtype,
+    device,
+    params: KernelParams | None = None,
+    extras: bool = False,
+    grouped: bool = False,
+) -> list[C.KernelConfig]:
     """Candidate configurations, best first (a forced block_m/block_n replaces the tiles, in
     one tile: no sub-tiles).  ``extras``: a bias, mask or dropout; ``grouped``: GQA / MQA."""
     if is_interpreter() or torch.device(device).type != "cuda":
@@ -221,11 +249,14 @@ def select_config(kind: str, head_dim_qk: int, head_dim_v: int, dtype: torch.dty
         banded = params is not None and (params.window_left >= 0 or params.window_right >= 0)
         cands = C.candidate_configs(kind, head_dim_qk, head_dim_v, dtype, cc, smem, banded, extras, grouped)
         if not cands:
-            raise RuntimeError(C.arch_reason(head_dim_qk, head_dim_v, dtype, cc, smem)
-                               or f"no {kind} configuration")
+            raise RuntimeError(C.arch_reason(head_dim_qk, head_dim_v, dtype, cc, smem) or f"no {kind} configuration")
     if params is not None and (params.block_m or params.block_n):
-        cands = list(dict.fromkeys(C.KernelConfig(params.block_m or c.block_m, params.block_n or c.block_n,
-                                                  c.num_warps, c.num_stages) for c in cands))
+        cands = list(
+            dict.fromkeys(
+                C.KernelConfig(params.block_m or c.block_m, params.block_n or c.block_n, c.num_warps, c.num_stages)
+                for c in cands
+            )
+        )
     return cands
 
 
@@ -271,8 +302,17 @@ def _launch(kind, kernel, grid, args, kw, cands, key, tail=None):
                 extra_args, extra_kw = tail(cfg)
                 cfg_args = args + extra_args
                 constexprs.update(extra_kw)
-            _run_with_scratch(args[0].device, kw.get("USE_DESC", False), _launch_one, kernel, grid(cfg), cfg_args,
-                              constexprs, cfg.num_warps, cfg.num_stages)
+            _run_with_scratch(
+                args[0].device,
+                kw.get("USE_DESC", False),
+                _launch_one,
+                kernel,
+                grid(cfg),
+                cfg_args,
+                constexprs,
+                cfg.num_warps,
+                cfg.num_stages,
+            )
             _CHOSEN[key] = idx
             return cfg
         except Exception as e:  # noqa: BLE001
@@ -300,8 +340,14 @@ def bh_chunks(n: int, inner: int, limit: int):
         start += cnt
 
 
-def num_splits_heuristic(batch_heads: int, num_m_blocks: int, num_n_blocks: int, num_sms: int,
-                         deterministic: bool, max_splits: int = MAX_SPLITS) -> int:
+def num_splits_heuristic(
+    batch_heads: int,
+    num_m_blocks: int,
+    num_n_blocks: int,
+    num_sms: int,
+    deterministic: bool,
+    max_splits: int = MAX_SPLITS,
+) -> int:
     """How many ways to split the key range of the dQ pass (fp32 workspace + atomics).
 
     1 when deterministic; else split only when batch*heads*query-tiles fills less than two
@@ -316,8 +362,9 @@ def num_splits_heuristic(batch_heads: int, num_m_blocks: int, num_n_blocks: int,
     return max(1, s)
 
 
-def group_splits_heuristic(batch_kv_heads: int, num_n_blocks: int, group: int, num_sms: int,
-                           deterministic: bool = False) -> int:
+def group_splits_heuristic(
+    batch_kv_heads: int, num_n_blocks: int, group: int, num_sms: int, deterministic: bool = False
+) -> int:
     """How many ways to split the query heads of a GQA/MQA group in the dK/dV pass (each
     split writes an fp32 partial dK/dV, summed in a fixed order).  1 when deterministic or
     when batch*kv_heads*key-tiles already fills two waves of the SMs."""
@@ -331,6 +378,7 @@ def group_splits_heuristic(batch_kv_heads: int, num_n_blocks: int, group: int, n
 
 
 # --------------------------------------------------------------------------- argument prep
+
 
 class _Problem:
     """Shapes and strides of one call (dense or varlen), normalised for the kernels."""
@@ -410,8 +458,10 @@ def bias_layout(bias: torch.Tensor | None, full: tuple[int, int, int, int]):
         bias = bias.unsqueeze(0)
     for d in range(4):
         if bias.shape[d] not in (1, full[d]):
-            raise ValueError(f"attn bias shape {tuple(bias.shape)} does not broadcast to {tuple(full)}"
-                             " (each dim must be 1 or full size)")
+            raise ValueError(
+                f"attn bias shape {tuple(bias.shape)} does not broadcast to {tuple(full)}"
+                " (each dim must be 1 or full size)"
+            )
     if bias.dtype == torch.bool:
         kind, t = 2, bias.view(torch.uint8)
     elif bias.dtype.is_floating_point:
@@ -425,8 +475,11 @@ def bias_layout(bias: torch.Tensor | None, full: tuple[int, int, int, int]):
 
 def bias_constexprs(kind: int, bias_t, bias_strides, prob, use_desc: bool) -> dict:
     """The constexprs that the bias layout decides, for every attention kernel of a call."""
-    return dict(BIAS_KIND=kind, BIAS_DESC=bias_descriptor(use_desc, bias_t, bias_strides),
-                BATCH_MINOR=batch_minor(kind, bias_strides, prob))
+    return dict(
+        BIAS_KIND=kind,
+        BIAS_DESC=bias_descriptor(use_desc, bias_t, bias_strides),
+        BATCH_MINOR=batch_minor(kind, bias_strides, prob),
+    )
 
 
 def batch_minor(bias_kind: int, bias_strides, prob) -> bool:
@@ -443,12 +496,12 @@ def bias_descriptor(use_desc: bool, bias_t, bias_strides) -> bool:
         return False
     es = bias_t.element_size()
     sbb, sbh, sbi, sbj = bias_strides
-    return (sbj == 1 and sbi > 0 and bias_t.data_ptr() % 16 == 0
-            and all((st * es) % 16 == 0 for st in (sbb, sbh, sbi)))
+    return sbj == 1 and sbi > 0 and bias_t.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in (sbb, sbh, sbi))
 
 
-def ws_bias_reason(kind: int, bias_t, bias_strides, dtype: torch.dtype, uses_descriptors: bool,
-                   grad: bool = False) -> str | None:
+def ws_bias_reason(
+    kind: int, bias_t, bias_strides, dtype: torch.dtype, uses_descriptors: bool, grad: bool = False
+) -> str | None:
     """None when the warp-specialised kernels can read this bias (or there is none), else why
     not: they take a float bias of the query's dtype through a TMA descriptor over the (rows,
     Sk) matrix whose row of query i of (b, h) is b * batch_rows + h * head_rows + i
@@ -463,8 +516,7 @@ def ws_bias_reason(kind: int, bias_t, bias_strides, dtype: torch.dtype, uses_des
     if bias_t.dtype != dtype:
         return f"bias dtype {bias_t.dtype}: the warp-specialised kernels read a bias of the query's dtype ({dtype})"
     if not bias_descriptor(uses_descriptors, bias_t, bias_strides):
-        return ("bias layout: the warp-specialised kernels need contiguous keys, per-query rows and 16-byte "
-                "aligned rows")
+        return "bias layout: the warp-specialised kernels need contiguous keys, per-query rows and 16-byte aligned rows"
     sbb, sbh, sbi, _ = bias_strides
     if sbb % sbi or sbh % sbi:
         return "bias layout: batch and head strides are not whole rows"
@@ -479,16 +531,30 @@ def ws_bias_rows(bias_strides) -> tuple[int, int]:
 
 def _common(q, params, prob):
     """Constexpr arguments shared by every kernel of a call (memoised: built on every launch)."""
-    return _common_constexprs(q.dtype, prob.Dqk, prob.Dv, prob.varlen, bool(params.align_bottom_right),
-                              params.window_left >= 0, params.window_right >= 0, INTERPRETER_FP32_PRODUCTS)
+    return _common_constexprs(
+        q.dtype,
+        prob.Dqk,
+        prob.Dv,
+        prob.varlen,
+        bool(params.align_bottom_right),
+        params.window_left >= 0,
+        params.window_right >= 0,
+        INTERPRETER_FP32_PRODUCTS,
+    )
 
 
 @functools.lru_cache(maxsize=256)
 def _common_constexprs(dtype, dqk, dv, varlen, align_br, has_wl, has_wr, fp32_products):
     interp = is_interpreter()
     return dict(
-        HEAD_DQK=dqk, HEAD_DV=dv, IS_VARLEN=varlen, ALIGN_BR=align_br, HAS_WL=has_wl, HAS_WR=has_wr,
-        BLOCK_DQK=C.block_d(dqk), BLOCK_DV=C.block_d(dv),
+        HEAD_DQK=dqk,
+        HEAD_DV=dv,
+        IS_VARLEN=varlen,
+        ALIGN_BR=align_br,
+        HAS_WL=has_wl,
+        HAS_WR=has_wr,
+        BLOCK_DQK=C.block_d(dqk),
+        BLOCK_DV=C.block_d(dv),
         DOT_UPCAST=interp and dtype != torch.float32,
         DOT_IEEE=dtype == torch.float32,
         ROUND_P=not (interp and fp32_products),
@@ -507,7 +573,7 @@ def _store_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def draw_seed(device) -> torch.Tensor:
     """The dropout seed: one int64 drawn from the device's torch generator (no host sync)."""
-    return torch.randint(0, 2 ** 62, (1,), device=device, dtype=torch.int64)
+    return torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64)
 
 
 def _grid_limit(params: KernelParams) -> int:
@@ -546,9 +612,15 @@ def host_kv_descriptors(k, v, prob: "_Problem", uses_descriptors: bool, block_dq
     tile would reach into the next head or sequence).  None when K/V are not read that way.
     A host descriptor saves each program the tensormap write and fence of an in-kernel one
     (experiment 30)."""
-    if (not uses_descriptors or TensorDescriptor is None or prob.varlen
-            or prob.Dqk != block_dqk or prob.Dv != block_dv or prob.B * prob.Hkv * prob.Sk >= 2 ** 31
-            or prob.B * prob.Hq * prob.Sq * prob.Sk * max(prob.Dqk, prob.Dv) < HOST_KV_MIN_WORK):
+    if (
+        not uses_descriptors
+        or TensorDescriptor is None
+        or prob.varlen
+        or prob.Dqk != block_dqk
+        or prob.Dv != block_dv
+        or prob.B * prob.Hkv * prob.Sk >= 2**31
+        or prob.B * prob.Hq * prob.Sq * prob.Sk * max(prob.Dqk, prob.Dv) < HOST_KV_MIN_WORK
+    ):
         return None
     layout = _rows_layout(k, v)
     if layout == 0:
@@ -561,8 +633,12 @@ def host_kv_descriptors(k, v, prob: "_Problem", uses_descriptors: bool, block_dq
             return None
         # the base is k / v itself (Triton reads only its address and dtype): a relaunch
         # recognises it (ForwardPlan)
-        return (TensorDescriptor(k, [k_rows, k_len], [k_len, 1], [block_n, prob.Dqk]),
-                TensorDescriptor(v, [v_rows, v_len], [v_len, 1], [block_n, prob.Dv]), layout)
+        return (
+            TensorDescriptor(k, [k_rows, k_len], [k_len, 1], [block_n, prob.Dqk]),
+            TensorDescriptor(v, [v_rows, v_len], [v_len, 1], [block_n, prob.Dv]),
+            layout,
+        )
+
     return descriptors
 
 
@@ -584,8 +660,10 @@ def gluon_reason() -> str | None:
         return "this Triton has no Gluon"
     if not triton.__version__.startswith(GLUON_TRITON_VERSIONS):
         tested = ", ".join(v.rstrip(".") for v in GLUON_TRITON_VERSIONS)
-        return (f"Triton {triton.__version__}: the Gluon kernels are written for Triton {tested}'s Gluon API, "
-                "which changes between releases")
+        return (
+            f"Triton {triton.__version__}: the Gluon kernels are written for Triton {tested}'s Gluon API, "
+            "which changes between releases"
+        )
     return None
 
 
@@ -594,8 +672,16 @@ def gluon_reason() -> str | None:
 WS_MIN_WINDOW = 1024
 
 
-def ws_forward_reason(prob: "_Problem", bias_reason: str | None, params: KernelParams, dtype: torch.dtype,
-                      cc: tuple[int, int], uses_descriptors: bool, q_rows: int, kv_rows: int) -> str | None:
+def ws_forward_reason(
+    prob: "_Problem",
+    bias_reason: str | None,
+    params: KernelParams,
+    dtype: torch.dtype,
+    cc: tuple[int, int],
+    uses_descriptors: bool,
+    q_rows: int,
+    kv_rows: int,
+) -> str | None:
     """None when the warp-specialised sm90 kernels (forward, dK/dV, dQ; the forward only where
     :func:`ws_forward_serves` says) compute this call, else why not (one line).
     ``bias_reason``: :func:`ws_bias_reason` of the call's bias; ``uses_descriptors``:
@@ -622,11 +708,14 @@ def ws_forward_reason(prob: "_Problem", bias_reason: str | None, params: KernelP
         return "dropout: not in the warp-specialised kernels"
     if banded and prob.Sq != prob.Sk:
         return "window or causal with Sq != Sk: banded calls with Sq == Sk only"
-    width = (math.inf if params.window_left < 0 or params.window_right < 0
-             else params.window_left + params.window_right + 1)
+    width = (
+        math.inf if params.window_left < 0 or params.window_right < 0 else params.window_left + params.window_right + 1
+    )
     if width < WS_MIN_WINDOW:
-        return (f"window ({params.window_left}, {params.window_right}): narrower than {WS_MIN_WINDOW} keys, "
-                "the tl kernels' smaller tiles waste less")
+        return (
+            f"window ({params.window_left}, {params.window_right}): narrower than {WS_MIN_WINDOW} keys, "
+            "the tl kernels' smaller tiles waste less"
+        )
     if params.scale <= 0:
         return f"scale {params.scale}: positive only (the running max is taken before scaling)"
     if params.block_m or params.block_n:
@@ -637,7 +726,7 @@ def ws_forward_reason(prob: "_Problem", bias_reason: str | None, params: KernelP
         return f"Sq={prob.Sq}, Sk={prob.Sk}: multiples of {rows} and {keys} only"
     if q_rows == 0 or kv_rows == 0:
         return "memory layout: query and key/value each (B, H, S, D) or (B, S, H, D) contiguous"
-    if prob.B * prob.Hq > _grid_limit(params) or prob.B * prob.Hq * prob.Sq >= 2 ** 31:
+    if prob.B * prob.Hq > _grid_limit(params) or prob.B * prob.Hq * prob.Sq >= 2**31:
         return "grid or row count past the kernel's 32-bit limits"
     if prob.B * prob.Hq * prob.Sq * prob.Sk * prob.Dqk < WS_MIN_WORK:
         return f"below WS_MIN_WORK ({WS_MIN_WORK} query-key-dim products): the host descriptors cost more"
@@ -650,16 +739,19 @@ def _ws_route(q, k, v, bias_reason: str | None, params: KernelParams, prob: "_Pr
     if not uses_descriptors:
         return None
     q_rows, kv_rows = _rows_layout(q), _rows_layout(k, v)
-    if ws_forward_reason(prob, bias_reason, params, q.dtype, device_info(q.device)[0], uses_descriptors, q_rows,
-                         kv_rows) is not None:
+    if (
+        ws_forward_reason(
+            prob, bias_reason, params, q.dtype, device_info(q.device)[0], uses_descriptors, q_rows, kv_rows
+        )
+        is not None
+    ):
         return None
     return q_rows, kv_rows
 
 
 @functools.lru_cache(maxsize=16)
 def _ws_smem_layout(rows: int, cols: int, dtype: torch.dtype):
-    return _gl.NVMMASharedLayout.get_default_for([rows, cols], _gl.bfloat16 if dtype == torch.bfloat16
-                                                 else _gl.float16)
+    return _gl.NVMMASharedLayout.get_default_for([rows, cols], _gl.bfloat16 if dtype == torch.bfloat16 else _gl.float16)
 
 
 def _rows_descriptor(t: torch.Tensor, rows_layout: int, block_rows: int):
@@ -673,6 +765,7 @@ class _WsBias(NamedTuple):
     """A bias the warp-specialised kernels read (:func:`ws_bias_reason`): the tensor, its row
     stride, the rows of its (rows, Sk) matrix, its rows per batch and per head, and whether
     the programs run batch-fastest (:func:`batch_minor`)."""
+
     tensor: torch.Tensor
     row_stride: int
     rows: int
@@ -688,8 +781,13 @@ class _WsBias(NamedTuple):
 
     def descriptor(self, block_rows: int, block_cols: int, seq_k: int):
         """Gluon descriptor over the bias matrix, tiles of (block_rows, block_cols)."""
-        return _GluonDescriptor(self.tensor, [self.rows, seq_k], [self.row_stride, 1], [block_rows, block_cols],
-                                _ws_smem_layout(block_rows, block_cols, self.tensor.dtype))
+        return _GluonDescriptor(
+            self.tensor,
+            [self.rows, seq_k],
+            [self.row_stride, 1],
+            [block_rows, block_cols],
+            _ws_smem_layout(block_rows, block_cols, self.tensor.dtype),
+        )
 
 
 def _bias_args(bias: "_WsBias | None", block_rows: int, block_cols: int, seq_k: int) -> tuple:
@@ -702,30 +800,62 @@ def _bias_args(bias: "_WsBias | None", block_rows: int, block_cols: int, seq_k: 
 # The Gluon kernels' launch: 4 warps in the default (first consumer) partition; their pipelines
 # are written out.  Launched through compiled_cache like the tl kernels:
 # Triton's own launch path costs ~150 us of host time per call (probe of session 12).
-_WS_WARPS, _WS_STAGES = 4, 3     # num_stages: Triton's default, as Triton's own launch had
+_WS_WARPS, _WS_STAGES = 4, 3  # num_stages: Triton's default, as Triton's own launch had
 
 
 def _ws_constexprs(params: KernelParams, bias: "_WsBias | None", **rest) -> dict:
     """Constexprs of a Gluon kernel launch: the band, the bias and ``rest`` (row layouts, tiles)."""
-    return dict(WINDOW_LEFT=params.window_left, WINDOW_RIGHT=params.window_right, HAS_BIAS=bias is not None,
-                BATCH_MINOR=bias is not None and bias.batch_minor, **rest)
+    return dict(
+        WINDOW_LEFT=params.window_left,
+        WINDOW_RIGHT=params.window_right,
+        HAS_BIAS=bias is not None,
+        BATCH_MINOR=bias is not None and bias.batch_minor,
+        **rest,
+    )
 
 
-def _forward_ws(q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int,
-                bias: _WsBias | None = None):
+def _forward_ws(
+    q, k, v, out, lse, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int, bias: _WsBias | None = None
+):
     cfg = C.WS_FWD_CONFIGS[prob.Dqk]
     rows = cfg.consumers * _WG_ROWS
     n_m = _cdiv(prob.Sq, rows)
     bias_desc, batch_rows, head_rows = _bias_args(bias, rows, cfg.block_n, prob.Sk)
-    _launch_one(_attn_fwd_ws, (n_m, prob.B * prob.Hq), (
-        _rows_descriptor(q, q_rows, _WG_ROWS), _rows_descriptor(k, kv_rows, cfg.block_n),
-        _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(out, 1, _WG_ROWS), bias_desc,
-        lse if lse is not None else out, params.scale * LOG2E, prob.Sq, prob.Sk, prob.Hq, prob.group, n_m,
-        batch_rows, head_rows),
-        _ws_constexprs(params, bias, Q_ROWS=q_rows, KV_ROWS=kv_rows, STORE_LSE=lse is not None, BLOCK_N=cfg.block_n,
-                       STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages, CONSUMER_REGS=cfg.consumer_regs,
-                       NUM_WG=cfg.consumers),
-        _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
+    _launch_one(
+        _attn_fwd_ws,
+        (n_m, prob.B * prob.Hq),
+        (
+            _rows_descriptor(q, q_rows, _WG_ROWS),
+            _rows_descriptor(k, kv_rows, cfg.block_n),
+            _rows_descriptor(v, kv_rows, cfg.block_n),
+            _rows_descriptor(out, 1, _WG_ROWS),
+            bias_desc,
+            lse if lse is not None else out,
+            params.scale * LOG2E,
+            prob.Sq,
+            prob.Sk,
+            prob.Hq,
+            prob.group,
+            n_m,
+            batch_rows,
+            head_rows,
+        ),
+        _ws_constexprs(
+            params,
+            bias,
+            Q_ROWS=q_rows,
+            KV_ROWS=kv_rows,
+            STORE_LSE=lse is not None,
+            BLOCK_N=cfg.block_n,
+            STAGES=cfg.stages,
+            BIAS_STAGES=cfg.bias_stages,
+            CONSUMER_REGS=cfg.consumer_regs,
+            NUM_WG=cfg.consumers,
+        ),
+        _WS_WARPS,
+        _WS_STAGES,
+        maxnreg=cfg.max_regs,
+    )
 
 
 def ws_forward_serves(cfg: "C.WsConfig", has_bias: bool, params: KernelParams) -> bool:
@@ -762,12 +892,30 @@ def fuse_dq(params: KernelParams, prob: "_Problem", bias: "_WsBias | None") -> b
     so) and the call does not ask for determinism (its reduce-adds land in any order)."""
     cfg = C.WS_BWD_CONFIGS[prob.Dqk]
     banded = params.window_left >= 0 or params.window_right >= 0
-    return (cfg.fuse_dq and (cfg.fuse_dq_banded or not banded) and not params.deterministic and bias is None
-            and prob.Sk >= FUSE_DQ_MIN_KEYS)
+    return (
+        cfg.fuse_dq
+        and (cfg.fuse_dq_banded or not banded)
+        and not params.deterministic
+        and bias is None
+        and prob.Sk >= FUSE_DQ_MIN_KEYS
+    )
 
 
-def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int,
-             do_rows: int, bias: _WsBias | None = None, fuse_dq: bool = False):
+def _dkdv_ws(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    params: KernelParams,
+    prob: "_Problem",
+    q_rows: int,
+    kv_rows: int,
+    do_rows: int,
+    bias: _WsBias | None = None,
+    fuse_dq: bool = False,
+):
     """(dK, dV, dQ or None) of a call the warp-specialised forward serves (same scope, dO in a
     row layout); ``fuse_dq``: dQ too, added by TMA reduce-add into a zeroed fp32 buffer."""
     cfg = C.WS_BWD_CONFIGS[prob.Dqk]
@@ -778,32 +926,102 @@ def _dkdv_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_
     bias_desc, batch_rows, head_rows = _bias_args(bias, m, 2 * w, prob.Sk)
     # a warpgroup's dQ partial: half the columns of a 64-row tile, or every column of its half of 128
     dq_desc = _dq_acc_descriptor(dq_acc, prob.Dqk if m == 2 * w else prob.Dqk // 2) if fuse_dq else None
-    _launch_one(_attn_bwd_dkdv_ws, (prob.Sk // (2 * w), prob.B * prob.Hkv), (
-        _rows_descriptor(q, q_rows, m), _rows_descriptor(k, kv_rows, w), _rows_descriptor(v, kv_rows, w),
-        _rows_descriptor(do, do_rows, m), _rows_descriptor(dk, 1, w), _rows_descriptor(dv, 1, w), bias_desc,
-        lse, delta, dq_desc, params.scale * LOG2E, params.scale, prob.Sq,
-        prob.Sk, prob.Hq, prob.group, batch_rows, head_rows),
-        _ws_constexprs(params, bias, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows, FUSE_DQ=fuse_dq,
-                       STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs),
-        _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
+    _launch_one(
+        _attn_bwd_dkdv_ws,
+        (prob.Sk // (2 * w), prob.B * prob.Hkv),
+        (
+            _rows_descriptor(q, q_rows, m),
+            _rows_descriptor(k, kv_rows, w),
+            _rows_descriptor(v, kv_rows, w),
+            _rows_descriptor(do, do_rows, m),
+            _rows_descriptor(dk, 1, w),
+            _rows_descriptor(dv, 1, w),
+            bias_desc,
+            lse,
+            delta,
+            dq_desc,
+            params.scale * LOG2E,
+            params.scale,
+            prob.Sq,
+            prob.Sk,
+            prob.Hq,
+            prob.group,
+            batch_rows,
+            head_rows,
+        ),
+        _ws_constexprs(
+            params,
+            bias,
+            Q_ROWS=q_rows,
+            KV_ROWS=kv_rows,
+            DO_ROWS=do_rows,
+            FUSE_DQ=fuse_dq,
+            STAGES=cfg.stages,
+            CONSUMER_REGS=cfg.consumer_regs,
+        ),
+        _WS_WARPS,
+        _WS_STAGES,
+        maxnreg=cfg.max_regs,
+    )
     return dk, dv, (dq_acc.to(q.dtype) if fuse_dq else None)
 
 
-def _dq_ws(q, k, v, do, lse, delta, params: KernelParams, prob: "_Problem", q_rows: int, kv_rows: int,
-           do_rows: int, bias: _WsBias | None = None) -> torch.Tensor:
+def _dq_ws(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    params: KernelParams,
+    prob: "_Problem",
+    q_rows: int,
+    kv_rows: int,
+    do_rows: int,
+    bias: _WsBias | None = None,
+) -> torch.Tensor:
     """dQ of a call the warp-specialised forward serves, over the forward's K/V ring."""
     cfg = C.WS_DQ_CONFIGS[prob.Dqk]
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     n_m = prob.Sq // (2 * _WG_ROWS)
     bias_desc, batch_rows, head_rows = _bias_args(bias, 2 * _WG_ROWS, cfg.block_n, prob.Sk)
-    _launch_one(_attn_bwd_dq_ws, (n_m, prob.B * prob.Hq), (
-        _rows_descriptor(q, q_rows, _WG_ROWS), _rows_descriptor(k, kv_rows, cfg.block_n),
-        _rows_descriptor(v, kv_rows, cfg.block_n), _rows_descriptor(do, do_rows, _WG_ROWS),
-        _rows_descriptor(dq, 1, _WG_ROWS), bias_desc, lse, delta, params.scale * LOG2E, params.scale, prob.Sq,
-        prob.Sk, prob.Hq, prob.group, n_m, batch_rows, head_rows),
-        _ws_constexprs(params, bias, Q_ROWS=q_rows, KV_ROWS=kv_rows, DO_ROWS=do_rows, BLOCK_N=cfg.block_n,
-                       STAGES=cfg.stages, BIAS_STAGES=cfg.bias_stages, CONSUMER_REGS=cfg.consumer_regs),
-        _WS_WARPS, _WS_STAGES, maxnreg=cfg.max_regs)
+    _launch_one(
+        _attn_bwd_dq_ws,
+        (n_m, prob.B * prob.Hq),
+        (
+            _rows_descriptor(q, q_rows, _WG_ROWS),
+            _rows_descriptor(k, kv_rows, cfg.block_n),
+            _rows_descriptor(v, kv_rows, cfg.block_n),
+            _rows_descriptor(do, do_rows, _WG_ROWS),
+            _rows_descriptor(dq, 1, _WG_ROWS),
+            bias_desc,
+            lse,
+            delta,
+            params.scale * LOG2E,
+            params.scale,
+            prob.Sq,
+            prob.Sk,
+            prob.Hq,
+            prob.group,
+            n_m,
+            batch_rows,
+            head_rows,
+        ),
+        _ws_constexprs(
+            params,
+            bias,
+            Q_ROWS=q_rows,
+            KV_ROWS=kv_rows,
+            DO_ROWS=do_rows,
+            BLOCK_N=cfg.block_n,
+            STAGES=cfg.stages,
+            BIAS_STAGES=cfg.bias_stages,
+            CONSUMER_REGS=cfg.consumer_regs,
+        ),
+        _WS_WARPS,
+        _WS_STAGES,
+        maxnreg=cfg.max_regs,
+    )
     return dq
 
 
@@ -817,8 +1035,10 @@ def _check_inputs(q, k, v):
 
 # --------------------------------------------------------------------------- forward
 
-def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None, max_sq=None, max_sk=None,
-                      need_lse: bool = True):
+
+def attention_forward(
+    q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None, max_sq=None, max_sk=None, need_lse: bool = True
+):
     """Returns (out, lse (fp32, natural log; None unless need_lse), seed (int64 (1,) or empty)).
     Inference calls pass need_lse=False: the kernel then writes no logsumexp."""
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
@@ -844,19 +1064,49 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
         return out, lse, seed
     cands = select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, **_table_traits(kind, params, prob))
     # A row whose first key block may be entirely masked needs the -inf-safe running max.
-    may_empty = (kind != 0 or params.window_left >= 0
-                 or (params.window_right >= 0 and params.align_bottom_right
-                     and (prob.varlen or prob.Sk - prob.Sq + params.window_right < 0)))
+    may_empty = (
+        kind != 0
+        or params.window_left >= 0
+        or (
+            params.window_right >= 0
+            and params.align_bottom_right
+            and (prob.varlen or prob.Sk - prob.Sq + params.window_right < 0)
+        )
+    )
     dummy = q
-    args = (q, k, v, bt if bt is not None else dummy, out, lse if need_lse else out, seed if seed.numel() else dummy,
-            cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
-            params.scale * LOG2E, float(params.dropout_p),
-            *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
-            *prob.out_strides(out), *(prob.lse_strides() if need_lse else (0, 0, 0)),
-            prob.Hq, prob.B, prob.group, prob.Sq, prob.Sk)
-    kw = dict(_common(q, params, prob), **bias_constexprs(kind, bt, bstr, prob, desc),
-              HAS_DROPOUT=params.dropout_p > 0, USE_DESC=desc, MAY_EMPTY=may_empty, SCALE_POS=params.scale > 0,
-              STORE_LSE=need_lse)
+    args = (
+        q,
+        k,
+        v,
+        bt if bt is not None else dummy,
+        out,
+        lse if need_lse else out,
+        seed if seed.numel() else dummy,
+        cu_q if cu_q is not None else dummy,
+        cu_k if cu_k is not None else dummy,
+        params.scale * LOG2E,
+        float(params.dropout_p),
+        *prob.q_strides,
+        *prob.k_strides,
+        *prob.v_strides,
+        *bstr,
+        *prob.out_strides(out),
+        *(prob.lse_strides() if need_lse else (0, 0, 0)),
+        prob.Hq,
+        prob.B,
+        prob.group,
+        prob.Sq,
+        prob.Sk,
+    )
+    kw = dict(
+        _common(q, params, prob),
+        **bias_constexprs(kind, bt, bstr, prob, desc),
+        HAS_DROPOUT=params.dropout_p > 0,
+        USE_DESC=desc,
+        MAY_EMPTY=may_empty,
+        SCALE_POS=params.scale > 0,
+        STORE_LSE=need_lse,
+    )
     n_bh = prob.B * prob.Hq
     key = ("fwd", dev, q.dtype, prob.Dqk, prob.Dv, desc)
     kv_descriptors = host_kv_descriptors(k, v, prob, desc, kw["BLOCK_DQK"], kw["BLOCK_DV"])
@@ -866,10 +1116,13 @@ def attention_forward(q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None,
         return (kv[:2] if kv else (0, 0)), {"SUBTILES": cfg.subtiles, "KV_HOST": kv[2] if kv else 0}
 
     for start, cnt in bh_chunks(n_bh, prob.Hq, _grid_limit(params)):
+
         def grid(cfg, cnt=cnt):
             return (_cdiv(prob.Sq, cfg.block_m), cnt)
-        cfg = _launch(C.FWD, _attn_fwd, grid, args + (start, params.window_left, params.window_right),
-                      kw, cands, key, fwd_tail)
+
+        cfg = _launch(
+            C.FWD, _attn_fwd, grid, args + (start, params.window_left, params.window_right), kw, cands, key, fwd_tail
+        )
         cands = [cfg]
     return _as_dtype(out, q.dtype), lse, seed
 
@@ -892,11 +1145,12 @@ class _Replay:
     def capture(cls, launches: list, pool: tuple, device: torch.device) -> "_Replay | None":
         def index(t):
             return next((i for i, x in enumerate(pool) if x is t), None)
+
         steps = []
         for entry, grid, args, constexprs in launches:
             if entry is None:
                 return None
-            sources = []      # the leading tensors, as pool indices
+            sources = []  # the leading tensors, as pool indices
             for a in args:
                 if not isinstance(a, torch.Tensor):
                     break
@@ -907,18 +1161,35 @@ class _Replay:
             # (argument position, pool index, descriptor or None for the tensor itself): host-built
             # descriptors (the tl forward's K/V, every Gluon operand) and pointers after the leading ones
             patches = []
-            for pos, a in enumerate(args[len(sources):], len(sources)):
+            for pos, a in enumerate(args[len(sources) :], len(sources)):
                 desc = is_descriptor(a)
                 if desc or isinstance(a, torch.Tensor):
                     idx = index(a.base if desc else a)
                     if idx is None:
                         return None
                     patches.append((pos, idx, a if desc else None))
-            direct = None if is_interpreter() else DirectLaunch.build(
-                entry, grid, tuple(args), dict(enumerate(sources)) | {pos: i for pos, i, d in patches if d is None},
-                {pos: i for pos, i, d in patches if d is not None})
-            steps.append((entry, tuple(grid), tuple(sources), tuple(args[len(sources):]), tuple(patches),
-                          constexprs.get("USE_DESC", False), direct))
+            direct = (
+                None
+                if is_interpreter()
+                else DirectLaunch.build(
+                    entry,
+                    grid,
+                    tuple(args),
+                    dict(enumerate(sources)) | {pos: i for pos, i, d in patches if d is None},
+                    {pos: i for pos, i, d in patches if d is not None},
+                )
+            )
+            steps.append(
+                (
+                    entry,
+                    tuple(grid),
+                    tuple(sources),
+                    tuple(args[len(sources) :]),
+                    tuple(patches),
+                    constexprs.get("USE_DESC", False),
+                    direct,
+                )
+            )
         # addresses as ints for the compiled launcher; the interpreter (CPU tests) needs tensors
         return cls(tuple(steps), device, not is_interpreter()) if steps else None
 
@@ -932,11 +1203,11 @@ class _Replay:
         # and cuPointerGetAttribute, once per pointer argument (the dummies repeat q)
         addrs = [t.data_ptr() for t in pool] if self.addresses else pool
         for entry, grid, sources, rest, patches, desc, direct in self.steps:
-            if direct is not None:      # descriptors' tensormaps kept per address (compiled_cache.DirectLaunch)
+            if direct is not None:  # descriptors' tensormaps kept per address (compiled_cache.DirectLaunch)
                 direct(addrs, pool)
                 continue
             args = (*[addrs[i] for i in sources], *rest)
-            if patches:     # descriptors and later pointers: the same ones over the new tensors
+            if patches:  # descriptors and later pointers: the same ones over the new tensors
                 args = list(args)
                 for pos, i, d in patches:
                     args[pos] = addrs[i] if d is None else rebase(d, pool[i])
@@ -954,7 +1225,7 @@ class ForwardPlan:
     The first call runs :func:`attention_forward` and captures its kernel launches; later
     calls allocate the output (no logsumexp is written) and relaunch the compiled kernels with
     the new tensors (:class:`_Replay`): none of the launch glue above runs again (the
-    dispatcher's fast path caches a plan per signature, docs/perf-notes.md experiment 17).  A
+    dispatcher's fast path caches a plan per signature, docs/experiments/perf-notes.md experiment 17).  A
     call whose launches touch another tensor (a dropout seed, a dtype conversion) or that
     launches nothing (an empty problem) keeps the full path every time.  Host-built
     descriptors (the tl forward's K/V, every operand of the Gluon forward) are rebuilt over
@@ -970,8 +1241,11 @@ class ForwardPlan:
         if launch is None or _hooks_installed():
             return self._first(q, k, v)
         # empty_like: one C call without torch.empty's argument parsing (~1 us of host time)
-        out = (torch.empty_like(q) if self.out_like_query
-               else torch.empty(self.out_shape, device=self.device, dtype=q.dtype))
+        out = (
+            torch.empty_like(q)
+            if self.out_like_query
+            else torch.empty(self.out_shape, device=self.device, dtype=q.dtype)
+        )
         launch((q, k, v, out))
         return out
 
@@ -997,7 +1271,7 @@ class TrainingPlan:
     dispatcher's fast path keeps one per signature).  The first forward and the first backward
     run the full launch glue and capture their kernel launches; later ones allocate the outputs
     and relaunch them over the new tensors (:class:`_Replay`; the glue cost ~1 ms of host time
-    per forward+backward on the H100 machine, docs/perf-notes.md experiment 46).  The backward
+    per forward+backward on the H100 machine, docs/experiments/perf-notes.md experiment 46).  The backward
     is replayed for a dO of the captured shape, strides, dtype and alignment, unless one of its
     launches adds into a buffer zeroed before it (:data:`_ADDS_INTO_ZEROED`: a replay's fresh
     outputs are not zeroed); anything else keeps the full path."""
@@ -1036,9 +1310,11 @@ class TrainingPlan:
         delta = torch.empty(lse.shape, device=self.device, dtype=torch.float32)
         with COMPILED.capture() as launches:
             dq, dk, dv, _ = attention_backward(do, q, k, v, None, out, lse, None, self.params, delta=delta)
-        if (self.bwd is None and _contiguous(dq, dk, dv)
-                and not any(constexprs.get(flag, False) for _, _, _, constexprs in launches
-                            for flag in _ADDS_INTO_ZEROED)):
+        if (
+            self.bwd is None
+            and _contiguous(dq, dk, dv)
+            and not any(constexprs.get(flag, False) for _, _, _, constexprs in launches for flag in _ADDS_INTO_ZEROED)
+        ):
             self.bwd_outputs = tuple((t.shape, t.dtype) for t in (delta, dq, dk, dv))
             self.bwd_key = key
             self.bwd = _Replay.capture(launches, (q, k, v, out, lse, do, delta, dq, dk, dv), self.device)
@@ -1046,6 +1322,7 @@ class TrainingPlan:
 
 
 # --------------------------------------------------------------------------- backward
+
 
 def _reduce_dbias(ws: torch.Tensor, bcast, bias: torch.Tensor) -> torch.Tensor:
     shape4 = [1 if bcast[d] else ws.shape[d] for d in range(4)]
@@ -1055,8 +1332,27 @@ def _reduce_dbias(ws: torch.Tensor, bcast, bias: torch.Tensor) -> torch.Tensor:
     return ws.reshape(shape4).reshape(bias.shape).to(bias.dtype)
 
 
-def _dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, params: KernelParams, prob: "_Problem",
-             common: dict, traits: dict, limit: int, num_sms: int, lse_str, do_str) -> torch.Tensor:
+def _dq_pass(
+    do,
+    q,
+    k,
+    v,
+    bias_t,
+    bstr,
+    lse,
+    delta,
+    seed_t,
+    cu_q_t,
+    cu_k_t,
+    params: KernelParams,
+    prob: "_Problem",
+    common: dict,
+    traits: dict,
+    limit: int,
+    num_sms: int,
+    lse_str,
+    do_str,
+) -> torch.Tensor:
     """dQ: query-tile parallel, optionally split over keys (fp32 workspace + atomics)."""
     dev = q.device
     cands = select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params, **traits)
@@ -1066,33 +1362,68 @@ def _dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, para
     elif params.num_splits > 0:
         splits = min(params.num_splits, max(1, _cdiv(prob.Sk, bn)))
     else:
-        splits = num_splits_heuristic(prob.B * prob.Hq, _cdiv(prob.Sq, bm), _cdiv(prob.Sk, bn),
-                                      num_sms, params.deterministic)
+        splits = num_splits_heuristic(
+            prob.B * prob.Hq, _cdiv(prob.Sq, bm), _cdiv(prob.Sk, bn), num_sms, params.deterministic
+        )
     atomic = splits > 1
     if atomic:
         dq_ws = torch.zeros(q.shape, device=dev, dtype=torch.float32)
     else:
         dq_ws = torch.empty(q.shape, device=dev, dtype=_store_dtype(q.dtype))
-    dq_str = (0, dq_ws.stride(1), dq_ws.stride(0)) if prob.varlen else (
-        dq_ws.stride(0), dq_ws.stride(1), dq_ws.stride(2))
-    args = (q, k, v, bias_t, do, lse, delta, seed_t, cu_q_t, cu_k_t, dq_ws,
-            params.scale * LOG2E, params.scale, float(params.dropout_p),
-            *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
-            *do_str, *lse_str, *dq_str,
-            prob.Hq, prob.B, prob.group, prob.Sq, prob.Sk)
+    dq_str = (
+        (0, dq_ws.stride(1), dq_ws.stride(0)) if prob.varlen else (dq_ws.stride(0), dq_ws.stride(1), dq_ws.stride(2))
+    )
+    args = (
+        q,
+        k,
+        v,
+        bias_t,
+        do,
+        lse,
+        delta,
+        seed_t,
+        cu_q_t,
+        cu_k_t,
+        dq_ws,
+        params.scale * LOG2E,
+        params.scale,
+        float(params.dropout_p),
+        *prob.q_strides,
+        *prob.k_strides,
+        *prob.v_strides,
+        *bstr,
+        *do_str,
+        *lse_str,
+        *dq_str,
+        prob.Hq,
+        prob.B,
+        prob.group,
+        prob.Sq,
+        prob.Sk,
+    )
     kw = dict(common, ATOMIC=atomic)
     key = ("dq", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
     for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
+
         def grid(cfg, cnt=cnt):
             return (_cdiv(prob.Sq, cfg.block_m), cnt, splits)
-        cfg = _launch(C.BWD_DQ, _attn_bwd_dq, grid,
-                      args + (start, params.window_left, params.window_right, splits), kw, cands, key)
+
+        cfg = _launch(
+            C.BWD_DQ,
+            _attn_bwd_dq,
+            grid,
+            args + (start, params.window_left, params.window_right, splits),
+            kw,
+            cands,
+            key,
+        )
         cands = [cfg]
     return _as_dtype(dq_ws, q.dtype)
 
 
-def _ws_backward_route(do, q, k, v, bias_reason: str | None, params: KernelParams, prob: "_Problem",
-                       uses_descriptors: bool):
+def _ws_backward_route(
+    do, q, k, v, bias_reason: str | None, params: KernelParams, prob: "_Problem", uses_descriptors: bool
+):
     """(q rows layout, k/v rows layout, dO rows layout) when the warp-specialised dK/dV pass
     serves this backward (the dQ pass too where configs.WS_DQ_CONFIGS has the head dim), else None.
     ``bias_reason``: :func:`ws_bias_reason` of the call's bias and whether its gradient is
@@ -1104,9 +1435,23 @@ def _ws_backward_route(do, q, k, v, bias_reason: str | None, params: KernelParam
     return (*route, do_rows) if do_rows else None
 
 
-def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
-                       cu_q=None, cu_k=None, max_sq=None, max_sk=None, bias_grad: bool = False,
-                       delta: torch.Tensor | None = None):
+def attention_backward(
+    do,
+    q,
+    k,
+    v,
+    bias,
+    out,
+    lse,
+    seed,
+    params: KernelParams,
+    cu_q=None,
+    cu_k=None,
+    max_sq=None,
+    max_sk=None,
+    bias_grad: bool = False,
+    delta: torch.Tensor | None = None,
+):
     """Returns (dq, dk, dv, dbias or None).  dbias has bias's shape: summed over its size-1
     (broadcast) dims; full-size dims (even with stride 0) get the per-element gradient.
     ``delta``: an fp32 buffer of lse's shape for rowsum(dO * O) (allocated here when None)."""
@@ -1124,8 +1469,12 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
         return dq, dk, dv, dbias
 
     desc = use_descriptors(params, (q, k, v, do), dev)
-    common = dict(_common(q, params, prob), **bias_constexprs(kind, bt, bstr, prob, desc), USE_DESC=desc,
-                  HAS_DROPOUT=params.dropout_p > 0)
+    common = dict(
+        _common(q, params, prob),
+        **bias_constexprs(kind, bt, bstr, prob, desc),
+        USE_DESC=desc,
+        HAS_DROPOUT=params.dropout_p > 0,
+    )
     dummy = q
     seed_t = seed if seed is not None and seed.numel() else dummy
     cu_q_t = cu_q if cu_q is not None else dummy
@@ -1142,10 +1491,14 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
         delta = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32)
     bm_pre = 16 if is_interpreter() else 64
     for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
-        _launch_one(_attn_bwd_preprocess, (_cdiv(prob.Sq, bm_pre), cnt),
-                    (out, do, delta, cu_q_t, *o_str, *do_str, *lse_str, prob.Hq, prob.Sq, start),
-                    dict(HEAD_DV=prob.Dv, IS_VARLEN=prob.varlen, BLOCK_M=bm_pre, BLOCK_DV=common["BLOCK_DV"]),
-                    4, 3)
+        _launch_one(
+            _attn_bwd_preprocess,
+            (_cdiv(prob.Sq, bm_pre), cnt),
+            (out, do, delta, cu_q_t, *o_str, *do_str, *lse_str, prob.Hq, prob.Sq, start),
+            dict(HEAD_DV=prob.Dv, IS_VARLEN=prob.varlen, BLOCK_M=bm_pre, BLOCK_DV=common["BLOCK_DV"]),
+            4,
+            3,
+        )
 
     # 2) dK, dV (+ d(bias)) : key-tile parallel, loops over the query heads of the group
     traits = _table_traits(kind, params, prob)
@@ -1153,14 +1506,39 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     route = _ws_backward_route(do, q, k, v, bias_reason, params, prob, desc)
     if route is not None:
         ws_bias = _WsBias.of(bt, bstr, prob) if kind else None
-        dk, dv, dq = _dkdv_ws(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias,
-                              fuse_dq=fuse_dq(params, prob, ws_bias))
+        dk, dv, dq = _dkdv_ws(
+            q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias, fuse_dq=fuse_dq(params, prob, ws_bias)
+        )
         if dq is not None:
             return dq, dk, dv, None
         if prob.Dqk in C.WS_DQ_CONFIGS:
             return _dq_ws(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias), dk, dv, None
-        return (_dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, params, prob, common,
-                         traits, limit, num_sms, lse_str, do_str), dk, dv, None)
+        return (
+            _dq_pass(
+                do,
+                q,
+                k,
+                v,
+                bias_t,
+                bstr,
+                lse,
+                delta,
+                seed_t,
+                cu_q_t,
+                cu_k_t,
+                params,
+                prob,
+                common,
+                traits,
+                limit,
+                num_sms,
+                lse_str,
+                do_str,
+            ),
+            dk,
+            dv,
+            None,
+        )
     sum_rows = sum_heads = False
     if bias_grad:
         sum_rows = bcast[2] and prob.Sq > 1
@@ -1179,8 +1557,7 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     elif params.num_splits > 0:
         gsplits = min(params.num_splits, prob.group)
     else:
-        gsplits = group_splits_heuristic(prob.B * prob.Hkv, _cdiv(prob.Sk, cands[0].block_n),
-                                         prob.group, num_sms)
+        gsplits = group_splits_heuristic(prob.B * prob.Hkv, _cdiv(prob.Sk, cands[0].block_n), prob.group, num_sms)
     per_split = _cdiv(prob.group, gsplits)
     gsplits = _cdiv(prob.group, per_split)
     if gsplits > 1:
@@ -1198,20 +1575,55 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
     else:
         dk_str = (dk0.stride(0), dk0.stride(1), dk0.stride(2))
         dv_str = (dv0.stride(0), dv0.stride(1), dv0.stride(2))
-    args = (q, k, v, bias_t, do, lse, delta, seed_t, cu_q_t, cu_k_t, dk_out, dv_out, db_ws,
-            params.scale * LOG2E, params.scale, float(params.dropout_p),
-            *prob.q_strides, *prob.k_strides, *prob.v_strides, *bstr,
-            *do_str, *lse_str, *dk_str, *dv_str, *db_str,
-            prob.Hq, prob.B, prob.group, prob.Hkv, prob.Sq, prob.Sk)
-    kw = dict(common, BIAS_GRAD=bias_grad,
-              DB_SUM_ROWS=sum_rows, DB_SUM_HEADS=sum_heads)
+    args = (
+        q,
+        k,
+        v,
+        bias_t,
+        do,
+        lse,
+        delta,
+        seed_t,
+        cu_q_t,
+        cu_k_t,
+        dk_out,
+        dv_out,
+        db_ws,
+        params.scale * LOG2E,
+        params.scale,
+        float(params.dropout_p),
+        *prob.q_strides,
+        *prob.k_strides,
+        *prob.v_strides,
+        *bstr,
+        *do_str,
+        *lse_str,
+        *dk_str,
+        *dv_str,
+        *db_str,
+        prob.Hq,
+        prob.B,
+        prob.group,
+        prob.Hkv,
+        prob.Sq,
+        prob.Sk,
+    )
+    kw = dict(common, BIAS_GRAD=bias_grad, DB_SUM_ROWS=sum_rows, DB_SUM_HEADS=sum_heads)
     key = ("dkdv", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
     for start, cnt in bh_chunks(prob.B * prob.Hkv, prob.Hkv, limit):
+
         def grid(cfg, cnt=cnt):
             return (_cdiv(prob.Sk, cfg.block_n), cnt, gsplits)
-        cfg = _launch(C.BWD_DKDV, _attn_bwd_dkdv, grid,
-                      args + (start, params.window_left, params.window_right, per_split, *split_str),
-                      kw, cands, key)
+
+        cfg = _launch(
+            C.BWD_DKDV,
+            _attn_bwd_dkdv,
+            grid,
+            args + (start, params.window_left, params.window_right, per_split, *split_str),
+            kw,
+            cands,
+            key,
+        )
         cands = [cfg]
     if gsplits > 1:
         dk, dv = dk_out.sum(0).to(k.dtype), dv_out.sum(0).to(v.dtype)
@@ -1219,8 +1631,27 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
         dk, dv = _as_dtype(dk_out, k.dtype), _as_dtype(dv_out, v.dtype)
 
     # 3) dQ : query-tile parallel, optionally split over keys (fp32 workspace + atomics)
-    dq = _dq_pass(do, q, k, v, bias_t, bstr, lse, delta, seed_t, cu_q_t, cu_k_t, params, prob, common, traits, limit,
-                  num_sms, lse_str, do_str)
+    dq = _dq_pass(
+        do,
+        q,
+        k,
+        v,
+        bias_t,
+        bstr,
+        lse,
+        delta,
+        seed_t,
+        cu_q_t,
+        cu_k_t,
+        params,
+        prob,
+        common,
+        traits,
+        limit,
+        num_sms,
+        lse_str,
+        do_str,
+    )
 
     dbias = _reduce_dbias(db_ws, bcast, bias) if bias_grad else None
     return dq, dk, dv, dbias
@@ -1228,8 +1659,18 @@ def attention_backward(do, q, k, v, bias, out, lse, seed, params: KernelParams,
 
 # --------------------------------------------------------------------------- dropout mask
 
-def dropout_keep_mask(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
-                      device=None, *, seed: torch.Tensor | None = None, max_grid: int = 0) -> torch.Tensor:
+
+def dropout_keep_mask(
+    batch: int,
+    num_heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    dropout_p: float,
+    device=None,
+    *,
+    seed: torch.Tensor | None = None,
+    max_grid: int = 0,
+) -> torch.Tensor:
     """Bool keep-mask (batch, num_heads, seqlen_q, seqlen_k) that a forward call with the same
     shapes and ``dropout_p`` uses right after the same ``torch.manual_seed``.
 
@@ -1237,8 +1678,11 @@ def dropout_keep_mask(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int, 
     [b, h, i, j] is the mask of local query i / local key j of sequence b.  The seed is drawn
     exactly like the forward draws it (one int64 from the device generator), unless ``seed``
     (the forward's seed tensor) is given."""
-    device = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() and not is_interpreter() else "cpu")
+    device = (
+        torch.device(device)
+        if device is not None
+        else torch.device("cuda" if torch.cuda.is_available() and not is_interpreter() else "cpu")
+    )
     out = torch.empty((batch, num_heads, seqlen_q, seqlen_k), device=device, dtype=torch.uint8)
     if dropout_p <= 0:
         return out.fill_(1).bool()
@@ -1250,6 +1694,16 @@ def dropout_keep_mask(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int, 
     n_bh = batch * num_heads
     for start, cnt in bh_chunks(n_bh, num_heads, max_grid or MAX_GRID_YZ):
         _dropout_mask_kernel[(_cdiv(seqlen_q, bm), cnt)](
-            out, seed, float(dropout_p), seqlen_q * seqlen_k, seqlen_k, num_heads, seqlen_q, seqlen_k, start,
-            BLOCK_M=bm, BLOCK_N=bn)
+            out,
+            seed,
+            float(dropout_p),
+            seqlen_q * seqlen_k,
+            seqlen_k,
+            num_heads,
+            seqlen_q,
+            seqlen_k,
+            start,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+        )
     return out.bool()

@@ -6,6 +6,7 @@ that diagonal; xformers: its attn_bias types), and record every call's arguments
 wrong mapping in an adapter gives a wrong number or a wrong recorded argument.
 Install them with `install(monkeypatch, modules)`.
 """
+
 from __future__ import annotations
 
 import sys
@@ -45,44 +46,108 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
     """Modules of one flash-attn generation (2, 3 or 4)."""
     v4 = version == 4
 
-    def dense(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=None,
-              deterministic=False, **extra):
+    def dense(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=None, deterministic=False, **extra):
         window_size = window_size if window_size is not None else ((None, None) if v4 else (-1, -1))
-        _record(calls, "dense", q, k, v, dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                                              window_size=window_size, deterministic=deterministic, extra=extra))
+        _record(
+            calls,
+            "dense",
+            q,
+            k,
+            v,
+            dict(
+                dropout_p=dropout_p,
+                softmax_scale=softmax_scale,
+                causal=causal,
+                window_size=window_size,
+                deterministic=deterministic,
+                extra=extra,
+            ),
+        )
         out = dense_math(q, k, v, dropout_p, softmax_scale, causal, window_size)
         return (out, None) if version in (3, 4) else out
 
     def dense_math(q, k, v, dropout_p, softmax_scale, causal, window_size):
         assert q.dim() == 4 and q.stride(-1) == 1
-        qb, kb, vb = (t.transpose(1, 2).double() for t in (q, k, v))    # theirs BSHD -> BHSD
+        qb, kb, vb = (t.transpose(1, 2).double() for t in (q, k, v))  # theirs BSHD -> BHSD
         keep = _dropout_keep((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), dropout_p) if dropout_p else None
-        out = naive_attention(qb, kb, vb, causal="bottom_right" if causal else None,
-                              window=_fa_window(window_size, v4), scale=softmax_scale, keep=keep, dropout_p=dropout_p)
+        out = naive_attention(
+            qb,
+            kb,
+            vb,
+            causal="bottom_right" if causal else None,
+            window=_fa_window(window_size, v4),
+            scale=softmax_scale,
+            keep=keep,
+            dropout_p=dropout_p,
+        )
         return out.transpose(1, 2).to(q.dtype).contiguous()
 
-    def varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-               dropout_p=0.0, softmax_scale=None, causal=False, window_size=None, deterministic=False, **extra):
+    def varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=None,
+        deterministic=False,
+        **extra,
+    ):
         window_size = window_size if window_size is not None else ((None, None) if v4 else (-1, -1))
-        _record(calls, "varlen", q, k, v, dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                                               window_size=window_size, deterministic=deterministic,
-                                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, extra=extra))
+        _record(
+            calls,
+            "varlen",
+            q,
+            k,
+            v,
+            dict(
+                dropout_p=dropout_p,
+                softmax_scale=softmax_scale,
+                causal=causal,
+                window_size=window_size,
+                deterministic=deterministic,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k,
+                extra=extra,
+            ),
+        )
         assert cu_seqlens_q.dtype == torch.int32 and isinstance(max_seqlen_q, int)
         if v4 and not any(t.requires_grad for t in (q, k, v)):
             # inference through the fake interface's compiled call, as flash_attn.cute does (the
             # fake has no varlen backward: with grad, plain math)
-            return interface._flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                             window_size_left=window_size[0], window_size_right=window_size[1],
-                                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+            return interface._flash_attn_fwd(
+                q,
+                k,
+                v,
+                softmax_scale=softmax_scale,
+                causal=causal,
+                window_size_left=window_size[0],
+                window_size_right=window_size[1],
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k,
+            )
         out = varlen_math(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size)
         return (out, None) if version in (3, 4) else out
 
     def varlen_math(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size):
-        out = naive_attention(q.double(), k.double(), v.double(), causal="bottom_right" if causal else None,
-                              window=_fa_window(window_size, v4), scale=softmax_scale,
-                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        out = naive_attention(
+            q.double(),
+            k.double(),
+            v.double(),
+            causal="bottom_right" if causal else None,
+            window=_fa_window(window_size, v4),
+            scale=softmax_scale,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+        )
         return out.to(q.dtype)
 
     if version == 2:
@@ -96,12 +161,20 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
 
         def dense3(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False, **kw):
             assert "dropout_p" not in kw, "flash-attn 3 has no dropout"
-            return dense(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                         deterministic=deterministic, **kw)
+            return dense(
+                q,
+                k,
+                v,
+                softmax_scale=softmax_scale,
+                causal=causal,
+                window_size=window_size,
+                deterministic=deterministic,
+                **kw,
+            )
 
         fa3.flash_attn_func, fa3.flash_attn_varlen_func = dense3, varlen
         return {"flash_attn_interface": fa3}
-    pkg = types.ModuleType("flash_attn")        # flash-attn 4 alone: a namespace without flash_attn_func
+    pkg = types.ModuleType("flash_attn")  # flash-attn 4 alone: a namespace without flash_attn_func
     pkg.__path__ = []
     cute = types.ModuleType("flash_attn.cute")
     cute.__version__ = "4.0.0b36"
@@ -113,8 +186,21 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
         assert all(w is None or w >= 0 for w in window_size), "flash-attn 4 takes None for unbounded"
         # through the fake interface's compiled call (and backward), as flash_attn.cute does; other
         # keywords are recorded (extra) and otherwise ignored, as dense() does
-        _record(calls, "dense", q, k, v, dict(dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
-                                              window_size=window_size, deterministic=deterministic, extra=kw))
+        _record(
+            calls,
+            "dense",
+            q,
+            k,
+            v,
+            dict(
+                dropout_p=0.0,
+                softmax_scale=softmax_scale,
+                causal=causal,
+                window_size=window_size,
+                deterministic=deterministic,
+                extra=kw,
+            ),
+        )
         return _FakeFlashAttnFunc.apply(q, k, v, interface, softmax_scale, causal, window_size, deterministic)
 
     def varlen4(q, k, v, window_size=(None, None), **kw):
@@ -132,8 +218,15 @@ class _FakeFlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, interface, softmax_scale, causal, window_size, deterministic):
-        out, lse = interface._flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                             window_size_left=window_size[0], window_size_right=window_size[1])
+        out, lse = interface._flash_attn_fwd(
+            q,
+            k,
+            v,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size_left=window_size[0],
+            window_size_right=window_size[1],
+        )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (interface, softmax_scale, causal, window_size, deterministic)
         return out, lse
@@ -142,9 +235,20 @@ class _FakeFlashAttnFunc(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         interface, softmax_scale, causal, (left, right), deterministic = ctx.args
-        dq, dk, dv = interface._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, 0.0,
-                                               window_size_left=left, window_size_right=right,
-                                               deterministic=deterministic)
+        dq, dk, dv = interface._flash_attn_bwd(
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse,
+            softmax_scale,
+            causal,
+            0.0,
+            window_size_left=left,
+            window_size_right=right,
+            deterministic=deterministic,
+        )
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -171,10 +275,21 @@ def _fa4_interface(dense_math, varlen_math) -> types.ModuleType:
     interface.copy_offsets = False
 
     def compiled_for(causal, extra_tensor, varlen):
-        def compiled(q, k, v, out, lse, softmax_scale, cu_q, cu_k, used_q, used_k, pages, left, right, sink,
-                     sparse, aux):
-            interface.launches.append(dict(q_ptr=q.data_ptr(), out_ptr=out.data_ptr(), left=left, right=right,
-                                           scale=softmax_scale, causal=causal, cu_q=cu_q, cu_k=cu_k))
+        def compiled(
+            q, k, v, out, lse, softmax_scale, cu_q, cu_k, used_q, used_k, pages, left, right, sink, sparse, aux
+        ):
+            interface.launches.append(
+                dict(
+                    q_ptr=q.data_ptr(),
+                    out_ptr=out.data_ptr(),
+                    left=left,
+                    right=right,
+                    scale=softmax_scale,
+                    causal=causal,
+                    cu_q=cu_q,
+                    cu_k=cu_k,
+                )
+            )
             assert (sink is not None) == extra_tensor and (cu_q is not None) == varlen
             assert not q.requires_grad and not out.requires_grad
             if varlen:
@@ -182,32 +297,87 @@ def _fa4_interface(dense_math, varlen_math) -> types.ModuleType:
             else:
                 out.copy_(dense_math(q, k, v, 0.0, softmax_scale, causal, (left, right)))
             if lse is not None:
-                lse.fill_(float(q.sum()))    # a value of this call's inputs
+                lse.fill_(float(q.sum()))  # a value of this call's inputs
+
         return compiled
 
-    def _flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, window_size_left=None, window_size_right=None,
-                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    def _flash_attn_fwd(
+        q,
+        k,
+        v,
+        softmax_scale=None,
+        causal=False,
+        window_size_left=None,
+        window_size_right=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+    ):
         grad = any(t.requires_grad for t in (q, k, v))
         if interface.copy_query:
             q = q.contiguous().clone()
         if interface.copy_offsets and cu_seqlens_q is not None:
             cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.clone(), cu_seqlens_k.clone()
         extra, varlen = interface.extra_tensor, cu_seqlens_q is not None
-        key = (q.dtype, q.shape[-1], causal, window_size_left is not None, window_size_right is not None, extra,
-               varlen, max_seqlen_q, max_seqlen_k)
+        key = (
+            q.dtype,
+            q.shape[-1],
+            causal,
+            window_size_left is not None,
+            window_size_right is not None,
+            extra,
+            varlen,
+            max_seqlen_q,
+            max_seqlen_k,
+        )
         if key not in _flash_attn_fwd.compile_cache:
             _flash_attn_fwd.compile_cache[key] = compiled_for(causal, extra, varlen)
         out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32) if grad else None
-        _flash_attn_fwd.compile_cache[key](q.detach(), k.detach(), v.detach(), out.detach(), lse, softmax_scale,
-                                           cu_seqlens_q, cu_seqlens_k, None, None, None, window_size_left,
-                                           window_size_right, torch.zeros(1) if extra else None, None, AuxData())
+        _flash_attn_fwd.compile_cache[key](
+            q.detach(),
+            k.detach(),
+            v.detach(),
+            out.detach(),
+            lse,
+            softmax_scale,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            None,
+            None,
+            None,
+            window_size_left,
+            window_size_right,
+            torch.zeros(1) if extra else None,
+            None,
+            AuxData(),
+        )
         return out, lse
 
-    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
-                        window_size_left=None, window_size_right=None, deterministic=False):
-        interface.backwards.append(dict(q_ptr=q.data_ptr(), out_ptr=out.data_ptr(), lse_ptr=lse.data_ptr(),
-                                        softcap=softcap, deterministic=deterministic))
+    def _flash_attn_bwd(
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        softmax_scale=None,
+        causal=False,
+        softcap=0.0,
+        window_size_left=None,
+        window_size_right=None,
+        deterministic=False,
+    ):
+        interface.backwards.append(
+            dict(
+                q_ptr=q.data_ptr(),
+                out_ptr=out.data_ptr(),
+                lse_ptr=lse.data_ptr(),
+                softcap=softcap,
+                deterministic=deterministic,
+            )
+        )
         assert torch.all(lse == float(q.detach().sum())), "the LSE is not this call's"
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -257,14 +427,14 @@ class BlockDiagonalMask(_Bias):
 
 
 class BlockDiagonalCausalMask(BlockDiagonalMask):
-    causal = "top_left"        # xformers: causal from the top-left of each block
+    causal = "top_left"  # xformers: causal from the top-left of each block
 
 
 class BlockDiagonalCausalLocalAttentionMask(BlockDiagonalMask):
     causal = "top_left"
 
     @property
-    def window(self):       # key j allowed when i - window_size < j <= i
+    def window(self):  # key j allowed when i - window_size < j <= i
         return (self.window_size - 1, 0)
 
 
@@ -278,13 +448,26 @@ def make_xformers(calls: list, refuse_head_dim_over: int = 128) -> dict[str, typ
     fmha.__path__ = []
     ab = types.ModuleType("xformers.ops.fmha.attn_bias")
     dispatch = types.ModuleType("xformers.ops.fmha.dispatch")
-    for cls in (LowerTriangularMask, LowerTriangularFromBottomRightMask, LocalAttentionFromBottomRightMask,
-                BlockDiagonalMask, BlockDiagonalCausalMask, BlockDiagonalCausalLocalAttentionMask):
+    for cls in (
+        LowerTriangularMask,
+        LowerTriangularFromBottomRightMask,
+        LocalAttentionFromBottomRightMask,
+        BlockDiagonalMask,
+        BlockDiagonalCausalMask,
+        BlockDiagonalCausalLocalAttentionMask,
+    ):
         setattr(ab, cls.__name__, cls)
 
     class Inputs:
         def __init__(self, query, key, value, attn_bias=None, p=0.0, scale=None, **kw):
-            self.query, self.key, self.value, self.attn_bias, self.p, self.scale = query, key, value, attn_bias, p, scale
+            self.query, self.key, self.value, self.attn_bias, self.p, self.scale = (
+                query,
+                key,
+                value,
+                attn_bias,
+                p,
+                scale,
+            )
 
     class _ForwardOp:
         VARLEN_LSE_PACKED = True
@@ -297,11 +480,13 @@ def make_xformers(calls: list, refuse_head_dim_over: int = 128) -> dict[str, typ
             raise NotImplementedError(
                 "No operator found for `memory_efficient_attention_forward` with inputs:\n"
                 f"     query       : shape={tuple(inp.query.shape)}\n"
-                "`cutlassF-pt` is not supported because:\n" + "".join(f"    {r}\n" for r in reasons)
-                + "`fa2F@2.8.3` is not supported because:\n    xFormers wasn't build with CUDA support\n")
+                "`cutlassF-pt` is not supported because:\n"
+                + "".join(f"    {r}\n" for r in reasons)
+                + "`fa2F@2.8.3` is not supported because:\n    xFormers wasn't build with CUDA support\n"
+            )
         return _ForwardOp
 
-    def _dispatch_bw(inp, varlen_lse_packed):   # xformers >= 0.0.28's signature
+    def _dispatch_bw(inp, varlen_lse_packed):  # xformers >= 0.0.28's signature
         return "cutlassB-pt"
 
     dispatch._dispatch_fw, dispatch._dispatch_bw = _dispatch_fw, _dispatch_bw
@@ -309,15 +494,22 @@ def make_xformers(calls: list, refuse_head_dim_over: int = 128) -> dict[str, typ
     def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=None, **kw):
         calls.append(dict(q=query, k=key, v=value, attn_bias=attn_bias, p=p, scale=scale, q_ptr=query.data_ptr()))
         five = query.dim() == 5
-        if five:   # BMGHK: key/value arrive expanded over the group dimension
+        if five:  # BMGHK: key/value arrive expanded over the group dimension
             query, key, value = (t.flatten(2, 3) for t in (query, key, value))
-        q, k, v = (t.transpose(1, 2).double() for t in (query, key, value))   # BMHK -> BHSD
+        q, k, v = (t.transpose(1, 2).double() for t in (query, key, value))  # BMHK -> BHSD
         if isinstance(attn_bias, BlockDiagonalMask):
             cu_q = torch.tensor([0] + attn_bias.q_seqlen).cumsum(0).to(torch.int32)
             cu_k = torch.tensor([0] + attn_bias.kv_seqlen).cumsum(0).to(torch.int32)
-            out = naive_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                                  causal=attn_bias.causal, window=attn_bias.window, scale=scale,
-                                  cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+            out = naive_attention(
+                q[0].transpose(0, 1),
+                k[0].transpose(0, 1),
+                v[0].transpose(0, 1),
+                causal=attn_bias.causal,
+                window=attn_bias.window,
+                scale=scale,
+                cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k,
+            )
             out = out.transpose(0, 1).unsqueeze(0)
         elif isinstance(attn_bias, torch.Tensor):
             bias = attn_bias.flatten(1, 2) if five else attn_bias
@@ -328,7 +520,7 @@ def make_xformers(calls: list, refuse_head_dim_over: int = 128) -> dict[str, typ
         else:
             out = naive_attention(q, k, v, causal=attn_bias.causal, window=attn_bias.window, scale=scale)
         out = out.transpose(1, 2).to(query.dtype)
-        if five:   # back to BMGHK
+        if five:  # back to BMGHK
             g, hg = calls[-1]["k"].shape[2], calls[-1]["k"].shape[3]
             out = out.unflatten(2, (g, hg))
         return out
@@ -337,6 +529,10 @@ def make_xformers(calls: list, refuse_head_dim_over: int = 128) -> dict[str, typ
     fmha.memory_efficient_attention = memory_efficient_attention
     ops.memory_efficient_attention, ops.fmha = memory_efficient_attention, fmha
     xf.ops = ops
-    return {"xformers": xf, "xformers.ops": ops, "xformers.ops.fmha": fmha,
-            "xformers.ops.fmha.attn_bias": ab, "xformers.ops.fmha.dispatch": dispatch}
-
+    return {
+        "xformers": xf,
+        "xformers.ops": ops,
+        "xformers.ops.fmha": fmha,
+        "xformers.ops.fmha.attn_bias": ab,
+        "xformers.ops.fmha.dispatch": dispatch,
+    }
