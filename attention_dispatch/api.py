@@ -8,15 +8,16 @@ from . import config as _config
 from . import registry
 from .debug import logger, note_decision
 from .dispatch import FAST_CALLS_LIMIT, BackendRunError, Decision, _scope, decide, fast_calls
-from .call import Call, _seqlens, make_problem, normalize_call
+from .call import Call, CallFacts, _seqlens, make_problem, normalize_call
 from .fastest import choose_fastest
 
 
 @torch.compiler.assume_constant_result
 def _decide_at_trace_time(facts: tuple, forced) -> tuple:
     """Under torch.compile: decide once while tracing (eagerly, outside the graph), so the
-    graph holds only the chosen backend's ops. Returns (backend name, deterministic)."""
-    problem = make_problem(facts)
+    graph holds only the chosen backend's ops. Returns (backend name, deterministic).
+    ``facts``: a CallFacts as a plain tuple (dynamo rebuilds a NamedTuple constant wrongly)."""
+    problem = make_problem(CallFacts._make(facts))
     decision = decide(problem, forced)
     note_decision(decision)
     return decision.backend, problem.deterministic
@@ -129,7 +130,7 @@ def sdpa(
         deterministic=deterministic,
     )
     if call.problem is None:  # tracing under torch.compile: one op, no run-time dispatch
-        name, call.options["deterministic"] = _decide_at_trace_time(call.facts, backend)
+        name, call.options["deterministic"] = _decide_at_trace_time(tuple(call.facts), backend)
         out = registry.get_backend(name).run(call.query, call.key, call.value, **call.options)
         return out if call.restore is None else call.restore(out)
     decision = decide(call.problem, backend)

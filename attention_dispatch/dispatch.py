@@ -154,7 +154,7 @@ def _evaluate(problem: Problem, names: tuple[str, ...], source: str, cfg, forced
             reasons.append(backend.unavailable_reason() or "not available")
         else:
             reasons.extend(backend.reasons(problem))
-        if name == "math" and problem.device_type == "cuda" and cfg.dispatch.math_fallback == "forbid":
+        if backend.reference and problem.device_type == "cuda" and cfg.dispatch.math_fallback == "forbid":
             reasons.append("math on a CUDA input is forbidden by config (dispatch.math_fallback='forbid')")
         if reasons:
             rejected[name] = reasons
@@ -230,11 +230,12 @@ def no_backend_message(decision: Decision, forced: str | None) -> str:
 
 def _warn_once(decision: Decision, cfg) -> None:
     p = decision.problem
-    if decision.backend == "math" and p.device_type == "cuda" and cfg.dispatch.math_fallback == "warn":
+    chosen = registry.get_backend(decision.backend)
+    if chosen.reference and p.device_type == "cuda" and cfg.dispatch.math_fallback == "warn":
         if "math-cuda" not in _warned:
             _warned.add("math-cuda")
             warnings.warn(
-                "attention_dispatch: falling back to the 'math' backend on a CUDA input "
+                f"attention_dispatch: falling back to the reference backend {decision.backend!r} on a CUDA input "
                 f"({p.summary()}); it is quadratic in time and chunked but slow. Set "
                 "dispatch.math_fallback='allow' to silence or 'forbid' to refuse.",
                 RuntimeWarning,

@@ -348,7 +348,7 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
         # at long sequences (0.8-2.6 s per call measured on the H100): it runs only when alone.
         names = decision.eligible
         if device.type == "cuda":
-            names = tuple(n for n in names if n != "math") or names
+            names = tuple(n for n in names if not registry.get_backend(n).reference) or names
         with torch.random.fork_rng(devices=devices):
             timings = _time_backends(names, call, sync, failures, samples, host)
         if not timings:

@@ -41,7 +41,8 @@ def register_backend(backend: Backend, priority: int | str | None = None, *, rep
             _bump()
             return
         if priority is None:
-            index = _order.index("math") if "math" in _order else len(_order)
+            references = [i for i, n in enumerate(_order) if _backends[n].reference]
+            index = references[0] if references else len(_order)
         elif priority == "first":
             index = 0
         elif priority == "last":

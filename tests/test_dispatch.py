@@ -977,3 +977,16 @@ def test_clear_cache_empties_every_registered_cache():
         assert name in names
     ad.clear_cache()
     assert not call._problems and not dispatch._cache and not dispatch.fast_calls and not fastest._winners
+
+
+def test_call_facts_are_complete_and_named():
+    """normalize_call builds CallFacts positionally (host time): every field present, and the
+    Problem made from them carries each one."""
+    from attention_dispatch.call import CallFacts, make_problem
+
+    q, k, v = qkv()
+    facts = normalize_call(q, k, v, attn_mask=torch.randn(8, 8), is_causal=False, window=(3, 2)).facts
+    assert type(facts) is CallFacts and len(facts) == len(CallFacts._fields)
+    problem = make_problem(facts)
+    assert (problem.window, problem.mask_kind, problem.seqlen_k) == ((3, 2), "float", k.shape[2])
+    assert problem.float32_bias is False and problem.device_type == "cpu"

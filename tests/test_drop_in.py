@@ -261,3 +261,49 @@ def test_config_without_priority_keeps_custom_backends_where_registered(tmp_path
     d = ad.explain(q, k, v)
     assert d.backend == "custom_first", str(d)
     assert d.candidates[0] == "custom_first" and "registry order" in d.source
+
+
+# ---- on a GPU: the same mappings reach every CUDA backend ------------------------------------
+
+
+def _cuda_backends():
+    if not torch.cuda.is_available():
+        return []
+    return ["auto"] + [
+        n
+        for n in ad.list_backends()
+        if n != "math" and ad.get_backend(n).is_available() and "cuda" in ad.get_backend(n).capabilities.devices
+    ]
+
+
+def _compare_on_gpu(backend, q, k, v, mask_fn, **kw):
+    forced = _runs(backend, q, k, v, attn_mask=mask_fn(), **kw)
+    out = ad.sdpa(q, k, v, attn_mask=mask_fn(), backend=forced, **kw)
+    ref64 = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), attn_mask=mask_fn(), **kw)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        low = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_fn(), **kw)
+    assert_matches(out.cpu(), ref64.cpu(), low.cpu(), f"{backend} out")
+    return ad.last_decision()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", CAUSAL_BIAS)
+@pytest.mark.parametrize("backend", _cuda_backends())
+def test_gpu_causal_bias_is_its_causal_kind(backend, variant):
+    q = torch.randn(2, 8, 200, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 8, 264, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    d = _compare_on_gpu(backend, q, k, v, lambda: CAUSAL_BIAS[variant](200, 264))
+    assert d.problem.mask_kind == "none" and d.problem.causal is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", _cuda_backends())
+def test_gpu_float32_bias_keeps_its_precision(backend):
+    q, k, v = (torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    bias = torch.randn(1, 8, 256, 256, device="cuda") * 2 + 100
+    forced = _runs(backend, q, k, v, attn_mask=bias)
+    out = ad.sdpa(q, k, v, attn_mask=bias, backend=forced)
+    exact = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), attn_mask=bias.double())
+    rounded = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), attn_mask=bias.bfloat16().double())
+    err, rounding = (out.double() - exact).abs().max().item(), (rounded - exact).abs().max().item()
+    assert err < rounding / 4, f"{ad.last_decision().backend}: error {err:.3g}, a rounded bias gives {rounding:.3g}"

@@ -178,6 +178,10 @@ class Backend:
     name: str = ""
     capabilities: Capabilities = Capabilities()
     options_model = None  # optional pydantic model for [backends.<name>] config options
+    # A reference implementation: exact, quadratic in time, never fast. Custom backends registered
+    # without a priority go before the first one; on CUDA inputs dispatch.math_fallback governs it;
+    # policy="fastest" does not time it on a GPU while another backend can run the call.
+    reference: bool = False
 
     def is_available(self) -> bool:
         return True

@@ -157,6 +157,7 @@ class MathBackend(Backend):
     """Reference implementation of every feature; always available, never fast."""
 
     name = "math"
+    reference = True
     capabilities = Capabilities(
         head_dim_min=0,  # head dim 0: scores are the bias alone, as in F.sdpa
         notes="reference; query-chunked, bounded memory; the test oracle in float64",
