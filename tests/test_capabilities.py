@@ -32,7 +32,7 @@ def claimed_cases(caps: ad.Capabilities, big: bool = False):
     out = [(f"dtype={str(d)[6:]}", dataclasses.replace(base, dtype=d), True) for d in dtypes]
     # A head-dim range is refined by the backend's check() (e.g. flash-attn 4's {64, 96, 128},
     # cuDNN's version-dependent limit): those are not single-feature claims.
-    dims = {dim(max(caps.head_dim_min, 16)), dim(40), caps.head_dim_max or dim(160)}
+    dims = {dim(max(caps.head_dim_min, 1)), dim(max(caps.head_dim_min, 16)), dim(40), caps.head_dim_max or dim(160)}
     out += [
         (f"head_dim={d}", dataclasses.replace(base, head_dim=d), False)
         for d in sorted(dims)

@@ -909,7 +909,8 @@ def test_config_reason():
     assert config_reason(128, 128, F16, DEV) is None
     assert "320 > 256" in config_reason(320, 128, F16, DEV)
     assert "dtype" in config_reason(64, 64, torch.int8, DEV)
-    assert "bfloat16" in configs.arch_reason(64, 64, BF16, (7, 5), 64 * 1024)
+    # sm80 is the declared minimum (KERNEL_LIMITS): Turing is untested, so not claimed
+    assert "compute capability 7.5 < 8.0" in configs.arch_reason(64, 64, BF16, (7, 5), 64 * 1024)
     assert "compute capability" in configs.arch_reason(64, 64, F16, (7, 0), 96 * 1024)
 
 
@@ -927,7 +928,7 @@ def test_config_table_covers_all_head_dims(cc, smem):
                     <= smem
                     for c in cands
                 )
-    r = configs.arch_reason(256, 256, F32, (7, 5), 48 * 1024)
+    r = configs.arch_reason(256, 256, F32, (8, 0), 48 * 1024)
     assert r and "shared memory" in r
 
 
@@ -1000,9 +1001,24 @@ def test_small_dkdv_tiles_only_for_dense_calls_without_grouping():
         assert first(banded, extras, grouped) != small, (banded, extras, grouped)
 
 
-def test_kernel_limits_are_data():
+def test_kernel_limits_are_the_one_declaration():
+    """The backend's Capabilities and the kernels' own checks read KERNEL_LIMITS; nothing else
+    declares what the kernel supports."""
+    from attention_dispatch.kernels import configs
+
     assert set(KERNEL_LIMITS.dtypes) == {F16, BF16, F32}
     assert KERNEL_LIMITS.max_head_dim == 256 and KERNEL_LIMITS.deterministic_backward
+    import attention_dispatch as ad
+
+    caps = ad.get_backend("triton").capabilities
+    assert (caps.head_dim_min, caps.head_dim_max) == (KERNEL_LIMITS.min_head_dim, KERNEL_LIMITS.max_head_dim)
+    assert caps.min_compute_capability == KERNEL_LIMITS.min_compute_capability
+    assert caps.dtypes == frozenset(KERNEL_LIMITS.dtypes)
+    assert {str(k) for k in caps.causal_kinds} == set(KERNEL_LIMITS.causal_kinds)
+    assert (configs.MIN_HEAD_DIM, configs.MAX_HEAD_DIM) == (KERNEL_LIMITS.min_head_dim, KERNEL_LIMITS.max_head_dim)
+    assert configs.MIN_COMPUTE_CAPABILITY == KERNEL_LIMITS.min_compute_capability
+    assert configs.static_reason(KERNEL_LIMITS.min_head_dim - 1, 64, F16) is not None
+    assert configs.static_reason(KERNEL_LIMITS.min_head_dim, 64, F16) is None
 
 
 # ----------------------------------------------------------------------------- torch.compile

@@ -28,7 +28,7 @@ def _import_error() -> str:
     if importlib.util.find_spec("triton") is None:
         return "not installed: pip install triton"
     try:
-        import attention_dispatch.kernels  # noqa: F401
+        import attention_dispatch.kernels.autograd  # noqa: F401 - the kernels and Triton behind them
     except Exception as exc:  # a broken install must not break the dispatcher
         return f"triton failed to import: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     return ""
@@ -43,13 +43,27 @@ class TritonBackend(Backend):
     name = "triton"
 
     def __init__(self):
+        from ..kernels.limits import KERNEL_LIMITS as L
+        from ..semantics import CausalKind
+
         self.capabilities = Capabilities(
-            devices=frozenset({"cuda", "cpu"}),
-            min_compute_capability=(8, 0),
-            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-            head_dim_min=16,
-            head_dim_max=256,
-            notes="this project's kernel; CPU only under TRITON_INTERPRET=1; sm80+ on CUDA",
+            devices=frozenset(L.device_types),
+            min_compute_capability=L.min_compute_capability,
+            dtypes=frozenset(L.dtypes),
+            head_dim_min=L.min_head_dim,
+            head_dim_max=L.max_head_dim,
+            different_head_dims=L.head_dim_qk_ne_v,
+            causal_kinds=frozenset(CausalKind(k) for k in L.causal_kinds),
+            window=L.window,
+            bool_mask=L.bool_mask,
+            float_bias=L.float_bias,
+            bias_grad=L.bias_grad,
+            float32_bias=L.float32_bias,
+            dropout=L.dropout,
+            varlen=L.varlen,
+            gqa=L.gqa,
+            deterministic_backward=L.deterministic_backward,
+            notes="this project's kernel; CPU only under TRITON_INTERPRET=1",
         )
 
     def is_available(self) -> bool:

@@ -29,77 +29,42 @@ Public interface (used by ``attention_dispatch.backends.triton``)::
   reproduces the mask (see its docstring).
 """
 
-from dataclasses import dataclass
+import importlib
 
-from . import configs
-from .autograd import prepare_attention, triton_attention
-from .configs import KernelConfig
-from .launch import (
-    MAX_GRID_YZ,
-    ForwardPlan,
-    KernelParams,
-    TrainingPlan,
-    attention_backward,
-    attention_forward,
-    bh_chunks,
-    config_reason,
-    device_info,
-    dropout_keep_mask,
-    group_splits_heuristic,
-    is_interpreter,
-    num_splits_heuristic,
-    select_config,
-)
+from .limits import KERNEL_LIMITS, MAX_GRID_YZ, KernelLimits
 
-
-@dataclass(frozen=True)
-class KernelLimits:
-    """What the kernel supports, as data (for the adapter's Capabilities)."""
-
-    dtypes: tuple = configs.SUPPORTED_DTYPES
-    min_head_dim: int = configs.MIN_HEAD_DIM
-    max_head_dim: int = configs.MAX_HEAD_DIM
-    head_dim_qk_ne_v: bool = True  # Dqk != Dv supported
-    causal_kinds: tuple = ("top_left", "bottom_right")
-    window: bool = True  # (left, right), -1 unbounded, either alignment
-    bool_mask: bool = True
-    float_bias: bool = True
-    bias_grad: bool = True
-    dropout: bool = True
-    varlen: bool = True  # incl. zero-length sequences
-    gqa: bool = True
-    deterministic_backward: bool = True  # params.deterministic=True: bitwise repeatable
-    default_backward_deterministic: bool = False  # split-keys (fp32 atomics) may be used otherwise
-    forward_deterministic: bool = True
-    device_types: tuple = ("cuda", "cpu")  # cpu only under TRITON_INTERPRET=1
-    min_compute_capability: tuple = configs.MIN_COMPUTE_CAPABILITY
-    bf16_min_compute_capability: tuple = configs.BF16_MIN_COMPUTE_CAPABILITY
-    max_grid_yz: int = MAX_GRID_YZ  # larger batch*heads are chunked (no user limit)
-    cuda_graph_safe: bool = True
-    torch_compile: bool = True
+# Everything else imports Triton: loaded on first use, so that the triton backend can read
+# KERNEL_LIMITS (and the dispatcher can be imported) without a compiler.
+_LAZY = {
+    "configs": None,
+    "KernelConfig": ".configs",
+    "prepare_attention": ".autograd",
+    "triton_attention": ".autograd",
+    "ForwardPlan": ".launch",
+    "KernelParams": ".launch",
+    "TrainingPlan": ".launch",
+    "attention_backward": ".launch",
+    "attention_forward": ".launch",
+    "bh_chunks": ".launch",
+    "config_reason": ".launch",
+    "device_info": ".launch",
+    "dropout_keep_mask": ".launch",
+    "group_splits_heuristic": ".launch",
+    "is_interpreter": ".launch",
+    "num_splits_heuristic": ".launch",
+    "select_config": ".launch",
+}
 
 
-KERNEL_LIMITS = KernelLimits()
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    where = _LAZY[name]
+    value = importlib.import_module(f".{name}" if where is None else where, __name__)
+    if where is not None:
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
 
-__all__ = [
-    "KERNEL_LIMITS",
-    "ForwardPlan",
-    "KernelConfig",
-    "KernelLimits",
-    "KernelParams",
-    "MAX_GRID_YZ",
-    "TrainingPlan",
-    "attention_backward",
-    "attention_forward",
-    "bh_chunks",
-    "config_reason",
-    "configs",
-    "device_info",
-    "dropout_keep_mask",
-    "group_splits_heuristic",
-    "is_interpreter",
-    "num_splits_heuristic",
-    "prepare_attention",
-    "select_config",
-    "triton_attention",
-]
+
+__all__ = ["KERNEL_LIMITS", "KernelLimits", "MAX_GRID_YZ", *_LAZY]

@@ -18,17 +18,19 @@ from typing import NamedTuple
 
 import torch
 
+from .limits import KERNEL_LIMITS
+
 # Kernel kinds.
 FWD = "fwd"
 BWD_DKDV = "bwd_dkdv"  # key-block parallel: dK, dV (and d(bias))
 BWD_DQ = "bwd_dq"  # query-block parallel: dQ (optionally split over keys)
 KINDS = (FWD, BWD_DKDV, BWD_DQ)
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM = 1
-MAX_HEAD_DIM = 256
-MIN_COMPUTE_CAPABILITY = (7, 5)
-BF16_MIN_COMPUTE_CAPABILITY = (8, 0)
+SUPPORTED_DTYPES = KERNEL_LIMITS.dtypes
+MIN_HEAD_DIM = KERNEL_LIMITS.min_head_dim
+MAX_HEAD_DIM = KERNEL_LIMITS.max_head_dim
+MIN_COMPUTE_CAPABILITY = KERNEL_LIMITS.min_compute_capability
+BF16_MIN_COMPUTE_CAPABILITY = KERNEL_LIMITS.bf16_min_compute_capability
 
 
 class KernelConfig(NamedTuple):

@@ -17,6 +17,7 @@ import triton
 
 from ..caches import register_cache
 from . import configs as C
+from .limits import MAX_GRID_YZ
 from .compiled_cache import COMPILED, DirectLaunch, TensorDescriptor, _hooks_installed, is_descriptor, rebase, relaunch
 from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
 from .forward import LOG2E, _attn_fwd, _dropout_mask_kernel
@@ -31,8 +32,6 @@ except ImportError:  # pragma: no cover - a Triton without Gluon: the tl forward
     _attn_fwd_ws = _attn_bwd_dkdv_ws = _attn_bwd_dq_ws = None
     _WG_ROWS = 64
 
-# Limit of launch-grid axes 1 and 2 (CUDA's y/z).  Tests lower it to exercise chunking.
-MAX_GRID_YZ = 65535
 # Upper bound on the number of key splits of the dQ pass.
 MAX_SPLITS = 16
 # Under the CPU interpreter, keep P and dS in fp32 for the second matmuls of fp16/bf16

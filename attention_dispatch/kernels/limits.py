@@ -1,0 +1,45 @@
+"""What this project's kernels support: the one declaration.
+
+The triton backend's Capabilities and the kernels' own checks (configs.static_reason,
+arch_reason) are derived from KERNEL_LIMITS; this module imports no Triton, so the backend can
+declare its capabilities without importing a compiler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_GRID_YZ = 65535  # CUDA's grid y/z limit: larger batch*heads are launched in chunks
+
+
+@dataclass(frozen=True)
+class KernelLimits:
+    """What the kernels compute exactly, tested by the capability claims (tests/test_capabilities.py)."""
+
+    dtypes: tuple = (torch.float16, torch.bfloat16, torch.float32)
+    min_head_dim: int = 1  # padded to 16 inside (tl.dot's minimum)
+    max_head_dim: int = 256
+    head_dim_qk_ne_v: bool = True  # Dqk != Dv
+    causal_kinds: tuple = ("top_left", "bottom_right")
+    window: bool = True  # (left, right), -1 unbounded, either alignment
+    bool_mask: bool = True
+    float_bias: bool = True
+    bias_grad: bool = True
+    float32_bias: bool = True  # a float32 bias with 16-bit inputs is loaded and added at float32
+    dropout: bool = True
+    varlen: bool = True  # zero-length sequences included
+    gqa: bool = True
+    deterministic_backward: bool = True  # params.deterministic=True: bitwise repeatable
+    default_backward_deterministic: bool = False  # split-keys (fp32 atomics) may be used otherwise
+    forward_deterministic: bool = True
+    device_types: tuple = ("cuda", "cpu")  # cpu only under TRITON_INTERPRET=1
+    min_compute_capability: tuple = (8, 0)  # tested on sm90; sm80 as Triton's tl kernels support it
+    bf16_min_compute_capability: tuple = (8, 0)
+    max_grid_yz: int = MAX_GRID_YZ
+    cuda_graph_safe: bool = True
+    torch_compile: bool = True
+
+
+KERNEL_LIMITS = KernelLimits()
