@@ -1875,3 +1875,29 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias, fuse_dq):
         got = plan(q2, k2, v2)
         assert calls[-1] == ("fwd", 1, 1) and torch.equal(got, made["out"])
     assert len(calls) == 5 and plan.launch is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F16, BF16, F32])
+@pytest.mark.parametrize("d", [1, 3, 4, 8, 12])
+def test_gpu_head_dims_below_16(d, dtype):
+    """KERNEL_LIMITS claims head dims from 1 (padded to 16 inside): forward and backward
+    against the float64 oracle on the GPU, causal with a float bias."""
+    import attention_dispatch as ad
+    from cases import Case
+    from oracle import compare_backend
+
+    case = Case(
+        batch=2,
+        heads_q=4,
+        heads_kv=2,
+        seqlen_q=300,
+        seqlen_k=300,
+        head_dim=d,
+        dtype=dtype,
+        causal="bottom_right",
+        mask="float",
+        mask_shape="heads",
+    )
+    assert compare_backend(case, "triton", device="cuda").backend == "triton"
+    assert ad.last_decision().problem.head_dim_qk == d
