@@ -1732,3 +1732,28 @@ def test_xformers_backward_dispatch_follows_the_signature():
     old = types.SimpleNamespace(_dispatch_bw=lambda inp: ("old", inp))
     assert dispatch_backward(new, "inp", Op) == ("new", "inp", False)
     assert dispatch_backward(old, "inp", Op) == ("old", "inp")
+
+
+def test_flash_attn_4_relaunch_only_on_tested_releases():
+    """fa4_relaunch reads flash-attn 4's private compile cache only on releases it was checked
+    on; any other keeps the public function, with the reason."""
+    from attention_dispatch.backends.fa4_relaunch import untested_release
+
+    assert untested_release("4.0.0b36") is None
+    assert "4.1.0 is not a tested release" in untested_release("4.1.0")
+    assert "(unknown version)" in untested_release("")
+
+
+def test_flash_attn_4_fake_has_the_real_private_signatures():
+    """The adapter's call of flash-attn 4's private ``_flash_attn_bwd`` (positional q, k, v, out,
+    dout, lse, softmax_scale, causal, softcap; window and determinism by keyword) binds to the
+    installed flash-attn 4's signature with the same meaning, as it does to the fake's."""
+    real = pytest.importorskip("flash_attn.cute.interface")
+    fake = fakes._fa4_interface(None, None)
+    positional = ["q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "softcap"]
+    keywords = dict(window_size_left=None, window_size_right=None, deterministic=False)
+    for module in (fake, real):
+        signature = inspect.signature(module._flash_attn_bwd)
+        assert list(signature.parameters)[: len(positional)] == positional, module
+        signature.bind(*positional, **keywords)
+    assert hasattr(real._flash_attn_fwd, "compile_cache")

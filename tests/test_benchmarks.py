@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.bench_tools  # the benchmark scripts' own tests (they guard the report)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -29,6 +29,19 @@ import torch
 
 logger = logging.getLogger("attention_dispatch")
 INTERFACE = "flash_attn.cute.interface"
+# flash-attn 4 releases whose private forward compile cache (``_flash_attn_fwd.compile_cache``)
+# and ``_flash_attn_bwd`` were read and checked here (4.0.0b36 measured on the H100); any other
+# release keeps the public function.
+TESTED_RELEASES = ("4.0.0b",)
+
+
+def untested_release(version: str) -> str | None:
+    """Why a flash-attn 4 release is not relaunched, or None for a tested one."""
+    if any(version.startswith(prefix) for prefix in TESTED_RELEASES):
+        return None
+    return f"flash-attn 4 {version or '(unknown version)'} is not a tested release ({', '.join(TESTED_RELEASES)}*)"
+
+
 # Recording swaps one attribute of flash-attn 4's module (its forward's compile cache) for
 # the length of one call and puts it back; recordings take turns.  Other threads calling
 # flash-attn 4 meanwhile go through the recorder to the same cache, unrecorded.
@@ -126,11 +139,29 @@ def refusal(
     return None
 
 
+def _release() -> str:
+    """flash-attn 4's version, as the flash_attn backend reads it."""
+    from importlib import metadata
+
+    version = getattr(importlib.import_module("flash_attn.cute"), "__version__", "")
+    for name in ("flash-attn-4", "flash_attn_4"):
+        if version:
+            break
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return str(version)
+
+
 def _recorded_call(public: Callable, args: tuple, kwargs: dict, training: bool = False):
     """``public(*args, **kwargs)`` with flash-attn 4's forward compile cache swapped for a
     :class:`_Recorder` of calls on the query (``args[0]``): (what it returned, the recorded calls, flash-attn 4's
     ``_flash_attn_bwd`` when ``training``, None), or (returned, [], None, why not) when the
     interface lacks what recording needs."""
+    why = untested_release(_release())
+    if why is not None:
+        return public(*args, **kwargs), [], None, why
     try:
         module = importlib.import_module(INTERFACE)
         holder = module._flash_attn_fwd
