@@ -26,7 +26,8 @@ import triton  # noqa: E402
 
 from attention_dispatch.kernels import configs as C  # noqa: E402
 from attention_dispatch.kernels.forward import LOG2E, _attn_fwd  # noqa: E402
-from attention_dispatch.kernels.launch import _common, _Problem, KernelParams  # noqa: E402
+from attention_dispatch.kernels.launch import _common, _Problem  # noqa: E402
+from attention_dispatch.kernels.params import KernelParams  # noqa: E402
 
 TOKENS, HIDDEN = 16384, 2048
 

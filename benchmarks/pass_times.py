@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from attention_dispatch.kernels import launch, KernelParams  # noqa: E402
+from attention_dispatch.kernels import bias as bias_mod, launch, KernelParams  # noqa: E402
 from attention_dispatch.kernels.launch import _Problem, attention_forward  # noqa: E402
 
 for S, causal, with_bias in ((4096, False, False), (16384, False, False), (16384, True, False), (4096, False, True)):
@@ -29,9 +29,9 @@ for S, causal, with_bias in ((4096, False, False), (16384, False, False), (16384
     delta = (do.float() * out.float()).sum(-1)
     prob = _Problem(q, k, v, None, None, None, None)
     desc = launch.use_descriptors(params, (q, k, v, do), q.device)
-    kind, bt, bstr, _ = launch.bias_layout(bias, (B, 16, S, S))
+    kind, bt, bstr, _ = bias_mod.bias_layout(bias, (B, 16, S, S))
     route = launch._ws_backward_route(
-        do, q, k, v, launch.ws_bias_reason(kind, bt, bstr, q.dtype, desc), params, prob, desc
+        do, q, k, v, bias_mod.ws_bias_reason(kind, bt, bstr, q.dtype, desc), params, prob, desc
     )
     ws_bias = launch._WsBias.of(bt, bstr, prob) if with_bias else None
     fns = {

@@ -25,6 +25,7 @@ from oracle import SLACK, assert_matches  # noqa: E402
 
 from attention_dispatch.semantics import band, normalize_causal, normalize_window  # noqa: E402
 
+from attention_dispatch.kernels import bias as bias_mod  # noqa: E402
 from attention_dispatch.kernels import (  # noqa: E402
     KERNEL_LIMITS,
     KernelParams,
@@ -833,8 +834,8 @@ def test_batch_shared_bias_runs_batch_minor(limit):
     q, k, v = rand(3, 4, 24, 16), rand(3, 2, 32, 16), rand(3, 2, 32, 16)
     bias = rand(1, 4, 24, 32)
     prm = make_params(q, causal="top_left", dropout_p=0.3, deterministic=True, max_grid=limit)
-    assert launch.batch_minor(
-        *launch.bias_layout(bias, (3, 4, 24, 32))[::2], launch._Problem(q, k, v, None, None, None, None)
+    assert bias_mod.batch_minor(
+        *bias_mod.bias_layout(bias, (3, 4, 24, 32))[::2], launch._Problem(q, k, v, None, None, None, None)
     )
     run_and_check(q, k, v, bias, causal="top_left", dropout_p=0.3, deterministic=True, max_grid=limit)
     base = _fwd_bwd(q, k, v, bias, make_params(q, causal="top_left", dropout_p=0.3, deterministic=True))
@@ -848,14 +849,14 @@ def test_batch_minor_only_for_batch_shared_masks():
     prob = launch._Problem(q, q, q, None, None, None, None)
 
     def minor(mask):
-        kind, _, strides, _ = launch.bias_layout(mask, (2, 4, 8, 8))
-        return launch.batch_minor(kind, strides, prob)
+        kind, _, strides, _ = bias_mod.bias_layout(mask, (2, 4, 8, 8))
+        return bias_mod.batch_minor(kind, strides, prob)
 
     assert minor(rand(4, 8, 8)) and minor(torch.ones(1, 1, 8, 8, dtype=torch.bool))
     assert minor(rand(1, 4, 8, 8).expand(2, 4, 8, 8))  # stride-0 batch dim
     assert not minor(None) and not minor(rand(2, 1, 8, 8))
     one = launch._Problem(q[:1], q[:1], q[:1], None, None, None, None)
-    assert not launch.batch_minor(1, (0, 64, 8, 1), one)  # a single batch: nothing to share
+    assert not bias_mod.batch_minor(1, (0, 64, 8, 1), one)  # a single batch: nothing to share
 
 
 def test_chunking_varlen():
@@ -1347,7 +1348,6 @@ def test_warp_specialized_forward_reasons(monkeypatch, change, reason):
 def test_warp_specialized_bias_reasons(case, reason):
     """Which biases the Gluon kernels read (through a TMA descriptor over the (rows, Sk) matrix),
     the reason for the others, and the rows per batch and per head of the ones they read."""
-    from attention_dispatch.kernels import launch
 
     b, h, s = 2, 3, 64
     full = (b, h, s, s)
@@ -1365,18 +1365,18 @@ def test_warp_specialized_bias_reasons(case, reason):
             full, (h * s * s + 8, s * s + 8, s, 1)
         ),
     }[case]
-    kind, bt, bstr, _ = launch.bias_layout(bias, full)
-    got = launch.ws_bias_reason(kind, bt, bstr, BF16, True)
+    kind, bt, bstr, _ = bias_mod.bias_layout(bias, full)
+    got = bias_mod.ws_bias_reason(kind, bt, bstr, BF16, True)
     if reason is not None:
         assert got is not None and reason in got, got
         return
     assert got is None
     want_batch = {"(B, H, S, S)": h * s, "(B, 1, S, S)": s}.get(case, 0)
     want_head = {"(1, H, S, S)": s, "(B, H, S, S)": s}.get(case, 0)
-    assert launch.ws_bias_rows(bstr) == (want_batch, want_head)
-    assert launch.ws_bias_reason(0, None, (0, 0, 0, 0), BF16, True) is None
-    assert "bias layout" in launch.ws_bias_reason(kind, bt, bstr, BF16, False)  # no descriptors at all
-    assert "gradient" in launch.ws_bias_reason(kind, bt, bstr, BF16, True, grad=True)  # the backward of dbias
+    assert bias_mod.ws_bias_rows(bstr) == (want_batch, want_head)
+    assert bias_mod.ws_bias_reason(0, None, (0, 0, 0, 0), BF16, True) is None
+    assert "bias layout" in bias_mod.ws_bias_reason(kind, bt, bstr, BF16, False)  # no descriptors at all
+    assert "gradient" in bias_mod.ws_bias_reason(kind, bt, bstr, BF16, True, grad=True)  # the backward of dbias
 
 
 def _gpu_qkv(batch: int, hkv: int, sq: int, sk: int, d: int, dtype, bshd: bool = False):

@@ -41,7 +41,7 @@ _LAZY = {
     "prepare_attention": ".autograd",
     "triton_attention": ".autograd",
     "ForwardPlan": ".launch",
-    "KernelParams": ".launch",
+    "KernelParams": ".params",
     "TrainingPlan": ".launch",
     "attention_backward": ".launch",
     "attention_forward": ".launch",

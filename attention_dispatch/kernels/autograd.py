@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .launch import ForwardPlan, KernelParams, TrainingPlan, attention_backward, attention_forward
+from .launch import ForwardPlan, TrainingPlan, attention_backward, attention_forward
+from .params import KernelParams
 
 _FWD = "attention_dispatch::triton_attention_fwd"
 _BWD = "attention_dispatch::triton_attention_bwd"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -17,7 +16,9 @@ import triton
 
 from ..caches import register_cache
 from . import configs as C
+from .bias import batch_minor, bias_constexprs, bias_layout, ws_bias_reason, ws_bias_rows
 from .limits import MAX_GRID_YZ
+from .params import KernelParams
 from .compiled_cache import COMPILED, DirectLaunch, TensorDescriptor, _hooks_installed, is_descriptor, rebase, relaunch
 from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
 from .forward import LOG2E, _attn_fwd, _dropout_mask_kernel
@@ -38,45 +39,6 @@ MAX_SPLITS = 16
 # inputs (the interpreter is a correctness harness: its half-precision results then match
 # PyTorch's CPU math path, which upcasts).  False reproduces the GPU rounding exactly.
 INTERPRETER_FP32_PRODUCTS = True
-
-
-@dataclass(frozen=True)
-class KernelParams:
-    """Everything about one attention call that is not a tensor.
-
-    A key j is allowed for query i when ``j >= i + off - window_left`` (if window_left >= 0)
-    and ``j <= i + off + window_right`` (if window_right >= 0), ``off = Sk - Sq`` per
-    sequence when ``align_bottom_right`` else 0.  causal top_left == (False, -1, 0);
-    causal bottom_right == (True, -1, 0).
-    """
-
-    scale: float
-    align_bottom_right: bool = False
-    window_left: int = -1
-    window_right: int = -1
-    dropout_p: float = 0.0
-    deterministic: bool = False
-    # ---- tuning / testing knobs (0 / None = automatic) ----
-    block_m: int = 0  # force the query tile of every kernel
-    block_n: int = 0  # force the key tile of every kernel
-    num_splits: int = 0  # force the dQ key splits (ignored when deterministic)
-    max_grid: int = 0  # grid y/z limit for chunking; 0 = MAX_GRID_YZ
-    descriptors: int = -1  # TMA tensor-descriptor loads: -1 auto (Hopper+, half, aligned), 0 off, 1 on
-
-    def __post_init__(self):
-        if not (0.0 <= self.dropout_p < 1.0):
-            raise ValueError(f"dropout_p={self.dropout_p} must be in [0, 1)")
-        if self.window_left < -1 or self.window_right < -1:
-            raise ValueError(f"window=({self.window_left}, {self.window_right}): -1 or >= 0 expected")
-        if self.descriptors not in (-1, 0, 1):
-            raise ValueError(f"descriptors={self.descriptors}: -1 (auto), 0 (off) or 1 (on) expected")
-
-    def to_args(self) -> tuple:
-        return tuple(getattr(self, f.name) for f in fields(self))
-
-    @classmethod
-    def from_args(cls, args) -> "KernelParams":
-        return cls(*args)
 
 
 # --------------------------------------------------------------------------- device facts
@@ -440,92 +402,6 @@ def _last_contig(t):
     if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
         t = t.contiguous()
     return t
-
-
-def bias_layout(bias: torch.Tensor | None, full: tuple[int, int, int, int]):
-    """Normalise an attention bias/mask for the kernels.
-
-    Accepted: any tensor broadcastable to ``full`` = (B, Hq, Sq, Sk) (varlen: max lengths)
-    whose dims are each either 1 or full size (fewer dims are left-padded).  Size-1 dims are
-    read with stride 0 and their gradient is summed in-kernel/over the workspace.  Returns
-    (kind, tensor_for_kernel, strides(4), broadcast(4 bools))."""
-    if bias is None:
-        return 0, None, (0, 0, 0, 0), (True, True, True, True)
-    if bias.dim() > 4:
-        raise ValueError(f"attn bias must have at most 4 dims, got shape {tuple(bias.shape)}")
-    while bias.dim() < 4:
-        bias = bias.unsqueeze(0)
-    for d in range(4):
-        if bias.shape[d] not in (1, full[d]):
-            raise ValueError(
-                f"attn bias shape {tuple(bias.shape)} does not broadcast to {tuple(full)}"
-                " (each dim must be 1 or full size)"
-            )
-    if bias.dtype == torch.bool:
-        kind, t = 2, bias.view(torch.uint8)
-    elif bias.dtype.is_floating_point:
-        kind, t = 1, bias
-    else:
-        raise TypeError(f"attn bias dtype {bias.dtype}: expected bool or a floating dtype")
-    bcast = tuple(bias.shape[d] == 1 for d in range(4))
-    strides = tuple(0 if bcast[d] else bias.stride(d) for d in range(4))
-    return kind, t, strides, bcast
-
-
-def bias_constexprs(kind: int, bias_t, bias_strides, prob, use_desc: bool) -> dict:
-    """The constexprs that the bias layout decides, for every attention kernel of a call."""
-    return dict(
-        BIAS_KIND=kind,
-        BIAS_DESC=bias_descriptor(use_desc, bias_t, bias_strides),
-        BATCH_MINOR=batch_minor(kind, bias_strides, prob),
-    )
-
-
-def batch_minor(bias_kind: int, bias_strides, prob) -> bool:
-    """Launch the (batch, head) programs batch-fastest: when a bias/mask is shared by the
-    batches, the programs reading the same bias tiles then run together (L2 reuse)."""
-    return bias_kind != 0 and bias_strides[0] == 0 and prob.B > 1 and not prob.varlen
-
-
-def bias_descriptor(use_desc: bool, bias_t, bias_strides) -> bool:
-    """Read bias/mask tiles through TMA descriptors (with the other descriptor loads) when
-    TMA can address them: contiguous keys, a non-broadcast row dim, 16-byte aligned base and
-    strides.  Otherwise masked pointer loads (e.g. a (B, 1, 1, Sk) key-padding mask)."""
-    if not use_desc or bias_t is None:
-        return False
-    es = bias_t.element_size()
-    sbb, sbh, sbi, sbj = bias_strides
-    return sbj == 1 and sbi > 0 and bias_t.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in (sbb, sbh, sbi))
-
-
-def ws_bias_reason(
-    kind: int, bias_t, bias_strides, dtype: torch.dtype, uses_descriptors: bool, grad: bool = False
-) -> str | None:
-    """None when the warp-specialised kernels can read this bias (or there is none), else why
-    not: they take a float bias of the query's dtype through a TMA descriptor over the (rows,
-    Sk) matrix whose row of query i of (b, h) is b * batch_rows + h * head_rows + i
-    (:func:`ws_bias_rows`).  ``grad``: a backward that needs the bias's gradient (only the tl
-    backward computes it)."""
-    if kind == 0:
-        return None
-    if grad:
-        return "a bias whose gradient is needed: only the tl backward computes it"
-    if kind == 2:
-        return "boolean mask: not in the warp-specialised kernels"
-    if bias_t.dtype != dtype:
-        return f"bias dtype {bias_t.dtype}: the warp-specialised kernels read a bias of the query's dtype ({dtype})"
-    if not bias_descriptor(uses_descriptors, bias_t, bias_strides):
-        return "bias layout: the warp-specialised kernels need contiguous keys, per-query rows and 16-byte aligned rows"
-    sbb, sbh, sbi, _ = bias_strides
-    if sbb % sbi or sbh % sbi:
-        return "bias layout: batch and head strides are not whole rows"
-    return None
-
-
-def ws_bias_rows(bias_strides) -> tuple[int, int]:
-    """(rows per batch, rows per head) of a bias :func:`ws_bias_reason` accepts (0: broadcast)."""
-    sbb, sbh, sbi, _ = bias_strides
-    return sbb // sbi, sbh // sbi
 
 
 def _common(q, params, prob):
