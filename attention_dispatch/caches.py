@@ -10,18 +10,22 @@ import threading
 from typing import Callable
 
 _lock = threading.Lock()
-_caches: dict[str, Callable[[], None]] = {}
+_caches: dict[str, tuple[Callable[[], None], Callable[[], int]]] = {}
 
 
-def register_cache(name: str, clear: Callable[[], None]) -> None:
-    """Add a cache under a dotted name saying where it lives (e.g. "dispatch.decisions")."""
+def register_cache(name: str, clear: Callable[[], None], size: Callable[[], int] = lambda: 0) -> None:
+    """Add a cache under a dotted name saying where it lives (e.g. "dispatch.decisions"):
+    how to empty it and how many entries it holds."""
     with _lock:
-        _caches[name] = clear
+        _caches[name] = (clear, size)
 
 
-def cache_names() -> list[str]:
-    """The registered caches (those of modules imported so far)."""
-    return sorted(_caches)
+def cache_sizes() -> dict[str, int]:
+    """Entries held by each registered cache (those of modules imported so far); for tests
+    and for a user wondering what the dispatcher keeps."""
+    with _lock:
+        caches = dict(_caches)
+    return {name: size() for name, (_, size) in sorted(caches.items())}
 
 
 def clear_cache() -> None:
@@ -29,6 +33,6 @@ def clear_cache() -> None:
     in-memory winners, backends' availability and the kernels' chosen configs and compiled
     launches. Call it after installing a library or changing the environment in-process."""
     with _lock:
-        clears = list(_caches.values())
+        clears = [clear for clear, _ in _caches.values()]
     for clear in clears:
         clear()

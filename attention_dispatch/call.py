@@ -522,7 +522,7 @@ def normalize_call(
 
 
 _problems: dict = {}
-register_cache("call.problems", _problems.clear)
+register_cache("call.problems", _problems.clear, _problems.__len__)
 
 
 def _cached_problem(facts: CallFacts) -> Problem:

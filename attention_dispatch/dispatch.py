@@ -188,7 +188,7 @@ def _clear_decisions() -> None:
         fast_calls.clear()
 
 
-register_cache("dispatch.decisions and fast_calls", _clear_decisions)
+register_cache("dispatch.decisions and fast_calls", _clear_decisions, lambda: len(_cache) + len(fast_calls))
 
 
 def decide(problem: Problem, forced: str | None = None, raise_if_none: bool = True) -> Decision:

@@ -381,4 +381,4 @@ def forget() -> None:
         _winners.clear()
 
 
-register_cache("fastest.winners", forget)
+register_cache("fastest.winners", forget, _winners.__len__)

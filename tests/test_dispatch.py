@@ -963,20 +963,19 @@ def test_config_pins_are_bounded_and_dropping_them_invalidates_keys(monkeypatch)
 
 
 def test_clear_cache_empties_every_registered_cache():
-    """Every cache of the package is listed in attention_dispatch.caches; clear_cache() empties
-    each one (a stale decision, Problem, fast-path entry or winner cannot survive it)."""
-    from attention_dispatch import caches, call, dispatch, fastest
+    """Every cache of the package is registered in attention_dispatch.caches; clear_cache()
+    empties each one (a stale decision, Problem, fast-path entry or winner cannot survive it)."""
+    from attention_dispatch import caches
 
     q, k, v = qkv()
     ad.sdpa(q, k, v)
     ad.sdpa(q, k, v)
-    assert call._problems and dispatch._cache and dispatch.fast_calls
-    fastest._winners[("stale",)] = None
-    names = caches.cache_names()
+    sizes = caches.cache_sizes()
     for name in ("call.problems", "dispatch.decisions and fast_calls", "fastest.winners"):
-        assert name in names
+        assert name in sizes
+    assert sizes["call.problems"] and sizes["dispatch.decisions and fast_calls"]
     ad.clear_cache()
-    assert not call._problems and not dispatch._cache and not dispatch.fast_calls and not fastest._winners
+    assert not any(caches.cache_sizes().values()), caches.cache_sizes()
 
 
 def test_call_facts_are_complete_and_named():

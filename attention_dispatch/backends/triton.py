@@ -34,7 +34,7 @@ def _import_error() -> str:
     return ""
 
 
-register_cache("backends.triton.import_error", _import_error.cache_clear)
+register_cache("backends.triton.import_error", _import_error.cache_clear, lambda: _import_error.cache_info().currsize)
 
 
 class TritonBackend(Backend):

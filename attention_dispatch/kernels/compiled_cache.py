@@ -405,4 +405,4 @@ def _constexpr_order(kernel, n_positional: int, constexprs: dict):
 
 
 COMPILED = CompiledLaunchCache()
-register_cache("kernels.compiled_cache.COMPILED", COMPILED.clear)
+register_cache("kernels.compiled_cache.COMPILED", COMPILED.clear, lambda: len(COMPILED._entries))

@@ -222,7 +222,7 @@ def select_config(
 
 
 _CHOSEN: dict = {}
-register_cache("kernels.launch.chosen_configs", _CHOSEN.clear)
+register_cache("kernels.launch.chosen_configs", _CHOSEN.clear, _CHOSEN.__len__)
 
 
 def _table_traits(bias_kind: int, params: KernelParams, prob: "_Problem") -> dict:
