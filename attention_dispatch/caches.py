@@ -13,7 +13,7 @@ _lock = threading.Lock()
 _caches: dict[str, tuple[Callable[[], None], Callable[[], int]]] = {}
 
 
-def register_cache(name: str, clear: Callable[[], None], size: Callable[[], int] = lambda: 0) -> None:
+def register_cache(name: str, clear: Callable[[], None], size: Callable[[], int]) -> None:
     """Add a cache under a dotted name saying where it lives (e.g. "dispatch.decisions"):
     how to empty it and how many entries it holds."""
     with _lock:

@@ -84,7 +84,7 @@ def check_plain_tensor(t, name: str) -> None:
     if cls is torch.Tensor or cls is torch.nn.Parameter:
         return
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {cls.__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor{' or None' if name == 'attn_mask' else ''}, got {cls.__name__}")
     if isinstance(t, torch.nn.Parameter) or cls.__module__.startswith("torch._subclasses."):
         return
     if cls.__name__ == "DTensor":
@@ -173,8 +173,6 @@ def _mask_dtype(attn_mask, query):
 
 def _broadcast_mask(attn_mask, target: tuple[int, ...], what: str, query) -> torch.Tensor:
     """Validate attn_mask against `target` and return it as a view of the same rank."""
-    if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
     check_plain_tensor(attn_mask, "attn_mask")
     if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
         raise TypeError(

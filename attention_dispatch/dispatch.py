@@ -242,9 +242,8 @@ def _warn_once(decision: Decision, cfg) -> None:
                 stacklevel=4,
             )
     if p.deterministic and p.deterministic_warn_only and p.requires_grad:
-        backend = registry.get_backend(decision.backend)
         key = ("nondeterministic", decision.backend)
-        if not backend.capabilities.deterministic_backward and key not in _warned:
+        if not chosen.capabilities.deterministic_backward and key not in _warned:
             _warned.add(key)
             warnings.warn(
                 f"attention_dispatch: backend {decision.backend!r} has a nondeterministic backward; "

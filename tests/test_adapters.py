@@ -1710,7 +1710,7 @@ def test_gpu_packed_self_attention_on_kernels_of_the_other_alignment(name, causa
     assert_matches(out.cpu(), ref.detach(), naive_lo.detach())
 
 
-def test_xformers_fake_has_the_real_private_signatures(monkeypatch):
+def test_xformers_fake_has_the_real_private_signatures():
     """The fake's private xformers functions take what the installed xformers' take, so the
     fake cannot drift from the library again (the adapter's one private call site is
     `xformers.dispatch_backward`)."""
