@@ -7,6 +7,7 @@ from .config import Config, ConfigError, load_config, read_config, reset_config,
 from .debug import configure_logging_from_env, last_decision, record
 from .dispatch import BackendRunError, Decision, NoBackendError, use_backends
 from .problem import Problem
+from .route import Route, RouteStep
 from .registry import get_backend, list_backends, register_backend, unregister_backend
 from .semantics import CausalKind
 
@@ -34,6 +35,8 @@ __all__ = [
     "clear_cache",
     "use_backends",
     "Problem",
+    "Route",
+    "RouteStep",
     "get_backend",
     "list_backends",
     "register_backend",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import config as _config
@@ -318,7 +320,8 @@ def explain(
     backend=None,
     deterministic=None,
 ) -> Decision:
-    """The Decision sdpa() would make for these arguments; runs nothing.
+    """The Decision sdpa() would make for these arguments, with the route inside the chosen
+    backend (``decision.route``); runs nothing.
 
     Unlike sdpa(), a call no backend can serve returns a Decision with backend=None.
     """
@@ -339,4 +342,8 @@ def explain(
         max_seqlen_k=max_seqlen_k,
         deterministic=deterministic,
     )
-    return decide(call.problem or make_problem(call.facts), backend, raise_if_none=False)
+    decision = decide(call.problem or make_problem(call.facts), backend, raise_if_none=False)
+    if decision.backend is None:
+        return decision
+    route = registry.get_backend(decision.backend).route(call.query, call.key, call.value, call.options)
+    return decision if route is None else dataclasses.replace(decision, route=route)

@@ -13,6 +13,7 @@ from . import config as _config
 from . import registry
 from .caches import register_cache
 from .problem import Problem
+from .route import Route
 
 logger = logging.getLogger("attention_dispatch")
 
@@ -52,10 +53,19 @@ class Decision:
     timing_samples: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     # host time per call (ms) in those samples, on a GPU: near the device's, a call is host-bound
     host_timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    # the implementation the chosen backend runs inside (explain() fills it; see Backend.route)
+    route: Route | None = None
 
     def __str__(self) -> str:
-        head = f"attention_dispatch: {self.backend or 'NO BACKEND'} (order from {self.source})"
+        chosen = self.backend or "NO BACKEND"
+        if self.route is not None:
+            chosen += f" [{self.route}]"
+        head = f"attention_dispatch: {chosen} (order from {self.source})"
         lines = [head, f"  problem: {self.problem.summary()}"]
+        if self.route is not None:
+            lines.extend(
+                f"  route: {line}" if not line.startswith(" ") else f"        {line}" for line in self.route.lines()
+            )
         width = max([len(n) for n in self.candidates] + [7])
         for name in self.candidates:
             if name == self.backend:
@@ -87,6 +97,7 @@ class Decision:
         return dataclasses.replace(
             self,
             backend=rest[0] if rest else None,
+            route=None,
             failures=failures,
             notes=self.notes + (f"{failed} failed at run time; fell back",),
         )

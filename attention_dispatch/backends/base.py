@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from ..problem import Problem
+from ..route import Route
 from ..semantics import CausalKind
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -199,6 +200,12 @@ class Backend:
     def reasons(self, problem: Problem) -> list[str]:
         """All reasons this backend cannot compute `problem` (not counting availability)."""
         return not_supported_reasons(self.capabilities, problem) + list(self.check(problem))
+
+    def route(self, query, key, value, options: dict) -> Route | None:
+        """Which implementation inside this backend computes the call (``options`` as for
+        run()), with why each faster one does not; None for a backend with one implementation.
+        Must use the same functions that choose the implementation at run time."""
+        return None
 
     def run(self, query, key, value, **options):
         """Compute the call; options are the normalised arguments (DESIGN.md section 4)."""
