@@ -63,9 +63,7 @@ class Decision:
         head = f"attention_dispatch: {chosen} (order from {self.source})"
         lines = [head, f"  problem: {self.problem.summary()}"]
         if self.route is not None:
-            lines.extend(
-                f"  route: {line}" if not line.startswith(" ") else f"        {line}" for line in self.route.lines()
-            )
+            lines.extend(("  route: " if i == 0 else "         ") + line for i, line in enumerate(self.route.lines()))
         width = max([len(n) for n in self.candidates] + [7])
         for name in self.candidates:
             if name == self.backend:

@@ -35,11 +35,11 @@ class Route:
         return ", ".join(str(s) for s in self.steps)
 
     def lines(self) -> list[str]:
-        """Each step with why a faster route was not taken (for Decision's table)."""
+        """One line per step, with why each faster route was not taken (for Decision's table)."""
         out = []
         for s in self.steps:
-            out.append(f"{s.part}: {s.chosen}")
-            out.extend(f"  not {alt}: {why}" for alt, why in s.passed_over)
+            why = "; ".join(f"not {alt}: {reason}" for alt, reason in s.passed_over)
+            out.append(f"{s} ({why})" if why else str(s))
         if self.note:
             out.append(f"({self.note})")
         return out

@@ -12,9 +12,10 @@ import os
 
 import torch
 
-from ..problem import Problem
-from ..semantics import band
 from ..caches import register_cache
+from ..problem import Problem
+from ..route import Route, RouteStep
+from ..semantics import band
 from .base import Backend, Capabilities
 
 
@@ -105,6 +106,31 @@ class TritonBackend(Backend):
             window_right=right,
             dropout_p=dropout_p,
             deterministic=deterministic,
+        )
+
+    def route(self, query, key, value, options: dict) -> Route:
+        """The forward's kernel (Gluon or tl) and, for a call that needs gradients, the dK/dV and
+        dQ passes' (Gluon, tl, or dQ fused into the Gluon dK/dV pass), from the functions that
+        choose them at run time (kernels.entry)."""
+        from ..kernels import describe_route
+
+        mask = options["attn_mask"]
+        backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, mask))
+        steps = describe_route(
+            query,
+            key,
+            value,
+            mask,
+            self._params(**options),
+            options["cu_seqlens_q"],
+            options["cu_seqlens_k"],
+            options["max_seqlen_q"],
+            options["max_seqlen_k"],
+            backward=backward,
+        )
+        return Route(
+            tuple(RouteStep(part, kernel, passed) for part, kernel, passed in steps),
+            note="backward route for a contiguous dO" if backward else "",
         )
 
     def run(self, query, key, value, *, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):

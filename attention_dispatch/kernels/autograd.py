@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .launch import ForwardPlan, TrainingPlan, attention_backward, attention_forward
+from .entry import attention_backward, attention_forward
+from .replay import ForwardPlan, TrainingPlan
 from .params import KernelParams
 
 _FWD = "attention_dispatch::triton_attention_fwd"

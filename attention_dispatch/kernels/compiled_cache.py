@@ -12,7 +12,7 @@ The key is finer than Triton's own specialisation: each tensor's dtype and 16-by
 alignment, the exact value of every scalar argument, the constexprs, the launch options and
 the device.  Two calls with the same key therefore get the same compiled kernel from Triton
 too.  The tl kernels take their leading pointers followed by scalars (the common, cheapest
-key); the Gluon kernels (forward_ws.py) start with host-built TMA descriptors and are keyed
+key); the Gluon kernels (gluon/) start with host-built TMA descriptors and are keyed
 argument by argument.  A call of another shape keeps Triton's launch path.
 """
 
@@ -135,7 +135,7 @@ def _hook_set(hook) -> bool:
     return bool(calls) if calls is not None else True
 
 
-def _hooks_installed() -> bool:
+def hooks_installed() -> bool:
     """Profilers (e.g. proton) install launch hooks that need Triton's own launch path."""
     if _knobs is None:
         return True
@@ -196,7 +196,7 @@ class CompiledLaunchCache:
                 tuple(map(_argument_key, args)),
             )
             entry = self._entries.get(key)
-        if entry is not None and not _hooks_installed():
+        if entry is not None and not hooks_installed():
             self.hits += 1
             relaunch(entry, grid, args)
             self._record(entry, grid, args, constexprs)

@@ -1,5 +1,5 @@
 """Triton backward kernels: delta preprocessing, dK/dV (+ d(bias)), dQ (optionally split
-over keys with fp32 atomics).  Conventions: see forward.py.
+over keys with fp32 atomics).  Conventions: see common.py.
 
 Gradients (natural-log units): P = exp(s - lse), dP = dO V^T (times keep/(1-p) under
 dropout), dS = P * (dP - delta) with delta = rowsum(dO * O); dQ = scale * dS K,
@@ -11,7 +11,7 @@ gradient it touches is exactly 0 (never NaN).
 import triton
 import triton.language as tl
 
-from .forward import (
+from .common import (
     _apply_bias,
     _band_mask,
     _batch_head,

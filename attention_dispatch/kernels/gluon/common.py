@@ -1,0 +1,313 @@
+"""Warp-specialised Hopper kernels in Gluon (FlashAttention-3's structure): the forward, the
+dK/dV pass and the dQ pass.
+
+Triton 3.6 builds no such kernel from ``tl`` code on sm90 (its automatic warp specialisation
+deadlocks there, docs/experiments/perf-notes.md experiment 35); Gluon states the partitions, barriers
+and tensor-core calls explicitly (experiments 40-42):
+
+  * a loader warp streams tiles through a ring of ``STAGES`` TMA buffers (``*_ready``
+    barriers: the copy landed; ``*_empty``: both consumers are done with the slot): K and V
+    for the forward and the dQ pass (one shared loader, :func:`_ws_loader`), Q and dO for the
+    dK/dV pass;
+  * two consumer warpgroups own 64 rows each (query rows; keys in the dK/dV pass) and share
+    the ring; the warp scheduler runs one's softmax while the other's products occupy the
+    tensor cores (the forward can take three, ``NUM_WG``: 192-row programs at head dim 64);
+  * inside a consumer the next products are issued before the previous results are needed
+    (forward: ``S_j`` and ``P_{j-1} V_{j-1}`` in flight together);
+  * ``FUSE_DQ`` (launch.fuse_dq picks the calls): the dK/dV pass computes dQ too, FA3's way,
+    adding fp32 partials by TMA reduce-add (:func:`_tma_reduce_add`), and no dQ pass runs.
+
+Scope (launch.py's ``ws_forward_reason`` says why a call is not served): sm90, fp16/bf16,
+Dqk == Dv == 128 or 64 (configs.WS_*_CONFIGS; at 64 the forward serves dense calls only), dense,
+causal or a window (``WINDOW_LEFT`` / ``WINDOW_RIGHT`` constexprs, -1 unbounded; launch.WS_MIN_WINDOW keys wide at least) with
+Sq == Sk, no mask or dropout, lengths multiples of the tiles, positive scale; a float bias of
+the query's dtype that TMA can read as a (rows, Sk) matrix (``ws_bias_reason``; not one whose
+gradient is needed: the tl backward computes it).  A window skips the key (query) tiles
+outside the band and masks the tiles crossing it.  The bias rides in its own ring (forward,
+dQ) or in the (Q, dO) slot (dK/dV); with it, scores are ``(q.k * scale + bias) * log2(e)`` and a
+row it masks whole has output 0 and logsumexp -inf.  Same
+conventions as forward.py / backward.py: log2-domain scores, ``lse`` in natural log,
+``pid_bh = b * Hq + h``, dS = P * (dP - delta).
+Row layouts (``Q_ROWS`` / ``KV_ROWS`` / ``DO_ROWS``): 1 = (B, H, S, D) memory seen as
+(B*H*S, D), 2 = (B, S, H, D) memory seen as (B*S, H*D), the head's columns at ``h * D``.
+Outputs (O, dQ, dK, dV) are written as (B, H, S, D) contiguous.
+"""
+
+from triton._C.libtriton import ir as _ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin as _builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+)
+
+LN2 = gl.constexpr(0.6931471805599453)
+LOG2E = gl.constexpr(1.4426950408889634)
+# Rows per consumer warpgroup (one wgmma M): a program covers 2 * WG_ROWS query rows (forward,
+# dQ) or keys (dK/dV); the dK/dV pass streams WG_ROWS-row query tiles.  The launcher reads it.
+WG_ROWS = gl.constexpr(64)
+
+
+@_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of shared tile ``src`` into the tensor at ``coord`` (cp.reduce.async.bulk;
+    Triton 3.6's IR has it, its Gluon API does not): an asynchronous bulk operation that
+    :func:`tma.store_wait` waits for, as a TMA store."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.constexpr_function
+def _wgmma_layout(n):
+    """Accumulator layout of one warpgroup's wgmma with N = ``n`` (64 rows per warpgroup)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def _wgmma_operand(n):
+    """Register A-operand layout (16-bit elements) of a wgmma whose accumulator has N = ``n``."""
+    return gl.DotOperandLayout(operand_index=0, parent=_wgmma_layout(n), k_width=2)
+
+
+@gluon.jit
+def _tile_origin(pid_bh, head_groups, num_heads, seq, ROWS: gl.constexpr, HEAD_D: gl.constexpr):
+    """(first row, first column) of head ``pid_bh // head_groups`` of a row-layout matrix."""
+    b = pid_bh // num_heads
+    h = (pid_bh % num_heads) // head_groups
+    if ROWS == 1:
+        return (b * (num_heads // head_groups) + h) * seq, 0
+    else:
+        return b * seq, h * HEAD_D
+
+
+@gluon.jit
+def _program_row(heads, BATCH_MINOR: gl.constexpr):
+    """Grid axis 1 as ``b * heads + h``.  BATCH_MINOR launches it batch-fastest: the programs of
+    one head in every batch run together, so a bias shared by the batches is read from L2."""
+    pid = gl.program_id(1)
+    if BATCH_MINOR:
+        batch = gl.num_programs(1) // heads
+        pid = (pid % batch) * heads + pid // batch
+    return pid
+
+
+@gluon.constexpr_function
+def _causal(left, right):
+    """The band (key j of query i allowed when i - left <= j <= i + right, -1 unbounded) is causal."""
+    return left < 0 and right == 0
+
+
+@gluon.constexpr_function
+def _window(left, right):
+    """The band is another window (causal has its own, cheaper tile bounds and mask)."""
+    return (left >= 0 or right >= 0) and not (left < 0 and right == 0)
+
+
+@gluon.jit
+def _kv_tiles(
+    pid_m,
+    seq_k,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_WG: gl.constexpr,
+):
+    """(first key tile a program of NUM_WG * BLOCK_M query rows reads, how many it reads, how many
+    of them need no causal mask): the loader and every consumer must agree on the first two, or
+    the ring deadlocks.  A window's tiles are masked where :func:`_band_edge` says."""
+    first = 0
+    if _causal(WINDOW_LEFT, WINDOW_RIGHT):
+        # a last program of three warpgroups can reach past Sq (= Sk): no key tile past Sk
+        n_tiles = gl.minimum(gl.cdiv((pid_m + 1) * NUM_WG * BLOCK_M, BLOCK_N), gl.cdiv(seq_k, BLOCK_N))
+        n_full = (pid_m * NUM_WG * BLOCK_M) // BLOCK_N  # tiles below the diagonal
+    else:
+        end = seq_k // BLOCK_N
+        if WINDOW_LEFT >= 0:
+            lo = pid_m * NUM_WG * BLOCK_M - WINDOW_LEFT
+            if lo > 0:
+                first = lo // BLOCK_N
+        if WINDOW_RIGHT >= 0:
+            end = gl.minimum(end, gl.cdiv((pid_m + 1) * NUM_WG * BLOCK_M + WINDOW_RIGHT, BLOCK_N))
+        n_tiles = end - first
+        n_full = n_tiles
+    return first, n_tiles, n_full
+
+
+@gluon.jit
+def _band_edge(
+    row0, col0, ROWS: gl.constexpr, COLS: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr
+):
+    """Whether the tile of query rows row0.. and keys col0.. holds a pair outside the window."""
+    edge = row0 < 0  # False, as a runtime value
+    if WINDOW_LEFT >= 0:
+        edge = edge | (row0 + (ROWS - 1) - col0 > WINDOW_LEFT)
+    if WINDOW_RIGHT >= 0:
+        edge = edge | (col0 + (COLS - 1) - row0 > WINDOW_RIGHT)
+    return edge
+
+
+@gluon.jit
+def _masked(sc, rows, cols, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr):
+    """``sc`` with the pairs outside the band at -inf (``rows``, ``cols``: query and key indices
+    broadcast to its shape, whichever its orientation)."""
+    if _causal(WINDOW_LEFT, WINDOW_RIGHT):
+        ok = cols <= rows
+    elif WINDOW_LEFT < 0:
+        ok = cols - rows <= WINDOW_RIGHT
+    elif WINDOW_RIGHT < 0:
+        ok = rows - cols <= WINDOW_LEFT
+    else:
+        ok = (rows - cols <= WINDOW_LEFT) & (cols - rows <= WINDOW_RIGHT)
+    return gl.where(ok, sc, float("-inf"))
+
+
+@gluon.jit
+def _q_tiles(
+    n0, seq_q, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr
+):
+    """(first query tile, how many) the dK/dV program of keys n0..n0 + KEYS reads (loader and
+    consumers must agree)."""
+    m_lo = 0
+    m_hi = seq_q // BLOCK_M
+    if WINDOW_RIGHT >= 0:  # queries i >= j - right
+        if n0 > WINDOW_RIGHT:
+            m_lo = (n0 - WINDOW_RIGHT) // BLOCK_M
+    if WINDOW_LEFT >= 0:  # queries i <= j + left
+        m_hi = gl.minimum(m_hi, gl.cdiv(n0 + KEYS + WINDOW_LEFT, BLOCK_M))
+    return m_lo, m_hi - m_lo
+
+
+@gluon.jit
+def _mask_tile(
+    sc,
+    rows,
+    q_start,
+    t,
+    first,
+    n_full,
+    col_layout: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
+    """Scores (query rows x keys) of step ``t`` of a forward or dQ consumer (key tile first + t;
+    its rows ``rows`` from ``q_start``), masked where the tile crosses the band."""
+    if _causal(WINDOW_LEFT, WINDOW_RIGHT):
+        if t >= n_full:
+            cols = t * BLOCK_N + gl.arange(0, BLOCK_N, col_layout)
+            sc = _masked(sc, rows[:, None], cols[None, :], WINDOW_LEFT, WINDOW_RIGHT)
+    elif _window(WINDOW_LEFT, WINDOW_RIGHT):
+        col0 = (first + t) * BLOCK_N
+        if _band_edge(q_start, col0, BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT):
+            cols = col0 + gl.arange(0, BLOCK_N, col_layout)
+            sc = _masked(sc, rows[:, None], cols[None, :], WINDOW_LEFT, WINDOW_RIGHT)
+    return sc
+
+
+@gluon.jit
+def _store_rows(buf, value, desc, row):
+    """``value`` to rows ``row..`` of ``desc``'s matrix through the shared buffer ``buf``."""
+    buf.store(value)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [row, 0], buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _kv_ring(q_desc, k_desc, v_desc, STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+    """Shared memory of the forward and the dQ pass: one Q tile per consumer warpgroup (NUM_WG), a
+    ring of ``STAGES`` K/V slots, and their barriers (q_bar, k_ready, v_ready, k_empty, v_empty); an
+    empty barrier completes when every consumer has released the slot."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_WG):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=NUM_WG)
+        mbarrier.init(v_empty.index(i), count=NUM_WG)
+    return q_bufs, k_bufs, v_bufs, (q_bar, k_ready, v_ready, k_empty, v_empty)
+
+
+@gluon.jit
+def _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+    """Shared memory of the bias tiles (forward and dQ pass): a ring of ``STAGES`` slots beside
+    the K/V ring, its barriers (ready; empty: every consumer is done), and the bias matrix's
+    rows per batch and per head (row of query i of (b, h): b * batch_rows + h * head_rows + i)."""
+    bufs = gl.allocate_shared_memory(bias_desc.dtype, [STAGES] + bias_desc.block_type.shape, bias_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=NUM_WG)
+    return bias_desc, bufs, ready, empty, bias_batch_rows, bias_head_rows
+
+
+@gluon.jit
+def _bias_row(pid_bh, num_heads, batch_rows, head_rows):
+    """The bias matrix's row of query 0 of program row ``pid_bh = b * Hq + h``."""
+    return (pid_bh // num_heads) * batch_rows + (pid_bh % num_heads) * head_rows
+
+
+@gluon.jit
+def _load_bias_tile(bias, j, row, col, STAGES: gl.constexpr):
+    """Loader side: bias tile ``j`` of the ring, rows ``row..``, columns ``col..``."""
+    bias_desc, bufs, ready, empty = bias[0], bias[1], bias[2], bias[3]
+    s = j % STAGES
+    mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), bias_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(bias_desc, [row, col], ready.index(s), bufs.index(s))
+
+
+@gluon.jit
+def _bias_tile(bias, j, WG: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, layout: gl.constexpr):
+    """Consumer side: this warpgroup's ``ROWS`` rows of bias tile ``j`` in fp32 (natural units:
+    the scores become ``sc * sm_scale + bias``, scaled by log2(e) in the softmax's one FMA),
+    read while the score product runs.  The caller releases the slot (:func:`_release_bias`)
+    once it has used the values."""
+    s = j % STAGES
+    mbarrier.wait(bias[2].index(s), (j // STAGES) & 1)
+    return bias[1].index(s).slice(WG * ROWS, ROWS).load(layout).to(gl.float32)
+
+
+@gluon.jit
+def _release_bias(bias, j, STAGES: gl.constexpr):
+    # the slot was read through the generic proxy and the loader's next copy writes it through
+    # the async (TMA) proxy: order the two before the barrier hands the slot over
+    fence_async_shared()
+    mbarrier.arrive(bias[3].index(j % STAGES), count=1)
+
+
+@gluon.jit
+def _softmax_step(sc, m_i, scale, MAY_EMPTY: gl.constexpr):
+    """One key tile of the online softmax: (P, rescale factor of the earlier sums, new max).
+    ``sc * scale`` are log2-domain scores; ``m_i`` the running max (scaled), -inf while a row
+    has seen no allowed key: with MAY_EMPTY (a bias or a window's left bound can hide a whole
+    tile) such a row is exponentiated against 0, so its P and factor are 0 instead of NaN."""
+    m_new = gl.maximum(m_i, gl.max(sc, 1) * scale)
+    m_use = m_new
+    if MAY_EMPTY:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(sc * scale - m_use[:, None])
+    return p, gl.exp2(m_i - m_use), m_new
+
+
+@gluon.jit
+def _lse_log2(lse, MAY_EMPTY: gl.constexpr):
+    """Logsumexp rows in the log2 domain for P = exp2(scores - lse); a row with no allowed key
+    (lse = -inf, MAY_EMPTY) becomes +inf, so its P is 0 instead of NaN."""
+    if MAY_EMPTY:
+        lse = gl.where(lse == float("-inf"), float("inf"), lse)
+    return lse * LOG2E

@@ -1,0 +1,275 @@
+"""The warp-specialised dQ pass over the forward's K/V loader (conventions and scope:
+common.py)."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from .common import (
+    _lse_log2,
+    LOG2E,
+    WG_ROWS,
+    _bias_ring,
+    _bias_tile,
+    _kv_ring,
+    _kv_tiles,
+    _mask_tile,
+    _program_row,
+    _release_bias,
+    _store_rows,
+    _tile_origin,
+    _wgmma_layout,
+    _wgmma_operand,
+)
+from .forward import _ws_loader
+
+
+@gluon.jit
+def _ws_bwd_dq_consumer(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    dq_desc,
+    lse_ptr,
+    delta_ptr,
+    q_bufs,
+    do_bufs,
+    k_bufs,
+    v_bufs,
+    bars,
+    bias,
+    qk_scale,
+    sm_scale,
+    seq_q,
+    seq_k,
+    num_heads,
+    group,
+    n_m_blocks,
+    WG: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    Q_ROWS: gl.constexpr,
+    DO_ROWS: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BATCH_MINOR: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    BIAS_STAGES: gl.constexpr,
+):
+    # the forward's consumer with dP = dO V^T and dQ += dS K in place of the output products
+    q_bar, k_ready, v_ready, k_empty, v_empty = bars
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_D)
+    op_layout: gl.constexpr = _wgmma_operand(HEAD_D)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    pid_m = n_m_blocks - 1 - gl.program_id(0)
+    pid_bh = _program_row(num_heads, BATCH_MINOR)
+    q_start = pid_m * 2 * BLOCK_M + WG * BLOCK_M
+    q_row, q_col = _tile_origin(pid_bh, 1, num_heads, seq_q, Q_ROWS, HEAD_D)
+    do_row, do_col = _tile_origin(pid_bh, 1, num_heads, seq_q, DO_ROWS, HEAD_D)
+    q_buf = q_bufs.index(WG)
+    do_buf = do_bufs.index(WG)
+    mbarrier.expect(q_bar.index(WG), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row + q_start, q_col], q_bar.index(WG), q_buf)
+    tma.async_copy_global_to_shared(do_desc, [do_row + q_start, do_col], q_bar.index(WG), do_buf)
+
+    rows = q_start + gl.arange(0, BLOCK_M, row_s)
+    lse2 = _lse_log2(gl.load(lse_ptr + pid_bh * seq_q + rows), HAS_BIAS)
+    delta = gl.load(delta_ptr + pid_bh * seq_q + rows)
+    scale = qk_scale  # with a bias: (sc * sm_scale + bias) * log2(e)
+    if HAS_BIAS:
+        scale = LOG2E
+    dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    first, n_tiles, n_full = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, 2)
+    mbarrier.wait(q_bar.index(WG), 0)
+    for j in range(n_tiles):
+        s = j % STAGES
+        ph = (j // STAGES) & 1
+        mbarrier.wait(k_ready.index(s), ph)
+        k_buf = k_bufs.index(s)
+        s_tok = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(s), ph)
+        v_buf = v_bufs.index(s)
+        dp_tok = warpgroup_mma(do_buf, v_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if HAS_BIAS:
+            b = _bias_tile(bias, j, WG, BLOCK_M, BIAS_STAGES, s_layout)
+        sc = warpgroup_mma_wait(1, deps=[s_tok])
+        if HAS_BIAS:
+            sc = sc * sm_scale + b
+            _release_bias(bias, j, BIAS_STAGES)
+        sc = _mask_tile(sc, rows, q_start, j, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+        p = gl.exp2(sc * scale - lse2[:, None])
+        dp, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, do_buf, v_buf])
+        mbarrier.arrive(v_empty.index(s), count=1)
+        ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)
+        dq_tok = warpgroup_mma(ds_op, k_buf, dq, is_async=True)
+        dq, _, _ = warpgroup_mma_wait(0, deps=[dq_tok, ds_op, k_buf])
+        mbarrier.arrive(k_empty.index(s), count=1)
+    # dQ leaves through this warpgroup's Q buffer
+    _store_rows(q_buf, (dq * sm_scale).to(dtype), dq_desc, pid_bh * seq_q + q_start)
+
+
+@gluon.jit
+def _attn_bwd_dq_ws(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    dq_desc,
+    bias_desc,
+    lse_ptr,
+    delta_ptr,
+    qk_scale,
+    sm_scale,
+    seq_q,
+    seq_k,
+    num_heads,
+    group,
+    n_m_blocks,
+    bias_batch_rows,
+    bias_head_rows,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    Q_ROWS: gl.constexpr,
+    KV_ROWS: gl.constexpr,
+    DO_ROWS: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BATCH_MINOR: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    BIAS_STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
+    """Grid (Sq / 128, B * Hq); one program: dQ of 128 query rows of one (b, h), the K/V ring, the
+    bias ring and their loader shared with the forward (_ws_loader).  dQ: (B * Hq * Sq, D) rows."""
+    BLOCK_M: gl.constexpr = WG_ROWS
+    NUM_WG: gl.constexpr = 2
+    q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES, NUM_WG)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+    if HAS_BIAS:
+        bias = _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, BIAS_STAGES, NUM_WG)
+    else:
+        bias = bars  # not read: a stand-in of a type the partitions accept
+    WG0: gl.constexpr = 0
+    WG1: gl.constexpr = 1
+    NO_LSE: gl.constexpr = False
+    # the forward's loader (its runtime arguments as one tuple): it reads only the K/V descriptors,
+    # the rings, the barriers and the sizes
+    loader_args = (
+        q_desc,
+        k_desc,
+        v_desc,
+        dq_desc,
+        lse_ptr,
+        q_bufs,
+        k_bufs,
+        v_bufs,
+        bars,
+        bias,
+        qk_scale,
+        seq_q,
+        seq_k,
+        num_heads,
+        group,
+        n_m_blocks,
+    )
+    gl.warp_specialize(
+        [
+            (
+                _ws_bwd_dq_consumer,
+                (
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    do_desc,
+                    dq_desc,
+                    lse_ptr,
+                    delta_ptr,
+                    q_bufs,
+                    do_bufs,
+                    k_bufs,
+                    v_bufs,
+                    bars,
+                    bias,
+                    qk_scale,
+                    sm_scale,
+                    seq_q,
+                    seq_k,
+                    num_heads,
+                    group,
+                    n_m_blocks,
+                    WG0,
+                    WINDOW_LEFT,
+                    WINDOW_RIGHT,
+                    Q_ROWS,
+                    DO_ROWS,
+                    HAS_BIAS,
+                    BATCH_MINOR,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                    BIAS_STAGES,
+                ),
+            ),
+            (
+                _ws_bwd_dq_consumer,
+                (
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    do_desc,
+                    dq_desc,
+                    lse_ptr,
+                    delta_ptr,
+                    q_bufs,
+                    do_bufs,
+                    k_bufs,
+                    v_bufs,
+                    bars,
+                    bias,
+                    qk_scale,
+                    sm_scale,
+                    seq_q,
+                    seq_k,
+                    num_heads,
+                    group,
+                    n_m_blocks,
+                    WG1,
+                    WINDOW_LEFT,
+                    WINDOW_RIGHT,
+                    Q_ROWS,
+                    DO_ROWS,
+                    HAS_BIAS,
+                    BATCH_MINOR,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                    BIAS_STAGES,
+                ),
+            ),
+            (
+                _ws_loader,
+                (
+                    loader_args,
+                    WG0,
+                    WINDOW_LEFT,
+                    WINDOW_RIGHT,
+                    Q_ROWS,
+                    KV_ROWS,
+                    NO_LSE,
+                    HAS_BIAS,
+                    BATCH_MINOR,
+                    BIAS_STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )

@@ -1,0 +1,401 @@
+"""The warp-specialised forward: a K/V loader warp and two or three consumer warpgroups
+(conventions and scope: common.py)."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from .common import (
+    LN2,
+    LOG2E,
+    WG_ROWS,
+    _bias_ring,
+    _bias_row,
+    _bias_tile,
+    _kv_ring,
+    _kv_tiles,
+    _load_bias_tile,
+    _mask_tile,
+    _program_row,
+    _release_bias,
+    _softmax_step,
+    _store_rows,
+    _tile_origin,
+    _wgmma_layout,
+    _wgmma_operand,
+)
+
+
+@gluon.jit
+def _ws_loader(
+    args,
+    WG: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    Q_ROWS: gl.constexpr,
+    KV_ROWS: gl.constexpr,
+    STORE_LSE: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BATCH_MINOR: gl.constexpr,
+    BIAS_STAGES: gl.constexpr,
+):
+    """The forward's TMA loader partition (``args``: _attn_fwd_ws's runtime partition arguments)."""
+    (
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        lse_ptr,
+        q_bufs,
+        k_bufs,
+        v_bufs,
+        bars,
+        bias,
+        qk_scale,
+        seq_q,
+        seq_k,
+        num_heads,
+        group,
+        n_m_blocks,
+    ) = args
+    # the tiles follow from the shared memory the kernel allocated
+    BLOCK_M: gl.constexpr = WG_ROWS
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    NUM_WG: gl.constexpr = q_bufs.shape[0]
+    q_bar, k_ready, v_ready, k_empty, v_empty = bars
+    HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
+    pid_m = n_m_blocks - 1 - gl.program_id(0)  # longest causal rows first
+    pid_bh = _program_row(num_heads, BATCH_MINOR)
+    kv_row, kv_col = _tile_origin(pid_bh, group, num_heads, seq_k, KV_ROWS, HEAD_D)
+    first, n_tiles, _ = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG)
+    if HAS_BIAS:
+        bias_row = _bias_row(pid_bh, num_heads, bias[4], bias[5]) + pid_m * NUM_WG * BLOCK_M
+    for j in range(n_tiles):
+        key0 = (first + j) * BLOCK_N
+        s = j % STAGES
+        ph = (j // STAGES) & 1
+        # a fresh barrier counts as having completed phase 1: the first lap does not wait
+        mbarrier.wait(k_empty.index(s), ph ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + key0, kv_col], k_ready.index(s), k_bufs.index(s))
+        if HAS_BIAS:  # needed right after S_j, before V_j
+            _load_bias_tile(bias, j, bias_row, key0, BIAS_STAGES)
+        mbarrier.wait(v_empty.index(s), ph ^ 1)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [kv_row + key0, kv_col], v_ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def _ws_consumer(
+    args,
+    WG: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    Q_ROWS: gl.constexpr,
+    KV_ROWS: gl.constexpr,
+    STORE_LSE: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BATCH_MINOR: gl.constexpr,
+    BIAS_STAGES: gl.constexpr,
+):
+    """Consumer warpgroup ``WG`` of the forward (``args``: _attn_fwd_ws's runtime partition arguments)."""
+    (
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        lse_ptr,
+        q_bufs,
+        k_bufs,
+        v_bufs,
+        bars,
+        bias,
+        qk_scale,
+        seq_q,
+        seq_k,
+        num_heads,
+        group,
+        n_m_blocks,
+    ) = args
+    # the tiles follow from the shared memory the kernel allocated
+    BLOCK_M: gl.constexpr = WG_ROWS
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    NUM_WG: gl.constexpr = q_bufs.shape[0]
+    q_bar, k_ready, v_ready, k_empty, v_empty = bars
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_D)
+    p_layout: gl.constexpr = _wgmma_operand(HEAD_D)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    pid_m = n_m_blocks - 1 - gl.program_id(0)
+    pid_bh = _program_row(num_heads, BATCH_MINOR)
+    q_start = pid_m * NUM_WG * BLOCK_M + WG * BLOCK_M  # this warpgroup's first query row
+    q_row, q_col = _tile_origin(pid_bh, 1, num_heads, seq_q, Q_ROWS, HEAD_D)
+    q_buf = q_bufs.index(WG)
+    mbarrier.expect(q_bar.index(WG), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row + q_start, q_col], q_bar.index(WG), q_buf)
+
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    first, n_tiles, n_full = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG)
+    rows = q_start + gl.arange(0, BLOCK_M, row_s)
+    # scores enter the softmax as sc * scale; with a bias, as (sc * sm_scale + bias) * log2(e)
+    scale = qk_scale
+    if HAS_BIAS:
+        scale = LOG2E
+        sm_scale = qk_scale * LN2
+    mbarrier.wait(q_bar.index(WG), 0)
+
+    # tile 0: its scores start the running max and sum
+    mbarrier.wait(k_ready.index(0), 0)
+    k_buf = k_bufs.index(0)
+    sc = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if HAS_BIAS:
+        b = _bias_tile(bias, 0, WG, BLOCK_M, BIAS_STAGES, s_layout)
+    sc, _, _ = warpgroup_mma_wait(0, deps=[sc, q_buf, k_buf])
+    mbarrier.arrive(k_empty.index(0), count=1)
+    if HAS_BIAS:
+        sc = sc * sm_scale + b
+        _release_bias(bias, 0, BIAS_STAGES)
+    sc = _mask_tile(sc, rows, q_start, 0, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+    # a bias can mask a whole tile, and so can a window's left bound (the second warpgroup's
+    # rows start past the program's first key tile): the running max may still be -inf
+    MAY_EMPTY: gl.constexpr = HAS_BIAS or WINDOW_LEFT >= 0
+    p, alpha, m_i = _softmax_step(sc, gl.full([BLOCK_M], float("-inf"), gl.float32, row_s), scale, MAY_EMPTY)
+    l_i = gl.sum(p, 1)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    for j in range(1, n_tiles):
+        s = j % STAGES
+        sp = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+        k_buf = k_bufs.index(s)
+        sc_tok = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+        v_buf = v_bufs.index(sp)
+        acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        if HAS_BIAS:
+            b = _bias_tile(bias, j, WG, BLOCK_M, BIAS_STAGES, s_layout)
+        # wgmma groups retire in order: one outstanding = S_j done, P_{j-1} V_{j-1} running
+        sc, _, _ = warpgroup_mma_wait(1, deps=[sc_tok, q_buf, k_buf])
+        mbarrier.arrive(k_empty.index(s), count=1)
+        if HAS_BIAS:
+            sc = sc * sm_scale + b
+            _release_bias(bias, j, BIAS_STAGES)
+        sc = _mask_tile(sc, rows, q_start, j, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+        p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
+        mbarrier.arrive(v_empty.index(sp), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    sl = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
+    v_buf = v_bufs.index(sl)
+    acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
+    mbarrier.arrive(v_empty.index(sl), count=1)
+
+    if HAS_BIAS:  # a row the bias masks whole: output 0, logsumexp -inf
+        empty = l_i == 0.0
+        l_i = gl.where(empty, 1.0, l_i)
+        m_i = gl.where(empty, float("-inf"), m_i)
+    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
+    # with three warpgroups (Sq a multiple of 64, not of 192) the last program's last ones can
+    # start past Sq: they ran on the next head's rows (or TMA's zeros) and store nothing
+    if q_start < seq_q:
+        if STORE_LSE:
+            gl.store(lse_ptr + pid_bh * seq_q + rows, (m_i + gl.log2(l_i)) * LN2)
+        # the output leaves through this warpgroup's Q buffer (Q is no longer read)
+        _store_rows(q_buf, acc.to(dtype), o_desc, pid_bh * seq_q + q_start)
+
+
+@gluon.jit
+def _attn_fwd_ws(
+    q_desc,
+    k_desc,
+    v_desc,
+    o_desc,
+    bias_desc,
+    lse_ptr,
+    qk_scale,
+    seq_q,
+    seq_k,
+    num_heads,
+    group,
+    n_m_blocks,
+    bias_batch_rows,
+    bias_head_rows,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    Q_ROWS: gl.constexpr,
+    KV_ROWS: gl.constexpr,
+    STORE_LSE: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BATCH_MINOR: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    BIAS_STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    NUM_WG: gl.constexpr,
+):
+    """Grid (cdiv(Sq, NUM_WG * 64), B * Hq); one program: NUM_WG * 64 query rows of one (b, h),
+    O (B*Hq*Sq, D) rows.  NUM_WG: consumer warpgroups, 2 or 3 (FA3's 192-row tiles at head dim 64,
+    where the softmax is as long as the products and a third warpgroup keeps the tensor cores fed).
+    ``bias_desc`` (HAS_BIAS): (rows, Sk) bias matrix, tiles (NUM_WG * 64, BLOCK_N); None without.
+    A bias needs two warpgroups: a TMA tile's rows are a power of two."""
+    BLOCK_M: gl.constexpr = WG_ROWS  # noqa: F841 - the tile height the docstring names
+    gl.static_assert(NUM_WG == 2 or (NUM_WG == 3 and not HAS_BIAS))
+    q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES, NUM_WG)
+    if HAS_BIAS:
+        bias = _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, BIAS_STAGES, NUM_WG)
+    else:
+        bias = bars  # not read: a stand-in of a type the partitions accept
+    # every partition takes the runtime arguments as one tuple; the constexprs are spelled out in
+    # each (inside a tuple they lose their kind, Gluon 3.6), as is each (function, arguments)
+    # pair (held in a variable it does not compile)
+    args = (
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        lse_ptr,
+        q_bufs,
+        k_bufs,
+        v_bufs,
+        bars,
+        bias,
+        qk_scale,
+        seq_q,
+        seq_k,
+        num_heads,
+        group,
+        n_m_blocks,
+    )
+    WG0: gl.constexpr = 0
+    WG1: gl.constexpr = 1
+    WG2: gl.constexpr = 2
+    if NUM_WG == 3:
+        gl.warp_specialize(
+            [
+                (
+                    _ws_consumer,
+                    (
+                        args,
+                        WG0,
+                        WINDOW_LEFT,
+                        WINDOW_RIGHT,
+                        Q_ROWS,
+                        KV_ROWS,
+                        STORE_LSE,
+                        HAS_BIAS,
+                        BATCH_MINOR,
+                        BIAS_STAGES,
+                    ),
+                ),
+                (
+                    _ws_consumer,
+                    (
+                        args,
+                        WG1,
+                        WINDOW_LEFT,
+                        WINDOW_RIGHT,
+                        Q_ROWS,
+                        KV_ROWS,
+                        STORE_LSE,
+                        HAS_BIAS,
+                        BATCH_MINOR,
+                        BIAS_STAGES,
+                    ),
+                ),
+                (
+                    _ws_consumer,
+                    (
+                        args,
+                        WG2,
+                        WINDOW_LEFT,
+                        WINDOW_RIGHT,
+                        Q_ROWS,
+                        KV_ROWS,
+                        STORE_LSE,
+                        HAS_BIAS,
+                        BATCH_MINOR,
+                        BIAS_STAGES,
+                    ),
+                ),
+                (
+                    _ws_loader,
+                    (
+                        args,
+                        WG0,
+                        WINDOW_LEFT,
+                        WINDOW_RIGHT,
+                        Q_ROWS,
+                        KV_ROWS,
+                        STORE_LSE,
+                        HAS_BIAS,
+                        BATCH_MINOR,
+                        BIAS_STAGES,
+                    ),
+                ),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, CONSUMER_REGS, 24],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (
+                    _ws_consumer,
+                    (
+                        args,
+                        WG0,
+                        WINDOW_LEFT,
+                        WINDOW_RIGHT,
+                        Q_ROWS,
+                        KV_ROWS,
+                        STORE_LSE,
+                        HAS_BIAS,
+                        BATCH_MINOR,
+                        BIAS_STAGES,
+                    ),
+                ),
+                (
+                    _ws_consumer,
+                    (
+                        args,
+                        WG1,
+                        WINDOW_LEFT,
+                        WINDOW_RIGHT,
+                        Q_ROWS,
+                        KV_ROWS,
+                        STORE_LSE,
+                        HAS_BIAS,
+                        BATCH_MINOR,
+                        BIAS_STAGES,
+                    ),
+                ),
+                (
+                    _ws_loader,
+                    (
+                        args,
+                        WG0,
+                        WINDOW_LEFT,
+                        WINDOW_RIGHT,
+                        Q_ROWS,
+                        KV_ROWS,
+                        STORE_LSE,
+                        HAS_BIAS,
+                        BATCH_MINOR,
+                        BIAS_STAGES,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, 24],
+        )

@@ -1,0 +1,280 @@
+"""Launching the Gluon kernels: TMA descriptors over (B, H, S, D) or (B, S, H, D) rows, the
+bias matrix, the fused dQ's fp32 partials, and one launch per pass through run.launch_one."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from .. import configs as C
+from .. import run
+from ..bias import batch_minor, ws_bias_rows
+from ..params import KernelParams
+from ..shapes import KernelShapes, cdiv, row_matrix
+from ..tl.common import LOG2E
+
+try:  # Gluon (Triton >= 3.5)
+    from triton.experimental.gluon import language as _gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
+
+    from .common import WG_ROWS as WG_ROWS_CONSTEXPR
+    from .dkdv import _attn_bwd_dkdv_ws
+    from .dq import _attn_bwd_dq_ws
+    from .forward import _attn_fwd_ws
+
+    WG_ROWS = WG_ROWS_CONSTEXPR.value  # rows per consumer warpgroup; a program covers two
+    GLUON_IMPORT_ERROR = None
+except ImportError as e:  # pragma: no cover - a Triton without Gluon: the tl kernels serve every call
+    _attn_fwd_ws = _attn_bwd_dkdv_ws = _attn_bwd_dq_ws = None
+    WG_ROWS = 64
+    GLUON_IMPORT_ERROR = str(e)
+
+
+@functools.lru_cache(maxsize=16)
+def smem_layout(rows: int, cols: int, dtype: torch.dtype):
+    return _gl.NVMMASharedLayout.get_default_for([rows, cols], _gl.bfloat16 if dtype == torch.bfloat16 else _gl.float16)
+
+
+def rows_descriptor(t: torch.Tensor, layout: int, block_rows: int):
+    """Gluon descriptor over ``t`` (B, H, S, D) as the matrix of its rows layout, tiles of one head."""
+    rows, width = row_matrix(t, layout)
+    D = t.shape[3]
+    return _GluonDescriptor(t, [rows, width], [width, 1], [block_rows, D], smem_layout(block_rows, D, t.dtype))
+
+
+class WsBias(NamedTuple):
+    """A bias the warp-specialised kernels read (:func:`bias.ws_bias_reason`): the tensor, its row
+    stride, the rows of its (rows, Sk) matrix, its rows per batch and per head, and whether
+    the programs run batch-fastest (:func:`bias.batch_minor`)."""
+
+    tensor: torch.Tensor
+    row_stride: int
+    rows: int
+    batch_rows: int
+    head_rows: int
+    batch_minor: bool
+
+    @classmethod
+    def of(cls, bias_t, bias_strides, prob: KernelShapes) -> "WsBias":
+        batch_rows, head_rows = ws_bias_rows(bias_strides)
+        rows = (prob.B - 1) * batch_rows + (prob.Hq - 1) * head_rows + prob.Sq
+        return cls(bias_t, bias_strides[2], rows, batch_rows, head_rows, batch_minor(1, bias_strides, prob))
+
+    def descriptor(self, block_rows: int, block_cols: int, seq_k: int):
+        """Gluon descriptor over the bias matrix, tiles of (block_rows, block_cols)."""
+        return _GluonDescriptor(
+            self.tensor,
+            [self.rows, seq_k],
+            [self.row_stride, 1],
+            [block_rows, block_cols],
+            smem_layout(block_rows, block_cols, self.tensor.dtype),
+        )
+
+
+def bias_args(bias: "WsBias | None", block_rows: int, block_cols: int, seq_k: int) -> tuple:
+    """(descriptor or None, rows per batch, rows per head): a Gluon kernel's bias arguments."""
+    if bias is None:
+        return None, 0, 0
+    return bias.descriptor(block_rows, block_cols, seq_k), bias.batch_rows, bias.head_rows
+
+
+# The Gluon kernels' launch: 4 warps in the default (first consumer) partition; their pipelines
+# are written out.  Launched through compiled_cache like the tl kernels (Triton's own launch path
+# costs ~150 us of host time per call).
+WS_WARPS, WS_STAGES = 4, 3  # num_stages: Triton's default, as Triton's own launch had
+
+
+def ws_constexprs(params: KernelParams, bias: "WsBias | None", **rest) -> dict:
+    """Constexprs of a Gluon kernel launch: the band, the bias and ``rest`` (row layouts, tiles)."""
+    return dict(
+        WINDOW_LEFT=params.window_left,
+        WINDOW_RIGHT=params.window_right,
+        HAS_BIAS=bias is not None,
+        BATCH_MINOR=bias is not None and bias.batch_minor,
+        **rest,
+    )
+
+
+def forward(
+    q, k, v, out, lse, params: KernelParams, prob: KernelShapes, q_rows: int, kv_rows: int, bias: WsBias | None = None
+):
+    cfg = C.WS_FWD_CONFIGS[prob.Dqk]
+    rows = cfg.consumers * WG_ROWS
+    n_m = cdiv(prob.Sq, rows)
+    bias_desc, batch_rows, head_rows = bias_args(bias, rows, cfg.block_n, prob.Sk)
+    run.launch_one(
+        _attn_fwd_ws,
+        (n_m, prob.B * prob.Hq),
+        (
+            rows_descriptor(q, q_rows, WG_ROWS),
+            rows_descriptor(k, kv_rows, cfg.block_n),
+            rows_descriptor(v, kv_rows, cfg.block_n),
+            rows_descriptor(out, 1, WG_ROWS),
+            bias_desc,
+            lse if lse is not None else out,
+            params.scale * LOG2E,
+            prob.Sq,
+            prob.Sk,
+            prob.Hq,
+            prob.group,
+            n_m,
+            batch_rows,
+            head_rows,
+        ),
+        ws_constexprs(
+            params,
+            bias,
+            Q_ROWS=q_rows,
+            KV_ROWS=kv_rows,
+            STORE_LSE=lse is not None,
+            BLOCK_N=cfg.block_n,
+            STAGES=cfg.stages,
+            BIAS_STAGES=cfg.bias_stages,
+            CONSUMER_REGS=cfg.consumer_regs,
+            NUM_WG=cfg.consumers,
+        ),
+        WS_WARPS,
+        WS_STAGES,
+        maxnreg=cfg.max_regs,
+    )
+
+
+# Swizzle (bytes) of the fused dQ's fp32 partial tiles: 64 ran 1-4% faster than 128 (the default
+# for fp32, one excess shared-memory wavefront per store) and 32 (none, but 8 TMA boxes per tile)
+# (E54)
+DQ_ACC_SWIZZLE = 64
+
+
+def dq_acc_descriptor(dq_acc: torch.Tensor, cols: int):
+    """Gluon descriptor over the fused dQ's fp32 (B * Hq * Sq, D) rows, tiles of (64, ``cols``):
+    each consumer warpgroup's partial (gluon/dkdv.py, FUSE_DQ: D / 2 with 64-row query tiles, D
+    with 128)."""
+    D = dq_acc.shape[-1]
+    layout = _gl.NVMMASharedLayout(DQ_ACC_SWIZZLE, 32, 2)
+    return _GluonDescriptor(dq_acc, [dq_acc.numel() // D, D], [D, 1], [WG_ROWS, cols], layout)
+
+
+def dkdv(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    params: KernelParams,
+    prob: KernelShapes,
+    q_rows: int,
+    kv_rows: int,
+    do_rows: int,
+    bias: WsBias | None = None,
+    fuse_dq: bool = False,
+):
+    """(dK, dV, dQ or None) of a call the warp-specialised forward serves (same scope, dO in a
+    row layout); ``fuse_dq``: dQ too, added by TMA reduce-add into a zeroed fp32 buffer."""
+    cfg = C.WS_BWD_CONFIGS[prob.Dqk]
+    dk, dv = torch.empty(k.shape, device=k.device, dtype=k.dtype), torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fuse_dq else None
+    # keys per consumer warpgroup, query rows per tile (a bias tile of 128 rows spills at d64)
+    w, m = WG_ROWS, (cfg.bwd_block_m if bias is None else WG_ROWS)
+    bias_desc, batch_rows, head_rows = bias_args(bias, m, 2 * w, prob.Sk)
+    # a warpgroup's dQ partial: half the columns of a 64-row tile, or every column of its half of 128
+    dq_desc = dq_acc_descriptor(dq_acc, prob.Dqk if m == 2 * w else prob.Dqk // 2) if fuse_dq else None
+    run.launch_one(
+        _attn_bwd_dkdv_ws,
+        (prob.Sk // (2 * w), prob.B * prob.Hkv),
+        (
+            rows_descriptor(q, q_rows, m),
+            rows_descriptor(k, kv_rows, w),
+            rows_descriptor(v, kv_rows, w),
+            rows_descriptor(do, do_rows, m),
+            rows_descriptor(dk, 1, w),
+            rows_descriptor(dv, 1, w),
+            bias_desc,
+            lse,
+            delta,
+            dq_desc,
+            params.scale * LOG2E,
+            params.scale,
+            prob.Sq,
+            prob.Sk,
+            prob.Hq,
+            prob.group,
+            batch_rows,
+            head_rows,
+        ),
+        ws_constexprs(
+            params,
+            bias,
+            Q_ROWS=q_rows,
+            KV_ROWS=kv_rows,
+            DO_ROWS=do_rows,
+            FUSE_DQ=fuse_dq,
+            STAGES=cfg.stages,
+            CONSUMER_REGS=cfg.consumer_regs,
+        ),
+        WS_WARPS,
+        WS_STAGES,
+        maxnreg=cfg.max_regs,
+    )
+    return dk, dv, (dq_acc.to(q.dtype) if fuse_dq else None)
+
+
+def dq(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    params: KernelParams,
+    prob: KernelShapes,
+    q_rows: int,
+    kv_rows: int,
+    do_rows: int,
+    bias: WsBias | None = None,
+) -> torch.Tensor:
+    """dQ of a call the warp-specialised forward serves, over the forward's K/V ring."""
+    cfg = C.WS_DQ_CONFIGS[prob.Dqk]
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    n_m = prob.Sq // (2 * WG_ROWS)
+    bias_desc, batch_rows, head_rows = bias_args(bias, 2 * WG_ROWS, cfg.block_n, prob.Sk)
+    run.launch_one(
+        _attn_bwd_dq_ws,
+        (n_m, prob.B * prob.Hq),
+        (
+            rows_descriptor(q, q_rows, WG_ROWS),
+            rows_descriptor(k, kv_rows, cfg.block_n),
+            rows_descriptor(v, kv_rows, cfg.block_n),
+            rows_descriptor(do, do_rows, WG_ROWS),
+            rows_descriptor(dq, 1, WG_ROWS),
+            bias_desc,
+            lse,
+            delta,
+            params.scale * LOG2E,
+            params.scale,
+            prob.Sq,
+            prob.Sk,
+            prob.Hq,
+            prob.group,
+            n_m,
+            batch_rows,
+            head_rows,
+        ),
+        ws_constexprs(
+            params,
+            bias,
+            Q_ROWS=q_rows,
+            KV_ROWS=kv_rows,
+            DO_ROWS=do_rows,
+            BLOCK_N=cfg.block_n,
+            STAGES=cfg.stages,
+            BIAS_STAGES=cfg.bias_stages,
+            CONSUMER_REGS=cfg.consumer_regs,
+        ),
+        WS_WARPS,
+        WS_STAGES,
+        maxnreg=cfg.max_regs,
+    )
+    return dq

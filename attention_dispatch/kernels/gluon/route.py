@@ -1,0 +1,174 @@
+"""Which calls the Gluon kernels serve, each answer a reason: the forward (ws_forward_reason,
+forward_scope_reason), the dK/dV and dQ passes (ws_backward_reason) and dQ fused into dK/dV
+(fuse_dq_reason).  Importable without Gluon; kernels/entry.py acts on these answers and
+the triton backend's route() reports them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .. import configs as C
+from ..device import device_info
+from ..params import KernelParams
+from ..shapes import KernelShapes, grid_limit, rows_layout
+from .launch import GLUON_IMPORT_ERROR, WG_ROWS
+
+# The Gluon kernels run calls of at least this many query-key-dim products B * Hq * Sq * Sk * D,
+# as the tl forward's host-built descriptors (tl/launch.HOST_KV_MIN_WORK): each pass builds four
+# or more descriptors on the host, ~20-30 us (E30).
+WS_MIN_WORK = 1 << 32
+
+
+# The Gluon kernels are written for, compiled and verified with Triton 3.6's Gluon API (the H100
+# machine's Triton).  Gluon is experimental and changes between releases: Triton 3.9 removed
+# tma.async_copy_global_to_shared (async_load replaces it), so the kernels do not compile there.
+# Other versions keep the tl kernels until the Gluon ones are ported and verified on them.
+GLUON_TRITON_VERSIONS = ("3.6.",)
+
+
+def gluon_reason() -> str | None:
+    """None when this Triton runs the Gluon kernels, else why not."""
+    if GLUON_IMPORT_ERROR is not None:
+        return f"this Triton has no Gluon ({GLUON_IMPORT_ERROR})"
+    if not triton.__version__.startswith(GLUON_TRITON_VERSIONS):
+        tested = ", ".join(v.rstrip(".") for v in GLUON_TRITON_VERSIONS)
+        return (
+            f"Triton {triton.__version__}: the Gluon kernels are written for Triton {tested}'s Gluon API, "
+            "which changes between releases"
+        )
+    return None
+
+
+# Narrower windows keep the tl kernels: (256, 256) ran 0.99x forward and 0.89x forward+backward
+# on the Gluon kernels, (1024, 0) 1.10x / 1.20x (H100, experiment 53).
+WS_MIN_WINDOW = 1024
+
+
+def ws_forward_reason(
+    prob: KernelShapes,
+    bias_reason: str | None,
+    params: KernelParams,
+    dtype: torch.dtype,
+    cc: tuple[int, int],
+    uses_descriptors: bool,
+    q_rows: int,
+    kv_rows: int,
+) -> str | None:
+    """None when the warp-specialised sm90 kernels (forward, dK/dV, dQ; the forward only where
+    :func:`ws_forward_serves` says) compute this call, else why not (one line).
+    ``bias_reason``: :func:`ws_bias_reason` of the call's bias; ``uses_descriptors``:
+    :func:`use_descriptors` of q, k, v; ``q_rows`` / ``kv_rows``: :func:`rows_layout` of q and
+    of (k, v)."""
+    banded = params.window_left >= 0 or params.window_right >= 0
+    cfg = C.WS_FWD_CONFIGS.get(prob.Dqk)
+    gluon = gluon_reason()
+    if gluon is not None:
+        return gluon
+    if cc != (9, 0):
+        return f"compute capability {cc[0]}.{cc[1]}: the warp-specialised forward is sm90 only"
+    if not uses_descriptors:
+        return "no TMA descriptors for this call (dtype, 16-byte alignment, interpreter or descriptors=0)"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {dtype}: float16 or bfloat16 only"
+    if cfg is None or prob.Dv != prob.Dqk:
+        return f"head dims {prob.Dqk}/{prob.Dv}: equal and one of {sorted(C.WS_FWD_CONFIGS)} only"
+    if prob.varlen:
+        return "varlen: dense calls only"
+    if bias_reason is not None:
+        return bias_reason
+    if params.dropout_p > 0:
+        return "dropout: not in the warp-specialised kernels"
+    if banded and prob.Sq != prob.Sk:
+        return "window or causal with Sq != Sk: banded calls with Sq == Sk only"
+    width = (
+        math.inf if params.window_left < 0 or params.window_right < 0 else params.window_left + params.window_right + 1
+    )
+    if width < WS_MIN_WINDOW:
+        return (
+            f"window ({params.window_left}, {params.window_right}): narrower than {WS_MIN_WINDOW} keys, "
+            "the tl kernels' smaller tiles waste less"
+        )
+    if params.scale <= 0:
+        return f"scale {params.scale}: positive only (the running max is taken before scaling)"
+    if params.block_m or params.block_n:
+        return "tiles forced by the call's parameters"
+    # a program's rows (forward, dQ) and keys (dK/dV), and the forward's key tile, cover whole heads
+    rows, keys = 2 * WG_ROWS, math.lcm(2 * WG_ROWS, cfg.block_n)
+    if prob.Sq % rows or prob.Sk % keys:
+        return f"Sq={prob.Sq}, Sk={prob.Sk}: multiples of {rows} and {keys} only"
+    if q_rows == 0 or kv_rows == 0:
+        return "memory layout: query and key/value each (B, H, S, D) or (B, S, H, D) contiguous"
+    if prob.B * prob.Hq > grid_limit(params) or prob.B * prob.Hq * prob.Sq >= 2**31:
+        return "grid or row count past the kernel's 32-bit limits"
+    if prob.B * prob.Hq * prob.Sq * prob.Sk * prob.Dqk < WS_MIN_WORK:
+        return f"below WS_MIN_WORK ({WS_MIN_WORK} query-key-dim products): the host descriptors cost more"
+    return None
+
+
+def ws_reason(
+    q, k, v, bias_reason: str | None, params: KernelParams, prob: KernelShapes, uses_descriptors: bool
+) -> tuple[str | None, tuple[int, int] | None]:
+    """(None, (q rows layout, k/v rows layout)) when the Gluon kernels can compute this call
+    (:func:`ws_forward_reason`), else (why not, None).  ``bias_reason``: :func:`ws_bias_reason`
+    of the call's bias; ``uses_descriptors``: :func:`use_descriptors` of the call's tensors."""
+    rows = (rows_layout(q), rows_layout(k, v)) if uses_descriptors else (0, 0)
+    reason = ws_forward_reason(prob, bias_reason, params, q.dtype, device_info(q.device)[0], uses_descriptors, *rows)
+    return reason, (None if reason else rows)
+
+
+def forward_scope_reason(cfg: C.WsConfig, has_bias: bool, params: KernelParams) -> str | None:
+    """Why the Gluon forward leaves a call it could compute to the tl forward (its head dim's
+    config: ``forward`` off, or ``forward_scope`` "dense": no bias, not causal, no window), or None."""
+    if not cfg.forward:
+        return "this head dim's config keeps the tl forward (WsConfig.forward)"
+    banded = params.window_left >= 0 or params.window_right >= 0
+    if cfg.forward_scope != "all" and (has_bias or banded):
+        return "this head dim's config runs the Gluon forward on dense calls only (no bias, causal or window)"
+    return None
+
+
+# The fused dQ against the separate dQ pass, whole backward, bf16 d128, H100, 7 interleaved rounds
+# (E54): dense 1k 0.96x, 2k 1.01x, 4k 1.04x, 8k 1.05x, 16k 1.09x, GQA 16/4 4k 1.04x and
+# 8k 1.10x; causal 0.96-0.97x; not timed with a bias or a window.
+FUSE_DQ_MIN_KEYS = 4096
+
+
+def fuse_dq_reason(params: KernelParams, prob: KernelShapes, has_bias: bool) -> str | None:
+    """None when the Gluon dK/dV pass computes dQ too (FA3's way: fp32 partials added by TMA
+    reduce-add), else why not: it runs where it was measured faster (no bias, Sk >=
+    FUSE_DQ_MIN_KEYS, no band unless the head dim's config says so) and never when the call asks
+    for determinism (its reduce-adds land in any order)."""
+    cfg = C.WS_BWD_CONFIGS[prob.Dqk]
+    banded = params.window_left >= 0 or params.window_right >= 0
+    if not cfg.fuse_dq:
+        return "this head dim's config keeps a separate dQ pass (WsConfig.fuse_dq)"
+    if banded and not cfg.fuse_dq_banded:
+        return "causal or window: measured slower fused (0.96-0.97x, E54)"
+    if params.deterministic:
+        return "deterministic: the fused dQ's reduce-adds land in any order"
+    if has_bias:
+        return "bias: not measured fused"
+    if prob.Sk < FUSE_DQ_MIN_KEYS:
+        return f"Sk={prob.Sk} < {FUSE_DQ_MIN_KEYS}: measured slower fused (E54)"
+    return None
+
+
+def ws_backward_reason(
+    do, q, k, v, bias_reason: str | None, params: KernelParams, prob: KernelShapes, uses_descriptors: bool
+) -> tuple[str | None, tuple[int, int, int] | None]:
+    """(None, (q rows layout, k/v rows layout, dO rows layout)) when the Gluon dK/dV pass serves
+    this backward (the Gluon dQ pass too where configs.WS_DQ_CONFIGS has the head dim), else
+    (why not, None).  ``bias_reason``: :func:`ws_bias_reason` of the call's bias and whether its
+    gradient is needed; ``uses_descriptors``: :func:`use_descriptors` of q, k, v and dO."""
+    reason, rows = ws_reason(q, k, v, bias_reason, params, prob, uses_descriptors)
+    if reason is not None:
+        return reason, None
+    if prob.Dqk not in C.WS_BWD_CONFIGS:
+        return f"head dim {prob.Dqk}: the Gluon dK/dV pass has configs for {sorted(C.WS_BWD_CONFIGS)} only", None
+    do_rows = rows_layout(do)
+    if not do_rows:
+        return "memory layout: dO neither (B, H, S, D) nor (B, S, H, D) contiguous", None
+    return None, (*rows, do_rows)

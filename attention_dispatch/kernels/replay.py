@@ -1,0 +1,208 @@
+"""Replaying a call's kernel launches: repeated inference forwards (ForwardPlan) and training
+calls (TrainingPlan) of one signature relaunch the compiled kernels over new tensors, skipping
+the launch logic (~1 ms of host time per forward+backward on the H100 machine, E46)."""
+
+from __future__ import annotations
+
+import torch
+
+from .compiled_cache import COMPILED, DirectLaunch, hooks_installed, is_descriptor, rebase, relaunch
+from .device import is_interpreter, run_with_scratch
+from .entry import attention_backward, attention_forward
+from .params import KernelParams
+
+
+class Replay:
+    """Kernel launches captured during one call (``COMPILED.capture``), relaunched over the
+    tensors of a later call of the same signature.  Every tensor argument and every host-built
+    descriptor's base is found by identity in the call's ``pool`` (its inputs and outputs in a
+    fixed order); :meth:`capture` returns None when a launch cannot be repeated that way (a
+    tensor outside the pool: a dropout seed, a workspace, a converted output; or a launch
+    without a relaunch entry).  Outputs are the caller's to allocate: each replay gets fresh
+    ones, which the captured kernels must write whole."""
+
+    __slots__ = ("steps", "device", "addresses")
+
+    def __init__(self, steps: tuple, device: torch.device, addresses: bool):
+        self.steps, self.device, self.addresses = steps, device, addresses
+
+    @classmethod
+    def capture(cls, launches: list, pool: tuple, device: torch.device) -> "Replay | None":
+        def index(t):
+            return next((i for i, x in enumerate(pool) if x is t), None)
+
+        steps = []
+        for entry, grid, args, constexprs in launches:
+            if entry is None:
+                return None
+            sources = []  # the leading tensors, as pool indices
+            for a in args:
+                if not isinstance(a, torch.Tensor):
+                    break
+                idx = index(a)
+                if idx is None:
+                    return None
+                sources.append(idx)
+            # (argument position, pool index, descriptor or None for the tensor itself): host-built
+            # descriptors (the tl forward's K/V, every Gluon operand) and pointers after the leading ones
+            patches = []
+            for pos, a in enumerate(args[len(sources) :], len(sources)):
+                desc = is_descriptor(a)
+                if desc or isinstance(a, torch.Tensor):
+                    idx = index(a.base if desc else a)
+                    if idx is None:
+                        return None
+                    patches.append((pos, idx, a if desc else None))
+            direct = (
+                None
+                if is_interpreter()
+                else DirectLaunch.build(
+                    entry,
+                    grid,
+                    tuple(args),
+                    dict(enumerate(sources)) | {pos: i for pos, i, d in patches if d is None},
+                    {pos: i for pos, i, d in patches if d is not None},
+                )
+            )
+            steps.append(
+                (
+                    entry,
+                    tuple(grid),
+                    tuple(sources),
+                    tuple(args[len(sources) :]),
+                    tuple(patches),
+                    constexprs.get("USE_DESC", False),
+                    direct,
+                )
+            )
+        # addresses as ints for the compiled launcher; the interpreter (CPU tests) needs tensors
+        return cls(tuple(steps), device, not is_interpreter()) if steps else None
+
+    @property
+    def patches(self) -> tuple:
+        """Every step's patches (tests read which descriptors are rebuilt)."""
+        return tuple(p for step in self.steps for p in step[4])
+
+    def __call__(self, pool: tuple) -> None:
+        # Triton's launcher takes an int as the address itself; for a tensor it calls data_ptr()
+        # and cuPointerGetAttribute, once per pointer argument (the dummies repeat q)
+        addrs = [t.data_ptr() for t in pool] if self.addresses else pool
+        for entry, grid, sources, rest, patches, desc, direct in self.steps:
+            if direct is not None:  # descriptors' tensormaps kept per address (compiled_cache.DirectLaunch)
+                direct(addrs, pool)
+                continue
+            args = (*[addrs[i] for i in sources], *rest)
+            if patches:  # descriptors and later pointers: the same ones over the new tensors
+                args = list(args)
+                for pos, i, d in patches:
+                    args[pos] = addrs[i] if d is None else rebase(d, pool[i])
+            run_with_scratch(self.device, desc, relaunch, entry, grid, args)
+
+
+def contiguous(*tensors) -> bool:
+    return all(t is not None and t.iscontiguous() for t in tensors)
+
+
+class ForwardPlan:
+    """Repeated inference forwards of one call signature: dense query/key/value with the
+    same shapes, strides, dtype, device and 16-byte alignment, no bias, given params.
+
+    The first call runs :func:`attention_forward` and captures its kernel launches; later
+    calls allocate the output (no logsumexp is written) and relaunch the compiled kernels with
+    the new tensors (:class:`Replay`): none of the launch glue above runs again (the
+    dispatcher's fast path caches a plan per signature, E17).  A
+    call whose launches touch another tensor (a dropout seed, a dtype conversion) or that
+    launches nothing (an empty problem) keeps the full path every time.  Host-built
+    descriptors (the tl forward's K/V, every operand of the Gluon forward) are rebuilt over
+    the new tensors."""
+
+    __slots__ = ("params", "device", "launch", "out_shape", "out_like_query")
+
+    def __init__(self, query, params: KernelParams):
+        self.params, self.device, self.launch = params, query.device, None
+
+    def __call__(self, q, k, v):
+        launch = self.launch
+        if launch is None or hooks_installed():
+            return self._first(q, k, v)
+        # empty_like: one C call without torch.empty's argument parsing (~1 us of host time)
+        out = (
+            torch.empty_like(q)
+            if self.out_like_query
+            else torch.empty(self.out_shape, device=self.device, dtype=q.dtype)
+        )
+        launch((q, k, v, out))
+        return out
+
+    def _first(self, q, k, v):
+        with COMPILED.capture() as launches:
+            out, _, _ = attention_forward(q, k, v, None, self.params, need_lse=False)
+        if self.launch is None and contiguous(out):
+            self.out_shape = tuple(out.shape)
+            # the same layout from empty_like: q and out both contiguous of one shape and dtype
+            self.out_like_query = out.shape == q.shape and out.dtype == q.dtype and q.iscontiguous()
+            self.launch = Replay.capture(launches, (q, k, v, out), self.device)
+        return out
+
+
+# Launch constexprs of kernels that add into a buffer zeroed before them: the dQ pass split over
+# keys (fp32 atomics) and the dK/dV pass with dQ fused in (TMA reduce-adds).
+ADDS_INTO_ZEROED = ("ATOMIC", "FUSE_DQ")
+
+
+class TrainingPlan:
+    """Repeated training calls of one signature: dense query/key/value with the same shapes,
+    strides, dtype, device and 16-byte alignment, no bias, no dropout, given params (the
+    dispatcher's fast path keeps one per signature).  The first forward and the first backward
+    run the full launch glue and capture their kernel launches; later ones allocate the outputs
+    and relaunch them over the new tensors (:class:`Replay`).  The backward
+    is replayed for a dO of the captured shape, strides, dtype and alignment, unless one of its
+    launches adds into a buffer zeroed before it (:data:`ADDS_INTO_ZEROED`: a replay's fresh
+    outputs are not zeroed); anything else keeps the full path."""
+
+    __slots__ = ("params", "device", "fwd", "fwd_outputs", "bwd", "bwd_key", "bwd_outputs")
+
+    def __init__(self, query, params: KernelParams):
+        if params.dropout_p > 0:
+            raise ValueError("TrainingPlan: dropout draws a seed per call (use triton_attention)")
+        self.params, self.device = params, query.device
+        self.fwd = self.bwd = self.bwd_key = None
+
+    def _empty(self, outputs):
+        return [torch.empty(shape, device=self.device, dtype=dtype) for shape, dtype in outputs]
+
+    def forward(self, q, k, v):
+        """(out, lse) as :func:`attention_forward` returns them."""
+        if self.fwd is not None and not hooks_installed():
+            out, lse = self._empty(self.fwd_outputs)
+            self.fwd((q, k, v, out, lse))
+            return out, lse
+        with COMPILED.capture() as launches:
+            out, lse, _ = attention_forward(q, k, v, None, self.params)
+        if self.fwd is None and contiguous(out, lse):
+            self.fwd_outputs = ((out.shape, out.dtype), (lse.shape, lse.dtype))
+            self.fwd = Replay.capture(launches, (q, k, v, out, lse), self.device)
+        return out, lse
+
+    def backward(self, do, q, k, v, out, lse):
+        """(dq, dk, dv) as :func:`attention_backward` returns them (no bias)."""
+        key = (do.shape, do.stride(), do.dtype, do.data_ptr() & 15)
+        if self.bwd is not None and key == self.bwd_key and not hooks_installed():
+            delta, dq, dk, dv = self._empty(self.bwd_outputs)
+            self.bwd((q, k, v, out, lse, do, delta, dq, dk, dv))
+            return dq, dk, dv
+        delta = torch.empty(lse.shape, device=self.device, dtype=torch.float32)
+        with COMPILED.capture() as launches:
+            dq, dk, dv, _ = attention_backward(do, q, k, v, None, out, lse, None, self.params, delta=delta)
+        if (
+            self.bwd is None
+            and contiguous(dq, dk, dv)
+            and not any(constexprs.get(flag, False) for _, _, _, constexprs in launches for flag in ADDS_INTO_ZEROED)
+        ):
+            self.bwd_outputs = tuple((t.shape, t.dtype) for t in (delta, dq, dk, dv))
+            self.bwd_key = key
+            self.bwd = Replay.capture(launches, (q, k, v, out, lse, do, delta, dq, dk, dv), self.device)
+        return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- backward

@@ -1,0 +1,450 @@
+"""Launching the tl kernels: the forward (with host-built K/V descriptors on long calls), and
+the backward's three passes (delta = rowsum(dO * O); dK/dV (+ d(bias)), optionally split over
+the query heads of a GQA group; dQ, optionally split over keys), each chunked past the grid's
+y/z limit.  Arguments are shapes, strides and python ints: no host synchronisation."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import configs as C
+from .. import run
+from ..bias import bias_constexprs
+from ..compiled_cache import TensorDescriptor
+from ..device import device_info, is_interpreter
+from ..params import KernelParams
+from ..shapes import (
+    KernelShapes,
+    as_dtype,
+    bh_chunks,
+    cdiv,
+    common_constexprs,
+    grid_limit,
+    row_matrix,
+    rows_layout,
+    store_dtype,
+)
+from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
+from .common import LOG2E
+from .forward import _attn_fwd
+
+# Upper bound on the number of key splits of the dQ pass.
+MAX_SPLITS = 16
+
+
+# Host-built descriptors cost ~20-30 us of host time per call on the H100 machine (Triton's
+# launcher encodes each tensormap): used only for calls whose kernel runs long enough to hide
+# that, at least this many query-key-dim products B * Hq * Sq * Sk * D (~40 us; experiment 30).
+HOST_KV_MIN_WORK = 1 << 32
+
+
+def host_kv_descriptors(k, v, prob: KernelShapes, uses_descriptors: bool, block_dqk: int, block_dv: int):
+    """For dense K/V read through descriptors, with D equal to its block, laid out as
+    (B, Hkv, Sk, D) or (B, Sk, Hkv, D) in memory, in a call of at least HOST_KV_MIN_WORK:
+    ``descriptors(cfg)`` -> (K descriptor, V descriptor, KV_HOST) built here over the rows of
+    K/V as a matrix ((B * Hkv * Sk, D), KV_HOST=1, or (B * Sk, Hkv * D), KV_HOST=2), or None
+    when the configuration keeps in-kernel ones or Sk is not a multiple of its key tile (a
+    tile would reach into the next head or sequence).  None when K/V are not read that way.
+    A host descriptor saves each program the tensormap write and fence of an in-kernel one
+    (E30)."""
+    if (
+        not uses_descriptors
+        or TensorDescriptor is None
+        or prob.varlen
+        or prob.Dqk != block_dqk
+        or prob.Dv != block_dv
+        or prob.B * prob.Hkv * prob.Sk >= 2**31
+        or prob.B * prob.Hq * prob.Sq * prob.Sk * max(prob.Dqk, prob.Dv) < HOST_KV_MIN_WORK
+    ):
+        return None
+    layout = rows_layout(k, v)
+    if layout == 0:
+        return None
+    (k_rows, k_len), (v_rows, v_len) = row_matrix(k, layout), row_matrix(v, layout)
+
+    def descriptors(cfg):
+        block_n = cfg.block_n
+        if not cfg.host_kv or prob.Sk % block_n:
+            return None
+        # the base is k / v itself (Triton reads only its address and dtype): a relaunch
+        # recognises it (ForwardPlan)
+        return (
+            TensorDescriptor(k, [k_rows, k_len], [k_len, 1], [block_n, prob.Dqk]),
+            TensorDescriptor(v, [v_rows, v_len], [v_len, 1], [block_n, prob.Dv]),
+            layout,
+        )
+
+    return descriptors
+
+
+def forward(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    seed,
+    bias_kind: int,
+    bias_t,
+    bias_strides,
+    params: KernelParams,
+    prob: KernelShapes,
+    uses_descriptors: bool,
+    cu_q=None,
+    cu_k=None,
+) -> torch.Tensor:
+    """The tl forward into ``out`` (and ``lse`` unless None); returns out in q's dtype.
+    ``bias_kind, bias_t, bias_strides``: :func:`bias.bias_layout` of the call's bias; ``seed``:
+    the dropout seed (empty without dropout)."""
+    kind, bt, bstr, desc, need_lse, dev = bias_kind, bias_t, bias_strides, uses_descriptors, lse is not None, q.device
+    cands = run.select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, **run.table_traits(kind, params, prob))
+    # A row whose first key block may be entirely masked needs the -inf-safe running max.
+    may_empty = (
+        kind != 0
+        or params.window_left >= 0
+        or (
+            params.window_right >= 0
+            and params.align_bottom_right
+            and (prob.varlen or prob.Sk - prob.Sq + params.window_right < 0)
+        )
+    )
+    dummy = q
+    args = (
+        q,
+        k,
+        v,
+        bt if bt is not None else dummy,
+        out,
+        lse if need_lse else out,
+        seed if seed.numel() else dummy,
+        cu_q if cu_q is not None else dummy,
+        cu_k if cu_k is not None else dummy,
+        params.scale * LOG2E,
+        float(params.dropout_p),
+        *prob.q_strides,
+        *prob.k_strides,
+        *prob.v_strides,
+        *bstr,
+        *prob.out_strides(out),
+        *(prob.lse_strides() if need_lse else (0, 0, 0)),
+        prob.Hq,
+        prob.B,
+        prob.group,
+        prob.Sq,
+        prob.Sk,
+    )
+    kw = dict(
+        common_constexprs(q, params, prob),
+        **bias_constexprs(kind, bt, bstr, prob, desc),
+        HAS_DROPOUT=params.dropout_p > 0,
+        USE_DESC=desc,
+        MAY_EMPTY=may_empty,
+        SCALE_POS=params.scale > 0,
+        STORE_LSE=need_lse,
+    )
+    n_bh = prob.B * prob.Hq
+    key = ("fwd", dev, q.dtype, prob.Dqk, prob.Dv, desc)
+    kv_descriptors = host_kv_descriptors(k, v, prob, desc, kw["BLOCK_DQK"], kw["BLOCK_DV"])
+
+    def fwd_tail(cfg):
+        kv = kv_descriptors(cfg) if kv_descriptors is not None else None
+        return (kv[:2] if kv else (0, 0)), {"SUBTILES": cfg.subtiles, "KV_HOST": kv[2] if kv else 0}
+
+    for start, cnt in bh_chunks(n_bh, prob.Hq, grid_limit(params)):
+
+        def grid(cfg, cnt=cnt):
+            return (cdiv(prob.Sq, cfg.block_m), cnt)
+
+        cfg = run.launch_first_fitting(
+            C.FWD, _attn_fwd, grid, args + (start, params.window_left, params.window_right), kw, cands, key, fwd_tail
+        )
+        cands = [cfg]
+    return as_dtype(out, q.dtype)
+
+
+def num_splits_heuristic(
+    batch_heads: int,
+    num_m_blocks: int,
+    num_n_blocks: int,
+    num_sms: int,
+    deterministic: bool,
+    max_splits: int = MAX_SPLITS,
+) -> int:
+    """How many ways to split the key range of the dQ pass (fp32 workspace + atomics).
+
+    1 when deterministic; else split only when batch*heads*query-tiles fills less than two
+    waves of the SMs, keeping at least two key tiles per split."""
+    if deterministic or num_n_blocks <= 1:
+        return 1
+    ctas = max(1, batch_heads * num_m_blocks)
+    target = 2 * max(1, num_sms)
+    if ctas >= target:
+        return 1
+    s = min(cdiv(target, ctas), num_n_blocks // 2, max_splits)
+    return max(1, s)
+
+
+def group_splits_heuristic(
+    batch_kv_heads: int, num_n_blocks: int, group: int, num_sms: int, deterministic: bool = False
+) -> int:
+    """How many ways to split the query heads of a GQA/MQA group in the dK/dV pass (each
+    split writes an fp32 partial dK/dV, summed in a fixed order).  1 when deterministic or
+    when batch*kv_heads*key-tiles already fills two waves of the SMs."""
+    if deterministic or group <= 1:
+        return 1
+    ctas = max(1, batch_kv_heads * num_n_blocks)
+    target = 2 * max(1, num_sms)
+    if ctas >= target:
+        return 1
+    return max(1, min(group, cdiv(target, ctas)))
+
+
+class BackwardArgs(NamedTuple):
+    """What the tl backward passes share: tensors standing in for absent ones (the dummies are
+    q), their constexprs and config traits, the grid limit, SM count and two stride triples."""
+
+    bias_t: torch.Tensor
+    bias_strides: tuple
+    seed_t: torch.Tensor
+    cu_q_t: torch.Tensor
+    cu_k_t: torch.Tensor
+    common: dict
+    traits: dict
+    limit: int
+    num_sms: int
+    lse_strides: tuple
+    do_strides: tuple
+
+
+def backward_args(
+    do,
+    q,
+    bias_kind: int,
+    bias_t,
+    bias_strides,
+    seed,
+    params: KernelParams,
+    prob: KernelShapes,
+    uses_descriptors: bool,
+    cu_q,
+    cu_k,
+) -> BackwardArgs:
+    """The :class:`BackwardArgs` of a call (``bias_kind, bias_t, bias_strides``: :func:`bias.bias_layout`)."""
+    dummy = q
+    return BackwardArgs(
+        bias_t if bias_t is not None else dummy,
+        bias_strides,
+        seed if seed is not None and seed.numel() else dummy,
+        cu_q if cu_q is not None else dummy,
+        cu_k if cu_k is not None else dummy,
+        dict(
+            common_constexprs(q, params, prob),
+            **bias_constexprs(bias_kind, bias_t, bias_strides, prob, uses_descriptors),
+            USE_DESC=uses_descriptors,
+            HAS_DROPOUT=params.dropout_p > 0,
+        ),
+        run.table_traits(bias_kind, params, prob),
+        grid_limit(params),
+        device_info(q.device)[2],
+        prob.lse_strides(),
+        prob.out_strides(do),
+    )
+
+
+def delta_pass(do, out, delta: torch.Tensor, prob: KernelShapes, a: BackwardArgs) -> None:
+    """delta = rowsum(dO * O) into ``delta`` (fp32, lse's shape): every backward's first pass."""
+    bm_pre = 16 if is_interpreter() else 64
+    o_str = prob.out_strides(out)
+    for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, a.limit):
+        run.launch_one(
+            _attn_bwd_preprocess,
+            (cdiv(prob.Sq, bm_pre), cnt),
+            (out, do, delta, a.cu_q_t, *o_str, *a.do_strides, *a.lse_strides, prob.Hq, prob.Sq, start),
+            dict(HEAD_DV=prob.Dv, IS_VARLEN=prob.varlen, BLOCK_M=bm_pre, BLOCK_DV=a.common["BLOCK_DV"]),
+            4,
+            3,
+        )
+
+
+def dkdv_pass(
+    do, q, k, v, lse, delta, bias, bias_grad: bool, bcast, params: KernelParams, prob: KernelShapes, a: BackwardArgs
+):
+    """(dK, dV, d(bias) or None): key-tile parallel, each program looping over the query heads of
+    its GQA group (split over grid axis 2 into fp32 partials summed in a fixed order when the
+    grid is small).  ``bcast``: which of the bias's dims broadcast (:func:`bias.bias_layout`)."""
+    dev = q.device
+    dummy = q
+    bias_t, bstr, seed_t, cu_q_t, cu_k_t, common, traits, limit, num_sms, lse_str, do_str = a
+    sum_rows = sum_heads = False
+    if bias_grad:
+        sum_rows = bcast[2] and prob.Sq > 1
+        sum_heads = bcast[1] and prob.group > 1
+        ws_shape = (prob.B, prob.Hkv if sum_heads else prob.Hq, 1 if sum_rows else prob.Sq, prob.Sk)
+        db_ws = torch.zeros(ws_shape, device=dev, dtype=torch.float32)
+        db_str = db_ws.stride()
+    else:
+        db_ws = dummy
+        db_str = (0, 0, 0, 0)
+    cands = run.select_config(C.BWD_DKDV, prob.Dqk, prob.Dv, q.dtype, dev, params, **traits)
+    # group split (GQA/MQA): query heads of a kv head spread over grid axis 2, partial
+    # dK/dV in an fp32 workspace summed in a fixed order (never with a head-summed d(bias)).
+    if params.deterministic or prob.group == 1 or (bias_grad and sum_heads):
+        gsplits = 1
+    elif params.num_splits > 0:
+        gsplits = min(params.num_splits, prob.group)
+    else:
+        gsplits = group_splits_heuristic(prob.B * prob.Hkv, cdiv(prob.Sk, cands[0].block_n), prob.group, num_sms)
+    per_split = cdiv(prob.group, gsplits)
+    gsplits = cdiv(prob.group, per_split)
+    if gsplits > 1:
+        dk_out = torch.empty((gsplits,) + tuple(k.shape), device=dev, dtype=torch.float32)
+        dv_out = torch.empty((gsplits,) + tuple(v.shape), device=dev, dtype=torch.float32)
+        dk0, dv0 = dk_out[0], dv_out[0]
+        split_str = (dk_out.stride(0), dv_out.stride(0))
+    else:
+        dk_out = dk0 = torch.empty(k.shape, device=dev, dtype=store_dtype(k.dtype))
+        dv_out = dv0 = torch.empty(v.shape, device=dev, dtype=store_dtype(v.dtype))
+        split_str = (0, 0)
+    if prob.varlen:
+        dk_str = (0, dk0.stride(1), dk0.stride(0))
+        dv_str = (0, dv0.stride(1), dv0.stride(0))
+    else:
+        dk_str = (dk0.stride(0), dk0.stride(1), dk0.stride(2))
+        dv_str = (dv0.stride(0), dv0.stride(1), dv0.stride(2))
+    args = (
+        q,
+        k,
+        v,
+        bias_t,
+        do,
+        lse,
+        delta,
+        seed_t,
+        cu_q_t,
+        cu_k_t,
+        dk_out,
+        dv_out,
+        db_ws,
+        params.scale * LOG2E,
+        params.scale,
+        float(params.dropout_p),
+        *prob.q_strides,
+        *prob.k_strides,
+        *prob.v_strides,
+        *bstr,
+        *do_str,
+        *lse_str,
+        *dk_str,
+        *dv_str,
+        *db_str,
+        prob.Hq,
+        prob.B,
+        prob.group,
+        prob.Hkv,
+        prob.Sq,
+        prob.Sk,
+    )
+    kw = dict(common, BIAS_GRAD=bias_grad, DB_SUM_ROWS=sum_rows, DB_SUM_HEADS=sum_heads)
+    key = ("dkdv", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
+    for start, cnt in bh_chunks(prob.B * prob.Hkv, prob.Hkv, limit):
+
+        def grid(cfg, cnt=cnt):
+            return (cdiv(prob.Sk, cfg.block_n), cnt, gsplits)
+
+        cfg = run.launch_first_fitting(
+            C.BWD_DKDV,
+            _attn_bwd_dkdv,
+            grid,
+            args + (start, params.window_left, params.window_right, per_split, *split_str),
+            kw,
+            cands,
+            key,
+        )
+        cands = [cfg]
+    if gsplits > 1:
+        dk, dv = dk_out.sum(0).to(k.dtype), dv_out.sum(0).to(v.dtype)
+    else:
+        dk, dv = as_dtype(dk_out, k.dtype), as_dtype(dv_out, v.dtype)
+
+    dbias = reduce_dbias(db_ws, bcast, bias) if bias_grad else None
+    return dk, dv, dbias
+
+
+def reduce_dbias(ws: torch.Tensor, bcast, bias: torch.Tensor) -> torch.Tensor:
+    shape4 = [1 if bcast[d] else ws.shape[d] for d in range(4)]
+    dims = [d for d in range(4) if bcast[d] and ws.shape[d] != 1]
+    if dims:
+        ws = ws.sum(dim=dims, keepdim=True)
+    return ws.reshape(shape4).reshape(bias.shape).to(bias.dtype)
+
+
+def dq_pass(do, q, k, v, lse, delta, params: KernelParams, prob: KernelShapes, a: BackwardArgs) -> torch.Tensor:
+    """dQ: query-tile parallel, optionally split over keys (fp32 workspace + atomics)."""
+    dev = q.device
+    bias_t, bstr, seed_t, cu_q_t, cu_k_t, common, traits, limit, num_sms, lse_str, do_str = a
+    cands = run.select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params, **traits)
+    bm, bn = cands[0].block_m, cands[0].block_n
+    if params.deterministic:
+        splits = 1
+    elif params.num_splits > 0:
+        splits = min(params.num_splits, max(1, cdiv(prob.Sk, bn)))
+    else:
+        splits = num_splits_heuristic(
+            prob.B * prob.Hq, cdiv(prob.Sq, bm), cdiv(prob.Sk, bn), num_sms, params.deterministic
+        )
+    atomic = splits > 1
+    if atomic:
+        dq_ws = torch.zeros(q.shape, device=dev, dtype=torch.float32)
+    else:
+        dq_ws = torch.empty(q.shape, device=dev, dtype=store_dtype(q.dtype))
+    dq_str = (
+        (0, dq_ws.stride(1), dq_ws.stride(0)) if prob.varlen else (dq_ws.stride(0), dq_ws.stride(1), dq_ws.stride(2))
+    )
+    args = (
+        q,
+        k,
+        v,
+        bias_t,
+        do,
+        lse,
+        delta,
+        seed_t,
+        cu_q_t,
+        cu_k_t,
+        dq_ws,
+        params.scale * LOG2E,
+        params.scale,
+        float(params.dropout_p),
+        *prob.q_strides,
+        *prob.k_strides,
+        *prob.v_strides,
+        *bstr,
+        *do_str,
+        *lse_str,
+        *dq_str,
+        prob.Hq,
+        prob.B,
+        prob.group,
+        prob.Sq,
+        prob.Sk,
+    )
+    kw = dict(common, ATOMIC=atomic)
+    key = ("dq", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
+    for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, limit):
+
+        def grid(cfg, cnt=cnt):
+            return (cdiv(prob.Sq, cfg.block_m), cnt, splits)
+
+        cfg = run.launch_first_fitting(
+            C.BWD_DQ,
+            _attn_bwd_dq,
+            grid,
+            args + (start, params.window_left, params.window_right, splits),
+            kw,
+            cands,
+            key,
+        )
+        cands = [cfg]
+    return as_dtype(dq_ws, q.dtype)
