@@ -9,8 +9,9 @@ import torch
 from . import config as _config
 from . import registry
 from .debug import logger, note_decision
-from .dispatch import FAST_CALLS_LIMIT, BackendRunError, Decision, _scope, decide, fast_calls
+from .dispatch import FAST_CALLS_LIMIT, BackendRunError, Decision, decide, fast_calls
 from .call import Call, CallFacts, _seqlens, make_problem, normalize_call
+from .fast_key import call_key
 from .fastest import choose_fastest
 
 
@@ -77,7 +78,7 @@ def sdpa(
     causal: None | "top_left" (= is_causal=True) | "bottom_right"; window: (left, right), -1 unbounded.
     backend: force one backend by name; deterministic: None follows torch's setting.
     """
-    fast_key = _fast_key(
+    fast_key = call_key(
         query,
         key,
         value,
@@ -164,141 +165,6 @@ def sdpa(
                 fast_calls.clear()
             fast_calls[fast_key] = (decision, runner)
     return out if call.restore is None else call.restore(out)
-
-
-def _fast_key(
-    query,
-    key,
-    value,
-    attn_mask,
-    dropout_p,
-    is_causal,
-    scale,
-    enable_gqa,
-    causal,
-    window,
-    deterministic,
-    backend,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-):
-    """sdpa()'s fast-path key for plain 4-D tensors (a 4-D mask of bool or the query's dtype
-    included), or packed 3-D ones with int32 offsets and int max_seqlen (no mask), and scalar
-    options; None when the call must take the full path.  The key
-    holds everything normalize_call() validates or derives (shapes, strides, dtypes,
-    devices, alignment, grad needs, the exact option values with their types: True == 1.0
-    must not hit) and everything decide() keys on (config, registry, scope, determinism): a
-    hit is a call that the full path accepted before and would decide the same way.  Kept
-    lean: it is most of what a repeated call costs the dispatcher (issue 5: <= 3 us)."""
-    tensor = torch.Tensor
-    if (
-        type(query) is not tensor
-        or type(key) is not tensor
-        or type(value) is not tensor
-        or type(dropout_p) is not float
-        or type(is_causal) is not bool
-        or type(enable_gqa) is not bool
-        or (scale is not None and type(scale) is not float)
-        or (causal is not None and type(causal) is not str)
-        or (deterministic is not None and type(deterministic) is not bool)
-        or (backend is not None and type(backend) is not str)
-        or (
-            window is not None
-            and not (type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int)
-        )
-    ):
-        return None
-    if query.is_nested or torch.compiler.is_compiling():
-        return None  # a strided nested tensor has no shape: normalize_call() says what to pass
-    qs = query.shape
-    if cu_seqlens_q is None and cu_seqlens_k is None:
-        if len(qs) != 4:
-            return None
-        packed = None
-    elif (
-        len(qs) != 3
-        or attn_mask is not None
-        or type(cu_seqlens_q) is not tensor
-        or type(cu_seqlens_k) is not tensor
-        or cu_seqlens_q.dtype != torch.int32
-        or cu_seqlens_k.dtype != torch.int32
-        or type(max_seqlen_q) is not int
-        or type(max_seqlen_k) is not int
-    ):
-        return None  # normalize_call() would convert the offsets or compute max_seqlen (a device sync)
-    else:  # the offsets' values are each call's own (read only on the CPU, as normalize_call does)
-        packed = (
-            cu_seqlens_q.shape,
-            cu_seqlens_k.shape,
-            cu_seqlens_q.device,
-            cu_seqlens_k.device,
-            cu_seqlens_q is cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-        )
-    if attn_mask is None:
-        mask = None
-    elif (
-        type(attn_mask) is not tensor
-        or attn_mask.dim() != 4
-        or (
-            attn_mask.dtype != torch.bool
-            and attn_mask.dtype != query.dtype
-            and (attn_mask.dtype != torch.float32 or query.dtype == torch.float64)
-        )
-    ):
-        return None  # not a tensor, or normalize_call() would reshape / convert it
-    else:
-        mask = (
-            attn_mask.shape,
-            attn_mask.stride(),
-            attn_mask.dtype,
-            attn_mask.device,
-            attn_mask.requires_grad,
-            attn_mask.data_ptr() & 15,
-        )
-    det = torch.are_deterministic_algorithms_enabled()
-    return (
-        qs,
-        query.stride(),
-        key.shape,
-        key.stride(),
-        value.shape,
-        value.stride(),
-        query.dtype,
-        key.dtype,
-        value.dtype,
-        query.device,
-        key.device,
-        value.device,
-        query.data_ptr() & 15,
-        key.data_ptr() & 15,
-        value.data_ptr() & 15,
-        mask,
-        packed,
-        torch.is_grad_enabled()
-        and (
-            query.requires_grad
-            or key.requires_grad
-            or value.requires_grad
-            or (mask is not None and attn_mask.requires_grad)
-        ),
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        causal,
-        window,
-        deterministic,
-        backend,
-        id(_config.current_config()),
-        _config.config_version(),
-        registry.registry_version(),
-        _scope.get(),
-        det and (1 + torch.is_deterministic_algorithms_warn_only_enabled()),
-    )
 
 
 def explain(

@@ -154,14 +154,30 @@ def _check_heads(hq: int, hkv: int, hv: int, enable_gqa: bool) -> None:
             raise ValueError(f"enable_gqa=True needs query heads ({hq}) to be a multiple of key/value heads ({hkv})")
 
 
+def mask_kept_as_given(mask_dtype: torch.dtype, query_dtype: torch.dtype) -> bool:
+    """Whether normalisation passes a mask of this dtype on unconverted: bool, the query's
+    dtype, or float32 with 16-bit inputs (PyTorch adds it at float32; rounding it would move
+    the scores)."""
+    return (
+        mask_dtype == torch.bool
+        or mask_dtype == query_dtype
+        or (mask_dtype == torch.float32 and query_dtype in (torch.float16, torch.bfloat16))
+    )
+
+
+def offsets_kept_as_given(cu: torch.Tensor) -> bool:
+    """Whether normalisation passes cu_seqlens on unconverted (int32; int64 is converted)."""
+    return cu.dtype == torch.int32
+
+
 def _mask_dtype(attn_mask, query):
-    """F.sdpa's rule: bool, float32, or the query's dtype. A float32 bias with 16-bit
-    inputs stays float32 (PyTorch adds it at float32; rounding it would move the scores)."""
+    """F.sdpa's rule: bool, float32, or the query's dtype (:func:`mask_kept_as_given`); a
+    float32 mask with float64 inputs is converted exactly."""
     dtype = attn_mask.dtype
-    if dtype == torch.bool or dtype == query.dtype:
+    if mask_kept_as_given(dtype, query.dtype):
         return attn_mask
-    if dtype == torch.float32 and query.dtype in (torch.float16, torch.bfloat16, torch.float64):
-        return attn_mask if query.dtype != torch.float64 else attn_mask.to(torch.float64)  # exact
+    if dtype == torch.float32 and query.dtype == torch.float64:
+        return attn_mask.to(torch.float64)  # exact
     q = str(query.dtype).removeprefix("torch.")
     floats = " or float32" if q == "float32" else f", float32 or {q}"
     raise TypeError(
@@ -220,7 +236,7 @@ def _cu_tensor(cu, name: str, device) -> torch.Tensor:
         raise ValueError(f"{name} is on {cu.device} but query is on {device}")
     if cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(f"{name} must be 1-D of length batch+1, got shape {_shape(cu)}")
-    return cu if cu.dtype == torch.int32 else cu.to(torch.int32)
+    return cu if offsets_kept_as_given(cu) else cu.to(torch.int32)
 
 
 def _unpack_nested(query, key, value):

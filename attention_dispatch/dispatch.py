@@ -185,7 +185,7 @@ _CACHE_LIMIT = 4096
 _warned: set = set()
 
 
-# sdpa()'s fast path (api._fast_key): call signature -> (Decision, the backend's prepared
+# sdpa()'s fast path (fast_key.call_key): call signature -> (Decision, the backend's prepared
 # runner).  Cleared with the decision cache.
 fast_calls: dict = {}
 FAST_CALLS_LIMIT = 4096

@@ -31,9 +31,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from attention_dispatch.kernels import backward, configs as C, forward  # noqa: E402
+from attention_dispatch.kernels import configs as C  # noqa: E402
+from attention_dispatch.kernels.tl import KERNELS as TL_KERNELS  # noqa: E402
 
-KERNELS = {C.FWD: forward._attn_fwd, C.BWD_DKDV: backward._attn_bwd_dkdv, C.BWD_DQ: backward._attn_bwd_dq}
+KERNELS = {kind: TL_KERNELS[kind] for kind in (C.FWD, C.BWD_DKDV, C.BWD_DQ)}
 POINTERS = dict(
     {n: "*bf16" for n in ("Q", "K", "V", "Bias", "O", "DO", "DK", "DV", "DQ", "DB")},
     LSE="*fp32",
@@ -130,7 +131,7 @@ def compile_case(kind: str, entry, constexprs: dict):
     names = fn.arg_names
     const = {k: v for k, v in constexprs.items() if k in names}
     sig = {n: "constexpr" if n in const else POINTERS.get(n, "fp32" if n in FLOATS else "i32") for n in names}
-    if const.get("KV_HOST"):  # the host-built K/V descriptors (launch.host_kv_descriptors)
+    if const.get("KV_HOST"):  # the host-built K/V descriptors (tl/launch.host_kv_descriptors)
         sig["KD"] = sig["VD"] = f"tensordesc<bf16[{const['BLOCK_N']}, {const['BLOCK_DQK']}]>"
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
     return _compile(src, dict(num_warps=entry.config.num_warps, num_stages=entry.config.num_stages))
@@ -164,7 +165,7 @@ def _ws_variants(n_rows: int):
 
 
 def ws_cases():
-    """The warp-specialised forward (kernels/forward_ws.py) for every head dim it serves
+    """The warp-specialised forward (kernels/gluon/) for every head dim it serves
     (:func:`_ws_variants`), with and without the logsumexp."""
     served = [(d, cfg, f"d={d}") for d, cfg in C.WS_FWD_CONFIGS.items()]
     if C.WS_FWD_CONFIGS[64].consumers != 2:  # two warpgroups at d64: tested, not served
@@ -212,30 +213,22 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
     """Compile one warp-specialised kernel for sm90 (bf16): as compile_case."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
-    from attention_dispatch.kernels.forward_ws import _attn_bwd_dkdv_ws, _attn_bwd_dq_ws, _attn_fwd_ws
+    from attention_dispatch.kernels.gluon.launch import DQ_ACC_SWIZZLE, KERNELS, WG_ROWS
 
-    fn = (
-        _attn_fwd_ws
-        if "DO_ROWS" not in constexprs
-        else _attn_bwd_dq_ws
-        if "BLOCK_N" in constexprs
-        else _attn_bwd_dkdv_ws
-    )
+    fwd, dkdv, dq = KERNELS["fwd_ws"], KERNELS["bwd_dkdv_ws"], KERNELS["bwd_dq_ws"]
+
+    fn = fwd if "DO_ROWS" not in constexprs else dq if "BLOCK_N" in constexprs else dkdv
     names = fn.arg_names
 
     def desc(rows, cols=d):
         lay = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {cols}],{lay!r}>"
 
-    def dq_desc(rows, cols):  # the fused dQ's fp32 partials (launch._dq_acc_descriptor)
-        from attention_dispatch.kernels.launch import DQ_ACC_SWIZZLE
-
+    def dq_desc(rows, cols):  # the fused dQ's fp32 partials (gluon/launch.dq_acc_descriptor)
         return f"tensordesc<fp32[{rows}, {cols}],{gl.NVMMASharedLayout(DQ_ACC_SWIZZLE, 32, 2)!r}>"
 
-    from attention_dispatch.kernels.forward_ws import WG_ROWS
-
-    wg = WG_ROWS.value
-    if fn is _attn_bwd_dq_ws:
+    wg = WG_ROWS
+    if fn is dq:
         sig = dict(
             q_desc=desc(wg),
             k_desc=desc(cfg.block_n),
@@ -248,7 +241,7 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
             qk_scale="fp32",
             sm_scale="fp32",
         )
-    elif fn is _attn_bwd_dkdv_ws:
+    elif fn is dkdv:
         m = cfg.bwd_block_m if not constexprs["HAS_BIAS"] else wg
         sig = dict(
             q_desc=desc(m),
@@ -275,9 +268,9 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
             qk_scale="fp32",
         )
     consts = dict(constexprs)
-    if not consts["HAS_BIAS"]:  # launch.py passes None: a constexpr argument
+    if not consts["HAS_BIAS"]:  # gluon/launch.py passes None: a constexpr argument
         consts["bias_desc"] = None
-    if fn is _attn_bwd_dkdv_ws and not consts["FUSE_DQ"]:
+    if fn is dkdv and not consts["FUSE_DQ"]:
         consts["dq_desc"] = None
     sig = {n: "constexpr" if n in consts else sig.get(n, "i32") for n in names}
     # pointers 16-byte aligned, as the launches specialise them (vector atomics need it)

@@ -5,10 +5,11 @@
 
 For each row the implementations run through ``triton_attention`` (the kernel's autograd
 function, so that no relaunch cache keeps one of them): "ws" as shipped, "tl" with
-``launch.WS_MIN_WORK`` raised past every call (that turns off the warp-specialised
+``gluon.route.WS_MIN_WORK`` raised past every call (that turns off the warp-specialised
 forward, dK/dV and dQ passes together), "ws-tl-dq" (forward+backward only) with the tl dQ
-pass, "base" with the Gluon kernels of another copy of forward_ws.py (``--base-module``, e.g.
-``git show HEAD~1:attention_dispatch/kernels/forward_ws.py``) and "ws-bwd-stages" with
+pass, "base" with the Gluon kernels of another copy of the kernels/gluon package (``--base-module DIR``,
+e.g. ``git archive HEAD~1 attention_dispatch/kernels/gluon | tar -x -C /tmp/base`` and
+``--base-module /tmp/base/attention_dispatch/kernels/gluon``) and "ws-bwd-stages" with
 ``--bwd-stages`` (Q, dO) slots in the dK/dV pass, "ws-no-fuse" with the dQ pass kept apart
 from the dK/dV pass (experiments 54 and 78), "ws-fuse-banded" with dQ fused for causal and
 windowed calls too (WsConfig.fuse_dq_banded at every head dim) and "ws-bwd-block-m" with
@@ -34,7 +35,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from attention_dispatch.kernels import KernelParams, configs as C, launch, triton_attention  # noqa: E402
+from attention_dispatch.kernels import KernelParams, configs as C, triton_attention  # noqa: E402
+from attention_dispatch.kernels.gluon import launch as gluon_launch, route as gluon_route  # noqa: E402
 
 # (label, dtype, head dim, S, causal (True / False, or a window (left, right) with -1 unbounded), Hq,
 #  Hkv, (B, S, H, D) memory, also forward+backward)
@@ -73,31 +75,33 @@ TOKENS = 16384
 # dK/dV pass with the tl dQ pass (forward+backward only: its forward is "ws")
 IMPLS = ("ws", "tl", "ws-tl-dq", "base", "ws-bwd-stages", "ws-no-fuse", "ws-fuse-banded", "ws-bwd-block-m")
 BWD_ONLY = ("ws-tl-dq", "ws-bwd-stages", "ws-no-fuse", "ws-fuse-banded", "ws-bwd-block-m")  # their forward is "ws"
-GLUON_KERNELS = ("_attn_fwd_ws", "_attn_bwd_dkdv_ws", "_attn_bwd_dq_ws")
 
 
 def load_base(path: Path) -> dict:
-    """The Gluon kernels of another copy of forward_ws.py, by launch.py's names."""
+    """The Gluon kernels of another copy of the kernels/gluon package (a directory), by
+    gluon.launch.KERNELS's names."""
+    import importlib
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("forward_ws_base", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # gluon.jit reads the module's globals
-    spec.loader.exec_module(mod)
-    return {n: getattr(mod, n) for n in GLUON_KERNELS}
+    name = "gluon_base"
+    spec = importlib.util.spec_from_file_location(name, path / "__init__.py", submodule_search_locations=[str(path)])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules[name] = pkg  # gluon.jit reads the modules' globals
+    spec.loader.exec_module(pkg)
+    fwd, dkdv, dq = (importlib.import_module(f"{name}.{m}") for m in ("forward", "dkdv", "dq"))
+    return {"fwd_ws": fwd._attn_fwd_ws, "bwd_dkdv_ws": dkdv._attn_bwd_dkdv_ws, "bwd_dq_ws": dq._attn_bwd_dq_ws}
 
 
 @contextlib.contextmanager
 def configured(impl: str, ws_min: int, base: dict | None = None, bwd_stages: int = 0, bwd_block_m: int = 64):
     dq, bwd = C.WS_DQ_CONFIGS.copy(), C.WS_BWD_CONFIGS.copy()
-    shipped = {n: getattr(launch, n) for n in GLUON_KERNELS}
+    shipped = dict(gluon_launch.KERNELS)
     try:
-        launch.WS_MIN_WORK = 1 << 62 if impl == "tl" else ws_min
+        gluon_route.WS_MIN_WORK = 1 << 62 if impl == "tl" else ws_min
         if impl == "ws-tl-dq":
             C.WS_DQ_CONFIGS.clear()
         if impl == "base":
-            for n, kernel in base.items():
-                setattr(launch, n, kernel)
+            gluon_launch.KERNELS.update(base)
         # the impls that change one field of every head dim's dK/dV config
         bwd_change = {
             "ws-bwd-stages": dict(stages=bwd_stages),
@@ -110,11 +114,10 @@ def configured(impl: str, ws_min: int, base: dict | None = None, bwd_stages: int
                 C.WS_BWD_CONFIGS[d] = cfg._replace(**bwd_change)
         yield
     finally:
-        launch.WS_MIN_WORK = ws_min
+        gluon_route.WS_MIN_WORK = ws_min
         C.WS_DQ_CONFIGS.update(dq)
         C.WS_BWD_CONFIGS.update(bwd)
-        for n, kernel in shipped.items():
-            setattr(launch, n, kernel)
+        gluon_launch.KERNELS.update(shipped)
 
 
 def main(argv=None) -> int:
@@ -125,7 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="", help="comma-separated substrings of the row labels to run")
     p.add_argument("--impls", default="ws,tl,ws-tl-dq", help=f"comma-separated, of {', '.join(IMPLS)}")
     p.add_argument("--ref", default="tl", help="the implementation the ratios divide by")
-    p.add_argument("--base-module", type=Path, default=None, help="forward_ws.py copy for impl 'base'")
+    p.add_argument(
+        "--base-module", type=Path, default=None, help="a copy of the kernels/gluon package (directory) for impl 'base'"
+    )
     p.add_argument("--bwd-stages", type=int, default=3, help="dK/dV pass slots for impl 'ws-bwd-stages'")
     p.add_argument("--bwd-block-m", type=int, default=64, help="dK/dV query tile rows for impl 'ws-bwd-block-m'")
     a = p.parse_args(argv)
@@ -134,7 +139,7 @@ def main(argv=None) -> int:
     if unknown or a.ref not in impls or ("base" in impls and a.base_module is None):
         p.error(f"--impls/--ref: unknown {unknown}, or --ref not among --impls, or 'base' without --base-module")
     base = load_base(a.base_module) if "base" in impls else None
-    ws_min = launch.WS_MIN_WORK
+    ws_min = gluon_route.WS_MIN_WORK
     results = {}
     for label, dt, d, S, causal, hq, hkv, bshd, with_bwd in ROWS:
         if not any(part in label for part in a.rows.split(",")):

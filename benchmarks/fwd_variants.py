@@ -25,8 +25,9 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from attention_dispatch.kernels import configs as C  # noqa: E402
-from attention_dispatch.kernels.forward import LOG2E, _attn_fwd  # noqa: E402
-from attention_dispatch.kernels.launch import _common, _Problem  # noqa: E402
+from attention_dispatch.kernels.shapes import KernelShapes, common_constexprs  # noqa: E402
+from attention_dispatch.kernels.tl import KERNELS  # noqa: E402
+from attention_dispatch.kernels.tl.common import LOG2E  # noqa: E402
 from attention_dispatch.kernels.params import KernelParams  # noqa: E402
 
 TOKENS, HIDDEN = 16384, 2048
@@ -37,7 +38,7 @@ def _alloc(size, alignment, stream):
 
 
 def run_kernel(q, k, v, causal, cfg, flags):
-    prob = _Problem(q, k, v, None, None, None, None)
+    prob = KernelShapes(q, k, v, None, None, None, None)
     out = torch.empty(prob.out_shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(prob.lse_shape, device=q.device, dtype=torch.float32)
     params = KernelParams(scale=q.shape[-1] ** -0.5, window_right=0 if causal else -1)
@@ -74,7 +75,7 @@ def run_kernel(q, k, v, causal, cfg, flags):
         0,
     )
     kw = dict(
-        _common(q, params, prob),
+        common_constexprs(q, params, prob),
         BIAS_KIND=0,
         BIAS_DESC=False,
         HAS_DROPOUT=False,
@@ -87,7 +88,7 @@ def run_kernel(q, k, v, causal, cfg, flags):
     grid = (triton.cdiv(prob.Sq, cfg.block_m), prob.B * prob.Hq)
 
     def fn():
-        _attn_fwd[grid](
+        KERNELS[C.FWD][grid](
             *args,
             **kw,
             BLOCK_M=cfg.block_m,

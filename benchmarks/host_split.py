@@ -22,7 +22,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import attention_dispatch as ad  # noqa: E402
-from attention_dispatch.kernels import launch, autograd as ag, compiled_cache as cc  # noqa: E402
+from attention_dispatch.kernels import autograd as ag, compiled_cache as cc, entry, replay, run  # noqa: E402
+from attention_dispatch.kernels.gluon import launch as gluon_launch, route as gluon_route  # noqa: E402
 
 acc = collections.Counter()
 
@@ -41,30 +42,24 @@ def wrap(obj, name, label=None):
     setattr(obj, name, w)
 
 
-for n in (
-    "attention_forward",
-    "attention_backward",
-    "_forward_ws",
-    "_dkdv_ws",
-    "_dq_ws",
-    "_rows_descriptor",
-    "_ws_route",
-    "use_descriptors",
-    "_launch_one",
-):
-    wrap(launch, n)
+# each function wrapped where its callers look it up
+for n in ("forward", "dkdv", "dq", "rows_descriptor"):
+    wrap(gluon_launch, n)
+wrap(gluon_route, "ws_reason")
+wrap(entry, "use_descriptors")
+wrap(run, "launch_one")
 wrap(cc.COMPILED, "launch", "COMPILED.launch")
-wrap(launch.TrainingPlan, "forward", "TrainingPlan.forward")
-wrap(launch.TrainingPlan, "backward", "TrainingPlan.backward")
-wrap(launch._Replay, "__call__", "_Replay.__call__")
-wrap(launch, "rebase")
-wrap(launch, "_run_with_scratch")
-wrap(ag._EagerAttention, "backward", "_EagerAttention.backward")
-wrap(ag, "_backward_inputs")
+wrap(replay.TrainingPlan, "forward", "TrainingPlan.forward")
+wrap(replay.TrainingPlan, "backward", "TrainingPlan.backward")
+wrap(replay.Replay, "__call__", "Replay.__call__")
+wrap(replay, "rebase")
+wrap(replay, "run_with_scratch")
+wrap(run, "run_with_scratch", "run_with_scratch(run)")
 wrap(cc, "relaunch", "relaunch")
-wrap(launch, "relaunch", "relaunch(launch)")
-for n in ("attention_forward", "attention_backward"):
-    setattr(ag, n, getattr(launch, n)) if hasattr(ag, n) else None
+wrap(replay, "relaunch", "relaunch(replay)")
+for mod in (ag, replay):  # attention_forward / attention_backward as both callers see them
+    for n in ("attention_forward", "attention_backward"):
+        wrap(mod, n, f"{n}({mod.__name__.rsplit('.', 1)[-1]})")
 S = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
 B = 16384 // S
 q, k, v = (torch.randn(B, 16, S, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -169,7 +164,7 @@ with torch.no_grad():
     print(f"inference sdpa: {(time.perf_counter_ns() - t) / N / 1e3:.0f} us/call")
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as G
 
-lay = launch._ws_smem_layout(64, 128, q.dtype)
+lay = gluon_launch.smem_layout(64, 128, q.dtype)
 t = time.perf_counter_ns()
 for _ in range(1000):
     G(q, [B * 16 * S, 128], [128, 1], [64, 128], lay)
@@ -188,8 +183,8 @@ for _ in range(1000):
 print(f"without __post_init__: {(time.perf_counter_ns() - t) / 1000 / 1e3:.2f} us")
 t = time.perf_counter_ns()
 for _ in range(1000):
-    launch._ws_smem_layout(64, 128, q.dtype)
-print(f"_ws_smem_layout: {(time.perf_counter_ns() - t) / 1000 / 1e3:.2f} us")
+    gluon_launch.smem_layout(64, 128, q.dtype)
+print(f"smem_layout: {(time.perf_counter_ns() - t) / 1000 / 1e3:.2f} us")
 
 # Does a training call wait for the device?  Keep the device busy (~200 ms of spinning) and
 # time host-only training calls behind it: without a synchronisation inside they take their

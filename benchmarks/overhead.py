@@ -89,7 +89,8 @@ def main(argv=None) -> int:
     import attention_dispatch as ad
     from attention_dispatch import registry
     from attention_dispatch import dispatch
-    from attention_dispatch.api import _fast_key, normalize_call
+    from attention_dispatch.call import normalize_call
+    from attention_dispatch.fast_key import call_key
     from attention_dispatch.dispatch import decide
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
     call = normalize_call(q, k, v)
     problem = call.problem
     decide(problem)  # fill the cache: what follows are hits
-    fast = dispatch.fast_calls.get(_fast_key(q, k, v, None, 0.0, False, None, False, None, None, None, None))
+    fast = dispatch.fast_calls.get(call_key(q, k, v, None, 0.0, False, None, False, None, None, None, None))
     runner = fast[1] if fast is not None else (lambda *t: backend.run(*t, **call.options))
     runner(q, k, v)  # a prepared runner's first call may capture its launch
 
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
         ("sdpa() full path (normalize, decide, run)", full_path),
         (
             "sdpa() fast-path lookup",
-            lambda: dispatch.fast_calls.get(_fast_key(q, k, v, None, 0.0, False, None, False, None, None, None, None)),
+            lambda: dispatch.fast_calls.get(call_key(q, k, v, None, 0.0, False, None, False, None, None, None, None)),
         ),
         ("api.normalize_call", lambda: normalize_call(q, k, v)),
         ("dispatch.decide (cache hit)", lambda: decide(problem)),

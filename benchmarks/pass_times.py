@@ -17,8 +17,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from attention_dispatch.kernels import bias as bias_mod, launch, KernelParams  # noqa: E402
-from attention_dispatch.kernels.launch import _Problem, attention_forward  # noqa: E402
+from attention_dispatch.kernels import KernelParams, attention_forward, bias as bias_mod  # noqa: E402
+from attention_dispatch.kernels.device import use_descriptors  # noqa: E402
+from attention_dispatch.kernels.gluon import launch as gluon_launch  # noqa: E402
+from attention_dispatch.kernels.gluon.route import ws_backward_reason  # noqa: E402
+from attention_dispatch.kernels.shapes import KernelShapes  # noqa: E402
 
 for S, causal, with_bias in ((4096, False, False), (16384, False, False), (16384, True, False), (4096, False, True)):
     B = 16384 // S
@@ -27,18 +30,19 @@ for S, causal, with_bias in ((4096, False, False), (16384, False, False), (16384
     params = KernelParams(scale=128**-0.5, window_right=0 if causal else -1)
     out, lse, _ = attention_forward(q, k, v, bias, params)
     delta = (do.float() * out.float()).sum(-1)
-    prob = _Problem(q, k, v, None, None, None, None)
-    desc = launch.use_descriptors(params, (q, k, v, do), q.device)
+    prob = KernelShapes(q, k, v, None, None, None, None)
+    desc = use_descriptors(params, (q, k, v, do), q.device)
     kind, bt, bstr, _ = bias_mod.bias_layout(bias, (B, 16, S, S))
-    route = launch._ws_backward_route(
+    why_not, route = ws_backward_reason(
         do, q, k, v, bias_mod.ws_bias_reason(kind, bt, bstr, q.dtype, desc), params, prob, desc
     )
-    ws_bias = launch._WsBias.of(bt, bstr, prob) if with_bias else None
+    assert route is not None, why_not
+    ws_bias = gluon_launch.WsBias.of(bt, bstr, prob) if with_bias else None
     fns = {
         "fwd": lambda: attention_forward(q, k, v, bias, params),
-        "dkdv": lambda: launch._dkdv_ws(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias),
-        "dkdv+dq": lambda: launch._dkdv_ws(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias, fuse_dq=True),
-        "dq": lambda: launch._dq_ws(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias),
+        "dkdv": lambda: gluon_launch.dkdv(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias),
+        "dkdv+dq": lambda: gluon_launch.dkdv(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias, fuse_dq=True),
+        "dq": lambda: gluon_launch.dq(q, k, v, do, lse, delta, params, prob, *route, bias=ws_bias),
     }
     mm = {"fwd": 2, "dkdv": 4, "dq": 3, "dkdv+dq": 5}
     flop1 = 2 * B * 16 * S * S * 128 / (2 if causal else 1)

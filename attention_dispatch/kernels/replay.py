@@ -100,7 +100,7 @@ class Replay:
 
 
 def contiguous(*tensors) -> bool:
-    return all(t is not None and t.iscontiguous() for t in tensors)
+    return all(t is not None and t.is_contiguous() for t in tensors)
 
 
 class ForwardPlan:
@@ -140,7 +140,7 @@ class ForwardPlan:
         if self.launch is None and contiguous(out):
             self.out_shape = tuple(out.shape)
             # the same layout from empty_like: q and out both contiguous of one shape and dtype
-            self.out_like_query = out.shape == q.shape and out.dtype == q.dtype and q.iscontiguous()
+            self.out_like_query = out.shape == q.shape and out.dtype == q.dtype and q.is_contiguous()
             self.launch = Replay.capture(launches, (q, k, v, out), self.device)
         return out
 

@@ -31,6 +31,10 @@ except ImportError as e:  # pragma: no cover - a Triton without Gluon: the tl ke
     WG_ROWS = 64
     GLUON_IMPORT_ERROR = str(e)
 
+# The jit kernels the launches below run, by pass (None without Gluon): tools compile them
+# (benchmarks/compile_sm90.py) or swap in another copy's (benchmarks/forward_ab.py --base-module).
+KERNELS = {"fwd_ws": _attn_fwd_ws, "bwd_dkdv_ws": _attn_bwd_dkdv_ws, "bwd_dq_ws": _attn_bwd_dq_ws}
+
 
 @functools.lru_cache(maxsize=16)
 def smem_layout(rows: int, cols: int, dtype: torch.dtype):
@@ -105,7 +109,7 @@ def forward(
     n_m = cdiv(prob.Sq, rows)
     bias_desc, batch_rows, head_rows = bias_args(bias, rows, cfg.block_n, prob.Sk)
     run.launch_one(
-        _attn_fwd_ws,
+        KERNELS["fwd_ws"],
         (n_m, prob.B * prob.Hq),
         (
             rows_descriptor(q, q_rows, WG_ROWS),
@@ -182,7 +186,7 @@ def dkdv(
     # a warpgroup's dQ partial: half the columns of a 64-row tile, or every column of its half of 128
     dq_desc = dq_acc_descriptor(dq_acc, prob.Dqk if m == 2 * w else prob.Dqk // 2) if fuse_dq else None
     run.launch_one(
-        _attn_bwd_dkdv_ws,
+        KERNELS["bwd_dkdv_ws"],
         (prob.Sk // (2 * w), prob.B * prob.Hkv),
         (
             rows_descriptor(q, q_rows, m),
@@ -241,7 +245,7 @@ def dq(
     n_m = prob.Sq // (2 * WG_ROWS)
     bias_desc, batch_rows, head_rows = bias_args(bias, 2 * WG_ROWS, cfg.block_n, prob.Sk)
     run.launch_one(
-        _attn_bwd_dq_ws,
+        KERNELS["bwd_dq_ws"],
         (n_m, prob.B * prob.Hq),
         (
             rows_descriptor(q, q_rows, WG_ROWS),
