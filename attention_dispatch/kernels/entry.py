@@ -24,7 +24,7 @@ from .params import KernelParams
 from .shapes import KernelShapes, as_dtype, check_inputs, last_dim_contiguous, store_dtype
 from .tl import launch as tl_launch
 
-GLUON, TL, FUSED = "gluon", "tl", "fused into dK/dV"
+GLUON, TL, FUSED = "gluon", "tl", "fused"  # FUSED: dQ computed inside the Gluon dK/dV pass
 
 
 class ForwardRoute(NamedTuple):
