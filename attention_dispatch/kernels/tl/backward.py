@@ -263,7 +263,7 @@ def _attn_bwd_dkdv(
             delta = tl.load(Delta + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
 
             # both products first: Triton 3.6 waits for each one where it is issued, so this
-            # order and the other one compile to the same schedule (neutral: perf-notes exp. 25, 27)
+            # order and the other one compile to the same schedule (neutral, E25, E27)
             sT = _dot(k, tl.trans(q), DOT_UPCAST, DOT_IEEE)
             dpT = _dot(v, tl.trans(do), DOT_UPCAST, DOT_IEEE)
             sT = _apply_bias(

@@ -154,8 +154,8 @@ def _fwd_range(
     """The online softmax over key blocks [n_lo, n_hi) (one software-pipelined loop).  With
     SUBTILES=2 the program's query rows are two halves (``q`` at row m0, ``q_b`` right after)
     sharing each K/V block: both q k^T products are issued before either softmax, so the
-    tensor cores work on the second while the first is exponentiated (docs/experiments/perf-notes.md,
-    experiment 22); with SUBTILES=1 the ``_b`` arguments are unused placeholders."""
+    tensor cores work on the second while the first is exponentiated (E22); with SUBTILES=1 the
+    ``_b`` arguments are unused placeholders."""
     HALF: tl.constexpr = offs_m.shape[0]
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + offs_n0
@@ -313,12 +313,12 @@ def _attn_fwd(
     needs and provides the scratch allocator).  MAY_EMPTY: some row may see only masked keys
     in its first key block.  The band-masked edge key blocks run in their own loops and the
     middle loop runs unmasked: one loop with a per-block branch around two copies of the step
-    pipelines badly (docs/experiments/perf-notes.md, experiment 4).  SUBTILES=2: the BLOCK_M rows are
-    processed as two halves that share every K/V block (:func:`_fwd_range`).  KV_HOST: K/V
+    pipelines badly (E4).  SUBTILES=2: the BLOCK_M rows are processed as two halves that share
+    every K/V block (:func:`_fwd_range`).  KV_HOST: K/V
     through the TMA descriptors KD/VD that the launcher built (Sk a multiple of BLOCK_N, so
     no tile reaches into the next head or sequence): 1 over the (B * Hkv * Sk, D) rows of
     (B, Hkv, Sk, D) memory, 2 over the (B * Sk, Hkv * D) rows of (B, Sk, Hkv, D) memory.  No
-    tensormap is written per program for them (docs/experiments/perf-notes.md, experiment 30)."""
+    tensormap is written per program for them (E30)."""
     # Last query tiles first: under a causal band they have the most keys, and starting
     # the longest programs first shortens the tail of the launch.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -376,7 +376,7 @@ def _attn_fwd(
         k_col0 = 0
         v_col0 = 0
     # Q (read once) and O (written once) through pointers: each in-kernel descriptor is a
-    # tensormap written and fenced per program (descriptors for them: -0-12%, experiment 29).
+    # tensormap written and fenced per program (pointers for them ran 0-13% faster, E29).
     # Beside a bias descriptor Q keeps one: Triton 3.6's ptxas (12.8) crashes (SIGSEGV) on
     # the pointer load of Q next to the in-kernel bias tensormap, for every tile shape.
     q = _load_q(Q, q_base, m0, offs_m, sq, sqs, offs_dq, HEAD_DQK, HALF, BLOCK_DQK, BIAS_DESC)

@@ -34,9 +34,8 @@ from .forward import _attn_fwd
 MAX_SPLITS = 16
 
 
-# Host-built descriptors cost ~20-30 us of host time per call on the H100 machine (Triton's
-# launcher encodes each tensormap): used only for calls whose kernel runs long enough to hide
-# that, at least this many query-key-dim products B * Hq * Sq * Sk * D (~40 us; experiment 30).
+# Host-built descriptors cost ~20-30 us of host time per call (Triton's launcher encodes each
+# tensormap): only for calls of at least this many products B * Hq * Sq * Sk * D (~40 us, E30).
 HOST_KV_MIN_WORK = 1 << 32
 
 
