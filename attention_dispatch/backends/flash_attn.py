@@ -9,7 +9,11 @@ architecture, in this order of preference:
 - flash-attn 2 (``flash_attn.flash_attn_func``): sm80+; the only one with dropout.
 
 A call goes to the first of those that is installed and supports it; the reasons a
-call is refused name the implementation ("flash-attn 4: ...").
+call is refused name the implementation ("flash-attn 4: ...").  One function makes that
+choice, ``FlashAttnBackend.select``: run(), prepare(), check() and route() all take it, and
+route() reports why each preferred generation was passed over (``ad.explain``'s route).
+sdpa()'s repeated calls of one flash-attn 4 signature relaunch the compiled call the first
+one recorded (``repeat_path``, :mod:`.fa4_relaunch`).
 
 Mapping of our call (DESIGN.md section 3):
 
@@ -42,9 +46,10 @@ from typing import Callable
 import torch
 
 from ..problem import Problem, compute_capability
+from ..route import Route, RouteStep
 from ..semantics import CausalKind, band
 from .base import Backend, Capabilities, not_supported_reasons
-from .fa4_relaunch import ForwardRelauncher, VarlenRelauncher
+from .fa4_relaunch import ForwardRelauncher, VarlenRelauncher, untested_release
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 INSTALL_HINT = "not installed: pip install flash-attn (or flash-attn-4 for flash_attn.cute)"
@@ -85,6 +90,10 @@ FA4_CAPS = dataclasses.replace(
     notes="flash-attn 4 (flash_attn.cute)",
 )
 FA4_HEAD_DIMS = (64, 96, 128)  # what flash_attn.cute 4.0 compiles and we verified; others rejected
+LABELS = {"fa2": "flash-attn 2", "fa3": "flash-attn 3", "fa4": "flash-attn 4"}
+# sdpa()'s repeated calls of one signature (prepare()): flash-attn 4's compiled call relaunched, or
+# the library's public function
+RELAUNCHED, PUBLIC = "relaunched", "public function"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +106,18 @@ class Implementation:
     func: Callable
     varlen_func: Callable | None
     caps: Capabilities
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """FlashAttnBackend.select's answer: the implementation a call runs (None: none can) and,
+    for each generation preferred to it that does not run it, (label, why) in preference order
+    (not installed, import failed, or its reasons for this call); ``refusals``: "label: reason"
+    for each reason of each installed generation that refused the call (check()'s reasons)."""
+
+    impl: Implementation | None
+    passed_over: tuple[tuple[str, str], ...] = ()
+    refusals: tuple[str, ...] = ()
 
 
 def _first_line(error: BaseException) -> str:
@@ -172,40 +193,56 @@ def _empty_call(query, key, value, packed: bool):
     return (query @ key.transpose(-1, -2)) @ value
 
 
+def _is_empty(query, key, varlen: bool) -> bool:
+    """A call with an empty dimension: run() returns exact zeros without a kernel."""
+    return query.numel() == 0 or key.shape[-3 if varlen else -2] == 0
+
+
+def _needs_grad(query, key, value) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+
+
 class FlashAttnBackend(Backend):
     """flash-attn 2/3/4; `versions` restricts which generations may be used (default all)."""
 
     name = "flash_attn"
 
     def __init__(self, versions: tuple[str, ...] = ("fa3", "fa4", "fa2")):
-        self.versions = tuple(versions)
-        self._loaded: tuple[list[Implementation], list[str], bool] | None = None
+        self.versions = tuple(versions)  # in order of preference
+        self._loaded: tuple[list[Implementation], list[str], bool, dict[str, str]] | None = None
 
     # -- importing ----------------------------------------------------------------
-    def _load(self) -> tuple[list[Implementation], list[str], bool]:
-        """(implementations, import errors, anything installed at all); cached per instance."""
+    def _load(self) -> tuple[list[Implementation], list[str], bool, dict[str, str]]:
+        """(implementations, import errors, anything installed at all, why each generation that
+        did not load did not: key -> "not installed" | "import failed: ..."); cached per instance."""
         if self._loaded is not None:
             return self._loaded
         impls: list[Implementation] = []
         errors: list[str] = []
+        absent: dict[str, str] = {}
         installed = False
         for key in self.versions:
             try:
                 impl = getattr(self, f"_import_{key}")()
             except ImportError as e:
                 if _missing(e, "flash_attn", "flash_attn_interface", "flash_attn.cute"):
+                    absent[key] = "not installed"
                     continue
                 installed = True
                 errors.append(f"{key}: {_first_line(e)}")
+                absent[key] = f"import failed: {_first_line(e)}"
                 continue
             except Exception as e:  # broken install: ABI mismatch, missing CUDA library, ...
                 installed = True
                 errors.append(f"{key}: {_first_line(e)}")
+                absent[key] = f"import failed: {_first_line(e)}"
                 continue
             if impl is not None:
                 installed = True
                 impls.append(impl)
-        self._loaded = (impls, errors, installed)
+            else:
+                absent[key] = "not installed (flash_attn has no flash_attn_func)"
+        self._loaded = (impls, errors, installed, absent)
         return self._loaded
 
     @staticmethod
@@ -256,7 +293,7 @@ class FlashAttnBackend(Backend):
         return not self.unavailable_reason()
 
     def unavailable_reason(self) -> str:
-        impls, errors, installed = self._load()
+        impls, errors, _, _ = self._load()
         if not impls:
             if errors:
                 return "import failed: " + "; ".join(errors)
@@ -304,15 +341,30 @@ class FlashAttnBackend(Backend):
     def impl_reasons(self, impl: Implementation, p: Problem) -> list[str]:
         return not_supported_reasons(impl.caps, p) + self._impl_checks(impl, p)
 
+    def select(self, p: Problem) -> Choice:
+        """The one choice of a flash-attn generation: the first of ``versions`` (fa3, fa4, fa2:
+        fastest first) that is installed and supports `p`, with why each one before it was
+        passed over.  run(), prepare(), check() and route() all take it."""
+        impls, _, _, absent = self._load()
+        loaded = {i.key: i for i in impls}
+        passed: list[tuple[str, str]] = []
+        refusals: list[str] = []
+        for key in self.versions:
+            impl = loaded.get(key)
+            if impl is None:
+                passed.append((LABELS.get(key, key), absent.get(key, "not installed")))
+                continue
+            reasons = self.impl_reasons(impl, p)
+            if not reasons:
+                return Choice(impl, tuple(passed), tuple(refusals))
+            passed.append((impl.label, "; ".join(reasons)))
+            refusals.extend(f"{impl.label}: {r}" for r in reasons)
+        return Choice(None, tuple(passed), tuple(refusals))
+
     def choose(self, p: Problem) -> tuple[Implementation | None, list[str]]:
-        """The implementation that runs `p`, or None and the reasons of every one."""
-        reasons = []
-        for impl in self.implementations():
-            r = self.impl_reasons(impl, p)
-            if not r:
-                return impl, []
-            reasons.extend(f"{impl.label}: {x}" for x in r)
-        return None, reasons
+        """The implementation that runs `p` (select()), or None and the reasons of every one."""
+        choice = self.select(p)
+        return choice.impl, ([] if choice.impl is not None else list(choice.refusals))
 
     def check(self, problem: Problem) -> list[str]:
         if not self.implementations():
@@ -349,7 +401,7 @@ class FlashAttnBackend(Backend):
         else:
             batch, hq, sq = query.shape[:3]
             hkv, sk = key.shape[1], key.shape[2]
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        grad = _needs_grad(query, key, value)
         return Problem(
             batch=batch,
             heads_q=hq,
@@ -387,49 +439,64 @@ class FlashAttnBackend(Backend):
             return is_causal, (None if left < 0 else left, None if right < 0 else right)
         return is_causal, (left, right)
 
-    def _resolve(
-        self,
-        query,
-        key,
-        value,
-        dropout_p=0.0,
-        causal=None,
-        window=None,
-        scale=None,
-        cu_seqlens_q=None,
-        cu_seqlens_k=None,
-        max_seqlen_q=None,
-        max_seqlen_k=None,
-        deterministic=False,
-        **_,
-    ) -> tuple[Implementation, dict]:
-        """(implementation, its keyword arguments) for a normalised call."""
-        p = self.problem_of(
-            query,
-            key,
-            value,
-            dropout_p=dropout_p,
-            causal=causal,
-            window=window,
-            cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k,
-            deterministic=deterministic,
-        )
-        # device and dtype were vetted by the dispatcher; the choice here is about features
-        # (dropout, window, varlen, head dims, arch), which keeps run() usable on fakes.
-        p = dataclasses.replace(p, device_type="cuda", dtype=p.dtype if p.dtype in _HALF else torch.float16)
-        impl, reasons = self.choose(p)
+    def run_problem(self, query, key, value, **options) -> Problem:
+        """The Problem run() chooses a generation for (options as for run()).  Device and dtype
+        were vetted by the dispatcher; the choice here is about features (dropout, window,
+        varlen, head dims, arch), which keeps run() usable on fakes."""
+        p = self.problem_of(query, key, value, **options)
+        return dataclasses.replace(p, device_type="cuda", dtype=p.dtype if p.dtype in _HALF else torch.float16)
+
+    def _resolve(self, query, key, value, **options) -> tuple[Implementation, dict]:
+        """(implementation select() chose, its keyword arguments) for a normalised call."""
+        choice = self.select(self.run_problem(query, key, value, **options))
+        impl = choice.impl
         if impl is None:
-            raise RuntimeError("flash_attn cannot run this call: " + "; ".join(reasons))
+            raise RuntimeError("flash_attn cannot run this call: " + "; ".join(choice.refusals))
+        causal, window = options.get("causal"), options.get("window")
+        deterministic = bool(options.get("deterministic", False))
         is_causal, window_size = self.window_args(impl, causal, window)
-        kwargs = dict(softmax_scale=scale, causal=is_causal, window_size=window_size, deterministic=bool(deterministic))
+        kwargs = dict(
+            softmax_scale=options.get("scale"), causal=is_causal, window_size=window_size, deterministic=deterministic
+        )
         if impl.key == "fa2":
-            kwargs["dropout_p"] = float(dropout_p)
-        if cu_seqlens_q is not None:
-            kwargs.update(max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
+            kwargs["dropout_p"] = float(options.get("dropout_p", 0.0))
+        if options.get("cu_seqlens_q") is not None:
+            kwargs.update(max_seqlen_q=int(options["max_seqlen_q"]), max_seqlen_k=int(options["max_seqlen_k"]))
         return impl, kwargs
+
+    @staticmethod
+    def repeat_path(impl: Implementation, varlen: bool, grad: bool) -> tuple[str, tuple[tuple[str, str], ...]]:
+        """How sdpa()'s repeated calls of one signature reach `impl` (prepare() takes it):
+        flash-attn 4's compiled forward RELAUNCHED as the signature's first call recorded it
+        (its Python costs ~10x its kernel launch, E59), else the PUBLIC function, with why."""
+        if impl.key != "fa4":
+            return PUBLIC, ()
+        why = untested_release(impl.version)
+        if why is None and varlen and grad:
+            why = "varlen with autograd: only flash-attn 4's varlen inference forward is relaunched"
+        return (PUBLIC, ((RELAUNCHED, why),)) if why else (RELAUNCHED, ())
+
+    def route(self, query, key, value, options: dict) -> Route | None:
+        """select()'s generation as run() takes it ("kernel": forward and backward are the same
+        generation's), with why each faster one was passed over; for flash-attn 4 also how
+        sdpa()'s repeated calls reach it (repeat_path)."""
+        if options.get("attn_mask") is not None:
+            return None  # rejected by check(); run() raises
+        varlen = options.get("cu_seqlens_q") is not None
+        choice = self.select(self.run_problem(query, key, value, **options))
+        if choice.impl is None:
+            return Route((RouteStep("kernel", "none", choice.passed_over),), note="run() raises: no generation runs it")
+        if _is_empty(query, key, varlen):
+            passed = ((choice.impl.label, "an empty dimension: exact zeros, no kernel"),)
+            return Route((RouteStep("output", "zeros", passed),))
+        steps = [RouteStep("kernel", choice.impl.label, choice.passed_over)]
+        note = ""
+        if choice.impl.key == "fa4":
+            path, passed = self.repeat_path(choice.impl, varlen, _needs_grad(query, key, value))
+            steps.append(RouteStep("repeat calls", path, passed))
+            if path == RELAUNCHED:
+                note = "relaunched as the first call records it; a record that does not fit keeps the public function"
+        return Route(tuple(steps), note)
 
     @staticmethod
     def _dense(func, kwargs: dict, query, key, value):
@@ -470,7 +537,7 @@ class FlashAttnBackend(Backend):
             max_seqlen_k=max_seqlen_k,
             **options,
         )
-        if query.numel() == 0 or key.shape[-3 if cu_seqlens_q is not None else -2] == 0:
+        if _is_empty(query, key, cu_seqlens_q is not None):
             return _empty_call(query, key, value, cu_seqlens_q is not None)
         if cu_seqlens_q is not None:
             return self._varlen(
@@ -484,16 +551,16 @@ class FlashAttnBackend(Backend):
         forward is relaunched from its recorded compiled call (:mod:`.fa4_relaunch`; with
         autograd, flash-attn 4's own backward follows), and so is its varlen inference forward."""
         varlen = options["cu_seqlens_q"] is not None
-        if options["attn_mask"] is not None or query.numel() == 0 or key.shape[-3 if varlen else -2] == 0:
+        if options["attn_mask"] is not None or _is_empty(query, key, varlen):
             return super().prepare(query, key, value, options)
         impl, kwargs = self._resolve(query, key, value, **options)
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        grad = _needs_grad(query, key, value)
+        relaunched = self.repeat_path(impl, varlen, grad)[0] == RELAUNCHED
         if not varlen:
-            if impl.key == "fa4":  # its Python costs ~10x its kernel launch: relaunched
+            if relaunched:
                 return ForwardRelauncher(impl.func, kwargs, training=grad)
             return functools.partial(self._dense, impl.func, kwargs)
-        if impl.key == "fa4" and not grad:
-            # inference: relaunched as the dense forward
+        if relaunched:  # inference: relaunched as the dense forward
             return VarlenRelauncher(impl.varlen_func, kwargs, (options["cu_seqlens_q"], options["cu_seqlens_k"]))
         # each call's offsets override these keywords (partial lets call keywords win)
         return functools.partial(
@@ -505,4 +572,4 @@ class FlashAttnBackend(Backend):
         )
 
 
-__all__ = ["FlashAttnBackend", "Implementation", "FA2_CAPS", "FA3_CAPS", "FA4_CAPS", "INSTALL_HINT"]
+__all__ = ["FlashAttnBackend", "Implementation", "Choice", "FA2_CAPS", "FA3_CAPS", "FA4_CAPS", "INSTALL_HINT"]

@@ -39,6 +39,11 @@ How our call maps onto ``F.scaled_dot_product_attention``:
 - varlen (cu_seqlens): ``torch.nested.nested_tensor_from_jagged`` on the packed tensors;
   GQA is expanded to full heads first (nested inputs broadcast heads only without grad);
   sequences of length 0 are left out of the kernel call (their rows are 0).
+
+Which of those forms a call takes is chosen by one function, ``call_form`` (run() branches on
+it); whether sdpa()'s repeated calls call the pinned kernel's ATen op directly, by
+``direct_reasons`` (prepare() takes it).  ``route()`` reports both with why a faster form or
+the ATen op was passed over (``ad.explain``'s route).
 """
 
 from __future__ import annotations
@@ -49,10 +54,32 @@ import torch
 import torch.nn.functional as F
 
 from ..problem import Problem
+from ..route import Route, RouteStep
 from ..semantics import CausalKind
 from .base import Backend, Capabilities
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
+
+# How a call reaches F.scaled_dot_product_attention (call_form; the names are route()'s)
+EMPTY = "zeros"  # an empty dimension: exact zeros, no kernel
+PLAIN = "F.sdpa"
+IS_CAUSAL = "F.sdpa(is_causal)"
+TAIL = "F.sdpa(is_causal) on the last Sk rows"  # bottom-right, Sq > Sk: the first Sq - Sk rows have no key
+LOWER_RIGHT = "F.sdpa(causal_lower_right)"
+BAND_MASK = "F.sdpa(bool mask of the causal band)"
+MASK = "F.sdpa(attn_mask)"
+MASK_BAND = "F.sdpa(attn_mask with the causal band folded in)"
+NESTED = "F.sdpa(nested jagged)"
+# why a form keeps sdpa()'s repeated calls off the ATen op (direct_reasons)
+_NOT_DIRECT = {
+    EMPTY: "an empty dimension",
+    TAIL: "causal=bottom_right with Sq != Sk",
+    LOWER_RIGHT: "causal=bottom_right with Sq != Sk",
+    BAND_MASK: "causal=bottom_right with Sq != Sk",
+    MASK: "an attn_mask",
+    MASK_BAND: "an attn_mask",
+    NESTED: "varlen (nested) inputs",
+}
 
 
 def _deterministic_flag() -> tuple[bool, bool]:
@@ -124,6 +151,7 @@ class _TorchSdpaBackend(Backend):
     fix_empty_rows = False  # neutralise rows without allowed keys (see module doc)
     varlen_causal: CausalKind | None = None  # causal alignment of the nested path
     determinism_from_global_flag = False  # backward deterministic only under use_deterministic_algorithms
+    direct_op: str = ""  # torch.<op> that F.sdpa calls under the pin for plain dense calls (prepare())
 
     # -- availability -------------------------------------------------------------
     def is_available(self) -> bool:
@@ -184,41 +212,104 @@ class _TorchSdpaBackend(Backend):
     def _context(self):
         return _Pinned(self.sdp_backend)
 
-    def _direct_call(self, is_causal: bool, scale, grad: bool):
-        """A runner ``(query, key, value) -> out`` calling the ATen op that F.sdpa picks under
-        the pin for a plain dense call, or None (then prepare() keeps run())."""
-        return None
+    def call_form(self, query, key, *, has_mask: bool, causal: CausalKind | None, varlen: bool):
+        """(form, passed_over): how run() hands this call to F.sdpa (one of the module's form
+        names) and, for each faster form not taken, (form, why).  run() branches on it."""
+        hq, hkv = query.shape[1], key.shape[1]  # (B, H, S, D) and packed (total, H, D) alike
+
+        def expanded(why: str) -> tuple[tuple[str, str], ...]:  # GQA: K/V repeated to Hq heads
+            return (("F.sdpa(enable_gqa)", f"{why}: K/V expanded to Hq={hq} heads"),) if hkv != hq else ()
+
+        if varlen:
+            if query.shape[0] == 0 or key.shape[0] == 0 or hq == 0:
+                return EMPTY, (("F.sdpa", "an empty dimension: nothing to compute"),)
+            return NESTED, expanded("nested inputs broadcast heads only without grad")
+        b, _, sq, _ = query.shape
+        sk = key.shape[2]
+        if 0 in (b, hq, sq, sk):
+            return EMPTY, (("F.sdpa", "an empty dimension: nothing to compute"),)
+        if causal is CausalKind.BOTTOM_RIGHT and sq == sk:
+            causal = CausalKind.TOP_LEFT  # the same function
+        if has_mask:
+            if causal is None:
+                return MASK, ()
+            return MASK_BAND, ((IS_CAUSAL, "PyTorch refuses is_causal together with an attn_mask"),)
+        if causal is None:
+            return PLAIN, ()
+        if causal is CausalKind.TOP_LEFT:
+            return IS_CAUSAL, ()
+        if sq > sk:
+            return TAIL, ()
+        top_left = (IS_CAUSAL, f"causal=bottom_right with Sq={sq} < Sk={sk} (is_causal aligns top-left)")
+        if self.native_lower_right:
+            return LOWER_RIGHT, (top_left, *expanded("the lower-right path calls the kernels without enable_gqa"))
+        native = (LOWER_RIGHT, "native only in CUDA flash/efficient attention; elsewhere PyTorch builds this mask")
+        return BAND_MASK, (top_left, native)
+
+    def _form(self, query, key, options: dict) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return self.call_form(
+            query,
+            key,
+            has_mask=options.get("attn_mask") is not None,
+            causal=options.get("causal"),
+            varlen=options.get("cu_seqlens_q") is not None,
+        )
+
+    def direct_reasons(self, query, key, value, options: dict) -> list[str]:
+        """Why sdpa()'s repeated calls of this signature cannot call ``torch.<direct_op>``
+        (what F.sdpa calls under the pin for a plain dense call) themselves; empty: they do
+        (prepare()).  Only for a backend with a ``direct_op``."""
+        if getattr(torch, self.direct_op, None) is None:
+            return [f"this PyTorch ({torch.__version__}) has no torch.{self.direct_op}"]
+        reasons = []
+        form, _ = self._form(query, key, options)
+        if form in _NOT_DIRECT:
+            reasons.append(_NOT_DIRECT[form])
+        if options.get("dropout_p"):
+            reasons.append("dropout")
+        if options.get("window") is not None:
+            reasons.append("a window")
+        if form not in (EMPTY, NESTED) and key.shape[1] != query.shape[1]:
+            reasons.append(f"GQA (Hq={query.shape[1]} != Hkv={key.shape[1]})")
+        if form != EMPTY and 0 in (query.shape[-1], key.shape[-1]):
+            reasons.append("head_dim=0")
+        if not all(t.stride(-1) == 1 for t in (query, key, value)):
+            reasons.append("a last dimension that is not contiguous")
+        return reasons
+
+    def _direct_call(self, op, is_causal: bool, scale, grad: bool):
+        """A runner ``(query, key, value) -> out`` calling ``op`` (``torch.<direct_op>``)."""
+        raise NotImplementedError
 
     def prepare(self, query, key, value, options: dict):
         """Plain dense calls (no mask or dropout, Hq == Hkv, causal top-left or none, unit last
-        strides) call the ATen op that F.scaled_dot_product_attention picks for them under the
-        pin (it ran this signature's first call, and passes such tensors to the op unchanged),
-        without its backend selection and the pin's flag toggling: cuDNN on the H100's host
-        15-40 us less per call, where its forward at S=512 runs 0.1 ms; the CPU flash kernel
-        4.4 us less on a tiny call (docs/experiments/perf-notes.md experiment 59).  Anything else, or a
-        backend without such an op (torch_flash, torch_efficient: F.sdpa pads or converts
-        there): run()."""
-        o = options
-        causal = o["causal"]
-        if causal is CausalKind.BOTTOM_RIGHT and query.dim() == 4 and query.shape[-2] == key.shape[-2]:
-            causal = CausalKind.TOP_LEFT  # the same function
-        if (
-            o["attn_mask"] is None
-            and not o["dropout_p"]
-            and o["window"] is None
-            and o["cu_seqlens_q"] is None
-            and causal in (None, CausalKind.TOP_LEFT)
-            and query.dim() == 4
-            and key.shape[1] == query.shape[1]
-            and 0 not in query.shape
-            and 0 not in key.shape
-            and all(t.stride(-1) == 1 for t in (query, key, value))
-        ):
+        strides: direct_reasons() empty) call the ATen op that F.scaled_dot_product_attention
+        picks for them under the pin (it ran this signature's first call, and passes such
+        tensors to the op unchanged), without its backend selection and the pin's flag
+        toggling: cuDNN on the H100's host 15-40 us less per call, where its forward at S=512
+        runs 0.1 ms; the CPU flash kernel 4.4 us less on a tiny call
+        (docs/experiments/perf-notes.md experiment 59).  Anything else, or a backend without
+        such an op (torch_flash, torch_efficient: F.sdpa pads or converts there): run()."""
+        if self.direct_op and not self.direct_reasons(query, key, value, options):
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-            direct = self._direct_call(causal is not None, o["scale"], grad)
-            if direct is not None:
-                return direct
+            is_causal = self._form(query, key, options)[0] == IS_CAUSAL
+            return self._direct_call(getattr(torch, self.direct_op), is_causal, options["scale"], grad)
         return super().prepare(query, key, value, options)
+
+    def route(self, query, key, value, options: dict) -> Route | None:
+        """call_form's form ("call": every call run() makes), and for a backend with an ATen op how sdpa()'s
+        repeated calls run ("repeat calls": the op, or F.sdpa with direct_reasons)."""
+        form, passed = self._form(query, key, options)
+        steps = [RouteStep("output" if form == EMPTY else "call", form, passed)]
+        if self.direct_op:
+            op = f"torch.{self.direct_op}"
+            reasons = self.direct_reasons(query, key, value, options)
+            steps.append(
+                RouteStep("repeat calls", "F.sdpa", ((op, "; ".join(reasons)),))
+                if reasons
+                else RouteStep("repeat calls", op)
+            )
+        return Route(tuple(steps))
 
     def run(
         self,
@@ -241,11 +332,15 @@ class _TorchSdpaBackend(Backend):
     ):
         if window is not None:
             raise ValueError(f"{self.name}: window={window} is not supported (rejected by check())")
-        if cu_seqlens_q is not None:
+        varlen = cu_seqlens_q is not None
+        form, _ = self.call_form(query, key, has_mask=attn_mask is not None, causal=causal, varlen=varlen)
+        if form == EMPTY:
+            return _empty_like_call(query, key, value)
+        if form == NESTED:
             return self._run_varlen(
                 query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal, scale
             )
-        return self._run_dense(query, key, value, attn_mask, dropout_p, causal, scale)
+        return self._run_dense(query, key, value, attn_mask, dropout_p, causal, scale, form)
 
     @staticmethod
     def _last_dim_contiguous(t):
@@ -257,37 +352,31 @@ class _TorchSdpaBackend(Backend):
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
             )
 
-    def _run_dense(self, query, key, value, mask, dropout_p, causal, scale):
+    def _run_dense(self, query, key, value, mask, dropout_p, causal, scale, form):
+        """A non-empty dense call in call_form's `form`."""
         b, hq, sq, _ = query.shape
         hkv, sk = key.shape[1], key.shape[2]
-        if 0 in (b, hq, sq, sk):
-            return _empty_like_call(query, key, value)
         gqa = hkv != hq
         query, key, value = (self._last_dim_contiguous(t) for t in (query, key, value))
-        if causal is CausalKind.BOTTOM_RIGHT and sq == sk:
-            causal = CausalKind.TOP_LEFT  # the same function
-        if mask is None:
-            if causal is None:
-                return self._sdpa(query, key, value, None, dropout_p, False, scale, gqa)
-            if causal is CausalKind.TOP_LEFT:
-                return self._sdpa(query, key, value, None, dropout_p, True, scale, gqa)
-            if sq > sk:
-                # rows i < Sq - Sk have no allowed key; the last Sk rows form a square causal problem
-                tail = self._sdpa(query[:, :, sq - sk :], key, value, None, dropout_p, True, scale, gqa)
-                head = tail.new_zeros(b, hq, sq - sk, tail.shape[-1])
-                return torch.cat([head, tail], dim=2)
-            if self.native_lower_right:
-                from torch.nn.attention.bias import causal_lower_right
+        if form in (PLAIN, IS_CAUSAL):
+            return self._sdpa(query, key, value, None, dropout_p, form == IS_CAUSAL, scale, gqa)
+        if form == TAIL:
+            # rows i < Sq - Sk have no allowed key; the last Sk rows form a square causal problem
+            tail = self._sdpa(query[:, :, sq - sk :], key, value, None, dropout_p, True, scale, gqa)
+            head = tail.new_zeros(b, hq, sq - sk, tail.shape[-1])
+            return torch.cat([head, tail], dim=2)
+        if form == LOWER_RIGHT:
+            from torch.nn.attention.bias import causal_lower_right
 
-                if gqa:  # the lower-right path calls the kernels directly, without enable_gqa
-                    group = hq // hkv
-                    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-                return self._sdpa(query, key, value, causal_lower_right(sq, sk), dropout_p, False, scale, False)
+            if gqa:  # the lower-right path calls the kernels directly, without enable_gqa
+                group = hq // hkv
+                key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+            return self._sdpa(query, key, value, causal_lower_right(sq, sk), dropout_p, False, scale, False)
+        if form == BAND_MASK:
             mask = _band_mask(sq, sk, causal, query.device).view(1, 1, sq, sk)
-        else:
+        elif form == MASK_BAND:
             band = _band_mask(sq, sk, causal, query.device)
-            if band is not None:
-                mask = mask & band if mask.dtype == torch.bool else mask.masked_fill(~band, -math.inf)
+            mask = mask & band if mask.dtype == torch.bool else mask.masked_fill(~band, -math.inf)
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
         row_ok = None
@@ -303,9 +392,8 @@ class _TorchSdpaBackend(Backend):
         return out
 
     def _run_varlen(self, query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale):
+        """A non-empty varlen call (call_form NESTED)."""
         hq, hkv = query.shape[1], key.shape[1]
-        if query.shape[0] == 0 or key.shape[0] == 0 or hq == 0:
-            return _empty_like_call(query, key, value)
         if hkv != hq:
             group = hq // hkv
             key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
@@ -362,6 +450,7 @@ class CudnnBackend(_TorchSdpaBackend):
     name = "cudnn"
     sdp_backend = "CUDNN_ATTENTION"
     fix_empty_rows = True
+    direct_op = "_scaled_dot_product_cudnn_attention"
     capabilities = Capabilities(
         devices=frozenset({"cuda"}),
         min_compute_capability=(8, 0),
@@ -399,11 +488,7 @@ class CudnnBackend(_TorchSdpaBackend):
         except Exception:  # pragma: no cover - a broken cuDNN install
             return 0
 
-    def _direct_call(self, is_causal: bool, scale, grad: bool):
-        op = getattr(torch, "_scaled_dot_product_cudnn_attention", None)
-        if op is None:
-            return None
-
+    def _direct_call(self, op, is_causal: bool, scale, grad: bool):
         def runner(query, key, value):
             # the log-sum-exp is what its backward reads: computed when the signature needs grad
             return op(query, key, value, None, grad, 0.0, is_causal, False, scale=scale)[0]
@@ -549,6 +634,7 @@ class TorchCpuBackend(_TorchSdpaBackend):
     name = "torch_cpu"
     sdp_backend = "FLASH_ATTENTION"
     device_type = "cpu"
+    direct_op = "_scaled_dot_product_flash_attention_for_cpu"
     capabilities = Capabilities(
         devices=frozenset({"cpu"}),
         different_head_dims=False,
@@ -560,11 +646,7 @@ class TorchCpuBackend(_TorchSdpaBackend):
         notes="bottom-right causal as a folded bool mask",
     )
 
-    def _direct_call(self, is_causal: bool, scale, grad: bool):
-        op = getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None)
-        if op is None:
-            return None
-
+    def _direct_call(self, op, is_causal: bool, scale, grad: bool):
         def runner(query, key, value):
             return op(query, key, value, 0.0, is_causal, scale=scale)[0]
 
