@@ -1,0 +1,172 @@
+"""Decode against a KV cache (flash-decoding): a few new query rows per sequence over a long
+cache, dense (B, Hkv, S, D) or paged (num_blocks, block_size, Hkv, D) with a block table.
+
+One program per (key split, batch x kv head, row block): the query heads that share the kv
+head are packed into the rows of one tile (row r is head ``r // Sq`` of the group, query
+``r % Sq``), so each K/V byte is read once per kv head.  Sequence b attends to its first
+``L_b = cache_seqlens[b] + n_new`` keys; key j is allowed for query i when
+``i + L_b - Sq - wl <= j <= i + L_b - Sq + wr`` (HAS_WL / HAS_WR; causal is wr = 0).  With
+several splits each program writes its normalised partial output and logsumexp (log2 domain)
+and :func:`_decode_combine` merges them; a program past ``L_b`` writes an empty partial.
+Scores live in the log2 domain as in the other kernels (conventions: common.py).
+"""
+
+import triton
+import triton.language as tl
+
+from .common import _dot
+
+
+@triton.jit
+def _decode_split(
+    Q,
+    K,
+    V,
+    CacheSeqlens,
+    BlockTable,
+    Out,
+    OPart,
+    LPart,
+    qk_scale,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sbt,
+    sob,
+    soh,
+    sos,
+    Hq,
+    Hkv,
+    Sq,
+    keys_per_split,
+    n_new,
+    capacity,
+    window_left,
+    window_right,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
+    HAS_WL: tl.constexpr,
+    HAS_WR: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+):
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    hkv = bh % Hkv
+    b64 = b.to(tl.int64)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP * Sq
+    head = hkv * GROUP + rows // Sq
+    qi = rows % Sq
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_D
+
+    # never past the cache (a length past it is an input error, checked where that is free)
+    seqlen = tl.minimum(tl.load(CacheSeqlens + b).to(tl.int32) + n_new, capacity)
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, seqlen)
+    # the keys any row of this tile may see (queries sit at the end of the sequence)
+    diag = qi + seqlen - Sq
+    if HAS_WR:
+        hi_key = tl.max(tl.where(row_ok, diag + window_right, -1), 0) + 1
+        end = tl.minimum(end, hi_key)
+    if HAS_WL:
+        lo_key = tl.min(tl.where(row_ok, diag - window_left, seqlen), 0)
+        start = tl.maximum(start, lo_key)
+
+    q_ptrs = Q + b64 * sqb + head.to(tl.int64)[:, None] * sqh + qi.to(tl.int64)[:, None] * sqs + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < end
+        if PAGED:
+            blk = tl.load(BlockTable + b64 * sbt + offs_n // PAGE, mask=key_ok, other=0).to(tl.int64)
+            k_rows = blk * skb + (offs_n % PAGE).to(tl.int64) * sks
+            v_rows = blk * svb + (offs_n % PAGE).to(tl.int64) * svs
+        else:
+            k_rows = b64 * skb + offs_n.to(tl.int64) * sks
+            v_rows = b64 * svb + offs_n.to(tl.int64) * svs
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + hkv.to(tl.int64) * skh + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
+        allowed = key_ok[None, :] & row_ok[:, None]
+        if HAS_WR:
+            allowed = allowed & (offs_n[None, :] <= diag[:, None] + window_right)
+        if HAS_WL:
+            allowed = allowed & (offs_n[None, :] >= diag[:, None] - window_left)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + hkv.to(tl.int64) * svh + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_UPCAST, DOT_IEEE)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if SPLIT:
+        # partials laid out (split, B, Hq, Sq, D) and (split, B, Hq, Sq), contiguous
+        batch = tl.num_programs(1) // Hkv
+        part = ((split * batch + b).to(tl.int64) * Hq + head) * Sq + qi
+        tl.store(OPart + part[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
+        tl.store(LPart + part, tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))), mask=row_ok)
+    else:
+        o_ptrs = Out + b64 * sob + head.to(tl.int64)[:, None] * soh + qi.to(tl.int64)[:, None] * sos + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_combine(
+    OPart,
+    LPart,
+    Out,
+    rows_total,
+    Hq,
+    Sq,
+    sob,
+    soh,
+    sos,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Out[row] = sum_s w_s * OPart[s, row] / sum_s w_s with w_s = 2^(LPart[s, row] - max);
+    a row no split saw (every LPart -inf) is 0.  One program per (B, Hq, Sq) row."""
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, SPLITS_P2)
+    split_ok = splits < NUM_SPLITS
+    lse = tl.load(LPart + splits.to(tl.int64) * rows_total + row, mask=split_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_use)
+    total = tl.sum(w, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = tl.load(
+        OPart + (splits.to(tl.int64) * rows_total + row)[:, None] * BLOCK_D + offs_d[None, :],
+        mask=split_ok[:, None],
+        other=0.0,
+    )
+    out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    b = row // (Hq * Sq)
+    h = (row // Sq) % Hq
+    i = row % Sq
+    tl.store(Out + b * sob + h * soh + i * sos + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_D)
