@@ -1,0 +1,145 @@
+"""Decode against a KV cache on the GPU: our decode kernel against F.sdpa and flash-attn 4.
+
+    python benchmarks/decode.py [--rows TEXT,...] [--json out.json] [--commit SHA]
+
+For each row (bf16, d128 unless named): the K/V bytes each call must read (sum over sequences
+of L_b x Hkv x D x 2 tensors x 2 bytes) divided by its time, in TB/s, for our kernel
+(kernels.decode.decode_forward, dense or paged), F.sdpa on the dense cache sliced to the
+common length (PyTorch picks its kernel; GQA through enable_gqa), and flash-attn 4 where
+installed; plus a copy of the same bytes (the bandwidth ceiling).  Median of CUDA-event timed
+loops after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from attention_dispatch.kernels import KernelParams  # noqa: E402
+from attention_dispatch.kernels.decode import decode_forward  # noqa: E402
+
+# (label, B, Hq, Hkv, Sq, S_cache, page (0: dense), lengths ("full" or "uniform"), causal)
+ROWS = [
+    ("gqa B=64 Sk=4k", 64, 32, 8, 1, 4096, 0, "full", False),
+    ("gqa B=8 Sk=32k", 8, 32, 8, 1, 32768, 0, "full", False),
+    ("mha B=64 Sk=4k", 64, 32, 32, 1, 4096, 0, "full", False),
+    ("mha B=8 Sk=32k", 8, 32, 32, 1, 32768, 0, "full", False),
+    ("gqa B=64 Sk=4k paged16", 64, 32, 8, 1, 4096, 16, "full", False),
+    ("gqa B=64 Sk=4k paged256", 64, 32, 8, 1, 4096, 256, "full", False),
+    ("gqa B=64 uniform 1..32k", 64, 32, 8, 1, 32768, 0, "uniform", False),
+    ("gqa B=4 Sq=512 8k causal", 4, 32, 8, 512, 8192 + 512, 0, "prefill", True),
+]
+
+
+def timed(fn, reps: int = 20, rounds: int = 7) -> float:
+    """Median ms per call over ``rounds`` loops of ``reps`` calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def fa4():
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        return flash_attn_func
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+
+
+def run_row(row) -> dict:
+    label, B, Hq, Hkv, Sq, S, page, lengths, causal = row
+    D, dt, dev = 128, torch.bfloat16, "cuda"
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    if lengths == "uniform":
+        lens = torch.randint(1, S + 1, (B,), generator=gen)
+    elif lengths == "prefill":
+        lens = torch.full((B,), S - Sq)
+    else:
+        lens = torch.full((B,), S - (Sq if Sq > 1 else 0))
+    n_new = Sq if lengths == "prefill" else 0
+    cache_seqlens = lens.int().to(dev)
+    q = torch.randn(B, Hq, Sq, D, device=dev, dtype=dt)
+    params = KernelParams(scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True)
+    k = torch.randn(B, Hkv, S, D, device=dev, dtype=dt)
+    v = torch.randn(B, Hkv, S, D, device=dev, dtype=dt)
+    keys = int(lens.sum()) + B * n_new
+    nbytes = keys * Hkv * D * 2 * 2
+    res = {"row": label, "bytes": nbytes}
+    if page:
+        blocks = B * (S // page)
+        perm = torch.randperm(blocks, generator=gen)
+        table = perm.reshape(B, S // page).int().to(dev)
+        kp = torch.empty(blocks, page, Hkv, D, device=dev, dtype=dt)
+        vp = torch.empty_like(kp)
+        # the same keys, scattered over the pages
+        kp[perm.to(dev)] = k.transpose(1, 2).reshape(blocks, page, Hkv, D)
+        vp[perm.to(dev)] = v.transpose(1, 2).reshape(blocks, page, Hkv, D)
+        ours = lambda: decode_forward(q, kp, vp, cache_seqlens, params, block_table=table, n_new=n_new)  # noqa: E731
+    else:
+        ours = lambda: decode_forward(q, k, v, cache_seqlens, params, n_new=n_new)  # noqa: E731
+    res["ours_ms"] = timed(ours)
+    if lengths != "uniform":
+        L = int(lens[0]) + n_new
+        ks, vs = k[:, :, :L], v[:, :, :L]
+        ref = lambda: F.scaled_dot_product_attention(q, ks, vs, enable_gqa=Hq != Hkv)  # noqa: E731
+        if causal:
+            mask = torch.ones(Sq, L, device=dev, dtype=torch.bool).tril(L - Sq)
+            ref = lambda: F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, enable_gqa=Hq != Hkv)  # noqa: E731
+        res["sdpa_ms"] = timed(ref)
+        out_ref = ref()
+        err = (ours().float() - out_ref.float()).abs().max().item()
+        res["max_err_vs_sdpa"] = err
+        flash = fa4()
+        if flash is not None and not page:
+            qt, kt, vt = q.transpose(1, 2), ks.transpose(1, 2).contiguous(), vs.transpose(1, 2).contiguous()
+            res["fa4_ms"] = timed(lambda: flash(qt, kt, vt, causal=causal))
+    src = torch.empty(nbytes // 2, device=dev, dtype=dt)
+    dst = torch.empty_like(src)
+    res["copy_ms"] = timed(lambda: dst.copy_(src)) / 2  # a copy reads and writes: half is the read time
+    for name in ("ours", "sdpa", "fa4", "copy"):
+        if f"{name}_ms" in res:
+            res[f"{name}_tbs"] = nbytes / res[f"{name}_ms"] / 1e9
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="", help="comma-separated substrings of the row labels to run")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--commit", default="unknown")
+    a = p.parse_args(argv)
+    results = []
+    for row in ROWS:
+        if a.rows and not any(part in row[0] for part in a.rows.split(",")):
+            continue
+        r = run_row(row)
+        results.append(r)
+        cells = "  ".join(f"{n} {r[f'{n}_tbs']:.2f}" for n in ("ours", "sdpa", "fa4", "copy") if f"{n}_tbs" in r)
+        print(f"{r['row']:<28} TB/s: {cells}  err {r.get('max_err_vs_sdpa', float('nan')):.1e}", flush=True)
+    if a.json:
+        a.json.write_text(json.dumps({"commit": a.commit, "device": torch.cuda.get_device_name(), "rows": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
