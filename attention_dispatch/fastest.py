@@ -10,12 +10,9 @@ random stream and autograd graph are untouched.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import math
 import os
-import random
-import statistics
 import threading
 import time
 from pathlib import Path
@@ -27,6 +24,7 @@ from . import registry
 from .caches import register_cache
 from .dispatch import Decision, logger
 from .problem import Problem
+from .timing import calls_per_sample, collector_off, lower_quartile, turn_order
 
 
 class Measured(NamedTuple):
@@ -157,17 +155,6 @@ def _runner(name: str, call):
     return once
 
 
-def turn_order(n: int, rnd: int, salt: str = "") -> list[int]:
-    """The order of ``n`` interleaved turns in round ``rnd``: the first round as listed, later
-    ones shuffled (seeded by ``salt`` and the round), so that no turn keeps its predecessor,
-    whose clock state it inherits (docs/experiments/perf-notes.md experiments 32 and 55).  benchmarks/bench.py
-    orders a row's turns with it too."""
-    order = list(range(n))
-    if rnd:
-        random.Random(f"{salt}-{rnd}").shuffle(order)
-    return order
-
-
 def _time_backends(
     names, call, sync, failures: dict | None = None, samples_out: dict | None = None, host_out: dict | None = None
 ) -> dict[str, float]:
@@ -194,19 +181,14 @@ def _time_backends(
                 failures[name] = f"{type(exc).__name__}: {exc}"
             continue
         runs[name], shortest_ms = once, min(shortest_ms, took_ms)
-        calls[name] = max(1, math.ceil(SAMPLE_MS / took_ms)) if took_ms < SAMPLE_MS else 1
+        calls[name] = calls_per_sample(took_ms, SAMPLE_MS)
     rounds = LONG_ROUNDS if LONG_CALL_MS <= shortest_ms < math.inf else ROUNDS
     # The collector is off while samples are taken (as in timeit and benchmarks/bench.py): a
     # collection of the caller's heap stalls the host for milliseconds, and at S <= 1k a
     # training call's 0.5-0.8 ms of host time is most of its turn, so whichever backend it
     # lands on loses (our kernel 0.79 ms with it, 0.70 without, at S=1k causal: experiment 60).
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         samples, host = _rounds(runs, calls, call.query.device, sync, rounds)
-    finally:
-        if collecting:
-            gc.enable()
     if samples_out is not None:
         samples_out.update((name, tuple(round(x, 4) for x in s)) for name, s in samples.items())
     if host_out is not None:
@@ -237,16 +219,6 @@ def tie_note(winner: str, timings: dict[str, float], host: dict[str, float]) -> 
         f"{host[leader]:.3f} of its {timings[leader]:.3f} ms on the host; {winner} needs "
         f"{host[winner]:.3f} ms there (a near-tie goes to host time to spare)"
     )
-
-
-def lower_quartile(times: list[float]) -> float:
-    """The first quartile of ``times`` (linear interpolation between order statistics): the
-    statistic of a timing here and of a cell in benchmarks/bench.py.  Disturbances (host
-    hiccups, a clock still ramping) only slow samples down, so a low quantile resists them;
-    the minimum does not (one lucky sample sets it: experiment 62)."""
-    if len(times) < 2:
-        return times[0]
-    return statistics.quantiles(times, n=4, method="inclusive")[0]
 
 
 def _rounds(runs: dict, calls: dict, device: torch.device, sync, rounds: int = ROUNDS) -> tuple[dict, dict]:

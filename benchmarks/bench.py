@@ -1954,7 +1954,7 @@ class Runner:
 
 def lower_quartile(times: list[float]) -> float:
     """The first quartile of ``times``: policy="fastest"'s own statistic (one definition)."""
-    from attention_dispatch.fastest import lower_quartile as statistic
+    from attention_dispatch.timing import lower_quartile as statistic
 
     return statistic(times)
 
@@ -2001,7 +2001,7 @@ def turn_order(n: int, row_id: str, rnd: int, seed: int) -> list[int]:
     clock follows the previous implementation, experiment 32); a rotation by one turn per round
     kept almost every predecessor, and the grid's triton column then ran below its sdpa (auto)
     column, the same kernels (experiment 55).  policy="fastest" orders its turns the same way."""
-    from attention_dispatch.fastest import turn_order as shared  # lazy: --from-json needs no torch
+    from attention_dispatch.timing import turn_order as shared  # lazy: --from-json needs no torch
 
     return shared(n, rnd, f"{seed}-{row_id}")
 
