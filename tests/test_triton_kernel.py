@@ -26,19 +26,27 @@ from oracle import SLACK, assert_matches  # noqa: E402
 from attention_dispatch.semantics import band, normalize_causal, normalize_window  # noqa: E402
 
 from attention_dispatch.kernels import bias as bias_mod  # noqa: E402
+from attention_dispatch.kernels import device as device_mod  # noqa: E402
+from attention_dispatch.kernels import entry, run, shapes  # noqa: E402
 from attention_dispatch.kernels import (  # noqa: E402
     KERNEL_LIMITS,
+    ForwardPlan,
     KernelParams,
+    attention_backward,
+    attention_forward,
     bh_chunks,
     config_reason,
     configs,
     dropout_keep_mask,
     group_splits_heuristic,
     is_interpreter,
-    launch,
     num_splits_heuristic,
     triton_attention,
 )
+from attention_dispatch.kernels.gluon import launch as gluon_launch  # noqa: E402
+from attention_dispatch.kernels.gluon import route as gluon_route  # noqa: E402
+from attention_dispatch.kernels.tl import KERNELS as TL_KERNELS  # noqa: E402
+from attention_dispatch.kernels.tl import launch as tl_launch  # noqa: E402
 
 INTERP = is_interpreter()
 DEV = "cpu" if INTERP else "cuda"
@@ -412,20 +420,20 @@ def test_descriptor_path(feature):
 
 
 def _record_launches(monkeypatch, pick):
-    """Wrap every kernel launch: ``pick(kernel, args, constexprs)`` is appended to the returned
-    list unless it is None; the launch then runs as usual."""
-    from attention_dispatch.kernels import launch
+    """Wrap every kernel launch (run.launch_one: the tl and the Gluon kernels): ``pick(kernel,
+    args, constexprs)`` is appended to the returned list unless it is None; the launch then
+    runs as usual."""
 
     seen = []
-    real = launch._launch_one
+    real = run.launch_one
 
-    def spy(kernel, grid, args, constexprs, num_warps, num_stages):
+    def spy(kernel, grid, args, constexprs, num_warps, num_stages, **options):  # options: the Gluon maxnreg
         got = pick(kernel, args, constexprs)
         if got is not None:
             seen.append(got)
-        return real(kernel, grid, args, constexprs, num_warps, num_stages)
+        return real(kernel, grid, args, constexprs, num_warps, num_stages, **options)
 
-    monkeypatch.setattr(launch, "_launch_one", spy)
+    monkeypatch.setattr(run, "launch_one", spy)
     return seen
 
 
@@ -433,12 +441,11 @@ def _spy_forward_kv_host(monkeypatch):
     """Record KV_HOST of every forward launch, checking that a host-built K/V descriptor
     covers its tensor's rows (base k / v itself) with tiles of the launch's key block.
     The minimum call size for host descriptors is lowered to 0 (test shapes are small)."""
-    from attention_dispatch.kernels import launch
 
-    monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
+    monkeypatch.setattr(tl_launch, "HOST_KV_MIN_WORK", 0)
 
     def kv_host(kernel, args, constexprs):
-        if kernel is not launch._attn_fwd:
+        if kernel is not TL_KERNELS["fwd"]:
             return None
         kd, vd = args[-2:]
         if constexprs["KV_HOST"]:
@@ -461,7 +468,6 @@ def test_forward_kv_through_host_descriptors(monkeypatch, feature):
     tile: the forward reads them through descriptors built on the host over their rows
     ((B * Hkv * Sk, D), or (B * Sk, Hkv * D) with each head at its column).  Checked against
     the oracle (backward included) and bit-equal to the in-kernel descriptors."""
-    from attention_dispatch.kernels import launch
 
     seen = _spy_forward_kv_host(monkeypatch)
     hkv = 1 if feature == "gqa_dropout" else (2 if feature == "bshd_gqa_dv" else 4)
@@ -482,7 +488,7 @@ def test_forward_kv_through_host_descriptors(monkeypatch, feature):
     params = make_params(q, kw["causal"], kw["window"], kw["dropout_p"], descriptors=1)
     torch.manual_seed(3)
     host = triton_attention(q, k, v, bias, params, return_lse=True)
-    monkeypatch.setattr(launch, "host_kv_descriptors", lambda *a: None)
+    monkeypatch.setattr(tl_launch, "host_kv_descriptors", lambda *a: None)
     torch.manual_seed(3)
     in_kernel = triton_attention(q, k, v, bias, params, return_lse=True)
     assert seen[-2:] == [layout, 0]
@@ -499,11 +505,10 @@ def test_forward_kv_host_descriptors_only_where_tiles_stay_in_one_head(monkeypat
     sequences; nor without descriptor loads, nor for a
     call below HOST_KV_MIN_WORK (host-bound: the descriptors' host time would show).  The
     in-kernel descriptors (or pointer loads) then serve, and the result is still exact."""
-    from attention_dispatch.kernels import launch
 
     seen = _spy_forward_kv_host(monkeypatch)
     if case == "small_call":
-        monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 2 * 2 * 37 * 64 * 32 + 1)
+        monkeypatch.setattr(tl_launch, "HOST_KV_MIN_WORK", 2 * 2 * 37 * 64 * 32 + 1)
     if case == "varlen":
         q, k, v, cu_q, cu_k, msq, msk = varlen_inputs((16, 32), (32, 32), hq=2, hkv=2, d=32)
         run_and_check(q, k, v, cu_q=cu_q, cu_k=cu_k, max_sq=msq, max_sk=msk, descriptors=1)
@@ -538,9 +543,8 @@ def test_bias_tiles_through_descriptors(monkeypatch, mask):
 def test_chosen_config_is_remembered_per_constexprs(monkeypatch):
     """A configuration that does not fit with a bias tile (candidate loop falls back) must not
     demote the calls without one that share the key."""
-    from attention_dispatch.kernels import launch
 
-    monkeypatch.setattr(launch, "_CHOSEN", {})
+    monkeypatch.setattr(run, "CHOSEN", {})
     tried = []
 
     def fake_launch_one(kernel, grid, args, constexprs, num_warps, num_stages):
@@ -548,60 +552,59 @@ def test_chosen_config_is_remembered_per_constexprs(monkeypatch):
         if constexprs["BIAS_DESC"] and constexprs["BLOCK_M"] == 128:
             raise type("OutOfResources", (Exception,), {})("out of resource: shared memory")
 
-    monkeypatch.setattr(launch, "_launch_one", fake_launch_one)
+    monkeypatch.setattr(run, "launch_one", fake_launch_one)
     cands = [configs.KernelConfig(128, 64), configs.KernelConfig(64, 64)]
     x = torch.zeros(1)
     for bias_desc, want in ((True, 64), (False, 128), (True, 64), (False, 128)):
-        cfg = launch._launch("fwd", None, lambda c: (1,), (x,), dict(BIAS_DESC=bias_desc), cands, ("k",))
+        cfg = run.launch_first_fitting("fwd", None, lambda c: (1,), (x,), dict(BIAS_DESC=bias_desc), cands, ("k",))
         assert cfg.block_m == want, (bias_desc, tried)
     assert tried == [(True, 128), (True, 64), (False, 128), (True, 64), (False, 128)]
 
 
 def test_descriptor_choice_in_auto_mode(monkeypatch):
     """Auto mode takes TMA descriptors only on sm90+ CUDA, for fp16/bf16 rows aligned to 16 bytes."""
-    from attention_dispatch.kernels import launch
 
-    monkeypatch.setattr(launch, "is_interpreter", lambda: False)
+    monkeypatch.setattr(device_mod, "is_interpreter", lambda: False)
     cc = {"value": (9, 0)}
-    monkeypatch.setattr(launch, "device_info", lambda device: (cc["value"], 232448, 132))
+    monkeypatch.setattr(device_mod, "device_info", lambda device: (cc["value"], 232448, 132))
     cuda = torch.device("cuda")
     auto = KernelParams(scale=1.0)
     half = [torch.randn(1, 2, 8, 64, dtype=BF16) for _ in range(4)]
-    if not launch._HAS_DESCRIPTORS:
-        assert not launch.use_descriptors(auto, half, cuda)
+    if not device_mod.HAS_DESCRIPTORS:
+        assert not device_mod.use_descriptors(auto, half, cuda)
         pytest.skip("this Triton has no in-kernel tensor descriptors")
-    assert launch.use_descriptors(auto, half, cuda)
-    assert launch.use_descriptors(auto, half, cuda, loop_len=65)
-    assert not launch.use_descriptors(auto, half, cuda, loop_len=64)  # one tile: nothing to pipeline
-    assert launch.use_descriptors(KernelParams(scale=1.0, descriptors=1), half, cuda, loop_len=8)  # forced
-    assert not launch.use_descriptors(KernelParams(scale=1.0, descriptors=0), half, cuda)
-    assert not launch.use_descriptors(auto, half, torch.device("cpu"))
-    assert not launch.use_descriptors(auto, [t.float() for t in half], cuda)  # fp32
-    assert not launch.use_descriptors(auto, [torch.randn(1, 2, 8, 12, dtype=BF16)] * 4, cuda)  # 24-byte rows
-    assert not launch.use_descriptors(auto, [half[0][..., 1:9]] + half[1:], cuda)  # misaligned base
+    assert device_mod.use_descriptors(auto, half, cuda)
+    assert device_mod.use_descriptors(auto, half, cuda, loop_len=65)
+    assert not device_mod.use_descriptors(auto, half, cuda, loop_len=64)  # one tile: nothing to pipeline
+    assert device_mod.use_descriptors(KernelParams(scale=1.0, descriptors=1), half, cuda, loop_len=8)  # forced
+    assert not device_mod.use_descriptors(KernelParams(scale=1.0, descriptors=0), half, cuda)
+    assert not device_mod.use_descriptors(auto, half, torch.device("cpu"))
+    assert not device_mod.use_descriptors(auto, [t.float() for t in half], cuda)  # fp32
+    assert not device_mod.use_descriptors(auto, [torch.randn(1, 2, 8, 12, dtype=BF16)] * 4, cuda)  # 24-byte rows
+    assert not device_mod.use_descriptors(auto, [half[0][..., 1:9]] + half[1:], cuda)  # misaligned base
     cc["value"] = (8, 0)
-    assert not launch.use_descriptors(auto, half, cuda)
+    assert not device_mod.use_descriptors(auto, half, cuda)
 
 
 def test_forward_single_key_tile_skips_descriptors(monkeypatch):
     """Auto mode: a forward whose keys fit one tile (Sk <= 64) loads through pointers (no
     descriptor scratch to allocate); longer keys, or descriptors=1, take the descriptors.
     The real rule on this interpreter-only machine, with the device checks answered as on an H100."""
-    from attention_dispatch.kernels import launch
 
-    real_use = launch.use_descriptors
+    real_use = device_mod.use_descriptors
 
     def as_on_hopper(params, tensors, device, loop_len=None):
-        saved = launch.is_interpreter, launch.device_info
-        launch.is_interpreter, launch.device_info = (lambda: False), (lambda device: ((9, 0), 232448, 132))
+        saved = device_mod.is_interpreter, device_mod.device_info
+        device_mod.is_interpreter, device_mod.device_info = (lambda: False), (lambda device: ((9, 0), 232448, 132))
         try:  # the kernel itself still runs in the interpreter
             return real_use(params, [t.to(BF16) for t in tensors], torch.device("cuda"), loop_len)
         finally:
-            launch.is_interpreter, launch.device_info = saved
+            device_mod.is_interpreter, device_mod.device_info = saved
 
-    monkeypatch.setattr(launch, "use_descriptors", as_on_hopper)
+    monkeypatch.setattr(entry, "use_descriptors", as_on_hopper)  # attention_forward's own name
     seen = _record_launches(
-        monkeypatch, lambda kernel, args, constexprs: constexprs["USE_DESC"] if kernel is launch._attn_fwd else None
+        monkeypatch,
+        lambda kernel, args, constexprs: constexprs["USE_DESC"] if kernel is TL_KERNELS["fwd"] else None,
     )
     q = rand(1, 2, 24, 32, grad=False)
     for sk, forced in ((48, -1), (80, -1), (48, 1)):
@@ -703,9 +706,8 @@ def test_half_dtypes(dtype, feature):
 def test_half_rounding_path_in_interpreter(monkeypatch, feature):
     """The GPU's numerics (P and dS rounded to the input dtype before the second matmuls),
     reproduced in the interpreter (fp16: the interpreter's fp16 conversion rounds to nearest)."""
-    from attention_dispatch.kernels import launch
 
-    monkeypatch.setattr(launch, "INTERPRETER_FP32_PRODUCTS", False)
+    monkeypatch.setattr(shapes, "INTERPRETER_FP32_PRODUCTS", False)
     q, k, v = rand(2, 2, 32, 32, dtype=F16), rand(2, 2, 40, 32, dtype=F16), rand(2, 2, 40, 32, dtype=F16)
     if feature == "plain":
         run_and_check(q, k, v, causal="top_left")
@@ -826,16 +828,15 @@ def test_chunking_equals_unchunked(limit):
 
 @pytest.mark.parametrize("limit", [0, 1, 4])
 def test_batch_shared_bias_runs_batch_minor(limit):
-    """A bias shared by the batches launches the programs batch-fastest (launch.batch_minor):
+    """A bias shared by the batches launches the programs batch-fastest (bias.batch_minor):
     same results as the oracle (dropout included: the random stream follows b * H + h, not
     the launch order), chunked or not, and bitwise equal across chunkings."""
-    from attention_dispatch.kernels import launch
 
     q, k, v = rand(3, 4, 24, 16), rand(3, 2, 32, 16), rand(3, 2, 32, 16)
     bias = rand(1, 4, 24, 32)
     prm = make_params(q, causal="top_left", dropout_p=0.3, deterministic=True, max_grid=limit)
     assert bias_mod.batch_minor(
-        *bias_mod.bias_layout(bias, (3, 4, 24, 32))[::2], launch._Problem(q, k, v, None, None, None, None)
+        *bias_mod.bias_layout(bias, (3, 4, 24, 32))[::2], shapes.KernelShapes(q, k, v, None, None, None, None)
     )
     run_and_check(q, k, v, bias, causal="top_left", dropout_p=0.3, deterministic=True, max_grid=limit)
     base = _fwd_bwd(q, k, v, bias, make_params(q, causal="top_left", dropout_p=0.3, deterministic=True))
@@ -843,10 +844,8 @@ def test_batch_shared_bias_runs_batch_minor(limit):
 
 
 def test_batch_minor_only_for_batch_shared_masks():
-    from attention_dispatch.kernels import launch
-
     q = rand(2, 4, 8, 16)
-    prob = launch._Problem(q, q, q, None, None, None, None)
+    prob = shapes.KernelShapes(q, q, q, None, None, None, None)
 
     def minor(mask):
         kind, _, strides, _ = bias_mod.bias_layout(mask, (2, 4, 8, 8))
@@ -855,7 +854,7 @@ def test_batch_minor_only_for_batch_shared_masks():
     assert minor(rand(4, 8, 8)) and minor(torch.ones(1, 1, 8, 8, dtype=torch.bool))
     assert minor(rand(1, 4, 8, 8).expand(2, 4, 8, 8))  # stride-0 batch dim
     assert not minor(None) and not minor(rand(2, 1, 8, 8))
-    one = launch._Problem(q[:1], q[:1], q[:1], None, None, None, None)
+    one = shapes.KernelShapes(q[:1], q[:1], q[:1], None, None, None, None)
     assert not bias_mod.batch_minor(1, (0, 64, 8, 1), one)  # a single batch: nothing to share
 
 
@@ -965,13 +964,13 @@ def test_kernels_tell_the_config_table_extras_and_grouping(monkeypatch):
     extras (a bias, a mask or dropout) and shares kv heads (GQA): entries are reserved for
     either side (forward sub-tiles: no extras; dK/dV 32x64x4x4: not grouped)."""
     seen = []
-    real = launch.select_config
+    real = run.select_config
 
     def spy(kind, *a, extras=False, grouped=False, **kw):
         seen.append((kind, extras, grouped))
         return real(kind, *a, extras=extras, grouped=grouped, **kw)
 
-    monkeypatch.setattr(launch, "select_config", spy)
+    monkeypatch.setattr(run, "select_config", spy)
     q, k, v = rand(1, 2, 24, 16), rand(1, 2, 24, 16), rand(1, 2, 24, 16)
     k1, v1 = rand(1, 1, 24, 16), rand(1, 1, 24, 16)
     cases = (
@@ -983,8 +982,8 @@ def test_kernels_tell_the_config_table_extras_and_grouping(monkeypatch):
     for kk, vv, bias, p, extras, grouped in cases:
         seen.clear()
         params = KernelParams(scale=0.25, dropout_p=p)
-        out, lse, seed = launch.attention_forward(q, kk, vv, bias, params)
-        launch.attention_backward(torch.randn_like(out), q, kk, vv, bias, out, lse, seed, params)
+        out, lse, seed = attention_forward(q, kk, vv, bias, params)
+        attention_backward(torch.randn_like(out), q, kk, vv, bias, out, lse, seed, params)
         assert seen == [(kind, extras, grouped) for kind in (configs.FWD, configs.BWD_DKDV, configs.BWD_DQ)]
 
 
@@ -1082,18 +1081,17 @@ def test_gpu_pointer_path(causal, window):
 def test_forward_kv_host_descriptors_follow_the_configuration(monkeypatch):
     """A configuration with host_kv=False keeps in-kernel descriptors; the others get
     descriptors whose tiles are their key block (None where Sk is not a multiple of it)."""
-    from attention_dispatch.kernels import launch
     from attention_dispatch.kernels.configs import KernelConfig
 
     k, v = torch.randn(2, 2, 128, 32), torch.randn(2, 2, 128, 32)
-    prob = launch._Problem(torch.randn(2, 4, 64, 32), k, v, None, None, None, None)
-    assert launch.HOST_KV_MIN_WORK > 2 * 4 * 64 * 128 * 32
-    assert launch.host_kv_descriptors(k, v, prob, True, 32, 32) is None  # too small a call
-    monkeypatch.setattr(launch, "HOST_KV_MIN_WORK", 0)
-    assert launch.host_kv_descriptors(k, v, prob, False, 32, 32) is None  # pointer loads
+    prob = shapes.KernelShapes(torch.randn(2, 4, 64, 32), k, v, None, None, None, None)
+    assert tl_launch.HOST_KV_MIN_WORK > 2 * 4 * 64 * 128 * 32
+    assert tl_launch.host_kv_descriptors(k, v, prob, True, 32, 32) is None  # too small a call
+    monkeypatch.setattr(tl_launch, "HOST_KV_MIN_WORK", 0)
+    assert tl_launch.host_kv_descriptors(k, v, prob, False, 32, 32) is None  # pointer loads
     kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))  # (B, S, H, D) memory
-    assert launch.host_kv_descriptors(kt, vt, prob, True, 32, 32)(KernelConfig(64, 64, 4, 3))[2] == 2
-    make = launch.host_kv_descriptors(k, v, prob, True, 32, 32)
+    assert tl_launch.host_kv_descriptors(kt, vt, prob, True, 32, 32)(KernelConfig(64, 64, 4, 3))[2] == 2
+    make = tl_launch.host_kv_descriptors(k, v, prob, True, 32, 32)
     kd, vd, layout = make(KernelConfig(64, 64, 4, 3))
     assert kd.base is k and vd.base is v and kd.shape == [512, 32] and kd.block_shape == [64, 32] and layout == 1
     assert make(KernelConfig(64, 64, 4, 3, host_kv=False)) is None
@@ -1206,45 +1204,42 @@ def test_gpu_cuda_graph_capture():
 
 
 def _ws_problem(sq=256, sk=256, d=128, hq=4, hkv=4, dv=None):
-    from attention_dispatch.kernels import launch
-
     q, k, v = torch.randn(2, hq, sq, d), torch.randn(2, hkv, sk, d), torch.randn(2, hkv, sk, dv or d)
-    return launch._Problem(q, k, v, None, None, None, None)
+    return shapes.KernelShapes(q, k, v, None, None, None, None)
 
 
 def _any_triton_runs_gluon(monkeypatch):
     """The routing tests check the launch glue, not the kernels: let this Triton count as one the
-    Gluon kernels are written for (launch.GLUON_TRITON_VERSIONS; CI installs a newer one)."""
+    Gluon kernels are written for (gluon.route.GLUON_TRITON_VERSIONS; CI installs a newer one)."""
     import triton
-    from attention_dispatch.kernels import launch
 
-    monkeypatch.setattr(launch, "GLUON_TRITON_VERSIONS", (triton.__version__,))
+    monkeypatch.setattr(gluon_route, "GLUON_TRITON_VERSIONS", (triton.__version__,))
 
 
 def test_gluon_kernels_only_on_the_triton_they_are_written_for(monkeypatch):
     """Another Triton version keeps the tl kernels, with the reason (Gluon's API changes between
     releases: Triton 3.9 no longer compiles them); the version they are written for passes."""
     import triton
-    from attention_dispatch.kernels import launch
 
-    if launch._attn_fwd_ws is None:
-        assert launch.gluon_reason() == "this Triton has no Gluon"
+    if gluon_launch.GLUON_IMPORT_ERROR is not None:
+        assert gluon_route.gluon_reason() == f"this Triton has no Gluon ({gluon_launch.GLUON_IMPORT_ERROR})"
         return
-    monkeypatch.setattr(launch, "GLUON_TRITON_VERSIONS", ("0.1.",))
-    got = launch.gluon_reason()
+    monkeypatch.setattr(gluon_route, "GLUON_TRITON_VERSIONS", ("0.1.",))
+    got = gluon_route.gluon_reason()
     assert got is not None and f"Triton {triton.__version__}" in got and "0.1" in got
     prob = _ws_problem()
     params = make_params(torch.empty(1, 1, 1, 128))
-    assert launch.ws_forward_reason(prob, None, params, BF16, (9, 0), True, 1, 1) == got
-    monkeypatch.setattr(launch, "GLUON_TRITON_VERSIONS", (triton.__version__[:4],))
-    assert launch.gluon_reason() is None
+    assert gluon_route.ws_forward_reason(prob, None, params, BF16, (9, 0), True, 1, 1) == got
+    monkeypatch.setattr(gluon_route, "GLUON_TRITON_VERSIONS", (triton.__version__[:4],))
+    assert gluon_route.gluon_reason() is None
 
 
 def test_warp_specialized_forward_serves_per_config():
     """On the warp-specialised route, the Gluon forward runs a call where its config says
     ``forward``, and with a bias, causal or a window only with ``forward_scope="all"`` (d64's
-    three-warpgroup forward: dense calls only; the others keep the tl forward)."""
-    from attention_dispatch.kernels import configs, launch
+    three-warpgroup forward: dense calls only; the others keep the tl forward), and
+    gluon.route.forward_scope_reason says why it leaves the others."""
+    from attention_dispatch.kernels import configs
 
     x = torch.empty(1, 1, 1, 64)
     dense, causal, window = make_params(x), make_params(x, "top_left"), make_params(x, None, (1024, 0))
@@ -1253,13 +1248,14 @@ def test_warp_specialized_forward_serves_per_config():
         (configs.WsConfig(forward_scope="dense"), (True, False, False, False)),
         (configs.WsConfig(forward=False), (False,) * 4),
     ):
-        got = (
-            launch.ws_forward_serves(cfg, False, dense),
-            launch.ws_forward_serves(cfg, False, causal),
-            launch.ws_forward_serves(cfg, True, dense),
-            launch.ws_forward_serves(cfg, False, window),
+        reasons = (
+            gluon_route.forward_scope_reason(cfg, False, dense),
+            gluon_route.forward_scope_reason(cfg, False, causal),
+            gluon_route.forward_scope_reason(cfg, True, dense),
+            gluon_route.forward_scope_reason(cfg, False, window),
         )
-        assert got == want, cfg
+        assert tuple(r is None for r in reasons) == want, (cfg, reasons)
+        assert all(r is None or (r and "\n" not in r) for r in reasons), reasons  # one line each
     d64 = configs.WS_FWD_CONFIGS[64]
     assert d64.consumers == 3 and d64.forward_scope == "dense" and configs.WS_FWD_CONFIGS[128].consumers == 2
     # three warpgroups at 160 registers and the loader's padded warpgroup at 24 fit 65536 registers
@@ -1304,17 +1300,16 @@ def test_warp_specialized_forward_serves_per_config():
 )
 def test_warp_specialized_forward_reasons(monkeypatch, change, reason):
     """Which calls the warp-specialised sm90 forward serves, and the reason it gives for the others."""
-    from attention_dispatch.kernels import launch
 
-    if launch._attn_fwd_ws is None:
+    if gluon_launch.GLUON_IMPORT_ERROR is not None:
         pytest.skip("this Triton has no Gluon")
     _any_triton_runs_gluon(monkeypatch)
     if not change.get("min_work"):
-        monkeypatch.setattr(launch, "WS_MIN_WORK", 0)
+        monkeypatch.setattr(gluon_route, "WS_MIN_WORK", 0)
     prob = _ws_problem(**change.get("prob", {}))
     pkw = dict(change.get("params", {}))
     params = make_params(torch.empty(1, 1, 1, prob.Dqk), pkw.pop("causal", None), pkw.pop("window", None), **pkw)
-    got = launch.ws_forward_reason(
+    got = gluon_route.ws_forward_reason(
         prob,
         change.get("bias_reason"),
         params,
@@ -1392,12 +1387,12 @@ def _gpu_qkv(batch: int, hkv: int, sq: int, sk: int, d: int, dtype, bshd: bool =
 
 
 def _spy_forward_ws(monkeypatch):
-    """Record the row layouts of every warp-specialised launch, with "bias" appended when it
-    reads a bias (its minimum call size lowered to 0: test shapes are small)."""
-    from attention_dispatch.kernels import launch
+    """Record the row layouts of every warp-specialised launch (gluon.launch's forward, dkdv and
+    dq, called by kernels/entry.py through the module), with "bias" appended when it reads a
+    bias (its minimum call size lowered to 0: test shapes are small)."""
 
-    monkeypatch.setattr(launch, "WS_MIN_WORK", 0)
-    seen, real, real_dkdv, real_dq = [], launch._forward_ws, launch._dkdv_ws, launch._dq_ws
+    monkeypatch.setattr(gluon_route, "WS_MIN_WORK", 0)
+    seen, real, real_dkdv, real_dq = [], gluon_launch.forward, gluon_launch.dkdv, gluon_launch.dq
 
     def biased(bias):
         return ("bias",) if bias is not None else ()
@@ -1414,9 +1409,9 @@ def _spy_forward_ws(monkeypatch):
         seen.append(("dq", q_rows, kv_rows, do_rows) + biased(bias))
         return real_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=bias)
 
-    monkeypatch.setattr(launch, "_forward_ws", spy)
-    monkeypatch.setattr(launch, "_dkdv_ws", spy_dkdv)
-    monkeypatch.setattr(launch, "_dq_ws", spy_dq)
+    monkeypatch.setattr(gluon_launch, "forward", spy)
+    monkeypatch.setattr(gluon_launch, "dkdv", spy_dkdv)
+    monkeypatch.setattr(gluon_launch, "dq", spy_dq)
     return seen
 
 
@@ -1457,9 +1452,9 @@ def test_gpu_d64_as_shipped(monkeypatch, feature):
     """At head dim 64 as shipped: the three-warpgroup Gluon forward for dense calls, the tl
     forward causal, with a bias or a window (configs.WS_FWD_CONFIGS: forward_scope="dense"),
     then the Gluon dK/dV pass (128-row query tiles, 64 with the bias: experiment 79) and dQ pass
-    (the fused dQ starts at launch.FUSE_DQ_MIN_KEYS keys), against float64; run three times,
+    (the fused dQ starts at gluon.route.FUSE_DQ_MIN_KEYS keys), against float64; run three times,
     bit-equal.  640 rows (the last program's last two warpgroups idle), causal at 384 and 2048,
-    GQA, a float bias (1, H, S, S), a (1024, 0) window at 2048 keys (launch.WS_MIN_WINDOW), 768
+    GQA, a float bias (1, H, S, S), a (1024, 0) window at 2048 keys (gluon.route.WS_MIN_WINDOW), 768
     keys for 640 queries, and GQA over (B, S, H, D) memory.  test_gpu_forward_warp_specialized
     runs the three-warpgroup forward causal too."""
     from attention_dispatch.kernels import configs
@@ -1565,11 +1560,10 @@ def test_gpu_warp_specialized_window(monkeypatch, window, extra):
     logsumexp, gradients), S=640 (5 query tiles, key tiles skipped on both sides): left and
     right bounds, one side unbounded, the diagonal alone, a window wider than the sequence;
     with a (1, H, S, S) bias, and with GQA over (B, S, H, D) memory.  (Windows narrower than
-    launch.WS_MIN_WINDOW keep the tl kernels by default: the Gluon kernels are checked there too.)"""
-    from attention_dispatch.kernels import launch
+    gluon.route.WS_MIN_WINDOW keep the tl kernels by default: the Gluon kernels are checked there too.)"""
 
     seen = _spy_forward_ws(monkeypatch)
-    monkeypatch.setattr(launch, "WS_MIN_WINDOW", 0)
+    monkeypatch.setattr(gluon_route, "WS_MIN_WINDOW", 0)
     hkv = 2 if "gqa" in extra else 4
     q, k, v, layout = _gpu_qkv(2, hkv, 640, 640, 128, BF16, bshd="bshd" in extra)
     bias = rand(1, 4, 640, 640, dtype=BF16, device="cuda", grad=False) if extra == "bias" else None
@@ -1589,13 +1583,16 @@ def test_gpu_warp_specialized_fused_dq(monkeypatch, feature, d, block_m):
     """dQ fused into the Gluon dK/dV pass (fp32 partials added by TMA reduce-add, query tiles
     visited in a rotated order) against float64 (forward, logsumexp, gradients), S=640 (5 query
     tiles: the dS and dQ slots wrap), with GQA and MQA groups, (B, S, H, D) memory, Sq != Sk, a
-    bias and windows: every call the kernel takes, also those launch.fuse_dq leaves to the two
+    bias and windows: every call the kernel takes, also those gluon.route.fuse_dq_reason leaves to the two
     passes by default (short, causal, biased or windowed)."""
-    from attention_dispatch.kernels import configs, launch
+    from attention_dispatch.kernels import configs
 
     seen = _spy_forward_ws(monkeypatch)
-    monkeypatch.setattr(launch, "WS_MIN_WINDOW", 0)
-    monkeypatch.setattr(launch, "fuse_dq", lambda params, prob, bias: not params.deterministic)
+    monkeypatch.setattr(gluon_route, "WS_MIN_WINDOW", 0)
+    # entry.py imports fuse_dq_reason by name: its global is the one backward_route calls
+    monkeypatch.setattr(
+        entry, "fuse_dq_reason", lambda params, prob, has_bias: "deterministic" if params.deterministic else None
+    )
     # 64-row query tiles: each warpgroup adds half of dQ's columns; 128 (d64): half of its rows
     # (experiment 81); a bias keeps 64-row tiles
     monkeypatch.setitem(configs.WS_BWD_CONFIGS, d, configs.WS_BWD_CONFIGS[d]._replace(bwd_block_m=block_m))
@@ -1618,7 +1615,6 @@ def test_gpu_warp_specialized_fused_dq(monkeypatch, feature, d, block_m):
 def test_gpu_forward_warp_specialized_inference(monkeypatch, d):
     """need_lse=False writes no logsumexp and the same output, bit for bit (two consumer
     warpgroups at d128, causal; three at d64, dense: the calls they serve)."""
-    from attention_dispatch.kernels.launch import attention_forward
 
     seen = _spy_forward_ws(monkeypatch)
     q, k, v = (rand(1, 8, 2048, d, dtype=BF16, device="cuda", grad=False) for _ in range(3))
@@ -1681,17 +1677,16 @@ def test_gpu_training_plan_replays(monkeypatch, causal, route):
     import attention_dispatch as ad
     from attention_dispatch import dispatch
     from attention_dispatch.kernels import TrainingPlan, compiled_cache as cc
-    from attention_dispatch.kernels import launch
 
     _spy_forward_ws(monkeypatch)
     if route.startswith("tl"):
-        monkeypatch.setattr(launch, "WS_MIN_WORK", 1 << 62)
+        monkeypatch.setattr(gluon_route, "WS_MIN_WORK", 1 << 62)
     ad.clear_cache()
     d, (b, h) = (128, (2, 4)) if route == "ws" else (64, (4, 32) if route == "tl" else (2, 4))
     q = rand(b, h, 512, d, dtype=BF16, device="cuda")
     num_m_blocks = 512 // 128  # the smallest number of query tiles any tl config makes here
     split = (
-        launch.num_splits_heuristic(
+        num_splits_heuristic(
             b * h, num_m_blocks, 512 // 64, torch.cuda.get_device_properties(0).multi_processor_count, False
         )
         > 1
@@ -1757,10 +1752,11 @@ def test_gpu_training_plan_replays(monkeypatch, causal, route):
     ],
 )
 def test_fuse_dq_is_chosen_where_it_was_measured_faster(monkeypatch, change, fused):
-    """launch.fuse_dq: the warp-specialised backward fuses dQ into its dK/dV pass only for the
-    calls experiments 54 and 82 timed faster that way (no bias, Sk >= FUSE_DQ_MIN_KEYS, a band
-    only where the config says so), never for a deterministic call; 128-row tiles fuse too."""
-    from attention_dispatch.kernels import configs, launch
+    """gluon.route.fuse_dq_reason: the warp-specialised backward fuses dQ into its dK/dV pass
+    (None: no reason not to) only for the calls experiments 54 and 82 timed faster that way (no
+    bias, Sk >= FUSE_DQ_MIN_KEYS, a band only where the config says so), never for a
+    deterministic call; 128-row tiles fuse too.  Every other call gets a one-line reason."""
+    from attention_dispatch.kernels import configs
 
     if change.get("config_off"):
         monkeypatch.setitem(configs.WS_BWD_CONFIGS, 128, configs.WsConfig(fuse_dq=False))
@@ -1771,12 +1767,13 @@ def test_fuse_dq_is_chosen_where_it_was_measured_faster(monkeypatch, change, fus
     sk = change.get("sk", 4096)
     q = torch.empty(1, 4, sk, 128)
     k = torch.empty(1, 1 if change.get("gqa") else 4, sk, 128)
-    prob = launch._Problem(q, k, k, None, None, None, None)
+    prob = shapes.KernelShapes(q, k, k, None, None, None, None)
     params = make_params(
         q, change.get("causal"), change.get("window"), deterministic=change.get("deterministic", False)
     )
-    bias = object() if change.get("bias") else None  # fuse_dq only asks whether there is one
-    assert launch.fuse_dq(params, prob, bias) is fused
+    reason = gluon_route.fuse_dq_reason(params, prob, bool(change.get("bias")))
+    assert (reason is None) is fused, reason
+    assert reason is None or (reason and "\n" not in reason)
 
 
 @pytest.mark.parametrize("fuse_dq", ["", "fused", "fused but deterministic"])
@@ -1787,22 +1784,23 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias, fuse_dq):
     and logsumexp come from the forward's entry point, dK/dV and dQ from the backward's (stand-ins
     computing float64 attention here), each in its place of the results, and delta = rowsum(dO * O)
     reaches both backward passes.  A (1, H, S, S) bias reaches all three as the rows of its
-    matrix: none per batch (broadcast), Sq per head.  Where launch.fuse_dq picks it (here its
+    matrix: none per batch (broadcast), Sq per head.  Where gluon.route.fuse_dq_reason picks it (here its
     minimum length lowered to 0; not for causal calls or a bias) the dK/dV pass returns dQ too
     and no dQ pass runs; not when the call asks for determinism, nor with configs.WsConfig's
     fuse_dq off."""
-    from attention_dispatch.kernels import configs, launch
+    from attention_dispatch.kernels import configs
 
-    monkeypatch.setattr(launch, "FUSE_DQ_MIN_KEYS", 0)
+    monkeypatch.setattr(gluon_route, "FUSE_DQ_MIN_KEYS", 0)
     if not fuse_dq:
         monkeypatch.setitem(configs.WS_BWD_CONFIGS, 128, configs.WsConfig(fuse_dq=False))
     fused = fuse_dq == "fused" and causal is None and not with_bias
-    if launch._attn_fwd_ws is None:
+    if gluon_launch.GLUON_IMPORT_ERROR is not None:
         pytest.skip("this Triton has no Gluon")
     _any_triton_runs_gluon(monkeypatch)
-    monkeypatch.setattr(launch, "WS_MIN_WORK", 0)
-    monkeypatch.setattr(launch, "use_descriptors", lambda *a, **kw: True)
-    monkeypatch.setattr(launch, "device_info", lambda dev: ((9, 0), 232448, 132))
+    monkeypatch.setattr(gluon_route, "WS_MIN_WORK", 0)
+    # the names as the route reads them: entry.use_descriptors, gluon.route's device_info (ws_reason)
+    monkeypatch.setattr(entry, "use_descriptors", lambda *a, **kw: True)
+    monkeypatch.setattr(gluon_route, "device_info", lambda dev: ((9, 0), 232448, 132))
     calls, made = [], {}
 
     def reference(q, k, v, params, bias):  # float64 on the CPU (naive_attention's masks live there)
@@ -1845,11 +1843,11 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias, fuse_dq):
         made["dq"] = fake_grads(q, k, v, do, params, bias)[0].to(q.dtype)
         return made["dq"]
 
-    monkeypatch.setattr(launch, "_forward_ws", fake_forward)
-    monkeypatch.setattr(launch, "_dkdv_ws", fake_dkdv)
-    monkeypatch.setattr(launch, "_dq_ws", fake_dq)
+    monkeypatch.setattr(gluon_launch, "forward", fake_forward)
+    monkeypatch.setattr(gluon_launch, "dkdv", fake_dkdv)
+    monkeypatch.setattr(gluon_launch, "dq", fake_dq)
 
-    # float16: the interpreter writes bf16 outputs as fp32 (launch._store_dtype), which the GPU never does
+    # float16: the interpreter writes bf16 outputs as fp32 (shapes.store_dtype), which the GPU never does
     dev = "cpu" if is_interpreter() else "cuda"  # the stand-ins run anywhere; delta is the real kernel's
     q = rand(1, 2, 256, 128, dtype=F16, device=dev)
     k, v = (rand(1, 2, 256, 128, dtype=F16, device=dev) for _ in range(2))
@@ -1869,7 +1867,7 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias, fuse_dq):
     if with_bias or fuse_dq:
         return
     # sdpa()'s relaunch plan for inference captures no tl launch here: every call takes the route
-    plan = launch.ForwardPlan(q, params)
+    plan = ForwardPlan(q, params)
     for _ in range(2):
         q2, k2, v2 = (torch.randn_like(t).detach() for t in (q, k, v))
         got = plan(q2, k2, v2)
