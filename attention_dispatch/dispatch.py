@@ -198,6 +198,8 @@ def _clear_decisions() -> None:
 
 
 register_cache("dispatch.decisions and fast_calls", _clear_decisions, lambda: len(_cache) + len(fast_calls))
+# warnings given once per process (math on CUDA, a nondeterministic backward): clear_cache() re-arms them
+register_cache("dispatch.warned_once", _warned.clear, _warned.__len__)
 
 
 def decide(problem: Problem, forced: str | None = None, raise_if_none: bool = True) -> Decision:

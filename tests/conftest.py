@@ -8,7 +8,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import attention_dispatch as ad  # noqa: E402
-from attention_dispatch import dispatch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -18,7 +17,6 @@ def _isolated_dispatch(monkeypatch):
     monkeypatch.delenv("ATTENTION_DISPATCH_CONFIG", raising=False)
     ad.reset_config()
     ad.clear_cache()
-    dispatch._warned.clear()
     names = ad.list_backends()
     yield
     for name in ad.list_backends():

@@ -68,7 +68,7 @@ def _launch(cache, kern, x, y, n, scale=0.5, block=16, flag=True, grid=(3, 2)):
 
 def test_second_launch_goes_direct_with_args_in_signature_order(cache, monkeypatch):
     stream = []
-    monkeypatch.setattr(cc, "_current_stream", lambda: stream.append(1) or 1234)
+    monkeypatch.setattr(cc, "current_stream", lambda: stream.append(1) or 1234)
     kern, x, y = _FakeKernel(), torch.zeros(8), torch.zeros(8)
     _launch(cache, kern, x, y, 32)
     _launch(cache, kern, x, y, 32, grid=(5, 1, 2))
@@ -105,7 +105,7 @@ def test_host_descriptors_are_keyed_by_what_compiles_and_passed_through(cache, m
     """A host-built TMA descriptor among the arguments (an unhashable dataclass) is keyed by
     its base's dtype and alignment, its shape, strides, block and padding: the same spec over
     new tensors relaunches directly with the new descriptor, any other spec compiles again."""
-    monkeypatch.setattr(cc, "_current_stream", lambda: 0)
+    monkeypatch.setattr(cc, "current_stream", lambda: 0)
     kern = _FakeKernel()
 
     def desc(t, rows=16, shape=(64, 16)):
@@ -148,7 +148,7 @@ def test_gluon_kernels_are_keyed_argument_by_argument(cache, monkeypatch):
     shared-memory layout), later pointers by dtype and alignment (not identity): the same spec
     over new tensors relaunches directly with the new arguments, any other spec compiles again;
     launch options (maxnreg) are passed to Triton and are part of the key."""
-    monkeypatch.setattr(cc, "_current_stream", lambda: 0)
+    monkeypatch.setattr(cc, "current_stream", lambda: 0)
     kern = _FakeGluonKernel()
 
     def go(q, o, lse, desc=_gluon_descriptor, maxnreg=168):
@@ -197,7 +197,7 @@ def test_forward_plan_rebuilds_gluon_descriptors_and_later_pointers(cache, monke
     with descriptors rebuilt over the new query and output and the new output's pointer."""
     from attention_dispatch.kernels import ForwardPlan
 
-    monkeypatch.setattr(cc, "_current_stream", lambda: 0)
+    monkeypatch.setattr(cc, "current_stream", lambda: 0)
     monkeypatch.setattr(replay, "hooks_installed", lambda: False)  # replay.py's own names
     kern, relaunched = _FakeGluonKernel(), []
 
@@ -290,7 +290,7 @@ def test_every_kernel_launch_is_relaunchable(monkeypatch, dev):
     def record(kernel, grid, args, constexprs, num_warps, num_stages, **options):
         n = cc.leading_tensors(args)
         assert not any(isinstance(a, torch.Tensor) for a in args[n:])
-        assert cc._constexpr_order(kernel, len(args), constexprs) is not None, kernel
+        assert cc.constexpr_order(kernel, len(args), constexprs) is not None, kernel
         seen[_pass_of(kernel)] = n
         return real(kernel, grid, args, constexprs, num_warps, num_stages, **options)
 
@@ -342,7 +342,7 @@ def test_gpu_relaunch_across_specialisations(monkeypatch):
 
 
 def test_capture_records_direct_and_first_launches(cache, monkeypatch):
-    monkeypatch.setattr(cc, "_current_stream", lambda: 0)
+    monkeypatch.setattr(cc, "current_stream", lambda: 0)
     kern, x = _FakeKernel(), torch.zeros(8)
     with cc.CompiledLaunchCache.capture() as launches:
         _launch(cache, kern, x, x, 8)
@@ -369,7 +369,7 @@ def _interpreted_relaunches(monkeypatch):
 
     def launch_and_record(kernel, grid, args, constexprs, num_warps, num_stages, **options):
         real(kernel, grid, args, constexprs, num_warps, num_stages, **options)
-        cc.COMPILED._record((kernel, constexprs, num_warps, num_stages), grid, args, constexprs)
+        cc.COMPILED.record((kernel, constexprs, num_warps, num_stages), grid, args, constexprs)
 
     def fake_relaunch(entry, grid, args):
         kernel, constexprs, num_warps, num_stages = entry
@@ -471,7 +471,7 @@ def test_training_plan_replays_a_warp_specialised_backward(cache, monkeypatch, f
     every tensor it reads is one the plan could patch."""
     from attention_dispatch.kernels import TrainingPlan
 
-    monkeypatch.setattr(cc, "_current_stream", lambda: 0)
+    monkeypatch.setattr(cc, "current_stream", lambda: 0)
     monkeypatch.setattr(replay, "hooks_installed", lambda: False)
     gluon = _FakeFusedDqKernel() if fused_dq else _FakeGluonKernel()
     ptr, relaunched, full = _FakeKernel(), [], []
@@ -667,7 +667,7 @@ def test_direct_launch_passes_what_triton_36s_wrapper_passes_and_keeps_tensormap
     encoded, raw_calls = [], []
     mod = _fake_triton36_driver(encoded)
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    monkeypatch.setattr(cc, "_current_stream", lambda: 1234)
+    monkeypatch.setattr(cc, "current_stream", lambda: 1234)
     signature = ["tensordesc<bf16[64, 64]>", "*bf16", "tensordesc<bf16[64, 64]>", "*fp32", "fp32", "i32", "constexpr"]
     metas = [{"swizzle": 128}, {"swizzle": 64}]
     launcher = mod.Launcher(lambda *a: raw_calls.append(a), signature, metas)

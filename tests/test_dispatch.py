@@ -280,7 +280,7 @@ def test_math_on_cuda_warns_once_or_is_forbidden():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             dispatch.decide(p)  # once only
-    dispatch._warned.clear()
+    ad.clear_cache()  # re-arms the warnings given once
     with ad.use_config({"dispatch": {"math_fallback": "allow"}}), ad.use_backends("math"):
         with warnings.catch_warnings():
             warnings.simplefilter("error")

@@ -115,7 +115,7 @@ _get_device = getattr(torch._C, "_cuda_getDevice", None)
 _get_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _current_stream():
+def current_stream():
     """The stream Triton's own launch would use (the current device's current stream).  Triton
     asks ``torch.cuda.current_device()``, whose lazy-initialisation check is ~0.5 us of host
     time per call on the H100 machine; a relaunched entry had its first launch through Triton,
@@ -198,11 +198,11 @@ class CompiledLaunchCache:
         if entry is not None and not hooks_installed():
             self.hits += 1
             relaunch(entry, grid, args)
-            self._record(entry, grid, args, constexprs)
+            self.record(entry, grid, args, constexprs)
             return
         self.misses += 1
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **options)
-        order = _constexpr_order(kernel, len(args), constexprs)
+        order = constexpr_order(kernel, len(args), constexprs)
         launcher = getattr(compiled, "run", None)  # the launcher, loaded by the launch above
         # tensors after the leading ones are keyed by identity in the common key: not cacheable there
         cacheable = (
@@ -218,10 +218,12 @@ class CompiledLaunchCache:
             # the key holds the constexprs: their values, in signature order, are fixed per entry
             tail = tuple(constexprs[n] for n in order)
             self._entries[key] = entry = (launcher, compiled.function, compiled.packed_metadata, tail)
-        self._record(entry if cacheable else None, grid, args, constexprs)
+        self.record(entry if cacheable else None, grid, args, constexprs)
 
     @staticmethod
-    def _record(entry, grid, args, constexprs) -> None:
+    def record(entry, grid, args, constexprs) -> None:
+        """Add a launch to the active :meth:`capture` (the interpreter's launches, which skip
+        this cache, are added this way by tests that replay them)."""
         sink = _capture.get()
         if sink is not None:
             sink.append((entry, tuple(grid), args, constexprs))
@@ -249,7 +251,7 @@ def relaunch(entry, grid: tuple, args) -> None:
         grid[0],
         grid[1] if len(grid) > 1 else 1,
         grid[2] if len(grid) > 2 else 1,
-        _current_stream(),
+        current_stream(),
         function,
         metadata,
         None,
@@ -374,7 +376,7 @@ class DirectLaunch:
 
     def __call__(self, addresses: list, pool: tuple) -> None:
         args = self.template.copy()
-        args[3] = _current_stream()
+        args[3] = current_stream()
         for at, i in self.pointers:
             args[at] = addresses[i]
         for lo, hi, i, descriptor, meta, maps in self.descriptors:
@@ -391,7 +393,7 @@ class DirectLaunch:
         self.raw(*args)
 
 
-def _constexpr_order(kernel, n_positional: int, constexprs: dict):
+def constexpr_order(kernel, n_positional: int, constexprs: dict):
     """Names of the parameters after the positional ones, in signature order, when they are
     exactly the given constexprs (else None: that kernel keeps Triton's launch path)."""
     names = getattr(kernel, "arg_names", None)
