@@ -5,6 +5,7 @@ from .backends.base import Backend, Capabilities, not_supported_reasons
 from .caches import clear_cache
 from .config import Config, ConfigError, load_config, read_config, reset_config, use_config
 from .debug import configure_logging_from_env, last_decision, record
+from .kvcache import explain_with_kvcache, sdpa_with_kvcache
 from .dispatch import BackendRunError, Decision, NoBackendError, use_backends
 from .problem import Problem
 from .route import Route, RouteStep
@@ -18,6 +19,8 @@ __version__ = "0.1.0"
 __all__ = [
     "sdpa",
     "explain",
+    "sdpa_with_kvcache",
+    "explain_with_kvcache",
     "Backend",
     "Capabilities",
     "not_supported_reasons",

@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from ..problem import Problem
+from ..problem import KV_LAYOUTS, Problem
 from ..route import Route
 from ..semantics import CausalKind
 
@@ -50,7 +50,33 @@ class Capabilities:
     max_seqlen: int | None = None
     max_batch_heads: int | None = None
     needs_last_dim_contiguous: bool = False  # the adapter does not copy a strided last dim
+    # sdpa_with_kvcache(): which caches run_kvcache() takes, "dense" (B, Hkv, S, D) and/or
+    # "paged" (num_blocks, block_size, Hkv, D) with a block table; empty: no KV-cache path
+    # (the one default that allows nothing: run_kvcache() must be implemented)
+    kv_cache: frozenset[str] = frozenset()
+    paged_block_size_min: int = 1  # a paged cache's block_size: at least this,
+    paged_block_size_multiple: int = 1  # a multiple of this,
+    paged_block_size_pow2: bool = False  # and a power of two when set
+    kv_append: bool = True  # k_new/v_new written into the cache before attending
+    kv_multi_query: bool = True  # Sq > 1 new queries per sequence (chunked prefill, speculative decoding)
     notes: str = ""  # free text for `info`, never used to decide
+
+    def paged_block_sizes(self) -> str:
+        """The block sizes a paged cache may have, in words ("powers of two >= 16")."""
+        low, step = self.paged_block_size_min, self.paged_block_size_multiple
+        if self.paged_block_size_pow2:
+            low = max(1 << max(0, low - 1).bit_length(), step)
+            return f"powers of two >= {low}"
+        if step > 1:
+            return f"multiples of {step}" + (f" >= {low}" if low > step else "")
+        return f">= {low}" if low > 1 else "any"
+
+    def paged_block_size_ok(self, block_size: int) -> bool:
+        return (
+            block_size >= max(1, self.paged_block_size_min)
+            and block_size % self.paged_block_size_multiple == 0
+            and (not self.paged_block_size_pow2 or block_size & (block_size - 1) == 0)
+        )
 
     def rows(self) -> list[tuple[str, str]]:
         """(feature, value) pairs for the `info` table."""
@@ -90,6 +116,10 @@ class Capabilities:
             ("deterministic bwd", yes(self.deterministic_backward)),
             ("max seqlen", str(self.max_seqlen or "any")),
             ("max B*H", str(self.max_batch_heads or "any")),
+            ("KV cache", names(self.kv_cache)),
+            ("paged block size", self.paged_block_sizes() if "paged" in self.kv_cache else "-"),
+            ("KV append", yes(self.kv_append) if self.kv_cache else "-"),
+            ("KV Sq > 1", yes(self.kv_multi_query) if self.kv_cache else "-"),
         ]
 
 
@@ -97,6 +127,7 @@ def not_supported_reasons(caps: Capabilities, problem: Problem) -> list[str]:
     """Every reason `caps` cannot compute `problem`; empty means supported."""
     reasons: list[str] = []
     p = problem
+    kv = p.layout in KV_LAYOUTS
     if p.device_type not in caps.devices:
         reasons.append(f"device={p.device_type} not in {{{', '.join(sorted(caps.devices))}}}")
     if p.compute_capability is not None:
@@ -126,14 +157,16 @@ def not_supported_reasons(caps: Capabilities, problem: Problem) -> list[str]:
         if not caps.causal_kinds:
             reasons.append(f"causal={p.causal} not supported")
         elif not p.sequences_match:  # with Sq == Sk both alignments are the same function
-            where = "varlen" if p.layout == "varlen" else f"Sq={p.seqlen_q} != Sk={p.seqlen_k}"
+            where = _unequal_lengths(p)
             only = ", ".join(str(k) for k in sorted(caps.causal_kinds))
             reasons.append(f"causal={p.causal} with {where} (the backend aligns causal {only})")
     if p.window is not None:
         if not caps.window:
             reasons.append(f"window={p.window} not supported")
         elif p.causal is None and CausalKind.BOTTOM_RIGHT not in caps.causal_kinds and not p.sequences_match:
-            reasons.append(f"window={p.window} aligned bottom-right with Sq != Sk (supports only top_left)")
+            reasons.append(
+                f"window={p.window} aligned bottom-right with {_unequal_lengths(p)} (supports only top_left)"
+            )
     if p.mask_kind == "bool" and not caps.bool_mask:
         reasons.append("bool attn_mask not supported")
     if p.mask_kind == "float":
@@ -154,6 +187,8 @@ def not_supported_reasons(caps: Capabilities, problem: Problem) -> list[str]:
         reasons.append("dense (B, H, S, D) inputs not supported (varlen only)")
     if p.layout == "varlen" and not caps.varlen:
         reasons.append("varlen (cu_seqlens / nested) inputs not supported")
+    if kv:
+        reasons.extend(_kv_reasons(caps, p))
     if p.heads_q != p.heads_kv and not caps.gqa:
         reasons.append(f"GQA (Hq={p.heads_q}, Hkv={p.heads_kv}) not supported")
     if p.requires_grad and not caps.backward:
@@ -166,6 +201,31 @@ def not_supported_reasons(caps: Capabilities, problem: Problem) -> list[str]:
         reasons.append(f"batch*heads={p.batch * p.heads_q} > {caps.max_batch_heads}")
     if caps.needs_last_dim_contiguous and not p.last_dim_contiguous:
         reasons.append("last dimension of query/key/value not contiguous")
+    return reasons
+
+
+def _unequal_lengths(p: Problem) -> str:
+    if p.layout == "varlen":
+        return "varlen"
+    if p.layout in KV_LAYOUTS:
+        return "a KV cache (aligned to each sequence's length)"
+    return f"Sq={p.seqlen_q} != Sk={p.seqlen_k}"
+
+
+def _kv_reasons(caps: Capabilities, p: Problem) -> list[str]:
+    """The reasons of an sdpa_with_kvcache() call (layout "kvcache" or "paged")."""
+    if not caps.kv_cache:
+        return ["KV-cache calls (sdpa_with_kvcache) not supported"]
+    reasons = []
+    kind = "paged" if p.layout == "paged" else "dense"
+    if kind not in caps.kv_cache:
+        reasons.append(f"{kind} KV cache not supported (only {', '.join(sorted(caps.kv_cache))})")
+    elif kind == "paged" and not caps.paged_block_size_ok(p.kv_block_size or 0):
+        reasons.append(f"paged block_size={p.kv_block_size} not supported (allowed: {caps.paged_block_sizes()})")
+    if p.kv_append and not caps.kv_append:
+        reasons.append("k_new/v_new (appending into the cache) not supported")
+    if p.seqlen_q > 1 and not caps.kv_multi_query:
+        reasons.append(f"Sq={p.seqlen_q} new queries per sequence not supported (only Sq=1)")
     return reasons
 
 
@@ -198,8 +258,13 @@ class Backend:
         return []
 
     def reasons(self, problem: Problem) -> list[str]:
-        """All reasons this backend cannot compute `problem` (not counting availability)."""
-        return not_supported_reasons(self.capabilities, problem) + list(self.check(problem))
+        """All reasons this backend cannot compute `problem` (not counting availability).
+        A KV-cache call to a backend without a KV-cache path gets the capabilities' reasons
+        alone: check() is written for sdpa()'s layouts."""
+        reasons = not_supported_reasons(self.capabilities, problem)
+        if problem.layout in KV_LAYOUTS and not self.capabilities.kv_cache:
+            return reasons
+        return reasons + list(self.check(problem))
 
     def route(self, query, key, value, options: dict) -> Route | None:
         """Which implementation inside this backend computes the call (``options`` as for
@@ -210,6 +275,16 @@ class Backend:
     def run(self, query, key, value, **options):
         """Compute the call; options are the normalised arguments (DESIGN.md section 4)."""
         raise NotImplementedError(f"backend {self.name!r} does not implement run()")
+
+    def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):
+        """sdpa_with_kvcache()'s call, validated (only for a backend whose capabilities name
+        ``kv_cache``): query (B, Hq, Sq, D); a dense cache (B, Hkv, S, D) or, with block_table
+        (int32 (B, max_blocks)), a paged one (num_blocks, block_size, Hkv, D); cache_seqlens int32
+        (B,) on the query's device; k_new/v_new None or (B, Hkv, Sq, D), written into the cache in
+        place at positions cache_seqlens[b]... first; causal None or CausalKind.BOTTOM_RIGHT,
+        window None or (left, right), both aligned to each sequence's length; scale a float.
+        Returns (B, Hq, Sq, D) in query's dtype; called under torch.no_grad()."""
+        raise NotImplementedError(f"backend {self.name!r} does not implement run_kvcache()")
 
     def prepare(self, query, key, value, options: dict):
         """A callable ``(query, key, value[, attn_mask], *, cu_seqlens_q, cu_seqlens_k) -> out``

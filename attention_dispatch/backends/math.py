@@ -3,7 +3,8 @@
 Queries are processed in chunks so that no Sq x Sk matrix is ever allocated; under
 autograd each chunk is checkpointed (with its RNG state, so dropout is replayed
 exactly), which bounds the backward's memory too. GQA folds the query-head group into
-the rows of one matmul per key/value head, so K and V are never repeated.
+the rows of one matmul per key/value head, so K and V are never repeated.  Calls against a
+KV cache (sdpa_with_kvcache) run one sequence at a time over its own keys.
 """
 
 from __future__ import annotations
@@ -153,6 +154,53 @@ def math_attention(
     return torch.cat(outs)
 
 
+def _cache_rows(cache, b: int, length: int, block_table):
+    """The first ``length`` keys (or values) of sequence b as (Hkv, length, D)."""
+    if block_table is None:
+        return cache[b, :, :length]
+    page = cache.shape[1]
+    blocks = block_table[b, : -(-length // page)].long()
+    return cache[blocks].flatten(0, 1)[:length].transpose(0, 1)
+
+
+def math_attention_with_kvcache(
+    query, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None, causal=None, window=None, scale
+):
+    """sdpa_with_kvcache()'s call from its definition, one sequence at a time: k_new/v_new
+    written into the cache at positions cache_seqlens[b]... (in place), then sequence b's
+    queries attend to its first L_b = cache_seqlens[b] (+ Sq) keys, causal and window aligned
+    bottom-right against L_b.  Reads cache_seqlens on the host."""
+    b, hq, sq, _ = query.shape
+    lengths = cache_seqlens.tolist()
+    if k_new is not None:
+        for i, start in enumerate(lengths):
+            if block_table is None:
+                k_cache[i, :, start : start + sq] = k_new[i]
+                v_cache[i, :, start : start + sq] = v_new[i]
+            else:
+                page = k_cache.shape[1]
+                pos = torch.arange(start, start + sq, device=query.device)
+                blocks = block_table[i].long()[pos // page]
+                k_cache[blocks, pos % page] = k_new[i].transpose(0, 1)
+                v_cache[blocks, pos % page] = v_new[i].transpose(0, 1)
+        lengths = [n + sq for n in lengths]
+    _, left, right = band(causal, window)
+    outs = [
+        dense_math_attention(
+            query[i : i + 1],
+            _cache_rows(k_cache, i, n, block_table).unsqueeze(0),
+            _cache_rows(v_cache, i, n, block_table).unsqueeze(0),
+            None,
+            scale=scale,
+            bottom_right=True,
+            left=left,
+            right=right,
+        )
+        for i, n in enumerate(lengths)
+    ]
+    return torch.cat(outs) if outs else query.new_zeros(b, hq, sq, v_cache.shape[-1])
+
+
 class MathBackend(Backend):
     """Reference implementation of every feature; always available, never fast."""
 
@@ -160,6 +208,7 @@ class MathBackend(Backend):
     reference = True
     capabilities = Capabilities(
         head_dim_min=0,  # head dim 0: scores are the bias alone, as in F.sdpa
+        kv_cache=frozenset({"dense", "paged"}),  # any block size
         notes="reference; query-chunked, bounded memory; the test oracle in float64",
     )
 
@@ -168,3 +217,6 @@ class MathBackend(Backend):
 
     def run(self, query, key, value, **options):
         return math_attention(query, key, value, **options)
+
+    def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, **options):
+        return math_attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, **options)

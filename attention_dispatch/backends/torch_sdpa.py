@@ -36,6 +36,10 @@ How our call maps onto ``F.scaled_dot_product_attention``:
   to everything inside the kernel (finite numbers) and replaces their output by 0; since
   their incoming gradient is then 0, they contribute exactly 0 to every gradient. The CPU
   flash kernel already returns 0 with zero gradient for them (tested), so it runs as is.
+- a dense KV cache (sdpa_with_kvcache; backends that take a bool mask): k_new/v_new written
+  into the cache in place by ``index_put_``, then F.sdpa over the whole cache with a bool mask
+  built on the device from ``cache_seqlens`` (key j < L_b, causal aligned to L_b): nothing is
+  read on the host, so it can be captured in a CUDA graph.  Paged caches, windows: no.
 - varlen (cu_seqlens): ``torch.nested.nested_tensor_from_jagged`` on the packed tensors;
   GQA is expanded to full heads first (nested inputs broadcast heads only without grad);
   sequences of length 0 are left out of the kernel call (their rows are 0).
@@ -109,6 +113,27 @@ def _band_mask(sq: int, sk: int, causal: CausalKind | None, device) -> torch.Ten
     i = torch.arange(sq, device=device).unsqueeze(1)
     j = torch.arange(sk, device=device).unsqueeze(0)
     return j <= i + off
+
+
+def _append_dense(k_cache, v_cache, cache_seqlens, k_new, v_new) -> None:
+    """Write k_new/v_new (B, Hkv, Sq, D) into the dense cache (B, Hkv, S, D) at positions
+    cache_seqlens[b] + i, in place, with device-side indices."""
+    b, hkv, sq, d = k_new.shape
+    pos = (cache_seqlens.long()[:, None] + torch.arange(sq, device=k_new.device)).reshape(-1)
+    batch = torch.arange(b, device=k_new.device).repeat_interleave(sq)
+    k_cache.transpose(1, 2).index_put_((batch, pos), k_new.transpose(1, 2).reshape(b * sq, hkv, d))
+    v_cache.transpose(1, 2).index_put_((batch, pos), v_new.transpose(1, 2).reshape(b * sq, hkv, d))
+
+
+def _kv_mask(lengths, sq: int, capacity: int, causal) -> torch.Tensor:
+    """(B, 1, Sq, capacity) bool: key j allowed for query i of sequence b (L_b = lengths[b]):
+    j < L_b, and with causal j <= i + L_b - Sq."""
+    j = torch.arange(capacity, device=lengths.device)
+    lengths = lengths.long()[:, None, None]
+    allowed = j < lengths  # (B, 1, S)
+    if causal is not None:
+        allowed = allowed & (j <= torch.arange(sq, device=lengths.device)[:, None] + (lengths - sq))
+    return allowed.expand(-1, sq, -1).unsqueeze(1)
 
 
 class _Pinned:
@@ -391,6 +416,22 @@ class _TorchSdpaBackend(Backend):
             out = torch.where(row_ok, out, torch.zeros((), dtype=out.dtype, device=out.device))
         return out
 
+    def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):
+        """A dense KV cache: the append by index_put_, then F.sdpa over the whole cache with
+        a bool mask built on the device from cache_seqlens (module doc)."""
+        if block_table is not None or window is not None:
+            raise ValueError(f"{self.name}: a paged KV cache or a window is not supported (rejected by check())")
+        b, hq, sq, _ = query.shape
+        capacity = k_cache.shape[2]
+        lengths = cache_seqlens
+        if k_new is not None:
+            _append_dense(k_cache, v_cache, cache_seqlens, k_new, v_new)
+            lengths = cache_seqlens + sq
+        if 0 in (b, hq, sq, capacity):
+            return query.new_zeros(b, hq, sq, v_cache.shape[-1])
+        mask = _kv_mask(lengths, sq, capacity, causal)
+        return self._run_dense(query, k_cache, v_cache, mask, 0.0, None, scale, MASK)
+
     def _run_varlen(self, query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale):
         """A non-empty varlen call (call_form NESTED)."""
         hq, hkv = query.shape[1], key.shape[1]
@@ -466,6 +507,7 @@ class CudnnBackend(_TorchSdpaBackend):
         varlen=False,  # nested needs TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1, sm90/100, Sq > 128
         deterministic_backward=False,
         max_batch_heads=None,
+        kv_cache=frozenset({"dense"}),  # F.sdpa with a bool mask from cache_seqlens
         notes="bottom-right causal as a folded bool mask; head dim 256 only on sm90 with cuDNN >= 9.19 or sm10x with cuDNN > 9.22",
     )
 
@@ -505,7 +547,7 @@ class CudnnBackend(_TorchSdpaBackend):
             )
         if p.batch > 65535 or p.heads_q > 65535:
             reasons.append(f"batch={p.batch} or heads={p.heads_q} > 65535 (cuDNN limit)")
-        if p.layout == "dense" and p.seqlen_k == 1:
+        if p.layout in ("dense", "kvcache") and p.seqlen_k == 1:
             reasons.append("Sk=1 not supported by cuDNN attention")
         cc = p.compute_capability or (0, 0)
         ver = self._cudnn_version()
@@ -589,6 +631,7 @@ class TorchEfficientBackend(_TorchSdpaBackend):
         window=False,
         float32_bias=False,  # not shown to add a float32 bias unrounded
         gqa=False,  # PyTorch 2.11 refuses dense Hq != Hkv for this kernel ("No available kernel", seen on an H100)
+        kv_cache=frozenset({"dense"}),  # F.sdpa with a bool mask from cache_seqlens
         notes="varlen: causal top-left, forward only; deterministic backward only under "
         "torch.use_deterministic_algorithms(True)",
     )
@@ -619,7 +662,7 @@ class TorchEfficientBackend(_TorchSdpaBackend):
                     f"{label}={d} is not a multiple of {align} (efficient attention, "
                     f"{str(p.dtype).removeprefix('torch.')})"
                 )
-        if p.layout == "dense" and cc >= (8, 0) and not p.aligned_16:
+        if p.layout in ("dense", "kvcache") and cc >= (8, 0) and not p.aligned_16:
             reasons.append("query/key/value not 16-byte aligned (efficient attention on sm80+)")
         if p.layout == "varlen" and p.requires_grad:
             reasons.append("backward with varlen/nested inputs not supported (PyTorch: check_requires_grad_and_nested)")
@@ -643,6 +686,7 @@ class TorchCpuBackend(_TorchSdpaBackend):
         bias_grad=False,  # check_attn_mask_shape: a mask requiring grad falls back to math
         dropout=False,  # check_for_dropout
         varlen=False,  # check_nested_tensor
+        kv_cache=frozenset({"dense"}),  # F.sdpa with a bool mask from cache_seqlens
         notes="bottom-right causal as a folded bool mask",
     )
 

@@ -1,7 +1,9 @@
 """The `triton` backend: this project's own kernel (attention_dispatch.kernels).
 
 On a GPU it needs Triton and CUDA; on the CPU it runs under Triton's interpreter
-(TRITON_INTERPRET=1 set before triton is imported), which is how CI tests it.
+(TRITON_INTERPRET=1 set before triton is imported), which is how CI tests it.  Calls against
+a KV cache (sdpa_with_kvcache) run the decode kernel (kernels/decode.py): the append in place,
+then split-KV over the cache, dense or paged, nothing read on the host.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import torch
 
 from ..caches import register_cache
-from ..problem import Problem
+from ..problem import KV_LAYOUTS, Problem
 from ..route import Route, RouteStep
 from ..semantics import band
 from .base import Backend, Capabilities
@@ -36,6 +38,11 @@ def _import_error() -> str:
 
 
 register_cache("backends.triton.import_error", _import_error.cache_clear, lambda: _import_error.cache_info().currsize)
+
+
+DECODE_MIN_BLOCK_SIZE = 16  # a paged cache's smallest block size
+DECODE_MIN_HEAD_DIM = 16  # the decode kernel loads the head dim as one power-of-two tile: tl.dot's minimum
+DECODE_MAX_GRID_Y = 65535  # batch * kv heads share the launch grid's y axis (no chunking)
 
 
 class TritonBackend(Backend):
@@ -64,6 +71,12 @@ class TritonBackend(Backend):
             varlen=L.varlen,
             gqa=L.gqa,
             deterministic_backward=L.deterministic_backward,
+            # the decode kernel (kernels/decode.py; not yet in kernels/limits.py): dense and paged
+            # caches, block sizes powers of two from 16 (its key tile loops over whole pages),
+            # append, Sq > 1, window and causal, GQA; head dims 16..256 (check())
+            kv_cache=frozenset({"dense", "paged"}),
+            paged_block_size_min=DECODE_MIN_BLOCK_SIZE,
+            paged_block_size_pow2=True,
             notes="this project's kernel; CPU only under TRITON_INTERPRET=1",
         )
 
@@ -87,12 +100,57 @@ class TritonBackend(Backend):
     def check(self, problem: Problem) -> list[str]:
         if problem.device_type == "cpu" and not _interpreting():
             return ["device=cpu needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)"]
+        if problem.layout in KV_LAYOUTS:
+            return self._decode_reasons(problem)
         from ..kernels import config_reason
 
         reason = config_reason(
             problem.head_dim_qk, problem.head_dim_v, problem.dtype, problem.device_type, problem.compute_capability
         )
         return [reason] if reason else []
+
+    @staticmethod
+    def _decode_reasons(p: Problem) -> list[str]:
+        """The decode kernel's limits beyond the capabilities."""
+        reasons = []
+        if p.head_dim_qk < DECODE_MIN_HEAD_DIM:
+            reasons.append(
+                f"head_dim={p.head_dim_qk} < {DECODE_MIN_HEAD_DIM} with a KV cache (the decode kernel does not pad it)"
+            )
+        if p.batch * p.heads_kv > DECODE_MAX_GRID_Y:
+            reasons.append(
+                f"batch*heads_kv={p.batch * p.heads_kv} > {DECODE_MAX_GRID_Y} with a KV cache (the decode "
+                "kernel's grid is not chunked)"
+            )
+        return reasons
+
+    def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):
+        from ..kernels import KernelParams
+        from ..kernels.decode import append_kv, decode_forward
+
+        if k_new is not None:
+            append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+        b, hq, sq, _ = query.shape
+        capacity = k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+        if 0 in (b, hq, sq, capacity):
+            return query.new_zeros(b, hq, sq, v_cache.shape[-1])
+        _, left, right = band(causal, window)
+        params = KernelParams(scale=scale, align_bottom_right=True, window_left=left, window_right=right)
+        # the kernel reads rows with unit stride: copy what is not (never the common call)
+        query, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, k_cache, v_cache))
+        if cache_seqlens.stride(0) != 1:
+            cache_seqlens = cache_seqlens.contiguous()
+        if block_table is not None and block_table.stride(-1) != 1:
+            block_table = block_table.contiguous()
+        return decode_forward(
+            query,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            params,
+            block_table=block_table,
+            n_new=sq if k_new is not None else 0,
+        )
 
     @staticmethod
     def _params(causal, window, scale, dropout_p, deterministic, **_):
