@@ -1,6 +1,8 @@
 """Capability honesty: every claim a backend declares is exercised against the float64
 oracle, so a claim without a test cannot exist. Cases are generated from each backend's
-Capabilities; a single-feature claim must also be accepted by the backend's checks."""
+Capabilities; a single-feature claim must also be accepted by the backend's checks.  The
+KV-cache claims (kv_cache, paged block sizes, kv_append, kv_multi_query, and causal, window,
+GQA and dtypes through sdpa_with_kvcache) are checked against tests/test_kvcache.py's reference."""
 
 import dataclasses
 
@@ -8,10 +10,12 @@ import pytest
 import torch
 
 import attention_dispatch as ad
+from attention_dispatch import CausalKind
 from attention_dispatch.api import normalize_call
-from attention_dispatch.backends.math import math_attention
+from attention_dispatch.backends.math import math_attention, math_attention_with_kvcache
 from cases import Case, make_inputs
 from oracle import KEEP_MASKS, compare_backend
+from test_kvcache import KvCase, check_kv_call, make_kv_inputs
 
 
 def claimed_cases(caps: ad.Capabilities, big: bool = False):
@@ -101,6 +105,60 @@ def claimed_cases(caps: ad.Capabilities, big: bool = False):
     if caps.dropout:
         out.append(("dropout", dataclasses.replace(base, dropout_p=0.25), True))
     return out
+
+
+def kv_claimed_cases(caps: ad.Capabilities, big: bool = False):
+    """(label, KvCase) for each KV-cache feature `caps` declares (each a single feature: the
+    backend must accept it). Small shapes on the CPU."""
+    if not caps.kv_cache:
+        return []
+    order = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+    dtypes = [d for d in order if d in caps.dtypes]
+    capacity = 1024 if big else 64
+    head_dim = max(caps.head_dim_min, 64 if big else 16)
+    head_dim = -(-head_dim // caps.head_dim_multiple) * caps.head_dim_multiple
+    sizes = [n for n in range(1, capacity + 1) if capacity % n == 0 and caps.paged_block_size_ok(n)]
+    sizes = sizes[:1] + [n for n in sizes if sizes and n >= 4 * sizes[0]][:1]  # the smallest and a larger one
+    paged_only = "dense" not in caps.kv_cache
+    base = KvCase(
+        dtype=dtypes[0],
+        heads_kv=4,
+        capacity=capacity,
+        head_dim=head_dim,
+        block_size=sizes[0] if paged_only and sizes else None,
+    )
+    out = [(f"kv dtype={str(d)[6:]}", dataclasses.replace(base, dtype=d)) for d in dtypes]
+    if "dense" in caps.kv_cache:
+        out.append(("kv dense cache", dataclasses.replace(base, block_size=None)))
+    if "paged" in caps.kv_cache:
+        out += [(f"kv paged block_size={n}", dataclasses.replace(base, block_size=n)) for n in sizes]
+    if caps.kv_append:
+        out.append(("kv append", dataclasses.replace(base, append=True)))
+    if caps.kv_multi_query:
+        out.append(("kv Sq>1", dataclasses.replace(base, seqlen_q=3)))
+    sq = 3 if caps.kv_multi_query else 1
+    if CausalKind.BOTTOM_RIGHT in caps.causal_kinds:
+        out.append((f"kv causal Sq={sq}", dataclasses.replace(base, seqlen_q=sq, causal=True)))
+    if caps.window:
+        out.append(("kv window", dataclasses.replace(base, seqlen_q=sq, window=(5, 1))))
+    if caps.gqa:
+        out.append(("kv gqa", dataclasses.replace(base, heads_q=8, heads_kv=2)))
+    return out
+
+
+def check_kv_claim(backend: str, label: str, case: KvCase, device="cpu") -> None:
+    """One KV-cache claim: accepted by the backend, and its output and cache match the reference."""
+    decision = ad.explain_with_kvcache(**make_kv_inputs(case, device), backend=backend)
+    assert decision.backend == backend, f"{backend} claims {label} but rejects it: {decision.rejected.get(backend)}"
+    check_kv_call(backend, case, device)
+
+
+def check_kv_claims(backend: str, device="cpu", big=False) -> int:
+    """Every KV-cache claim of `backend` in one loop (for registered test doubles)."""
+    cases = kv_claimed_cases(ad.get_backend(backend).capabilities, big)
+    for label, case in cases:
+        check_kv_claim(backend, label, case, device)
+    return len(cases)
 
 
 def _available(device_type):
@@ -205,6 +263,25 @@ def _claims(device: str, big: bool):
             yield pytest.param(backend, label, case, single, id=f"{backend}: {label}")
 
 
+def _kv_claims(device: str, big: bool):
+    if device == "cuda" and not torch.cuda.is_available():
+        return
+    for backend in _available(device):
+        for label, case in kv_claimed_cases(ad.get_backend(backend).capabilities, big):
+            yield pytest.param(backend, label, case, id=f"{backend}: {label}")
+
+
+@pytest.mark.parametrize("backend,label,case", list(_kv_claims("cpu", big=False)))
+def test_kv_capability_claim_holds_on_cpu(backend, label, case):
+    check_kv_claim(backend, label, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,label,case", list(_kv_claims("cuda", big=True)))
+def test_kv_capability_claim_holds_on_gpu(backend, label, case):
+    check_kv_claim(backend, label, case, device="cuda")
+
+
 @pytest.mark.parametrize("backend,label,case,single", list(_claims("cpu", big=False)))
 def test_capability_claim_holds_on_cpu(backend, label, case, single):
     if not check_claim(backend, label, case, single):
@@ -251,3 +328,35 @@ def test_a_rounded_float32_bias_fails_the_honesty_check():
     ad.register_backend(_Rounder())
     with pytest.raises(AssertionError, match="rounder .*mask_dtype=torch.float32.* out: max error"):
         check_claims("rounder")
+
+
+class _KvLiar(ad.Backend):
+    """Claims a window against a KV cache but ignores it."""
+
+    name = "kv_liar"
+    capabilities = ad.Capabilities(dtypes=frozenset({torch.float32}), kv_cache=frozenset({"dense", "paged"}))
+
+    def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, **options):
+        return math_attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, **{**options, "window": None})
+
+
+def test_an_ignored_kv_window_fails_the_honesty_check():
+    ad.register_backend(_KvLiar())
+    with pytest.raises(AssertionError, match="kv_liar .*window=\\(5, 1\\).* out: max error"):
+        check_kv_claims("kv_liar")
+
+
+class _NoAppend(ad.Backend):
+    """Claims the append but attends to k_new without writing it into the cache."""
+
+    name = "no_append"
+    capabilities = ad.Capabilities(dtypes=frozenset({torch.float32}), kv_cache=frozenset({"paged"}))
+
+    def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, **options):
+        return math_attention_with_kvcache(query, k_cache.clone(), v_cache.clone(), cache_seqlens, **options)
+
+
+def test_a_missing_append_fails_the_honesty_check():
+    ad.register_backend(_NoAppend())
+    with pytest.raises(AssertionError, match="no_append .*append=True.*: k_cache after the call"):
+        check_kv_claims("no_append")
