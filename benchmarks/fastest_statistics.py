@@ -5,7 +5,7 @@
 Grids from 2026-11-23 (session 18) on record, in each "fastest" cell, every timed backend's
 samples (`measured_samples`).  For each statistic this picks, per cell, the backend it would
 have chosen from those samples and reads that backend's own grid column against the best
-eligible backend's column (bench.best_backend): the same ratio as the grid's fastest/best,
+eligible backend's column (targets.best_backend): the same ratio as the grid's fastest/best,
 without the noise of the fastest column's own measurement.
 
 Then the agreement of two measurements of one kernel (experiment 69): the fastest cell
@@ -33,10 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import bench  # noqa: E402
+from attention_dispatch.timing import lower_quartile  # noqa: E402
+from benchmarks import bench, grid, targets  # noqa: E402
 
 
-STATISTICS = {"median": statistics.median, "lower quartile": bench.lower_quartile, "minimum": min}
+STATISTICS = {"median": statistics.median, "lower quartile": lower_quartile, "minimum": min}
 
 
 # Host margins replayed with the lower quartile: a backend costs max(its statistic, margin x
@@ -70,8 +71,8 @@ def replay(
         pick = pick_winner({name: statistic(x) for name, x in samples.items()}, host)
     else:
         pick = min(samples, key=cost)
-    value = bench.cell_value(entry["results"].get(bench.BACKEND_COLUMNS.get(pick, pick)), mode)
-    _, best = bench.best_backend(entry, mode)
+    value = targets.cell_value(entry["results"].get(grid.BACKEND_COLUMNS.get(pick, pick)), mode)
+    _, best = targets.best_backend(entry, mode)
     return (pick, value / best) if value and best else None
 
 
@@ -82,7 +83,7 @@ def summarise(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
     variants += [(f"lower quartile, host x{m:g}", STATISTICS["lower quartile"], m, False) for m in HOST_MARGINS]
     variants += [("lower quartile, near-tie to host", STATISTICS["lower quartile"], None, True)]
     for label, statistic, margin, tie in variants:
-        for mode in bench.MODES:
+        for mode in grid.MODES:
             got = [(e["row"]["id"], r) for e in entries if (r := replay(e, mode, statistic, margin, tie))]
             misses = [(rid, pick, round(ratio, 3)) for rid, (pick, ratio) in got if ratio < need]
             out[f"{label} {mode}"] = dict(
@@ -103,14 +104,14 @@ def by_rounds(entries: list[dict], counts=ROUND_COUNTS, need: float = 0.97) -> d
     (one per round) picks; cells judged, cells below ``need`` of the best column, the worst."""
     out: dict[str, dict[int, dict]] = {label: {} for _, label in LEADER_BANDS}
     for e in entries:
-        for mode in bench.MODES:
+        for mode in grid.MODES:
             samples = (((e["results"].get("fastest") or {}).get(mode) or {}).get("measured_samples")) or {}
             if not samples:
                 continue
-            lead = min(bench.lower_quartile(list(x)) for x in samples.values())
+            lead = min(lower_quartile(list(x)) for x in samples.values())
             band = next(label for limit, label in LEADER_BANDS if lead < limit)
             for k in counts:
-                got = replay(e, mode, lambda x, k=k: bench.lower_quartile(list(x[:k])))
+                got = replay(e, mode, lambda x, k=k: lower_quartile(list(x[:k])))
                 if got is None:
                     continue
                 cell = out[band].setdefault(k, dict(cells=0, below=0, worst=None))
@@ -124,21 +125,21 @@ def agreement(entries: list[dict], need: float = 0.97) -> dict[str, dict]:
     """The fastest cell against its choice's own column (the same kernel), per cell length
     (the column's ms, LENGTHS): cells, median |log(fastest ms / column ms)|, cells below
     ``need`` (fastest slower).  Also, where both recorded one sample per round (the grid pairs
-    their turns: bench.pair_fastest), the paired estimate the target reads there
-    (bench.paired_log_ratio: per round log(column sample / fastest sample), the medians of even
+    their turns: turns.pair_fastest), the paired estimate the target reads there
+    (targets.paired_log_ratio: per round log(column sample / fastest sample), the medians of even
     and odd rounds averaged), then its median |.| and the cells below ``need`` (experiment 75)."""
     logs: dict[str, list[float]] = {label: [] for _, label in LENGTHS}
     paired: dict[str, list[float]] = {label: [] for _, label in LENGTHS}
     for e in entries:
-        for mode in bench.MODES:
+        for mode in grid.MODES:
             cell = (e["results"].get("fastest") or {}).get(mode) or {}
-            column = bench.chosen_column(e["results"], mode)
+            column = targets.chosen_column(e["results"], mode)
             other = ((e["results"].get(column) or {}).get(mode) or {}) if column else {}
             if cell.get("status") != "ok" or other.get("status") != "ok":
                 continue
             label = next(lab for limit, lab in LENGTHS if other["ms"] < limit)
             logs[label].append(math.log(other["ms"] / cell["ms"]))  # < 0: fastest slower
-            if (log_ratio := bench.paired_log_ratio(e, mode)) is not None:
+            if (log_ratio := targets.paired_log_ratio(e, mode)) is not None:
                 paired[label].append(log_ratio)
 
     def median_abs(v):

@@ -3,7 +3,7 @@
     python benchmarks/ratios.py [--rounds 5] [--json FILE] [--rows PATTERN ...]
 
 A second measurement of the grid's headline cells, with fewer implementations: every
-implementation of a row is timed in each of --rounds rounds, in bench.turn_order's order
+implementation of a row is timed in each of --rounds rounds, in turns.turn_order's order
 (the clock a turn starts with follows the turn before it, docs/experiments/perf-notes.md experiments 32
 and 55), with bench.py's inputs, implementations and timing; a cell is the median over
 rounds, and the spread (max - min) / median is printed beside it.  Rows: bf16 hdim 128,
@@ -23,15 +23,18 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import bench  # noqa: E402
+from benchmarks import bench, grid  # noqa: E402
+from benchmarks.details_log import Log, first_line  # noqa: E402
+from benchmarks.runner import Runner  # noqa: E402
+from benchmarks.turns import turn_order  # noqa: E402
 
 IMPLS = ("triton", "cudnn", "flex", "fa4")
-MODES = bench.MODES
+MODES = grid.MODES
 
 
-def headline_rows() -> list[bench.Row]:
-    rows = [bench.Row("bf16", 128, s, c) for s in (4096, 8192, 16384) for c in (False, True)]
-    return rows + [bench.Row("bf16", 128, 4096, False, "bias")]
+def headline_rows() -> list[grid.Row]:
+    rows = [grid.Row("bf16", 128, s, c) for s in (4096, 8192, 16384) for c in (False, True)]
+    return rows + [grid.Row("bf16", 128, 4096, False, "bias")]
 
 
 def summarise(samples: list[float]) -> dict:
@@ -84,27 +87,27 @@ def main(argv=None) -> int:
     )
     a = p.parse_args(argv)
     args = bench.parse_args(["--target-ms", str(a.target_ms), "--no-plot"] + (["--smoke-cpu"] if a.smoke_cpu else []))
-    rows = [r for r in bench.smoke_grid() if r.feature in ("dense", "bias")] if a.smoke_cpu else headline_rows()
-    log = bench.Log(None, echo=False)
-    runner = bench.Runner(args, log)
+    rows = [r for r in grid.smoke_grid() if r.feature in ("dense", "bias")] if a.smoke_cpu else headline_rows()
+    log = Log(None, echo=False)
+    runner = Runner(args, log)
     if not a.smoke_cpu:
         runner.load_fa4()
         runner.load_flex()
     results: dict = {}
     t0 = time.perf_counter()
-    for row in bench.select_rows(rows, a.rows):
+    for row in grid.select_rows(rows, a.rows):
         inp = runner.make_inputs(row)
         prepared = {}
         for impl in a.impls:
             if (impl == "fa4" and runner.fa4 is None) or (impl == "flex" and runner.flex_fn is None):
                 continue
-            modes = [m for m in MODES if bench.support(impl, row, m) is None]
+            modes = [m for m in MODES if grid.support(impl, row, m) is None]
             if not modes:
                 continue
             try:
                 fwd, leaves, go, _, ctx = runner.prepare(impl, row, inp)
             except Exception as e:  # noqa: BLE001
-                print(f"  {row.id} {impl}: {bench.first_line(e)}", flush=True)
+                print(f"  {row.id} {impl}: {first_line(e)}", flush=True)
                 continue
             torch = runner.torch
 
@@ -118,16 +121,16 @@ def main(argv=None) -> int:
             prepared[impl] = (ctx, {"fwd": fwd if impl == "flex" else inference, "fwd+bwd": fb}, modes)
         samples: dict = {impl: {m: [] for m in prepared[impl][2]} for impl in prepared}
         for rnd in range(a.rounds):
-            for k in bench.turn_order(len(prepared), row.id, rnd, args.seed):
+            for k in turn_order(len(prepared), row.id, rnd, args.seed):
                 impl = list(prepared)[k]
                 ctx, fns, modes = prepared[impl]
                 with ctx():
                     for m in modes:
                         try:
                             ms = runner.time_fn(fns[m])["ms"]
-                            samples[impl][m].append(bench.tflops(row, m, ms))
+                            samples[impl][m].append(grid.tflops(row, m, ms))
                         except Exception as e:  # noqa: BLE001
-                            print(f"  {row.id} {impl} {m}: {bench.first_line(e)}", flush=True)
+                            print(f"  {row.id} {impl} {m}: {first_line(e)}", flush=True)
         results[row.id] = {
             impl: {m: summarise(v) for m, v in by_mode.items() if v} for impl, by_mode in samples.items()
         }

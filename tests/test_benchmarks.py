@@ -15,6 +15,14 @@ import pytest
 pytestmark = pytest.mark.bench_tools  # the benchmark scripts' own tests (they guard the report)
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # benchmarks/ is no installed package: its modules import from the checkout
+    sys.path.insert(0, str(ROOT))
+
+from attention_dispatch.timing import lower_quartile  # noqa: E402
+from benchmarks import grid, report, targets  # noqa: E402
+from benchmarks.details_log import Log  # noqa: E402
+from benchmarks.runner import Runner  # noqa: E402
+from benchmarks.turns import pair_fastest, slow_turns, turn_order, warm_calls  # noqa: E402
 
 
 def _load(name):
@@ -26,7 +34,7 @@ def _load(name):
 
 
 bench = _load("bench")
-Row = bench.Row
+Row = grid.Row
 
 
 def brute_pairs(sq, sk, causal_top_left, window):
@@ -52,13 +60,13 @@ def brute_pairs(sq, sk, causal_top_left, window):
 def test_dense_flops_match_the_issue_formula():
     r = Row("bf16", 128, 4096, False)
     assert (r.B, r.Hq, r.Hkv) == (4, 16, 16)
-    assert bench.flops(r, "fwd") == 4 * 4 * 16 * 4096 * 4096 * 128
-    assert bench.flops(r, "fwd+bwd") == 3.5 * bench.flops(r, "fwd")
+    assert grid.flops(r, "fwd") == 4 * 4 * 16 * 4096 * 4096 * 128
+    assert grid.flops(r, "fwd+bwd") == 3.5 * grid.flops(r, "fwd")
 
 
 def test_causal_is_half_of_dense():
     dense, causal = Row("fp16", 64, 2048, False), Row("fp16", 64, 2048, True)
-    assert bench.flops(causal, "fwd") == bench.flops(dense, "fwd") / 2
+    assert grid.flops(causal, "fwd") == grid.flops(dense, "fwd") / 2
     assert causal.Hq == 32 and causal.B == 8
 
 
@@ -67,94 +75,94 @@ def test_causal_is_half_of_dense():
     [(16, 16, 4, 0), (16, 16, 3, 2), (10, 16, 2, 1), (16, 10, 5, 0), (16, 16, -1, 0), (16, 16, 0, -1), (8, 8, 100, 0)],
 )
 def test_window_pairs_match_enumeration(sq, sk, left, right):
-    assert bench.window_pairs(sq, sk, left, right) == brute_pairs(sq, sk, False, (left, right))
+    assert grid.window_pairs(sq, sk, left, right) == brute_pairs(sq, sk, False, (left, right))
 
 
 def test_window_row_counts_only_allowed_pairs():
     r = Row("bf16", 128, 4096, False, "window")
-    left = bench.WINDOW[0]
+    left = grid.WINDOW[0]
     per_seq = sum(min(i, left) + 1 for i in range(4096))
-    assert bench.allowed_pairs(r) == r.B * per_seq
-    assert bench.flops(r, "fwd") == 4 * r.Hq * r.D * r.B * per_seq
-    assert bench.allowed_pairs(r) < bench.allowed_pairs(Row("bf16", 128, 4096, True)) * 0.5
+    assert grid.allowed_pairs(r) == r.B * per_seq
+    assert grid.flops(r, "fwd") == 4 * r.Hq * r.D * r.B * per_seq
+    assert grid.allowed_pairs(r) < grid.allowed_pairs(Row("bf16", 128, 4096, True)) * 0.5
 
 
 def test_window_row_16k_is_much_cheaper_than_dense():
     w, d = Row("bf16", 128, 16384, False, "window"), Row("bf16", 128, 16384, False)
-    assert 16 < bench.flops(d, "fwd") / bench.flops(w, "fwd") < 17  # ~ 16384 / (1025 - 32)
+    assert 16 < grid.flops(d, "fwd") / grid.flops(w, "fwd") < 17  # ~ 16384 / (1025 - 32)
 
 
 def test_varlen_lengths_reproducible_and_sum():
-    a, b = bench.varlen_lengths(), bench.varlen_lengths()
+    a, b = grid.varlen_lengths(), grid.varlen_lengths()
     assert a == b and len(a) == 16 and sum(a) == 16384 and min(a) >= 1
-    assert bench.varlen_lengths(seed=1) != a
-    assert sum(bench.varlen_lengths(100, 100, 3)) == 100
+    assert grid.varlen_lengths(seed=1) != a
+    assert sum(grid.varlen_lengths(100, 100, 3)) == 100
     with pytest.raises(ValueError):
-        bench.varlen_lengths(3, 4)
+        grid.varlen_lengths(3, 4)
 
 
 def test_varlen_pairs_sum_of_squares():
     lengths = (3, 5, 8)
     full = Row("bf16", 128, 16, False, "varlen", tokens=16, lengths=lengths)
     causal = Row("bf16", 128, 16, True, "varlen", tokens=16, lengths=lengths)
-    assert bench.allowed_pairs(full) == 9 + 25 + 64
-    assert bench.allowed_pairs(causal) == (9 + 25 + 64) / 2
+    assert grid.allowed_pairs(full) == 9 + 25 + 64
+    assert grid.allowed_pairs(causal) == (9 + 25 + 64) / 2
     assert full.B == 3 and full.max_seqlen == 8
-    assert bench.flops(full, "fwd") == 4 * full.Hq * 128 * 98
+    assert grid.flops(full, "fwd") == 4 * full.Hq * 128 * 98
 
 
 def test_gqa_counts_query_heads():
     r = Row("bf16", 128, 4096, False, "gqa")
     assert (r.Hq, r.Hkv) == (16, 4)
-    assert bench.flops(r, "fwd") == bench.flops(Row("bf16", 128, 4096, False), "fwd")
+    assert grid.flops(r, "fwd") == grid.flops(Row("bf16", 128, 4096, False), "fwd")
 
 
 def test_bad_mode():
     with pytest.raises(ValueError):
-        bench.flops(Row("bf16", 128, 512, False), "bwd")
+        grid.flops(Row("bf16", 128, 512, False), "bwd")
 
 
 def test_tflops():
     r = Row("bf16", 128, 4096, False)
-    assert bench.tflops(r, "fwd", 1.0) == pytest.approx(bench.flops(r, "fwd") / 1e-3 / 1e12)
+    assert grid.tflops(r, "fwd", 1.0) == pytest.approx(grid.flops(r, "fwd") / 1e-3 / 1e12)
 
 
 # ---- grid, rows, support ------------------------------------------------------------------------
 
 
 def test_full_grid_covers_issue_5():
-    rows = bench.build_grid()
+    rows = grid.build_grid()
     dense = [r for r in rows if r.feature == "dense"]
     assert len(dense) == 2 * 3 * 6 * 2
     assert {(r.dtype, r.D) for r in dense} == {(d, h) for d in ("bf16", "fp16") for h in (64, 128, 256)}
     assert all(r.B * r.S == 16384 and r.Hq * r.D == 2048 for r in dense)
     feats = {r.feature for r in rows}
-    assert feats == set(bench.FEATURES)
+    assert feats == set(grid.FEATURES)
     assert rows[0].id == "bf16-d128-s512-full"  # most important first
     assert len({r.id for r in rows}) == len(rows)
 
 
 def test_quick_grid():
-    rows = bench.build_grid(quick=True)
+    rows = grid.build_grid(quick=True)
     assert {r.S for r in rows if r.feature == "dense"} == {4096, 16384}
     assert {(r.dtype, r.D) for r in rows} == {("bf16", 128)}
-    assert {r.feature for r in rows} == set(bench.FEATURES)
+    assert {r.feature for r in rows} == set(grid.FEATURES)
 
 
 def test_row_ids_and_json_roundtrip():
-    rows = bench.build_grid(quick=True)
+    rows = grid.build_grid(quick=True)
     ids = [r.id for r in rows]
     assert "bf16-d128-s4096-causal" in ids and "bf16-d128-s4096-full-bias" in ids
     assert "bf16-d128-varlen16-causal" in ids and "bf16-d128-s16384-full-window" in ids
     for r in rows:
         d = json.loads(json.dumps(r.to_json()))
         assert Row.from_json(d) == r
-        assert d["flops_fwd"] == bench.flops(r, "fwd")
+        assert d["flops_fwd"] == grid.flops(r, "fwd")
 
 
 def test_select_rows_patterns():
-    rows = bench.build_grid()
-    assert {r.id for r in bench.select_rows(rows, ["bf16-d128-s4096-*"])} == {
+    rows = grid.build_grid()
+    assert {r.id for r in grid.select_rows(rows, ["bf16-d128-s4096-*"])} == {
         "bf16-d128-s4096-full",
         "bf16-d128-s4096-causal",
         "bf16-d128-s4096-full-bias",
@@ -163,13 +171,13 @@ def test_select_rows_patterns():
         "bf16-d128-s4096-causal-gqa",
         "bf16-d128-s4096-full-dropout",
     }
-    assert all("varlen" in r.id for r in bench.select_rows(rows, ["varlen"]))
-    assert bench.select_rows(rows, None) == rows
-    assert bench.select_rows(rows, ["nothing-like-this"]) == []
+    assert all("varlen" in r.id for r in grid.select_rows(rows, ["varlen"]))
+    assert grid.select_rows(rows, None) == rows
+    assert grid.select_rows(rows, ["nothing-like-this"]) == []
 
 
 def test_support_table():
-    s = bench.support
+    s = grid.support
     window = Row("bf16", 128, 4096, False, "window")
     for impl in ("cudnn", "torch_flash", "torch_efficient"):
         assert s(impl, window, "fwd")  # "-", never routed elsewhere
@@ -181,11 +189,11 @@ def test_support_table():
     drop = Row("bf16", 128, 4096, False, "dropout")
     assert s("flex", drop, "fwd") and s("fa4", drop, "fwd") and s("torch_flash", drop, "fwd") is None
     assert s("fa4", Row("bf16", 256, 4096, False), "fwd")
-    only = bench.FlexScope(from_s=0)  # bf16 hdim 64/128 only
+    only = grid.FlexScope(from_s=0)  # bf16 hdim 64/128 only
     assert s("flex", Row("bf16", 256, 4096, False), "fwd", only)
     assert s("flex", Row("fp16", 128, 4096, False), "fwd", only)
-    assert s("flex", Row("fp16", 128, 4096, False), "fwd", bench.FlexScope(dtypes=("bf16", "fp16"), from_s=0)) is None
-    varlen = Row("bf16", 128, 16384, False, "varlen", lengths=bench.varlen_lengths())
+    assert s("flex", Row("fp16", 128, 4096, False), "fwd", grid.FlexScope(dtypes=("bf16", "fp16"), from_s=0)) is None
+    varlen = Row("bf16", 128, 16384, False, "varlen", lengths=grid.varlen_lengths())
     assert s("torch_efficient", varlen, "fwd") is None and s("torch_efficient", varlen, "fwd+bwd")
     with pytest.raises(ValueError):
         s("nope", window, "fwd")
@@ -200,14 +208,14 @@ def ok(tf, ms=1.0, **kw):
 
 def make_entry(row, per_impl):
     res = {}
-    for impl in bench.IMPLS:
+    for impl in grid.IMPLS:
         v = per_impl.get(impl)
         if v is None:
-            res[impl] = {m: dict(status="unsupported", note="no") for m in bench.MODES}
+            res[impl] = {m: dict(status="unsupported", note="no") for m in grid.MODES}
         elif v == "err":
-            res[impl] = {m: dict(status="error", note="RuntimeError: boom") for m in bench.MODES}
+            res[impl] = {m: dict(status="error", note="RuntimeError: boom") for m in grid.MODES}
         else:
-            res[impl] = {m: ok(tf, ms=bench.flops(row, m) / (tf * 1e9)) for m, tf in zip(bench.MODES, v)}
+            res[impl] = {m: ok(tf, ms=grid.flops(row, m) / (tf * 1e9)) for m, tf in zip(grid.MODES, v)}
     return {"row": row.to_json(), "results": res}
 
 
@@ -216,8 +224,8 @@ def test_flex_scope_covers_every_config_from_the_target_length():
     the dense rows with S >= 4k (where our kernel's ratios are read); not on shorter or feature rows
     of the other configs.  The compile workers get the same scope."""
     flex = bench.parse_args([]).flex
-    assert flex == bench.FlexScope((64, 128), ("bf16",), 4096)
-    s = bench.support
+    assert flex == grid.FlexScope((64, 128), ("bf16",), 4096)
+    s = grid.support
     for dtype, D in (("bf16", 256), ("fp16", 64), ("fp16", 128), ("fp16", 256)):
         for S in (4096, 8192, 16384):
             for causal in (False, True):
@@ -225,13 +233,13 @@ def test_flex_scope_covers_every_config_from_the_target_length():
         assert "S >= 4096" in s("flex", Row(dtype, D, 2048, False), "fwd", flex)
     assert s("flex", Row("bf16", 128, 512, True), "fwd", flex) is None
     assert s("flex", Row("fp16", 128, 4096, False, "bias"), "fwd", flex)
-    measured = [r.id for r in bench.build_grid() if s("flex", r, "fwd", flex) is None]
+    measured = [r.id for r in grid.build_grid() if s("flex", r, "fwd", flex) is None]
     assert len(measured) == 24 + 8 + 4 * 6 - 1  # bf16 d64/d128, their feature rows but dropout, 4 x 6
     narrow = bench.parse_args(["--flex-from-s", "0", "--flex-dims", "128"]).flex
     assert s("flex", Row("fp16", 128, 16384, False), "fwd", narrow) and "only" in narrow.describe()
     argv = bench._worker_argv(bench.parse_args(["--flex-from-s", "8192"]), ["x"])
     assert argv[argv.index("--flex-from-s") + 1] == "8192"
-    assert bench.parse_args(argv[2:]).flex == bench.FlexScope(from_s=8192)
+    assert bench.parse_args(argv[2:]).flex == grid.FlexScope(from_s=8192)
 
 
 def test_best_anchor_and_ratios():
@@ -246,15 +254,15 @@ def test_best_anchor_and_ratios():
             "torch_flash": "err",
         },
     )
-    bench.add_ratios(e)
+    targets.add_ratios(e)
     assert e["best_anchor"] == {"fwd": "fa4", "fwd+bwd": "cudnn"}
     assert e["results"]["triton"]["fwd"]["ratio_to_best_anchor"] == pytest.approx(500 / 650)
     assert e["results"]["triton"]["fwd+bwd"]["ratio_to_best_anchor"] == pytest.approx(400 / 500)
     assert e["results"]["cudnn"]["fwd+bwd"]["ratio_to_best_anchor"] == pytest.approx(1.0)
     assert e["results"]["torch_flash"]["fwd"]["ratio_to_best_anchor"] is None
-    assert bench.fmt_ratio(e["results"]["triton"]) == "0.77 / 0.80"
-    assert bench.ratio_between(e, "triton", "flex", "fwd") == pytest.approx(500 / 450)
-    assert bench.ratio_between(e, "triton", "torch_efficient", "fwd") is None
+    assert report.fmt_ratio(e["results"]["triton"]) == "0.77 / 0.80"
+    assert targets.ratio_between(e, "triton", "flex", "fwd") == pytest.approx(500 / 450)
+    assert targets.ratio_between(e, "triton", "torch_efficient", "fwd") is None
 
 
 def test_ratios_to_the_named_anchors_per_row_and_per_config():
@@ -267,44 +275,44 @@ def test_ratios_to_the_named_anchors_per_row_and_per_config():
         make_entry(Row("bf16", 128, 4096, False, "bias"), {"triton": (100, 100), "cudnn": (500, 500)}),
         make_entry(Row("bf16", 64, 8192, False), {"triton": (600, 500), "fa4": (700, 600)}),
     ]
-    h, lines = bench.anchor_ratio_lines(rows)
+    h, lines = report.anchor_ratio_lines(rows)
     assert h == ["row", "triton/cuDNN", "triton/Flex", "triton/FA4"]
     assert lines[0] == ["S=4096", "0.80 / 0.75", "2.00 / 2.00", "- / -"]
-    h, lines = bench.config_ratio_lines(rows)
+    h, lines = report.config_ratio_lines(rows)
     assert lines == [
         ["bf16 d64", "- / -", "- / -", "0.86 / 0.83"],
         ["fp16 d256", "0.80 / 0.64", "1.50 / 2.00", "- / -"],
     ]  # S=2048 and the bias row not read
-    assert [e["row"]["S"] for e in bench.target_rows(rows)] == [4096, 8192, 16384]
+    assert [e["row"]["S"] for e in targets.target_rows(rows)] == [4096, 8192, 16384]
 
 
 def test_no_anchor_no_ratio():
     e = make_entry(Row("bf16", 128, 4096, False, "window"), {"triton": (100, 90)})
-    bench.add_ratios(e)
+    targets.add_ratios(e)
     assert e["best_anchor"] == {"fwd": None, "fwd+bwd": None}
-    assert bench.fmt_ratio(e["results"]["triton"]) == "- / -"
+    assert report.fmt_ratio(e["results"]["triton"]) == "- / -"
 
 
 def test_cells():
-    assert bench.fmt_cell({"fwd": ok(612.4)}, "fwd") == "612"
-    assert bench.fmt_cell({"fwd": ok(612.4)}, "fwd+bwd") == "?"
-    assert bench.fmt_cell({"fwd": dict(status="unsupported")}, "fwd") == "-"
-    assert bench.fmt_cell({"fwd": dict(status="error")}, "fwd") == "err"
-    assert bench.fmt_cell({"fwd": dict(status="skipped")}, "fwd") == "skip"
-    assert bench.fmt_cell({"fwd": ok(10), "mismatch": True}, "fwd") == "10!"
-    assert bench.fmt_pair({"fwd": ok(1), "fwd+bwd": dict(status="unsupported")}) == "1 / -"
-    assert bench.s_label(512) == "512" and bench.s_label(16384) == "16k"
+    assert report.fmt_cell({"fwd": ok(612.4)}, "fwd") == "612"
+    assert report.fmt_cell({"fwd": ok(612.4)}, "fwd+bwd") == "?"
+    assert report.fmt_cell({"fwd": dict(status="unsupported")}, "fwd") == "-"
+    assert report.fmt_cell({"fwd": dict(status="error")}, "fwd") == "err"
+    assert report.fmt_cell({"fwd": dict(status="skipped")}, "fwd") == "skip"
+    assert report.fmt_cell({"fwd": ok(10), "mismatch": True}, "fwd") == "10!"
+    assert report.fmt_pair({"fwd": ok(1), "fwd+bwd": dict(status="unsupported")}) == "1 / -"
+    assert report.s_label(512) == "512" and report.s_label(16384) == "16k"
 
 
 def test_text_and_markdown_tables():
-    t = bench.text_table(["a", "bb"], [["xxx", "1"], ["y", "22"]]).splitlines()
+    t = report.text_table(["a", "bb"], [["xxx", "1"], ["y", "22"]]).splitlines()
     assert t[0].startswith("a  ") and set(t[1].replace(" ", "")) == {"-"} and len(t) == 4
-    m = bench.md_table(["a", "b"], [["1", "2"]]).splitlines()
+    m = report.md_table(["a", "b"], [["1", "2"]]).splitlines()
     assert m == ["| a | b |", "|---|---|", "| 1 | 2 |"]
 
 
 def fake_data():
-    rows = [r for r in bench.build_grid(quick=True)]
+    rows = [r for r in grid.build_grid(quick=True)]
     entries = []
     for r in rows:
         per = {
@@ -316,7 +324,7 @@ def fake_data():
             "torch_flash": (330, 300),
             "torch_efficient": (170, 150),
         }
-        per = {k: v for k, v in per.items() if not bench.support(k, r, "fwd")}
+        per = {k: v for k, v in per.items() if not grid.support(k, r, "fwd")}
         if r.feature == "window":
             per["triton"] = (500, 450)
         entries.append(make_entry(r, per))
@@ -330,7 +338,7 @@ def fake_data():
         commit="abc",
         date="d",
         quick=True,
-        impls=list(bench.IMPLS),
+        impls=list(grid.IMPLS),
         elapsed_s=12.0,
         command="x",
         notes=["a note"],
@@ -341,8 +349,8 @@ def fake_data():
 def test_targets():
     data = fake_data()
     for e in data["rows"]:
-        bench.add_ratios(e)
-    t = {x["target"]: x for x in bench.evaluate_targets(data["rows"])}
+        targets.add_ratios(e)
+    t = {x["target"]: x for x in targets.evaluate_targets(data["rows"])}
     fwd_cudnn = next(v for k, v in t.items() if k.startswith("fwd >= 0.85x cuDNN"))
     assert fwd_cudnn["status"] == "not met" and fwd_cudnn["worst"] == pytest.approx(500 / 600, abs=1e-3)
     assert len(fwd_cudnn["ratios"]) == 4
@@ -356,10 +364,10 @@ def test_targets():
 
 
 def test_targets_not_measured_when_missing():
-    assert bench.evaluate_targets([]) == []
+    assert targets.evaluate_targets([]) == []
     e = make_entry(Row("bf16", 128, 4096, False), {"triton": (500, 450)})
-    bench.add_ratios(e)
-    assert all(t["status"] == "not measured" for t in bench.evaluate_targets([e]))
+    targets.add_ratios(e)
+    assert all(t["status"] == "not measured" for t in targets.evaluate_targets([e]))
 
 
 def test_write_outputs_json_doc_and_table(tmp_path):
@@ -367,7 +375,7 @@ def test_write_outputs_json_doc_and_table(tmp_path):
     doc = tmp_path / "docs" / "benchmarks.md"
     table = bench.write_outputs(data, tmp_path / "out", doc, plot=False)
     saved = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert len(saved["rows"]) == len(bench.build_grid(quick=True)) and saved["targets"]
+    assert len(saved["rows"]) == len(grid.build_grid(quick=True)) and saved["targets"]
     assert saved["rows"][0]["best_anchor"]["fwd"] == "fa4"
     text = doc.read_text()
     for needle in (
@@ -393,10 +401,10 @@ def test_write_outputs_json_doc_and_table(tmp_path):
     assert "triton's worst ratios per config" in table
     assert "Fake GPU" in table.splitlines()[-1]
     assert "untimed call" not in text  # older runs did not sample that way: not claimed
-    data["meta"].update(rounds=5, sampling=bench.SAMPLING_ONE_CALL)
+    data["meta"].update(rounds=5, sampling=report.SAMPLING_ONE_CALL)
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
     assert "take turns in 5 rounds (order rotated), each turn opening with one untimed call" in doc.read_text()
-    data["meta"].update(rounds=3, sampling=bench.SAMPLING, turn_warm_ms=20.0)
+    data["meta"].update(rounds=3, sampling=report.SAMPLING, turn_warm_ms=20.0)
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
     assert (
         "take turns in 3 rounds (order rotated), each turn opening with at least 20 ms of untimed calls"
@@ -405,7 +413,7 @@ def test_write_outputs_json_doc_and_table(tmp_path):
     data["meta"].update(turn_warm_ms=0.0)
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
     assert "take turns in 3 rounds (order rotated), each turn opening with one untimed call" in doc.read_text()
-    data["meta"].update(rounds=7, sampling=bench.SAMPLING_SHUFFLED)
+    data["meta"].update(rounds=7, sampling=report.SAMPLING_SHUFFLED)
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
     assert (
         "take turns in 7 rounds (order shuffled each round), each turn opening with one untimed call" in doc.read_text()
@@ -430,10 +438,10 @@ def test_turn_order_varies_each_turns_predecessor():
     round and seed), so that over the default rounds a turn follows many different turns: the
     clock a turn starts with depends on the turn before it."""
     n, rounds = 16, bench.parse_args([]).rounds
-    orders = [bench.turn_order(n, "bf16-d128-s4096-full", r, 0) for r in range(rounds)]
+    orders = [turn_order(n, "bf16-d128-s4096-full", r, 0) for r in range(rounds)]
     assert orders[0] == list(range(n)) and all(sorted(o) == list(range(n)) for o in orders)
-    assert orders == [bench.turn_order(n, "bf16-d128-s4096-full", r, 0) for r in range(rounds)]
-    assert orders[1] != bench.turn_order(n, "bf16-d128-s8192-full", 1, 0)
+    assert orders == [turn_order(n, "bf16-d128-s4096-full", r, 0) for r in range(rounds)]
+    assert orders[1] != turn_order(n, "bf16-d128-s8192-full", 1, 0)
     predecessors = {t: {o[o.index(t) - 1] for o in orders if o.index(t)} for t in range(n)}
     assert rounds >= 5 and min(len(p) for p in predecessors.values()) >= 3
 
@@ -443,16 +451,14 @@ def test_turn_warm_up_lasts_turn_warm_ms():
     call (at least one, at most 200 for host-bound tiny calls), then its timed repetitions."""
     import contextlib
 
-    assert [bench.warm_calls(est, 20.0) for est in (0.05, 0.3, 2.0, 7.0, 40.0)] == [200, 67, 10, 3, 1]
-    assert bench.warm_calls(2.0, 0.0) == 1 and bench.parse_args([]).turn_warm_ms == bench.TURN_WARM_MS
-    runner = bench.Runner(
-        bench.parse_args(["--smoke-cpu", "--rounds", "2", "--turn-warm-ms", "6"]), bench.Log(None, echo=False)
-    )
+    assert [warm_calls(est, 20.0) for est in (0.05, 0.3, 2.0, 7.0, 40.0)] == [200, 67, 10, 3, 1]
+    assert warm_calls(2.0, 0.0) == 1 and bench.parse_args([]).turn_warm_ms == bench.TURN_WARM_MS
+    runner = Runner(bench.parse_args(["--smoke-cpu", "--rounds", "2", "--turn-warm-ms", "6"]), Log(None, echo=False))
     calls = []
     w = dict(est=2.0, reps=4, inner=1, first_call_s=0.0)
     entry = {"results": {"a": {"fwd": {"status": "pending", "peak_mib": None}}}}
     runner.measure_rounds(
-        bench.smoke_grid()[0], entry, [("a", "fwd", lambda: calls.append(1), contextlib.nullcontext, w)]
+        grid.smoke_grid()[0], entry, [("a", "fwd", lambda: calls.append(1), contextlib.nullcontext, w)]
     )
     assert len(calls) == 2 * (3 + 2) and entry["results"]["a"]["fwd"]["reps"] == 4  # 3 untimed + 2 timed per turn
 
@@ -464,14 +470,14 @@ def test_run_row_records_each_modes_choice():
     args = bench.parse_args(
         ["--smoke-cpu", "--impls", "sdpa,fastest", "--rounds", "1", "--target-ms", "1", "--max-reps", "3"]
     )
-    runner = bench.Runner(args, bench.Log(None, echo=False))
-    row = bench.select_rows(bench.smoke_grid(), ["*s128-full"])[0]
+    runner = Runner(args, Log(None, echo=False))
+    row = grid.select_rows(grid.smoke_grid(), ["*s128-full"])[0]
     entry = runner.run_row(row, ["sdpa", "fastest"])
     for impl in ("sdpa", "fastest"):
-        for m in bench.MODES:
+        for m in grid.MODES:
             r = entry["results"][impl][m]
             assert r["status"] == "ok" and r["backend"] and r["ms"] > 0, (impl, m, r)
-    for m in bench.MODES:
+    for m in grid.MODES:
         fastest = entry["results"]["fastest"][m]
         assert fastest["backend"] in fastest["measured"] and len(fastest["measured"]) >= 2
         assert set(fastest["measured"]) <= set(fastest["eligible"]) and fastest["failed"] == {}
@@ -488,9 +494,9 @@ def test_plot_links_are_relative(tmp_path):
 
 
 def test_error_notes_group_rows():
-    rows = bench.build_grid(quick=True)[:5]
+    rows = grid.build_grid(quick=True)[:5]
     entries = [make_entry(r, {"triton": "err"}) for r in rows]
-    notes = bench.error_notes(entries)
+    notes = report.error_notes(entries)
     assert len(notes) == 2  # fwd and fwd+bwd
     assert "and 2 more" in notes[0] and "RuntimeError: boom" in notes[0]
 
@@ -502,7 +508,7 @@ def test_parse_args_defaults():
     a = bench.parse_args([])
     assert not a.quick and a.out == Path("benchmarks/results") and a.doc == Path("docs/benchmarks.md")
     assert a.budget_s == bench.DEFAULT_BUDGET_S and a.flex_budget_s == bench.DEFAULT_FLEX_BUDGET_S
-    assert a.impls == bench.IMPLS and a.flex_dims == (64, 128) and a.flex_dtypes == ("bf16",)
+    assert a.impls == grid.IMPLS and a.flex_dims == (64, 128) and a.flex_dtypes == ("bf16",)
 
 
 def test_parse_args_quick_and_lists():
@@ -625,22 +631,22 @@ def test_fastest_ratio_counts_our_backends_per_mode():
             "flex": cell(500.0, 500.0),
         }
     }
-    assert bench.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
-    assert bench.fastest_ratio(entry, "fwd+bwd") == pytest.approx(0.8)
+    assert targets.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
+    assert targets.fastest_ratio(entry, "fwd+bwd") == pytest.approx(0.8)
     # only the backends it timed (those claiming the row) count, when the run recorded them
     entry["results"]["fastest"]["fwd"]["measured"] = ["triton", "cudnn"]
-    assert bench.fastest_ratio(entry, "fwd") == pytest.approx(90.0 / 80.0)
+    assert targets.fastest_ratio(entry, "fwd") == pytest.approx(90.0 / 80.0)
     entry["results"]["fastest"]["fwd"]["measured"] = ["cudnn", "flash_attn"]
-    assert bench.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
+    assert targets.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
     # an eligible backend that failed while timed still counts: pinned, it runs its column
     entry["results"]["fastest"]["fwd"].update(
         measured=["triton", "cudnn"],
         eligible=["flash_attn", "triton", "cudnn"],
         failed={"flash_attn": "TypeError: ..."},
     )
-    assert bench.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
+    assert targets.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
     entry["results"]["fastest"]["fwd"] = {"status": "err"}
-    assert bench.fastest_ratio(entry, "fwd") is None
+    assert targets.fastest_ratio(entry, "fwd") is None
 
 
 def test_fastest_misses_say_whether_the_choice_was_the_best_column(tmp_path):
@@ -651,16 +657,16 @@ def test_fastest_misses_say_whether_the_choice_was_the_best_column(tmp_path):
     per = {"triton": (500, 450), "cudnn": (480, 440), "fa4": (520, 430)}
     entries = [make_entry(r, dict(per, fastest=f)) for r, f in zip(rows, [(520, 430), (515, 440), (510, 400)])]
     for e, chose in zip(entries, [("flash_attn", "triton"), ("flash_attn", "triton"), ("flash_attn", "cudnn")]):
-        for m, name in zip(bench.MODES, chose):
+        for m, name in zip(grid.MODES, chose):
             e["results"]["fastest"][m]["backend"] = name
-    misses = bench.fastest_misses(entries, "fwd+bwd")
+    misses = targets.fastest_misses(entries, "fwd+bwd")
     assert [(m["row"], m["chose"], m["best"], m["same_backend"]) for m in misses] == [
         ("bf16-d128-s512-causal", "triton", "triton", True),  # 430 / 450: ours, timed twice
         ("fp16-d64-s16384-full", "cudnn", "triton", False),
     ]  # 400 / 450: a wrong choice
     assert misses[0]["ratio"] == pytest.approx(430 / 450, abs=1e-3)
-    assert bench.fastest_misses(entries, "fwd") == []  # 0.98-1.0 of flash-attn 4's 520
-    data = {"meta": dict(gpu="g", impls=list(bench.IMPLS)), "rows": entries}
+    assert targets.fastest_misses(entries, "fwd") == []  # 0.98-1.0 of flash-attn 4's 520
+    data = {"meta": dict(gpu="g", impls=list(grid.IMPLS)), "rows": entries}
     table = bench.write_outputs(data, tmp_path, None, plot=False)
     assert (
         "below: bf16-d128-s512-causal 0.96 (chose triton, the best column: one kernel timed twice); "
@@ -668,14 +674,14 @@ def test_fastest_misses_say_whether_the_choice_was_the_best_column(tmp_path):
     ) in table
     target = next(t for t in data["targets"] if t["target"].startswith("policy=fastest fwd+bwd"))
     assert target["status"] == "not met" and len(target["misses"]) == 2
-    assert "one kernel timed twice" in bench.targets_table(data["targets"])[1][-1][-1]
+    assert "one kernel timed twice" in report.targets_table(data["targets"])[1][-1][-1]
 
 
 def test_time_fn_enqueues_repetitions_back_to_back(monkeypatch):
     """Repetitions are not separated by synchronisations (steady-state device time): one
     sync after the warm-up call, one at the end; every repetition has its own events."""
     args = bench.parse_args(["--smoke-cpu", "--target-ms", "5", "--max-reps", "7"])
-    runner = bench.Runner(args, bench.Log(None, echo=False))
+    runner = Runner(args, Log(None, echo=False))
     log = []
     monkeypatch.setattr(runner, "sync", lambda: log.append("sync"))
 
@@ -688,7 +694,7 @@ def test_time_fn_enqueues_repetitions_back_to_back(monkeypatch):
     assert gc.isenabled()  # restored after the timed repetitions
     log = [x if x == "sync" else x[0] + ("" if x[1] else "-gc-off") for x in log]
     assert r["reps"] >= 3 and r["ms"] > 0 and len(r["samples_ms"]) == r["reps"]
-    assert abs(r["ms"] - bench.lower_quartile(r["samples_ms"])) < 1e-3
+    assert abs(r["ms"] - lower_quartile(r["samples_ms"])) < 1e-3
     assert abs(r["ms_median"] - statistics.median(r["samples_ms"])) < 1e-3 and r["ms"] <= r["ms_median"]
     timed = log[log.index("sync", 2) + 1 :]  # after the first call's two syncs
     assert timed.count("sync") == 1 and timed[-1] == "sync"
@@ -723,11 +729,11 @@ def test_merge_runs_of_a_grid_measured_in_parts(tmp_path, capsys):
         "meta": dict(full["meta"], commit="bbb", date="e", elapsed_s=200.0, notes=["other"]),
         "rows": full["rows"][4:],
     }
-    skipped = {impl: {m: dict(status="skipped", note="time budget") for m in bench.MODES} for impl in bench.IMPLS}
+    skipped = {impl: {m: dict(status="skipped", note="time budget") for m in grid.MODES} for impl in grid.IMPLS}
     second["rows"][0] = {"row": full["rows"][4]["row"], "results": skipped}  # ran out of time in part 2
     merged = bench.merge_runs([first, second])
-    ids = [bench.Row.from_json(e["row"]).id for e in merged["rows"]]
-    assert ids == [bench.Row.from_json(e["row"]).id for e in full["rows"]]
+    ids = [grid.Row.from_json(e["row"]).id for e in merged["rows"]]
+    assert ids == [grid.Row.from_json(e["row"]).id for e in full["rows"]]
     assert merged["rows"][4] is first["rows"][4]
     assert merged["meta"]["commit"] == "aaa + bbb" and merged["meta"]["elapsed_s"] == 500.0
     assert "a note" in merged["meta"]["notes"] and "other" in merged["meta"]["notes"]
@@ -758,8 +764,8 @@ def test_compile_groups_keep_shared_kernels_together_and_balance():
     """Rows differing only in S share their Triton kernels: one worker gets all of them;
     every row lands in exactly one part; the heaviest groups (Flex compiles per shape) are
     spread first, so no part is empty while another holds two heavy groups."""
-    rows = bench.build_grid()
-    impls = list(bench.IMPLS)
+    rows = grid.build_grid()
+    impls = list(grid.IMPLS)
     parts = bench.compile_groups(rows, impls, workers=8)
     assert len(parts) == 8
     assert sorted(r.id for p in parts for r in p) == sorted(r.id for r in rows)
@@ -782,7 +788,7 @@ def test_precompile_workers_run_every_row_and_report_errors(tmp_path):
     args = bench.parse_args(
         ["--smoke-cpu", "--out", str(tmp_path), "--impls", "sdpa,flex,cudnn", "--precompile-workers", "2"]
     )
-    rows = bench.select_rows(bench.smoke_grid(), ["*s128-full", "*varlen4-causal"])
+    rows = grid.select_rows(grid.smoke_grid(), ["*s128-full", "*varlen4-causal"])
     lines = []
     summary = bench.precompile(args, rows, lines.append)
     assert summary["workers"] == 2 and summary["killed"] == 0
@@ -816,7 +822,7 @@ def test_measure_rounds_interleave_in_turn_order():
     import contextlib
 
     args = bench.parse_args(["--smoke-cpu", "--rounds", "3", "--turn-warm-ms", "0"])
-    runner = bench.Runner(args, bench.Log(None, echo=False))
+    runner = Runner(args, Log(None, echo=False))
     order = []
 
     def make(name, fail=False):
@@ -830,11 +836,11 @@ def test_measure_rounds_interleave_in_turn_order():
     w = dict(est=1.0, reps=6, inner=1, first_call_s=0.0)
     entry = {"results": {n: {"fwd": {"status": "pending", "peak_mib": None}} for n in "abc"}}
     pending = [(n, "fwd", make(n, fail=n == "c"), contextlib.nullcontext, w) for n in "abc"]
-    row = bench.smoke_grid()[0]
+    row = grid.smoke_grid()[0]
     runner.measure_rounds(row, entry, pending)
-    want = "".join("abc"[i] * (3 if i < 2 else 1) for i in bench.turn_order(3, row.id, 0, args.seed))
+    want = "".join("abc"[i] * (3 if i < 2 else 1) for i in turn_order(3, row.id, 0, args.seed))
     for rnd in (1, 2):
-        want += "".join("ab"[i] * 3 for i in bench.turn_order(3, row.id, rnd, args.seed) if i < 2)
+        want += "".join("ab"[i] * 3 for i in turn_order(3, row.id, rnd, args.seed) if i < 2)
     assert "".join(order) == want and want.startswith("aaabbbc")
     for n in "ab":
         r = entry["results"][n]["fwd"]
@@ -855,9 +861,9 @@ def test_slow_turns_compare_within_a_mode():
     """A turn is slow when its first-round time exceeds the factor times the fastest of the
     same mode (a forward is never compared with a training call); factor 0 keeps all."""
     first = {0: ("fwd", 1.0), 1: ("fwd", 1.49), 2: ("fwd", 1.51), 3: ("fwd+bwd", 3.0), 4: ("fwd+bwd", 4.6)}
-    assert bench.slow_turns(first, 1.5) == {2, 4}
-    assert bench.slow_turns(first, 0) == set() and bench.slow_turns({}, 1.5) == set()
-    assert bench.slow_turns(first, 1.5, keep={2}) == {4}  # kept turns are never trimmed
+    assert slow_turns(first, 1.5) == {2, 4}
+    assert slow_turns(first, 0) == set() and slow_turns({}, 1.5) == set()
+    assert slow_turns(first, 1.5, keep={2}) == {4}  # kept turns are never trimmed
 
 
 def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
@@ -883,7 +889,7 @@ def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
             "2",
         ]
     )
-    runner = bench.Runner(args, bench.Log(None, echo=False))
+    runner = Runner(args, Log(None, echo=False))
     calls = {"fast": 0, "close": 0, "slow": 0, "fastest": 0}
 
     def make(name, seconds):
@@ -899,7 +905,7 @@ def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
         (n, "fwd", make(n, s), contextlib.nullcontext, w)
         for n, s in (("fast", 0.010), ("close", 0.010), ("slow", 0.060), ("fastest", 0.060))
     ]
-    runner.measure_rounds(bench.smoke_grid()[0], entry, pending)
+    runner.measure_rounds(grid.smoke_grid()[0], entry, pending)
     per_turn = 1 + 2  # one untimed call, then the timed ones
     assert calls == {"fast": 5 * per_turn, "close": 5 * per_turn, "slow": 2 * per_turn, "fastest": 5 * per_turn}
     res = {n: entry["results"][n]["fwd"] for n in calls}
@@ -924,17 +930,17 @@ def test_pair_fastest_puts_fastest_next_to_its_choice():
     ]
     chosen = {"fwd": "fa4", "fwd+bwd": "triton"}
     for rnd in range(6):
-        order = bench.turn_order(len(turns), "bf16-d128-s512-causal", rnd, 0)
-        paired = bench.pair_fastest(order, turns, chosen, rnd)
+        order = turn_order(len(turns), "bf16-d128-s512-causal", rnd, 0)
+        paired = pair_fastest(order, turns, chosen, rnd)
         assert sorted(paired) == list(range(len(turns)))
         for mode, column in chosen.items():
             f, c = paired.index(turns.index(("fastest", mode))), paired.index(turns.index((column, mode)))
             assert f - c == (1 if rnd % 2 == 0 else -1), (rnd, paired)
         others = [i for i in paired if turns[i][0] != "fastest"]
         assert others == [i for i in order if turns[i][0] != "fastest"]  # the rest keep their order
-    order = bench.turn_order(len(turns), "x", 3, 0)
-    assert bench.pair_fastest(order, turns, {"fwd": "math"}, 3) == order
-    assert bench.pair_fastest(order, turns, {}, 3) == order
+    order = turn_order(len(turns), "x", 3, 0)
+    assert pair_fastest(order, turns, {"fwd": "math"}, 3) == order
+    assert pair_fastest(order, turns, {}, 3) == order
 
 
 def test_measure_rounds_time_fastest_next_to_its_choice():
@@ -947,7 +953,7 @@ def test_measure_rounds_time_fastest_next_to_its_choice():
     for flags, paired in (([], True), (["--no-pair-fastest"], False)):
         args = bench.parse_args(["--smoke-cpu", "--rounds", "6", "--turn-warm-ms", "0", "--slow-factor", "0"] + flags)
         assert args.pair_fastest is paired
-        runner = bench.Runner(args, bench.Log(None, echo=False))
+        runner = Runner(args, Log(None, echo=False))
         log = []
         names = ("sdpa", "fastest", "triton", "cudnn", "fa4")
 
@@ -958,7 +964,7 @@ def test_measure_rounds_time_fastest_next_to_its_choice():
         entry = {"results": {n: {"fwd": {"status": "pending", "peak_mib": None}} for n in names}}
         entry["results"]["fastest"]["fwd"]["backend"] = "flash_attn"  # the fa4 column's backend
         pending = [(n, "fwd", make(n), contextlib.nullcontext, w) for n in names]
-        runner.measure_rounds(bench.smoke_grid()[0], entry, pending)
+        runner.measure_rounds(grid.smoke_grid()[0], entry, pending)
         assert len(log) == 6 * len(names) * 2  # a turn: one untimed call and one timed (6 reps / 6 rounds)
         turns = log[::2]
         rounds = [turns[r * len(names) : (r + 1) * len(names)] for r in range(6)]
@@ -989,10 +995,10 @@ def paired_entry(fastest_ms, column_ms, best_ms=None, per_turn=1):
     """A row whose fastest (fwd+bwd) chose flash_attn and was paired with the fa4 column; cuDNN
     at ``best_ms`` (default: slower than both).  Samples per round as given."""
     row = Row("bf16", 128, 16384, False)
-    f = bench.flops(row, "fwd+bwd")
+    f = grid.flops(row, "fwd+bwd")
 
     def cell(samples, **kw):
-        ms = bench.lower_quartile(samples)
+        ms = lower_quartile(samples)
         return dict(
             status="ok", ms=ms, tflops=f / (ms * 1e9), samples_ms=samples, rounds=len(samples) // per_turn, **kw
         )
@@ -1021,15 +1027,15 @@ def test_paired_reading_cancels_the_turn_order():
     e = paired_entry(fastest, column)
     logs = [math.log(c / f) for f, c in zip(fastest, column)]
     assert statistics.median(logs) < math.log(0.95)  # the naive paired median
-    assert abs(bench.paired_log_ratio(e, "fwd+bwd")) < 0.005
-    assert bench.fastest_ratio(e, "fwd+bwd") == pytest.approx(1.0, abs=0.005)
+    assert abs(targets.paired_log_ratio(e, "fwd+bwd")) < 0.005
+    assert targets.fastest_ratio(e, "fwd+bwd") == pytest.approx(1.0, abs=0.005)
     # a real difference survives: fastest 5% slower in every round, whatever the order
     e = paired_entry([x * 1.05 for x in fastest], column)
-    assert bench.fastest_ratio(e, "fwd+bwd") == pytest.approx(1 / 1.05, abs=0.005)
+    assert targets.fastest_ratio(e, "fwd+bwd") == pytest.approx(1 / 1.05, abs=0.005)
     # and a wrong choice still counts: the chosen column against a faster best column
     e = paired_entry(fastest, column, best_ms=[12.0] * 11)
-    assert bench.fastest_ratio(e, "fwd+bwd") == pytest.approx(
-        bench.lower_quartile([e["results"]["cudnn"]["fwd+bwd"]["ms"]]) / e["results"]["fa4"]["fwd+bwd"]["ms"], abs=0.005
+    assert targets.fastest_ratio(e, "fwd+bwd") == pytest.approx(
+        lower_quartile([e["results"]["cudnn"]["fwd+bwd"]["ms"]]) / e["results"]["fa4"]["fwd+bwd"]["ms"], abs=0.005
     )
 
 
@@ -1044,8 +1050,8 @@ def test_paired_reading_only_for_one_call_a_turn_of_paired_columns():
             cell.pop("paired_with")
         if change == "rounds":
             e["results"]["fa4"]["fwd+bwd"]["rounds"] -= 1
-        assert bench.paired_log_ratio(e, "fwd+bwd") is None, change
-        assert bench.fastest_ratio(e, "fwd+bwd") == bench.fastest_ratio(e, "fwd+bwd", paired=False)
+        assert targets.paired_log_ratio(e, "fwd+bwd") is None, change
+        assert targets.fastest_ratio(e, "fwd+bwd") == targets.fastest_ratio(e, "fwd+bwd", paired=False)
 
 
 def test_read_run_names_the_paired_column_of_older_runs(tmp_path):
@@ -1068,24 +1074,24 @@ def test_fastest_target_reports_the_direct_reading_too(tmp_path):
     fastest = [13.0 * 1.08 if r % 2 == 0 else 14.0 for r in range(11)]
     column = [13.0 if r % 2 == 0 else 14.0 * 1.08 for r in range(11)]
     entries = [paired_entry(fastest, column)]
-    target = next(t for t in bench.evaluate_targets(entries) if t["target"].startswith("policy=fastest fwd+bwd"))
+    target = next(t for t in targets.evaluate_targets(entries) if t["target"].startswith("policy=fastest fwd+bwd"))
     assert target["status"] == "met" and target["paired_rows"] == 1
     assert target["direct_below"] == 1 and target["direct_worst"] < 0.97
-    assert "1 rows read paired" in bench.target_note(target) and "lower quartiles alone" in bench.target_note(target)
+    assert "1 rows read paired" in report.target_note(target) and "lower quartiles alone" in report.target_note(target)
     # a row read paired and missed: its note gives the lower quartiles' reading beside it
     entries = [paired_entry([x * 1.05 for x in fastest], column)]
-    target = next(t for t in bench.evaluate_targets(entries) if t["target"].startswith("policy=fastest fwd+bwd"))
+    target = next(t for t in targets.evaluate_targets(entries) if t["target"].startswith("policy=fastest fwd+bwd"))
     miss = target["misses"][0]
     assert target["status"] == "not met" and miss["paired"] and miss["direct"] < miss["ratio"] < 0.97
     assert (
         f"{miss['ratio']:.2f} (chose flash_attn, the best column: one kernel timed twice; read paired, "
-        f"lower quartiles {miss['direct']:.2f})" in bench.target_note(target)
+        f"lower quartiles {miss['direct']:.2f})" in report.target_note(target)
     )
 
 
 def test_pair_fastest_in_the_legend(tmp_path):
     data = fake_data()
-    data["meta"].update(rounds=11, sampling=bench.SAMPLING_SHUFFLED, pair_fastest=True)
+    data["meta"].update(rounds=11, sampling=report.SAMPLING_SHUFFLED, pair_fastest=True)
     doc = tmp_path / "b.md"
     bench.write_outputs(data, tmp_path / "out", doc, plot=False)
     assert (
@@ -1181,15 +1187,15 @@ def test_lower_quartile_is_robust_to_one_lucky_repetition_and_to_slow_ones():
     # Slowdowns (clock state, host hiccups) are one-sided: slow repetitions must not move the cell,
     # and one lucky repetition must not set it either (as the minimum would).
     steady = [1.00, 1.01, 1.02, 1.00, 1.01, 1.02, 1.00, 1.01]
-    assert bench.lower_quartile(steady + [1.5, 2.0, 3.0]) == pytest.approx(bench.lower_quartile(steady), abs=0.011)
-    assert bench.lower_quartile(steady + [0.5]) >= 1.0
+    assert lower_quartile(steady + [1.5, 2.0, 3.0]) == pytest.approx(lower_quartile(steady), abs=0.011)
+    assert lower_quartile(steady + [0.5]) >= 1.0
     for n in (2, 3, 5, 11, 22):
         xs = [1.0 + 0.37 * ((i * 7) % n) for i in range(n)]
-        q = bench.lower_quartile(xs)
+        q = lower_quartile(xs)
         assert min(xs) <= q <= statistics.median(xs)
         # about a quarter of the repetitions lie below it, about three quarters above
         assert sum(x < q for x in xs) <= n / 4 + 1 and sum(x > q for x in xs) <= 3 * n / 4 + 1
-    assert bench.lower_quartile([2.5]) == 2.5
+    assert lower_quartile([2.5]) == 2.5
 
 
 def test_fastest_statistics_replays_each_statistic_from_the_samples():
@@ -1274,7 +1280,7 @@ def test_fastest_statistics_by_rounds_judges_the_first_k_rounds():
 def test_fastest_statistics_agreement_of_one_kernel_measured_twice():
     """The fastest cell against the column of the backend it chose, by the column's length:
     a flash-attn 4 choice reads the fa4 column; fastest 4% slower counts below 0.97.  The paired
-    estimate (bench.paired_log_ratio), only where both took one sample a round, paired."""
+    estimate (targets.paired_log_ratio), only where both took one sample a round, paired."""
     from benchmarks import fastest_statistics as fs
 
     def cell(ms, **kw):
