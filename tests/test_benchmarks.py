@@ -1328,18 +1328,34 @@ def test_forward_ab_configured_changes_one_thing_and_restores_it(impl):
     (an A/B that leaked a change into the next impl's turn would compare the wrong kernels);
     after, everything as shipped."""
     import torch
-    from attention_dispatch.kernels import KernelParams, configs, launch
+    from attention_dispatch.kernels import KernelParams, configs
+    from attention_dispatch.kernels.gluon import launch as gluon_launch, route
+    from attention_dispatch.kernels.shapes import KernelShapes
 
     ab = _load("forward_ab")
-    shipped = (launch.WS_MIN_WORK, dict(configs.WS_BWD_CONFIGS), dict(configs.WS_DQ_CONFIGS), launch.fuse_dq)
+
+    def state():
+        return (
+            route.WS_MIN_WORK,
+            dict(configs.WS_BWD_CONFIGS),
+            dict(configs.WS_DQ_CONFIGS),
+            route.fuse_dq_reason,
+            dict(gluon_launch.KERNELS),
+        )
+
+    shipped = state()
     q = torch.empty(1, 4, 4096, 128)
-    prob = launch._Problem(q, q, q, None, None, None, None)
+    prob = KernelShapes(q, q, q, None, None, None, None)
     causal = KernelParams(scale=0.1, window_left=-1, window_right=0)
-    with ab.configured(impl, launch.WS_MIN_WORK, bwd_stages=3, bwd_block_m=128):
-        inside = (launch.WS_MIN_WORK, dict(configs.WS_BWD_CONFIGS), dict(configs.WS_DQ_CONFIGS))
-        fuses_causal = launch.fuse_dq(causal, prob, None)
+    with ab.configured(impl, route.WS_MIN_WORK, bwd_stages=3, bwd_block_m=128):
+        inside = state()
+        fuses_causal = route.fuse_dq_reason(causal, prob, False) is None
     changed = [
-        name for name, a, b in zip(("WS_MIN_WORK", "WS_BWD_CONFIGS", "WS_DQ_CONFIGS"), shipped, inside) if a != b
+        name
+        for name, a, b in zip(
+            ("WS_MIN_WORK", "WS_BWD_CONFIGS", "WS_DQ_CONFIGS", "fuse_dq_reason", "KERNELS"), shipped, inside
+        )
+        if a != b
     ] + (["fuse_dq"] if fuses_causal else [])
     expected = {
         "ws": [],
@@ -1351,4 +1367,4 @@ def test_forward_ab_configured_changes_one_thing_and_restores_it(impl):
         "ws-bwd-block-m": ["WS_BWD_CONFIGS"],
     }[impl]
     assert changed == expected
-    assert (launch.WS_MIN_WORK, dict(configs.WS_BWD_CONFIGS), dict(configs.WS_DQ_CONFIGS), launch.fuse_dq) == shipped
+    assert state() == shipped
