@@ -9,7 +9,7 @@ import torch
 from . import config as _config
 from . import registry
 from .debug import logger, note_decision
-from .dispatch import FAST_CALLS_LIMIT, BackendRunError, Decision, decide, fast_calls
+from .dispatch import FAST_CALLS_LIMIT, Decision, decide, fast_calls, run_with_fallback
 from .call import Call, CallFacts, _seqlens, make_problem, normalize_call
 from .fast_key import call_key
 from .fastest import choose_fastest
@@ -28,26 +28,7 @@ def _decide_at_trace_time(facts: tuple, forced) -> tuple:
 
 def _execute(decision: Decision, call: Call):
     """Run the chosen backend; on a run-time failure re-raise or fall back per config."""
-    on_error = _config.current_config().dispatch.on_error
-    while True:
-        backend = registry.get_backend(decision.backend)
-        try:
-            return decision, backend.run(call.query, call.key, call.value, **call.options)
-        except Exception as exc:
-            if on_error != "fallback":
-                raise BackendRunError(
-                    f"backend {decision.backend!r} failed while running: {type(exc).__name__}: {exc}"
-                ) from exc
-            failed = decision.backend
-            decision = decision.fallback_after_failure(failed, exc)
-            logger.warning(
-                "backend %r failed (%s: %s); falling back to %r", failed, type(exc).__name__, exc, decision.backend
-            )
-            if decision.backend is None:
-                raise BackendRunError(
-                    f"every eligible backend failed while running; last was {failed!r}: "
-                    f"{type(exc).__name__}: {exc}\n{decision}"
-                ) from exc
+    return run_with_fallback(decision, lambda backend: backend.run(call.query, call.key, call.value, **call.options))
 
 
 def sdpa(

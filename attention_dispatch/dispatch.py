@@ -262,3 +262,28 @@ def _warn_once(decision: Decision, cfg) -> None:
                 UserWarning,
                 stacklevel=4,
             )
+
+
+def run_with_fallback(decision: Decision, run):
+    """``(decision, run(backend))`` for the chosen backend; on a run-time failure re-raise as
+    BackendRunError, or with dispatch.on_error="fallback" try the next eligible backend (the
+    returned Decision then says which failed)."""
+    on_error = _config.current_config().dispatch.on_error
+    while True:
+        try:
+            return decision, run(registry.get_backend(decision.backend))
+        except Exception as exc:
+            if on_error != "fallback":
+                raise BackendRunError(
+                    f"backend {decision.backend!r} failed while running: {type(exc).__name__}: {exc}"
+                ) from exc
+            failed = decision.backend
+            decision = decision.fallback_after_failure(failed, exc)
+            logger.warning(
+                "backend %r failed (%s: %s); falling back to %r", failed, type(exc).__name__, exc, decision.backend
+            )
+            if decision.backend is None:
+                raise BackendRunError(
+                    f"every eligible backend failed while running; last was {failed!r}: "
+                    f"{type(exc).__name__}: {exc}\n{decision}"
+                ) from exc

@@ -13,12 +13,10 @@ import math
 
 import torch
 
-from . import config as _config
-from . import registry
 from .call import _check_scalars, check_plain_tensor
 from .caches import register_cache
-from .debug import logger, note_decision
-from .dispatch import BackendRunError, Decision, decide
+from .debug import note_decision
+from .dispatch import Decision, decide, run_with_fallback
 from .problem import Problem, _aligned_16, compute_capability
 from .semantics import CausalKind, normalize_window
 
@@ -277,30 +275,14 @@ def _problem(facts: tuple) -> Problem:
 
 
 def _execute(decision: Decision, call: KvCall):
-    """Run the chosen backend; on a run-time failure re-raise or fall back per config (a
-    fallback appends k_new/v_new again at the same positions: the same cache)."""
-    on_error = _config.current_config().dispatch.on_error
-    while True:
-        backend = registry.get_backend(decision.backend)
-        try:
-            with torch.no_grad():
-                out = backend.run_kvcache(call.query, call.k_cache, call.v_cache, call.cache_seqlens, **call.options)
-            return decision, out
-        except Exception as exc:
-            if on_error != "fallback":
-                raise BackendRunError(
-                    f"backend {decision.backend!r} failed while running: {type(exc).__name__}: {exc}"
-                ) from exc
-            failed = decision.backend
-            decision = decision.fallback_after_failure(failed, exc)
-            logger.warning(
-                "backend %r failed (%s: %s); falling back to %r", failed, type(exc).__name__, exc, decision.backend
-            )
-            if decision.backend is None:
-                raise BackendRunError(
-                    f"every eligible backend failed while running; last was {failed!r}: "
-                    f"{type(exc).__name__}: {exc}\n{decision}"
-                ) from exc
+    """Run the chosen backend, falling back per config (a fallback appends k_new/v_new again at
+    the same positions: the same cache)."""
+
+    def run(backend):
+        with torch.no_grad():
+            return backend.run_kvcache(call.query, call.k_cache, call.v_cache, call.cache_seqlens, **call.options)
+
+    return run_with_fallback(decision, run)
 
 
 def sdpa_with_kvcache(
