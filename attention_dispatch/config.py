@@ -192,17 +192,17 @@ def config_version() -> int:
 # key may hold it; entering and leaving a scope then invalidates nothing, and a step loop
 # under `with use_config(...)` keeps its cached decisions and fast path.
 PIN_LIMIT = 256
-_pinned: dict[int, Config] = {}
+pinned: dict[int, Config] = {}
 _from_dicts: dict[str, Config] = {}  # equal dicts -> one (frozen) Config, so one id
 
 
 def _pin(config: Config) -> None:
-    if _pinned.get(id(config)) is not config:
+    if pinned.get(id(config)) is not config:
         with _lock:
-            if len(_pinned) >= PIN_LIMIT:  # dropping pins frees ids: no key naming them may hit
-                _pinned.clear()
+            if len(pinned) >= PIN_LIMIT:  # dropping pins frees ids: no key naming them may hit
+                pinned.clear()
                 _bump()
-            _pinned[id(config)] = config
+            pinned[id(config)] = config
 
 
 def _config_of_dict(data: dict) -> Config:

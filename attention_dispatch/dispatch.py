@@ -146,7 +146,7 @@ def candidate_order(forced: str | None, cfg) -> tuple[tuple[str, ...], str]:
 # ---- deciding ----------------------------------------------------------------------------
 
 
-def _evaluate(problem: Problem, names: tuple[str, ...], source: str, cfg, forced: str | None) -> Decision:
+def evaluate(problem: Problem, names: tuple[str, ...], source: str, cfg, forced: str | None) -> Decision:
     rejected: dict[str, list[str]] = {}
     eligible: list[str] = []
     known = set(registry.list_backends())
@@ -212,7 +212,7 @@ def decide(problem: Problem, forced: str | None = None, raise_if_none: bool = Tr
     decision = _cache.get(key)
     if decision is None:
         names, source = candidate_order(forced, cfg)
-        decision = _evaluate(problem, names, source, cfg, forced)
+        decision = evaluate(problem, names, source, cfg, forced)
         with _cache_lock:
             if len(_cache) >= _CACHE_LIMIT:
                 _cache.clear()

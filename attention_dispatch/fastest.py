@@ -123,7 +123,7 @@ def _store_file(
     os.replace(tmp, path)  # atomic: concurrent processes never read half a file
 
 
-def _runner(name: str, call):
+def runner(name: str, call):
     """One call of backend ``name`` on fresh leaves of ``call``'s inputs (forward, plus the
     backward when the call needs grad), through the backend's prepared runner: the timing
     then counts the per-call host cost that repeated sdpa() calls will pay."""
@@ -155,20 +155,20 @@ def _runner(name: str, call):
     return once
 
 
-def _time_backends(
+def time_backends(
     names, call, sync, failures: dict | None = None, samples_out: dict | None = None, host_out: dict | None = None
 ) -> dict[str, float]:
     """Milliseconds per call of each backend: after one warm-up call each (compilation,
     autotuning) and WARM_ROUNDS untimed rounds, ROUNDS interleaved rounds of short turns (see
     ROUNDS; LONG_ROUNDS where every call is long) in :func:`turn_order`; the lower quartile of
     each backend's samples (kept in ``samples_out`` when given).  On a GPU samples are timed by
-    CUDA events once the turn's untimed call has started the stream (:func:`_turn_ms_cuda`),
+    CUDA events once the turn's untimed call has started the stream (:func:`turn_ms_cuda`),
     and ``host_out`` gets the lower quartile of the host's time per call in the same samples."""
     runs, calls = {}, {}
     shortest_ms = math.inf  # the quickest warm-up call: LONG_ROUNDS only where it is long
     for name in names:
         try:
-            once = _runner(name, call)
+            once = runner(name, call)
             sync()
             once()
             sync()
@@ -222,7 +222,7 @@ def tie_note(winner: str, timings: dict[str, float], host: dict[str, float]) -> 
 
 
 def _rounds(runs: dict, calls: dict, device: torch.device, sync, rounds: int = ROUNDS) -> tuple[dict, dict]:
-    """The warm and ``rounds`` timed rounds of :func:`_time_backends`: each backend's timed
+    """The warm and ``rounds`` timed rounds of :func:`time_backends`: each backend's timed
     samples (ms), and on a GPU the host's time per call in each of them (ms; empty lists on the
     CPU, where the samples are the host's time)."""
     samples: dict[str, list[float]] = {name: [] for name in runs}
@@ -234,9 +234,9 @@ def _rounds(runs: dict, calls: dict, device: torch.device, sync, rounds: int = R
             enqueued: list[float] = []
             if cuda:
                 with torch.cuda.device(device):
-                    got, enqueued = _turn_ms_cuda(runs[name], calls[name])
+                    got, enqueued = turn_ms_cuda(runs[name], calls[name])
             else:
-                got = _turn_ms_host(runs[name], calls[name], sync)
+                got = turn_ms_host(runs[name], calls[name], sync)
             if rnd >= WARM_ROUNDS:
                 samples[name] += got
                 host[name] += enqueued
@@ -246,7 +246,7 @@ def _rounds(runs: dict, calls: dict, device: torch.device, sync, rounds: int = R
     return samples, host
 
 
-def _turn_ms_host(once, calls: int, sync) -> list[float]:
+def turn_ms_host(once, calls: int, sync) -> list[float]:
     """SAMPLES_PER_TURN samples of ``calls`` calls each after one untimed call, by the host
     clock: milliseconds per call."""
     once()
@@ -261,7 +261,7 @@ def _turn_ms_host(once, calls: int, sync) -> list[float]:
     return out
 
 
-def _turn_ms_cuda(once, calls: int) -> tuple[list[float], list[float]]:
+def turn_ms_cuda(once, calls: int) -> tuple[list[float], list[float]]:
     """SAMPLES_PER_TURN samples of ``calls`` calls each, enqueued back to back behind one
     untimed call and bracketed by CUDA events: milliseconds per call.  The untimed call
     hides the first call's launch latency (0.1-0.2 ms for flash-attn 4: timed from the host,
@@ -289,9 +289,9 @@ def _turn_ms_cuda(once, calls: int) -> tuple[list[float], list[float]]:
 
 
 def _time_backend(name: str, call, sync) -> float:
-    """Milliseconds per call of one backend (see :func:`_time_backends`)."""
+    """Milliseconds per call of one backend (see :func:`time_backends`)."""
     failures: dict = {}
-    timings = _time_backends((name,), call, sync, failures)
+    timings = time_backends((name,), call, sync, failures)
     if name not in timings:
         raise RuntimeError(failures.get(name, f"{name} did not run"))
     return timings[name]
@@ -322,7 +322,7 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
         if device.type == "cuda":
             names = tuple(n for n in names if not registry.get_backend(n).reference) or names
         with torch.random.fork_rng(devices=devices):
-            timings = _time_backends(names, call, sync, failures, samples, host)
+            timings = time_backends(names, call, sync, failures, samples, host)
         if not timings:
             return decision
         winner = pick_winner(timings, host)

@@ -24,13 +24,13 @@ import attention_dispatch
 from attention_dispatch.backends import base
 from attention_dispatch.backends.fa4_relaunch import ForwardRelauncher, VarlenRelauncher, refusal
 from attention_dispatch.backends.flash_attn import INSTALL_HINT as FA_HINT, FlashAttnBackend
-from attention_dispatch.backends.torch_sdpa import (
+from attention_dispatch.backends.torch_backends import (
     CudnnBackend,
     TorchCpuBackend,
     TorchEfficientBackend,
     TorchFlashBackend,
-    _TorchSdpaBackend,
 )
+from attention_dispatch.backends.torch_sdpa import TorchSdpaBackend
 from attention_dispatch.backends.xformers import INSTALL_HINT as XF_HINT, XformersBackend, parse_no_operator
 from attention_dispatch.problem import Problem
 from attention_dispatch.semantics import CausalKind
@@ -1055,7 +1055,7 @@ def test_torch_cpu_prepared_runner_calls_the_flash_op_for_plain_calls(
         assert torch.equal(a, b_)
 
 
-class _CpuPinned(_TorchSdpaBackend):
+class _CpuPinned(TorchSdpaBackend):
     """The shared code path pinned to a CPU kernel, to test the CUDA-only branches here."""
 
     name = "cpu_pinned"
@@ -1655,7 +1655,7 @@ def test_gpu_dropout_mask_is_consistent(name):
 
 
 def test_pinning_context_sets_and_restores_the_flags():
-    from attention_dispatch.backends.torch_sdpa import _Pinned
+    from attention_dispatch.backends.torch_sdpa import PinnedKernel
 
     flags = torch.backends.cuda
     getters = [
@@ -1667,11 +1667,11 @@ def test_pinning_context_sets_and_restores_the_flags():
     before = [g() for g in getters]
     flags.enable_math_sdp(False)  # a non-default state must come back too
     try:
-        with _Pinned("FLASH_ATTENTION"):
+        with PinnedKernel("FLASH_ATTENTION"):
             assert [g() for g in getters] == [True, False, False, False]
         assert [g() for g in getters] == [before[0], before[1], False, before[3]]
         with pytest.raises(RuntimeError):
-            with _Pinned("CUDNN_ATTENTION"):
+            with PinnedKernel("CUDNN_ATTENTION"):
                 assert [g() for g in getters] == [False, False, False, True]
                 raise RuntimeError("inside")
         assert [g() for g in getters] == [before[0], before[1], False, before[3]]

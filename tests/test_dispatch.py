@@ -356,7 +356,7 @@ class Sleepy(Recording):
 def _fake_runners(
     monkeypatch, seconds: dict, hiccup: tuple[str, int | set, float] | None = None, long_calls: bool = False
 ):
-    """fastest._runner replaced by host-sleeping calls (`hiccup`: (backend, its call number
+    """fastest.runner replaced by host-sleeping calls (`hiccup`: (backend, its call number
     or numbers, extra seconds)); returns the log of turns (one name per turn) and of calls.
     The sleeps are long for a loaded CI machine's sake: unless ``long_calls``, they still count
     as short calls (ROUNDS timed rounds, not LONG_ROUNDS)."""
@@ -381,14 +381,14 @@ def _fake_runners(
         once.backend = name
         return once
 
-    real_turn = fastest._turn_ms_host
+    real_turn = fastest.turn_ms_host
 
     def turn(once, n, sync):
         turns.append(once.backend)
         return real_turn(once, n, sync)
 
-    monkeypatch.setattr(fastest, "_runner", runner)
-    monkeypatch.setattr(fastest, "_turn_ms_host", turn)
+    monkeypatch.setattr(fastest, "runner", runner)
+    monkeypatch.setattr(fastest, "turn_ms_host", turn)
     return calls, turns
 
 
@@ -401,7 +401,7 @@ def test_policy_fastest_takes_the_lower_quartile_of_interleaved_short_turns(monk
     seconds = {"a": 0.020, "b": 0.040, "c": 0.010}
     calls, turns = _fake_runners(monkeypatch, seconds, hiccup=("c", 12, 0.3))
     call = types.SimpleNamespace(query=torch.empty(1))
-    timings = fastest._time_backends(("a", "b", "c"), call, lambda: None)
+    timings = fastest.time_backends(("a", "b", "c"), call, lambda: None)
     assert min(timings, key=timings.get) == "c"
     for name, s in seconds.items():
         assert s * 1e3 <= timings[name] < s * 1e3 + 8, timings
@@ -426,7 +426,7 @@ def test_policy_fastest_times_long_calls_in_fewer_rounds(monkeypatch):
     ):  # a is pruned there
         calls, turns = _fake_runners(monkeypatch, seconds, long_calls=True)
         samples: dict = {}
-        timed = fastest._time_backends(tuple(seconds), call, lambda: None, samples_out=samples)
+        timed = fastest.time_backends(tuple(seconds), call, lambda: None, samples_out=samples)
         assert min(timed, key=timed.get) == "b"
         assert len(samples["b"]) == rounds * fastest.SAMPLES_PER_TURN
         assert turns.count("b") == fastest.WARM_ROUNDS + rounds
@@ -443,7 +443,7 @@ def test_policy_fastest_does_not_prune_the_winner_on_a_slow_start(monkeypatch):
     assert fastest.WARM_ROUNDS == 1 and fastest.PRUNE_AFTER >= 3
     # c's calls: 1 warm-up, 2 estimate, then per round an untimed call and one sample (4, 6, 8, ...)
     _, turns = _fake_runners(monkeypatch, {"a": 0.020, "c": 0.010}, hiccup=("c", {4, 6}, 0.1))
-    timings = fastest._time_backends(("a", "c"), types.SimpleNamespace(query=torch.empty(1)), lambda: None)
+    timings = fastest.time_backends(("a", "c"), types.SimpleNamespace(query=torch.empty(1)), lambda: None)
     assert min(timings, key=timings.get) == "c", timings
     assert 10 <= timings["c"] < 18 and turns.count("c") == fastest.WARM_ROUNDS + fastest.ROUNDS
 
@@ -458,7 +458,7 @@ def test_policy_fastest_resists_a_disturbance_of_most_samples(monkeypatch):
     # c's calls: 1 warm-up, 2 estimate, a warm round (3, 4), then round r's sample is call 4 + 2r
     slow = {8, 10, 14, 18, 22, 26}  # rounds 2, 3, 5, 7, 9 and 11
     _, turns = _fake_runners(monkeypatch, {"a": 0.020, "c": 0.010}, hiccup=("c", slow, 0.03))
-    timings = fastest._time_backends(("a", "c"), types.SimpleNamespace(query=torch.empty(1)), lambda: None)
+    timings = fastest.time_backends(("a", "c"), types.SimpleNamespace(query=torch.empty(1)), lambda: None)
     assert min(timings, key=timings.get) == "c", timings
     assert 10 <= timings["c"] < 18 and turns.count("c") == fastest.WARM_ROUNDS + fastest.ROUNDS
 
@@ -470,24 +470,24 @@ def test_policy_fastest_samples_with_the_collector_off_and_restores_it(monkeypat
     from attention_dispatch import fastest
 
     seen = []
-    real = fastest._turn_ms_host
+    real = fastest.turn_ms_host
 
     def turn(once, n, sync):
         seen.append(gc.isenabled())
         return real(once, n, sync)
 
     _fake_runners(monkeypatch, {"a": 0.001, "b": 0.002})
-    monkeypatch.setattr(fastest, "_turn_ms_host", turn)
+    monkeypatch.setattr(fastest, "turn_ms_host", turn)
     assert gc.isenabled()
-    fastest._time_backends(("a", "b"), types.SimpleNamespace(query=torch.empty(1)), lambda: None)
+    fastest.time_backends(("a", "b"), types.SimpleNamespace(query=torch.empty(1)), lambda: None)
     assert seen and not any(seen) and gc.isenabled()
 
     def failing(once, n, sync):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(fastest, "_turn_ms_host", failing)
+    monkeypatch.setattr(fastest, "turn_ms_host", failing)
     with pytest.raises(RuntimeError, match="device lost"):
-        fastest._time_backends(("a", "b"), types.SimpleNamespace(query=torch.empty(1)), lambda: None)
+        fastest.time_backends(("a", "b"), types.SimpleNamespace(query=torch.empty(1)), lambda: None)
     assert gc.isenabled()
 
 
@@ -498,7 +498,7 @@ def test_policy_fastest_shuffles_the_turns_after_the_first_round(monkeypatch):
     monkeypatch.setattr(fastest, "PRUNE_RATIO", 1e9)
     names = ("a", "b", "c", "d")
     _, turns = _fake_runners(monkeypatch, dict.fromkeys(names, 0.001))
-    fastest._time_backends(names, types.SimpleNamespace(query=torch.empty(1)), lambda: None)
+    fastest.time_backends(names, types.SimpleNamespace(query=torch.empty(1)), lambda: None)
     rounds = [tuple(turns[i : i + 4]) for i in range(0, len(turns), 4)]
     assert len(rounds) == fastest.WARM_ROUNDS + fastest.ROUNDS and all(sorted(r) == list(names) for r in rounds)
     assert rounds[0] == names and len(set(rounds)) > fastest.ROUNDS // 2
@@ -535,7 +535,7 @@ def test_policy_fastest_says_why_a_near_tie_went_to_the_host_light_backend(monke
         samples_out.update(heavy=(0.650,), light=(0.660,))
         return {"heavy": 0.650, "light": 0.660}
 
-    monkeypatch.setattr(fastest, "_time_backends", timed)
+    monkeypatch.setattr(fastest, "time_backends", timed)
     ad.register_backend(Recording("heavy"), priority="first")
     ad.register_backend(Recording("light"), priority=1)
     with ad.use_config({"dispatch": {"policy": "fastest"}}), ad.use_backends("heavy", "light"):
@@ -943,7 +943,7 @@ def test_fast_path_survives_entering_the_same_scoped_config(monkeypatch):
     ad.sdpa(q, k, v)
     assert ad.last_decision().backend == outside
     # ids named by cache keys stay taken: the pinned configs are the scoped ones
-    assert config_mod._pinned[next(iter(seen))] is not None
+    assert config_mod.pinned[next(iter(seen))] is not None
 
 
 def test_config_pins_are_bounded_and_dropping_them_invalidates_keys(monkeypatch):
@@ -952,14 +952,14 @@ def test_config_pins_are_bounded_and_dropping_them_invalidates_keys(monkeypatch)
     from attention_dispatch import config as config_mod
 
     monkeypatch.setattr(config_mod, "PIN_LIMIT", 3)
-    monkeypatch.setattr(config_mod, "_pinned", {})
+    monkeypatch.setattr(config_mod, "pinned", {})
     version = config_mod.config_version()
     for name in ("math", "torch_cpu", "triton"):  # three distinct configs: pinned, nothing bumped
         with ad.use_config({"dispatch": {"disabled": [name]}}) as cfg:
             assert config_mod.current_config() is cfg and list(cfg.dispatch.disabled) == [name]
-    assert config_mod.config_version() == version and len(config_mod._pinned) == 3
+    assert config_mod.config_version() == version and len(config_mod.pinned) == 3
     with ad.use_config({"dispatch": {"disabled": ["xformers"]}}):
-        assert config_mod.config_version() == version + 1 and len(config_mod._pinned) == 1
+        assert config_mod.config_version() == version + 1 and len(config_mod.pinned) == 1
 
 
 def test_clear_cache_empties_every_registered_cache():

@@ -655,7 +655,7 @@ def test_calls_are_recorded_like_sdpa():
 
 def test_on_error_fallback_takes_the_next_eligible_backend(monkeypatch):
     args = _base_args()
-    from attention_dispatch.backends.torch_sdpa import TorchCpuBackend
+    from attention_dispatch.backends.torch_backends import TorchCpuBackend
 
     def broken(self, *a, **kw):
         raise RuntimeError("boom")
@@ -673,8 +673,8 @@ def test_on_error_fallback_takes_the_next_eligible_backend(monkeypatch):
 def test_a_decode_loop_hits_the_decision_cache(monkeypatch):
     """cache_seqlens grows by one per step: one decision for the whole generation."""
     evaluations = []
-    evaluate = dispatch._evaluate
-    monkeypatch.setattr(dispatch, "_evaluate", lambda *a, **kw: evaluations.append(a[0]) or evaluate(*a, **kw))
+    evaluate = dispatch.evaluate
+    monkeypatch.setattr(dispatch, "evaluate", lambda *a, **kw: evaluations.append(a[0]) or evaluate(*a, **kw))
     case = KvCase(batch=2, capacity=32, block_size=16, append=True, lengths=(0, 5))
     args = make_kv_inputs(case)
     k, v = args["k_cache"].clone(), args["v_cache"].clone()

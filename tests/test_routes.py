@@ -25,7 +25,7 @@ from torch.nn.attention.bias import CausalBias
 
 import attention_dispatch as ad
 from attention_dispatch.backends import flash_attn as fa_module
-from attention_dispatch.backends import torch_sdpa as ts
+from attention_dispatch.backends import torch_backends as tb, torch_sdpa as ts
 from attention_dispatch.backends.base import Capabilities
 from attention_dispatch.backends.flash_attn import PUBLIC, RELAUNCHED, FlashAttnBackend
 from attention_dispatch.route import Route, RouteStep
@@ -310,7 +310,7 @@ def observed_form(call: dict | None, sq: int, user_mask) -> str:
     return ts.MASK_BAND if bool((mask == 0).any() if mask.dtype == torch.bool else (mask < 0).any()) else ts.MASK
 
 
-class CpuLowerRight(ts._TorchSdpaBackend):
+class CpuLowerRight(ts.TorchSdpaBackend):
     """The shared adapter as torch_flash / torch_efficient configure it (causal_lower_right and
     nested inputs native), on CPU tensors."""
 
@@ -430,7 +430,7 @@ SDPA_ROUTES = {
     ),
 }
 
-BACKENDS = {"cudnn": ts.CudnnBackend, "torch_cpu": ts.TorchCpuBackend, "cpu_lower_right": CpuLowerRight}
+BACKENDS = {"cudnn": tb.CudnnBackend, "torch_cpu": tb.TorchCpuBackend, "cpu_lower_right": CpuLowerRight}
 
 
 def _sdpa_call(shape, causal, mask, extra, dtype=torch.float32, device="cpu", grad=False):
@@ -645,7 +645,7 @@ def test_gpu_flash_attn_explain_names_the_generation_sdpa_calls(monkeypatch, cas
         assert kernel.chosen == FA3
 
     called: list = []
-    impls, errors, anything, absent = backend._load()
+    impls, errors, anything, absent = backend.load()
 
     def recorded(impl):
         def wrap(func):
@@ -653,7 +653,7 @@ def test_gpu_flash_attn_explain_names_the_generation_sdpa_calls(monkeypatch, cas
 
         return dataclasses.replace(impl, func=wrap(impl.func), varlen_func=wrap(impl.varlen_func))
 
-    monkeypatch.setattr(backend, "_loaded", ([recorded(i) for i in impls], errors, anything, absent))
+    monkeypatch.setattr(backend, "loaded", ([recorded(i) for i in impls], errors, anything, absent))
     ad.clear_cache()
     ad.sdpa(q, k, v, backend="flash_attn", **kw)
     assert called == [kernel.chosen]

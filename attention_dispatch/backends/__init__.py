@@ -14,7 +14,7 @@ def builtin_backends() -> list[Backend]:
     """Fresh instances of every built-in backend, in default priority order."""
     from .flash_attn import FlashAttnBackend
     from .math import MathBackend
-    from .torch_sdpa import CudnnBackend, TorchCpuBackend, TorchEfficientBackend, TorchFlashBackend
+    from .torch_backends import CudnnBackend, TorchCpuBackend, TorchEfficientBackend, TorchFlashBackend
     from .triton import TritonBackend
     from .xformers import XformersBackend
 

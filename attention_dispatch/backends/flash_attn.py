@@ -209,14 +209,14 @@ class FlashAttnBackend(Backend):
 
     def __init__(self, versions: tuple[str, ...] = ("fa3", "fa4", "fa2")):
         self.versions = tuple(versions)  # in order of preference
-        self._loaded: tuple[list[Implementation], list[str], bool, dict[str, str]] | None = None
+        self.loaded: tuple[list[Implementation], list[str], bool, dict[str, str]] | None = None
 
     # -- importing ----------------------------------------------------------------
-    def _load(self) -> tuple[list[Implementation], list[str], bool, dict[str, str]]:
+    def load(self) -> tuple[list[Implementation], list[str], bool, dict[str, str]]:
         """(implementations, import errors, anything installed at all, why each generation that
         did not load did not: key -> "not installed" | "import failed: ..."); cached per instance."""
-        if self._loaded is not None:
-            return self._loaded
+        if self.loaded is not None:
+            return self.loaded
         impls: list[Implementation] = []
         errors: list[str] = []
         absent: dict[str, str] = {}
@@ -242,8 +242,8 @@ class FlashAttnBackend(Backend):
                 impls.append(impl)
             else:
                 absent[key] = "not installed (flash_attn has no flash_attn_func)"
-        self._loaded = (impls, errors, installed, absent)
-        return self._loaded
+        self.loaded = (impls, errors, installed, absent)
+        return self.loaded
 
     @staticmethod
     def _import_fa2() -> Implementation | None:
@@ -286,14 +286,14 @@ class FlashAttnBackend(Backend):
         )
 
     def implementations(self) -> list[Implementation]:
-        return self._load()[0]
+        return self.load()[0]
 
     # -- availability -------------------------------------------------------------
     def is_available(self) -> bool:
         return not self.unavailable_reason()
 
     def unavailable_reason(self) -> str:
-        impls, errors, _, _ = self._load()
+        impls, errors, _, _ = self.load()
         if not impls:
             if errors:
                 return "import failed: " + "; ".join(errors)
@@ -345,7 +345,7 @@ class FlashAttnBackend(Backend):
         """The one choice of a flash-attn generation: the first of ``versions`` (fa3, fa4, fa2:
         fastest first) that is installed and supports `p`, with why each one before it was
         passed over.  run(), prepare(), check() and route() all take it."""
-        impls, _, _, absent = self._load()
+        impls, _, _, absent = self.load()
         loaded = {i.key: i for i in impls}
         passed: list[tuple[str, str]] = []
         refusals: list[str] = []

@@ -1,6 +1,6 @@
 """PyTorch's own fused kernels, each pinned with ``torch.nn.attention.sdpa_kernel``.
 
-Four backends share one code path (`_TorchSdpaBackend`); each subclass only declares
+Four backends share one code path (`TorchSdpaBackend`); each subclass only declares
 which ``SDPBackend`` it pins and the limits PyTorch applies to that kernel, so that the
 dispatcher never picks one that PyTorch would refuse ("No available kernel") or, worse,
 silently reroute. The limits mirror PyTorch's filters (2.11 .. 2.13):
@@ -60,9 +60,9 @@ import torch.nn.functional as F
 from ..problem import Problem
 from ..route import Route, RouteStep
 from ..semantics import CausalKind
-from .base import Backend, Capabilities
+from .base import Backend
 
-_HALF = frozenset({torch.float16, torch.bfloat16})
+HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
 # How a call reaches F.scaled_dot_product_attention (call_form; the names are route()'s)
 EMPTY = "zeros"  # an empty dimension: exact zeros, no kernel
@@ -86,7 +86,7 @@ _NOT_DIRECT = {
 }
 
 
-def _deterministic_flag() -> tuple[bool, bool]:
+def deterministic_flag() -> tuple[bool, bool]:
     """(torch deterministic algorithms on, warn only)."""
     return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
 
@@ -137,7 +137,7 @@ def _kv_mask(lengths, sq: int, capacity: int, causal) -> torch.Tensor:
     return allowed
 
 
-class _Pinned:
+class PinnedKernel:
     """``sdpa_kernel([SDPBackend.X])`` for one backend, without its generator and list
     bookkeeping (~9 us a call on the CPU): the same process-wide flags through
     ``torch.backends.cuda``'s public getters and setters, restored on exit."""
@@ -168,7 +168,7 @@ class _Pinned:
         return False
 
 
-class _TorchSdpaBackend(Backend):
+class TorchSdpaBackend(Backend):
     """The shared adapter; subclasses set the class attributes below."""
 
     sdp_backend: str = ""  # name of the torch.nn.attention.SDPBackend member
@@ -223,7 +223,7 @@ class _TorchSdpaBackend(Backend):
                     f"causal={p.causal} with varlen (PyTorch's nested path aligns causal {self.varlen_causal})"
                 )
         if p.requires_grad and p.deterministic and not p.deterministic_warn_only and self.determinism_from_global_flag:
-            on, warn_only = _deterministic_flag()
+            on, warn_only = deterministic_flag()
             if not on or warn_only:
                 reasons.append(
                     "deterministic backward needs torch.use_deterministic_algorithms(True) "
@@ -236,7 +236,7 @@ class _TorchSdpaBackend(Backend):
 
     # -- running ------------------------------------------------------------------
     def _context(self):
-        return _Pinned(self.sdp_backend)
+        return PinnedKernel(self.sdp_backend)
 
     def call_form(self, query, key, *, has_mask: bool, causal: CausalKind | None, varlen: bool):
         """(form, passed_over): how run() hands this call to F.sdpa (one of the module's form
@@ -484,218 +484,3 @@ class _TorchSdpaBackend(Backend):
                 q, k, v, dropout_p=dropout_p, is_causal=causal is not None, scale=scale
             )
         return out.transpose(1, 2).values()
-
-
-class CudnnBackend(_TorchSdpaBackend):
-    """cuDNN attention (``SDPBackend.CUDNN_ATTENTION``)."""
-
-    name = "cudnn"
-    sdp_backend = "CUDNN_ATTENTION"
-    fix_empty_rows = True
-    direct_op = "_scaled_dot_product_cudnn_attention"
-    capabilities = Capabilities(
-        devices=frozenset({"cuda"}),
-        min_compute_capability=(8, 0),
-        max_compute_capability=(12, 1),
-        dtypes=_HALF,
-        head_dim_max=256,
-        head_dim_multiple=8,
-        causal_kinds=frozenset(CausalKind),
-        window=False,
-        bias_grad=False,  # check_attn_mask_shape: a mask requiring grad disables cuDNN
-        float32_bias=False,  # not shown to add a float32 bias unrounded
-        dropout=False,  # p must be a multiple of 1/16, none on cuDNN 9.11-9.13: not expressible here
-        varlen=False,  # nested needs TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1, sm90/100, Sq > 128
-        deterministic_backward=False,
-        max_batch_heads=None,
-        kv_cache=frozenset({"dense"}),  # F.sdpa with a bool mask from cache_seqlens
-        notes="bottom-right causal as a folded bool mask; head dim 256 only on sm90 with cuDNN >= 9.19 or sm10x with cuDNN > 9.22",
-    )
-
-    def _built(self) -> str:
-        if not torch.backends.cudnn.is_available():
-            return "PyTorch was built without cuDNN"
-        v = torch.backends.cudnn.version() or 0
-        if v < 90000:
-            return f"cuDNN {v} < 9.0.0 (PyTorch needs 9 for cuDNN attention)"
-        return ""
-
-    def version(self) -> str:
-        v = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-        return f"torch {torch.__version__}" + (f", cuDNN {v}" if v else "")
-
-    @staticmethod
-    def _cudnn_version() -> int:
-        try:
-            return int(torch.backends.cudnn.version() or 0) if torch.backends.cudnn.is_available() else 0
-        except Exception:  # pragma: no cover - a broken cuDNN install
-            return 0
-
-    def _direct_call(self, op, is_causal: bool, scale, grad: bool):
-        def runner(query, key, value):
-            # the log-sum-exp is what its backward reads: computed when the signature needs grad
-            return op(query, key, value, None, grad, 0.0, is_causal, False, scale=scale)[0]
-
-        return runner
-
-    def _kernel_checks(self, p: Problem) -> list[str]:
-        reasons = []
-        on, warn_only = _deterministic_flag()
-        if on and not warn_only:
-            reasons.append(
-                "torch.use_deterministic_algorithms(True) is on: PyTorch refuses cuDNN attention "
-                "(check_cudnn_deterministic)"
-            )
-        if p.batch > 65535 or p.heads_q > 65535:
-            reasons.append(f"batch={p.batch} or heads={p.heads_q} > 65535 (cuDNN limit)")
-        if p.layout in ("dense", "kvcache") and p.seqlen_k == 1:
-            reasons.append("Sk=1 not supported by cuDNN attention")
-        cc = p.compute_capability or (0, 0)
-        ver = self._cudnn_version()
-        sm90_10x = cc == (9, 0) or cc[0] == 10
-        # head dim 256: cuDNN > 9.22 on sm90/sm10x; also 9.19+ on sm90, where it was verified
-        # forward and backward against the float64 oracle (tests/test_capabilities.py on an
-        # H100, cuDNN 9.19, docs/experiments/perf-notes.md)
-        d256 = (sm90_10x and ver > 92200 and not (cc == (10, 7) and ver <= 92500)) or (cc == (9, 0) and ver >= 91900)
-        dqk, dv = p.head_dim_qk, p.head_dim_v
-        if d256:
-            limit = 256
-        elif sm90_10x and ver >= 91100 and (dqk, dv) == (192, 128):
-            limit = 192
-        else:
-            limit = 128
-        if max(dqk, dv) > limit and max(dqk, dv) <= 256:
-            reasons.append(f"head_dim={max(dqk, dv)} > {limit} (cuDNN {ver or 'unknown'} on sm{cc[0]}{cc[1]})")
-        if d256 and p.requires_grad and not (max(dqk, dv) <= 128 or (dqk, dv) in ((192, 128), (256, 256))):
-            reasons.append(f"backward with head dims ({dqk}, {dv}) not supported by cuDNN on sm{cc[0]}{cc[1]}")
-        return reasons
-
-
-class TorchFlashBackend(_TorchSdpaBackend):
-    """PyTorch's FlashAttention-2 (``SDPBackend.FLASH_ATTENTION``) on CUDA."""
-
-    name = "torch_flash"
-    sdp_backend = "FLASH_ATTENTION"
-    determinism_from_global_flag = True
-    native_lower_right = True
-    varlen_causal = CausalKind.BOTTOM_RIGHT
-    capabilities = Capabilities(
-        devices=frozenset({"cuda"}),
-        min_compute_capability=(8, 0),
-        max_compute_capability=(12, 1),
-        dtypes=_HALF,
-        head_dim_max=256,
-        different_head_dims=False,
-        causal_kinds=frozenset({CausalKind.BOTTOM_RIGHT}),  # is_causal with Sq != Sk is refused
-        window=False,
-        bool_mask=False,
-        float_bias=False,
-        bias_grad=False,
-        float32_bias=False,
-        notes="deterministic backward only under torch.use_deterministic_algorithms(True)",
-    )
-
-    def _built(self) -> str:
-        if not torch.backends.cuda.is_flash_attention_available():
-            return "PyTorch was built without flash attention"
-        return ""
-
-    def _kernel_checks(self, p: Problem) -> list[str]:
-        reasons = []
-        cc = p.compute_capability or (0, 0)
-        if p.requires_grad and ((8, 6) <= cc <= (8, 9) or (12, 0) <= cc <= (12, 1)):
-            d = p.head_dim_qk
-            if 192 < d <= 224 or (d > 224 and p.dropout):
-                reasons.append(
-                    f"backward with head_dim={d}{' and dropout' if p.dropout else ''} not supported on sm{cc[0]}{cc[1]}"
-                )
-        if p.layout == "varlen" and p.head_dim_qk % 8:
-            reasons.append(f"head_dim={p.head_dim_qk} is not a multiple of 8 (nested inputs)")
-        return reasons
-
-
-class TorchEfficientBackend(_TorchSdpaBackend):
-    """PyTorch's memory-efficient kernel (``SDPBackend.EFFICIENT_ATTENTION``) on CUDA."""
-
-    name = "torch_efficient"
-    sdp_backend = "EFFICIENT_ATTENTION"
-    determinism_from_global_flag = True
-    native_lower_right = True
-    fix_empty_rows = True
-    varlen_causal = CausalKind.TOP_LEFT
-    capabilities = Capabilities(
-        devices=frozenset({"cuda"}),
-        min_compute_capability=(5, 0),
-        max_compute_capability=(12, 1),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        causal_kinds=frozenset(CausalKind),
-        window=False,
-        float32_bias=False,  # not shown to add a float32 bias unrounded
-        gqa=False,  # PyTorch 2.11 refuses dense Hq != Hkv for this kernel ("No available kernel", seen on an H100)
-        kv_cache=frozenset({"dense"}),  # F.sdpa with a bool mask from cache_seqlens
-        notes="varlen: causal top-left, forward only; deterministic backward only under "
-        "torch.use_deterministic_algorithms(True)",
-    )
-
-    def _built(self) -> str:
-        if not torch.backends.cuda.is_flash_attention_available() and not hasattr(
-            torch.ops.aten, "_efficient_attention_forward"
-        ):
-            return "PyTorch was built without memory-efficient attention"
-        return ""
-
-    def _kernel_checks(self, p: Problem) -> list[str]:
-        reasons = []
-        cc = p.compute_capability or (0, 0)
-        half = p.dtype in _HALF
-        if cc < (8, 0) and p.dtype == torch.bfloat16:
-            reasons.append(f"dtype=bfloat16 needs sm80+ (got sm{cc[0]}{cc[1]})")
-        # minimum_gemm_alignment(): tensor cores need 16-byte rows of the head dim
-        if cc >= (8, 0):
-            align = 8 if half else 4
-        elif cc >= (7, 0):
-            align = 8 if half else 1
-        else:
-            align = 1
-        for label, d in (("head_dim_qk", p.head_dim_qk), ("head_dim_v", p.head_dim_v)):
-            if d % align:
-                reasons.append(
-                    f"{label}={d} is not a multiple of {align} (efficient attention, "
-                    f"{str(p.dtype).removeprefix('torch.')})"
-                )
-        if p.layout in ("dense", "kvcache") and cc >= (8, 0) and not p.aligned_16:
-            reasons.append("query/key/value not 16-byte aligned (efficient attention on sm80+)")
-        if p.layout == "varlen" and p.requires_grad:
-            reasons.append("backward with varlen/nested inputs not supported (PyTorch: check_requires_grad_and_nested)")
-        if p.dropout and p.requires_grad and p.batch > 65535:
-            reasons.append(f"dropout backward with batch={p.batch} > 65535 not supported")
-        return reasons
-
-
-class TorchCpuBackend(_TorchSdpaBackend):
-    """PyTorch's fused CPU flash kernel (``SDPBackend.FLASH_ATTENTION`` on CPU tensors)."""
-
-    name = "torch_cpu"
-    sdp_backend = "FLASH_ATTENTION"
-    device_type = "cpu"
-    direct_op = "_scaled_dot_product_flash_attention_for_cpu"
-    capabilities = Capabilities(
-        devices=frozenset({"cpu"}),
-        different_head_dims=False,
-        causal_kinds=frozenset(CausalKind),
-        window=False,
-        bias_grad=False,  # check_attn_mask_shape: a mask requiring grad falls back to math
-        dropout=False,  # check_for_dropout
-        varlen=False,  # check_nested_tensor
-        kv_cache=frozenset({"dense"}),  # F.sdpa with a bool mask from cache_seqlens
-        notes="bottom-right causal as a folded bool mask",
-    )
-
-    def _direct_call(self, op, is_causal: bool, scale, grad: bool):
-        def runner(query, key, value):
-            return op(query, key, value, 0.0, is_causal, scale=scale)[0]
-
-        return runner
-
-
-__all__ = ["CudnnBackend", "TorchFlashBackend", "TorchEfficientBackend", "TorchCpuBackend"]
