@@ -199,6 +199,7 @@ CASES = {
     "float64 dense": KvCase(dtype=torch.float64, seqlen_q=2, append=True, causal=True),
     "float64 paged": KvCase(dtype=torch.float64, block_size=16, append=True),
     "head_dim 40": KvCase(head_dim=40, append=True),
+    "head_dim 8 paged": KvCase(head_dim=8, block_size=16, seqlen_q=2, causal=True, append=True),
 }
 
 

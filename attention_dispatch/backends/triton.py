@@ -40,11 +40,6 @@ def _import_error() -> str:
 register_cache("backends.triton.import_error", _import_error.cache_clear, lambda: _import_error.cache_info().currsize)
 
 
-DECODE_MIN_BLOCK_SIZE = 16  # a paged cache's smallest block size
-DECODE_MIN_HEAD_DIM = 16  # the decode kernel loads the head dim as one power-of-two tile: tl.dot's minimum
-DECODE_MAX_GRID_Y = 65535  # batch * kv heads share the launch grid's y axis (no chunking)
-
-
 class TritonBackend(Backend):
     """Every feature of DESIGN.md section 3, forward and backward."""
 
@@ -71,12 +66,9 @@ class TritonBackend(Backend):
             varlen=L.varlen,
             gqa=L.gqa,
             deterministic_backward=L.deterministic_backward,
-            # the decode kernel (kernels/decode.py; not yet in kernels/limits.py): dense and paged
-            # caches, block sizes powers of two from 16 (its key tile loops over whole pages),
-            # append, Sq > 1, window and causal, GQA; head dims 16..256 (check())
-            kv_cache=frozenset({"dense", "paged"}),
-            paged_block_size_min=DECODE_MIN_BLOCK_SIZE,
-            paged_block_size_pow2=True,
+            kv_cache=frozenset(L.kv_cache),
+            paged_block_size_min=L.paged_block_size_min,
+            paged_block_size_pow2=L.paged_block_size_pow2,
             notes="this project's kernel; CPU only under TRITON_INTERPRET=1",
         )
 
@@ -101,28 +93,13 @@ class TritonBackend(Backend):
         if problem.device_type == "cpu" and not _interpreting():
             return ["device=cpu needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)"]
         if problem.layout in KV_LAYOUTS:
-            return self._decode_reasons(problem)
+            return []  # the decode kernel's limits are all in the capabilities (kernels/limits.py)
         from ..kernels import config_reason
 
         reason = config_reason(
             problem.head_dim_qk, problem.head_dim_v, problem.dtype, problem.device_type, problem.compute_capability
         )
         return [reason] if reason else []
-
-    @staticmethod
-    def _decode_reasons(p: Problem) -> list[str]:
-        """The decode kernel's limits beyond the capabilities."""
-        reasons = []
-        if p.head_dim_qk < DECODE_MIN_HEAD_DIM:
-            reasons.append(
-                f"head_dim={p.head_dim_qk} < {DECODE_MIN_HEAD_DIM} with a KV cache (the decode kernel does not pad it)"
-            )
-        if p.batch * p.heads_kv > DECODE_MAX_GRID_Y:
-            reasons.append(
-                f"batch*heads_kv={p.batch * p.heads_kv} > {DECODE_MAX_GRID_Y} with a KV cache (the decode "
-                "kernel's grid is not chunked)"
-            )
-        return reasons
 
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):
         from ..kernels import KernelParams

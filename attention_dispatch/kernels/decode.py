@@ -80,12 +80,12 @@ def decode_forward(
         bt, bt_stride = cache_seqlens, 0
     group = Hq // Hkv
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    if out.numel() == 0:
-        return out
+    if out.numel() == 0 or capacity == 0:
+        return out.zero_()
     interp = is_interpreter()
     block_m = max(16, min(64, triton_next_pow2(group * Sq)))
     block_n = 32 if interp else (64 if D <= 128 else 32)
-    block_d = triton_next_pow2(D)
+    block_d = max(16, triton_next_pow2(D))  # tl.dot's minimum; the padding is masked
     row_blocks = cdiv(group * Sq, block_m)
     if num_splits <= 0:
         num_splits = decode_splits(B * Hkv * row_blocks, capacity, device_info(q.device)[2])
@@ -99,7 +99,7 @@ def decode_forward(
         o_part = l_part = out
     run.launch_one(
         _decode_split,
-        (num_splits, B * Hkv, row_blocks),
+        (B * Hkv, num_splits, row_blocks),
         (
             q,
             k_cache,

@@ -38,6 +38,11 @@ class KernelLimits:
     min_compute_capability: tuple = (8, 0)  # tested on sm90; sm80 as Triton's tl kernels support it
     bf16_min_compute_capability: tuple = (8, 0)
     max_grid_yz: int = MAX_GRID_YZ
+    # the decode kernel (sdpa_with_kvcache): dense and paged caches, block sizes powers of two from
+    # 16, append, Sq > 1; every head dim, dtype, band and GQA ratio above
+    kv_cache: tuple = ("dense", "paged")
+    paged_block_size_min: int = 16
+    paged_block_size_pow2: bool = True
     cuda_graph_safe: bool = True
     torch_compile: bool = True
 
