@@ -11,6 +11,7 @@ import torch
 
 from . import run
 from .device import device_info, is_interpreter
+from .limits import MAX_GRID_YZ
 from .params import KernelParams
 from .shapes import cdiv
 from .tl.decode import _decode_combine, _decode_split
@@ -92,6 +93,7 @@ def decode_forward(
     keys_per_split = cdiv(cdiv(capacity, num_splits), block_n) * block_n
     num_splits = cdiv(capacity, keys_per_split)
     split = num_splits > 1
+    bh_axis0 = B * Hkv > MAX_GRID_YZ
     if split:
         o_part = torch.empty((num_splits, B, Hq, Sq, block_d), device=q.device, dtype=torch.float32)
         l_part = torch.empty((num_splits, B, Hq, Sq), device=q.device, dtype=torch.float32)
@@ -99,7 +101,7 @@ def decode_forward(
         o_part = l_part = out
     run.launch_one(
         _decode_split,
-        (B * Hkv, num_splits, row_blocks),
+        (B * Hkv, num_splits, row_blocks) if bh_axis0 else (num_splits, B * Hkv, row_blocks),
         (
             q,
             k_cache,
@@ -135,6 +137,7 @@ def decode_forward(
             HAS_WL=params.window_left >= 0,
             HAS_WR=params.window_right >= 0,
             SPLIT=split,
+            BH_AXIS0=bh_axis0,
             DOT_UPCAST=interp and q.dtype != torch.float32,
             DOT_IEEE=q.dtype == torch.float32,
         ),
