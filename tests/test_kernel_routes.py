@@ -37,9 +37,13 @@ def _watch(monkeypatch) -> list:
     return seen
 
 
-def _expected(route) -> list:
+def _expected(route, seen) -> list:
     """The launches a route implies, in order (the delta pass first in every backward)."""
     steps = {s.part: s.chosen for s in route.steps}
+    if steps["forward"] == "decode":  # the split pass, and the combine pass when it splits the keys
+        return [("decode_split", False)] + [("decode_combine", False)] * (
+            len(seen) > 1 and seen[1][0] == "decode_combine"
+        )
     out = [("fwd_ws", False) if steps["forward"] == "gluon" else ("fwd", False)]
     if "dK/dV" not in steps:
         return out
@@ -64,7 +68,7 @@ def _check(monkeypatch, q, k, v, mask=None, **kw):
     out = ad.sdpa(q, k, v, attn_mask=mask, backend="triton", **kw)
     if q.requires_grad:
         out.backward(torch.randn_like(out))
-    assert seen == _expected(decision.route), (decision.route, seen)
+    assert seen == _expected(decision.route, seen), (decision.route, seen)
     return decision.route
 
 
@@ -81,6 +85,33 @@ def test_cpu_route_is_what_runs(monkeypatch, grad, causal):
     route = _check(monkeypatch, *_qkv(1, 2, 40, 16, torch.float32, grad), is_causal=causal)
     assert [s.chosen for s in route.steps] == ["tl"] * (3 if grad else 1)
     assert all(alt == "gluon" and why for s in route.steps for alt, why in s.passed_over), route
+
+
+@pytest.mark.parametrize(
+    "shape, kw, decode",
+    [
+        ((1, 8, 1, 2, 600), {}, True),  # GQA 8/2, one query per sequence over 600 keys
+        ((2, 4, 3, 4, 520), {"causal": "bottom_right"}, True),  # MHA, Sq=3 (speculative verify)
+        ((1, 4, 2, 2, 530), {"window": (100, 0)}, True),
+        ((1, 4, 2, 2, 530), {"is_causal": True}, False),  # top-left with Sq != Sk
+        ((1, 8, 1, 2, 300), {}, False),  # too few keys
+    ],
+)
+def test_cpu_decode_shaped_inference_route(monkeypatch, shape, kw, decode):
+    """Inference with few query rows per kv head over many keys takes the decode kernel (bottom-right
+    band), matching F.sdpa's result; the route names it, or says why not."""
+    if not INTERP:
+        pytest.skip("the CPU variant (interpreter)")
+    B, Hq, Sq, Hkv, Sk = shape
+    q = torch.randn(B, Hq, Sq, 16)
+    k, v = torch.randn(B, Hkv, Sk, 16), torch.randn(B, Hkv, Sk, 16)
+    route = _check(monkeypatch, q, k, v, enable_gqa=Hq != Hkv, **kw)
+    assert (route.steps[0].chosen == "decode") == decode, str(route)
+    if not decode:
+        assert any(alt == "decode" and why for alt, why in route.steps[0].passed_over) or Sk < 512, str(route)
+    out = ad.sdpa(q, k, v, backend="triton", enable_gqa=Hq != Hkv, **kw)
+    ref = ad.sdpa(q.double(), k.double(), v.double(), backend="math", enable_gqa=Hq != Hkv, **kw)
+    assert (out.double() - ref).abs().max() < 1e-5
 
 
 def test_route_of_an_empty_call_launches_nothing(monkeypatch):

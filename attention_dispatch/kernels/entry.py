@@ -16,24 +16,60 @@ import torch
 
 from . import configs as C
 from .bias import bias_layout, ws_bias_reason
+from .decode import decode_forward
 from .device import use_descriptors
 from .dropout import draw_seed
 from .gluon import launch as gluon_launch
 from .gluon.route import forward_scope_reason, fuse_dq_reason, ws_backward_reason, ws_reason
 from .params import KernelParams
-from .shapes import KernelShapes, as_dtype, check_inputs, last_dim_contiguous, store_dtype
+from .shapes import KernelShapes, check_inputs, last_dim_contiguous, store_dtype
 from .tl import launch as tl_launch
 
 GLUON, TL, FUSED = "gluon", "tl", "fused"  # FUSED: dQ computed inside the Gluon dK/dV pass
+DECODE = "decode"  # the KV-cache decode kernel (tl/decode.py) over the whole key range
+
+# Inference calls with at most this many query rows per kv head (GQA group x Sq: one row tile of
+# the decode kernel) over at least DECODE_MIN_KEYS keys run the decode kernel: its key splits keep
+# the GPU busy where the forward's query tiles are too few (decode: 2.8-3.1 TB/s on the H100).
+DECODE_MAX_ROWS = 64
+DECODE_MIN_KEYS = 512
 
 
 class ForwardRoute(NamedTuple):
-    """The forward's kernel (GLUON or TL), why not the Gluon one (None when it runs) and the
-    Gluon kernel's (q rows layout, k/v rows layout)."""
+    """The forward's kernel (DECODE, GLUON or TL), why not the Gluon one (None when it runs), the
+    Gluon kernel's (q rows layout, k/v rows layout), and why not the decode kernel for a call
+    shaped like decode (few query rows per kv head) that does not take it."""
 
     kernel: str
     why_not_gluon: str | None
     rows: tuple[int, int] | None
+    why_not_decode: str | None = None
+
+
+def decode_reason(q, bias_kind: int, params: KernelParams, prob: KernelShapes, need_lse: bool) -> str | None:
+    """None when the decode kernel computes this forward, else why not (one line)."""
+    if prob.group * prob.Sq > DECODE_MAX_ROWS:
+        return f"{prob.group * prob.Sq} query rows per kv head (GQA group x Sq): more than {DECODE_MAX_ROWS}"
+    if prob.Sk < DECODE_MIN_KEYS:
+        return f"Sk={prob.Sk} < {DECODE_MIN_KEYS}: the forward's tiles cover it"
+    if need_lse:
+        return "the call needs gradients (the decode kernel writes no logsumexp)"
+    if prob.varlen:
+        return "varlen: dense calls only (sdpa_with_kvcache takes per-sequence lengths)"
+    if bias_kind:
+        return "attn_mask: not in the decode kernel"
+    if params.dropout_p > 0:
+        return "dropout: not in the decode kernel"
+    banded = params.window_left >= 0 or params.window_right >= 0
+    if banded and not params.align_bottom_right and prob.Sq != prob.Sk:
+        return "causal or window aligned top-left with Sq != Sk: the decode kernel aligns bottom-right"
+    if prob.Dqk != prob.Dv:
+        return f"head dims {prob.Dqk}/{prob.Dv}: equal only"
+    if params.block_m or params.block_n:
+        return "tiles forced by the call's parameters"
+    if store_dtype(q.dtype) != q.dtype:
+        return "the CPU interpreter writes bfloat16 results as float32"
+    return None
 
 
 class BackwardRoute(NamedTuple):
@@ -51,16 +87,32 @@ def _empty(prob: KernelShapes, k) -> bool:
     return prob.empty() or prob.Sk == 0 or prob.Hkv == 0 or (prob.varlen and k.shape[0] == 0)
 
 
-def forward_route(q, k, v, bias_kind: int, bias_t, bias_strides, params: KernelParams, prob: KernelShapes, desc: bool):
+def forward_route(
+    q,
+    k,
+    v,
+    bias_kind: int,
+    bias_t,
+    bias_strides,
+    params: KernelParams,
+    prob: KernelShapes,
+    desc: bool,
+    need_lse: bool = True,
+):
     """The :class:`ForwardRoute` of a call (``bias_*``: :func:`bias.bias_layout`; ``desc``:
-    :func:`use_descriptors` of q, k, v)."""
+    :func:`use_descriptors` of q, k, v; ``need_lse``: the call writes its logsumexp)."""
+    not_decode = decode_reason(q, bias_kind, params, prob, need_lse)
+    if not_decode is None:
+        return ForwardRoute(DECODE, None, None)
+    if prob.group * prob.Sq > DECODE_MAX_ROWS or prob.Sk < DECODE_MIN_KEYS:
+        not_decode = None  # not shaped like decode: nothing to report
     if store_dtype(q.dtype) != q.dtype:  # the interpreter writes bf16 as fp32 (no Gluon there)
-        return ForwardRoute(TL, "the CPU interpreter writes bfloat16 results as float32", None)
+        return ForwardRoute(TL, "the CPU interpreter writes bfloat16 results as float32", None, not_decode)
     bias_reason = ws_bias_reason(bias_kind, bias_t, bias_strides, q.dtype, desc)
     reason, rows = ws_reason(q, k, v, bias_reason, params, prob, desc)
     if reason is None:
         reason = forward_scope_reason(C.WS_FWD_CONFIGS[prob.Dqk], bias_kind != 0, params)
-    return ForwardRoute(TL, reason, None) if reason else ForwardRoute(GLUON, None, rows)
+    return ForwardRoute(TL, reason, None, not_decode) if reason else ForwardRoute(GLUON, None, rows, not_decode)
 
 
 def backward_route(
@@ -86,17 +138,19 @@ def attention_forward(
     prob = KernelShapes(q, k, v, cu_q, cu_k, max_sq, max_sk)
     dev = q.device
     seed = draw_seed(dev) if params.dropout_p > 0 else torch.empty(0, device=dev, dtype=torch.int64)
-    out = torch.empty(prob.out_shape, device=dev, dtype=store_dtype(q.dtype))
-    lse = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32) if need_lse else None
     if _empty(prob, k):
-        out.zero_()
-        if lse is not None:
-            lse.fill_(-math.inf)
-        return as_dtype(out, q.dtype), lse, seed
+        out = torch.zeros(prob.out_shape, device=dev, dtype=q.dtype)
+        lse = torch.full(prob.lse_shape, -math.inf, device=dev, dtype=torch.float32) if need_lse else None
+        return out, lse, seed
     kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
     # Q is checked too: it goes through a descriptor beside a bias descriptor (tl/forward.py)
     desc = use_descriptors(params, (q, k, v), dev, loop_len=prob.Sk)
-    route = forward_route(q, k, v, kind, bt, bstr, params, prob, desc)
+    route = forward_route(q, k, v, kind, bt, bstr, params, prob, desc, need_lse)
+    if route.kernel == DECODE:  # every sequence as long as the keys: a full "cache"
+        lengths = torch.full((prob.B,), prob.Sk, device=dev, dtype=torch.int32)
+        return decode_forward(q, k, v, lengths, params), None, seed
+    out = torch.empty(prob.out_shape, device=dev, dtype=store_dtype(q.dtype))
+    lse = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32) if need_lse else None
     if route.kernel == GLUON:
         ws_bias = gluon_launch.WsBias.of(bt, bstr, prob) if kind else None
         gluon_launch.forward(q, k, v, out, lse, params, prob, *route.rows, bias=ws_bias)
@@ -170,8 +224,11 @@ def describe_route(
     if _empty(prob, k):
         return [("forward", "none (nothing to compute: zeros)", ())]
     kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
-    fwd = forward_route(q, k, v, kind, bt, bstr, params, prob, use_descriptors(params, (q, k, v), q.device, prob.Sk))
-    steps = [("forward", fwd.kernel, ((GLUON, fwd.why_not_gluon),) if fwd.why_not_gluon else ())]
+    desc = use_descriptors(params, (q, k, v), q.device, prob.Sk)
+    fwd = forward_route(q, k, v, kind, bt, bstr, params, prob, desc, need_lse=backward)
+    passed = ((DECODE, fwd.why_not_decode),) if fwd.why_not_decode else ()
+    passed += ((GLUON, fwd.why_not_gluon),) if fwd.why_not_gluon else ()
+    steps = [("forward", fwd.kernel, passed)]
     if not backward:
         return steps
     do = torch.empty(prob.out_shape, device=q.device, dtype=q.dtype)
