@@ -15,6 +15,7 @@ import torch
 
 from .call import _check_scalars, check_plain_tensor
 from .caches import register_cache
+from .backends.base import dtype_name
 from .debug import note_decision
 from .dispatch import Decision, decide, run_with_fallback
 from .problem import Problem, _aligned_16, compute_capability
@@ -27,15 +28,13 @@ def _shape(t) -> str:
     return str(tuple(t.shape))
 
 
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _same_kind(t, name: str, query) -> None:
     """A floating tensor of the query's dtype on the query's device."""
     check_plain_tensor(t, name)
     if t.dtype != query.dtype:
-        raise ValueError(f"{name}.dtype={_dtype(t.dtype)} but query.dtype={_dtype(query.dtype)}; they must match")
+        raise ValueError(
+            f"{name}.dtype={dtype_name(t.dtype)} but query.dtype={dtype_name(query.dtype)}; they must match"
+        )
     if t.device != query.device:
         raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
 
@@ -46,7 +45,7 @@ def _index_tensor(t, name: str, query, want: str) -> None:
         raise TypeError(f"{name} must be an int32 tensor {want}, got {type(t).__name__}")
     check_plain_tensor(t, name)
     if t.dtype != torch.int32:
-        raise TypeError(f"{name}.dtype={_dtype(t.dtype)} is not allowed; allowed: int32 {want}")
+        raise TypeError(f"{name}.dtype={dtype_name(t.dtype)} is not allowed; allowed: int32 {want}")
     if t.device != query.device:
         raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
 
@@ -120,7 +119,7 @@ def normalize_kvcache(
     check_plain_tensor(query, "query")
     if query.dtype not in _ALLOWED_DTYPES:
         raise TypeError(
-            f"query.dtype={_dtype(query.dtype)} is not allowed; allowed: float16, bfloat16, float32, float64"
+            f"query.dtype={dtype_name(query.dtype)} is not allowed; allowed: float16, bfloat16, float32, float64"
         )
     if query.dim() != 4:
         raise ValueError(f"query must be (B, Hq, Sq, D), got shape {_shape(query)}")

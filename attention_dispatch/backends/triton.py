@@ -103,14 +103,11 @@ class TritonBackend(Backend):
 
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):
         from ..kernels import KernelParams
-        from ..kernels.decode import append_kv, decode_forward
+        from ..kernels.decode import decode_forward
+        from .kv_append import append_kv
 
         if k_new is not None:
             append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-        b, hq, sq, _ = query.shape
-        capacity = k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[1]
-        if 0 in (b, hq, sq, capacity):
-            return query.new_zeros(b, hq, sq, v_cache.shape[-1])
         _, left, right = band(causal, window)
         params = KernelParams(scale=scale, align_bottom_right=True, window_left=left, window_right=right)
         # the kernel reads rows with unit stride: copy what is not (never the common call)
@@ -126,7 +123,7 @@ class TritonBackend(Backend):
             cache_seqlens,
             params,
             block_table=block_table,
-            n_new=sq if k_new is not None else 0,
+            n_new=query.shape[2] if k_new is not None else 0,
         )
 
     @staticmethod

@@ -1,5 +1,6 @@
-"""Launching the decode kernels (tl/decode.py) for a call against a KV cache: the new keys
-appended in place, the number of key splits, the split pass and the combine pass.
+"""Launching the decode kernels (tl/decode.py) for a call against a KV cache (the new keys
+already appended: backends/kv_append.py): the number of key splits, the split pass and the
+combine pass.
 
 Everything is device work or python ints: ``cache_seqlens`` and ``block_table`` are never read
 on the host, so a call is CUDA-graph capturable with their contents changing between replays.
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from . import configs as C
 from . import run
 from .device import device_info, is_interpreter
 from .limits import MAX_GRID_YZ
 from .params import KernelParams
-from .shapes import cdiv
+from .shapes import cdiv, next_pow2
 from .tl.decode import _decode_combine, _decode_split
 from .tl.common import LOG2E
 
@@ -31,27 +33,6 @@ def decode_splits(programs: int, capacity: int, num_sms: int) -> int:
     if programs >= target:
         return 1
     return max(1, min(cdiv(target, programs), cdiv(capacity, MIN_KEYS_PER_SPLIT), MAX_DECODE_SPLITS))
-
-
-def append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None) -> None:
-    """Write k_new / v_new (B, Hkv, Sn, D) into the cache at positions cache_seqlens[b] + i, in
-    place (device-side indices: no host read).  Dense caches are (B, Hkv, S, D), paged ones
-    (num_blocks, block_size, Hkv, D) with ``block_table`` (B, max_blocks)."""
-    B, Hkv, Sn, D = k_new.shape
-    pos = cache_seqlens.long()[:, None] + torch.arange(Sn, device=k_new.device)  # (B, Sn)
-    new_k = k_new.transpose(1, 2).reshape(B * Sn, Hkv, D)
-    new_v = v_new.transpose(1, 2).reshape(B * Sn, Hkv, D)
-    if block_table is None:
-        batch = torch.arange(B, device=k_new.device)[:, None].expand(B, Sn).reshape(-1)
-        index = (batch, pos.reshape(-1))
-        k_cache.transpose(1, 2).index_put_(index, new_k)
-        v_cache.transpose(1, 2).index_put_(index, new_v)
-    else:
-        page = k_cache.shape[1]
-        blocks = block_table.long().gather(1, pos // page).reshape(-1)
-        index = (blocks, (pos % page).reshape(-1))
-        k_cache.index_put_(index, new_k)
-        v_cache.index_put_(index, new_v)
 
 
 def decode_forward(
@@ -84,9 +65,9 @@ def decode_forward(
     if out.numel() == 0 or capacity == 0:
         return out.zero_()
     interp = is_interpreter()
-    block_m = max(16, min(64, triton_next_pow2(group * Sq)))
+    block_m = max(16, min(64, next_pow2(group * Sq)))
     block_n = 32 if interp else (64 if D <= 128 else 32)
-    block_d = max(16, triton_next_pow2(D))  # tl.dot's minimum; the padding is masked
+    block_d = C.block_d(D)  # the padding is masked
     row_blocks = cdiv(group * Sq, block_m)
     if num_splits <= 0:
         num_splits = decode_splits(B * Hkv * row_blocks, capacity, device_info(q.device)[2])
@@ -149,12 +130,8 @@ def decode_forward(
             _decode_combine,
             (B * Hq * Sq,),
             (o_part, l_part, out, B * Hq * Sq, Hq, Sq, *out.stride()[:3]),
-            dict(NUM_SPLITS=num_splits, SPLITS_P2=triton_next_pow2(num_splits), HEAD_D=D, BLOCK_D=block_d),
+            dict(NUM_SPLITS=num_splits, SPLITS_P2=next_pow2(num_splits), HEAD_D=D, BLOCK_D=block_d),
             4,
             1,
         )
     return out
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())

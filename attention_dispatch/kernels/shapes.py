@@ -140,6 +140,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (>= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def bh_chunks(n: int, inner: int, limit: int):
     """Split the flattened (batch x heads) grid axis of length n into launches of at most
     `limit` programs; chunks are whole batches (multiples of `inner`) when inner <= limit.
