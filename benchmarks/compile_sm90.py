@@ -174,11 +174,13 @@ def ws_cases():
         for label, const in _ws_variants(2):
             if const["HAS_BIAS"] and cfg.consumers != 2:  # a bias tile's rows: a power of two
                 continue
-            for store_lse in (True, False):
+            # KV_LENS: a KV-cache call (kernels/decode.cache_forward): no bias, causal or not, lse
+            kv_cache = (False, True) if not const["HAS_BIAS"] and label.split()[0] in ("dense", "causal") else (False,)
+            for store_lse, kv_lens in [(lse, False) for lse in (True, False)] + [(True, True)] * (len(kv_cache) - 1):
                 yield (
                     d,
                     cfg,
-                    f"ws {name} {label} lse={store_lse}",
+                    f"ws {name} {label} lse={store_lse}" + (" kv-cache" if kv_lens else ""),
                     dict(
                         const,
                         STORE_LSE=store_lse,
@@ -187,6 +189,7 @@ def ws_cases():
                         BIAS_STAGES=cfg.bias_stages,
                         CONSUMER_REGS=cfg.consumer_regs,
                         NUM_WG=cfg.consumers,
+                        KV_LENS=kv_lens,
                     ),
                 )
 
@@ -265,6 +268,7 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
             o_desc=desc(wg),
             bias_desc=desc(cfg.consumers * wg, cfg.block_n),
             lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16",
+            kv_lens="*i32" if constexprs["KV_LENS"] else "*bf16",
             qk_scale="fp32",
         )
     consts = dict(constexprs)

@@ -3,11 +3,14 @@
     python benchmarks/decode.py [--rows TEXT,...] [--json out.json] [--commit SHA]
 
 For each row (bf16, d128 unless named): the K/V bytes each call must read (sum over sequences
-of L_b x Hkv x D x 2 tensors x 2 bytes) divided by its time, in TB/s, for our kernel
-(kernels.decode.decode_forward, dense or paged), F.sdpa on the dense cache sliced to the
-common length (PyTorch picks its kernel; GQA through enable_gqa), and flash-attn 4 where
-installed; plus a copy of the same bytes (the bandwidth ceiling).  Median of CUDA-event timed
-loops after a warm-up.
+of L_b x Hkv x D x 2 tensors x 2 bytes) divided by its time, in TB/s, for our kernels
+(``ours``: kernels.decode.kv_forward, the triton backend's route, dense or paged; its route is
+printed), the whole dispatcher (``ad_kv``: ad.sdpa_with_kvcache; ``ad_sdpa``: plain ad.sdpa on
+the cache sliced to the common length, as transformers' DynamicCache calls it), F.sdpa on that
+slice (PyTorch picks its kernel; GQA through enable_gqa), and flash-attn 4 where installed; plus
+a copy of the same bytes (the bandwidth ceiling).  Rows with many queries (chunked prefill) also
+give TFLOP/s (4 x allowed (query, key) pairs x D).  Median of CUDA-event timed loops after a
+warm-up.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import attention_dispatch as ad  # noqa: E402
 from attention_dispatch.kernels import KernelParams  # noqa: E402
-from attention_dispatch.kernels.decode import decode_forward  # noqa: E402
+from attention_dispatch.kernels.decode import kv_forward, kv_route  # noqa: E402
 
 # (label, B, Hq, Hkv, Sq, S_cache, page (0: dense), lengths ("full" or "uniform"), causal)
 ROWS = [
@@ -38,7 +42,10 @@ ROWS = [
     ("gqa B=64 Sk=4k paged256", 64, 32, 8, 1, 4096, 256, "full", False),
     ("gqa B=64 uniform 1..32k", 64, 32, 8, 1, 32768, 0, "uniform", False),
     ("gqa B=4 Sq=512 8k causal", 4, 32, 8, 512, 8192 + 512, 0, "prefill", True),
+    ("gqa B=8 Sq=128 16k causal", 8, 32, 8, 128, 16384 + 128, 0, "prefill", True),
+    ("mha B=4 Sq=256 4k", 4, 32, 32, 256, 4096 + 256, 0, "prefill", False),
 ]
+NAMES = ("ours", "ad_kv", "ad_sdpa", "sdpa", "fa4", "copy")
 
 
 def timed(fn, reps: int = 20, rounds: int = 7) -> float:
@@ -94,13 +101,26 @@ def run_row(row) -> dict:
         # the same keys, scattered over the pages
         kp[perm.to(dev)] = k.transpose(1, 2).reshape(blocks, page, Hkv, D)
         vp[perm.to(dev)] = v.transpose(1, 2).reshape(blocks, page, Hkv, D)
-        ours = lambda: decode_forward(q, kp, vp, cache_seqlens, params, block_table=table, n_new=n_new)  # noqa: E731
+        ours = lambda: kv_forward(q, kp, vp, cache_seqlens, params, block_table=table, n_new=n_new)  # noqa: E731
+        kv_args = (q, kp, vp, cache_seqlens + n_new)
+        res["route"] = kv_route(q, kp, vp, table, params)[0]
     else:
-        ours = lambda: decode_forward(q, k, v, cache_seqlens, params, n_new=n_new)  # noqa: E731
+        ours = lambda: kv_forward(q, k, v, cache_seqlens, params, n_new=n_new)  # noqa: E731
+        kv_args = (q, k, v, cache_seqlens + n_new)
+        res["route"] = kv_route(q, k, v, None, params)[0]
     res["ours_ms"] = timed(ours)
+    table_kw = {"block_table": table} if page else {}
+    res["ad_kv_ms"] = timed(lambda: ad.sdpa_with_kvcache(*kv_args, causal=causal, **table_kw))
+    res["ad_kv_backend"] = ad.last_decision().backend
+    if Sq > 1:
+        pairs = sum(Sq * (int(n) + n_new) - (Sq * (Sq - 1) // 2 if causal else 0) for n in lens)
+        res["ours_tflops"] = 4 * pairs * Hq * D / res["ours_ms"] / 1e9
     if lengths != "uniform":
         L = int(lens[0]) + n_new
         ks, vs = k[:, :, :L], v[:, :, :L]
+        align = "bottom_right" if causal else None
+        res["ad_sdpa_ms"] = timed(lambda: ad.sdpa(q, ks, vs, causal=align, enable_gqa=Hq != Hkv))
+        res["ad_sdpa_backend"] = str(ad.last_decision()).splitlines()[0]
         ref = lambda: F.scaled_dot_product_attention(q, ks, vs, enable_gqa=Hq != Hkv)  # noqa: E731
         if causal:
             mask = torch.ones(Sq, L, device=dev, dtype=torch.bool).tril(L - Sq)
@@ -113,10 +133,12 @@ def run_row(row) -> dict:
         if flash is not None and not page:
             qt, kt, vt = q.transpose(1, 2), ks.transpose(1, 2).contiguous(), vs.transpose(1, 2).contiguous()
             res["fa4_ms"] = timed(lambda: flash(qt, kt, vt, causal=causal))
+            if Sq > 1:
+                res["fa4_tflops"] = res["ours_tflops"] * res["ours_ms"] / res["fa4_ms"]
     src = torch.empty(nbytes // 2, device=dev, dtype=dt)
     dst = torch.empty_like(src)
     res["copy_ms"] = timed(lambda: dst.copy_(src)) / 2  # a copy reads and writes: half is the read time
-    for name in ("ours", "sdpa", "fa4", "copy"):
+    for name in NAMES:
         if f"{name}_ms" in res:
             res[f"{name}_tbs"] = nbytes / res[f"{name}_ms"] / 1e9
     return res
@@ -134,8 +156,14 @@ def main(argv=None) -> int:
             continue
         r = run_row(row)
         results.append(r)
-        cells = "  ".join(f"{n} {r[f'{n}_tbs']:.2f}" for n in ("ours", "sdpa", "fa4", "copy") if f"{n}_tbs" in r)
-        print(f"{r['row']:<28} TB/s: {cells}  err {r.get('max_err_vs_sdpa', float('nan')):.1e}", flush=True)
+        cells = "  ".join(f"{n} {r[f'{n}_tbs']:.2f}" for n in NAMES if f"{n}_tbs" in r)
+        flops = "  ".join(f"{n} {r[f'{n}_tflops']:.0f}" for n in ("ours", "fa4") if f"{n}_tflops" in r)
+        print(
+            f"{r['row']:<28} TB/s: {cells}  err {r.get('max_err_vs_sdpa', float('nan')):.1e}  [{r['route']}]"
+            + (f"  TFLOP/s: {flops}" if flops else ""),
+            flush=True,
+        )
+        print(f"    ad_kv ran {r['ad_kv_backend']}; ad.sdpa: {r.get('ad_sdpa_backend', '-')}", flush=True)
     if a.json:
         a.json.write_text(json.dumps({"commit": a.commit, "device": torch.cuda.get_device_name(), "rows": results}))
     return 0

@@ -2,8 +2,9 @@
 
 On a GPU it needs Triton and CUDA; on the CPU it runs under Triton's interpreter
 (TRITON_INTERPRET=1 set before triton is imported), which is how CI tests it.  Calls against
-a KV cache (sdpa_with_kvcache) run the decode kernel (kernels/decode.py): the append in place,
-then split-KV over the cache, dense or paged, nothing read on the host.
+a KV cache (sdpa_with_kvcache) run kernels/decode.py: the append in place, then split-KV over
+the cache, dense or paged, nothing read on the host (on Hopper, many new queries over a dense
+cache take the Gluon forward over the whole key tiles and the decode kernel over the rest).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class TritonBackend(Backend):
 
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):
         from ..kernels import KernelParams
-        from ..kernels.decode import decode_forward
+        from ..kernels.decode import kv_forward
         from .kv_append import append_kv
 
         if k_new is not None:
@@ -116,7 +117,7 @@ class TritonBackend(Backend):
             cache_seqlens = cache_seqlens.contiguous()
         if block_table is not None and block_table.stride(-1) != 1:
             block_table = block_table.contiguous()
-        return decode_forward(
+        return kv_forward(
             query,
             k_cache,
             v_cache,

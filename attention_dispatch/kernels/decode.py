@@ -35,51 +35,46 @@ def decode_splits(programs: int, capacity: int, num_sms: int) -> int:
     return max(1, min(cdiv(target, programs), cdiv(capacity, MIN_KEYS_PER_SPLIT), MAX_DECODE_SPLITS))
 
 
-def decode_forward(
-    q,
-    k_cache,
-    v_cache,
-    cache_seqlens,
-    params: KernelParams,
-    block_table=None,
-    n_new: int = 0,
-    num_splits: int = 0,
-) -> torch.Tensor:
-    """Attention of q (B, Hq, Sq, D) over each sequence's first cache_seqlens[b] + n_new cached
-    keys (the new ones already appended).  ``params``: scale, window and bottom-right causal
-    (``window_right=0``); ``num_splits`` > 0 forces the key splits.  Returns (B, Hq, Sq, D)."""
-    B, Hq, Sq, D = q.shape
-    paged = block_table is not None
-    if paged:
+def _cache_geometry(q, k_cache, v_cache, cache_seqlens, block_table):
+    """(page, Hkv, capacity, k strides, v strides, block table or a stand-in, its row stride) of
+    a dense (B, Hkv, S, D) or paged (num_blocks, page, Hkv, D) cache, strides as (block or
+    batch, head, row)."""
+    if block_table is not None:
         page, Hkv = k_cache.shape[1], k_cache.shape[2]
-        capacity = block_table.shape[1] * page
         k_str = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1))
         v_str = (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
-        bt, bt_stride = block_table, block_table.stride(0)
-    else:
-        page, Hkv, capacity = 1, k_cache.shape[1], k_cache.shape[2]
-        k_str, v_str = k_cache.stride()[:3], v_cache.stride()[:3]
-        bt, bt_stride = cache_seqlens, 0
+        return page, Hkv, block_table.shape[1] * page, k_str, v_str, block_table, block_table.stride(0)
+    return 1, k_cache.shape[1], k_cache.shape[2], k_cache.stride()[:3], v_cache.stride()[:3], cache_seqlens, 0
+
+
+def _launch_split(
+    q, k_cache, v_cache, cache_seqlens, block_table, out, params, n_new, num_splits, tail=0, tail_lse=None
+):
+    """The split pass (and, with several splits, the combine pass) into ``out``; ``tail`` > 0:
+    one split over each sequence's keys past its last whole ``tail``-key tile, merged into
+    ``out`` and ``tail_lse`` (natural log, (B, Hq, Sq)), what the Gluon forward wrote."""
+    B, Hq, Sq, D = q.shape
+    page, Hkv, capacity, k_str, v_str, bt, bt_stride = _cache_geometry(q, k_cache, v_cache, cache_seqlens, block_table)
     group = Hq // Hkv
-    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    if out.numel() == 0 or capacity == 0:
-        return out.zero_()
     interp = is_interpreter()
     block_m = max(16, min(64, next_pow2(group * Sq)))
     block_n = 32 if interp else (64 if D <= 128 else 32)
     block_d = C.block_d(D)  # the padding is masked
     row_blocks = cdiv(group * Sq, block_m)
-    if num_splits <= 0:
-        num_splits = decode_splits(B * Hkv * row_blocks, capacity, device_info(q.device)[2])
-    keys_per_split = cdiv(cdiv(capacity, num_splits), block_n) * block_n
-    num_splits = cdiv(capacity, keys_per_split)
+    if tail:
+        num_splits, keys_per_split = 1, tail
+    else:
+        if num_splits <= 0:
+            num_splits = decode_splits(B * Hkv * row_blocks, capacity, device_info(q.device)[2])
+        keys_per_split = cdiv(cdiv(capacity, num_splits), block_n) * block_n
+        num_splits = cdiv(capacity, keys_per_split)
     split = num_splits > 1
     bh_axis0 = B * Hkv > MAX_GRID_YZ
     if split:
         o_part = torch.empty((num_splits, B, Hq, Sq, block_d), device=q.device, dtype=torch.float32)
         l_part = torch.empty((num_splits, B, Hq, Sq), device=q.device, dtype=torch.float32)
     else:
-        o_part = l_part = out
+        o_part, l_part = out, (tail_lse if tail else out)
     run.launch_one(
         _decode_split,
         (B * Hkv, num_splits, row_blocks) if bh_axis0 else (num_splits, B * Hkv, row_blocks),
@@ -113,11 +108,12 @@ def decode_forward(
             BLOCK_N=block_n,
             HEAD_D=D,
             BLOCK_D=block_d,
-            PAGED=paged,
+            PAGED=block_table is not None,
             PAGE=page,
             HAS_WL=params.window_left >= 0,
             HAS_WR=params.window_right >= 0,
             SPLIT=split,
+            TAIL=tail,
             BH_AXIS0=bh_axis0,
             DOT_UPCAST=interp and q.dtype != torch.float32,
             DOT_IEEE=q.dtype == torch.float32,
@@ -134,4 +130,86 @@ def decode_forward(
             4,
             1,
         )
+
+
+def _empty_result(q, capacity: int):
+    """Zeros when there is nothing to compute (no rows, or a cache of capacity 0), else None."""
+    if q.numel() == 0 or capacity == 0:
+        return torch.zeros(q.shape, device=q.device, dtype=q.dtype)
+    return None
+
+
+def decode_forward(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    params: KernelParams,
+    block_table=None,
+    n_new: int = 0,
+    num_splits: int = 0,
+) -> torch.Tensor:
+    """Attention of q (B, Hq, Sq, D) over each sequence's first cache_seqlens[b] + n_new cached
+    keys (the new ones already appended) by the decode kernel.  ``params``: scale, window and
+    bottom-right causal (``window_right=0``); ``num_splits`` > 0 forces the key splits.
+    Returns (B, Hq, Sq, D)."""
+    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[2]
+    empty = _empty_result(q, capacity)
+    if empty is not None:
+        return empty
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    _launch_split(q, k_cache, v_cache, cache_seqlens, block_table, out, params, n_new, num_splits)
     return out
+
+
+def cache_forward(q, k_cache, v_cache, cache_seqlens, params: KernelParams, n_new: int = 0) -> torch.Tensor:
+    """decode_forward's result for a call gluon.route.cache_forward_reason accepts (many new
+    queries over a dense cache): the Gluon forward over each sequence's whole key tiles, then
+    the decode kernel over the keys past them, merged by the logsumexp.  Returns (B, Hq, Sq, D)."""
+    from . import configs as C
+    from .gluon import launch as gluon_launch
+    from .shapes import KernelShapes, rows_layout
+
+    empty = _empty_result(q, k_cache.shape[2])
+    if empty is not None:
+        return empty
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    prob = KernelShapes(q, k_cache, v_cache, None, None, None, None)
+    gluon_launch.forward(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        lse,
+        params,
+        prob,
+        rows_layout(q),
+        rows_layout(k_cache, v_cache),
+        kv_lens=cache_seqlens,
+        n_new=n_new,
+    )
+    tail = C.WS_FWD_CONFIGS[q.shape[3]].block_n
+    _launch_split(q, k_cache, v_cache, cache_seqlens, None, out, params, n_new, 1, tail=tail, tail_lse=lse)
+    return out
+
+
+CACHE_GLUON = "gluon forward + tail"  # cache_forward
+CACHE_DECODE = "decode split-KV"  # decode_forward
+
+
+def kv_route(q, k_cache, v_cache, block_table, params: KernelParams) -> tuple[str, str | None]:
+    """(the kernel a KV-cache call runs, CACHE_GLUON or CACHE_DECODE; why not CACHE_GLUON, or None)."""
+    from .gluon.route import cache_forward_reason
+
+    why_not = cache_forward_reason(q, k_cache, v_cache, block_table, params)
+    return (CACHE_DECODE, why_not) if why_not else (CACHE_GLUON, None)
+
+
+def kv_forward(q, k_cache, v_cache, cache_seqlens, params: KernelParams, block_table=None, n_new: int = 0):
+    """sdpa_with_kvcache()'s kernels (the new keys already appended): :func:`cache_forward` where
+    :func:`kv_route` takes it, else :func:`decode_forward`."""
+    kernel, _ = kv_route(q, k_cache, v_cache, block_table, params)
+    if kernel == CACHE_GLUON:
+        return cache_forward(q, k_cache, v_cache, cache_seqlens, params, n_new)
+    return decode_forward(q, k_cache, v_cache, cache_seqlens, params, block_table, n_new)

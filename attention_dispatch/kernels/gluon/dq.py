@@ -159,7 +159,7 @@ def _attn_bwd_dq_ws(
         bias = bars  # not read: a stand-in of a type the partitions accept
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
-    NO_LSE: gl.constexpr = False
+    NO_LSE: gl.constexpr = False  # also: no KV-cache lengths
     # the forward's loader (its runtime arguments as one tuple): it reads only the K/V descriptors,
     # the rings, the barriers and the sizes
     loader_args = (
@@ -179,6 +179,8 @@ def _attn_bwd_dq_ws(
         num_heads,
         group,
         n_m_blocks,
+        lse_ptr,  # no KV-cache lengths: not read
+        0,
     )
     gl.warp_specialize(
         [
@@ -267,6 +269,7 @@ def _attn_bwd_dq_ws(
                     HAS_BIAS,
                     BATCH_MINOR,
                     BIAS_STAGES,
+                    NO_LSE,
                 ),
             ),
         ],

@@ -12,6 +12,7 @@ from .common import (
     _bias_ring,
     _bias_row,
     _bias_tile,
+    _cache_tiles,
     _kv_ring,
     _kv_tiles,
     _load_bias_tile,
@@ -38,6 +39,7 @@ def _ws_loader(
     HAS_BIAS: gl.constexpr,
     BATCH_MINOR: gl.constexpr,
     BIAS_STAGES: gl.constexpr,
+    KV_LENS: gl.constexpr,
 ):
     """The forward's TMA loader partition (``args``: _attn_fwd_ws's runtime partition arguments)."""
     (
@@ -57,6 +59,8 @@ def _ws_loader(
         num_heads,
         group,
         n_m_blocks,
+        kv_lens,
+        n_new,
     ) = args
     # the tiles follow from the shared memory the kernel allocated
     BLOCK_M: gl.constexpr = WG_ROWS
@@ -68,7 +72,13 @@ def _ws_loader(
     pid_m = n_m_blocks - 1 - gl.program_id(0)  # longest causal rows first
     pid_bh = _program_row(num_heads, BATCH_MINOR)
     kv_row, kv_col = _tile_origin(pid_bh, group, num_heads, seq_k, KV_ROWS, HEAD_D)
-    first, n_tiles, _ = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG)
+    if KV_LENS:
+        b = pid_bh // num_heads
+        first, n_tiles, _, _ = _cache_tiles(
+            pid_m, kv_lens, n_new, b, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG
+        )
+    else:
+        first, n_tiles, _ = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG)
     if HAS_BIAS:
         bias_row = _bias_row(pid_bh, num_heads, bias[4], bias[5]) + pid_m * NUM_WG * BLOCK_M
     for j in range(n_tiles):
@@ -98,6 +108,7 @@ def _ws_consumer(
     HAS_BIAS: gl.constexpr,
     BATCH_MINOR: gl.constexpr,
     BIAS_STAGES: gl.constexpr,
+    KV_LENS: gl.constexpr,
 ):
     """Consumer warpgroup ``WG`` of the forward (``args``: _attn_fwd_ws's runtime partition arguments)."""
     (
@@ -117,20 +128,18 @@ def _ws_consumer(
         num_heads,
         group,
         n_m_blocks,
+        kv_lens,
+        n_new,
     ) = args
     # the tiles follow from the shared memory the kernel allocated
     BLOCK_M: gl.constexpr = WG_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    STAGES: gl.constexpr = k_bufs.shape[0]
     NUM_WG: gl.constexpr = q_bufs.shape[0]
-    q_bar, k_ready, v_ready, k_empty, v_empty = bars
+    q_bar = bars[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = _wgmma_layout(HEAD_D)
-    p_layout: gl.constexpr = _wgmma_operand(HEAD_D)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(BLOCK_N))
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     pid_m = n_m_blocks - 1 - gl.program_id(0)
@@ -141,16 +150,131 @@ def _ws_consumer(
     mbarrier.expect(q_bar.index(WG), q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row + q_start, q_col], q_bar.index(WG), q_buf)
 
+    if KV_LENS:
+        first, n_tiles, n_full, diag = _cache_tiles(
+            pid_m,
+            kv_lens,
+            n_new,
+            pid_bh // num_heads,
+            seq_q,
+            seq_k,
+            WINDOW_LEFT,
+            WINDOW_RIGHT,
+            BLOCK_M,
+            BLOCK_N,
+            NUM_WG,
+        )
+    else:
+        first, n_tiles, n_full = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG)
+        diag = 0
+    # a row's keys are masked against its diagonal: query row + diag (bottom-right for a KV cache)
+    rows = q_start + diag + gl.arange(0, BLOCK_M, row_s)
+    # a bias can mask a whole tile, and so can a window's left bound (the second warpgroup's
+    # rows start past the program's first key tile), and a cache shorter than Sq all of a row's
+    # keys: the running max may still be -inf
+    MAY_EMPTY: gl.constexpr = HAS_BIAS or WINDOW_LEFT >= 0 or KV_LENS
+    mbarrier.wait(q_bar.index(WG), 0)
+    if KV_LENS:
+        if n_tiles > 0:
+            acc, m_i, l_i = _consume(
+                q_buf,
+                k_bufs,
+                v_bufs,
+                bars,
+                bias,
+                qk_scale,
+                rows,
+                q_start + diag,
+                first,
+                n_tiles,
+                n_full,
+                WG,
+                WINDOW_LEFT,
+                WINDOW_RIGHT,
+                HAS_BIAS,
+                BIAS_STAGES,
+                MAY_EMPTY,
+            )
+        else:  # no whole key tile below the diagonal: the tail kernel computes these rows
+            acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+            l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    else:
+        acc, m_i, l_i = _consume(
+            q_buf,
+            k_bufs,
+            v_bufs,
+            bars,
+            bias,
+            qk_scale,
+            rows,
+            q_start,
+            first,
+            n_tiles,
+            n_full,
+            WG,
+            WINDOW_LEFT,
+            WINDOW_RIGHT,
+            HAS_BIAS,
+            BIAS_STAGES,
+            MAY_EMPTY,
+        )
+
+    if HAS_BIAS or KV_LENS:  # a row with no allowed key: output 0, logsumexp -inf
+        empty = l_i == 0.0
+        l_i = gl.where(empty, 1.0, l_i)
+        m_i = gl.where(empty, float("-inf"), m_i)
+    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
+    # with three warpgroups (Sq a multiple of 64, not of 192) the last program's last ones can
+    # start past Sq: they ran on the next head's rows (or TMA's zeros) and store nothing
+    if q_start < seq_q:
+        if STORE_LSE:
+            gl.store(lse_ptr + pid_bh * seq_q + rows - diag, (m_i + gl.log2(l_i)) * LN2)
+        # the output leaves through this warpgroup's Q buffer (Q is no longer read)
+        _store_rows(q_buf, acc.to(dtype), o_desc, pid_bh * seq_q + q_start)
+
+
+@gluon.jit
+def _consume(
+    q_buf,
+    k_bufs,
+    v_bufs,
+    bars,
+    bias,
+    qk_scale,
+    rows,
+    row0,
+    first,
+    n_tiles,
+    n_full,
+    WG: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BIAS_STAGES: gl.constexpr,
+    MAY_EMPTY: gl.constexpr,
+):
+    """A consumer's pass over its ``n_tiles`` (>= 1) key tiles from ``first``: (unnormalised O,
+    running max, running sum) of its rows (``rows``: their diagonals, from ``row0``)."""
+    BLOCK_M: gl.constexpr = WG_ROWS
+    BLOCK_N: gl.constexpr = k_bufs.shape[1]
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    HEAD_D: gl.constexpr = q_buf.shape[1]
+    dtype: gl.constexpr = q_buf.dtype
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_D)
+    p_layout: gl.constexpr = _wgmma_operand(HEAD_D)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_bar, k_ready, v_ready, k_empty, v_empty = bars
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    first, n_tiles, n_full = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG)
-    rows = q_start + gl.arange(0, BLOCK_M, row_s)
     # scores enter the softmax as sc * scale; with a bias, as (sc * sm_scale + bias) * log2(e)
     scale = qk_scale
     if HAS_BIAS:
         scale = LOG2E
         sm_scale = qk_scale * LN2
-    mbarrier.wait(q_bar.index(WG), 0)
 
     # tile 0: its scores start the running max and sum
     mbarrier.wait(k_ready.index(0), 0)
@@ -163,10 +287,7 @@ def _ws_consumer(
     if HAS_BIAS:
         sc = sc * sm_scale + b
         _release_bias(bias, 0, BIAS_STAGES)
-    sc = _mask_tile(sc, rows, q_start, 0, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-    # a bias can mask a whole tile, and so can a window's left bound (the second warpgroup's
-    # rows start past the program's first key tile): the running max may still be -inf
-    MAY_EMPTY: gl.constexpr = HAS_BIAS or WINDOW_LEFT >= 0
+    sc = _mask_tile(sc, rows, row0, 0, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
     p, alpha, m_i = _softmax_step(sc, gl.full([BLOCK_M], float("-inf"), gl.float32, row_s), scale, MAY_EMPTY)
     l_i = gl.sum(p, 1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -187,7 +308,7 @@ def _ws_consumer(
         if HAS_BIAS:
             sc = sc * sm_scale + b
             _release_bias(bias, j, BIAS_STAGES)
-        sc = _mask_tile(sc, rows, q_start, j, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+        sc = _mask_tile(sc, rows, row0, j, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
         p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY)
         l_i = l_i * alpha + gl.sum(p, 1)
         acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
@@ -200,19 +321,7 @@ def _ws_consumer(
     acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
     mbarrier.arrive(v_empty.index(sl), count=1)
-
-    if HAS_BIAS:  # a row the bias masks whole: output 0, logsumexp -inf
-        empty = l_i == 0.0
-        l_i = gl.where(empty, 1.0, l_i)
-        m_i = gl.where(empty, float("-inf"), m_i)
-    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-    # with three warpgroups (Sq a multiple of 64, not of 192) the last program's last ones can
-    # start past Sq: they ran on the next head's rows (or TMA's zeros) and store nothing
-    if q_start < seq_q:
-        if STORE_LSE:
-            gl.store(lse_ptr + pid_bh * seq_q + rows, (m_i + gl.log2(l_i)) * LN2)
-        # the output leaves through this warpgroup's Q buffer (Q is no longer read)
-        _store_rows(q_buf, acc.to(dtype), o_desc, pid_bh * seq_q + q_start)
+    return acc, m_i, l_i
 
 
 @gluon.jit
@@ -231,6 +340,8 @@ def _attn_fwd_ws(
     n_m_blocks,
     bias_batch_rows,
     bias_head_rows,
+    kv_lens,
+    n_new,
     WINDOW_LEFT: gl.constexpr,
     WINDOW_RIGHT: gl.constexpr,
     Q_ROWS: gl.constexpr,
@@ -243,6 +354,7 @@ def _attn_fwd_ws(
     BIAS_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     NUM_WG: gl.constexpr,
+    KV_LENS: gl.constexpr,
 ):
     """Grid (cdiv(Sq, NUM_WG * 64), B * Hq); one program: NUM_WG * 64 query rows of one (b, h),
     O (B*Hq*Sq, D) rows.  NUM_WG: consumer warpgroups, 2 or 3 (FA3's 192-row tiles at head dim 64,
@@ -276,6 +388,8 @@ def _attn_fwd_ws(
         num_heads,
         group,
         n_m_blocks,
+        kv_lens,
+        n_new,
     )
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
@@ -296,6 +410,7 @@ def _attn_fwd_ws(
                         HAS_BIAS,
                         BATCH_MINOR,
                         BIAS_STAGES,
+                        KV_LENS,
                     ),
                 ),
                 (
@@ -311,6 +426,7 @@ def _attn_fwd_ws(
                         HAS_BIAS,
                         BATCH_MINOR,
                         BIAS_STAGES,
+                        KV_LENS,
                     ),
                 ),
                 (
@@ -326,6 +442,7 @@ def _attn_fwd_ws(
                         HAS_BIAS,
                         BATCH_MINOR,
                         BIAS_STAGES,
+                        KV_LENS,
                     ),
                 ),
                 (
@@ -341,6 +458,7 @@ def _attn_fwd_ws(
                         HAS_BIAS,
                         BATCH_MINOR,
                         BIAS_STAGES,
+                        KV_LENS,
                     ),
                 ),
             ],
@@ -363,6 +481,7 @@ def _attn_fwd_ws(
                         HAS_BIAS,
                         BATCH_MINOR,
                         BIAS_STAGES,
+                        KV_LENS,
                     ),
                 ),
                 (
@@ -378,6 +497,7 @@ def _attn_fwd_ws(
                         HAS_BIAS,
                         BATCH_MINOR,
                         BIAS_STAGES,
+                        KV_LENS,
                     ),
                 ),
                 (
@@ -393,6 +513,7 @@ def _attn_fwd_ws(
                         HAS_BIAS,
                         BATCH_MINOR,
                         BIAS_STAGES,
+                        KV_LENS,
                     ),
                 ),
             ],

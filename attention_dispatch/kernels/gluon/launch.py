@@ -102,8 +102,22 @@ def ws_constexprs(params: KernelParams, bias: "WsBias | None", **rest) -> dict:
 
 
 def forward(
-    q, k, v, out, lse, params: KernelParams, prob: KernelShapes, q_rows: int, kv_rows: int, bias: WsBias | None = None
+    q,
+    k,
+    v,
+    out,
+    lse,
+    params: KernelParams,
+    prob: KernelShapes,
+    q_rows: int,
+    kv_rows: int,
+    bias: WsBias | None = None,
+    kv_lens: torch.Tensor | None = None,
+    n_new: int = 0,
 ):
+    """The warp-specialised forward.  ``kv_lens`` (int32 (B,)): a KV-cache call, k and v the dense
+    cache (prob.Sk its capacity), sequence b's keys the first kv_lens[b] + n_new, causal aligned
+    bottom-right; only whole key tiles are read (common._cache_tiles; the tail kernel does the rest)."""
     cfg = C.WS_FWD_CONFIGS[prob.Dqk]
     rows = cfg.consumers * WG_ROWS
     n_m = cdiv(prob.Sq, rows)
@@ -126,6 +140,8 @@ def forward(
             n_m,
             batch_rows,
             head_rows,
+            kv_lens if kv_lens is not None else out,
+            n_new,
         ),
         ws_constexprs(
             params,
@@ -133,6 +149,7 @@ def forward(
             Q_ROWS=q_rows,
             KV_ROWS=kv_rows,
             STORE_LSE=lse is not None,
+            KV_LENS=kv_lens is not None,
             BLOCK_N=cfg.block_n,
             STAGES=cfg.stages,
             BIAS_STAGES=cfg.bias_stages,

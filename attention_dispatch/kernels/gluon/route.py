@@ -11,7 +11,8 @@ import torch
 import triton
 
 from .. import configs as C
-from ..device import device_info
+from ..device import device_info, tma_compatible
+from ..limits import MAX_GRID_YZ
 from ..params import KernelParams
 from ..shapes import KernelShapes, grid_limit, rows_layout
 from .launch import GLUON_IMPORT_ERROR, WG_ROWS
@@ -171,3 +172,45 @@ def ws_backward_reason(
     if not do_rows:
         return "memory layout: dO neither (B, H, S, D) nor (B, S, H, D) contiguous", None
     return None, (*rows, do_rows)
+
+
+# A KV-cache call with at least this many new queries per sequence runs the Gluon forward over
+# the cache's whole key tiles (kernels/decode.cache_forward): its rows fill the 128-row tiles,
+# where the decode kernel's 64-row tiles, made for a few queries, leave the tensor cores idle.
+CACHE_FORWARD_MIN_SQ = 2 * WG_ROWS
+
+
+def cache_forward_reason(q, k_cache, v_cache, block_table, params: KernelParams) -> str | None:
+    """None when the Gluon forward computes this sdpa_with_kvcache() call (the new keys already
+    appended; q (B, Hq, Sq, D), a dense cache (B, Hkv, S, D)), else why not (one line)."""
+    B, Hq, Sq, D = q.shape
+    gluon = gluon_reason()
+    if gluon is not None:
+        return gluon
+    if q.device.type != "cuda" or device_info(q.device)[0] != (9, 0):
+        return "the warp-specialised forward is sm90 only"
+    if block_table is not None:
+        return "paged cache: TMA reads the dense cache only"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype}: float16 or bfloat16 only"
+    cfg = C.WS_FWD_CONFIGS.get(D)
+    if cfg is None or v_cache.shape[-1] != D:
+        return f"head dim {D}: one of {sorted(C.WS_FWD_CONFIGS)} only"
+    if Sq < CACHE_FORWARD_MIN_SQ or Sq % (2 * WG_ROWS):
+        return f"Sq={Sq}: multiples of {2 * WG_ROWS} only (fewer new queries: the decode kernel)"
+    if params.window_left >= 0 or params.window_right > 0:
+        return "window: causal or no band only"
+    if params.scale <= 0:
+        return f"scale {params.scale}: positive only (the running max is taken before scaling)"
+    scope = forward_scope_reason(cfg, False, params)
+    if scope is not None:
+        return scope
+    if rows_layout(q) == 0 or rows_layout(k_cache, v_cache) == 0:
+        return "memory layout: query and the cache each (B, H, S, D) or (B, S, H, D) contiguous"
+    if not all(tma_compatible(t) for t in (q, k_cache, v_cache)):
+        return "TMA needs 16-byte aligned rows"
+    if B * Hq > MAX_GRID_YZ or B * Hq * Sq >= 2**31 or k_cache.numel() // D >= 2**31:
+        return "grid or row count past the kernel's 32-bit limits"
+    if B * Hq * Sq * k_cache.shape[2] * D < WS_MIN_WORK:
+        return f"below WS_MIN_WORK ({WS_MIN_WORK} query-key-dim products): the host descriptors cost more"
+    return None

@@ -8,13 +8,18 @@ head are packed into the rows of one tile (row r is head ``r // Sq`` of the grou
 ``i + L_b - Sq - wl <= j <= i + L_b - Sq + wr`` (HAS_WL / HAS_WR; causal is wr = 0).  With
 several splits each program writes its normalised partial output and logsumexp (log2 domain)
 and :func:`_decode_combine` merges them; a program past ``L_b`` writes an empty partial.
+With ``TAIL`` (> 0) one program per row block covers the keys past the last whole TAIL-key tile
+below ``L_b``, the rest being the Gluon forward's (kernels/decode.cache_forward), and merges its
+result into that kernel's output by the logsumexp.
 Scores live in the log2 domain as in the other kernels (conventions: common.py).
 """
 
 import triton
 import triton.language as tl
 
-from .common import _dot
+from .common import LOG2E, _dot
+
+LOG2E_C = tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -59,6 +64,7 @@ def _decode_split(
     HAS_WL: tl.constexpr,
     HAS_WR: tl.constexpr,
     SPLIT: tl.constexpr,
+    TAIL: tl.constexpr,
     BH_AXIS0: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     DOT_IEEE: tl.constexpr,
@@ -83,8 +89,12 @@ def _decode_split(
 
     # never past the cache (a length past it is an input error, checked where that is free)
     seqlen = tl.minimum(tl.load(CacheSeqlens + b).to(tl.int32) + n_new, capacity)
-    start = split * keys_per_split
-    end = tl.minimum(start + keys_per_split, seqlen)
+    if TAIL > 0:  # the keys past the Gluon kernel's whole TAIL-key tiles (cache_forward)
+        start = (seqlen // TAIL) * TAIL
+        end = seqlen
+    else:
+        start = split * keys_per_split
+        end = tl.minimum(start + keys_per_split, seqlen)
     # the keys any row of this tile may see (queries sit at the end of the sequence)
     diag = qi + seqlen - Sq
     if HAS_WR:
@@ -137,7 +147,21 @@ def _decode_split(
         tl.store(LPart + part, tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))), mask=row_ok)
     else:
         o_ptrs = Out + b64 * sob + head.to(tl.int64)[:, None] * soh + qi.to(tl.int64)[:, None] * sos + offs_d[None, :]
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        store = row_ok
+        if TAIL > 0:
+            # merge into the Gluon kernel's normalised output and natural-log logsumexp (LPart,
+            # (B, Hq, Sq)); a row the tail does not reach keeps them untouched
+            store = row_ok & (l_i > 0.0)
+            prev = tl.load(o_ptrs, mask=store[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            lse_prev = tl.load(LPart + (b64 * Hq + head) * Sq + qi, mask=store, other=float("-inf")) * LOG2E_C
+            lse_tail = m_i + tl.log2(tl.where(store, l_i, 1.0))
+            top = tl.maximum(lse_prev, lse_tail)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            w_prev = tl.exp2(lse_prev - top)
+            w_tail = tl.exp2(lse_tail - top)
+            total = tl.where(store, w_prev + w_tail, 1.0)
+            out = (prev * w_prev[:, None] + out * w_tail[:, None]) / total[:, None]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=store[:, None] & d_ok[None, :])
 
 
 @triton.jit
