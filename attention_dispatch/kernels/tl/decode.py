@@ -105,7 +105,10 @@ def _decode_split(
         start = tl.maximum(start, lo_key)
 
     q_ptrs = Q + b64 * sqb + head.to(tl.int64)[:, None] * sqh + qi.to(tl.int64)[:, None] * sqs + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_ok = row_ok
+    if TAIL > 0:  # most programs have no tail key (causal: only the last rows reach it)
+        q_ok = q_ok & (rows * 0 + start < end)
+    q = tl.load(q_ptrs, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
