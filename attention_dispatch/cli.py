@@ -1,4 +1,4 @@
-"""python -m attention_dispatch info | explain | config --check FILE | demo"""
+"""python -m attention_dispatch info | explain | bench | tune | config --check FILE | demo"""
 
 from __future__ import annotations
 
@@ -23,6 +23,39 @@ _DTYPES = {
 
 def _cmd_info(args) -> int:
     print(debug.backend_table(markdown=args.markdown), end="")
+    print()
+    print(_tables_text())
+    return 0
+
+
+def _tables_text() -> str:
+    """The performance tables found (policy="auto") and which one applies here."""
+    from . import perf_table
+
+    lines = [f"performance tables (policy='auto'; user tables in {perf_table.user_table_dir()}):"]
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    found = perf_table.tables_found()
+    applies = perf_table.applicable_table(device) if device is not None else None
+    for table in found:
+        if device is None:
+            status = "no CUDA device here"
+        elif table is applies:
+            status = "APPLIES"
+        else:
+            status = perf_table.mismatch(table, device) or "another table of this environment comes first"
+        lines.append(
+            f"  {table.path} ({table.origin}): {table.environment.gpu}, torch {table.environment.torch}, "
+            f"{len(table.entries)} buckets, measured {table.created or '?'}: {status}"
+        )
+    if not found:
+        lines.append("  none found: the priority order decides (python -m attention_dispatch tune writes one)")
+    return "\n".join(lines)
+
+
+def _cmd_tune(args) -> int:
+    from .tune import tune
+
+    tune(quick=args.quick, out=args.out, device=args.device)
     return 0
 
 
@@ -160,6 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", parents=[shape], help="time every eligible backend on a call described on the command line"
     )
     bench.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "tune",
+        help="measure this GPU's backends over a grid of calls and write the performance table policy='auto' reads",
+    )
+    p.add_argument("--quick", action="store_true", help="a smaller grid (bf16; about 5 minutes on an H100)")
+    p.add_argument("--out", default=None, help="table file (default: the user's cache directory, one per GPU)")
+    p.add_argument("--device", default="cuda")
+    p.set_defaults(func=_cmd_tune)
 
     p = sub.add_parser("config", help="validate config files, or print the current config")
     p.add_argument("--check", nargs="+", metavar="FILE", help="validate these TOML/YAML files")

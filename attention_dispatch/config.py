@@ -35,8 +35,11 @@ class DispatchSection(BaseModel):
         f"{', '.join(BUILTIN_ORDER)}, custom backends where they were registered)",
     )
     disabled: tuple[str, ...] = Field(default=(), description="backends never chosen")
-    policy: Literal["priority", "fastest"] = Field(
-        default="priority", description="first eligible in order, or the measured fastest per shape bucket"
+    policy: Literal["auto", "priority", "fastest"] = Field(
+        default="auto",
+        description="auto: the lowest expected time in a performance table for this GPU and these "
+        "versions (python -m attention_dispatch tune), else the order; priority: first eligible in "
+        "order; fastest: measured at run time per shape bucket",
     )
     fastest_cache: Union[str, None] = Field(
         default=None, description="JSON file keeping policy='fastest' measurements across processes"

@@ -10,7 +10,7 @@ import threading
 import warnings
 
 from . import config as _config
-from . import registry
+from . import perf_table, registry
 from .caches import register_cache
 from .problem import Problem
 from .route import Route
@@ -55,6 +55,8 @@ class Decision:
     host_timings: dict[str, float] = dataclasses.field(default_factory=dict)
     # the implementation the chosen backend runs inside (explain() fills it; see Backend.route)
     route: Route | None = None
+    # ms per call a performance table expects of each eligible backend (perf_table.table_choice)
+    expected: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         chosen = self.backend or "NO BACKEND"
@@ -70,8 +72,12 @@ class Decision:
                 status = "chosen"
                 if name in self.timings:
                     status += f" (measured fastest: {self.timings[name]:.3f} ms{self._host(name)})"
+                elif name in self.expected:
+                    status += f" (expected {self.expected[name]:.3f} ms)"
             elif name in self.timings:
                 status = f"eligible ({self.timings[name]:.3f} ms{self._host(name)})"
+            elif name in self.expected and name not in self.failures:
+                status = f"eligible (expected {self.expected[name]:.3f} ms)"
             elif name in self.failures:
                 status = f"failed: {self.failures[name]}"
             elif name in self.rejected:
@@ -213,6 +219,8 @@ def decide(problem: Problem, forced: str | None = None, raise_if_none: bool = Tr
     if decision is None:
         names, source = candidate_order(forced, cfg)
         decision = evaluate(problem, names, source, cfg, forced)
+        if problem.device_type == "cuda":
+            decision = perf_table.table_choice(decision, cfg.dispatch.policy if forced is None else "forced")
         with _cache_lock:
             if len(_cache) >= _CACHE_LIMIT:
                 _cache.clear()

@@ -1,0 +1,332 @@
+"""Performance tables: the expected time of each backend per shape bucket on one GPU and one set
+of library versions, for ``policy = "auto"`` (the default) and for explain()'s warnings.
+
+A table is a JSON file written by ``python -m attention_dispatch tune`` (attention_dispatch/tune.py):
+the environment it measured (GPU name and compute capability, torch, and every registered
+backend's ``version()``: Triton, cuDNN, flash-attn, ...), its date, and per bucket
+(:func:`bucket_key`: sizes rounded up to powers of two, every feature flag, inference or
+training) the lower-quartile milliseconds of each backend it timed.  Tables ship in
+``attention_dispatch/tables/`` and are written per user to :func:`user_table_dir`; a user's
+table is preferred to a shipped one of the same environment.
+
+A table applies on the same GPU (name and compute capability) with the same torch; a
+backend's times count only where its version now is the one timed (a backend not installed
+here is not eligible, so a table measured with flash-attn serves a process without it).  The
+table decides a call only where it has a usable time for every eligible backend (the
+reference aside) in the call's bucket; nothing is interpolated between buckets.  Otherwise the
+priority order decides, as with ``policy = "priority"``, and the Decision says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import registry
+from .caches import register_cache
+from .problem import Problem
+
+logger = logging.getLogger("attention_dispatch")
+
+TABLE_FORMAT = 1
+PACKAGE_TABLES = Path(__file__).parent / "tables"
+
+
+def user_table_dir() -> Path:
+    """Where ``tune`` writes and later processes read a user's tables:
+    ``$ATTENTION_DISPATCH_CACHE_DIR/tables``, else ``$XDG_CACHE_HOME/attention_dispatch/tables``,
+    else ``~/.cache/attention_dispatch/tables``."""
+    base = os.environ.get("ATTENTION_DISPATCH_CACHE_DIR")
+    if base:
+        return Path(base) / "tables"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "attention_dispatch" / "tables"
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """What a table's times depend on besides the call: the GPU and the software."""
+
+    gpu: str
+    compute_capability: tuple[int, int]
+    torch: str
+    backends: tuple[tuple[str, str], ...]  # (name, version()) of each backend timed
+
+    def label(self) -> str:
+        """Short, for decision texts: e.g. ``H100 torch 2.11.0 triton 3.6.0``."""
+        gpu = self.gpu.replace("NVIDIA ", "").split()[0] if self.gpu else "?"
+        triton = dict(self.backends).get("triton", "")
+        return f"{gpu} torch {self.torch.split('+')[0]}" + (f" triton {triton}" if triton else "")
+
+    def to_json(self) -> dict:
+        return {
+            "gpu": self.gpu,
+            "compute_capability": list(self.compute_capability),
+            "torch": self.torch,
+            "backends": dict(self.backends),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Environment":
+        return cls(
+            str(data["gpu"]),
+            tuple(int(x) for x in data["compute_capability"]),  # type: ignore[arg-type]
+            str(data["torch"]),
+            tuple(sorted((str(k), str(v)) for k, v in dict(data["backends"]).items())),
+        )
+
+
+def backend_versions() -> dict[str, str]:
+    """version() of every registered backend now ("" where it is not installed)."""
+    out = {}
+    for name in registry.list_backends():
+        try:
+            out[name] = registry.get_backend(name).version()
+        except Exception as exc:  # noqa: BLE001 - a broken install has no version
+            out[name] = f"unknown ({type(exc).__name__})"
+    return out
+
+
+def device_environment(device: torch.device, names=None) -> Environment | None:
+    """This process's Environment on CUDA ``device`` (None off CUDA), with the versions of
+    ``names`` (default: every registered backend)."""
+    if device.type != "cuda":
+        return None
+    versions = backend_versions()
+    names = sorted(versions) if names is None else sorted(names)
+    return Environment(
+        torch.cuda.get_device_name(device),
+        tuple(torch.cuda.get_device_capability(device)),
+        torch.__version__,
+        tuple((n, versions.get(n, "")) for n in names),
+    )
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length() if n > 0 else 0
+
+
+def _window_bucket(window) -> str:
+    if window is None:
+        return "none"
+    return ",".join(str(w if w < 0 else _pow2(w + 1) - 1) for w in window)
+
+
+def bucket_key(problem: Problem) -> str:
+    """The bucket of a call in a table: batch, query heads and lengths rounded up to powers of
+    two (window bounds to 2^k - 1), the GQA ratio, head dims, dtype, layout and every feature
+    flag exact."""
+    p = problem
+    mask = p.mask_kind
+    if p.mask_kind != "none":
+        pattern = "".join("1" if n == 1 else "n" for n in (p.mask_shape or ()))
+        mask += f"[{pattern}]" + ("+grad" if p.mask_requires_grad else "") + ("+fp32" if p.float32_bias else "")
+    parts = [
+        p.layout,
+        str(p.dtype).removeprefix("torch."),
+        f"d{p.head_dim_qk}/{p.head_dim_v}",
+        f"B{_pow2(p.batch)}",
+        f"H{_pow2(p.heads_q)}/g{p.gqa_ratio}",
+        f"Sq{_pow2(p.seqlen_q)}",
+        f"Sk{_pow2(p.seqlen_k)}",
+        f"causal={p.causal.value if p.causal is not None else 'none'}",
+        f"window={_window_bucket(p.window)}",
+        f"mask={mask}",
+        "dropout" if p.dropout else "no-dropout",
+        "training" if p.requires_grad else "inference",
+    ]
+    if p.deterministic:
+        parts.append("deterministic")
+    if p.kv_block_size is not None:
+        parts.append(f"block{p.kv_block_size}")
+    if p.kv_append:
+        parts.append("append")
+    return "|".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerfTable:
+    """One table file: where it was read from, what it measured, and its entries
+    (bucket key -> backend -> expected ms per call)."""
+
+    path: str
+    origin: str  # "package" | "user"
+    environment: Environment
+    created: str
+    entries: dict[str, dict[str, float]]
+
+    def label(self) -> str:
+        return f"table {self.environment.label()}"
+
+
+def read_table(path: Path, origin: str) -> PerfTable | None:
+    """The table in ``path``; None, with a warning, for a file that is not one (corrupt JSON,
+    another format version, missing fields): a bad table is ignored, never fatal."""
+    try:
+        data = json.loads(Path(path).read_text())
+        if data.get("format") != TABLE_FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, this attention_dispatch reads {TABLE_FORMAT}")
+        env = Environment.from_json(data["environment"])
+        entries = {
+            str(key): {str(n): float(ms) for n, ms in dict(times).items()} for key, times in data["entries"].items()
+        }
+        return PerfTable(str(path), origin, env, str(data.get("created", "")), entries)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        warnings.warn(f"attention_dispatch: ignoring performance table {path}: {exc}", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def write_table(path: Path, environment: Environment, created: str, entries: dict, extra: dict | None = None) -> None:
+    """Write a table atomically (a temporary file renamed over ``path``): a concurrent reader
+    or writer never sees half a file; the last writer wins."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"format": TABLE_FORMAT, "created": created, "environment": environment.to_json(), "entries": entries}
+    if extra:
+        data.update(extra)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    tables_found.cache_clear()
+
+
+def read_details(path: Path) -> dict:
+    """The per-bucket details tune keeps beside the times (row label, host times, failures)."""
+    try:
+        return dict(json.loads(Path(path).read_text()).get("details", {}))
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+@functools.lru_cache(maxsize=1)
+def tables_found() -> tuple[PerfTable, ...]:
+    """Every readable table: the user's (newest first), then the package's."""
+    found = []
+    for origin, folder in (("user", user_table_dir()), ("package", PACKAGE_TABLES)):
+        try:
+            files = sorted(folder.glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
+        except OSError:
+            continue
+        for f in files:
+            table = read_table(f, origin)
+            if table is not None:
+                found.append(table)
+    return tuple(found)
+
+
+def mismatch(table: PerfTable, device: torch.device) -> str | None:
+    """Why ``table`` does not apply on ``device`` in this process, or None."""
+    env = table.environment
+    if device.type != "cuda":
+        return f"device {device.type}: tables are measured on CUDA GPUs"
+    gpu, cc = torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device))
+    if gpu != env.gpu or cc != env.compute_capability:
+        return f"GPU {gpu} sm{cc[0]}{cc[1]}, the table measured {env.gpu}"
+    if torch.__version__ != env.torch:
+        return f"torch {torch.__version__}, the table measured {env.torch}"
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def _versions_now(registry_version: int) -> dict[str, str]:
+    return backend_versions()
+
+
+def stale_backends(table: PerfTable) -> dict[str, str]:
+    """Backends whose version now differs from the one the table timed: name -> why.  Their
+    times are not used (a backend not installed now is simply not eligible)."""
+    now = _versions_now(registry.registry_version())
+    return {
+        name: f"{name} {now[name]}, the table timed {was}"
+        for name, was in table.environment.backends
+        if name in now and now[name] and now[name] != was
+    }
+
+
+@functools.lru_cache(maxsize=16)
+def _applicable(device: torch.device) -> PerfTable | None:
+    for table in tables_found():
+        if mismatch(table, device) is None:
+            return table
+    return None
+
+
+def applicable_table(device: torch.device) -> PerfTable | None:
+    """The first table (user's before package's) whose environment is this process's."""
+    if device.type != "cuda":
+        return None
+    return _applicable(device)
+
+
+def expected_times(problem: Problem, device: torch.device) -> tuple[PerfTable, dict[str, float]] | None:
+    """(the table, backend -> expected ms) for the call's bucket, or None (no table applies, or
+    it did not measure this bucket)."""
+    table = applicable_table(device)
+    if table is None:
+        return None
+    times = table.entries.get(bucket_key(problem))
+    return (table, times) if times else None
+
+
+# explain() says so where the chosen backend is expected this much slower than the fastest
+# eligible one, whatever the policy or a forced order chose
+SLOW_RATIO = 1.5
+
+
+def _cuda_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def table_choice(decision, policy: str):
+    """``decision`` (dispatch.Decision) under the table that applies to its call: with ``policy``
+    "auto", the eligible backend with the lowest expected time, where the table timed every
+    eligible one (the reference aside); under any policy a note where the chosen backend is
+    expected over SLOW_RATIO times slower than the fastest eligible one.  Unchanged where no
+    table applies (the priority order stands)."""
+    p = decision.problem
+    if p.device_type != "cuda" or decision.backend is None or not torch.cuda.is_available():
+        return decision
+    found = expected_times(p, _cuda_device())
+    if found is None:
+        if policy != "auto":
+            return decision
+        table = applicable_table(_cuda_device())
+        why = "it did not measure this bucket" if table is not None else "none for this GPU and these versions"
+        note = f"auto: no performance table entry ({why}); priority order"
+        return dataclasses.replace(decision, notes=decision.notes + (note,))
+    table, times = found
+    stale = stale_backends(table)
+    times = {n: ms for n, ms in times.items() if n not in stale}
+    ranked = sorted((n for n in decision.eligible if n in times), key=times.__getitem__)
+    unmeasured = [n for n in decision.eligible if n not in times and not registry.get_backend(n).reference]
+    expected = {n: times[n] for n in ranked}
+    text = f"auto ({table.label()}): " + ", ".join(f"{n} {times[n]:.3f} ms" for n in ranked)
+    backend, notes = decision.backend, decision.notes
+    if policy == "auto" and ranked and not unmeasured:
+        backend = ranked[0]
+        notes += (text,)
+    elif policy == "auto":
+        why = "; ".join(stale.get(n, f"{n} not timed in this bucket") for n in unmeasured)
+        notes += (f"auto: {table.label()} has no usable time for {', '.join(unmeasured)} ({why}); priority order",)
+    if backend in times and ranked and times[backend] > SLOW_RATIO * times[ranked[0]]:
+        notes += (
+            f"{backend} is expected {times[backend] / times[ranked[0]]:.1f}x slower than {ranked[0]} here "
+            f"({text.removeprefix('auto ')})",
+        )
+    return dataclasses.replace(decision, backend=backend, notes=notes, expected=expected)
+
+
+def forget() -> None:
+    """Re-read the tables at the next decision (after tune wrote one, or the cache dir changed)."""
+    tables_found.cache_clear()
+    _applicable.cache_clear()
+
+
+register_cache("perf_table.tables", forget, lambda: tables_found.cache_info().currsize)

@@ -1,0 +1,266 @@
+"""Performance tables and policy="auto" (perf_table.py, tune.py): buckets, reading and writing
+tables (corrupt or foreign ones ignored with a warning; concurrent writers never tear a file),
+the choice a table makes and its text, the fallback to the priority order, tune's grid."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import warnings
+
+import pytest
+import torch
+
+import attention_dispatch as ad
+from attention_dispatch import perf_table, tune
+from attention_dispatch.dispatch import Decision
+from test_adapters import BR, problem
+
+GPU = "NVIDIA Fake GPU 80GB"
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    """An empty user table directory; no shipped table is read."""
+    monkeypatch.setenv("ATTENTION_DISPATCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(perf_table, "PACKAGE_TABLES", tmp_path / "no-package-tables")
+    perf_table.forget()
+    yield tmp_path / "tables"
+    perf_table.forget()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """This process looks like it runs on GPU (torch.cuda answers for a fake H100-like card)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: GPU)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    perf_table.forget()
+    yield
+    perf_table.forget()
+
+
+def environment(gpu=GPU, torch_version=None, **versions) -> perf_table.Environment:
+    now = perf_table.backend_versions()
+    now.update(versions)
+    return perf_table.Environment(gpu, (9, 0), torch_version or torch.__version__, tuple(sorted(now.items())))
+
+
+def write(folder, name, entries, env=None):
+    perf_table.write_table(folder / name, env or environment(), "2026-11-25", entries)
+
+
+def decision(p, eligible=("triton", "flash_attn", "cudnn"), backend=None) -> Decision:
+    return Decision(
+        backend=backend or eligible[0],
+        problem=p,
+        source="default",
+        candidates=tuple(eligible) + ("math",),
+        rejected={"math": ["slow"]},
+        eligible=tuple(eligible),
+    )
+
+
+# ---- buckets -------------------------------------------------------------------------------
+
+
+def test_sizes_share_a_bucket_up_to_the_next_power_of_two():
+    key = perf_table.bucket_key
+    assert key(problem(seqlen_q=4000, seqlen_k=4000, batch=3)) == key(problem(seqlen_q=4096, seqlen_k=4096, batch=4))
+    assert key(problem(seqlen_k=4097, seqlen_q=4097)) != key(problem(seqlen_q=4096, seqlen_k=4096))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(causal=BR),
+        dict(requires_grad=True),
+        dict(dropout=True),
+        dict(dtype=torch.float16),
+        dict(head_dim_qk=128, head_dim_v=128),
+        dict(heads_kv=1),
+        dict(window=(255, 0)),
+        dict(mask_kind="bool", mask_shape=(1, 1, 64, 64)),
+        dict(deterministic=True),
+        dict(layout="varlen"),
+    ],
+    ids=lambda c: ",".join(c),
+)
+def test_every_feature_flag_is_its_own_bucket(change):
+    assert perf_table.bucket_key(problem(**change)) != perf_table.bucket_key(problem())
+
+
+# ---- reading and writing -------------------------------------------------------------------
+
+
+def test_a_written_table_reads_back(table_dir):
+    entries = {perf_table.bucket_key(problem()): {"triton": 1.5, "cudnn": 1.2}}
+    write(table_dir, "t.json", entries)
+    (table,) = perf_table.tables_found()
+    assert table.entries == entries and table.origin == "user" and table.environment == environment()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "Expecting"),
+        (json.dumps({"format": 99, "entries": {}}), "format 99"),
+        (json.dumps({"format": perf_table.TABLE_FORMAT, "entries": {}}), "environment"),
+        (json.dumps([1, 2]), "ignoring"),
+    ],
+    ids=["corrupt", "foreign format", "missing environment", "not an object"],
+)
+def test_a_bad_table_is_ignored_with_a_warning(table_dir, text, message):
+    table_dir.mkdir(parents=True)
+    (table_dir / "bad.json").write_text(text)
+    write(table_dir, "good.json", {})
+    with pytest.warns(RuntimeWarning, match="ignoring performance table") as caught:
+        found = perf_table.tables_found()
+    assert [t.path for t in found] == [str(table_dir / "good.json")]
+    assert message in str(caught[0].message)
+
+
+def _writer(path, n, marker):
+    env = environment()
+    for i in range(n):
+        entries = {f"bucket{j}": {"triton": float(i), marker: 1.0} for j in range(200)}
+        perf_table.write_table(path, env, "now", entries)
+
+
+def test_concurrent_writers_never_tear_the_file(tmp_path):
+    path = tmp_path / "shared.json"
+    write(tmp_path, "shared.json", {})
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(path, 30, f"w{k}")) for k in range(3)]
+    for p in procs:
+        p.start()
+    reads = 0
+    while any(p.is_alive() for p in procs):
+        json.loads(path.read_text())  # always a whole file
+        reads += 1
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    assert perf_table.read_table(path, "user") is not None and reads > 0
+    assert not list(tmp_path.glob(".*.tmp")), "temporary files left behind"
+
+
+# ---- the choice ----------------------------------------------------------------------------
+
+
+def test_auto_picks_the_lowest_expected_time_and_says_so(table_dir, fake_gpu):
+    p = problem()
+    write(table_dir, "t.json", {perf_table.bucket_key(p): {"triton": 1.14, "flash_attn": 1.02, "cudnn": 1.16}})
+    got = perf_table.table_choice(decision(p), "auto")
+    assert got.backend == "flash_attn"
+    assert got.expected == {"flash_attn": 1.02, "triton": 1.14, "cudnn": 1.16}
+    text = str(got)
+    assert "auto (table Fake torch" in text and "flash_attn 1.020 ms, triton 1.140 ms, cudnn 1.160 ms" in text
+
+
+def test_priority_keeps_its_choice_but_names_a_trap(table_dir, fake_gpu):
+    p = problem()
+    write(table_dir, "t.json", {perf_table.bucket_key(p): {"triton": 3.0, "flash_attn": 1.0, "cudnn": 1.2}})
+    got = perf_table.table_choice(decision(p), "priority")
+    assert got.backend == "triton"
+    assert any("triton is expected 3.0x slower than flash_attn" in n for n in got.notes)
+    # within SLOW_RATIO: no note
+    write(table_dir, "t.json", {perf_table.bucket_key(p): {"triton": 1.4, "flash_attn": 1.0, "cudnn": 1.2}})
+    perf_table.forget()
+    assert not any("slower" in n for n in perf_table.table_choice(decision(p), "priority").notes)
+
+
+def test_a_forced_backend_is_kept_with_the_trap_note(table_dir, fake_gpu):
+    p = problem()
+    write(table_dir, "t.json", {perf_table.bucket_key(p): {"cudnn": 2.0, "triton": 1.0}})
+    got = perf_table.table_choice(decision(p, eligible=("cudnn",)), "priority")
+    assert got.backend == "cudnn" and got.notes == ()  # the table knows no eligible rival
+
+
+@pytest.mark.parametrize(
+    "setup, why",
+    [
+        ("other gpu", "none for this GPU"),
+        ("other torch", "none for this GPU"),
+        ("unmeasured bucket", "it did not measure this bucket"),
+        ("backend not timed", "cudnn not timed in this bucket"),
+        ("backend upgraded", "triton 99.0, the table timed"),
+    ],
+)
+def test_without_a_usable_table_the_priority_order_decides(table_dir, fake_gpu, monkeypatch, setup, why):
+    p = problem()
+    times = {"triton": 2.0, "flash_attn": 1.0, "cudnn": 1.5}
+    env = environment()
+    if setup == "other gpu":
+        env = environment(gpu="NVIDIA Other GPU")
+    elif setup == "other torch":
+        env = environment(torch_version="0.0.1")
+    elif setup == "unmeasured bucket":
+        times = {}
+    elif setup == "backend not timed":
+        del times["cudnn"]
+    write(table_dir, "t.json", {perf_table.bucket_key(p): times} if times else {"x": {"triton": 1.0}}, env)
+    if setup == "backend upgraded":
+        versions = dict(perf_table.backend_versions(), triton="99.0")
+        monkeypatch.setattr(perf_table, "_versions_now", lambda _version: versions)
+    got = perf_table.table_choice(decision(p), "auto")
+    assert got.backend == "triton"
+    assert any(why in n for n in got.notes), got.notes
+
+
+def test_the_users_table_comes_before_the_packages(table_dir, fake_gpu, tmp_path, monkeypatch):
+    p = problem()
+    package = tmp_path / "package"
+    package.mkdir()
+    monkeypatch.setattr(perf_table, "PACKAGE_TABLES", package)
+    write(package, "shipped.json", {perf_table.bucket_key(p): {"triton": 1.0, "flash_attn": 2.0, "cudnn": 2.0}})
+    write(table_dir, "mine.json", {perf_table.bucket_key(p): {"triton": 2.0, "flash_attn": 1.0, "cudnn": 2.0}})
+    perf_table.forget()
+    assert perf_table.table_choice(decision(p), "auto").backend == "flash_attn"
+
+
+def test_cpu_calls_keep_the_priority_order_with_a_table_present(table_dir):
+    """On this CPU machine no table applies (a table written for a fake GPU is found, not used)."""
+    q = torch.randn(1, 2, 16, 8)
+    before = ad.explain(q, q, q)
+    write(table_dir, "t.json", {}, environment())
+    ad.clear_cache()
+    after = ad.explain(q, q, q)
+    assert after.backend == before.backend and after.expected == {}
+    assert ad.config.current_config().dispatch.policy == "auto"
+
+
+def test_info_lists_the_tables_and_which_applies(table_dir, capsys):
+    write(table_dir, "t.json", {"b": {"triton": 1.0}})
+    from attention_dispatch.cli import main
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "performance tables" in out and "t.json (user)" in out and "Fake GPU" in out
+
+
+# ---- tune's grid ---------------------------------------------------------------------------
+
+
+def test_the_quick_grid_is_a_subset_with_the_extra_rows():
+    quick, full = tune.grid(quick=True), tune.grid()
+    assert set(quick) <= set(full) and len(quick) < len(full)
+    labels = " | ".join(r.label for r in quick)
+    for needed in ("decode", "dropout=0.1", "GQA 16/4", "window=(1024, 0)", "d256", "training", "inference"):
+        assert needed in labels
+
+
+def test_every_grid_row_normalises_to_a_bucket_of_its_own():
+    rows = tune.grid()
+    keys = {perf_table.bucket_key(tune.make_call(r, torch.device("meta")).problem) for r in rows}
+    assert len(keys) == len(rows)
+
+
+def test_tune_refuses_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        tune.tune(quick=True)
