@@ -34,6 +34,10 @@ Mapping of our call (DESIGN.md section 3):
 - no attn_mask / bias: rejected.
 - rows with no allowed key (bottom-right causal with Sq > Sk, or a window that misses
   every key): flash-attn documents output 0 for them; verified on the GPU by the tests.
+
+sdpa_with_kvcache() (run_kvcache, the generations' KV-cache capabilities and reasons) is
+:mod:`.flash_attn_kvcache`: flash_attn_with_kvcache for 2 and 3, flash_attn_varlen_func with
+seqused_k / page_table after our append for 4.
 """
 
 from __future__ import annotations
@@ -45,11 +49,12 @@ from typing import Callable
 
 import torch
 
-from ..problem import Problem, compute_capability
+from ..problem import KV_LAYOUTS, Problem, compute_capability
 from ..route import Route, RouteStep
 from ..semantics import CausalKind, band
 from .base import Backend, Capabilities, not_supported_reasons
 from .fa4_relaunch import ForwardRelauncher, VarlenRelauncher, untested_release
+from . import flash_attn_kvcache as kv
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 INSTALL_HINT = "not installed: pip install flash-attn (or flash-attn-4 for flash_attn.cute)"
@@ -71,7 +76,8 @@ FA2_CAPS = Capabilities(
     gqa=True,
     deterministic_backward=True,
     needs_last_dim_contiguous=False,
-    notes="flash-attn 2",
+    notes="flash-attn 2; KV cache: flash_attn_with_kvcache (appends in place)",
+    **kv.FA2_KV,
 )
 FA3_CAPS = dataclasses.replace(
     FA2_CAPS,
@@ -79,7 +85,8 @@ FA3_CAPS = dataclasses.replace(
     max_compute_capability=(9, 0),
     head_dim_multiple=8,
     dropout=False,
-    notes="flash-attn 3 (hopper)",
+    notes="flash-attn 3 (hopper); KV cache: flash_attn_with_kvcache (appends in place)",
+    **kv.FA3_KV,
 )
 FA4_CAPS = dataclasses.replace(
     FA2_CAPS,
@@ -87,7 +94,8 @@ FA4_CAPS = dataclasses.replace(
     max_compute_capability=(11, 9),
     head_dim_multiple=8,
     dropout=False,
-    notes="flash-attn 4 (flash_attn.cute)",
+    notes="flash-attn 4 (flash_attn.cute); KV cache: our append_kv, then flash_attn_varlen_func (seqused_k, page_table)",
+    **kv.FA4_KV,
 )
 FA4_HEAD_DIMS = (64, 96, 128)  # what flash_attn.cute 4.0 compiles and we verified; others rejected
 LABELS = {"fa2": "flash-attn 2", "fa3": "flash-attn 3", "fa4": "flash-attn 4"}
@@ -106,6 +114,7 @@ class Implementation:
     func: Callable
     varlen_func: Callable | None
     caps: Capabilities
+    kv_func: Callable | None = None  # sdpa_with_kvcache()'s (flash_attn_kvcache.KV_FUNCTION)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +189,7 @@ def caps_union(caps: list[Capabilities]) -> Capabilities:
         },
         needs_last_dim_contiguous=all(c.needs_last_dim_contiguous for c in caps),
         notes=" / ".join(c.notes for c in caps),
+        **kv.kv_union(caps),
     )
 
 
@@ -251,38 +261,44 @@ class FlashAttnBackend(Backend):
         func = getattr(mod, "flash_attn_func", None)
         if func is None:  # e.g. only flash-attn 4's flash_attn.cute is installed
             return None
+        kv_func = kv.kv_function("fa2", mod)
         return Implementation(
             "fa2",
             "flash-attn 2",
             str(getattr(mod, "__version__", "") or _dist_version("flash-attn")),
             func,
             getattr(mod, "flash_attn_varlen_func", None),
-            FA2_CAPS,
+            kv.kv_capabilities("fa2", kv_func, FA2_CAPS),
+            kv_func,
         )
 
     @staticmethod
     def _import_fa3() -> Implementation | None:
         mod = importlib.import_module("flash_attn_interface")
+        kv_func = kv.kv_function("fa3", mod)
         return Implementation(
             "fa3",
             "flash-attn 3",
             str(getattr(mod, "__version__", "") or _dist_version("flash-attn-3", "flash_attn_3")),
             mod.flash_attn_func,
             getattr(mod, "flash_attn_varlen_func", None),
-            FA3_CAPS,
+            kv.kv_capabilities("fa3", kv_func, FA3_CAPS, kv.fa3_build_flags()),
+            kv_func,
         )
 
     @staticmethod
     def _import_fa4() -> Implementation | None:
         mod = importlib.import_module("flash_attn.cute")
         version = getattr(mod, "__version__", "") or _dist_version("flash-attn-4", "flash_attn_4")
+        kv_func = kv.kv_function("fa4", mod)
         return Implementation(
             "fa4",
             "flash-attn 4",
             str(version),
             mod.flash_attn_func,
             getattr(mod, "flash_attn_varlen_func", None),
-            FA4_CAPS,
+            kv.kv_capabilities("fa4", kv_func, FA4_CAPS),
+            kv_func,
         )
 
     def implementations(self) -> list[Implementation]:
@@ -336,6 +352,8 @@ class FlashAttnBackend(Backend):
                     reasons.append("deterministic backward only on sm100/sm110")
         if p.layout == "varlen" and impl.varlen_func is None:
             reasons.append("this build has no flash_attn_varlen_func")
+        if p.layout in KV_LAYOUTS:
+            reasons.extend(kv.kv_reasons(impl.key, impl.version, p))
         return reasons
 
     def impl_reasons(self, impl: Implementation, p: Problem) -> list[str]:
@@ -544,6 +562,9 @@ class FlashAttnBackend(Backend):
                 impl.varlen_func, kwargs, query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k
             )
         return self._dense(impl.func, kwargs, query, key, value)
+
+    def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, **options):
+        return kv.run_kvcache(self, query, k_cache, v_cache, cache_seqlens, **options)
 
     def prepare(self, query, key, value, options: dict):
         """The implementation and its arguments chosen once for the signature (varlen calls
