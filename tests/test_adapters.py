@@ -1757,3 +1757,16 @@ def test_flash_attn_4_fake_has_the_real_private_signatures():
         assert list(signature.parameters)[: len(positional)] == positional, module
         signature.bind(*positional, **keywords)
     assert hasattr(real._flash_attn_fwd, "compile_cache")
+
+
+def test_fa4_placeholder_version_reads_the_wheels(fa, monkeypatch):
+    """flash_attn.cute 4.0.0b36 reports "0.0.0" (its __version__ asks for another distribution
+    name): the backend reads the installed wheel's version instead."""
+    from attention_dispatch.backends import flash_attn as fa_module
+
+    backend, _ = fa(4)
+    monkeypatch.setattr(sys.modules["flash_attn.cute"], "__version__", "0.0.0", raising=False)
+    monkeypatch.setattr(fa_module, "_dist_version", lambda *names: "4.0.0b36" if "flash-attn-4" in names else "")
+    assert FlashAttnBackend().version() == "flash-attn 4 4.0.0b36"
+    monkeypatch.setattr(fa_module, "_dist_version", lambda *names: "")
+    assert FlashAttnBackend().version() == "flash-attn 4 0.0.0"

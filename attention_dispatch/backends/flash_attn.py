@@ -289,7 +289,10 @@ class FlashAttnBackend(Backend):
     @staticmethod
     def _import_fa4() -> Implementation | None:
         mod = importlib.import_module("flash_attn.cute")
-        version = getattr(mod, "__version__", "") or _dist_version("flash-attn-4", "flash_attn_4")
+        # 4.0.0b36's __version__ asks for a distribution "fa4" and says "0.0.0"; the wheel's is "flash-attn-4"
+        version = str(getattr(mod, "__version__", "") or "")
+        if version in ("", "0.0.0"):
+            version = _dist_version("flash-attn-4", "flash_attn_4") or version
         kv_func = kv.kv_function("fa4", mod)
         return Implementation(
             "fa4",
