@@ -168,7 +168,28 @@ def main(argv=None) -> int:
         print(f"    ad_kv ran {r['ad_kv_backend']}; ad.sdpa: {r.get('ad_sdpa_backend', '-')}", flush=True)
     if a.json:
         a.json.write_text(json.dumps({"commit": a.commit, "device": torch.cuda.get_device_name(), "rows": results}))
+    print(markdown(results))
     return 0
+
+
+def markdown(results) -> str:
+    """The rows as docs/benchmarks.md's decode table (TB/s of K/V read; TFLOP/s of many-query rows)."""
+    lines = [
+        "| row | ours (route) | ad.sdpa_with_kvcache | ad.sdpa | F.sdpa | flash-attn 4 | copy | ours / best of F.sdpa, FA4 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        cell = {n: f"{r[n + '_tbs']:.2f}" if n + "_tbs" in r else "-" for n in NAMES}
+        rivals = [r[n + "_tbs"] for n in ("sdpa", "fa4") if n + "_tbs" in r]
+        ratio = f"{r['ours_tbs'] / max(rivals):.2f}" if rivals else "-"
+        ours = f"{cell['ours']} ({r['route']})"
+        if "ours_tflops" in r:
+            ours += f", {r['ours_tflops']:.0f} TFLOP/s" + (f" (FA4 {r['fa4_tflops']:.0f})" if "fa4_tflops" in r else "")
+        lines.append(
+            f"| {r['row']} | {ours} | {cell['ad_kv']} | {cell['ad_sdpa']} | {cell['sdpa']} | {cell['fa4']} | "
+            f"{cell['copy']} | {ratio} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
