@@ -178,3 +178,42 @@ def test_gluon_route_matches_the_reference(label):
     ref64 = kv_reference(q, k, v, lengths, causal=case.causal)
     ref_low = kv_reference(q, k, v, lengths, causal=case.causal, dtype=case.dtype)
     assert_matches(out.cpu(), ref64, ref_low, f"gluon route {label}", dtype=case.dtype)
+
+
+@pytest.mark.gpu
+def test_gluon_route_under_cuda_graph_replay():
+    """Captured once; between replays the query, k_new/v_new, the cache and cache_seqlens change
+    in place; every replay matches the reference (the Gluon forward's descriptors and the tail's
+    lengths are device data or fixed by the shapes)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    case = KvCase(
+        dtype=torch.bfloat16, batch=2, heads_q=16, heads_kv=4, seqlen_q=128, capacity=8192, head_dim=128,
+        append=True, causal=True, lengths=(8000, 100),
+    )  # fmt: skip
+    args = make_kv_inputs(case, "cuda")
+    kernel, why_not = kv_route(args["query"], args["k_cache"], args["v_cache"], None, KernelParams(window_right=0))
+    if kernel != CACHE_GLUON:
+        pytest.skip(f"not the Gluon route here: {why_not}")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and decide outside the capture
+        for _ in range(2):
+            ad.sdpa_with_kvcache(**args, backend="triton")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ad.sdpa_with_kvcache(**args, backend="triton")
+    for step, lengths in enumerate(((5, 8064), (4000, 0), (127, 129))):
+        for name in ("query", "k_new", "v_new", "k_cache", "v_cache"):
+            args[name].copy_(torch.randn_like(args[name]))
+        args["cache_seqlens"].copy_(torch.tensor(lengths, dtype=torch.int32))
+        k0, v0 = args["k_cache"].cpu(), args["v_cache"].cpu()
+        graph.replay()
+        torch.cuda.synchronize()
+        k, v = reference_append(k0, v0, torch.tensor(lengths), args["k_new"].cpu(), args["v_new"].cpu(), None)
+        total = [n + case.seqlen_q for n in lengths]
+        q = args["query"].cpu()
+        ref64 = kv_reference(q, k, v, total, causal=True)
+        ref_low = kv_reference(q, k, v, total, causal=True, dtype=case.dtype)
+        assert_matches(out.cpu(), ref64, ref_low, f"gluon route replay {step}", dtype=case.dtype)
