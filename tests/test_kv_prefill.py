@@ -192,7 +192,9 @@ def test_gluon_route_under_cuda_graph_replay():
         append=True, causal=True, lengths=(8000, 100),
     )  # fmt: skip
     args = make_kv_inputs(case, "cuda")
-    kernel, why_not = kv_route(args["query"], args["k_cache"], args["v_cache"], None, KernelParams(window_right=0))
+    kernel, why_not = kv_route(
+        args["query"], args["k_cache"], args["v_cache"], None, KernelParams(scale=1.0, window_right=0)
+    )
     if kernel != CACHE_GLUON:
         pytest.skip(f"not the Gluon route here: {why_not}")
     side = torch.cuda.Stream()
