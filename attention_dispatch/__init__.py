@@ -6,6 +6,7 @@ from .caches import clear_cache
 from .config import Config, ConfigError, load_config, read_config, reset_config, use_config
 from .debug import configure_logging_from_env, last_decision, record
 from .kvcache import explain_with_kvcache, sdpa_with_kvcache
+from .patch import patch_sdpa, unpatch_sdpa
 from .dispatch import BackendRunError, Decision, NoBackendError, use_backends
 from .problem import Problem
 from .route import Route, RouteStep
@@ -21,6 +22,8 @@ __all__ = [
     "explain",
     "sdpa_with_kvcache",
     "explain_with_kvcache",
+    "patch_sdpa",
+    "unpatch_sdpa",
     "Backend",
     "Capabilities",
     "not_supported_reasons",

@@ -1,0 +1,382 @@
+"""attention_dispatch.integrations.transformers: tiny random models built from configs (no downloads),
+each compared with the same weights under attn_implementation="sdpa", and each asserting that
+ad.sdpa actually ran (ad.record() sees one decision per attention call)."""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import attention_dispatch as ad  # noqa: E402
+from attention_dispatch.integrations import transformers as ad_hf  # noqa: E402
+
+NAME = ad_hf.register()
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_backends(request):
+    """PyTorch's CPU kernel and the math reference; our Triton kernel (interpreted on the CPU, ~2 s a
+    call) only in the tests marked `triton`, so that each test stays within seconds."""
+    torch.manual_seed(0)
+    if request.node.get_closest_marker("triton"):
+        yield
+        return
+    with ad.use_backends("torch_cpu", "math"):
+        yield
+
+
+def _pair(config, auto=transformers.AutoModelForCausalLM, dtype=torch.float32, train=False, reference="sdpa"):
+    """(ours, reference) with the same weights; each model gets its own copy of the config
+    (from_config writes attn_implementation into the config it is given)."""
+    ref = auto.from_config(copy.deepcopy(config), attn_implementation=reference).to(dtype)
+    ours = auto.from_config(copy.deepcopy(config), attn_implementation=NAME).to(dtype)
+    ours.load_state_dict(ref.state_dict())
+    assert ours.config._attn_implementation == NAME and ref.config._attn_implementation == reference
+    return (ours.train(), ref.train()) if train else (ours.eval(), ref.eval())
+
+
+def _llama(**kw):
+    base = dict(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    return transformers.LlamaConfig(**{**base, **kw})
+
+
+def _left_padded(batch=3, length=10, vocab=61, pads=(4, 0, 1)):
+    ids = torch.randint(3, vocab, (batch, length))
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for row, n in enumerate(pads):
+        mask[row, :n] = 0
+        ids[row, :n] = 0
+    return ids, mask
+
+
+def _loss_and_grads(model, inputs, rows):
+    """Logits, and every parameter's gradient of a random projection of the logits in `rows`."""
+    model.zero_grad(set_to_none=True)
+    logits = model(**inputs).logits
+    keep = torch.ones(logits.shape[:2], dtype=torch.bool) if rows is None else rows
+    weights = torch.randn(logits.shape, dtype=logits.dtype, generator=torch.Generator().manual_seed(1))
+    (logits * weights)[keep].sum().backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _assert_same(ours, ref, inputs, atol=None, rtol=None, rows=None):
+    """Logits (in `rows`: a padded query row's output is never read) and every parameter's gradient;
+    the default tolerances are torch.testing's for the dtype (float32: rtol 1.3e-6, atol 1e-5)."""
+    (lo, go), (lr, gr) = _loss_and_grads(ours, inputs, rows), _loss_and_grads(ref, inputs, rows)
+    keep = slice(None) if rows is None else rows
+    torch.testing.assert_close(lo[keep], lr[keep], atol=atol, rtol=rtol)
+    assert go.keys() == gr.keys()
+    for name in gr:
+        assert gr[name] is not None and go[name] is not None, name
+        torch.testing.assert_close(go[name], gr[name], atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _calls(decisions, layers, forwards=1):
+    assert len(decisions) == layers * forwards, [d.problem.summary() for d in decisions]
+    assert all(d.backend for d in decisions)
+
+
+# ---------------------------------------------------------------- registration
+
+
+def test_register_refuses_names_transformers_treats_as_its_own():
+    for bad in ("my_sdpa", "flash_attention_ad", "flex_attention", "org/kernel", "eager", ""):
+        with pytest.raises(ValueError, match="choose another"):
+            ad_hf.register(bad)
+    assert ad_hf.register() == "attention_dispatch"
+    assert transformers.AttentionInterface._global_mapping[NAME] is ad_hf.attention_forward
+    assert transformers.masking_utils.AttentionMaskInterface._global_mapping[NAME] is ad_hf.attention_mask
+
+
+def test_attention_function_alone_is_refused_never_silently_unmasked():
+    """transformers builds no mask for a name without a mask function; padding would be ignored."""
+    transformers.AttentionInterface.register("ad_attention_only", ad_hf.attention_forward)
+    model = transformers.AutoModelForCausalLM.from_config(_llama(), attn_implementation="ad_attention_only")
+    ids, mask = _left_padded()
+    with pytest.raises(ValueError, match="no mask function"):
+        model(input_ids=ids, attention_mask=mask)
+
+
+# ---------------------------------------------------------------- Llama: padding, GQA, causal, caches
+
+
+@pytest.mark.parametrize("backend", [None, "math"])
+def test_llama_left_padding_logits_and_every_gradient_float32(backend):
+    ours, ref = _pair(_llama())
+    ids, mask = _left_padded()
+    with ad.use_backends(*(backend,) if backend else ad.list_backends()), ad.record() as ds:
+        _assert_same(ours, ref, dict(input_ids=ids, attention_mask=mask), rows=mask.bool())
+    _calls(ds, layers=2)
+    d = ds[0]
+    assert backend is None or d.backend == backend
+    assert d.problem.mask_kind == "bool" and d.problem.heads_kv == 2 and d.problem.heads_q == 4
+
+
+@pytest.mark.parametrize("backend", [None, "math"])
+def test_llama_left_padding_float64_within_1e_10(backend):
+    ours, ref = _pair(_llama(), dtype=torch.float64)
+    ids, mask = _left_padded()
+    with ad.use_backends(*(backend,) if backend else ad.list_backends()), ad.record() as ds:
+        _assert_same(ours, ref, dict(input_ids=ids, attention_mask=mask), atol=1e-10, rtol=0, rows=mask.bool())
+    _calls(ds, layers=2)
+    assert ds[0].problem.dtype == torch.float64
+
+
+def test_llama_without_padding_uses_is_causal_not_a_mask():
+    ours, ref = _pair(_llama())
+    ids = torch.randint(3, 61, (2, 9))
+    with ad.record() as ds:
+        _assert_same(ours, ref, dict(input_ids=ids))
+    _calls(ds, layers=2)
+    assert {(d.problem.mask_kind, d.problem.causal) for d in ds} == {("none", ad.CausalKind.TOP_LEFT)}
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_llama_greedy_generate_token_identical(cache):
+    ours, ref = _pair(_llama())
+    ids, mask = _left_padded()
+    kw = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0, cache_implementation=cache)
+    with ad.record() as ds:
+        got = ours.generate(ids, **kw)
+    want = ref.generate(ids, **kw)
+    assert got.shape == (3, 30)
+    assert torch.equal(got, want)
+    _calls(ds, layers=2, forwards=20)
+    assert {d.problem.seqlen_q for d in ds} == {10, 1}
+
+
+def test_dropout_in_training_mode():
+    ours, _ = _pair(_llama(attention_dropout=0.5), train=True)
+    ids = torch.randint(3, 61, (2, 8))
+    with ad.record() as ds:
+        torch.manual_seed(3)
+        a = ours(input_ids=ids).logits
+        torch.manual_seed(3)
+        b = ours(input_ids=ids).logits
+        c = ours.eval()(input_ids=ids).logits
+    _calls(ds, layers=2, forwards=3)
+    assert [d.problem.dropout for d in ds] == [True] * 4 + [False] * 2
+    torch.testing.assert_close(a, b)  # repeatable under torch.manual_seed
+    assert not torch.allclose(a, c)
+
+
+# ---------------------------------------------------------------- sliding windows as window=
+
+
+def _mistral(window=4):
+    return transformers.MistralConfig(**{**_llama().to_dict(), "sliding_window": window, "model_type": "mistral"})
+
+
+def test_mistral_sliding_window_shorter_than_the_sequence_runs_as_window():
+    ours, ref = _pair(_mistral(window=4))
+    ids = torch.randint(3, 61, (2, 12))
+    with ad.record() as ds:
+        _assert_same(ours, ref, dict(input_ids=ids))
+    _calls(ds, layers=2)
+    # no materialised mask: the window reaches ad.sdpa as window=(3, 0), top-left causal
+    assert {(d.problem.mask_kind, d.problem.window) for d in ds} == {("none", (3, 0))}
+
+
+def test_mistral_sliding_window_with_left_padding_and_generate():
+    ours, ref = _pair(_mistral(window=4))
+    ids, mask = _left_padded(length=12)
+    with ad.record() as ds:
+        _assert_same(ours, ref, dict(input_ids=ids, attention_mask=mask), rows=mask.bool())
+    _calls(ds, layers=2)
+    assert {d.problem.mask_kind for d in ds} == {"bool"}  # padding needs a mask; it holds the window
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with ad.record() as ds:
+        got = ours.generate(ids, **kw)
+    assert torch.equal(got, ref.generate(ids, **kw))
+    _calls(ds, layers=2, forwards=8)
+    one = ids[:1, 4:]  # one sequence, no padding: every step takes window=
+    with ad.record() as ds:
+        got = ours.generate(one, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, ref.generate(one, max_new_tokens=8, do_sample=False, pad_token_id=0))
+    assert {(d.problem.mask_kind, d.problem.window) for d in ds} == {("none", (3, 0))}
+
+
+def test_qwen2_hybrid_layers_window_only_where_sliding():
+    cfg = transformers.Qwen2Config(
+        **{k: v for k, v in _llama().to_dict().items() if k in ("vocab_size", "hidden_size", "intermediate_size")},
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=1,  # layer 0 full attention, layer 1 sliding
+        pad_token_id=0,
+    )
+    assert cfg.layer_types == ["full_attention", "sliding_attention"]
+    ours, ref = _pair(cfg)
+    ids = torch.randint(3, 61, (2, 10))
+    with ad.record() as ds:
+        _assert_same(ours, ref, dict(input_ids=ids))
+    _calls(ds, layers=2)
+    assert [d.problem.window for d in ds] == [None, (2, 0)]
+
+
+# ---------------------------------------------------------------- padding-free packed batches
+
+
+def test_packed_batch_equals_the_sequences_run_alone():
+    ours, ref = _pair(_llama())
+    seqs = [torch.randint(3, 61, (n,)).tolist() for n in (5, 9, 3)]
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    batch = collator([{"input_ids": s} for s in seqs])
+    assert batch["cu_seq_lens_q"].tolist() == [0, 5, 14, 17]
+    batch.pop("labels")
+    with ad.record() as ds:
+        packed = ours(**batch).logits[0]
+    _calls(ds, layers=2)
+    assert {d.problem.layout for d in ds} == {"varlen"}
+    alone = torch.cat([ref(input_ids=torch.tensor([s])).logits[0] for s in seqs])
+    torch.testing.assert_close(packed, alone)
+    # gradients: the packed batch's equal the sum over the sequences alone
+    (packed * torch.arange(packed.numel()).view_as(packed).sin()).sum().backward()
+    ours_grads = {n: p.grad for n, p in ours.named_parameters()}
+    ref.zero_grad()
+    w = torch.arange(packed.numel()).view_as(packed).sin()
+    sum(
+        (ref(input_ids=torch.tensor([s])).logits[0] * w[a:b]).sum() for s, a, b in zip(seqs, (0, 5, 14), (5, 14, 17))
+    ).backward()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(ours_grads[n], p.grad, msg=lambda m, n=n: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------- T5: position bias, encoder, cross-attention
+
+
+def _t5():
+    return transformers.T5Config(
+        vocab_size=61,
+        d_model=32,
+        d_kv=8,
+        d_ff=48,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_t5_position_bias_gradients_encoder_and_cross_attention(dtype):
+    ours, ref = _pair(_t5(), auto=transformers.AutoModelForSeq2SeqLM, dtype=dtype)
+    ids, mask = _left_padded(length=9, pads=(0, 3, 1))
+    dec = torch.randint(3, 61, (3, 6))
+    inputs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
+    tol = dict(atol=1e-10, rtol=0) if dtype == torch.float64 else {}
+    with ad.record() as ds:
+        _assert_same(ours, ref, inputs, **tol)
+    _calls(ds, layers=6)  # 2 encoder self, 2 decoder self, 2 cross
+    enc, dec_self, cross = ds[:2], ds[2::2], ds[3::2]
+    assert all(d.problem.mask_kind == "float" for d in ds)
+    # the learned bias keeps its gradient; the decoder's causal mask stays an argument, not a materialised mask
+    assert all(d.problem.mask_requires_grad and d.problem.causal is None for d in enc)
+    assert all(d.problem.mask_requires_grad and d.problem.causal == ad.CausalKind.TOP_LEFT for d in dec_self)
+    assert all(d.problem.seqlen_q == 6 and d.problem.seqlen_k == 9 and d.problem.causal is None for d in cross)
+    for stack in ("encoder", "decoder"):
+        bias = dict(ours.named_parameters())[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
+        assert bias.grad is not None and bias.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------- BERT: bidirectional encoder, decoder with cross-attention
+
+
+def _bert(**kw):
+    return transformers.BertConfig(
+        vocab_size=61,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        max_position_embeddings=64,
+        **kw,
+    )
+
+
+def test_bert_encoder_with_padding():
+    ours, ref = _pair(_bert(), auto=transformers.AutoModelForMaskedLM)
+    ids, mask = _left_padded(pads=(0, 3, 6))
+    with ad.record() as ds:
+        _assert_same(ours, ref, dict(input_ids=ids, attention_mask=mask), rows=mask.bool())
+    _calls(ds, layers=2)
+    assert all(d.problem.causal is None and d.problem.mask_kind == "bool" for d in ds)
+    with ad.record() as ds:  # no padding: no mask, not causal
+        _assert_same(ours, ref, dict(input_ids=ids[:1]))
+    assert all(d.problem.causal is None and d.problem.mask_kind == "none" for d in ds)
+
+
+def test_bert_decoder_with_cross_attention():
+    ours, ref = _pair(_bert(is_decoder=True, add_cross_attention=True))
+    ids = torch.randint(3, 61, (2, 7))
+    enc = torch.randn(2, 5, 32)
+    enc_mask = torch.ones(2, 5, dtype=torch.long)
+    enc_mask[1, 3:] = 0
+    inputs = dict(input_ids=ids, encoder_hidden_states=enc, encoder_attention_mask=enc_mask)
+    with ad.record() as ds:
+        _assert_same(ours, ref, inputs)
+    _calls(ds, layers=4)
+    self_attn, cross = ds[0::2], ds[1::2]
+    assert all(d.problem.causal == ad.CausalKind.TOP_LEFT for d in self_attn)
+    assert all(d.problem.causal is None and d.problem.seqlen_k == 5 and d.problem.mask_kind == "bool" for d in cross)
+
+
+# ---------------------------------------------------------------- what ad.sdpa cannot do yet: a clear error
+
+
+def test_gemma2_softcap_raises_naming_the_argument_and_the_model():
+    cfg = transformers.Gemma2Config(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4,
+        attn_logit_softcapping=50.0,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME)
+    with pytest.raises(NotImplementedError, match=r"Gemma2Attention \(model_type='gemma2'\) passes softcap=50\.0") as e:
+        model(input_ids=torch.randint(3, 61, (1, 6)))
+    assert "issue 36" in str(e.value) and "attn_implementation='eager'" in str(e.value)
+
+
+def test_gemma2_without_softcap_runs():
+    cfg = transformers.Gemma2Config(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4,
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+    )
+    ours, ref = _pair(cfg, reference="eager")  # Gemma 2 refuses "sdpa" (and every name containing it)
+    ids = torch.randint(3, 61, (2, 9))
+    with ad.record() as ds:  # eager sums in another order: float32 rounding of the largest gradients
+        _assert_same(ours, ref, dict(input_ids=ids), atol=1e-4, rtol=1e-4)
+    _calls(ds, layers=2)
+    assert [d.problem.window for d in ds] == [(3, 0), None]  # sliding, full, as layer_types says
+    assert ds[0].problem.heads_q == 4
