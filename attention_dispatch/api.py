@@ -9,9 +9,10 @@ import torch
 from . import config as _config
 from . import registry
 from .debug import logger, note_decision
-from .dispatch import FAST_CALLS_LIMIT, Decision, decide, fast_calls, run_with_fallback
+from . import dispatch
+from .dispatch import FAST_CALLS_LIMIT, Decision, decide, fast_calls, run_with_fallback, span_calls
 from .call import Call, CallFacts, _seqlens, make_problem, normalize_call
-from .fast_key import call_key
+from .fast_key import call_key, length_key
 from .fastest import choose_fastest
 
 
@@ -96,6 +97,24 @@ def sdpa(
             else:
                 note_decision(decision)
                 return out
+        lengths = length_key(fast_key)
+        if lengths is not None:  # a call that differs from earlier ones only in Sk (dispatch.seqlen_k_span)
+            spans = span_calls.get(lengths[0])
+            if spans is not None:
+                sk = lengths[1]
+                for lo, hi, decision, run, options in spans[0]:
+                    if lo <= sk <= hi:
+                        try:
+                            out = run(query, key, value, **options)
+                        except Exception:  # noqa: BLE001 - the full path below raises or falls back per config
+                            span_calls.pop(lengths[0], None)
+                        else:
+                            dispatch.span_stats["hits"] += 1
+                            note_decision(decision)
+                            return out
+                        break
+    else:
+        lengths = None
     call = normalize_call(
         query,
         key,
@@ -145,7 +164,37 @@ def sdpa(
             if len(fast_calls) >= FAST_CALLS_LIMIT:
                 fast_calls.clear()
             fast_calls[fast_key] = (decision, runner)
+        if lengths is not None and not (policy.policy == "fastest" and backend is None):
+            _remember_span(lengths[0], decision, call.options, backend)
     return out if call.restore is None else call.restore(out)
+
+
+def _remember_span(length_key_: tuple, decision: Decision, options: dict, forced) -> None:
+    """After a full path of a call with a length key: the first one of its signature only
+    marks it; a later one (another Sk) proves the span of its Decision
+    (dispatch.seqlen_k_span) and keeps it for sdpa()'s calls with Sk in it."""
+    spans = span_calls.get(length_key_)
+    if spans is None:
+        if len(span_calls) >= FAST_CALLS_LIMIT:
+            span_calls.clear()
+        span_calls[length_key_] = ((), dispatch.SPAN_PROBES)
+        return
+    entries, probes = spans
+    if probes <= 0:
+        return
+    span = dispatch.seqlen_k_span(decision, forced)
+    if span is None or span[0] == span[1]:
+        dispatch.span_stats["unprovable"] += 1
+        span_calls[length_key_] = (entries, 0 if span is None else probes - 1)
+        return
+    dispatch.span_stats["proofs"] += 1
+    entry = (
+        *span,
+        dataclasses.replace(decision, seqlen_k_span=span),
+        registry.get_backend(decision.backend).run,
+        options,
+    )
+    span_calls[length_key_] = ((entry,) + entries[: dispatch.SPAN_ENTRIES - 1], probes)
 
 
 def explain(

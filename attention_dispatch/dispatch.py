@@ -1,4 +1,33 @@
-"""Choosing a backend: candidate order, checks, Decision, NoBackendError, the cache."""
+"""Choosing a backend: candidate order, checks, Decision, NoBackendError, the cache.
+
+Decisions reused over key lengths (issue 34: a decode step whose key length grows by one per
+call).  Each step is a new Problem, so the decision cache alone would decide every step again.
+:func:`seqlen_k_span` proves, for a Decision, the key lengths ``lo ... hi`` (within the power
+of two that holds its seqlen_k) for which :func:`decide` on the same Problem with that
+seqlen_k returns the same Decision, field for field (the Problem aside); sdpa() then reuses it
+for its calls that differ only in Sk (api.py, fast_key.length_key).  The proof decides once
+more, on a probe Problem whose seqlen_k is a :class:`problem.TracedLength`, through exactly
+the code decide() runs on a miss (:func:`_decision`: every candidate's capabilities and
+check(), availability, the performance table's choice):
+
+- decide() is a function of the Problem (and of the config, registry, scope and torch's
+  determinism flags, which are part of sdpa()'s keys, and of what the decision cache assumes
+  fixed until clear_cache(): backends' availability, the performance tables), and it can
+  learn seqlen_k only by using it.  Every use of the probe's seqlen_k is either exact over the whole span (integer
+  arithmetic kept symbolic as a * Sk + b) or returns a plain value that the span is narrowed
+  to keep (a comparison with a threshold, ``Sk == Sq``, a multiple through // or %, a power of
+  two through bit_length: :meth:`problem.LengthSpan.hold`), or collapses the span to Sk alone
+  (formatting it into a reason, an int(), a tensor size, hashing: raises).  So for every
+  length in the span each candidate's code sees the same plain values and takes the same
+  path: the same reasons, word for word, the same eligible list, the same choice.
+- The probe's Decision must equal the one decided on the real Problem (it does unless a check
+  branched on the type of seqlen_k, which it must not: a Problem's seqlen_k is an int), and a
+  proof that fails or holds one length only leaves the call to the full path.
+- What decide() cannot see stays out of the reuse: sdpa()'s key holds everything else exactly,
+  policy="fastest" (it measures) is never reused, and the backend's own run() is called on
+  each call's tensors, so routes and kernel parameters that depend on the exact sizes (the
+  triton backend's decode route from 512 keys, alignment to 128) are chosen per call.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +41,7 @@ import warnings
 from . import config as _config
 from . import perf_table, registry
 from .caches import register_cache
-from .problem import Problem
+from .problem import Problem, trace_seqlen_k
 from .route import Route
 
 logger = logging.getLogger("attention_dispatch")
@@ -57,6 +86,10 @@ class Decision:
     route: Route | None = None
     # ms per call a performance table expects of each eligible backend (perf_table.table_choice)
     expected: dict[str, float] = dataclasses.field(default_factory=dict)
+    # (lo, hi): sdpa() reuses this Decision for calls differing from `problem` only in seqlen_k,
+    # anywhere in lo..hi, where it is proven to be decide()'s (seqlen_k_span); `problem` is the
+    # call it was decided for
+    seqlen_k_span: tuple[int, int] | None = None
 
     def __str__(self) -> str:
         chosen = self.backend or "NO BACKEND"
@@ -86,6 +119,12 @@ class Decision:
                 status = "eligible"
             lines.append(f"  {name:<{width}}  {status}")
         lines.extend(f"  note: {n}" for n in self.notes)
+        if self.seqlen_k_span is not None:
+            lo, hi = self.seqlen_k_span
+            lines.append(
+                f"  note: the same decision for every Sk in {lo}..{hi} (proven); sdpa() reuses it for "
+                f"calls differing only in Sk, so the problem shown is the call it was decided for"
+            )
         return "\n".join(lines)
 
     def _host(self, name: str) -> str:
@@ -196,14 +235,33 @@ _warned: set = set()
 fast_calls: dict = {}
 FAST_CALLS_LIMIT = 4096
 
+# sdpa()'s calls reused over key lengths (fast_key.length_key): signature without Sk ->
+# (entries, probes): entries up to SPAN_ENTRIES tuples (lo, hi, Decision, backend.run, options),
+# newest first; probes: how many more full paths of this signature may try to prove a span (a
+# proof that fails, or proves a single length, uses one; one that cannot work ends them)
+span_calls: dict = {}
+SPAN_ENTRIES = 4
+SPAN_PROBES = 8
+# hits: calls run from span_calls; proofs: spans of several lengths proven; unprovable: probes
+# that proved none or a single length
+span_stats = {"hits": 0, "proofs": 0, "unprovable": 0}
+
+
+def _clear_spans() -> None:
+    span_calls.clear()
+    for name in span_stats:
+        span_stats[name] = 0
+
 
 def _clear_decisions() -> None:
     with _cache_lock:
         _cache.clear()
         fast_calls.clear()
+        _clear_spans()
 
 
 register_cache("dispatch.decisions and fast_calls", _clear_decisions, lambda: len(_cache) + len(fast_calls))
+register_cache("dispatch.span_calls", _clear_spans, span_calls.__len__, stats=lambda: dict(span_stats))
 # warnings given once per process (math on CUDA, a nondeterministic backward): clear_cache() re-arms them
 register_cache("dispatch.warned_once", _warned.clear, _warned.__len__)
 
@@ -217,10 +275,7 @@ def decide(problem: Problem, forced: str | None = None, raise_if_none: bool = Tr
     key = (problem, forced, _scope.get(), id(cfg), _config.config_version(), registry.registry_version())
     decision = _cache.get(key)
     if decision is None:
-        names, source = candidate_order(forced, cfg)
-        decision = evaluate(problem, names, source, cfg, forced)
-        if problem.device_type == "cuda":
-            decision = perf_table.table_choice(decision, cfg.dispatch.policy if forced is None else "forced")
+        decision = _decision(problem, forced, cfg)
         with _cache_lock:
             if len(_cache) >= _CACHE_LIMIT:
                 _cache.clear()
@@ -233,6 +288,38 @@ def decide(problem: Problem, forced: str | None = None, raise_if_none: bool = Tr
         raise NoBackendError(no_backend_message(decision, forced), decision)
     _warn_once(decision, cfg)
     return decision
+
+
+def _decision(problem: Problem, forced: str | None, cfg) -> Decision:
+    """What decide() computes on a cache miss (and seqlen_k_span on its probe)."""
+    names, source = candidate_order(forced, cfg)
+    decision = evaluate(problem, names, source, cfg, forced)
+    if problem.device_type == "cuda":
+        decision = perf_table.table_choice(decision, cfg.dispatch.policy if forced is None else "forced")
+    return decision
+
+
+def seqlen_k_span(decision: Decision, forced: str | None = None) -> tuple[int, int] | None:
+    """The key lengths ``(lo, hi)`` for which decide(problem with that seqlen_k, forced) is
+    ``decision`` again, field for field but the Problem (``decision``: what decide() returned
+    for ``forced`` under the current config, registry and scope), within the power of two that
+    holds decision.problem.seqlen_k (2**(n-1) ... 2**n - 1).  ``lo == hi`` where the decision
+    changes on both sides; None where nothing can be proven: the power of two holds one length,
+    or the proof failed (module doc)."""
+    problem = decision.problem
+    n = problem.seqlen_k.bit_length()
+    lo, hi = 1 << max(n - 1, 0), (1 << n) - 1
+    if hi <= lo:
+        return None
+    probe, span = trace_seqlen_k(problem, lo, hi)
+    try:
+        traced = _decision(probe, forced, _config.current_config())
+    except Exception as exc:  # noqa: BLE001 - a use of seqlen_k the probe cannot stand for
+        logger.debug("seqlen_k span of %s: none (%s: %s)", problem.summary(), type(exc).__name__, exc)
+        return None
+    if span.opaque or dataclasses.replace(traced, problem=problem) != decision:
+        return None
+    return span.lo, span.hi
 
 
 def no_backend_message(decision: Decision, forced: str | None) -> str:

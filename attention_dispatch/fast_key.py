@@ -1,7 +1,19 @@
-"""sdpa()'s fast-path key: the signature of a call whose normalisation (call.py) and decision
+"""sdpa()'s fast-path keys: the signature of a call whose normalisation (call.py) and decision
 (dispatch.py) an earlier call already made.  It reads only what those read, with the same
 rules (:func:`call.mask_kept_as_given`, :func:`call.offsets_kept_as_given`), and returns None for
-any call they would convert or reshape."""
+any call they would convert or reshape.
+
+:func:`length_key` is the same signature without the key length, for dense calls without a
+mask (a decode step whose key length grows by one per call): it holds every fact
+normalize_call() derives from the tensors but Sk, i.e. every field of the call's Problem but
+seqlen_k, and every input of its options (none depends on Sk or on a stride: scale from the
+head dim, enable_gqa from the heads, determinism from the flags in the key), plus the power of
+two that holds Sk.  Two calls with one length key therefore have Problems that differ only in
+seqlen_k and the same options; where dispatch.seqlen_k_span proved the Decision for a span of
+lengths, a call with its Sk in that span gets exactly that Decision, and its own tensors go to
+the backend's run() (strides, exact sizes and pointers are the run's business, not the
+decision's).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +23,9 @@ from . import config as _config
 from . import registry
 from .call import mask_kept_as_given, offsets_kept_as_given
 from .dispatch import _scope
+
+# positions in call_key()'s tuple that length_key() reads (shapes and strides: 0 to 5)
+_POINTERS, _MASK, _PACKED = 6, 9, 10
 
 
 def call_key(
@@ -99,24 +114,14 @@ def call_key(
             attn_mask.data_ptr() & 15,
         )
     det = torch.are_deterministic_algorithms_enabled()
-    return (
-        qs,
-        query.stride(),
-        key.shape,
-        key.stride(),
-        value.shape,
-        value.stride(),
+    # what length_key() keeps as it is: the last item (its other positions: _POINTERS, _MASK, _PACKED)
+    common = (
         query.dtype,
         key.dtype,
         value.dtype,
         query.device,
         key.device,
         value.device,
-        query.data_ptr() & 15,
-        key.data_ptr() & 15,
-        value.data_ptr() & 15,
-        mask,
-        packed,
         torch.is_grad_enabled()
         and (
             query.requires_grad
@@ -138,3 +143,52 @@ def call_key(
         _scope.get(),
         det and (1 + torch.is_deterministic_algorithms_warn_only_enabled()),
     )
+    return (
+        qs,
+        query.stride(),
+        key.shape,
+        key.stride(),
+        value.shape,
+        value.stride(),
+        query.data_ptr() & 15,
+        key.data_ptr() & 15,
+        value.data_ptr() & 15,
+        mask,
+        packed,
+        common,
+    )
+
+
+def length_key(exact: tuple):
+    """``(key, Sk)``: sdpa()'s key of a call without its key length (module doc), from its
+    :func:`call_key` ``exact`` (a 4-D query); None for a call with a mask, packed (varlen)
+    tensors, a key or value that is not 4-D, or key and value lengths that differ."""
+    ks, vs = exact[2], exact[4]
+    if exact[_MASK] is not None or exact[_PACKED] is not None or len(ks) != 4 or len(vs) != 4 or vs[2] != ks[2]:
+        return None
+    sk = ks[2]
+    qt, kt, vt = exact[1], exact[3], exact[5]
+    common = exact[-1]
+    # Problem.aligned_16 (problem._aligned_16: 16-byte pointers, and strides but the last);
+    # a call whose tensors' dtypes differ never has an entry (normalize_call refuses it)
+    step = max(1, 16 // common[0].itemsize)
+    aligned = not (exact[_POINTERS] or exact[_POINTERS + 1] or exact[_POINTERS + 2])
+    if aligned:
+        for stride in qt[:-1] + kt[:-1] + vt[:-1]:
+            if stride % step:
+                aligned = False
+                break
+    key = (
+        exact[0],  # query's shape
+        ks[0],
+        ks[1],
+        ks[3],
+        vs[0],
+        vs[1],
+        vs[3],
+        qt[-1] == 1 and kt[-1] == 1 and vt[-1] == 1,  # Problem.last_dim_contiguous
+        aligned,
+        sk.bit_length(),  # the power of two that holds Sk: spans never leave it
+        common,  # dtypes, devices, grad, every scalar option, config, registry, scope, determinism
+    )
+    return key, sk

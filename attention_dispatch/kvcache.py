@@ -5,6 +5,15 @@ The same path as sdpa(): validate every argument (raising before any kernel runs
 (layout "kvcache" or "paged"; seqlen_k is the cache's capacity, so every step of a generation
 is the same Problem and hits the decision cache) -> dispatch.decide -> Backend.run_kvcache,
 the decision recorded for last_decision() / record().
+
+A repeated call (a decode step: same shapes, strides, dtypes, devices, alignment and options;
+cache_seqlens, block_table and the tensors' contents may change) skips all of that
+(:func:`kv_call_key`, ``kv_calls``): its key holds everything normalize_kvcache() validates or
+derives but the values of cache_seqlens and block_table, and everything decide() keys on, so a
+hit is a call the full path accepted before and would decide the same way.  What a hit still
+does is what depends on those values: an int cache_seqlens is range-checked and made a tensor,
+and where values are checked (CPU tensors, or validate=True) :func:`_check_values` reads them,
+with the full path's messages; then the backend's run_kvcache().
 """
 
 from __future__ import annotations
@@ -13,11 +22,13 @@ import math
 
 import torch
 
+from . import config as _config
+from . import registry
 from .call import _check_scalars, check_plain_tensor
 from .caches import register_cache
 from .backends.base import dtype_name
 from .debug import note_decision
-from .dispatch import Decision, decide, run_with_fallback
+from .dispatch import FAST_CALLS_LIMIT, Decision, _scope, decide, run_with_fallback
 from .problem import Problem, _aligned_16, compute_capability
 from .semantics import CausalKind, normalize_window
 
@@ -67,19 +78,21 @@ def _causal_kind(causal) -> CausalKind | None:
 
 
 class KvCall:
-    """A validated sdpa_with_kvcache() call: the tensors, the backend's options, the Problem."""
+    """A validated sdpa_with_kvcache() call: the tensors, the backend's options, the Problem, and
+    ``limits``: what the values are checked against, (n_new, capacity, what, num_blocks, page,
+    check: whether _check_values runs)."""
 
-    __slots__ = ("query", "k_cache", "v_cache", "cache_seqlens", "options", "problem")
+    __slots__ = ("query", "k_cache", "v_cache", "cache_seqlens", "options", "problem", "limits")
 
-    def __init__(self, query, k_cache, v_cache, cache_seqlens, options, problem):
+    def __init__(self, query, k_cache, v_cache, cache_seqlens, options, problem, limits):
         self.query, self.k_cache, self.v_cache, self.cache_seqlens = query, k_cache, v_cache, cache_seqlens
-        self.options, self.problem = options, problem
+        self.options, self.problem, self.limits = options, problem, limits
 
 
 def _check_values(cache_seqlens, block_table, n_new: int, capacity: int, what: str, num_blocks: int, page) -> None:
     """cache_seqlens[b] (+ n_new appended keys) within [0, capacity]; for a paged cache, the
     block_table entries each sequence reads within [0, num_blocks).  Reads the tensors."""
-    lengths = cache_seqlens.cpu().tolist()
+    lengths = cache_seqlens.tolist()  # on a CUDA tensor: a copy to the host
     for b, n in enumerate(lengths):
         if n < 0:
             raise ValueError(f"cache_seqlens[{b}]={n} is negative")
@@ -230,7 +243,8 @@ def normalize_kvcache(
         window=window,
         scale=float(scale) if scale is not None else (1.0 / math.sqrt(d) if d else 1.0),
     )
-    return KvCall(query, k_cache, v_cache, cache_seqlens, options, problem)
+    limits = (sq if append else 0, capacity, what, num_blocks, page, check)
+    return KvCall(query, k_cache, v_cache, cache_seqlens, options, problem, limits)
 
 
 _problems: dict = {}
@@ -326,6 +340,62 @@ def sdpa_with_kvcache(
     graph, cache_seqlens, block_table and the tensors' contents changing between replays.
     backend: force one backend by name.
     """
+    key = kv_call_key(
+        query,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        k_new,
+        v_new,
+        block_table,
+        causal,
+        window,
+        scale,
+        enable_gqa,
+        backend,
+        validate,
+    )
+    hit = None if key is None else kv_calls.get(key)
+    if hit is not None:
+        decision, run, kind, window_, scale_, limits = hit
+        n_new, capacity, what, num_blocks, page, check = limits
+        lengths = cache_seqlens
+        if type(lengths) is int:  # flash-attn's form; out of range: the full path says so
+            lengths = (
+                torch.full((query.shape[0],), lengths, dtype=torch.int32, device=query.device)
+                if 0 <= lengths <= capacity - n_new
+                else None
+            )
+        if lengths is not None and not (
+            check and query.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        ):
+            if check:
+                _check_values(lengths, block_table, n_new, capacity, what, num_blocks, page)
+            grad = torch.is_grad_enabled()  # forward only, as the full path's torch.no_grad()
+            try:
+                if grad:
+                    torch.set_grad_enabled(False)
+                try:
+                    out = run(
+                        query,
+                        k_cache,
+                        v_cache,
+                        lengths,
+                        k_new=k_new,
+                        v_new=v_new,
+                        block_table=block_table,
+                        causal=kind,
+                        window=window_,
+                        scale=scale_,
+                    )
+                finally:
+                    if grad:
+                        torch.set_grad_enabled(True)
+            except Exception:  # noqa: BLE001 - the full path below raises or falls back per config
+                kv_calls.pop(key, None)
+            else:
+                note_decision(decision)
+                return out
     call = normalize_kvcache(
         query,
         k_cache,
@@ -340,9 +410,107 @@ def sdpa_with_kvcache(
         enable_gqa=enable_gqa,
         validate=validate,
     )
-    decision, out = _execute(decide(call.problem, backend), call)
+    decided = decide(call.problem, backend)
+    decision, out = _execute(decided, call)
     note_decision(decision)
+    if key is not None and decision is decided:  # a call that fell back at run time keeps the full path
+        if len(kv_calls) >= FAST_CALLS_LIMIT:
+            kv_calls.clear()
+        opts = call.options
+        run = registry.get_backend(decision.backend).run_kvcache
+        kv_calls[key] = (decision, run, opts["causal"], opts["window"], opts["scale"], call.limits)
     return out
+
+
+# sdpa_with_kvcache()'s repeated calls: kv_call_key -> (Decision, the backend's run_kvcache, its
+# causal, window and scale, KvCall.limits)
+kv_calls: dict = {}
+register_cache("kvcache.kv_calls", kv_calls.clear, kv_calls.__len__)
+
+
+def _tensor_key(t) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
+
+
+def kv_call_key(
+    query,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    k_new,
+    v_new,
+    block_table,
+    causal,
+    window,
+    scale,
+    enable_gqa,
+    backend,
+    validate,
+):
+    """sdpa_with_kvcache()'s fast-path key (module doc), for plain tensors and scalar options of
+    the plain types (causal a bool or None, window None or two ints, scale None or a float, an
+    int cache_seqlens or an int32 tensor); None when the call must take the full path.  It
+    holds what normalize_kvcache() reads but the values of cache_seqlens and block_table
+    (shapes, strides, dtypes, devices and 16-byte alignment of every tensor, the option values
+    with their types) and what decide() keys on (config, registry, scope, torch's determinism
+    flags, which some backends' checks read)."""
+    tensor = torch.Tensor
+    if (
+        type(query) is not tensor
+        or type(k_cache) is not tensor
+        or type(v_cache) is not tensor
+        or (causal is not None and type(causal) is not bool)
+        or (scale is not None and type(scale) is not float)
+        or type(enable_gqa) is not bool
+        or (backend is not None and type(backend) is not str)
+        or (validate is not None and type(validate) is not bool)
+        or (
+            window is not None
+            and not (type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int)
+        )
+        or query.is_nested
+        or k_cache.is_nested
+        or v_cache.is_nested
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    if type(cache_seqlens) is int:
+        lengths = int
+    elif type(cache_seqlens) is tensor and not cache_seqlens.is_nested:
+        lengths = (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device)
+    else:
+        return None
+    if k_new is None and v_new is None:
+        new = None
+    elif type(k_new) is tensor and type(v_new) is tensor and not (k_new.is_nested or v_new.is_nested):
+        new = _tensor_key(k_new) + _tensor_key(v_new)
+    else:
+        return None
+    if block_table is None:
+        table = None
+    elif type(block_table) is tensor and not block_table.is_nested:
+        table = (block_table.shape, block_table.dtype, block_table.device)
+    else:
+        return None
+    return (
+        _tensor_key(query),
+        _tensor_key(k_cache),
+        _tensor_key(v_cache),
+        lengths,
+        new,
+        table,
+        causal,
+        window,
+        scale,
+        enable_gqa,
+        backend,
+        validate,
+        id(_config.current_config()),
+        _config.config_version(),
+        registry.registry_version(),
+        _scope.get(),
+        torch.are_deterministic_algorithms_enabled() and 1 + torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
 
 
 def explain_with_kvcache(

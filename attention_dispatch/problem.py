@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import operator
+from fractions import Fraction
 
 import torch
 
@@ -125,3 +128,236 @@ def _aligned_16(t: torch.Tensor, tracing: bool = False) -> bool:
         if (stride * elem) % 16:
             return False
     return True
+
+
+# ---- a Problem whose key length is traced ------------------------------------------------
+
+
+class LengthSpan:
+    """The key lengths over which every use of a traced seqlen_k seen so far gives the same
+    result as at ``value``: the integers ``lo ... hi``.  ``opaque`` once a use could not be
+    traced (the span is then ``value`` alone)."""
+
+    __slots__ = ("value", "lo", "hi", "opaque")
+
+    def __init__(self, value: int, lo: int, hi: int):
+        self.value, self.lo, self.hi, self.opaque = value, lo, hi, False
+
+    def collapse(self) -> None:
+        self.opaque = True
+        self.lo = self.hi = self.value
+
+    def hold(self, a: int, b: int, op, c) -> None:
+        """Keep ``op(a * s + b, c)`` (op a comparison, c an int or a float) as it is at
+        s = value for every s in the span.  a * s + b - c has the sign of a * (s - t) with
+        t = (c - b) / a, so the comparison is constant on s < t, on s == t and on s > t: it
+        can change between consecutive integers x - 1 and x only for x = ceil(t) or
+        floor(t) + 1, and those are the only places the span is cut."""
+        if a == 0 or (isinstance(c, float) and not math.isfinite(c)):
+            return  # constant in s (a comparison with inf or nan is the same for every int)
+        t = (Fraction(c) - b) / a
+        for x in {math.ceil(t), math.floor(t) + 1}:
+            if op(a * x + b, c) != op(a * (x - 1) + b, c):
+                if x <= self.value:
+                    self.lo = max(self.lo, x)
+                else:
+                    self.hi = min(self.hi, x - 1)
+
+
+_COMPARISONS = (operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge)
+
+
+class TracedLength:
+    """``a * seqlen_k + b``, standing for seqlen_k while a decision is taken on a probe
+    Problem (:func:`trace_seqlen_k`).  Every use either stays exact over the whole span and
+    is traced, or narrows the span (:meth:`LengthSpan.hold`) to where its result is the same
+    value, or, where neither can be said, collapses the span to the one length (the result is
+    then the plain value's):
+
+    - comparisons with an int, a float or another traced length -> a bool, the span held;
+    - + and - with ints or traced lengths, * by an int -> traced; ``abs``, ``bool`` -> held;
+    - // and % by a nonzero int -> the quotient as an int (the span held to where it is the
+      same), the remainder traced; ``bit_length()`` -> an int, held likewise;
+    - ``hash()`` collapses the span and raises TypeError, so that a backend memoising on the
+      Problem never keeps a probe in its memo (nor proves anything, should it swallow the error);
+    - anything else (``int()``, ``index``, ``float()``, formatting into a reason, other
+      operand types, a tensor size) collapses the span.
+
+    It is not an ``int`` on purpose: C code reading an int subclass takes its value without
+    asking it (a tensor shape, ``range``); this one is asked, through ``__index__``.  A check
+    must therefore not branch on the type of ``seqlen_k`` (DESIGN: it is an int)."""
+
+    __slots__ = ("_span", "_a", "_b")
+
+    def __init__(self, span: LengthSpan, a: int = 1, b: int = 0):
+        self._span, self._a, self._b = span, a, b
+
+    def _value(self) -> int:
+        return self._a * self._span.value + self._b
+
+    def _plain(self) -> int:
+        self._span.collapse()
+        return self._value()
+
+    def _linear(self, other) -> tuple[int, int] | None:
+        """(a, b) of an int or of a traced length of the same span; None for anything else."""
+        if type(other) is int or type(other) is bool:
+            return 0, int(other)
+        if type(other) is TracedLength and other._span is self._span:
+            return other._a, other._b
+        return None
+
+    def _compare(self, other, op):
+        lin = self._linear(other)
+        if lin is not None:
+            a, b, c = self._a - lin[0], self._b - lin[1], 0
+        elif type(other) is float:
+            a, b, c = self._a, self._b, other
+        else:
+            return op(self._plain(), other)
+        self._span.hold(a, b, op, c)
+        return op(a * self._span.value + b, c)
+
+    def __eq__(self, other):
+        return self._compare(other, operator.eq)
+
+    def __ne__(self, other):
+        return self._compare(other, operator.ne)
+
+    def __lt__(self, other):
+        return self._compare(other, operator.lt)
+
+    def __le__(self, other):
+        return self._compare(other, operator.le)
+
+    def __gt__(self, other):
+        return self._compare(other, operator.gt)
+
+    def __ge__(self, other):
+        return self._compare(other, operator.ge)
+
+    def __hash__(self):  # the span collapses first: a check that swallows the error proves nothing
+        self._span.collapse()
+        raise TypeError("a traced seqlen_k is not hashable (a memo of the Problem ends the proof)")
+
+    def __bool__(self):
+        return self._compare(0, operator.ne)
+
+    def _affine(self, other, sign: int, reflected: bool = False):
+        lin = self._linear(other)
+        if lin is None:
+            value = self._plain()
+            if reflected:
+                return other + value if sign > 0 else other - value
+            return value + other if sign > 0 else value - other
+        if reflected:  # other - self
+            return TracedLength(self._span, lin[0] - self._a, lin[1] - self._b)
+        return TracedLength(self._span, self._a + sign * lin[0], self._b + sign * lin[1])
+
+    def __add__(self, other):
+        return self._affine(other, 1)
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        return self._affine(other, -1)
+
+    def __rsub__(self, other):
+        return self._affine(other, -1, reflected=True)
+
+    def __mul__(self, other):
+        lin = self._linear(other)
+        if lin is not None and lin[0] == 0:
+            return TracedLength(self._span, self._a * lin[1], self._b * lin[1])
+        if lin is not None and self._a == 0:
+            return TracedLength(self._span, lin[0] * self._b, lin[1] * self._b)
+        return self._plain() * other
+
+    __rmul__ = __mul__
+
+    def __neg__(self):
+        return TracedLength(self._span, -self._a, -self._b)
+
+    def __pos__(self):
+        return self
+
+    def __abs__(self):
+        return self if self._compare(0, operator.ge) else -self
+
+    def _quotient(self, m) -> int | None:
+        """value // m, the span held to where it stays so; None when m is not a nonzero int."""
+        if type(m) is not int or m == 0:
+            return None
+        q = self._value() // m
+        low, high = (m * q, m * q + m - 1) if m > 0 else (m * q + m + 1, m * q)
+        self._span.hold(self._a, self._b, operator.ge, low)
+        self._span.hold(self._a, self._b, operator.le, high)
+        return q
+
+    def __floordiv__(self, other):
+        q = self._quotient(other)
+        return self._plain() // other if q is None else q
+
+    def __mod__(self, other):
+        q = self._quotient(other)
+        return self._plain() % other if q is None else TracedLength(self._span, self._a, self._b - other * q)
+
+    def __divmod__(self, other):
+        return self // other, self % other
+
+    def bit_length(self) -> int:
+        x = self._value()
+        n = x.bit_length()
+        if x == 0:
+            self._span.hold(self._a, self._b, operator.eq, 0)
+        else:
+            low, high = (1 << (n - 1), (1 << n) - 1) if x > 0 else (1 - (1 << n), -(1 << (n - 1)))
+            self._span.hold(self._a, self._b, operator.ge, low)
+            self._span.hold(self._a, self._b, operator.le, high)
+        return n
+
+    def __index__(self) -> int:
+        return self._plain()
+
+    __int__ = __index__
+
+    def __float__(self) -> float:
+        return float(self._plain())
+
+    def __format__(self, spec: str) -> str:
+        return format(self._plain(), spec)
+
+    def __str__(self) -> str:
+        return str(self._plain())
+
+    __repr__ = __str__
+
+    def __getattr__(self, name):  # any other int attribute (numerator, to_bytes, ...): collapsed
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._plain(), name)
+
+
+def _collapsing(name: str):
+    def method(self, *args):
+        return getattr(self._plain(), name)(*args)
+
+    method.__name__ = name
+    return method
+
+
+for _name in (
+    "__truediv__", "__rtruediv__", "__rfloordiv__", "__rmod__", "__rdivmod__", "__pow__", "__rpow__",
+    "__lshift__", "__rlshift__", "__rshift__", "__rrshift__", "__and__", "__rand__", "__or__", "__ror__",
+    "__xor__", "__rxor__", "__invert__", "__round__", "__trunc__", "__floor__", "__ceil__", "__complex__",
+):  # fmt: skip
+    setattr(TracedLength, _name, _collapsing(_name))
+
+
+def trace_seqlen_k(problem: Problem, lo: int, hi: int) -> tuple[Problem, LengthSpan]:
+    """A copy of ``problem`` whose seqlen_k is traced (:class:`TracedLength`) and the span it
+    narrows, starting as ``lo ... hi`` (which holds problem.seqlen_k).  Deciding on the copy
+    leaves in the span the key lengths for which every use of seqlen_k gave the result it gave
+    at problem.seqlen_k."""
+    span = LengthSpan(problem.seqlen_k, lo, hi)
+    return dataclasses.replace(problem, seqlen_k=TracedLength(span)), span

@@ -16,6 +16,21 @@ GPU keeps up with the tiny kernels):
   attention_dispatch.dispatch.decide(problem), cache hit    -- must add <= 3 us (issue 5)
   hash(problem)                                             -- part of every cache hit
   sdpa(backend="triton"), forward and forward+backward      -- our kernel's launch path (CUDA)
+
+Decode steps (issue 34; --decode-only for these rows alone): GQA --decode-heads (32/8), Sq=1,
+d --decode-dim (128), B --decode-batch (1), the key length starting at --decode-sk (512 on
+CUDA, 64 on the CPU, where the attention itself would otherwise hide the host time) and
+growing by one per call over every loop, so that no call repeats an earlier one's Sk:
+  sdpa(q, k, v, enable_gqa=True), Sk growing        against F.sdpa on the same tensors
+  sdpa_with_kvcache(q, k_cache, v_cache, lens)      against F.sdpa over the valid keys
+  sdpa_with_kvcache(..., k_new=, v_new=)            against writing k_new/v_new into the cache
+                                                    by slice and F.sdpa over the valid keys
+                                                    (the lengths cycle over --decode-n values: a
+                                                    cache's Problem holds its capacity, not them)
+each under torch.no_grad() (as a generation loop), timed in rounds of --decode-n calls: ours, the
+chosen backend's run() / run_kvcache() alone on the same normalised call, and F.sdpa, over the
+same key lengths in turns (order rotating); reported: the medians over rounds of us per call,
+of ours - F.sdpa's and of ours - the backend's alone (what the dispatcher adds).
 """
 
 from __future__ import annotations
@@ -69,6 +84,141 @@ def paired_ratio(fn_ref, fn, n: int, repeat: int, sync) -> tuple[float, list[flo
     return statistics.median(ratios), ratios
 
 
+def decode_rows(args, device: str, dtype, sync) -> dict:
+    """The decode-step rows (module doc): {row: {"median_us", "ref_median_us", "minus_ref_us", ...}}."""
+    import torch
+    import torch.nn.functional as F
+
+    import attention_dispatch as ad
+
+    hq, hkv = (int(x) for x in args.decode_heads.split("/"))
+    b, d, n, rounds = args.decode_batch, args.decode_dim, args.decode_n, args.repeat
+    sk0 = args.decode_sk if args.decode_sk is not None else (512 if device == "cuda" else 64)
+    warm = max(5, n // 10)
+    steps = warm + rounds * n  # every call of a row gets a key length of its own
+    capacity = sk0 + steps
+    q = torch.randn(b, hq, 1, d, device=device, dtype=dtype)
+    # key/value of every length as contiguous views of one buffer (what a growing cache hands
+    # over each step, e.g. torch.cat in transformers' DynamicCache), without allocating per call
+    flat_k = torch.randn(b * hkv * capacity * d, device=device, dtype=dtype)
+    flat_v = torch.randn_like(flat_k)
+
+    def kv_of(sk):
+        size = b * hkv * sk * d
+        return flat_k[:size].view(b, hkv, sk, d), flat_v[:size].view(b, hkv, sk, d)
+
+    # the caches: a Problem holds their capacity, not the lengths, so every step is one signature
+    # whatever the lengths are; they cycle over sk0 ... sk0 + n - 1, keeping the capacity (which
+    # a backend may compute over) near the lengths
+    k_cache = torch.randn(b, hkv, sk0 + n + 1, d, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    k_new = torch.randn(b, hkv, 1, d, device=device, dtype=dtype)
+    v_new = torch.randn_like(k_new)
+    lens = [torch.full((b,), sk0 + i % n, dtype=torch.int32, device=device) for i in range(steps)]
+
+    from attention_dispatch import registry
+    from attention_dispatch.call import normalize_call
+    from attention_dispatch.kvcache import normalize_kvcache
+
+    k0, v0 = kv_of(sk0)
+    options = normalize_call(q, k0, v0, enable_gqa=True).options  # the same for every Sk
+    kv_options = normalize_kvcache(q, k_cache, v_cache, lens[0]).options
+    kv_append_options = normalize_kvcache(q, k_cache, v_cache, lens[0], k_new=k_new, v_new=v_new).options
+
+    def chosen(call):  # the backend sdpa() / sdpa_with_kvcache() chose for this row
+        call()
+        return registry.get_backend(ad.last_decision().backend)
+
+    def sdpa_row(i):
+        k, v = kv_of(sk0 + i)
+        return ad.sdpa(q, k, v, enable_gqa=True)
+
+    def sdpa_alone(i):
+        k, v = kv_of(sk0 + i)
+        return sdpa_backend.run(q, k, v, **options)
+
+    def sdpa_ref(i):
+        k, v = kv_of(sk0 + i)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    def kv_row(i):
+        return ad.sdpa_with_kvcache(q, k_cache, v_cache, lens[i])
+
+    def kv_alone(i):
+        return kv_backend.run_kvcache(q, k_cache, v_cache, lens[i], **kv_options)
+
+    def kv_ref(i):
+        sk = sk0 + i % n
+        return F.scaled_dot_product_attention(q, k_cache[:, :, :sk], v_cache[:, :, :sk], enable_gqa=True)
+
+    def kv_append_row(i):
+        return ad.sdpa_with_kvcache(q, k_cache, v_cache, lens[i], k_new=k_new, v_new=v_new)
+
+    def kv_append_alone(i):
+        return kv_append_backend.run_kvcache(q, k_cache, v_cache, lens[i], **kv_append_options)
+
+    def kv_append_ref(i):
+        sk = sk0 + i % n
+        k_cache[:, :, sk : sk + 1] = k_new
+        v_cache[:, :, sk : sk + 1] = v_new
+        return F.scaled_dot_product_attention(q, k_cache[:, :, : sk + 1], v_cache[:, :, : sk + 1], enable_gqa=True)
+
+    with torch.no_grad():  # as a generation loop runs
+        sdpa_backend = chosen(lambda: ad.sdpa(q, k0, v0, enable_gqa=True))
+        kv_backend = chosen(lambda: kv_row(0))
+        kv_append_backend = chosen(lambda: kv_append_row(0))
+        rows = {
+            f"decode sdpa(), Sk {sk0}+ growing by 1": (sdpa_row, sdpa_alone, sdpa_ref, sdpa_backend.name),
+            f"decode sdpa_with_kvcache, lens {sk0}+": (kv_row, kv_alone, kv_ref, kv_backend.name),
+            f"decode sdpa_with_kvcache + append, lens {sk0}+": (
+                kv_append_row,
+                kv_append_alone,
+                kv_append_ref,
+                kv_append_backend.name,
+            ),
+        }
+        results = {}
+        for name, (fn, alone, ref, chose) in rows.items():
+            for i in range(warm):
+                for f in (fn, alone, ref):
+                    f(i)
+            sync()
+            times = {"ours": [], "alone": [], "ref": []}
+            for r in range(rounds):
+                lo = warm + r * n  # the three over the same lengths; ours never repeats one
+                turn = [("ours", fn), ("alone", alone), ("ref", ref)]
+                for label, f in turn[r % 3 :] + turn[: r % 3]:
+                    start = time.perf_counter()
+                    for i in range(lo, lo + n):
+                        f(i)
+                    sync()
+                    times[label].append((time.perf_counter() - start) / n * 1e6)
+            ours, alone_t, theirs = times["ours"], times["alone"], times["ref"]
+            results[name] = {
+                "backend": chose,
+                "median_us": statistics.median(ours),
+                "min_us": min(ours),
+                "backend_alone_median_us": statistics.median(alone_t),
+                "ref_median_us": statistics.median(theirs),
+                "minus_ref_us": statistics.median(a - t for a, t in zip(ours, theirs)),
+                "minus_alone_us": statistics.median(a - t for a, t in zip(ours, alone_t)),
+                "over_ref": statistics.median(a / t for a, t in zip(ours, theirs)),
+            }
+    print(
+        f"decode steps, B={b} Hq/Hkv={hq}/{hkv} Sq=1 d{d} {str(dtype).removeprefix('torch.')} on {device}, "
+        f"key length from {sk0} growing by one per call, under no_grad; {rounds} rounds of {n} calls; us per call "
+        "(medians over rounds; 'dispatcher' = ours - the chosen backend's run alone on the same call)"
+    )
+    width = max(len(name) for name in results)
+    for name, r in results.items():
+        print(
+            f"  {name:<{width}}  {r['median_us']:8.2f} us  F.sdpa {r['ref_median_us']:8.2f} us  "
+            f"ours - F.sdpa {r['minus_ref_us']:+8.2f} ({r['over_ref']:.2f}x)  "
+            f"{r['backend']} alone {r['backend_alone_median_us']:8.2f} us  dispatcher {r['minus_alone_us']:+7.2f} us"
+        )
+    return results
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=2000, help="calls per timed loop")
@@ -81,6 +231,12 @@ def main(argv=None) -> int:
         help="torch CPU threads (default 1: a 16-element problem gains nothing from more, and they add noise)",
     )
     p.add_argument("--json", type=Path, default=None, help="also write the numbers to this file")
+    p.add_argument("--decode-only", action="store_true", help="only the decode-step rows")
+    p.add_argument("--decode-n", type=int, default=100, help="calls per round of the decode rows")
+    p.add_argument("--decode-sk", type=int, default=None, help="first key length (default 512 on CUDA, 64 on the CPU)")
+    p.add_argument("--decode-heads", default="32/8", help="query/key-value heads of the decode rows")
+    p.add_argument("--decode-dim", type=int, default=128, help="head dim of the decode rows")
+    p.add_argument("--decode-batch", type=int, default=1, help="batch of the decode rows")
     args = p.parse_args(argv)
 
     import torch
@@ -103,6 +259,16 @@ def main(argv=None) -> int:
     def sync():
         if device == "cuda":
             torch.cuda.synchronize()
+
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    if args.decode_only:
+        decode = decode_rows(args, device, dtype, sync)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(
+                json.dumps({"device": device, "gpu": gpu, "torch": torch.__version__, "decode": decode}, indent=1)
+            )
+        return 0
 
     ad.sdpa(q, k, v)
     decision = ad.last_decision()
@@ -154,7 +320,6 @@ def main(argv=None) -> int:
     ours = results["attention_dispatch.sdpa (auto)"]["median_us"]
     run_alone = results[f"{decision.backend} prepared runner alone"]["median_us"]
     hit = results["dispatch.decide (cache hit)"]["median_us"]
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print(
         f"host time per call, 1x1x16x64 {str(dtype).removeprefix('torch.')} on {device} ({gpu}); "
         f"torch {torch.__version__}; sdpa() chose {decision.backend}; median of {args.repeat} x {args.n} calls"
@@ -170,6 +335,7 @@ def main(argv=None) -> int:
         f"the loops above)  (issue 5: <= 1.0 on CUDA)   decision-cache hit: {hit:.2f} us (issue 5: <= 3 us) -> "
         f"{'met' if hit <= 3.0 else 'not met'}"
     )
+    decode = decode_rows(args, device, dtype, sync)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
@@ -182,6 +348,7 @@ def main(argv=None) -> int:
                     "results": results,
                     "sdpa_over_F_sdpa_interleaved": paired,
                     "sdpa_over_F_sdpa_rounds": paired_rounds,
+                    "decode": decode,
                 },
                 indent=1,
             )
