@@ -98,22 +98,30 @@ def _closure(fn) -> dict:
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
 
 
-def _plain_sliding_window(mask_function) -> int | None:
-    """The window of a mask function that is exactly transformers' causal sliding-window one
-    (``and_masks(sliding_window_overlay(w), causal_mask_function)``: no padding, packing or custom
-    pattern in it), else None."""
+def _plain_sliding_window(mask_function, config, local_size) -> bool:
+    """Whether a mask request is transformers' plain causal sliding-window mask of ``config.sliding_window``:
+    ``and_masks(sliding_window_overlay(w), causal_mask_function)``, with no padding-free packing, block
+    ids or custom ``or``/``and`` functions in it (its creator sets ``allow_is_causal_skip=False`` for
+    each of those; the caller checked that it is True) and not a chunked mask (same ``local_size``
+    argument)."""
+    if local_size is None or getattr(config, "sliding_window", None) != local_size:
+        return False
+    if getattr(config, "attention_chunk_size", None) == local_size:
+        return False
+    if getattr(mask_function, "__code__", None) is not _AND_CODE:
+        return False
     try:
-        if getattr(mask_function, "__code__", None) is not _AND_CODE:
-            return None
         parts = _closure(mask_function).get("mask_functions")
-        if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
-            return None
-        if getattr(parts[0], "__code__", None) is not _OVERLAY_CODE:
-            return None
-        window = _closure(parts[0]).get("sliding_window")
-    except (AttributeError, ValueError, TypeError):  # another transformers' closures: keep its mask
-        return None
-    return window if isinstance(window, int) else None
+    except AttributeError:  # torch.compile does not let closures be read: the evidence above decides
+        return True
+    if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
+        return False
+    if getattr(parts[0], "__code__", None) is not _OVERLAY_CODE:
+        return False
+    try:
+        return _closure(parts[0]).get("sliding_window") == local_size
+    except AttributeError:
+        return True
 
 
 def attention_mask(
@@ -132,14 +140,7 @@ def attention_mask(
     that a plain causal sliding-window mask may be skipped like a full causal one: the attention
     function then passes the window as ``window=``. Any other pattern (padding, packing, chunks,
     custom ``or``/``and`` functions, bidirectional windows) is materialised exactly as for "sdpa"."""
-    config = kwargs.get("config")
-    if (
-        local_size is not None
-        and allow_is_causal_skip
-        and not torch.compiler.is_compiling()
-        and getattr(config, "sliding_window", None) == local_size
-        and _plain_sliding_window(mask_function) == local_size
-    ):
+    if allow_is_causal_skip and _plain_sliding_window(mask_function, kwargs.get("config"), local_size):
         local_size = None  # the window alone no longer forces a materialised mask
     return sdpa_mask(
         batch_size=batch_size,
@@ -169,7 +170,7 @@ def _refuse_unsupported(module, kwargs: dict) -> None:
             raise NotImplementedError(
                 f"attention_dispatch: {_model_name(module)} passes {arg}={shown}, {what}; ad.sdpa has no "
                 f"argument for it yet (issue 36), and dropping it would change the model's output. "
-                f"Load this model with attn_implementation='eager' or 'sdpa'."
+                f"Load this model with attn_implementation='eager'."
             )
 
 
