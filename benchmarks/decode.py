@@ -41,6 +41,8 @@ ROWS = [
     ("gqa B=64 Sk=4k paged16", 64, 32, 8, 1, 4096, 16, "full", False),
     ("gqa B=64 Sk=4k paged256", 64, 32, 8, 1, 4096, 256, "full", False),
     ("gqa B=64 uniform 1..32k", 64, 32, 8, 1, 32768, 0, "uniform", False),
+    ("gqa B=64 Sk=4k append", 64, 32, 8, 1, 4096, 0, "append", False),
+    ("gqa B=64 Sk=4k paged16 append", 64, 32, 8, 1, 4096, 16, "append", False),
     ("gqa B=4 Sq=512 8k causal", 4, 32, 8, 512, 8192 + 512, 0, "prefill", True),
     ("gqa B=8 Sq=128 16k causal", 8, 32, 8, 128, 16384 + 128, 0, "prefill", True),
     ("mha B=4 Sq=256 4k", 4, 32, 32, 256, 4096 + 256, 0, "prefill", False),
@@ -79,16 +81,23 @@ def run_row(row) -> dict:
     gen = torch.Generator(device="cpu").manual_seed(0)
     if lengths == "uniform":
         lens = torch.randint(1, S + 1, (B,), generator=gen)
-    elif lengths == "prefill":
+    elif lengths in ("prefill", "append"):
         lens = torch.full((B,), S - Sq)
     else:
         lens = torch.full((B,), S - (Sq if Sq > 1 else 0))
-    n_new = Sq if lengths == "prefill" else 0
+    n_new = Sq if lengths in ("prefill", "append") else 0
+    # "append": k_new/v_new written into the cache by the call (the same keys each call)
     cache_seqlens = lens.int().to(dev)
     q = torch.randn(B, Hq, Sq, D, device=dev, dtype=dt)
     params = KernelParams(scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True)
     k = torch.randn(B, Hkv, S, D, device=dev, dtype=dt)
     v = torch.randn(B, Hkv, S, D, device=dev, dtype=dt)
+    if lengths == "append":
+        # the keys the cache already holds there: the result stays comparable with F.sdpa's
+        new_kv = (k[:, :, S - Sq :].clone(), v[:, :, S - Sq :].clone())
+        kernel_lens = (cache_seqlens,)
+    else:
+        new_kv, kernel_lens = (), (cache_seqlens + n_new,)
     keys = int(lens.sum()) + B * n_new
     nbytes = keys * Hkv * D * 2 * 2
     res = {"row": label, "bytes": nbytes}
@@ -101,15 +110,16 @@ def run_row(row) -> dict:
         # the same keys, scattered over the pages
         kp[perm.to(dev)] = k.transpose(1, 2).reshape(blocks, page, Hkv, D)
         vp[perm.to(dev)] = v.transpose(1, 2).reshape(blocks, page, Hkv, D)
-        ours = lambda: kv_forward(q, kp, vp, cache_seqlens, params, block_table=table, n_new=n_new)  # noqa: E731
-        kv_args = (q, kp, vp, cache_seqlens + n_new)
+        ours = lambda: kv_forward(q, kp, vp, *kernel_lens, params, table, *new_kv)  # noqa: E731
+        kv_args = (q, kp, vp, *kernel_lens)
         res["route"] = kv_route(q, kp, vp, table, params)[0]
     else:
-        ours = lambda: kv_forward(q, k, v, cache_seqlens, params, n_new=n_new)  # noqa: E731
-        kv_args = (q, k, v, cache_seqlens + n_new)
+        ours = lambda: kv_forward(q, k, v, *kernel_lens, params, None, *new_kv)  # noqa: E731
+        kv_args = (q, k, v, *kernel_lens)
         res["route"] = kv_route(q, k, v, None, params)[0]
     table_kw = {"block_table": table} if page else {}
-    ad_kv = lambda: ad.sdpa_with_kvcache(*kv_args, causal=causal, **table_kw)  # noqa: E731
+    new_kw = dict(zip(("k_new", "v_new"), new_kv))
+    ad_kv = lambda: ad.sdpa_with_kvcache(*kv_args, causal=causal, **table_kw, **new_kw)  # noqa: E731
     # in turns (ours, ad_kv, ad_kv, ours), the best of each: the clock drifts under long runs
     res["ours_ms"], res["ad_kv_ms"] = timed(ours), timed(ad_kv)
     res["ad_kv_ms"], res["ours_ms"] = min(res["ad_kv_ms"], timed(ad_kv)), min(res["ours_ms"], timed(ours))

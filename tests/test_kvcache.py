@@ -200,6 +200,9 @@ CASES = {
     "float64 paged": KvCase(dtype=torch.float64, block_size=16, append=True),
     "head_dim 40": KvCase(head_dim=40, append=True),
     "head_dim 8 paged": KvCase(head_dim=8, block_size=16, seqlen_q=2, causal=True, append=True),
+    # 72 query rows per kv head: two row blocks of the decode kernel, one of which writes the append
+    "append, two row blocks": KvCase(heads_q=8, heads_kv=1, seqlen_q=9, append=True, causal=True, lengths=(55, 0, 20)),
+    "paged append, two row blocks": KvCase(heads_q=8, heads_kv=1, seqlen_q=9, block_size=16, append=True),
 }
 
 

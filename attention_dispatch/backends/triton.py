@@ -107,25 +107,26 @@ class TritonBackend(Backend):
         from ..kernels.decode import kv_forward
         from .kv_append import append_kv
 
-        if k_new is not None:
-            append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
         _, left, right = band(causal, window)
         params = KernelParams(scale=scale, align_bottom_right=True, window_left=left, window_right=right)
-        # the kernel reads rows with unit stride: copy what is not (never the common call)
+        # the kernels read rows with unit stride: copy what is not (never the common call); a
+        # cache that must be copied gets the new keys first, so they land in the caller's
+        if k_new is not None and (k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
+            append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+            k_new = v_new = None
+            n_new = query.shape[2]
+        else:
+            n_new = 0
         query, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, k_cache, v_cache))
+        if k_new is not None:
+            k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_new, v_new))
         if cache_seqlens.stride(0) != 1:
             cache_seqlens = cache_seqlens.contiguous()
         if block_table is not None and block_table.stride(-1) != 1:
             block_table = block_table.contiguous()
-        return kv_forward(
-            query,
-            k_cache,
-            v_cache,
-            cache_seqlens,
-            params,
-            block_table=block_table,
-            n_new=query.shape[2] if k_new is not None else 0,
-        )
+        if n_new:  # appended above: the kernels read all L_b = cache_seqlens[b] + Sq keys from the cache
+            cache_seqlens = cache_seqlens + n_new
+        return kv_forward(query, k_cache, v_cache, cache_seqlens, params, block_table, k_new, v_new)
 
     @staticmethod
     def _params(causal, window, scale, dropout_p, deterministic, **_):

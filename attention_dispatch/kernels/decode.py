@@ -48,11 +48,24 @@ def _cache_geometry(q, k_cache, v_cache, cache_seqlens, block_table):
 
 
 def _launch_split(
-    q, k_cache, v_cache, cache_seqlens, block_table, out, params, n_new, num_splits, tail=0, tail_lse=None
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    block_table,
+    out,
+    params,
+    n_new,
+    num_splits,
+    tail=0,
+    tail_lse=None,
+    k_new=None,
+    v_new=None,
 ):
     """The split pass (and, with several splits, the combine pass) into ``out``; ``tail`` > 0:
     one split over each sequence's keys past its last whole ``tail``-key tile, merged into
-    ``out`` and ``tail_lse`` (natural log, (B, Hq, Sq)), what the Gluon forward wrote."""
+    ``out`` and ``tail_lse`` (natural log, (B, Hq, Sq)), what the Gluon forward wrote;
+    ``k_new``/``v_new`` (B, Hkv, n_new, D): appended by the split pass itself."""
     B, Hq, Sq, D = q.shape
     page, Hkv, capacity, k_str, v_str, bt, bt_stride = _cache_geometry(q, k_cache, v_cache, cache_seqlens, block_table)
     group = Hq // Hkv
@@ -87,12 +100,15 @@ def _launch_split(
             out,
             o_part,
             l_part,
+            k_new if k_new is not None else k_cache,
+            v_new if v_new is not None else v_cache,
             params.scale * LOG2E,
             *q.stride()[:3],
             *k_str,
             *v_str,
             bt_stride,
             *out.stride()[:3],
+            *(k_new.stride()[:3] if k_new is not None else (0, 0, 0)),
             Hq,
             Hkv,
             Sq,
@@ -114,6 +130,7 @@ def _launch_split(
             HAS_WR=params.window_right >= 0,
             SPLIT=split,
             TAIL=tail,
+            APPEND=k_new is not None,
             BH_AXIS0=bh_axis0,
             DOT_UPCAST=interp and q.dtype != torch.float32,
             DOT_IEEE=q.dtype == torch.float32,
@@ -148,17 +165,26 @@ def decode_forward(
     block_table=None,
     n_new: int = 0,
     num_splits: int = 0,
+    k_new=None,
+    v_new=None,
 ) -> torch.Tensor:
     """Attention of q (B, Hq, Sq, D) over each sequence's first cache_seqlens[b] + n_new cached
-    keys (the new ones already appended) by the decode kernel.  ``params``: scale, window and
-    bottom-right causal (``window_right=0``); ``num_splits`` > 0 forces the key splits.
-    Returns (B, Hq, Sq, D)."""
+    keys by the decode kernel: the new ones already appended, or given as ``k_new``/``v_new``
+    (B, Hkv, n_new, D), which the kernel writes into the cache as it reads them.  ``params``:
+    scale, window and bottom-right causal (``window_right=0``); ``num_splits`` > 0 forces the
+    key splits.  Returns (B, Hq, Sq, D)."""
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[2]
     empty = _empty_result(q, capacity)
     if empty is not None:
+        if k_new is not None and capacity and q.numel() == 0 and k_new.numel():
+            from ..backends.kv_append import append_kv
+
+            append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
         return empty
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    _launch_split(q, k_cache, v_cache, cache_seqlens, block_table, out, params, n_new, num_splits)
+    _launch_split(
+        q, k_cache, v_cache, cache_seqlens, block_table, out, params, n_new, num_splits, k_new=k_new, v_new=v_new
+    )
     return out
 
 
@@ -206,10 +232,16 @@ def kv_route(q, k_cache, v_cache, block_table, params: KernelParams) -> tuple[st
     return (CACHE_DECODE, why_not) if why_not else (CACHE_GLUON, None)
 
 
-def kv_forward(q, k_cache, v_cache, cache_seqlens, params: KernelParams, block_table=None, n_new: int = 0):
-    """sdpa_with_kvcache()'s kernels (the new keys already appended): :func:`cache_forward` where
-    :func:`kv_route` takes it, else :func:`decode_forward`."""
+def kv_forward(q, k_cache, v_cache, cache_seqlens, params: KernelParams, block_table=None, k_new=None, v_new=None):
+    """sdpa_with_kvcache()'s kernels, k_new/v_new (or None) appended into the cache in place:
+    :func:`cache_forward` after the append where :func:`kv_route` takes it, else
+    :func:`decode_forward` with the append fused."""
+    from ..backends.kv_append import append_kv
+
+    n_new = q.shape[2] if k_new is not None else 0
     kernel, _ = kv_route(q, k_cache, v_cache, block_table, params)
     if kernel == CACHE_GLUON:
+        if k_new is not None:
+            append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
         return cache_forward(q, k_cache, v_cache, cache_seqlens, params, n_new)
-    return decode_forward(q, k_cache, v_cache, cache_seqlens, params, block_table, n_new)
+    return decode_forward(q, k_cache, v_cache, cache_seqlens, params, block_table, n_new, k_new=k_new, v_new=v_new)

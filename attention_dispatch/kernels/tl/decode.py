@@ -8,6 +8,8 @@ head are packed into the rows of one tile (row r is head ``r // Sq`` of the grou
 ``i + L_b - Sq - wl <= j <= i + L_b - Sq + wr`` (HAS_WL / HAS_WR; causal is wr = 0).  With
 several splits each program writes its normalised partial output and logsumexp (log2 domain)
 and :func:`_decode_combine` merges them; a program past ``L_b`` writes an empty partial.
+With ``APPEND`` the last ``n_new`` keys are read from k_new / v_new and written into the cache
+by the programs of the first row block (the append fused: no separate pass).
 With ``TAIL`` (> 0) one program per row block covers the keys past the last whole TAIL-key tile
 below ``L_b``, the rest being the Gluon forward's (kernels/decode.cache_forward), and merges its
 result into that kernel's output by the logsumexp.
@@ -32,6 +34,8 @@ def _decode_split(
     Out,
     OPart,
     LPart,
+    KNew,
+    VNew,
     qk_scale,
     sqb,
     sqh,
@@ -46,6 +50,9 @@ def _decode_split(
     sob,
     soh,
     sos,
+    snb,
+    snh,
+    sns,
     Hq,
     Hkv,
     Sq,
@@ -65,6 +72,7 @@ def _decode_split(
     HAS_WR: tl.constexpr,
     SPLIT: tl.constexpr,
     TAIL: tl.constexpr,
+    APPEND: tl.constexpr,
     BH_AXIS0: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     DOT_IEEE: tl.constexpr,
@@ -123,7 +131,23 @@ def _decode_split(
             k_rows = b64 * skb + offs_n.to(tl.int64) * sks
             v_rows = b64 * svb + offs_n.to(tl.int64) * svs
         kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + hkv.to(tl.int64) * skh + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k_ptrs = K + hkv.to(tl.int64) * skh + k_rows[:, None] + offs_d[None, :]
+        if APPEND:
+            # the last n_new keys come from k_new/v_new (B, Hkv, n_new, D); the first row block's
+            # programs also write them into the cache (each key lies in one split's range)
+            new = offs_n >= seqlen - n_new
+            new_rows = b64 * snb + hkv.to(tl.int64) * snh + (offs_n - (seqlen - n_new)).to(tl.int64) * sns
+            new_mask = kv_mask & new[:, None]
+            old_mask = kv_mask & (offs_n < seqlen - n_new)[:, None]
+            k = tl.where(
+                new[:, None],
+                tl.load(KNew + new_rows[:, None] + offs_d[None, :], mask=new_mask, other=0.0),
+                tl.load(k_ptrs, mask=old_mask, other=0.0),
+            )
+            writes = new_mask & ((offs_n * 0 + tl.program_id(2)) == 0)[:, None]
+            tl.store(k_ptrs, k, mask=writes)
+        else:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
         allowed = key_ok[None, :] & row_ok[:, None]
         if HAS_WR:
@@ -136,7 +160,16 @@ def _decode_split(
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + hkv.to(tl.int64) * svh + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v_ptrs = V + hkv.to(tl.int64) * svh + v_rows[:, None] + offs_d[None, :]
+        if APPEND:
+            v = tl.where(
+                new[:, None],
+                tl.load(VNew + new_rows[:, None] + offs_d[None, :], mask=new_mask, other=0.0),
+                tl.load(v_ptrs, mask=old_mask, other=0.0),
+            )
+            tl.store(v_ptrs, v, mask=writes)
+        else:
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_UPCAST, DOT_IEEE)
         m_i = m_new
 
