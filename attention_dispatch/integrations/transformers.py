@@ -125,34 +125,17 @@ def _plain_sliding_window(mask_function, config, local_size) -> bool:
 
 
 def attention_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset=0,
-    kv_offset=0,
-    mask_function=causal_mask_function,
-    attention_mask=None,
-    local_size=None,
-    allow_is_causal_skip: bool = True,
-    **kwargs,
+    *args, mask_function=causal_mask_function, local_size=None, allow_is_causal_skip: bool = True, **kwargs
 ):
     """transformers' ``sdpa_mask`` (bool, True = attend; None where ``is_causal`` alone is exact), except
     that a plain causal sliding-window mask may be skipped like a full causal one: the attention
     function then passes the window as ``window=``. Any other pattern (padding, packing, chunks,
-    custom ``or``/``and`` functions, bidirectional windows) is materialised exactly as for "sdpa"."""
+    custom ``or``/``and`` functions, bidirectional windows) is materialised exactly as for "sdpa".
+    The other arguments pass through unchanged (their names differ between transformers versions)."""
     if allow_is_causal_skip and _plain_sliding_window(mask_function, kwargs.get("config"), local_size):
         local_size = None  # the window alone no longer forces a materialised mask
     return sdpa_mask(
-        batch_size=batch_size,
-        q_length=q_length,
-        kv_length=kv_length,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
-        mask_function=mask_function,
-        attention_mask=attention_mask,
-        local_size=local_size,
-        allow_is_causal_skip=allow_is_causal_skip,
-        **kwargs,
+        *args, mask_function=mask_function, local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs
     )
 
 
