@@ -300,26 +300,41 @@ def test_qwen2_hybrid_layers_window_only_where_sliding():
 # ---------------------------------------------------------------- padding-free packed batches
 
 
-def test_packed_batch_equals_the_sequences_run_alone():
-    ours, ref = _pair(_llama())
-    seqs = [torch.randint(3, 61, (n,)).tolist() for n in (5, 9, 3)]
-    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
-    batch = collator([{"input_ids": s} for s in seqs])
-    assert batch["cu_seq_lens_q"].tolist() == [0, 5, 14, 17]
+@pytest.mark.parametrize("model", ["llama", "mistral_window_4"])
+@pytest.mark.parametrize("flash_kwargs", [True, False])
+def test_packed_batch_equals_the_sequences_run_alone(model, flash_kwargs):
+    """DataCollatorWithFlattening: with cu_seq_lens/max_length kwargs one varlen call (a window
+    included); with position_ids only, transformers' block-diagonal mask, as for "sdpa" (which
+    transformers derives only without a cache: use_cache=False, as in training)."""
+    ours, ref = _pair(_llama() if model == "llama" else _mistral(window=4))
+    lengths = (5, 9, 3)
+    seqs = [torch.randint(3, 61, (n,)).tolist() for n in lengths]
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(
+        [{"input_ids": s} for s in seqs]
+    )
     batch.pop("labels")
+    if flash_kwargs:
+        assert batch["cu_seq_lens_q"].tolist() == [0, 5, 14, 17]
+    else:
+        batch["use_cache"] = False
     with ad.record() as ds:
         packed = ours(**batch).logits[0]
     _calls(ds, layers=2)
-    assert {d.problem.layout for d in ds} == {"varlen"}
+    if flash_kwargs:
+        want = (None, "varlen") if model == "llama" else ((3, 0), "varlen")
+        assert {(d.problem.window, d.problem.layout) for d in ds} == {want}
+    else:
+        assert {(d.problem.layout, d.problem.mask_kind) for d in ds} == {("dense", "bool")}
     alone = torch.cat([ref(input_ids=torch.tensor([s])).logits[0] for s in seqs])
     torch.testing.assert_close(packed, alone)
-    # gradients: the packed batch's equal the sum over the sequences alone
-    (packed * torch.arange(packed.numel()).view_as(packed).sin()).sum().backward()
+    # gradients: the packed batch's equal the sum over the sequences run alone
+    w = torch.arange(packed.numel()).view_as(packed).sin()
+    (packed * w).sum().backward()
     ours_grads = {n: p.grad for n, p in ours.named_parameters()}
     ref.zero_grad()
-    w = torch.arange(packed.numel()).view_as(packed).sin()
+    bounds = torch.tensor((0, *lengths)).cumsum(0).tolist()
     sum(
-        (ref(input_ids=torch.tensor([s])).logits[0] * w[a:b]).sum() for s, a, b in zip(seqs, (0, 5, 14), (5, 14, 17))
+        (ref(input_ids=torch.tensor([s])).logits[0] * w[a:b]).sum() for s, a, b in zip(seqs, bounds, bounds[1:])
     ).backward()
     for n, p in ref.named_parameters():
         torch.testing.assert_close(ours_grads[n], p.grad, msg=lambda m, n=n: f"{n}: {m}")

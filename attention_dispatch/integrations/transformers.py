@@ -7,7 +7,8 @@
 ``register()`` installs two functions under one name, always together: the attention function
 (``AttentionInterface``) and the mask function (``AttentionMaskInterface``). transformers builds
 no mask at all for a name without a mask function (``masking_utils._preprocess_mask_arguments``
-returns None), so an attention function registered alone silently ignores padding.
+returns None), so an attention function registered alone would silently ignore padding; the
+attention function refuses to run (ValueError) where its name has no mask function.
 
 How a call of the model maps onto ``ad.sdpa`` (transformers' "sdpa" implementation is the reference;
 every rule below computes what it computes):
@@ -30,8 +31,9 @@ every rule below computes what it computes):
   "sdpa" does, ``finfo.min`` where masked); its gradient flows.
 - padding-free packed batches (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``:
   ``cu_seq_lens_q/k``, ``max_length_q/k``): one varlen call on the packed ``(total, H, D)`` tensors,
-  causal per sequence. transformers still derives a block-diagonal mask from ``position_ids`` for
-  such a batch, which is then not read.
+  causal per sequence, a window included. Without a cache (``use_cache=False``) transformers also
+  derives a block-diagonal (T, T) mask from ``position_ids`` for such a batch, which is then not read;
+  with ``position_ids`` alone that mask is what separates the sequences (dense, as for "sdpa").
 - softcapping, attention sinks, sparse indices, paged (continuous-batching) caches: ``ad.sdpa`` has
   no such arguments yet, so the call raises ``NotImplementedError`` naming the argument and the
   model, never drops them.
@@ -148,7 +150,7 @@ def _model_name(module) -> str:
 def _refuse_unsupported(module, kwargs: dict) -> None:
     for arg, what in _UNSUPPORTED.items():
         value = kwargs.get(arg)
-        if value is not None:
+        if value is not None and not (arg == "softcap" and value == 0):  # softcap 0: none (flash-attn's convention)
             shown = repr(value) if isinstance(value, (int, float)) else f"<{type(value).__name__}>"
             raise NotImplementedError(
                 f"attention_dispatch: {_model_name(module)} passes {arg}={shown}, {what}; ad.sdpa has no "
