@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import random
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,15 @@ class GridRow:
     training: bool = False
     dropout: float = 0.0
     window: tuple[int, int] | None = None
+    lengths: tuple[int, ...] = ()  # packed sequences (varlen) of these lengths; () = dense
+
+
+def packed_lengths(total: int = TOKENS, n: int = 16, seed: int = 0) -> tuple[int, ...]:
+    """n random positive lengths summing to total (Python's random with ``seed``: the lengths
+    of benchmarks/grid.py's varlen rows)."""
+    cuts = sorted(random.Random(seed).sample(range(1, total), n - 1))
+    edges = [0] + cuts + [total]
+    return tuple(b - a for a, b in zip(edges, edges[1:]))
 
 
 def _square(dtype, d, s, causal, training, **extra) -> GridRow:
@@ -68,7 +78,16 @@ def _extras(dtype) -> list[GridRow]:
             label = f"{name} d128 S=4096 GQA 16/4{' causal' if causal else ''} {mode}"
             rows.append(GridRow(label, 4, 16, 4, 4096, 4096, 128, dtype, causal, training))
     for training in (False, True):
-        rows.append(_square(dtype, 128, 4096, False, training, window=(1024, 0)))
+        for s in (4096, 16384):
+            rows.append(_square(dtype, 128, s, False, training, window=(1024, 0)))
+        for causal in (False, True):
+            mode = "training" if training else "inference"
+            label = f"{name} d128 varlen 16 seqs{' causal' if causal else ''} {mode}"
+            lengths = packed_lengths()
+            rows.append(
+                GridRow(label, 16, 16, 16, max(lengths), max(lengths), 128, dtype, causal, training, lengths=lengths)
+            )
+    rows.append(_square(dtype, 128, 4096, False, False, dropout=0.1))
     return rows
 
 
@@ -91,6 +110,23 @@ def grid(quick: bool = False) -> list[GridRow]:
 def make_call(row: GridRow, device: torch.device):
     """Fresh random inputs for ``row`` on ``device``, normalised as sdpa() would (the Call)."""
     kw = dict(device=device, dtype=row.dtype, requires_grad=row.training)
+    if row.lengths:
+        total = sum(row.lengths)
+        q, k, v = (torch.randn(total, h, row.head_dim, **kw) for h in (row.heads, row.heads_kv, row.heads_kv))
+        offsets = torch.tensor((0,) + row.lengths, device=device).cumsum(0).to(torch.int32)
+        top = max(row.lengths)
+        return normalize_call(
+            q,
+            k,
+            v,
+            dropout_p=row.dropout,
+            is_causal=row.causal,
+            window=row.window,
+            cu_seqlens_q=offsets,
+            cu_seqlens_k=offsets,
+            max_seqlen_q=top,
+            max_seqlen_k=top,
+        )
     q = torch.randn(row.batch, row.heads, row.seqlen_q, row.head_dim, **kw)
     k = torch.randn(row.batch, row.heads_kv, row.seqlen_k, row.head_dim, **kw)
     v = torch.randn(row.batch, row.heads_kv, row.seqlen_k, row.head_dim, **kw)
