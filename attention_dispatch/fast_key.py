@@ -13,6 +13,12 @@ seqlen_k and the same options; where dispatch.seqlen_k_span proved the Decision 
 lengths, a call with its Sk in that span gets exactly that Decision, and its own tensors go to
 the backend's run() (strides, exact sizes and pointers are the run's business, not the
 decision's).
+
+Host time: a repeated call pays for this key and one dictionary lookup on top of its backend
+(issue 35: at most 1.3x F.sdpa's host time on the CPU for a tiny call).  Reading a tensor's
+metadata from Python is most of it (~0.1-0.2 us per attribute), so the key reads each fact once,
+is one flat tuple (cheaper to hash and compare than nested ones), and calls torch's C getters
+directly where the public function is a Python wrapper of one.
 """
 
 from __future__ import annotations
@@ -24,8 +30,19 @@ from . import registry
 from .call import mask_kept_as_given, offsets_kept_as_given
 from .dispatch import _scope
 
-# positions in call_key()'s tuple that length_key() reads (shapes and strides: 0 to 5)
-_POINTERS, _MASK, _PACKED = 6, 9, 10
+# positions in call_key()'s tuple that length_key() reads: shapes and strides 0 to 5, then
+_POINTERS, _MASK, _PACKED, _COMMON = 6, 7, 8, 9
+
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling  # a function torch.compile knows (a flag would be guarded on)
+_grad_enabled = torch.is_grad_enabled
+# torch.are_deterministic_algorithms_enabled() and its warn-only twin are Python wrappers of these
+_deterministic = getattr(torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled)
+_deterministic_warn_only = getattr(
+    torch._C, "_get_deterministic_algorithms_warn_only", torch.is_deterministic_algorithms_warn_only_enabled
+)
+_scoped_config = _config._scoped.get  # current_config(): the scoped config, else the loaded one
+_scope_get = _scope.get
 
 
 def call_key(
@@ -52,9 +69,8 @@ def call_key(
     holds everything normalize_call() validates or derives (shapes, strides, dtypes,
     devices, alignment, grad needs, the exact option values with their types: True == 1.0
     must not hit) and everything decide() keys on (config, registry, scope, determinism): a
-    hit is a call that the full path accepted before and would decide the same way.  Kept
-    lean: it is most of what a repeated call costs the dispatcher (issue 5: <= 3 us)."""
-    tensor = torch.Tensor
+    hit is a call that the full path accepted before and would decide the same way."""
+    tensor = _Tensor
     if (
         type(query) is not tensor
         or type(key) is not tensor
@@ -70,11 +86,14 @@ def call_key(
             window is not None
             and not (type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int)
         )
+        or _is_compiling()
     ):
         return None
-    if query.is_nested or torch.compiler.is_compiling():
-        return None  # a strided nested tensor has no shape: normalize_call() says what to pass
-    qs = query.shape
+    try:  # a strided nested tensor has no shape or strides: normalize_call() says what to pass
+        qs, ks, vs = query.shape, key.shape, value.shape
+        qt, kt, vt = query.stride(), key.stride(), value.stride()
+    except RuntimeError:
+        return None
     if cu_seqlens_q is None and cu_seqlens_k is None:
         if len(qs) != 4:
             return None
@@ -100,35 +119,52 @@ def call_key(
             max_seqlen_q,
             max_seqlen_k,
         )
+    dtype = query.dtype
     if attn_mask is None:
         mask = None
-    elif type(attn_mask) is not tensor or attn_mask.dim() != 4 or not mask_kept_as_given(attn_mask.dtype, query.dtype):
+        grad = _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    elif type(attn_mask) is not tensor or attn_mask.dim() != 4 or not mask_kept_as_given(attn_mask.dtype, dtype):
         return None  # not a tensor, or normalize_call() would reshape / convert it
     else:
+        mask_grad = attn_mask.requires_grad
         mask = (
             attn_mask.shape,
             attn_mask.stride(),
             attn_mask.dtype,
             attn_mask.device,
-            attn_mask.requires_grad,
+            mask_grad,
             attn_mask.data_ptr() & 15,
         )
-    det = torch.are_deterministic_algorithms_enabled()
-    # what length_key() keeps as it is: the last item (its other positions: _POINTERS, _MASK, _PACKED)
-    common = (
-        query.dtype,
+        grad = _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad or mask_grad)
+    qp, kp, vp = query.data_ptr(), key.data_ptr(), value.data_ptr()
+    # 0 when all three are 16-byte aligned (the usual case), else each one's offset
+    pointers = (qp | kp | vp) & 15 and (qp & 15, kp & 15, vp & 15)
+    det = _deterministic()
+    config = _scoped_config()
+    if config is None:
+        config = _config._loaded
+        if config is None:  # not loaded yet: load it now (that bumps the version the key holds)
+            config = _config.current_config()
+    # module globals read as they are: config_version(), registry_version() and current_config()
+    # are Python calls, a fifth of this key's time
+    return (
+        qs,
+        qt,
+        ks,
+        kt,
+        vs,
+        vt,
+        pointers,
+        mask,
+        packed,
+        # what length_key() keeps as it is: from _COMMON to the end
+        dtype,
         key.dtype,
         value.dtype,
         query.device,
         key.device,
         value.device,
-        torch.is_grad_enabled()
-        and (
-            query.requires_grad
-            or key.requires_grad
-            or value.requires_grad
-            or (mask is not None and attn_mask.requires_grad)
-        ),
+        grad,
         dropout_p,
         is_causal,
         scale,
@@ -137,25 +173,11 @@ def call_key(
         window,
         deterministic,
         backend,
-        id(_config.current_config()),
-        _config.config_version(),
-        registry.registry_version(),
-        _scope.get(),
-        det and (1 + torch.is_deterministic_algorithms_warn_only_enabled()),
-    )
-    return (
-        qs,
-        query.stride(),
-        key.shape,
-        key.stride(),
-        value.shape,
-        value.stride(),
-        query.data_ptr() & 15,
-        key.data_ptr() & 15,
-        value.data_ptr() & 15,
-        mask,
-        packed,
-        common,
+        id(config),
+        _config._version,
+        registry._version,
+        _scope_get(),
+        det and (1 + _deterministic_warn_only()),
     )
 
 
@@ -168,11 +190,11 @@ def length_key(exact: tuple):
         return None
     sk = ks[2]
     qt, kt, vt = exact[1], exact[3], exact[5]
-    common = exact[-1]
+    common = exact[_COMMON:]
     # Problem.aligned_16 (problem._aligned_16: 16-byte pointers, and strides but the last);
     # a call whose tensors' dtypes differ never has an entry (normalize_call refuses it)
     step = max(1, 16 // common[0].itemsize)
-    aligned = not (exact[_POINTERS] or exact[_POINTERS + 1] or exact[_POINTERS + 2])
+    aligned = not exact[_POINTERS]
     if aligned:
         for stride in qt[:-1] + kt[:-1] + vt[:-1]:
             if stride % step:

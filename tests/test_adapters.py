@@ -1017,14 +1017,22 @@ def test_cudnn_prepared_runner_calls_the_aten_op_for_plain_calls(
     torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
+# the CPU op takes GQA itself (F.sdpa hands it enable_gqa calls as they are), so GQA is direct there
+TORCH_CPU_DIRECT_CASES = [
+    c[:-1] + (True,) if c[:2] == (4, 2) and c[4:6] == (None, None) else c for c in CUDNN_DIRECT_CASES
+]
+
+
+@pytest.mark.parametrize("threads", [1, 64])  # GQA folded into rows (ts.fold_pays) or not
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,sq,sk,causal,mask,window,unit_stride,direct", CUDNN_DIRECT_CASES)
+@pytest.mark.parametrize("hq,hkv,sq,sk,causal,mask,window,unit_stride,direct", TORCH_CPU_DIRECT_CASES)
 def test_torch_cpu_prepared_runner_calls_the_flash_op_for_plain_calls(
-    dtype, hq, hkv, sq, sk, causal, mask, window, unit_stride, direct
+    monkeypatch, threads, dtype, hq, hkv, sq, sk, causal, mask, window, unit_stride, direct
 ):
     """On the CPU for real: plain calls' runner calls torch._scaled_dot_product_flash_attention_for_cpu
-    (what F.sdpa pinned to flash calls), bit-equal to run() in output and gradients; masks, GQA,
-    a bottom-right offset or a strided last dim keep run()."""
+    (what F.sdpa pinned to flash calls), bit-equal to run() in output and gradients, GQA included
+    (folded or not); masks, a bottom-right offset or a strided last dim keep run()."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     backend = TorchCpuBackend()
     q, k, v = inputs(2, hq, hkv, sq, sk, 16, dtype=dtype)
     if not unit_stride:

@@ -302,7 +302,7 @@ def observed_form(call: dict | None, sq: int, user_mask) -> str:
         return ts.LOWER_RIGHT
     if mask is None:
         if not call["is_causal"]:
-            return ts.PLAIN
+            return ts.FOLDED if call["rows"] != sq else ts.PLAIN  # FOLDED: G * Sq rows
         return ts.TAIL if call["rows"] < sq else ts.IS_CAUSAL
     if user_mask is None:
         return ts.BAND_MASK
@@ -328,6 +328,13 @@ GQA_LOWER_RIGHT = "the lower-right path calls the kernels without enable_gqa: K/
 GQA_NESTED = "nested inputs broadcast heads only without grad: K/V expanded to Hq=4 heads"
 CUDNN_OP = "torch._scaled_dot_product_cudnn_attention"
 CPU_OP = "torch._scaled_dot_product_flash_attention_for_cpu"
+
+
+def _is_causal_arg(args, kwargs) -> bool:
+    """is_causal of a recorded call of the CPU op (the prepared runner passes only what differs
+    from the op's defaults)."""
+    return args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+
 
 # id: (backend, (hq, hkv, sq, sk), causal, mask, extra options, form, passed over, repeat: (chosen, why) or None)
 SDPA_ROUTES = {
@@ -395,8 +402,11 @@ SDPA_ROUTES = {
         {},
         ts.BAND_MASK,
         ((ts.IS_CAUSAL, TOP_LEFT_WHY), (ts.LOWER_RIGHT, BAND_WHY)),
-        ("F.sdpa", "causal=bottom_right with Sq != Sk; GQA (Hq=4 != Hkv=2)"),
+        ("F.sdpa", "causal=bottom_right with Sq != Sk"),  # the CPU op takes GQA itself
     ),
+    "torch_cpu-gqa-folded": ("torch_cpu", (4, 2, 8, 8), None, None, {}, ts.FOLDED, (), (CPU_OP, None)),
+    "torch_cpu-gqa-causal": ("torch_cpu", (4, 2, 8, 8), TL, None, {}, ts.IS_CAUSAL, (), (CPU_OP, None)),
+    "torch_cpu-one-row-bottom-right-is-plain": ("torch_cpu", (4, 4, 1, 9), BR, None, {}, ts.PLAIN, (), (CPU_OP, None)),
     "lower-right-native": (
         "cpu_lower_right",
         (4, 4, 5, 9),
@@ -465,6 +475,7 @@ def test_torch_sdpa_route_is_the_form_run_and_prepare_take(monkeypatch, sdpa_cal
     what the prepared runner calls: the pinned kernel's ATen op (recorded in its place) or
     run()'s F.sdpa, with direct_reasons."""
     name, shape, causal, mask, extra, form, passed, repeat = SDPA_ROUTES[case]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # ts.fold_pays: folding fills the threads
     backend = BACKENDS[name]()
     q, k, v, opts, runner_kw, sq = _sdpa_call(shape, causal, mask, extra)
 
@@ -482,7 +493,7 @@ def test_torch_sdpa_route_is_the_form_run_and_prepare_take(monkeypatch, sdpa_cal
         call = sdpa_calls[-1]
         expanded = any(alt == "F.sdpa(enable_gqa)" for alt, _ in passed)
         assert call["k_heads"] == (shape[0] if expanded or shape[0] == shape[1] else shape[1])
-        assert call["enable_gqa"] == (shape[0] != shape[1] and not expanded and form != ts.NESTED)
+        assert call["enable_gqa"] == (shape[0] != shape[1] and not expanded and form not in (ts.NESTED, ts.FOLDED))
 
     seen: list = []
     if name == "cudnn":
@@ -490,7 +501,9 @@ def test_torch_sdpa_route_is_the_form_run_and_prepare_take(monkeypatch, sdpa_cal
     elif name == "torch_cpu":
         real = torch._scaled_dot_product_flash_attention_for_cpu
         monkeypatch.setattr(
-            torch, "_scaled_dot_product_flash_attention_for_cpu", lambda *a, **kw: seen.append(a[4]) or real(*a, **kw)
+            torch,
+            "_scaled_dot_product_flash_attention_for_cpu",
+            lambda *a, **kw: seen.append(_is_causal_arg(a, kw)) or real(*a, **kw),
         )
     runner = backend.prepare(q, k, v, opts)
     del sdpa_calls[:]
@@ -509,7 +522,8 @@ TORCH_CPU_EXPLAIN = {
     "tail": ((4, 4, 9, 5), BR, None, ts.TAIL, "F.sdpa"),
     "band-mask": ((4, 4, 5, 9), BR, None, ts.BAND_MASK, "F.sdpa"),
     "mask": ((4, 4, 8, 8), None, "bool", ts.MASK, "F.sdpa"),
-    "gqa": ((4, 2, 8, 8), None, None, ts.PLAIN, "F.sdpa"),
+    "gqa": ((4, 2, 8, 8), None, None, ts.FOLDED, CPU_OP),
+    "gqa-causal": ((4, 2, 8, 8), TL, None, ts.IS_CAUSAL, CPU_OP),
 }
 
 
@@ -519,11 +533,14 @@ def test_torch_cpu_explain_names_the_route_sdpa_takes(monkeypatch, sdpa_calls, c
     first call takes its form, the second (prepared) call the ATen op or F.sdpa as the route
     says; str(decision) shows it."""
     shape, causal, mask, form, repeat = TORCH_CPU_EXPLAIN[case]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # ts.fold_pays: folding fills the threads
     q, k, v, opts, _, sq = _sdpa_call(shape, causal, mask, {})
     seen: list = []
     real = torch._scaled_dot_product_flash_attention_for_cpu
     monkeypatch.setattr(
-        torch, "_scaled_dot_product_flash_attention_for_cpu", lambda *a, **kw: seen.append(a[4]) or real(*a, **kw)
+        torch,
+        "_scaled_dot_product_flash_attention_for_cpu",
+        lambda *a, **kw: seen.append(_is_causal_arg(a, kw)) or real(*a, **kw),
     )
     kw = dict(
         attn_mask=opts["attn_mask"], causal=None if causal is None else str(causal), enable_gqa=opts["enable_gqa"]

@@ -4,13 +4,24 @@ capabilities and checks."""
 
 from __future__ import annotations
 
+import math
 
 import torch
 
 from ..problem import Problem
 from ..semantics import CausalKind
 from .base import Capabilities
-from .torch_sdpa import HALF_DTYPES, TorchSdpaBackend, deterministic_flag
+from .kv_append import append_kv
+from .torch_sdpa import (
+    HALF_DTYPES,
+    MASK,
+    CpuPinnedKernel,
+    TorchSdpaBackend,
+    _kv_mask,
+    deterministic_flag,
+    fold_rows,
+    unfold_rows,
+)
 
 
 class CudnnBackend(TorchSdpaBackend):
@@ -58,7 +69,7 @@ class CudnnBackend(TorchSdpaBackend):
         except Exception:  # pragma: no cover - a broken cuDNN install
             return 0
 
-    def _direct_call(self, op, is_causal: bool, scale, grad: bool):
+    def _direct_call(self, op, is_causal: bool, scale, grad: bool, **_):
         def runner(query, key, value):
             # the log-sum-exp is what its backward reads: computed when the signature needs grad
             return op(query, key, value, None, grad, 0.0, is_causal, False, scale=scale)[0]
@@ -200,12 +211,20 @@ class TorchEfficientBackend(TorchSdpaBackend):
 
 
 class TorchCpuBackend(TorchSdpaBackend):
-    """PyTorch's fused CPU flash kernel (``SDPBackend.FLASH_ATTENTION`` on CPU tensors)."""
+    """PyTorch's fused CPU flash kernel (``SDPBackend.FLASH_ATTENTION`` on CPU tensors).
+
+    Host time (issues 34/35): pinned with the two flags PyTorch's CPU choice reads
+    (``CpuPinnedKernel``); GQA without mask or causal folded into rows where that pays
+    (``torch_sdpa.FOLDED``); repeated plain calls call the kernel's ATen op with only the
+    arguments that differ from its defaults; a KV cache computed over the keys its lengths
+    allow, read on the host where they are (``run_kvcache``)."""
 
     name = "torch_cpu"
     sdp_backend = "FLASH_ATTENTION"
     device_type = "cpu"
     direct_op = "_scaled_dot_product_flash_attention_for_cpu"
+    direct_gqa = True  # the CPU kernel reads kv head h // G itself (F.sdpa passes enable_gqa calls to it as they are)
+    fold_gqa = True
     capabilities = Capabilities(
         devices=frozenset({"cpu"}),
         different_head_dims=False,
@@ -218,8 +237,57 @@ class TorchCpuBackend(TorchSdpaBackend):
         notes="bottom-right causal as a folded bool mask",
     )
 
-    def _direct_call(self, op, is_causal: bool, scale, grad: bool):
-        def runner(query, key, value):
-            return op(query, key, value, 0.0, is_causal, scale=scale)[0]
+    def _context(self):
+        return CpuPinnedKernel()
 
-        return runner
+    def _direct_call(self, op, is_causal: bool, scale, grad: bool, fold: bool = False, head_dim: int = 0):
+        """The op with only the arguments that differ from its defaults (a keyword costs the
+        tiny call ~1 us of argument parsing): its default scale is 1 / sqrt(D), the same double
+        as the normalised call's (sdp::calculate_scale), so an equal scale is left out."""
+        default = scale is None or (head_dim > 0 and scale == 1.0 / math.sqrt(head_dim))
+        if fold:
+            extra = {} if default else {"scale": scale}
+
+            def folded(query, key, value):
+                heads_q = query.shape[1]
+                return unfold_rows(op(fold_rows(query, key.shape[1]), key, value, **extra)[0], heads_q)
+
+            return folded
+        if is_causal:
+            if default:
+                return lambda query, key, value: op(query, key, value, 0.0, True)[0]
+            return lambda query, key, value: op(query, key, value, 0.0, True, scale=scale)[0]
+        if default:
+            return lambda query, key, value: op(query, key, value)[0]
+        return lambda query, key, value: op(query, key, value, scale=scale)[0]
+
+    def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):
+        """A dense KV cache on the CPU, where its lengths cost nothing to read: the append (one
+        slice copy per tensor when every sequence has the same length, else kv_append's
+        scatter), then F.sdpa over the keys up to the longest L_b only, never the whole
+        capacity.  One length L for every sequence: a dense call over the first L keys (run():
+        no mask; causal is bottom-right against L, which a single query row never needs; GQA
+        folded where that pays).  Lengths that differ: the bool mask of the shared adapter
+        (key j < L_b, causal aligned to L_b) over the longest."""
+        if block_table is not None or window is not None:
+            raise ValueError(f"{self.name}: a paged KV cache or a window is not supported (rejected by check())")
+        b, hq, sq, _ = query.shape
+        capacity = k_cache.shape[2]
+        lengths = cache_seqlens.tolist()
+        shortest, longest = (min(lengths), max(lengths)) if lengths else (0, 0)
+        n_new = 0
+        if k_new is not None:
+            n_new = sq
+            if shortest == longest and 0 <= longest <= capacity - sq:
+                k_cache[:, :, longest : longest + sq].copy_(k_new)
+                v_cache[:, :, longest : longest + sq].copy_(v_new)
+            else:
+                append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new)
+        keys = min(longest + n_new, capacity)  # capacity: validate=False leaves the lengths unchecked
+        if 0 in (b, hq, sq) or keys <= 0:
+            return query.new_zeros(b, hq, sq, v_cache.shape[-1])
+        k, v = k_cache[:, :, :keys], v_cache[:, :, :keys]
+        if shortest + n_new == keys:  # every sequence has `keys` keys
+            return self.run(query, k, v, causal=causal, scale=scale)
+        allowed = _kv_mask(cache_seqlens + n_new if n_new else cache_seqlens, sq, keys, causal if sq > 1 else None)
+        return self._run_dense(query, k, v, allowed, 0.0, None, scale, MASK)

@@ -75,6 +75,10 @@ BAND_MASK = "F.sdpa(bool mask of the causal band)"
 MASK = "F.sdpa(attn_mask)"
 MASK_BAND = "F.sdpa(attn_mask with the causal band folded in)"
 NESTED = "F.sdpa(nested jagged)"
+# GQA without mask or causal (a decode step): the Hq / Hkv query heads of each kv head as rows
+# of one head, (B, Hkv, G * Sq, D) against K/V (B, Hkv, Sk, D); each row attends on its own, so
+# this is the same attention, with each K/V tile read once for the G heads (fold_gqa backends)
+FOLDED = "F.sdpa(query heads folded into rows)"
 # why a form keeps sdpa()'s repeated calls off the ATen op (direct_reasons)
 _NOT_DIRECT = {
     EMPTY: "an empty dimension",
@@ -158,6 +162,67 @@ class PinnedKernel:
         return False
 
 
+# The CPU kernel's query block for short queries (FlashAttentionKernel.cpp: q_split_size 32
+# below 192 rows): the rows one task of its parallel loop over (B, H, query blocks) computes
+_CPU_Q_BLOCK = 32
+
+
+def fold_pays(batch: int, heads_kv: int, rows: int) -> bool:
+    """Whether FOLDED is faster on the CPU kernel for a call whose folded heads have ``rows``
+    query rows (G * Sq): they fit one query block (one task reads each K/V tile once for all
+    of them, where the unfolded call's G tasks each read it: 0.4-0.7x the time for Sq <= 4 on
+    2 cores, 32/8 and 16/2 heads, Sk 64-2048), and B * Hkv tasks still give every thread one
+    (the unfolded call has G times more)."""
+    return rows <= _CPU_Q_BLOCK and batch * heads_kv >= torch.get_num_threads()
+
+
+def fold_rows(query, heads_kv: int):
+    """(B, Hq, Sq, D) -> (B, Hkv, G * Sq, D): query head h * G + g, row i -> kv head h, row g * Sq + i."""
+    b, hq, sq, d = query.shape
+    return query.reshape(b, heads_kv, hq // heads_kv * sq, d)
+
+
+def unfold_rows(out, heads_q: int):
+    """fold_rows' inverse on the output: (B, Hkv, G * Sq, Dv) -> (B, Hq, Sq, Dv)."""
+    b, hkv, rows, dv = out.shape
+    return out.reshape(b, heads_q, rows * hkv // heads_q, dv)
+
+
+class CpuPinnedKernel:
+    """``PinnedKernel("FLASH_ATTENTION")`` for CPU tensors, in the flags that matter there.
+    PyTorch's CPU choice (``sdp_utils_cpp.cpp``: ``select_sdp_backend_cpp``) reads only two of
+    them: the fused flash kernel when the flash flag is on and ``use_flash_attention_cpp``
+    passes, else math when the math flag is on, else "No available kernel"; the efficient,
+    cuDNN and overrideable flags are never read for a CPU tensor.  Flash on and math off pin the
+    fused kernel (no silent math fallback) exactly as the four-flag pin does, in two reads and,
+    with PyTorch's defaults, one write and its restore instead of twelve calls."""
+
+    __slots__ = ("changed",)
+
+    def __init__(self):
+        self.changed = ()
+
+    def __enter__(self):
+        flags = torch.backends.cuda
+        flash_off = not flags.flash_sdp_enabled()
+        math_on = flags.math_sdp_enabled()
+        if flash_off:
+            flags.enable_flash_sdp(True)
+        if math_on:
+            flags.enable_math_sdp(False)
+        self.changed = (flash_off, math_on)
+        return self
+
+    def __exit__(self, *exc):
+        flash_off, math_on = self.changed
+        flags = torch.backends.cuda
+        if flash_off:
+            flags.enable_flash_sdp(False)
+        if math_on:
+            flags.enable_math_sdp(True)
+        return False
+
+
 class TorchSdpaBackend(Backend):
     """The shared adapter; subclasses set the class attributes below."""
 
@@ -168,6 +233,8 @@ class TorchSdpaBackend(Backend):
     varlen_causal: CausalKind | None = None  # causal alignment of the nested path
     determinism_from_global_flag = False  # backward deterministic only under use_deterministic_algorithms
     direct_op: str = ""  # torch.<op> that F.sdpa calls under the pin for plain dense calls (prepare())
+    direct_gqa = False  # direct_op takes Hq != Hkv itself (as F.sdpa passes it with enable_gqa)
+    fold_gqa = False  # GQA without mask or causal as FOLDED where fold_pays() (the CPU kernel)
 
     # -- availability -------------------------------------------------------------
     def is_available(self) -> bool:
@@ -228,7 +295,7 @@ class TorchSdpaBackend(Backend):
     def _context(self):
         return PinnedKernel(self.sdp_backend)
 
-    def call_form(self, query, key, *, has_mask: bool, causal: CausalKind | None, varlen: bool):
+    def call_form(self, query, key, *, has_mask: bool, causal: CausalKind | None, varlen: bool, dropout: bool = False):
         """(form, passed_over): how run() hands this call to F.sdpa (one of the module's form
         names) and, for each faster form not taken, (form, why).  run() branches on it."""
         hq, hkv = query.shape[1], key.shape[1]  # (B, H, S, D) and packed (total, H, D) alike
@@ -244,13 +311,18 @@ class TorchSdpaBackend(Backend):
         sk = key.shape[2]
         if 0 in (b, hq, sq, sk):
             return EMPTY, (("F.sdpa", "an empty dimension: nothing to compute"),)
-        if causal is CausalKind.BOTTOM_RIGHT and sq == sk:
-            causal = CausalKind.TOP_LEFT  # the same function
+        if causal is CausalKind.BOTTOM_RIGHT:
+            if sq == sk:
+                causal = CausalKind.TOP_LEFT  # the same function
+            elif sq == 1:
+                causal = None  # one query row at the diagonal Sk - 1: every key is allowed
         if has_mask:
             if causal is None:
                 return MASK, ()
             return MASK_BAND, ((IS_CAUSAL, "PyTorch refuses is_causal together with an attn_mask"),)
         if causal is None:
+            if hkv != hq and self.fold_gqa and not dropout and fold_pays(b, hkv, hq // hkv * sq):
+                return FOLDED, ()
             return PLAIN, ()
         if causal is CausalKind.TOP_LEFT:
             return IS_CAUSAL, ()
@@ -269,6 +341,7 @@ class TorchSdpaBackend(Backend):
             has_mask=options.get("attn_mask") is not None,
             causal=options.get("causal"),
             varlen=options.get("cu_seqlens_q") is not None,
+            dropout=bool(options.get("dropout_p")),
         )
 
     def direct_reasons(self, query, key, value, options: dict) -> list[str]:
@@ -285,7 +358,7 @@ class TorchSdpaBackend(Backend):
             reasons.append("dropout")
         if options.get("window") is not None:
             reasons.append("a window")
-        if form not in (EMPTY, NESTED) and key.shape[1] != query.shape[1]:
+        if form not in (EMPTY, NESTED) and key.shape[1] != query.shape[1] and not self.direct_gqa:
             reasons.append(f"GQA (Hq={query.shape[1]} != Hkv={key.shape[1]})")
         if form != EMPTY and 0 in (query.shape[-1], key.shape[-1]):
             reasons.append("head_dim=0")
@@ -293,8 +366,10 @@ class TorchSdpaBackend(Backend):
             reasons.append("a last dimension that is not contiguous")
         return reasons
 
-    def _direct_call(self, op, is_causal: bool, scale, grad: bool):
-        """A runner ``(query, key, value) -> out`` calling ``op`` (``torch.<direct_op>``)."""
+    def _direct_call(self, op, is_causal: bool, scale, grad: bool, fold: bool = False, head_dim: int = 0):
+        """A runner ``(query, key, value) -> out`` calling ``op`` (``torch.<direct_op>``);
+        ``fold``: on the call's FOLDED form (its query heads as rows, module doc); ``head_dim``:
+        the query's."""
         raise NotImplementedError
 
     def prepare(self, query, key, value, options: dict):
@@ -308,8 +383,15 @@ class TorchSdpaBackend(Backend):
         such an op (torch_flash, torch_efficient: F.sdpa pads or converts there): run()."""
         if self.direct_op and not self.direct_reasons(query, key, value, options):
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-            is_causal = self._form(query, key, options)[0] == IS_CAUSAL
-            return self._direct_call(getattr(torch, self.direct_op), is_causal, options["scale"], grad)
+            form = self._form(query, key, options)[0]
+            return self._direct_call(
+                getattr(torch, self.direct_op),
+                form == IS_CAUSAL,
+                options["scale"],
+                grad,
+                fold=form == FOLDED,
+                head_dim=query.shape[-1],
+            )
         return super().prepare(query, key, value, options)
 
     def route(self, query, key, value, options: dict) -> Route | None:
@@ -349,7 +431,9 @@ class TorchSdpaBackend(Backend):
         if window is not None:
             raise ValueError(f"{self.name}: window={window} is not supported (rejected by check())")
         varlen = cu_seqlens_q is not None
-        form, _ = self.call_form(query, key, has_mask=attn_mask is not None, causal=causal, varlen=varlen)
+        form, _ = self.call_form(
+            query, key, has_mask=attn_mask is not None, causal=causal, varlen=varlen, dropout=bool(dropout_p)
+        )
         if form == EMPTY:
             return _empty_like_call(query, key, value)
         if form == NESTED:
@@ -376,6 +460,9 @@ class TorchSdpaBackend(Backend):
         query, key, value = (self._last_dim_contiguous(t) for t in (query, key, value))
         if form in (PLAIN, IS_CAUSAL):
             return self._sdpa(query, key, value, None, dropout_p, form == IS_CAUSAL, scale, gqa)
+        if form == FOLDED:
+            out = self._sdpa(fold_rows(query, hkv), key, value, None, 0.0, False, scale, False)
+            return unfold_rows(out, hq)
         if form == TAIL:
             # rows i < Sq - Sk have no allowed key; the last Sk rows form a square causal problem
             tail = self._sdpa(query[:, :, sq - sk :], key, value, None, dropout_p, True, scale, gqa)
