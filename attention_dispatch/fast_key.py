@@ -181,6 +181,19 @@ def call_key(
     )
 
 
+def dispatch_state() -> tuple:
+    """What decide() keys on besides the Problem and the forced backend, as call_key() reads it:
+    the current config (by id) and its version, the registry's version, the use_backends()
+    scope, and torch's determinism flags (which some backends' checks read)."""
+    config = _scoped_config()
+    if config is None:
+        config = _config._loaded
+        if config is None:
+            config = _config.current_config()
+    det = _deterministic()
+    return id(config), _config._version, registry._version, _scope_get(), det and (1 + _deterministic_warn_only())
+
+
 def length_key(exact: tuple):
     """``(key, Sk)``: sdpa()'s key of a call without its key length (module doc), from its
     :func:`call_key` ``exact`` (a 4-D query); None for a call with a mask, packed (varlen)

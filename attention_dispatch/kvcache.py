@@ -22,13 +22,13 @@ import math
 
 import torch
 
-from . import config as _config
 from . import registry
 from .call import _check_scalars, check_plain_tensor
 from .caches import register_cache
 from .backends.base import dtype_name
-from .debug import note_decision
-from .dispatch import FAST_CALLS_LIMIT, Decision, _scope, decide, run_with_fallback
+from .debug import _last, _recorders, note_decision
+from .fast_key import _is_compiling, dispatch_state
+from .dispatch import FAST_CALLS_LIMIT, Decision, decide, run_with_fallback
 from .problem import Problem, _aligned_16, compute_capability
 from .semantics import CausalKind, normalize_window
 
@@ -357,7 +357,7 @@ def sdpa_with_kvcache(
     )
     hit = None if key is None else kv_calls.get(key)
     if hit is not None:
-        decision, run, kind, window_, scale_, limits = hit
+        decision, run, kind, window_, scale_, limits, on_cuda = hit
         n_new, capacity, what, num_blocks, page, check = limits
         lengths = cache_seqlens
         if type(lengths) is int:  # flash-attn's form; out of range: the full path says so
@@ -366,9 +366,7 @@ def sdpa_with_kvcache(
                 if 0 <= lengths <= capacity - n_new
                 else None
             )
-        if lengths is not None and not (
-            check and query.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        ):
+        if lengths is not None and not (check and on_cuda and torch.cuda.is_current_stream_capturing()):
             if check:
                 _check_values(lengths, block_table, n_new, capacity, what, num_blocks, page)
             grad = torch.is_grad_enabled()  # forward only, as the full path's torch.no_grad()
@@ -394,7 +392,9 @@ def sdpa_with_kvcache(
             except Exception:  # noqa: BLE001 - the full path below raises or falls back per config
                 kv_calls.pop(key, None)
             else:
-                note_decision(decision)
+                _last.set(decision)  # note_decision(), inline
+                for sink in _recorders.get():
+                    sink.append(decision)
                 return out
     call = normalize_kvcache(
         query,
@@ -418,12 +418,13 @@ def sdpa_with_kvcache(
             kv_calls.clear()
         opts = call.options
         run = registry.get_backend(decision.backend).run_kvcache
-        kv_calls[key] = (decision, run, opts["causal"], opts["window"], opts["scale"], call.limits)
+        on_cuda = query.device.type == "cuda"  # the key holds the device
+        kv_calls[key] = (decision, run, opts["causal"], opts["window"], opts["scale"], call.limits, on_cuda)
     return out
 
 
 # sdpa_with_kvcache()'s repeated calls: kv_call_key -> (Decision, the backend's run_kvcache, its
-# causal, window and scale, KvCall.limits)
+# causal, window and scale, KvCall.limits, whether the tensors are on CUDA)
 kv_calls: dict = {}
 register_cache("kvcache.kv_calls", kv_calls.clear, kv_calls.__len__)
 
@@ -468,34 +469,33 @@ def kv_call_key(
             window is not None
             and not (type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int)
         )
-        or query.is_nested
-        or k_cache.is_nested
-        or v_cache.is_nested
-        or torch.compiler.is_compiling()
+        or _is_compiling()
     ):
         return None
-    if type(cache_seqlens) is int:
-        lengths = int
-    elif type(cache_seqlens) is tensor and not cache_seqlens.is_nested:
-        lengths = (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device)
-    else:
-        return None
-    if k_new is None and v_new is None:
-        new = None
-    elif type(k_new) is tensor and type(v_new) is tensor and not (k_new.is_nested or v_new.is_nested):
-        new = _tensor_key(k_new) + _tensor_key(v_new)
-    else:
-        return None
-    if block_table is None:
-        table = None
-    elif type(block_table) is tensor and not block_table.is_nested:
-        table = (block_table.shape, block_table.dtype, block_table.device)
-    else:
+    try:  # a strided nested tensor has no shape or strides (normalize_kvcache says what to pass)
+        tensors = _tensor_key(query), _tensor_key(k_cache), _tensor_key(v_cache)
+        if type(cache_seqlens) is int:
+            lengths = int
+        elif type(cache_seqlens) is tensor and not cache_seqlens.is_nested:
+            lengths = (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device)
+        else:
+            return None
+        if k_new is None and v_new is None:
+            new = None
+        elif type(k_new) is tensor and type(v_new) is tensor:
+            new = _tensor_key(k_new) + _tensor_key(v_new)
+        else:
+            return None
+        if block_table is None:
+            table = None
+        elif type(block_table) is tensor and not block_table.is_nested:
+            table = (block_table.shape, block_table.dtype, block_table.device)
+        else:
+            return None
+    except RuntimeError:
         return None
     return (
-        _tensor_key(query),
-        _tensor_key(k_cache),
-        _tensor_key(v_cache),
+        *tensors,
         lengths,
         new,
         table,
@@ -505,11 +505,7 @@ def kv_call_key(
         enable_gqa,
         backend,
         validate,
-        id(_config.current_config()),
-        _config.config_version(),
-        registry.registry_version(),
-        _scope.get(),
-        torch.are_deterministic_algorithms_enabled() and 1 + torch.is_deterministic_algorithms_warn_only_enabled(),
+        dispatch_state(),  # config, registry, scope, determinism
     )
 
 

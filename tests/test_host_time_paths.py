@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attention_dispatch as ad
 from attention_dispatch import dispatch
+from attention_dispatch.backends import torch_backends
 from attention_dispatch.backends import torch_sdpa as ts
 from attention_dispatch.backends.torch_backends import TorchCpuBackend
 from attention_dispatch.fast_key import call_key, length_key
@@ -260,13 +261,17 @@ def test_kvcache_never_reads_past_the_valid_keys(one_thread, monkeypatch, length
         args["k_cache"][b, :, n:] = math.nan if equal else 1e4
         args["v_cache"][b, :, n:] = math.nan if equal else -1e4
     seen = []
-    real = F.scaled_dot_product_attention
 
-    def recorder(q, k, v, *a, **kw):
-        seen.append(k.shape[2])
-        return real(q, k, v, *a, **kw)
+    def recording(real):
+        def recorder(q, k, v, *a, **kw):
+            seen.append(k.shape[2])
+            return real(q, k, v, *a, **kw)
 
-    monkeypatch.setattr(F, "scaled_dot_product_attention", recorder)
+        return recorder
+
+    # one length: the CPU op itself (TorchCpuBackend._direct_dense); else F.sdpa with a mask
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording(F.scaled_dot_product_attention))
+    monkeypatch.setattr(torch_backends, "_CPU_FLASH", recording(torch_backends._CPU_FLASH))
     out = ad.sdpa_with_kvcache(**args, backend="torch_cpu")
     assert seen == ([max(lengths)] if max(lengths) else [])
     ref = kv_reference(args["query"], args["k_cache"].nan_to_num(), args["v_cache"].nan_to_num(), list(lengths))
@@ -349,3 +354,21 @@ def test_repeated_tiny_call_hits_the_prepared_op(monkeypatch):
     out = ad.sdpa(q, k, v, backend="torch_cpu")
     assert calls[-1] == (3, {})
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), atol=0, rtol=0)
+
+
+def test_overhead_benchmark_times_ours_and_the_reference_in_every_round():
+    """benchmarks/overhead.py's tiny-call row: both functions timed in every round, order
+    alternating, us per call (the interleaved figures issue 35's target is about)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
+    spec = importlib.util.spec_from_file_location("overhead_for_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    order = []
+    ref_us, fn_us = mod.paired_times(
+        lambda: order.append("ref"), lambda: order.append("fn"), n=2, repeat=3, sync=lambda: None
+    )
+    assert len(ref_us) == len(fn_us) == 3 and min(ref_us + fn_us) > 0
+    assert order[20:] == ["ref"] * 2 + ["fn"] * 2 + ["fn"] * 2 + ["ref"] * 2 + ["ref"] * 2 + ["fn"] * 2

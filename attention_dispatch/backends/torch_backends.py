@@ -19,9 +19,12 @@ from .torch_sdpa import (
     TorchSdpaBackend,
     _kv_mask,
     deterministic_flag,
+    fold_pays,
     fold_rows,
     unfold_rows,
 )
+
+_CPU_FLASH = getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 class CudnnBackend(TorchSdpaBackend):
@@ -264,11 +267,13 @@ class TorchCpuBackend(TorchSdpaBackend):
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):
         """A dense KV cache on the CPU, where its lengths cost nothing to read: the append (one
         slice copy per tensor when every sequence has the same length, else kv_append's
-        scatter), then F.sdpa over the keys up to the longest L_b only, never the whole
-        capacity.  One length L for every sequence: a dense call over the first L keys (run():
-        no mask; causal is bottom-right against L, which a single query row never needs; GQA
-        folded where that pays).  Lengths that differ: the bool mask of the shared adapter
-        (key j < L_b, causal aligned to L_b) over the longest."""
+        scatter), then attention over the keys up to the longest L_b only, never the whole
+        capacity.  One length L for every sequence: a dense call over the first L keys (causal
+        is bottom-right against L, which a single query row never needs): the CPU op itself
+        where run() would call F.sdpa without a mask (GQA folded where that pays;
+        _direct_dense), else run().  Lengths that differ: F.sdpa with the bool mask of the
+        shared adapter (key j < L_b, causal aligned to L_b) over the longest; the shorter
+        sequences' keys up to it are read under a False mask (finite there, as any cache)."""
         if block_table is not None or window is not None:
             raise ValueError(f"{self.name}: a paged KV cache or a window is not supported (rejected by check())")
         b, hq, sq, _ = query.shape
@@ -279,15 +284,38 @@ class TorchCpuBackend(TorchSdpaBackend):
         if k_new is not None:
             n_new = sq
             if shortest == longest and 0 <= longest <= capacity - sq:
-                k_cache[:, :, longest : longest + sq].copy_(k_new)
-                v_cache[:, :, longest : longest + sq].copy_(v_new)
+                k_cache.narrow(2, longest, sq).copy_(k_new)
+                v_cache.narrow(2, longest, sq).copy_(v_new)
             else:
                 append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new)
         keys = min(longest + n_new, capacity)  # capacity: validate=False leaves the lengths unchecked
         if 0 in (b, hq, sq) or keys <= 0:
             return query.new_zeros(b, hq, sq, v_cache.shape[-1])
-        k, v = k_cache[:, :, :keys], v_cache[:, :, :keys]
+        k, v = k_cache.narrow(2, 0, keys), v_cache.narrow(2, 0, keys)
         if shortest + n_new == keys:  # every sequence has `keys` keys
-            return self.run(query, k, v, causal=causal, scale=scale)
+            out = self._direct_dense(query, k, v, causal, scale)
+            return self.run(query, k, v, causal=causal, scale=scale) if out is None else out
         allowed = _kv_mask(cache_seqlens + n_new if n_new else cache_seqlens, sq, keys, causal if sq > 1 else None)
         return self._run_dense(query, k, v, allowed, 0.0, None, scale, MASK)
+
+    def _direct_dense(self, query, key, value, causal, scale):
+        """run()'s result for a non-empty dense call without mask or dropout where run() would
+        call F.sdpa without a mask (PLAIN, IS_CAUSAL, FOLDED): the op F.sdpa pinned to flash calls
+        for it (prepare()'s equivalence), with the cheap checks inline; None for any other call."""
+        b, hq, sq, d = query.shape
+        hkv, keys = key.shape[1], key.shape[2]
+        if causal is not None and sq > 1:
+            if sq != keys and causal is not CausalKind.TOP_LEFT:
+                return None  # bottom-right with Sq != Sk: TAIL or BAND_MASK
+            is_causal = True
+        else:
+            is_causal = False  # one row, bottom-right: every key (call_form)
+        if d == 0 or query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+            return None
+        op = _CPU_FLASH
+        if op is None:
+            return None
+        extra = {} if scale == 1.0 / math.sqrt(d) else {"scale": scale}
+        if is_causal or hkv == hq or not fold_pays(b, hkv, hq // hkv * sq):
+            return op(query, key, value, 0.0, is_causal, **extra)[0]
+        return unfold_rows(op(fold_rows(query, hkv), key, value, **extra)[0], hq)
