@@ -473,10 +473,13 @@ def kv_call_key(
     ):
         return None
     try:  # a strided nested tensor has no shape or strides (normalize_kvcache says what to pass)
-        tensors = _tensor_key(query), _tensor_key(k_cache), _tensor_key(v_cache)
+        # _tensor_key() of the three, inline (a decode step pays for every call here)
+        q_key = query.shape, query.stride(), query.dtype, query.device, query.data_ptr() & 15
+        k_key = k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, k_cache.data_ptr() & 15
+        v_key = v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, v_cache.data_ptr() & 15
         if type(cache_seqlens) is int:
             lengths = int
-        elif type(cache_seqlens) is tensor and not cache_seqlens.is_nested:
+        elif type(cache_seqlens) is tensor:
             lengths = (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device)
         else:
             return None
@@ -495,7 +498,9 @@ def kv_call_key(
     except RuntimeError:
         return None
     return (
-        *tensors,
+        q_key,
+        k_key,
+        v_key,
         lengths,
         new,
         table,

@@ -248,6 +248,14 @@ def test_kvcache_over_the_longest_length_matches_the_reference(one_thread, lengt
     check_kv_call("torch_cpu", case)  # the repeated call (sdpa_with_kvcache's fast path)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("lengths", [(40, 40), (40, 3)])
+@pytest.mark.parametrize("sq,causal", [(1, True), (2, True), (3, False)])
+def test_kvcache_over_the_longest_length_in_every_dtype(one_thread, dtype, lengths, sq, causal):
+    case = KvCase(dtype=dtype, batch=2, heads_q=4, heads_kv=2, seqlen_q=sq, causal=causal, append=True, lengths=lengths)
+    check_kv_call("torch_cpu", case)
+
+
 @pytest.mark.parametrize("lengths", [(20, 20), (0, 0), (20, 7), (0, 9)])
 def test_kvcache_never_reads_past_the_valid_keys(one_thread, monkeypatch, lengths):
     """The kernel is handed no key past the longest length.  One length for all: keys and values

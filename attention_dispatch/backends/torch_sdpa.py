@@ -23,7 +23,8 @@ silently reroute. The limits mirror PyTorch's filters (2.11 .. 2.13):
 How our call maps onto ``F.scaled_dot_product_attention``:
 
 - causal top-left without a mask: ``is_causal=True``.
-- causal bottom-right without a mask: Sq == Sk is the same as top-left; Sq < Sk goes
+- causal bottom-right without a mask: Sq == Sk is the same as top-left, and Sq == 1 (a
+  decode step) allows every key, i.e. no causal at all; Sq < Sk goes
   through ``causal_lower_right`` (flash, efficient) or a folded boolean mask (cuDNN, CPU);
   Sq > Sk runs only the last Sk query rows as a square causal problem and returns zeros
   for the first Sq - Sk rows, which have no allowed key (no NaN, gradient 0).
@@ -36,10 +37,15 @@ How our call maps onto ``F.scaled_dot_product_attention``:
   to everything inside the kernel (finite numbers) and replaces their output by 0; since
   their incoming gradient is then 0, they contribute exactly 0 to every gradient. The CPU
   flash kernel already returns 0 with zero gradient for them (tested), so it runs as is.
+- GQA without mask, causal or dropout on the CPU kernel (``fold_gqa``): the G = Hq / Hkv query
+  heads of each kv head folded into rows, (B, Hkv, G * Sq, D), where that pays (``fold_pays``):
+  the same attention (each row attends on its own), with each K/V tile read once for G heads.
 - a dense KV cache (sdpa_with_kvcache; backends that take a bool mask): k_new/v_new written
   into the cache in place (kv_append.py), then F.sdpa over the whole cache with a bool mask
   built on the device from ``cache_seqlens`` (key j < L_b, causal aligned to L_b): nothing is
-  read on the host, so it can be captured in a CUDA graph.  Paged caches, windows: no.
+  read on the host, so it can be captured in a CUDA graph.  Paged caches, windows: no.  The
+  CPU backend reads the lengths (free there) and computes over the longest only
+  (``TorchCpuBackend.run_kvcache``).
 - varlen (cu_seqlens): ``torch.nested.nested_tensor_from_jagged`` on the packed tensors;
   GQA is expanded to full heads first (nested inputs broadcast heads only without grad);
   sequences of length 0 are left out of the kernel call (their rows are 0).
