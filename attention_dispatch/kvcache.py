@@ -429,10 +429,6 @@ kv_calls: dict = {}
 register_cache("kvcache.kv_calls", kv_calls.clear, kv_calls.__len__)
 
 
-def _tensor_key(t) -> tuple:
-    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
-
-
 def kv_call_key(
     query,
     k_cache,
@@ -473,7 +469,7 @@ def kv_call_key(
     ):
         return None
     try:  # a strided nested tensor has no shape or strides (normalize_kvcache says what to pass)
-        # _tensor_key() of the three, inline (a decode step pays for every call here)
+        # each tensor's shape, strides, dtype, device and 16-byte alignment, read inline (every decode step pays here)
         q_key = query.shape, query.stride(), query.dtype, query.device, query.data_ptr() & 15
         k_key = k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, k_cache.data_ptr() & 15
         v_key = v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, v_cache.data_ptr() & 15
@@ -486,7 +482,18 @@ def kv_call_key(
         if k_new is None and v_new is None:
             new = None
         elif type(k_new) is tensor and type(v_new) is tensor:
-            new = _tensor_key(k_new) + _tensor_key(v_new)
+            new = (
+                k_new.shape,
+                k_new.stride(),
+                k_new.dtype,
+                k_new.device,
+                k_new.data_ptr() & 15,
+                v_new.shape,
+                v_new.stride(),
+                v_new.dtype,
+                v_new.device,
+                v_new.data_ptr() & 15,
+            )
         else:
             return None
         if block_table is None:
