@@ -380,3 +380,21 @@ def test_overhead_benchmark_times_ours_and_the_reference_in_every_round():
     )
     assert len(ref_us) == len(fn_us) == 3 and min(ref_us + fn_us) > 0
     assert order[20:] == ["ref"] * 2 + ["fn"] * 2 + ["fn"] * 2 + ["ref"] * 2 + ["ref"] * 2 + ["fn"] * 2
+
+
+@pytest.mark.parametrize("causal", [None, ad.CausalKind.TOP_LEFT, ad.CausalKind.BOTTOM_RIGHT])
+@pytest.mark.parametrize("sq,sk", [(1, 9), (4, 4), (3, 9), (9, 3)])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_direct_dense_equals_run_or_declines(one_thread, causal, sq, sk, hkv):
+    """TorchCpuBackend._direct_dense (run_kvcache's one-length path) is run()'s result where it
+    takes the call, and declines (None) the bottom-right forms that need a mask or a tail."""
+    backend = TorchCpuBackend()
+    q, k, v = torch.randn(2, 4, sq, 16), torch.randn(2, hkv, sk, 16), torch.randn(2, hkv, sk, 16)
+    got = backend._direct_dense(q, k, v, causal, 0.25)
+    want = backend.run(q, k, v, causal=causal, scale=0.25)
+    declines = causal is ad.CausalKind.BOTTOM_RIGHT and sq not in (1, sk)
+    assert (got is None) == declines
+    if got is not None:
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+        ref = _oracle(q, k, v, causal=None if causal is None else str(causal), scale=0.25)
+        assert_matches(got, ref, want)

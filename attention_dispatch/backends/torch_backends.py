@@ -304,12 +304,14 @@ class TorchCpuBackend(TorchSdpaBackend):
         for it (prepare()'s equivalence), with the cheap checks inline; None for any other call."""
         b, hq, sq, d = query.shape
         hkv, keys = key.shape[1], key.shape[2]
-        if causal is not None and sq > 1:
-            if sq != keys and causal is not CausalKind.TOP_LEFT:
-                return None  # bottom-right with Sq != Sk: TAIL or BAND_MASK
-            is_causal = True
-        else:
+        if causal is None:
+            is_causal = False
+        elif causal is CausalKind.TOP_LEFT or sq == keys:
+            is_causal = True  # top-left, or bottom-right on a square: the same
+        elif sq == 1:
             is_causal = False  # one row, bottom-right: every key (call_form)
+        else:
+            return None  # bottom-right with Sq != Sk > 1: TAIL or BAND_MASK
         if d == 0 or query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
             return None
         op = _CPU_FLASH
