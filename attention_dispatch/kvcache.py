@@ -215,26 +215,7 @@ def normalize_kvcache(
                 "capture forbids: pass validate=None or False while capturing"
             )
         _check_values(cache_seqlens, block_table, sq if append else 0, capacity, what, num_blocks, page)
-    tensors = (query, k_cache, v_cache) + ((k_new, v_new) if append else ())
-    problem = _problem(
-        (
-            b,
-            hq,
-            hkv,
-            sq,
-            capacity,
-            d,
-            query.dtype,
-            query.device,
-            "paged" if paged else "kvcache",
-            kind,
-            window,
-            all(t.stride(-1) == 1 for t in tensors),
-            all(_aligned_16(t) for t in tensors),
-            page,
-            append,
-        )
-    )
+    problem = kv_problem(query, k_cache, v_cache, k_new if append else None, v_new, block_table, kind, window)
     options = dict(
         k_new=k_new,
         v_new=v_new,
@@ -249,6 +230,36 @@ def normalize_kvcache(
 
 _problems: dict = {}
 register_cache("kvcache.problems", _problems.clear, _problems.__len__)
+
+
+def kv_problem(query, k_cache, v_cache, k_new, v_new, block_table, causal, window) -> Problem:
+    """The Problem of a validated KV-cache call (``causal``: a CausalKind or None; ``window``
+    normalised): the one place its facts are read, here and in adapters that choose a route."""
+    b, hq, sq, d = query.shape
+    if block_table is not None:
+        page, hkv, capacity = k_cache.shape[1], k_cache.shape[2], block_table.shape[1] * k_cache.shape[1]
+    else:
+        page, hkv, capacity = None, k_cache.shape[1], k_cache.shape[2]
+    tensors = (query, k_cache, v_cache) + ((k_new, v_new) if k_new is not None else ())
+    return _problem(
+        (
+            b,
+            hq,
+            hkv,
+            sq,
+            capacity,
+            d,
+            query.dtype,
+            query.device,
+            "paged" if block_table is not None else "kvcache",
+            causal,
+            window,
+            all(t.stride(-1) == 1 for t in tensors),
+            all(_aligned_16(t) for t in tensors),
+            page,
+            k_new is not None,
+        )
+    )
 
 
 def _problem(facts: tuple) -> Problem:

@@ -52,7 +52,7 @@ import re
 
 import torch
 
-from ..problem import Problem, _aligned_16, compute_capability
+from ..problem import Problem, compute_capability
 from ..semantics import band
 from .base import Capabilities
 from .kv_append import append_kv
@@ -208,41 +208,17 @@ def kv_reasons(key: str, version: str, p: Problem) -> list[str]:
 
 
 def kv_problem(query, k_cache, v_cache, k_new, v_new, block_table, causal, window) -> Problem:
-    """The Problem run_kvcache() chooses a generation for.  As run_problem() for sdpa(): device and
-    dtype were vetted by the dispatcher, the choice here is about features (which keeps it usable
-    on fakes on the CPU)."""
-    b, hq, sq, d = query.shape
-    if block_table is not None:
-        page, hkv = k_cache.shape[1], k_cache.shape[2]
-        capacity = block_table.shape[1] * page
-    else:
-        page, hkv, capacity = None, k_cache.shape[1], k_cache.shape[2]
-    tensors = (query, k_cache, v_cache) + ((k_new, v_new) if k_new is not None else ())
-    return Problem(
-        batch=b,
-        heads_q=hq,
-        heads_kv=hkv,
-        seqlen_q=sq,
-        seqlen_k=capacity,
-        head_dim_qk=d,
-        head_dim_v=d,
+    """The Problem run_kvcache() chooses a generation for: kvcache.kv_problem's, as run_problem()
+    for sdpa(): device and dtype were vetted by the dispatcher, the choice here is about features
+    (which keeps it usable on fakes on the CPU)."""
+    from ..kvcache import kv_problem as problem_of
+
+    p = problem_of(query, k_cache, v_cache, k_new, v_new, block_table, causal, window)
+    return dataclasses.replace(
+        p,
         dtype=query.dtype if query.dtype in _HALF else torch.float16,
         device_type="cuda",
         compute_capability=compute_capability(query.device),
-        layout="kvcache" if block_table is None else "paged",
-        mask_kind="none",
-        mask_shape=None,
-        mask_requires_grad=False,
-        causal=causal,
-        window=window,
-        dropout=False,
-        requires_grad=False,
-        deterministic=False,
-        deterministic_warn_only=False,
-        last_dim_contiguous=all(t.stride(-1) == 1 for t in tensors),
-        aligned_16=all(_aligned_16(t) for t in tensors),
-        kv_block_size=page,
-        kv_append=k_new is not None,
     )
 
 
