@@ -29,17 +29,24 @@ def _allowed(sq: int, sk: int, causal: str | None, window: tuple[int, int] | Non
     return ok
 
 
-def _one(q, k, v, bias, keep, dropout_p, scale, causal, window):
-    """q (Hq, Sq, D), k (Hkv, Sk, D), v (Hkv, Sk, Dv); bias/keep broadcastable to (Hq, Sq, Sk)."""
+def _one(q, k, v, bias, keep, dropout_p, scale, causal, window, softcap=None, slopes=None, sinks=None):
+    """q (Hq, Sq, D), k (Hkv, Sk, D), v (Hkv, Sk, Dv); bias/keep broadcastable to (Hq, Sq, Sk);
+    slopes (Hq,) ALiBi slopes of this batch entry; sinks (Hq,) one extra logit per head."""
     hq, sq, _ = q.shape
     hkv, sk, _ = k.shape
     group = hq // hkv
     if sq == 0 or sk == 0:
         return q.new_zeros(hq, sq, v.shape[-1]), q.new_full((hq, sq), -math.inf)
     allowed = _allowed(sq, sk, causal, window)
+    off = 0 if causal == "top_left" else sk - sq
+    distance = (torch.arange(sq).unsqueeze(1) + off - torch.arange(sk).unsqueeze(0)).abs().to(q.dtype)
     rows = []
     for h in range(hq):
         s = scale * (q[h] @ k[h // group].T)
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        if slopes is not None:
+            s = s - slopes[h].to(s.dtype) * distance
         ok = allowed.clone()
         if bias is not None:
             b = bias[h] if bias.dim() == 3 else bias
@@ -52,7 +59,8 @@ def _one(q, k, v, bias, keep, dropout_p, scale, causal, window):
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         e = torch.exp(s - m) * ok
         z = e.sum(-1, keepdim=True)
-        p = torch.where(z > 0, e / torch.where(z > 0, z, torch.ones_like(z)), torch.zeros_like(e))
+        denominator = z if sinks is None else z + torch.exp(sinks[h].to(s.dtype) - m)
+        p = torch.where(z > 0, e / torch.where(z > 0, denominator, torch.ones_like(z)), torch.zeros_like(e))
         if keep is not None:
             kp = keep[h] if keep.dim() == 3 else keep
             p = p * kp.expand(sq, sk).to(p.dtype) / (1.0 - dropout_p)
@@ -83,13 +91,25 @@ def naive_attention(
     cu_seqlens_q=None,
     cu_seqlens_k=None,
     return_lse=False,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
 ):
     """Dense: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv).
     Varlen: q (total_q, Hq, D) etc. with cu_seqlens; mask/keep then index (B, Hq, i, j)
     with positions local to each sequence (broadcastable to (B, Hq, max_sq, max_sk)).
     causal: None | "top_left" | "bottom_right"; window: (left, right) with -1 unbounded.
     keep: the dropout keep-mask (True = kept), applied with 1/(1-dropout_p) scaling.
-    Computes in the inputs' dtype (pass float64 for the oracle)."""
+    softcap: s = softcap * tanh(scale <q, k> / softcap) before bias; alibi_slopes (Hq,) or (B, Hq):
+    adds -slope * |i + off - j| (off = 0 for top-left causal, Sk - Sq otherwise); sinks (Hq,): one
+    extra logit per head in each row's softmax denominator, carrying no value (the returned lse
+    leaves it out). Computes in the inputs' dtype (pass float64 for the oracle)."""
+    hq_all = q.shape[1] if cu_seqlens_q is not None else q.shape[-3]
+    slopes = None
+    if alibi_slopes is not None:
+        nb = (len(cu_seqlens_q) - 1) if cu_seqlens_q is not None else q.shape[0]
+        slopes = alibi_slopes.reshape(-1, hq_all).expand(nb, hq_all)
+    extra = dict(softcap=softcap, sinks=sinks)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if cu_seqlens_q is None:
@@ -108,6 +128,8 @@ def naive_attention(
                 scale,
                 causal,
                 window,
+                slopes=None if slopes is None else slopes[i],
+                **extra,
             )
             for i in range(b)
         ]
@@ -131,7 +153,19 @@ def naive_attention(
             t = t.expand(b, hq, max(t.shape[-2], sq), max(t.shape[-1], sk))
             return t[i, :, :sq, :sk]
 
-        o, l = _one(qi, ki, vi, crop(mask), crop(keep), dropout_p, scale, causal, window)
+        o, l = _one(
+            qi,
+            ki,
+            vi,
+            crop(mask),
+            crop(keep),
+            dropout_p,
+            scale,
+            causal,
+            window,
+            slopes=None if slopes is None else slopes[i],
+            **extra,
+        )
         outs.append(o.transpose(0, 1))
         lses.append(l.transpose(0, 1))
     out = torch.cat(outs) if outs else q.new_zeros(0, hq, v.shape[-1])
