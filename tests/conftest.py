@@ -1,4 +1,5 @@
 import os
+import zlib
 
 import pytest
 import torch
@@ -8,6 +9,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import attention_dispatch as ad  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Random inputs fresh per test but the same on every run, whichever worker runs it and in
+    whatever order: a tolerance that fails does so reproducibly, never as a flake."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 @pytest.fixture(autouse=True)

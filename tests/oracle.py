@@ -19,6 +19,16 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
 
 
+def rounding_floor(ref64: torch.Tensor, dtype: torch.dtype) -> float:
+    """The slack, or half an ulp of the largest reference value in ``dtype`` if that is more:
+    rounding the exact result to a 16-bit dtype costs that much however it was computed, and
+    the reference run in that dtype may happen to round its worst element closer (bfloat16
+    gradients of magnitude ~10 missed 2x the reference's error by 4-20% on 3 of 1600 draws)."""
+    finite = ref64[torch.isfinite(ref64)] if ref64.numel() else ref64
+    largest = finite.abs().max().item() if finite.numel() else 0.0
+    return max(SLACK[dtype], 0.5 * torch.finfo(dtype).eps * largest)
+
+
 def assert_matches(got, ref64, ref_lowp=None, what: str = "output", dtype=None, factor: float = 2.0) -> float:
     """got/ref_lowp in the input dtype, ref64 in float64 (same shapes). Without ref_lowp the
     budget is the slack alone; dtype (default got's) picks the slack. Returns the error."""
@@ -27,7 +37,7 @@ def assert_matches(got, ref64, ref_lowp=None, what: str = "output", dtype=None, 
     assert not torch.isnan(got).any(), f"{what}: NaN in result"
     err = max_err(got, ref64)
     base = max_err(ref_lowp, ref64) if ref_lowp is not None else 0.0
-    budget = factor * base + SLACK[dtype or got.dtype]
+    budget = factor * base + rounding_floor(ref64, dtype or got.dtype)
     assert err <= budget, f"{what}: max error {err:.3e} > allowed {budget:.3e}"
     return err
 
