@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 
@@ -14,6 +15,7 @@ from .dispatch import FAST_CALLS_LIMIT, Decision, decide, fast_calls, run_with_f
 from .call import Call, CallFacts, _seqlens, make_problem, normalize_call
 from .fast_key import call_key, length_key
 from .fastest import choose_fastest
+from .policy import guard as _guard
 
 
 @torch.compiler.assume_constant_result
@@ -25,6 +27,19 @@ def _decide_at_trace_time(facts: tuple, forced) -> tuple:
     decision = decide(problem, forced)
     note_decision(decision)
     return decision.backend, problem.deterministic
+
+
+def _constant(fact):
+    """A fact as a Python constant: a size that torch.compile traces symbolically (dynamo
+    marks a dimension dynamic once it changed) is specialised to its value, a guard, so the
+    decision is taken for the real size and another size recompiles (int() would stay symbolic)."""
+    if type(fact) is bool or isinstance(fact, torch.SymBool):  # dynamo's SymBool passes as bool
+        return bool(operator.index(fact))
+    if type(fact) is int or isinstance(fact, torch.SymInt):  # dynamo's SymInt passes as int
+        return operator.index(fact)
+    if isinstance(fact, tuple):
+        return tuple(_constant(part) for part in fact)
+    return fact
 
 
 def _execute(decision: Decision, call: Call):
@@ -50,6 +65,10 @@ def sdpa(
     max_seqlen_k=None,
     backend=None,
     deterministic=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    return_lse=False,
 ):
     """Scaled dot-product attention through the best backend that computes exactly this call.
 
@@ -59,25 +78,33 @@ def sdpa(
     attn_mask: bool (True = attend) or float (added), broadcastable to (B, Hq, Sq, Sk).
     causal: None | "top_left" (= is_causal=True) | "bottom_right"; window: (left, right), -1 unbounded.
     backend: force one backend by name; deterministic: None follows torch's setting.
+    softcap: float > 0, scores capped to softcap * tanh(score / softcap) before the mask is added;
+    alibi_slopes: float32 (Hq,) or (B, Hq), adds -slope * |i + off - j| (off as the window's);
+    sinks: (Hq,), one extra logit per head in each row's softmax denominator, carrying no value;
+    return_lse: also return the rows' logsumexp (without the sinks; -inf for an empty row),
+    float32 (float64 for float64 inputs), (B, Hq, Sq) (varlen: (Hq, total_q)), differentiable.
     """
-    fast_key = call_key(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        causal,
-        window,
-        deterministic,
-        backend,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-    )
+    if softcap is not None or alibi_slopes is not None or sinks is not None or return_lse:
+        fast_key = None  # the fast path's key knows none of these
+    else:
+        fast_key = call_key(
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            scale,
+            enable_gqa,
+            causal,
+            window,
+            deterministic,
+            backend,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+        )
     if fast_key is not None:
         hit = fast_calls.get(fast_key)
         if hit is not None:
@@ -133,17 +160,26 @@ def sdpa(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
         deterministic=deterministic,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        return_lse=return_lse,
     )
     if call.problem is None:  # tracing under torch.compile: one op, no run-time dispatch
-        name, call.options["deterministic"] = _decide_at_trace_time(tuple(call.facts), backend)
+        name, call.options["deterministic"] = _decide_at_trace_time(_constant(tuple(call.facts)), backend)
         out = registry.get_backend(name).run(call.query, call.key, call.value, **call.options)
         return out if call.restore is None else call.restore(out)
     decision = decide(call.problem, backend)
-    policy = _config.current_config().dispatch
+    cfg = _config.current_config()
+    policy, guard = cfg.dispatch, cfg.guard
     if policy.policy == "fastest" and backend is None:
         decision = choose_fastest(decision, call, policy.fastest_cache)
     decided = decision
     decision, out = _execute(decision, call)
+    if guard.mode != "off":  # check the answer; a wrong backend is quarantined and the call re-run
+        decision, out = _guard.guard_call(
+            decision, call, out, guard, lambda: _execute(decide(call.problem, backend), call)
+        )
     note_decision(decision)
     opts = call.options
     # a call that fell back at run time keeps the full path (failures while fastest timed do not)
@@ -157,16 +193,23 @@ def sdpa(
         and opts["attn_mask"] is attn_mask
         and opts["cu_seqlens_q"] is cu_seqlens_q
         and opts["cu_seqlens_k"] is cu_seqlens_k
+        and guard.mode != "strict"  # strict checks every call, on the full path
     ):
         try:
             runner = registry.get_backend(decision.backend).prepare(query, key, value, call.options)
         except Exception as exc:  # noqa: BLE001 - the call succeeded; only its fast path is lost
             logger.debug("backend %r: prepare() failed (%s); this signature keeps the full path", decision.backend, exc)
         else:
+            if guard.mode == "sample":
+                runner = _guard.sampled(runner, decision, call.options, guard)
             if len(fast_calls) >= FAST_CALLS_LIMIT:
                 fast_calls.clear()
             fast_calls[fast_key] = (decision, runner)
-        if lengths is not None and not (policy.policy == "fastest" and backend is None):
+        if (
+            lengths is not None
+            and guard.mode in ("off", "first")
+            and not (policy.policy == "fastest" and backend is None)
+        ):
             _remember_span(lengths[0], decision, call.options, backend)
     return out if call.restore is None else call.restore(out)
 
@@ -217,6 +260,10 @@ def explain(
     max_seqlen_k=None,
     backend=None,
     deterministic=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    return_lse=False,
 ) -> Decision:
     """The Decision sdpa() would make for these arguments, with the route inside the chosen
     backend (``decision.route``); runs nothing.
@@ -239,6 +286,10 @@ def explain(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
         deterministic=deterministic,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        return_lse=return_lse,
     )
     decision = decide(call.problem or make_problem(call.facts), backend, raise_if_none=False)
     if decision.backend is None:

@@ -17,6 +17,7 @@ import torch
 
 from . import config as _config
 from .caches import register_cache
+from .features import check_alibi_slopes, check_return_lse, check_sinks, check_softcap
 from .problem import Problem, _aligned_16, compute_capability
 from .semantics import CausalKind, normalize_causal, normalize_window
 
@@ -63,6 +64,11 @@ class CallFacts(NamedTuple):
     deterministic: bool | None
     same_offsets: bool
     float32_bias: bool
+    softcap: bool
+    alibi: bool
+    sinks: bool
+    sinks_grad: bool
+    return_lse: bool
 
 
 def _shape(t) -> str:
@@ -382,6 +388,10 @@ def normalize_call(
     max_seqlen_q=None,
     max_seqlen_k=None,
     deterministic=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    return_lse=False,
 ) -> Call:
     """Validate every argument (raising before any kernel) and build the canonical call."""
     steps = []  # turn the canonical output back into the caller's layout, in order
@@ -394,6 +404,9 @@ def normalize_call(
         (query, key, value), cu_seqlens_q, cu_seqlens_k, offsets_q = _unpack_nested(query, key, value)
     _check_tensors(query, key, value)
     _check_scalars(dropout_p, scale, enable_gqa, deterministic)
+    softcap = check_softcap(softcap)
+    return_lse = check_return_lse(return_lse)
+    lse_steps = []  # the same for a returned logsumexp: (B, Hq, Sq) dense, (Hq, total_q) varlen
     mask_causal = None if attn_mask is None else _causal_bias_kind(attn_mask, is_causal, causal)
     if mask_causal is not None:
         lengths = (attn_mask.seq_len_q, attn_mask.seq_len_kv)
@@ -456,6 +469,10 @@ def normalize_call(
             steps.append(
                 lambda out, offsets=offsets_q: torch.nested.nested_tensor_from_jagged(out, offsets).transpose(1, 2)
             )
+            lse_steps.append(
+                lambda lse, offsets=offsets_q: torch.nested.nested_tensor_from_jagged(lse.t(), offsets).transpose(1, 2)
+            )
+        lead = (batch,)
     else:
         cu_q = cu_k = None
         max_q = max_k = None
@@ -471,13 +488,18 @@ def normalize_call(
             attn_mask = _fold_mask_batch(attn_mask, lead[:-1])
         if out_shape is not None:
             steps.append(lambda out, shape=out_shape: out.reshape(shape))
+            lse_steps.append(lambda lse, shape=out_shape[:-1]: lse.reshape(shape))
+        lead = lead[:-1]
         batch, hq, sq, dqk = query.shape
         hkv, sk, dv = key.shape[1], key.shape[2], value.shape[3]
     if dropout_p == 1.0:  # every weight dropped: F.sdpa multiplies by zero, so do we
         steps.insert(0, lambda out: out * 0)
         dropout_p = 0.0
+    alibi_slopes = check_alibi_slopes(alibi_slopes, batch, hq, lead, query)
+    sinks = check_sinks(sinks, hq, query)
     grad = torch.is_grad_enabled()
     mask_grad = attn_mask is not None and grad and attn_mask.requires_grad
+    sinks_grad = sinks is not None and grad and sinks.requires_grad
     compiling = torch.compiler.is_compiling()
     # Everything the decision needs, as plain constants (torch.compile treats them as such).
     # positional (a keyword call costs 1.2 us more per new signature); each value's field named
@@ -500,7 +522,8 @@ def normalize_call(
             causal_kind,  # causal
             window,  # window
             dropout_p > 0,  # dropout
-            grad and (query.requires_grad or key.requires_grad or value.requires_grad or mask_grad),  # requires_grad
+            grad and (query.requires_grad or key.requires_grad or value.requires_grad or mask_grad or sinks_grad),
+            # requires_grad
             query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1,  # last_dim_contiguous
             _aligned_16(query, compiling)
             and _aligned_16(key, compiling)
@@ -508,6 +531,11 @@ def normalize_call(
             deterministic,  # deterministic
             same_offsets,  # same_offsets
             attn_mask is not None and attn_mask.dtype == torch.float32 and query.dtype in _HALF,  # float32_bias
+            softcap is not None,  # softcap
+            alibi_slopes is not None,  # alibi
+            sinks is not None,  # sinks
+            sinks_grad,  # sinks_grad
+            return_lse,  # return_lse
         ),
     )
     problem = None if compiling else _cached_problem(facts)
@@ -524,6 +552,15 @@ def normalize_call(
         enable_gqa=hq != hkv,
         deterministic=None if problem is None else problem.deterministic,
     )
+    # only where used: a backend that never heard of them sees the options it always saw
+    if softcap is not None:
+        options["softcap"] = softcap
+    if alibi_slopes is not None:
+        options["alibi_slopes"] = alibi_slopes
+    if sinks is not None:
+        options["sinks"] = sinks
+    if return_lse:
+        options["return_lse"] = True
     restore = None
     if steps:
 
@@ -531,6 +568,14 @@ def normalize_call(
             for step in steps:
                 out = step(out)
             return out
+
+    if return_lse and (steps or lse_steps):
+
+        def restore(result, restore_out=restore, steps=tuple(lse_steps)):
+            out, lse = result
+            for step in steps:
+                lse = step(lse)
+            return (out if restore_out is None else restore_out(out)), lse
 
     return Call(query, key, value, options, problem, restore, facts)
 

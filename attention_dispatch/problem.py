@@ -67,6 +67,13 @@ class Problem:
     # k_new/v_new are appended into the cache before attending
     kv_block_size: int | None = None
     kv_append: bool = False
+    # issue 36's features: softcap, ALiBi slopes, attention sinks (and whether they need a
+    # gradient), the logsumexp returned with the output
+    softcap: bool = False
+    alibi: bool = False
+    sinks: bool = False
+    sinks_grad: bool = False
+    return_lse: bool = False
 
     @property
     def kv_cache(self) -> bool:
@@ -111,6 +118,18 @@ class Problem:
             parts.append(f"window={self.window}")
         if self.dropout:
             parts.append("dropout")
+        features = [
+            name
+            for name, on in (
+                ("softcap", self.softcap),
+                ("alibi", self.alibi),
+                ("sinks (grad)" if self.sinks_grad else "sinks", self.sinks),
+                ("return_lse", self.return_lse),
+            )
+            if on
+        ]
+        if features:
+            parts.append(" + ".join(features))
         if self.requires_grad:
             parts.append("grad")
         if self.deterministic:

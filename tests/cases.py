@@ -26,6 +26,10 @@ class Case:
     varlen: tuple[int, ...] | None = None  # per-sequence q lengths (k lengths = q + extra_k)
     extra_k: tuple[int, ...] | None = None
     dtype: torch.dtype = torch.float32
+    softcap: float | None = None
+    alibi: str | None = None  # ALiBi slopes of shape "heads" (Hq,) or "batch" (B, Hq)
+    sinks: str | None = None  # "fixed" or "grad" (the sinks require grad)
+    return_lse: bool = False
 
     def __str__(self):
         fields = [
@@ -84,6 +88,17 @@ def make_inputs(case: Case, device="cpu", requires_grad=True):
     if case.dropout_p:
         sdpa_kw["dropout_p"] = case.dropout_p
         naive_kw["dropout_p"] = case.dropout_p
+    if case.softcap is not None:
+        sdpa_kw["softcap"] = naive_kw["softcap"] = case.softcap
+    if case.alibi is not None:
+        shape = (case.heads_q,) if case.alibi == "heads" else (b, case.heads_q)
+        slopes = torch.rand(shape, device=device, dtype=torch.float32) * 0.5 + 0.05
+        sdpa_kw["alibi_slopes"], naive_kw["alibi_slopes"] = slopes, slopes.cpu().double()
+    if case.sinks is not None:  # naive_kw gets the same tensor: callers make their own leaf copies
+        sinks = (torch.randn(case.heads_q, device=device, dtype=case.dtype) + 1.0).requires_grad_(case.sinks == "grad")
+        sdpa_kw["sinks"] = naive_kw["sinks"] = sinks
+    if case.return_lse:
+        sdpa_kw["return_lse"] = naive_kw["return_lse"] = True
     return q, k, v, mask, sdpa_kw, naive_kw
 
 

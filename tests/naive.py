@@ -68,7 +68,9 @@ def _one(q, k, v, bias, keep, dropout_p, scale, causal, window, softcap=None, sl
             (
                 p @ v[h // group],
                 torch.where(
-                    z.squeeze(-1) > 0, (m + torch.log(z)).squeeze(-1), torch.full_like(z.squeeze(-1), -math.inf)
+                    z.squeeze(-1) > 0,
+                    (m + torch.log(torch.where(z > 0, z, torch.ones_like(z)))).squeeze(-1),  # no log(0) in the graph
+                    torch.full_like(z.squeeze(-1), -math.inf),
                 ),
             )
         )

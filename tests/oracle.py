@@ -57,6 +57,7 @@ def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234, r
     q, k, v, mask, sdpa_kw, naive_kw = make_inputs(case, device, requires_grad)
     torch.manual_seed(seed)
     out = ad.sdpa(q, k, v, attn_mask=mask, backend=backend, **sdpa_kw)
+    out, lse = out if case.return_lse else (out, None)
     decision = ad.last_decision()
     assert decision.backend == backend
     keep = None
@@ -64,12 +65,26 @@ def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234, r
         assert keep_fn is not None, "dropout case without a way to recover the keep-mask"
         torch.manual_seed(seed)
         keep = keep_fn(case, q, k, sdpa_kw.get("cu_seqlens_q"), sdpa_kw.get("cu_seqlens_k")).cpu()
+    varlen = case.varlen is not None
+    if lse is not None and varlen:
+        lse = lse.t()  # (Hq, total_q) -> the reference's (total_q, Hq)
     grad_out = torch.randn_like(out)
+    grad_lse = None if lse is None else torch.randn(lse.shape, device=lse.device, dtype=lse.dtype)
+    sinks = sdpa_kw.get("sinks")
+    names = ("dq", "dk", "dv", "dmask", "dsinks")
     if requires_grad:
-        out.backward(grad_out)
-    leaves = [q, k, v] + ([mask] if mask is not None and mask.requires_grad else []) if requires_grad else []
-    results = {"out": out}
-    results.update({name: t.grad for name, t in zip(("dq", "dk", "dv", "dmask"), leaves)})
+        torch.autograd.backward(
+            [out] + ([lse] if lse is not None else []), [grad_out] + ([grad_lse] if lse is not None else [])
+        )
+    leaves = (
+        [q, k, v]
+        + ([mask] if mask is not None and mask.requires_grad else [None])
+        + ([sinks] if sinks is not None and sinks.requires_grad else [None])
+        if requires_grad
+        else []
+    )
+    results = {"out": out} | ({"lse": lse} if lse is not None else {})
+    results.update({name: t.grad for name, t in zip(names, leaves) if t is not None})
     refs = {}
     # A bias wider than the inputs (case.mask_dtype) is an exact input: the input-dtype budget
     # is then float64's result rounded to the input dtype, so a backend rounding the bias fails.
@@ -78,12 +93,28 @@ def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234, r
         compute = torch.float64 if wide_bias else dtype
         copies = [leaf_copy(t.cpu(), compute if t.is_floating_point() else None) for t in (q, k, v)]
         m = None if mask is None else leaf_copy(mask.cpu(), compute if mask.is_floating_point() else None)
-        ref = naive_attention(*copies, mask=m, keep=keep, **naive_kw)
+        kw = dict(naive_kw)
+        s = None if sinks is None else leaf_copy(sinks.cpu(), compute)
+        if s is not None:
+            kw["sinks"] = s
+        ref = naive_attention(*copies, mask=m, keep=keep, **kw)
+        ref, ref_lse = ref if case.return_lse else (ref, None)
         if requires_grad:
-            ref.backward(grad_out.cpu().to(compute))
-        ref_leaves = copies + ([m] if m is not None and m.requires_grad else []) if requires_grad else []
+            torch.autograd.backward(
+                [ref] + ([ref_lse] if ref_lse is not None else []),
+                [grad_out.cpu().to(compute)] + ([grad_lse.cpu().to(compute)] if ref_lse is not None else []),
+            )
+        ref_leaves = (
+            copies
+            + ([m] if m is not None and m.requires_grad else [None])
+            + ([s] if s is not None and s.requires_grad else [None])
+            if requires_grad
+            else []
+        )
         refs[dtype] = {"out": ref.to(dtype)}
-        refs[dtype].update({name: t.grad.to(dtype) for name, t in zip(("dq", "dk", "dv", "dmask"), ref_leaves)})
+        if ref_lse is not None:  # a returned logsumexp is float32 (float64 for float64 inputs)
+            refs[dtype]["lse"] = ref_lse.to(torch.float64 if dtype == torch.float64 else ref_lse.dtype)
+        refs[dtype].update({name: t.grad.to(dtype) for name, t in zip(names, ref_leaves) if t is not None})
     for name, got in results.items():
         assert_matches(
             got.cpu(), refs[torch.float64][name], refs[case.dtype][name], f"{backend} {case} {name}", dtype=case.dtype

@@ -59,6 +59,14 @@ class Capabilities:
     paged_block_size_pow2: bool = False  # and a power of two when set
     kv_append: bool = True  # k_new/v_new written into the cache before attending
     kv_multi_query: bool = True  # Sq > 1 new queries per sequence (chunked prefill, speculative decoding)
+    # Features added after the first backends were written: off by default, so a backend that
+    # never heard of them (a custom one included) rejects them instead of ignoring them.
+    softcap: bool = False  # softcap * tanh(score / softcap) before bias and ALiBi
+    alibi: bool = False  # alibi_slopes: -slope * |i + off - j| added per head
+    sinks: bool = False  # one extra logit per head in the softmax denominator
+    sinks_grad: bool = False  # a gradient for sinks that require grad
+    return_lse: bool = False  # the rows' logsumexp returned with the output
+    lse_grad: bool = False  # that logsumexp differentiable (its gradient reaches q, k, v, bias)
     notes: str = ""  # free text for `info`, never used to decide
 
     def paged_block_sizes(self) -> str:
@@ -120,6 +128,10 @@ class Capabilities:
             ("paged block size", self.paged_block_sizes() if "paged" in self.kv_cache else "-"),
             ("KV append", yes(self.kv_append) if self.kv_cache else "-"),
             ("KV Sq > 1", yes(self.kv_multi_query) if self.kv_cache else "-"),
+            ("softcap", yes(self.softcap)),
+            ("ALiBi", yes(self.alibi)),
+            ("sinks", yes(self.sinks) + (" (grad)" if self.sinks and self.sinks_grad else "")),
+            ("return lse", yes(self.return_lse) + (" (grad)" if self.return_lse and self.lse_grad else "")),
         ]
 
 
@@ -201,6 +213,18 @@ def not_supported_reasons(caps: Capabilities, problem: Problem) -> list[str]:
         reasons.append(f"batch*heads={p.batch * p.heads_q} > {caps.max_batch_heads}")
     if caps.needs_last_dim_contiguous and not p.last_dim_contiguous:
         reasons.append("last dimension of query/key/value not contiguous")
+    if p.softcap and not caps.softcap:
+        reasons.append("softcap not supported")
+    if p.alibi and not caps.alibi:
+        reasons.append("alibi_slopes not supported")
+    if p.sinks and not caps.sinks:
+        reasons.append("sinks not supported")
+    elif p.sinks_grad and not caps.sinks_grad:
+        reasons.append("gradient of sinks not supported (sinks require grad)")
+    if p.return_lse and not caps.return_lse:
+        reasons.append("return_lse not supported")
+    elif p.return_lse and p.requires_grad and not caps.lse_grad:
+        reasons.append("return_lse with gradients: the returned logsumexp is not differentiable")
     return reasons
 
 

@@ -14,6 +14,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..features import lse_dtype
 from ..semantics import band
 from .base import Backend, Capabilities
 
@@ -27,21 +28,44 @@ def _empty_output(query, key, value, shape):
     return query.new_zeros(shape) + zero.to(query.dtype)
 
 
-def _chunk_attention(q, k, v, bias, row0, seqlen_q, seqlen_k, bottom_right, left, right, scale, dropout_p):
+def _chunk_attention(
+    q,
+    k,
+    v,
+    bias,
+    row0,
+    seqlen_q,
+    seqlen_k,
+    bottom_right,
+    left,
+    right,
+    scale,
+    dropout_p,
+    softcap,
+    slopes,
+    sinks,
+    need_lse,
+):
     """One chunk of query rows.
 
     q (B, Hkv, G, c, D) in compute dtype, k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv),
-    bias None or (B, Hq, c, Sk) (bool or float); returns (B, Hkv, G, c, Dv).
+    bias None or (B, Hq, c, Sk) (bool or float), slopes None or (B, Hkv, G) ALiBi slopes, sinks
+    None or (Hkv, G); returns (B, Hkv, G, c, Dv) and, when need_lse, the rows' logsumexp
+    (B, Hkv, G, c) without the sinks (else None).
     """
     b, hkv, g, c, d = q.shape
     sk = k.shape[-2]
     scores = torch.matmul(q.reshape(b, hkv, g * c, d), k.transpose(-1, -2)).view(b, hkv, g, c, sk)
     scores = scores * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    rows = torch.arange(row0, row0 + c, device=q.device).unsqueeze(1)
+    cols = torch.arange(sk, device=q.device).unsqueeze(0)
+    diag = rows + (seqlen_k - seqlen_q if bottom_right else 0)  # the diagonal of window and ALiBi
+    if slopes is not None:
+        scores = scores - slopes[..., None, None].to(scores.dtype) * (diag - cols).abs().to(scores.dtype)
     allowed = None
     if left >= 0 or right >= 0:
-        rows = torch.arange(row0, row0 + c, device=q.device).unsqueeze(1)
-        cols = torch.arange(sk, device=q.device).unsqueeze(0)
-        diag = rows + (seqlen_k - seqlen_q if bottom_right else 0)
         allowed = torch.ones(c, sk, dtype=torch.bool, device=q.device)
         if left >= 0:
             allowed &= cols >= diag - left
@@ -60,30 +84,66 @@ def _chunk_attention(q, k, v, bias, row0, seqlen_q, seqlen_k, bottom_right, left
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     weights = torch.exp(scores - row_max)
     total = weights.sum(dim=-1, keepdim=True)
-    probs = weights / torch.where(total > 0, total, torch.ones_like(total))
+    nonempty = total > 0
+    safe_total = torch.where(nonempty, total, torch.ones_like(total))  # no log(0) even in the unused branch
+    lse = None
+    if need_lse or sinks is not None:
+        lse = torch.where(nonempty, row_max + torch.log(safe_total), torch.full_like(total, -math.inf))
+    if sinks is None:
+        probs = weights / safe_total
+    else:  # P = exp(s - logaddexp(lse, sink)): exact for any sink, an empty row included (lse -inf)
+        norm = torch.logaddexp(lse, sinks[..., None, None].to(lse.dtype))
+        probs = torch.exp(scores - norm)
     if dropout_p > 0:
         keep = torch.rand(probs.shape, device=probs.device) >= dropout_p
         probs = probs * keep / (1.0 - dropout_p)
-    out = torch.matmul(probs.view(b, hkv, g * c, sk), v)
-    return out.view(b, hkv, g, c, v.shape[-1])
+    out = torch.matmul(probs.view(b, hkv, g * c, sk), v).view(b, hkv, g, c, v.shape[-1])
+    return out, (lse.squeeze(-1) if need_lse else None)
 
 
 def dense_math_attention(
-    query, key, value, attn_mask, *, scale, bottom_right, left, right, dropout_p=0.0, chunk_elements=None
+    query,
+    key,
+    value,
+    attn_mask,
+    *,
+    scale,
+    bottom_right,
+    left,
+    right,
+    dropout_p=0.0,
+    chunk_elements=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    return_lse=False,
 ):
     """query (B, Hq, Sq, D), key (B, Hkv, Sk, D), value (B, Hkv, Sk, Dv); attn_mask None or
-    broadcastable to (B, Hq, Sq, Sk). The band is `semantics.band`'s. Returns (B, Hq, Sq, Dv)."""
+    broadcastable to (B, Hq, Sq, Sk); alibi_slopes None or (B, Hq); sinks None or (Hq,). The band
+    is `semantics.band`'s. Returns (B, Hq, Sq, Dv), and with return_lse the logsumexp (B, Hq, Sq)
+    (float32, float64 for float64 inputs)."""
     b, hq, sq, d = query.shape
     hkv, sk, dv = key.shape[1], key.shape[2], value.shape[-1]
-    if 0 in (b, hq, sq, sk):
-        return _empty_output(query, key, value, (b, hq, sq, dv))
     compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-    q = query.to(compute).reshape(b, hkv, hq // hkv, sq, d)
+    if 0 in (b, hq, sq, sk):
+        out = _empty_output(query, key, value, (b, hq, sq, dv))
+        if not return_lse:
+            return out
+        lse = query.new_full((b, hq, sq), -math.inf, dtype=compute)
+        if sinks is not None and sinks.requires_grad:  # keep sinks in the graph: a zero gradient
+            out = out + (sinks.sum() * 0).to(out.dtype)
+        return out, lse
+    group = hq // hkv
+    q = query.to(compute).reshape(b, hkv, group, sq, d)
     k, v = key.to(compute), value.to(compute)
     bias = None if attn_mask is None else attn_mask.expand(b, hq, sq, sk)
+    slopes = None if alibi_slopes is None else alibi_slopes.reshape(b, hkv, group)
+    sink_logits = None if sinks is None else sinks.to(compute).reshape(hkv, group)
     rows = max(1, min(sq, (chunk_elements or CHUNK_ELEMENTS) // max(1, b * hq * sk)))
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask))
-    outs = []
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, attn_mask, sinks)
+    )
+    outs, lses = [], []
     for row0 in range(0, sq, rows):
         row1 = min(sq, row0 + rows)
         args = (
@@ -99,13 +159,23 @@ def dense_math_attention(
             right,
             scale,
             dropout_p,
+            softcap,
+            slopes,
+            sink_logits,
+            return_lse,
         )
         if grad and rows < sq:
-            outs.append(checkpoint(_chunk_attention, *args, use_reentrant=False))
+            out, lse = checkpoint(_chunk_attention, *args, use_reentrant=False)
         else:
-            outs.append(_chunk_attention(*args))
+            out, lse = _chunk_attention(*args)
+        outs.append(out)
+        lses.append(lse)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
-    return out.reshape(b, hq, sq, dv).to(query.dtype)
+    out = out.reshape(b, hq, sq, dv).to(query.dtype)
+    if not return_lse:
+        return out
+    lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=3)
+    return out, lse.reshape(b, hq, sq)
 
 
 def math_attention(
@@ -121,9 +191,14 @@ def math_attention(
     cu_seqlens_q=None,
     cu_seqlens_k=None,
     chunk_elements=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    return_lse=False,
     **_,
 ):
-    """The normalised call (DESIGN.md section 4) computed exactly; dense or varlen."""
+    """The normalised call (DESIGN.md section 4) computed exactly; dense or varlen. With
+    return_lse, also the logsumexp: dense (B, Hq, Sq), varlen (Hq, total_q)."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     bottom_right, left, right = band(causal, window)
     common = dict(
@@ -133,13 +208,16 @@ def math_attention(
         right=right,
         dropout_p=dropout_p,
         chunk_elements=chunk_elements,
+        softcap=softcap,
+        sinks=sinks,
+        return_lse=return_lse,
     )
     if cu_seqlens_q is None:
-        return dense_math_attention(query, key, value, attn_mask, **common)
+        return dense_math_attention(query, key, value, attn_mask, alibi_slopes=alibi_slopes, **common)
     # Varlen: each sequence is one dense problem; the mask is indexed by local positions.
     starts_q = cu_seqlens_q.tolist()
     starts_k = cu_seqlens_k.tolist()
-    outs = []
+    outs, lses = [], []
     for i in range(len(starts_q) - 1):
         q = query[starts_q[i] : starts_q[i + 1]].transpose(0, 1).unsqueeze(0)
         k = key[starts_k[i] : starts_k[i + 1]].transpose(0, 1).unsqueeze(0)
@@ -148,10 +226,22 @@ def math_attention(
         if attn_mask is not None:
             rows = attn_mask[min(i, attn_mask.shape[0] - 1)].unsqueeze(0)
             mask = rows[..., : q.shape[2] if rows.shape[-2] > 1 else 1, : k.shape[2] if rows.shape[-1] > 1 else 1]
-        outs.append(dense_math_attention(q, k, v, mask, **common)[0].transpose(0, 1))
-    if not outs:
-        return _empty_output(query, key, value, (0, query.shape[1], value.shape[-1]))
-    return torch.cat(outs)
+        slopes = None if alibi_slopes is None else alibi_slopes[i : i + 1]
+        result = dense_math_attention(q, k, v, mask, alibi_slopes=slopes, **common)
+        out, lse = result if return_lse else (result, None)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse)
+    if outs:
+        out = torch.cat(outs)
+    else:
+        out = _empty_output(query, key, value, (0, query.shape[1], value.shape[-1]))
+    if not return_lse:
+        return out
+    if lses:
+        lse = torch.cat([x[0] for x in lses], dim=1)
+    else:
+        lse = query.new_zeros((query.shape[1], 0), dtype=lse_dtype(query.dtype))
+    return out, lse
 
 
 def _cache_rows(cache, b: int, length: int, block_table):
@@ -209,6 +299,12 @@ class MathBackend(Backend):
     capabilities = Capabilities(
         head_dim_min=0,  # head dim 0: scores are the bias alone, as in F.sdpa
         kv_cache=frozenset({"dense", "paged"}),  # any block size
+        softcap=True,
+        alibi=True,
+        sinks=True,
+        sinks_grad=True,
+        return_lse=True,
+        lse_grad=True,
         notes="reference; query-chunked, bounded memory; the test oracle in float64",
     )
 
