@@ -93,8 +93,8 @@ def test_compiled_model_equal_and_recompiled_after_the_scope(compile_backend):
 
 
 def test_compiled_fullgraph_through_the_router():
-    """The router (its per-thread flag included) traces without a graph break; math is used because
-    the torch_cpu adapter's own graph break under fullgraph is issue 37 part 3."""
+    """The router (its per-thread flag included) traces without a graph break (math here;
+    test_compile.py traces it onto torch_cpu)."""
     model, (x, mask) = TinyAttention(), _inputs()
     want = model(x, mask)
     torch._dynamo.reset()

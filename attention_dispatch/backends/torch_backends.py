@@ -240,7 +240,7 @@ class TorchCpuBackend(TorchSdpaBackend):
         notes="bottom-right causal as a folded bool mask",
     )
 
-    def _context(self):
+    def _eager_pin(self):
         return CpuPinnedKernel()
 
     def _direct_call(self, op, is_causal: bool, scale, grad: bool, fold: bool = False, head_dim: int = 0):

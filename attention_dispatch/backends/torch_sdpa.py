@@ -299,6 +299,16 @@ class TorchSdpaBackend(Backend):
 
     # -- running ------------------------------------------------------------------
     def _context(self):
+        if torch.compiler.is_compiling():
+            # dynamo cannot trace the flag getters (non-tensor results: a graph break), but it
+            # traces sdpa_kernel itself and pins the kernel inside the graph
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            return sdpa_kernel([getattr(SDPBackend, self.sdp_backend)])
+        return self._eager_pin()
+
+    def _eager_pin(self):
+        """The pin outside torch.compile: the flags themselves, faster than sdpa_kernel."""
         return PinnedKernel(self.sdp_backend)
 
     def call_form(self, query, key, *, has_mask: bool, causal: CausalKind | None, varlen: bool, dropout: bool = False):
