@@ -24,6 +24,7 @@ import torch
 
 from . import registry
 from .call import _check_scalars, check_plain_tensor
+from .features import check_alibi_slopes, check_return_lse, check_sinks, check_softcap
 from .caches import register_cache
 from .backends.base import dtype_name
 from .debug import _last, _recorders, note_decision
@@ -127,6 +128,10 @@ def normalize_kvcache(
     scale=None,
     enable_gqa=True,
     validate=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    return_lse=False,
 ) -> KvCall:
     """Validate every argument of sdpa_with_kvcache() (raising before any kernel) and build the call."""
     check_plain_tensor(query, "query")
@@ -215,7 +220,12 @@ def normalize_kvcache(
                 "capture forbids: pass validate=None or False while capturing"
             )
         _check_values(cache_seqlens, block_table, sq if append else 0, capacity, what, num_blocks, page)
-    problem = kv_problem(query, k_cache, v_cache, k_new if append else None, v_new, block_table, kind, window)
+    softcap = check_softcap(softcap)
+    alibi_slopes = check_alibi_slopes(alibi_slopes, b, hq, (b,), query)
+    sinks = check_sinks(sinks, hq, query)
+    return_lse = check_return_lse(return_lse)
+    features = (softcap is not None, alibi_slopes is not None, sinks is not None, return_lse)
+    problem = kv_problem(query, k_cache, v_cache, k_new if append else None, v_new, block_table, kind, window, features)
     options = dict(
         k_new=k_new,
         v_new=v_new,
@@ -224,6 +234,13 @@ def normalize_kvcache(
         window=window,
         scale=float(scale) if scale is not None else (1.0 / math.sqrt(d) if d else 1.0),
     )
+    # only where used, as sdpa()'s options: run_kvcache() of a backend that never declared them
+    # is never called with them
+    for name, value in (("softcap", softcap), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if value is not None:
+            options[name] = value
+    if return_lse:
+        options["return_lse"] = True
     limits = (sq if append else 0, capacity, what, num_blocks, page, check)
     return KvCall(query, k_cache, v_cache, cache_seqlens, options, problem, limits)
 
@@ -232,9 +249,12 @@ _problems: dict = {}
 register_cache("kvcache.problems", _problems.clear, _problems.__len__)
 
 
-def kv_problem(query, k_cache, v_cache, k_new, v_new, block_table, causal, window) -> Problem:
+def kv_problem(
+    query, k_cache, v_cache, k_new, v_new, block_table, causal, window, features=(False, False, False, False)
+) -> Problem:
     """The Problem of a validated KV-cache call (``causal``: a CausalKind or None; ``window``
-    normalised): the one place its facts are read, here and in adapters that choose a route."""
+    normalised; ``features``: whether softcap, alibi_slopes, sinks, return_lse are given): the
+    one place its facts are read, here and in adapters that choose a route."""
     b, hq, sq, d = query.shape
     if block_table is not None:
         page, hkv, capacity = k_cache.shape[1], k_cache.shape[2], block_table.shape[1] * k_cache.shape[1]
@@ -258,6 +278,7 @@ def kv_problem(query, k_cache, v_cache, k_new, v_new, block_table, causal, windo
             all(_aligned_16(t) for t in tensors),
             page,
             k_new is not None,
+            *features,
         )
     )
 
@@ -266,7 +287,8 @@ def _problem(facts: tuple) -> Problem:
     """The Problem of a KV-cache call, memoised on its facts (a decode step repeats them)."""
     problem = _problems.get(facts)
     if problem is None:
-        b, hq, hkv, sq, capacity, d, dtype, device, layout, kind, window, contiguous, aligned, page, append = facts
+        b, hq, hkv, sq, capacity, d, dtype, device, layout, kind, window, contiguous, aligned, page, append = facts[:15]
+        softcap, alibi, sinks, return_lse = facts[15:]
         if len(_problems) >= 4096:
             _problems.clear()
         problem = _problems[facts] = Problem(
@@ -294,6 +316,10 @@ def _problem(facts: tuple) -> Problem:
             aligned_16=aligned,
             kv_block_size=page,
             kv_append=append,
+            softcap=softcap,
+            alibi=alibi,
+            sinks=sinks,
+            return_lse=return_lse,
         )
     return problem
 
@@ -324,6 +350,10 @@ def sdpa_with_kvcache(
     enable_gqa=True,
     backend=None,
     validate=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    return_lse=False,
 ):
     """Attention of Sq new queries per sequence against a KV cache, through the best backend
     that computes exactly this call (chosen, cached and recorded as sdpa()'s).
@@ -349,22 +379,29 @@ def sdpa_with_kvcache(
     ``False`` never (an out-of-range value is then undefined behaviour of the kernel).  Shapes,
     dtypes and devices are always checked.  Without host reads a call can be captured in a CUDA
     graph, cache_seqlens, block_table and the tensors' contents changing between replays.
-    backend: force one backend by name.
+    backend: force one backend by name.  softcap, alibi_slopes, sinks: as in sdpa(), aligned to
+    each sequence's length (ALiBi's distance |i + L_b - Sq - j|); return_lse: also return the
+    rows' logsumexp, float32 (B, Hq, Sq) (-inf for a row with no key, without the sinks).
     """
-    key = kv_call_key(
-        query,
-        k_cache,
-        v_cache,
-        cache_seqlens,
-        k_new,
-        v_new,
-        block_table,
-        causal,
-        window,
-        scale,
-        enable_gqa,
-        backend,
-        validate,
+    features = softcap is not None or alibi_slopes is not None or sinks is not None or return_lse
+    key = (
+        None
+        if features
+        else kv_call_key(
+            query,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            k_new,
+            v_new,
+            block_table,
+            causal,
+            window,
+            scale,
+            enable_gqa,
+            backend,
+            validate,
+        )
     )
     hit = None if key is None else kv_calls.get(key)
     if hit is not None:
@@ -420,6 +457,10 @@ def sdpa_with_kvcache(
         scale=scale,
         enable_gqa=enable_gqa,
         validate=validate,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        return_lse=return_lse,
     )
     decided = decide(call.problem, backend)
     decision, out = _execute(decided, call)
@@ -547,6 +588,10 @@ def explain_with_kvcache(
     enable_gqa=True,
     backend=None,
     validate=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    return_lse=False,
 ) -> Decision:
     """The Decision sdpa_with_kvcache() would make for these arguments (validated the same
     way); runs nothing and writes nothing into the cache.  A call no backend can serve returns
@@ -564,5 +609,9 @@ def explain_with_kvcache(
         scale=scale,
         enable_gqa=enable_gqa,
         validate=validate,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        return_lse=return_lse,
     )
     return decide(call.problem, backend, raise_if_none=False)

@@ -42,8 +42,10 @@ POINTERS = dict(
     Seed="*i64",
     CuQ="*i32",
     CuK="*i32",
+    Alibi="*fp32",
+    Sinks="*fp32",
 )
-FLOATS = ("qk_scale", "sm_scale", "dropout_p")
+FLOATS = ("qk_scale", "sm_scale", "dropout_p", "softcap_in", "softcap_out")
 # (label, causal, bias kind, bias through a descriptor, dropout)
 FEATURES = (
     ("causal", True, 0, False, False),
@@ -53,6 +55,9 @@ FEATURES = (
     ("bool-mask", False, 2, False, False),
     ("dropout", False, 0, False, True),
 )
+# issue 36's score transforms, each compiled with the "causal" and "dense" features above:
+# (label, SOFTCAP (0 off, 1 exact tanh, 2 tanh.approx), HAS_ALIBI, HAS_SINKS)
+SCORE_FEATURES = (("", 0, False, False), ("+softcap", 1, False, False), ("+softcap-approx+alibi+sinks", 2, True, True))
 
 
 def kernel_cases(kinds=tuple(KERNELS)):
@@ -66,12 +71,21 @@ def kernel_cases(kinds=tuple(KERNELS)):
                 continue
             # the forward reads K/V through host-built descriptors (dense calls) or in-kernel ones
             for kv_host in (0, 1, 2) if e.kind == C.FWD and cfg.host_kv else (0,):
-                yield (
-                    e.kind,
-                    e,
-                    label + ("", "+host-kv", "+host-kv-bshd")[kv_host],
-                    dict(_feature_constexprs(d, cfg, causal, bias, bias_desc, dropout), KV_HOST=kv_host),
-                )
+                for score_label, softcap, alibi, sinks in (
+                    SCORE_FEATURES if label in ("causal", "dense") else (("", 0, False, False),)
+                ):
+                    yield (
+                        e.kind,
+                        e,
+                        label + ("", "+host-kv", "+host-kv-bshd")[kv_host] + score_label,
+                        dict(
+                            _feature_constexprs(d, cfg, causal, bias, bias_desc, dropout),
+                            KV_HOST=kv_host,
+                            SOFTCAP=softcap,
+                            HAS_ALIBI=alibi,
+                            HAS_SINKS=sinks,
+                        ),
+                    )
 
 
 def _feature_constexprs(d, cfg, causal, bias, bias_desc, dropout):

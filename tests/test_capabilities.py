@@ -186,6 +186,33 @@ def kv_claimed_cases(caps: ad.Capabilities, big: bool = False):
         out.append(("kv window", dataclasses.replace(base, seqlen_q=sq, window=(5, 1))))
     if caps.gqa:
         out.append(("kv gqa", dataclasses.replace(base, heads_q=8, heads_kv=2)))
+    features = {}
+    if caps.softcap:
+        features["softcap"] = dict(softcap=3.0)
+    if caps.alibi:
+        features["alibi"] = dict(alibi=True)
+    if caps.sinks:
+        features["sinks"] = dict(sinks=True)
+    if caps.return_lse:
+        features["return_lse"] = dict(return_lse=True)
+    for name, fields in features.items():
+        out.append((f"kv {name}", dataclasses.replace(base, seqlen_q=sq, causal=sq > 1, **fields)))
+    if features:  # every one together, with GQA, the append and a window where declared
+        every = {k: v for fields in features.values() for k, v in fields.items()}
+        out.append(
+            (
+                "kv " + "+".join(features),
+                dataclasses.replace(
+                    base,
+                    seqlen_q=sq,
+                    heads_q=8 if caps.gqa else base.heads_q,
+                    heads_kv=2 if caps.gqa else base.heads_kv,
+                    append=caps.kv_append,
+                    window=(6, 0) if caps.window else None,
+                    **every,
+                ),
+            )
+        )
     return out
 
 

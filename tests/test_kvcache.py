@@ -39,6 +39,10 @@ class KvCase:
     window: tuple[int, int] | None = None
     # cached keys per sequence before k_new; None: the first full, the second empty, the rest random
     lengths: tuple[int, ...] | None = None
+    softcap: float | None = None
+    alibi: bool = False  # ALiBi slopes (Hq,)
+    sinks: bool = False
+    return_lse: bool = False
 
     def __str__(self):
         fields = [
@@ -76,12 +80,28 @@ def reference_append(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     return k_cache, v_cache
 
 
-def kv_reference(query, k_cache, v_cache, lengths, *, block_table=None, causal=False, window=None, dtype=torch.float64):
-    """The output of the definition in ``dtype`` (float64: the oracle; the input dtype: the
-    budget), the cache already holding the appended keys; lengths: L_b per sequence."""
+def kv_reference(
+    query,
+    k_cache,
+    v_cache,
+    lengths,
+    *,
+    block_table=None,
+    causal=False,
+    window=None,
+    dtype=torch.float64,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    return_lse=False,
+):
+    """The output (and with return_lse the rows' logsumexp, without the sinks) of the definition
+    in ``dtype`` (float64: the oracle; the input dtype: the budget), the cache already holding the
+    appended keys; lengths: L_b per sequence."""
     b_, hq, sq, d = query.shape
     scale = 1.0 / math.sqrt(d)
     out = torch.zeros(b_, hq, sq, d, dtype=dtype)
+    lse = torch.full((b_, hq, sq), -math.inf, dtype=dtype)
     for b in range(b_):
         n = lengths[b]
         k = reference_keys(k_cache, b, n, block_table).to(dtype)
@@ -101,10 +121,20 @@ def kv_reference(query, k_cache, v_cache, lengths, *, block_table=None, causal=F
                 ok &= j <= diag + right
         for h in range(hq):
             scores = (query[b, h].to(dtype) @ k[h // group].T) * scale
-            probs = torch.softmax(scores.masked_fill(~ok, -math.inf), dim=-1)
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            if alibi_slopes is not None:
+                scores = scores - float(alibi_slopes[h]) * (diag - j).abs().to(dtype)
+            scores = scores.masked_fill(~ok, -math.inf)
+            if sinks is not None:  # one more logit that carries no value
+                sink = torch.full((sq, 1), float(sinks[h]), dtype=dtype)
+                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[:, :n]
+            else:
+                probs = torch.softmax(scores, dim=-1)
             probs = torch.where(ok.any(-1, keepdim=True), probs, torch.zeros((), dtype=dtype))
             out[b, h] = probs @ v[h // group]
-    return out
+            lse[b, h] = torch.where(ok.any(-1), torch.logsumexp(scores, dim=-1), -math.inf)
+    return (out, lse) if return_lse else out
 
 
 # ---- inputs and the check ------------------------------------------------------------------
@@ -144,6 +174,14 @@ def make_kv_inputs(case: KvCase, device="cpu"):
     if case.append:
         args["k_new"] = torch.randn(b, hkv, case.seqlen_q, d, **kw)
         args["v_new"] = torch.randn(b, hkv, case.seqlen_q, d, **kw)
+    if case.softcap is not None:
+        args["softcap"] = case.softcap
+    if case.alibi:
+        args["alibi_slopes"] = torch.rand(case.heads_q, device=device) * 0.3 + 0.05
+    if case.sinks:
+        args["sinks"] = torch.randn(case.heads_q, device=device, dtype=case.dtype) + 2.0
+    if case.return_lse:
+        args["return_lse"] = True
     return args
 
 
@@ -155,6 +193,7 @@ def check_kv_call(backend: str, case: KvCase, device="cpu"):
     seqlens0 = args["cache_seqlens"].clone()
     k0, v0 = args["k_cache"].cpu().clone(), args["v_cache"].cpu().clone()
     out = ad.sdpa_with_kvcache(**args, backend=backend)
+    out, lse = out if case.return_lse else (out, None)
     assert ad.last_decision().backend == backend
     assert out.dtype == case.dtype and out.device == args["query"].device
     assert torch.equal(args["cache_seqlens"], seqlens0), "cache_seqlens was modified"
@@ -166,11 +205,18 @@ def check_kv_call(backend: str, case: KvCase, device="cpu"):
     assert torch.equal(args["k_cache"].cpu(), k_want), f"{backend} {case}: k_cache after the call"
     assert torch.equal(args["v_cache"].cpu(), v_want), f"{backend} {case}: v_cache after the call"
     lengths = [n + (case.seqlen_q if case.append else 0) for n in seqlens0.tolist()]
-    common = dict(block_table=table, causal=case.causal, window=case.window)
+    common = dict(block_table=table, causal=case.causal, window=case.window, softcap=case.softcap)
+    for name in ("alibi_slopes", "sinks"):
+        if name in args:
+            common[name] = args[name].cpu()
     q = args["query"].cpu()
-    ref64 = kv_reference(q, k_want, v_want, lengths, **common)
-    ref_low = kv_reference(q, k_want, v_want, lengths, dtype=case.dtype, **common)
+    ref64, lse64 = kv_reference(q, k_want, v_want, lengths, return_lse=True, **common)
+    ref_low, lse_low = kv_reference(q, k_want, v_want, lengths, dtype=case.dtype, return_lse=True, **common)
     assert_matches(out.cpu(), ref64, ref_low, f"{backend} {case} out", dtype=case.dtype)
+    if lse is not None:
+        want = torch.float64 if case.dtype == torch.float64 else torch.float32
+        assert lse.dtype == want and lse.shape == out.shape[:-1], f"lse {lse.dtype} {tuple(lse.shape)}"
+        assert_matches(lse.cpu(), lse64, lse_low, f"{backend} {case} lse", dtype=case.dtype)
     return out
 
 

@@ -254,12 +254,26 @@ def _cache_rows(cache, b: int, length: int, block_table):
 
 
 def math_attention_with_kvcache(
-    query, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None, causal=None, window=None, scale
+    query,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    *,
+    k_new=None,
+    v_new=None,
+    block_table=None,
+    causal=None,
+    window=None,
+    scale,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    return_lse=False,
 ):
     """sdpa_with_kvcache()'s call from its definition, one sequence at a time: k_new/v_new
     written into the cache at positions cache_seqlens[b]... (in place), then sequence b's
-    queries attend to its first L_b = cache_seqlens[b] (+ Sq) keys, causal and window aligned
-    bottom-right against L_b.  Reads cache_seqlens on the host."""
+    queries attend to its first L_b = cache_seqlens[b] (+ Sq) keys, causal, window and ALiBi
+    aligned bottom-right against L_b.  Reads cache_seqlens on the host."""
     b, hq, sq, _ = query.shape
     lengths = cache_seqlens.tolist()
     if k_new is not None:
@@ -275,7 +289,7 @@ def math_attention_with_kvcache(
                 v_cache[blocks, pos % page] = v_new[i].transpose(0, 1)
         lengths = [n + sq for n in lengths]
     _, left, right = band(causal, window)
-    outs = [
+    results = [
         dense_math_attention(
             query[i : i + 1],
             _cache_rows(k_cache, i, n, block_table).unsqueeze(0),
@@ -285,10 +299,18 @@ def math_attention_with_kvcache(
             bottom_right=True,
             left=left,
             right=right,
+            softcap=softcap,
+            alibi_slopes=None if alibi_slopes is None else alibi_slopes[i : i + 1],
+            sinks=sinks,
+            return_lse=return_lse,
         )
         for i, n in enumerate(lengths)
     ]
-    return torch.cat(outs) if outs else query.new_zeros(b, hq, sq, v_cache.shape[-1])
+    if not return_lse:
+        return torch.cat(results) if results else query.new_zeros(b, hq, sq, v_cache.shape[-1])
+    if not results:
+        return query.new_zeros(b, hq, sq, v_cache.shape[-1]), query.new_zeros(b, hq, sq, dtype=lse_dtype(query.dtype))
+    return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
 
 
 class MathBackend(Backend):

@@ -41,6 +41,13 @@ def _import_error() -> str:
 register_cache("backends.triton.import_error", _import_error.cache_clear, lambda: _import_error.cache_info().currsize)
 
 
+def _alibi_2d(slopes, batch: int):
+    """ALiBi slopes as the kernels take them: (B, Hq), a (Hq,) tensor expanded (stride 0)."""
+    if slopes is None or slopes.dim() == 2:
+        return slopes
+    return slopes.unsqueeze(0).expand(batch, slopes.shape[0])
+
+
 class TritonBackend(Backend):
     """Every feature of DESIGN.md section 3, forward and backward."""
 
@@ -70,6 +77,12 @@ class TritonBackend(Backend):
             kv_cache=frozenset(L.kv_cache),
             paged_block_size_min=L.paged_block_size_min,
             paged_block_size_pow2=L.paged_block_size_pow2,
+            softcap=L.softcap,
+            alibi=L.alibi,
+            sinks=L.sinks,
+            sinks_grad=L.sinks_grad,
+            return_lse=L.return_lse,
+            lse_grad=L.lse_grad,
             notes="this project's kernel; CPU only under TRITON_INTERPRET=1",
         )
 
@@ -102,13 +115,32 @@ class TritonBackend(Backend):
         )
         return [reason] if reason else []
 
-    def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):
+    def run_kvcache(
+        self,
+        query,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        *,
+        k_new,
+        v_new,
+        block_table,
+        causal,
+        window,
+        scale,
+        softcap=None,
+        alibi_slopes=None,
+        sinks=None,
+        return_lse=False,
+    ):
         from ..kernels import KernelParams
         from ..kernels.decode import kv_forward
         from .kv_append import append_kv
 
         _, left, right = band(causal, window)
-        params = KernelParams(scale=scale, align_bottom_right=True, window_left=left, window_right=right)
+        params = KernelParams(
+            scale=scale, align_bottom_right=True, window_left=left, window_right=right, softcap=softcap or 0.0
+        )
         # the kernels read rows with unit stride: copy what is not (never the common call); a
         # cache that must be copied gets the new keys first, so they land in the caller's
         if k_new is not None and (k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
@@ -126,10 +158,22 @@ class TritonBackend(Backend):
             block_table = block_table.contiguous()
         if n_new:  # appended above: the kernels read all L_b = cache_seqlens[b] + Sq keys from the cache
             cache_seqlens = cache_seqlens + n_new
-        return kv_forward(query, k_cache, v_cache, cache_seqlens, params, block_table, k_new, v_new)
+        return kv_forward(
+            query,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            params,
+            block_table,
+            k_new,
+            v_new,
+            alibi=_alibi_2d(alibi_slopes, query.shape[0]),
+            sinks=sinks,
+            need_lse=return_lse,
+        )
 
     @staticmethod
-    def _params(causal, window, scale, dropout_p, deterministic, **_):
+    def _params(causal, window, scale, dropout_p, deterministic, softcap=None, **_):
         from ..kernels import KernelParams
 
         bottom_right, left, right = band(causal, window)
@@ -140,7 +184,14 @@ class TritonBackend(Backend):
             window_right=right,
             dropout_p=dropout_p,
             deterministic=deterministic,
+            softcap=softcap or 0.0,
         )
+
+    @staticmethod
+    def _score_tensors(query, options: dict) -> dict:
+        """The kernels' alibi / sinks arguments from the call's options (slopes as (B, Hq))."""
+        batch = query.shape[0] if options["cu_seqlens_q"] is None else options["cu_seqlens_q"].numel() - 1
+        return dict(alibi=_alibi_2d(options.get("alibi_slopes"), batch), sinks=options.get("sinks"))
 
     def route(self, query, key, value, options: dict) -> Route:
         """The forward's kernel (Gluon or tl) and, for a call that needs gradients, the dK/dV and
@@ -149,7 +200,8 @@ class TritonBackend(Backend):
         from ..kernels import describe_route
 
         mask = options["attn_mask"]
-        backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, mask))
+        grads = (query, key, value, mask, options.get("sinks"))
+        backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads)
         steps = describe_route(
             query,
             key,
@@ -161,6 +213,8 @@ class TritonBackend(Backend):
             options["max_seqlen_q"],
             options["max_seqlen_k"],
             backward=backward,
+            need_lse=bool(options.get("return_lse")),
+            **self._score_tensors(query, options),
         )
         return Route(
             tuple(RouteStep(part, kernel, passed) for part, kernel, passed in steps),
@@ -172,7 +226,8 @@ class TritonBackend(Backend):
 
         # The mask goes un-expanded: the kernel broadcasts size-1 dims itself and returns the
         # bias gradient in the mask's own shape, with no (B, H, Sq, Sk) workspace.
-        return triton_attention(
+        score = self._score_tensors(query, dict(options, cu_seqlens_q=cu_seqlens_q))
+        result = triton_attention(
             query,
             key,
             value,
@@ -182,10 +237,21 @@ class TritonBackend(Backend):
             cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k,
+            return_lse=bool(options.get("return_lse")),
+            alibi_slopes=score["alibi"],
+            sinks=score["sinks"],
         )
+        if options.get("return_lse") and cu_seqlens_q is not None:  # the kernels' (total_q, Hq) as (Hq, total_q)
+            return result[0], result[1].transpose(0, 1)
+        return result
 
     def prepare(self, query, key, value, options: dict):
         from ..kernels import prepare_attention
+
+        if any(options.get(name) for name in ("softcap", "return_lse")) or any(
+            options.get(name) is not None for name in ("alibi_slopes", "sinks")
+        ):
+            return super().prepare(query, key, value, options)  # the replay plans take none of these
 
         return prepare_attention(
             query,

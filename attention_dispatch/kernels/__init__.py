@@ -4,7 +4,7 @@ Public interface (used by ``attention_dispatch.backends.triton``)::
 
     out = triton_attention(query, key, value, bias, params,
                            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                           return_lse=False)
+                           return_lse=False, alibi_slopes=None, sinks=None)
 
 * dense: query (B, Hq, Sq, Dqk), key (B, Hkv, Sk, Dqk), value (B, Hkv, Sk, Dv) -> (B, Hq, Sq, Dv);
   varlen: (total, H, D) with int32 cu_seqlens (B+1,) on the device and python-int max lengths.
@@ -19,9 +19,14 @@ Public interface (used by ``attention_dispatch.backends.triton``)::
   Prefer passing a mask that requires grad UN-expanded (e.g. (Sq, Sk) or (B, 1, 1, Sk)): the
   kernel broadcasts it through stride 0 and returns the compact gradient without ever
   allocating (B, Hq, Sq, Sk); an expand()-ed view costs an fp32 (B, Hq, Sq, Sk) workspace.
-* return_lse=True also returns the logsumexp (fp32, natural log; -inf for empty rows):
-  dense (B, Hq, Sq), varlen (total_q, Hq).
-* params: :class:`KernelParams` (scale, band, dropout, determinism, optional tuning knobs:
+* return_lse=True also returns the logsumexp (fp32, natural log, without the sink; -inf for empty
+  rows): dense (B, Hq, Sq), varlen (total_q, Hq); differentiable (d lse_i / d s_ij = P_ij without
+  the sink and dropout).
+* score transforms (issue 36): ``params.softcap`` > 0: ``softcap * tanh(scale <q, k> / softcap)``
+  before the bias; ``alibi_slopes``: fp32 (B, Hq) (a stride-0 batch dim is fine), adds
+  ``-slope * |i + off - j|`` with the band's diagonal offset, no gradient; ``sinks``: (Hq,), any
+  float dtype, one extra logit per head in each row's softmax denominator, differentiable.
+* params: :class:`KernelParams` (scale, band, dropout, determinism, softcap, optional tuning knobs:
   block_m/block_n force the tiles, num_splits forces the backward splits, max_grid lowers
   the grid y/z limit used for chunking, descriptors forces (1) or disables (0) the TMA
   tensor-descriptor loads that are automatic on Hopper for aligned fp16/bf16 rows).

@@ -8,6 +8,7 @@ them flattened to primitives (``KernelParams.to_args()`` order).
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Optional
 
 import torch
@@ -30,32 +31,8 @@ def _custom_op(name):
         return torch.library.custom_op(name, mutates_args=())
 
 
-def _params(
-    scale,
-    align_bottom_right,
-    window_left,
-    window_right,
-    dropout_p,
-    deterministic,
-    block_m,
-    block_n,
-    num_splits,
-    max_grid,
-    descriptors,
-) -> KernelParams:
-    return KernelParams(
-        scale,
-        align_bottom_right,
-        window_left,
-        window_right,
-        dropout_p,
-        deterministic,
-        block_m,
-        block_n,
-        num_splits,
-        max_grid,
-        descriptors,
-    )
+def _params(*args) -> KernelParams:
+    return KernelParams.from_args(args)
 
 
 def _opt(x: int):
@@ -72,12 +49,15 @@ def _fwd_op(
     cu_seqlens_k: Optional[Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
+    alibi_slopes: Optional[Tensor],
+    sinks: Optional[Tensor],
     scale: float,
     align_bottom_right: bool,
     window_left: int,
     window_right: int,
     dropout_p: float,
     deterministic: bool,
+    softcap: float,
     block_m: int,
     block_n: int,
     num_splits: int,
@@ -91,6 +71,7 @@ def _fwd_op(
         window_right,
         dropout_p,
         deterministic,
+        softcap,
         block_m,
         block_n,
         num_splits,
@@ -98,32 +79,23 @@ def _fwd_op(
         descriptors,
     )
     return attention_forward(
-        query, key, value, bias, p, cu_seqlens_q, cu_seqlens_k, _opt(max_seqlen_q), _opt(max_seqlen_k)
+        query,
+        key,
+        value,
+        bias,
+        p,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        _opt(max_seqlen_q),
+        _opt(max_seqlen_k),
+        alibi=alibi_slopes,
+        sinks=sinks,
     )
 
 
 @_fwd_op.register_fake
-def _fwd_fake(
-    query,
-    key,
-    value,
-    bias,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    scale,
-    align_bottom_right,
-    window_left,
-    window_right,
-    dropout_p,
-    deterministic,
-    block_m,
-    block_n,
-    num_splits,
-    max_grid,
-    descriptors,
-):
+def _fwd_fake(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi, sinks, *pargs):
+    dropout_p = KernelParams.from_args(pargs).dropout_p
     if cu_seqlens_q is None:
         b, hq, sq, _ = query.shape
         out = query.new_empty((b, hq, sq, value.shape[-1]))
@@ -139,10 +111,13 @@ def _fwd_fake(
 @_custom_op(_BWD)
 def _bwd_op(
     grad_out: Tensor,
+    grad_lse: Optional[Tensor],
     query: Tensor,
     key: Tensor,
     value: Tensor,
     bias: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
+    sinks: Optional[Tensor],
     out: Tensor,
     lse: Tensor,
     seed: Tensor,
@@ -156,13 +131,15 @@ def _bwd_op(
     window_right: int,
     dropout_p: float,
     deterministic: bool,
+    softcap: float,
     block_m: int,
     block_n: int,
     num_splits: int,
     max_grid: int,
     descriptors: int,
     bias_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    sinks_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     p = _params(
         scale,
         align_bottom_right,
@@ -170,13 +147,14 @@ def _bwd_op(
         window_right,
         dropout_p,
         deterministic,
+        softcap,
         block_m,
         block_n,
         num_splits,
         max_grid,
         descriptors,
     )
-    dq, dk, dv, db = attention_backward(
+    dq, dk, dv, db, dsinks = attention_backward(
         grad_out,
         query,
         key,
@@ -191,39 +169,22 @@ def _bwd_op(
         _opt(max_seqlen_q),
         _opt(max_seqlen_k),
         bias_grad=bias_grad,
+        alibi=alibi_slopes,
+        sinks=sinks,
+        sinks_grad=sinks_grad,
+        grad_lse=grad_lse,
     )
+    # absent gradients as empty tensors: an op returns tensors only
     if db is None:
         db = query.new_empty((0,))
-    return dq, dk, dv, db
+    if dsinks is None:
+        dsinks = query.new_empty((0,))
+    return dq, dk, dv, db, dsinks
 
 
 @_bwd_op.register_fake
-def _bwd_fake(
-    grad_out,
-    query,
-    key,
-    value,
-    bias,
-    out,
-    lse,
-    seed,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    scale,
-    align_bottom_right,
-    window_left,
-    window_right,
-    dropout_p,
-    deterministic,
-    block_m,
-    block_n,
-    num_splits,
-    max_grid,
-    descriptors,
-    bias_grad,
-):
+def _bwd_fake(grad_out, grad_lse, query, key, value, bias, alibi, sinks, *rest):
+    bias_grad, sinks_grad = rest[-2:]
     dq = query.new_empty(query.shape)
     dk = key.new_empty(key.shape)
     dv = value.new_empty(value.shape)
@@ -231,40 +192,63 @@ def _bwd_fake(
         db = bias.new_empty(bias.shape)
     else:
         db = query.new_empty((0,))
-    return dq, dk, dv, db
+    dsinks = sinks.new_empty(sinks.shape) if sinks_grad and sinks is not None else query.new_empty((0,))
+    return dq, dk, dv, db, dsinks
 
 
-_N_PARAMS = 11  # len(KernelParams.to_args())
+_N_PARAMS = len(fields(KernelParams))  # KernelParams.to_args()
+_N_TENSOR_ARGS = 10  # query .. sinks: the forward op's arguments before the parameters
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, bias, cu_q, cu_k, max_sq, max_sk = inputs[:8]
+    query, key, value, bias, cu_q, cu_k, max_sq, max_sk, alibi, sinks = inputs[:_N_TENSOR_ARGS]
     out, lse, seed = output
-    ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k)
-    ctx.extra = (max_sq, max_sk, tuple(inputs[8 : 8 + _N_PARAMS]))
-    ctx.mark_non_differentiable(lse, seed)
+    ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks)
+    ctx.extra = (max_sq, max_sk, tuple(inputs[_N_TENSOR_ARGS : _N_TENSOR_ARGS + _N_PARAMS]))
+    ctx.mark_non_differentiable(seed)
 
 
-def _backward_inputs(ctx, grad_out):
-    """(saved tensors, grad_out made last-dim contiguous, whether the float bias needs a grad):
-    what both backward paths (op and eager Function) start from."""
+def _backward_inputs(ctx, grad_out, sinks_index: int):
+    """(saved tensors, grad_out made last-dim contiguous, whether the float bias needs a grad,
+    whether the sinks (input ``sinks_index``) need one): what both backward paths (op and eager
+    Function) start from."""
     saved = ctx.saved_tensors
-    bias, out = saved[3], saved[4]
+    bias, out, sinks = saved[3], saved[4], saved[10]
     bias_grad = bool(bias is not None and ctx.needs_input_grad[3] and bias.dtype.is_floating_point)
+    sinks_grad = bool(sinks is not None and ctx.needs_input_grad[sinks_index])
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
-    return saved, grad_out, bias_grad
+    return saved, grad_out, bias_grad, sinks_grad
 
 
 def _backward(ctx, grad_out, grad_lse, grad_seed):
-    (query, key, value, bias, out, lse, seed, cu_q, cu_k), grad_out, bias_grad = _backward_inputs(ctx, grad_out)
+    saved, grad_out, bias_grad, sinks_grad = _backward_inputs(ctx, grad_out, 9)
+    query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks = saved
     max_sq, max_sk, pargs = ctx.extra
-    dq, dk, dv, db = _bwd_op(
-        grad_out, query, key, value, bias, out, lse, seed, cu_q, cu_k, max_sq, max_sk, *pargs, bias_grad
+    dq, dk, dv, db, dsinks = _bwd_op(
+        grad_out,
+        grad_lse,
+        query,
+        key,
+        value,
+        bias,
+        alibi,
+        sinks,
+        out,
+        lse,
+        seed,
+        cu_q,
+        cu_k,
+        max_sq,
+        max_sk,
+        *pargs,
+        bias_grad,
+        sinks_grad,
     )
-    return (dq, dk, dv, db if bias_grad else None) + (None,) * (4 + _N_PARAMS)
+    grads = (dq, dk, dv, db if bias_grad else None, None, None, None, None, None, dsinks if sinks_grad else None)
+    return grads + (None,) * _N_PARAMS
 
 
 torch.library.register_autograd(_FWD, _backward, setup_context=_setup_context)
@@ -278,28 +262,30 @@ class _EagerAttention(torch.autograd.Function):
     relaunches the kernels its first call captured."""
 
     @staticmethod
-    def forward(ctx, query, key, value, bias, cu_q, cu_k, max_sq, max_sk, params, plan=None):
-        # lse is non-differentiable: materialised, its undefined gradient would cost a zeros
-        # kernel and an allocation every backward (E67); an unused output's None gradient is
-        # handled by _backward_inputs
+    def forward(ctx, query, key, value, bias, cu_q, cu_k, max_sq, max_sk, params, plan=None, alibi=None, sinks=None):
+        # An unused output's gradient stays None: materialised, lse's would cost a zeros kernel
+        # and an allocation every backward (E67), and it would run the logsumexp-gradient path
         ctx.set_materialize_grads(False)
         if plan is not None:
             (out, lse), seed = plan.forward(query, key, value), None
         else:
-            out, lse, seed = attention_forward(query, key, value, bias, params, cu_q, cu_k, _opt(max_sq), _opt(max_sk))
-        ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k)
+            out, lse, seed = attention_forward(
+                query, key, value, bias, params, cu_q, cu_k, _opt(max_sq), _opt(max_sk), alibi=alibi, sinks=sinks
+            )
+        ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks)
         ctx.extra = (max_sq, max_sk, params, plan)
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        (query, key, value, bias, out, lse, seed, cu_q, cu_k), grad_out, bias_grad = _backward_inputs(ctx, grad_out)
+        saved, grad_out, bias_grad, sinks_grad = _backward_inputs(ctx, grad_out, 11)
+        query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks = saved
         max_sq, max_sk, params, plan = ctx.extra
+        dsinks = None
         if plan is not None:
             (dq, dk, dv), db = plan.backward(grad_out, query, key, value, out, lse), None
         else:
-            dq, dk, dv, db = attention_backward(
+            dq, dk, dv, db, dsinks = attention_backward(
                 grad_out,
                 query,
                 key,
@@ -314,8 +300,12 @@ class _EagerAttention(torch.autograd.Function):
                 _opt(max_sq),
                 _opt(max_sk),
                 bias_grad=bias_grad,
+                alibi=alibi,
+                sinks=sinks,
+                sinks_grad=sinks_grad,
+                grad_lse=grad_lse,
             )
-        return dq, dk, dv, (db if bias_grad else None), None, None, None, None, None, None
+        return dq, dk, dv, (db if bias_grad else None), None, None, None, None, None, None, None, dsinks
 
 
 def _last_dim_contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -336,11 +326,15 @@ def triton_attention(
     max_seqlen_k: Optional[int] = None,
     *,
     return_lse: bool = False,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ):
     """Attention with the Triton kernels (see package docstring for layouts and semantics).
 
-    Returns the output (query's dtype), or (output, logsumexp fp32) when ``return_lse``.
-    Differentiable w.r.t. query, key, value and a floating ``bias``."""
+    Returns the output (query's dtype), or (output, logsumexp fp32, without the sink) when
+    ``return_lse``.  Differentiable w.r.t. query, key, value, a floating ``bias`` and ``sinks``;
+    the logsumexp is differentiable too.  ``alibi_slopes``: fp32 (B, Hq) (a stride-0 batch dim
+    is fine), no gradient; ``sinks``: (Hq,) of any float dtype."""
     query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
     if cu_seqlens_q is not None:
         if max_seqlen_q is None or max_seqlen_k is None:
@@ -349,12 +343,27 @@ def triton_attention(
     else:
         msq = msk = -1
     if torch.compiler.is_compiling():
-        out, lse, _ = _fwd_op(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, msq, msk, *params.to_args())
-    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, bias)):
-        out, lse = _EagerAttention.apply(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, msq, msk, params)
+        out, lse, _ = _fwd_op(
+            query, key, value, bias, cu_seqlens_q, cu_seqlens_k, msq, msk, alibi_slopes, sinks, *params.to_args()
+        )
+    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, bias, sinks)):
+        out, lse = _EagerAttention.apply(
+            query, key, value, bias, cu_seqlens_q, cu_seqlens_k, msq, msk, params, None, alibi_slopes, sinks
+        )
     else:  # inference: no autograd node to build
         out, lse, _ = attention_forward(
-            query, key, value, bias, params, cu_seqlens_q, cu_seqlens_k, _opt(msq), _opt(msk), need_lse=return_lse
+            query,
+            key,
+            value,
+            bias,
+            params,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            _opt(msq),
+            _opt(msk),
+            need_lse=return_lse,
+            alibi=alibi_slopes,
+            sinks=sinks,
         )
     return (out, lse) if return_lse else out
 

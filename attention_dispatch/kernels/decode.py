@@ -16,8 +16,9 @@ from .device import device_info, is_interpreter
 from .limits import MAX_GRID_YZ
 from .params import KernelParams
 from .shapes import cdiv, next_pow2
-from .tl.decode import _decode_combine, _decode_split
 from .tl.common import LOG2E
+from .tl.decode import _decode_combine, _decode_split
+from .tl.launch import score_args, score_constexprs
 
 # A split covers at least this many keys: below it the combine pass and the partials' traffic
 # outweigh the parallelism gained.
@@ -61,11 +62,16 @@ def _launch_split(
     tail_lse=None,
     k_new=None,
     v_new=None,
+    alibi=None,
+    sinks=None,
+    lse=None,
 ):
     """The split pass (and, with several splits, the combine pass) into ``out``; ``tail`` > 0:
     one split over each sequence's keys past its last whole ``tail``-key tile, merged into
-    ``out`` and ``tail_lse`` (natural log, (B, Hq, Sq)), what the Gluon forward wrote;
-    ``k_new``/``v_new`` (B, Hkv, n_new, D): appended by the split pass itself."""
+    ``out`` and ``tail_lse`` (natural log, (B, Hq, Sq)), what the Gluon forward wrote (merged
+    in place too when ``lse`` is given);
+    ``k_new``/``v_new`` (B, Hkv, n_new, D): appended by the split pass itself; ``alibi`` (B, Hq)
+    and ``sinks`` (Hq,, contiguous) or None; ``lse``: (B, Hq, Sq) fp32 for the logsumexp, or None."""
     B, Hq, Sq, D = q.shape
     page, Hkv, capacity, k_str, v_str, bt, bt_stride = _cache_geometry(q, k_cache, v_cache, cache_seqlens, block_table)
     group = Hq // Hkv
@@ -103,6 +109,9 @@ def _launch_split(
             k_new if k_new is not None else k_cache,
             v_new if v_new is not None else v_cache,
             params.scale * LOG2E,
+            *score_args(params, alibi, q),
+            sinks if sinks is not None else q,
+            lse if lse is not None else q,
             *q.stride()[:3],
             *k_str,
             *v_str,
@@ -134,6 +143,9 @@ def _launch_split(
             BH_AXIS0=bh_axis0,
             DOT_UPCAST=interp and q.dtype != torch.float32,
             DOT_IEEE=q.dtype == torch.float32,
+            HAS_SINKS=sinks is not None,
+            STORE_LSE=lse is not None,
+            **score_constexprs(params, alibi, q.dtype),
         ),
         4,
         2,
@@ -142,8 +154,25 @@ def _launch_split(
         run.launch_one(
             _decode_combine,
             (B * Hq * Sq,),
-            (o_part, l_part, out, B * Hq * Sq, Hq, Sq, *out.stride()[:3]),
-            dict(NUM_SPLITS=num_splits, SPLITS_P2=next_pow2(num_splits), HEAD_D=D, BLOCK_D=block_d),
+            (
+                o_part,
+                l_part,
+                out,
+                sinks if sinks is not None else q,
+                lse if lse is not None else q,
+                B * Hq * Sq,
+                Hq,
+                Sq,
+                *out.stride()[:3],
+            ),
+            dict(
+                NUM_SPLITS=num_splits,
+                SPLITS_P2=next_pow2(num_splits),
+                HEAD_D=D,
+                BLOCK_D=block_d,
+                HAS_SINKS=sinks is not None,
+                STORE_LSE=lse is not None,
+            ),
             4,
             1,
         )
@@ -154,6 +183,15 @@ def _empty_result(q, capacity: int):
     if q.numel() == 0 or capacity == 0:
         return torch.zeros(q.shape, device=q.device, dtype=q.dtype)
     return None
+
+
+def _with_lse(out, lse, need_lse: bool, q):
+    """``out``, or (out, lse) when the call asked for its logsumexp (-inf rows when nothing ran)."""
+    if not need_lse:
+        return out
+    if lse is None:
+        lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
+    return out, lse
 
 
 def decode_forward(
@@ -167,12 +205,16 @@ def decode_forward(
     num_splits: int = 0,
     k_new=None,
     v_new=None,
-) -> torch.Tensor:
+    alibi=None,
+    sinks=None,
+    need_lse: bool = False,
+):
     """Attention of q (B, Hq, Sq, D) over each sequence's first cache_seqlens[b] + n_new cached
     keys by the decode kernel: the new ones already appended, or given as ``k_new``/``v_new``
     (B, Hkv, n_new, D), which the kernel writes into the cache as it reads them.  ``params``:
-    scale, window and bottom-right causal (``window_right=0``); ``num_splits`` > 0 forces the
-    key splits.  Returns (B, Hq, Sq, D)."""
+    scale, softcap, window and bottom-right causal (``window_right=0``); ``num_splits`` > 0
+    forces the key splits; ``alibi`` (B, Hq) fp32 slopes, ``sinks`` (Hq,), or None.  Returns
+    (B, Hq, Sq, D), or with ``need_lse`` (out, logsumexp fp32 (B, Hq, Sq) without the sink)."""
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[2]
     empty = _empty_result(q, capacity)
     if empty is not None:
@@ -180,25 +222,42 @@ def decode_forward(
             from ..backends.kv_append import append_kv
 
             append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-        return empty
+        return _with_lse(empty, None, need_lse, q)
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if need_lse else None
+    if sinks is not None and sinks.stride(0) != 1:
+        sinks = sinks.contiguous()
     _launch_split(
-        q, k_cache, v_cache, cache_seqlens, block_table, out, params, n_new, num_splits, k_new=k_new, v_new=v_new
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        out,
+        params,
+        n_new,
+        num_splits,
+        k_new=k_new,
+        v_new=v_new,
+        alibi=alibi,
+        sinks=sinks,
+        lse=lse,
     )
-    return out
+    return _with_lse(out, lse, need_lse, q)
 
 
-def cache_forward(q, k_cache, v_cache, cache_seqlens, params: KernelParams, n_new: int = 0) -> torch.Tensor:
+def cache_forward(q, k_cache, v_cache, cache_seqlens, params: KernelParams, n_new: int = 0, need_lse: bool = False):
     """decode_forward's result for a call gluon.route.cache_forward_reason accepts (many new
     queries over a dense cache): the Gluon forward over each sequence's whole key tiles, then
-    the decode kernel over the keys past them, merged by the logsumexp.  Returns (B, Hq, Sq, D)."""
+    the decode kernel over the keys past them, merged by the logsumexp.  Returns (B, Hq, Sq, D),
+    or with ``need_lse`` (out, the merged logsumexp (B, Hq, Sq))."""
     from . import configs as C
     from .gluon import launch as gluon_launch
     from .shapes import KernelShapes, rows_layout
 
     empty = _empty_result(q, k_cache.shape[2])
     if empty is not None:
-        return empty
+        return _with_lse(empty, None, need_lse, q)
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     prob = KernelShapes(q, k_cache, v_cache, None, None, None, None)
@@ -216,32 +275,72 @@ def cache_forward(q, k_cache, v_cache, cache_seqlens, params: KernelParams, n_ne
         n_new=n_new,
     )
     tail = C.WS_FWD_CONFIGS[q.shape[3]].block_n
-    _launch_split(q, k_cache, v_cache, cache_seqlens, None, out, params, n_new, 1, tail=tail, tail_lse=lse)
-    return out
+    _launch_split(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        None,
+        out,
+        params,
+        n_new,
+        1,
+        tail=tail,
+        tail_lse=lse,
+        lse=lse if need_lse else None,
+    )
+    return _with_lse(out, lse, need_lse, q)
 
 
 CACHE_GLUON = "gluon forward + tail"  # cache_forward
 CACHE_DECODE = "decode split-KV"  # decode_forward
 
 
-def kv_route(q, k_cache, v_cache, block_table, params: KernelParams) -> tuple[str, str | None]:
+def kv_route(q, k_cache, v_cache, block_table, params: KernelParams, alibi=None, sinks=None) -> tuple[str, str | None]:
     """(the kernel a KV-cache call runs, CACHE_GLUON or CACHE_DECODE; why not CACHE_GLUON, or None)."""
-    from .gluon.route import cache_forward_reason
+    from .gluon.route import cache_forward_reason, score_features_reason
 
-    why_not = cache_forward_reason(q, k_cache, v_cache, block_table, params)
+    why_not = score_features_reason(params, alibi is not None, sinks is not None, "forward")
+    why_not = why_not or cache_forward_reason(q, k_cache, v_cache, block_table, params)
     return (CACHE_DECODE, why_not) if why_not else (CACHE_GLUON, None)
 
 
-def kv_forward(q, k_cache, v_cache, cache_seqlens, params: KernelParams, block_table=None, k_new=None, v_new=None):
+def kv_forward(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    params: KernelParams,
+    block_table=None,
+    k_new=None,
+    v_new=None,
+    alibi=None,
+    sinks=None,
+    need_lse: bool = False,
+):
     """sdpa_with_kvcache()'s kernels, k_new/v_new (or None) appended into the cache in place:
     :func:`cache_forward` after the append where :func:`kv_route` takes it, else
-    :func:`decode_forward` with the append fused."""
+    :func:`decode_forward` with the append fused.  ``alibi``/``sinks``/``need_lse``: as
+    :func:`decode_forward`'s."""
     from ..backends.kv_append import append_kv
 
     n_new = q.shape[2] if k_new is not None else 0
-    kernel, _ = kv_route(q, k_cache, v_cache, block_table, params)
+    kernel, _ = kv_route(q, k_cache, v_cache, block_table, params, alibi, sinks)
     if kernel == CACHE_GLUON:
         if k_new is not None:
             append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-        return cache_forward(q, k_cache, v_cache, cache_seqlens, params, n_new)
-    return decode_forward(q, k_cache, v_cache, cache_seqlens, params, block_table, n_new, k_new=k_new, v_new=v_new)
+        return cache_forward(q, k_cache, v_cache, cache_seqlens, params, n_new, need_lse)
+    return decode_forward(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        params,
+        block_table,
+        n_new,
+        k_new=k_new,
+        v_new=v_new,
+        alibi=alibi,
+        sinks=sinks,
+        need_lse=need_lse,
+    )

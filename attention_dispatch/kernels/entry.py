@@ -20,7 +20,7 @@ from .decode import decode_forward
 from .device import use_descriptors
 from .dropout import draw_seed
 from .gluon import launch as gluon_launch
-from .gluon.route import forward_scope_reason, fuse_dq_reason, ws_backward_reason, ws_reason
+from .gluon.route import forward_scope_reason, fuse_dq_reason, score_features_reason, ws_backward_reason, ws_reason
 from .params import KernelParams
 from .shapes import KernelShapes, check_inputs, last_dim_contiguous, store_dtype
 from .tl import launch as tl_launch
@@ -46,7 +46,9 @@ class ForwardRoute(NamedTuple):
     why_not_decode: str | None = None
 
 
-def decode_reason(q, bias_kind: int, params: KernelParams, prob: KernelShapes, need_lse: bool) -> str | None:
+def decode_reason(
+    q, bias_kind: int, params: KernelParams, prob: KernelShapes, need_lse: bool, has_alibi: bool = False
+) -> str | None:
     """None when the decode kernel computes this forward, else why not (one line)."""
     if prob.group * prob.Sq > DECODE_MAX_ROWS:
         return f"{prob.group * prob.Sq} query rows per kv head (GQA group x Sq): more than {DECODE_MAX_ROWS}"
@@ -63,6 +65,8 @@ def decode_reason(q, bias_kind: int, params: KernelParams, prob: KernelShapes, n
     banded = params.window_left >= 0 or params.window_right >= 0
     if banded and not params.align_bottom_right and prob.Sq != prob.Sk:
         return "causal or window aligned top-left with Sq != Sk: the decode kernel aligns bottom-right"
+    if has_alibi and not params.align_bottom_right and prob.Sq != prob.Sk:
+        return "alibi_slopes aligned top-left with Sq != Sk: the decode kernel aligns bottom-right"
     if prob.Dqk != prob.Dv:
         return f"head dims {prob.Dqk}/{prob.Dv}: equal only"
     if params.block_m or params.block_n:
@@ -98,16 +102,22 @@ def forward_route(
     prob: KernelShapes,
     desc: bool,
     need_lse: bool = True,
+    alibi=None,
+    sinks=None,
 ):
     """The :class:`ForwardRoute` of a call (``bias_*``: :func:`bias.bias_layout`; ``desc``:
-    :func:`use_descriptors` of q, k, v; ``need_lse``: the call writes its logsumexp)."""
-    not_decode = decode_reason(q, bias_kind, params, prob, need_lse)
+    :func:`use_descriptors` of q, k, v; ``need_lse``: the call writes its logsumexp;
+    ``alibi``/``sinks``: the call's slopes and sinks, or None)."""
+    not_decode = decode_reason(q, bias_kind, params, prob, need_lse, alibi is not None)
     if not_decode is None:
         return ForwardRoute(DECODE, None, None)
     if prob.group * prob.Sq > DECODE_MAX_ROWS or prob.Sk < DECODE_MIN_KEYS:
         not_decode = None  # not shaped like decode: nothing to report
     if store_dtype(q.dtype) != q.dtype:  # the interpreter writes bf16 as fp32 (no Gluon there)
         return ForwardRoute(TL, "the CPU interpreter writes bfloat16 results as float32", None, not_decode)
+    score_reason = score_features_reason(params, alibi is not None, sinks is not None, "forward")
+    if score_reason is not None:
+        return ForwardRoute(TL, score_reason, None, not_decode)
     bias_reason = ws_bias_reason(bias_kind, bias_t, bias_strides, q.dtype, desc)
     reason, rows = ws_reason(q, k, v, bias_reason, params, prob, desc)
     if reason is None:
@@ -116,9 +126,23 @@ def forward_route(
 
 
 def backward_route(
-    do, q, k, v, bias_kind: int, bias_t, bias_strides, bias_grad: bool, params: KernelParams, prob: KernelShapes, desc
+    do,
+    q,
+    k,
+    v,
+    bias_kind: int,
+    bias_t,
+    bias_strides,
+    bias_grad: bool,
+    params: KernelParams,
+    prob: KernelShapes,
+    desc,
+    has_alibi: bool = False,
 ):
     """The :class:`BackwardRoute` of a call (``desc``: :func:`use_descriptors` of q, k, v, dO)."""
+    reason = score_features_reason(params, has_alibi, False, "backward")
+    if reason is not None:
+        return BackwardRoute(TL, TL, reason, None, None)
     bias_reason = ws_bias_reason(bias_kind, bias_t, bias_strides, q.dtype, desc, grad=bias_grad)
     reason, rows = ws_backward_reason(do, q, k, v, bias_reason, params, prob, desc)
     if reason is not None:
@@ -128,14 +152,41 @@ def backward_route(
     return BackwardRoute(GLUON, dq, None, not_fused, rows)
 
 
+def check_score_inputs(prob: KernelShapes, alibi, sinks):
+    """ALiBi slopes: float32 (B, Hq) (a stride-0 batch dim is fine); sinks: (Hq,) of a float dtype."""
+    if alibi is not None and (alibi.dtype != torch.float32 or tuple(alibi.shape) != (prob.B, prob.Hq)):
+        raise ValueError(
+            f"alibi_slopes: float32 of shape ({prob.B}, {prob.Hq}) expected, got {alibi.dtype} {tuple(alibi.shape)}"
+        )
+    if sinks is not None and (not sinks.dtype.is_floating_point or tuple(sinks.shape) != (prob.Hq,)):
+        raise ValueError(
+            f"sinks: a float tensor of shape ({prob.Hq},) expected, got {sinks.dtype} {tuple(sinks.shape)}"
+        )
+
+
 def attention_forward(
-    q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None, max_sq=None, max_sk=None, need_lse: bool = True
+    q,
+    k,
+    v,
+    bias,
+    params: KernelParams,
+    cu_q=None,
+    cu_k=None,
+    max_sq=None,
+    max_sk=None,
+    need_lse: bool = True,
+    alibi=None,
+    sinks=None,
 ):
-    """Returns (out, lse (fp32, natural log; None unless need_lse), seed (int64 (1,) or empty)).
-    Inference calls pass need_lse=False: the kernel then writes no logsumexp."""
+    """Returns (out, lse (fp32, natural log, without the sink; None unless need_lse), seed (int64
+    (1,) or empty)).  Inference calls pass need_lse=False: the kernel then writes no logsumexp.
+    ``alibi``: fp32 (B, Hq) slopes; ``sinks``: (Hq,) logits; either None."""
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     check_inputs(q, k, v)
     prob = KernelShapes(q, k, v, cu_q, cu_k, max_sq, max_sk)
+    check_score_inputs(prob, alibi, sinks)
+    if sinks is not None and sinks.stride(0) != 1:
+        sinks = sinks.contiguous()
     dev = q.device
     seed = draw_seed(dev) if params.dropout_p > 0 else torch.empty(0, device=dev, dtype=torch.int64)
     if _empty(prob, k):
@@ -145,17 +196,17 @@ def attention_forward(
     kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
     # Q is checked too: it goes through a descriptor beside a bias descriptor (tl/forward.py)
     desc = use_descriptors(params, (q, k, v), dev, loop_len=prob.Sk)
-    route = forward_route(q, k, v, kind, bt, bstr, params, prob, desc, need_lse)
+    route = forward_route(q, k, v, kind, bt, bstr, params, prob, desc, need_lse, alibi, sinks)
     if route.kernel == DECODE:  # every sequence as long as the keys: a full "cache"
         lengths = torch.full((prob.B,), prob.Sk, device=dev, dtype=torch.int32)
-        return decode_forward(q, k, v, lengths, params), None, seed
+        return decode_forward(q, k, v, lengths, params, alibi=alibi, sinks=sinks), None, seed
     out = torch.empty(prob.out_shape, device=dev, dtype=store_dtype(q.dtype))
     lse = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32) if need_lse else None
     if route.kernel == GLUON:
         ws_bias = gluon_launch.WsBias.of(bt, bstr, prob) if kind else None
         gluon_launch.forward(q, k, v, out, lse, params, prob, *route.rows, bias=ws_bias)
         return out, lse, seed
-    out = tl_launch.forward(q, k, v, out, lse, seed, kind, bt, bstr, params, prob, desc, cu_q, cu_k)
+    out = tl_launch.forward(q, k, v, out, lse, seed, kind, bt, bstr, params, prob, desc, cu_q, cu_k, alibi, sinks)
     return out, lse, seed
 
 
@@ -175,28 +226,48 @@ def attention_backward(
     max_sk=None,
     bias_grad: bool = False,
     delta: torch.Tensor | None = None,
+    alibi=None,
+    sinks=None,
+    sinks_grad: bool = False,
+    grad_lse=None,
 ):
-    """Returns (dq, dk, dv, dbias or None).  dbias has bias's shape: summed over its size-1
-    (broadcast) dims; full-size dims (even with stride 0) get the per-element gradient.
-    ``delta``: an fp32 buffer of lse's shape for rowsum(dO * O) (allocated here when None)."""
+    """Returns (dq, dk, dv, dbias or None, dsinks or None).  dbias has bias's shape: summed over
+    its size-1 (broadcast) dims; full-size dims (even with stride 0) get the per-element
+    gradient.  ``delta``: an fp32 buffer of lse's shape for rowsum(dO * O) (allocated here when
+    None).  ``sinks``: the forward's (Hq,) sinks (their gradient, in sinks' dtype, with
+    ``sinks_grad``); ``grad_lse``: the gradient flowing into lse (None: none, nothing extra)."""
     q, k, v, do = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v), last_dim_contiguous(do)
     prob = KernelShapes(q, k, v, cu_q, cu_k, max_sq, max_sk)
     dev = q.device
     bias_grad = bool(bias_grad) and bias is not None and bias.dtype.is_floating_point
+    sinks_grad = bool(sinks_grad) and sinks is not None
     kind, bt, bstr, bcast = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
     if _empty(prob, k):
         dq = torch.zeros(q.shape, device=dev, dtype=q.dtype)
         dk = torch.zeros(k.shape, device=dev, dtype=k.dtype)
         dv = torch.zeros(v.shape, device=dev, dtype=v.dtype)
         dbias = torch.zeros(bias.shape, device=dev, dtype=bias.dtype) if bias_grad else None
-        return dq, dk, dv, dbias
+        dsinks = torch.zeros(sinks.shape, device=dev, dtype=sinks.dtype) if sinks_grad else None
+        return dq, dk, dv, dbias, dsinks
 
     desc = use_descriptors(params, (q, k, v, do), dev)
-    args = tl_launch.backward_args(do, q, kind, bt, bstr, seed, params, prob, desc, cu_q, cu_k)
+    args = tl_launch.backward_args(do, q, kind, bt, bstr, seed, params, prob, desc, cu_q, cu_k, alibi)
     if delta is None:
         delta = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32)
-    tl_launch.delta_pass(do, out, delta, prob, args)
-    route = backward_route(do, q, k, v, kind, bt, bstr, bias_grad, params, prob, desc)
+    lse_used = dsink_rows = None
+    if sinks is not None:  # P's normaliser: the logsumexp with the sink (written by the delta pass)
+        sinks = sinks if sinks.stride(0) == 1 else sinks.contiguous()
+        lse_used = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32)
+        if sinks_grad:
+            dsink_rows = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32)
+    if grad_lse is not None:
+        grad_lse = grad_lse.to(torch.float32).contiguous()
+    tl_launch.delta_pass(do, out, delta, prob, args, lse, sinks, grad_lse, lse_used, dsink_rows)
+    if lse_used is not None:
+        lse = lse_used
+    # (B, Hq, Sq) or (total_q, Hq): summed over all but the head dim, in a fixed order
+    dsinks = dsink_rows.sum(dim=(0, 2) if not prob.varlen else 0).to(sinks.dtype) if sinks_grad else None
+    route = backward_route(do, q, k, v, kind, bt, bstr, bias_grad, params, prob, desc, alibi is not None)
     if route.dkdv == GLUON:
         ws_bias = gluon_launch.WsBias.of(bt, bstr, prob) if kind else None
         dk, dv, dq = gluon_launch.dkdv(
@@ -206,18 +277,31 @@ def attention_backward(
             dq = gluon_launch.dq(q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias)
         elif route.dq == TL:
             dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, dsinks
     dk, dv, dbias = tl_launch.dkdv_pass(do, q, k, v, lse, delta, bias, bias_grad, bcast, params, prob, args)
     dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args)
-    return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, dsinks
 
 
 def describe_route(
-    q, k, v, bias, params: KernelParams, cu_q=None, cu_k=None, max_sq=None, max_sk=None, backward: bool = False
+    q,
+    k,
+    v,
+    bias,
+    params: KernelParams,
+    cu_q=None,
+    cu_k=None,
+    max_sq=None,
+    max_sk=None,
+    backward: bool = False,
+    alibi=None,
+    sinks=None,
+    need_lse: bool = False,
 ) -> list[tuple[str, str, tuple[tuple[str, str], ...]]]:
     """The route :func:`attention_forward` (and, with ``backward``, :func:`attention_backward`
     for a contiguous dO, the gradient's usual layout) takes for this call, launching nothing:
-    (part, kernel, ((faster route not taken, why), ...)) per pass."""
+    (part, kernel, ((faster route not taken, why), ...)) per pass.  ``need_lse``: an inference
+    call that returns its logsumexp."""
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     check_inputs(q, k, v)
     prob = KernelShapes(q, k, v, cu_q, cu_k, max_sq, max_sk)
@@ -225,7 +309,7 @@ def describe_route(
         return [("forward", "none (nothing to compute: zeros)", ())]
     kind, bt, bstr, _ = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
     desc = use_descriptors(params, (q, k, v), q.device, prob.Sk)
-    fwd = forward_route(q, k, v, kind, bt, bstr, params, prob, desc, need_lse=backward)
+    fwd = forward_route(q, k, v, kind, bt, bstr, params, prob, desc, backward or need_lse, alibi, sinks)
     passed = ((DECODE, fwd.why_not_decode),) if fwd.why_not_decode else ()
     passed += ((GLUON, fwd.why_not_gluon),) if fwd.why_not_gluon else ()
     steps = [("forward", fwd.kernel, passed)]
@@ -234,7 +318,7 @@ def describe_route(
     do = torch.empty(prob.out_shape, device=q.device, dtype=q.dtype)
     bias_grad = bias is not None and bias.requires_grad and bias.dtype.is_floating_point
     desc = use_descriptors(params, (q, k, v, do), q.device)
-    bwd = backward_route(do, q, k, v, kind, bt, bstr, bias_grad, params, prob, desc)
+    bwd = backward_route(do, q, k, v, kind, bt, bstr, bias_grad, params, prob, desc, alibi is not None)
     if bwd.dkdv == TL:
         steps.append(("dK/dV", TL, ((GLUON, bwd.why_not_gluon),)))
         steps.append(("dQ", TL, ((GLUON, bwd.why_not_gluon),)))

@@ -34,6 +34,15 @@ class KernelLimits:
     deterministic_backward: bool = True  # params.deterministic=True: bitwise repeatable
     default_backward_deterministic: bool = False  # split-keys (fp32 atomics) may be used otherwise
     forward_deterministic: bool = True
+    # issue 36: softcap * tanh(score / softcap), ALiBi slopes (B, Hq) or (Hq,), attention sinks
+    # (Hq,) with their gradient, the rows' logsumexp returned and differentiable; forward and
+    # backward with every feature above, and in the decode kernel (forward only: it has none)
+    softcap: bool = True
+    alibi: bool = True
+    sinks: bool = True
+    sinks_grad: bool = True
+    return_lse: bool = True
+    lse_grad: bool = True
     device_types: tuple = ("cuda", "cpu")  # cpu only under TRITON_INTERPRET=1
     min_compute_capability: tuple = (8, 0)  # tested on sm90; sm80 as Triton's tl kernels support it
     bf16_min_compute_capability: tuple = (8, 0)

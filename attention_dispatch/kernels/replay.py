@@ -193,7 +193,7 @@ class TrainingPlan:
             return dq, dk, dv
         delta = torch.empty(lse.shape, device=self.device, dtype=torch.float32)
         with COMPILED.capture() as launches:
-            dq, dk, dv, _ = attention_backward(do, q, k, v, None, out, lse, None, self.params, delta=delta)
+            dq, dk, dv, *_ = attention_backward(do, q, k, v, None, out, lse, None, self.params, delta=delta)
         if (
             self.bwd is None
             and contiguous(dq, dk, dv)

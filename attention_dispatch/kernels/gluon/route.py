@@ -109,6 +109,19 @@ def ws_forward_reason(
     return None
 
 
+def score_features_reason(params: KernelParams, has_alibi: bool, has_sinks: bool, part: str) -> str | None:
+    """Why the Gluon ``part`` ("forward" or "backward") cannot take a call's score transforms,
+    or None.  The backward reads the sink only through the logsumexp and delta that the tl
+    delta pass prepares, so sinks (and a logsumexp gradient) pass there."""
+    if params.softcap > 0:
+        return f"softcap: not in the Gluon {part}"
+    if has_alibi:
+        return f"alibi_slopes: not in the Gluon {part}"
+    if has_sinks and part == "forward":
+        return "sinks: not in the Gluon forward"
+    return None
+
+
 def ws_reason(
     q, k, v, bias_reason: str | None, params: KernelParams, prob: KernelShapes, uses_descriptors: bool
 ) -> tuple[str | None, tuple[int, int] | None]:

@@ -3,7 +3,9 @@ over keys with fp32 atomics).  Conventions: see common.py.
 
 Gradients (natural-log units): P = exp(s - lse), dP = dO V^T (times keep/(1-p) under
 dropout), dS = P * (dP - delta) with delta = rowsum(dO * O); dQ = scale * dS K,
-dK = scale * dS^T Q, dV = (P * keep/(1-p))^T dO, d(bias) = dS.
+dK = scale * dS^T Q, dV = (P * keep/(1-p))^T dO, d(bias) = dS; with a softcap, dQ and dK take
+dS * (1 - tanh^2) (score.py).  The sink and a logsumexp gradient reach these kernels only through
+lse (then the logsumexp with the sink) and delta, prepared by the delta pass.
 A row whose logsumexp is -inf (nothing allowed) is given lse = +inf so that P = 0 and every
 gradient it touches is exactly 0 (never NaN).
 """
@@ -24,6 +26,7 @@ from .common import (
     _rng_rows,
     _tile_desc,
 )
+from .score import _alibi_slope2, _score_log2, _softcap_grad
 
 
 @triton.jit
@@ -32,6 +35,11 @@ def _attn_bwd_preprocess(
     DO,
     Delta,
     CuQ,
+    LSE,
+    Sinks,
+    DLse,
+    LseTotal,
+    DSinkRows,
     sob,
     soh,
     sos,
@@ -46,9 +54,17 @@ def _attn_bwd_preprocess(
     bh_start,
     HEAD_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    SINK_GRAD: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
+    """delta = rowsum(dO * O).  HAS_SINKS: LseTotal = logaddexp(lse, sink) (-inf kept for an
+    empty row), P's normaliser in the dK/dV and dQ passes; SINK_GRAD: DSinkRows = -exp(sink -
+    LseTotal) * delta per row, summed over rows on the host.  HAS_DLSE: a gradient flowing into
+    lse adds dlse * P_plain to dS, i.e. delta -= dlse * exp(LseTotal - lse) (dlse without sinks;
+    0 for an empty row).  LSE, DLse, LseTotal and DSinkRows share delta's layout."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1) + bh_start
     b = pid_bh // H
@@ -78,7 +94,27 @@ def _attn_bwd_preprocess(
         BLOCK_DV == HEAD_DV,
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + b64 * slb + h64 * slh + rows * sls, delta, mask=row_ok)
+    l_ptrs = b64 * slb + h64 * slh + rows * sls
+    if HAS_SINKS | HAS_DLSE:
+        lse = tl.load(LSE + l_ptrs, mask=row_ok, other=float("-inf"))
+        empty = lse == float("-inf")
+        lse_used = tl.where(empty, 0.0, lse)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + h).to(tl.float32)
+        top = tl.maximum(lse_used, sink)
+        # logaddexp(lse, sink) - lse, >= 0: the factor exp(lse_total - lse) below
+        excess = top - lse_used + tl.log(tl.exp(lse_used - top) + tl.exp(sink - top))
+        lse_total = tl.where(empty, float("-inf"), lse_used + excess)
+        tl.store(LseTotal + l_ptrs, lse_total, mask=row_ok)
+        if SINK_GRAD:
+            p_sink = tl.where(empty, 0.0, tl.exp(sink - tl.where(empty, 0.0, lse_total)))
+            tl.store(DSinkRows + l_ptrs, -p_sink * delta, mask=row_ok)
+    if HAS_DLSE:
+        dlse = tl.load(DLse + l_ptrs, mask=row_ok, other=0.0)
+        if HAS_SINKS:
+            dlse = dlse * tl.exp(excess)
+        delta = delta - tl.where(empty, 0.0, dlse)
+    tl.store(Delta + l_ptrs, delta, mask=row_ok)
 
 
 @triton.jit
@@ -99,6 +135,11 @@ def _attn_bwd_dkdv(
     qk_scale,
     sm_scale,
     dropout_p,
+    Alibi,
+    softcap_in,
+    softcap_out,
+    sab,
+    sah,
     sqb,
     sqh,
     sqs,
@@ -149,6 +190,8 @@ def _attn_bwd_dkdv(
     BIAS_KIND: tl.constexpr,
     BIAS_DESC: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     BATCH_MINOR: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     DB_SUM_ROWS: tl.constexpr,
@@ -251,6 +294,7 @@ def _attn_bwd_dkdv(
             if not DB_SUM_HEADS:
                 db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         pid_bh64 = b64 * H + h64
+        slope2 = _alibi_slope2(Alibi, b, h, sab, sah, HAS_ALIBI)
         q_desc = _tile_desc(Q, q_base, sq, sqs, HEAD_DQK, BLOCK_M, BLOCK_DQK, USE_DESC)
         do_desc = _tile_desc(DO, do_base, sq, sdos, HEAD_DV, BLOCK_M, BLOCK_DV, USE_DESC)
         for start_m in range(lo, hi, BLOCK_M):
@@ -266,9 +310,10 @@ def _attn_bwd_dkdv(
             # order and the other one compile to the same schedule (neutral, E25, E27)
             sT = _dot(k, tl.trans(q), DOT_UPCAST, DOT_IEEE)
             dpT = _dot(v, tl.trans(do), DOT_UPCAST, DOT_IEEE)
-            sT = _apply_bias(
-                sT * qk_scale, bias_base, start_m, n0, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, True
+            sT, tT = _score_log2(
+                sT, qk_scale, softcap_in, softcap_out, slope2, offs_m, offs_n, off, SOFTCAP, HAS_ALIBI, True
             )
+            sT = _apply_bias(sT, bias_base, start_m, n0, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, True)
             if (start_m < full_lo) | (start_m >= full_hi):
                 sT = tl.where(
                     _band_mask(offs_m, offs_n, sk, off, window_left, window_right, HAS_WL, HAS_WR, True),
@@ -285,7 +330,7 @@ def _attn_bwd_dkdv(
                 pdT = pT
             dv += _dot(_lowp(pdT, do.dtype, ROUND_P), do, DOT_UPCAST, DOT_IEEE)
             dsT = pT * (dpT - delta[None, :])
-            dk += _dot(_lowp(dsT, q.dtype, ROUND_P), q, DOT_UPCAST, DOT_IEEE)
+            dk += _dot(_lowp(_softcap_grad(dsT, tT, SOFTCAP), q.dtype, ROUND_P), q, DOT_UPCAST, DOT_IEEE)
             if BIAS_GRAD:
                 if DB_SUM_ROWS:
                     db_acc += tl.sum(tl.where(row_ok[None, :], dsT, 0.0), 1)
@@ -336,6 +381,11 @@ def _attn_bwd_dq(
     qk_scale,
     sm_scale,
     dropout_p,
+    Alibi,
+    softcap_in,
+    softcap_out,
+    sab,
+    sah,
     sqb,
     sqh,
     sqs,
@@ -376,6 +426,8 @@ def _attn_bwd_dq(
     BIAS_KIND: tl.constexpr,
     BIAS_DESC: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     BATCH_MINOR: tl.constexpr,
     ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -440,6 +492,7 @@ def _attn_bwd_dq(
     k_base = K + b64 * skb + hk64 * skh + k_start * sks
     v_base = V + b64 * svb + hk64 * svh + k_start * svs
     bias_base = _bias_desc(Bias + b64 * sbb + h64 * sbh, sq, sk, sbi, BLOCK_M, BLOCK_N, BIAS_DESC)
+    slope2 = _alibi_slope2(Alibi, b, h, sab, sah, HAS_ALIBI)
 
     m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
     lo = 0
@@ -479,9 +532,8 @@ def _attn_bwd_dq(
         v = _load_tile(v_desc, v_base, start_n, offs_n, svs, col_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
         s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE)
         dp = _dot(do, tl.trans(v), DOT_UPCAST, DOT_IEEE)  # the same order as dK/dV
-        s = _apply_bias(
-            s * qk_scale, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, False
-        )
+        s, t = _score_log2(s, qk_scale, softcap_in, softcap_out, slope2, offs_m, offs_n, off, SOFTCAP, HAS_ALIBI, False)
+        s = _apply_bias(s, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, False)
         if (start_n < full_lo) | (start_n >= full_hi):
             s = tl.where(
                 _band_mask(offs_m, offs_n, sk, off, window_left, window_right, HAS_WL, HAS_WR, False), s, float("-inf")
@@ -490,7 +542,7 @@ def _attn_bwd_dq(
         if HAS_DROPOUT:
             keep = _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N, False)
             dp = tl.where(keep, dp * inv_keep, 0.0)
-        ds = p * (dp - delta[:, None])
+        ds = _softcap_grad(p * (dp - delta[:, None]), t, SOFTCAP)
         dq += _dot(_lowp(ds, k.dtype, ROUND_P), k, DOT_UPCAST, DOT_IEEE)
     dq = dq * sm_scale
 

@@ -13,15 +13,20 @@ by the programs of the first row block (the append fused: no separate pass).
 With ``TAIL`` (> 0) one program per row block covers the keys past the last whole TAIL-key tile
 below ``L_b``, the rest being the Gluon forward's (kernels/decode.cache_forward), and merges its
 result into that kernel's output by the logsumexp.
-Scores live in the log2 domain as in the other kernels (conventions: common.py).
+Scores live in the log2 domain as in the other kernels (conventions: common.py); softcap, ALiBi
+(diagonal offset L_b - Sq) and the sink as in tl/score.py, the sink added once: after the
+combine pass when the keys are split.  STORE_LSE: each row's logsumexp (natural log, without the
+sink) into Lse (B, Hq, Sq), or merged in place into LPart with TAIL.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LOG2E, _dot
+from .common import LN2, LOG2E, _dot
+from .score import _score_log2, _sink_denominator
 
 LOG2E_C = tl.constexpr(LOG2E)
+LN2_C = tl.constexpr(LN2)
 
 
 @triton.jit
@@ -37,6 +42,13 @@ def _decode_split(
     KNew,
     VNew,
     qk_scale,
+    Alibi,
+    softcap_in,
+    softcap_out,
+    sab,
+    sah,
+    Sinks,
+    Lse,
     sqb,
     sqh,
     sqs,
@@ -76,6 +88,10 @@ def _decode_split(
     BH_AXIS0: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     DOT_IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr = False,
+    HAS_ALIBI: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
+    STORE_LSE: tl.constexpr = False,
 ):
     # splits on axis 0 keep a sequence's key ranges in flight together (H100, separate runs: MHA B=8
     # 32k 2.85 against 2.72 TB/s); B * Hkv past the y axis' 65535 goes on axis 0 instead
@@ -120,6 +136,10 @@ def _decode_split(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if HAS_ALIBI:  # each row's head's slope, (BLOCK_M, 1)
+        slope2 = (tl.load(Alibi + b64 * sab + head.to(tl.int64) * sah, mask=row_ok, other=0.0) * LOG2E_C)[:, None]
+    else:
+        slope2 = 0.0
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs_n < end
@@ -148,7 +168,19 @@ def _decode_split(
             tl.store(k_ptrs, k, mask=writes)
         else:
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE) * qk_scale
+        s, _ = _score_log2(
+            _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE),
+            qk_scale,
+            softcap_in,
+            softcap_out,
+            slope2,
+            qi,
+            offs_n,
+            seqlen - Sq,
+            SOFTCAP,
+            HAS_ALIBI,
+            False,
+        )
         allowed = key_ok[None, :] & row_ok[:, None]
         if HAS_WR:
             allowed = allowed & (offs_n[None, :] <= diag[:, None] + window_right)
@@ -174,13 +206,24 @@ def _decode_split(
         m_i = m_new
 
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))  # without the sink
+    lse_ptrs = Lse + (b64 * Hq + head) * Sq + qi  # (B, Hq, Sq) contiguous
+    if SPLIT:  # partials without the sink: _decode_combine adds it once
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    else:
+        if HAS_SINKS:
+            sink2 = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E_C
+        else:
+            sink2 = 0.0
+        out = acc / tl.where(empty, 1.0, _sink_denominator(l_i, m_i, sink2, HAS_SINKS))[:, None]
+        if STORE_LSE and TAIL == 0:
+            tl.store(lse_ptrs, lse2 * LN2_C, mask=row_ok)
     if SPLIT:
         # partials laid out (split, B, Hq, Sq, D) and (split, B, Hq, Sq), contiguous
         batch = (tl.num_programs(0) if BH_AXIS0 else tl.num_programs(1)) // Hkv
         part = ((split * batch + b).to(tl.int64) * Hq + head) * Sq + qi
         tl.store(OPart + part[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
-        tl.store(LPart + part, tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))), mask=row_ok)
+        tl.store(LPart + part, lse2, mask=row_ok)
     else:
         o_ptrs = Out + b64 * sob + head.to(tl.int64)[:, None] * soh + qi.to(tl.int64)[:, None] * sos + offs_d[None, :]
         store = row_ok
@@ -197,6 +240,8 @@ def _decode_split(
             w_tail = tl.exp2(lse_tail - top)
             total = tl.where(store, w_prev + w_tail, 1.0)
             out = (prev * w_prev[:, None] + out * w_tail[:, None]) / total[:, None]
+            if STORE_LSE:  # the merged logsumexp, in place
+                tl.store(LPart + (b64 * Hq + head) * Sq + qi, (top + tl.log2(total)) * LN2_C, mask=store)
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=store[:, None] & d_ok[None, :])
 
 
@@ -205,6 +250,8 @@ def _decode_combine(
     OPart,
     LPart,
     Out,
+    Sinks,
+    Lse,
     rows_total,
     Hq,
     Sq,
@@ -215,9 +262,13 @@ def _decode_combine(
     SPLITS_P2: tl.constexpr,
     HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
+    STORE_LSE: tl.constexpr = False,
 ):
-    """Out[row] = sum_s w_s * OPart[s, row] / sum_s w_s with w_s = 2^(LPart[s, row] - max);
-    a row no split saw (every LPart -inf) is 0.  One program per (B, Hq, Sq) row."""
+    """Out[row] = sum_s w_s * OPart[s, row] / sum_s w_s with w_s = 2^(LPart[s, row] - max)
+    (HAS_SINKS: the sink's 2^(sink - max) joins the denominator, once); a row no split saw
+    (every LPart -inf) is 0.  STORE_LSE: Lse[row] = the merged logsumexp (natural log, without
+    the sink).  One program per (B, Hq, Sq) row."""
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS_P2)
     split_ok = splits < NUM_SPLITS
@@ -226,6 +277,11 @@ def _decode_combine(
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_use)
     total = tl.sum(w, 0)
+    if STORE_LSE:
+        tl.store(Lse + row, tl.where(total == 0.0, float("-inf"), (m_use + tl.log2(total)) * LN2_C))
+    if HAS_SINKS:
+        sink2 = tl.load(Sinks + (row // Sq) % Hq).to(tl.float32) * LOG2E_C
+        total = _sink_denominator(total, m_use, sink2, True)
     offs_d = tl.arange(0, BLOCK_D)
     o = tl.load(
         OPart + (splits.to(tl.int64) * rows_total + row)[:, None] * BLOCK_D + offs_d[None, :],

@@ -16,6 +16,8 @@ from .common import (
     _rng_rows,
     _tile_desc,
 )
+from .forward_io import _fwd_store, _load_q
+from .score import _alibi_slope2, _score_log2
 
 
 @triton.jit
@@ -41,6 +43,9 @@ def _fwd_step(
     seed,
     rng_rows,
     dropout_p,
+    softcap_in,
+    softcap_out,
+    slope2,
     MASKED: tl.constexpr,
     MAY_EMPTY: tl.constexpr,
     SCALE_POS: tl.constexpr,
@@ -52,31 +57,33 @@ def _fwd_step(
     DOT_UPCAST: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     ROUND_P: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
 ):
     """One key block of the online softmax (log2 domain) given the raw scores ``s = q k^T``
     of the rows ``offs_m`` (from ``m0``).  MASKED: apply the band mask (edge blocks);
     MAY_EMPTY: a row may have seen only masked keys so far (max = -inf); SCALE_POS: the
-    softmax scale is > 0."""
+    softmax scale is > 0; SOFTCAP / HAS_ALIBI: score transforms (score.py)."""
     offs_n = start_n + offs_n0
-    # Without a bias and with a positive scale, the scale is applied inside exp2's argument
-    # (one FMA per score instead of a multiply and a subtract): the row max of the raw
-    # scores times the scale is the max of the scaled ones.
-    if BIAS_KIND != 0 or not SCALE_POS:
-        s = _apply_bias(
-            s * qk_scale, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, False
-        )
+    # Without a bias or score transform and with a positive scale, the scale is applied inside
+    # exp2's argument (one FMA per score instead of a multiply and a subtract): the row max of
+    # the raw scores times the scale is the max of the scaled ones.
+    PLAIN: tl.constexpr = BIAS_KIND == 0 and SCALE_POS and not SOFTCAP and not HAS_ALIBI
+    if not PLAIN:
+        s, _ = _score_log2(s, qk_scale, softcap_in, softcap_out, slope2, offs_m, offs_n, off, SOFTCAP, HAS_ALIBI, False)
+        s = _apply_bias(s, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, False)
     if MASKED:
         s = tl.where(
             _band_mask(offs_m, offs_n, sk, off, window_left, window_right, HAS_WL, HAS_WR, False), s, float("-inf")
         )
-    if BIAS_KIND == 0 and SCALE_POS:
+    if PLAIN:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with no allowed key so far keeps max -inf (carried as such: a finite placeholder
     # would underflow the exp2 of later, very negative, scores) and exponentiates against 0.
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new) if MAY_EMPTY else m_new
-    if BIAS_KIND == 0 and SCALE_POS:
+    if PLAIN:
         p = tl.math.exp2(s * qk_scale - m_use[:, None])
     else:
         p = tl.math.exp2(s - m_use[:, None])
@@ -131,6 +138,9 @@ def _fwd_range(
     sbj,
     seed,
     dropout_p,
+    softcap_in,
+    softcap_out,
+    slope2,
     MASKED: tl.constexpr,
     MAY_EMPTY: tl.constexpr,
     SCALE_POS: tl.constexpr,
@@ -139,6 +149,8 @@ def _fwd_range(
     BIAS_KIND: tl.constexpr,
     BIAS_DESC: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     HEAD_DQK: tl.constexpr,
     HEAD_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -192,6 +204,9 @@ def _fwd_range(
             seed,
             rng_rows,
             dropout_p,
+            softcap_in,
+            softcap_out,
+            slope2,
             MASKED,
             MAY_EMPTY,
             SCALE_POS,
@@ -203,6 +218,8 @@ def _fwd_range(
             DOT_UPCAST,
             DOT_IEEE,
             ROUND_P,
+            SOFTCAP,
+            HAS_ALIBI,
         )
         if SUBTILES == 2:
             acc_b, l_b, m_b = _fwd_step(
@@ -227,6 +244,9 @@ def _fwd_range(
                 seed,
                 rng_rows_b,
                 dropout_p,
+                softcap_in,
+                softcap_out,
+                slope2,
                 MASKED,
                 MAY_EMPTY,
                 SCALE_POS,
@@ -238,6 +258,8 @@ def _fwd_range(
                 DOT_UPCAST,
                 DOT_IEEE,
                 ROUND_P,
+                SOFTCAP,
+                HAS_ALIBI,
             )
     return acc, l_i, m_i, acc_b, l_b, m_b
 
@@ -255,6 +277,12 @@ def _attn_fwd(
     CuK,
     qk_scale,
     dropout_p,
+    Alibi,
+    softcap_in,
+    softcap_out,
+    sab,
+    sah,
+    Sinks,
     sqb,
     sqh,
     sqs,
@@ -293,6 +321,9 @@ def _attn_fwd(
     BIAS_KIND: tl.constexpr,
     BIAS_DESC: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     BATCH_MINOR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -424,6 +455,12 @@ def _attn_fwd(
         acc_b = 0.0
         rng_rows_b = rng_rows
 
+    slope2 = _alibi_slope2(Alibi, b, h, sab, sah, HAS_ALIBI)
+    if HAS_SINKS:
+        sink2 = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+    else:
+        sink2 = 0.0
+
     # masked leading edge (window left), unmasked middle, masked trailing edge (causal, sk)
     mid_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
@@ -472,6 +509,9 @@ def _attn_fwd(
             sbj,
             seed,
             dropout_p,
+            softcap_in,
+            softcap_out,
+            slope2,
             part != 1,
             MAY_EMPTY,
             SCALE_POS,
@@ -480,6 +520,8 @@ def _attn_fwd(
             BIAS_KIND,
             BIAS_DESC,
             HAS_DROPOUT,
+            SOFTCAP,
+            HAS_ALIBI,
             HEAD_DQK,
             HEAD_DV,
             BLOCK_N,
@@ -503,11 +545,13 @@ def _attn_fwd(
         sos,
         sls,
         dropout_p,
+        sink2,
         offs_dv,
         HEAD_DV,
         BLOCK_DV,
         HAS_DROPOUT,
         STORE_LSE,
+        HAS_SINKS,
     )
     if SUBTILES == 2:
         _fwd_store(
@@ -521,67 +565,11 @@ def _attn_fwd(
             sos,
             sls,
             dropout_p,
+            sink2,
             offs_dv,
             HEAD_DV,
             BLOCK_DV,
             HAS_DROPOUT,
             STORE_LSE,
+            HAS_SINKS,
         )
-
-
-@triton.jit
-def _load_q(
-    Q,
-    q_base,
-    row0,
-    offs_m,
-    sq,
-    sqs,
-    offs_dq,
-    HEAD_DQK: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_DQK: tl.constexpr,
-    VIA_DESC: tl.constexpr,
-):
-    """The (HALF, BLOCK_DQK) query tile at rows ``row0``.. (``offs_m``): pointer loads, or
-    with VIA_DESC one TMA copy through a descriptor built here."""
-    if VIA_DESC:
-        return _tile_desc(Q, q_base, sq, sqs, HEAD_DQK, HALF, BLOCK_DQK, True).load([row0, 0])
-    else:
-        return _load_tile(Q, q_base, row0, offs_m, sqs, offs_m < sq, offs_dq, HEAD_DQK, BLOCK_DQK, False)
-
-
-@triton.jit
-def _fwd_store(
-    acc,
-    l_i,
-    m_i,
-    o_base,
-    lse_base,
-    offs_m,
-    sq,
-    sos,
-    sls,
-    dropout_p,
-    offs_dv,
-    HEAD_DV: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
-    STORE_LSE: tl.constexpr,
-):
-    """Normalise the rows ``offs_m`` and store them and, with STORE_LSE, their
-    logsumexp (natural log; -inf for a row with no allowed key, whose output is 0)."""
-    row_ok = offs_m < sq
-    empty = l_i == 0.0
-    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
-    if HAS_DROPOUT:
-        inv_l = inv_l / (1.0 - dropout_p)
-    out = (acc * inv_l[:, None]).to(o_base.dtype.element_ty)
-    o_ptrs = o_base + offs_m.to(tl.int64)[:, None] * sos + offs_dv[None, :]
-    if BLOCK_DV == HEAD_DV:
-        tl.store(o_ptrs, out, mask=row_ok[:, None])
-    else:
-        tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_dv < HEAD_DV)[None, :])
-    if STORE_LSE:  # off for inference calls (nothing reads it)
-        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-        tl.store(lse_base + offs_m.to(tl.int64) * sls, lse, mask=row_ok)

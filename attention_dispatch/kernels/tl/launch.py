@@ -93,10 +93,13 @@ def forward(
     uses_descriptors: bool,
     cu_q=None,
     cu_k=None,
+    alibi=None,
+    sinks=None,
 ) -> torch.Tensor:
     """The tl forward into ``out`` (and ``lse`` unless None); returns out in q's dtype.
     ``bias_kind, bias_t, bias_strides``: :func:`bias.bias_layout` of the call's bias; ``seed``:
-    the dropout seed (empty without dropout)."""
+    the dropout seed (empty without dropout); ``alibi`` (B, Hq) fp32 slopes, ``sinks`` (Hq,)
+    contiguous, or None."""
     kind, bt, bstr, desc, need_lse, dev = bias_kind, bias_t, bias_strides, uses_descriptors, lse is not None, q.device
     cands = run.select_config(C.FWD, prob.Dqk, prob.Dv, q.dtype, dev, params, **run.table_traits(kind, params, prob))
     # A row whose first key block may be entirely masked needs the -inf-safe running max.
@@ -122,6 +125,8 @@ def forward(
         cu_k if cu_k is not None else dummy,
         params.scale * LOG2E,
         float(params.dropout_p),
+        *score_args(params, alibi, dummy),
+        sinks if sinks is not None else dummy,
         *prob.q_strides,
         *prob.k_strides,
         *prob.v_strides,
@@ -142,6 +147,8 @@ def forward(
         MAY_EMPTY=may_empty,
         SCALE_POS=params.scale > 0,
         STORE_LSE=need_lse,
+        HAS_SINKS=sinks is not None,
+        **score_constexprs(params, alibi, q.dtype),
     )
     n_bh = prob.B * prob.Hq
     key = ("fwd", dev, q.dtype, prob.Dqk, prob.Dv, desc)
@@ -161,6 +168,32 @@ def forward(
         )
         cands = [cfg]
     return as_dtype(out, q.dtype)
+
+
+def score_args(params: KernelParams, alibi, dummy) -> tuple:
+    """The score transforms' runtime arguments of every tl attention kernel (tl/score.py):
+    (ALiBi slopes or a stand-in, softcap_in, softcap_out, slope strides (batch, head))."""
+    cap = params.softcap
+    strides = (alibi.stride(0), alibi.stride(1)) if alibi is not None else (0, 0)
+    return (
+        alibi if alibi is not None else dummy,
+        params.scale / cap if cap else 0.0,
+        cap * LOG2E,
+        *strides,
+    )
+
+
+# Input dtypes whose softcap takes the GPU's tanh.approx.f32 (one MUFU op) instead of the exact
+# exp2-and-division tanh (tl/score.py); never under the interpreter, which has no inline asm.
+TANH_APPROX_DTYPES: tuple = ()
+
+
+def score_constexprs(params: KernelParams, alibi, dtype: torch.dtype) -> dict:
+    """SOFTCAP (0 off, 1 exact tanh, 2 tanh.approx) and HAS_ALIBI of every tl attention kernel."""
+    softcap = 0
+    if params.softcap > 0:
+        softcap = 2 if dtype in TANH_APPROX_DTYPES and not is_interpreter() else 1
+    return dict(SOFTCAP=softcap, HAS_ALIBI=alibi is not None)
 
 
 def num_splits_heuristic(
@@ -215,6 +248,7 @@ class BackwardArgs(NamedTuple):
     num_sms: int
     lse_strides: tuple
     do_strides: tuple
+    score: tuple  # score_args(): ALiBi slopes or a stand-in, softcap_in, softcap_out, slope strides
 
 
 def backward_args(
@@ -229,6 +263,7 @@ def backward_args(
     uses_descriptors: bool,
     cu_q,
     cu_k,
+    alibi=None,
 ) -> BackwardArgs:
     """The :class:`BackwardArgs` of a call (``bias_kind, bias_t, bias_strides``: :func:`bias.bias_layout`)."""
     dummy = q
@@ -243,25 +278,57 @@ def backward_args(
             **bias_constexprs(bias_kind, bias_t, bias_strides, prob, uses_descriptors),
             USE_DESC=uses_descriptors,
             HAS_DROPOUT=params.dropout_p > 0,
+            **score_constexprs(params, alibi, q.dtype),
         ),
         run.table_traits(bias_kind, params, prob),
         grid_limit(params),
         device_info(q.device)[2],
         prob.lse_strides(),
         prob.out_strides(do),
+        score_args(params, alibi, dummy),
     )
 
 
-def delta_pass(do, out, delta: torch.Tensor, prob: KernelShapes, a: BackwardArgs) -> None:
-    """delta = rowsum(dO * O) into ``delta`` (fp32, lse's shape): every backward's first pass."""
+def delta_pass(
+    do,
+    out,
+    delta: torch.Tensor,
+    prob: KernelShapes,
+    a: BackwardArgs,
+    lse=None,
+    sinks=None,
+    grad_lse=None,
+    lse_total=None,
+    dsink_rows=None,
+) -> None:
+    """delta = rowsum(dO * O) into ``delta`` (fp32, lse's shape): every backward's first pass.
+    With ``sinks`` (Hq,) it writes ``lse_total`` = logaddexp(lse, sink) and, given
+    ``dsink_rows``, each row's share of d(sink); with ``grad_lse`` (lse's layout) delta takes the
+    logsumexp's gradient (tl/backward.py's _attn_bwd_preprocess); all of lse's layout."""
     bm_pre = 16 if is_interpreter() else 64
     o_str = prob.out_strides(out)
+    dummy = delta
+    tensors = (
+        lse if lse is not None else dummy,
+        sinks if sinks is not None else dummy,
+        grad_lse if grad_lse is not None else dummy,
+        lse_total if lse_total is not None else dummy,
+        dsink_rows if dsink_rows is not None else dummy,
+    )
     for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, a.limit):
         run.launch_one(
             _attn_bwd_preprocess,
             (cdiv(prob.Sq, bm_pre), cnt),
-            (out, do, delta, a.cu_q_t, *o_str, *a.do_strides, *a.lse_strides, prob.Hq, prob.Sq, start),
-            dict(HEAD_DV=prob.Dv, IS_VARLEN=prob.varlen, BLOCK_M=bm_pre, BLOCK_DV=a.common["BLOCK_DV"]),
+            (out, do, delta, a.cu_q_t, *tensors, *o_str, *a.do_strides, *a.lse_strides, prob.Hq, prob.Sq, start),
+            dict(
+                HEAD_DV=prob.Dv,
+                IS_VARLEN=prob.varlen,
+                HAS_SINKS=sinks is not None,
+                SINK_GRAD=dsink_rows is not None,
+                HAS_DLSE=grad_lse is not None,
+                BLOCK_M=bm_pre,
+                BLOCK_DV=a.common["BLOCK_DV"],
+            ),
             4,
             3,
         )
@@ -275,7 +342,7 @@ def dkdv_pass(
     grid is small).  ``bcast``: which of the bias's dims broadcast (:func:`bias.bias_layout`)."""
     dev = q.device
     dummy = q
-    bias_t, bstr, seed_t, cu_q_t, cu_k_t, common, traits, limit, num_sms, lse_str, do_str = a
+    bias_t, bstr, seed_t, cu_q_t, cu_k_t, common, traits, limit, num_sms, lse_str, do_str, _ = a
     sum_rows = sum_heads = False
     if bias_grad:
         sum_rows = bcast[2] and prob.Sq > 1
@@ -329,6 +396,7 @@ def dkdv_pass(
         params.scale * LOG2E,
         params.scale,
         float(params.dropout_p),
+        *a.score,
         *prob.q_strides,
         *prob.k_strides,
         *prob.v_strides,
@@ -382,7 +450,7 @@ def reduce_dbias(ws: torch.Tensor, bcast, bias: torch.Tensor) -> torch.Tensor:
 def dq_pass(do, q, k, v, lse, delta, params: KernelParams, prob: KernelShapes, a: BackwardArgs) -> torch.Tensor:
     """dQ: query-tile parallel, optionally split over keys (fp32 workspace + atomics)."""
     dev = q.device
-    bias_t, bstr, seed_t, cu_q_t, cu_k_t, common, traits, limit, num_sms, lse_str, do_str = a
+    bias_t, bstr, seed_t, cu_q_t, cu_k_t, common, traits, limit, num_sms, lse_str, do_str, _ = a
     cands = run.select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params, **traits)
     bm, bn = cands[0].block_m, cands[0].block_n
     if params.deterministic:
@@ -416,6 +484,7 @@ def dq_pass(do, q, k, v, lse, delta, params: KernelParams, prob: KernelShapes, a
         params.scale * LOG2E,
         params.scale,
         float(params.dropout_p),
+        *a.score,
         *prob.q_strides,
         *prob.k_strides,
         *prob.v_strides,

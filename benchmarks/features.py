@@ -1,0 +1,137 @@
+"""Issue 36's features against the plain call, same run (GPU): softcap, ALiBi, sinks and a
+logsumexp gradient at bf16 d128 (default S=4k), forward and forward+backward.
+
+    python benchmarks/features.py [--seq 4096] [--batch 4] [--heads 16] [--causal] [--rounds 3]
+        [--budget 150]
+
+Variants, each through ``triton_attention`` (the kernels' autograd function): "plain" as shipped
+(the Gluon kernels where they serve), "plain-tl" with the Gluon kernels off (gluon.route.WS_MIN_WORK
+raised: the tl kernels that the features run on), "softcap" (30.0, exact tanh), "softcap-approx"
+(tl/launch.TANH_APPROX_DTYPES holding bf16: the GPU's tanh.approx), "alibi" (slopes (B, Hq)),
+"sinks" (requiring grad) and "lse-grad" (the loss reads the returned logsumexp too).  Rounds are
+interleaved; each prints the median milliseconds and the ratio to "plain" and to "plain-tl".
+Also prints the softcap's error against float64 with each tanh (S=512), beside bf16's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from attention_dispatch.kernels import KernelParams, triton_attention  # noqa: E402
+from attention_dispatch.kernels.gluon import route as gluon_route  # noqa: E402
+from attention_dispatch.kernels.tl import launch as tl_launch  # noqa: E402
+
+VARIANTS = ("plain", "plain-tl", "softcap", "softcap-approx", "alibi", "sinks", "lse-grad")
+SOFTCAP = 30.0
+
+
+@contextlib.contextmanager
+def variant_setting(name: str):
+    saved = (gluon_route.WS_MIN_WORK, tl_launch.TANH_APPROX_DTYPES)
+    if name == "plain-tl":
+        gluon_route.WS_MIN_WORK = 1 << 62
+    if name == "softcap-approx":
+        tl_launch.TANH_APPROX_DTYPES = (torch.bfloat16,)
+    elif name == "softcap":
+        tl_launch.TANH_APPROX_DTYPES = ()
+    try:
+        yield
+    finally:
+        gluon_route.WS_MIN_WORK, tl_launch.TANH_APPROX_DTYPES = saved
+
+
+def make_call(name: str, q, k, v, causal: bool, backward: bool):
+    b, h = q.shape[:2]
+    params = KernelParams(
+        scale=q.shape[-1] ** -0.5,
+        align_bottom_right=True,
+        window_right=0 if causal else -1,
+        softcap=SOFTCAP if name.startswith("softcap") else 0.0,
+    )
+    slopes = torch.rand(b, h, device=q.device) * 0.1 if name == "alibi" else None
+    sinks = torch.randn(h, device=q.device, requires_grad=True) if name == "sinks" else None
+    need_lse = name == "lse-grad"
+    leaves = [q, k, v] + ([sinks] if sinks is not None else [])
+    do = torch.randn_like(q)
+
+    def fwd():
+        with torch.no_grad():
+            return triton_attention(q, k, v, None, params, alibi_slopes=slopes, sinks=sinks, return_lse=need_lse)
+
+    def train():
+        out, lse = triton_attention(q, k, v, None, params, alibi_slopes=slopes, sinks=sinks, return_lse=True)
+        loss = (out * do).sum() + (lse.sum() if need_lse else 0.0)
+        torch.autograd.grad(loss, leaves)
+
+    return train if backward else fwd
+
+
+def softcap_errors(dtype=torch.bfloat16, s=512):
+    """max |out - float64| of the exact and the approximate tanh, and of bf16 math (the budget's base)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from naive import naive_attention
+
+    q, k, v = (torch.randn(2, 4, s, 128, device="cuda", dtype=dtype) for _ in range(3))
+    params = KernelParams(scale=128**-0.5, softcap=SOFTCAP / 6, align_bottom_right=True)
+    ref = naive_attention(*(t.double() for t in (q, k, v)), softcap=SOFTCAP / 6)
+    low = naive_attention(q, k, v, softcap=SOFTCAP / 6)
+    errs = {"bf16 math": (low.double() - ref).abs().max().item()}
+    for name in ("softcap", "softcap-approx"):
+        with variant_setting(name):
+            errs[name] = (triton_attention(q, k, v, None, params).double() - ref).abs().max().item()
+    return errs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--budget", type=float, default=150.0, help="seconds: stop starting rounds past it")
+    args = ap.parse_args(argv)
+    start = time.time()
+    print(torch.cuda.get_device_name(), "softcap errors:", softcap_errors(), flush=True)
+    shape = (args.batch, args.heads, args.seq, 128)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    flops = 4 * args.batch * args.heads * args.seq * args.seq * 128 / (2 if args.causal else 1)
+    times = {(n, mode): [] for n in VARIANTS for mode in ("fwd", "fwd+bwd")}
+    for r in range(args.rounds):
+        if r and time.time() - start > args.budget:
+            print(f"budget reached after {r} rounds", flush=True)
+            break
+        for mode in ("fwd", "fwd+bwd"):
+            for name in VARIANTS:
+                with variant_setting(name):
+                    fn = make_call(name, q, k, v, args.causal, mode == "fwd+bwd")
+                    times[(name, mode)].append(do_bench(fn, warmup=10, rep=60))
+    label = f"bf16 d128 B={args.batch} H={args.heads} S={args.seq}" + (" causal" if args.causal else "")
+    for mode in ("fwd", "fwd+bwd"):
+        base = statistics.median(times[("plain", mode)])
+        base_tl = statistics.median(times[("plain-tl", mode)])
+        for name in VARIANTS:
+            ms = statistics.median(times[(name, mode)])
+            tflops = flops * (3.5 if mode == "fwd+bwd" else 1.0) / ms / 1e9
+            print(
+                f"{label} {mode:8s} {name:15s} {ms:8.3f} ms {tflops:6.0f} TFLOP/s  "
+                f"x{ms / base:5.3f} of plain  x{ms / base_tl:5.3f} of plain-tl",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,419 @@
+"""Issue 36's features in the Triton kernels: logit softcapping, ALiBi slopes, attention sinks
+and a differentiable logsumexp, alone and with every existing feature (both causal alignments,
+window, GQA, varlen, bias with grad, dropout, determinism), forward and backward, and in the
+KV-cache decode kernel, against tests/naive.py in float64 (DESIGN.md section 7's rule).
+
+CPU: TRITON_INTERPRET=1 at tiny shapes.  GPU: the `gpu`-marked tests at realistic ones.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from naive import naive_attention  # noqa: E402
+from oracle import assert_matches  # noqa: E402
+
+from attention_dispatch.kernels import (  # noqa: E402
+    KernelParams,
+    describe_route,
+    dropout_keep_mask,
+    is_interpreter,
+    triton_attention,
+)
+from attention_dispatch.kernels.decode import decode_forward, kv_route  # noqa: E402
+from attention_dispatch.semantics import band, normalize_causal, normalize_window  # noqa: E402
+
+INTERP = is_interpreter()
+DEV = "cpu" if INTERP else "cuda"
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERP, reason="needs a CUDA GPU")
+
+ALL = dict(softcap=2.5, alibi=True, sinks=True, lse_grad=True)
+
+
+def _params(causal, window, scale, dropout_p=0.0, softcap=None, **kw):
+    br, wl, wr = band(normalize_causal(False, causal), normalize_window(window))
+    return KernelParams(
+        scale=scale,
+        align_bottom_right=br,
+        window_left=wl,
+        window_right=wr,
+        dropout_p=dropout_p,
+        softcap=softcap or 0.0,
+        **kw,
+    )
+
+
+def _seq_dims(q, k, cu_q, max_sq, max_sk):
+    if cu_q is None:
+        return q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    return cu_q.numel() - 1, q.shape[1], max_sq, max_sk
+
+
+def _finite_lse_loss(lse, dlse):
+    """sum(lse * dlse) over the rows that have a logsumexp (-inf rows carry no gradient)."""
+    return (torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) * dlse).sum()
+
+
+def check(
+    q,
+    k,
+    v,
+    bias=None,
+    *,
+    causal=None,
+    window=None,
+    dropout_p=0.0,
+    cu=None,
+    max_s=(None, None),
+    softcap=None,
+    alibi=False,
+    sinks=False,
+    lse_grad=False,
+    sink_dtype=F32,
+    seed=1234,
+    **pkw,
+):
+    """The kernels' out, lse and the gradients of q, k, v, a float bias that requires grad and
+    the sinks (loss: <out, dO> + <lse, dlse> with ``lse_grad``) against naive in float64, the
+    budget from naive in the inputs' dtype.  Returns the kernel's results."""
+    cu_q, cu_k = cu if cu is not None else (None, None)
+    batch = q.shape[0] if cu_q is None else cu_q.numel() - 1
+    hq = q.shape[1] if cu_q is None else q.shape[1]
+    scale = q.shape[-1] ** -0.5
+    params = _params(causal, window, scale, dropout_p, softcap, **pkw)
+    slopes = (torch.rand(hq, device=q.device) * 0.4 + 0.05).expand(batch, hq) if alibi else None
+    sink_t = (torch.randn(hq, device=q.device) * 2).to(sink_dtype).requires_grad_() if sinks else None
+    torch.manual_seed(seed)
+    out, lse = triton_attention(
+        q, k, v, bias, params, cu_q, cu_k, *max_s, return_lse=True, alibi_slopes=slopes, sinks=sink_t
+    )
+    keep = None
+    if dropout_p:
+        torch.manual_seed(seed)
+        keep = dropout_keep_mask(*_seq_dims(q, k, cu_q, *max_s), dropout_p, device=q.device).cpu()
+    do = torch.randn_like(out)
+    dlse = torch.randn_like(lse) if lse_grad else None
+    named = [(n, t) for n, t in (("dq", q), ("dk", k), ("dv", v), ("dbias", bias), ("dsinks", sink_t))]
+    named = [(n, t) for n, t in named if t is not None and t.requires_grad]
+    loss = (out.float() * do.float()).sum() + (_finite_lse_loss(lse, dlse) if lse_grad else 0.0)
+    got = dict(out=out, lse=lse)
+    got.update(zip([n for n, _ in named], torch.autograd.grad(loss, [t for _, t in named])))
+    assert not torch.isnan(lse).any()
+    refs = {}
+    for dt in (torch.float64, q.dtype):
+        leaves = {}
+        for n, t in named:
+            leaves[n] = t.detach().cpu().to(dt if t.is_floating_point() else t.dtype).requires_grad_()
+        cp = [leaves.get(n, t.detach().cpu().to(dt)) for n, t in (("dq", q), ("dk", k), ("dv", v))]
+        m = leaves.get("dbias")
+        if m is None and bias is not None:
+            m = bias.detach().cpu()
+            m = m.to(dt) if m.is_floating_point() else m
+        r_sinks = leaves.get("dsinks", None if sink_t is None else sink_t.detach().cpu().to(dt))
+        r_out, r_lse = naive_attention(
+            *cp,
+            mask=m,
+            causal=causal,
+            window=window,
+            scale=scale,
+            keep=keep,
+            dropout_p=dropout_p,
+            cu_seqlens_q=None if cu_q is None else cu_q.cpu(),
+            cu_seqlens_k=None if cu_k is None else cu_k.cpu(),
+            return_lse=True,
+            softcap=softcap,
+            alibi_slopes=None if slopes is None else slopes.cpu().to(dt),
+            sinks=r_sinks,
+        )
+        r_loss = (r_out * do.cpu().to(dt)).sum()
+        if lse_grad:
+            r_loss = r_loss + _finite_lse_loss(r_lse, dlse.cpu().to(dt))
+        r = dict(out=r_out, lse=r_lse)
+        r.update(zip(leaves, torch.autograd.grad(r_loss, list(leaves.values()))))
+        refs[dt] = r
+    for name, g in got.items():
+        r64, rlo = refs[torch.float64][name], refs[q.dtype][name]
+        if name == "lse":  # fp32 in the kernels whatever the inputs: naive's own fp32 rounding is the budget
+            rlo = r64.float()
+        if name in ("dsinks", "dbias") and g.dtype != q.dtype:
+            rlo = rlo.to(g.dtype)
+        slack = F32 if name in ("lse",) and q.dtype == F32 else q.dtype
+        assert g.dtype == (sink_dtype if name == "dsinks" else g.dtype)
+        assert_matches(g, r64, rlo, name, dtype=slack)
+    return got
+
+
+def rand(*shape, dtype=F32, grad=True, device=None):
+    return torch.randn(*shape, dtype=dtype, device=device or DEV).requires_grad_(grad)
+
+
+def dense(b=1, hq=2, hkv=2, sq=9, sk=13, d=16, dtype=F32):
+    return rand(b, hq, sq, d, dtype=dtype), rand(b, hkv, sk, d, dtype=dtype), rand(b, hkv, sk, d, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- each feature alone
+
+
+@pytest.mark.parametrize(
+    "feature", [dict(softcap=1.5), dict(alibi=True), dict(sinks=True), dict(lse_grad=True)], ids=str
+)
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_feature_alone(feature, causal):
+    check(*dense(), causal=causal, **feature)
+
+
+# ----------------------------------------------------------------------------- all of them, with each existing feature
+
+
+def test_all_with_window_gqa():
+    check(*dense(hq=4, hkv=2, sq=11, sk=9), window=(3, 1), **ALL)
+
+
+def test_all_with_top_left_window():
+    check(*dense(sq=12, sk=10), causal="top_left", window=(4, -1), **ALL)
+
+
+def test_all_with_bias_grad_gqa():
+    q, k, v = dense(b=2, hq=4, hkv=1)
+    bias = rand(1, 4, 1, 13)  # broadcast over batch and rows: summed gradient
+    check(q, k, v, bias, causal="bottom_right", **ALL)
+
+
+def test_all_with_varlen():
+    lq, lk, hq, hkv, d = [5, 0, 7], [6, 4, 3], 2, 1, 16
+    cu_q = torch.tensor([0, 5, 5, 12], dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0, 6, 10, 13], dtype=torch.int32, device=DEV)
+    q, k, v = rand(sum(lq), hq, d), rand(sum(lk), hkv, d), rand(sum(lk), hkv, d)
+    check(q, k, v, causal="bottom_right", cu=(cu_q, cu_k), max_s=(max(lq), max(lk)), **ALL)
+
+
+def test_all_with_dropout():
+    check(*dense(b=2, sq=10, sk=12), dropout_p=0.3, **ALL)
+
+
+def test_all_deterministic_is_bitwise_repeatable():
+    """deterministic=True with GQA (the dK/dV group split and the dQ key splits are then off):
+    the same inputs give bitwise the same output, lse and gradients, d(sinks) included."""
+    q, k, v = dense(hq=4, hkv=2, sq=20, sk=24)
+    slopes, sinks = torch.rand(1, 4, device=DEV), torch.randn(4, device=DEV, requires_grad=True)
+    params = KernelParams(scale=0.25, softcap=3.0, window_right=0, deterministic=True, block_m=16, block_n=16)
+
+    def once():
+        out, lse = triton_attention(q, k, v, None, params, return_lse=True, alibi_slopes=slopes, sinks=sinks)
+        return (out, lse, *torch.autograd.grad(out.sum() + lse.sum(), (q, k, v, sinks)))
+
+    for a, b in zip(once(), once()):
+        assert torch.equal(a, b)
+
+
+def test_all_half_precision_bf16_sinks():
+    check(*dense(dtype=F16), causal="bottom_right", sink_dtype=BF16, **ALL)
+
+
+# ----------------------------------------------------------------------------- edge rows
+
+
+def test_fully_masked_rows_with_sinks_and_lse():
+    """A row with no allowed key: output 0, lse -inf, no NaN anywhere, gradients 0 on that row."""
+    q, k, v = dense(hq=2, sq=6, sk=8)
+    mask = torch.ones(1, 1, 6, 8, dtype=torch.bool, device=DEV)
+    mask[..., 2, :] = False
+    got = check(q, k, v, mask, sinks=True, lse_grad=True, softcap=3.0, alibi=True)
+    assert (got["out"][:, :, 2] == 0).all() and (got["lse"][:, :, 2] == -math.inf).all()
+    assert (got["dq"][:, :, 2] == 0).all()
+
+
+def test_window_leaving_rows_empty_with_sinks():
+    # bottom-right with Sq > Sk: the first rows see no key at all
+    check(*dense(sq=12, sk=5), causal="bottom_right", **ALL)
+
+
+def test_sinks_without_grad_and_no_lse_gradient_costs_nothing(monkeypatch):
+    """No lse gradient, sinks not requiring grad: the delta pass gets no dlse and no d(sink) rows."""
+    from attention_dispatch.kernels.tl import launch as tl_launch
+
+    seen = []
+    real = tl_launch.delta_pass
+
+    def spy(*args, **kw):
+        seen.append(args[5:])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tl_launch, "delta_pass", spy)
+    q, k, v = dense()
+    out = triton_attention(q, k, v, None, KernelParams(scale=0.25), sinks=torch.randn(2, device=DEV))
+    out.sum().backward()
+    lse_arg, sinks_arg, grad_lse, lse_total, dsink_rows = seen[-1]
+    assert sinks_arg is not None and lse_total is not None and grad_lse is None and dsink_rows is None
+    out = triton_attention(q, k, v, None, KernelParams(scale=0.25))
+    out.sum().backward()
+    assert all(a is None for a in seen[-1][1:])
+
+
+# ----------------------------------------------------------------------------- routes and inputs
+
+
+def test_gluon_routes_name_the_feature():
+    q, k, v = dense()
+    steps = describe_route(q, k, v, None, KernelParams(scale=0.25, softcap=5.0), backward=True)
+    assert ("gluon", "softcap: not in the Gluon forward") in steps[0][2]
+    assert ("gluon", "softcap: not in the Gluon backward") in steps[1][2]
+    alibi = torch.ones(1, 2, device=DEV)
+    steps = describe_route(q, k, v, None, KernelParams(scale=0.25), alibi=alibi, backward=True)
+    assert ("gluon", "alibi_slopes: not in the Gluon forward") in steps[0][2]
+    steps = describe_route(q, k, v, None, KernelParams(scale=0.25), sinks=torch.ones(2, device=DEV))
+    assert ("gluon", "sinks: not in the Gluon forward") in steps[0][2]
+    cache = torch.randn(1, 2, 32, 16, device=DEV)
+    kernel, why = kv_route(q, cache, cache, None, KernelParams(scale=0.25, softcap=5.0))
+    assert why == "softcap: not in the Gluon forward"
+
+
+def test_bad_inputs_raise():
+    q, k, v = dense()
+    with pytest.raises(ValueError, match="softcap"):
+        KernelParams(scale=1.0, softcap=-1.0)
+    with pytest.raises(ValueError, match="softcap"):
+        KernelParams(scale=1.0, softcap=math.inf)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        triton_attention(q, k, v, None, KernelParams(scale=1.0), alibi_slopes=torch.ones(3, 2, device=DEV))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        triton_attention(q, k, v, None, KernelParams(scale=1.0), alibi_slopes=torch.ones(1, 2, dtype=F16, device=DEV))
+    with pytest.raises(ValueError, match="sinks"):
+        triton_attention(q, k, v, None, KernelParams(scale=1.0), sinks=torch.ones(3, device=DEV))
+
+
+def test_compiled_op_takes_the_features():
+    """torch.compile traces the custom ops: the schema carries slopes, sinks and softcap, the fake
+    kernels match, and the lse and sinks gradients flow through the compiled graph."""
+    q, k, v = dense()
+    slopes = torch.full((1, 2), 0.2, device=DEV)
+    sinks = torch.randn(2, device=DEV, requires_grad=True)
+    params = KernelParams(scale=0.25, softcap=4.0)
+
+    def f(q, k, v, sinks):
+        out, lse = triton_attention(q, k, v, None, params, return_lse=True, alibi_slopes=slopes, sinks=sinks)
+        return out.sum() + lse.sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    grads = torch.autograd.grad(compiled(q, k, v, sinks), (q, k, v, sinks))
+    want = torch.autograd.grad(f(q, k, v, sinks), (q, k, v, sinks))
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w)
+
+
+# ----------------------------------------------------------------------------- the decode kernel
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_features_and_lse(splits, paged):
+    """softcap, ALiBi (diagonal at each sequence's length) and sinks in the decode kernel, the sink
+    once after the split merge, and the logsumexp it returns."""
+    b, hq, hkv, sq, cap, d = 2, 4, 2, 3, 64, 16
+    q = torch.randn(b, hq, sq, d, device=DEV)
+    kc, vc = torch.randn(b, hkv, cap, d, device=DEV), torch.randn(b, hkv, cap, d, device=DEV)
+    lens = torch.tensor([29, 61], dtype=torch.int32, device=DEV)
+    slopes = (torch.rand(hq, device=DEV) * 0.3).expand(b, hq)
+    sinks = torch.randn(hq, device=DEV)
+    params = KernelParams(scale=0.3, softcap=3.0, window_right=0, window_left=40)
+    table = None
+    k_in, v_in = kc, vc
+    if paged:  # pages of 16 keys, shuffled
+        page = 16
+        perm = torch.randperm(b * cap // page, device=DEV)
+        table = perm.reshape(b, cap // page).to(torch.int32)
+        k_in = torch.empty(b * cap // page, page, hkv, d, device=DEV)
+        v_in = torch.empty_like(k_in)
+        k_in[perm] = kc.transpose(1, 2).reshape(b * cap // page, page, hkv, d)
+        v_in[perm] = vc.transpose(1, 2).reshape(b * cap // page, page, hkv, d)
+    out, lse = decode_forward(
+        q, k_in, v_in, lens, params, block_table=table, num_splits=splits, alibi=slopes, sinks=sinks, need_lse=True
+    )
+    for i in range(b):
+        n = int(lens[i])
+        kk, vv = (t[i : i + 1, :, :n].repeat_interleave(hq // hkv, 1).double() for t in (kc, vc))
+        r_out, r_lse = naive_attention(
+            q[i : i + 1].double(),
+            kk,
+            vv,
+            scale=0.3,
+            causal="bottom_right",
+            window=(40, 0),
+            softcap=3.0,
+            alibi_slopes=slopes[i].double(),
+            sinks=sinks.double(),
+            return_lse=True,
+        )
+        assert_matches(out[i : i + 1].cpu(), r_out, None, "out", dtype=F32)
+        assert_matches(lse[i : i + 1].cpu(), r_lse, None, "lse", dtype=F32)
+
+
+def test_dense_call_on_the_decode_route_takes_the_features():
+    """A dense inference call shaped like decode runs the decode kernel, features included."""
+    q, k, v = (torch.randn(1, 2, s, 16, device=DEV) for s in (1, 520, 520))
+    slopes = torch.rand(1, 2, device=DEV)
+    sinks = torch.randn(2, device=DEV)
+    params = KernelParams(scale=0.25, softcap=2.0, align_bottom_right=True)  # ALiBi's diagonal at Sk - Sq
+    assert describe_route(q, k, v, None, params, alibi=slopes, sinks=sinks)[0][1] == "decode"
+    out = triton_attention(q, k, v, None, params, alibi_slopes=slopes, sinks=sinks)
+    ref = naive_attention(
+        *(t.double() for t in (q, k, v)), scale=0.25, softcap=2.0, alibi_slopes=slopes.double(), sinks=sinks.double()
+    )
+    assert_matches(out.cpu(), ref, None, "out", dtype=F32)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("causal,window", [(None, None), ("top_left", None), ("bottom_right", (200, 0))])
+def test_gpu_all_features(dtype, causal, window):
+    q = rand(2, 8, 700, 128, dtype=dtype)
+    k, v = rand(2, 4, 900, 128, dtype=dtype), rand(2, 4, 900, 128, dtype=dtype)
+    check(q, k, v, causal=causal, window=window, **ALL)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("feature", [dict(sinks=True), dict(lse_grad=True), dict(sinks=True, lse_grad=True)], ids=str)
+def test_gpu_gluon_backward_with_sinks_and_lse_grad(feature):
+    """Sinks and a logsumexp gradient reach the Gluon backward through lse and delta only."""
+    q, k, v = (rand(1, 2, 4096, 128, dtype=BF16) for _ in range(3))
+    steps = describe_route(q, k, v, None, KernelParams(scale=128**-0.5), backward=True, sinks=torch.ones(2, device=DEV))
+    assert steps[1][1] == "gluon", steps
+    check(q, k, v, **feature)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_gpu_decode_features(dtype):
+    q = torch.randn(4, 8, 1, 128, device=DEV, dtype=dtype)
+    k, v = (torch.randn(4, 2, 4096, 128, device=DEV, dtype=dtype) for _ in range(2))
+    slopes, sinks = torch.rand(4, 8, device=DEV), torch.randn(8, device=DEV)
+    params = KernelParams(scale=128**-0.5, softcap=20.0)
+    out, lse = triton_attention(q, k, v, None, params, return_lse=True, alibi_slopes=slopes, sinks=sinks)
+    lens = torch.full((4,), 4096, dtype=torch.int32, device=DEV)
+    dec, dlse = decode_forward(q, k, v, lens, params, alibi=slopes, sinks=sinks, need_lse=True)
+    kk, vv = (t.repeat_interleave(4, 1).double() for t in (k, v))
+    ref, rlse = naive_attention(
+        q.double(), kk, vv, scale=128**-0.5, softcap=20.0, alibi_slopes=slopes.double(), sinks=sinks.double(),
+        return_lse=True,
+    )  # fmt: skip
+    for got in (out, dec):
+        assert_matches(got.cpu(), ref.cpu(), None, "out", factor=1.0)
+    for got in (lse, dlse):
+        assert_matches(got.cpu(), rlse.cpu(), None, "lse", dtype=F32, factor=1.0)
