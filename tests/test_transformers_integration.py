@@ -424,11 +424,11 @@ def test_bert_decoder_with_cross_attention():
     assert all(d.problem.causal is None and d.problem.seqlen_k == 5 and d.problem.mask_kind == "bool" for d in cross)
 
 
-# ---------------------------------------------------------------- what ad.sdpa cannot do yet: a clear error
+# ---------------------------------------------------------------- softcapping (Gemma 2) and sinks (GPT-OSS)
 
 
-def test_gemma2_softcap_raises_naming_the_argument_and_the_model():
-    cfg = transformers.Gemma2Config(
+def _gemma2(**kw):
+    return transformers.Gemma2Config(
         vocab_size=61,
         hidden_size=32,
         intermediate_size=48,
@@ -437,15 +437,20 @@ def test_gemma2_softcap_raises_naming_the_argument_and_the_model():
         num_key_value_heads=2,
         head_dim=8,
         sliding_window=4,
-        attn_logit_softcapping=50.0,
+        **kw,
     )
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME)
-    with pytest.raises(NotImplementedError, match=r"Gemma2Attention \(model_type='gemma2'\) passes softcap=50\.0") as e:
-        model(input_ids=torch.randint(3, 61, (1, 6)))
-    assert "issue 36" in str(e.value) and "attn_implementation='eager'" in str(e.value)
 
 
-def test_gpt_oss_sinks_raise():
+def test_gemma2_softcap_matches_eager():
+    ours, ref = _pair(_gemma2(attn_logit_softcapping=2.0), reference="eager")  # Gemma 2 refuses "sdpa"
+    ids, mask = _left_padded(pads=(3, 0, 1))
+    with ad.record() as ds:  # eager sums in another order: float32 rounding of the largest gradients
+        _assert_same(ours, ref, dict(input_ids=ids, attention_mask=mask), atol=1e-4, rtol=1e-4, rows=mask.bool())
+    _calls(ds, layers=2)
+    assert all(d.problem.softcap for d in ds)
+
+
+def test_gpt_oss_sinks_match_eager_with_their_gradient():
     cfg = transformers.GptOssConfig(
         vocab_size=61,
         hidden_size=32,
@@ -458,9 +463,18 @@ def test_gpt_oss_sinks_raise():
         num_experts_per_tok=1,
         sliding_window=4,
     )
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME)
-    with pytest.raises(NotImplementedError, match=r"model_type='gpt_oss'\) passes s_aux=<Parameter>, attention sinks"):
-        model(input_ids=torch.randint(3, 61, (1, 6)))
+    ours, ref = _pair(cfg, reference="eager")
+    for model in (ours, ref):  # random sinks, the same in both (they start at zero)
+        for layer in model.model.layers:
+            torch.manual_seed(layer.self_attn.layer_idx)
+            layer.self_attn.sinks.data.normal_()
+    ids = torch.randint(3, 61, (2, 9))
+    with ad.record() as ds:
+        _assert_same(ours, ref, dict(input_ids=ids), atol=1e-4, rtol=1e-4)
+    _calls(ds, layers=2)
+    assert all(d.problem.sinks_grad for d in ds)
+    sinks = ours.model.layers[0].self_attn.sinks
+    assert sinks.grad is not None and sinks.grad.abs().sum() > 0
 
 
 def test_gemma2_without_softcap_runs():

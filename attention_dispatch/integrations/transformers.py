@@ -34,9 +34,10 @@ every rule below computes what it computes):
   causal per sequence, a window included. Without a cache (``use_cache=False``) transformers also
   derives a block-diagonal (T, T) mask from ``position_ids`` for such a batch, which is then not read;
   with ``position_ids`` alone that mask is what separates the sequences (dense, as for "sdpa").
-- softcapping, attention sinks, sparse indices, paged (continuous-batching) caches: ``ad.sdpa`` has
-  no such arguments yet, so the call raises ``NotImplementedError`` naming the argument and the
-  model, never drops them.
+- logit softcapping (Gemma 2: ``softcap``) is ``softcap=`` (0 or None: none); attention sinks
+  (GPT-OSS: ``s_aux``, or ``sinks``) are ``sinks=``, their gradient included.
+- sparse indices, paged (continuous-batching) caches: ``ad.sdpa`` has no such arguments, so the call
+  raises ``NotImplementedError`` naming the argument and the model, never drops them.
 """
 
 from __future__ import annotations
@@ -61,9 +62,6 @@ DEFAULT_NAME = "attention_dispatch"
 _VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # keyword arguments some models pass that change the attention's result and have no ad.sdpa argument
 _UNSUPPORTED = {
-    "softcap": "attention logit softcapping (softcap)",
-    "s_aux": "attention sinks (s_aux)",
-    "sinks": "attention sinks (sinks)",
     "indices": "sparse attention indices (indices)",
     "block_indices": "sparse attention blocks (block_indices)",
     "block_table": "a paged KV cache (block_table, continuous batching)",
@@ -150,13 +148,25 @@ def _model_name(module) -> str:
 def _refuse_unsupported(module, kwargs: dict) -> None:
     for arg, what in _UNSUPPORTED.items():
         value = kwargs.get(arg)
-        if value is not None and not (arg == "softcap" and value == 0):  # softcap 0: none (flash-attn's convention)
+        if value is not None:
             shown = repr(value) if isinstance(value, (int, float)) else f"<{type(value).__name__}>"
             raise NotImplementedError(
                 f"attention_dispatch: {_model_name(module)} passes {arg}={shown}, {what}; ad.sdpa has no "
-                f"argument for it yet (issue 36), and dropping it would change the model's output. "
+                f"argument for it, and dropping it would change the model's output. "
                 f"Load this model with attn_implementation='eager'."
             )
+
+
+def _score_features(kwargs: dict) -> dict:
+    """softcap and sinks as ad.sdpa's arguments (a softcap of 0 is none, flash-attn's convention)."""
+    features = {}
+    softcap = kwargs.get("softcap")
+    if softcap:
+        features["softcap"] = float(softcap)
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sinks is not None:
+        features["sinks"] = sinks
+    return features
 
 
 def _require_mask_function(module) -> None:
@@ -218,6 +228,7 @@ def attention_forward(
     window = _layer_window(module, kwargs) if module_causal else None
     enable_gqa = key.shape[-3] != query.shape[-3]
     options = dict(dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa, deterministic=kwargs.get("deterministic"))
+    options.update(_score_features(kwargs))
 
     if all(kwargs.get(n) is not None for n in _VARLEN_KWARGS):
         return _packed(module, query, key, value, position_bias, module_causal, window, kwargs, options), None
