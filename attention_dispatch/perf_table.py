@@ -148,6 +148,14 @@ def bucket_key(problem: Problem) -> str:
         parts.append(f"block{p.kv_block_size}")
     if p.kv_append:
         parts.append("append")
+    for name, on in (
+        ("softcap", p.softcap),
+        ("alibi", p.alibi),
+        ("sinks+grad" if p.sinks_grad else "sinks", p.sinks),
+        ("lse", p.return_lse),
+    ):
+        if on:  # unmeasured until a table has these buckets: the priority order decides
+            parts.append(name)
     return "|".join(parts)
 
 

@@ -84,6 +84,10 @@ def test_sizes_share_a_bucket_up_to_the_next_power_of_two():
         dict(mask_kind="bool", mask_shape=(1, 1, 64, 64)),
         dict(deterministic=True),
         dict(layout="varlen"),
+        dict(softcap=True),
+        dict(alibi=True),
+        dict(sinks=True),
+        dict(return_lse=True),
     ],
     ids=lambda c: ",".join(c),
 )
