@@ -18,6 +18,7 @@ with the full path's messages; then the backend's run_kvcache().
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -614,4 +615,10 @@ def explain_with_kvcache(
         sinks=sinks,
         return_lse=return_lse,
     )
-    return decide(call.problem, backend, raise_if_none=False)
+    decision = decide(call.problem, backend, raise_if_none=False)
+    if decision.backend is None:
+        return decision
+    route = registry.get_backend(decision.backend).route_kvcache(
+        call.query, call.k_cache, call.v_cache, call.cache_seqlens, call.options
+    )
+    return decision if route is None else dataclasses.replace(decision, route=route)

@@ -804,3 +804,14 @@ def test_cuda_graph_capture_and_replay(backend, paged):
         ref64 = kv_reference(q, k, v, total, block_table=table, causal=True)
         ref_low = kv_reference(q, k, v, total, block_table=table, causal=True, dtype=case.dtype)
         assert_matches(out.cpu(), ref64, ref_low, f"{backend} replay {step}", dtype=case.dtype)
+
+
+def test_explain_with_kvcache_shows_the_triton_route():
+    """The route inside the triton backend, with why the faster kernel was passed over, as explain()'s."""
+    if "triton" not in ad.list_backends() or not ad.get_backend("triton").is_available():
+        pytest.skip("triton unavailable")
+    args = make_kv_inputs(KvCase())
+    d = ad.explain_with_kvcache(**args, backend="triton")
+    assert d.route is not None and str(d.route) == "decode split-KV forward"
+    assert "route: decode split-KV forward (not gluon forward + tail: " in str(d)
+    assert ad.explain_with_kvcache(**args, backend="math").route is None

@@ -296,6 +296,11 @@ class Backend:
         Must use the same functions that choose the implementation at run time."""
         return None
 
+    def route_kvcache(self, query, k_cache, v_cache, cache_seqlens, options: dict) -> Route | None:
+        """route() for an sdpa_with_kvcache() call (``options`` as for run_kvcache()); None for
+        a backend with one implementation."""
+        return None
+
     def run(self, query, key, value, **options):
         """Compute the call; options are the normalised arguments (DESIGN.md section 4)."""
         raise NotImplementedError(f"backend {self.name!r} does not implement run()")

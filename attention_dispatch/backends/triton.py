@@ -115,6 +115,31 @@ class TritonBackend(Backend):
         )
         return [reason] if reason else []
 
+    @staticmethod
+    def _kv_params(causal, window, scale, softcap=None, **_):
+        from ..kernels import KernelParams
+
+        _, left, right = band(causal, window)
+        return KernelParams(
+            scale=scale, align_bottom_right=True, window_left=left, window_right=right, softcap=softcap or 0.0
+        )
+
+    def route_kvcache(self, query, k_cache, v_cache, cache_seqlens, options: dict) -> Route:
+        """The kernels of a KV-cache call, from kernels.decode.kv_route (what run_kvcache runs)."""
+        from ..kernels.decode import CACHE_GLUON, kv_route
+
+        kernel, why_not = kv_route(
+            query,
+            k_cache,
+            v_cache,
+            options["block_table"],
+            self._kv_params(**options),
+            options.get("alibi_slopes"),
+            options.get("sinks"),
+        )
+        passed = () if why_not is None else ((CACHE_GLUON, why_not),)
+        return Route((RouteStep("forward", kernel, passed),))
+
     def run_kvcache(
         self,
         query,
@@ -133,14 +158,10 @@ class TritonBackend(Backend):
         sinks=None,
         return_lse=False,
     ):
-        from ..kernels import KernelParams
         from ..kernels.decode import kv_forward
         from .kv_append import append_kv
 
-        _, left, right = band(causal, window)
-        params = KernelParams(
-            scale=scale, align_bottom_right=True, window_left=left, window_right=right, softcap=softcap or 0.0
-        )
+        params = self._kv_params(causal, window, scale, softcap)
         # the kernels read rows with unit stride: copy what is not (never the common call); a
         # cache that must be copied gets the new keys first, so they land in the caller's
         if k_new is not None and (k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
