@@ -83,7 +83,7 @@ def _single_gpu_baselines(lengths, reps) -> dict:
         torch.cuda.reset_peak_memory_stats()
         ms = _timed(step, reps)
         out[s] = dict(ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30, backend=ad.last_decision().backend)
-        del q, k, v, do, leaves
+        del q, k, v, do, leaves, step
         torch.cuda.empty_cache()
     return out
 
@@ -136,7 +136,7 @@ def _worker(rank: int, world: int, args, init: str, queue) -> None:
         peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         timings[s] = dict(ms=ms, peak_gib=peak.item())
-        del leaves, dos
+        del leaves, dos, step
         torch.cuda.empty_cache()
     if rank == 0:
         queue.put(dict(rows=rows, timings=timings))
