@@ -55,8 +55,10 @@ def configure_logging_from_env() -> None:
         logger.addHandler(handler)
 
 
-def backend_table(markdown: bool = False) -> str:
-    """Every registered backend: availability (or why not), version, and its capabilities."""
+def backend_table(markdown: bool = False, line_width: int = 120) -> str:
+    """Every registered backend: availability (or why not), version, and its capabilities.
+    The text table never cuts a value: its backend columns come in blocks of at most
+    ``line_width`` characters (one backend per block where a single one is wider)."""
     names = registry.list_backends()
     backends = [registry.get_backend(n) for n in names]
     status = []
@@ -85,8 +87,23 @@ def backend_table(markdown: bool = False) -> str:
     out.append("")
     col = max(len(f) for f in features) if features else 0
     cell = [max(len(n), *(len(val[f]) for f in features)) for n, val in zip(names, values)]
-    cell = [min(c, 24) for c in cell]
-    out.append(" " * col + "  " + "  ".join(f"{n:<{c}}" for n, c in zip(names, cell)))
-    for f in features:
-        out.append(f"{f:<{col}}  " + "  ".join(f"{val[f][:c]:<{c}}" for val, c in zip(values, cell)))
-    return "\n".join(out) + "\n"
+    for block in _column_blocks(cell, line_width - col - 2):
+        out.append(" " * col + "  " + "  ".join(f"{names[i]:<{cell[i]}}" for i in block).rstrip())
+        for f in features:
+            out.append(f"{f:<{col}}  " + "  ".join(f"{values[i][f]:<{cell[i]}}" for i in block).rstrip())
+        out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _column_blocks(widths: list[int], room: int) -> list[list[int]]:
+    """Consecutive column indices grouped so that each group's columns (2 spaces before
+    each) fit in ``room``; a column wider than ``room`` stands alone."""
+    blocks: list[list[int]] = []
+    used = room
+    for i, w in enumerate(widths):
+        if used + 2 + w > room:
+            blocks.append([])
+            used = 0
+        blocks[-1].append(i)
+        used += 2 + w
+    return blocks

@@ -27,6 +27,24 @@ def test_info_lists_every_backend_with_status_and_capabilities(capsys):
     assert "head dim" in out and "deterministic bwd" in out
 
 
+def test_info_text_table_never_cuts_a_value(capsys):
+    """Every capability value of every backend appears whole in its column (float64 in the
+    CPU backends' dtypes was cut at 24 characters), within 120 characters a line."""
+    assert main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = lines[
+        lines.index("") + 1 : next(i for i, line in enumerate(lines) if line.startswith("performance tables"))
+    ]
+    for name in ad.list_backends():
+        header = next(i for i, line in enumerate(table) if line.startswith(" ") and f" {name} " in line + " ")
+        start = table[header].index(f" {name}") + 1
+        for offset, (feature, value) in enumerate(ad.get_backend(name).capabilities.rows(), 1):
+            row = table[header + offset]
+            assert row.startswith(feature + " ") and row[start : start + len(value)] == value, (name, feature, row)
+            assert row[start + len(value) : start + len(value) + 1] in ("", " "), (name, feature, row)
+    assert max(len(line) for line in table) <= 120
+
+
 def test_info_markdown(capsys):
     assert main(["info", "--markdown"]) == 0
     out = capsys.readouterr().out
@@ -84,6 +102,7 @@ def test_bench_times_each_eligible_backend(capsys):
     )
     out = capsys.readouterr().out
     assert rc == 0 and "causal=bottom_right" in out
+    assert "timed: training, forward + backward" in out
     decision = ad.explain(*(torch.randn(1, 2, s, 16, requires_grad=True) for s in (16, 24, 24)), causal="bottom_right")
     for name in decision.candidates:
         line = next(line for line in out.splitlines() if line.strip().startswith(name + " "))
@@ -91,6 +110,46 @@ def test_bench_times_each_eligible_backend(capsys):
             assert decision.rejected[name][0] in line
         else:
             assert line.rstrip().endswith(" ms") and float(line.split()[1]) > 0
+
+
+def test_bench_labels_a_forward_only_run(capsys):
+    assert main(["bench", "--no-grad", "--backend", "math", "--seqlen", "8", "--head-dim", "8", "--heads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "timed: forward only, inference" in out and "timed: training" not in out
+
+
+def _gpu_here() -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+@pytest.mark.skipif(_gpu_here() == (9, 0), reason="asks about an sm90 GPU that is not here")
+def test_explain_for_a_gpu_that_is_not_here(capsys):
+    """From declared capabilities, naming what could not be checked (was: a traceback,
+    'Torch not compiled with CUDA enabled')."""
+    assert main(["explain", "--dtype", "bf16", "--device", "cuda", "--arch", "sm90"]) == 0
+    out = capsys.readouterr().out
+    assert "bfloat16 on cuda sm90" in out
+    assert "torch_cpu        no: device=cuda not in {cpu}" in out
+    assert "note: declared capabilities only: no cuda sm90 device here" in out
+    assert "not checked: whether each backend is installed and available there" in out
+    assert "not checked: the performance table" in out
+    first = next(n for n in ad.list_backends() if n != "torch_cpu")
+    assert out.startswith(f"attention_dispatch: {first} (order from default)")
+
+
+@pytest.mark.skipif(_gpu_here() == (7, 5), reason="asks about an sm75 GPU that is not here")
+def test_explain_for_an_older_gpu_rejects_by_compute_capability(capsys):
+    assert main(["explain", "--dtype", "fp16", "--device", "cuda", "--arch", "7.5", "--varlen", "--no-grad"]) == 0
+    out = capsys.readouterr().out
+    triton = next(line for line in out.splitlines() if line.strip().startswith("triton "))
+    assert "compute capability sm75 < sm80" in triton and "varlen" in out
+
+
+def test_explain_arch_errors_name_the_argument(capsys):
+    assert main(["explain", "--device", "cuda", "--arch", "hopper"]) == 2
+    assert "--arch 'hopper': expected a CUDA compute capability such as sm90" in capsys.readouterr().err
+    assert main(["explain", "--device", "cpu", "--arch", "sm90"]) == 2
+    assert "--arch 'sm90' applies to --device cuda only (got --device 'cpu')" in capsys.readouterr().err
 
 
 def test_explain_exit_code_when_nothing_fits(capsys):
@@ -104,6 +163,10 @@ def test_explain_help_runs_as_module():
         [sys.executable, "-m", "attention_dispatch", "explain", "--help"], capture_output=True, text=True, timeout=120
     )
     assert res.returncode == 0 and "--causal" in res.stdout and "--window" in res.stdout
+    help_text = " ".join(res.stdout.split())  # argparse wraps lines
+    for default in ("(default: 2)", "(default: 128)", "(default: 64)", "(default: float32)", "(default: 0.0)"):
+        assert default in help_text
+    assert "default = --heads" in help_text and "(default: None)" not in help_text
 
 
 def test_config_check(tmp_path, capsys):
