@@ -55,12 +55,30 @@ class DispatchSection(BaseModel):
     )
 
 
+class GuardSection(BaseModel):
+    """[guard]: the numerics guard (policy/guard.py); off by default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["off", "first", "sample", "strict"] = Field(
+        default="off",
+        description="first: check the first call of each new decision; sample: that and a fraction of "
+        "later calls; strict: every call, raising on a mismatch instead of quarantining the backend",
+    )
+    sample: float = Field(default=0.01, ge=0.0, le=1.0, description="fraction of later calls checked (sample)")
+    rows: int = Field(default=8, ge=1, le=4096, description="query rows recomputed per checked call")
+    factor: float = Field(default=2.0, gt=0.0, description="allowed error: factor x the input dtype's own error")
+
+
 class Config(BaseModel):
     """The whole configuration; unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     dispatch: DispatchSection = DispatchSection()
+    guard: GuardSection = GuardSection()
+    # [[known_bad]] entries added to the shipped list (policy/known_bad.py validates them)
+    known_bad: tuple[dict[str, Any], ...] = ()
     backends: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # Where the order came from when it is not the file's: set by the loader, not by users.
     source: str = Field(default="default", exclude=True)
@@ -114,6 +132,12 @@ def validate_config(data: dict, origin: str = "<config>") -> Config:
         config = Config.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation(err, origin)) from None
+    from .policy import known_bad
+
+    try:
+        known_bad.parse(config.known_bad, origin)
+    except known_bad.KnownBadError as err:
+        raise ConfigError(str(err)) from None
     known = registry.list_backends()
     for field in ("priority", "disabled"):
         for name in getattr(config.dispatch, field) or ():

@@ -39,7 +39,7 @@ import threading
 import warnings
 
 from . import config as _config
-from . import perf_table, registry
+from . import perf_table, policy, registry
 from .caches import register_cache
 from .problem import Problem, trace_seqlen_k
 from .route import Route
@@ -208,6 +208,7 @@ def evaluate(problem: Problem, names: tuple[str, ...], source: str, cfg, forced:
             reasons.append(backend.unavailable_reason() or "not available")
         else:
             reasons.extend(backend.reasons(problem))
+            reasons.extend(policy.reasons(name, backend, problem, cfg))  # quarantined, known bad
         if backend.reference and problem.device_type == "cuda" and cfg.dispatch.math_fallback == "forbid":
             reasons.append("math on a CUDA input is forbidden by config (dispatch.math_fallback='forbid')")
         if reasons:
