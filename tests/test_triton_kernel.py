@@ -907,7 +907,8 @@ def test_input_errors():
 
 def test_config_reason():
     assert config_reason(128, 128, F16, DEV) is None
-    assert "320 > 256" in config_reason(320, 128, F16, DEV)
+    assert "520 > 512" in config_reason(520, 128, F16, DEV)
+    assert config_reason(512, 320, F16, DEV) is None  # issue 36: Dqk and Dv up to 512
     assert "dtype" in config_reason(64, 64, torch.int8, DEV)
     # sm80 is the declared minimum (KERNEL_LIMITS): Turing is untested, so not claimed
     assert "compute capability 7.5 < 8.0" in configs.arch_reason(64, 64, BF16, (7, 5), 64 * 1024)
@@ -1007,7 +1008,7 @@ def test_kernel_limits_are_the_one_declaration():
     from attention_dispatch.kernels import configs
 
     assert set(KERNEL_LIMITS.dtypes) == {F16, BF16, F32}
-    assert KERNEL_LIMITS.max_head_dim == 256 and KERNEL_LIMITS.deterministic_backward
+    assert KERNEL_LIMITS.max_head_dim == 512 and KERNEL_LIMITS.deterministic_backward
     import attention_dispatch as ad
 
     caps = ad.get_backend("triton").capabilities

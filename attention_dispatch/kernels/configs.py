@@ -105,9 +105,15 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     _e(FWD, _SM90, 256, _HALF, 64, 64, 4, 3),
     _e(FWD, _SM90, 256, _HALF, 128, 64, 8, 2),
     _e(FWD, _SM90, 256, _HALF, 64, 64, 4, 2),
+    # d257-512 (issue 36): 64 query rows over 8 warps keep the 64x512 fp32 accumulator at 128
+    # registers a thread; K/V tiles of 32 keys (2 stages: 192 KiB with Q) fit shared memory.
+    _e(FWD, _SM90, 512, _HALF, 64, 32, 8, 2),
+    _e(FWD, _SM90, 512, _HALF, 64, 64, 8, 1),
+    _e(FWD, _SM90, 512, _HALF, 32, 32, 4, 2),
     _e(FWD, _SM80, 64, _HALF, 128, 64, 4, 3),
     _e(FWD, _SM80, 128, _HALF, 128, 64, 8, 2),
     _e(FWD, _SM80, 256, _HALF, 64, 64, 4, 2),
+    _e(FWD, _SM80, 512, _HALF, 64, 32, 8, 1),
     _e(FWD, _ANY, 64, _F32, 64, 64, 4, 2),
     _e(FWD, _ANY, 128, _F32, 64, 32, 4, 2),
     _e(FWD, _ANY, 256, _F32, 32, 32, 4, 2),
@@ -115,6 +121,8 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     _e(FWD, _ANY, 128, _HALF, 64, 32, 4, 2),
     _e(FWD, _ANY, 256, _ALL, 32, 32, 4, 1),
     _e(FWD, _ANY, 256, _ALL, 16, 16, 2, 1),
+    _e(FWD, _ANY, 512, _HALF, 32, 32, 4, 1),
+    _e(FWD, _ANY, 512, _ALL, 16, 16, 4, 1),
     # ---------------- backward dK/dV (BM = query tile, BN = key tile) ----------------
     # sm90: the sweep's best tiles (E5); d=128 dense 32x64x4x4: +2.6-3.3% at 2k-8k (E33), not GQA / MQA
     # (GQA 16/4 16k -4.8%, E38).
@@ -127,13 +135,20 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     _e(BWD_DKDV, _SM90, 128, _HALF, 32, 128, 8, 2),
     _e(BWD_DKDV, _SM90, 256, _HALF, 64, 64, 8, 2),
     _e(BWD_DKDV, _SM90, 256, _HALF, 32, 64, 8, 2),
+    # d257-512 (issue 36): the dK and dV accumulators (2 x BN x 512 fp32) at 128 registers a
+    # thread over 8 warps with 32 keys per program.
+    _e(BWD_DKDV, _SM90, 512, _HALF, 32, 32, 8, 2),
+    _e(BWD_DKDV, _SM90, 512, _HALF, 16, 64, 8, 2),
+    _e(BWD_DKDV, _SM90, 512, _HALF, 16, 32, 4, 2),
     _e(BWD_DKDV, _SM80, 64, _HALF, 64, 128, 8, 2),
     _e(BWD_DKDV, _SM80, 128, _HALF, 32, 128, 8, 2),
     _e(BWD_DKDV, _SM80, 256, _HALF, 32, 64, 8, 1),
+    _e(BWD_DKDV, _SM80, 512, _HALF, 32, 32, 8, 1),
     _e(BWD_DKDV, _ANY, 64, _ALL, 32, 64, 4, 2),
     _e(BWD_DKDV, _ANY, 128, _ALL, 32, 64, 4, 1),
     _e(BWD_DKDV, _ANY, 256, _ALL, 16, 32, 4, 1),
     _e(BWD_DKDV, _ANY, 256, _ALL, 16, 16, 2, 1),
+    _e(BWD_DKDV, _ANY, 512, _ALL, 16, 16, 4, 1),
     # ---------------- backward dQ ----------------
     # sm90: the sweep's best tiles (E5; 128x64x8x3 re-checked at d=128, E33).
     _e(BWD_DQ, _SM90, 64, _HALF, 128, 64, 8, 3),
@@ -143,13 +158,19 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     _e(BWD_DQ, _SM90, 128, _HALF, 128, 32, 8, 2),
     _e(BWD_DQ, _SM90, 256, _HALF, 128, 32, 8, 2),
     _e(BWD_DQ, _SM90, 256, _HALF, 64, 32, 8, 2),
+    # d257-512 (issue 36): dQ's 64x512 fp32 accumulator over 8 warps; one K/V stage fits beside Q, dO.
+    _e(BWD_DQ, _SM90, 512, _HALF, 64, 32, 8, 1),
+    _e(BWD_DQ, _SM90, 512, _HALF, 32, 32, 8, 2),
+    _e(BWD_DQ, _SM90, 512, _HALF, 32, 32, 4, 2),
     _e(BWD_DQ, _SM80, 64, _HALF, 128, 64, 8, 2),
     _e(BWD_DQ, _SM80, 128, _HALF, 128, 32, 8, 2),
     _e(BWD_DQ, _SM80, 256, _HALF, 64, 32, 8, 1),
+    _e(BWD_DQ, _SM80, 512, _HALF, 32, 32, 4, 1),
     _e(BWD_DQ, _ANY, 64, _ALL, 64, 32, 4, 2),
     _e(BWD_DQ, _ANY, 128, _ALL, 64, 32, 4, 1),
     _e(BWD_DQ, _ANY, 256, _ALL, 32, 16, 4, 1),
     _e(BWD_DQ, _ANY, 256, _ALL, 16, 16, 2, 1),
+    _e(BWD_DQ, _ANY, 512, _ALL, 16, 16, 4, 1),
 )
 
 

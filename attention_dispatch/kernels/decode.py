@@ -147,7 +147,7 @@ def _launch_split(
             STORE_LSE=lse is not None,
             **score_constexprs(params, alibi, q.dtype),
         ),
-        4,
+        8 if block_d > 256 else 4,  # d512: the (BLOCK_M, 512) fp32 accumulator over 8 warps
         2,
     )
     if split:

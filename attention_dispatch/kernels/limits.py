@@ -20,7 +20,7 @@ class KernelLimits:
 
     dtypes: tuple = (torch.float16, torch.bfloat16, torch.float32)
     min_head_dim: int = 1  # padded to 16 inside (tl.dot's minimum)
-    max_head_dim: int = 256
+    max_head_dim: int = 512  # Dqk and Dv; 257..512 on the tl kernels only (configs.py, issue 36)
     head_dim_qk_ne_v: bool = True  # Dqk != Dv
     causal_kinds: tuple = ("top_left", "bottom_right")
     window: bool = True  # (left, right), -1 unbounded, either alignment
