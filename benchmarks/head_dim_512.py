@@ -151,9 +151,11 @@ def main():
     out_dir = os.environ.get("OUT", ".")
     lines = []
 
-    def log(msg):
+    def log(msg):  # also appended to $OUT/head_dim_512.log as it goes (a timeout keeps it)
         print(msg, flush=True)
         lines.append(msg)
+        with open(os.path.join(out_dir, "head_dim_512.log"), "a") as fh:
+            fh.write(msg + "\n")
 
     info = dict(
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -202,8 +204,6 @@ def main():
     report["seconds"] = round(time.time() - t_start, 1)
     with open(os.path.join(out_dir, "head_dim_512.json"), "w") as fh:
         json.dump(report, fh, indent=1, default=str)
-    with open(os.path.join(out_dir, "head_dim_512.log"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
 
     print(
         f"\n{info['gpu']} | torch {info['torch']} | Triton {info['triton']} | commit {info['commit']} | {info['date']}"
