@@ -130,9 +130,17 @@ def shipped() -> tuple[Entry, ...]:
     return parse(tomllib.loads(text).get("entry", []), "attention_dispatch/policy/known_bad.toml")
 
 
-@functools.lru_cache(maxsize=None)
+_versions: dict[str, str | None] = {}
+
+
 def library_version(library: str) -> str | None:
     """The installed version of `library` ("torch", "cudnn", "cuda" or a distribution), None if absent."""
+    if library not in _versions:
+        _versions[library] = _read_version(library)
+    return _versions[library]
+
+
+def _read_version(library: str) -> str | None:
     if library == "torch":
         return torch.__version__
     if library == "cuda":
@@ -157,12 +165,12 @@ _from_config: dict[int, tuple[Any, tuple[Entry, ...]]] = {}  # id(config's raw t
 
 
 def _clear() -> None:
-    library_version.cache_clear()
+    _versions.clear()
     with _lock:
         _from_config.clear()
 
 
-register_cache("known_bad.versions", _clear, lambda: library_version.cache_info().currsize)
+register_cache("known_bad.versions", _clear, lambda: len(_versions) + len(_from_config))
 
 
 def _configured(raw) -> tuple[Entry, ...]:
