@@ -1,0 +1,398 @@
+"""context_parallel_sdpa(): ad.sdpa() over a sequence sharded across the ranks of a group.
+
+Each rank holds its queries, keys and values at the global positions of the layout
+(layout.py), computes its queries against every rank's keys block by block with ad.sdpa(...,
+return_lse=True) (blocks.py says what each block computes, and skips blocks outside the causal or
+window band), and merges the blocks by their logsumexp (merge.py). The keys and values travel by
+a ring of batch_isend_irecv steps or one all-gather (exchange.py), differentiably: the backward is
+autograd through the blocks' differentiable logsumexp, its gradients sent back along the same
+routes.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from ..api import explain, sdpa
+from ..call import check_plain_tensor
+from ..dispatch import NoBackendError
+from ..features import check_alibi_slopes, check_return_lse, check_sinks, check_softcap, lse_dtype
+from ..semantics import band as fold_band
+from ..semantics import normalize_causal, normalize_window
+from . import exchange as _exchange
+from .blocks import Band, Documents, combine_masks, diagonal_mask, global_positions, plan_band, span
+from .layout import check_layout, chunks_per_rank, segments
+from .merge import apply_sinks, merge_partials
+
+EXCHANGES = ("ring", "allgather")
+
+
+class _Setup:
+    """The validated call, in dense form: q (B, Hq, Sq_local, D), k/v (B, Hkv, Sk_local, D);
+    everything each block needs."""
+
+    __slots__ = (
+        "q", "k", "v", "mask", "packed", "rank", "world", "group", "layout", "exchange",
+        "sq", "sk", "band", "docs", "slopes", "sinks", "sdpa_args", "return_lse",
+    )  # fmt: skip
+
+
+def _is_zero(dropout_p) -> bool:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
+    return dropout_p == 0
+
+
+def _offsets(cu, name: str, total: int) -> list[int]:
+    """Global varlen offsets as a list, checked: int32, 1-D, from 0, non-decreasing, ending at total."""
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+        what = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+        raise ValueError(f"{name} must be an int32 1-D tensor of B + 1 >= 2 offsets, got {what}")
+    values = cu.tolist()
+    if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] != total:
+        raise ValueError(
+            f"{name}={values} must start at 0, never decrease and end at the global packed length {total} "
+            "(context parallelism: the offsets are over the whole sequence, the same on every rank)"
+        )
+    return values
+
+
+def _check_mask(attn_mask, b: int, hq: int, sq_local: int, sk_total: int):
+    """A bias/mask in this rank's layout: rows of its queries, all key columns in global order."""
+    if attn_mask is None:
+        return None
+    check_plain_tensor(attn_mask, "attn_mask")
+    shape = tuple(attn_mask.shape)
+    expected = (b, hq, sq_local, sk_total)
+    padded = (1,) * (4 - len(shape)) + shape if len(shape) <= 4 else None
+    if padded is None or any(got not in (1, want) for got, want in zip(padded, expected)):
+        raise ValueError(
+            f"attn_mask of shape {shape}; context_parallel_sdpa takes each rank's rows of the whole mask: "
+            f"broadcastable to (B, Hq, S_local_q, S_total_k) = {expected} (rows: this rank's queries in the "
+            "layout's order, e.g. layout.shard(mask, group, layout, dim=-2); columns: every key in global order)"
+        )
+    return attn_mask.reshape(padded)
+
+
+def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, options) -> _Setup:
+    """Every check that needs no other rank, before any communication."""
+    exchange, layout, group = options["exchange"], options["layout"], options["group"]
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange={exchange!r} is not allowed; use one of {', '.join(map(repr, EXCHANGES))}")
+    check_layout(layout)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_plain_tensor(t, name)
+    if not _is_zero(dropout_p):
+        raise ValueError(
+            f"dropout_p={dropout_p}: context_parallel_sdpa does not support dropout (a block-wise dropout "
+            "that equals one sdpa() call with the same seed needs a counter-based random stream by global "
+            "position, which the backends do not take yet); use dropout_p=0.0"
+        )
+    rank, world = _exchange.check_group(group, query.device)
+    causal = normalize_causal(is_causal, options["causal"])
+    window = normalize_window(options["window"])
+    softcap = check_softcap(options["softcap"])
+    return_lse = check_return_lse(options["return_lse"])
+    cu_q, cu_k = options["cu_seqlens_q"], options["cu_seqlens_k"]
+    packed = cu_q is not None or cu_k is not None
+    setup = _Setup()
+    if packed:
+        if cu_q is None or cu_k is None:
+            raise ValueError("varlen needs both cu_seqlens_q and cu_seqlens_k (global offsets), got only one")
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.dim() != 3:
+                raise ValueError(f"{name} of shape {tuple(t.shape)}; varlen takes packed (S_local, H, D) shards")
+        if attn_mask is not None:
+            raise ValueError(
+                "attn_mask with cu_seqlens: context_parallel_sdpa takes no mask for packed documents "
+                "(their boundaries are the mask); pass dense (B, H, S_local, D) shards for a bias"
+            )
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+    else:
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.dim() != 4:
+                raise ValueError(
+                    f"{name} of shape {tuple(t.shape)}; context_parallel_sdpa takes (B, H, S_local, D) shards "
+                    "(or packed (S_local, H, D) with cu_seqlens_q/k)"
+                )
+        q, k, v = query, key, value
+    b, hq, sq_local = q.shape[:3]
+    sq, sk = sq_local * world, k.shape[2] * world
+    setup.mask = _check_mask(attn_mask, b, hq, sq_local, sk)
+    setup.sinks = check_sinks(options["sinks"], hq, query)
+    bottom_right, left, right = fold_band(causal, window)
+    setup.band = Band(sk - sq if bottom_right else 0, left, right)
+    setup.docs = None
+    if packed:
+        offsets_q, offsets_k = _offsets(cu_q, "cu_seqlens_q", sq), _offsets(cu_k, "cu_seqlens_k", sk)
+        if len(offsets_q) != len(offsets_k):
+            raise ValueError(
+                f"cu_seqlens_q has {len(offsets_q)} offsets but cu_seqlens_k {len(offsets_k)}; one per document + 1"
+            )
+        setup.docs = Documents(offsets_q, offsets_k, bottom_right)
+    documents = b if not packed else len(cu_q) - 1  # ALiBi slopes: (Hq,) or one row per sequence
+    slopes = check_alibi_slopes(options["alibi_slopes"], documents, hq, (documents,), query)
+    setup.sdpa_args = dict(
+        scale=scale,
+        enable_gqa=enable_gqa,
+        backend=options["backend"],
+        deterministic=options["deterministic"],
+        softcap=softcap,
+    )
+    # the blocks' arguments, checked once on the local shards (types, shapes, a backend that serves them)
+    probe_mask = None if setup.mask is None else setup.mask[..., : k.shape[2]]
+    if slopes is not None and probe_mask is None:
+        probe_mask = torch.zeros((), dtype=lse_dtype(query.dtype), device=query.device).expand(1, 1, 1, 1)
+    decision = explain(q, k, v, probe_mask, causal=causal, window=window, return_lse=True, **setup.sdpa_args)
+    if decision.backend is None:
+        raise NoBackendError(f"no backend computes a block of this call with return_lse=True:\n{decision}", decision)
+    setup.q, setup.k, setup.v, setup.packed, setup.slopes = q, k, v, packed, slopes
+    setup.rank, setup.world, setup.group, setup.layout, setup.exchange = rank, world, group, layout, exchange
+    setup.sq, setup.sk, setup.return_lse = sq, sk, return_lse
+    return setup
+
+
+def _facts(setup: _Setup, options) -> dict[str, tuple[int, ...]]:
+    """What must agree across ranks, as ints (shapes, dtypes, grads, options, offsets)."""
+
+    def shape(t, n=4):
+        return (-1,) * n if t is None else tuple(t.shape) + (0,) * (n - t.dim())
+
+    cu = [None if options[n] is None else options[n].tolist() for n in ("cu_seqlens_q", "cu_seqlens_k")]
+    return {
+        "query shape": shape(setup.q),
+        "key shape": shape(setup.k),
+        "value shape": shape(setup.v),
+        "attn_mask shape": shape(setup.mask),
+        "dtypes": tuple(_exchange.fingerprint(getattr(t, "dtype", None)) for t in (setup.q, setup.k, setup.mask)),
+        "requires_grad (query, key, value, attn_mask, sinks)": tuple(
+            int(t is not None and t.requires_grad and torch.is_grad_enabled())
+            for t in (setup.q, setup.k, setup.v, setup.mask, setup.sinks)
+        ),
+        "options (causal, window, scale, ...)": (
+            _exchange.fingerprint((tuple(setup.band), sorted(setup.sdpa_args.items()), setup.return_lse)),
+        ),
+        "layout and exchange": (_exchange.fingerprint((setup.layout, setup.exchange)),),
+        "alibi_slopes, sinks given": (int(setup.slopes is not None), int(setup.sinks is not None)),
+        "cu_seqlens_q/k": (_exchange.fingerprint(cu),),
+    }
+
+
+def _check_across_ranks(setup: _Setup, options) -> None:
+    """One small all_gather of each rank's facts; every rank raises the same error on a mismatch."""
+    facts = _facts(setup, options)
+    every = _exchange.gather_facts(facts, setup.group, setup.q.device)
+    for name in facts:
+        values = [row[name] for row in every]
+        if any(v != values[0] for v in values):
+            listed = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ValueError(f"{name} differs across the ranks of the group ({listed}); every rank must pass the same")
+    parts = chunks_per_rank(setup.layout)
+    for name, local in (("query", setup.q.shape[2]), ("key", setup.k.shape[2])):
+        if local % parts:
+            raise ValueError(
+                f"{name}: local sequence length {local} is not divisible by {parts}: layout={setup.layout!r} "
+                f"holds {parts} equal chunks per rank (the global length {local * setup.world} must be "
+                f"divisible by {parts * setup.world})"
+            )
+
+
+def _block(setup: _Setup, q_parts, k_parts, k, v):
+    """(out, lse) of this rank's queries at q_parts against keys k/v at k_parts, or None when the
+    block holds no allowed pair."""
+    device, compute = setup.q.device, lse_dtype(setup.q.dtype)
+    q_pos, k_pos = global_positions(q_parts), global_positions(k_parts)
+    bool_parts, float_parts, causal, window = [], [], None, None
+    if setup.docs is not None:  # packed documents: the mask says everything (built on the CPU: no sync)
+        allowed = setup.docs.allowed(q_pos, k_pos, setup.band.left, setup.band.right)
+        if not bool(allowed.any()):
+            return None
+        if not bool(allowed.all()):
+            bool_parts.append(allowed.to(device))
+    elif not setup.band.unbounded:
+        (qp,), (kp,) = q_parts, k_parts  # bounded bands are planned one segment pair at a time
+        plan = plan_band(setup.band, qp.start, qp.length, kp.start, kp.length)
+        if plan is None:
+            return None
+        causal, window = plan.causal, plan.window
+        if plan.mask_diagonals is not None:
+            bool_parts.append(diagonal_mask(*plan.mask_diagonals, qp.length, kp.length, device))
+    if setup.mask is not None:
+        q0, q1 = span(q_parts)
+        rows = setup.mask[..., q0:q1, :] if setup.mask.shape[-2] > 1 else setup.mask
+        if rows.shape[-1] > 1:  # the columns of these keys, in global order
+            cols = [rows[..., p.start : p.start + p.length] for p in k_parts]
+            rows = cols[0] if len(cols) == 1 else torch.cat(cols, dim=-1)
+        (bool_parts if rows.dtype == torch.bool else float_parts).append(rows)
+    if setup.slopes is not None:  # ALiBi by global distance, as a bias: -slope * |i + off - j|
+        if setup.docs is None:
+            slopes = setup.slopes[:, :, None, None]
+            distance = (q_pos[:, None] + setup.band.off - k_pos[None, :]).abs()
+        else:
+            slopes = setup.slopes[setup.docs.doc_q[q_pos]].T[None, :, :, None]
+            distance = setup.docs.distance(q_pos, k_pos)
+        float_parts.append(-(slopes.to(compute) * distance.to(device=device, dtype=compute)))
+    q0, q1 = span(q_parts)
+    k0, k1 = span(k_parts)
+    return sdpa(
+        setup.q[:, :, q0:q1],
+        k[:, :, k0:k1],
+        v[:, :, k0:k1],
+        combine_masks(bool_parts, float_parts),
+        causal=causal,
+        window=window,
+        return_lse=True,
+        **setup.sdpa_args,
+    )
+
+
+class _Accumulator:
+    """Each query part's blocks, and which exchanged tensors some block read."""
+
+    def __init__(self, setup: _Setup):
+        self.setup = setup
+        # a band is planned per segment pair (skipping those outside it); without one, a rank's
+        # whole shard is one part: fewer, larger sdpa() calls
+        whole = setup.band.unbounded
+        self.q_parts = self._parts(setup.rank, setup.sq, whole)
+        self.blocks = [[] for _ in self.q_parts]
+        self.whole = whole
+        self.unused = []
+
+    def _parts(self, rank: int, total: int, whole: bool):
+        segs = segments(self.setup.layout, rank, self.setup.world, total)
+        return [segs] if whole else [(s,) for s in segs]
+
+    def add(self, source: int, k, v, exchanged: bool) -> None:
+        used = False
+        for i, q_parts in enumerate(self.q_parts):
+            for k_parts in self._parts(source, self.setup.sk, self.whole):
+                result = _block(self.setup, q_parts, k_parts, k, v)
+                if result is not None:
+                    self.blocks[i].append(result)
+                    used = True
+        if exchanged and not used:
+            self.unused += [k, v]
+
+    def result(self):
+        """(out (B, Hq, Sq_local, Dv), lse (B, Hq, Sq_local)) in the lse dtype."""
+        setup = self.setup
+        outs, lses = [], []
+        b, hq = setup.q.shape[:2]
+        compute = lse_dtype(setup.q.dtype)
+        for q_parts, blocks in zip(self.q_parts, self.blocks):
+            if blocks:
+                out, lse = merge_partials([o for o, _ in blocks], [lo for _, lo in blocks])
+            else:  # no allowed key for any of these rows: 0 and -inf
+                rows = sum(p.length for p in q_parts)
+                out = setup.q.new_zeros((b, hq, rows, setup.v.shape[-1]), dtype=compute)
+                lse = setup.q.new_full((b, hq, rows), -math.inf, dtype=compute)
+            outs.append(out)
+            lses.append(lse)
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _run_ring(setup: _Setup, acc: _Accumulator) -> None:
+    """W steps; at step t this rank holds the keys of rank - t, while those of rank - t - 1 arrive."""
+    k, v = setup.k, setup.v
+    for step in range(setup.world):
+        pending = None
+        if step < setup.world - 1:
+            (next_k, next_v), pending = _exchange.ring_shift([k, v], setup.group, setup.rank, setup.world)
+        # the last received keys feed no further shift: kept in the graph only if a block reads them
+        acc.add((setup.rank - step) % setup.world, k, v, exchanged=step == setup.world - 1 and step > 0)
+        if pending is not None:
+            pending.wait()
+            k, v = next_k, next_v
+
+
+def _run_allgather(setup: _Setup, acc: _Accumulator) -> None:
+    """All-gather every rank's keys, computing the local block while they travel."""
+    pending = _exchange.Pending() if setup.world > 1 else None
+    if pending is not None:
+        gathered_k, gathered_v = _exchange.all_gather_tensors([setup.k, setup.v], setup.group, pending)
+    acc.add(setup.rank, setup.k, setup.v, exchanged=False)
+    if pending is None:
+        return
+    pending.wait()
+    acc.unused += [gathered_k[setup.rank], gathered_v[setup.rank]]  # the local block read the originals
+    for source in range(setup.world):
+        if source != setup.rank:
+            acc.add(source, gathered_k[source], gathered_v[source], exchanged=True)
+
+
+def context_parallel_sdpa(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    group=None,
+    exchange="ring",
+    layout="zigzag",
+    causal=None,
+    window=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    backend=None,
+    deterministic=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    return_lse=False,
+):
+    """ad.sdpa() over a sequence sharded across the ranks of ``group`` (default: the world).
+
+    Each rank passes its shard in ``layout`` (layout.shard() makes it): query (B, Hq, S_local_q, D),
+    key/value (B, Hkv, S_local_k, D), and gets its shard of the output (B, Hq, S_local_q, Dv),
+    equal to ad.sdpa() on the whole sequences, forward and backward. Varlen: packed
+    (S_local, H, D) shards with cu_seqlens_q/k over the whole packed sequence (documents may span
+    ranks); output (S_local, Hq, Dv). attn_mask (bool or float, may require grad): this rank's
+    query rows of the whole mask, every key column in global order, broadcastable to
+    (B, Hq, S_local_q, S_total_k). causal/window/ALiBi refer to global positions. ``exchange``:
+    "ring" (W - 1 batch_isend_irecv steps) or "allgather". With return_lse, also this rank's
+    logsumexp (B, Hq, S_local_q) (varlen (Hq, S_local)), without the sinks. Dropout is refused.
+    Every rank must call it with the same shapes and options, and backpropagate through its output.
+    """
+    del max_seqlen_q, max_seqlen_k  # the blocks' lengths come from the offsets themselves
+    options = dict(
+        group=group,
+        exchange=exchange,
+        layout=layout,
+        causal=causal,
+        window=window,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        backend=backend,
+        deterministic=deterministic,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        return_lse=return_lse,
+    )
+    setup = _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, options)
+    _check_across_ranks(setup, options)
+    acc = _Accumulator(setup)
+    (_run_ring if setup.exchange == "ring" else _run_allgather)(setup, acc)
+    out, lse = acc.result()
+    if setup.sinks is not None:
+        out = apply_sinks(out, lse, setup.sinks)
+    anchored = [setup.q, setup.k, setup.v, setup.mask, *acc.unused]
+    out = _exchange.anchor(out.to(setup.q.dtype), anchored)
+    if setup.packed:
+        out = out[0].transpose(0, 1)
+    if not setup.return_lse:
+        return out
+    lse = _exchange.anchor(lse, anchored)
+    return out, (lse[0] if setup.packed else lse)

@@ -1,0 +1,333 @@
+"""attention_dispatch.distributed: context_parallel_sdpa on 2 and 4 gloo CPU processes equals
+one ad.sdpa() call on the whole sequence (math backend, float64, within 1e-10), output and every
+gradient, for each feature, both layouts and both exchanges; shard/unshard; clear errors.
+
+The processes are spawned once per world size (a module fixture); each runs every case inside
+one process group and reports per case, so that each case is its own test here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import attention_dispatch as ad
+from attention_dispatch.distributed import context_parallel_sdpa, shard, unshard
+from attention_dispatch.distributed import context_parallel_sdpa as _context_parallel_sdpa
+from attention_dispatch.distributed.layout import segments, shard_of, unshard_from
+
+TOLERANCE = 1e-10
+WORLDS = (2, 4)
+B, H, D = 2, 2, 8
+
+# name -> options; "s": global length per rank-chunk unit (global S = s * 2W, divisible for zigzag)
+FEATURES = {
+    "plain": {},
+    "top_left": {"causal": "top_left"},
+    "is_causal": {"is_causal": True},
+    "bottom_right": {"causal": "bottom_right"},
+    "top_left_longer_keys": {"causal": "top_left", "sk_factor": 2},
+    "bottom_right_longer_keys": {"causal": "bottom_right", "sk_factor": 2},
+    "bottom_right_longer_queries": {"causal": "bottom_right", "sq_factor": 2},
+    "window": {"window": (3, 2)},
+    "window_left_causal": {"causal": "top_left", "window": (5, -1)},
+    "window_right_only": {"window": (-1, 3)},
+    "gqa": {"heads_q": 4, "enable_gqa": True, "causal": "top_left"},
+    "sinks": {"sinks": True, "causal": "top_left"},
+    "sinks_plain": {"sinks": True},
+    "softcap": {"softcap": 2.0, "causal": "bottom_right"},
+    "alibi": {"alibi": True, "causal": "top_left"},
+    "bias_grad": {"bias": "float", "causal": "top_left"},
+    "bias_plain": {"bias": "float"},
+    "bool_mask": {"bias": "bool", "window": (4, 4)},
+    "return_lse": {"return_lse": True, "causal": "top_left", "window": (3, -1)},
+    "varlen": {"varlen": True},
+    "varlen_causal": {"varlen": True, "causal": "top_left"},
+    "varlen_window_alibi": {"varlen": True, "causal": "bottom_right", "window": (3, -1), "alibi": True},
+    "everything": {
+        "heads_q": 4,
+        "enable_gqa": True,
+        "causal": "bottom_right",
+        "sinks": True,
+        "softcap": 3.0,
+        "bias": "float",
+        "return_lse": True,
+        "alibi": True,
+    },
+}
+CASES = [(f, lay, ex) for f in FEATURES for lay in ("zigzag", "contiguous") for ex in ("ring", "allgather")]
+
+
+def _case_id(case) -> str:
+    return "-".join(case)
+
+
+def _inputs(feature: dict, world: int, seed: int):
+    """Whole-sequence inputs (the same on every rank: seeded) and the call's options."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    unit = 2 * world  # zigzag needs the global length divisible by 2W
+    sq, sk = 2 * unit * feature.get("sq_factor", 1), 2 * unit * feature.get("sk_factor", 1)
+    hq, hkv = feature.get("heads_q", H), H
+    options = {n: feature[n] for n in ("causal", "window", "softcap", "enable_gqa", "is_causal") if n in feature}
+    options["return_lse"] = feature.get("return_lse", False)
+    t = {}
+    if feature.get("varlen"):
+        lengths = [3, sq - 3 - 5, 5]  # documents crossing every rank boundary of both layouts
+        cu = torch.tensor([0, 3, sq - 5, sq], dtype=torch.int32)
+        assert sum(lengths) == sq
+        t["query"], t["key"], t["value"] = rand(sq, hq, D), rand(sq, hkv, D), rand(sq, hkv, D)
+        t["grad_out"] = rand(sq, hq, D)
+        options["cu_seqlens_q"] = options["cu_seqlens_k"] = cu
+        seq_dim = 0
+        batch = 3
+    else:
+        t["query"], t["key"], t["value"] = rand(B, hq, sq, D), rand(B, hkv, sk, D), rand(B, hkv, sk, D)
+        t["grad_out"] = rand(B, hq, sq, D)
+        seq_dim = 2
+        batch = B
+    if feature.get("bias") == "float":
+        t["attn_mask"] = rand(B, 1, sq, sk)
+    elif feature.get("bias") == "bool":
+        t["attn_mask"] = torch.rand(1, hq, sq, sk, generator=gen) > 0.3
+    if feature.get("sinks"):
+        t["sinks"] = rand(hq)
+    if feature.get("alibi"):
+        options["alibi_slopes"] = torch.rand(batch, hq, generator=gen, dtype=torch.float32)
+    if options["return_lse"]:
+        t["grad_lse"] = rand(hq, sq) if feature.get("varlen") else rand(B, hq, sq)
+    return t, options, seq_dim
+
+
+def _loss(out, lse, t):
+    loss = (out * t["grad_out"]).sum()
+    if lse is not None:  # -inf rows have no gradient to check
+        loss = loss + torch.where(torch.isfinite(lse), lse * t["grad_lse"], torch.zeros_like(lse)).sum()
+    return loss
+
+
+def _one_case(case, group, seed: int) -> float:
+    """Max abs difference between the sharded call (this rank's shard) and the reference."""
+    name, layout, exchange = case
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    t, options, seq_dim = _inputs(FEATURES[name], world, seed)
+    grads = [n for n in ("query", "key", "value", "sinks") if n in t]
+    if "attn_mask" in t and t["attn_mask"].dtype != torch.bool:
+        grads.append("attn_mask")
+    # reference: one call on the whole sequence
+    whole = {
+        n: t[n].clone().requires_grad_(n in grads) for n in ("query", "key", "value", "attn_mask", "sinks") if n in t
+    }
+    result = ad.sdpa(**whole, **options, backend="math")
+    ref_out, ref_lse = result if options["return_lse"] else (result, None)
+    _loss(ref_out, ref_lse, t).backward()
+
+    def mine(x, dim=seq_dim):
+        return shard_of(x, rank, world, layout, dim)
+
+    local = {n: mine(t[n]).clone().requires_grad_(n in grads) for n in ("query", "key", "value")}
+    if "attn_mask" in t:  # rows of this rank's queries, every key column
+        local["attn_mask"] = mine(t["attn_mask"], -2).clone().requires_grad_("attn_mask" in grads)
+    if "sinks" in t:
+        local["sinks"] = t["sinks"].clone().requires_grad_()
+    result = context_parallel_sdpa(**local, **options, group=group, layout=layout, exchange=exchange, backend="math")
+    out, lse = result if options["return_lse"] else (result, None)
+    shard_t = dict(t, grad_out=mine(t["grad_out"]))
+    if lse is not None:
+        shard_t["grad_lse"] = mine(t["grad_lse"], -1)
+    _loss(out, lse, shard_t).backward()
+    errors = [(out - mine(ref_out)).abs().max().item()]
+    if lse is not None:
+        want = mine(ref_lse, -1)
+        assert torch.equal(torch.isinf(lse), torch.isinf(want)), "lse: -inf rows differ"
+        errors.append((torch.where(torch.isinf(want), 0, lse - want)).abs().max().item())
+    for n in grads:
+        got, want = local[n].grad, whole[n].grad
+        if n == "sinks":  # replicated: each rank holds its rows' share of the gradient
+            dist.all_reduce(got, group=group)
+        elif n == "attn_mask":
+            want = mine(want, -2)
+        else:
+            want = mine(want)
+        assert got is not None, f"{n}.grad is None"
+        errors.append((got - want).abs().max().item())
+    assert all(math.isfinite(e) for e in errors), f"non-finite error {errors}"
+    return max(errors)
+
+
+def _error_cases(group) -> dict[str, str]:
+    """Each bad setup's error message on this rank ('' if nothing was raised)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    x = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+
+    def context_parallel_sdpa(*args, **kwargs):
+        return _context_parallel_sdpa(*args, group=group, **kwargs)
+
+    cases = {
+        "odd_local_zigzag": lambda: context_parallel_sdpa(x[:, :, :3], x[:, :, :3], x[:, :, :3]),
+        "shapes_differ": lambda: context_parallel_sdpa(
+            x[:, :, : 2 + 2 * (rank % 2)], x[:, :, : 2 + 2 * (rank % 2)], x[:, :, : 2 + 2 * (rank % 2)]
+        ),
+        "options_differ": lambda: context_parallel_sdpa(x, x, x, causal="top_left" if rank else None),
+        "meta_device": lambda: context_parallel_sdpa(*(torch.empty(1, 2, 4, 8, device="meta"),) * 3),
+        "dropout": lambda: context_parallel_sdpa(x, x, x, dropout_p=0.1),
+        "layout": lambda: context_parallel_sdpa(x, x, x, layout="striped"),
+        "exchange": lambda: context_parallel_sdpa(x, x, x, exchange="alltoall"),
+        "mask_shape": lambda: context_parallel_sdpa(x, x, x, torch.zeros(1, 1, 4, 4, dtype=torch.float64)),
+        "shard_divisible": lambda: shard(torch.zeros(1, 1, 2 * world + 2, 1), group, "zigzag"),
+        "contiguous_ok": lambda: context_parallel_sdpa(x[:, :, :3], x[:, :, :3], x[:, :, :3], layout="contiguous"),
+    }
+    messages = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+            messages[name] = ""
+        except Exception as exc:  # noqa: BLE001 - the parent checks type and message
+            messages[name] = f"{type(exc).__name__}: {exc}"
+    return messages
+
+
+def _roundtrip(group) -> float:
+    """unshard(shard(x)) == x for both layouts, and unshard's gradient reaches each shard."""
+    world = dist.get_world_size(group)
+    x = torch.arange(2 * 3 * 8 * world * 2, dtype=torch.float64).reshape(2, 3, 8 * world, 2)
+    err = 0.0
+    for layout in ("zigzag", "contiguous"):
+        part = shard(x, group, layout).requires_grad_()
+        back = unshard(part, group, layout)
+        err = max(err, (back - x).abs().max().item())
+        (back * x).sum().backward()  # d/dpart = world copies of x's rows (each rank's loss)
+        err = max(err, (part.grad - world * shard(x, group, layout)).abs().max().item())
+    return err
+
+
+def _report(group, seed: int) -> dict:
+    """This rank's results of every case, the round trip and the bad setups in ``group``."""
+    report = {"cases": {}, "errors": {}, "roundtrip": None}
+    for i, case in enumerate(CASES):
+        try:
+            report["cases"][_case_id(case)] = _one_case(case, group, seed=seed + i)
+        except Exception:  # noqa: BLE001 - reported per case to the parent
+            report["cases"][_case_id(case)] = traceback.format_exc()
+    report["roundtrip"] = _roundtrip(group)
+    report["errors"] = _error_cases(group)
+    return report
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """World size 4: first two groups of 2 (ranks 0-1 and 2-3, not the default group: peers are
+    translated to global ranks), then all 4."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    torch.set_num_threads(1)
+    reports = {}
+    try:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        reports[2] = _report(pairs[rank // 2], seed=1000 + 100 * (rank // 2))
+        reports[4] = _report(None, seed=5000)
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(reports, f)
+        dist.destroy_process_group()
+
+
+_REPORTS: dict[int, list[dict]] = {}
+
+
+def _reports(world: int) -> list[dict]:
+    """Every rank's report for one world size (the processes are spawned once per module)."""
+    if not _REPORTS:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_worker, args=(4, os.path.join(tmp, "init"), tmp), nprocs=4, join=True)
+            for r in range(4):
+                with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                    for size, report in json.load(f).items():
+                        _REPORTS.setdefault(int(size), []).append(report)
+    return _REPORTS[world]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_equals_one_sdpa_call(world, case):
+    for rank, report in enumerate(_reports(world)):
+        result = report["cases"][_case_id(case)]
+        assert not isinstance(result, str), f"rank {rank}:\n{result}"
+        assert result <= TOLERANCE, f"rank {rank}: max abs difference {result:.3e} > {TOLERANCE}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_shard_unshard_roundtrip_across_ranks(world):
+    for rank, report in enumerate(_reports(world)):
+        assert report["roundtrip"] == 0.0, f"rank {rank}: {report['roundtrip']}"
+
+
+EXPECTED_ERRORS = {
+    "odd_local_zigzag": ("ValueError", "local sequence length 3 is not divisible by 2"),
+    "shapes_differ": ("ValueError", "query shape differs across the ranks"),
+    "options_differ": ("ValueError", "options (causal, window, scale, ...) differs across the ranks"),
+    "meta_device": ("ValueError", "cannot send meta tensors"),
+    "dropout": ("ValueError", "dropout_p=0.1"),
+    "layout": ("ValueError", "layout='striped' is not allowed"),
+    "exchange": ("ValueError", "exchange='alltoall' is not allowed"),
+    "mask_shape": ("ValueError", "attn_mask of shape (1, 1, 4, 4)"),
+    "shard_divisible": ("ValueError", "is not divisible by"),
+    "contiguous_ok": ("", ""),
+}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", EXPECTED_ERRORS)
+def test_bad_setups_raise_clear_errors_on_every_rank(world, name):
+    kind, text = EXPECTED_ERRORS[name]
+    for rank, report in enumerate(_reports(world)):
+        message = report["errors"][name]
+        if not kind:
+            assert message == "", f"rank {rank}: {message}"
+            continue
+        assert message.startswith(kind + ":") and text in message, f"rank {rank}: {message!r}"
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_of_and_unshard_from_invert_each_other(layout, world):
+    x = torch.randn(2, 3, 4 * world, 5)
+    shards = [shard_of(x, r, world, layout) for r in range(world)]
+    assert torch.equal(unshard_from(shards, layout), x)
+    covered = sorted(
+        p
+        for r in range(world)
+        for s in segments(layout, r, world, 4 * world)
+        for p in range(s.start, s.start + s.length)
+    )
+    assert covered == list(range(4 * world))
+
+
+def test_zigzag_pairs_head_and_tail_chunks():
+    assert segments("zigzag", 0, 2, 8) == ((0, 2, 0), (6, 2, 2))
+    assert segments("zigzag", 1, 2, 8) == ((2, 2, 0), (4, 2, 2))
+    with pytest.raises(ValueError, match="not divisible by 8"):
+        shard_of(torch.zeros(1, 1, 12, 1), 0, 4, "zigzag")
+
+
+def test_importing_attention_dispatch_does_not_import_distributed():
+    import subprocess
+    import sys
+
+    code = "import sys, attention_dispatch; print('attention_dispatch.distributed' in sys.modules)"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
