@@ -72,6 +72,25 @@ def test_head_dim_512_forward_and_backward_match_the_oracle(label, case):
     compare_backend(case, "triton")
 
 
+@pytest.mark.parametrize("dims", [(512, 512), (320, 512), (512, 256), (257, 257)])
+def test_every_kernel_kind_has_configs_for_head_dims_up_to_512(dims):
+    """Hopper (227 KiB) and A100 (163 KiB), half precision: each pass has candidates whose
+    shared-memory estimate fits; on sm90 the forward takes the measured best first
+    (docs/experiments/head-dim-512.md).  float32 has its small fallback tiles."""
+    from attention_dispatch.kernels import configs as C
+
+    for cc, smem in (((9, 0), 227 * 1024), ((8, 0), 163 * 1024)):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert C.arch_reason(*dims, dtype, cc, smem) is None
+            for kind in C.KINDS:
+                cands = C.candidate_configs(kind, *dims, dtype, cc, smem)
+                bdq, bdv = C.block_d(dims[0]), C.block_d(dims[1])
+                esize = torch.empty((), dtype=dtype).element_size()
+                assert cands and all(C.shared_memory_estimate(kind, c, bdq, bdv, esize) <= smem for c in cands)
+    first = {k: C.candidate_configs(k, *dims, torch.bfloat16, (9, 0), 227 * 1024)[0][:4] for k in C.KINDS}
+    assert first == {C.FWD: (64, 64, 8, 1), C.BWD_DKDV: (32, 32, 8, 2), C.BWD_DQ: (64, 32, 8, 1)}
+
+
 def test_head_dim_past_512_is_rejected_with_a_reason_naming_it():
     q = torch.randn(1, 1, 4, 520)
     reasons = ad.get_backend("triton").reasons(normalize_call(q, q, q).problem)

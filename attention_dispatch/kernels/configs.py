@@ -105,10 +105,12 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     _e(FWD, _SM90, 256, _HALF, 64, 64, 4, 3),
     _e(FWD, _SM90, 256, _HALF, 128, 64, 8, 2),
     _e(FWD, _SM90, 256, _HALF, 64, 64, 4, 2),
-    # d257-512 (issue 36): 64 query rows over 8 warps keep the 64x512 fp32 accumulator at 128
-    # registers a thread; K/V tiles of 32 keys (2 stages: 192 KiB with Q) fit shared memory.
-    _e(FWD, _SM90, 512, _HALF, 64, 32, 8, 2),
+    # d257-512 (issue 36, docs/experiments/head-dim-512.md): 64 query rows over 8 warps keep the
+    # 64x512 fp32 accumulator at 128 registers a thread; Q and one stage of 64-key K/V tiles fill
+    # 192 KiB.  H200 bf16 d512 4k: 229 TFLOP/s, 64x32 in two stages 195, 64x32x4 warps 62 (spills),
+    # 128x32x16 warps a ptxas internal error.
     _e(FWD, _SM90, 512, _HALF, 64, 64, 8, 1),
+    _e(FWD, _SM90, 512, _HALF, 64, 32, 8, 2),
     _e(FWD, _SM90, 512, _HALF, 32, 32, 4, 2),
     _e(FWD, _SM80, 64, _HALF, 128, 64, 4, 3),
     _e(FWD, _SM80, 128, _HALF, 128, 64, 8, 2),
@@ -136,7 +138,8 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     _e(BWD_DKDV, _SM90, 256, _HALF, 64, 64, 8, 2),
     _e(BWD_DKDV, _SM90, 256, _HALF, 32, 64, 8, 2),
     # d257-512 (issue 36): the dK and dV accumulators (2 x BN x 512 fp32) at 128 registers a
-    # thread over 8 warps with 32 keys per program.
+    # thread over 8 warps with 32 keys per program.  H200 bf16 d512 4k forward+backward: 118 TFLOP/s;
+    # 16x64x8x2 61, 32x64x8x1 79 (spills).
     _e(BWD_DKDV, _SM90, 512, _HALF, 32, 32, 8, 2),
     _e(BWD_DKDV, _SM90, 512, _HALF, 16, 64, 8, 2),
     _e(BWD_DKDV, _SM90, 512, _HALF, 16, 32, 4, 2),
@@ -159,6 +162,7 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     _e(BWD_DQ, _SM90, 256, _HALF, 128, 32, 8, 2),
     _e(BWD_DQ, _SM90, 256, _HALF, 64, 32, 8, 2),
     # d257-512 (issue 36): dQ's 64x512 fp32 accumulator over 8 warps; one K/V stage fits beside Q, dO.
+    # H200 bf16 d512 4k forward+backward: 119 TFLOP/s; 32x32x8x2 105, 64x16x8x2 96.
     _e(BWD_DQ, _SM90, 512, _HALF, 64, 32, 8, 1),
     _e(BWD_DQ, _SM90, 512, _HALF, 32, 32, 8, 2),
     _e(BWD_DQ, _SM90, 512, _HALF, 32, 32, 4, 2),
