@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .backends import BUILTIN_ORDER
 
@@ -47,6 +47,15 @@ class DispatchSection(BaseModel):
     deterministic: Union[Literal["auto"], bool] = Field(
         default="auto", description="auto follows torch.are_deterministic_algorithms_enabled()"
     )
+
+    @field_validator("deterministic", mode="before")
+    @classmethod
+    def _auto_or_bool(cls, value):
+        # pydantic's bool would take "yes", "on", 1 and the like as true
+        if value == "auto" or isinstance(value, bool):
+            return value
+        raise ValueError('allowed: "auto", true or false')
+
     math_fallback: Literal["warn", "allow", "forbid"] = Field(
         default="warn", description="when math is chosen for a CUDA input"
     )
@@ -84,16 +93,16 @@ class Config(BaseModel):
     source: str = Field(default="default", exclude=True)
 
 
-def _format_validation(err: ValidationError, origin: str) -> str:
-    lines = [f"{origin}: invalid configuration"]
+def _validation_lines(err: ValidationError, prefix: str = "") -> list[str]:
+    """One line per pydantic error: '  field: what is wrong (got value)'."""
+    lines = []
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        got = e.get("input")
-        msg = e["msg"]
+        field = prefix + ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key (not allowed)"
-        lines.append(f"  {field}: {msg} (got {got!r})")
-    return "\n".join(lines)
+        lines.append(f"  {field}: {msg} (got {e.get('input')!r})")
+    return lines
 
 
 def _read_file(path: Path) -> dict:
@@ -125,40 +134,53 @@ def _read_file(path: Path) -> dict:
 
 
 def validate_config(data: dict, origin: str = "<config>") -> Config:
-    """Validate a mapping into a Config, checking backend names and per-backend options."""
+    """Validate a mapping into a Config, checking backend names and per-backend options.
+    Every problem found is reported, in one ConfigError."""
     from . import registry
+    from .policy import known_bad
 
+    problems: list[str] = []
+    config = None
     try:
         config = Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation(err, origin)) from None
-    from .policy import known_bad
-
-    try:
-        known_bad.parse(config.known_bad, origin)
-    except known_bad.KnownBadError as err:
-        raise ConfigError(str(err)) from None
+        problems.extend(_validation_lines(err))
+    # the checks below read the raw mapping, so they run even where a field above failed
     known = registry.list_backends()
+    dispatch = data.get("dispatch") if isinstance(data.get("dispatch"), dict) else {}
     for field in ("priority", "disabled"):
-        for name in getattr(config.dispatch, field) or ():
-            if name not in known:
-                raise ConfigError(
-                    f"{origin}: dispatch.{field}: unknown backend {name!r}; registered: {', '.join(known)}"
-                )
-    if config.dispatch.priority is not None and len(set(config.dispatch.priority)) != len(config.dispatch.priority):
-        raise ConfigError(f"{origin}: dispatch.priority: a backend is listed twice: {list(config.dispatch.priority)}")
-    for name, options in config.backends.items():
+        names = dispatch.get(field)
+        names = names if isinstance(names, (list, tuple)) else ()
+        for name in names:
+            if isinstance(name, str) and name not in known:
+                problems.append(f"  dispatch.{field}: unknown backend {name!r}; registered: {', '.join(known)}")
+    priority = dispatch.get("priority")
+    if isinstance(priority, (list, tuple)) and len(set(map(str, priority))) != len(priority):
+        problems.append(f"  dispatch.priority: a backend is listed twice: {list(priority)}")
+    entries = data.get("known_bad", ())
+    if isinstance(entries, (list, tuple)) and all(isinstance(entry, dict) for entry in entries):
+        try:
+            known_bad.parse(entries, origin)
+        except known_bad.KnownBadError as err:
+            problems.append("  " + str(err).removeprefix(f"{origin}: "))
+    backends = data.get("backends")
+    for name, options in (backends if isinstance(backends, dict) else {}).items():
         if name not in known:
-            raise ConfigError(f"{origin}: backends.{name}: unknown backend; registered: {', '.join(known)}")
+            problems.append(f"  backends.{name}: unknown backend; registered: {', '.join(known)}")
+            continue
+        if not isinstance(options, dict):
+            continue  # pydantic said so above
         model = registry.get_backend(name).options_model
         if model is None:
             if options:
-                raise ConfigError(f"{origin}: backends.{name}: this backend takes no options (got {sorted(options)})")
+                problems.append(f"  backends.{name}: this backend takes no options (got {sorted(options)})")
             continue
         try:
             model.model_validate(options)
         except ValidationError as err:
-            raise ConfigError(_format_validation(err, f"{origin}: backends.{name}")) from None
+            problems.extend(_validation_lines(err, f"backends.{name}."))
+    if problems:
+        raise ConfigError("\n".join([f"{origin}: invalid configuration", *problems]))
     return config
 
 

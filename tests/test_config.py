@@ -121,3 +121,34 @@ def test_use_config_is_scoped():
     with pytest.raises(ad.ConfigError, match="<use_config>"):
         with ad.use_config({"dispatch": {"on_error": "nope"}}):
             pass
+
+
+def test_every_error_of_a_file_is_reported_together(tmp_path):
+    """A field pydantic rejects does not hide the checks after it (was: only the first error)."""
+    path = tmp_path / "two.toml"
+    path.write_text('[dispatch]\npolicy = "fastest-ish"\npriority = ["math", "nope"]\n[backends.math]\nchunk = 1\n')
+    with pytest.raises(ad.ConfigError) as err:
+        ad.read_config(path)
+    lines = str(err.value).splitlines()
+    assert lines[0] == f"{path}: invalid configuration"
+    assert sorted(line.split(":")[0].strip() for line in lines[1:]) == [
+        "backends.math",
+        "dispatch.policy",
+        "dispatch.priority",
+    ], lines
+
+
+@pytest.mark.parametrize("value", ['"yes"', '"true"', "1", '"on"'])
+def test_deterministic_is_only_auto_true_or_false(tmp_path, value):
+    path = tmp_path / "det.toml"
+    path.write_text(f"[dispatch]\ndeterministic = {value}\n")
+    with pytest.raises(ad.ConfigError) as err:
+        ad.read_config(path)
+    assert 'dispatch.deterministic: allowed: "auto", true or false' in str(err.value)
+
+
+@pytest.mark.parametrize("value,parsed", [('"auto"', "auto"), ("true", True), ("false", False)])
+def test_deterministic_accepts_auto_true_false(tmp_path, value, parsed):
+    path = tmp_path / "det.toml"
+    path.write_text(f"[dispatch]\ndeterministic = {value}\n")
+    assert ad.read_config(path).dispatch.deterministic == parsed
