@@ -22,9 +22,12 @@ from .base import Backend, Capabilities
 CHUNK_ELEMENTS = 1 << 24
 
 
-def _empty_output(query, key, value, shape):
-    # Keep the graph connected so that backward gives zero gradients, not an error.
+def _empty_output(query, key, value, shape, attn_mask=None):
+    # Keep the graph connected so that backward gives zero gradients, not an error (nor None
+    # for a float mask that requires grad).
     zero = (query.sum() + key.sum() + value.sum()) * 0
+    if attn_mask is not None and attn_mask.is_floating_point():
+        zero = zero + attn_mask.sum().to(zero.dtype) * 0
     return query.new_zeros(shape) + zero.to(query.dtype)
 
 
@@ -126,7 +129,7 @@ def dense_math_attention(
     hkv, sk, dv = key.shape[1], key.shape[2], value.shape[-1]
     compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     if 0 in (b, hq, sq, sk):
-        out = _empty_output(query, key, value, (b, hq, sq, dv))
+        out = _empty_output(query, key, value, (b, hq, sq, dv), attn_mask)
         if not return_lse:
             return out
         lse = query.new_full((b, hq, sq), -math.inf, dtype=compute)
@@ -234,7 +237,7 @@ def math_attention(
     if outs:
         out = torch.cat(outs)
     else:
-        out = _empty_output(query, key, value, (0, query.shape[1], value.shape[-1]))
+        out = _empty_output(query, key, value, (0, query.shape[1], value.shape[-1]), attn_mask)
     if not return_lse:
         return out
     if lses:
