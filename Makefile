@@ -33,6 +33,17 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests
 
+# On a GPU machine: the benchmark grid side by side with PyTorch's kernels, FlexAttention and
+# flash-attn 4 (benchmarks/README.md; ~9 minutes on an H100), rewriting docs/benchmarks.md.
+# BENCH_ARGS="--quick" for the smaller grid; without a GPU bench.py says so and exits 2.
+BENCH_STAMP := $(VENV)/.installed-bench
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -e ".[dev,bench]"
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) benchmarks/bench.py $(BENCH_ARGS)
+
 docs: $(STAMP)
 	$(PY) -m attention_dispatch info --markdown > docs/backends.md
 

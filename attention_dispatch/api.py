@@ -15,10 +15,11 @@ from .dispatch import FAST_CALLS_LIMIT, Decision, decide, fast_calls, run_with_f
 from .call import Call, CallFacts, _seqlens, make_problem, normalize_call
 from .fast_key import call_key, length_key
 from .fastest import choose_fastest
+from .tracing import assume_constant_result
 from .policy import guard as _guard
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result  # the decorator of torch.compiler, without importing torch._dynamo
 def _decide_at_trace_time(facts: tuple, forced) -> tuple:
     """Under torch.compile: decide once while tracing (eagerly, outside the graph), so the
     graph holds only the chosen backend's ops. Returns (backend name, deterministic).
