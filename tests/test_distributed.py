@@ -64,7 +64,21 @@ FEATURES = {
         "alibi": True,
     },
 }
-CASES = [(f, lay, ex) for f in FEATURES for lay in ("zigzag", "contiguous") for ex in ("ring", "allgather")]
+BACKWARDS = ("recompute", "autograd")
+
+
+def _cases(world: int) -> list[tuple[str, str, str, str]]:
+    """(feature, layout, exchange, backward): every feature in both layouts and both exchanges;
+    the backward mode alternates so that world sizes 2 and 4 together run every combination."""
+    cases = []
+    for f in FEATURES:
+        for i, lay in enumerate(("zigzag", "contiguous")):
+            for j, ex in enumerate(("ring", "allgather")):
+                cases.append((f, lay, ex, BACKWARDS[(i + j + (world == 4)) % 2]))
+    return cases
+
+
+CASES = {world: _cases(world) for world in WORLDS}
 
 
 def _case_id(case) -> str:
@@ -120,7 +134,7 @@ def _loss(out, lse, t):
 
 def _one_case(case, group, seed: int) -> float:
     """Max abs difference between the sharded call (this rank's shard) and the reference."""
-    name, layout, exchange = case
+    name, layout, exchange, backward = case
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     t, options, seq_dim = _inputs(FEATURES[name], world, seed)
     grads = [n for n in ("query", "key", "value", "sinks") if n in t]
@@ -185,6 +199,7 @@ def _error_cases(group) -> dict[str, str]:
         "dropout": lambda: context_parallel_sdpa(x, x, x, dropout_p=0.1),
         "layout": lambda: context_parallel_sdpa(x, x, x, layout="striped"),
         "exchange": lambda: context_parallel_sdpa(x, x, x, exchange="alltoall"),
+        "backward": lambda: context_parallel_sdpa(x, x, x, backward="manual"),
         "mask_shape": lambda: context_parallel_sdpa(x, x, x, torch.zeros(1, 1, 4, 4, dtype=torch.float64)),
         "shard_divisible": lambda: shard(torch.zeros(1, 1, 2 * world + 2, 1), group, "zigzag"),
         "contiguous_ok": lambda: context_parallel_sdpa(x[:, :, :3], x[:, :, :3], x[:, :, :3], layout="contiguous"),
@@ -216,7 +231,7 @@ def _roundtrip(group) -> float:
 def _report(group, seed: int) -> dict:
     """This rank's results of every case, the round trip and the bad setups in ``group``."""
     report = {"cases": {}, "errors": {}, "roundtrip": None}
-    for i, case in enumerate(CASES):
+    for i, case in enumerate(CASES[dist.get_world_size(group)]):
         try:
             report["cases"][_case_id(case)] = _one_case(case, group, seed=seed + i)
         except Exception:  # noqa: BLE001 - reported per case to the parent
@@ -259,8 +274,11 @@ def _reports(world: int) -> list[dict]:
     return _REPORTS[world]
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize(
+    ("world", "case"),
+    [(w, c) for w in WORLDS for c in CASES[w]],
+    ids=[f"W{w}-{_case_id(c)}" for w in WORLDS for c in CASES[w]],
+)
 def test_equals_one_sdpa_call(world, case):
     for rank, report in enumerate(_reports(world)):
         result = report["cases"][_case_id(case)]
@@ -282,6 +300,7 @@ EXPECTED_ERRORS = {
     "dropout": ("ValueError", "dropout_p=0.1"),
     "layout": ("ValueError", "layout='striped' is not allowed"),
     "exchange": ("ValueError", "exchange='alltoall' is not allowed"),
+    "backward": ("ValueError", "backward='manual' is not allowed"),
     "mask_shape": ("ValueError", "attn_mask of shape (1, 1, 4, 4)"),
     "shard_divisible": ("ValueError", "is not divisible by"),
     "contiguous_ok": ("", ""),

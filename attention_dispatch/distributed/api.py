@@ -11,33 +11,25 @@ routes.
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
 
-from ..api import explain, sdpa
+from ..api import explain
 from ..call import check_plain_tensor
 from ..dispatch import NoBackendError
 from ..features import check_alibi_slopes, check_return_lse, check_sinks, check_softcap, lse_dtype
 from ..semantics import band as fold_band
 from ..semantics import normalize_causal, normalize_window
 from . import exchange as _exchange
-from .blocks import Band, Documents, combine_masks, diagonal_mask, global_positions, plan_band, span
-from .layout import check_layout, chunks_per_rank, segments
-from .merge import apply_sinks, merge_partials
+from .blocks import Band, Documents
+from .layout import check_layout, chunks_per_rank
+from .merge import apply_sinks
+from .recompute import recomputed_attention
+from .steps import Setup, run_forward
 
 EXCHANGES = ("ring", "allgather")
-
-
-class _Setup:
-    """The validated call, in dense form: q (B, Hq, Sq_local, D), k/v (B, Hkv, Sk_local, D);
-    everything each block needs."""
-
-    __slots__ = (
-        "q", "k", "v", "mask", "packed", "rank", "world", "group", "layout", "exchange",
-        "sq", "sk", "band", "docs", "slopes", "sinks", "sdpa_args", "return_lse",
-    )  # fmt: skip
+BACKWARDS = ("recompute", "autograd")
 
 
 def _is_zero(dropout_p) -> bool:
@@ -77,11 +69,15 @@ def _check_mask(attn_mask, b: int, hq: int, sq_local: int, sk_total: int):
     return attn_mask.reshape(padded)
 
 
-def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, options) -> _Setup:
+def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, options) -> Setup:
     """Every check that needs no other rank, before any communication."""
     exchange, layout, group = options["exchange"], options["layout"], options["group"]
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r} is not allowed; use one of {', '.join(map(repr, EXCHANGES))}")
+    if options["backward"] not in BACKWARDS:
+        raise ValueError(
+            f"backward={options['backward']!r} is not allowed; use one of {', '.join(map(repr, BACKWARDS))}"
+        )
     check_layout(layout)
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_plain_tensor(t, name)
@@ -98,7 +94,8 @@ def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     return_lse = check_return_lse(options["return_lse"])
     cu_q, cu_k = options["cu_seqlens_q"], options["cu_seqlens_k"]
     packed = cu_q is not None or cu_k is not None
-    setup = _Setup()
+    setup = Setup()
+    setup.backward = options["backward"]
     if packed:
         if cu_q is None or cu_k is None:
             raise ValueError("varlen needs both cu_seqlens_q and cu_seqlens_k (global offsets), got only one")
@@ -155,7 +152,7 @@ def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     return setup
 
 
-def _facts(setup: _Setup, options) -> dict[str, tuple[int, ...]]:
+def _facts(setup: Setup, options) -> dict[str, tuple[int, ...]]:
     """What must agree across ranks, as ints (shapes, dtypes, grads, options, offsets)."""
 
     def shape(t, n=4):
@@ -175,13 +172,13 @@ def _facts(setup: _Setup, options) -> dict[str, tuple[int, ...]]:
         "options (causal, window, scale, ...)": (
             _exchange.fingerprint((tuple(setup.band), sorted(setup.sdpa_args.items()), setup.return_lse)),
         ),
-        "layout and exchange": (_exchange.fingerprint((setup.layout, setup.exchange)),),
+        "layout, exchange, backward": (_exchange.fingerprint((setup.layout, setup.exchange, setup.backward)),),
         "alibi_slopes, sinks given": (int(setup.slopes is not None), int(setup.sinks is not None)),
         "cu_seqlens_q/k": (_exchange.fingerprint(cu),),
     }
 
 
-def _check_across_ranks(setup: _Setup, options) -> None:
+def _check_across_ranks(setup: Setup, options) -> None:
     """One small all_gather of each rank's facts; every rank raises the same error on a mismatch."""
     facts = _facts(setup, options)
     every = _exchange.gather_facts(facts, setup.group, setup.q.device)
@@ -200,132 +197,6 @@ def _check_across_ranks(setup: _Setup, options) -> None:
             )
 
 
-def _block(setup: _Setup, q_parts, k_parts, k, v):
-    """(out, lse) of this rank's queries at q_parts against keys k/v at k_parts, or None when the
-    block holds no allowed pair."""
-    device, compute = setup.q.device, lse_dtype(setup.q.dtype)
-    q_pos, k_pos = global_positions(q_parts), global_positions(k_parts)
-    bool_parts, float_parts, causal, window = [], [], None, None
-    if setup.docs is not None:  # packed documents: the mask says everything (built on the CPU: no sync)
-        allowed = setup.docs.allowed(q_pos, k_pos, setup.band.left, setup.band.right)
-        if not bool(allowed.any()):
-            return None
-        if not bool(allowed.all()):
-            bool_parts.append(allowed.to(device))
-    elif not setup.band.unbounded:
-        (qp,), (kp,) = q_parts, k_parts  # bounded bands are planned one segment pair at a time
-        plan = plan_band(setup.band, qp.start, qp.length, kp.start, kp.length)
-        if plan is None:
-            return None
-        causal, window = plan.causal, plan.window
-        if plan.mask_diagonals is not None:
-            bool_parts.append(diagonal_mask(*plan.mask_diagonals, qp.length, kp.length, device))
-    if setup.mask is not None:
-        q0, q1 = span(q_parts)
-        rows = setup.mask[..., q0:q1, :] if setup.mask.shape[-2] > 1 else setup.mask
-        if rows.shape[-1] > 1:  # the columns of these keys, in global order
-            cols = [rows[..., p.start : p.start + p.length] for p in k_parts]
-            rows = cols[0] if len(cols) == 1 else torch.cat(cols, dim=-1)
-        (bool_parts if rows.dtype == torch.bool else float_parts).append(rows)
-    if setup.slopes is not None:  # ALiBi by global distance, as a bias: -slope * |i + off - j|
-        if setup.docs is None:
-            slopes = setup.slopes[:, :, None, None]
-            distance = (q_pos[:, None] + setup.band.off - k_pos[None, :]).abs()
-        else:
-            slopes = setup.slopes[setup.docs.doc_q[q_pos]].T[None, :, :, None]
-            distance = setup.docs.distance(q_pos, k_pos)
-        float_parts.append(-(slopes.to(compute) * distance.to(device=device, dtype=compute)))
-    q0, q1 = span(q_parts)
-    k0, k1 = span(k_parts)
-    return sdpa(
-        setup.q[:, :, q0:q1],
-        k[:, :, k0:k1],
-        v[:, :, k0:k1],
-        combine_masks(bool_parts, float_parts),
-        causal=causal,
-        window=window,
-        return_lse=True,
-        **setup.sdpa_args,
-    )
-
-
-class _Accumulator:
-    """Each query part's blocks, and which exchanged tensors some block read."""
-
-    def __init__(self, setup: _Setup):
-        self.setup = setup
-        # a band is planned per segment pair (skipping those outside it); without one, a rank's
-        # whole shard is one part: fewer, larger sdpa() calls
-        whole = setup.band.unbounded
-        self.q_parts = self._parts(setup.rank, setup.sq, whole)
-        self.blocks = [[] for _ in self.q_parts]
-        self.whole = whole
-        self.unused = []
-
-    def _parts(self, rank: int, total: int, whole: bool):
-        segs = segments(self.setup.layout, rank, self.setup.world, total)
-        return [segs] if whole else [(s,) for s in segs]
-
-    def add(self, source: int, k, v, exchanged: bool) -> None:
-        used = False
-        for i, q_parts in enumerate(self.q_parts):
-            for k_parts in self._parts(source, self.setup.sk, self.whole):
-                result = _block(self.setup, q_parts, k_parts, k, v)
-                if result is not None:
-                    self.blocks[i].append(result)
-                    used = True
-        if exchanged and not used:
-            self.unused += [k, v]
-
-    def result(self):
-        """(out (B, Hq, Sq_local, Dv), lse (B, Hq, Sq_local)) in the lse dtype."""
-        setup = self.setup
-        outs, lses = [], []
-        b, hq = setup.q.shape[:2]
-        compute = lse_dtype(setup.q.dtype)
-        for q_parts, blocks in zip(self.q_parts, self.blocks):
-            if blocks:
-                out, lse = merge_partials([o for o, _ in blocks], [lo for _, lo in blocks])
-            else:  # no allowed key for any of these rows: 0 and -inf
-                rows = sum(p.length for p in q_parts)
-                out = setup.q.new_zeros((b, hq, rows, setup.v.shape[-1]), dtype=compute)
-                lse = setup.q.new_full((b, hq, rows), -math.inf, dtype=compute)
-            outs.append(out)
-            lses.append(lse)
-        if len(outs) == 1:
-            return outs[0], lses[0]
-        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-
-
-def _run_ring(setup: _Setup, acc: _Accumulator) -> None:
-    """W steps; at step t this rank holds the keys of rank - t, while those of rank - t - 1 arrive."""
-    k, v = setup.k, setup.v
-    for step in range(setup.world):
-        pending = None
-        if step < setup.world - 1:
-            (next_k, next_v), pending = _exchange.ring_shift([k, v], setup.group, setup.rank, setup.world)
-        # the last received keys feed no further shift: kept in the graph only if a block reads them
-        acc.add((setup.rank - step) % setup.world, k, v, exchanged=step == setup.world - 1 and step > 0)
-        if pending is not None:
-            pending.wait()
-            k, v = next_k, next_v
-
-
-def _run_allgather(setup: _Setup, acc: _Accumulator) -> None:
-    """All-gather every rank's keys, computing the local block while they travel."""
-    pending = _exchange.Pending() if setup.world > 1 else None
-    if pending is not None:
-        gathered_k, gathered_v = _exchange.all_gather_tensors([setup.k, setup.v], setup.group, pending)
-    acc.add(setup.rank, setup.k, setup.v, exchanged=False)
-    if pending is None:
-        return
-    pending.wait()
-    acc.unused += [gathered_k[setup.rank], gathered_v[setup.rank]]  # the local block read the originals
-    for source in range(setup.world):
-        if source != setup.rank:
-            acc.add(source, gathered_k[source], gathered_v[source], exchanged=True)
-
-
 def context_parallel_sdpa(
     query,
     key,
@@ -339,6 +210,7 @@ def context_parallel_sdpa(
     group=None,
     exchange="ring",
     layout="zigzag",
+    backward="recompute",
     causal=None,
     window=None,
     cu_seqlens_q=None,
@@ -361,7 +233,10 @@ def context_parallel_sdpa(
     ranks); output (S_local, Hq, Dv). attn_mask (bool or float, may require grad): this rank's
     query rows of the whole mask, every key column in global order, broadcastable to
     (B, Hq, S_local_q, S_total_k). causal/window/ALiBi refer to global positions. ``exchange``:
-    "ring" (W - 1 batch_isend_irecv steps) or "allgather". With return_lse, also this rank's
+    "ring" (W - 1 batch_isend_irecv steps) or "allgather". ``backward``: "recompute" (default:
+    the backward recomputes each block and sends the keys round again with their gradients, so no
+    rank keeps others' keys) or "autograd" (keeps every block's graph and every received key
+    block; no recomputation). With return_lse, also this rank's
     logsumexp (B, Hq, S_local_q) (varlen (Hq, S_local)), without the sinks. Dropout is refused.
     Every rank must call it with the same shapes and options, and backpropagate through its output.
     """
@@ -370,6 +245,7 @@ def context_parallel_sdpa(
         group=group,
         exchange=exchange,
         layout=layout,
+        backward=backward,
         causal=causal,
         window=window,
         cu_seqlens_q=cu_seqlens_q,
@@ -383,12 +259,16 @@ def context_parallel_sdpa(
     )
     setup = _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, options)
     _check_across_ranks(setup, options)
-    acc = _Accumulator(setup)
-    (_run_ring if setup.exchange == "ring" else _run_allgather)(setup, acc)
-    out, lse = acc.result()
+    if setup.backward == "recompute":
+        out, lse = recomputed_attention(setup, setup.q, setup.k, setup.v, setup.mask)
+        unused = []
+    else:
+        out, lse, unused = run_forward(setup, setup.q, setup.k, setup.v, setup.mask, differentiable=True)
     if setup.sinks is not None:
         out = apply_sinks(out, lse, setup.sinks)
-    anchored = [setup.q, setup.k, setup.v, setup.mask, *acc.unused]
+    # autograd mode: every exchanged tensor stays in the graph, so every rank runs every exchange's
+    # backward (recompute mode's one Function does its own communication)
+    anchored = [setup.q, setup.k, setup.v, setup.mask, *unused] if setup.backward == "autograd" else []
     out = _exchange.anchor(out.to(setup.q.dtype), anchored)
     if setup.packed:
         out = out[0].transpose(0, 1)

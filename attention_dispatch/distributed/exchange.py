@@ -116,6 +116,35 @@ class _RingShift(torch.autograd.Function):
         return (None, None, None, None, *back)
 
 
+def start_shift(tensors, group, rank: int, world: int, backwards: bool = False) -> tuple[list[torch.Tensor], Pending]:
+    """ring_shift without autograd (``backwards``: to rank - 1, from rank + 1)."""
+    step = -1 if backwards else 1
+    pending = Pending()
+    sends = [t.contiguous() for t in tensors]
+    received, works = _shift(sends, group, (rank + step) % world, (rank - step) % world)
+    pending.works.extend(works)
+    pending.keep.extend(sends)
+    return received, pending
+
+
+def start_all_gather(tensors, group, pending: Pending) -> list[list[torch.Tensor]]:
+    """all_gather_tensors without autograd, asynchronous: read after ``pending.wait()``."""
+    world = dist.get_world_size(group)
+    result = []
+    for t in tensors:
+        send = t.contiguous()
+        parts = [torch.empty_like(send) for _ in range(world)]
+        pending.works.append(dist.all_gather(parts, send, group=group, async_op=True))
+        pending.keep.append(send)
+        result.append(parts)
+    return result
+
+
+def reduce_scatter_sum(grads_by_rank, group) -> torch.Tensor:
+    """The sum over ranks of each rank's ``grads_by_rank[this rank]`` (entry r: for rank r)."""
+    return _reduce_scatter(grads_by_rank, group, dist.get_world_size(group))
+
+
 def ring_shift(tensors, group, rank: int, world: int) -> tuple[list[torch.Tensor], Pending]:
     """Start one ring step: ``tensors`` go to rank + 1, the returned ones come from rank - 1
     (differentiable); read them only after ``pending.wait()``."""

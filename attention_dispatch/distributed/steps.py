@@ -1,0 +1,170 @@
+"""The forward pass of context-parallel attention: which blocks a rank computes, each block's
+ad.sdpa() call, and the ring / all-gather schedules that bring every rank's keys by.
+
+Shared by both backward modes (api.py): "autograd" runs it with differentiable exchanges and
+keeps every block's graph; "recompute" (recompute.py) runs it without a graph and recomputes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..api import sdpa
+from ..features import lse_dtype
+from . import exchange as _exchange
+from .blocks import Band, Documents, combine_masks, diagonal_mask, global_positions, plan_band, span
+from .layout import segments
+from .merge import merge_partials
+
+
+class Setup:
+    """The validated call, in dense form: q (B, Hq, Sq_local, D), k/v (B, Hkv, Sk_local, D), mask
+    None or (B|1, Hq|1, Sq_local|1, Sk_total|1); everything a block needs."""
+
+    __slots__ = (
+        "q", "k", "v", "mask", "packed", "rank", "world", "group", "layout", "exchange", "backward",
+        "sq", "sk", "band", "docs", "slopes", "sinks", "sdpa_args", "return_lse",
+    )  # fmt: skip
+
+    band: Band
+    docs: Documents | None
+
+
+def block_pairs(setup: Setup, source: int):
+    """(query parts, key parts) of the blocks of this rank's queries against ``source``'s keys.
+    A bounded band is planned per segment pair (those outside it are skipped); without one, a
+    rank's whole shard is one part: fewer, larger sdpa() calls."""
+    whole = setup.band.unbounded
+
+    def parts(rank: int, total: int):
+        segs = segments(setup.layout, rank, setup.world, total)
+        return [segs] if whole else [(s,) for s in segs]
+
+    return [(qp, kp) for qp in parts(setup.rank, setup.sq) for kp in parts(source, setup.sk)]
+
+
+def block(setup: Setup, q_parts, k_parts, q, k, v, mask):
+    """(out (B, Hq, nq, Dv), lse (B, Hq, nq)) of the queries of q at q_parts against the keys
+    k/v (one rank's shard) at k_parts, or None when the block holds no allowed pair."""
+    device, compute = q.device, lse_dtype(q.dtype)
+    q_pos, k_pos = global_positions(q_parts), global_positions(k_parts)
+    bool_parts, float_parts, causal, window = [], [], None, None
+    if setup.docs is not None:  # packed documents: the mask says everything (built on the CPU: no sync)
+        allowed = setup.docs.allowed(q_pos, k_pos, setup.band.left, setup.band.right)
+        if not bool(allowed.any()):
+            return None
+        if not bool(allowed.all()):
+            bool_parts.append(allowed.to(device))
+    elif not setup.band.unbounded:
+        (qp,), (kp,) = q_parts, k_parts  # bounded bands are planned one segment pair at a time
+        plan = plan_band(setup.band, qp.start, qp.length, kp.start, kp.length)
+        if plan is None:
+            return None
+        causal, window = plan.causal, plan.window
+        if plan.mask_diagonals is not None:
+            bool_parts.append(diagonal_mask(*plan.mask_diagonals, qp.length, kp.length, device))
+    q0, q1 = span(q_parts)
+    k0, k1 = span(k_parts)
+    if mask is not None:
+        rows = mask[..., q0:q1, :] if mask.shape[-2] > 1 else mask
+        if rows.shape[-1] > 1:  # the columns of these keys, in global order
+            cols = [rows[..., p.start : p.start + p.length] for p in k_parts]
+            rows = cols[0] if len(cols) == 1 else torch.cat(cols, dim=-1)
+        (bool_parts if rows.dtype == torch.bool else float_parts).append(rows)
+    if setup.slopes is not None:  # ALiBi by global distance, as a bias: -slope * |i + off - j|
+        if setup.docs is None:
+            slopes = setup.slopes[:, :, None, None]
+            distance = (q_pos[:, None] + setup.band.off - k_pos[None, :]).abs()
+        else:
+            slopes = setup.slopes[setup.docs.doc_q[q_pos]].T[None, :, :, None]
+            distance = setup.docs.distance(q_pos, k_pos)
+        float_parts.append(-(slopes.to(compute) * distance.to(device=device, dtype=compute)))
+    return sdpa(
+        q[:, :, q0:q1],
+        k[:, :, k0:k1],
+        v[:, :, k0:k1],
+        combine_masks(bool_parts, float_parts),
+        causal=causal,
+        window=window,
+        return_lse=True,
+        **setup.sdpa_args,
+    )
+
+
+class Accumulator:
+    """Each query part's blocks, and which exchanged tensors no block read."""
+
+    def __init__(self, setup: Setup, q, mask):
+        self.setup, self.q, self.mask = setup, q, mask
+        self.q_parts = list(dict.fromkeys(qp for qp, _ in block_pairs(setup, setup.rank)))
+        self.blocks = {qp: [] for qp in self.q_parts}
+        self.unused = []
+
+    def add(self, source: int, k, v, exchanged: bool) -> None:
+        used = False
+        for q_parts, k_parts in block_pairs(self.setup, source):
+            result = block(self.setup, q_parts, k_parts, self.q, k, v, self.mask)
+            if result is not None:
+                self.blocks[q_parts].append(result)
+                used = True
+        if exchanged and not used:
+            self.unused += [k, v]
+
+    def result(self):
+        """(out (B, Hq, Sq_local, Dv), lse (B, Hq, Sq_local)) in the lse dtype."""
+        outs, lses = [], []
+        b, hq = self.q.shape[:2]
+        compute = lse_dtype(self.q.dtype)
+        for q_parts in self.q_parts:
+            blocks = self.blocks[q_parts]
+            if blocks:
+                out, lse = merge_partials([o for o, _ in blocks], [lo for _, lo in blocks])
+            else:  # no allowed key for any of these rows: 0 and -inf
+                rows = sum(p.length for p in q_parts)
+                out = self.q.new_zeros((b, hq, rows, self.setup.v.shape[-1]), dtype=compute)
+                lse = self.q.new_full((b, hq, rows), -math.inf, dtype=compute)
+            outs.append(out)
+            lses.append(lse)
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def run_ring(setup: Setup, acc: Accumulator, k, v, differentiable: bool) -> None:
+    """W steps; at step t this rank holds the keys of rank - t, while those of rank - t - 1 arrive."""
+    shift = _exchange.ring_shift if differentiable else _exchange.start_shift
+    for step in range(setup.world):
+        pending = None
+        if step < setup.world - 1:
+            (next_k, next_v), pending = shift([k, v], setup.group, setup.rank, setup.world)
+        # the last received keys feed no further shift: kept in the graph only if a block reads them
+        acc.add((setup.rank - step) % setup.world, k, v, exchanged=step == setup.world - 1 and step > 0)
+        if pending is not None:
+            pending.wait()
+            k, v = next_k, next_v
+
+
+def run_allgather(setup: Setup, acc: Accumulator, k, v, differentiable: bool) -> None:
+    """All-gather every rank's keys, computing the local block while they travel."""
+    if setup.world == 1:
+        acc.add(setup.rank, k, v, exchanged=False)
+        return
+    pending = _exchange.Pending()
+    gather = _exchange.all_gather_tensors if differentiable else _exchange.start_all_gather
+    gathered_k, gathered_v = gather([k, v], setup.group, pending)
+    acc.add(setup.rank, k, v, exchanged=False)
+    pending.wait()
+    acc.unused += [gathered_k[setup.rank], gathered_v[setup.rank]]  # the local block read the originals
+    for source in range(setup.world):
+        if source != setup.rank:
+            acc.add(source, gathered_k[source], gathered_v[source], exchanged=True)
+
+
+def run_forward(setup: Setup, q, k, v, mask, differentiable: bool):
+    """This rank's merged (out, lse) in the lse dtype, and the exchanged tensors no block read."""
+    acc = Accumulator(setup, q, mask)
+    (run_ring if setup.exchange == "ring" else run_allgather)(setup, acc, k, v, differentiable)
+    out, lse = acc.result()
+    return out, lse, acc.unused
