@@ -64,7 +64,10 @@ def _declared_only(args) -> bool:
     explain then answers from declared capabilities (declared.py)."""
     from .declared import device_present, parse_arch
 
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:  # torch's own message lists the device types it knows
+        raise ValueError(f"--device {args.device!r}: {exc}") from None
     if args.arch is not None and device.type != "cuda":
         raise ValueError(f"--arch {args.arch!r} applies to --device cuda only (got --device {args.device!r})")
     if not device_present(device.type):

@@ -150,6 +150,8 @@ def test_explain_arch_errors_name_the_argument(capsys):
     assert "--arch 'hopper': expected a CUDA compute capability such as sm90" in capsys.readouterr().err
     assert main(["explain", "--device", "cpu", "--arch", "sm90"]) == 2
     assert "--arch 'sm90' applies to --device cuda only (got --device 'cpu')" in capsys.readouterr().err
+    assert main(["explain", "--device", "gpu"]) == 2
+    assert "--device 'gpu': Expected one of cpu, cuda" in capsys.readouterr().err
 
 
 def test_explain_exit_code_when_nothing_fits(capsys):
