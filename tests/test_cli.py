@@ -171,6 +171,17 @@ def test_explain_help_runs_as_module():
     assert "default = --heads" in help_text and "(default: None)" not in help_text
 
 
+def test_output_into_a_closed_pipe_is_no_traceback():
+    """`python -m attention_dispatch info | head -1`."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attention_dispatch", "info"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.readline()
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and b"Traceback" not in err, err.decode()
+
+
 def test_config_check(tmp_path, capsys):
     good = ROOT / "configs" / "default.toml"
     bad = tmp_path / "bad.toml"
