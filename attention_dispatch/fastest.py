@@ -103,12 +103,16 @@ def _file_key(problem: Problem, device: torch.device) -> str:
 
 def _load_file(path: str) -> dict:
     try:
-        return json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
         logger.warning("fastest cache %s unreadable (%s); starting afresh", path, exc)
         return {}
+    if not isinstance(data, dict):  # valid JSON but not this cache (a list, a string): rebuilt
+        logger.warning("fastest cache %s holds a JSON %s, not an object; starting afresh", path, type(data).__name__)
+        return {}
+    return data
 
 
 def _store_file(
@@ -306,7 +310,7 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
     device = call.query.device
     if found is None and cache_path:
         entry = _load_file(cache_path).get(_file_key(decision.problem, device))
-        if entry and entry.get("backend") in decision.eligible:
+        if isinstance(entry, dict) and entry.get("backend") in decision.eligible:
             found = Measured(
                 entry["backend"], dict(entry.get("timings_ms", {})), {}, {}, dict(entry.get("host_ms", {}))
             )
