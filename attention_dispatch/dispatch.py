@@ -181,10 +181,11 @@ def candidate_order(forced: str | None, cfg) -> tuple[tuple[str, ...], str]:
     env = _config.env_priority()
     if env is not None:
         return env, f"env {_config.ENV_BACKENDS}"
-    if cfg.source != "default" and cfg.dispatch.priority is not None:
+    if cfg.dispatch.priority is not None:  # a file's, or a Config / dict given to use_config()
         listed = cfg.dispatch.priority
         # Backends registered but not listed by the file come after, in default order.
-        return tuple(listed) + tuple(n for n in registry.list_backends() if n not in listed), cfg.source
+        source = cfg.source if cfg.source != "default" else "use_config()"
+        return tuple(listed) + tuple(n for n in registry.list_backends() if n not in listed), source
     return tuple(registry.list_backends()), "default" if cfg.source == "default" else f"{cfg.source} (registry order)"
 
 
@@ -197,10 +198,10 @@ def evaluate(problem: Problem, names: tuple[str, ...], source: str, cfg, forced:
     known = set(registry.list_backends())
     disabled = set(cfg.dispatch.disabled)
     for name in names:
-        if name not in known:
+        backend = registry.find_backend(name) if name in known else None
+        if backend is None:  # (or unregistered by another thread since `known` was read)
             rejected[name] = [f"not registered (registered: {', '.join(registry.list_backends())})"]
             continue
-        backend = registry.get_backend(name)
         reasons: list[str] = []
         if name in disabled and forced is None:
             reasons.append("disabled by config (dispatch.disabled)")

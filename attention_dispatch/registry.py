@@ -71,6 +71,11 @@ def list_backends() -> list[str]:
     return list(_order)
 
 
+def find_backend(name: str) -> Backend | None:
+    """The backend named `name`, or None (one lookup: no race with unregister_backend)."""
+    return _backends.get(name)
+
+
 def get_backend(name: str) -> Backend:
     try:
         return _backends[name]
