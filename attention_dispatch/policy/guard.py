@@ -192,6 +192,61 @@ def _max_err(got, ref) -> float:
     return (got[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
 
 
+def _gather_dense(problem, picks, query, key, value, options, out):
+    """The picked rows of a dense call as (q (n, D), k (n, Sk, D), v (n, Sk, Dv), allowed
+    (n, Sk), float bias (n, Sk) or None, the output's rows (n, Dv)), gathered in one go."""
+    dev = query.device
+    b, h, i = (torch.tensor(column, device=dev) for column in list(zip(*picks))[:3])
+    kv_head = h // (problem.heads_q // max(problem.heads_kv, 1))
+    sq, sk = query.shape[2], key.shape[2]
+    bottom_right, left, right = band(options["causal"], options["window"])
+    diag = (i + (sk - sq if bottom_right else 0))[:, None]
+    j = torch.arange(sk, device=dev)
+    allowed = torch.ones(len(picks), sk, dtype=torch.bool, device=dev)
+    if left >= 0:
+        allowed &= j >= diag - left
+    if right >= 0:
+        allowed &= j <= diag + right
+    bias, mask = None, options["attn_mask"]
+    if mask is not None:
+        rows = mask.expand(problem.batch, problem.heads_q, sq, sk)[b, h, i]
+        if rows.dtype == torch.bool:
+            allowed &= rows
+        else:
+            bias = rows
+    return query[b, h, i], key[b, kv_head], value[b, kv_head], allowed, bias, out[b, h, i]
+
+
+def _gather_varlen(problem, picks, query, key, value, options, out):
+    """As _gather_dense for packed sequences: each row's own keys, padded to the longest
+    (padding not allowed); a mask is indexed by positions local to each sequence."""
+    group = problem.heads_q // max(problem.heads_kv, 1)
+    bottom_right, left, right = band(options["causal"], options["window"])
+    mask = options["attn_mask"]
+    if mask is not None:
+        mask = mask.expand(problem.batch, problem.heads_q, problem.seqlen_q, problem.seqlen_k)
+    width = max(p[6] for p in picks)
+    n, dev = len(picks), query.device
+    qs, ks, vs, got = [], [], [], []
+    allowed = torch.zeros(n, width, dtype=torch.bool, device=dev)
+    bias = None if mask is None or mask.dtype == torch.bool else torch.zeros(n, width, dtype=mask.dtype, device=dev)
+    for r, (b, h, i, t, sq, k0, sk) in enumerate(picks):
+        qs.append(query[t, h])
+        got.append(out[t, h])
+        ks.append(torch.nn.functional.pad(key[k0 : k0 + sk, h // group], (0, 0, 0, width - sk)))
+        vs.append(torch.nn.functional.pad(value[k0 : k0 + sk, h // group], (0, 0, 0, width - sk)))
+        diag = i + (sk - sq if bottom_right else 0)
+        lo, hi = (diag - left if left >= 0 else 0), (diag + right if right >= 0 else sk - 1)
+        allowed[r, max(lo, 0) : max(min(hi, sk - 1) + 1, 0)] = True
+        if mask is not None:
+            row = mask[b, h, i, :sk]
+            if bias is None:
+                allowed[r, :sk] &= row
+            else:
+                bias[r, :sk] = row
+    return torch.stack(qs), torch.stack(ks), torch.stack(vs), allowed, bias, torch.stack(got)
+
+
 def check(problem, query, key, value, options: dict, out, rows: int = 8, factor: float = 2.0) -> Mismatch | None:
     """Recompute up to `rows` random query rows of a call (canonical tensors and options, as
     a backend's run() gets them, and its output) and return the Mismatch if the output's rows
@@ -202,40 +257,9 @@ def check(problem, query, key, value, options: dict, out, rows: int = 8, factor:
         picks = _picks(query, options, rows)
         if not picks:
             return None
-        varlen = options["cu_seqlens_q"] is not None
-        group = problem.heads_q // max(problem.heads_kv, 1)
-        bottom_right, left, right = band(options["causal"], options["window"])
-        mask = options["attn_mask"]
-        if mask is not None:  # broadcast (B, Hq, Sq, Sk); varlen: local positions of each sequence
-            mask = mask.expand(problem.batch, problem.heads_q, problem.seqlen_q, problem.seqlen_k)
-        width = max((p[6] if varlen else key.shape[2]) for p in picks)
-        n, dev = len(picks), query.device
-        qs, ks, vs, got = [], [], [], []
-        allowed = torch.zeros(n, width, dtype=torch.bool, device=dev)
-        bias = None if mask is None or mask.dtype == torch.bool else torch.zeros(n, width, dtype=mask.dtype, device=dev)
-        for r, (b, h, i, t, sq, k0, sk) in enumerate(picks):
-            if varlen:
-                qs.append(query[t, h])
-                got.append(out[t, h])
-                kk, vv = key[k0 : k0 + sk, h // group], value[k0 : k0 + sk, h // group]
-            else:
-                qs.append(query[b, h, i])
-                got.append(out[b, h, i])
-                kk, vv = key[b, h // group], value[b, h // group]
-                sk = kk.shape[0]
-            ks.append(torch.nn.functional.pad(kk, (0, 0, 0, width - sk)))
-            vs.append(torch.nn.functional.pad(vv, (0, 0, 0, width - sk)))
-            diag = i + (sk - sq if bottom_right else 0)
-            lo, hi = (diag - left if left >= 0 else 0), (diag + right if right >= 0 else sk - 1)
-            allowed[r, max(lo, 0) : max(min(hi, sk - 1) + 1, 0)] = True
-            if mask is not None:
-                row = mask[b, h, i, :sk]
-                if bias is None:
-                    allowed[r, :sk] &= row
-                else:
-                    bias[r, :sk] = row
-        q, k, v = torch.stack(qs), torch.stack(ks), torch.stack(vs)
-        got = torch.stack(got).double()
+        gather = _gather_varlen if options["cu_seqlens_q"] is not None else _gather_dense
+        q, k, v, allowed, bias, got = gather(problem, picks, query, key, value, options, out)
+        got = got.double()
         scale = options["scale"]
         wide = bias is not None and bias.dtype != query.dtype and bias.dtype.itemsize > query.dtype.itemsize
         q64, k64, v64 = q.double(), k.double(), v.double()
