@@ -1759,11 +1759,13 @@ def test_flash_attn_4_fake_has_the_real_private_signatures():
     real = pytest.importorskip("flash_attn.cute.interface")
     fake = fakes._fa4_interface(None, None)
     positional = ["q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "softcap"]
-    keywords = dict(window_size_left=None, window_size_right=None, deterministic=False)
+    # dlse and learnable_sink: what flash_attn_features reads to declare lse_grad and sinks_grad
+    keywords = dict(window_size_left=None, window_size_right=None, deterministic=False, dlse=None, learnable_sink=None)
     for module in (fake, real):
         signature = inspect.signature(module._flash_attn_bwd)
         assert list(signature.parameters)[: len(positional)] == positional, module
         signature.bind(*positional, **keywords)
+        assert torch.float32 in module._LEARNABLE_SINK_DTYPES, module
     assert hasattr(real._flash_attn_fwd, "compile_cache")
 
 

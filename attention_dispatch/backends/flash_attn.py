@@ -37,7 +37,8 @@ Mapping of our call (DESIGN.md section 3):
 
 sdpa_with_kvcache() (run_kvcache, the generations' KV-cache capabilities and reasons) is
 :mod:`.flash_attn_kvcache`: flash_attn_with_kvcache for 2 and 3, flash_attn_varlen_func with
-seqused_k / page_table after our append for 4.
+seqused_k / page_table after our append for 4.  softcap, alibi_slopes, sinks and return_lse
+(what each generation takes, its reasons, keywords and logsumexp) are :mod:`.flash_attn_features`.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from ..route import Route, RouteStep
 from ..semantics import CausalKind, band
 from .base import Backend, Capabilities, not_supported_reasons
 from .fa4_relaunch import ForwardRelauncher, VarlenRelauncher, untested_release
+from . import flash_attn_features as features
 from . import flash_attn_kvcache as kv
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -78,6 +80,7 @@ FA2_CAPS = Capabilities(
     needs_last_dim_contiguous=False,
     notes="flash-attn 2; KV cache: flash_attn_with_kvcache (appends in place)",
     **kv.FA2_KV,
+    **features.declared_flags("fa2"),
 )
 FA3_CAPS = dataclasses.replace(
     FA2_CAPS,
@@ -87,6 +90,7 @@ FA3_CAPS = dataclasses.replace(
     dropout=False,
     notes="flash-attn 3 (hopper); KV cache: flash_attn_with_kvcache (appends in place)",
     **kv.FA3_KV,
+    **features.declared_flags("fa3"),
 )
 FA4_CAPS = dataclasses.replace(
     FA2_CAPS,
@@ -96,9 +100,11 @@ FA4_CAPS = dataclasses.replace(
     dropout=False,
     notes="flash-attn 4 (flash_attn.cute); KV cache: our append_kv, then flash_attn_varlen_func (seqused_k, page_table)",
     **kv.FA4_KV,
+    **features.declared_flags("fa4"),
 )
 FA4_HEAD_DIMS = (64, 96, 128)  # what flash_attn.cute 4.0 compiles and we verified; others rejected
 LABELS = {"fa2": "flash-attn 2", "fa3": "flash-attn 3", "fa4": "flash-attn 4"}
+FEATURES = ("softcap", "alibi_slopes", "sinks", "return_lse")  # run()'s options, present only when used
 # sdpa()'s repeated calls of one signature (prepare()): flash-attn 4's compiled call relaunched, or
 # the library's public function
 RELAUNCHED, PUBLIC = "relaunched", "public function"
@@ -185,6 +191,7 @@ def caps_union(caps: list[Capabilities]) -> Capabilities:
                 "gqa",
                 "backward",
                 "deterministic_backward",
+                *features.FLAGS,
             )
         },
         needs_last_dim_contiguous=all(c.needs_last_dim_contiguous for c in caps),
@@ -256,53 +263,36 @@ class FlashAttnBackend(Backend):
         return self.loaded
 
     @staticmethod
-    def _import_fa2() -> Implementation | None:
+    def _implementation(key: str, version: str, mod, func, caps: Capabilities, build_flags=None) -> Implementation:
+        """One generation's functions in `mod`, and `caps` narrowed to what they take (features, KV cache)."""
+        varlen, kv_func = getattr(mod, "flash_attn_varlen_func", None), kv.kv_function(key, mod)
+        caps = features.feature_capabilities(key, func, varlen, caps, build_flags)
+        caps = kv.kv_capabilities(key, kv_func, caps, build_flags)
+        return Implementation(key, LABELS[key], version, func, varlen, caps, kv_func)
+
+    @classmethod
+    def _import_fa2(cls) -> Implementation | None:
         mod = importlib.import_module("flash_attn")
         func = getattr(mod, "flash_attn_func", None)
         if func is None:  # e.g. only flash-attn 4's flash_attn.cute is installed
             return None
-        kv_func = kv.kv_function("fa2", mod)
-        return Implementation(
-            "fa2",
-            "flash-attn 2",
-            str(getattr(mod, "__version__", "") or _dist_version("flash-attn")),
-            func,
-            getattr(mod, "flash_attn_varlen_func", None),
-            kv.kv_capabilities("fa2", kv_func, FA2_CAPS),
-            kv_func,
-        )
+        version = str(getattr(mod, "__version__", "") or _dist_version("flash-attn"))
+        return cls._implementation("fa2", version, mod, func, FA2_CAPS)
 
-    @staticmethod
-    def _import_fa3() -> Implementation | None:
+    @classmethod
+    def _import_fa3(cls) -> Implementation | None:
         mod = importlib.import_module("flash_attn_interface")
-        kv_func = kv.kv_function("fa3", mod)
-        return Implementation(
-            "fa3",
-            "flash-attn 3",
-            str(getattr(mod, "__version__", "") or _dist_version("flash-attn-3", "flash_attn_3")),
-            mod.flash_attn_func,
-            getattr(mod, "flash_attn_varlen_func", None),
-            kv.kv_capabilities("fa3", kv_func, FA3_CAPS, kv.fa3_build_flags()),
-            kv_func,
-        )
+        version = str(getattr(mod, "__version__", "") or _dist_version("flash-attn-3", "flash_attn_3"))
+        return cls._implementation("fa3", version, mod, mod.flash_attn_func, FA3_CAPS, kv.fa3_build_flags())
 
-    @staticmethod
-    def _import_fa4() -> Implementation | None:
+    @classmethod
+    def _import_fa4(cls) -> Implementation | None:
         mod = importlib.import_module("flash_attn.cute")
         # 4.0.0b36's __version__ asks for a distribution "fa4" and says "0.0.0"; the wheel's is "flash-attn-4"
         version = str(getattr(mod, "__version__", "") or "")
         if version in ("", "0.0.0"):
             version = _dist_version("flash-attn-4", "flash_attn_4") or version
-        kv_func = kv.kv_function("fa4", mod)
-        return Implementation(
-            "fa4",
-            "flash-attn 4",
-            str(version),
-            mod.flash_attn_func,
-            getattr(mod, "flash_attn_varlen_func", None),
-            kv.kv_capabilities("fa4", kv_func, FA4_CAPS),
-            kv_func,
-        )
+        return cls._implementation("fa4", str(version), mod, mod.flash_attn_func, FA4_CAPS)
 
     def implementations(self) -> list[Implementation]:
         return self.load()[0]
@@ -357,6 +347,7 @@ class FlashAttnBackend(Backend):
             reasons.append("this build has no flash_attn_varlen_func")
         if p.layout in KV_LAYOUTS:
             reasons.extend(kv.kv_reasons(impl.key, impl.version, p))
+        reasons.extend(features.feature_reasons(impl.key, impl.version, p))
         return reasons
 
     def impl_reasons(self, impl: Implementation, p: Problem) -> list[str]:
@@ -412,7 +403,7 @@ class FlashAttnBackend(Backend):
         max_seqlen_q=None,
         max_seqlen_k=None,
         deterministic=False,
-        **_,
+        **features_and_rest,
     ) -> Problem:
         """The Problem of a normalised call (flash-attn never sees a mask)."""
         varlen = cu_seqlens_q is not None
@@ -441,12 +432,12 @@ class FlashAttnBackend(Backend):
             causal=causal,
             window=window,
             dropout=dropout_p > 0,
-            requires_grad=grad,
             deterministic=bool(deterministic),
             deterministic_warn_only=False,
             last_dim_contiguous=True,
             aligned_16=True,
             same_offsets=varlen and cu_seqlens_k is cu_seqlens_q,
+            **features.problem_fields(grad, features_and_rest),
         )
 
     @staticmethod
@@ -483,6 +474,7 @@ class FlashAttnBackend(Backend):
             kwargs["dropout_p"] = float(options.get("dropout_p", 0.0))
         if options.get("cu_seqlens_q") is not None:
             kwargs.update(max_seqlen_q=int(options["max_seqlen_q"]), max_seqlen_k=int(options["max_seqlen_k"]))
+        kwargs.update(features.feature_kwargs(impl.key, options))
         return impl, kwargs
 
     @staticmethod
@@ -520,18 +512,20 @@ class FlashAttnBackend(Backend):
         return Route(tuple(steps), note)
 
     @staticmethod
-    def _dense(func, kwargs: dict, query, key, value):
+    def _dense(func, kwargs: dict, query, key, value, *, lse_of=None):
         """(B, H, S, D) in and out; flash-attn takes (B, S, H, D): transposed views, no copies
-        (a contiguous copy costs more than the strided reads, docs/experiments/perf-notes.md)."""
-        out = func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        return out.transpose(1, 2)
+        (a contiguous copy costs more than the strided reads, docs/experiments/perf-notes.md).
+        ``lse_of``: with return_lse, the generation's key; returns (out, lse) then."""
+        result = func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
+        out = (result[0] if isinstance(result, tuple) else result).transpose(1, 2)
+        return out if lse_of is None else (out, features.library_lse(lse_of, result, query, False))
 
     @staticmethod
-    def _varlen(func, kwargs: dict, query, key, value, *, cu_seqlens_q, cu_seqlens_k):
+    def _varlen(func, kwargs: dict, query, key, value, *, cu_seqlens_q, cu_seqlens_k, lse_of=None):
         """Packed (total, H, D) in and out, int32 offsets; ``kwargs`` hold max_seqlen."""
-        out = func(query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        result = func(query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **kwargs)
+        out = result[0] if isinstance(result, tuple) else result
+        return out if lse_of is None else (out, features.library_lse(lse_of, result, query, True))
 
     def run(
         self,
@@ -558,13 +552,14 @@ class FlashAttnBackend(Backend):
             max_seqlen_k=max_seqlen_k,
             **options,
         )
-        if _is_empty(query, key, cu_seqlens_q is not None):
-            return _empty_call(query, key, value, cu_seqlens_q is not None)
-        if cu_seqlens_q is not None:
-            return self._varlen(
-                impl.varlen_func, kwargs, query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k
-            )
-        return self._dense(impl.func, kwargs, query, key, value)
+        varlen = cu_seqlens_q is not None
+        lse_of = impl.key if options.get("return_lse") else None
+        if _is_empty(query, key, varlen):
+            return features.empty_result(_empty_call(query, key, value, varlen), query, varlen, options)
+        if varlen:
+            offsets = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+            return self._varlen(impl.varlen_func, kwargs, query, key, value, lse_of=lse_of, **offsets)
+        return self._dense(impl.func, kwargs, query, key, value, lse_of=lse_of)
 
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, **options):
         return kv.run_kvcache(self, query, k_cache, v_cache, cache_seqlens, **options)
@@ -575,8 +570,8 @@ class FlashAttnBackend(Backend):
         forward is relaunched from its recorded compiled call (:mod:`.fa4_relaunch`; with
         autograd, flash-attn 4's own backward follows), and so is its varlen inference forward."""
         varlen = options["cu_seqlens_q"] is not None
-        if options["attn_mask"] is not None or _is_empty(query, key, varlen):
-            return super().prepare(query, key, value, options)
+        if options["attn_mask"] is not None or _is_empty(query, key, varlen) or any(f in options for f in FEATURES):
+            return super().prepare(query, key, value, options)  # run() each call; nothing recorded
         impl, kwargs = self._resolve(query, key, value, **options)
         grad = _needs_grad(query, key, value)
         relaunched = self.repeat_path(impl, varlen, grad)[0] == RELAUNCHED

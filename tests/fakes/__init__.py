@@ -9,6 +9,7 @@ Install them with `install(monkeypatch, modules)`.
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 
@@ -42,12 +43,103 @@ def _fa_window(window_size, v4):
     return None if (left, right) == (-1, -1) else (left, right)
 
 
+_SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # flash_attn.cute's _LEARNABLE_SINK_DTYPES
+
+
+def _fa2_causal_kernel(window_size, causal, seqlen_k) -> bool:
+    """flash-attn 2's causal kernel (flash_api.cpp): window sides >= Sk unbounded, causal makes
+    right 0, causal = left unbounded with right 0."""
+    left, right = (-1 if w >= seqlen_k else w for w in window_size)
+    right = 0 if causal else right
+    return left < 0 and right == 0
+
+
+def _fa_features(
+    version,
+    q,
+    k,
+    v,
+    *,
+    softmax_scale,
+    causal,
+    window_size,
+    dropout_p=0.0,
+    softcap=0.0,
+    alibi_slopes=None,
+    learnable_sink=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_k=None,
+):
+    """What generation `version` computes for a call with softcap, ALiBi slopes or sinks, or one
+    that asks for its logsumexp: (out, lse) in its layouts (out (B, S, H, Dv) or (total, H, Dv)
+    in q's dtype, differentiable; lse float32 (B, H, Sq) or (H, total_q)) and with its meaning:
+    flash-attn 2 marks an empty row +inf and its causal kernel adds ALiBi as slope * j (a
+    logsumexp larger by slope * (i + Sk - Sq)); flash-attn 4's includes the sink."""
+    v4, varlen, hq = version == 4, cu_seqlens_q is not None, q.shape[-2]
+    nb = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
+    if version == 2 and softcap and dropout_p:
+        raise RuntimeError("Softcapping does not support dropout for now")
+    if alibi_slopes is not None:
+        assert version == 2, "only flash-attn 2 takes alibi_slopes"
+        assert alibi_slopes.dtype == torch.float32, "ALiBi slopes must have dtype fp32"
+        assert alibi_slopes.stride(-1) == 1, "ALiBi slopes tensor must have contiguous last dimension"
+        assert tuple(alibi_slopes.shape) in ((hq,), (nb, hq))
+    if learnable_sink is not None:
+        assert v4 and tuple(learnable_sink.shape) == (hq,) and learnable_sink.dtype in _SINK_DTYPES
+    kw = dict(
+        causal="bottom_right" if causal else None,
+        window=_fa_window(window_size, v4),
+        scale=softmax_scale,
+        softcap=softcap or None,
+        alibi_slopes=None if alibi_slopes is None else alibi_slopes.double(),
+        sinks=None if learnable_sink is None else learnable_sink.double(),
+        return_lse=True,
+    )
+    if varlen:
+        out, lse = naive_attention(
+            q.double(), k.double(), v.double(), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **kw
+        )
+        lse = lse.t()  # (total_q, H) -> (H, total_q)
+        lens_q, lens_k = cu_seqlens_q.diff().long(), cu_seqlens_k.diff().long()
+        seq = torch.repeat_interleave(torch.arange(nb), lens_q)
+        position = torch.arange(q.shape[0]) - cu_seqlens_q[:-1].long()[seq] + (lens_k - lens_q)[seq]  # i + off
+        seqlen_k = max_seqlen_k
+    else:
+        keep = _dropout_keep((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), dropout_p) if dropout_p else None
+        qb, kb, vb = (t.transpose(1, 2).double() for t in (q, k, v))  # theirs BSHD -> BHSD
+        out, lse = naive_attention(qb, kb, vb, keep=keep, dropout_p=dropout_p, **kw)
+        out = out.transpose(1, 2)
+        seq = None
+        position = torch.arange(q.shape[1]) + k.shape[1] - q.shape[1]
+        seqlen_k = k.shape[1]
+    if version == 2:
+        left_right = (-1, -1) if window_size is None else tuple(window_size)
+        if alibi_slopes is not None and _fa2_causal_kernel(left_right, causal, seqlen_k):
+            slopes = alibi_slopes.double().reshape(-1, hq).expand(nb, hq)
+            shift = slopes[seq].t() * position if varlen else slopes[:, :, None] * position
+            lse = lse + shift
+        lse = lse.masked_fill(lse == -math.inf, math.inf)
+    if v4 and learnable_sink is not None:
+        sinks = learnable_sink.double()
+        lse = torch.logaddexp(lse, sinks[:, None] if varlen else sinks[None, :, None])
+    lse = lse.float()
+    return out.to(q.dtype), (lse if v4 else lse.detach())  # 2 and 3: their backward ignores it
+
+
+def _given(x) -> bool:
+    """A feature keyword other than its default (None, 0.0 softcap, False)."""
+    return x is not None and x is not False and not (isinstance(x, (int, float)) and x == 0)
+
+
 def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
-    """Modules of one flash-attn generation (2, 3 or 4)."""
+    """Modules of one flash-attn generation (2, 3 or 4), each public function with its library's
+    signature (tests/test_adapters.py compares them with the installed library's)."""
     v4 = version == 4
 
-    def dense(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=None, deterministic=False, **extra):
-        window_size = window_size if window_size is not None else ((None, None) if v4 else (-1, -1))
+    def run_dense(q, k, v, *, dropout_p, softmax_scale, causal, window_size, deterministic, extra, **feat):
+        """feat: softcap, alibi_slopes, learnable_sink, return_lse (as each generation names them)."""
+        feat = {n: x for n, x in feat.items() if _given(x)}
         _record(
             calls,
             "dense",
@@ -61,10 +153,26 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
                 window_size=window_size,
                 deterministic=deterministic,
                 extra=extra,
+                **feat,
             ),
         )
-        out = dense_math(q, k, v, dropout_p, softmax_scale, causal, window_size)
-        return (out, None) if version in (3, 4) else out
+        wants_lse = feat.pop("return_lse", False)
+        if feat or wants_lse:
+            out, lse = _fa_features(
+                version, q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                dropout_p=dropout_p, **feat,
+            )  # fmt: skip
+            if version == 4:  # (out, lse): lse differentiable only when asked for, as FlashAttnFunc
+                grad = torch.is_grad_enabled() and any(
+                    t.requires_grad for t in (q, k, v, feat.get("learnable_sink")) if t is not None
+                )
+                return out, (lse if wants_lse else lse.detach() if grad else None)
+            if version == 3:
+                return (out, lse) if wants_lse else out
+            return (out, lse, None) if wants_lse else out
+        if v4:  # through the fake interface's compiled call (and backward), as flash_attn.cute does
+            return _FakeFlashAttnFunc.apply(q, k, v, interface, softmax_scale, causal, window_size, deterministic)
+        return dense_math(q, k, v, dropout_p, softmax_scale, causal, window_size)
 
     def dense_math(q, k, v, dropout_p, softmax_scale, causal, window_size):
         assert q.dim() == 4 and q.stride(-1) == 1
@@ -82,22 +190,9 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
         )
         return out.transpose(1, 2).to(q.dtype).contiguous()
 
-    def varlen(
-        q,
-        k,
-        v,
-        cu_seqlens_q=None,
-        cu_seqlens_k=None,
-        max_seqlen_q=None,
-        max_seqlen_k=None,
-        dropout_p=0.0,
-        softmax_scale=None,
-        causal=False,
-        window_size=None,
-        deterministic=False,
-        **extra,
-    ):
-        window_size = window_size if window_size is not None else ((None, None) if v4 else (-1, -1))
+    def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p, softmax_scale,
+                   causal, window_size, deterministic, extra, **feat):  # fmt: skip
+        feat = {n: x for n, x in feat.items() if _given(x)}
         _record(
             calls,
             "varlen",
@@ -115,9 +210,22 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
                 max_seqlen_q=max_seqlen_q,
                 max_seqlen_k=max_seqlen_k,
                 extra=extra,
+                **feat,
             ),
         )
         assert cu_seqlens_q.dtype == torch.int32 and isinstance(max_seqlen_q, int)
+        wants_lse = feat.pop("return_lse", False)
+        if feat or wants_lse:
+            out, lse = _fa_features(
+                version, q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_k=max_seqlen_k, **feat,
+            )  # fmt: skip
+            if version == 4:
+                return out, (lse if wants_lse else lse.detach())
+            if version == 3:
+                return (out, lse) if wants_lse else out
+            return (out, lse, None) if wants_lse else out
         if v4 and not any(t.requires_grad for t in (q, k, v)):
             # inference through the fake interface's compiled call, as flash_attn.cute does (the
             # fake has no varlen backward: with grad, plain math)
@@ -153,26 +261,99 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
     if version == 2:
         fa = types.ModuleType("flash_attn")
         fa.__version__ = "2.8.3"
-        fa.flash_attn_func, fa.flash_attn_varlen_func = dense, varlen
+
+        def flash_attn_func(
+            q,
+            k,
+            v,
+            dropout_p=0.0,
+            softmax_scale=None,
+            causal=False,
+            window_size=(-1, -1),
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            return_attn_probs=False,
+            **extra,
+        ):
+            return run_dense(
+                q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                deterministic=deterministic, extra=extra, softcap=softcap, alibi_slopes=alibi_slopes,
+                return_lse=return_attn_probs,
+            )  # fmt: skip
+
+        def flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p=0.0,
+            softmax_scale=None,
+            causal=False,
+            window_size=(-1, -1),
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            return_attn_probs=False,
+            **extra,
+        ):
+            return run_varlen(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
+                softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic,
+                extra=extra, softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_attn_probs,
+            )  # fmt: skip
+
+        fa.flash_attn_func, fa.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
         fa.__path__ = []
         return {"flash_attn": fa}
     if version == 3:
         fa3 = types.ModuleType("flash_attn_interface")
 
-        def dense3(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False, **kw):
+        def flash_attn_func(  # noqa: F811 - flash-attn 3's
+            q,
+            k,
+            v,
+            softmax_scale=None,
+            causal=False,
+            window_size=(-1, -1),
+            softcap=0.0,
+            deterministic=False,
+            return_attn_probs=False,
+            **kw,
+        ):
             assert "dropout_p" not in kw, "flash-attn 3 has no dropout"
-            return dense(
-                q,
-                k,
-                v,
-                softmax_scale=softmax_scale,
-                causal=causal,
-                window_size=window_size,
-                deterministic=deterministic,
-                **kw,
-            )
+            return run_dense(
+                q, k, v, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                deterministic=deterministic, extra=kw, softcap=softcap, return_lse=return_attn_probs,
+            )  # fmt: skip
 
-        fa3.flash_attn_func, fa3.flash_attn_varlen_func = dense3, varlen
+        def flash_attn_varlen_func(  # noqa: F811 - flash-attn 3's
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale=None,
+            causal=False,
+            window_size=(-1, -1),
+            softcap=0.0,
+            deterministic=False,
+            return_attn_probs=False,
+            **kw,
+        ):
+            assert "dropout_p" not in kw, "flash-attn 3 has no dropout"
+            return run_varlen(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic,
+                extra=kw, softcap=softcap, return_lse=return_attn_probs,
+            )  # fmt: skip
+
+        fa3.flash_attn_func, fa3.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
         return {"flash_attn_interface": fa3}
     pkg = types.ModuleType("flash_attn")  # flash-attn 4 alone: a namespace without flash_attn_func
     pkg.__path__ = []
@@ -181,33 +362,55 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
 
     interface = _fa4_interface(dense_math, varlen_math)
 
-    def dense4(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), deterministic=False, **kw):
+    def flash_attn_func(  # noqa: F811 - flash-attn 4's
+        q,
+        k,
+        v,
+        softmax_scale=None,
+        causal=False,
+        window_size=(None, None),
+        learnable_sink=None,
+        softcap=0.0,
+        deterministic=False,
+        return_lse=False,
+        **kw,
+    ):
         assert "dropout_p" not in kw, "flash-attn 4 has no dropout"
         assert all(w is None or w >= 0 for w in window_size), "flash-attn 4 takes None for unbounded"
-        # through the fake interface's compiled call (and backward), as flash_attn.cute does; other
-        # keywords are recorded (extra) and otherwise ignored, as dense() does
-        _record(
-            calls,
-            "dense",
-            q,
-            k,
-            v,
-            dict(
-                dropout_p=0.0,
-                softmax_scale=softmax_scale,
-                causal=causal,
-                window_size=window_size,
-                deterministic=deterministic,
-                extra=kw,
-            ),
-        )
-        return _FakeFlashAttnFunc.apply(q, k, v, interface, softmax_scale, causal, window_size, deterministic)
+        # features computed from their definitions; otherwise through the fake interface's compiled
+        # call (and backward), as flash_attn.cute does; other keywords are recorded (extra)
+        return run_dense(
+            q, k, v, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            deterministic=deterministic, extra=kw, softcap=softcap, learnable_sink=learnable_sink,
+            return_lse=return_lse,
+        )  # fmt: skip
 
-    def varlen4(q, k, v, window_size=(None, None), **kw):
+    def flash_attn_varlen_func(  # noqa: F811 - flash-attn 4's
+        q,
+        k,
+        v,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        softmax_scale=None,
+        causal=False,
+        window_size=(None, None),
+        learnable_sink=None,
+        softcap=0.0,
+        deterministic=False,
+        return_lse=False,
+        **kw,
+    ):
+        assert "dropout_p" not in kw, "flash-attn 4 has no dropout"
         assert all(w is None or w >= 0 for w in window_size)
-        return varlen(q, k, v, window_size=window_size, **kw)
+        return run_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+            softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic,
+            extra=kw, softcap=softcap, learnable_sink=learnable_sink, return_lse=return_lse,
+        )  # fmt: skip
 
-    cute.flash_attn_func, cute.flash_attn_varlen_func = dense4, varlen4
+    cute.flash_attn_func, cute.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
     cute.interface = interface
     pkg.cute = cute
     return {"flash_attn": pkg, "flash_attn.cute": cute, "flash_attn.cute.interface": interface}
@@ -368,7 +571,10 @@ def _fa4_interface(dense_math, varlen_math) -> types.ModuleType:
         window_size_left=None,
         window_size_right=None,
         deterministic=False,
+        dlse=None,
+        learnable_sink=None,
     ):
+        assert dlse is None and learnable_sink is None, "the fake's relaunched backward takes neither"
         interface.backwards.append(
             dict(
                 q_ptr=q.data_ptr(),
@@ -386,6 +592,7 @@ def _fa4_interface(dense_math, varlen_math) -> types.ModuleType:
 
     _flash_attn_fwd.compile_cache = {}
     interface._flash_attn_fwd, interface._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
+    interface._LEARNABLE_SINK_DTYPES = _SINK_DTYPES
     return interface
 
 
