@@ -73,9 +73,9 @@ def problems(draw, dropout: bool = True, scales=SCALES, magnitudes=(1.0, 1.0, 8.
     )
 
 
-def inputs(f: Fuzzed, requires_grad: bool = True):
+def inputs(f: Fuzzed, requires_grad: bool = True, device: str = "cpu"):
     torch.manual_seed(f.seed)
-    q, k, v, mask, sdpa_kw, naive_kw = make_inputs(f.case, requires_grad=requires_grad)
+    q, k, v, mask, sdpa_kw, naive_kw = make_inputs(f.case, device, requires_grad)
     with torch.no_grad():  # large magnitudes: scores far from 0 (max subtraction and overflow matter)
         q.mul_(f.magnitude)
         k.mul_(f.magnitude)
@@ -84,9 +84,9 @@ def inputs(f: Fuzzed, requires_grad: bool = True):
     return q, k, v, mask, sdpa_kw, naive_kw
 
 
-def supported(backend: str, f: Fuzzed) -> bool:
+def supported(backend: str, f: Fuzzed, device: str = "cpu") -> bool:
     """The call is inside `backend`'s declared capabilities (and valid at all)."""
-    q, k, v, mask, sdpa_kw, _ = inputs(f)
+    q, k, v, mask, sdpa_kw, _ = inputs(f, device=device)
     try:
         call = normalize_call(q, k, v, mask, **sdpa_kw)
     except ValueError:  # a window like (-1, -1) is fine; a bad shape combination is not fuzzed
@@ -106,10 +106,11 @@ def reference(q, k, v, **kw):
     return naive_attention(q, k, v, **kw) + zero
 
 
-def differential(backend: str, f: Fuzzed) -> None:
-    """sdpa(backend=...) forward and backward against naive float64, budget from the input dtype."""
+def differential(backend: str, f: Fuzzed, device: str = "cpu") -> None:
+    """sdpa(backend=...) forward and backward against naive float64 (on the CPU), budget from
+    the input dtype."""
     case = f.case
-    q, k, v, mask, sdpa_kw, naive_kw = inputs(f)
+    q, k, v, mask, sdpa_kw, naive_kw = inputs(f, device=device)
     torch.manual_seed(f.seed + 1)
     out = ad.sdpa(q, k, v, attn_mask=mask, backend=backend, **sdpa_kw)
     keep = None
@@ -122,14 +123,16 @@ def differential(backend: str, f: Fuzzed) -> None:
     got = {"out": out} | {n: t.grad for n, t in zip(("dq", "dk", "dv", "dmask"), leaves)}
     refs = {}
     for dtype in (torch.float64, case.dtype):
-        copies = [leaf_copy(t, dtype if t.is_floating_point() else None) for t in leaves]
+        copies = [leaf_copy(t.cpu(), dtype if t.is_floating_point() else None) for t in leaves]
         m = (
             None
             if mask is None
-            else (copies[3] if mask.requires_grad else leaf_copy(mask, dtype if mask.is_floating_point() else None))
+            else (
+                copies[3] if mask.requires_grad else leaf_copy(mask.cpu(), dtype if mask.is_floating_point() else None)
+            )
         )
         ref = reference(*copies[:3], mask=m, keep=keep, **naive_kw)
-        ref.backward(grad_out.to(dtype))
+        ref.backward(grad_out.cpu().to(dtype))
         refs[dtype] = {"out": ref.to(dtype)} | {
             n: t.grad.to(dtype) for n, t in zip(("dq", "dk", "dv", "dmask"), copies)
         }
@@ -192,3 +195,20 @@ def test_triton_backward_with_large_scores():
     if not ad.get_backend("triton").is_available():
         pytest.skip(ad.get_backend("triton").unavailable_reason())
     differential("triton", LARGE_SCORES)
+
+
+GPU_BACKENDS = ("triton", "flash_attn", "cudnn", "torch_flash", "torch_efficient", "xformers", "math")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@settings(FUZZ, max_examples=80)
+@given(f=problems(scales=(None, 1e-4, 0.05, 1.0), magnitudes=(1.0,)))
+def test_fuzz_gpu(backend, f):
+    """The same generator on the GPU against every installed backend (dropout only where its
+    keep-mask can be recovered)."""
+    if not ad.get_backend(backend).is_available():
+        pytest.skip(ad.get_backend(backend).unavailable_reason())
+    assume(not f.case.dropout_p or backend in KEEP_MASKS)
+    assume(supported(backend, f, "cuda"))
+    differential(backend, f, "cuda")
