@@ -332,6 +332,19 @@ def test_a_call_with_features_is_prepared_as_run(monkeypatch):
     assert not sys.modules["flash_attn.cute.interface"].launches  # nothing recorded or relaunched
 
 
+def test_route_of_a_feature_call_has_no_relaunch_step(monkeypatch):
+    """sdpa() prepares no call with these features, so its route names the kernel alone."""
+    q, k, v = _dense_inputs(sq=24)
+    options = dict(causal=None, window=None, scale=None, enable_gqa=True, dropout_p=0.0, cu_seqlens_q=None)
+    _install(monkeypatch, _modules(4))
+    plain = FlashAttnBackend().route(q, k, v, options)
+    assert [step.part for step in plain.steps] == ["kernel", "repeat calls"]
+    _install(monkeypatch, _modules(3, 4))
+    route = FlashAttnBackend().route(q, k, v, dict(options, sinks=torch.zeros(4)))
+    assert [(step.part, step.chosen) for step in route.steps] == [("kernel", "flash-attn 4")]
+    assert dict(route.steps[0].passed_over)["flash-attn 3"] == "sinks not supported"
+
+
 FEATURE_CALLS = {
     "softcap": dict(softcap=5.0),
     "alibi_slopes": dict(alibi_slopes=torch.full((4,), 0.25)),

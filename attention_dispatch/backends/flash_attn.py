@@ -504,7 +504,7 @@ class FlashAttnBackend(Backend):
             return Route((RouteStep("output", "zeros", passed),))
         steps = [RouteStep("kernel", choice.impl.label, choice.passed_over)]
         note = ""
-        if choice.impl.key == "fa4":
+        if choice.impl.key == "fa4" and not any(f in options for f in FEATURES):  # sdpa() prepares none of those
             path, passed = self.repeat_path(choice.impl, varlen, _needs_grad(query, key, value))
             steps.append(RouteStep("repeat calls", path, passed))
             if path == RELAUNCHED:
