@@ -249,3 +249,39 @@ def test_quarantine_kind_reads_no_sequence_length():
     d = dispatch.decide(p)
     assert d.rejected["sloppy"] == ["quarantined: test"]
     assert dispatch.seqlen_k_span(d) is not None
+
+
+class WrongBackward(ad.Backend):
+    """Right forward, dq 1.5x too large (the value of query kept, its gradient scaled)."""
+
+    name = "wrong_backward"
+
+    def run(self, query, key, value, **options):
+        query = query + (query * 0.5 - (query * 0.5).detach())
+        return math_attention(query, key, value, **options)
+
+
+def test_strict_mode_checks_the_backward():
+    ad.register_backend(WrongBackward(), priority="first")
+    q, k, v = (torch.randn(2, 4, 12, 16, requires_grad=True) for _ in range(3))
+    with guarded("first", "wrong_backward"):
+        ad.sdpa(q, k, v, is_causal=True)  # the forward is right: first mode keeps it
+        assert ad.last_decision().backend == "wrong_backward"
+    with guarded("strict", "wrong_backward"):
+        with pytest.raises(guard.GuardError, match=r"'wrong_backward' gives wrong results: dq max error"):
+            ad.sdpa(q, k, v, is_causal=True)
+        with torch.no_grad():  # no backward asked: nothing to check
+            ad.sdpa(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("backend", ["torch_cpu", "math"])
+@pytest.mark.parametrize("case", CASES[:10], ids=str)
+def test_strict_mode_passes_right_backwards_and_leaves_the_graph_usable(backend, case):
+    q, k, v, mask, sdpa_kw, naive_kw = make_inputs(case)
+    with ad.use_config({"guard": {"mode": "strict", "rows": 64}}):
+        try:
+            out = ad.sdpa(q, k, v, attn_mask=mask, backend=backend, **sdpa_kw)
+        except ad.NoBackendError:
+            pytest.skip(f"{backend} does not take {case}")
+    out.backward(torch.ones_like(out))  # the caller's backward after the guard's own
+    assert q.grad is not None and not torch.isnan(q.grad).any()

@@ -3,7 +3,8 @@ quarantine a backend whose answer is wrong (config [guard], off by default).
 
 Mode "first" checks the first call of each new decision (a backend, a Problem), "sample"
 that and a fraction of later calls (sdpa()'s fast path runs through :func:`sampled`),
-"strict" every call, raising :class:`GuardError` instead of quarantining.  A mismatch is
+"strict" every call, raising :class:`GuardError` instead of quarantining, and there the
+backward too (:func:`check_backward`: dq of the sampled rows).  A mismatch is
 logged as an error naming backend, problem and error; the backend is quarantined for that
 kind of call (:func:`kind_of`: device, dtype, layout, head dims and the features used, not
 the sizes), so every later decision skips it with a reason, and the call is run again on the
@@ -284,6 +285,54 @@ def check(problem, query, key, value, options: dict, out, rows: int = 8, factor:
     return Mismatch(error, allowed_error, tuple((b, h, i) for b, h, i, *_ in picks))
 
 
+def check_backward(problem, query, key, value, options: dict, out, rows: int = 8, factor: float = 2.0):
+    """strict mode's check of the backward: dq of up to `rows` random query rows for a random
+    output gradient (drawn from a generator of its own), against the same rows' reference
+    gradient (dq_i depends on row i alone).  The backend's backward runs once more, through
+    autograd.grad with the graph retained for the caller's own backward.  Mismatch or None."""
+    if not judgeable(problem, options) or not out.requires_grad or not query.requires_grad:
+        return None
+    picks = _picks(query, options, rows)
+    if not picks:
+        return None
+    generator = torch.Generator(device=out.device)
+    generator.manual_seed(_rng.getrandbits(62))
+    grad_out = torch.randn(out.shape, generator=generator, device=out.device, dtype=out.dtype)
+    (dq,) = torch.autograd.grad(out, query, grad_out, retain_graph=True)
+    gather = _gather_varlen if options["cu_seqlens_q"] is not None else _gather_dense
+    with torch.no_grad():
+        q, k, v, allowed, bias, got = gather(problem, picks, query, key, value, options, dq)
+        grad_rows = gather(problem, picks, query, key, value, options, grad_out)[5]
+    scale, dtype = options["scale"], query.dtype
+    wide = bias is not None and bias.dtype != dtype and bias.dtype.itemsize > dtype.itemsize
+    q64 = q.detach().double().requires_grad_()
+    bias64 = None if bias is None else bias.double().masked_fill(~allowed, -math.inf)
+    mask64 = allowed[:, None, None] if bias64 is None else bias64[:, None, None]
+    with torch.enable_grad():
+        ref = dense_math_attention(
+            q64[:, None, None],
+            k.double()[:, None],
+            v.double()[:, None],
+            mask64,
+            scale=scale,
+            bottom_right=True,
+            left=-1,
+            right=-1,
+        )[:, 0, 0]
+        (ref_dq,) = torch.autograd.grad(ref, q64, grad_rows.double())
+        if wide:
+            low_dq = ref_dq.to(dtype)
+        else:
+            ql = q.detach().clone().requires_grad_()
+            (low_dq,) = torch.autograd.grad(_rows_in(dtype, ql, k, v, bias, allowed, scale), ql, grad_rows)
+    base = _max_err(low_dq.double(), ref_dq)
+    error = _max_err(got.double(), ref_dq)
+    allowed_error = factor * base + FLOOR.get(dtype, 1e-5)
+    if error <= allowed_error:
+        return None
+    return Mismatch(error, allowed_error, tuple((b, h, i) for b, h, i, *_ in picks))
+
+
 # ---- the hooks sdpa() calls ------------------------------------------------------------------
 
 
@@ -303,11 +352,13 @@ def _passed(name: str, problem) -> None:
 def _judge(name: str, problem, query, key, value, options, out, cfg) -> str | None:
     """None when the rows match; else logs the mismatch, raises in strict mode, quarantines
     the backend and returns the reason."""
-    found = check(problem, query, key, value, options, out, cfg.rows, cfg.factor)
+    found, what = check(problem, query, key, value, options, out, cfg.rows, cfg.factor), "max error"
+    if found is None and cfg.mode == "strict" and problem.requires_grad:
+        found, what = check_backward(problem, query, key, value, options, out, cfg.rows, cfg.factor), "dq max error"
     if found is None:
         _passed(name, problem)
         return None
-    what = f"max error {found.error:.3g} > {found.allowed:.3g} on {problem.summary()}"
+    what = f"{what} {found.error:.3g} > {found.allowed:.3g} on {problem.summary()}"
     logger.error(
         "numerics guard: backend %r gives wrong results: %s (rows (batch, head, query) %s)", name, what, found.rows
     )
