@@ -1,0 +1,92 @@
+"""What the numerics guard costs per call (issue 38: with sample = 0.01, at most 2% of call time).
+
+    python benchmarks/guard_overhead.py [--device cuda|cpu] [--calls 200] [--rounds 9] [--json FILE]
+
+For each row (bf16 on CUDA, float32 on the CPU; causal; inference and training) sdpa() is timed
+with the guard off, in mode "first" (after its first call) and in mode "sample" (sample = 0.01),
+in interleaved rounds of --calls calls each (the order rotating), on the same tensors; reported:
+the median ms per call of each and the overhead of first/sample against off in percent.  A
+sampled check costs a few ms of small kernels, so its share is ~sample x check / call time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import attention_dispatch as ad  # noqa: E402
+
+MODES = {"off": None, "first": {"mode": "first"}, "sample": {"mode": "sample", "sample": 0.01}}
+
+
+def rows(device: str):
+    if device == "cuda":
+        return [(b, 16, s, 128, grad) for b, s in ((4, 1024), (1, 4096), (1, 16384)) for grad in (False, True)]
+    return [(1, 4, s, 64, grad) for s in (128, 512) for grad in (False, True)]
+
+
+def time_mode(mode, fn, calls: int, sync) -> float:
+    ctx = ad.use_config({"guard": MODES[mode]}) if MODES[mode] else contextlib.nullcontext()
+    with ctx:
+        sync()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+    return (time.perf_counter() - t) / calls * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    results = []
+    for b, h, s, d, grad in rows(device):
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
+
+        def call():
+            out = ad.sdpa(q, k, v, is_causal=True)
+            if grad:
+                out.backward(torch.ones_like(out))
+
+        for mode in MODES:  # warm: compile, decide, the guard's first check
+            time_mode(mode, call, 3, sync)
+        times = {mode: [] for mode in MODES}
+        names = list(MODES)
+        for r in range(args.rounds):
+            for mode in names[r % 3 :] + names[: r % 3]:
+                times[mode].append(time_mode(mode, call, args.calls, sync))
+        med = {mode: statistics.median(t) for mode, t in times.items()}
+        row = dict(shape=f"B={b} H={h} S={s} D={d}", grad=grad, ms=med)
+        row["overhead_pct"] = {m: 100 * (med[m] / med["off"] - 1) for m in ("first", "sample")}
+        results.append(row)
+        print(
+            f"{row['shape']:<24} {'fwd+bwd' if grad else 'fwd':<8} off {med['off']:.4f} ms  "
+            f"first {row['overhead_pct']['first']:+.2f}%  sample=0.01 {row['overhead_pct']['sample']:+.2f}%",
+            flush=True,
+        )
+    worst = max(r["overhead_pct"]["sample"] for r in results)
+    print(f"worst sample=0.01 overhead: {worst:+.2f}% (target <= 2%): {'met' if worst <= 2 else 'NOT met'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
