@@ -11,6 +11,8 @@ routes.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import numbers
 
 import torch
@@ -27,6 +29,9 @@ from .layout import check_layout, chunks_per_rank
 from .merge import apply_sinks
 from .recompute import recomputed_attention
 from .steps import Setup, run_forward
+
+# Whether each call all-gathers the ranks' facts (one small collective: a host sync on GPUs).
+_CHECK_ACROSS_RANKS = contextvars.ContextVar("attention_dispatch_cp_check_across_ranks", default=True)
 
 EXCHANGES = ("ring", "allgather")
 BACKWARDS = ("recompute", "autograd")
@@ -178,15 +183,34 @@ def _facts(setup: Setup, options) -> dict[str, tuple[int, ...]]:
     }
 
 
+@contextlib.contextmanager
+def cross_rank_checks(enabled: bool):
+    """Within the block, context_parallel_sdpa checks (True, the default) or skips (False) that
+    every rank passed the same shapes and options: one small all-gather per call, a host sync on
+    GPUs. Skip it only where every rank is known to call alike (e.g. after the first step);
+    set it alike on every rank. Scoped to the current context (thread / task)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"cross_rank_checks(enabled) takes a bool, got {type(enabled).__name__}")
+    token = _CHECK_ACROSS_RANKS.set(enabled)
+    try:
+        yield
+    finally:
+        _CHECK_ACROSS_RANKS.reset(token)
+
+
 def _check_across_ranks(setup: Setup, options) -> None:
-    """One small all_gather of each rank's facts; every rank raises the same error on a mismatch."""
-    facts = _facts(setup, options)
-    every = _exchange.gather_facts(facts, setup.group, setup.q.device)
-    for name in facts:
-        values = [row[name] for row in every]
-        if any(v != values[0] for v in values):
-            listed = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            raise ValueError(f"{name} differs across the ranks of the group ({listed}); every rank must pass the same")
+    """One small all_gather of each rank's facts; every rank raises the same error on a mismatch.
+    The layout's divisibility is checked on the local lengths either way."""
+    if _CHECK_ACROSS_RANKS.get():
+        facts = _facts(setup, options)
+        every = _exchange.gather_facts(facts, setup.group, setup.q.device)
+        for name in facts:
+            values = [row[name] for row in every]
+            if any(v != values[0] for v in values):
+                listed = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                raise ValueError(
+                    f"{name} differs across the ranks of the group ({listed}); every rank must pass the same"
+                )
     parts = chunks_per_rank(setup.layout)
     for name, local in (("query", setup.q.shape[2]), ("key", setup.k.shape[2])):
         if local % parts:
