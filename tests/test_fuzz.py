@@ -42,7 +42,7 @@ SCALES = (None, None, 1e-4, 0.05, 1.0, 3.0)
 
 
 @st.composite
-def problems(draw, dropout: bool = True, scales=SCALES, magnitudes=(1.0, 1.0, 8.0)):
+def problems(draw, dropout: bool = True, scales=SCALES, magnitudes=(1.0, 1.0, 8.0), features: bool = False):
     """A Fuzzed call: any shape and feature set sdpa() accepts (a backend filters by its capabilities)."""
     hkv = draw(st.integers(1, 3))
     hq = hkv * draw(st.integers(1, 3))
@@ -65,6 +65,10 @@ def problems(draw, dropout: bool = True, scales=SCALES, magnitudes=(1.0, 1.0, 8.
         fields["mask_shape"] = draw(st.sampled_from(("full", "heads", "keys", "square")))
     if dropout and draw(st.integers(0, 4)) == 0:
         fields["dropout_p"] = draw(st.sampled_from((0.2, 0.5)))
+    if features and draw(st.integers(0, 2)) == 0:  # softcap, ALiBi, sinks (issue 36), now and then
+        fields["softcap"] = draw(st.sampled_from((None, 2.0, 30.0)))
+        fields["alibi"] = draw(st.sampled_from((None, "heads", "batch")))
+        fields["sinks"] = draw(st.sampled_from((None, "fixed", "grad")))
     return Fuzzed(
         Case(**fields),
         scale=draw(st.sampled_from(scales)),
@@ -98,9 +102,9 @@ def reference(q, k, v, **kw):
     """naive_attention, kept connected to its inputs when empty (zero gradients, not an error),
     and for a dense batch of 0 (which it does not take) its empty answer."""
     zero = (q.sum() + k.sum() + v.sum()) * 0
-    mask = kw.get("mask")
-    if mask is not None and mask.is_floating_point():
-        zero = zero + mask.sum() * 0
+    for extra in (kw.get("mask"), kw.get("sinks")):
+        if extra is not None and extra.is_floating_point():
+            zero = zero + extra.sum() * 0
     if kw.get("cu_seqlens_q") is None and q.shape[0] == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1]) + zero
     return naive_attention(q, k, v, **kw) + zero
@@ -119,23 +123,22 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu") -> None:
         keep = KEEP_MASKS[backend](case, q, k, sdpa_kw.get("cu_seqlens_q"), sdpa_kw.get("cu_seqlens_k")).cpu()
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
-    leaves = [q, k, v] + ([mask] if mask is not None and mask.requires_grad else [])
-    got = {"out": out} | {n: t.grad for n, t in zip(("dq", "dk", "dv", "dmask"), leaves)}
+    sinks = sdpa_kw.get("sinks")
+    leaves = {"dq": q, "dk": k, "dv": v, "dmask": mask, "dsinks": sinks}
+    leaves = {n: t for n, t in leaves.items() if t is not None and t.requires_grad}
+    got = {"out": out} | {n: t.grad for n, t in leaves.items()}
     refs = {}
     for dtype in (torch.float64, case.dtype):
-        copies = [leaf_copy(t.cpu(), dtype if t.is_floating_point() else None) for t in leaves]
-        m = (
-            None
-            if mask is None
-            else (
-                copies[3] if mask.requires_grad else leaf_copy(mask.cpu(), dtype if mask.is_floating_point() else None)
-            )
-        )
-        ref = reference(*copies[:3], mask=m, keep=keep, **naive_kw)
+
+        def copy(t):
+            return None if t is None else leaf_copy(t.cpu(), dtype if t.is_floating_point() else None)
+
+        copies = {n: copy(t) for n, t in leaves.items()}
+        kw = dict(naive_kw, sinks=copies.get("dsinks", copy(sinks)))
+        m = copies.get("dmask", copy(mask))
+        ref = reference(copies["dq"], copies["dk"], copies["dv"], mask=m, keep=keep, **kw)
         ref.backward(grad_out.cpu().to(dtype))
-        refs[dtype] = {"out": ref.to(dtype)} | {
-            n: t.grad.to(dtype) for n, t in zip(("dq", "dk", "dv", "dmask"), copies)
-        }
+        refs[dtype] = {"out": ref.to(dtype)} | {n: t.grad.to(dtype) for n, t in copies.items()}
     for name, value in got.items():
         assert_matches(value, refs[torch.float64][name], refs[case.dtype][name], f"{backend} {f} {name}", case.dtype)
 
@@ -157,6 +160,19 @@ EMPTY_MASK_GRAD = Fuzzed(Case(batch=0, heads_q=1, heads_kv=1, seqlen_q=0, seqlen
 @given(problems())
 @example(EMPTY_MASK_GRAD)  # math: dmask was None (not zeros) for an empty call (fixed in backends/math.py)
 def test_fuzz_math(f):
+    assume(supported("math", f))
+    differential("math", f)
+
+
+EMPTY_SINKS_GRAD = Fuzzed(Case(batch=0, heads_q=1, heads_kv=1, seqlen_q=0, seqlen_k=0, head_dim=1, sinks="grad"))
+
+
+@settings(FUZZ, max_examples=20)
+@given(problems(features=True))
+@example(EMPTY_SINKS_GRAD)  # math: dsinks was None (not zeros) for an empty call (fixed in backends/math.py)
+@example(dataclasses.replace(EMPTY_SINKS_GRAD, case=dataclasses.replace(EMPTY_SINKS_GRAD.case, varlen=(), extra_k=())))
+def test_fuzz_math_softcap_alibi_sinks(f):
+    assume(f.case.softcap or f.case.alibi or f.case.sinks)
     assume(supported("math", f))
     differential("math", f)
 

@@ -130,12 +130,11 @@ def dense_math_attention(
     compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     if 0 in (b, hq, sq, sk):
         out = _empty_output(query, key, value, (b, hq, sq, dv), attn_mask)
-        if not return_lse:
-            return out
-        lse = query.new_full((b, hq, sq), -math.inf, dtype=compute)
         if sinks is not None and sinks.requires_grad:  # keep sinks in the graph: a zero gradient
             out = out + (sinks.sum() * 0).to(out.dtype)
-        return out, lse
+        if not return_lse:
+            return out
+        return out, query.new_full((b, hq, sq), -math.inf, dtype=compute)
     group = hq // hkv
     q = query.to(compute).reshape(b, hkv, group, sq, d)
     k, v = key.to(compute), value.to(compute)
@@ -238,6 +237,8 @@ def math_attention(
         out = torch.cat(outs)
     else:
         out = _empty_output(query, key, value, (0, query.shape[1], value.shape[-1]), attn_mask)
+        if sinks is not None and sinks.requires_grad:  # no sequence: a zero gradient all the same
+            out = out + (sinks.sum() * 0).to(out.dtype)
     if not return_lse:
         return out
     if lses:
