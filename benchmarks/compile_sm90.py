@@ -191,21 +191,29 @@ def ws_cases():
             # KV_LENS: a KV-cache call (kernels/decode.cache_forward): no bias, causal or not, lse
             kv_cache = (False, True) if not const["HAS_BIAS"] and label.split()[0] in ("dense", "causal") else (False,)
             for store_lse, kv_lens in [(lse, False) for lse in (True, False)] + [(True, True)] * (len(kv_cache) - 1):
-                yield (
-                    d,
-                    cfg,
-                    f"ws {name} {label} lse={store_lse}" + (" kv-cache" if kv_lens else ""),
-                    dict(
-                        const,
-                        STORE_LSE=store_lse,
-                        BLOCK_N=cfg.block_n,
-                        STAGES=cfg.stages,
-                        BIAS_STAGES=cfg.bias_stages,
-                        CONSUMER_REGS=cfg.consumer_regs,
-                        NUM_WG=cfg.consumers,
-                        KV_LENS=kv_lens,
-                    ),
-                )
+                # issue 36's softcap, sinks and ALiBi (not in a KV-cache call) with the logsumexp
+                scores = ((False, False), (True, True)) if store_lse and not kv_lens else ((False, False),)
+                for softcap, sinks in scores:
+                    yield (
+                        d,
+                        cfg,
+                        f"ws {name} {label} lse={store_lse}"
+                        + (" kv-cache" if kv_lens else "")
+                        + (" softcap+sinks+alibi" if softcap else ""),
+                        dict(
+                            const,
+                            STORE_LSE=store_lse,
+                            BLOCK_N=cfg.block_n,
+                            STAGES=cfg.stages,
+                            BIAS_STAGES=cfg.bias_stages,
+                            CONSUMER_REGS=cfg.consumer_regs,
+                            NUM_WG=cfg.consumers,
+                            KV_LENS=kv_lens,
+                            SOFTCAP=softcap,
+                            HAS_SINKS=sinks,
+                            HAS_ALIBI=sinks,
+                        ),
+                    )
 
 
 def ws_backward_cases():
@@ -283,7 +291,11 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
             bias_desc=desc(cfg.consumers * wg, cfg.block_n),
             lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16",
             kv_lens="*i32" if constexprs["KV_LENS"] else "*bf16",
+            sinks_ptr="*fp32" if constexprs["HAS_SINKS"] else "*bf16",
             qk_scale="fp32",
+            softcap_in="fp32",
+            softcap="fp32",
+            alibi_ptr="*fp32" if constexprs["HAS_ALIBI"] else "*bf16",
         )
     consts = dict(constexprs)
     if not consts["HAS_BIAS"]:  # gluon/launch.py passes None: a constexpr argument

@@ -102,27 +102,32 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget", type=float, default=150.0, help="seconds: stop starting rounds past it")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
     args = ap.parse_args(argv)
     start = time.time()
-    print(torch.cuda.get_device_name(), "softcap errors:", softcap_errors(), flush=True)
+    variants = [n for n in args.variants.split(",") if n]
+    assert {"plain", "plain-tl"} <= set(variants) <= set(VARIANTS), variants
+    if "softcap-approx" in variants:
+        print(torch.cuda.get_device_name(), "softcap errors:", softcap_errors(), flush=True)
     shape = (args.batch, args.heads, args.seq, 128)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     flops = 4 * args.batch * args.heads * args.seq * args.seq * 128 / (2 if args.causal else 1)
-    times = {(n, mode): [] for n in VARIANTS for mode in ("fwd", "fwd+bwd")}
+    times = {(n, mode): [] for n in variants for mode in ("fwd", "fwd+bwd")}
     for r in range(args.rounds):
         if r and time.time() - start > args.budget:
             print(f"budget reached after {r} rounds", flush=True)
             break
         for mode in ("fwd", "fwd+bwd"):
-            for name in VARIANTS:
+            for name in variants:
                 with variant_setting(name):
                     fn = make_call(name, q, k, v, args.causal, mode == "fwd+bwd")
                     times[(name, mode)].append(do_bench(fn, warmup=10, rep=60))
+    print(torch.cuda.get_device_name(), flush=True)
     label = f"bf16 d128 B={args.batch} H={args.heads} S={args.seq}" + (" causal" if args.causal else "")
     for mode in ("fwd", "fwd+bwd"):
         base = statistics.median(times[("plain", mode)])
         base_tl = statistics.median(times[("plain-tl", mode)])
-        for name in VARIANTS:
+        for name in variants:
             ms = statistics.median(times[(name, mode)])
             tflops = flops * (3.5 if mode == "fwd+bwd" else 1.0) / ms / 1e9
             print(

@@ -265,18 +265,22 @@ def test_sinks_without_grad_and_no_lse_gradient_costs_nothing(monkeypatch):
 
 
 def test_gluon_routes_name_the_feature():
+    """The Gluon forward computes softcap, ALiBi and sinks; softcap and ALiBi in the backward keep
+    the tl kernels with a reason naming the argument; the KV-cache Gluon forward takes none of them."""
     q, k, v = dense()
     steps = describe_route(q, k, v, None, KernelParams(scale=0.25, softcap=5.0), backward=True)
-    assert ("gluon", "softcap: not in the Gluon forward") in steps[0][2]
     assert ("gluon", "softcap: not in the Gluon backward") in steps[1][2]
     alibi = torch.ones(1, 2, device=DEV)
     steps = describe_route(q, k, v, None, KernelParams(scale=0.25), alibi=alibi, backward=True)
-    assert ("gluon", "alibi_slopes: not in the Gluon forward") in steps[0][2]
-    steps = describe_route(q, k, v, None, KernelParams(scale=0.25), sinks=torch.ones(2, device=DEV))
-    assert ("gluon", "sinks: not in the Gluon forward") in steps[0][2]
+    assert ("gluon", "alibi_slopes: not in the Gluon backward") in steps[1][2]
     cache = torch.randn(1, 2, 32, 16, device=DEV)
-    kernel, why = kv_route(q, cache, cache, None, KernelParams(scale=0.25, softcap=5.0))
-    assert why == "softcap: not in the Gluon forward"
+    for params, extra, name in (
+        (KernelParams(scale=0.25, softcap=5.0), {}, "softcap"),
+        (KernelParams(scale=0.25), dict(sinks=torch.ones(2, device=DEV)), "sinks"),
+        (KernelParams(scale=0.25), dict(alibi=alibi), "alibi_slopes"),
+    ):
+        kernel, why = kv_route(q, cache, cache, None, params, **extra)
+        assert kernel == "decode split-KV" and why.startswith(f"{name}: not in the Gluon cache forward"), why
 
 
 def test_bad_inputs_raise():
@@ -388,12 +392,30 @@ def test_gpu_all_features(dtype, causal, window):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("feature", [dict(sinks=True), dict(lse_grad=True), dict(sinks=True, lse_grad=True)], ids=str)
-def test_gpu_gluon_backward_with_sinks_and_lse_grad(feature):
-    """Sinks and a logsumexp gradient reach the Gluon backward through lse and delta only."""
+@pytest.mark.parametrize(
+    "feature",
+    [
+        dict(sinks=True),
+        dict(lse_grad=True),
+        dict(softcap=30.0, sinks=True, lse_grad=True),
+        dict(alibi=True, causal="bottom_right"),
+        dict(softcap=20.0, alibi=True, sinks=True),
+    ],
+    ids=str,
+)
+def test_gpu_gluon_with_softcap_alibi_sinks_lse_grad(feature):
+    """The Gluon forward computes softcap, ALiBi and sinks; sinks and a logsumexp gradient reach the
+    Gluon backward through lse and delta only (a softcap or ALiBi keeps the tl backward)."""
     q, k, v = (rand(1, 2, 4096, 128, dtype=BF16) for _ in range(3))
-    steps = describe_route(q, k, v, None, KernelParams(scale=128**-0.5), backward=True, sinks=torch.ones(2, device=DEV))
-    assert steps[1][1] == "gluon", steps
+    causal = feature.get("causal")
+    params = KernelParams(
+        scale=128**-0.5, softcap=feature.get("softcap", 0.0), align_bottom_right=True, window_right=0 if causal else -1
+    )
+    sinks = torch.ones(2, device=DEV) if feature.get("sinks") else None
+    alibi = torch.ones(1, 2, device=DEV) if feature.get("alibi") else None
+    steps = describe_route(q, k, v, None, params, backward=True, sinks=sinks, alibi=alibi)
+    assert steps[0][1] == "gluon", steps
+    assert steps[1][1] == ("tl" if params.softcap or alibi is not None else "gluon"), steps
     check(q, k, v, **feature)
 
 
@@ -408,12 +430,34 @@ def test_gpu_decode_features(dtype):
     out, lse = triton_attention(q, k, v, None, params, return_lse=True, alibi_slopes=slopes, sinks=sinks)
     lens = torch.full((4,), 4096, dtype=torch.int32, device=DEV)
     dec, dlse = decode_forward(q, k, v, lens, params, alibi=slopes, sinks=sinks, need_lse=True)
-    kk, vv = (t.repeat_interleave(4, 1).double() for t in (k, v))
-    ref, rlse = naive_attention(
-        q.double(), kk, vv, scale=128**-0.5, softcap=20.0, alibi_slopes=slopes.double(), sinks=sinks.double(),
-        return_lse=True,
+    kk, vv = (t.repeat_interleave(4, 1).double().cpu() for t in (k, v))
+    ref, rlse = naive_attention(  # naive.py runs on the CPU
+        q.double().cpu(), kk, vv, scale=128**-0.5, softcap=20.0, alibi_slopes=slopes.double().cpu(),
+        sinks=sinks.double().cpu(), return_lse=True,
     )  # fmt: skip
     for got in (out, dec):
-        assert_matches(got.cpu(), ref.cpu(), None, "out", factor=1.0)
-    for got in (lse, dlse):
-        assert_matches(got.cpu(), rlse.cpu(), None, "lse", dtype=F32, factor=1.0)
+        assert_matches(got.cpu(), ref, None, "out", factor=1.0)
+    for got in (lse, dlse):  # fp32 sums of 4096 exponentials of half-precision products
+        assert_matches(got.cpu(), rlse, None, "lse", dtype=F16, factor=1.0)
+
+
+@gpu
+@needs_cuda
+def test_gpu_kv_cache_gluon_forward_returns_the_merged_lse():
+    """Many new queries over a dense cache: the Gluon forward over whole key tiles, the decode
+    kernel's tail merged into its output and logsumexp in place (kernels/decode.cache_forward)."""
+    from attention_dispatch.kernels.decode import CACHE_GLUON, kv_forward
+
+    b, hq, hkv, sq, cap, d = 2, 8, 2, 256, 8192, 128
+    q = torch.randn(b, hq, sq, d, device=DEV, dtype=BF16)
+    kc, vc = (torch.randn(b, hkv, cap, d, device=DEV, dtype=BF16) for _ in range(2))
+    lens = torch.tensor([8000, 5001], dtype=torch.int32, device=DEV)
+    params = KernelParams(scale=d**-0.5, align_bottom_right=True, window_right=0)
+    assert kv_route(q, kc, vc, None, params)[0] == CACHE_GLUON
+    out, lse = kv_forward(q, kc, vc, lens, params, need_lse=True)
+    for i in range(b):
+        n = int(lens[i])
+        kk, vv = (t[i : i + 1, :, :n].repeat_interleave(hq // hkv, 1).double().cpu() for t in (kc, vc))
+        r_out, r_lse = naive_attention(q[i : i + 1].double().cpu(), kk, vv, causal="bottom_right", return_lse=True)
+        assert_matches(out[i : i + 1].cpu(), r_out, None, "out")
+        assert_matches(lse[i : i + 1].cpu(), r_lse, None, "lse", dtype=BF16)

@@ -1045,7 +1045,11 @@ def test_torch_compile_fullgraph():
 def test_opcheck():
     q, k, v = rand(1, 2, 16, 16), rand(1, 2, 16, 16), rand(1, 2, 16, 16)
     op = torch.ops.attention_dispatch.triton_attention_fwd.default
-    args = (q, k, v, None, None, None, -1, -1) + make_params(q).to_args()
+    args = (q, k, v, None, None, None, -1, -1, None, None) + make_params(q).to_args()
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    # issue 36: ALiBi slopes (stride-0 batch), sinks and a softcap through the same schema
+    slopes, sinks = torch.rand(2, device=DEV).expand(1, 2), torch.randn(2, device=DEV)
+    args = (q, k, v, None, None, None, -1, -1, slopes, sinks) + make_params(q, softcap=3.0).to_args()
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -1816,7 +1820,8 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias, fuse_dq):
         assert bias.tensor is attn_bias  # read in place, never copied
         return (bias.batch_rows, bias.head_rows, bias.rows)
 
-    def fake_forward(q, k, v, out, lse, params, prob, q_rows, kv_rows, bias=None):
+    def fake_forward(q, k, v, out, lse, params, prob, q_rows, kv_rows, bias=None, sinks=None, alibi=None):
+        assert sinks is None and alibi is None
         calls.append(("fwd", q_rows, kv_rows) + bias_rows(bias))
         _, o, l_ = reference(q, k, v, params, bias)
         out.copy_(o.detach().to(out.dtype))  # copy_ moves it to the output's device

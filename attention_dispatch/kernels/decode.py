@@ -300,7 +300,7 @@ def kv_route(q, k_cache, v_cache, block_table, params: KernelParams, alibi=None,
     """(the kernel a KV-cache call runs, CACHE_GLUON or CACHE_DECODE; why not CACHE_GLUON, or None)."""
     from .gluon.route import cache_forward_reason, score_features_reason
 
-    why_not = score_features_reason(params, alibi is not None, sinks is not None, "forward")
+    why_not = score_features_reason(params, alibi is not None, sinks is not None, "cache forward")
     why_not = why_not or cache_forward_reason(q, k_cache, v_cache, block_table, params)
     return (CACHE_DECODE, why_not) if why_not else (CACHE_GLUON, None)
 

@@ -55,7 +55,7 @@ def decode_reason(
     if prob.Sk < DECODE_MIN_KEYS:
         return f"Sk={prob.Sk} < {DECODE_MIN_KEYS}: the forward's tiles cover it"
     if need_lse:
-        return "the call needs gradients (the decode kernel writes no logsumexp)"
+        return "the call needs its logsumexp (gradients or return_lse): the decode route serves inference"
     if prob.varlen:
         return "varlen: dense calls only (sdpa_with_kvcache takes per-sequence lengths)"
     if bias_kind:
@@ -204,7 +204,7 @@ def attention_forward(
     lse = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32) if need_lse else None
     if route.kernel == GLUON:
         ws_bias = gluon_launch.WsBias.of(bt, bstr, prob) if kind else None
-        gluon_launch.forward(q, k, v, out, lse, params, prob, *route.rows, bias=ws_bias)
+        gluon_launch.forward(q, k, v, out, lse, params, prob, *route.rows, bias=ws_bias, sinks=sinks, alibi=alibi)
         return out, lse, seed
     out = tl_launch.forward(q, k, v, out, lse, seed, kind, bt, bstr, params, prob, desc, cu_q, cu_k, alibi, sinks)
     return out, lse, seed

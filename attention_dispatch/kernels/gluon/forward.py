@@ -3,7 +3,7 @@
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from .common import (
     LN2,
@@ -11,20 +11,16 @@ from .common import (
     WG_ROWS,
     _bias_ring,
     _bias_row,
-    _bias_tile,
     _cache_tiles,
     _kv_ring,
     _kv_tiles,
     _load_bias_tile,
-    _mask_tile,
     _program_row,
-    _release_bias,
-    _softmax_step,
     _store_rows,
     _tile_origin,
     _wgmma_layout,
-    _wgmma_operand,
 )
+from .forward_softmax import _consume
 
 
 @gluon.jit
@@ -40,6 +36,9 @@ def _ws_loader(
     BATCH_MINOR: gl.constexpr,
     BIAS_STAGES: gl.constexpr,
     KV_LENS: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_SINKS: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
 ):
     """The forward's TMA loader partition (``args``: _attn_fwd_ws's runtime partition arguments)."""
     (
@@ -61,6 +60,13 @@ def _ws_loader(
         n_m_blocks,
         kv_lens,
         n_new,
+        sinks_ptr,
+        softcap_in,
+        softcap,
+        alibi_ptr,
+        alibi_sb,
+        alibi_sh,
+        alibi_off,
     ) = args
     # the tiles follow from the shared memory the kernel allocated
     BLOCK_M: gl.constexpr = WG_ROWS
@@ -109,6 +115,9 @@ def _ws_consumer(
     BATCH_MINOR: gl.constexpr,
     BIAS_STAGES: gl.constexpr,
     KV_LENS: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_SINKS: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
 ):
     """Consumer warpgroup ``WG`` of the forward (``args``: _attn_fwd_ws's runtime partition arguments)."""
     (
@@ -130,6 +139,13 @@ def _ws_consumer(
         n_m_blocks,
         kv_lens,
         n_new,
+        sinks_ptr,
+        softcap_in,
+        softcap,
+        alibi_ptr,
+        alibi_sb,
+        alibi_sh,
+        alibi_off,
     ) = args
     # the tiles follow from the shared memory the kernel allocated
     BLOCK_M: gl.constexpr = WG_ROWS
@@ -174,6 +190,9 @@ def _ws_consumer(
     # keys: the running max may still be -inf
     MAY_EMPTY: gl.constexpr = HAS_BIAS or WINDOW_LEFT >= 0 or KV_LENS
     mbarrier.wait(q_bar.index(WG), 0)
+    alibi_slope = 0.0
+    if HAS_ALIBI:
+        alibi_slope = gl.load(alibi_ptr + (pid_bh // num_heads) * alibi_sb + (pid_bh % num_heads) * alibi_sh)
     if KV_LENS:
         if n_tiles > 0:
             acc, m_i, l_i = _consume(
@@ -194,6 +213,12 @@ def _ws_consumer(
                 HAS_BIAS,
                 BIAS_STAGES,
                 MAY_EMPTY,
+                softcap_in,
+                softcap,
+                SOFTCAP,
+                alibi_slope,
+                alibi_off,
+                HAS_ALIBI,
             )
         else:  # no whole key tile below the diagonal: the tail kernel computes these rows
             acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
@@ -218,13 +243,25 @@ def _ws_consumer(
             HAS_BIAS,
             BIAS_STAGES,
             MAY_EMPTY,
+            softcap_in,
+            softcap,
+            SOFTCAP,
+            alibi_slope,
+            alibi_off,
+            HAS_ALIBI,
         )
 
     if HAS_BIAS or KV_LENS:  # a row with no allowed key: output 0, logsumexp -inf
         empty = l_i == 0.0
         l_i = gl.where(empty, 1.0, l_i)
         m_i = gl.where(empty, float("-inf"), m_i)
-    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
+    denominator = l_i
+    if HAS_SINKS:  # the sink's 2^(sink - max) (log2 domain): in the denominator, not in the logsumexp
+        sink2 = gl.load(sinks_ptr + pid_bh % num_heads).to(gl.float32) * LOG2E
+        denominator = l_i + gl.exp2(sink2 - gl.where(m_i == float("-inf"), sink2, m_i))
+        if HAS_BIAS or KV_LENS:
+            denominator = gl.where(empty, 1.0, denominator)
+    acc = acc / gl.convert_layout(denominator, row_o)[:, None]
     # with three warpgroups (Sq a multiple of 64, not of 192) the last program's last ones can
     # start past Sq: they ran on the next head's rows (or TMA's zeros) and store nothing
     if q_start < seq_q:
@@ -232,96 +269,6 @@ def _ws_consumer(
             gl.store(lse_ptr + pid_bh * seq_q + rows - diag, (m_i + gl.log2(l_i)) * LN2)
         # the output leaves through this warpgroup's Q buffer (Q is no longer read)
         _store_rows(q_buf, acc.to(dtype), o_desc, pid_bh * seq_q + q_start)
-
-
-@gluon.jit
-def _consume(
-    q_buf,
-    k_bufs,
-    v_bufs,
-    bars,
-    bias,
-    qk_scale,
-    rows,
-    row0,
-    first,
-    n_tiles,
-    n_full,
-    WG: gl.constexpr,
-    WINDOW_LEFT: gl.constexpr,
-    WINDOW_RIGHT: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    BIAS_STAGES: gl.constexpr,
-    MAY_EMPTY: gl.constexpr,
-):
-    """A consumer's pass over its ``n_tiles`` (>= 1) key tiles from ``first``: (unnormalised O,
-    running max, running sum) of its rows (``rows``: their diagonals, from ``row0``)."""
-    BLOCK_M: gl.constexpr = WG_ROWS
-    BLOCK_N: gl.constexpr = k_bufs.shape[1]
-    STAGES: gl.constexpr = k_bufs.shape[0]
-    HEAD_D: gl.constexpr = q_buf.shape[1]
-    dtype: gl.constexpr = q_buf.dtype
-    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _wgmma_layout(HEAD_D)
-    p_layout: gl.constexpr = _wgmma_operand(HEAD_D)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_bar, k_ready, v_ready, k_empty, v_empty = bars
-    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    # scores enter the softmax as sc * scale; with a bias, as (sc * sm_scale + bias) * log2(e)
-    scale = qk_scale
-    if HAS_BIAS:
-        scale = LOG2E
-        sm_scale = qk_scale * LN2
-
-    # tile 0: its scores start the running max and sum
-    mbarrier.wait(k_ready.index(0), 0)
-    k_buf = k_bufs.index(0)
-    sc = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    if HAS_BIAS:
-        b = _bias_tile(bias, 0, WG, BLOCK_M, BIAS_STAGES, s_layout)
-    sc, _, _ = warpgroup_mma_wait(0, deps=[sc, q_buf, k_buf])
-    mbarrier.arrive(k_empty.index(0), count=1)
-    if HAS_BIAS:
-        sc = sc * sm_scale + b
-        _release_bias(bias, 0, BIAS_STAGES)
-    sc = _mask_tile(sc, rows, row0, 0, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-    p, alpha, m_i = _softmax_step(sc, gl.full([BLOCK_M], float("-inf"), gl.float32, row_s), scale, MAY_EMPTY)
-    l_i = gl.sum(p, 1)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    for j in range(1, n_tiles):
-        s = j % STAGES
-        sp = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
-        k_buf = k_bufs.index(s)
-        sc_tok = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
-        v_buf = v_bufs.index(sp)
-        acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-        if HAS_BIAS:
-            b = _bias_tile(bias, j, WG, BLOCK_M, BIAS_STAGES, s_layout)
-        # wgmma groups retire in order: one outstanding = S_j done, P_{j-1} V_{j-1} running
-        sc, _, _ = warpgroup_mma_wait(1, deps=[sc_tok, q_buf, k_buf])
-        mbarrier.arrive(k_empty.index(s), count=1)
-        if HAS_BIAS:
-            sc = sc * sm_scale + b
-            _release_bias(bias, j, BIAS_STAGES)
-        sc = _mask_tile(sc, rows, row0, j, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-        p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
-        mbarrier.arrive(v_empty.index(sp), count=1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-    sl = (n_tiles - 1) % STAGES
-    mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
-    v_buf = v_bufs.index(sl)
-    acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-    acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
-    mbarrier.arrive(v_empty.index(sl), count=1)
-    return acc, m_i, l_i
 
 
 @gluon.jit
@@ -342,6 +289,13 @@ def _attn_fwd_ws(
     bias_head_rows,
     kv_lens,
     n_new,
+    sinks_ptr,
+    softcap_in,
+    softcap,
+    alibi_ptr,
+    alibi_sb,
+    alibi_sh,
+    alibi_off,
     WINDOW_LEFT: gl.constexpr,
     WINDOW_RIGHT: gl.constexpr,
     Q_ROWS: gl.constexpr,
@@ -355,12 +309,20 @@ def _attn_fwd_ws(
     CONSUMER_REGS: gl.constexpr,
     NUM_WG: gl.constexpr,
     KV_LENS: gl.constexpr,
+    SOFTCAP: gl.constexpr = False,
+    HAS_SINKS: gl.constexpr = False,
+    HAS_ALIBI: gl.constexpr = False,
 ):
     """Grid (cdiv(Sq, NUM_WG * 64), B * Hq); one program: NUM_WG * 64 query rows of one (b, h),
     O (B*Hq*Sq, D) rows.  NUM_WG: consumer warpgroups, 2 or 3 (FA3's 192-row tiles at head dim 64,
     where the softmax is as long as the products and a third warpgroup keeps the tensor cores fed).
     ``bias_desc`` (HAS_BIAS): (rows, Sk) bias matrix, tiles (NUM_WG * 64, BLOCK_N); None without.
-    A bias needs two warpgroups: a TMA tile's rows are a power of two."""
+    A bias needs two warpgroups: a TMA tile's rows are a power of two.  SOFTCAP: scores
+    ``softcap * tanh(q k^T * softcap_in)`` (softcap_in = scale / softcap) before the bias;
+    HAS_SINKS: the head's sink (``sinks_ptr``, (Hq,)) joins each row's denominator, not its
+    logsumexp (not with KV_LENS: the tail kernel's merge would count it twice); HAS_ALIBI: minus
+    ``slope[b, h] * |i + alibi_off - j|`` (``alibi_ptr`` fp32 (B, Hq), strides alibi_sb / alibi_sh;
+    not with KV_LENS)."""
     BLOCK_M: gl.constexpr = WG_ROWS  # noqa: F841 - the tile height the docstring names
     gl.static_assert(NUM_WG == 2 or (NUM_WG == 3 and not HAS_BIAS))
     q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES, NUM_WG)
@@ -390,6 +352,13 @@ def _attn_fwd_ws(
         n_m_blocks,
         kv_lens,
         n_new,
+        sinks_ptr,
+        softcap_in,
+        softcap,
+        alibi_ptr,
+        alibi_sb,
+        alibi_sh,
+        alibi_off,
     )
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
@@ -411,6 +380,9 @@ def _attn_fwd_ws(
                         BATCH_MINOR,
                         BIAS_STAGES,
                         KV_LENS,
+                        SOFTCAP,
+                        HAS_SINKS,
+                        HAS_ALIBI,
                     ),
                 ),
                 (
@@ -427,6 +399,9 @@ def _attn_fwd_ws(
                         BATCH_MINOR,
                         BIAS_STAGES,
                         KV_LENS,
+                        SOFTCAP,
+                        HAS_SINKS,
+                        HAS_ALIBI,
                     ),
                 ),
                 (
@@ -443,6 +418,9 @@ def _attn_fwd_ws(
                         BATCH_MINOR,
                         BIAS_STAGES,
                         KV_LENS,
+                        SOFTCAP,
+                        HAS_SINKS,
+                        HAS_ALIBI,
                     ),
                 ),
                 (
@@ -459,6 +437,9 @@ def _attn_fwd_ws(
                         BATCH_MINOR,
                         BIAS_STAGES,
                         KV_LENS,
+                        SOFTCAP,
+                        HAS_SINKS,
+                        HAS_ALIBI,
                     ),
                 ),
             ],
@@ -482,6 +463,9 @@ def _attn_fwd_ws(
                         BATCH_MINOR,
                         BIAS_STAGES,
                         KV_LENS,
+                        SOFTCAP,
+                        HAS_SINKS,
+                        HAS_ALIBI,
                     ),
                 ),
                 (
@@ -498,6 +482,9 @@ def _attn_fwd_ws(
                         BATCH_MINOR,
                         BIAS_STAGES,
                         KV_LENS,
+                        SOFTCAP,
+                        HAS_SINKS,
+                        HAS_ALIBI,
                     ),
                 ),
                 (
@@ -514,6 +501,9 @@ def _attn_fwd_ws(
                         BATCH_MINOR,
                         BIAS_STAGES,
                         KV_LENS,
+                        SOFTCAP,
+                        HAS_SINKS,
+                        HAS_ALIBI,
                     ),
                 ),
             ],

@@ -114,10 +114,14 @@ def forward(
     bias: WsBias | None = None,
     kv_lens: torch.Tensor | None = None,
     n_new: int = 0,
+    sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ):
     """The warp-specialised forward.  ``kv_lens`` (int32 (B,)): a KV-cache call, k and v the dense
     cache (prob.Sk its capacity), sequence b's keys the first kv_lens[b] + n_new, causal aligned
-    bottom-right; only whole key tiles are read (common._cache_tiles; the tail kernel does the rest)."""
+    bottom-right; only whole key tiles are read (common._cache_tiles; the tail kernel does the rest).
+    ``params.softcap``, ``sinks`` ((Hq,) contiguous) and ``alibi`` (fp32 (B, Hq)) as the tl
+    forward's (the last two not with kv_lens)."""
     cfg = C.WS_FWD_CONFIGS[prob.Dqk]
     rows = cfg.consumers * WG_ROWS
     n_m = cdiv(prob.Sq, rows)
@@ -142,6 +146,12 @@ def forward(
             head_rows,
             kv_lens if kv_lens is not None else out,
             n_new,
+            sinks if sinks is not None else out,
+            params.scale / params.softcap if params.softcap else 0.0,
+            params.softcap,
+            alibi if alibi is not None else out,
+            *(alibi.stride() if alibi is not None else (0, 0)),
+            prob.Sk - prob.Sq if params.align_bottom_right else 0,
         ),
         ws_constexprs(
             params,
@@ -150,6 +160,9 @@ def forward(
             KV_ROWS=kv_rows,
             STORE_LSE=lse is not None,
             KV_LENS=kv_lens is not None,
+            SOFTCAP=params.softcap > 0,
+            HAS_SINKS=sinks is not None,
+            HAS_ALIBI=alibi is not None,
             BLOCK_N=cfg.block_n,
             STAGES=cfg.stages,
             BIAS_STAGES=cfg.bias_stages,

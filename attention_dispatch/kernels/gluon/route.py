@@ -110,15 +110,17 @@ def ws_forward_reason(
 
 
 def score_features_reason(params: KernelParams, has_alibi: bool, has_sinks: bool, part: str) -> str | None:
-    """Why the Gluon ``part`` ("forward" or "backward") cannot take a call's score transforms,
-    or None.  The backward reads the sink only through the logsumexp and delta that the tl
-    delta pass prepares, so sinks (and a logsumexp gradient) pass there."""
-    if params.softcap > 0:
+    """Why the Gluon ``part`` ("forward", "backward" or "cache forward" (the KV-cache one, merged with
+    the decode kernel's tail by the logsumexp)) cannot take a call's score transforms, or None.
+    The forward computes the softcap, ALiBi and the sink (forward.py); the backward reads the sink only
+    through the logsumexp and delta that the tl delta pass prepares, so sinks (and a logsumexp
+    gradient) pass there."""
+    if params.softcap > 0 and part != "forward":
         return f"softcap: not in the Gluon {part}"
-    if has_alibi:
+    if has_alibi and part != "forward":
         return f"alibi_slopes: not in the Gluon {part}"
-    if has_sinks and part == "forward":
-        return "sinks: not in the Gluon forward"
+    if has_sinks and part == "cache forward":
+        return "sinks: not in the Gluon cache forward (its tail merge would count the sink twice)"
     return None
 
 

@@ -1,0 +1,180 @@
+"""A consumer warpgroup of the warp-specialised forward: its online softmax over its key tiles, with
+the score transforms (bias, softcap, ALiBi) applied to each tile (conventions: common.py)."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from .common import (
+    LN2,
+    LOG2E,
+    WG_ROWS,
+    _bias_tile,
+    _mask_tile,
+    _release_bias,
+    _softmax_step,
+    _wgmma_layout,
+    _wgmma_operand,
+)
+
+
+@gluon.jit
+def _softcapped(sc, softcap_in, softcap):
+    """softcap * tanh(sc * softcap_in), tanh as 1 - 2 / (e^{2x} + 1): exact at both ends."""
+    return softcap * (1.0 - gl.fdiv(2.0, gl.exp2(sc * (softcap_in * 2.0 * LOG2E)) + 1.0))
+
+
+@gluon.jit
+def _transformed(
+    sc,
+    rows,
+    tile,
+    sm_scale,
+    softcap_in,
+    softcap,
+    alibi_slope,
+    alibi_off,
+    col_layout: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
+):
+    """Raw products of key tile ``tile`` -> natural-log scores before the bias when a bias, a softcap
+    or ALiBi needs them (softcap: softcap * tanh(sc * softcap_in); ALiBi: minus slope * |row +
+    alibi_off - key|), else unchanged (the softmax scales them)."""
+    if SOFTCAP:
+        sc = _softcapped(sc, softcap_in, softcap)
+    elif HAS_BIAS or HAS_ALIBI:
+        sc = sc * sm_scale
+    if HAS_ALIBI:
+        cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, col_layout)
+        sc = sc - alibi_slope * gl.abs(rows[:, None] + alibi_off - cols[None, :]).to(gl.float32)
+    return sc
+
+
+@gluon.jit
+def _consume(
+    q_buf,
+    k_bufs,
+    v_bufs,
+    bars,
+    bias,
+    qk_scale,
+    rows,
+    row0,
+    first,
+    n_tiles,
+    n_full,
+    WG: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BIAS_STAGES: gl.constexpr,
+    MAY_EMPTY: gl.constexpr,
+    softcap_in,
+    softcap,
+    SOFTCAP: gl.constexpr,
+    alibi_slope,
+    alibi_off,
+    HAS_ALIBI: gl.constexpr,
+):
+    """A consumer's pass over its ``n_tiles`` (>= 1) key tiles from ``first``: (unnormalised O,
+    running max, running sum) of its rows (``rows``: their diagonals, from ``row0``)."""
+    BLOCK_M: gl.constexpr = WG_ROWS
+    BLOCK_N: gl.constexpr = k_bufs.shape[1]
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    HEAD_D: gl.constexpr = q_buf.shape[1]
+    dtype: gl.constexpr = q_buf.dtype
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_D)
+    p_layout: gl.constexpr = _wgmma_operand(HEAD_D)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_bar, k_ready, v_ready, k_empty, v_empty = bars
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    # scores enter the softmax as sc * scale; with a bias, a softcap or ALiBi, as (the natural-log
+    # score (_transformed) + bias) * log2(e)
+    scale = qk_scale
+    sm_scale = qk_scale * LN2
+    if HAS_BIAS or SOFTCAP or HAS_ALIBI:
+        scale = LOG2E
+
+    # tile 0: its scores start the running max and sum
+    mbarrier.wait(k_ready.index(0), 0)
+    k_buf = k_bufs.index(0)
+    sc = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if HAS_BIAS:
+        b = _bias_tile(bias, 0, WG, BLOCK_M, BIAS_STAGES, s_layout)
+    sc, _, _ = warpgroup_mma_wait(0, deps=[sc, q_buf, k_buf])
+    mbarrier.arrive(k_empty.index(0), count=1)
+    sc = _transformed(
+        sc,
+        rows,
+        first,
+        sm_scale,
+        softcap_in,
+        softcap,
+        alibi_slope,
+        alibi_off,
+        col_s,
+        BLOCK_N,
+        HAS_BIAS,
+        SOFTCAP,
+        HAS_ALIBI,
+    )
+    if HAS_BIAS:
+        sc = sc + b
+        _release_bias(bias, 0, BIAS_STAGES)
+    sc = _mask_tile(sc, rows, row0, 0, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+    p, alpha, m_i = _softmax_step(sc, gl.full([BLOCK_M], float("-inf"), gl.float32, row_s), scale, MAY_EMPTY)
+    l_i = gl.sum(p, 1)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    for j in range(1, n_tiles):
+        s = j % STAGES
+        sp = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+        k_buf = k_bufs.index(s)
+        sc_tok = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+        v_buf = v_bufs.index(sp)
+        acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        if HAS_BIAS:
+            b = _bias_tile(bias, j, WG, BLOCK_M, BIAS_STAGES, s_layout)
+        # wgmma groups retire in order: one outstanding = S_j done, P_{j-1} V_{j-1} running
+        sc, _, _ = warpgroup_mma_wait(1, deps=[sc_tok, q_buf, k_buf])
+        mbarrier.arrive(k_empty.index(s), count=1)
+        sc = _transformed(
+            sc,
+            rows,
+            first + j,
+            sm_scale,
+            softcap_in,
+            softcap,
+            alibi_slope,
+            alibi_off,
+            col_s,
+            BLOCK_N,
+            HAS_BIAS,
+            SOFTCAP,
+            HAS_ALIBI,
+        )
+        if HAS_BIAS:
+            sc = sc + b
+            _release_bias(bias, j, BIAS_STAGES)
+        sc = _mask_tile(sc, rows, row0, j, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+        p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
+        mbarrier.arrive(v_empty.index(sp), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    sl = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
+    v_buf = v_bufs.index(sl)
+    acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
+    mbarrier.arrive(v_empty.index(sl), count=1)
+    return acc, m_i, l_i
