@@ -156,7 +156,7 @@ FUZZ = settings(
 EMPTY_MASK_GRAD = Fuzzed(Case(batch=0, heads_q=1, heads_kv=1, seqlen_q=0, seqlen_k=0, head_dim=1, mask="float_grad"))
 
 
-@settings(FUZZ, max_examples=30)
+@settings(FUZZ, max_examples=80)
 @given(problems())
 @example(EMPTY_MASK_GRAD)  # math: dmask was None (not zeros) for an empty call (fixed in backends/math.py)
 def test_fuzz_math(f):
@@ -167,7 +167,7 @@ def test_fuzz_math(f):
 EMPTY_SINKS_GRAD = Fuzzed(Case(batch=0, heads_q=1, heads_kv=1, seqlen_q=0, seqlen_k=0, head_dim=1, sinks="grad"))
 
 
-@settings(FUZZ, max_examples=20)
+@settings(FUZZ, max_examples=40)
 @given(problems(features=True))
 @example(EMPTY_SINKS_GRAD)  # math: dsinks was None (not zeros) for an empty call (fixed in backends/math.py)
 @example(dataclasses.replace(EMPTY_SINKS_GRAD, case=dataclasses.replace(EMPTY_SINKS_GRAD.case, varlen=(), extra_k=())))
@@ -177,7 +177,7 @@ def test_fuzz_math_softcap_alibi_sinks(f):
     differential("math", f)
 
 
-@settings(FUZZ, max_examples=30)
+@settings(FUZZ, max_examples=80)
 @given(problems(dropout=False))  # F.sdpa's dropout mask cannot be recovered
 def test_fuzz_torch_cpu(f):
     assume(supported("torch_cpu", f))
@@ -197,7 +197,7 @@ LARGE_SCORES = Fuzzed(
 )
 
 
-@settings(FUZZ, max_examples=6)
+@settings(FUZZ, max_examples=12)
 @given(problems(scales=(None, 1e-4, 0.05, 1.0), magnitudes=(1.0,)))
 def test_fuzz_triton(f):
     if not ad.get_backend("triton").is_available():
