@@ -461,3 +461,81 @@ def test_gpu_kv_cache_gluon_forward_returns_the_merged_lse():
         r_out, r_lse = naive_attention(q[i : i + 1].double().cpu(), kk, vv, causal="bottom_right", return_lse=True)
         assert_matches(out[i : i + 1].cpu(), r_out, None, "out")
         assert_matches(lse[i : i + 1].cpu(), r_lse, None, "lse", dtype=BF16)
+
+
+# ----------------------------------------------------------------------------- through the public API
+
+
+def test_sdpa_triton_backend_takes_the_features():
+    """ad.sdpa(backend="triton"): (Hq,) slopes, sinks requiring grad, softcap and a differentiable
+    lse, against naive in float64 (the budget from naive in float32)."""
+    import attention_dispatch as ad
+
+    q, k, v = dense(b=2, hq=4, hkv=2, sq=7, sk=11)
+    slopes = torch.rand(4, device=DEV) * 0.3
+    sinks = torch.randn(4, device=DEV, requires_grad=True)
+    out, lse = ad.sdpa(
+        q, k, v, causal="bottom_right", enable_gqa=True, softcap=3.0, alibi_slopes=slopes, sinks=sinks,
+        return_lse=True, backend="triton",
+    )  # fmt: skip
+    assert ad.last_decision().backend == "triton"
+    do, dl = torch.randn_like(out), torch.randn_like(lse)
+    got = (out, lse) + torch.autograd.grad((out * do).sum() + (lse * dl).sum(), (q, k, v, sinks))
+    refs = {}
+    for dt in (torch.float64, F32):
+        leaves = [t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v, sinks)]
+        kk, vv = (t.repeat_interleave(2, 1) for t in leaves[1:3])
+        r_out, r_lse = naive_attention(
+            leaves[0], kk, vv, causal="bottom_right", softcap=3.0, alibi_slopes=slopes.cpu().to(dt),
+            sinks=leaves[3], return_lse=True,
+        )  # fmt: skip
+        loss = (r_out * do.cpu().to(dt)).sum() + (r_lse * dl.cpu().to(dt)).sum()
+        refs[dt] = (r_out, r_lse) + torch.autograd.grad(loss, leaves)
+    for name, g, r64, r32 in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, refs[torch.float64], refs[F32]):
+        assert_matches(g.cpu(), r64, r32, name, dtype=F32)
+
+
+def test_sdpa_triton_varlen_lse_is_heads_first():
+    """Varlen: the returned lse is (Hq, total_q), as flash-attn's (the kernels write (total_q, Hq))."""
+    import attention_dispatch as ad
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEV)
+    q, k, v = (torch.randn(8, 2, 16, device=DEV) for _ in range(3))
+    sinks = torch.randn(2, device=DEV)
+    out, lse = ad.sdpa(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5, sinks=sinks, return_lse=True,
+        backend="triton",
+    )  # fmt: skip
+    r_out, r_lse = naive_attention(
+        q.double(), k.double(), v.double(), cu_seqlens_q=cu, cu_seqlens_k=cu, sinks=sinks.double(), return_lse=True
+    )
+    assert lse.shape == (2, 8)
+    assert_matches(out.cpu(), r_out, None, "out", dtype=F32)
+    assert_matches(lse.cpu(), r_lse.T, None, "lse", dtype=F32)
+
+
+def test_sdpa_with_kvcache_triton_takes_the_features():
+    """sdpa_with_kvcache(backend="triton"): softcap, ALiBi (at each sequence's length), sinks and
+    the logsumexp, the new keys appended."""
+    import attention_dispatch as ad
+
+    b, hq, hkv, sq, cap, d = 2, 4, 2, 2, 48, 16
+    q = torch.randn(b, hq, sq, d, device=DEV)
+    kc, vc = torch.randn(b, hkv, cap, d, device=DEV), torch.randn(b, hkv, cap, d, device=DEV)
+    k_new, v_new = torch.randn(b, hkv, sq, d, device=DEV), torch.randn(b, hkv, sq, d, device=DEV)
+    lens = torch.tensor([20, 37], dtype=torch.int32, device=DEV)
+    slopes, sinks = torch.rand(hq, device=DEV) * 0.3, torch.randn(hq, device=DEV)
+    out, lse = ad.sdpa_with_kvcache(
+        q, kc, vc, lens, k_new=k_new, v_new=v_new, causal=True, softcap=4.0, alibi_slopes=slopes, sinks=sinks,
+        return_lse=True, backend="triton",
+    )  # fmt: skip
+    for i in range(b):
+        n = int(lens[i]) + sq
+        kk, vv = (t[i : i + 1, :, :n].repeat_interleave(hq // hkv, 1).double() for t in (kc, vc))
+        assert torch.equal(kc[i, :, n - sq : n], k_new[i])  # appended in place
+        r_out, r_lse = naive_attention(
+            q[i : i + 1].double(), kk, vv, causal="bottom_right", softcap=4.0, alibi_slopes=slopes.double(),
+            sinks=sinks.double(), return_lse=True,
+        )  # fmt: skip
+        assert_matches(out[i : i + 1].cpu(), r_out, None, "out", dtype=F32)
+        assert_matches(lse[i : i + 1].cpu(), r_lse, None, "lse", dtype=F32)
