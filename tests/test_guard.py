@@ -285,3 +285,15 @@ def test_strict_mode_passes_right_backwards_and_leaves_the_graph_usable(backend,
             pytest.skip(f"{backend} does not take {case}")
     out.backward(torch.ones_like(out))  # the caller's backward after the guard's own
     assert q.grad is not None and not torch.isnan(q.grad).any()
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[6], CASES[7]], ids=str)
+def test_check_in_chunks_of_one_row(monkeypatch, case):
+    """Long sequences are checked a few rows at a time (CHUNK_ELEMENTS): every chunk counts."""
+    monkeypatch.setattr(guard, "CHUNK_ELEMENTS", 1)
+    call, out = guarded_call(case)
+    args = (call.problem, call.query, call.key, call.value, call.options)
+    assert guard.check(*args, out, rows=4096) is None
+    bad = out.clone()
+    bad.view(-1)[-1] += 0.05  # the last row: in the last chunk
+    assert guard.check(*args, bad, rows=4096) is not None

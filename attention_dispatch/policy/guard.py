@@ -248,41 +248,64 @@ def _gather_varlen(problem, picks, query, key, value, options, out):
     return torch.stack(qs), torch.stack(ks), torch.stack(vs), allowed, bias, torch.stack(got)
 
 
+# float64 elements of one batch of recomputed rows' keys and values (64 MiB): long sequences
+# are checked a few rows at a time, never as one copy of n x Sk keys
+CHUNK_ELEMENTS = 1 << 23
+
+
+def _chunks(picks, key, options):
+    """The picks in batches whose float64 copies of keys and values stay under CHUNK_ELEMENTS."""
+    width = max(p[6] for p in picks) if options["cu_seqlens_q"] is not None else key.shape[-2]
+    per_row = max(1, width * (key.shape[-1] + 1) * 2)
+    step = max(1, CHUNK_ELEMENTS // per_row)
+    return [picks[i : i + step] for i in range(0, len(picks), step)]
+
+
+def _reference(q, k, v, allowed, bias, scale):
+    """The rows in float64 through the math reference (the band and mask folded into `allowed`
+    / `bias`, so each row is a one-query call without causal or window)."""
+    mask = allowed if bias is None else bias.double().masked_fill(~allowed, -math.inf)
+    out = dense_math_attention(
+        q.double()[:, None, None],
+        k.double()[:, None],
+        v.double()[:, None],
+        mask[:, None, None],
+        scale=scale,
+        bottom_right=True,
+        left=-1,
+        right=-1,
+    )
+    return out[:, 0, 0]
+
+
+def _verdict(picks, error: float, base: float, dtype, factor: float) -> Mismatch | None:
+    allowed_error = factor * base + FLOOR.get(dtype, 1e-5)
+    if error <= allowed_error:
+        return None
+    return Mismatch(error, allowed_error, tuple((b, h, i) for b, h, i, *_ in picks))
+
+
 def check(problem, query, key, value, options: dict, out, rows: int = 8, factor: float = 2.0) -> Mismatch | None:
     """Recompute up to `rows` random query rows of a call (canonical tensors and options, as
     a backend's run() gets them, and its output) and return the Mismatch if the output's rows
     are wrong, else None (also for a call the guard cannot judge)."""
     if not judgeable(problem, options):
         return None
-    with torch.no_grad():
-        picks = _picks(query, options, rows)
-        if not picks:
-            return None
-        gather = _gather_varlen if options["cu_seqlens_q"] is not None else _gather_dense
-        q, k, v, allowed, bias, got = gather(problem, picks, query, key, value, options, out)
-        got = got.double()
-        scale = options["scale"]
-        wide = bias is not None and bias.dtype != query.dtype and bias.dtype.itemsize > query.dtype.itemsize
-        q64, k64, v64 = q.double(), k.double(), v.double()
-        bias64 = None if bias is None else bias.double().masked_fill(~allowed, -math.inf)
-        ref = dense_math_attention(
-            q64[:, None, None],
-            k64[:, None],
-            v64[:, None],
-            allowed[:, None, None] if bias64 is None else bias64[:, None, None],
-            scale=scale,
-            bottom_right=True,
-            left=-1,
-            right=-1,
-        )[:, 0, 0]
-        # a bias wider than the inputs is exact input: the input dtype's error is then rounding alone
-        low = ref.to(query.dtype) if wide else _rows_in(query.dtype, q, k, v, bias, allowed, scale)
-        base = _max_err(low.double(), ref)
-        error = _max_err(got, ref)
-    allowed_error = factor * base + FLOOR.get(query.dtype, 1e-5)
-    if error <= allowed_error:
+    picks = _picks(query, options, rows)
+    if not picks:
         return None
-    return Mismatch(error, allowed_error, tuple((b, h, i) for b, h, i, *_ in picks))
+    gather = _gather_varlen if options["cu_seqlens_q"] is not None else _gather_dense
+    error = base = 0.0
+    with torch.no_grad():
+        for chunk in _chunks(picks, key, options):
+            q, k, v, allowed, bias, got = gather(problem, chunk, query, key, value, options, out)
+            ref = _reference(q, k, v, allowed, bias, options["scale"])
+            # a bias wider than the inputs is exact input: the input dtype's error is then rounding alone
+            wide = bias is not None and bias.dtype != query.dtype and bias.dtype.itemsize > query.dtype.itemsize
+            low = ref.to(query.dtype) if wide else _rows_in(query.dtype, q, k, v, bias, allowed, options["scale"])
+            base = max(base, _max_err(low.double(), ref))
+            error = max(error, _max_err(got.double(), ref))
+    return _verdict(picks, error, base, query.dtype, factor)
 
 
 def check_backward(problem, query, key, value, options: dict, out, rows: int = 8, factor: float = 2.0):
@@ -300,37 +323,23 @@ def check_backward(problem, query, key, value, options: dict, out, rows: int = 8
     grad_out = torch.randn(out.shape, generator=generator, device=out.device, dtype=out.dtype)
     (dq,) = torch.autograd.grad(out, query, grad_out, retain_graph=True)
     gather = _gather_varlen if options["cu_seqlens_q"] is not None else _gather_dense
-    with torch.no_grad():
-        q, k, v, allowed, bias, got = gather(problem, picks, query, key, value, options, dq)
-        grad_rows = gather(problem, picks, query, key, value, options, grad_out)[5]
     scale, dtype = options["scale"], query.dtype
-    wide = bias is not None and bias.dtype != dtype and bias.dtype.itemsize > dtype.itemsize
-    q64 = q.detach().double().requires_grad_()
-    bias64 = None if bias is None else bias.double().masked_fill(~allowed, -math.inf)
-    mask64 = allowed[:, None, None] if bias64 is None else bias64[:, None, None]
-    with torch.enable_grad():
-        ref = dense_math_attention(
-            q64[:, None, None],
-            k.double()[:, None],
-            v.double()[:, None],
-            mask64,
-            scale=scale,
-            bottom_right=True,
-            left=-1,
-            right=-1,
-        )[:, 0, 0]
-        (ref_dq,) = torch.autograd.grad(ref, q64, grad_rows.double())
-        if wide:
-            low_dq = ref_dq.to(dtype)
-        else:
-            ql = q.detach().clone().requires_grad_()
-            (low_dq,) = torch.autograd.grad(_rows_in(dtype, ql, k, v, bias, allowed, scale), ql, grad_rows)
-    base = _max_err(low_dq.double(), ref_dq)
-    error = _max_err(got.double(), ref_dq)
-    allowed_error = factor * base + FLOOR.get(dtype, 1e-5)
-    if error <= allowed_error:
-        return None
-    return Mismatch(error, allowed_error, tuple((b, h, i) for b, h, i, *_ in picks))
+    error = base = 0.0
+    for chunk in _chunks(picks, key, options):
+        with torch.no_grad():
+            q, k, v, allowed, bias, got = gather(problem, chunk, query, key, value, options, dq)
+            grad_rows = gather(problem, chunk, query, key, value, options, grad_out)[5]
+        with torch.enable_grad():
+            q64 = q.detach().double().requires_grad_()
+            (ref_dq,) = torch.autograd.grad(_reference(q64, k, v, allowed, bias, scale), q64, grad_rows.double())
+            if bias is not None and bias.dtype != dtype and bias.dtype.itemsize > dtype.itemsize:
+                low_dq = ref_dq.to(dtype)
+            else:
+                ql = q.detach().clone().requires_grad_()
+                (low_dq,) = torch.autograd.grad(_rows_in(dtype, ql, k, v, bias, allowed, scale), ql, grad_rows)
+        base = max(base, _max_err(low_dq.double(), ref_dq))
+        error = max(error, _max_err(got.double(), ref_dq))
+    return _verdict(picks, error, base, dtype, factor)
 
 
 # ---- the hooks sdpa() calls ------------------------------------------------------------------
