@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from . import config as _config
 from . import registry
 from .call import _check_scalars, check_plain_tensor
 from .features import check_alibi_slopes, check_return_lse, check_sinks, check_softcap
@@ -31,6 +32,7 @@ from .backends.base import dtype_name
 from .debug import _last, _recorders, note_decision
 from .fast_key import _is_compiling, dispatch_state
 from .dispatch import FAST_CALLS_LIMIT, Decision, decide, run_with_fallback
+from .policy import guard_kv as _guard_kv
 from .problem import Problem, _aligned_16, compute_capability
 from .semantics import CausalKind, normalize_window
 
@@ -465,8 +467,15 @@ def sdpa_with_kvcache(
     )
     decided = decide(call.problem, backend)
     decision, out = _execute(decided, call)
+    guard = _config.current_config().guard
+    if guard.mode != "off":  # check the answer; a wrong backend is quarantined and the call re-run
+        decision, out = _guard_kv.guard_kv_call(
+            decision, call, out, guard, lambda: _execute(decide(call.problem, backend), call)
+        )
     note_decision(decision)
-    if key is not None and decision is decided:  # a call that fell back at run time keeps the full path
+    # a call that fell back at run time keeps the full path, as every call of the guard's
+    # sample and strict modes (the repeated-call path below is not checked)
+    if key is not None and decision is decided and guard.mode in ("off", "first"):
         if len(kv_calls) >= FAST_CALLS_LIMIT:
             kv_calls.clear()
         opts = call.options

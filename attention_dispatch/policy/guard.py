@@ -364,6 +364,11 @@ def _judge(name: str, problem, query, key, value, options, out, cfg) -> str | No
     found, what = check(problem, query, key, value, options, out, cfg.rows, cfg.factor), "max error"
     if found is None and cfg.mode == "strict" and problem.requires_grad:
         found, what = check_backward(problem, query, key, value, options, out, cfg.rows, cfg.factor), "dq max error"
+    return _mismatch(name, problem, found, what, cfg)
+
+
+def _mismatch(name: str, problem, found: Mismatch | None, what: str, cfg) -> str | None:
+    """_judge's verdict on `found` (None: the rows matched)."""
     if found is None:
         _passed(name, problem)
         return None
@@ -392,8 +397,12 @@ def guard_call(decision, call, out, cfg, rerun):
         decision, out = rerun()
         if decision.backend in wrong:  # never loop: the quarantine must have rejected it
             raise GuardError(f"numerics guard: backend {decision.backend!r} chosen again after its quarantine")
-        decision = dataclasses.replace(decision, notes=decision.notes + (f"{name} {reason}; ran {decision.backend}",))
+        decision = _noted(decision, name, reason)
     return decision, out
+
+
+def _noted(decision, name: str, reason: str):
+    return dataclasses.replace(decision, notes=decision.notes + (f"{name} {reason}; ran {decision.backend}",))
 
 
 def sampled(runner, decision, options: dict, cfg):
