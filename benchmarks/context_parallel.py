@@ -116,6 +116,7 @@ def _worker(rank: int, world: int, args, init: str, queue) -> None:
                         row["ok"] &= bool(err <= 2 * base + 1e-2) and not torch.isnan(g).any().item()
                     if rank == 0:
                         rows.append(row)
+                        print("cp", row, flush=True)  # progress: a timed-out run still shows its rows
                     del leaves, out, got
             del want, want32
             torch.cuda.empty_cache()
@@ -136,6 +137,8 @@ def _worker(rank: int, world: int, args, init: str, queue) -> None:
         peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         timings[s] = dict(ms=ms, peak_gib=peak.item())
+        if rank == 0:
+            print("cp timing", s, timings[s], flush=True)
         del leaves, dos, step
         torch.cuda.empty_cache()
     if rank == 0:
@@ -155,6 +158,7 @@ def main() -> None:
     if world < 2:
         raise SystemExit(f"needs 2 or more GPUs, found {torch.cuda.device_count()}")
     single = _single_gpu_baselines([65536] if args.quick else [65536, 131072], args.reps)
+    print("single GPU", single, flush=True)
     torch.cuda.empty_cache()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
