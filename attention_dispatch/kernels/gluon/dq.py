@@ -181,6 +181,13 @@ def _attn_bwd_dq_ws(
         n_m_blocks,
         lse_ptr,  # no KV-cache lengths: not read
         0,
+        lse_ptr,  # the forward's sinks, softcap and ALiBi arguments: not read by the loader
+        0.0,
+        0.0,
+        lse_ptr,
+        0,
+        0,
+        0,
     )
     gl.warp_specialize(
         [
@@ -269,7 +276,10 @@ def _attn_bwd_dq_ws(
                     HAS_BIAS,
                     BATCH_MINOR,
                     BIAS_STAGES,
-                    NO_LSE,
+                    NO_LSE,  # KV_LENS
+                    NO_LSE,  # SOFTCAP
+                    NO_LSE,  # HAS_SINKS
+                    NO_LSE,  # HAS_ALIBI
                 ),
             ),
         ],
