@@ -2,11 +2,12 @@
 
 Each rank holds its queries, keys and values at the global positions of the layout
 (layout.py), computes its queries against every rank's keys block by block with ad.sdpa(...,
-return_lse=True) (blocks.py says what each block computes, and skips blocks outside the causal or
-window band), and merges the blocks by their logsumexp (merge.py). The keys and values travel by
-a ring of batch_isend_irecv steps or one all-gather (exchange.py), differentiably: the backward is
-autograd through the blocks' differentiable logsumexp, its gradients sent back along the same
-routes.
+return_lse=True) (blocks.py says what each block computes and skips blocks outside the causal or
+window band; steps.py runs them), and merges the blocks by their logsumexp (merge.py). The keys
+and values travel by a ring of batch_isend_irecv steps or one all-gather (exchange.py). Backward:
+"recompute" (recompute.py: one Function that recomputes each block and sends the keys round
+again with their gradients) or "autograd" (differentiable exchanges, every block's graph kept).
+This module validates the call, checks that the ranks agree, and puts the pieces together.
 """
 
 from __future__ import annotations
