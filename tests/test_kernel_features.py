@@ -426,7 +426,7 @@ def test_gpu_decode_features(dtype):
     q = torch.randn(4, 8, 1, 128, device=DEV, dtype=dtype)
     k, v = (torch.randn(4, 2, 4096, 128, device=DEV, dtype=dtype) for _ in range(2))
     slopes, sinks = torch.rand(4, 8, device=DEV), torch.randn(8, device=DEV)
-    params = KernelParams(scale=128**-0.5, softcap=20.0)
+    params = KernelParams(scale=128**-0.5, softcap=20.0, align_bottom_right=True)  # naive: Sk - Sq
     out, lse = triton_attention(q, k, v, None, params, return_lse=True, alibi_slopes=slopes, sinks=sinks)
     lens = torch.full((4,), 4096, dtype=torch.int32, device=DEV)
     dec, dlse = decode_forward(q, k, v, lens, params, alibi=slopes, sinks=sinks, need_lse=True)
