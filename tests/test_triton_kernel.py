@@ -1402,9 +1402,9 @@ def _spy_forward_ws(monkeypatch):
     def biased(bias):
         return ("bias",) if bias is not None else ()
 
-    def spy(q, k, v, out, lse, params, prob, q_rows, kv_rows, bias=None):
+    def spy(q, k, v, out, lse, params, prob, q_rows, kv_rows, bias=None, **features):  # sinks=, alibi=
         seen.append((q_rows, kv_rows) + biased(bias))
-        return real(q, k, v, out, lse, params, prob, q_rows, kv_rows, bias=bias)
+        return real(q, k, v, out, lse, params, prob, q_rows, kv_rows, bias=bias, **features)
 
     def spy_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None, fuse_dq=False):
         seen.append(("dkdv+dq" if fuse_dq else "dkdv", q_rows, kv_rows, do_rows) + biased(bias))

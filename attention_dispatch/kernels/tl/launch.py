@@ -123,10 +123,11 @@ def forward(
         seed if seed.numel() else dummy,
         cu_q if cu_q is not None else dummy,
         cu_k if cu_k is not None else dummy,
+        alibi if alibi is not None else dummy,
+        sinks if sinks is not None else dummy,
         params.scale * LOG2E,
         float(params.dropout_p),
-        *score_args(params, alibi, dummy),
-        sinks if sinks is not None else dummy,
+        *score_args(params, alibi),
         *prob.q_strides,
         *prob.k_strides,
         *prob.v_strides,
@@ -170,17 +171,13 @@ def forward(
     return as_dtype(out, q.dtype)
 
 
-def score_args(params: KernelParams, alibi, dummy) -> tuple:
-    """The score transforms' runtime arguments of every tl attention kernel (tl/score.py):
-    (ALiBi slopes or a stand-in, softcap_in, softcap_out, slope strides (batch, head))."""
+def score_args(params: KernelParams, alibi) -> tuple:
+    """The score transforms' scalar arguments of every tl attention kernel (tl/score.py):
+    (softcap_in, softcap_out, slope strides (batch, head)); the slopes themselves (or a stand-in)
+    go with the leading pointers, so that the compiled-kernel cache can relaunch the kernel."""
     cap = params.softcap
     strides = (alibi.stride(0), alibi.stride(1)) if alibi is not None else (0, 0)
-    return (
-        alibi if alibi is not None else dummy,
-        params.scale / cap if cap else 0.0,
-        cap * LOG2E,
-        *strides,
-    )
+    return (params.scale / cap if cap else 0.0, cap * LOG2E, *strides)
 
 
 # Input dtypes whose softcap takes the GPU's tanh.approx.f32 (one MUFU op) instead of the exact
@@ -248,7 +245,8 @@ class BackwardArgs(NamedTuple):
     num_sms: int
     lse_strides: tuple
     do_strides: tuple
-    score: tuple  # score_args(): ALiBi slopes or a stand-in, softcap_in, softcap_out, slope strides
+    score: tuple  # score_args(): softcap_in, softcap_out, slope strides
+    alibi_t: torch.Tensor  # the ALiBi slopes or a stand-in (a leading pointer of the dK/dV and dQ kernels)
 
 
 def backward_args(
@@ -285,7 +283,8 @@ def backward_args(
         device_info(q.device)[2],
         prob.lse_strides(),
         prob.out_strides(do),
-        score_args(params, alibi, dummy),
+        score_args(params, alibi),
+        alibi if alibi is not None else dummy,
     )
 
 
@@ -342,7 +341,7 @@ def dkdv_pass(
     grid is small).  ``bcast``: which of the bias's dims broadcast (:func:`bias.bias_layout`)."""
     dev = q.device
     dummy = q
-    bias_t, bstr, seed_t, cu_q_t, cu_k_t, common, traits, limit, num_sms, lse_str, do_str, _ = a
+    bias_t, bstr, seed_t, cu_q_t, cu_k_t, common, traits, limit, num_sms, lse_str, do_str, _, _ = a
     sum_rows = sum_heads = False
     if bias_grad:
         sum_rows = bcast[2] and prob.Sq > 1
@@ -393,6 +392,7 @@ def dkdv_pass(
         dk_out,
         dv_out,
         db_ws,
+        a.alibi_t,
         params.scale * LOG2E,
         params.scale,
         float(params.dropout_p),
@@ -450,7 +450,7 @@ def reduce_dbias(ws: torch.Tensor, bcast, bias: torch.Tensor) -> torch.Tensor:
 def dq_pass(do, q, k, v, lse, delta, params: KernelParams, prob: KernelShapes, a: BackwardArgs) -> torch.Tensor:
     """dQ: query-tile parallel, optionally split over keys (fp32 workspace + atomics)."""
     dev = q.device
-    bias_t, bstr, seed_t, cu_q_t, cu_k_t, common, traits, limit, num_sms, lse_str, do_str, _ = a
+    bias_t, bstr, seed_t, cu_q_t, cu_k_t, common, traits, limit, num_sms, lse_str, do_str, _, _ = a
     cands = run.select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params, **traits)
     bm, bn = cands[0].block_m, cands[0].block_n
     if params.deterministic:
@@ -481,6 +481,7 @@ def dq_pass(do, q, k, v, lse, delta, params: KernelParams, prob: KernelShapes, a
         cu_q_t,
         cu_k_t,
         dq_ws,
+        a.alibi_t,
         params.scale * LOG2E,
         params.scale,
         float(params.dropout_p),
