@@ -1,6 +1,6 @@
 """Decode steps and the decision caches (issue 34): sdpa() with a key length growing by one per
 call reuses a proven decision (dispatch.seqlen_k_span, fast_key.length_key); a repeated
-sdpa_with_kvcache() call skips normalisation and the decision (kvcache.kv_call_key)."""
+sdpa_with_kvcache() call skips normalisation and the decision (kv_fast_key.kv_call_key)."""
 
 import dataclasses
 import operator
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attention_dispatch as ad
-from attention_dispatch import api, caches, dispatch, kvcache, perf_table
+from attention_dispatch import api, caches, dispatch, kv_fast_key, kvcache, perf_table
 from attention_dispatch.api import normalize_call
 from attention_dispatch.backends.math import math_attention
 from attention_dispatch.config import current_config
@@ -400,7 +400,7 @@ def test_kvcache_hits_still_check_values_on_the_cpu():
     lens = torch.tensor([5, 6], dtype=torch.int32)
     ad.sdpa_with_kvcache(q, k_cache, v_cache, lens)
     ad.sdpa_with_kvcache(q, k_cache, v_cache, lens)
-    assert len(kvcache.kv_calls) == 1
+    assert len(kv_fast_key.kv_calls) == 1
     with pytest.raises(ValueError, match=r"cache_seqlens\[1\]=33 exceeds the cache's capacity 32"):
         ad.sdpa_with_kvcache(q, k_cache, v_cache, torch.tensor([5, 33], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"cache_seqlens\[0\]=-1 is negative"):

@@ -1,0 +1,109 @@
+"""sdpa_with_kvcache()'s fast-path key: the signature of a repeated call (a decode step: same
+shapes, strides, dtypes, devices, alignment and options; cache_seqlens, block_table and the
+tensors' contents may change) whose normalisation and decision an earlier call already made,
+and ``kv_calls``, what such a call reuses.  kvcache.py's module doc says what a hit still does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .caches import register_cache
+from .fast_key import _is_compiling, dispatch_state
+
+# sdpa_with_kvcache()'s repeated calls: kv_call_key -> (Decision, the backend's run_kvcache, its
+# causal, window and scale, KvCall.limits, whether the tensors are on CUDA)
+kv_calls: dict = {}
+register_cache("kv_fast_key.kv_calls", kv_calls.clear, kv_calls.__len__)
+
+
+def kv_call_key(
+    query,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    k_new,
+    v_new,
+    block_table,
+    causal,
+    window,
+    scale,
+    enable_gqa,
+    backend,
+    validate,
+):
+    """sdpa_with_kvcache()'s fast-path key (module doc), for plain tensors and scalar options of
+    the plain types (causal a bool or None, window None or two ints, scale None or a float, an
+    int cache_seqlens or an int32 tensor); None when the call must take the full path.  It
+    holds what normalize_kvcache() reads but the values of cache_seqlens and block_table
+    (shapes, strides, dtypes, devices and 16-byte alignment of every tensor, the option values
+    with their types) and what decide() keys on (config, registry, scope, torch's determinism
+    flags, which some backends' checks read)."""
+    tensor = torch.Tensor
+    if (
+        type(query) is not tensor
+        or type(k_cache) is not tensor
+        or type(v_cache) is not tensor
+        or (causal is not None and type(causal) is not bool)
+        or (scale is not None and type(scale) is not float)
+        or type(enable_gqa) is not bool
+        or (backend is not None and type(backend) is not str)
+        or (validate is not None and type(validate) is not bool)
+        or (
+            window is not None
+            and not (type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int)
+        )
+        or _is_compiling()
+    ):
+        return None
+    try:  # a strided nested tensor has no shape or strides (normalize_kvcache says what to pass)
+        # each tensor's shape, strides, dtype, device and 16-byte alignment, read inline (every decode step pays here)
+        q_key = query.shape, query.stride(), query.dtype, query.device, query.data_ptr() & 15
+        k_key = k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, k_cache.data_ptr() & 15
+        v_key = v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, v_cache.data_ptr() & 15
+        if type(cache_seqlens) is int:
+            lengths = int
+        elif type(cache_seqlens) is tensor:
+            lengths = (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device)
+        else:
+            return None
+        if k_new is None and v_new is None:
+            new = None
+        elif type(k_new) is tensor and type(v_new) is tensor:
+            new = (
+                k_new.shape,
+                k_new.stride(),
+                k_new.dtype,
+                k_new.device,
+                k_new.data_ptr() & 15,
+                v_new.shape,
+                v_new.stride(),
+                v_new.dtype,
+                v_new.device,
+                v_new.data_ptr() & 15,
+            )
+        else:
+            return None
+        if block_table is None:
+            table = None
+        elif type(block_table) is tensor and not block_table.is_nested:
+            table = (block_table.shape, block_table.dtype, block_table.device)
+        else:
+            return None
+    except RuntimeError:
+        return None
+    return (
+        q_key,
+        k_key,
+        v_key,
+        lengths,
+        new,
+        table,
+        causal,
+        window,
+        scale,
+        enable_gqa,
+        backend,
+        validate,
+        dispatch_state(),  # config, registry, scope, determinism
+    )
