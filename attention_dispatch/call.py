@@ -1,9 +1,9 @@
 """Argument normalisation: sdpa()'s arguments -> one canonical call and its Problem.
 
 Everything is validated here, before any backend sees a tensor: shapes (with
-F.scaled_dot_product_attention's broadcasting), dtypes, masks (PyTorch's ``CausalBias``
-mapped to our causal kinds), tensor subclasses (handled on purpose, never taken for plain
-tensors), varlen offsets and nested tensors.
+F.scaled_dot_product_attention's broadcasting, broadcasting.py), dtypes, masks (PyTorch's
+``CausalBias`` mapped to our causal kinds), tensor subclasses (handled on purpose, never taken
+for plain tensors), varlen offsets and nested tensors.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from . import config as _config
+from .broadcasting import check_heads, dense_layout, fold_mask_batch, shape_text
 from .caches import register_cache
 from .features import check_alibi_slopes, check_return_lse, check_sinks, check_softcap
 from .problem import Problem, _aligned_16, compute_capability
@@ -69,10 +70,6 @@ class CallFacts(NamedTuple):
     sinks: bool
     sinks_grad: bool
     return_lse: bool
-
-
-def _shape(t) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
 # ---- tensor subclasses -------------------------------------------------------------------
@@ -146,18 +143,6 @@ def _check_tensors(query, key, value) -> None:
             "query, key and value must be on one device, got "
             f"query={query.device}, key={key.device}, value={value.device}"
         )
-
-
-def _check_heads(hq: int, hkv: int, hv: int, enable_gqa: bool) -> None:
-    if hkv != hv:
-        raise ValueError(f"key has {hkv} heads but value has {hv}; they must match")
-    if hq != hkv:
-        if not enable_gqa:
-            raise ValueError(
-                f"query has {hq} heads but key/value have {hkv}; pass enable_gqa=True for grouped-query attention"
-            )
-        if hkv == 0 or hq % hkv:
-            raise ValueError(f"enable_gqa=True needs query heads ({hq}) to be a multiple of key/value heads ({hkv})")
 
 
 def mask_kept_as_given(mask_dtype: torch.dtype, query_dtype: torch.dtype) -> bool:
@@ -241,7 +226,7 @@ def _cu_tensor(cu, name: str, device) -> torch.Tensor:
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but query is on {device}")
     if cu.dim() != 1 or cu.numel() < 1:
-        raise ValueError(f"{name} must be 1-D of length batch+1, got shape {_shape(cu)}")
+        raise ValueError(f"{name} must be 1-D of length batch+1, got shape {shape_text(cu)}")
     return cu if offsets_kept_as_given(cu) else cu.to(torch.int32)
 
 
@@ -267,85 +252,6 @@ def _unpack_nested(query, key, value):
     # one offsets tensor stays one (it tells the dispatcher that query and key lengths match)
     cu_k = cu_q if offsets_k is offsets_q else offsets_k.to(torch.int32)
     return [p.values() for p in packed], cu_q, cu_k, offsets_q
-
-
-# ---- dense layouts: F.sdpa's broadcasting --------------------------------------------------
-
-
-def _dense_layout(query, key, value, enable_gqa: bool):
-    """Bring dense inputs of any rank >= 2 to (B, H, S, D), broadcasting as F.sdpa does:
-    leading batch dims broadcast against each other (a 4-D query with 3-D key/value
-    included), and a single key/value head serves every query head (a single query head
-    meets every key/value head).  Returns the canonical tensors, the output's shape in the
-    caller's layout (None when it is the canonical one) and the leading dims of the mask's
-    target."""
-    qs, ks, vs = query.shape, key.shape, value.shape
-    if (
-        len(qs) == len(ks) == len(vs) == 4
-        and qs[0] == ks[0] == vs[0]
-        and ks[1] == vs[1]
-        and ks[2] == vs[2]
-        and qs[3] == ks[3]
-        and (qs[1] == ks[1] or (enable_gqa and ks[1] and qs[1] % ks[1] == 0))
-    ):  # the common call: nothing to broadcast
-        return query, key, value, None, (qs[0], qs[1])
-    ranks = (query.dim(), key.dim(), value.dim())
-    if min(ranks) < 2:
-        raise ValueError(
-            "query, key and value need at least 2 dims ((L, E), (N, L, E) or (*batch, H, L, E)), "
-            f"got {_shape(query)}, {_shape(key)}, {_shape(value)}"
-        )
-    rank = max(ranks)
-    if key.shape[-2] != value.shape[-2]:
-        raise ValueError(f"key has {key.shape[-2]} positions but value has {value.shape[-2]}")
-    if query.shape[-1] != key.shape[-1]:
-        raise ValueError(f"query head_dim {query.shape[-1]} != key head_dim {key.shape[-1]}")
-    full = max(rank, 4)
-    q, k, v = (
-        t if t.dim() == full else t.reshape((1,) * (full - t.dim()) + tuple(t.shape)) for t in (query, key, value)
-    )
-    batch = []
-    for sizes in zip(q.shape[:-3], k.shape[:-3], v.shape[:-3]):
-        size = max(sizes)
-        if any(n not in (1, size) for n in sizes):
-            raise ValueError(
-                f"batch dims do not broadcast: query {_shape(query)}, key {_shape(key)}, value {_shape(value)}"
-            )
-        batch.append(size)
-    batch = tuple(batch)
-    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
-    if hk != hv and 1 in (hk, hv):  # one of key/value broadcasts over the other's heads
-        hk = hv = max(hk, hv)
-    heads_out = hq
-    if hq != hk and not (enable_gqa and hk and hq % hk == 0):
-        if hk == 1:
-            pass  # one key/value head for every query head: MQA, no copy
-        elif hq == 1:
-            heads_out = hk  # one query head against every key/value head
-        else:
-            _check_heads(hq, hk, hv, enable_gqa)
-    _check_heads(heads_out, hk, hv, True)
-
-    def canonical(t, heads):
-        want = batch + (heads,) + tuple(t.shape[-2:])
-        if tuple(t.shape) != want:  # broadcast: copy, so every backend sees ordinary strides
-            t = t.expand(want).contiguous()
-        return t if t.dim() == 4 else t.reshape((-1,) + want[-3:])
-
-    q, k, v = canonical(q, heads_out), canonical(k, hk), canonical(v, hk)
-    out_shape = (batch + (heads_out,))[len(batch) + 1 - (rank - 2) :] + (q.shape[2], v.shape[3])
-    same = rank == 4 and q is query and k is key and v is value
-    return q, k, v, None if same else out_shape, batch + (heads_out,)
-
-
-def _fold_mask_batch(mask, batch: tuple[int, ...]):
-    """A mask of rank len(batch) + 3 -> 4-D: its batch dims folded into one."""
-    if len(batch) == 1:
-        return mask
-    lead = tuple(mask.shape[: len(batch)])
-    if all(n == 1 for n in lead):
-        return mask.reshape((1,) + tuple(mask.shape[len(batch) :]))
-    return mask.expand(batch + tuple(mask.shape[len(batch) :])).reshape((-1,) + tuple(mask.shape[len(batch) :]))
 
 
 # ---- the whole call ----------------------------------------------------------------------
@@ -435,7 +341,7 @@ def normalize_call(
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t.dim() != 3:
                 raise ValueError(
-                    f"with cu_seqlens, {name} must be packed (total, heads, head_dim), got shape {_shape(t)}"
+                    f"with cu_seqlens, {name} must be packed (total, heads, head_dim), got shape {shape_text(t)}"
                 )
         if key.shape[0] != value.shape[0]:
             raise ValueError(f"key and value must have the same packed length, got {key.shape[0]} and {value.shape[0]}")
@@ -459,7 +365,7 @@ def normalize_call(
         max_k = _seqlens(cu_k, "cu_seqlens_k", key.shape[0], max_seqlen_k, validate)
         batch, hq, dqk = cu_q.numel() - 1, query.shape[1], query.shape[2]
         hkv, dv = key.shape[1], value.shape[2]
-        _check_heads(hq, hkv, value.shape[1], enable_gqa)
+        check_heads(hq, hkv, value.shape[1], enable_gqa)
         if key.shape[2] != dqk:
             raise ValueError(f"query head_dim {dqk} != key head_dim {key.shape[2]}")
         sq, sk = max_q, max_k
@@ -477,7 +383,7 @@ def normalize_call(
         cu_q = cu_k = None
         max_q = max_k = None
         same_offsets = False
-        query, key, value, out_shape, lead = _dense_layout(query, key, value, enable_gqa)
+        query, key, value, out_shape, lead = dense_layout(query, key, value, enable_gqa)
         if attn_mask is not None:
             attn_mask = _broadcast_mask(
                 attn_mask,
@@ -485,7 +391,7 @@ def normalize_call(
                 "(B, Hq, Sq, Sk)" if len(lead) == 2 else "the output's (*batch, Hq, Sq, Sk)",
                 query,
             )
-            attn_mask = _fold_mask_batch(attn_mask, lead[:-1])
+            attn_mask = fold_mask_batch(attn_mask, lead[:-1])
         if out_shape is not None:
             steps.append(lambda out, shape=out_shape: out.reshape(shape))
             lse_steps.append(lambda lse, shape=out_shape[:-1]: lse.reshape(shape))
