@@ -336,6 +336,74 @@ def _softmax_step(sc, m_i, scale, MAY_EMPTY: gl.constexpr):
 
 
 @gluon.jit
+def _tanh(x):
+    """tanh.approx.f32: one MUFU op (max relative error 2^-11, below the 16-bit inputs' rounding;
+    FlashAttention's softcap uses it too) where 1 - 2 / (e^{2x} + 1) took two (E87)."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+# float32 1.5 * 2^23: MAGIC + n is exact for integers |n| < 2^22 (:func:`_small_int_f32`)
+MAGIC = gl.constexpr(12582912.0)
+
+
+@gluon.jit
+def _small_int_f32(n):
+    """MAGIC + n as float32 for int32 ``n`` (|n| < 2^22): its bits, with no conversion instruction;
+    the difference of two such values is exact."""
+    return (n + 0x4B400000).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _score_scales(qk_scale, softcap, alibi_slope, HAS_BIAS: gl.constexpr, SOFTCAP: gl.constexpr):
+    """(scale, to_nat, alibi_coef) of issue 36's score transforms (:func:`_score_transform`): the
+    softmax takes scores in units of ``scale`` (log2 per unit): the raw products (qk_scale), the
+    softcap's tanh (softcap * log2(e): the cap's product folded into the softmax's one FMA), or with
+    a bias natural-log scores (log2(e); ``to_nat``: natural log per raw unit); ALiBi's slope in those
+    units."""
+    scale = qk_scale
+    to_nat = qk_scale * LN2
+    if SOFTCAP:
+        scale = softcap * LOG2E
+        to_nat = softcap
+    if HAS_BIAS:
+        scale = LOG2E
+    return scale, to_nat, alibi_slope * LOG2E / scale
+
+
+@gluon.jit
+def _score_transform(
+    sc,
+    rows_f,
+    cols_f,
+    softcap_in,
+    to_nat,
+    alibi_coef,
+    HAS_BIAS: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
+    ROWLESS: gl.constexpr,
+):
+    """Raw products -> (scores in :func:`_score_scales`' units before the bias, tanh or 0.0): a
+    softcap's tanh(sc * softcap_in) (d score / d(raw) = to_nat * (1 - tanh^2)), times ``to_nat``
+    before a bias, minus ALiBi's ``alibi_coef * |i + off - j|`` from ``rows_f`` = MAGIC + i + off -
+    origin and ``cols_f`` = MAGIC + j - origin (:func:`_small_int_f32`), broadcast to sc's shape in
+    either orientation.  ROWLESS (every allowed key j <= i + off): plus alibi_coef * (j - origin)
+    only; the query's term is constant along a softmax row, which the caller restores."""
+    t = 0.0
+    if SOFTCAP:
+        t = _tanh(sc * softcap_in)
+        sc = t
+    if HAS_BIAS:
+        sc = sc * to_nat
+    if HAS_ALIBI:
+        if ROWLESS:
+            sc = sc + alibi_coef * (cols_f - MAGIC)
+        else:
+            sc = sc - alibi_coef * gl.abs(rows_f - cols_f)
+    return sc, t
+
+
+@gluon.jit
 def _lse_log2(lse, MAY_EMPTY: gl.constexpr):
     """Logsumexp rows in the log2 domain for P = exp2(scores - lse); a row with no allowed key
     (lse = -inf, MAY_EMPTY) becomes +inf, so its P is 0 instead of NaN."""

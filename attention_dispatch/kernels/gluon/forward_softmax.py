@@ -6,12 +6,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .common import (
-    LN2,
     LOG2E,
+    MAGIC,
     WG_ROWS,
     _bias_tile,
     _mask_tile,
     _release_bias,
+    _score_scales,
+    _score_transform,
+    _small_int_f32,
     _softmax_step,
     _wgmma_layout,
     _wgmma_operand,
@@ -19,37 +22,36 @@ from .common import (
 
 
 @gluon.jit
-def _softcapped(sc, softcap_in, softcap):
-    """softcap * tanh(sc * softcap_in), tanh as 1 - 2 / (e^{2x} + 1): exact at both ends."""
-    return softcap * (1.0 - gl.fdiv(2.0, gl.exp2(sc * (softcap_in * 2.0 * LOG2E)) + 1.0))
-
-
-@gluon.jit
 def _transformed(
     sc,
-    rows,
+    rows_f,
     tile,
-    sm_scale,
+    key0,
     softcap_in,
-    softcap,
-    alibi_slope,
-    alibi_off,
+    to_nat,
+    alibi_coef,
     col_layout: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr,
+    ALIBI_ROWLESS: gl.constexpr,
 ):
-    """Raw products of key tile ``tile`` -> natural-log scores before the bias when a bias, a softcap
-    or ALiBi needs them (softcap: softcap * tanh(sc * softcap_in); ALiBi: minus slope * |row +
-    alibi_off - key|), else unchanged (the softmax scales them)."""
-    if SOFTCAP:
-        sc = _softcapped(sc, softcap_in, softcap)
-    elif HAS_BIAS or HAS_ALIBI:
-        sc = sc * sm_scale
-    if HAS_ALIBI:
-        cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, col_layout)
-        sc = sc - alibi_slope * gl.abs(rows[:, None] + alibi_off - cols[None, :]).to(gl.float32)
+    """Raw products of key tile ``tile`` -> scores before the bias (:func:`_score_transform`; the
+    distances from ``key0``, ``rows_f`` = MAGIC + i + off - key0 per row)."""
+    cols_f = _small_int_f32(tile * BLOCK_N - key0 + gl.arange(0, BLOCK_N, col_layout))
+    sc, _ = _score_transform(
+        sc,
+        rows_f[:, None],
+        cols_f[None, :],
+        softcap_in,
+        to_nat,
+        alibi_coef,
+        HAS_BIAS,
+        SOFTCAP,
+        HAS_ALIBI,
+        ALIBI_ROWLESS,
+    )
     return sc
 
 
@@ -95,12 +97,11 @@ def _consume(
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    # scores enter the softmax as sc * scale; with a bias, a softcap or ALiBi, as (the natural-log
-    # score (_transformed) + bias) * log2(e)
-    scale = qk_scale
-    sm_scale = qk_scale * LN2
-    if HAS_BIAS or SOFTCAP or HAS_ALIBI:
-        scale = LOG2E
+    scale, to_nat, alibi_coef = _score_scales(qk_scale, softcap, alibi_slope, HAS_BIAS, SOFTCAP)
+    # ALiBi: the distances count from key0, this warpgroup's first diagonal, and stay small
+    ALIBI_ROWLESS: gl.constexpr = HAS_ALIBI and WINDOW_RIGHT == 0  # banded: Sq == Sk, off = 0
+    key0 = row0 + alibi_off
+    rows_f = _small_int_f32(rows + alibi_off - key0)
 
     # tile 0: its scores start the running max and sum
     mbarrier.wait(k_ready.index(0), 0)
@@ -112,18 +113,18 @@ def _consume(
     mbarrier.arrive(k_empty.index(0), count=1)
     sc = _transformed(
         sc,
-        rows,
+        rows_f,
         first,
-        sm_scale,
+        key0,
         softcap_in,
-        softcap,
-        alibi_slope,
-        alibi_off,
+        to_nat,
+        alibi_coef,
         col_s,
         BLOCK_N,
         HAS_BIAS,
         SOFTCAP,
         HAS_ALIBI,
+        ALIBI_ROWLESS,
     )
     if HAS_BIAS:
         sc = sc + b
@@ -148,18 +149,18 @@ def _consume(
         mbarrier.arrive(k_empty.index(s), count=1)
         sc = _transformed(
             sc,
-            rows,
+            rows_f,
             first + j,
-            sm_scale,
+            key0,
             softcap_in,
-            softcap,
-            alibi_slope,
-            alibi_off,
+            to_nat,
+            alibi_coef,
             col_s,
             BLOCK_N,
             HAS_BIAS,
             SOFTCAP,
             HAS_ALIBI,
+            ALIBI_ROWLESS,
         )
         if HAS_BIAS:
             sc = sc + b
@@ -177,4 +178,6 @@ def _consume(
     acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
     mbarrier.arrive(v_empty.index(sl), count=1)
+    if ALIBI_ROWLESS:  # the rows' ALiBi term back in the max (-inf stays -inf)
+        m_i = m_i - (alibi_slope * LOG2E) * (rows_f - MAGIC)
     return acc, m_i, l_i
