@@ -14,10 +14,8 @@ from .base import Capabilities
 from .kv_append import append_kv
 from .torch_sdpa import (
     HALF_DTYPES,
-    MASK,
     CpuPinnedKernel,
     TorchSdpaBackend,
-    _kv_mask,
     deterministic_flag,
     fold_pays,
     fold_rows,
@@ -271,9 +269,10 @@ class TorchCpuBackend(TorchSdpaBackend):
         capacity.  One length L for every sequence: a dense call over the first L keys (causal
         is bottom-right against L, which a single query row never needs): the CPU op itself
         where run() would call F.sdpa without a mask (GQA folded where that pays;
-        _direct_dense), else run().  Lengths that differ: F.sdpa with the bool mask of the
-        shared adapter (key j < L_b, causal aligned to L_b) over the longest; the shorter
-        sequences' keys up to it are read under a False mask (finite there, as any cache)."""
+        _direct_dense), else run().  Lengths that differ: the same per sequence over its own
+        L_b keys, so no row past a length is read (a cache from torch.empty may hold NaN there,
+        which a mask does not remove: 0 x NaN); as fast as one masked call over the longest
+        or faster (the CPU kernel's masked path is the slow one; docs/decisions.md)."""
         if block_table is not None or window is not None:
             raise ValueError(f"{self.name}: a paged KV cache or a window is not supported (rejected by check())")
         b, hq, sq, _ = query.shape
@@ -291,12 +290,23 @@ class TorchCpuBackend(TorchSdpaBackend):
         keys = min(longest + n_new, capacity)  # capacity: validate=False leaves the lengths unchecked
         if 0 in (b, hq, sq) or keys <= 0:
             return query.new_zeros(b, hq, sq, v_cache.shape[-1])
-        k, v = k_cache.narrow(2, 0, keys), v_cache.narrow(2, 0, keys)
         if shortest + n_new == keys:  # every sequence has `keys` keys
-            out = self._direct_dense(query, k, v, causal, scale)
-            return self.run(query, k, v, causal=causal, scale=scale) if out is None else out
-        allowed = _kv_mask(cache_seqlens + n_new if n_new else cache_seqlens, sq, keys, causal if sq > 1 else None)
-        return self._run_dense(query, k, v, allowed, 0.0, None, scale, MASK)
+            return self._exact_keys(query, k_cache, v_cache, keys, causal, scale)
+        out = query.new_empty(b, hq, sq, v_cache.shape[-1])
+        for i, n in enumerate(lengths):
+            n = min(n + n_new, capacity)
+            rows = slice(i, i + 1)
+            if n <= 0:
+                out[rows] = 0
+            else:
+                out[rows] = self._exact_keys(query[rows], k_cache[rows], v_cache[rows], n, causal, scale)
+        return out
+
+    def _exact_keys(self, query, k_cache, v_cache, keys, causal, scale):
+        """Attention over the first `keys` keys of every sequence (the CPU op where it applies)."""
+        k, v = k_cache.narrow(2, 0, keys), v_cache.narrow(2, 0, keys)
+        out = self._direct_dense(query, k, v, causal, scale)
+        return self.run(query, k, v, causal=causal, scale=scale) if out is None else out
 
     def _direct_dense(self, query, key, value, causal, scale):
         """run()'s result for a non-empty dense call without mask or dropout where run() would
