@@ -42,10 +42,11 @@ How our call maps onto ``F.scaled_dot_product_attention``:
   the same attention (each row attends on its own), with each K/V tile read once for G heads.
 - a dense KV cache (sdpa_with_kvcache; backends that take a bool mask): k_new/v_new written
   into the cache in place (kv_append.py), then F.sdpa over the whole cache with a bool mask
-  built on the device from ``cache_seqlens`` (key j < L_b, causal aligned to L_b): nothing is
-  read on the host, so it can be captured in a CUDA graph.  Paged caches, windows: no.  The
-  CPU backend reads the lengths (free there) and computes over the longest only
-  (``TorchCpuBackend.run_kvcache``).
+  built on the device from ``cache_seqlens`` (key j < L_b, causal aligned to L_b), the rows
+  past each L_b zeroed in a copy (``torch.where``: a mask leaves a NaN there in the sum):
+  nothing is read on the host, so it can be captured in a CUDA graph.  Paged caches, windows:
+  no.  The CPU backend reads the lengths (free there) and computes each sequence over its own
+  keys only (``TorchCpuBackend.run_kvcache``).
 - varlen (cu_seqlens): ``torch.nested.nested_tensor_from_jagged`` on the packed tensors;
   GQA is expanded to full heads first (nested inputs broadcast heads only without grad);
   sequences of length 0 are left out of the kernel call (their rows are 0).
@@ -512,7 +513,8 @@ class TorchSdpaBackend(Backend):
 
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):
         """A dense KV cache: the append (kv_append.py), then F.sdpa over the whole cache with
-        a bool mask built on the device from cache_seqlens (module doc)."""
+        a bool mask built on the device from cache_seqlens, rows past the lengths zeroed in a
+        copy (module doc)."""
         if block_table is not None or window is not None:
             raise ValueError(f"{self.name}: a paged KV cache or a window is not supported (rejected by check())")
         b, hq, sq, _ = query.shape
@@ -524,7 +526,12 @@ class TorchSdpaBackend(Backend):
         if 0 in (b, hq, sq, capacity):
             return query.new_zeros(b, hq, sq, v_cache.shape[-1])
         mask = _kv_mask(lengths, sq, capacity, causal)
-        return self._run_dense(query, k_cache, v_cache, mask, 0.0, None, scale, MASK)
+        # rows past L_b may hold NaN/Inf (torch.empty): a False mask entry leaves them in the
+        # sum (score NaN + -inf, or P = 0 times NaN), so the kernel gets zeros there instead
+        valid = (torch.arange(capacity, device=lengths.device) < lengths.view(-1, 1, 1)).unsqueeze(-1)
+        zero = torch.zeros((), dtype=k_cache.dtype, device=k_cache.device)
+        key, value = torch.where(valid, k_cache, zero), torch.where(valid, v_cache, zero)
+        return self._run_dense(query, key, value, mask, 0.0, None, scale, MASK)
 
     def _run_varlen(self, query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale):
         """A non-empty varlen call (call_form NESTED)."""
