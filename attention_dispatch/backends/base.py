@@ -59,6 +59,7 @@ class Capabilities:
     paged_block_size_pow2: bool = False  # and a power of two when set
     kv_append: bool = True  # k_new/v_new written into the cache before attending
     kv_multi_query: bool = True  # Sq > 1 new queries per sequence (chunked prefill, speculative decoding)
+    kv_cache_declined: str = ""  # why kv_cache is empty although the kernel has a KV path (in the reason)
     # Features added after the first backends were written: off by default, so a backend that
     # never heard of them (a custom one included) rejects them instead of ignoring them.
     softcap: bool = False  # softcap * tanh(score / softcap) before bias and ALiBi
@@ -239,7 +240,8 @@ def _unequal_lengths(p: Problem) -> str:
 def _kv_reasons(caps: Capabilities, p: Problem) -> list[str]:
     """The reasons of an sdpa_with_kvcache() call (layout "kvcache" or "paged")."""
     if not caps.kv_cache:
-        return ["KV-cache calls (sdpa_with_kvcache) not supported"]
+        why = f": {caps.kv_cache_declined}" if caps.kv_cache_declined else ""
+        return [f"KV-cache calls (sdpa_with_kvcache) not supported{why}"]
     reasons = []
     kind = "paged" if p.layout == "paged" else "dense"
     if kind not in caps.kv_cache:
