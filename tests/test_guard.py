@@ -11,7 +11,7 @@ import attention_dispatch as ad
 from attention_dispatch import dispatch
 from attention_dispatch.api import normalize_call
 from attention_dispatch.backends.math import math_attention
-from attention_dispatch.policy import guard
+from attention_dispatch.policy import guard, guard_rows
 
 from cases import Case, make_inputs
 from naive import naive_attention
@@ -224,12 +224,13 @@ def test_check_passes_the_cpu_backends_in_half_precision():
             assert guard.check(call.problem, call.query, call.key, call.value, call.options, out, rows=512) is None
 
 
-def test_calls_it_cannot_judge_pass_unchecked():
+def test_calls_it_cannot_judge_are_named():
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
     call = normalize_call(q, k, v, dropout_p=0.3)
     assert not guard.judgeable(call.problem, call.options)
-    assert not guard.judgeable(call.problem, dict(call.options, dropout_p=0.0, softcap=30.0))
-    assert guard.judgeable(call.problem, dict(call.options, dropout_p=0.0, softcap=None))
+    assert "torch_cpu" in guard.unjudged(call.problem, call.options, ad.get_backend("torch_cpu"))
+    assert guard.judgeable(call.problem, dict(call.options, dropout_p=0.0, softcap=30.0))
+    assert "'paged'" in guard.unjudged(call.problem, dict(call.options, dropout_p=0.0, paged=True))
 
 
 def test_guard_config_is_validated():
@@ -290,7 +291,7 @@ def test_strict_mode_passes_right_backwards_and_leaves_the_graph_usable(backend,
 @pytest.mark.parametrize("case", [CASES[1], CASES[6], CASES[7]], ids=str)
 def test_check_in_chunks_of_one_row(monkeypatch, case):
     """Long sequences are checked a few rows at a time (CHUNK_ELEMENTS): every chunk counts."""
-    monkeypatch.setattr(guard, "CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(guard_rows, "CHUNK_ELEMENTS", 1)
     call, out = guarded_call(case)
     args = (call.problem, call.query, call.key, call.value, call.options)
     assert guard.check(*args, out, rows=4096) is None

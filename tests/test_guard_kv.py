@@ -76,4 +76,32 @@ def test_kv_calls_it_cannot_judge():
     assert guard_kv.judgeable(
         {"k_new": None, "v_new": None, "block_table": None, "causal": None, "window": None, "scale": 1.0}
     )
-    assert not guard_kv.judgeable({"scale": 1.0, "softcap": 30.0})
+    assert guard_kv.judgeable({"scale": 1.0, "softcap": 30.0, "alibi_slopes": None, "sinks": None, "return_lse": True})
+    assert not guard_kv.judgeable({"scale": 1.0, "a_feature_added_later": 1})
+
+
+class SoftcapIgnoringKV(SloppyKV):
+    """Claims softcap, ALiBi, sinks and lse on its KV path but ignores the softcap."""
+
+    name = "softcap_ignoring_kv"
+    capabilities = ad.Capabilities(
+        kv_cache=frozenset({"dense", "paged"}), softcap=True, alibi=True, sinks=True, return_lse=True
+    )
+
+    def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, **options):
+        return math_attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, **dict(options, softcap=None))
+
+
+def test_kv_features_are_judged():
+    """softcap, ALiBi, sinks and the returned lse of a KV call: math passes strict, a backend
+    ignoring the softcap is caught (dense and paged)."""
+    ad.register_backend(SoftcapIgnoringKV(), priority="first")
+    for paged in (False, True):
+        q, kc, vc, lengths, kw = cache([100, 0, 7], paged=paged)
+        kw = dict(kw, softcap=2.0, alibi_slopes=torch.full((4,), 0.2), sinks=torch.randn(4), return_lse=True)
+        q = q * 4
+        with ad.use_config({"guard": {"mode": "strict", "rows": 64}}):
+            with ad.use_backends("math"):
+                ad.sdpa_with_kvcache(q, kc.clone(), vc.clone(), lengths, **kw)
+            with ad.use_backends("softcap_ignoring_kv", "math"), pytest.raises(guard.GuardError, match="softcap_ignor"):
+                ad.sdpa_with_kvcache(q, kc.clone(), vc.clone(), lengths, **kw)

@@ -1,34 +1,61 @@
 """Memory: 10,000 calls on the GPU (inference and training, through the fast path and through
-the full path) leave torch.cuda.memory_allocated() where it started."""
+the full path) leave torch.cuda.memory_allocated() where it started; a planted leak (a backend
+keeping each output) is caught by the same measurement."""
 
 import pytest
 import torch
 
 import attention_dispatch as ad
 from attention_dispatch import dispatch
+from attention_dispatch.backends.math import math_attention
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fast_path", [True, False], ids=["fast-path", "full-path"])
-def test_ten_thousand_calls_leave_gpu_memory_where_it_was(fast_path):
+def grown_bytes(calls: int, fast_path: bool, **sdpa_kw) -> int:
+    """memory_allocated() after `calls` calls (alternating inference and training) minus before."""
     q, k, v = (torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
-    def calls(n):
+    def run(n):
         for i in range(n):
             if not fast_path:
                 dispatch.fast_calls.clear()
             if i % 2:
                 with torch.no_grad():
-                    ad.sdpa(q, k, v, is_causal=True)
+                    ad.sdpa(q, k, v, is_causal=True, **sdpa_kw)
             else:
-                ad.sdpa(*leaves, is_causal=True).sum().backward()
+                ad.sdpa(*leaves, is_causal=True, **sdpa_kw).sum().backward()
                 for t in leaves:
                     t.grad = None
 
-    calls(20)  # warm: compiled kernels, workspaces, the caches' first entries
+    run(20)  # warm: compiled kernels, workspaces, the caches' first entries
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    calls(10_000)
+    run(calls)
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == before
+    return torch.cuda.memory_allocated() - before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast-path", "full-path"])
+def test_ten_thousand_calls_leave_gpu_memory_where_it_was(fast_path):
+    assert grown_bytes(10_000, fast_path) == 0
+
+
+class Leaky(ad.Backend):
+    """A planted defect: keeps every output it returns."""
+
+    name = "leaky"
+
+    def __init__(self):
+        self.kept = []
+
+    def run(self, query, key, value, **options):
+        out = math_attention(query, key, value, **options)
+        self.kept.append(out.detach())
+        return out
+
+
+@pytest.mark.gpu
+def test_the_measurement_catches_a_planted_leak():
+    ad.register_backend(Leaky(), priority="first")  # conftest unregisters it
+    assert grown_bytes(200, fast_path=True, backend="leaky") >= 200 * 2 * 8 * 256 * 64 * 2  # every output kept

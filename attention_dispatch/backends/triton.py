@@ -242,6 +242,19 @@ class TritonBackend(Backend):
             note="backward route for a contiguous dO" if backward else "",
         )
 
+    def dropout_keep_mask(self, query, key, options: dict):
+        """run()'s keep-mask of a dropout call, drawn again (call it with the random state from
+        before run()): bool (B, Hq, Sq, Sk); varlen (sequences, Hq, max_seqlen_q, max_seqlen_k),
+        local positions (the numerics guard judges dropout calls with it)."""
+        from ..kernels import dropout_keep_mask
+
+        if options["cu_seqlens_q"] is None:
+            b, hq, sq, sk = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+        else:
+            b, hq = options["cu_seqlens_q"].numel() - 1, query.shape[1]
+            sq, sk = options["max_seqlen_q"], options["max_seqlen_k"]
+        return dropout_keep_mask(b, hq, sq, sk, options["dropout_p"], query.device)
+
     def run(self, query, key, value, *, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
         from ..kernels import triton_attention
 

@@ -12,8 +12,10 @@ next candidate.  clear_cache() forgets the quarantine.
 
 The rule is the test suite's (tests/oracle.py): the error against float64 may be at most
 ``factor`` (2) times the error of the same rows computed in the input dtype, plus a floor per
-dtype.  Calls the guard cannot judge pass unchecked: dropout (the kept weights are random),
-KV-cache calls, and options it does not know (a feature added after it).
+dtype.  Softcap, ALiBi, sinks and a returned logsumexp are judged like any call (the lse too);
+dropout where the backend can draw its keep-mask again (``Backend.dropout_keep_mask``, from the
+random state kept before the call).  A due call the guard cannot judge is never passed silently:
+:func:`unjudged` names why, in the decision's notes and in explain().
 """
 
 from __future__ import annotations
@@ -21,15 +23,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-import math
 import random
 import threading
 
 import torch
 
-from ..backends.math import dense_math_attention
 from ..caches import register_cache
-from ..semantics import band
+from .guard_rows import Rows, _chunks, _gather_dense, _gather_varlen, _max_err, _reference, _rows_in
 
 logger = logging.getLogger("attention_dispatch")
 
@@ -49,9 +49,15 @@ KNOWN_OPTIONS = frozenset(
         "max_seqlen_k",
         "enable_gqa",
         "deterministic",
+        "softcap",
+        "alibi_slopes",
+        "sinks",
+        "return_lse",
     }
 )
 CHECKED_LIMIT = 4096
+# elements of a dropout keep-mask the guard draws again (bool, (B, Hq, Sq, Sk)): above, not judged
+KEEP_LIMIT = 1 << 26
 
 
 class GuardError(RuntimeError):
@@ -143,11 +149,56 @@ def quarantine(name: str, problem, reason: str) -> None:
 # ---- checking one call ---------------------------------------------------------------------
 
 
+def unjudged(problem, options: dict, backend=None, rng=None) -> str | None:
+    """Why the guard cannot judge this call of `backend` (None: it can).  Dropout needs the
+    backend's ``dropout_keep_mask(query, key, options)`` (its keep-mask drawn again) and the
+    random state from before the call (`rng`, see :func:`rng_before`)."""
+    if problem.layout not in ("dense", "varlen"):
+        return f"{problem.layout} layout"
+    unknown = [k for k, v in options.items() if k not in KNOWN_OPTIONS and v is not None and v is not False and v != 0]
+    if unknown:
+        return f"option {unknown[0]!r} is unknown to the guard"
+    if options["dropout_p"] > 0:
+        name = getattr(backend, "name", backend)
+        if getattr(backend, "dropout_keep_mask", None) is None:
+            return f"dropout: backend {name!r} cannot draw its keep-mask again (no dropout_keep_mask())"
+        elements = problem.batch * problem.heads_q * problem.seqlen_q * problem.seqlen_k
+        if elements > KEEP_LIMIT:
+            return f"dropout: its keep-mask of {elements} elements is over the guard's {KEEP_LIMIT}"
+        if rng is None or rng[0] != name:
+            return "dropout: the random state before the call was not kept (a fallback or a re-run ran it)"
+    return None
+
+
 def judgeable(problem, options: dict) -> bool:
-    """Whether the guard's reference computes this call (see the module doc)."""
-    if problem.layout not in ("dense", "varlen") or options["dropout_p"] > 0:
-        return False
-    return all(k in KNOWN_OPTIONS or v is None or v is False or v == 0 for k, v in options.items())
+    """Whether the guard judges this call without dropout (see :func:`unjudged`)."""
+    return options["dropout_p"] == 0 and unjudged(problem, options) is None
+
+
+def _device_rng(device):
+    return None if device.type == "cpu" else torch.get_device_module(device.type)
+
+
+def rng_before(name: str, problem, device, cfg):
+    """sdpa() before running backend `name`: the device's random state when the guard may
+    judge a dropout call (so it can draw the keep-mask again), else None."""
+    if cfg.mode == "off" or not problem.dropout:
+        return None
+    module = _device_rng(device)
+    return name, device, torch.get_rng_state() if module is None else module.get_rng_state(device)
+
+
+def _redrawn_keep(backend, rng, query, key, options):
+    """The keep-mask `backend` applied, drawn again from the random state before its call; the
+    user's random stream is left where the call left it."""
+    _, device, state = rng
+    module = _device_rng(device)
+    after = torch.get_rng_state() if module is None else module.get_rng_state(device)
+    try:
+        torch.set_rng_state(state) if module is None else module.set_rng_state(state, device)
+        return backend.dropout_keep_mask(query, key, options)
+    finally:
+        torch.set_rng_state(after) if module is None else module.set_rng_state(after, device)
 
 
 def _picks(query, options: dict, count: int) -> list[tuple[int, int, int, int, int, int, int]]:
@@ -171,149 +222,74 @@ def _picks(query, options: dict, count: int) -> list[tuple[int, int, int, int, i
     return picks
 
 
-def _rows_in(dtype, q, k, v, bias, allowed, scale):
-    """Section 3 for single rows, computed in `dtype` (the input dtype's own error)."""
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    s = torch.einsum("nd,nld->nl", q, k) * scale
-    if bias is not None:
-        s = s + bias.to(dtype)
-    s = s.masked_fill(~allowed, -math.inf)
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(s - m)
-    z = e.sum(-1, keepdim=True)
-    return torch.einsum("nl,nlv->nv", e / torch.where(z > 0, z, torch.ones_like(z)), v)
-
-
-def _max_err(got, ref) -> float:
-    """max |got - ref| over entries; a non-finite value where the reference has another is inf."""
-    finite = torch.isfinite(ref)
-    if not torch.equal(torch.isfinite(got), finite) or not torch.equal(got[~finite], ref[~finite]):
-        return math.inf
-    return (got[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
-
-
-def _gather_dense(problem, picks, query, key, value, options, out):
-    """The picked rows of a dense call as (q (n, D), k (n, Sk, D), v (n, Sk, Dv), allowed
-    (n, Sk), float bias (n, Sk) or None, the output's rows (n, Dv)), gathered in one go."""
-    dev = query.device
-    b, h, i = (torch.tensor(column, device=dev) for column in list(zip(*picks))[:3])
-    kv_head = h // (problem.heads_q // max(problem.heads_kv, 1))
-    sq, sk = query.shape[2], key.shape[2]
-    bottom_right, left, right = band(options["causal"], options["window"])
-    diag = (i + (sk - sq if bottom_right else 0))[:, None]
-    j = torch.arange(sk, device=dev)
-    allowed = torch.ones(len(picks), sk, dtype=torch.bool, device=dev)
-    if left >= 0:
-        allowed &= j >= diag - left
-    if right >= 0:
-        allowed &= j <= diag + right
-    bias, mask = None, options["attn_mask"]
-    if mask is not None:
-        rows = mask.expand(problem.batch, problem.heads_q, sq, sk)[b, h, i]
-        if rows.dtype == torch.bool:
-            allowed &= rows
-        else:
-            bias = rows
-    return query[b, h, i], key[b, kv_head], value[b, kv_head], allowed, bias, out[b, h, i]
-
-
-def _gather_varlen(problem, picks, query, key, value, options, out):
-    """As _gather_dense for packed sequences: each row's own keys, padded to the longest
-    (padding not allowed); a mask is indexed by positions local to each sequence."""
-    group = problem.heads_q // max(problem.heads_kv, 1)
-    bottom_right, left, right = band(options["causal"], options["window"])
-    mask = options["attn_mask"]
-    if mask is not None:
-        mask = mask.expand(problem.batch, problem.heads_q, problem.seqlen_q, problem.seqlen_k)
-    width = max(p[6] for p in picks)
-    n, dev = len(picks), query.device
-    qs, ks, vs, got = [], [], [], []
-    allowed = torch.zeros(n, width, dtype=torch.bool, device=dev)
-    bias = None if mask is None or mask.dtype == torch.bool else torch.zeros(n, width, dtype=mask.dtype, device=dev)
-    for r, (b, h, i, t, sq, k0, sk) in enumerate(picks):
-        qs.append(query[t, h])
-        got.append(out[t, h])
-        ks.append(torch.nn.functional.pad(key[k0 : k0 + sk, h // group], (0, 0, 0, width - sk)))
-        vs.append(torch.nn.functional.pad(value[k0 : k0 + sk, h // group], (0, 0, 0, width - sk)))
-        diag = i + (sk - sq if bottom_right else 0)
-        lo, hi = (diag - left if left >= 0 else 0), (diag + right if right >= 0 else sk - 1)
-        allowed[r, max(lo, 0) : max(min(hi, sk - 1) + 1, 0)] = True
-        if mask is not None:
-            row = mask[b, h, i, :sk]
-            if bias is None:
-                allowed[r, :sk] &= row
-            else:
-                bias[r, :sk] = row
-    return torch.stack(qs), torch.stack(ks), torch.stack(vs), allowed, bias, torch.stack(got)
-
-
-# float64 elements of one batch of recomputed rows' keys and values (64 MiB): long sequences
-# are checked a few rows at a time, never as one copy of n x Sk keys
-CHUNK_ELEMENTS = 1 << 23
-
-
-def _chunks(picks, key, options):
-    """The picks in batches whose float64 copies of keys and values stay under CHUNK_ELEMENTS."""
-    width = max(p[6] for p in picks) if options["cu_seqlens_q"] is not None else key.shape[-2]
-    per_row = max(1, width * (key.shape[-1] + 1) * 2)
-    step = max(1, CHUNK_ELEMENTS // per_row)
-    return [picks[i : i + step] for i in range(0, len(picks), step)]
-
-
-def _reference(q, k, v, allowed, bias, scale):
-    """The rows in float64 through the math reference (the band and mask folded into `allowed`
-    / `bias`, so each row is a one-query call without causal or window)."""
-    mask = allowed if bias is None else bias.double().masked_fill(~allowed, -math.inf)
-    out = dense_math_attention(
-        q.double()[:, None, None],
-        k.double()[:, None],
-        v.double()[:, None],
-        mask[:, None, None],
-        scale=scale,
-        bottom_right=True,
-        left=-1,
-        right=-1,
-    )
-    return out[:, 0, 0]
-
-
-def _verdict(picks, error: float, base: float, dtype, factor: float) -> Mismatch | None:
-    allowed_error = factor * base + FLOOR.get(dtype, 1e-5)
+def _verdict(picks, error: float, base: float, dtype, factor: float, floor: float = 0.0) -> Mismatch | None:
+    allowed_error = factor * base + max(FLOOR.get(dtype, 1e-5), floor)
     if error <= allowed_error:
         return None
     return Mismatch(error, allowed_error, tuple((b, h, i) for b, h, i, *_ in picks))
 
 
-def check(problem, query, key, value, options: dict, out, rows: int = 8, factor: float = 2.0) -> Mismatch | None:
+def _wide_bias(rows: Rows, dtype) -> bool:
+    """A bias wider than the inputs is exact input: the input dtype's error is then rounding alone."""
+    return rows.bias is not None and rows.bias.dtype != dtype and rows.bias.dtype.itemsize > dtype.itemsize
+
+
+def _split(out, options):
+    """A backend's result as (out, lse or None)."""
+    return out if options.get("return_lse") else (out, None)
+
+
+def check(
+    problem, query, key, value, options: dict, out, rows: int = 8, factor: float = 2.0, keep=None
+) -> Mismatch | None:
     """Recompute up to `rows` random query rows of a call (canonical tensors and options, as
-    a backend's run() gets them, and its output) and return the Mismatch if the output's rows
-    are wrong, else None (also for a call the guard cannot judge)."""
-    if not judgeable(problem, options):
+    a backend's run() gets them, and its result) and return the Mismatch if the output's rows
+    (or the returned lse's) are wrong, else None.  keep: a dropout call's keep-mask (see
+    :func:`unjudged` for the calls it cannot judge; it passes those)."""
+    if options["dropout_p"] > 0 and keep is None or unjudged(problem, dict(options, dropout_p=0.0)) is not None:
         return None
+    out, lse = _split(out, options)
     picks = _picks(query, options, rows)
     if not picks:
         return None
     gather = _gather_varlen if options["cu_seqlens_q"] is not None else _gather_dense
-    error = base = 0.0
+    scale, softcap, dtype = options["scale"], options.get("softcap"), query.dtype
+    errors = dict(out=0.0, lse=0.0)
+    bases = dict(out=0.0, lse=0.0)
+    largest_lse = 0.0
     with torch.no_grad():
         for chunk in _chunks(picks, key, options):
-            q, k, v, allowed, bias, got = gather(problem, chunk, query, key, value, options, out)
-            ref = _reference(q, k, v, allowed, bias, options["scale"])
-            # a bias wider than the inputs is exact input: the input dtype's error is then rounding alone
-            wide = bias is not None and bias.dtype != query.dtype and bias.dtype.itemsize > query.dtype.itemsize
-            low = ref.to(query.dtype) if wide else _rows_in(query.dtype, q, k, v, bias, allowed, options["scale"])
-            base = max(base, _max_err(low.double(), ref))
-            error = max(error, _max_err(got.double(), ref))
-    return _verdict(picks, error, base, query.dtype, factor)
+            got = gather(problem, chunk, query, key, value, options, out, lse, keep)
+            ref, ref_lse = _reference(got, scale, softcap)
+            if _wide_bias(got, dtype):
+                low, low_lse = ref.to(dtype), ref_lse.to(dtype)
+            else:
+                low, low_lse = _rows_in(dtype, got, scale, softcap)
+            bases["out"] = max(bases["out"], _max_err(low.double(), ref))
+            errors["out"] = max(errors["out"], _max_err(got.got.double(), ref))
+            if lse is not None:
+                bases["lse"] = max(bases["lse"], _max_err(low_lse.double(), ref_lse))
+                errors["lse"] = max(errors["lse"], _max_err(got.got_lse.double(), ref_lse))
+                finite = ref_lse[torch.isfinite(ref_lse)]
+                largest_lse = max([largest_lse] + finite.abs().tolist())
+    found = _verdict(picks, errors["out"], bases["out"], dtype, factor)
+    if found is None and lse is not None:  # lse is float32: half an ulp of it is rounding however computed
+        floor = 0.5 * torch.finfo(torch.float32).eps * largest_lse
+        found = _verdict(picks, errors["lse"], bases["lse"], dtype, factor, floor)
+    return found
 
 
-def check_backward(problem, query, key, value, options: dict, out, rows: int = 8, factor: float = 2.0):
+def check_backward(
+    problem, query, key, value, options: dict, out, rows: int = 8, factor: float = 2.0, keep=None
+) -> Mismatch | None:
     """strict mode's check of the backward: dq of up to `rows` random query rows for a random
     output gradient (drawn from a generator of its own), against the same rows' reference
     gradient (dq_i depends on row i alone).  The backend's backward runs once more, through
     autograd.grad with the graph retained for the caller's own backward.  Mismatch or None."""
-    if not judgeable(problem, options) or not out.requires_grad or not query.requires_grad:
+    out, _ = _split(out, options)
+    if options["dropout_p"] > 0 and keep is None or unjudged(problem, dict(options, dropout_p=0.0)) is not None:
+        return None
+    if not out.requires_grad or not query.requires_grad:
         return None
     picks = _picks(query, options, rows)
     if not picks:
@@ -323,22 +299,22 @@ def check_backward(problem, query, key, value, options: dict, out, rows: int = 8
     grad_out = torch.randn(out.shape, generator=generator, device=out.device, dtype=out.dtype)
     (dq,) = torch.autograd.grad(out, query, grad_out, retain_graph=True)
     gather = _gather_varlen if options["cu_seqlens_q"] is not None else _gather_dense
-    scale, dtype = options["scale"], query.dtype
+    scale, softcap, dtype = options["scale"], options.get("softcap"), query.dtype
     error = base = 0.0
     for chunk in _chunks(picks, key, options):
         with torch.no_grad():
-            q, k, v, allowed, bias, got = gather(problem, chunk, query, key, value, options, dq)
-            grad_rows = gather(problem, chunk, query, key, value, options, grad_out)[5]
+            got = gather(problem, chunk, query, key, value, options, dq, keep=keep)
+            grad_rows = gather(problem, chunk, query, key, value, options, grad_out, keep=keep).got
         with torch.enable_grad():
-            q64 = q.detach().double().requires_grad_()
-            (ref_dq,) = torch.autograd.grad(_reference(q64, k, v, allowed, bias, scale), q64, grad_rows.double())
-            if bias is not None and bias.dtype != dtype and bias.dtype.itemsize > dtype.itemsize:
+            q64 = got.q.detach().double().requires_grad_()
+            (ref_dq,) = torch.autograd.grad(_reference(got, scale, softcap, q64)[0], q64, grad_rows.double())
+            if _wide_bias(got, dtype):
                 low_dq = ref_dq.to(dtype)
             else:
-                ql = q.detach().clone().requires_grad_()
-                (low_dq,) = torch.autograd.grad(_rows_in(dtype, ql, k, v, bias, allowed, scale), ql, grad_rows)
+                ql = got.q.detach().clone().requires_grad_()
+                (low_dq,) = torch.autograd.grad(_rows_in(dtype, got, scale, softcap, ql)[0], ql, grad_rows)
         base = max(base, _max_err(low_dq.double(), ref_dq))
-        error = max(error, _max_err(got.double(), ref_dq))
+        error = max(error, _max_err(got.got.double(), ref_dq))
     return _verdict(picks, error, base, dtype, factor)
 
 
@@ -358,13 +334,31 @@ def _passed(name: str, problem) -> None:
         _checked.add((name, problem))
 
 
-def _judge(name: str, problem, query, key, value, options, out, cfg) -> str | None:
-    """None when the rows match; else logs the mismatch, raises in strict mode, quarantines
-    the backend and returns the reason."""
-    found, what = check(problem, query, key, value, options, out, cfg.rows, cfg.factor), "max error"
+def _judge(name: str, problem, query, key, value, options, out, cfg, rng=None) -> str | None:
+    """None when the rows match (or the call cannot be judged: see _unjudged_note); else logs
+    the mismatch, raises in strict mode, quarantines the backend and returns the reason."""
+    from .. import registry
+
+    backend = registry.get_backend(name)
+    if unjudged(problem, options, backend, rng) is not None:
+        return None  # not passed: a later call of this kind is judged when it can be
+    keep = _redrawn_keep(backend, rng, query, key, options) if options["dropout_p"] > 0 else None
+    found, what = check(problem, query, key, value, options, out, cfg.rows, cfg.factor, keep), "max error"
     if found is None and cfg.mode == "strict" and problem.requires_grad:
-        found, what = check_backward(problem, query, key, value, options, out, cfg.rows, cfg.factor), "dq max error"
+        args = (problem, query, key, value, options, out, cfg.rows, cfg.factor, keep)
+        found, what = check_backward(*args), "dq max error"
     return _mismatch(name, problem, found, what, cfg)
+
+
+def not_judged_note(name: str, problem, options: dict, cfg, rng) -> str | None:
+    """The note a decision carries when the guard is on but cannot judge its call (rng:
+    rng_before's state, or (name,) for explain(), which runs nothing)."""
+    from .. import registry
+
+    if cfg.mode == "off" or name is None:
+        return None
+    reason = unjudged(problem, options, registry.get_backend(name), rng)
+    return None if reason is None else f"numerics guard ({cfg.mode}): cannot judge this call: {reason}"
 
 
 def _mismatch(name: str, problem, found: Mismatch | None, what: str, cfg) -> str | None:
@@ -383,18 +377,24 @@ def _mismatch(name: str, problem, found: Mismatch | None, what: str, cfg) -> str
     return reason
 
 
-def guard_call(decision, call, out, cfg, rerun):
+def guard_call(decision, call, out, cfg, rerun, rng=None):
     """sdpa()'s full path after the chosen backend ran: check it when due; on a mismatch
-    quarantine it and ``rerun()`` (decide again and run), checking the next one likewise.
-    Returns (decision, out)."""
+    quarantine it and ``rerun()`` (decide again and run), checking the next one likewise; a
+    due call the guard cannot judge gets a note saying why.  rng: :func:`rng_before`'s state
+    (a dropout call).  Returns (decision, out)."""
     problem, wrong = call.problem, []
     while _due(decision.backend, problem, cfg):
         name = decision.backend
-        reason = _judge(name, problem, call.query, call.key, call.value, call.options, out, cfg)
+        note = not_judged_note(name, problem, call.options, cfg, rng)
+        if note is not None:
+            decision = dataclasses.replace(decision, notes=decision.notes + (note,))
+            break
+        reason = _judge(name, problem, call.query, call.key, call.value, call.options, out, cfg, rng)
         if reason is None:
             break
         wrong.append(name)
         decision, out = rerun()
+        rng = None  # the re-run drew its own mask
         if decision.backend in wrong:  # never loop: the quarantine must have rejected it
             raise GuardError(f"numerics guard: backend {decision.backend!r} chosen again after its quarantine")
         decision = _noted(decision, name, reason)
@@ -414,12 +414,14 @@ def sampled(runner, decision, options: dict, cfg):
     chance = _rng.random
 
     def guarded(query, key, value, *args, **kwargs):
+        if chance() >= fraction:
+            return runner(query, key, value, *args, **kwargs)
+        rng = rng_before(name, problem, query.device, cfg)
         out = runner(query, key, value, *args, **kwargs)
-        if chance() < fraction:
-            opts = dict(options, attn_mask=args[0] if args else None)
-            opts.update(kwargs)
-            if _judge(name, problem, query, key, value, opts, out, cfg) is not None:
-                raise _Quarantined(name)
+        opts = dict(options, attn_mask=args[0] if args else None)
+        opts.update(kwargs)
+        if _judge(name, problem, query, key, value, opts, out, cfg, rng) is not None:
+            raise _Quarantined(name)
         return out
 
     return guarded

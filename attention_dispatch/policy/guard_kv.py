@@ -9,23 +9,26 @@ import torch
 from ..backends.math import _cache_rows
 from ..semantics import band
 from . import guard
+from .guard_rows import Rows, _features, _max_err, _reference, _rows_in
 
-_KV_OPTIONS = frozenset({"k_new", "v_new", "block_table", "causal", "window", "scale"})
+_KV_OPTIONS = frozenset(
+    {"k_new", "v_new", "block_table", "causal", "window", "scale", "softcap", "alibi_slopes", "sinks", "return_lse"}
+)
 
 
 def judgeable(options: dict) -> bool:
-    """Calls with options the guard does not compute (softcap, ALiBi, sinks, lse) are not judged."""
+    """Calls with options the guard does not compute (a feature added after it) are not judged."""
     return all(name in _KV_OPTIONS for name in options)
 
 
-def _gather(problem, picks, query, k_cache, v_cache, lengths, options, out):
+def _gather(problem, picks, query, k_cache, v_cache, lengths, options, out, lse) -> Rows:
     sq, group = query.shape[2], problem.heads_q // max(problem.heads_kv, 1)
     _, left, right = band(options["causal"], options["window"])
     block_table = options["block_table"]
     width = max(lengths[b] for b, *_ in picks)
     n, dev = len(picks), query.device
     allowed = torch.zeros(n, width, dtype=torch.bool, device=dev)
-    qs, ks, vs, got = [], [], [], []
+    qs, ks, vs, got, diags = [], [], [], [], []
     for r, (b, h, i) in enumerate(picks):
         length = lengths[b]
         qs.append(query[b, h, i])
@@ -34,9 +37,15 @@ def _gather(problem, picks, query, k_cache, v_cache, lengths, options, out):
             keys = _cache_rows(cache, b, length, block_table)[h // group]
             rows.append(torch.nn.functional.pad(keys, (0, 0, 0, width - length)))
         diag = i + length - sq
+        diags.append(diag)
         lo, hi = (diag - left if left >= 0 else 0), (diag + right if right >= 0 else length - 1)
         allowed[r, max(lo, 0) : max(min(hi, length - 1) + 1, 0)] = True
-    return torch.stack(qs), torch.stack(ks), torch.stack(vs), allowed, torch.stack(got)
+    b, h, i = (torch.tensor([p[k] for p in picks], device=dev) for k in range(3))
+    fields = dict(q=torch.stack(qs), k=torch.stack(ks), v=torch.stack(vs), allowed=allowed, bias=None)
+    fields |= dict(slope=None, distance=None, sinks=None, got=torch.stack(got))
+    diag = torch.tensor(diags, device=dev)[:, None]
+    _features(fields, dict(options, dropout_p=0.0), b, h, diag, width, None, None if lse is None else lse[b, h, i])
+    return Rows(**fields)
 
 
 def check(problem, call, out, rows: int = 8, factor: float = 2.0) -> guard.Mismatch | None:
@@ -54,16 +63,26 @@ def check(problem, call, out, rows: int = 8, factor: float = 2.0) -> guard.Misma
     picks = [p for p in picks if lengths[p[0]] > 0] or None
     if picks is None:
         return None
-    error = base = 0.0
+    out, lse = out if options.get("return_lse") else (out, None)
+    scale, softcap, dtype = options["scale"], options.get("softcap"), query.dtype
+    errors, bases, largest_lse = [0.0, 0.0], [0.0, 0.0], 0.0  # [out, lse]
     with torch.no_grad():
         for start in range(0, len(picks), 4):  # a few rows at a time: a cache can be long
             chunk = picks[start : start + 4]
-            q, k, v, allowed, got = _gather(problem, chunk, query, call.k_cache, call.v_cache, lengths, options, out)
-            ref = guard._reference(q, k, v, allowed, None, options["scale"])
-            low = guard._rows_in(query.dtype, q, k, v, None, allowed, options["scale"])
-            base = max(base, guard._max_err(low.double(), ref))
-            error = max(error, guard._max_err(got.double(), ref))
-    return guard._verdict(picks, error, base, query.dtype, factor)
+            rows_ = _gather(problem, chunk, query, call.k_cache, call.v_cache, lengths, options, out, lse)
+            ref, ref_lse = _reference(rows_, scale, softcap)
+            low, low_lse = _rows_in(dtype, rows_, scale, softcap)
+            bases[0] = max(bases[0], _max_err(low.double(), ref))
+            errors[0] = max(errors[0], _max_err(rows_.got.double(), ref))
+            if lse is not None:
+                bases[1] = max(bases[1], _max_err(low_lse.double(), ref_lse))
+                errors[1] = max(errors[1], _max_err(rows_.got_lse.double(), ref_lse))
+                largest_lse = max([largest_lse] + ref_lse[torch.isfinite(ref_lse)].abs().tolist())
+    found = guard._verdict(picks, errors[0], bases[0], dtype, factor)
+    if found is None and lse is not None:  # as guard.check: half an ulp of a float32 lse is rounding
+        floor = 0.5 * torch.finfo(torch.float32).eps * largest_lse
+        found = guard._verdict(picks, errors[1], bases[1], dtype, factor, floor)
+    return found
 
 
 def guard_kv_call(decision, call, out, cfg, rerun):
