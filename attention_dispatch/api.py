@@ -176,10 +176,11 @@ def sdpa(
     if policy.policy == "fastest" and backend is None:
         decision = choose_fastest(decision, call, policy.fastest_cache)
     decided = decision
+    rng = _guard.rng_before(decision.backend, call.problem, call.query.device, guard)  # dropout: its mask
     decision, out = _execute(decision, call)
     if guard.mode != "off":  # check the answer; a wrong backend is quarantined and the call re-run
         decision, out = _guard.guard_call(
-            decision, call, out, guard, lambda: _execute(decide(call.problem, backend), call)
+            decision, call, out, guard, lambda: _execute(decide(call.problem, backend), call), rng
         )
     note_decision(decision)
     opts = call.options
@@ -296,4 +297,7 @@ def explain(
     if decision.backend is None:
         return decision
     route = registry.get_backend(decision.backend).route(call.query, call.key, call.value, call.options)
-    return decision if route is None else dataclasses.replace(decision, route=route)
+    guard = _config.current_config().guard
+    note = _guard.not_judged_note(decision.backend, decision.problem, call.options, guard, (decision.backend,))
+    notes = decision.notes + ((note,) if note else ())
+    return dataclasses.replace(decision, notes=notes, **({} if route is None else {"route": route}))
