@@ -122,29 +122,22 @@ def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234, r
     return decision
 
 
-def math_keep_mask(case, q, k, cu_q, cu_k, rows=None):
-    """The keep-mask the math backend draws after manual_seed: one torch.rand per query
-    chunk of shape (B, Hkv, G, rows, Sk), per sequence for varlen (empty ones draw nothing)."""
-    g = case.heads_q // case.heads_kv
+def math_keep_mask(case, q, k, cu_q, cu_k):
+    """The keep-mask the math backend draws after manual_seed: one seed per call, then the
+    position-keyed Philox stream (dropout_stream.py), whatever the query chunking; varlen
+    (sequences, Hq, max_sq, max_sk) of local positions, as the triton kernel's."""
+    from attention_dispatch.dropout_stream import DropoutStream, draw_seed, keep_mask
 
-    def dense(b, sq, sk):
-        if 0 in (b, sq, sk):
-            return torch.zeros(b, case.heads_q, sq, sk, dtype=torch.bool)
-        step = rows or sq
-        parts = [
-            torch.rand(b, case.heads_kv, g, min(step, sq - r), sk, device=q.device) >= case.dropout_p
-            for r in range(0, sq, step)
-        ]
-        return torch.cat(parts, dim=3).reshape(b, case.heads_q, sq, sk).cpu()
-
+    seed = draw_seed(q.device)
     if cu_q is None:
-        return dense(q.shape[0], q.shape[2], k.shape[2])
-    lq = (cu_q[1:] - cu_q[:-1]).tolist()
-    lk = (cu_k[1:] - cu_k[:-1]).tolist()
-    keep = torch.zeros(len(lq), case.heads_q, max(lq), max(lk), dtype=torch.bool)
-    for i, (a, b) in enumerate(zip(lq, lk)):
-        keep[i, :, :a, :b] = dense(1, a, b)[0]
-    return keep
+        b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+    else:
+        b = cu_q.numel() - 1
+        sq = int((cu_q[1:] - cu_q[:-1]).max()) if b else 0
+        sk = int((cu_k[1:] - cu_k[:-1]).max()) if b else 0
+    bh = torch.arange(b * case.heads_q, device=q.device)
+    stream = DropoutStream(seed, 0, 0, 0, sq, sk)
+    return keep_mask(stream, case.dropout_p, bh, case.heads_q, sq, 0, sk).reshape(b, case.heads_q, sq, sk).cpu()
 
 
 def triton_keep_mask(case, q, k, cu_q, cu_k):

@@ -68,6 +68,9 @@ class Capabilities:
     sinks_grad: bool = False  # a gradient for sinks that require grad
     return_lse: bool = False  # the rows' logsumexp returned with the output
     lse_grad: bool = False  # that logsumexp differentiable (its gradient reaches q, k, v, bias)
+    # dropout's keep-mask drawn at a block's offset inside a larger call when
+    # dropout_stream.positioned() is in scope (context parallelism's dropout blocks)
+    dropout_positions: bool = False
     notes: str = ""  # free text for `info`, never used to decide
 
     def paged_block_sizes(self) -> str:
@@ -133,6 +136,7 @@ class Capabilities:
             ("ALiBi", yes(self.alibi)),
             ("sinks", yes(self.sinks) + (" (grad)" if self.sinks and self.sinks_grad else "")),
             ("return lse", yes(self.return_lse) + (" (grad)" if self.return_lse and self.lse_grad else "")),
+            ("dropout at offsets", yes(self.dropout and self.dropout_positions)),
         ]
 
 

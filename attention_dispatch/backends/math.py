@@ -1,8 +1,10 @@
 """The `math` backend: DESIGN.md section 3 in plain PyTorch, the test oracle.
 
 Queries are processed in chunks so that no Sq x Sk matrix is ever allocated; under
-autograd each chunk is checkpointed (with its RNG state, so dropout is replayed
-exactly), which bounds the backward's memory too. GQA folds the query-head group into
+autograd each chunk is checkpointed, which bounds the backward's memory too. Dropout's
+keep-mask is the tl kernels' Philox stream keyed by position (dropout_stream.py): the same
+mask as the triton backend's for a seed, independent of the chunking, and drawable at a
+block's offset inside a larger call (Capabilities.dropout_positions). GQA folds the query-head group into
 the rows of one matmul per key/value head, so K and V are never repeated.  Calls against a
 KV cache (sdpa_with_kvcache) run one sequence at a time over its own keys.
 """
@@ -14,6 +16,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..dropout_stream import DropoutStream, current, draw_seed, keep_mask
 from ..features import lse_dtype
 from ..semantics import band
 from .base import Backend, Capabilities
@@ -44,6 +47,7 @@ def _chunk_attention(
     right,
     scale,
     dropout_p,
+    stream,
     softcap,
     slopes,
     sinks,
@@ -53,7 +57,7 @@ def _chunk_attention(
 
     q (B, Hkv, G, c, D) in compute dtype, k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv),
     bias None or (B, Hq, c, Sk) (bool or float), slopes None or (B, Hkv, G) ALiBi slopes, sinks
-    None or (Hkv, G); returns (B, Hkv, G, c, Dv) and, when need_lse, the rows' logsumexp
+    None or (Hkv, G), stream the DropoutStream of dropout_p > 0; returns (B, Hkv, G, c, Dv) and, when need_lse, the rows' logsumexp
     (B, Hkv, G, c) without the sinks (else None).
     """
     b, hkv, g, c, d = q.shape
@@ -98,7 +102,9 @@ def _chunk_attention(
         norm = torch.logaddexp(lse, sinks[..., None, None].to(lse.dtype))
         probs = torch.exp(scores - norm)
     if dropout_p > 0:
-        keep = torch.rand(probs.shape, device=probs.device) >= dropout_p
+        hq = hkv * g
+        bh = torch.arange(b, device=q.device)[:, None, None] * hq + torch.arange(hq, device=q.device).view(hkv, g)
+        keep = keep_mask(stream, dropout_p, bh, hq, c, row0, sk)
         probs = probs * keep / (1.0 - dropout_p)
     out = torch.matmul(probs.view(b, hkv, g * c, sk), v).view(b, hkv, g, c, v.shape[-1])
     return out, (lse.squeeze(-1) if need_lse else None)
@@ -115,6 +121,7 @@ def dense_math_attention(
     left,
     right,
     dropout_p=0.0,
+    dropout_stream=None,
     chunk_elements=None,
     softcap=None,
     alibi_slopes=None,
@@ -123,7 +130,8 @@ def dense_math_attention(
 ):
     """query (B, Hq, Sq, D), key (B, Hkv, Sk, D), value (B, Hkv, Sk, Dv); attn_mask None or
     broadcastable to (B, Hq, Sq, Sk); alibi_slopes None or (B, Hq); sinks None or (Hq,). The band
-    is `semantics.band`'s. Returns (B, Hq, Sq, Dv), and with return_lse the logsumexp (B, Hq, Sq)
+    is `semantics.band`'s; dropout_stream: where the keep-mask is drawn (default: a new seed,
+    this call's own positions). Returns (B, Hq, Sq, Dv), and with return_lse the logsumexp (B, Hq, Sq)
     (float32, float64 for float64 inputs)."""
     b, hq, sq, d = query.shape
     hkv, sk, dv = key.shape[1], key.shape[2], value.shape[-1]
@@ -141,13 +149,17 @@ def dense_math_attention(
     bias = None if attn_mask is None else attn_mask.expand(b, hq, sq, sk)
     slopes = None if alibi_slopes is None else alibi_slopes.reshape(b, hkv, group)
     sink_logits = None if sinks is None else sinks.to(compute).reshape(hkv, group)
+    if dropout_p > 0 and dropout_stream is None:
+        dropout_stream = DropoutStream(draw_seed(query.device), 0, 0, 0, sq, sk)
     rows = max(1, min(sq, (chunk_elements or CHUNK_ELEMENTS) // max(1, b * hq * sk)))
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, attn_mask, sinks)
     )
     outs, lses = [], []
-    for row0 in range(0, sq, rows):
-        row1 = min(sq, row0 + rows)
+    # one chunk where it holds every row: no range() over Sq, which torch.compile would
+    # specialise where Sq is symbolic (mark_dynamic)
+    for row0 in (0,) if rows >= sq else range(0, sq, rows):
+        row1 = sq if rows >= sq else min(sq, row0 + rows)
         args = (
             q[:, :, :, row0:row1],
             k,
@@ -161,6 +173,7 @@ def dense_math_attention(
             right,
             scale,
             dropout_p,
+            dropout_stream,
             softcap,
             slopes,
             sink_logits,
@@ -192,6 +205,8 @@ def math_attention(
     scale=None,
     cu_seqlens_q=None,
     cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
     chunk_elements=None,
     softcap=None,
     alibi_slopes=None,
@@ -200,9 +215,17 @@ def math_attention(
     **_,
 ):
     """The normalised call (DESIGN.md section 4) computed exactly; dense or varlen. With
-    return_lse, also the logsumexp: dense (B, Hq, Sq), varlen (Hq, total_q)."""
+    return_lse, also the logsumexp: dense (B, Hq, Sq), varlen (Hq, total_q). Dropout: one
+    seed per call (the triton backend's draw), or the positioned stream in scope."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     bottom_right, left, right = band(causal, window)
+    stream = current() if dropout_p > 0 else None
+    if stream is not None and cu_seqlens_q is not None:
+        raise ValueError(
+            "a positioned dropout stream (dropout_stream.positioned) with varlen: the stream is keyed "
+            "by (sequence, position in it), so a varlen call cannot be a block of a larger one"
+        )
+    seed = draw_seed(query.device) if dropout_p > 0 and stream is None else None
     common = dict(
         scale=scale,
         bottom_right=bottom_right,
@@ -215,10 +238,17 @@ def math_attention(
         return_lse=return_lse,
     )
     if cu_seqlens_q is None:
-        return dense_math_attention(query, key, value, attn_mask, alibi_slopes=alibi_slopes, **common)
+        if seed is not None:
+            stream = DropoutStream(seed, 0, 0, 0, query.shape[-2], key.shape[-2])
+        return dense_math_attention(
+            query, key, value, attn_mask, alibi_slopes=alibi_slopes, dropout_stream=stream, **common
+        )
     # Varlen: each sequence is one dense problem; the mask is indexed by local positions.
     starts_q = cu_seqlens_q.tolist()
     starts_k = cu_seqlens_k.tolist()
+    if seed is not None and (max_seqlen_q is None or max_seqlen_k is None):  # called without them
+        max_seqlen_q = max((b - a for a, b in zip(starts_q, starts_q[1:])), default=0)
+        max_seqlen_k = max((b - a for a, b in zip(starts_k, starts_k[1:])), default=0)
     outs, lses = [], []
     for i in range(len(starts_q) - 1):
         q = query[starts_q[i] : starts_q[i + 1]].transpose(0, 1).unsqueeze(0)
@@ -229,7 +259,9 @@ def math_attention(
             rows = attn_mask[min(i, attn_mask.shape[0] - 1)].unsqueeze(0)
             mask = rows[..., : q.shape[2] if rows.shape[-2] > 1 else 1, : k.shape[2] if rows.shape[-1] > 1 else 1]
         slopes = None if alibi_slopes is None else alibi_slopes[i : i + 1]
-        result = dense_math_attention(q, k, v, mask, alibi_slopes=slopes, **common)
+        # the kernels' varlen stream: sequence i as batch i of (max_seqlen_q, max_seqlen_k)
+        stream = None if seed is None else DropoutStream(seed, i, 0, 0, max_seqlen_q, max_seqlen_k)
+        result = dense_math_attention(q, k, v, mask, alibi_slopes=slopes, dropout_stream=stream, **common)
         out, lse = result if return_lse else (result, None)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse)
@@ -331,6 +363,7 @@ class MathBackend(Backend):
         sinks_grad=True,
         return_lse=True,
         lse_grad=True,
+        dropout_positions=True,
         notes="reference; query-chunked, bounded memory; the test oracle in float64",
     )
 

@@ -1,18 +1,15 @@
-"""Dropout on the host: the seed a call draws, and the keep-mask a call with that seed applies."""
+"""Dropout on the host: the keep-mask a call with a seed applies (dropout_stream.py draws the
+seed, and computes the same mask in plain PyTorch)."""
 
 from __future__ import annotations
 
 import torch
 
+from ..dropout_stream import draw_seed
 from .device import is_interpreter
 from .limits import MAX_GRID_YZ
 from .shapes import bh_chunks, cdiv
 from .tl.dropout import _dropout_mask_kernel
-
-
-def draw_seed(device) -> torch.Tensor:
-    """The dropout seed: one int64 drawn from the device's torch generator (no host sync)."""
-    return torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64)
 
 
 def dropout_keep_mask(
