@@ -12,7 +12,7 @@ from .caches import register_cache
 from .fast_key import _is_compiling, dispatch_state
 
 # sdpa_with_kvcache()'s repeated calls: kv_call_key -> (Decision, the backend's run_kvcache, its
-# causal, window and scale, KvCall.limits, whether the tensors are on CUDA)
+# options but k_new, v_new and block_table, KvCall.limits, whether the tensors are on CUDA)
 kv_calls: dict = {}
 register_cache("kv_fast_key.kv_calls", kv_calls.clear, kv_calls.__len__)
 

@@ -37,6 +37,8 @@ from .problem import Problem, _aligned_16, compute_capability
 from .semantics import CausalKind, normalize_window
 
 _ALLOWED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# run_kvcache()'s options that a repeated call passes anew (its key holds only their shapes)
+_PER_CALL = ("k_new", "v_new", "block_table")
 
 
 def _shape(t) -> str:
@@ -408,7 +410,7 @@ def sdpa_with_kvcache(
     )
     hit = None if key is None else kv_calls.get(key)
     if hit is not None:
-        decision, run, kind, window_, scale_, limits, on_cuda = hit
+        decision, run, fixed, limits, on_cuda = hit
         n_new, capacity, what, num_blocks, page, check = limits
         lengths = cache_seqlens
         if type(lengths) is int:  # flash-attn's form; out of range: the full path says so
@@ -426,16 +428,7 @@ def sdpa_with_kvcache(
                     torch.set_grad_enabled(False)
                 try:
                     out = run(
-                        query,
-                        k_cache,
-                        v_cache,
-                        lengths,
-                        k_new=k_new,
-                        v_new=v_new,
-                        block_table=block_table,
-                        causal=kind,
-                        window=window_,
-                        scale=scale_,
+                        query, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, block_table=block_table, **fixed
                     )
                 finally:
                     if grad:
@@ -478,10 +471,11 @@ def sdpa_with_kvcache(
     if key is not None and decision is decided and guard.mode in ("off", "first"):
         if len(kv_calls) >= FAST_CALLS_LIMIT:
             kv_calls.clear()
-        opts = call.options
+        # the full path's options but the tensors a hit passes itself: one list of options
+        fixed = {name: value for name, value in call.options.items() if name not in _PER_CALL}
         run = registry.get_backend(decision.backend).run_kvcache
         on_cuda = query.device.type == "cuda"  # the key holds the device
-        kv_calls[key] = (decision, run, opts["causal"], opts["window"], opts["scale"], call.limits, on_cuda)
+        kv_calls[key] = (decision, run, fixed, call.limits, on_cuda)
     return out
 
 

@@ -445,6 +445,30 @@ def test_kvcache_signature_changes_take_the_full_path(monkeypatch):
     assert len(full) == 7 and ad.last_decision().problem.causal is ad.CausalKind.BOTTOM_RIGHT
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_hit_passes_the_backend_the_full_paths_options(monkeypatch, paged):
+    q, k_cache, v_cache, table = kv_step(paged=paged)
+    k_new, v_new = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
+    math = ad.get_backend("math")
+    seen = []
+    real = type(math).run_kvcache
+
+    def spy(self, *args, **options):
+        seen.append(options)
+        return real(self, *args, **options)
+
+    monkeypatch.setattr(type(math), "run_kvcache", spy)
+    full = count_kv_full_paths(monkeypatch)
+    kwargs = dict(k_new=k_new, v_new=v_new, block_table=table, causal=True, window=(3, 0), scale=0.3)
+    for step in range(2):
+        lens = torch.tensor([10 + step, 3 + step], dtype=torch.int32)
+        ad.sdpa_with_kvcache(q, k_cache, v_cache, lens, backend="math", **kwargs)
+    assert len(full) == 1 and len(seen) == 2  # the second call was a hit
+    assert seen[0].keys() == seen[1].keys()
+    for name in seen[0]:
+        assert seen[1][name] is seen[0][name] or seen[1][name] == seen[0][name], name
+
+
 def test_kvcache_inputs_that_require_grad_give_no_graph_on_a_hit():
     q, k_cache, v_cache, _ = kv_step()
     q.requires_grad_()
