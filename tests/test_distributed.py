@@ -27,7 +27,7 @@ from attention_dispatch.distributed import context_parallel_sdpa as _context_par
 from attention_dispatch.distributed.layout import segments, shard_of, unshard_from
 
 TOLERANCE = 1e-10
-DEADLINE_S = 240  # the spawned processes' whole run (about 60-90 s on 2 loaded cores)
+DEADLINE_S = 360  # the spawned processes' whole run (60-90 s on 2 idle cores, 160 s at load 10)
 TOLERANCES = {"float32": 2e-5}  # per feature, where not float64
 WORLDS = (2, 4)
 B, H, D = 2, 2, 8
@@ -53,6 +53,20 @@ FEATURES = {
     "bias_plain": {"bias": "float"},
     "bool_mask": {"bias": "bool", "window": (4, 4)},
     "return_lse": {"return_lse": True, "causal": "top_left", "window": (3, -1)},
+    # dropout: each block draws its part of one call's keep-mask (the same seed as that call)
+    "dropout": {"dropout_p": 0.3},
+    "dropout_causal": {"dropout_p": 0.3, "causal": "top_left"},
+    "dropout_everything": {
+        "dropout_p": 0.25,
+        "heads_q": 4,
+        "enable_gqa": True,
+        "causal": "bottom_right",
+        "sk_factor": 2,
+        "sinks": True,
+        "bias": "float",
+        "return_lse": True,
+        "alibi": True,
+    },
     "varlen": {"varlen": True},
     "varlen_causal": {"varlen": True, "causal": "top_left"},
     "varlen_window_alibi": {"varlen": True, "causal": "bottom_right", "window": (3, -1), "alibi": True},
@@ -103,7 +117,7 @@ def _inputs(feature: dict, world: int, seed: int):
     unit = 2 * world  # zigzag needs the global length divisible by 2W
     sq, sk = 2 * unit * feature.get("sq_factor", 1), 2 * unit * feature.get("sk_factor", 1)
     hq, hkv = feature.get("heads_q", H), H
-    names = ("causal", "window", "softcap", "enable_gqa", "is_causal", "scale")
+    names = ("causal", "window", "softcap", "enable_gqa", "is_causal", "scale", "dropout_p")
     options = {n: feature[n] for n in names if n in feature}
     options["return_lse"] = feature.get("return_lse", False)
     t = {}
@@ -153,6 +167,7 @@ def _one_case(case, group, seed: int) -> float:
     whole = {
         n: t[n].clone().requires_grad_(n in grads) for n in ("query", "key", "value", "attn_mask", "sinks") if n in t
     }
+    torch.manual_seed(seed)  # dropout: the same seed for both calls (every rank's; rank 0's is used)
     result = ad.sdpa(**whole, **options, backend="math")
     ref_out, ref_lse = result if options["return_lse"] else (result, None)
     _loss(ref_out, ref_lse, t).backward()
@@ -165,6 +180,7 @@ def _one_case(case, group, seed: int) -> float:
         local["attn_mask"] = mine(t["attn_mask"], -2).clone().requires_grad_("attn_mask" in grads)
     if "sinks" in t:
         local["sinks"] = t["sinks"].clone().requires_grad_()
+    torch.manual_seed(seed)
     result = context_parallel_sdpa(
         **local, **options, group=group, layout=layout, exchange=exchange, backward=backward, backend="math"
     )
@@ -217,6 +233,7 @@ def _error_cases(group) -> dict[str, str]:
     """Each bad setup's error message on this rank ('' if nothing was raised)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     x = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    cu = torch.tensor([0, 4 * world], dtype=torch.int32)
 
     def context_parallel_sdpa(*args, **kwargs):
         return _context_parallel_sdpa(*args, group=group, **kwargs)
@@ -228,7 +245,11 @@ def _error_cases(group) -> dict[str, str]:
         ),
         "options_differ": lambda: context_parallel_sdpa(x, x, x, causal="top_left" if rank else None),
         "meta_device": lambda: context_parallel_sdpa(*(torch.empty(1, 2, 4, 8, device="meta"),) * 3),
-        "dropout": lambda: context_parallel_sdpa(x, x, x, dropout_p=0.1),
+        "dropout_varlen": lambda: context_parallel_sdpa(
+            *(x[0].transpose(0, 1),) * 3, dropout_p=0.1, cu_seqlens_q=cu, cu_seqlens_k=cu
+        ),
+        "dropout_backend": lambda: context_parallel_sdpa(x, x, x, dropout_p=0.1, backend="torch_cpu"),
+        "dropout_range": lambda: context_parallel_sdpa(x, x, x, dropout_p=1.5),
         "layout": lambda: context_parallel_sdpa(x, x, x, layout="striped"),
         "exchange": lambda: context_parallel_sdpa(x, x, x, exchange="alltoall"),
         "backward": lambda: context_parallel_sdpa(x, x, x, backward="manual"),
@@ -369,7 +390,9 @@ EXPECTED_ERRORS = {
     "shapes_differ": ("ValueError", "query shape differs across the ranks"),
     "options_differ": ("ValueError", "options (causal, window, scale, ...) differs across the ranks"),
     "meta_device": ("ValueError", "cannot send meta tensors"),
-    "dropout": ("ValueError", "dropout_p=0.1"),
+    "dropout_varlen": ("ValueError", "dropout_p=0.1 with cu_seqlens"),
+    "dropout_backend": ("ValueError", "no candidate backend (torch_cpu, from backend= argument)"),
+    "dropout_range": ("ValueError", "dropout_p=1.5 must be in [0, 1]"),
     "layout": ("ValueError", "layout='striped' is not allowed"),
     "exchange": ("ValueError", "exchange='alltoall' is not allowed"),
     "backward": ("ValueError", "backward='manual' is not allowed"),

@@ -18,9 +18,12 @@ import numbers
 
 import torch
 
+from .. import dispatch, registry
 from ..api import explain
 from ..call import check_plain_tensor
+from ..config import current_config
 from ..dispatch import NoBackendError
+from ..dropout_stream import draw_seed
 from ..features import check_alibi_slopes, check_return_lse, check_sinks, check_softcap, lse_dtype
 from ..semantics import band as fold_band
 from ..semantics import normalize_causal, normalize_window
@@ -38,10 +41,28 @@ EXCHANGES = ("ring", "allgather")
 BACKWARDS = ("recompute", "autograd")
 
 
-def _is_zero(dropout_p) -> bool:
+def _check_dropout(dropout_p) -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
-    return dropout_p == 0
+        raise TypeError(f"dropout_p must be a float in [0, 1], got {type(dropout_p).__name__}")
+    if not 0 <= dropout_p <= 1:
+        raise ValueError(f"dropout_p={dropout_p} must be in [0, 1]")
+    return float(dropout_p)
+
+
+def _dropout_backends(forced) -> tuple[str, ...]:
+    """The candidate backends (in the call's order) that draw dropout at a block's global
+    position (Capabilities.dropout_positions); raise if there is none."""
+    names, source = dispatch.candidate_order(forced, current_config())
+    known = set(registry.list_backends())
+    able = tuple(n for n in names if n in known and registry.find_backend(n).capabilities.dropout_positions)
+    if not able:
+        allowed = [n for n in registry.list_backends() if registry.find_backend(n).capabilities.dropout_positions]
+        raise ValueError(
+            f"dropout_p > 0: no candidate backend ({', '.join(names)}, from {source}) draws the dropout mask "
+            "at a block's global position (Capabilities.dropout_positions), which makes the blocks one "
+            f"sdpa() call's dropout; backends that do: {', '.join(allowed) or 'none'}"
+        )
+    return able
 
 
 def _offsets(cu, name: str, total: int) -> list[int]:
@@ -87,12 +108,7 @@ def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     check_layout(layout)
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_plain_tensor(t, name)
-    if not _is_zero(dropout_p):
-        raise ValueError(
-            f"dropout_p={dropout_p}: context_parallel_sdpa does not support dropout (a block-wise dropout "
-            "that equals one sdpa() call with the same seed needs a counter-based random stream by global "
-            "position, which the backends do not take yet); use dropout_p=0.0"
-        )
+    dropout_p = _check_dropout(dropout_p)
     rank, world = _exchange.check_group(group, query.device)
     causal = normalize_causal(is_causal, options["causal"])
     window = normalize_window(options["window"])
@@ -102,6 +118,15 @@ def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     packed = cu_q is not None or cu_k is not None
     setup = Setup()
     setup.backward = options["backward"]
+    setup.dropout_p, setup.dropout_seed, setup.dropout_backends = dropout_p, None, None
+    if dropout_p > 0:
+        if packed:
+            raise ValueError(
+                f"dropout_p={dropout_p} with cu_seqlens: one varlen call's dropout is keyed by (document, "
+                "position in it), which the context-parallel blocks (dense, several documents) cannot "
+                "reproduce; use dropout_p=0.0 or dense shards"
+            )
+        setup.dropout_backends = _dropout_backends(options["backend"])
     if packed:
         if cu_q is None or cu_k is None:
             raise ValueError("varlen needs both cu_seqlens_q and cu_seqlens_k (global offsets), got only one")
@@ -149,7 +174,10 @@ def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     probe_mask = None if setup.mask is None else setup.mask[..., : k.shape[2]]
     if slopes is not None and probe_mask is None:
         probe_mask = torch.zeros((), dtype=lse_dtype(query.dtype), device=query.device).expand(1, 1, 1, 1)
-    decision = explain(q, k, v, probe_mask, causal=causal, window=window, return_lse=True, **setup.sdpa_args)
+    with dispatch.use_backends(*(setup.dropout_backends or ())) if dropout_p > 0 else contextlib.nullcontext():
+        decision = explain(
+            q, k, v, probe_mask, dropout_p, causal=causal, window=window, return_lse=True, **setup.sdpa_args
+        )
     if decision.backend is None:
         raise NoBackendError(f"no backend computes a block of this call with return_lse=True:\n{decision}", decision)
     setup.q, setup.k, setup.v, setup.packed, setup.slopes = q, k, v, packed, slopes
@@ -178,7 +206,9 @@ def _facts(setup: Setup, options) -> dict[str, tuple[int, ...]]:
         "options (causal, window, scale, ...)": (
             _exchange.fingerprint((tuple(setup.band), sorted(setup.sdpa_args.items()), setup.return_lse)),
         ),
-        "layout, exchange, backward": (_exchange.fingerprint((setup.layout, setup.exchange, setup.backward)),),
+        "layout, exchange, backward, dropout_p": (
+            _exchange.fingerprint((setup.layout, setup.exchange, setup.backward, setup.dropout_p)),
+        ),
         "alibi_slopes, sinks given": (int(setup.slopes is not None), int(setup.sinks is not None)),
         "cu_seqlens_q/k": (_exchange.fingerprint(cu),),
     }
@@ -262,7 +292,9 @@ def context_parallel_sdpa(
     the backward recomputes each block and sends the keys round again with their gradients, so no
     rank keeps others' keys) or "autograd" (keeps every block's graph and every received key
     block; no recomputation). With return_lse, also this rank's
-    logsumexp (B, Hq, S_local_q) (varlen (Hq, S_local)), without the sinks. Dropout is refused.
+    logsumexp (B, Hq, S_local_q) (varlen (Hq, S_local)), without the sinks. Dropout (dense
+    shards; a backend declaring Capabilities.dropout_positions): each block draws its part of
+    one sdpa() call's keep-mask, seeded as sdpa() seeds it (rank 0's draw).
     Every rank must call it with the same shapes and options, and backpropagate through its output.
     """
     del max_seqlen_q, max_seqlen_k  # the blocks' lengths come from the offsets themselves
@@ -284,6 +316,8 @@ def context_parallel_sdpa(
     )
     setup = _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, options)
     _check_across_ranks(setup, options)
+    if setup.dropout_p > 0:  # one seed per call, as sdpa() draws it; rank 0's, so that all agree
+        setup.dropout_seed = _exchange.broadcast_seed(draw_seed(setup.q.device), setup.group)
     if setup.backward == "recompute":
         out, lse = recomputed_attention(setup, setup.q, setup.k, setup.v, setup.mask)
         unused = []

@@ -66,6 +66,12 @@ def gather_facts(facts: dict[str, tuple[int, ...]], group, device: torch.device)
     return result
 
 
+def broadcast_seed(seed: torch.Tensor, group) -> torch.Tensor:
+    """Group rank 0's ``seed`` on every rank (in place; asynchronous on GPUs, no host sync)."""
+    dist.broadcast(seed, _global(group, 0), group=group)
+    return seed
+
+
 class Pending:
     """Asynchronous communication in flight; wait() before reading what it receives."""
 

@@ -7,11 +7,14 @@ keeps every block's graph; "recompute" (recompute.py) runs it without a graph an
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 from ..api import sdpa
+from ..dispatch import use_backends
+from ..dropout_stream import DropoutStream, positioned
 from ..features import lse_dtype
 from . import exchange as _exchange
 from .blocks import Band, Documents, combine_masks, diagonal_mask, global_positions, plan_band, span
@@ -26,6 +29,7 @@ class Setup:
     __slots__ = (
         "q", "k", "v", "mask", "packed", "rank", "world", "group", "layout", "exchange", "backward",
         "sq", "sk", "band", "docs", "slopes", "sinks", "sdpa_args", "return_lse",
+        "dropout_p", "dropout_seed", "dropout_backends",
     )  # fmt: skip
 
     band: Band
@@ -34,9 +38,10 @@ class Setup:
 
 def block_pairs(setup: Setup, source: int):
     """(query parts, key parts) of the blocks of this rank's queries against ``source``'s keys.
-    A bounded band is planned per segment pair (those outside it are skipped); without one, a
-    rank's whole shard is one part: fewer, larger sdpa() calls."""
-    whole = setup.band.unbounded
+    A bounded band is planned per segment pair (those outside it are skipped), and so is
+    dropout (a block's keep-mask is drawn at one row and one column offset); otherwise a rank's
+    whole shard is one part: fewer, larger sdpa() calls."""
+    whole = setup.band.unbounded and setup.dropout_p == 0
 
     def parts(rank: int, total: int):
         segs = segments(setup.layout, rank, setup.world, total)
@@ -81,16 +86,23 @@ def block(setup: Setup, q_parts, k_parts, q, k, v, mask):
             slopes = setup.slopes[setup.docs.doc_q[q_pos]].T[None, :, :, None]
             distance = setup.docs.distance(q_pos, k_pos)
         float_parts.append(-(slopes.to(compute) * distance.to(device=device, dtype=compute)))
-    return sdpa(
-        q[:, :, q0:q1],
-        k[:, :, k0:k1],
-        v[:, :, k0:k1],
-        combine_masks(bool_parts, float_parts),
-        causal=causal,
-        window=window,
-        return_lse=True,
-        **setup.sdpa_args,
-    )
+    dropout = contextlib.ExitStack()
+    if setup.dropout_p > 0:  # this block's part of the whole call's keep-mask (one segment pair)
+        (qp,), (kp,) = q_parts, k_parts
+        dropout.enter_context(use_backends(*setup.dropout_backends))
+        dropout.enter_context(positioned(DropoutStream(setup.dropout_seed, 0, qp.start, kp.start, setup.sq, setup.sk)))
+    with dropout:
+        return sdpa(
+            q[:, :, q0:q1],
+            k[:, :, k0:k1],
+            v[:, :, k0:k1],
+            combine_masks(bool_parts, float_parts),
+            setup.dropout_p,
+            causal=causal,
+            window=window,
+            return_lse=True,
+            **setup.sdpa_args,
+        )
 
 
 class Accumulator:
