@@ -1,6 +1,7 @@
 """Compile every sm90 kernel of the configuration table for sm90, without a GPU.
 
     python benchmarks/compile_sm90.py [--kinds fwd,bwd_dkdv,bwd_dq,fwd_ws] [--limit N] [--ptx-hashes] [--spills]
+        [--sass] [--only REGEX]
 
 The warp-specialised Gluon forward (kind fwd_ws) is compiled for each head dim, causal
 flag and row layout it serves.  Each sm90 table entry (kernel kind, head dim, tiles, warps, stages) is compiled with the
@@ -191,15 +192,13 @@ def ws_cases():
             # KV_LENS: a KV-cache call (kernels/decode.cache_forward): no bias, causal or not, lse
             kv_cache = (False, True) if not const["HAS_BIAS"] and label.split()[0] in ("dense", "causal") else (False,)
             for store_lse, kv_lens in [(lse, False) for lse in (True, False)] + [(True, True)] * (len(kv_cache) - 1):
-                # issue 36's softcap, sinks and ALiBi (not in a KV-cache call) with the logsumexp
-                scores = ((False, False), (True, True)) if store_lse and not kv_lens else ((False, False),)
-                for softcap, sinks in scores:
+                # issue 36's softcap, sinks and ALiBi (not in a KV-cache call) with the logsumexp, each
+                # alone too over (B, H, S, D) rows without a bias
+                for scores in _ws_score_variants(store_lse and not kv_lens, const):
                     yield (
                         d,
                         cfg,
-                        f"ws {name} {label} lse={store_lse}"
-                        + (" kv-cache" if kv_lens else "")
-                        + (" softcap+sinks+alibi" if softcap else ""),
+                        f"ws {name} {label} lse={store_lse}" + (" kv-cache" if kv_lens else "") + _score_label(scores),
                         dict(
                             const,
                             STORE_LSE=store_lse,
@@ -209,11 +208,28 @@ def ws_cases():
                             CONSUMER_REGS=cfg.consumer_regs,
                             NUM_WG=cfg.consumers,
                             KV_LENS=kv_lens,
-                            SOFTCAP=softcap,
-                            HAS_SINKS=sinks,
-                            HAS_ALIBI=sinks,
+                            **scores,
                         ),
                     )
+
+
+def _ws_score_variants(takes_scores: bool, const: dict, sinks: bool = True):
+    """Issue 36's score constexprs to compile with a variant: none; all of them where the kernel
+    ``takes_scores``; each alone too over (B, H, S, D) rows without a bias (``sinks``: the kernel
+    has a HAS_SINKS)."""
+    off = dict(SOFTCAP=False, HAS_ALIBI=False, **({"HAS_SINKS": False} if sinks else {}))
+    yield off
+    if not takes_scores:
+        return
+    yield {k: True for k in off}
+    if const["Q_ROWS"] == 1 and const["KV_ROWS"] == 1 and not const["HAS_BIAS"]:
+        yield dict(off, SOFTCAP=True)
+        yield dict(off, HAS_ALIBI=True)
+
+
+def _score_label(scores: dict) -> str:
+    on = [n for n, k in (("softcap", "SOFTCAP"), ("sinks", "HAS_SINKS"), ("alibi", "HAS_ALIBI")) if scores.get(k)]
+    return " " + "+".join(on) if on else ""
 
 
 def ws_backward_cases():
@@ -226,12 +242,13 @@ def ws_backward_cases():
                 tiles = dict(BLOCK_N=cfg.block_n, BIAS_STAGES=cfg.bias_stages) if kind == "dq" else {}
                 for fuse in (False, True) if kind == "dkdv" and cfg.fuse_dq else (False,):
                     extra = dict(FUSE_DQ=fuse) if kind == "dkdv" else {}
-                    yield (
-                        d,
-                        cfg,
-                        f"ws {kind}{'+dq' if fuse else ''} d={d} {label}",
-                        dict(const, **tiles, **extra, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs),
-                    )
+                    for scores in _ws_score_variants(True, const, sinks=False):
+                        yield (
+                            d,
+                            cfg,
+                            f"ws {kind}{'+dq' if fuse else ''} d={d} {label}" + _score_label(scores),
+                            dict(const, **tiles, **extra, **scores, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs),
+                        )
 
 
 def compile_ws_case(d: int, cfg, constexprs: dict):
@@ -265,6 +282,9 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
             delta_ptr="*fp32",
             qk_scale="fp32",
             sm_scale="fp32",
+            softcap_in="fp32",
+            softcap="fp32",
+            alibi_ptr="*fp32",
         )
     elif fn is dkdv:
         m = cfg.bwd_block_m if not constexprs["HAS_BIAS"] else wg
@@ -281,6 +301,9 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
             dq_desc=dq_desc(wg, d if m == 2 * wg else d // 2),
             qk_scale="fp32",
             sm_scale="fp32",
+            softcap_in="fp32",
+            softcap="fp32",
+            alibi_ptr="*fp32",
         )
     else:
         sig = dict(
@@ -328,10 +351,36 @@ def ptxas_usage(ptx: str) -> str:
     return f"{regs[-1] if regs else '?'} registers, {st} bytes spill stores, {ld} bytes spill loads"
 
 
-def _report(label: str, err, kernel, hashes: bool, spills: bool = False) -> int:
+# SASS opcodes that --sass counts: the MUFU (ex2, tanh, rcp) and conversion pipes, the FP32 pipe
+SASS_OPS = ("MUFU", "I2F", "I2FP", "F2I", "FFMA", "FADD", "FMUL", "FMNMX", "FSEL", "IADD3", "LOP3", "F2FP")
+
+
+def sass_counts(kernel) -> str:
+    """Static counts of SASS_OPS in the kernel's cubin (cuobjdump -sass), each per HGMMA instruction
+    too: variants of one kernel compare per HGMMA (at d128 a forward's 64 x 128 score tile takes 16,
+    64 scores per thread: per score = per HGMMA / 4)."""
+    import collections
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    ops = collections.Counter(
+        m.group(1).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    )
+    per = ops["HGMMA"] or 1
+    return f"HGMMA={ops['HGMMA']} " + " ".join(f"{o}={ops[o]}({ops[o] / per:.2f})" for o in SASS_OPS)
+
+
+def _report(label: str, err, kernel, hashes: bool, spills: bool = False, sass: bool = False) -> int:
     if err:
         print(f"FAILED {label}: {err}", flush=True)
         return 1
+    if sass:
+        print(f"{sass_counts(kernel)}: {label}", flush=True)
     if hashes:
         print(f"{ptx_fingerprint(kernel.asm['ptx'])} {label}", flush=True)
     if spills:
@@ -361,6 +410,10 @@ def main(argv=None) -> int:
     p.add_argument(
         "--spills", action="store_true", help="print each case's registers, spills (ptxas -v) and shared memory"
     )
+    p.add_argument(
+        "--sass", action="store_true", help="print each case's SASS opcode counts, per HGMMA in brackets (sass_counts)"
+    )
+    p.add_argument("--only", default="", help="fwd_ws: compile only the cases whose label matches this regex")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("TRITON_INTERPRET=1: the interpreter compiles nothing; run without it")
@@ -377,12 +430,12 @@ def main(argv=None) -> int:
         seen = set()
         for d, cfg, label, const in list(ws_cases()) + list(ws_backward_cases()):
             kernel_name = re.split(r" (?:dense|causal|window) ", label)[0]  # "ws dkdv+dq d=128"
-            if args.ws_one_each and kernel_name in seen:
+            if (args.ws_one_each and kernel_name in seen) or not re.search(args.only, label):
                 continue
             seen.add(kernel_name)
             n += 1
             err, kernel = compile_ws_case(d, cfg, const)
-            failed += _report(label, err, kernel, args.ptx_hashes, args.spills)
+            failed += _report(label, err, kernel, args.ptx_hashes, args.spills, args.sass)
     print(f"triton {triton.__version__}: {n} kernels compiled for sm90, {failed} failed")
     return 1 if failed else 0
 

@@ -265,14 +265,19 @@ def test_sinks_without_grad_and_no_lse_gradient_costs_nothing(monkeypatch):
 
 
 def test_gluon_routes_name_the_feature():
-    """The Gluon forward computes softcap, ALiBi and sinks; softcap and ALiBi in the backward keep
-    the tl kernels with a reason naming the argument; the KV-cache Gluon forward takes none of them."""
+    """The Gluon forward and backward compute softcap and ALiBi (not past ALIBI_MAX_SEQ keys, with a
+    reason naming the argument); the KV-cache Gluon forward takes none of the features."""
+    from attention_dispatch.kernels.gluon.route import ALIBI_MAX_SEQ, score_features_reason
+
     q, k, v = dense()
-    steps = describe_route(q, k, v, None, KernelParams(scale=0.25, softcap=5.0), backward=True)
-    assert ("gluon", "softcap: not in the Gluon backward") in steps[1][2]
     alibi = torch.ones(1, 2, device=DEV)
-    steps = describe_route(q, k, v, None, KernelParams(scale=0.25), alibi=alibi, backward=True)
-    assert ("gluon", "alibi_slopes: not in the Gluon backward") in steps[1][2]
+    for params, extra in ((KernelParams(scale=0.25, softcap=5.0), {}), (KernelParams(scale=0.25), dict(alibi=alibi))):
+        steps = describe_route(q, k, v, None, params, backward=True, **extra)
+        assert not any(why.startswith(("softcap", "alibi")) for _, why in steps[0][2] + steps[1][2]), steps
+    for part in ("forward", "backward"):
+        assert score_features_reason(KernelParams(scale=0.25, softcap=5.0), True, True, part, 4096) is None
+        why = score_features_reason(KernelParams(scale=0.25), True, False, part, ALIBI_MAX_SEQ)
+        assert why.startswith(f"alibi_slopes with {ALIBI_MAX_SEQ} keys or queries"), why
     cache = torch.randn(1, 2, 32, 16, device=DEV)
     for params, extra, name in (
         (KernelParams(scale=0.25, softcap=5.0), {}, "softcap"),
@@ -404,8 +409,8 @@ def test_gpu_all_features(dtype, causal, window):
     ids=str,
 )
 def test_gpu_gluon_with_softcap_alibi_sinks_lse_grad(feature):
-    """The Gluon forward computes softcap, ALiBi and sinks; sinks and a logsumexp gradient reach the
-    Gluon backward through lse and delta only (a softcap or ALiBi keeps the tl backward)."""
+    """The Gluon forward computes softcap, ALiBi and sinks, the Gluon backward softcap and ALiBi; sinks
+    and a logsumexp gradient reach it through lse and delta only."""
     q, k, v = (rand(1, 2, 4096, 128, dtype=BF16) for _ in range(3))
     causal = feature.get("causal")
     params = KernelParams(
@@ -415,7 +420,7 @@ def test_gpu_gluon_with_softcap_alibi_sinks_lse_grad(feature):
     alibi = torch.ones(1, 2, device=DEV) if feature.get("alibi") else None
     steps = describe_route(q, k, v, None, params, backward=True, sinks=sinks, alibi=alibi)
     assert steps[0][1] == "gluon", steps
-    assert steps[1][1] == ("tl" if params.softcap or alibi is not None else "gluon"), steps
+    assert steps[1][1] == "gluon", steps
     check(q, k, v, **feature)
 
 

@@ -115,7 +115,7 @@ def forward_route(
         not_decode = None  # not shaped like decode: nothing to report
     if store_dtype(q.dtype) != q.dtype:  # the interpreter writes bf16 as fp32 (no Gluon there)
         return ForwardRoute(TL, "the CPU interpreter writes bfloat16 results as float32", None, not_decode)
-    score_reason = score_features_reason(params, alibi is not None, sinks is not None, "forward")
+    score_reason = score_features_reason(params, alibi is not None, sinks is not None, "forward", max(prob.Sq, prob.Sk))
     if score_reason is not None:
         return ForwardRoute(TL, score_reason, None, not_decode)
     bias_reason = ws_bias_reason(bias_kind, bias_t, bias_strides, q.dtype, desc)
@@ -140,7 +140,7 @@ def backward_route(
     has_alibi: bool = False,
 ):
     """The :class:`BackwardRoute` of a call (``desc``: :func:`use_descriptors` of q, k, v, dO)."""
-    reason = score_features_reason(params, has_alibi, False, "backward")
+    reason = score_features_reason(params, has_alibi, False, "backward", max(prob.Sq, prob.Sk))
     if reason is not None:
         return BackwardRoute(TL, TL, reason, None, None)
     bias_reason = ws_bias_reason(bias_kind, bias_t, bias_strides, q.dtype, desc, grad=bias_grad)
@@ -271,10 +271,10 @@ def attention_backward(
     if route.dkdv == GLUON:
         ws_bias = gluon_launch.WsBias.of(bt, bstr, prob) if kind else None
         dk, dv, dq = gluon_launch.dkdv(
-            q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, fuse_dq=route.dq == FUSED
+            q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, fuse_dq=route.dq == FUSED, alibi=alibi
         )
         if route.dq == GLUON:
-            dq = gluon_launch.dq(q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias)
+            dq = gluon_launch.dq(q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, alibi=alibi)
         elif route.dq == TL:
             dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args)
         return dq, dk, dv, None, dsinks

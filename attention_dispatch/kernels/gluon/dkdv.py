@@ -21,6 +21,9 @@ from .common import (
     _masked,
     _program_row,
     _q_tiles,
+    _score_scales,
+    _score_transform,
+    _small_int_f32,
     _tile_origin,
     _tma_reduce_add,
     _wgmma_layout,
@@ -140,6 +143,7 @@ def _ws_bwd_consumer(
     seq_k,
     num_heads,
     group,
+    scores,
     WG: gl.constexpr,
     WINDOW_LEFT: gl.constexpr,
     WINDOW_RIGHT: gl.constexpr,
@@ -152,6 +156,8 @@ def _ws_bwd_consumer(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
 ):
     # this warpgroup: BLOCK_N (64) keys; scores transposed (keys x queries) as the tl kernel.
     # FUSE_DQ: dQ too, FA3's way: both warpgroups put their dS^T half in shared memory, then
@@ -177,9 +183,12 @@ def _ws_bwd_consumer(
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, a_layout)
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     m_lo, n_m = _q_tiles(n0, seq_q, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, 2 * BLOCK_N)
-    scale = qk_scale  # with a bias: (st * sm_scale + bias) * log2(e)
-    if HAS_BIAS:
-        scale = LOG2E
+    # issue 36's transforms (common._score_transform): ``scores`` = (softcap_in, softcap, slopes,
+    # their batch and head strides, ALiBi's diagonal offset); distances from this warpgroup's first key
+    softcap_in, softcap, alibi_ptr, alibi_sb, alibi_sh, alibi_off = scores
+    scale, to_nat, _coef = _score_scales(qk_scale, softcap, 0.0, HAS_BIAS, SOFTCAP)  # per head: below
+    key0 = n0 + WG * BLOCK_N
+    keys_f = _small_int_f32(keys - key0)
     if FUSE_DQ:
         dq_desc, ds_bufs, ds_ready, kv_done, dq_bufs = dq_fused
         # each warpgroup's share of the tile's dQ: with 64-row tiles the 64 rows x half the columns,
@@ -212,10 +221,27 @@ def _ws_bwd_consumer(
         if EARLY_ROWS:
             lse2 = lse_bufs.index(s).load(col_s)
             delta = delta_bufs.index(s).load(col_s)
+        alibi_coef = 0.0
+        if HAS_ALIBI:  # the slope of query head g of the group
+            h = (pid_bkv % n_kv) * group + t // n_m
+            slope = gl.load(alibi_ptr + (pid_bkv // n_kv) * alibi_sb + h * alibi_sh)
+            alibi_coef = slope * LOG2E / scale
         st = warpgroup_mma_wait(1, deps=[st_tok])
+        st, tanh_t = _score_transform(
+            st,
+            _small_int_f32(offs_m + alibi_off - key0)[None, :],
+            keys_f[:, None],
+            softcap_in,
+            to_nat,
+            alibi_coef,
+            HAS_BIAS,
+            SOFTCAP,
+            HAS_ALIBI,
+            False,
+        )
         if HAS_BIAS:  # this warpgroup's keys of the slot's bias tile, transposed as the scores
             bt = bias[1].index(s).slice(WG * BLOCK_N, BLOCK_N, dim=1).permute((1, 0)).load(s_layout)
-            st = st * sm_scale + bt.to(gl.float32)
+            st = st + bt.to(gl.float32)
         if _causal(WINDOW_LEFT, WINDOW_RIGHT):
             if mi * BLOCK_M < n0 + 2 * BLOCK_N:
                 st = _masked(st, offs_m[None, :], keys[:, None], WINDOW_LEFT, WINDOW_RIGHT)
@@ -230,7 +256,10 @@ def _ws_bwd_consumer(
         dpt, _ = warpgroup_mma_wait(1, deps=[dpt_tok, pt_op])
         if not EARLY_ROWS:
             delta = delta_bufs.index(s).load(col_s)
-        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        dst = pt * (dpt - delta[None, :])
+        if SOFTCAP:  # d score / d(q.k scaled): 1 - tanh^2
+            dst = dst * (1.0 - tanh_t * tanh_t)
+        dst = dst.to(dtype)
         if FUSE_DQ:  # this warpgroup's keys of dS^T, for both warpgroups' dQ products and its dK's
             ds_buf = ds_bufs.index(t % 2)
             ds_buf.slice(WG * BLOCK_N, BLOCK_N).store(dst)
@@ -307,6 +336,12 @@ def _attn_bwd_dkdv_ws(
     group,
     bias_batch_rows,
     bias_head_rows,
+    softcap_in,
+    softcap,
+    alibi_ptr,
+    alibi_sb,
+    alibi_sh,
+    alibi_off,
     WINDOW_LEFT: gl.constexpr,
     WINDOW_RIGHT: gl.constexpr,
     Q_ROWS: gl.constexpr,
@@ -317,6 +352,8 @@ def _attn_bwd_dkdv_ws(
     FUSE_DQ: gl.constexpr,
     STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
+    SOFTCAP: gl.constexpr = False,
+    HAS_ALIBI: gl.constexpr = False,
 ):
     """Grid (Sk / 128, B * Hkv); one program: 128 keys of one (b, kv head) in two consumer
     warpgroups of 64, over the query tiles (``q_desc``'s rows: 64 or 128) of every query head of
@@ -324,7 +361,8 @@ def _attn_bwd_dkdv_ws(
     dK, dV: (B * Hkv * Sk, D) rows; lse, delta: (B, Hq, Sq) contiguous; ``bias_desc``
     (HAS_BIAS): (rows, Sk) bias matrix, tiles (query tile rows, 128); None without.  FUSE_DQ: dQ is added
     into ``dq_desc``, fp32 (B * Hq * Sq, D) rows zeroed beforehand, tiles (64, D / 2) with 64-row
-    query tiles and (64, D) with 128; None without."""
+    query tiles and (64, D) with 128; None without.  SOFTCAP / HAS_ALIBI: the forward's score
+    transforms (its arguments: _attn_fwd_ws's), recomputed; dS times 1 - tanh^2 under a softcap."""
     BLOCK_N: gl.constexpr = WG_ROWS  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]  # query rows per tile
     gl.static_assert(BLOCK_M == WG_ROWS or BLOCK_M == 2 * WG_ROWS)
@@ -366,6 +404,7 @@ def _attn_bwd_dkdv_ws(
         dq_fused = (dq_desc, ds_bufs, ds_ready, kv_done, dq_bufs)
     else:
         dq_fused = bars  # not read
+    scores = (softcap_in, softcap, alibi_ptr, alibi_sb, alibi_sh, alibi_off)
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     gl.warp_specialize(
@@ -394,6 +433,7 @@ def _attn_bwd_dkdv_ws(
                     seq_k,
                     num_heads,
                     group,
+                    scores,
                     WG0,
                     WINDOW_LEFT,
                     WINDOW_RIGHT,
@@ -406,6 +446,8 @@ def _attn_bwd_dkdv_ws(
                     BLOCK_M,
                     BLOCK_N,
                     STAGES,
+                    SOFTCAP,
+                    HAS_ALIBI,
                 ),
             ),
             (
@@ -432,6 +474,7 @@ def _attn_bwd_dkdv_ws(
                     seq_k,
                     num_heads,
                     group,
+                    scores,
                     WG1,
                     WINDOW_LEFT,
                     WINDOW_RIGHT,
@@ -444,6 +487,8 @@ def _attn_bwd_dkdv_ws(
                     BLOCK_M,
                     BLOCK_N,
                     STAGES,
+                    SOFTCAP,
+                    HAS_ALIBI,
                 ),
             ),
             (

@@ -7,7 +7,6 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .common import (
     _lse_log2,
-    LOG2E,
     WG_ROWS,
     _bias_ring,
     _bias_tile,
@@ -16,6 +15,9 @@ from .common import (
     _mask_tile,
     _program_row,
     _release_bias,
+    _score_scales,
+    _score_transform,
+    _small_int_f32,
     _store_rows,
     _tile_origin,
     _wgmma_layout,
@@ -46,6 +48,7 @@ def _ws_bwd_dq_consumer(
     num_heads,
     group,
     n_m_blocks,
+    scores,
     WG: gl.constexpr,
     WINDOW_LEFT: gl.constexpr,
     WINDOW_RIGHT: gl.constexpr,
@@ -57,6 +60,8 @@ def _ws_bwd_dq_consumer(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     BIAS_STAGES: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
 ):
     # the forward's consumer with dP = dO V^T and dQ += dS K in place of the output products
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
@@ -82,9 +87,13 @@ def _ws_bwd_dq_consumer(
     rows = q_start + gl.arange(0, BLOCK_M, row_s)
     lse2 = _lse_log2(gl.load(lse_ptr + pid_bh * seq_q + rows), HAS_BIAS)
     delta = gl.load(delta_ptr + pid_bh * seq_q + rows)
-    scale = qk_scale  # with a bias: (sc * sm_scale + bias) * log2(e)
-    if HAS_BIAS:
-        scale = LOG2E
+    # issue 36's transforms (common._score_transform), distances from this warpgroup's first row
+    softcap_in, softcap, alibi_ptr, alibi_sb, alibi_sh, alibi_off = scores
+    alibi_slope = 0.0
+    if HAS_ALIBI:
+        alibi_slope = gl.load(alibi_ptr + (pid_bh // num_heads) * alibi_sb + (pid_bh % num_heads) * alibi_sh)
+    scale, to_nat, alibi_coef = _score_scales(qk_scale, softcap, alibi_slope, HAS_BIAS, SOFTCAP)
+    rows_f = _small_int_f32(rows + alibi_off - q_start)
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     first, n_tiles, n_full = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, 2)
@@ -101,14 +110,29 @@ def _ws_bwd_dq_consumer(
         if HAS_BIAS:
             b = _bias_tile(bias, j, WG, BLOCK_M, BIAS_STAGES, s_layout)
         sc = warpgroup_mma_wait(1, deps=[s_tok])
+        sc, tanh_t = _score_transform(
+            sc,
+            rows_f[:, None],
+            _small_int_f32((first + j) * BLOCK_N - q_start + gl.arange(0, BLOCK_N, col_s))[None, :],
+            softcap_in,
+            to_nat,
+            alibi_coef,
+            HAS_BIAS,
+            SOFTCAP,
+            HAS_ALIBI,
+            False,
+        )
         if HAS_BIAS:
-            sc = sc * sm_scale + b
+            sc = sc + b
             _release_bias(bias, j, BIAS_STAGES)
         sc = _mask_tile(sc, rows, q_start, j, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
         p = gl.exp2(sc * scale - lse2[:, None])
         dp, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, do_buf, v_buf])
         mbarrier.arrive(v_empty.index(s), count=1)
-        ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:  # d score / d(q.k scaled): 1 - tanh^2
+            ds = ds * (1.0 - tanh_t * tanh_t)
+        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
         dq_tok = warpgroup_mma(ds_op, k_buf, dq, is_async=True)
         dq, _, _ = warpgroup_mma_wait(0, deps=[dq_tok, ds_op, k_buf])
         mbarrier.arrive(k_empty.index(s), count=1)
@@ -135,6 +159,12 @@ def _attn_bwd_dq_ws(
     n_m_blocks,
     bias_batch_rows,
     bias_head_rows,
+    softcap_in,
+    softcap,
+    alibi_ptr,
+    alibi_sb,
+    alibi_sh,
+    alibi_off,
     WINDOW_LEFT: gl.constexpr,
     WINDOW_RIGHT: gl.constexpr,
     Q_ROWS: gl.constexpr,
@@ -146,9 +176,12 @@ def _attn_bwd_dq_ws(
     STAGES: gl.constexpr,
     BIAS_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
+    SOFTCAP: gl.constexpr = False,
+    HAS_ALIBI: gl.constexpr = False,
 ):
     """Grid (Sq / 128, B * Hq); one program: dQ of 128 query rows of one (b, h), the K/V ring, the
-    bias ring and their loader shared with the forward (_ws_loader).  dQ: (B * Hq * Sq, D) rows."""
+    bias ring and their loader shared with the forward (_ws_loader).  dQ: (B * Hq * Sq, D) rows.
+    SOFTCAP / HAS_ALIBI: the forward's score transforms (its arguments: _attn_fwd_ws's)."""
     BLOCK_M: gl.constexpr = WG_ROWS
     NUM_WG: gl.constexpr = 2
     q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES, NUM_WG)
@@ -157,6 +190,7 @@ def _attn_bwd_dq_ws(
         bias = _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, BIAS_STAGES, NUM_WG)
     else:
         bias = bars  # not read: a stand-in of a type the partitions accept
+    scores = (softcap_in, softcap, alibi_ptr, alibi_sb, alibi_sh, alibi_off)
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     NO_LSE: gl.constexpr = False  # also: no KV-cache lengths
@@ -214,6 +248,7 @@ def _attn_bwd_dq_ws(
                     num_heads,
                     group,
                     n_m_blocks,
+                    scores,
                     WG0,
                     WINDOW_LEFT,
                     WINDOW_RIGHT,
@@ -225,6 +260,8 @@ def _attn_bwd_dq_ws(
                     BLOCK_N,
                     STAGES,
                     BIAS_STAGES,
+                    SOFTCAP,
+                    HAS_ALIBI,
                 ),
             ),
             (
@@ -250,6 +287,7 @@ def _attn_bwd_dq_ws(
                     num_heads,
                     group,
                     n_m_blocks,
+                    scores,
                     WG1,
                     WINDOW_LEFT,
                     WINDOW_RIGHT,
@@ -261,6 +299,8 @@ def _attn_bwd_dq_ws(
                     BLOCK_N,
                     STAGES,
                     BIAS_STAGES,
+                    SOFTCAP,
+                    HAS_ALIBI,
                 ),
             ),
             (

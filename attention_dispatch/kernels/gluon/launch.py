@@ -101,6 +101,18 @@ def ws_constexprs(params: KernelParams, bias: "WsBias | None", **rest) -> dict:
     )
 
 
+def score_args(params: KernelParams, prob: KernelShapes, alibi: torch.Tensor | None, stand_in: torch.Tensor) -> tuple:
+    """The score transforms' runtime arguments of every Gluon pass (common._score_transform):
+    softcap_in, softcap, the slopes (``stand_in`` without), their strides, ALiBi's diagonal offset."""
+    return (
+        params.scale / params.softcap if params.softcap else 0.0,
+        params.softcap,
+        alibi if alibi is not None else stand_in,
+        *(alibi.stride() if alibi is not None else (0, 0)),
+        prob.Sk - prob.Sq if params.align_bottom_right else 0,
+    )
+
+
 def forward(
     q,
     k,
@@ -147,11 +159,7 @@ def forward(
             kv_lens if kv_lens is not None else out,
             n_new,
             sinks if sinks is not None else out,
-            params.scale / params.softcap if params.softcap else 0.0,
-            params.softcap,
-            alibi if alibi is not None else out,
-            *(alibi.stride() if alibi is not None else (0, 0)),
-            prob.Sk - prob.Sq if params.align_bottom_right else 0,
+            *score_args(params, prob, alibi, out),
         ),
         ws_constexprs(
             params,
@@ -204,9 +212,11 @@ def dkdv(
     do_rows: int,
     bias: WsBias | None = None,
     fuse_dq: bool = False,
+    alibi: torch.Tensor | None = None,
 ):
     """(dK, dV, dQ or None) of a call the warp-specialised forward serves (same scope, dO in a
-    row layout); ``fuse_dq``: dQ too, added by TMA reduce-add into a zeroed fp32 buffer."""
+    row layout); ``fuse_dq``: dQ too, added by TMA reduce-add into a zeroed fp32 buffer;
+    ``params.softcap`` and ``alibi`` as the forward's."""
     cfg = C.WS_BWD_CONFIGS[prob.Dqk]
     dk, dv = torch.empty(k.shape, device=k.device, dtype=k.dtype), torch.empty(v.shape, device=v.device, dtype=v.dtype)
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fuse_dq else None
@@ -237,6 +247,7 @@ def dkdv(
             prob.group,
             batch_rows,
             head_rows,
+            *score_args(params, prob, alibi, lse),
         ),
         ws_constexprs(
             params,
@@ -245,6 +256,8 @@ def dkdv(
             KV_ROWS=kv_rows,
             DO_ROWS=do_rows,
             FUSE_DQ=fuse_dq,
+            SOFTCAP=params.softcap > 0,
+            HAS_ALIBI=alibi is not None,
             STAGES=cfg.stages,
             CONSUMER_REGS=cfg.consumer_regs,
         ),
@@ -268,8 +281,10 @@ def dq(
     kv_rows: int,
     do_rows: int,
     bias: WsBias | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """dQ of a call the warp-specialised forward serves, over the forward's K/V ring."""
+    """dQ of a call the warp-specialised forward serves, over the forward's K/V ring
+    (``params.softcap`` and ``alibi`` as the forward's)."""
     cfg = C.WS_DQ_CONFIGS[prob.Dqk]
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     n_m = prob.Sq // (2 * WG_ROWS)
@@ -295,6 +310,7 @@ def dq(
             n_m,
             batch_rows,
             head_rows,
+            *score_args(params, prob, alibi, lse),
         ),
         ws_constexprs(
             params,
@@ -302,6 +318,8 @@ def dq(
             Q_ROWS=q_rows,
             KV_ROWS=kv_rows,
             DO_ROWS=do_rows,
+            SOFTCAP=params.softcap > 0,
+            HAS_ALIBI=alibi is not None,
             BLOCK_N=cfg.block_n,
             STAGES=cfg.stages,
             BIAS_STAGES=cfg.bias_stages,
