@@ -426,6 +426,26 @@ def test_gpu_gluon_with_softcap_alibi_sinks_lse_grad(feature):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize(
+    "extra",
+    [dict(deterministic=True), dict(causal="bottom_right"), dict(causal="bottom_right", window=(1500, 0))],
+    ids=str,
+)
+def test_gpu_gluon_backward_softcap_alibi_gqa(extra):
+    """Softcap and ALiBi in the Gluon backward with GQA (each query head's slope in a dK/dV program),
+    causal, a window and the separate dQ pass (deterministic: no fused dQ), against naive."""
+    q = rand(1, 4, 4096, 128, dtype=BF16)
+    k, v = rand(1, 2, 4096, 128, dtype=BF16), rand(1, 2, 4096, 128, dtype=BF16)
+    extra = dict(extra)
+    causal, window = extra.pop("causal", None), extra.pop("window", None)
+    params = _params(causal, window, 128**-0.5, softcap=20.0, **extra)
+    steps = describe_route(q, k, v, None, params, backward=True, alibi=torch.ones(1, 4, device=DEV))
+    assert steps[0][1] == "gluon" and steps[1][1] == "gluon", steps
+    check(q, k, v, causal=causal, window=window, softcap=20.0, alibi=True, **extra)
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_gpu_decode_features(dtype):
     q = torch.randn(4, 8, 1, 128, device=DEV, dtype=dtype)

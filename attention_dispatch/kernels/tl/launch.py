@@ -180,9 +180,11 @@ def score_args(params: KernelParams, alibi) -> tuple:
     return (params.scale / cap if cap else 0.0, cap * LOG2E, *strides)
 
 
-# Input dtypes whose softcap takes the GPU's tanh.approx.f32 (one MUFU op) instead of the exact
-# exp2-and-division tanh (tl/score.py); never under the interpreter, which has no inline asm.
-TANH_APPROX_DTYPES: tuple = ()
+# Input dtypes whose softcap takes the GPU's tanh.approx.f32 (one MUFU op, relative error 2^-11,
+# below the 16-bit inputs' rounding; FlashAttention's softcap uses it) instead of the exact
+# exp2-and-division tanh (tl/score.py), as the Gluon kernels always do: a Gluon forward and a tl
+# backward then see the same scores.  Never under the interpreter, which has no inline asm.
+TANH_APPROX_DTYPES: tuple = (torch.float16, torch.bfloat16)
 
 
 def score_constexprs(params: KernelParams, alibi, dtype: torch.dtype) -> dict:
