@@ -1,6 +1,7 @@
 """Issue 40: context-parallel attention on 2 GPUs over NCCL, correctness and scaling, one script.
 
-    python benchmarks/context_parallel.py [--world 2] [--quick] [--out DIR]
+    python benchmarks/context_parallel.py [--world 2] [--quick] [--no-correctness] [--out DIR]
+    python benchmarks/context_parallel.py --cpu --world 2      # gloo, tiny sizes: checks the script runs
 
 Correctness (bf16, d128, GQA 16/8 heads): every exchange x layout x feature (causal, not, window)
 at S_total = 32k (and 128k unless --quick): output and dQ/dK/dV of `context_parallel_sdpa`
@@ -10,13 +11,19 @@ rule, with fp32 as the reference since a float64 oracle at these lengths is out 
 
 Scaling: forward+backward time of causal zigzag ring attention at S_total = 64k and 128k on W GPUs
 against one GPU at the same S (measured in the same run, before the processes start), and the peak
-memory per GPU. A short table is printed last; details go to --out (default $OUT or .).
+memory per GPU, for each backward mode ("recompute", "autograd"); the 1-GPU baseline both with
+the default dispatch and forced onto the backend the blocks ran on. Breakdown (printed before the
+table): per ring step, the compute stream's time in the step's blocks and stalled in the wait
+for the next keys (CUDA events around Accumulator.add and Pending.wait), forward and backward
+time apart, the blocks' sdpa() calls and backends. A short table is printed last; details go
+to --out (default $OUT or .).
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends), also in the spawned processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -38,15 +45,83 @@ import attention_dispatch as ad  # noqa: E402
 
 B, HQ, HKV, D = 1, 16, 8, 128
 FEATURES = {"causal": dict(causal="bottom_right"), "full": {}, "window": dict(window=(4095, 0))}
+DTYPE = torch.bfloat16
+CPU = False  # --cpu: gloo processes, float32, tiny sizes (a check that the script runs)
+
+
+def _sync():
+    if not CPU:
+        torch.cuda.synchronize()
+
+
+def _peak_reset():
+    if not CPU:
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib() -> float:
+    return 0.0 if CPU else torch.cuda.max_memory_allocated() / 2**30
 
 
 def _inputs(s: int, seed: int, device):
     g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(B, HQ, s, D, device=device, dtype=torch.bfloat16, generator=g)
-    k = torch.randn(B, HKV, s, D, device=device, dtype=torch.bfloat16, generator=g)
-    v = torch.randn(B, HKV, s, D, device=device, dtype=torch.bfloat16, generator=g)
-    do = torch.randn(B, HQ, s, D, device=device, dtype=torch.bfloat16, generator=g)
+    q = torch.randn(B, HQ, s, D, device=device, dtype=DTYPE, generator=g)
+    k = torch.randn(B, HKV, s, D, device=device, dtype=DTYPE, generator=g)
+    v = torch.randn(B, HKV, s, D, device=device, dtype=DTYPE, generator=g)
+    do = torch.randn(B, HQ, s, D, device=device, dtype=DTYPE, generator=g)
     return q, k, v, do
+
+
+class _Marks:
+    """Timestamps on the compute stream (CUDA events; perf_counter on the CPU), read after a sync."""
+
+    def __init__(self):
+        self.events = []  # (label, start, end)
+
+    def stamp(self):
+        if CPU:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    @staticmethod
+    def ms(a, b) -> float:
+        return (b - a) * 1e3 if CPU else a.elapsed_time(b)
+
+    def totals(self) -> dict:
+        _sync()
+        out = collections.defaultdict(float)
+        for label, a, b in self.events:
+            out[label] += self.ms(a, b)
+        return dict(out)
+
+
+def _instrument(marks: _Marks):
+    """Time the blocks of each forward ring step and every wait on communication (monkeypatched
+    into the library for this process: a benchmark's instrument, not a library feature)."""
+    from attention_dispatch.distributed import exchange, recompute, steps
+
+    add, wait = steps.Accumulator.add, exchange.Pending.wait
+    step = {"n": 0}
+
+    def timed_add(self, source, k, v, exchanged):
+        a = marks.stamp()
+        add(self, source, k, v, exchanged)
+        marks.events.append((f"fwd step {step['n']} compute", a, marks.stamp()))
+
+    def timed_wait(self):
+        a = marks.stamp()
+        wait(self)
+        where = "bwd" if marks.in_backward else f"fwd step {step['n']}"
+        marks.events.append((f"{where} wait", a, marks.stamp()))
+        if not marks.in_backward:
+            step["n"] += 1
+
+    marks.in_backward = False
+    marks.step = step
+    steps.Accumulator.add, exchange.Pending.wait = timed_add, timed_wait
+    return recompute
 
 
 def _single(q, k, v, do, kw, dtype):
@@ -62,40 +137,61 @@ def _err(a, b) -> float:
 
 def _timed(fn, reps: int) -> float:
     fn()
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     for _ in range(reps):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - start) / reps * 1e3
 
 
-def _single_gpu_baselines(lengths, reps) -> dict:
-    """fwd+bwd ms and peak GiB of one GPU's ad.sdpa, causal, at each total length."""
+def _single_gpu_baselines(lengths, reps, backends) -> dict:
+    """fwd+bwd ms and peak GiB of one GPU's ad.sdpa, causal, at each total length: the default
+    dispatch (key None) and each backend of ``backends`` that serves the call."""
+    device = "cpu" if CPU else "cuda"
     out = {}
     for s in lengths:
-        q, k, v, do = _inputs(s, 0, "cuda")
+        q, k, v, do = _inputs(s, 0, device)
         leaves = [t.requires_grad_() for t in (q, k, v)]
+        out[s] = {}
+        for name in (None, *backends):
 
-        def step(leaves=leaves, do=do):
-            ad.sdpa(*leaves, enable_gqa=True, causal="bottom_right").backward(do)
+            def step(leaves=leaves, do=do, name=name):
+                ad.sdpa(*leaves, enable_gqa=True, causal="bottom_right", backend=name).backward(do)
 
-        torch.cuda.reset_peak_memory_stats()
-        ms = _timed(step, reps)
-        out[s] = dict(ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30, backend=ad.last_decision().backend)
-        del q, k, v, do, leaves, step
-        torch.cuda.empty_cache()
+            _peak_reset()
+            try:
+                ms = _timed(step, reps)
+            except Exception as exc:  # noqa: BLE001 - a backend not installed or not serving: noted
+                out[s][name or "default"] = dict(error=f"{type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            out[s][name or "default"] = dict(ms=ms, peak_gib=_peak_gib(), backend=ad.last_decision().backend)
+        del q, k, v, do, leaves
+        if not CPU:
+            torch.cuda.empty_cache()
     return out
 
 
+def _configure(args) -> None:
+    global CPU, DTYPE, B, HQ, HKV, D
+    if args.cpu:
+        CPU, DTYPE, B, HQ, HKV, D = True, torch.float32, 1, 4, 2, 16
+
+
 def _worker(rank: int, world: int, args, init: str, queue) -> None:
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    _configure(args)
+    if CPU:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=device)
     from attention_dispatch.distributed import context_parallel_sdpa, shard, unshard
 
-    device = torch.device("cuda", rank)
     rows = []
-    lengths = [32768] if args.quick else [32768, 131072]
+    lengths = [] if args.no_correctness else args.correctness_lengths
     for s in lengths:
         q, k, v, do = _inputs(s, s, device)  # the same inputs on every rank (seeded)
         for feature, kw in FEATURES.items():
@@ -119,28 +215,65 @@ def _worker(rank: int, world: int, args, init: str, queue) -> None:
                         print("cp", row, flush=True)  # progress: a timed-out run still shows its rows
                     del leaves, out, got
             del want, want32
-            torch.cuda.empty_cache()
+            if not CPU:
+                torch.cuda.empty_cache()
         del q, k, v, do
     timings = {}
-    for s in [65536] if args.quick else [65536, 131072]:
+    marks = _Marks()
+    _instrument(marks)
+    for s in args.timing_lengths:
         q, k, v, do = _inputs(s, 0, device)
         leaves = [shard(t, layout="zigzag").detach().requires_grad_() for t in (q, k, v)]
         dos = shard(do, layout="zigzag")
         del q, k, v, do
+        for backward in ("recompute", "autograd"):
 
-        def step(leaves=leaves, dos=dos):
-            context_parallel_sdpa(*leaves, enable_gqa=True, causal="bottom_right", exchange="ring").backward(dos)
+            def forward(leaves=leaves, backward=backward):
+                return context_parallel_sdpa(
+                    *leaves, enable_gqa=True, causal="bottom_right", exchange="ring", backward=backward
+                )
 
-        torch.cuda.reset_peak_memory_stats()
-        dist.barrier()
-        ms = _timed(step, args.reps)
-        peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        timings[s] = dict(ms=ms, peak_gib=peak.item())
-        if rank == 0:
-            print("cp timing", s, timings[s], flush=True)
-        del leaves, dos, step
-        torch.cuda.empty_cache()
+            def step(dos=dos, forward=forward):
+                forward().backward(dos)
+
+            marks.events.clear()
+            _peak_reset()
+            dist.barrier()
+            ms = _timed(step, args.reps)
+            peak = torch.tensor([_peak_gib()], device=device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            fwd_ms = _timed(forward, args.reps)
+            # one instrumented step: forward steps' compute and waits, backward apart, blocks' backends
+            marks.events.clear()
+            marks.step["n"] = 0
+            _sync()
+            with ad.record() as decisions:
+                a = marks.stamp()
+                out = forward()
+                b = marks.stamp()
+                n_fwd = len(decisions)
+                marks.in_backward = True
+                out.backward(dos)
+                c = marks.stamp()
+                marks.in_backward = False
+            parts = marks.totals()
+            parts["fwd total"], parts["bwd total"] = marks.ms(a, b), marks.ms(b, c)
+            used = collections.Counter(f"{d.backend}" for d in decisions)
+            row = dict(
+                ms=ms,
+                fwd_ms=fwd_ms,
+                peak_gib=peak.item(),
+                breakdown_ms={n: round(t, 3) for n, t in sorted(parts.items())},
+                sdpa_calls=dict(forward=n_fwd, backward=len(decisions) - n_fwd),
+                backends=dict(used),
+            )
+            timings[f"{s} {backward}"] = row
+            if rank == 0:
+                print("cp timing", s, backward, row, flush=True)
+            del out
+        del leaves, dos
+        if not CPU:
+            torch.cuda.empty_cache()
     if rank == 0:
         queue.put(dict(rows=rows, timings=timings))
     dist.barrier()
@@ -150,18 +283,34 @@ def _worker(rank: int, world: int, args, init: str, queue) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, help="GPUs (default: 2)")
-    parser.add_argument("--quick", action="store_true", help="S=32k correctness and 64k timing only")
+    parser.add_argument("--quick", action="store_true", help="correctness at S=32k only (timing unchanged)")
+    parser.add_argument("--no-correctness", action="store_true", help="timing and breakdown only")
     parser.add_argument("--reps", type=int, default=5, help="timed fwd+bwd steps (default: 5)")
+    parser.add_argument("--cpu", action="store_true", help="gloo processes on the CPU at tiny sizes (a dry run)")
+    parser.add_argument(
+        "--baseline-backends", default="flash_attn,triton", help="1-GPU baselines forced onto these (comma list)"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="details directory (default: $OUT or .)")
     args = parser.parse_args()
-    world = min(args.world, torch.cuda.device_count())
-    if world < 2:
-        raise SystemExit(f"needs 2 or more GPUs, found {torch.cuda.device_count()}")
-    single = _single_gpu_baselines([65536] if args.quick else [65536, 131072], args.reps)
+    _configure(args)
+    if CPU:
+        args.correctness_lengths, args.timing_lengths = [64], [256, 512]
+        args.baseline_backends = "math"
+        world = args.world
+    else:
+        args.correctness_lengths = [32768] if args.quick else [32768, 131072]
+        args.timing_lengths = [65536, 131072]
+        world = min(args.world, torch.cuda.device_count())
+        if world < 2:
+            raise SystemExit(f"needs 2 or more GPUs, found {torch.cuda.device_count()}")
+    backends = [b for b in args.baseline_backends.split(",") if b]
+    single = _single_gpu_baselines(args.timing_lengths, args.reps, backends)
     print("single GPU", single, flush=True)
-    torch.cuda.empty_cache()
+    if not CPU:
+        torch.cuda.empty_cache()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
+    os.makedirs(args.out, exist_ok=True)
     init = f"file://{os.path.abspath(os.path.join(args.out, 'cp_rendezvous'))}"
     if os.path.exists(init[7:]):
         os.remove(init[7:])
@@ -169,7 +318,7 @@ def main() -> None:
     result = queue.get()
     details = dict(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        gpu=torch.cuda.get_device_name(0),
+        gpu="cpu (gloo)" if CPU else torch.cuda.get_device_name(0),
         world=world,
         torch=torch.__version__,
         single=single,
@@ -178,19 +327,29 @@ def main() -> None:
     with open(os.path.join(args.out, "context_parallel.json"), "w") as f:
         json.dump(details, f, indent=1, default=str)
     print(f"{details['gpu']} x{world}, {details['date']}, torch {torch.__version__}")
-    print("correctness (error vs float32 single-GPU, [ours, single bf16]):")
+    if result["rows"]:
+        print("correctness (error vs float32 single-GPU, [ours, single bf16]):")
     for r in result["rows"]:
         errs = " ".join(f"{n}={r[n][0]:.3g}/{r[n][1]:.3g}" for n in ("out", "dq", "dk", "dv"))
         print(
             f"  S={r['s']:>6} {r['feature']:<7} {r['exchange']:<9} {r['layout']:<10} {'ok' if r['ok'] else 'FAIL'} {errs}"
         )
-    print("scaling, causal zigzag ring, fwd+bwd:")
-    print("  S_total   1 GPU ms   W GPUs ms   speedup   peak GiB 1 -> W")
-    for s, t in result["timings"].items():
-        base = single[int(s)]
+    print("breakdown, rank 0, one instrumented causal zigzag ring fwd+bwd (ms on the compute stream):")
+    for key, t in result["timings"].items():
+        parts = " ".join(f"[{n}] {v:.2f}" for n, v in t["breakdown_ms"].items())
+        print(f"  S={key}: {parts}; sdpa calls {t['sdpa_calls']} on {t['backends']}")
+    print("1 GPU baselines (fwd+bwd ms, backend):")
+    for s, by in single.items():
+        cells = [f"{n}: " + (f"{b['ms']:.1f} ({b['backend']})" if "ms" in b else b["error"]) for n, b in by.items()]
+        print(f"  S={s}: " + "; ".join(cells))
+    print(f"scaling, causal zigzag ring, fwd+bwd, {world} ranks against 1 (default dispatch):")
+    print("  S_total  backward    1 GPU ms   W ms (fwd)        speedup   peak GiB 1 -> W")
+    for key, t in result["timings"].items():
+        s, backward = key.split()
+        base = single[int(s)]["default"]
         print(
-            f"  {int(s):>7} {base['ms']:>10.1f} {t['ms']:>11.1f} {base['ms'] / t['ms']:>8.2f}x"
-            f"   {base['peak_gib']:.1f} -> {t['peak_gib']:.1f}"
+            f"  {int(s):>7}  {backward:<10} {base['ms']:>8.1f} {t['ms']:>8.1f} ({t['fwd_ms']:>6.1f}) "
+            f"{base['ms'] / t['ms']:>8.2f}x   {base['peak_gib']:.1f} -> {t['peak_gib']:.1f}"
         )
 
 

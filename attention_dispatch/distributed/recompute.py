@@ -19,7 +19,7 @@ import torch
 
 from . import exchange as _exchange
 from .blocks import span
-from .steps import Setup, block, block_pairs, run_forward
+from .steps import Setup, block_of_slices, block_pairs, run_forward
 
 
 class _Saved:
@@ -31,20 +31,20 @@ class _Saved:
 
 
 def _block_grads(setup: Setup, q_parts, k_parts, k, v, saved: _Saved, need):
-    """Block (q_parts x k_parts)'s gradients (dq, dk, dv, dmask), None where not needed; dq and
-    dmask full-sized (zeros outside the block). None when the block holds no allowed pair."""
+    """Block (q_parts x k_parts)'s gradients (dq, dk, dv of the block's rows and keys only,
+    dmask full-sized), None where not needed. None when the block holds no allowed pair."""
+    rows, keys = slice(*span(q_parts)), slice(*span(k_parts))
     with torch.enable_grad():
         leaves = (
-            saved.q.detach().requires_grad_(need[0]),
-            k.detach().requires_grad_(need[1]),
-            v.detach().requires_grad_(need[2]),
+            saved.q[:, :, rows].detach().requires_grad_(need[0]),
+            k[:, :, keys].detach().requires_grad_(need[1]),
+            v[:, :, keys].detach().requires_grad_(need[2]),
             None if saved.mask is None else saved.mask.detach().requires_grad_(need[3]),
         )
-        result = block(setup, q_parts, k_parts, *leaves)
+        result = block_of_slices(setup, q_parts, k_parts, *leaves)
         if result is None:
             return None
         out_b, lse_b = result
-        rows = slice(*span(q_parts))
         lse = saved.lse[:, :, rows]
         # exp(-inf - -inf) would be NaN: an empty row's weight is 0
         weight = torch.where(torch.isfinite(lse), torch.exp(lse_b.detach() - lse), torch.zeros_like(lse))
@@ -57,11 +57,13 @@ def _block_grads(setup: Setup, q_parts, k_parts, k, v, saved: _Saved, need):
     return tuple(next(grads) if t is not None and n else None for t, n in zip(leaves, need))
 
 
-def _add(total, part):
-    """total + part where part may be None (unused); total None means not needed."""
+def _add(total, part, index=None):
+    """total[index] += part where part may be None (unused); total None means not needed."""
     if total is None or part is None:
         return total
-    return total.add_(part.to(total.dtype))
+    target = total if index is None else total[index]
+    target.add_(part)  # add_ converts part to total's dtype as it adds: no float32 copy
+    return total
 
 
 class _RecomputedAttention(torch.autograd.Function):
@@ -90,8 +92,10 @@ class _RecomputedAttention(torch.autograd.Function):
             for q_parts, k_parts in block_pairs(setup, source):
                 grads = _block_grads(setup, q_parts, k_parts, k_src, v_src, saved, need)
                 if grads is not None:
-                    for total, part in zip((dq, dk, dv, dmask), grads):
-                        _add(total, part)
+                    rows = (slice(None), slice(None), slice(*span(q_parts)))
+                    keys = (slice(None), slice(None), slice(*span(k_parts)))
+                    for total, part, index in zip((dq, dk, dv, dmask), grads, (rows, keys, keys, None)):
+                        _add(total, part, index)
             return [g for g in (dk, dv) if g is not None]
 
         run = _ring_backward if setup.exchange == "ring" else _allgather_backward

@@ -17,7 +17,7 @@ from ..dispatch import use_backends
 from ..dropout_stream import DropoutStream, positioned
 from ..features import lse_dtype
 from . import exchange as _exchange
-from .blocks import Band, Documents, combine_masks, diagonal_mask, global_positions, plan_band, span
+from .blocks import Band, BlockBand, Documents, combine_masks, diagonal_mask, global_positions, plan_band, span
 from .layout import segments
 from .merge import merge_partials
 
@@ -36,23 +36,55 @@ class Setup:
     docs: Documents | None
 
 
+FULL = BlockBand(None, None, None)
+
+
+def _fused_plan(setup: Setup, q_parts, k_parts) -> BlockBand | None:
+    """The band of a block of several segments as one sdpa() call, or None where one call
+    cannot express it: every segment pair inside the band (no mask), or a rank's own shard
+    under plain causal with equal lengths (local order is global order: top-left causal)."""
+    band = setup.band
+    plans = [plan_band(band, qp.start, qp.length, kp.start, kp.length) for qp in q_parts for kp in k_parts]
+    if all(p == FULL for p in plans):
+        return FULL
+    same = [(p.start, p.length) for p in q_parts] == [(p.start, p.length) for p in k_parts]
+    if same and band.off == 0 and band.left < 0 and band.right == 0:
+        return BlockBand("top_left", None, None)
+    return None
+
+
 def block_pairs(setup: Setup, source: int):
     """(query parts, key parts) of the blocks of this rank's queries against ``source``'s keys.
-    A bounded band is planned per segment pair (those outside it are skipped), and so is
-    dropout (a block's keep-mask is drawn at one row and one column offset); otherwise a rank's
-    whole shard is one part: fewer, larger sdpa() calls."""
-    whole = setup.band.unbounded and setup.dropout_p == 0
-
-    def parts(rank: int, total: int):
-        segs = segments(setup.layout, rank, setup.world, total)
-        return [segs] if whole else [(s,) for s in segs]
-
-    return [(qp, kp) for qp in parts(setup.rank, setup.sq) for kp in parts(source, setup.sk)]
+    Without a bounded band (or dropout, drawn at one row and column offset per block) a rank's
+    whole shard is one part. A bounded band is planned per segment pair (those outside it are
+    skipped), then the pairs inside it fused into one call where one call expresses them
+    (zigzag causal: one call per ring step instead of up to 4)."""
+    q_segs = segments(setup.layout, setup.rank, setup.world, setup.sq)
+    k_segs = segments(setup.layout, source, setup.world, setup.sk)
+    if setup.band.unbounded and setup.dropout_p == 0:
+        return [(q_segs, k_segs)]
+    pairs = [((qp,), (kp,)) for qp in q_segs for kp in k_segs]
+    if setup.docs is None and setup.dropout_p == 0 and not setup.band.unbounded:
+        live = [(qp, kp) for (qp,), (kp,) in pairs if plan_band(setup.band, qp.start, qp.length, kp.start, kp.length)]
+        if len(live) > 1:
+            qs = tuple(x for x in q_segs if any(qp == x for qp, _ in live))
+            ks = tuple(x for x in k_segs if any(kp == x for _, kp in live))
+            if _fused_plan(setup, qs, ks) is not None:
+                return [(qs, ks)]
+    return pairs
 
 
 def block(setup: Setup, q_parts, k_parts, q, k, v, mask):
     """(out (B, Hq, nq, Dv), lse (B, Hq, nq)) of the queries of q at q_parts against the keys
     k/v (one rank's shard) at k_parts, or None when the block holds no allowed pair."""
+    q0, q1 = span(q_parts)
+    k0, k1 = span(k_parts)
+    return block_of_slices(setup, q_parts, k_parts, q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], mask)
+
+
+def block_of_slices(setup: Setup, q_parts, k_parts, q, k, v, mask):
+    """block() of the already sliced q (the rows of q_parts) and k/v (the keys of k_parts);
+    mask: this rank's whole mask (rows and columns are picked here)."""
     device, compute = q.device, lse_dtype(q.dtype)
     q_pos, k_pos = global_positions(q_parts), global_positions(k_parts)
     bool_parts, float_parts, causal, window = [], [], None, None
@@ -63,15 +95,17 @@ def block(setup: Setup, q_parts, k_parts, q, k, v, mask):
         if not bool(allowed.all()):
             bool_parts.append(allowed.to(device))
     elif not setup.band.unbounded:
-        (qp,), (kp,) = q_parts, k_parts  # bounded bands are planned one segment pair at a time
-        plan = plan_band(setup.band, qp.start, qp.length, kp.start, kp.length)
+        if len(q_parts) == 1 and len(k_parts) == 1:
+            (qp,), (kp,) = q_parts, k_parts
+            plan = plan_band(setup.band, qp.start, qp.length, kp.start, kp.length)
+        else:  # fused by block_pairs
+            plan = _fused_plan(setup, q_parts, k_parts)
         if plan is None:
             return None
         causal, window = plan.causal, plan.window
         if plan.mask_diagonals is not None:
-            bool_parts.append(diagonal_mask(*plan.mask_diagonals, qp.length, kp.length, device))
+            bool_parts.append(diagonal_mask(*plan.mask_diagonals, q.shape[2], k.shape[2], device))
     q0, q1 = span(q_parts)
-    k0, k1 = span(k_parts)
     if mask is not None:
         rows = mask[..., q0:q1, :] if mask.shape[-2] > 1 else mask
         if rows.shape[-1] > 1:  # the columns of these keys, in global order
@@ -93,9 +127,9 @@ def block(setup: Setup, q_parts, k_parts, q, k, v, mask):
         dropout.enter_context(positioned(DropoutStream(setup.dropout_seed, 0, qp.start, kp.start, setup.sq, setup.sk)))
     with dropout:
         return sdpa(
-            q[:, :, q0:q1],
-            k[:, :, k0:k1],
-            v[:, :, k0:k1],
+            q,
+            k,
+            v,
             combine_masks(bool_parts, float_parts),
             setup.dropout_p,
             causal=causal,
@@ -106,12 +140,12 @@ def block(setup: Setup, q_parts, k_parts, q, k, v, mask):
 
 
 class Accumulator:
-    """Each query part's blocks, and which exchanged tensors no block read."""
+    """Every block's partial result, and which exchanged tensors no block read. Blocks may
+    cover different rows (fused blocks): they are merged per segment of this rank's rows."""
 
     def __init__(self, setup: Setup, q, mask):
         self.setup, self.q, self.mask = setup, q, mask
-        self.q_parts = list(dict.fromkeys(qp for qp, _ in block_pairs(setup, setup.rank)))
-        self.blocks = {qp: [] for qp in self.q_parts}
+        self.blocks = []  # (q_parts, out, lse)
         self.unused = []
 
     def add(self, source: int, k, v, exchanged: bool) -> None:
@@ -119,7 +153,7 @@ class Accumulator:
         for q_parts, k_parts in block_pairs(self.setup, source):
             result = block(self.setup, q_parts, k_parts, self.q, k, v, self.mask)
             if result is not None:
-                self.blocks[q_parts].append(result)
+                self.blocks.append((q_parts, *result))
                 used = True
         if exchanged and not used:
             self.unused += [k, v]
@@ -129,14 +163,24 @@ class Accumulator:
         outs, lses = [], []
         b, hq = self.q.shape[:2]
         compute = lse_dtype(self.q.dtype)
-        for q_parts in self.q_parts:
-            blocks = self.blocks[q_parts]
-            if blocks:
-                out, lse = merge_partials([o for o, _ in blocks], [lo for _, lo in blocks])
+        rows_of = segments(self.setup.layout, self.setup.rank, self.setup.world, self.setup.sq)
+        if all(q_parts == rows_of for q_parts, _, _ in self.blocks):
+            rows_of = (rows_of,)  # every block covers every row: one merge
+        else:
+            rows_of = [(seg,) for seg in rows_of]
+        for rows in rows_of:
+            r0, r1 = span(rows)
+            outs_r, lses_r = [], []
+            for q_parts, out, lse in self.blocks:
+                b0, b1 = span(q_parts)
+                if b0 <= r0 and r1 <= b1:
+                    outs_r.append(out[:, :, r0 - b0 : r1 - b0])
+                    lses_r.append(lse[:, :, r0 - b0 : r1 - b0])
+            if outs_r:
+                out, lse = merge_partials(outs_r, lses_r)
             else:  # no allowed key for any of these rows: 0 and -inf
-                rows = sum(p.length for p in q_parts)
-                out = self.q.new_zeros((b, hq, rows, self.setup.v.shape[-1]), dtype=compute)
-                lse = self.q.new_full((b, hq, rows), -math.inf, dtype=compute)
+                out = self.q.new_zeros((b, hq, r1 - r0, self.setup.v.shape[-1]), dtype=compute)
+                lse = self.q.new_full((b, hq, r1 - r0), -math.inf, dtype=compute)
             outs.append(out)
             lses.append(lse)
         if len(outs) == 1:
