@@ -13,7 +13,16 @@ from .debug import _last, _recorders, logger, note_decision
 from . import dispatch
 from .dispatch import FAST_CALLS_LIMIT, Decision, decide, fast_calls, run_with_fallback, span_calls
 from .call import Call, CallFacts, _seqlens, make_problem, normalize_call
-from .fast_key import call_key, length_key
+from .fast_key import (
+    RECENT,
+    _is_compiling,
+    call_key,
+    forget_recent,
+    length_key,
+    recent_entry,
+    recent_hit,
+    remember_recent,
+)
 from .fastest import choose_fastest
 from .tracing import assume_constant_result
 from .policy import guard as _guard
@@ -88,6 +97,24 @@ def sdpa(
     if softcap is not None or alibi_slopes is not None or sinks is not None or return_lse:
         fast_key = None  # the fast path's key knows none of these
     else:
+        recent = None if _is_compiling() else fast_calls.get(RECENT)  # dynamo: call_key returns None
+        if recent is not None and cu_seqlens_q is None and cu_seqlens_k is None:  # fast_key.recent_hit
+            entry = recent_hit(
+                recent[1], query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal, window,
+                deterministic, backend,
+            )  # fmt: skip
+            if entry is not None:
+                decision = entry[6]
+                try:
+                    out = entry[7](query, key, value) if attn_mask is None else entry[7](query, key, value, attn_mask)
+                except Exception:  # noqa: BLE001 - the full path below raises or falls back per config
+                    forget_recent(fast_calls, entry)
+                else:
+                    if _last.get() is not decision:  # note_decision(), inline
+                        _last.set(decision)
+                    for sink in _recorders.get():
+                        sink.append(decision)
+                    return out
         fast_key = call_key(
             query,
             key,
@@ -126,6 +153,10 @@ def sdpa(
                 _last.set(decision)  # note_decision(), inline: it is a tenth of a tiny call's overhead
                 for sink in _recorders.get():
                     sink.append(decision)
+                if cu_seqlens_q is None:  # the next call of this signature checks it in C++
+                    entry = recent_entry(fast_key, decision, runner, query, key, value, attn_mask)
+                    if entry is not None:
+                        remember_recent(fast_calls, entry)
                 return out
         lengths = length_key(fast_key)
         if lengths is not None:  # a call that differs from earlier ones only in Sk (dispatch.seqlen_k_span)
@@ -176,11 +207,10 @@ def sdpa(
     if policy.policy == "fastest" and backend is None:
         decision = choose_fastest(decision, call, policy.fastest_cache)
     decided = decision
-    rng = _guard.rng_before(decision.backend, call.problem, call.query.device, guard)  # dropout: its mask
     decision, out = _execute(decision, call)
     if guard.mode != "off":  # check the answer; a wrong backend is quarantined and the call re-run
         decision, out = _guard.guard_call(
-            decision, call, out, guard, lambda: _execute(decide(call.problem, backend), call), rng
+            decision, call, out, guard, lambda: _execute(decide(call.problem, backend), call)
         )
     note_decision(decision)
     opts = call.options
@@ -297,7 +327,4 @@ def explain(
     if decision.backend is None:
         return decision
     route = registry.get_backend(decision.backend).route(call.query, call.key, call.value, call.options)
-    guard = _config.current_config().guard
-    note = _guard.not_judged_note(decision.backend, decision.problem, call.options, guard, (decision.backend,))
-    notes = decision.notes + ((note,) if note else ())
-    return dataclasses.replace(decision, notes=notes, **({} if route is None else {"route": route}))
+    return decision if route is None else dataclasses.replace(decision, route=route)

@@ -16,9 +16,17 @@ decision's).
 
 Host time: a repeated call pays for this key and one dictionary lookup on top of its backend
 (issue 35: at most 1.3x F.sdpa's host time on the CPU for a tiny call).  Reading a tensor's
-metadata from Python is most of it (~0.1-0.2 us per attribute), so the key reads each fact once,
-is one flat tuple (cheaper to hash and compare than nested ones), and calls torch's C getters
-directly where the public function is a Python wrapper of one.
+metadata from Python is most of it (~0.1-0.2 us per attribute, ~20 of them, then hashing and
+comparing the objects read), so the key reads each fact once, is one flat tuple, and calls
+torch's C getters directly where the public function is a Python wrapper of one.
+
+The recent signatures (:func:`recent_entry`, :func:`recent_hit`) skip even that: the last
+RECENT_LIMIT signatures that hit the dictionary keep a check of their tensors in C++ (torch's
+``TensorGuards``, dynamo's check of Python type, dispatch keys, dtype, device, requires_grad,
+sizes and strides: ~1 us for three tensors where reading them from Python costs ~3-5 us), and a
+call passing it, with the same options, pointer alignment and dispatch state, is a call with
+that signature's key: the key's every field is checked, in C++ or here.  They live in
+``fast_calls`` under the key RECENT, so whatever clears that dictionary clears them.
 """
 
 from __future__ import annotations
@@ -43,6 +51,13 @@ _deterministic_warn_only = getattr(
 )
 _scoped_config = _config._scoped.get  # current_config(): the scoped config, else the loaded one
 _scope_get = _scope.get
+try:  # private to dynamo (torch 2.x); without it every call takes the key
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:
+    _TensorGuards = None
+
+RECENT = object()  # fast_calls[RECENT] = (None, recent entries, newest first): module doc
+RECENT_LIMIT = 4
 
 
 def call_key(
@@ -227,3 +242,100 @@ def length_key(exact: tuple):
         common,  # dtypes, devices, grad, every scalar option, config, registry, scope, determinism
     )
     return key, sk
+
+
+def recent_entry(exact: tuple, decision, runner, query, key, value, attn_mask):
+    """The entry of :func:`recent_hit` for a call whose :func:`call_key` is ``exact`` and whose
+    tensors are these: (check, has mask, options, dispatch state, reads grad mode, grad,
+    decision, runner, exact); None for a call it cannot check (packed tensors, a pointer off 16
+    bytes, one tensor passed twice: TensorGuards never matches a repeated tensor)."""
+    if _TensorGuards is None or exact[_POINTERS] or exact[_PACKED] is not None:
+        return None
+    tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
+    if query is key or query is value or key is value or any(attn_mask is t for t in (query, key, value)):
+        return None
+    if attn_mask is not None and exact[_MASK][-1]:
+        return None
+    try:  # a torch whose TensorGuards differs: no entry
+        check = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
+        if not check(*tensors):
+            return None
+    except Exception:  # noqa: BLE001
+        return None
+    common = exact[_COMMON:]
+    # common: 3 dtypes, 3 devices, grad, 8 options (dropout_p ... backend), 5 of dispatch state
+    reads_grad = any(t.requires_grad for t in tensors)
+    return (check, attn_mask is not None, common[7:15], common[15:], reads_grad, common[6], decision, runner, exact)
+
+
+def recent_hit(
+    entries,
+    query,
+    key,
+    value,
+    attn_mask,
+    dropout_p,
+    is_causal,
+    scale,
+    enable_gqa,
+    causal,
+    window,
+    deterministic,
+    backend,
+):
+    """The entry among ``entries`` (:func:`recent_entry`) whose signature this call has (all
+    of call_key's fields equal), else None.  The call has no packed offsets nor features and
+    is not being traced (torch.compiler.is_compiling())."""
+    options = (dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic, backend)
+    state = None
+    for entry in entries:
+        if entry[2] != options or entry[1] is not (attn_mask is not None):
+            continue
+        if not (entry[0](query, key, value) if attn_mask is None else entry[0](query, key, value, attn_mask)):
+            continue
+        if state is None:  # what every entry compares alike: types, alignment, dispatch state
+            if not (
+                type(dropout_p) is float
+                and type(is_causal) is bool
+                and type(enable_gqa) is bool
+                and (scale is None or type(scale) is float)
+                and (causal is None or type(causal) is str)
+                and (deterministic is None or type(deterministic) is bool)
+                and (backend is None or type(backend) is str)
+                and (window is None or (type(window) is tuple and type(window[0]) is int and type(window[1]) is int))
+            ):
+                return None  # options equal to an entry's with another type (1 == 1.0 == True)
+            pointers = query.data_ptr() | key.data_ptr() | value.data_ptr()
+            if attn_mask is not None:
+                pointers |= attn_mask.data_ptr()
+            if pointers & 15:
+                return None
+            config = _scoped_config()
+            if config is None:
+                config = _config._loaded
+            det = _deterministic()
+            state = (
+                id(config),
+                _config._version,
+                registry._version,
+                _scope_get(),
+                det and (1 + _deterministic_warn_only()),
+            )
+        if entry[3] == state and (not entry[4] or _grad_enabled() is entry[5]):
+            return entry
+    return None
+
+
+def remember_recent(fast_calls: dict, entry) -> None:
+    """Put ``entry`` first among fast_calls' recent entries, the oldest beyond RECENT_LIMIT dropped."""
+    recent = fast_calls.get(RECENT)
+    others = () if recent is None else tuple(e for e in recent[1] if e[8] != entry[8])
+    fast_calls[RECENT] = (None, (entry,) + others[: RECENT_LIMIT - 1])
+
+
+def forget_recent(fast_calls: dict, entry) -> None:
+    """Drop ``entry`` and its signature's fast_calls entry (its runner failed)."""
+    fast_calls.pop(entry[8], None)
+    recent = fast_calls.get(RECENT)
+    if recent is not None:
+        fast_calls[RECENT] = (None, tuple(e for e in recent[1] if e is not entry))

@@ -1,0 +1,189 @@
+"""sdpa()'s recent signatures (fast_key.recent_entry / recent_hit, issue 35): a call that passes
+a recent entry's C++ check is a call with that entry's fast-path key (every field of
+call_key), it runs the prepared runner and records its decision, and anything else (another
+size, stride, dtype, grad need, option type, alignment, config, scope, determinism, a mask, a
+tensor passed twice, inference mode, tracing) takes the key's path as before."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attention_dispatch as ad
+from attention_dispatch import dispatch, fast_key
+from attention_dispatch.fast_key import RECENT, RECENT_LIMIT, call_key, recent_hit
+
+pytestmark = pytest.mark.skipif(fast_key._TensorGuards is None, reason="this torch has no TensorGuards")
+
+ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "causal", "window", "deterministic", "backend")
+
+
+def _qkv(shape=(1, 2, 8, 16), dtype=torch.float32):
+    return tuple(torch.randn(shape, dtype=dtype) for _ in range(3))
+
+
+def _options(**kw):
+    base = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)
+    base.update(causal=None, window=None, deterministic=None, backend=None)
+    base.update(kw)
+    return base
+
+
+def _entries():
+    recent = dispatch.fast_calls.get(RECENT)
+    return () if recent is None else recent[1]
+
+
+def _hit(q, k, v, **kw):
+    o = _options(**kw)
+    return recent_hit(_entries(), q, k, v, *(o[name] for name in ARGS))
+
+
+def _key(q, k, v, **kw):
+    o = _options(**kw)
+    return call_key(q, k, v, *(o[name] for name in ARGS))
+
+
+def _warm(q, k, v, **kw):
+    """Two calls: the first takes the full path, the second hits the key and makes the entry."""
+    ad.sdpa(q, k, v, **kw)
+    ad.sdpa(q, k, v, **kw)
+
+
+def test_a_repeated_call_hits_without_the_key(monkeypatch):
+    q, k, v = _qkv()
+    _warm(q, k, v)
+    assert len(_entries()) == 1
+    monkeypatch.setattr(ad.api, "call_key", lambda *a: pytest.fail("the key was computed"))
+    q2, k2, v2 = (t.clone() for t in (q, k, v))  # other tensors, the same signature
+    out = ad.sdpa(q2, k2, v2)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q2, k2, v2))
+    assert ad.last_decision() is _entries()[0][6]
+
+
+def _variants():
+    """(name, make(q, k, v) -> (q, k, v, kw)): calls that differ from the warm one in one fact."""
+    off = lambda t: torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape).copy_(t)  # noqa: E731
+    return [
+        ("shape", lambda q, k, v: (q[:, :, :4], k, v, {})),
+        ("stride", lambda q, k, v: (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, {})),
+        ("dtype", lambda q, k, v: (q.double(), k.double(), v.double(), {})),
+        ("requires_grad", lambda q, k, v: (q.clone().requires_grad_(), k, v, {})),
+        ("misaligned", lambda q, k, v: (off(q), k, v, {})),
+        ("q is k", lambda q, k, v: (q, q, v, {})),
+        ("subclass", lambda q, k, v: (torch.nn.Parameter(q, requires_grad=False), k, v, {})),
+        ("int dropout", lambda q, k, v: (q, k, v, {"dropout_p": 0})),
+        ("int is_causal", lambda q, k, v: (q, k, v, {"is_causal": 0})),
+        ("is_causal", lambda q, k, v: (q, k, v, {"is_causal": True})),
+        ("scale", lambda q, k, v: (q, k, v, {"scale": 0.5})),
+        ("int scale", lambda q, k, v: (q, k, v, {"scale": 1})),
+        ("causal", lambda q, k, v: (q, k, v, {"causal": "bottom_right"})),
+        ("backend", lambda q, k, v: (q, k, v, {"backend": "math"})),
+        ("deterministic", lambda q, k, v: (q, k, v, {"deterministic": True})),
+        ("int deterministic", lambda q, k, v: (q, k, v, {"deterministic": 1})),
+        ("mask", lambda q, k, v: (q, k, v, {"attn_mask": torch.ones(1, 1, 8, 8, dtype=torch.bool)})),
+    ]
+
+
+@pytest.mark.parametrize("name,make", _variants(), ids=[n for n, _ in _variants()])
+def test_a_call_that_differs_in_one_fact_never_hits_an_entry_of_another_key(name, make):
+    q, k, v = _qkv()
+    _warm(q, k, v)
+    q2, k2, v2, kw = make(*(t.clone() for t in (q, k, v)))
+    entry = _hit(q2, k2, v2, **kw)
+    assert entry is None or entry[8] == _key(q2, k2, v2, **kw)
+    assert entry is None  # each of these changes the key
+
+
+@pytest.mark.parametrize(
+    "scope",
+    ["config", "backends", "deterministic", "no_grad", "inference_mode"],
+)
+def test_the_dispatch_state_is_checked(scope):
+    q, k, v = _qkv()
+    q.requires_grad_()
+    _warm(q, k, v)
+    assert _hit(q, k, v) is not None
+    contexts = {
+        "config": lambda: ad.use_config({"dispatch": {"policy": "priority"}}),
+        "backends": lambda: ad.use_backends("math"),
+        "no_grad": torch.no_grad,
+        "inference_mode": torch.inference_mode,
+    }
+    if scope == "deterministic":
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert _hit(q, k, v) is None
+        finally:
+            torch.use_deterministic_algorithms(False)
+        return
+    with contexts[scope]():
+        assert _hit(q, k, v) is None
+        out = ad.sdpa(q, k, v)  # the key's path, decided for this state
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+
+
+def test_a_mask_call_has_its_own_entry():
+    q, k, v = _qkv()
+    mask = torch.rand(1, 1, 8, 8) > 0.3
+    mask[..., 0] = True
+    _warm(q, k, v, attn_mask=mask)
+    assert _hit(q, k, v, attn_mask=mask) is not None
+    assert _hit(q, k, v) is None
+    assert _hit(q, k, v, attn_mask=mask.float()) is None
+    out = ad.sdpa(q, k, v, attn_mask=mask.clone())
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def test_no_entry_for_a_tensor_passed_twice():
+    q, _, v = _qkv()
+    _warm(q, q, v)
+    assert _entries() == ()
+    torch.testing.assert_close(ad.sdpa(q, q, v), F.scaled_dot_product_attention(q, q, v))
+
+
+def test_clearing_fast_calls_forgets_the_entries():
+    q, k, v = _qkv()
+    _warm(q, k, v)
+    dispatch.fast_calls.clear()
+    assert _hit(q, k, v) is None
+    _warm(q, k, v)
+    ad.clear_cache()
+    assert _entries() == ()
+
+
+def test_a_failing_runner_drops_its_entry_and_the_full_path_runs(monkeypatch):
+    q, k, v = _qkv()
+    _warm(q, k, v)
+    entry = _entries()[0]
+
+    def broken(*a):
+        raise RuntimeError("stale runner")
+
+    dispatch.fast_calls[RECENT] = (None, (entry[:7] + (broken,) + entry[8:],))
+    out = ad.sdpa(q, k, v)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+    assert all(e[7] is not broken for e in _entries())
+
+
+def test_more_signatures_than_the_limit_stay_correct():
+    shapes = [(1, 2, s, 16) for s in range(4, 4 + RECENT_LIMIT + 2)]
+    tensors = [_qkv(s) for s in shapes]
+    for _ in range(3):
+        for q, k, v in tensors:
+            torch.testing.assert_close(ad.sdpa(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    assert len(_entries()) == RECENT_LIMIT
+    assert len({e[8] for e in _entries()}) == RECENT_LIMIT
+
+
+def test_an_entry_keeps_no_tensor_alive():
+    q, k, v = _qkv()
+    _warm(q, k, v)
+    refs = [weakref.ref(t) for t in (q, k, v)]
+    del q, k, v
+    gc.collect()
+    assert _entries() and all(r() is None for r in refs)
