@@ -1834,7 +1834,10 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias, fuse_dq):
             leaves, o, _ = reference(q, k, v, params, bias)
             return [g.to(do.device) for g in torch.autograd.grad(o, leaves, do.cpu().double())]
 
-    def fake_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None, fuse_dq=False):
+    def fake_dkdv(
+        q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None, fuse_dq=False, alibi=None
+    ):
+        assert alibi is None
         calls.append(("dkdv+dq" if fuse_dq else "dkdv", q_rows, kv_rows, do_rows) + bias_rows(bias))
         made["delta_dkdv"] = delta.clone()
         dq, dk, dv = fake_grads(q, k, v, do, params, bias)
@@ -1843,7 +1846,8 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias, fuse_dq):
             made["dq"] = dq.to(q.dtype)
         return made["dk"], made["dv"], made["dq"] if fuse_dq else None
 
-    def fake_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None):
+    def fake_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None, alibi=None):
+        assert alibi is None
         calls.append(("dq", q_rows, kv_rows, do_rows) + bias_rows(bias))
         made["delta_dq"] = delta.clone()
         made["dq"] = fake_grads(q, k, v, do, params, bias)[0].to(q.dtype)
