@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import attention_dispatch as ad
+from attention_dispatch.backends import flash_attn as fa_module
 from attention_dispatch.backends import flash_attn_kvcache as fakv
 from attention_dispatch.backends.flash_attn import FA2_CAPS, FA3_CAPS, FA4_CAPS, FlashAttnBackend, caps_union
 from attention_dispatch.kvcache import normalize_kvcache
@@ -172,11 +173,21 @@ def _unused(*args, **kwargs):
     raise AssertionError("sdpa_with_kvcache must not call flash_attn_func")
 
 
+def declare_fa4_kv(monkeypatch) -> None:
+    """flash-attn 4 with the KV path it declines (FA4_KV_DECLINED) declared as flash-attn 3's:
+    the mapping a release that reads nothing past seqused_k would run, tested here."""
+    declared = dataclasses.replace(FA4_CAPS, **fakv.FA3_KV, kv_cache_declined="")
+    monkeypatch.setattr(fa_module, "FA4_CAPS", declared)
+
+
 @pytest.fixture
 def fa(monkeypatch):
-    """fa("fa2", "fa4", ...) installs fake modules of those generations, returns (backend, calls)."""
+    """fa("fa2", "fa4", ...) installs fake modules of those generations, returns (backend, calls);
+    fa4_kv=True: flash-attn 4 with its KV path declared (declare_fa4_kv)."""
 
-    def make(*keys, version4="4.0.0b36"):
+    def make(*keys, version4="4.0.0b36", fa4_kv=False):
+        if fa4_kv:
+            declare_fa4_kv(monkeypatch)
         calls: list = []
         funcs = make_fakes(calls)
         for name in list(sys.modules):
@@ -250,12 +261,16 @@ def kv_problem(case: KvCase, cc=(9, 0), **changes):
 
 
 def test_each_generation_declares_its_kv_cache_path():
-    assert FA2_CAPS.kv_cache == FA3_CAPS.kv_cache == FA4_CAPS.kv_cache == frozenset({"dense", "paged"})
+    assert FA2_CAPS.kv_cache == FA3_CAPS.kv_cache == frozenset({"dense", "paged"})
     assert FA2_CAPS.paged_block_sizes() == "multiples of 256"
-    assert FA3_CAPS.paged_block_sizes() == FA4_CAPS.paged_block_sizes() == "any"
-    assert all(c.kv_append and c.kv_multi_query for c in (FA2_CAPS, FA3_CAPS, FA4_CAPS))
-    union = caps_union([FA2_CAPS, FA4_CAPS])
+    assert FA3_CAPS.paged_block_sizes() == "any"
+    assert all(c.kv_append and c.kv_multi_query for c in (FA2_CAPS, FA3_CAPS))
+    union = caps_union([FA2_CAPS, FA3_CAPS])
     assert union.kv_cache == frozenset({"dense", "paged"}) and union.paged_block_sizes() == "any"
+    # flash-attn 4 declines, saying why; beside a generation with a KV path, that path alone
+    assert FA4_CAPS.kv_cache == frozenset() and FA4_CAPS.kv_cache_declined == fakv.FA4_KV_DECLINED
+    with_fa2 = caps_union([FA2_CAPS, FA4_CAPS])
+    assert with_fa2.paged_block_sizes() == "multiples of 256" and not with_fa2.kv_cache_declined
     assert caps_union([FA2_CAPS]).paged_block_sizes() == "multiples of 256"
     no_kv = dataclasses.replace(FA2_CAPS, kv_cache=frozenset())
     assert caps_union([no_kv, no_kv]).kv_cache == frozenset()
@@ -292,6 +307,21 @@ def test_generations_are_detected_with_their_kv_function(fa):
     assert backend.capabilities.kv_cache == frozenset({"dense", "paged"})
 
 
+def test_flash_attn_4_declines_kv_calls_naming_why(fa):
+    """Rows past the lengths are not part of a call; flash-attn 4 reads some (module doc): every
+    KV call is refused with that reason, dense or paged; flash-attn 2 beside it takes them."""
+    alone, calls = fa("fa4")
+    assert alone.capabilities.kv_cache == frozenset()
+    for case in (KvCase(head_dim=64), KvCase(block_size=16, head_dim=64, append=True)):
+        reasons = alone.reasons(kv_problem(case, cc=(10, 0)))
+        assert any("reads key/value rows past seqused_k" in r for r in reasons), reasons
+        with pytest.raises(RuntimeError, match="rows past seqused_k"):
+            run(alone, case)
+    assert not calls
+    both, _ = fa("fa2", "fa4")
+    assert both.select(kv_problem(KvCase(head_dim=64))).impl.key == "fa2"
+
+
 def test_flash_attn_2_paged_block_sizes_are_named_in_the_reasons(fa):
     backend, _ = fa("fa2")
     paged16 = kv_problem(KvCase(block_size=16))
@@ -299,7 +329,7 @@ def test_flash_attn_2_paged_block_sizes_are_named_in_the_reasons(fa):
     assert backend.reasons(kv_problem(KvCase(block_size=256, capacity=512))) == []
     assert backend.reasons(kv_problem(KvCase(append=True, seqlen_q=3, causal=True))) == []
     # flash-attn 2 and 4 on sm80: flash-attn 4 needs sm90, flash-attn 2 a block of 256
-    both, _ = fa("fa2", "fa4")
+    both, _ = fa("fa2", "fa4", fa4_kv=True)
     reasons = both.reasons(kv_problem(KvCase(block_size=16, head_dim=64), cc=(8, 0)))
     assert "flash-attn 4: compute capability sm80 < sm90" in reasons
     assert "flash-attn 2: paged block_size=16 not supported (allowed: multiples of 256)" in reasons
@@ -308,7 +338,7 @@ def test_flash_attn_2_paged_block_sizes_are_named_in_the_reasons(fa):
 
 
 def test_kv_reasons_of_each_generation(fa):
-    backend, _ = fa("fa2", "fa3", "fa4")
+    backend, _ = fa("fa2", "fa3", "fa4", fa4_kv=True)
     r = backend.reasons
     assert "dtype=float32 not in {bfloat16, float16}" in r(kv_problem(KvCase(), dtype=torch.float32))
     assert "compute capability sm75 < sm80" in r(kv_problem(KvCase(), cc=(7, 5)))
@@ -351,14 +381,14 @@ def test_flash_attn_2_append_with_regrouped_heads_past_a_tiny_cache_is_refused(f
 
 def test_flash_attn_4_paged_on_sm90_needs_4_0_0b5(fa):
     case = KvCase(block_size=16, head_dim=64)
-    old, _ = fa("fa4", version4="4.0.0b4")
+    old, _ = fa("fa4", version4="4.0.0b4", fa4_kv=True)
     assert any(
         "paged KV cache on sm90 needs flash-attn 4 >= 4.0.0b5 (this is 4.0.0b4)" in x
         for x in old.reasons(kv_problem(case))
     )
     assert old.reasons(kv_problem(case, cc=(10, 0))) == []  # sm100 had it from the start
     assert old.reasons(kv_problem(dataclasses.replace(case, block_size=None))) == []  # dense: fine
-    new, _ = fa("fa4", version4="4.0.0b36")
+    new, _ = fa("fa4", version4="4.0.0b36", fa4_kv=True)
     assert new.reasons(kv_problem(case)) == []
     assert fakv._release("4.0.0b36") == (4, 0, 0, 36) and fakv._release("4.0.0") == (4, 0, 0, math.inf)
     assert fakv._release("0.0.0") is None and fakv._release("") is None
@@ -420,7 +450,7 @@ def _fits(key: str, case: KvCase) -> KvCase:
 @pytest.mark.parametrize("key", ["fa2", "fa3", "fa4"])
 @pytest.mark.parametrize("label", list(CASES))
 def test_each_generation_matches_the_reference(fa, key, label):
-    backend, calls = fa(key)
+    backend, calls = fa(key, fa4_kv=True)
     case = _fits(key, CASES[label])
     out, args, before = run(backend, case)
     check_against_reference(out, args, before, case, f"{key} {label}")
@@ -432,7 +462,7 @@ def test_each_generation_matches_the_reference(fa, key, label):
 def test_arguments_and_layouts_passed(fa, key, paged):
     """Views, never copies (the append lands in the caller's cache), the keywords of each
     generation, our output layout back."""
-    backend, calls = fa(key)
+    backend, calls = fa(key, fa4_kv=True)
     case = _fits(key, KvCase(seqlen_q=3, append=True, causal=True, window=(6, -1), block_size=16 if paged else None))
     d = case.head_dim
     out, args, before = run(backend, case, scale=0.3)
@@ -461,7 +491,7 @@ def test_arguments_and_layouts_passed(fa, key, paged):
 @pytest.mark.parametrize("key", ["fa2", "fa4"])
 def test_window_conventions(fa, key):
     """-1 unbounded for flash-attn 2/3, None for 4; no window: (-1, -1) / (None, None)."""
-    backend, calls = fa(key)
+    backend, calls = fa(key, fa4_kv=True)
     run(backend, _fits(key, KvCase(seqlen_q=2, window=(-1, 3))))
     run(backend, _fits(key, KvCase(seqlen_q=2, causal=True)))
     unbounded = -1 if key == "fa2" else None
@@ -482,7 +512,7 @@ def test_a_strided_cache_seqlens_is_made_contiguous(fa):
 
 @pytest.mark.parametrize("key", ["fa2", "fa4"])
 def test_empty_calls_give_zeros_without_a_call(fa, key):
-    backend, calls = fa(key)
+    backend, calls = fa(key, fa4_kv=True)
     d = _fits(key, KvCase()).head_dim
     out, _, _ = run(backend, _fits(key, KvCase(batch=0, lengths=())))
     assert out.shape == (0, 4, 1, d)
@@ -559,12 +589,19 @@ GPU_CASES = {
 }
 
 
-def _generation(key: str):
+def _generation(key: str, monkeypatch=None):
+    """The installed generation `key`; a KV path it declines skips the test, unless
+    `monkeypatch` is given: then flash-attn 4's is declared (declare_fa4_kv) to record it."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    if monkeypatch is not None and key == "fa4":
+        declare_fa4_kv(monkeypatch)
     backend = FlashAttnBackend((key,))
     if not backend.implementations():
         pytest.skip(f"{fakv.KV_FUNCTION[key]} of {key}: {backend.unavailable_reason()}")
+    caps = backend.implementations()[0].caps
+    if not caps.kv_cache:
+        pytest.skip(f"{key} declines KV-cache calls: {caps.kv_cache_declined}")
     return backend
 
 
@@ -669,11 +706,12 @@ def test_gpu_cuda_graph_capture_and_replay(key, paged):
 @pytest.mark.gpu
 @pytest.mark.parametrize("key", ["fa2", "fa3", "fa4"])
 @pytest.mark.parametrize("block_size", [None, 128, 176])
-def test_gpu_rows_past_the_lengths_holding_nan(key, block_size):
+def test_gpu_rows_past_the_lengths_holding_nan(monkeypatch, key, block_size):
     """Rows past L_b are not part of the call; a cache allocated with torch.empty may hold NaN
-    there.  flash-attn 4 documents (interface.py:4277) that pages loaded by TMA read them: this
-    records what each generation does (xfail where NaN comes out)."""
-    backend = _generation(key)
+    there.  flash-attn 4 documents (interface.py:4277) that pages loaded by TMA read them, and
+    declines KV calls for it (FA4_KV_DECLINED): this records what each generation does, flash-attn
+    4 with its KV path declared (xfail where NaN comes out)."""
+    backend = _generation(key, monkeypatch)
     if block_size is not None and not backend.implementations()[0].caps.paged_block_size_ok(block_size):
         block_size = 256
     case = KvCase(

@@ -34,7 +34,12 @@ flash-attn 2 at v2.8.3, flash-attn 3 ``hopper/`` at 0251105a, flash-attn 4 in th
   k_new/v_new are written first with our ``append_kv`` (kv_append.py), then the call reads
   ``seqused_k = cache_seqlens + Sq``.  A sequence with no key gives 0 (flash_fwd_sm90.py:1231,
   softmax.py:277).  Its docstring warns (interface.py:4277) that with pages loaded by TMA, rows
-  past seqused_k in a sequence's last page are read and must be finite (P = 0 times NaN).
+  past seqused_k in a sequence's last page are read and must be finite (P = 0 times NaN); a
+  dense cache's last key tile loads by TMA the same way (bounded by the capacity, not seqused_k;
+  read in the source, not yet run: tests/test_flash_attn_kvcache.py's gpu test records it).
+  Rows past the lengths are not part of our call (a cache from torch.empty may hold NaN there),
+  so flash-attn 4 declares no KV path (``FA4_KV_DECLINED``, named in its reason) and its mapping
+  here does not run.
 
 Our layouts are (B, H, S, D); theirs (B, S, H, D): query, dense caches and k_new/v_new go as
 ``transpose(1, 2)`` views (no copy: the append lands in the caller's cache), paged caches as they
@@ -67,7 +72,15 @@ FA2_KV = dict(
     kv_multi_query=True,
 )
 FA3_KV = dict(kv_cache=frozenset({"dense", "paged"}), kv_append=True, kv_multi_query=True, **_PAGED_ANY_SIZE)
-FA4_KV = dict(FA3_KV)  # the append is ours (append_kv), then flash_attn_varlen_func
+# flash-attn 4 declines (module doc): rows past the lengths are not part of a call, and it reads
+# some of them; its mapping below (our append, then flash_attn_varlen_func) is what a release that
+# reads nothing past seqused_k would run, declared then as FA3_KV
+FA4_KV_DECLINED = (
+    "flash-attn 4 reads key/value rows past seqused_k (the rest of a sequence's last key tile or "
+    "TMA page; P = 0 times a NaN there is NaN), which a cache from torch.empty may hold, and "
+    "zeroing them would copy the cache"
+)
+FA4_KV = dict(FA3_KV, kv_cache=frozenset(), kv_cache_declined=FA4_KV_DECLINED)
 
 # The function each generation's KV-cache call goes through, and its keywords for the
 # per-sequence lengths and the block table.
@@ -127,6 +140,7 @@ def kv_union(caps: list[Capabilities]) -> dict:
         paged_block_size_pow2=bool(paged) and all(c.paged_block_size_pow2 for c in paged),
         kv_append=any(c.kv_append for c in with_kv),
         kv_multi_query=any(c.kv_multi_query for c in with_kv),
+        kv_cache_declined="" if with_kv else "; ".join(c.kv_cache_declined for c in caps if c.kv_cache_declined),
     )
 
 
@@ -255,6 +269,7 @@ __all__ = [
     "FA2_KV",
     "FA3_KV",
     "FA4_KV",
+    "FA4_KV_DECLINED",
     "kv_capabilities",
     "kv_function",
     "kv_problem",
