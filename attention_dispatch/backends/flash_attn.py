@@ -98,7 +98,7 @@ FA4_CAPS = dataclasses.replace(
     max_compute_capability=(11, 9),
     head_dim_multiple=8,
     dropout=False,
-    notes="flash-attn 4 (flash_attn.cute); KV cache: our append_kv, then flash_attn_varlen_func (seqused_k, page_table)",
+    notes="flash-attn 4 (flash_attn.cute); KV cache: declined (it reads rows past seqused_k: FA4_KV_DECLINED)",
     **kv.FA4_KV,
     **features.declared_flags("fa4"),
 )
