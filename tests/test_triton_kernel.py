@@ -1406,13 +1406,15 @@ def _spy_forward_ws(monkeypatch):
         seen.append((q_rows, kv_rows) + biased(bias))
         return real(q, k, v, out, lse, params, prob, q_rows, kv_rows, bias=bias, **features)
 
-    def spy_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None, fuse_dq=False):
+    def spy_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None, fuse_dq=False, **features):
         seen.append(("dkdv+dq" if fuse_dq else "dkdv", q_rows, kv_rows, do_rows) + biased(bias))
-        return real_dkdv(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=bias, fuse_dq=fuse_dq)
+        return real_dkdv(
+            q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=bias, fuse_dq=fuse_dq, **features
+        )
 
-    def spy_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None):
+    def spy_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None, **features):  # alibi=
         seen.append(("dq", q_rows, kv_rows, do_rows) + biased(bias))
-        return real_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=bias)
+        return real_dq(q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=bias, **features)
 
     monkeypatch.setattr(gluon_launch, "forward", spy)
     monkeypatch.setattr(gluon_launch, "dkdv", spy_dkdv)
