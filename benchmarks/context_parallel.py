@@ -63,6 +63,11 @@ def _peak_gib() -> float:
     return 0.0 if CPU else torch.cuda.max_memory_allocated() / 2**30
 
 
+def _allocated_gib() -> float:
+    _sync()
+    return 0.0 if CPU else torch.cuda.memory_allocated() / 2**30
+
+
 def _inputs(s: int, seed: int, device):
     g = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(B, HQ, s, D, device=device, dtype=DTYPE, generator=g)
@@ -165,7 +170,14 @@ def _single_gpu_baselines(lengths, reps, backends) -> dict:
             except Exception as exc:  # noqa: BLE001 - a backend not installed or not serving: noted
                 out[s][name or "default"] = dict(error=f"{type(exc).__name__}: {str(exc)[:120]}")
                 continue
-            out[s][name or "default"] = dict(ms=ms, peak_gib=_peak_gib(), backend=ad.last_decision().backend)
+            peak = _peak_gib()
+            before = _allocated_gib()
+            held = ad.sdpa(*leaves, enable_gqa=True, causal="bottom_right", backend=name)
+            held_gib = _allocated_gib() - before
+            del held
+            out[s][name or "default"] = dict(
+                ms=ms, peak_gib=peak, held_after_fwd_gib=round(held_gib, 3), backend=ad.last_decision().backend
+            )
         del q, k, v, do, leaves
         if not CPU:
             torch.cuda.empty_cache()
@@ -247,10 +259,12 @@ def _worker(rank: int, world: int, args, init: str, queue) -> None:
             marks.events.clear()
             marks.step["n"] = 0
             _sync()
+            before = _allocated_gib()
             with ad.record() as decisions:
                 a = marks.stamp()
                 out = forward()
                 b = marks.stamp()
+                held = _allocated_gib() - before  # what the forward's graph keeps for the backward
                 n_fwd = len(decisions)
                 marks.in_backward = True
                 out.backward(dos)
@@ -263,6 +277,7 @@ def _worker(rank: int, world: int, args, init: str, queue) -> None:
                 ms=ms,
                 fwd_ms=fwd_ms,
                 peak_gib=peak.item(),
+                held_after_fwd_gib=round(held, 3),
                 breakdown_ms={n: round(t, 3) for n, t in sorted(parts.items())},
                 sdpa_calls=dict(forward=n_fwd, backward=len(decisions) - n_fwd),
                 backends=dict(used),
@@ -343,13 +358,14 @@ def main() -> None:
         cells = [f"{n}: " + (f"{b['ms']:.1f} ({b['backend']})" if "ms" in b else b["error"]) for n, b in by.items()]
         print(f"  S={s}: " + "; ".join(cells))
     print(f"scaling, causal zigzag ring, fwd+bwd, {world} ranks against 1 (default dispatch):")
-    print("  S_total  backward    1 GPU ms   W ms (fwd)        speedup   peak GiB 1 -> W")
+    print("  S_total  backward    1 GPU ms   W ms (fwd)        speedup   peak GiB 1 -> W   held after fwd 1 -> W")
     for key, t in result["timings"].items():
         s, backward = key.split()
         base = single[int(s)]["default"]
         print(
             f"  {int(s):>7}  {backward:<10} {base['ms']:>8.1f} {t['ms']:>8.1f} ({t['fwd_ms']:>6.1f}) "
             f"{base['ms'] / t['ms']:>8.2f}x   {base['peak_gib']:.1f} -> {t['peak_gib']:.1f}"
+            f"        {base['held_after_fwd_gib']:.2f} -> {t['held_after_fwd_gib']:.2f}"
         )
 
 

@@ -24,7 +24,9 @@ import torch.multiprocessing as mp
 import attention_dispatch as ad
 from attention_dispatch.distributed import context_parallel_sdpa, cross_rank_checks, shard, unshard
 from attention_dispatch.distributed import context_parallel_sdpa as _context_parallel_sdpa
+from attention_dispatch.distributed.api import default_backward
 from attention_dispatch.distributed.layout import segments, shard_of, unshard_from
+from attention_dispatch.distributed.steps import _whole_rows
 
 TOLERANCE = 1e-10
 DEADLINE_S = 360  # the spawned processes' whole run (60-90 s on 2 idle cores, 160 s at load 10)
@@ -95,6 +97,7 @@ def _cases(world: int) -> list[tuple[str, str, str, str]]:
         for i, lay in enumerate(("zigzag", "contiguous")):
             for j, ex in enumerate(("ring", "allgather")):
                 cases.append((f, lay, ex, BACKWARDS[(i + j + (world == 4)) % 2]))
+    cases.append(("gqa", "zigzag", "ring", "default"))  # backward=None: the mode default_backward(W) names
     return cases
 
 
@@ -181,11 +184,13 @@ def _one_case(case, group, seed: int) -> float:
     if "sinks" in t:
         local["sinks"] = t["sinks"].clone().requires_grad_()
     torch.manual_seed(seed)
+    asked = None if backward == "default" else backward
     result = context_parallel_sdpa(
-        **local, **options, group=group, layout=layout, exchange=exchange, backward=backward, backend="math"
+        **local, **options, group=group, layout=layout, exchange=exchange, backward=asked, backend="math"
     )
     out, lse = result if options["return_lse"] else (result, None)
     nodes = _graph_nodes(out)
+    backward = default_backward(world) if asked is None else asked
     if ("_RecomputedAttentionBackward" in nodes) != (backward == "recompute"):
         raise AssertionError(f"backward={backward!r} did not run as asked: graph nodes {sorted(nodes)}")
     shard_t = dict(t, grad_out=mine(t["grad_out"]))
@@ -446,3 +451,21 @@ def test_importing_attention_dispatch_does_not_import_distributed():
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
         == "False"
     )
+
+
+def test_default_backward_is_autograd_up_to_two_ranks():
+    assert [default_backward(w) for w in (1, 2, 3, 4, 8)] == ["autograd"] * 2 + ["recompute"] * 3
+
+
+@pytest.mark.parametrize("memory", ["BHSD", "BSHD"])
+def test_blocks_get_whole_row_layouts(memory):
+    """A part of S of a (B, H, S, D) shard is copied to a contiguous block (the Gluon kernels read
+    whole-row layouts only); a part of (1, S, H, D) memory (packed varlen shards) and whole
+    tensors are passed as they are."""
+    whole = torch.randn(2, 3, 8, 4) if memory == "BHSD" else torch.randn(1, 8, 3, 4).transpose(1, 2)
+    part = whole[:, :, 2:6]
+    got = _whole_rows(part)
+    assert torch.equal(got, part)
+    assert got.is_contiguous() or got.transpose(1, 2).is_contiguous()
+    assert (got.data_ptr() == part.data_ptr()) == (memory == "BSHD")
+    assert _whole_rows(whole) is whole

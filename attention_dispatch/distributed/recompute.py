@@ -19,6 +19,7 @@ import torch
 
 from . import exchange as _exchange
 from .blocks import span
+from .merge import block_weights
 from .steps import Setup, block_of_slices, block_pairs, run_forward
 
 
@@ -46,11 +47,10 @@ def _block_grads(setup: Setup, q_parts, k_parts, k, v, saved: _Saved, need):
             return None
         out_b, lse_b = result
         lse = saved.lse[:, :, rows]
-        # exp(-inf - -inf) would be NaN: an empty row's weight is 0
-        weight = torch.where(torch.isfinite(lse), torch.exp(lse_b.detach() - lse), torch.zeros_like(lse))
+        weight = block_weights(lse_b.detach(), lse)
         dout = saved.dout[:, :, rows]
-        grad_out = (weight.unsqueeze(-1) * dout).to(out_b.dtype)
-        inner = (dout * out_b.detach().to(dout.dtype)).sum(-1)
+        grad_out = torch.mul(dout, weight.unsqueeze(-1), out=torch.empty_like(out_b))  # in out_b's dtype
+        inner = (dout * out_b.detach()).sum(-1)  # promoted to dout's dtype as it multiplies: no copy
         grad_lse = weight * (inner - saved.delta[:, :, rows] + saved.dlse[:, :, rows])
         wanted = [t for t, n in zip(leaves, need) if t is not None and n]
         grads = iter(torch.autograd.grad((out_b, lse_b), wanted, (grad_out, grad_lse), allow_unused=True))
@@ -81,7 +81,8 @@ class _RecomputedAttention(torch.autograd.Function):
         need = ctx.needs_input_grad[1:5]
         compute = lse.dtype
         dout, dlse = dout.to(compute), dlse.to(compute)
-        saved = _Saved(q, mask, lse, dout, dlse, (dout * out).sum(-1))
+        # the saved outputs carry this Function as grad_fn: detached, no graph is built through them
+        saved = _Saved(q, mask, lse.detach(), dout, dlse, (dout * out).sum(-1))
         dq = torch.zeros_like(q, dtype=compute) if need[0] else None
         dmask = torch.zeros_like(mask, dtype=compute) if need[3] else None
 
