@@ -261,6 +261,8 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
         f"{'quick mode' if meta.get('quick') else 'full grid'}, {meta.get('date', '?')}.",
         "Decode and KV-cache calls (sdpa_with_kvcache, chunked prefill): [decode.md](decode.md), "
         "written by `python benchmarks/decode.py --doc docs/decode.md`.",
+        "Context parallelism over several GPUs (context_parallel_sdpa): [distributed.md](distributed.md#measured), "
+        "from `python benchmarks/context_parallel.py`.",
         "",
         "| | |",
         "|---|---|",
