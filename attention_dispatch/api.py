@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
-
-import torch
 
 from . import config as _config
 from . import registry
 from .debug import _last, _recorders, logger, note_decision
 from . import dispatch
 from .dispatch import FAST_CALLS_LIMIT, Decision, decide, fast_calls, run_with_fallback, span_calls
-from .call import Call, CallFacts, _seqlens, make_problem, normalize_call
+from .call import Call, _seqlens, make_problem, normalize_call
 from .fast_key import (
     RECENT,
     _is_compiling,
@@ -24,32 +21,8 @@ from .fast_key import (
     remember_recent,
 )
 from .fastest import choose_fastest
-from .tracing import assume_constant_result
+from .tracing import decide_while_tracing
 from .policy import guard as _guard
-
-
-@assume_constant_result  # the decorator of torch.compiler, without importing torch._dynamo
-def _decide_at_trace_time(facts: tuple, forced) -> tuple:
-    """Under torch.compile: decide once while tracing (eagerly, outside the graph), so the
-    graph holds only the chosen backend's ops. Returns (backend name, deterministic).
-    ``facts``: a CallFacts as a plain tuple (dynamo rebuilds a NamedTuple constant wrongly)."""
-    problem = make_problem(CallFacts._make(facts))
-    decision = decide(problem, forced)
-    note_decision(decision)
-    return decision.backend, problem.deterministic
-
-
-def _constant(fact):
-    """A fact as a Python constant: a size that torch.compile traces symbolically (dynamo
-    marks a dimension dynamic once it changed) is specialised to its value, a guard, so the
-    decision is taken for the real size and another size recompiles (int() would stay symbolic)."""
-    if type(fact) is bool or isinstance(fact, torch.SymBool):  # dynamo's SymBool passes as bool
-        return bool(operator.index(fact))
-    if type(fact) is int or isinstance(fact, torch.SymInt):  # dynamo's SymInt passes as int
-        return operator.index(fact)
-    if isinstance(fact, tuple):
-        return tuple(_constant(part) for part in fact)
-    return fact
 
 
 def _execute(decision: Decision, call: Call):
@@ -198,7 +171,7 @@ def sdpa(
         return_lse=return_lse,
     )
     if call.problem is None:  # tracing under torch.compile: one op, no run-time dispatch
-        name, call.options["deterministic"] = _decide_at_trace_time(_constant(tuple(call.facts)), backend)
+        name, call.options["deterministic"] = decide_while_tracing(call.facts, backend)
         out = registry.get_backend(name).run(call.query, call.key, call.value, **call.options)
         return out if call.restore is None else call.restore(out)
     decision = decide(call.problem, backend)
@@ -207,10 +180,11 @@ def sdpa(
     if policy.policy == "fastest" and backend is None:
         decision = choose_fastest(decision, call, policy.fastest_cache)
     decided = decision
+    rng = _guard.rng_before(decision.backend, call.problem, call.query.device, guard)  # dropout: its mask
     decision, out = _execute(decision, call)
     if guard.mode != "off":  # check the answer; a wrong backend is quarantined and the call re-run
         decision, out = _guard.guard_call(
-            decision, call, out, guard, lambda: _execute(decide(call.problem, backend), call)
+            decision, call, out, guard, lambda: _execute(decide(call.problem, backend), call), rng
         )
     note_decision(decision)
     opts = call.options
@@ -327,4 +301,7 @@ def explain(
     if decision.backend is None:
         return decision
     route = registry.get_backend(decision.backend).route(call.query, call.key, call.value, call.options)
-    return decision if route is None else dataclasses.replace(decision, route=route)
+    guard = _config.current_config().guard
+    note = _guard.not_judged_note(decision.backend, decision.problem, call.options, guard, (decision.backend,))
+    notes = decision.notes + ((note,) if note else ())
+    return dataclasses.replace(decision, notes=notes, **({} if route is None else {"route": route}))

@@ -41,7 +41,7 @@ import warnings
 from . import config as _config
 from . import perf_table, policy, registry
 from .caches import register_cache
-from .problem import Problem, trace_seqlen_k
+from .problem import Problem, trace_lengths
 from .route import Route
 
 logger = logging.getLogger("attention_dispatch")
@@ -308,16 +308,24 @@ def seqlen_k_span(decision: Decision, forced: str | None = None) -> tuple[int, i
     holds decision.problem.seqlen_k (2**(n-1) ... 2**n - 1).  ``lo == hi`` where the decision
     changes on both sides; None where nothing can be proven: the power of two holds one length,
     or the proof failed (module doc)."""
-    problem = decision.problem
-    n = problem.seqlen_k.bit_length()
+    n = decision.problem.seqlen_k.bit_length()
     lo, hi = 1 << max(n - 1, 0), (1 << n) - 1
     if hi <= lo:
         return None
-    probe, span = trace_seqlen_k(problem, lo, hi)
+    return length_span(decision, forced, lo, hi)
+
+
+def length_span(
+    decision: Decision, forced, lo: int, hi: int, fields=("seqlen_k",), mask_dims=()
+) -> tuple[int, int] | None:
+    """seqlen_k_span's proof within ``lo ... hi`` for one length standing in ``fields`` and
+    ``mask_dims`` (problem.trace_lengths); None where it fails."""
+    problem = decision.problem
+    probe, span = trace_lengths(problem, lo, hi, fields, mask_dims)
     try:
         traced = _decision(probe, forced, _config.current_config())
-    except Exception as exc:  # noqa: BLE001 - a use of seqlen_k the probe cannot stand for
-        logger.debug("seqlen_k span of %s: none (%s: %s)", problem.summary(), type(exc).__name__, exc)
+    except Exception as exc:  # noqa: BLE001 - a use of the length the probe cannot stand for
+        logger.debug("%s span of %s: none (%s: %s)", "/".join(fields), problem.summary(), type(exc).__name__, exc)
         return None
     if span.opaque or dataclasses.replace(traced, problem=problem) != decision:
         return None

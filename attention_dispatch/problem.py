@@ -378,5 +378,18 @@ def trace_seqlen_k(problem: Problem, lo: int, hi: int) -> tuple[Problem, LengthS
     narrows, starting as ``lo ... hi`` (which holds problem.seqlen_k).  Deciding on the copy
     leaves in the span the key lengths for which every use of seqlen_k gave the result it gave
     at problem.seqlen_k."""
-    span = LengthSpan(problem.seqlen_k, lo, hi)
-    return dataclasses.replace(problem, seqlen_k=TracedLength(span)), span
+    return trace_lengths(problem, lo, hi)
+
+
+def trace_lengths(
+    problem: Problem, lo: int, hi: int, fields: tuple[str, ...] = ("seqlen_k",), mask_dims: tuple[int, ...] = ()
+) -> tuple[Problem, LengthSpan]:
+    """trace_seqlen_k for one length that stands in several places: the ``fields`` (seqlen_q,
+    seqlen_k: equal in ``problem``) and the ``mask_dims`` of mask_shape (torch.compile's one
+    symbolic size of a self-attention call and its mask, tracing.py)."""
+    span = LengthSpan(getattr(problem, fields[0]), lo, hi)
+    length = TracedLength(span)
+    changes = dict.fromkeys(fields, length)
+    if mask_dims:
+        changes["mask_shape"] = tuple(length if i in mask_dims else n for i, n in enumerate(problem.mask_shape))
+    return dataclasses.replace(problem, **changes), span

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.fx.experimental import symbolic_shapes
 
 import attention_dispatch as ad
 
@@ -15,11 +16,11 @@ CPU_BACKENDS = ["math", "torch_cpu", "triton"]  # triton: under TRITON_INTERPRET
 GPU_BACKENDS = ["triton", "cudnn", "torch_flash", "torch_efficient", "flash_attn"]
 
 
-def _fullgraph(fn, backend="aot_eager"):
+def _fullgraph(fn, backend="aot_eager", **options):
     """fn compiled with fullgraph=True from a clean dynamo state, and its frame counter."""
     torch._dynamo.reset()
     counter = CompileCounterWithBackend(backend)
-    return torch.compile(fn, fullgraph=True, backend=counter), counter
+    return torch.compile(fn, fullgraph=True, backend=counter, **options), counter
 
 
 def _leaves(*shapes, dtype=torch.float32, device="cpu"):
@@ -50,8 +51,9 @@ def _assert_compiled_equals_eager(fn, compiled, tensors, backend, **tol):
 
 
 def _skip_unless_chosen(backend, *args, **kwargs):
-    if ad.explain(*args, backend=backend, **kwargs).backend != backend:
-        pytest.skip(f"{backend} cannot serve this call here")
+    decision = ad.explain(*args, backend=backend, **kwargs)
+    if decision.backend != backend:  # the reasons name what is missing (not installed, no GPU...)
+        pytest.skip(f"{backend} cannot serve this call here: {'; '.join(decision.rejected.get(backend, []))}")
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -84,6 +86,81 @@ def test_fullgraph_new_shapes_each_decided_for_its_size(backend):
         decision = _assert_compiled_equals_eager(model, compiled, tensors, backend, atol=1e-5, rtol=1e-5)
         assert (decision.problem.batch, decision.problem.seqlen_q) == (batch, seqlen)
     assert counter.frame_count == 2
+
+
+needs_hints = pytest.mark.skipif(
+    not hasattr(symbolic_shapes, "optimization_hint"),
+    reason="this torch has no symbolic_shapes.optimization_hint: a symbolic length is specialised (tracing.py)",
+)
+
+
+@needs_hints
+@pytest.mark.parametrize("how", ["mark_dynamic", "dynamic=True"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_fullgraph_dynamic_length_one_graph(backend, how):
+    """A symbolic sequence length (Sq = Sk) stays symbolic: decided once while tracing and
+    proven the same for every length (the decision's note says so), one graph serves lengths
+    across powers of two, forward and backward equal to eager."""
+    _skip_unless_chosen(backend, *_leaves(*[(2, 2, 8, 16)] * 3), is_causal=True)
+
+    def model(q, k, v):
+        return ad.sdpa(q, k, v, is_causal=True, backend=backend)
+
+    compiled, counter = _fullgraph(model, dynamic=True if how == "dynamic=True" else None)
+    decisions, frames = [], []
+    for seqlen in (8, 12, 20):
+        tensors = _leaves(*[(2, 2, seqlen, 16)] * 3)
+        if how == "mark_dynamic":  # dynamo refuses to specialise a marked size: an error if we did
+            for t in tensors:
+                torch._dynamo.mark_dynamic(t, 2)
+        with ad.record() as recorded:
+            got = compiled(*tensors)
+        decisions.append(recorded)
+        frames.append(counter.frame_count)
+        got_grads = _grads(got, tensors)
+        torch.testing.assert_close(got, model(*tensors), atol=1e-5, rtol=1e-5)
+        for g, w in zip(got_grads, _grads(model(*tensors), tensors)):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    # one graph, traced at length 8 (dynamic=True traces it twice: dynamo restarts once to
+    # specialise the scale, a float of the symbolic head dim); nothing traced or decided after
+    assert frames == [1, 1, 1] if how == "mark_dynamic" else frames[1:] == frames[:1] * 2
+    assert decisions[1:] == [[], []] and {d.backend for d in decisions[0]} == {backend}
+    decision = decisions[0][-1]
+    assert decision.problem.seqlen_q == decision.problem.seqlen_k == 8
+    assert "torch.compile: decided while tracing, for Sq=Sk=8 traced symbolically" in str(decision)
+    assert "the same decision for every length from 1 (proven)" in str(decision)
+
+
+@needs_hints
+@pytest.mark.parametrize("backend", ["math", "torch_cpu"])
+def test_fullgraph_dynamic_length_with_a_mask(backend):
+    """A (B, 1, S, S) boolean mask whose dims are the same symbol as the length: one graph."""
+
+    def model(q, k, v, mask):
+        return ad.sdpa(q, k, v, attn_mask=mask, backend=backend)
+
+    compiled, counter = _fullgraph(model)
+    for seqlen in (9, 14, 23):
+        q, k, v = _leaves(*[(2, 2, seqlen, 16)] * 3)
+        mask = torch.rand(2, 1, seqlen, seqlen) > 0.3
+        mask[..., 0] = True  # no empty row (each backend's own convention there is tested elsewhere)
+        for t, dims in ((q, (2,)), (k, (2,)), (v, (2,)), (mask, (2, 3))):
+            for dim in dims:
+                torch._dynamo.mark_dynamic(t, dim)
+        _skip_unless_chosen(backend, q, k, v, attn_mask=mask)
+        got = compiled(q, k, v, mask)
+        torch.testing.assert_close(got, model(q, k, v, mask), atol=1e-5, rtol=1e-5)
+        want = torch.softmax((q @ k.transpose(-1, -2) / 4).masked_fill(~mask, -torch.inf), -1) @ v
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 1
+
+
+def test_fullgraph_static_shapes_say_so():
+    q, k, v = _leaves(*[(1, 2, 8, 16)] * 3)
+    compiled, _ = _fullgraph(lambda q, k, v: ad.sdpa(q, k, v, backend="math"))
+    with ad.record() as decisions:
+        compiled(q, k, v)
+    assert "torch.compile: decided while tracing, for these sizes (another size traces again)" in str(decisions[0])
 
 
 @pytest.mark.parametrize("backend", ["math", "triton"])

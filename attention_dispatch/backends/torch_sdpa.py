@@ -60,6 +60,7 @@ the ATen op was passed over (``ad.explain``'s route).
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -473,7 +474,8 @@ class TorchSdpaBackend(Backend):
         """A non-empty dense call in call_form's `form`."""
         b, hq, sq, _ = query.shape
         hkv, sk = key.shape[1], key.shape[2]
-        gqa = hkv != hq
+        # ints: symbolic heads (torch.compile dynamic=True) would make a SymBool, which F.sdpa refuses
+        gqa = operator.index(hkv) != operator.index(hq)
         query, key, value = (self._last_dim_contiguous(t) for t in (query, key, value))
         if form in (PLAIN, IS_CAUSAL):
             return self._sdpa(query, key, value, None, dropout_p, form == IS_CAUSAL, scale, gqa)
