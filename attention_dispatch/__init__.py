@@ -3,7 +3,7 @@
 from .api import explain, sdpa
 from .backends.base import Backend, Capabilities, not_supported_reasons
 from .caches import clear_cache
-from .config import Config, ConfigError, load_config, read_config, reset_config, use_config
+from .config import ConfigError, load_config, read_config, reset_config, use_config
 from .debug import configure_logging_from_env, last_decision, record
 from .kvcache import explain_with_kvcache, sdpa_with_kvcache
 from .patch import patch_sdpa, unpatch_sdpa
@@ -15,6 +15,16 @@ from .registry import get_backend, list_backends, register_backend, unregister_b
 from .semantics import CausalKind
 
 configure_logging_from_env()
+
+
+def __getattr__(name: str):
+    """ad.Config from config_models on first use: pydantic is for configuration only."""
+    if name == "Config":
+        from .config_models import Config
+
+        return Config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

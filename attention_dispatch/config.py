@@ -1,7 +1,8 @@
-"""Configuration: pydantic models, loading from TOML/YAML/env, scoped overrides.
+"""Configuration: loading from TOML/YAML/env, validation, scoped overrides.
 
-pydantic is used only here, at load time: the per-call path reads the already
-validated, frozen `Config` through `current_config()`.
+pydantic is used only for configuration (the models in config_models.py), imported when a
+configuration is first loaded or validated; the per-call path reads the already validated,
+frozen `Config` through `current_config()`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
-from .backends import BUILTIN_ORDER
+    from .config_models import Config
 
 ENV_CONFIG = "ATTENTION_DISPATCH_CONFIG"
 ENV_BACKENDS = "ATTENTION_DISPATCH_BACKENDS"
@@ -26,71 +28,16 @@ class ConfigError(ValueError):
     """A configuration file or value is wrong; the message names the file and field."""
 
 
-class DispatchSection(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    priority: Union[tuple[str, ...], None] = Field(
-        default=None,
-        description="candidate order, first wins; omitted: the registry's order (built-ins "
-        f"{', '.join(BUILTIN_ORDER)}, custom backends where they were registered)",
-    )
-    disabled: tuple[str, ...] = Field(default=(), description="backends never chosen")
-    policy: Literal["auto", "priority", "fastest"] = Field(
-        default="auto",
-        description="auto: the lowest expected time in a performance table for this GPU and these "
-        "versions (python -m attention_dispatch tune), else the order; priority: first eligible in "
-        "order; fastest: measured at run time per shape bucket",
-    )
-    fastest_cache: Union[str, None] = Field(
-        default=None, description="JSON file keeping policy='fastest' measurements across processes"
-    )
-    deterministic: Union[Literal["auto"], bool] = Field(
-        default="auto", description="auto follows torch.are_deterministic_algorithms_enabled()"
-    )
-
-    @field_validator("deterministic", mode="before")
-    @classmethod
-    def _auto_or_bool(cls, value):
-        # pydantic's bool would take "yes", "on", 1 and the like as true
-        if value == "auto" or isinstance(value, bool):
-            return value
-        raise ValueError('allowed: "auto", true or false')
-
-    math_fallback: Literal["warn", "allow", "forbid"] = Field(
-        default="warn", description="when math is chosen for a CUDA input"
-    )
-    on_error: Literal["raise", "fallback"] = Field(
-        default="raise", description="a backend failing at run time: re-raise, or run the next candidate"
-    )
+_MODELS = ("Config", "DispatchSection", "GuardSection")
 
 
-class GuardSection(BaseModel):
-    """[guard]: the numerics guard (policy/guard.py); off by default."""
+def __getattr__(name: str):
+    """config.Config and the sections, from config_models on first use (PEP 562)."""
+    if name in _MODELS:
+        from . import config_models
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    mode: Literal["off", "first", "sample", "strict"] = Field(
-        default="off",
-        description="first: check the first call of each new decision; sample: that and a fraction of "
-        "later calls; strict: every call, raising on a mismatch instead of quarantining the backend",
-    )
-    sample: float = Field(default=0.01, ge=0.0, le=1.0, description="fraction of later calls checked (sample)")
-    rows: int = Field(default=8, ge=1, le=4096, description="query rows recomputed per checked call")
-    factor: float = Field(default=2.0, gt=0.0, description="allowed error: factor x the input dtype's own error")
-
-
-class Config(BaseModel):
-    """The whole configuration; unknown keys are errors."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    dispatch: DispatchSection = DispatchSection()
-    guard: GuardSection = GuardSection()
-    # [[known_bad]] entries added to the shipped list (policy/known_bad.py validates them)
-    known_bad: tuple[dict[str, Any], ...] = ()
-    backends: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    # Where the order came from when it is not the file's: set by the loader, not by users.
-    source: str = Field(default="default", exclude=True)
+        return getattr(config_models, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _validation_lines(err: ValidationError, prefix: str = "") -> list[str]:
@@ -136,7 +83,10 @@ def _read_file(path: Path) -> dict:
 def validate_config(data: dict, origin: str = "<config>") -> Config:
     """Validate a mapping into a Config, checking backend names and per-backend options.
     Every problem found is reported, in one ConfigError."""
+    from pydantic import ValidationError
+
     from . import registry
+    from .config_models import Config
     from .policy import known_bad
 
     problems: list[str] = []
@@ -208,7 +158,12 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
     global _loaded
     if path is None:
         path = os.environ.get(ENV_CONFIG) or None
-    config = read_config(path) if path else Config()
+    if path:
+        config = read_config(path)
+    else:
+        from .config_models import Config
+
+        config = Config()
     with _lock:
         _loaded = config
         _bump()
@@ -272,6 +227,8 @@ def _config_of_dict(data: dict) -> Config:
 @contextlib.contextmanager
 def use_config(config: Config | dict | str | os.PathLike):
     """Scoped configuration for this context (thread / task); restored on exit."""
+    from .config_models import Config
+
     if isinstance(config, dict):
         config = _config_of_dict(config)
     elif not isinstance(config, Config):

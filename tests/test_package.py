@@ -15,8 +15,18 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 # Imported on first use only: torch._dynamo alone was half of `import attention_dispatch` (4.0 s
-# against 2.0 s for `import torch`); the optional libraries cost seconds more where installed
-DEFERRED = ("torch._dynamo", "torch._inductor", "triton", "transformers", "flash_attn", "xformers", "matplotlib")
+# against 2.0 s for `import torch`); the optional libraries cost seconds more where installed;
+# pydantic (~0.5 s, --help at 1.25x `import torch`) is for configuration only, loaded with the first one
+DEFERRED = (
+    "torch._dynamo",
+    "torch._inductor",
+    "triton",
+    "transformers",
+    "flash_attn",
+    "xformers",
+    "matplotlib",
+    "pydantic",
+)
 
 
 def _modules_after(code: str) -> set[str]:
@@ -31,10 +41,29 @@ def _modules_after(code: str) -> set[str]:
 
 
 def test_import_and_help_defer_heavy_modules():
-    """`import attention_dispatch` and the CLI's --help (which imports it: one subprocess)."""
-    loaded = _modules_after("from attention_dispatch.cli import build_parser\nbuild_parser().format_help()")
+    """`import attention_dispatch` and the CLI's --help and explain --help (which import it: one
+    subprocess)."""
+    loaded = _modules_after(
+        "import contextlib, io\n"
+        "from attention_dispatch.cli import build_parser\n"
+        "build_parser().format_help()\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    build_parser().parse_args(['explain', '--help'])"
+    )
     assert "attention_dispatch.api" in loaded
     assert [m for m in DEFERRED if m in loaded] == []
+
+
+def test_configuration_loads_pydantic_on_first_use():
+    """The deferral keeps configuration whole: the first call loads the default Config (and
+    pydantic with it); ad.Config is the model."""
+    loaded = _modules_after(
+        "import attention_dispatch as ad, torch\n"
+        "assert 'pydantic' not in sys.modules\n"
+        "ad.sdpa(*[torch.randn(1, 1, 4, 8)] * 3)\n"
+        "assert ad.Config().dispatch.deterministic == 'auto'"
+    )
+    assert {"pydantic", "attention_dispatch.config_models"} <= loaded
 
 
 def _phony_targets() -> list[str]:

@@ -18,13 +18,15 @@ import operator
 import re
 import threading
 from importlib import resources
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..caches import register_cache
 from ..problem import Problem
+
+if TYPE_CHECKING:
+    from .known_bad_entries import Condition, Entry
 
 _OPS = {
     "==": operator.eq,
@@ -37,28 +39,6 @@ _OPS = {
     "not in": lambda a, b: a not in b,
 }
 FIELDS = frozenset(f.name for f in dataclasses.fields(Problem)) | {"gqa_ratio", "kv_cache", "sequences_match"}
-
-
-class Condition(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    field: str
-    op: Literal["==", "!=", "<", "<=", ">", ">=", "in", "not in"]
-    value: Union[bool, int, float, str, tuple[Union[int, str], ...], None]
-    modulo: Union[int, None] = None
-
-
-class Entry(BaseModel):
-    """One known-bad entry (validated when a config or the shipped file is read)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    backend: str
-    library: str = "torch"
-    versions: str = ""
-    when: tuple[Condition, ...] = ()
-    reason: str
-    link: str = ""
 
 
 class KnownBadError(ValueError):
@@ -99,6 +79,10 @@ def version_matches(version: str, spec: str) -> bool:
 
 def parse(entries, origin: str) -> tuple[Entry, ...]:
     """Validate raw entries (mappings); raises KnownBadError naming `origin` and the entry."""
+    from pydantic import ValidationError
+
+    from .known_bad_entries import Entry
+
     parsed = []
     for index, raw in enumerate(entries):
         where = f"{origin}: known_bad[{index}]"
