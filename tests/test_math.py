@@ -64,6 +64,26 @@ def test_math_chunked_equals_naive(case, monkeypatch):
     compare_backend(case, "math", keep_fn=math_keep_mask)  # the mask ignores the chunking
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mask_shape", [(1, 4, 12, 20), (1, 1, 12, 20), (3, 4, 1, 20)], ids=str)
+def test_math_half_mask_gradient_is_rounded_once(dtype, mask_shape):
+    """A float mask broadcast over batch, heads or rows: its 16-bit gradient is the float32 sum
+    rounded once, within half an ulp of float64's at every element, as F.sdpa's (it was the
+    rounded shares summed: ~1 ulp off, at the test_torch_equivalence tolerance's edge)."""
+    q, k, v = (torch.randn(3, 4, n, 32, dtype=dtype, requires_grad=True) for n in (12, 20, 20))
+    mask = torch.randn(mask_shape, dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(3, 4, 12, 32, dtype=dtype)
+    ad.sdpa(q, k, v, attn_mask=mask, backend="math").backward(grad_out)
+    q64, k64, v64, mask64 = (t.detach().double().requires_grad_() for t in (q, k, v, mask))
+    torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask64).backward(grad_out.double())
+    exact = mask64.grad
+    ulp = torch.finfo(dtype).eps * torch.ldexp(torch.ones_like(exact), torch.frexp(exact).exponent - 1)
+    err = (mask.grad.double() - exact).abs()
+    assert not mask.grad.isnan().any()
+    computed = 64 * torch.finfo(torch.float32).eps * exact.abs().max()  # float32's own error, tiny elements
+    assert (err <= 0.5 * ulp + computed).all(), f"{((err - computed) / ulp).max():.2f} ulp"
+
+
 def test_math_dropout_repeatable_and_rate():
     case = Case(dropout_p=0.4, seqlen_q=64, seqlen_k=64)
     q, k, v, _, kw, _ = make_inputs(case)

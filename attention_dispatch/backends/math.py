@@ -55,8 +55,8 @@ def _chunk_attention(
 ):
     """One chunk of query rows.
 
-    q (B, Hkv, G, c, D) in compute dtype, k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv),
-    bias None or (B, Hq, c, Sk) (bool or float), slopes None or (B, Hkv, G) ALiBi slopes, sinks
+    q (B, Hkv, G, c, D) in compute dtype, k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), bias None or
+    4-D broadcastable to (B, Hq, c, Sk) (bool or float), slopes None or (B, Hkv, G) ALiBi slopes, sinks
     None or (Hkv, G), stream the DropoutStream of dropout_p > 0; returns (B, Hkv, G, c, Dv) and, when need_lse, the rows' logsumexp
     (B, Hkv, G, c) without the sinks (else None).
     """
@@ -79,11 +79,15 @@ def _chunk_attention(
         if right >= 0:
             allowed &= cols <= diag + right
     if bias is not None:
-        bias = bias.reshape(b, hkv, g, c, sk)
+        # a float bias in compute dtype before it is broadcast: its gradient is summed over the
+        # broadcast dims in compute dtype and rounded once (summing rounded shares put bf16 mask
+        # gradients ~1 ulp off, where F.sdpa's are 0.5)
+        bias = bias if bias.dtype == torch.bool else bias.to(scores.dtype)
+        bias = bias.expand(b, hkv * g, c, sk).reshape(b, hkv, g, c, sk)
         if bias.dtype == torch.bool:
             allowed = bias if allowed is None else bias & allowed
         else:
-            scores = scores + bias.to(scores.dtype)
+            scores = scores + bias
     if allowed is not None:
         scores = scores.masked_fill(~allowed, -math.inf)
     # A row with no allowed key has max -inf: shift by 0 instead so it gives 0, not NaN.
@@ -146,7 +150,8 @@ def dense_math_attention(
     group = hq // hkv
     q = query.to(compute).reshape(b, hkv, group, sq, d)
     k, v = key.to(compute), value.to(compute)
-    bias = None if attn_mask is None else attn_mask.expand(b, hq, sq, sk)
+    # broadcast per chunk, after a float mask's conversion (_chunk_attention)
+    bias = None if attn_mask is None else attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     slopes = None if alibi_slopes is None else alibi_slopes.reshape(b, hkv, group)
     sink_logits = None if sinks is None else sinks.to(compute).reshape(hkv, group)
     if dropout_p > 0 and dropout_stream is None:
@@ -164,7 +169,7 @@ def dense_math_attention(
             q[:, :, :, row0:row1],
             k,
             v,
-            None if bias is None else bias[:, :, row0:row1],
+            bias if bias is None or bias.shape[2] == 1 else bias[:, :, row0:row1],
             row0,
             sq,
             sk,
