@@ -24,9 +24,10 @@ ROUNDS = 7  # kernels/tl/common.py PHILOX_ROUNDS
 _UNIFORM_SCALE = 4.6566127342e-10  # triton's uint_to_uniform_float for 32-bit draws
 
 
-def draw_seed(device) -> torch.Tensor:
-    """The dropout seed: one int64 drawn from the device's torch generator (no host sync)."""
-    return torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64)
+def draw_seed(device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The dropout seed: one int64 drawn from the device's torch generator (no host sync),
+    into ``out`` (an int64 (1,) view) when given."""
+    return torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64, out=out)
 
 
 class DropoutStream(NamedTuple):

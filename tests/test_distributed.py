@@ -9,6 +9,7 @@ one process group and reports per case, so that each case is its own test here.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from attention_dispatch.distributed.steps import _whole_rows
 
 TOLERANCE = 1e-10
 DEADLINE_S = 360  # the spawned processes' whole run (60-90 s on 2 idle cores, 160 s at load 10)
-TOLERANCES = {"float32": 2e-5}  # per feature, where not float64
+TOLERANCES = {"float32": 2e-5, "dropout_triton": 2e-5}  # per feature, where not float64
 WORLDS = (2, 4)
 B, H, D = 2, 2, 8
 
@@ -69,6 +70,16 @@ FEATURES = {
         "return_lse": True,
         "alibi": True,
     },
+    # the triton kernels' dropout (interpreter, float32) at the blocks' positions: key segments
+    # of 4 keys or more (column offsets multiples of 4); the reference is one math call
+    "dropout_triton": {
+        "dropout_p": 0.3,
+        "backend": "triton",
+        "dtype": torch.float32,
+        "causal": "top_left",
+        "sq_factor": 2,
+        "sk_factor": 2,
+    },
     "varlen": {"varlen": True},
     "varlen_causal": {"varlen": True, "causal": "top_left"},
     "varlen_window_alibi": {"varlen": True, "causal": "bottom_right", "window": (3, -1), "alibi": True},
@@ -87,6 +98,8 @@ FEATURES = {
     },
 }
 BACKWARDS = ("recompute", "autograd")
+# the triton backend's cases run under its interpreter only (the spawned ranks inherit the setting)
+TRITON = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 
 
 def _cases(world: int) -> list[tuple[str, str, str, str]]:
@@ -94,6 +107,8 @@ def _cases(world: int) -> list[tuple[str, str, str, str]]:
     the backward mode alternates so that world sizes 2 and 4 together run every combination."""
     cases = []
     for f in FEATURES:
+        if FEATURES[f].get("backend") == "triton" and not TRITON:
+            continue
         for i, lay in enumerate(("zigzag", "contiguous")):
             for j, ex in enumerate(("ring", "allgather")):
                 cases.append((f, lay, ex, BACKWARDS[(i + j + (world == 4)) % 2]))
@@ -186,7 +201,13 @@ def _one_case(case, group, seed: int) -> float:
     torch.manual_seed(seed)
     asked = None if backward == "default" else backward
     result = context_parallel_sdpa(
-        **local, **options, group=group, layout=layout, exchange=exchange, backward=asked, backend="math"
+        **local,
+        **options,
+        group=group,
+        layout=layout,
+        exchange=exchange,
+        backward=asked,
+        backend=FEATURES[name].get("backend", "math"),
     )
     out, lse = result if options["return_lse"] else (result, None)
     nodes = _graph_nodes(out)
@@ -255,6 +276,8 @@ def _error_cases(group) -> dict[str, str]:
         ),
         "dropout_backend": lambda: context_parallel_sdpa(x, x, x, dropout_p=0.1, backend="torch_cpu"),
         "dropout_range": lambda: context_parallel_sdpa(x, x, x, dropout_p=1.5),
+        # zigzag key segments of 2 keys: the triton kernels draw at column offsets that are multiples of 4
+        "dropout_column_offsets": lambda: context_parallel_sdpa(x, x, x, dropout_p=0.1, backend="triton"),
         "layout": lambda: context_parallel_sdpa(x, x, x, layout="striped"),
         "exchange": lambda: context_parallel_sdpa(x, x, x, exchange="alltoall"),
         "backward": lambda: context_parallel_sdpa(x, x, x, backward="manual"),
@@ -398,6 +421,7 @@ EXPECTED_ERRORS = {
     "dropout_varlen": ("ValueError", "dropout_p=0.1 with cu_seqlens"),
     "dropout_backend": ("ValueError", "no candidate backend (torch_cpu, from backend= argument)"),
     "dropout_range": ("ValueError", "dropout_p=1.5 must be in [0, 1]"),
+    "dropout_column_offsets": ("ValueError", "multiples of the layout's key segment (2 keys"),
     "layout": ("ValueError", "layout='striped' is not allowed"),
     "exchange": ("ValueError", "exchange='alltoall' is not allowed"),
     "backward": ("ValueError", "backward='manual' is not allowed"),

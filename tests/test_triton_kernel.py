@@ -1045,11 +1045,17 @@ def test_torch_compile_fullgraph():
 def test_opcheck():
     q, k, v = rand(1, 2, 16, 16), rand(1, 2, 16, 16), rand(1, 2, 16, 16)
     op = torch.ops.attention_dispatch.triton_attention_fwd.default
-    args = (q, k, v, None, None, None, -1, -1, None, None) + make_params(q).to_args()
+    args = (q, k, v, None, None, None, -1, -1, None, None, None) + make_params(q).to_args()
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     # issue 36: ALiBi slopes (stride-0 batch), sinks and a softcap through the same schema
     slopes, sinks = torch.rand(2, device=DEV).expand(1, 2), torch.randn(2, device=DEV)
-    args = (q, k, v, None, None, None, -1, -1, slopes, sinks) + make_params(q, softcap=3.0).to_args()
+    args = (q, k, v, None, None, None, -1, -1, slopes, sinks, None) + make_params(q, softcap=3.0).to_args()
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    # issue 39: dropout drawn at a block's position of a larger call (the op returns a copy of the stream)
+    from attention_dispatch.kernels.dropout import positioned_stream
+
+    stream = positioned_stream(torch.tensor([5], device=DEV), 2, 0, 8, 4, 32, 24, (16, 16))
+    args = (q, k, v, None, None, None, -1, -1, None, None, stream) + make_params(q, dropout_p=0.2).to_args()
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 

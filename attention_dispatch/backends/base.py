@@ -71,6 +71,7 @@ class Capabilities:
     # dropout's keep-mask drawn at a block's offset inside a larger call when
     # dropout_stream.positioned() is in scope (context parallelism's dropout blocks)
     dropout_positions: bool = False
+    dropout_column_multiple: int = 1  # those blocks' column offsets: multiples of this
     notes: str = ""  # free text for `info`, never used to decide
 
     def paged_block_sizes(self) -> str:
@@ -136,7 +137,15 @@ class Capabilities:
             ("ALiBi", yes(self.alibi)),
             ("sinks", yes(self.sinks) + (" (grad)" if self.sinks and self.sinks_grad else "")),
             ("return lse", yes(self.return_lse) + (" (grad)" if self.return_lse and self.lse_grad else "")),
-            ("dropout at offsets", yes(self.dropout and self.dropout_positions)),
+            (
+                "dropout at offsets",
+                yes(self.dropout and self.dropout_positions)
+                + (
+                    f" (columns: multiples of {self.dropout_column_multiple})"
+                    if self.dropout_column_multiple > 1
+                    else ""
+                ),
+            ),
         ]
 
 

@@ -16,6 +16,7 @@ import os
 import torch
 
 from ..caches import register_cache
+from ..dropout_stream import current
 from ..problem import KV_LAYOUTS, Problem
 from ..route import Route, RouteStep
 from ..semantics import band
@@ -83,6 +84,11 @@ class TritonBackend(Backend):
             sinks_grad=L.sinks_grad,
             return_lse=L.return_lse,
             lse_grad=L.lse_grad,
+            # every dropout call runs the tl kernels (the Gluon and decode routes take no dropout:
+            # gluon/route.py, entry.decode_reason), which draw at a block's position (column
+            # offsets that are multiples of 4); varlen calls cannot be blocks
+            dropout_positions=L.dropout,
+            dropout_column_multiple=L.dropout_column_multiple,
             notes="this project's kernel; CPU only under TRITON_INTERPRET=1",
         )
 
@@ -244,7 +250,7 @@ class TritonBackend(Backend):
 
     def dropout_keep_mask(self, query, key, options: dict):
         """run()'s keep-mask of a dropout call, drawn again (call it with the random state from
-        before run()): bool (B, Hq, Sq, Sk); varlen (sequences, Hq, max_seqlen_q, max_seqlen_k),
+        before run(), or in the same dropout_stream.positioned() scope): bool (B, Hq, Sq, Sk); varlen (sequences, Hq, max_seqlen_q, max_seqlen_k),
         local positions (the numerics guard judges dropout calls with it)."""
         from ..kernels import dropout_keep_mask
 
@@ -253,7 +259,33 @@ class TritonBackend(Backend):
         else:
             b, hq = options["cu_seqlens_q"].numel() - 1, query.shape[1]
             sq, sk = options["max_seqlen_q"], options["max_seqlen_k"]
-        return dropout_keep_mask(b, hq, sq, sk, options["dropout_p"], query.device)
+        stream = self._dropout_stream(query, key, options)  # a positioned call's: no seed drawn
+        return dropout_keep_mask(b, hq, sq, sk, options["dropout_p"], query.device, seed=stream)
+
+    @staticmethod
+    def _dropout_stream(query, key, options: dict):
+        """The kernels' stream for a dropout call under dropout_stream.positioned(), else None
+        (the kernels draw a seed)."""
+        stream = current() if options.get("dropout_p", 0) > 0 else None
+        if stream is None:
+            return None
+        if options["cu_seqlens_q"] is not None:
+            raise ValueError(
+                "a positioned dropout stream (dropout_stream.positioned) with varlen: the stream is keyed "
+                "by (sequence, position in it), so a varlen call cannot be a block of a larger one"
+            )
+        from ..kernels.dropout import positioned_stream
+
+        return positioned_stream(
+            stream.seed.to(query.device),
+            query.shape[1],
+            stream.batch_offset,
+            stream.row_offset,
+            stream.col_offset,
+            stream.seqlen_q,
+            stream.seqlen_k,
+            (query.shape[2], key.shape[2]),
+        )
 
     def run(self, query, key, value, *, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
         from ..kernels import triton_attention
@@ -274,6 +306,7 @@ class TritonBackend(Backend):
             return_lse=bool(options.get("return_lse")),
             alibi_slopes=score["alibi"],
             sinks=score["sinks"],
+            dropout_stream=self._dropout_stream(query, key, dict(options, cu_seqlens_q=cu_seqlens_q)),
         )
         if options.get("return_lse") and cu_seqlens_q is not None:  # the kernels' (total_q, Hq) as (Hq, total_q)
             return result[0], result[1].transpose(0, 1)
@@ -282,10 +315,11 @@ class TritonBackend(Backend):
     def prepare(self, query, key, value, options: dict):
         from ..kernels import prepare_attention
 
-        if any(options.get(name) for name in ("softcap", "return_lse")) or any(
+        if any(options.get(name) for name in ("softcap", "return_lse", "dropout_p")) or any(
             options.get(name) is not None for name in ("alibi_slopes", "sinks")
         ):
-            return super().prepare(query, key, value, options)  # the replay plans take none of these
+            # the replay plans take none of these; dropout reads its stream's position per call
+            return super().prepare(query, key, value, options)
 
         return prepare_attention(
             query,

@@ -58,18 +58,25 @@ def _check_dropout(dropout_p) -> float:
     return float(dropout_p)
 
 
-def _dropout_backends(forced) -> tuple[str, ...]:
+def _dropout_backends(forced, key_segment: int) -> tuple[str, ...]:
     """The candidate backends (in the call's order) that draw dropout at a block's global
-    position (Capabilities.dropout_positions); raise if there is none."""
+    position (Capabilities.dropout_positions) at column offsets that are multiples of
+    ``key_segment`` (the layout's key segment: every block's first key); raise if there is none."""
     names, source = dispatch.candidate_order(forced, current_config())
     known = set(registry.list_backends())
-    able = tuple(n for n in names if n in known and registry.find_backend(n).capabilities.dropout_positions)
+
+    def draws(name: str) -> bool:
+        caps = registry.find_backend(name).capabilities
+        return caps.dropout_positions and key_segment % caps.dropout_column_multiple == 0
+
+    able = tuple(n for n in names if n in known and draws(n))
     if not able:
-        allowed = [n for n in registry.list_backends() if registry.find_backend(n).capabilities.dropout_positions]
+        allowed = [n for n in registry.list_backends() if draws(n)]
         raise ValueError(
             f"dropout_p > 0: no candidate backend ({', '.join(names)}, from {source}) draws the dropout mask "
-            "at a block's global position (Capabilities.dropout_positions), which makes the blocks one "
-            f"sdpa() call's dropout; backends that do: {', '.join(allowed) or 'none'}"
+            f"at a block's global position (Capabilities.dropout_positions) at column offsets that are "
+            f"multiples of the layout's key segment ({key_segment} keys; Capabilities.dropout_column_multiple), "
+            f"which makes the blocks one sdpa() call's dropout; backends that do: {', '.join(allowed) or 'none'}"
         )
     return able
 
@@ -136,7 +143,6 @@ def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
                 "position in it), which the context-parallel blocks (dense, several documents) cannot "
                 "reproduce; use dropout_p=0.0 or dense shards"
             )
-        setup.dropout_backends = _dropout_backends(options["backend"])
     if packed:
         if cu_q is None or cu_k is None:
             raise ValueError("varlen needs both cu_seqlens_q and cu_seqlens_k (global offsets), got only one")
@@ -160,6 +166,9 @@ def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     b, hq, sq_local = q.shape[:3]
     sq, sk = sq_local * world, k.shape[2] * world
     setup.mask = _check_mask(attn_mask, b, hq, sq_local, sk)
+    if dropout_p > 0:  # blocks start at the layout's segments (check_layout: divisible checked later)
+        key_segment = sk // (2 * world if layout == "zigzag" else world)
+        setup.dropout_backends = _dropout_backends(options["backend"], key_segment)
     setup.sinks = check_sinks(options["sinks"], hq, query)
     bottom_right, left, right = fold_band(causal, window)
     setup.band = Band(sk - sq if bottom_right else 0, left, right)

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .dropout import STREAM_LEN
 from .entry import attention_backward, attention_forward
 from .replay import ForwardPlan, TrainingPlan
 from .params import KernelParams
@@ -51,6 +52,7 @@ def _fwd_op(
     max_seqlen_k: int,
     alibi_slopes: Optional[Tensor],
     sinks: Optional[Tensor],
+    dropout_stream: Optional[Tensor],
     scale: float,
     align_bottom_right: bool,
     window_left: int,
@@ -90,11 +92,15 @@ def _fwd_op(
         _opt(max_seqlen_k),
         alibi=alibi_slopes,
         sinks=sinks,
+        # an op's outputs never alias its inputs: the stream it returns is a copy
+        stream=None if dropout_stream is None else dropout_stream.clone(),
     )
 
 
 @_fwd_op.register_fake
-def _fwd_fake(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi, sinks, *pargs):
+def _fwd_fake(
+    query, key, value, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi, sinks, stream, *pargs
+):
     dropout_p = KernelParams.from_args(pargs).dropout_p
     if cu_seqlens_q is None:
         b, hq, sq, _ = query.shape
@@ -104,7 +110,7 @@ def _fwd_fake(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         t, hq, _ = query.shape
         out = query.new_empty((t, hq, value.shape[-1]))
         lse = query.new_empty((t, hq), dtype=torch.float32)
-    seed = query.new_empty((1 if dropout_p > 0 else 0,), dtype=torch.int64)
+    seed = query.new_empty((STREAM_LEN if dropout_p > 0 else 0,), dtype=torch.int64)
     return out, lse, seed
 
 
@@ -197,11 +203,11 @@ def _bwd_fake(grad_out, grad_lse, query, key, value, bias, alibi, sinks, *rest):
 
 
 _N_PARAMS = len(fields(KernelParams))  # KernelParams.to_args()
-_N_TENSOR_ARGS = 10  # query .. sinks: the forward op's arguments before the parameters
+_N_TENSOR_ARGS = 11  # query .. dropout_stream: the forward op's arguments before the parameters
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, bias, cu_q, cu_k, max_sq, max_sk, alibi, sinks = inputs[:_N_TENSOR_ARGS]
+    query, key, value, bias, cu_q, cu_k, max_sq, max_sk, alibi, sinks, _ = inputs[:_N_TENSOR_ARGS]
     out, lse, seed = output
     ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks)
     ctx.extra = (max_sq, max_sk, tuple(inputs[_N_TENSOR_ARGS : _N_TENSOR_ARGS + _N_PARAMS]))
@@ -247,7 +253,7 @@ def _backward(ctx, grad_out, grad_lse, grad_seed):
         bias_grad,
         sinks_grad,
     )
-    grads = (dq, dk, dv, db if bias_grad else None, None, None, None, None, None, dsinks if sinks_grad else None)
+    grads = (dq, dk, dv, db if bias_grad else None, None, None, None, None, None, dsinks if sinks_grad else None, None)
     return grads + (None,) * _N_PARAMS
 
 
@@ -262,7 +268,9 @@ class _EagerAttention(torch.autograd.Function):
     relaunches the kernels its first call captured."""
 
     @staticmethod
-    def forward(ctx, query, key, value, bias, cu_q, cu_k, max_sq, max_sk, params, plan=None, alibi=None, sinks=None):
+    def forward(
+        ctx, query, key, value, bias, cu_q, cu_k, max_sq, max_sk, params, plan=None, alibi=None, sinks=None, stream=None
+    ):
         # An unused output's gradient stays None: materialised, lse's would cost a zeros kernel
         # and an allocation every backward (E67), and it would run the logsumexp-gradient path
         ctx.set_materialize_grads(False)
@@ -270,7 +278,18 @@ class _EagerAttention(torch.autograd.Function):
             (out, lse), seed = plan.forward(query, key, value), None
         else:
             out, lse, seed = attention_forward(
-                query, key, value, bias, params, cu_q, cu_k, _opt(max_sq), _opt(max_sk), alibi=alibi, sinks=sinks
+                query,
+                key,
+                value,
+                bias,
+                params,
+                cu_q,
+                cu_k,
+                _opt(max_sq),
+                _opt(max_sk),
+                alibi=alibi,
+                sinks=sinks,
+                stream=stream,
             )
         ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks)
         ctx.extra = (max_sq, max_sk, params, plan)
@@ -305,7 +324,7 @@ class _EagerAttention(torch.autograd.Function):
                 sinks_grad=sinks_grad,
                 grad_lse=grad_lse,
             )
-        return dq, dk, dv, (db if bias_grad else None), None, None, None, None, None, None, None, dsinks
+        return dq, dk, dv, (db if bias_grad else None), None, None, None, None, None, None, None, dsinks, None
 
 
 def _last_dim_contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -328,13 +347,16 @@ def triton_attention(
     return_lse: bool = False,
     alibi_slopes: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
+    dropout_stream: Optional[Tensor] = None,
 ):
     """Attention with the Triton kernels (see package docstring for layouts and semantics).
 
     Returns the output (query's dtype), or (output, logsumexp fp32, without the sink) when
     ``return_lse``.  Differentiable w.r.t. query, key, value, a floating ``bias`` and ``sinks``;
     the logsumexp is differentiable too.  ``alibi_slopes``: fp32 (B, Hq) (a stride-0 batch dim
-    is fine), no gradient; ``sinks``: (Hq,) of any float dtype."""
+    is fine), no gradient; ``sinks``: (Hq,) of any float dtype; ``dropout_stream``:
+    :func:`dropout.positioned_stream`'s (the keep-mask of a block of a larger call; dense calls),
+    else each call draws a seed."""
     query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
     if cu_seqlens_q is not None:
         if max_seqlen_q is None or max_seqlen_k is None:
@@ -344,11 +366,34 @@ def triton_attention(
         msq = msk = -1
     if torch.compiler.is_compiling():
         out, lse, _ = _fwd_op(
-            query, key, value, bias, cu_seqlens_q, cu_seqlens_k, msq, msk, alibi_slopes, sinks, *params.to_args()
+            query,
+            key,
+            value,
+            bias,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            msq,
+            msk,
+            alibi_slopes,
+            sinks,
+            dropout_stream,
+            *params.to_args(),
         )
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, bias, sinks)):
         out, lse = _EagerAttention.apply(
-            query, key, value, bias, cu_seqlens_q, cu_seqlens_k, msq, msk, params, None, alibi_slopes, sinks
+            query,
+            key,
+            value,
+            bias,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            msq,
+            msk,
+            params,
+            None,
+            alibi_slopes,
+            sinks,
+            dropout_stream,
         )
     else:  # inference: no autograd node to build
         out, lse, _ = attention_forward(
@@ -364,6 +409,7 @@ def triton_attention(
             need_lse=return_lse,
             alibi=alibi_slopes,
             sinks=sinks,
+            stream=dropout_stream,
         )
     return (out, lse) if return_lse else out
 

@@ -1,5 +1,6 @@
-"""Dropout on the host: the keep-mask a call with a seed applies (dropout_stream.py draws the
-seed, and computes the same mask in plain PyTorch)."""
+"""Dropout on the host: the stream tensor the kernels draw the keep-mask from, and the
+keep-mask a call with a seed applies (dropout_stream.py draws the seed, and computes the same
+mask in plain PyTorch)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,65 @@ import torch
 
 from ..dropout_stream import draw_seed
 from .device import is_interpreter
-from .limits import MAX_GRID_YZ
+from .limits import KERNEL_LIMITS, MAX_GRID_YZ
 from .shapes import bh_chunks, cdiv
 from .tl.dropout import _dropout_mask_kernel
+
+# The kernels' ``Seed`` argument: int64 [seed, first row, first key, the whole call's Sq, Sk]
+# (tl/common.py _load_stream); lengths 0 are the call's own, so a plain call's is [seed, 0, 0, 0, 0]
+STREAM_LEN = 5
+
+
+def draw_stream(device) -> torch.Tensor:
+    """A plain call's stream: a new seed (draw_seed's draw: the same seed for the same torch
+    generator state) at offset 0 of the call itself; no host values copied."""
+    stream = torch.zeros(STREAM_LEN, device=device, dtype=torch.int64)
+    draw_seed(device, out=stream[:1])
+    return stream
+
+
+def positioned_stream(
+    seed: torch.Tensor,
+    heads_q: int,
+    batch_offset: int,
+    row_offset: int,
+    col_offset: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """The stream of a call of ``block`` = (Sq, Sk) that is the block at (batch_offset,
+    row_offset, col_offset) of a call of lengths seqlen_q x seqlen_k and ``heads_q`` query heads
+    (dropout_stream.DropoutStream), on ``seed``'s device.  ``col_offset`` must be a multiple
+    of 4 (the kernels draw four keys' lanes per Philox counter)."""
+    if col_offset % KERNEL_LIMITS.dropout_column_multiple:
+        raise ValueError(
+            f"dropout stream col_offset={col_offset}: the triton kernels draw a block's keep-mask at a "
+            f"column offset that is a multiple of {KERNEL_LIMITS.dropout_column_multiple} (one Philox draw "
+            "covers 4 keys)"
+        )
+    if min(batch_offset, row_offset, col_offset) < 0 or seqlen_q <= 0 or seqlen_k <= 0:
+        raise ValueError(
+            f"dropout stream offsets ({batch_offset}, {row_offset}, {col_offset}) and lengths "
+            f"({seqlen_q}, {seqlen_k}): offsets >= 0 and lengths > 0 expected"
+        )
+    if row_offset + block[0] > seqlen_q or col_offset + block[1] > seqlen_k:
+        raise ValueError(
+            f"dropout stream: a block of {block[0]} x {block[1]} at ({row_offset}, {col_offset}) does not "
+            f"fit in the whole call's {seqlen_q} x {seqlen_k}"
+        )
+    # the batch offset folded into the row: the kernels count rows as (b * Hq + h) * Sq + i
+    position = torch.tensor(
+        [batch_offset * heads_q * seqlen_q + row_offset, col_offset, seqlen_q, seqlen_k], dtype=torch.int64
+    )
+    return torch.cat([seed.reshape(1).to(torch.int64), position.to(seed.device, non_blocking=True)])
+
+
+def _as_stream(seed: torch.Tensor) -> torch.Tensor:
+    """A seed (1,) as a plain call's stream; a stream (the forward's) unchanged."""
+    if seed.numel() == STREAM_LEN:
+        return seed.to(torch.int64)
+    return torch.cat([seed.reshape(1).to(torch.int64), seed.new_zeros(STREAM_LEN - 1, dtype=torch.int64)])
 
 
 def dropout_keep_mask(
@@ -29,7 +86,7 @@ def dropout_keep_mask(
     Varlen: pass batch = number of sequences and seqlen_q/k = max_seqlen_q/k; element
     [b, h, i, j] is the mask of local query i / local key j of sequence b.  The seed is drawn
     exactly like the forward draws it (one int64 from the device generator), unless ``seed``
-    (the forward's seed tensor) is given."""
+    (an int64 (1,) seed, or the forward's stream: its position too) is given."""
     device = (
         torch.device(device)
         if device is not None
@@ -38,8 +95,7 @@ def dropout_keep_mask(
     out = torch.empty((batch, num_heads, seqlen_q, seqlen_k), device=device, dtype=torch.uint8)
     if dropout_p <= 0:
         return out.fill_(1).bool()
-    if seed is None:
-        seed = draw_seed(device)
+    seed = draw_stream(device) if seed is None else _as_stream(seed.to(device))
     if out.numel() == 0:
         return out.bool()
     bm, bn = (16, 32) if is_interpreter() else (64, 64)

@@ -18,7 +18,7 @@ from . import configs as C
 from .bias import bias_layout, ws_bias_reason
 from .decode import decode_forward
 from .device import use_descriptors
-from .dropout import draw_seed
+from .dropout import STREAM_LEN, draw_stream
 from .gluon import launch as gluon_launch
 from .gluon.route import forward_scope_reason, fuse_dq_reason, score_features_reason, ws_backward_reason, ws_reason
 from .params import KernelParams
@@ -164,6 +164,22 @@ def check_score_inputs(prob: KernelShapes, alibi, sinks):
         )
 
 
+def check_stream(stream, prob: KernelShapes, dev) -> None:
+    """A given dropout stream: dropout.positioned_stream's, on the call's device, for a dense call."""
+    if not isinstance(stream, torch.Tensor) or stream.dtype != torch.int64 or stream.shape != (STREAM_LEN,):
+        got = f"{stream.dtype} {tuple(stream.shape)}" if isinstance(stream, torch.Tensor) else type(stream).__name__
+        raise ValueError(
+            f"dropout stream: an int64 ({STREAM_LEN},) tensor (dropout.positioned_stream) expected, got {got}"
+        )
+    if stream.device != dev:
+        raise ValueError(f"dropout stream on {stream.device}, the call's tensors on {dev}")
+    if prob.varlen:
+        raise ValueError(
+            "a positioned dropout stream with varlen: the stream is keyed by (sequence, position in it), "
+            "so a varlen call cannot be a block of a larger one"
+        )
+
+
 def attention_forward(
     q,
     k,
@@ -177,10 +193,13 @@ def attention_forward(
     need_lse: bool = True,
     alibi=None,
     sinks=None,
+    stream=None,
 ):
-    """Returns (out, lse (fp32, natural log, without the sink; None unless need_lse), seed (int64
-    (1,) or empty)).  Inference calls pass need_lse=False: the kernel then writes no logsumexp.
-    ``alibi``: fp32 (B, Hq) slopes; ``sinks``: (Hq,) logits; either None."""
+    """Returns (out, lse (fp32, natural log, without the sink; None unless need_lse), the
+    dropout stream (int64 (5,), dropout.py; empty without dropout)).  Inference calls pass
+    need_lse=False: the kernel then writes no logsumexp.  ``alibi``: fp32 (B, Hq) slopes;
+    ``sinks``: (Hq,) logits; either None.  ``stream``: dropout.positioned_stream's (a block of
+    a larger call), else a new seed is drawn (dropout.draw_stream)."""
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     check_inputs(q, k, v)
     prob = KernelShapes(q, k, v, cu_q, cu_k, max_sq, max_sk)
@@ -188,7 +207,13 @@ def attention_forward(
     if sinks is not None and sinks.stride(0) != 1:
         sinks = sinks.contiguous()
     dev = q.device
-    seed = draw_seed(dev) if params.dropout_p > 0 else torch.empty(0, device=dev, dtype=torch.int64)
+    if params.dropout_p <= 0:
+        seed = torch.empty(0, device=dev, dtype=torch.int64)
+    elif stream is None:
+        seed = draw_stream(dev)
+    else:
+        check_stream(stream, prob, dev)
+        seed = stream
     if _empty(prob, k):
         out = torch.zeros(prob.out_shape, device=dev, dtype=q.dtype)
         lse = torch.full(prob.lse_shape, -math.inf, device=dev, dtype=torch.float32) if need_lse else None

@@ -29,6 +29,9 @@ class KernelLimits:
     bias_grad: bool = True
     float32_bias: bool = True  # a float32 bias with 16-bit inputs is loaded and added at float32
     dropout: bool = True
+    # a dropout call drawn as a block of a larger call (dropout.positioned_stream): its column
+    # offset a multiple of 4, the keys one Philox draw covers
+    dropout_column_multiple: int = 4
     varlen: bool = True  # zero-length sequences included
     gqa: bool = True
     deterministic_backward: bool = True  # params.deterministic=True: bitwise repeatable

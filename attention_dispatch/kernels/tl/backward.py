@@ -23,6 +23,7 @@ from .common import (
     _load_rows,
     _load_tile,
     _lowp,
+    _load_stream,
     _rng_rows,
     _tile_desc,
 )
@@ -268,7 +269,7 @@ def _attn_bwd_dkdv(
         full_hi = tl.minimum(full_hi, (tl.maximum(n0 - off + window_left + 1, 0) // BLOCK_M) * BLOCK_M)
 
     if HAS_DROPOUT:
-        seed = tl.load(Seed)
+        seed, rng_row0, rng_col4, rng_sq, rng_per_row = _load_stream(Seed, seqlen_q, seqlen_k)
     else:
         seed = 0
     inv_keep = 1.0 / (1.0 - dropout_p)
@@ -322,7 +323,7 @@ def _attn_bwd_dkdv(
                 )
             pT = tl.math.exp2(sT - lse2[None, :])
             if HAS_DROPOUT:
-                rng_rows = _rng_rows(pid_bh64, seqlen_q, offs_m, seqlen_k)
+                rng_rows = _rng_rows(pid_bh64, offs_m, rng_row0, rng_col4, rng_sq, rng_per_row)
                 keep = _dropout_keep(seed, rng_rows, n0, dropout_p, BLOCK_N, True)
                 pdT = tl.where(keep, pT * inv_keep, 0.0)
                 dpT = tl.where(keep, dpT * inv_keep, 0.0)
@@ -515,8 +516,8 @@ def _attn_bwd_dq(
     seg_hi = tl.minimum(hi, seg_lo + per * BLOCK_N)
 
     if HAS_DROPOUT:
-        seed = tl.load(Seed)
-        rng_rows = _rng_rows(pid_bh.to(tl.int64), seqlen_q, offs_m, seqlen_k)
+        seed, rng_row0, rng_col4, rng_sq, rng_per_row = _load_stream(Seed, seqlen_q, seqlen_k)
+        rng_rows = _rng_rows(pid_bh.to(tl.int64), offs_m, rng_row0, rng_col4, rng_sq, rng_per_row)
     else:
         seed = 0
         rng_rows = offs_m.to(tl.int64)

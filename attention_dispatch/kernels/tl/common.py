@@ -12,7 +12,8 @@ Conventions (all kernels):
     ``(HAS_WR: j <= i + off + wr)``, ``off = Sk - Sq`` (per sequence) if ALIGN_BR else 0;
   * dropout: lane ``j % 4`` of the Philox4x32-7 draw at counter
     ``(pid_bh * max_sq + i) * ceil(max_sk / 4) + j // 4`` (:func:`_dropout_keep`), keep when
-    ``u >= p``.
+    ``u >= p``; i, j and the lengths are those of the whole call the stream places this one
+    in (:func:`_load_stream`: a block of context parallelism), by default the call itself.
 """
 
 import triton
@@ -153,10 +154,26 @@ def _batch_head(pid, H, NB, BATCH_MINOR: tl.constexpr):
 
 
 @triton.jit
-def _rng_rows(pid_bh64, seqlen_q, offs_m, seqlen_k):
-    """First Philox counter of each query row: rows of ceil(max_sk / 4) counters, one counter
-    per 4 consecutive keys (global coordinates: the same in every kernel and every chunk)."""
-    return (pid_bh64 * seqlen_q + offs_m) * ((seqlen_k + 3) // 4)
+def _load_stream(Seed, seqlen_q, seqlen_k):
+    """The dropout stream at ``Seed`` (kernels/dropout.py): int64 [seed, first row, first key (a
+    multiple of 4), the whole call's Sq, Sk (0: this call's own)] -> (seed, row0, counter
+    column of key 0, whole Sq, counters per row).  A plain call's stream is [seed, 0, 0, 0, 0]."""
+    seed = tl.load(Seed)
+    row0 = tl.load(Seed + 1)
+    col4 = tl.load(Seed + 2) // 4
+    whole_q = tl.load(Seed + 3)
+    whole_k = tl.load(Seed + 4)
+    whole_q = tl.where(whole_q > 0, whole_q, seqlen_q)
+    whole_k = tl.where(whole_k > 0, whole_k, seqlen_k)
+    return seed, row0, col4, whole_q, (whole_k + 3) // 4
+
+
+@triton.jit
+def _rng_rows(pid_bh64, offs_m, row0, col4, whole_q, per_row):
+    """First Philox counter of each query row: rows of ceil(Sk / 4) counters of the whole call
+    (:func:`_load_stream`), one counter per 4 consecutive keys (global coordinates: the same in
+    every kernel and every chunk)."""
+    return (pid_bh64 * whole_q + row0 + offs_m) * per_row + col4
 
 
 @triton.jit

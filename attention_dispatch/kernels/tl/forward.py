@@ -13,6 +13,7 @@ from .common import (
     _dropout_keep,
     _load_tile,
     _lowp,
+    _load_stream,
     _rng_rows,
     _tile_desc,
 )
@@ -430,8 +431,8 @@ def _attn_fwd(
         full_hi = tl.minimum(full_hi, (tl.maximum(m0 + off + window_right + 1, 0) // BLOCK_N) * BLOCK_N)
 
     if HAS_DROPOUT:
-        seed = tl.load(Seed)
-        rng_rows = _rng_rows(pid_bh.to(tl.int64), seqlen_q, offs_m, seqlen_k)
+        seed, rng_row0, rng_col4, rng_sq, rng_per_row = _load_stream(Seed, seqlen_q, seqlen_k)
+        rng_rows = _rng_rows(pid_bh.to(tl.int64), offs_m, rng_row0, rng_col4, rng_sq, rng_per_row)
     else:
         seed = 0
         rng_rows = offs_m.to(tl.int64)
@@ -445,7 +446,7 @@ def _attn_fwd(
         l_b = tl.zeros([HALF], dtype=tl.float32)
         acc_b = tl.zeros([HALF, BLOCK_DV], dtype=tl.float32)
         if HAS_DROPOUT:
-            rng_rows_b = _rng_rows(pid_bh.to(tl.int64), seqlen_q, offs_m + HALF, seqlen_k)
+            rng_rows_b = _rng_rows(pid_bh.to(tl.int64), offs_m + HALF, rng_row0, rng_col4, rng_sq, rng_per_row)
         else:
             rng_rows_b = (offs_m + HALF).to(tl.int64)
     else:
