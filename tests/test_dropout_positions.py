@@ -13,8 +13,8 @@ from attention_dispatch.dispatch import BackendRunError
 from attention_dispatch.dropout_stream import DropoutStream, draw_seed, keep_mask, positioned
 
 pytest.importorskip("triton")
-if not (torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1"):
-    pytest.skip("the triton backend needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+if __import__("os").environ.get("TRITON_INTERPRET") != "1":  # CPU tensors: the kernels under the interpreter
+    pytest.skip("runs the triton kernels under TRITON_INTERPRET=1", allow_module_level=True)
 
 P = 0.4
 WHOLE = (2, 2, 29, 44)  # the larger call: B, H, Sq, Sk
