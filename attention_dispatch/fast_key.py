@@ -25,7 +25,9 @@ RECENT_LIMIT signatures that hit the dictionary keep a check of their tensors in
 ``TensorGuards``, dynamo's check of Python type, dispatch keys, dtype, device, requires_grad,
 sizes and strides: ~1 us for three tensors where reading them from Python costs ~3-5 us), and a
 call passing it, with the same options, pointer alignment and dispatch state, is a call with
-that signature's key: the key's every field is checked, in C++ or here.  They live in
+that signature's key: the key's every field is checked, in C++ or here.  TensorGuards is
+private: torch_private.tensor_check adapts it on tested torch releases only (None elsewhere:
+no recent entries, every call takes the key).  They live in
 ``fast_calls`` under the key RECENT, so whatever clears that dictionary clears them.
 """
 
@@ -37,6 +39,7 @@ from . import config as _config
 from . import registry
 from .call import mask_kept_as_given, offsets_kept_as_given
 from .dispatch import _scope
+from .torch_private import tensor_check
 
 # positions in call_key()'s tuple that length_key() reads: shapes and strides 0 to 5, then
 _POINTERS, _MASK, _PACKED, _COMMON = 6, 7, 8, 9
@@ -51,10 +54,6 @@ _deterministic_warn_only = getattr(
 )
 _scoped_config = _config._scoped.get  # current_config(): the scoped config, else the loaded one
 _scope_get = _scope.get
-try:  # private to dynamo (torch 2.x); without it every call takes the key
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except ImportError:
-    _TensorGuards = None
 
 RECENT = object()  # fast_calls[RECENT] = (None, recent entries, newest first): module doc
 RECENT_LIMIT = 4
@@ -249,18 +248,15 @@ def recent_entry(exact: tuple, decision, runner, query, key, value, attn_mask):
     tensors are these: (check, has mask, options, dispatch state, reads grad mode, grad,
     decision, runner, exact); None for a call it cannot check (packed tensors, a pointer off 16
     bytes, one tensor passed twice: TensorGuards never matches a repeated tensor)."""
-    if _TensorGuards is None or exact[_POINTERS] or exact[_PACKED] is not None:
+    if tensor_check is None or exact[_POINTERS] or exact[_PACKED] is not None:
         return None
     tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
     if query is key or query is value or key is value or any(attn_mask is t for t in (query, key, value)):
         return None
     if attn_mask is not None and exact[_MASK][-1]:
         return None
-    try:  # a torch whose TensorGuards differs: no entry
-        check = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
-        if not check(*tensors):
-            return None
-    except Exception:  # noqa: BLE001
+    check = tensor_check(*tensors)
+    if check is None:
         return None
     common = exact[_COMMON:]
     # common: 3 dtypes, 3 devices, grad, 8 options (dropout_p ... backend), 5 of dispatch state

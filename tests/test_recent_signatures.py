@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 
 import attention_dispatch as ad
-from attention_dispatch import dispatch, fast_key
+from attention_dispatch import dispatch, torch_private
 from attention_dispatch.fast_key import RECENT, RECENT_LIMIT, call_key, recent_hit
 
-pytestmark = pytest.mark.skipif(fast_key._TensorGuards is None, reason="this torch has no TensorGuards")
+pytestmark = pytest.mark.skipif(
+    torch_private.tensor_check is None, reason="this torch has no tested TensorGuards (torch_private)"
+)
 
 ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "causal", "window", "deterministic", "backend")
 

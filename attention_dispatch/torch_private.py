@@ -1,0 +1,53 @@
+"""torch's private APIs, each behind one adapter that is on only for torch releases it was run on.
+
+:data:`tensor_check` is dynamo's C++ ``TensorGuards`` (``torch._C._dynamo.guards``), which
+fast_key's recent signatures use to check a call's tensors (issue 35).  Any other torch, or
+one without it, gets None and the caller builds its key from Python as before.
+tests/test_torch_private.py checks the construction call and each property relied on.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+
+try:  # private to dynamo
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:
+    _TensorGuards = None
+
+# (major, minor) range the TensorGuards adapter was run on: 2.11 (the H100 machine) to 2.13 (CI).
+TESTED_TORCH = ((2, 11), (2, 13))
+
+
+def untested_torch(version: str) -> str | None:
+    """Why a torch release keeps the private adapters off, or None for a tested one."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    low, high = TESTED_TORCH
+    if match and low <= (int(match[1]), int(match[2])) <= high:
+        return None
+    tested = f"{low[0]}.{low[1]}-{high[0]}.{high[1]}"
+    return f"torch {version or '(unknown version)'} is not a tested release ({tested}) for its private TensorGuards"
+
+
+def _tensor_check(*tensors: torch.Tensor) -> Callable[..., bool] | None:
+    """``check(*others)``, True when ``others`` match ``tensors`` one for one in Python type,
+    dispatch keys (conj/neg views), dtype, device, requires_grad, sizes and strides (and the
+    thread's dispatch state); None where TensorGuards refuses these tensors."""
+    try:  # static sizes and strides: dynamo's dynamic dims off
+        check = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
+        if check(*tensors):
+            return check
+    except Exception:  # noqa: BLE001 - a TensorGuards that refuses these tensors: no check
+        pass
+    return None
+
+
+def _adapter(version: str):
+    """:func:`_tensor_check` on a tested torch that has TensorGuards, else None."""
+    return _tensor_check if _TensorGuards is not None and untested_torch(version) is None else None
+
+
+tensor_check = _adapter(torch.__version__)

@@ -1,0 +1,92 @@
+"""torch_private: the adapter of torch's private TensorGuards is on only for tested torch
+releases, and where it is on, the installed TensorGuards takes the construction call we make
+and its check has each property fast_key's recent signatures rely on (a C++ class has no
+inspect.signature, so the call and these behaviours are its signature)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_dispatch import torch_private
+from attention_dispatch.torch_private import tensor_check, untested_torch
+
+
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.13.0a0+git1234"])
+def test_tested_releases(version):
+    assert untested_torch(version) is None
+
+
+@pytest.mark.parametrize("version", ["2.10.0", "2.14.0", "3.0.0", "1.13.1", "", "nightly"])
+def test_untested_releases_keep_the_adapter_off(version):
+    reason = untested_torch(version)
+    assert "is not a tested release (2.11-2.13)" in reason
+    assert torch_private._adapter(version) is None
+
+
+needs_guards = pytest.mark.skipif(tensor_check is None, reason="this torch has no tested TensorGuards")
+
+
+@needs_guards
+def test_the_construction_call_binds_to_the_installed_tensor_guards():
+    """The keywords we pass are TensorGuards' own: a wrong one is refused, so ours are read."""
+    from torch._C._dynamo.guards import TensorGuards
+
+    t = torch.randn(2, 3)
+    assert TensorGuards(t, dynamic_dims_sizes=None, dynamic_dims_strides=None).check(t)
+    with pytest.raises(TypeError):
+        TensorGuards(t, dynamic_dims_sizes=None, no_such_keyword=None)
+
+
+def _complex():
+    return torch.randn(2, 3, 4, dtype=torch.complex64)
+
+
+def _base():
+    return torch.randn(2, 3, 4, 8)
+
+
+# (property, base tensor, the same property in another tensor, that property changed)
+CHANGES = [
+    ("dtype", _base, lambda t: t.clone(), lambda t: t.double()),
+    ("device", _base, lambda t: t.clone(), lambda t: t.to("meta")),
+    ("shape", _base, lambda t: t.clone(), lambda t: t[:, :, :2]),
+    ("stride", _base, lambda t: t.clone(), lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)),
+    ("requires_grad", _base, lambda t: t.clone(), lambda t: t.clone().requires_grad_()),
+    ("conj view", _complex, lambda t: t.clone(), lambda t: t.conj()),
+    ("neg view", lambda: _complex().imag, lambda t: _complex().imag, lambda t: _complex().conj().imag),
+    ("subclass", _base, lambda t: t.clone(), lambda t: torch.nn.Parameter(t, requires_grad=False)),
+]
+
+
+@needs_guards
+@pytest.mark.parametrize("name, make, same, changed", CHANGES, ids=[c[0] for c in CHANGES])
+def test_the_check_accepts_the_same_and_rejects_each_change(name, make, same, changed):
+    base = make()
+    other = torch.randn(5, 6)  # a second tensor that stays as it was
+    check = tensor_check(base, other)
+    assert check is not None
+    alike = same(base)
+    assert alike is not base and alike.data_ptr() != base.data_ptr()
+    assert check(alike, other.clone())  # other storage, the same properties
+    moved = changed(base)
+    assert not check(moved, other), name
+    assert not check(other, base), "the tensors are checked one for one, in order"
+
+
+@needs_guards
+def test_the_check_rejects_a_change_of_the_second_tensor():
+    a, b = _base(), _base()
+    check = tensor_check(a, b)
+    assert check(a, b)
+    assert not check(a, b.double())
+    assert not check(a, b[:1])
+
+
+@needs_guards
+def test_tensor_guards_refusing_the_tensors_gives_no_check(monkeypatch):
+    def refuse(*tensors, **kw):
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(torch_private, "_TensorGuards", refuse)
+    assert tensor_check(_base()) is None
