@@ -218,8 +218,10 @@ def _ws_bwd_consumer(
         # the rows' logsumexp and delta (per query column: BLOCK_M / 4 registers each): read before the
         # waits with 64-row tiles (late ran 2-4% slower at d128), where used with 128 (early spilled, E79)
         EARLY_ROWS: gl.constexpr = BLOCK_M == WG_ROWS
+        EARLY_DELTA: gl.constexpr = EARLY_ROWS and not SOFTCAP  # a softcap's tanh takes its registers
         if EARLY_ROWS:
             lse2 = lse_bufs.index(s).load(col_s)
+        if EARLY_DELTA:
             delta = delta_bufs.index(s).load(col_s)
         alibi_coef = 0.0
         if HAS_ALIBI:  # the slope of query head g of the group
@@ -253,12 +255,13 @@ def _ws_bwd_consumer(
         pt = gl.exp2(st * scale - lse2[None, :])
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_tok = warpgroup_mma(pt_op, do_buf, dv, is_async=True)
+        if SOFTCAP:  # d score / d(q.k scaled): 1 - tanh^2, folded into P before the dP wait, where
+            # tanh kept live beside P and dP spilled (392 B, issue 36)
+            pt = pt * (1.0 - tanh_t * tanh_t)
         dpt, _ = warpgroup_mma_wait(1, deps=[dpt_tok, pt_op])
-        if not EARLY_ROWS:
+        if not EARLY_DELTA:
             delta = delta_bufs.index(s).load(col_s)
         dst = pt * (dpt - delta[None, :])
-        if SOFTCAP:  # d score / d(q.k scaled): 1 - tanh^2
-            dst = dst * (1.0 - tanh_t * tanh_t)
         dst = dst.to(dtype)
         if FUSE_DQ:  # this warpgroup's keys of dS^T, for both warpgroups' dQ products and its dK's
             ds_buf = ds_bufs.index(t % 2)
