@@ -301,6 +301,40 @@ def _unchecked(fn):
         return fn()
 
 
+def _check_gathers(group) -> list[str]:
+    """The cross-rank check's all-gathers (counted by patching) per call: a new signature, its
+    repeat, a mismatch in a new signature (its error), then the agreed call once more."""
+    from attention_dispatch.distributed import exchange
+
+    rank, real, counts = dist.get_rank(group), exchange.gather_facts, []
+    x = torch.randn(1, 2, 12, 8, dtype=torch.float64)  # a shape no other call of this run uses
+
+    def counted(*args, **kwargs):
+        counts[-1] += 1
+        return real(*args, **kwargs)
+
+    calls = [
+        lambda: _context_parallel_sdpa(x, x, x, group=group, causal="top_left"),
+        lambda: _context_parallel_sdpa(x, x, x, group=group, causal="top_left"),
+        # both ranks' signatures new (a rank repeating a checked one would not gather: see api.py)
+        lambda: _context_parallel_sdpa(x[:, :, : 4 + 4 * (rank % 2)], x, x, group=group, causal="top_left"),
+        lambda: _context_parallel_sdpa(x, x, x, group=group, causal="top_left"),
+    ]
+    exchange.gather_facts, results = counted, []
+    try:
+        for call in calls:
+            counts.append(0)
+            try:
+                call()
+                error = ""
+            except ValueError as exc:
+                error = str(exc)
+            results.append(f"{counts[-1]} {error}".strip())
+    finally:
+        exchange.gather_facts = real
+    return results
+
+
 def _roundtrip(group) -> float:
     """unshard(shard(x)) == x for both layouts, and unshard's gradient reaches each shard."""
     world = dist.get_world_size(group)
@@ -337,6 +371,7 @@ def _report(group, seed: int, into: dict, pair: int = 0) -> dict:
             raise RuntimeError(f"case {_case_id(case)} raised; the later cases were not run") from None
     report["roundtrip"] = _roundtrip(group)
     report["errors"] = _error_cases(group)
+    report["check_gathers"] = _check_gathers(group)
     return report
 
 
@@ -411,6 +446,16 @@ def test_equals_one_sdpa_call(world, case):
 def test_shard_unshard_roundtrip_across_ranks(world):
     for rank, report in enumerate(_reports(world)):
         assert report["roundtrip"] == 0.0, f"rank {rank}: {report['roundtrip']}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_cross_rank_check_runs_once_per_signature(world):
+    for rank, report in enumerate(_reports(world)):
+        first, repeat, mismatch, again = report.get("check_gathers") or ["not run"] * 4
+        assert first == "1", f"rank {rank}: a new signature must be checked: {first!r}"
+        assert repeat == "0", f"rank {rank}: a checked signature's repeat must not gather: {repeat!r}"
+        assert mismatch.startswith("1 query shape differs across the ranks"), f"rank {rank}: {mismatch!r}"
+        assert again == "0", f"rank {rank}: {again!r}"
 
 
 EXPECTED_ERRORS = {
@@ -493,3 +538,49 @@ def test_blocks_get_whole_row_layouts(memory):
     assert got.is_contiguous() or got.transpose(1, 2).is_contiguous()
     assert (got.data_ptr() == part.data_ptr()) == (memory == "BSHD")
     assert _whole_rows(whole) is whole
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+def test_merge_blocks_equals_softmax_over_the_union_of_keys(out_dtype):
+    """Blocks over overlapping, nested and missing rows (the merge's pieces), one block's row
+    empty (lse_b -inf): output and every gradient against one float64 softmax over each row's
+    keys; the output written in out_dtype."""
+    from attention_dispatch.distributed.merge import merge_blocks
+
+    g = torch.Generator().manual_seed(int(time.time()))
+    length, d, spans = 10, 3, [(0, 6), (2, 4), (4, 5)]  # row 9 covered by none, rows 4-5 by three
+    empty = (1, 3)  # (block, global row): that block's row has no key
+    scores = [torch.randn(1, 2, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for _, n in spans]
+    values = [torch.randn(1, 2, 4, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in spans]
+    parts = []
+    for b, ((r0, n), s, v) in enumerate(zip(spans, scores, values)):
+        lse = torch.logsumexp(s, -1)
+        if b == empty[0]:
+            lse = lse.index_fill(2, torch.tensor([empty[1] - r0]), -math.inf)
+        parts.append((r0, torch.softmax(s, -1) @ v, lse))
+    out, lse = merge_blocks(parts, length, out_dtype)
+    assert out.dtype == (out_dtype or torch.float64) and lse.dtype == torch.float64
+    ref_out, ref_lse = [], []
+    for r in range(length):
+        cols = [
+            (s[:, :, r - r0], v)
+            for b, ((r0, n), s, v) in enumerate(zip(spans, scores, values))
+            if r0 <= r < r0 + n and (b, r) != empty
+        ]
+        if not cols:
+            ref_out.append(torch.zeros(1, 2, d, dtype=torch.float64))
+            ref_lse.append(torch.full((1, 2), -math.inf, dtype=torch.float64))
+            continue
+        s, v = torch.cat([c for c, _ in cols], -1), torch.cat([v for _, v in cols], 2)
+        ref_out.append((torch.softmax(s, -1).unsqueeze(-2) @ v).squeeze(-2))
+        ref_lse.append(torch.logsumexp(s, -1))
+    ref_out, ref_lse = torch.stack(ref_out, 2), torch.stack(ref_lse, 2)
+    assert (out.double() - ref_out).abs().max() <= (1e-12 if out_dtype is None else 1e-2)
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite) and (lse - ref_lse)[finite].abs().max() <= 1e-12
+    dout, dlse = torch.randn(out.shape, generator=g, dtype=out.dtype), torch.randn(lse.shape, generator=g).double()
+    leaves = scores + values
+    got = torch.autograd.grad((out, lse.masked_fill(~finite, 0.0)), leaves, (dout, dlse))
+    want = torch.autograd.grad((ref_out, ref_lse.masked_fill(~finite, 0.0)), leaves, (dout.double(), dlse))
+    for a, b in zip(got, want):
+        assert a.isfinite().all() and (a - b).abs().max() <= (1e-12 if out_dtype is None else 1e-2)

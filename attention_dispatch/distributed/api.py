@@ -12,14 +12,19 @@ This module validates the call, checks that the ranks agree, and puts the pieces
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import numbers
+import threading
+import weakref
 
 import torch
+import torch.distributed as dist
 
 from .. import dispatch, registry
 from ..api import explain
+from ..caches import register_cache
 from ..call import check_plain_tensor
 from ..config import current_config
 from ..dispatch import NoBackendError
@@ -34,8 +39,23 @@ from .merge import apply_sinks
 from .recompute import recomputed_attention
 from .steps import Setup, run_forward
 
-# Whether each call all-gathers the ranks' facts (one small collective: a host sync on GPUs).
+# Whether a call with facts not yet checked in its group all-gathers them (one small collective:
+# a host sync on GPUs).
 _CHECK_ACROSS_RANKS = contextvars.ContextVar("attention_dispatch_cp_check_across_ranks", default=True)
+# Per group, the facts every rank passed alike, oldest first: a call repeating them skips the
+# all-gather. Per group, so that its members evict alike (they call alike in it); weak, so that a
+# destroyed group's entries go with it.
+_CHECKED_PER_GROUP = 64
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_checked_lock = threading.Lock()
+
+
+def _clear_checked() -> None:
+    with _checked_lock:
+        _checked.clear()
+
+
+register_cache("distributed.checked_facts", _clear_checked, lambda: sum(len(c) for c in list(_checked.values())))
 
 EXCHANGES = ("ring", "allgather")
 BACKWARDS = ("recompute", "autograd")
@@ -236,9 +256,10 @@ def _facts(setup: Setup, options) -> dict[str, tuple[int, ...]]:
 @contextlib.contextmanager
 def cross_rank_checks(enabled: bool):
     """Within the block, context_parallel_sdpa checks (True, the default) or skips (False) that
-    every rank passed the same shapes and options: one small all-gather per call, a host sync on
-    GPUs. Skip it only where every rank is known to call alike (e.g. after the first step);
-    set it alike on every rank. Scoped to the current context (thread / task)."""
+    every rank passed the same shapes and options: one small all-gather (a host sync on GPUs) the
+    first time a group sees a call's shapes, dtypes and options; repeats are not checked again
+    (so a training loop's later steps sync nothing). Skip it where every rank is known to call
+    alike; set it alike on every rank. Scoped to the current context (thread / task)."""
     if not isinstance(enabled, bool):
         raise TypeError(f"cross_rank_checks(enabled) takes a bool, got {type(enabled).__name__}")
     token = _CHECK_ACROSS_RANKS.set(enabled)
@@ -249,18 +270,32 @@ def cross_rank_checks(enabled: bool):
 
 
 def _check_across_ranks(setup: Setup, options) -> None:
-    """One small all_gather of each rank's facts; every rank raises the same error on a mismatch.
-    The layout's divisibility is checked on the local lengths either way."""
+    """One small all_gather of each rank's facts, the first time the group sees them; every rank
+    raises the same error on a mismatch. Facts every rank passed alike are remembered per group
+    (clear_cache() forgets them: call it on every rank alike), so a repeat skips the all-gather:
+    a rank repeating a checked call while another passes new facts waits for the group's timeout
+    instead of raising. The layout's divisibility is checked on the local lengths either way."""
     if _CHECK_ACROSS_RANKS.get():
         facts = _facts(setup, options)
-        every = _exchange.gather_facts(facts, setup.group, setup.q.device)
-        for name in facts:
-            values = [row[name] for row in every]
-            if any(v != values[0] for v in values):
-                listed = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-                raise ValueError(
-                    f"{name} differs across the ranks of the group ({listed}); every rank must pass the same"
-                )
+        pg = dist.group.WORLD if setup.group is None else setup.group
+        signature = tuple(facts.values())
+        with _checked_lock:
+            seen = _checked.setdefault(pg, collections.OrderedDict())
+            if signature in seen:
+                seen = None
+        if seen is not None:
+            every = _exchange.gather_facts(facts, setup.group, setup.q.device)
+            for name in facts:
+                values = [row[name] for row in every]
+                if any(v != values[0] for v in values):
+                    listed = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                    raise ValueError(
+                        f"{name} differs across the ranks of the group ({listed}); every rank must pass the same"
+                    )
+            with _checked_lock:
+                seen[signature] = None
+                if len(seen) > _CHECKED_PER_GROUP:  # the oldest first: every member evicts alike
+                    seen.popitem(last=False)
     parts = chunks_per_rank(setup.layout)
     for name, local in (("query", setup.q.shape[2]), ("key", setup.k.shape[2])):
         if local % parts:
@@ -341,7 +376,9 @@ def context_parallel_sdpa(
         out, lse = recomputed_attention(setup, setup.q, setup.k, setup.v, setup.mask)
         unused = []
     else:
-        out, lse, unused = run_forward(setup, setup.q, setup.k, setup.v, setup.mask, differentiable=True)
+        # merged straight into the inputs' dtype unless the sinks still scale it (one rounding either way)
+        out_dtype = setup.q.dtype if setup.sinks is None else None
+        out, lse, unused = run_forward(setup, setup.q, setup.k, setup.v, setup.mask, True, out_dtype)
     if setup.sinks is not None:
         out = apply_sinks(out, lse, setup.sinks)
     # autograd mode: every exchanged tensor stays in the graph, so every rank runs every exchange's

@@ -5,8 +5,9 @@ gives (out_b, lse_b); a row's attention over the union of its blocks' keys is
 
     lse = log sum_b exp(lse_b),    out = sum_b w_b out_b,    w_b = exp(lse_b - lse)
 
-exact, in float32 (float64 for float64 inputs). Rows no block covers (or whose blocks are all
-empty, lse_b = -inf) give out 0 and lse -inf, with zero gradients (no NaN in forward or backward).
+exact, summed in float32 (float64 for float64 inputs); the output is written once, in the lse
+dtype or the inputs' (one rounding), with no zero fill or float32 copy of it. Rows no block
+covers (or whose blocks are all empty, lse_b = -inf) give out 0 and lse -inf, with zero gradients (no NaN in forward or backward).
 The backward is written out (one Function), so that it runs a few elementwise passes per block
 instead of autograd's graph of the merge (stacks, float32 copies of every block's output kept
 for the backward, slices' zero-filled gradients):
@@ -27,24 +28,49 @@ def block_weights(lse_b: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(lse), torch.exp(lse_b - lse), torch.zeros_like(lse))
 
 
+def _pieces(starts, lengths, length: int):
+    """The rows [0, length) cut at every block's first and last row: (first, end, the indices of
+    the blocks covering them, in order)."""
+    cuts = sorted({0, length, *starts, *(r0 + n for r0, n in zip(starts, lengths))})
+    return [
+        (a, b, [i for i, (r0, n) in enumerate(zip(starts, lengths)) if r0 <= a and b <= r0 + n])
+        for a, b in zip(cuts, cuts[1:])
+    ]
+
+
 class _Merge(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, length, starts, *parts):
+    def forward(ctx, length, starts, out_dtype, *parts):
         ctx.set_materialize_grads(False)
         n = len(starts)
         outs, lses = parts[:n], parts[n:]
         b, h, _, dv = outs[0].shape
-        compute = lses[0].dtype
         lse = lses[0].new_full((b, h, length), -math.inf)
         for r0, lse_b in zip(starts, lses):
             rows = lse[:, :, r0 : r0 + lse_b.shape[2]]
             torch.logaddexp(rows, lse_b, out=rows)
-        out = outs[0].new_zeros((b, h, length, dv), dtype=compute)
-        weights = []
-        for r0, out_b, lse_b in zip(starts, outs, lses):
-            w = block_weights(lse_b, lse[:, :, r0 : r0 + lse_b.shape[2]])
-            out[:, :, r0 : r0 + lse_b.shape[2]].addcmul_(w.unsqueeze(-1), out_b)  # out_b read in its dtype
-            weights.append(w)
+        weights = [block_weights(lse_b, lse[:, :, r0 : r0 + lse_b.shape[2]]) for r0, lse_b in zip(starts, lses)]
+        out = outs[0].new_empty((b, h, length, dv), dtype=out_dtype)
+        # per piece of rows: w_1 out_1 + ... summed in the lse dtype, the last term written into
+        # the output in its dtype (one rounding); a piece one block covers is one pass
+        for a, c, covering in _pieces(starts, [o.shape[2] for o in outs], length):
+            target = out[:, :, a:c]
+            terms = [
+                (
+                    weights[i][:, :, a - starts[i] : c - starts[i]].unsqueeze(-1),
+                    outs[i][:, :, a - starts[i] : c - starts[i]],
+                )
+                for i in covering
+            ]
+            if not terms:  # rows no block covers
+                target.zero_()
+            elif len(terms) == 1:
+                torch.mul(terms[0][1], terms[0][0], out=target)
+            else:
+                total = torch.mul(terms[0][1], terms[0][0])  # in the lse dtype (w's)
+                for w, o in terms[1:-1]:
+                    total.addcmul_(w, o)
+                torch.addcmul(total, *terms[-1], out=target)
         ctx.starts, ctx.length = starts, length
         ctx.save_for_backward(*outs, *weights)
         return out, lse
@@ -54,29 +80,37 @@ class _Merge(torch.autograd.Function):
         starts, n = ctx.starts, len(ctx.starts)
         saved = ctx.saved_tensors
         outs, weights = saved[:n], saved[n:]
+        compute = weights[0].dtype
         if dout is None:
             grads_out = [None] * n
             inners = [torch.zeros_like(w) for w in weights]
         else:
-            rows = [dout[:, :, r0 : r0 + o.shape[2]] for r0, o in zip(starts, outs)]
-            inners = [(d * o).sum(-1) for d, o in zip(rows, outs)]  # <dout, out_b>
+            rows = [(r0, r0 + o.shape[2]) for r0, o in zip(starts, outs)]
             # w_b dout, written once in the block output's dtype (what its backward reads)
-            grads_out = [torch.mul(d, w.unsqueeze(-1), out=torch.empty_like(o)) for d, w, o in zip(rows, weights, outs)]
+            grads_out = [
+                torch.mul(dout[:, :, r0:r1], w.unsqueeze(-1), out=torch.empty_like(o))
+                for (r0, r1), w, o in zip(rows, weights, outs)
+            ]
+            # <dout, out_b> with products in the lse dtype (dout is in the output's dtype: cast once)
+            wide = dout.to(compute)
+            inners = [(wide[:, :, r0:r1] * o).sum(-1) for (r0, r1), o in zip(rows, outs)]
         delta = weights[0].new_zeros(weights[0].shape[:2] + (ctx.length,))  # <dout, out>
         for r0, w, inner in zip(starts, weights, inners):
             delta[:, :, r0 : r0 + w.shape[2]].addcmul_(w, inner)
         if dlse is not None:
             delta = delta - dlse
         grads_lse = [w * (inner - delta[:, :, r0 : r0 + w.shape[2]]) for r0, w, inner in zip(starts, weights, inners)]
-        return (None, None, *grads_out, *grads_lse)
+        return (None, None, None, *grads_out, *grads_lse)
 
 
-def merge_blocks(parts, length: int):
+def merge_blocks(parts, length: int, out_dtype: torch.dtype | None = None):
     """parts: list of (first row, out_b (B, H, n_b, Dv), lse_b (B, H, n_b) float32/float64), at
-    least one; rows [first, first + n_b) of ``length``. Returns (out (B, H, length, Dv), lse
-    (B, H, length)) in the lses' dtype, differentiable in every out_b and lse_b."""
+    least one; rows [first, first + n_b) of ``length``. Returns (out (B, H, length, Dv) in
+    ``out_dtype`` (default: the lses' dtype; summed in it either way), lse (B, H, length) in the
+    lses' dtype), differentiable in every out_b and lse_b."""
     starts = tuple(r0 for r0, _, _ in parts)
-    return _Merge.apply(length, starts, *(o for _, o, _ in parts), *(lse for _, _, lse in parts))
+    out_dtype = parts[0][2].dtype if out_dtype is None else out_dtype
+    return _Merge.apply(length, starts, out_dtype, *(o for _, o, _ in parts), *(lse for _, _, lse in parts))
 
 
 def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

@@ -170,15 +170,16 @@ class Accumulator:
         if exchanged and not used:
             self.unused += [k, v]
 
-    def result(self):
-        """(out (B, Hq, Sq_local, Dv), lse (B, Hq, Sq_local)) in the lse dtype."""
+    def result(self, out_dtype=None):
+        """(out (B, Hq, Sq_local, Dv) in out_dtype (default: the lse dtype), lse (B, Hq, Sq_local)
+        in the lse dtype)."""
+        compute = lse_dtype(self.q.dtype)
         if not self.blocks:  # no allowed key for any row: 0 and -inf
             b, hq, sq = self.q.shape[:3]
-            compute = lse_dtype(self.q.dtype)
-            out = self.q.new_zeros((b, hq, sq, self.setup.v.shape[-1]), dtype=compute)
+            out = self.q.new_zeros((b, hq, sq, self.setup.v.shape[-1]), dtype=out_dtype or compute)
             return out, self.q.new_full((b, hq, sq), -math.inf, dtype=compute)
         parts = [(span(q_parts)[0], out, lse) for q_parts, out, lse in self.blocks]
-        return merge_blocks(parts, self.q.shape[2])
+        return merge_blocks(parts, self.q.shape[2], out_dtype)
 
 
 def run_ring(setup: Setup, acc: Accumulator, k, v, differentiable: bool) -> None:
@@ -211,12 +212,12 @@ def run_allgather(setup: Setup, acc: Accumulator, k, v, differentiable: bool) ->
             acc.add(source, gathered_k[source], gathered_v[source], exchanged=True)
 
 
-def run_forward(setup: Setup, q, k, v, mask, differentiable: bool):
-    """This rank's merged (out, lse) in the lse dtype, and the tensors no block read (to be tied
-    to the output: exchanged ones, and the inputs where no block ran)."""
+def run_forward(setup: Setup, q, k, v, mask, differentiable: bool, out_dtype=None):
+    """This rank's merged (out in out_dtype, default the lse dtype; lse), and the tensors no
+    block read (to be tied to the output: exchanged ones, and the inputs where no block ran)."""
     acc = Accumulator(setup, q, mask)
     (run_ring if setup.exchange == "ring" else run_allgather)(setup, acc, k, v, differentiable)
-    out, lse = acc.result()
+    out, lse = acc.result(out_dtype)
     if not acc.blocks:  # no block read q, k, v or the mask: they get zero gradients, not none
         acc.unused += [q, k, v, mask]
     return out, lse, acc.unused
