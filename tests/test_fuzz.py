@@ -185,12 +185,11 @@ def test_fuzz_torch_cpu(f):
     differential("torch_cpu", f)
 
 
-# The triton kernel's float32 backward lost ~|score| * eps where scores reach hundreds (it
-# recomputed P as exp(s - lse) with lse = m + log(l) rounded to one float32): found by this fuzzer,
-# kept below.  Fixed for float32 by the tl kernels' exact (hi, lo) log2 lse pair (issue 38), on
-# the eager autograd path and the TrainingPlan replay; still one float: the torch.compile op
-# (its schema returns one lse) and calls with sinks (P's normaliser includes the sink).  Its
-# fuzzing keeps magnitudes at 1 (docs/experiments/issue-38-trust.md).
+# The triton kernel's float32 backward loses ~|score| * eps where scores reach hundreds (it
+# recomputes P as exp(s - lse) with lse = m + log(l) rounded to float32): found by this fuzzer,
+# kept below as an expected failure; its fuzzing keeps scores moderate until that is fixed.  A
+# kernel inaccuracy, not the rule: its dv is 10-100x an honest float32 computation's (naive, math,
+# F.sdpa math) on the same inputs (docs/experiments/issue-38-trust.md).
 LARGE_SCORES = Fuzzed(
     Case(
         heads_q=6, heads_kv=2, head_dim=1, mask="float", mask_shape="square", varlen=(0, 0, 0, 5), extra_k=(0, 0, 0, 3)
@@ -210,43 +209,11 @@ def test_fuzz_triton(f):
     differential("triton", f)
 
 
+@pytest.mark.xfail(strict=True, reason="triton float32 backward with scores in the hundreds: dv error ~5e-5 > 1e-5")
 def test_triton_backward_with_large_scores():
     if not ad.get_backend("triton").is_available():
         pytest.skip(ad.get_backend("triton").unavailable_reason())
     differential("triton", LARGE_SCORES)
-
-
-def _dv_error(f: Fuzzed, backend: str) -> float:
-    """max |dv - naive float64's dv| of sdpa(backend=...) on f's float32 inputs."""
-    q, k, v, mask, sdpa_kw, naive_kw = inputs(f)
-    out = ad.sdpa(q, k, v, attn_mask=mask, backend=backend, **sdpa_kw)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    q64, k64, v64 = (leaf_copy(t, torch.float64) for t in (q, k, v))
-    m = None if mask is None else mask.detach().to(torch.float64 if mask.is_floating_point() else mask.dtype)
-    reference(q64, k64, v64, mask=m, **naive_kw).backward(grad_out.to(torch.float64))
-    assert torch.isfinite(v.grad).all()
-    return (v.grad.double() - v64.grad).abs().max().item()
-
-
-# Scores in the hundreds at head dim 1 (one product per score: the forward and the backward
-# compute the same float32 s, so only the lse's rounding separates them): the kernel's dv within
-# 2.5x of the math backend's float32 dv, as measured under the interpreter (issue 38: 10-100x
-# before the lse pair).  Head dims >= 16 are not claimed: there the backward's scores, summed
-# in another order than the forward's, differ by ~|s| * eps and dv stays 5-300x math's.
-LARGE_SCORE_DV = (
-    LARGE_SCORES,
-    Fuzzed(Case(batch=1, heads_q=2, heads_kv=2, seqlen_q=16, seqlen_k=16, head_dim=1), 3.0, 8.0, 1),
-    Fuzzed(Case(batch=1, heads_q=2, heads_kv=2, seqlen_q=16, seqlen_k=16, head_dim=1), 3.0, 8.0, 2),
-)
-
-
-@pytest.mark.parametrize("f", LARGE_SCORE_DV, ids=("varlen-mask", "dense-seed1", "dense-seed2"))
-def test_triton_float32_dv_error_at_large_scores(f):
-    if not ad.get_backend("triton").is_available():
-        pytest.skip(ad.get_backend("triton").unavailable_reason())
-    got, honest = _dv_error(f, "triton"), _dv_error(f, "math")
-    assert got <= 2.5 * honest, f"triton float32 dv error {got:.2e} > 2.5x the math backend's {honest:.2e}"
 
 
 GPU_BACKENDS = ("triton", "flash_attn", "cudnn", "torch_flash", "torch_efficient", "xformers", "math")

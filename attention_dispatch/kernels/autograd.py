@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .dropout import STREAM_LEN
-from .entry import attention_backward, attention_forward, lse_pair_buffer
+from .entry import attention_backward, attention_forward
 from .replay import ForwardPlan, TrainingPlan
 from .params import KernelParams
 
@@ -206,8 +206,6 @@ _N_PARAMS = len(fields(KernelParams))  # KernelParams.to_args()
 _N_TENSOR_ARGS = 11  # query .. dropout_stream: the forward op's arguments before the parameters
 
 
-# The op path (torch.compile) keeps the one-float lse: its schema has no output for the float32
-# (hi, lo) pair that the eager Function and TrainingPlan save for the backward (issue 38).
 def _setup_context(ctx, inputs, output):
     query, key, value, bias, cu_q, cu_k, max_sq, max_sk, alibi, sinks, _ = inputs[:_N_TENSOR_ARGS]
     out, lse, seed = output
@@ -277,9 +275,8 @@ class _EagerAttention(torch.autograd.Function):
         # and an allocation every backward (E67), and it would run the logsumexp-gradient path
         ctx.set_materialize_grads(False)
         if plan is not None:
-            (out, lse, pair), seed = plan.forward(query, key, value), None
+            (out, lse), seed = plan.forward(query, key, value), None
         else:
-            pair = lse_pair_buffer(query, cu_q)  # float32: the exact log2 logsumexp (issue 38)
             out, lse, seed = attention_forward(
                 query,
                 key,
@@ -293,20 +290,19 @@ class _EagerAttention(torch.autograd.Function):
                 alibi=alibi,
                 sinks=sinks,
                 stream=stream,
-                lse_pair=pair,
             )
-        ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks, pair)
+        ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks)
         ctx.extra = (max_sq, max_sk, params, plan)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         saved, grad_out, bias_grad, sinks_grad = _backward_inputs(ctx, grad_out, 11)
-        query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks, pair = saved
+        query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks = saved
         max_sq, max_sk, params, plan = ctx.extra
         dsinks = None
         if plan is not None:
-            (dq, dk, dv), db = plan.backward(grad_out, query, key, value, out, lse, pair), None
+            (dq, dk, dv), db = plan.backward(grad_out, query, key, value, out, lse), None
         else:
             dq, dk, dv, db, dsinks = attention_backward(
                 grad_out,
@@ -327,7 +323,6 @@ class _EagerAttention(torch.autograd.Function):
                 sinks=sinks,
                 sinks_grad=sinks_grad,
                 grad_lse=grad_lse,
-                lse_pair=pair,
             )
         return dq, dk, dv, (db if bias_grad else None), None, None, None, None, None, None, None, dsinks, None
 

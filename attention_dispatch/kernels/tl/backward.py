@@ -31,20 +31,6 @@ from .score import _alibi_slope2, _score_log2, _softcap_grad
 
 
 @triton.jit
-def _lse_log2(LSE, offs, row_ok, LSE_PAIR: tl.constexpr):
-    """(hi, lo): the rows' logsumexp in log2 units, P = exp2((s - hi) - lo); +inf for a row with
-    nothing allowed (P = 0).  ``offs``: the rows' offsets in lse's layout.  LSE_PAIR: LSE is the
-    forward's (*lse_shape, 2) pairs (float32 inputs, issue 38); else the natural-log lse, lo = 0."""
-    if LSE_PAIR:
-        hi = tl.load(LSE + 2 * offs, mask=row_ok, other=0.0)
-        lo = tl.load(LSE + 2 * offs + 1, mask=row_ok, other=0.0)
-        return tl.where(hi == float("-inf"), float("inf"), hi), lo
-    else:
-        lse = tl.load(LSE + offs, mask=row_ok, other=0.0)
-        return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), 0.0
-
-
-@triton.jit
 def _attn_bwd_preprocess(
     O,
     DO,
@@ -219,7 +205,6 @@ def _attn_bwd_dkdv(
     DOT_IEEE: tl.constexpr,
     ROUND_P: tl.constexpr,
     USE_DESC: tl.constexpr,
-    LSE_PAIR: tl.constexpr = False,
 ):
     """One program: one key tile of one (batch, kv head); loops over the query heads of the
     GROUP that read this kv head (all of them, or the share of split program_id(2), whose
@@ -318,11 +303,8 @@ def _attn_bwd_dkdv(
             row_ok = offs_m < sq
             q = _load_tile(q_desc, q_base, start_m, offs_m, sqs, row_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
             do = _load_tile(do_desc, do_base, start_m, offs_m, sdos, row_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
-            if LSE_PAIR:  # a helper for the one-float load too reorders the bf16 PTX
-                lse2, lse_lo = _lse_log2(LSE, l_base + offs_m.to(tl.int64) * sls, row_ok, LSE_PAIR)
-            else:
-                lse = tl.load(LSE + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
-                lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            lse = tl.load(LSE + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
             delta = tl.load(Delta + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
 
             # both products first: Triton 3.6 waits for each one where it is issued, so this
@@ -339,10 +321,7 @@ def _attn_bwd_dkdv(
                     sT,
                     float("-inf"),
                 )
-            if LSE_PAIR:
-                pT = tl.math.exp2((sT - lse2[None, :]) - lse_lo[None, :])
-            else:
-                pT = tl.math.exp2(sT - lse2[None, :])
+            pT = tl.math.exp2(sT - lse2[None, :])
             if HAS_DROPOUT:
                 rng_rows = _rng_rows(pid_bh64, offs_m, rng_row0, rng_col4, rng_sq, rng_per_row)
                 keep = _dropout_keep(seed, rng_rows, n0, dropout_p, BLOCK_N, True)
@@ -460,7 +439,6 @@ def _attn_bwd_dq(
     DOT_IEEE: tl.constexpr,
     ROUND_P: tl.constexpr,
     USE_DESC: tl.constexpr,
-    LSE_PAIR: tl.constexpr = False,
 ):
     """One program: one query tile of one (batch, head) and one split of its key range.
     ATOMIC (split-keys): partial dQ is atomically added to an fp32 workspace."""
@@ -509,11 +487,8 @@ def _attn_bwd_dq(
         BLOCK_DV == HEAD_DV,
     )
     l_ptrs = b64 * slb + h64 * slh + rows * sls
-    if LSE_PAIR:
-        lse2, lse_lo = _lse_log2(LSE, l_ptrs, row_ok, LSE_PAIR)
-    else:
-        lse = tl.load(LSE + l_ptrs, mask=row_ok, other=0.0)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse = tl.load(LSE + l_ptrs, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(Delta + l_ptrs, mask=row_ok, other=0.0)
     k_base = K + b64 * skb + hk64 * skh + k_start * sks
     v_base = V + b64 * svb + hk64 * svh + k_start * svs
@@ -564,10 +539,7 @@ def _attn_bwd_dq(
             s = tl.where(
                 _band_mask(offs_m, offs_n, sk, off, window_left, window_right, HAS_WL, HAS_WR, False), s, float("-inf")
             )
-        if LSE_PAIR:
-            p = tl.math.exp2((s - lse2[:, None]) - lse_lo[:, None])
-        else:
-            p = tl.math.exp2(s - lse2[:, None])
+        p = tl.math.exp2(s - lse2[:, None])
         if HAS_DROPOUT:
             keep = _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N, False)
             dp = tl.where(keep, dp * inv_keep, 0.0)

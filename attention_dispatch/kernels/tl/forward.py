@@ -339,7 +339,6 @@ def _attn_fwd(
     STORE_LSE: tl.constexpr,
     SUBTILES: tl.constexpr = 1,
     KV_HOST: tl.constexpr = 0,
-    LSE_PAIR: tl.constexpr = False,
 ):
     """USE_DESC: K/V (and Q beside a bias descriptor) through TMA tensor descriptors built
     in-kernel per (sequence, head) (Hopper+; the launcher checks the 16-byte alignment TMA
@@ -351,8 +350,7 @@ def _attn_fwd(
     through the TMA descriptors KD/VD that the launcher built (Sk a multiple of BLOCK_N, so
     no tile reaches into the next head or sequence): 1 over the (B * Hkv * Sk, D) rows of
     (B, Hkv, Sk, D) memory, 2 over the (B * Sk, Hkv * D) rows of (B, Sk, Hkv, D) memory.  No
-    tensormap is written per program for them (E30).  LSE_PAIR (float32): LSE is the (*lse_shape, 2)
-    log2 logsumexp as hi + lo (forward_io._fwd_store), its strides those of that memory."""
+    tensormap is written per program for them (E30)."""
     # Last query tiles first: under a causal band they have the most keys, and starting
     # the longest programs first shortens the tail of the launch.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -555,7 +553,6 @@ def _attn_fwd(
         HAS_DROPOUT,
         STORE_LSE,
         HAS_SINKS,
-        LSE_PAIR,
     )
     if SUBTILES == 2:
         _fwd_store(
@@ -576,5 +573,4 @@ def _attn_fwd(
             HAS_DROPOUT,
             STORE_LSE,
             HAS_SINKS,
-            LSE_PAIR,
         )
