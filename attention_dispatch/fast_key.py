@@ -39,6 +39,7 @@ from . import config as _config
 from . import registry
 from .call import mask_kept_as_given, offsets_kept_as_given
 from .dispatch import _scope
+from . import torch_private
 from .torch_private import tensor_check
 
 # positions in call_key()'s tuple that length_key() reads: shapes and strides 0 to 5, then
@@ -47,11 +48,8 @@ _POINTERS, _MASK, _PACKED, _COMMON = 6, 7, 8, 9
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling  # a function torch.compile knows (a flag would be guarded on)
 _grad_enabled = torch.is_grad_enabled
-# torch.are_deterministic_algorithms_enabled() and its warn-only twin are Python wrappers of these
-_deterministic = getattr(torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled)
-_deterministic_warn_only = getattr(
-    torch._C, "_get_deterministic_algorithms_warn_only", torch.is_deterministic_algorithms_warn_only_enabled
-)
+_deterministic = torch_private.deterministic  # torch.are_deterministic_algorithms_enabled() without its wrapper
+_deterministic_warn_only = torch_private.deterministic_warn_only
 _scoped_config = _config._scoped.get  # current_config(): the scoped config, else the loaded one
 _scope_get = _scope.get
 

@@ -3,7 +3,12 @@
 :data:`tensor_check` is dynamo's C++ ``TensorGuards`` (``torch._C._dynamo.guards``), which
 fast_key's recent signatures use to check a call's tensors (issue 35).  Any other torch, or
 one without it, gets None and the caller builds its key from Python as before.
-tests/test_torch_private.py checks the construction call and each property relied on.
+:data:`deterministic` and :data:`deterministic_warn_only` are the C getters behind
+``torch.are_deterministic_algorithms_enabled()`` and its warn-only twin (fast_key reads them per
+call), else those public functions.  :data:`cuda_device` and :data:`cuda_raw_stream` give the
+current device's raw stream without ``torch.cuda``'s lazy-init check (kernels.compiled_cache),
+else None.  Imports nothing of this package, so kernels may import it.
+tests/test_torch_private.py checks each against its public twin and the attribute's presence.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ try:  # private to dynamo
 except ImportError:
     _TensorGuards = None
 
-# (major, minor) range the TensorGuards adapter was run on: 2.11 (the H100 machine) to 2.13 (CI).
+# (major, minor) range the adapters were run on: 2.11 (the H100 machine) to 2.13 (CI).
 TESTED_TORCH = ((2, 11), (2, 13))
 
 
@@ -29,7 +34,7 @@ def untested_torch(version: str) -> str | None:
     if match and low <= (int(match[1]), int(match[2])) <= high:
         return None
     tested = f"{low[0]}.{low[1]}-{high[0]}.{high[1]}"
-    return f"torch {version or '(unknown version)'} is not a tested release ({tested}) for its private TensorGuards"
+    return f"torch {version or '(unknown version)'} is not a tested release ({tested}) for its private APIs"
 
 
 def _tensor_check(*tensors: torch.Tensor) -> Callable[..., bool] | None:
@@ -51,3 +56,19 @@ def _adapter(version: str):
 
 
 tensor_check = _adapter(torch.__version__)
+
+
+def _private(name: str, public, version: str):
+    """``torch._C.<name>`` on a tested torch that has it, else ``public``."""
+    found = getattr(torch._C, name, None)
+    return found if found is not None and untested_torch(version) is None else public
+
+
+deterministic = _private("_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled, torch.__version__)
+deterministic_warn_only = _private(
+    "_get_deterministic_algorithms_warn_only", torch.is_deterministic_algorithms_warn_only_enabled, torch.__version__
+)
+# only as a pair: the raw stream is asked of the current device (None without CUDA built in)
+cuda_device = _private("_cuda_getDevice", None, torch.__version__)
+cuda_raw_stream = _private("_cuda_getCurrentRawStream", None, torch.__version__) if cuda_device else None
+cuda_device = cuda_device if cuda_raw_stream else None

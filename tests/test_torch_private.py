@@ -90,3 +90,50 @@ def test_tensor_guards_refusing_the_tensors_gives_no_check(monkeypatch):
 
     monkeypatch.setattr(torch_private, "_TensorGuards", refuse)
     assert tensor_check(_base()) is None
+
+
+# (adapter, torch._C name, public twin or None) for the getters read instead of a public call
+GETTERS = [
+    ("deterministic", "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled),
+    (
+        "deterministic_warn_only",
+        "_get_deterministic_algorithms_warn_only",
+        torch.is_deterministic_algorithms_warn_only_enabled,
+    ),
+    ("cuda_device", "_cuda_getDevice", None),
+    ("cuda_raw_stream", "_cuda_getCurrentRawStream", None),
+]
+
+
+@pytest.mark.parametrize("adapter, name, public", GETTERS, ids=[g[0] for g in GETTERS])
+def test_each_getter_is_the_private_attribute_on_a_tested_torch_and_the_public_one_elsewhere(adapter, name, public):
+    found = getattr(torch._C, name, None)
+    if name.startswith("_cuda"):  # a CPU build has neither; a CUDA build of a tested torch has both
+        assert (found is not None) == torch.cuda._is_compiled()
+    else:
+        assert found is not None, f"torch {torch.__version__} has no torch._C.{name}"
+    expected = found if found is not None and untested_torch(torch.__version__) is None else public
+    assert getattr(torch_private, adapter) is expected
+    assert torch_private._private(name, public, "2.14.0") is public
+
+
+@pytest.mark.parametrize("mode", [False, True, "warn_only"])
+def test_the_deterministic_getters_match_the_public_functions(mode):
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(bool(mode), warn_only=mode == "warn_only")
+        assert torch_private.deterministic() is torch.are_deterministic_algorithms_enabled() is bool(mode)
+        warn = torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch_private.deterministic_warn_only() is warn is (mode == "warn_only")
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.mark.gpu
+def test_the_cuda_getters_give_the_current_device_and_stream():
+    assert torch_private.cuda_raw_stream is not None, "a tested CUDA torch turns the raw-stream pair on"
+    for index in range(torch.cuda.device_count()):
+        with torch.cuda.device(index), torch.cuda.stream(torch.cuda.Stream()):
+            assert torch_private.cuda_device() == torch.cuda.current_device() == index
+            raw = torch_private.cuda_raw_stream(torch_private.cuda_device())
+            assert raw == torch.cuda.current_stream().cuda_stream != torch.cuda.default_stream().cuda_stream

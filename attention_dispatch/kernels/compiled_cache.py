@@ -24,6 +24,7 @@ import sys
 import torch
 import triton
 
+from .. import torch_private
 from ..caches import register_cache
 
 try:  # descriptors built on the host: Triton's launcher encodes their tensormaps
@@ -111,8 +112,8 @@ def rebase(descriptor, base: torch.Tensor):
     return TensorDescriptor(base, descriptor.shape, descriptor.strides, descriptor.block_shape, descriptor.padding)
 
 
-_get_device = getattr(torch._C, "_cuda_getDevice", None)
-_get_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_get_device = torch_private.cuda_device
+_get_raw_stream = torch_private.cuda_raw_stream  # None (Triton's own query) unless both are on
 
 
 def current_stream():
