@@ -584,3 +584,18 @@ def test_merge_blocks_equals_softmax_over_the_union_of_keys(out_dtype):
     want = torch.autograd.grad((ref_out, ref_lse.masked_fill(~finite, 0.0)), leaves, (dout.double(), dlse))
     for a, b in zip(got, want):
         assert a.isfinite().all() and (a - b).abs().max() <= (1e-12 if out_dtype is None else 1e-2)
+
+
+def test_signature_is_sdpa_s_with_the_group_options():
+    """context_parallel_sdpa spells out sdpa()'s arguments (help() and editors show them): the
+    same names, kinds, defaults and order, the group's keyword-only options after ``enable_gqa``."""
+    import inspect
+
+    ours = list(inspect.signature(_context_parallel_sdpa).parameters.values())
+    theirs = list(inspect.signature(ad.sdpa).parameters.values())
+    group = ["group", "exchange", "layout", "backward"]
+    assert [p.name for p in ours] == [p.name for p in theirs[:8]] + group + [p.name for p in theirs[8:]]
+    by_name = {p.name: p for p in ours}
+    for p in theirs:
+        assert (by_name[p.name].kind, by_name[p.name].default) == (p.kind, p.default), p.name
+    assert all(by_name[name].kind is inspect.Parameter.KEYWORD_ONLY for name in group)
