@@ -791,7 +791,9 @@ def test_precompile_workers_run_every_row_and_report_errors(tmp_path):
     implementation and mode; a failure inside a worker is reported, not raised (on the CPU,
     Flex has no backward: its fwd+bwd call fails in every row)."""
     args = bench.parse_args(
+        # no time limit that a loaded machine could reach: what is tested is the count, not the speed
         ["--smoke-cpu", "--out", str(tmp_path), "--impls", "sdpa,flex,cudnn", "--precompile-workers", "2"]
+        + ["--precompile-s", "3600"]
     )
     rows = grid.select_rows(grid.smoke_grid(), ["*s128-full", "*varlen4-causal"])
     lines = []
