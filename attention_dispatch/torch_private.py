@@ -43,11 +43,9 @@ def _tensor_check(*tensors: torch.Tensor) -> Callable[..., bool] | None:
     thread's dispatch state); None where TensorGuards refuses these tensors."""
     try:  # static sizes and strides: dynamo's dynamic dims off
         check = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
-        if check(*tensors):
-            return check
+        return check if check(*tensors) else None
     except Exception:  # noqa: BLE001 - a TensorGuards that refuses these tensors: no check
-        pass
-    return None
+        return None
 
 
 def _adapter(version: str):
