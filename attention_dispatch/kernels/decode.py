@@ -10,42 +10,27 @@ from __future__ import annotations
 
 import torch
 
-from . import configs as C
 from . import run
-from .device import device_info, is_interpreter
+from .decode_plan import (
+    MAX_DECODE_SPLITS,
+    MIN_KEYS_PER_SPLIT,
+    cache_geometry,
+    combine_constexprs,
+    decode_splits,
+    key_splits,
+    plan_for,
+    split_constexprs,
+    split_grid,
+    split_scalars,
+    split_warps,
+    tiles,
+)
+from .device import device_info
 from .limits import MAX_GRID_YZ
 from .params import KernelParams
-from .shapes import cdiv, next_pow2
-from .tl.common import LOG2E
 from .tl.decode import _decode_combine, _decode_split
-from .tl.launch import score_args, score_constexprs
 
-# A split covers at least this many keys: below it the combine pass and the partials' traffic
-# outweigh the parallelism gained.
-MIN_KEYS_PER_SPLIT = 256
-MAX_DECODE_SPLITS = 128
-
-
-def decode_splits(programs: int, capacity: int, num_sms: int) -> int:
-    """Key splits per (sequence, kv head, row block): enough programs for about four waves of
-    the SMs (``programs``: the grid without splits), each split at least MIN_KEYS_PER_SPLIT keys
-    of the cache's ``capacity`` (the longest a sequence can be: no read of cache_seqlens)."""
-    target = 4 * max(1, num_sms)
-    if programs >= target:
-        return 1
-    return max(1, min(cdiv(target, programs), cdiv(capacity, MIN_KEYS_PER_SPLIT), MAX_DECODE_SPLITS))
-
-
-def _cache_geometry(q, k_cache, v_cache, cache_seqlens, block_table):
-    """(page, Hkv, capacity, k strides, v strides, block table or a stand-in, its row stride) of
-    a dense (B, Hkv, S, D) or paged (num_blocks, page, Hkv, D) cache, strides as (block or
-    batch, head, row)."""
-    if block_table is not None:
-        page, Hkv = k_cache.shape[1], k_cache.shape[2]
-        k_str = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1))
-        v_str = (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
-        return page, Hkv, block_table.shape[1] * page, k_str, v_str, block_table, block_table.stride(0)
-    return 1, k_cache.shape[1], k_cache.shape[2], k_cache.stride()[:3], v_cache.stride()[:3], cache_seqlens, 0
+__all__ = ["MAX_DECODE_SPLITS", "MIN_KEYS_PER_SPLIT", "decode_splits"]  # kept here for their users
 
 
 def _launch_split(
@@ -73,30 +58,27 @@ def _launch_split(
     ``k_new``/``v_new`` (B, Hkv, n_new, D): appended by the split pass itself; ``alibi`` (B, Hq)
     and ``sinks`` (Hq,, contiguous) or None; ``lse``: (B, Hq, Sq) fp32 for the logsumexp, or None."""
     B, Hq, Sq, D = q.shape
-    page, Hkv, capacity, k_str, v_str, bt, bt_stride = _cache_geometry(q, k_cache, v_cache, cache_seqlens, block_table)
+    page, Hkv, capacity, k_str, v_str, bt_stride = cache_geometry(k_cache, v_cache, block_table)
+    bt = block_table if block_table is not None else cache_seqlens
     group = Hq // Hkv
-    interp = is_interpreter()
-    block_m = max(16, min(64, next_pow2(group * Sq)))
-    block_n = 32 if interp else (64 if D <= 128 else 32)
-    block_d = C.block_d(D)  # the padding is masked
-    row_blocks = cdiv(group * Sq, block_m)
+    tile = tiles(group, Sq, D)
+    block_d, row_blocks = tile[2], tile[3]
     if tail:
         num_splits, keys_per_split = 1, tail
     else:
-        if num_splits <= 0:
-            num_splits = decode_splits(B * Hkv * row_blocks, capacity, device_info(q.device)[2])
-        keys_per_split = cdiv(cdiv(capacity, num_splits), block_n) * block_n
-        num_splits = cdiv(capacity, keys_per_split)
+        num_splits, keys_per_split = key_splits(
+            B * Hkv * row_blocks, capacity, tile[1], num_splits, device_info(q.device)[2]
+        )
     split = num_splits > 1
-    bh_axis0 = B * Hkv > MAX_GRID_YZ
     if split:
         o_part = torch.empty((num_splits, B, Hq, Sq, block_d), device=q.device, dtype=torch.float32)
         l_part = torch.empty((num_splits, B, Hq, Sq), device=q.device, dtype=torch.float32)
     else:
         o_part, l_part = out, (tail_lse if tail else out)
+    new_str = k_new.stride()[:3] if k_new is not None else (0, 0, 0)
     run.launch_one(
         _decode_split,
-        (B * Hkv, num_splits, row_blocks) if bh_axis0 else (num_splits, B * Hkv, row_blocks),
+        split_grid(B * Hkv, num_splits, row_blocks),
         (
             q,
             k_cache,
@@ -111,44 +93,40 @@ def _launch_split(
             alibi if alibi is not None else q,
             sinks if sinks is not None else q,
             lse if lse is not None else q,
-            params.scale * LOG2E,
-            *score_args(params, alibi),
-            *q.stride()[:3],
-            *k_str,
-            *v_str,
-            bt_stride,
-            *out.stride()[:3],
-            *(k_new.stride()[:3] if k_new is not None else (0, 0, 0)),
-            Hq,
-            Hkv,
-            Sq,
-            keys_per_split,
-            n_new,
-            capacity,
-            max(params.window_left, 0),
-            max(params.window_right, 0),
+            *split_scalars(
+                params,
+                alibi,
+                q.stride()[:3],
+                k_str,
+                v_str,
+                bt_stride,
+                out.stride()[:3],
+                new_str,
+                Hq,
+                Hkv,
+                Sq,
+                keys_per_split,
+                n_new,
+                capacity,
+            ),
         ),
-        dict(
-            GROUP=group,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            HEAD_D=D,
-            BLOCK_D=block_d,
-            PAGED=block_table is not None,
-            PAGE=page,
-            HAS_WL=params.window_left >= 0,
-            HAS_WR=params.window_right >= 0,
-            SPLIT=split,
-            TAIL=tail,
-            APPEND=k_new is not None,
-            BH_AXIS0=bh_axis0,
-            DOT_UPCAST=interp and q.dtype != torch.float32,
-            DOT_IEEE=q.dtype == torch.float32,
-            HAS_SINKS=sinks is not None,
-            STORE_LSE=lse is not None,
-            **score_constexprs(params, alibi, q.dtype),
+        split_constexprs(
+            q,
+            params,
+            alibi,
+            group,
+            tile,
+            block_table is not None,
+            page,
+            split,
+            tail,
+            k_new is not None,
+            B * Hkv > MAX_GRID_YZ,
+            sinks is not None,
+            lse is not None,
+            False,
         ),
-        8 if block_d > 256 else 4,  # d512: the (BLOCK_M, 512) fp32 accumulator over 8 warps
+        split_warps(block_d),
         2,
     )
     if split:
@@ -166,14 +144,7 @@ def _launch_split(
                 Sq,
                 *out.stride()[:3],
             ),
-            dict(
-                NUM_SPLITS=num_splits,
-                SPLITS_P2=next_pow2(num_splits),
-                HEAD_D=D,
-                BLOCK_D=block_d,
-                HAS_SINKS=sinks is not None,
-                STORE_LSE=lse is not None,
-            ),
+            combine_constexprs(num_splits, D, block_d, sinks is not None, lse is not None),
             4,
             1,
         )
@@ -211,40 +182,32 @@ def decode_forward(
     need_lse: bool = False,
 ):
     """Attention of q (B, Hq, Sq, D) over each sequence's first cache_seqlens[b] + n_new cached
-    keys by the decode kernel: the new ones already appended, or given as ``k_new``/``v_new``
-    (B, Hkv, n_new, D), which the kernel writes into the cache as it reads them.  ``params``:
+    keys by the decode kernel (every sequence the whole cache when ``cache_seqlens`` is None): the
+    new ones already appended, or given as ``k_new``/``v_new`` (B, Hkv, n_new, D), which the
+    kernel writes into the cache as it reads them.  A repeated signature relaunches its
+    :class:`~.decode_plan.DecodePlan`.  ``params``:
     scale, softcap, window and bottom-right causal (``window_right=0``); ``num_splits`` > 0
     forces the key splits; ``alibi`` (B, Hq) fp32 slopes, ``sinks`` (Hq,), or None.  Returns
     (B, Hq, Sq, D), or with ``need_lse`` (out, logsumexp fp32 (B, Hq, Sq) without the sink)."""
+    if sinks is not None and sinks.stride(0) != 1:
+        sinks = sinks.contiguous()
+    plan = plan_for(
+        q, k_cache, v_cache, cache_seqlens, params, block_table, k_new, v_new, alibi, sinks, need_lse, n_new, num_splits
+    )
+    return _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi, sinks, need_lse)
+
+
+def _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi, sinks, need_lse, geo=None):
+    """decode_forward's result through its plan (kernels/decode_plan.py)."""
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[2]
-    empty = _empty_result(q, capacity)
-    if empty is not None:
-        if k_new is not None and capacity and q.numel() == 0 and k_new.numel():
+    if q.numel() == 0 or capacity == 0:
+        if k_new is not None and capacity and k_new.numel():
             from ..backends.kv_append import append_kv
 
             append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-        return _with_lse(empty, None, need_lse, q)
-    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if need_lse else None
-    if sinks is not None and sinks.stride(0) != 1:
-        sinks = sinks.contiguous()
-    _launch_split(
-        q,
-        k_cache,
-        v_cache,
-        cache_seqlens,
-        block_table,
-        out,
-        params,
-        n_new,
-        num_splits,
-        k_new=k_new,
-        v_new=v_new,
-        alibi=alibi,
-        sinks=sinks,
-        lse=lse,
-    )
-    return _with_lse(out, lse, need_lse, q)
+        return _with_lse(_empty_result(q, 0), None, need_lse, q)
+    out, lse = plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi, sinks, geo)
+    return (out, lse) if need_lse else out
 
 
 def cache_forward(q, k_cache, v_cache, cache_seqlens, params: KernelParams, n_new: int = 0, need_lse: bool = False):
@@ -322,26 +285,20 @@ def kv_forward(
     """sdpa_with_kvcache()'s kernels, k_new/v_new (or None) appended into the cache in place:
     :func:`cache_forward` after the append where :func:`kv_route` takes it, else
     :func:`decode_forward` with the append fused.  ``alibi``/``sinks``/``need_lse``: as
-    :func:`decode_forward`'s."""
+    :func:`decode_forward`'s.  The route is chosen once per signature (its plan's geometry)."""
     from ..backends.kv_append import append_kv
 
     n_new = q.shape[2] if k_new is not None else 0
-    kernel, _ = kv_route(q, k_cache, v_cache, block_table, params, alibi, sinks)
-    if kernel == CACHE_GLUON:
+    if sinks is not None and sinks.stride(0) != 1:
+        sinks = sinks.contiguous()
+    plan = plan_for(
+        q, k_cache, v_cache, cache_seqlens, params, block_table, k_new, v_new, alibi, sinks, need_lse, n_new, 0
+    )
+    geo = plan.geometry(q, k_cache, v_cache, block_table)
+    if geo.route is None:  # kv_route reads shapes, strides, alignment and params: fixed per plan and geometry
+        geo.route = kv_route(q, k_cache, v_cache, block_table, params, alibi, sinks)[0]
+    if geo.route == CACHE_GLUON:
         if k_new is not None:
             append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
         return cache_forward(q, k_cache, v_cache, cache_seqlens, params, n_new, need_lse)
-    return decode_forward(
-        q,
-        k_cache,
-        v_cache,
-        cache_seqlens,
-        params,
-        block_table,
-        n_new,
-        k_new=k_new,
-        v_new=v_new,
-        alibi=alibi,
-        sinks=sinks,
-        need_lse=need_lse,
-    )
+    return _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi, sinks, need_lse, geo)

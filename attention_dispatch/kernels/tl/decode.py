@@ -16,7 +16,8 @@ result into that kernel's output by the logsumexp.
 Scores live in the log2 domain as in the other kernels (conventions: common.py); softcap, ALiBi
 (diagonal offset L_b - Sq) and the sink as in tl/score.py, the sink added once: after the
 combine pass when the keys are split.  STORE_LSE: each row's logsumexp (natural log, without the
-sink) into Lse (B, Hq, Sq), or merged in place into LPart with TAIL.
+sink) into Lse (B, Hq, Sq), or merged in place into LPart with TAIL.  FULL_LENGTH: every
+sequence is the whole cache (L_b = capacity; CacheSeqlens is not read).
 """
 
 import triton
@@ -92,6 +93,7 @@ def _decode_split(
     HAS_ALIBI: tl.constexpr = False,
     HAS_SINKS: tl.constexpr = False,
     STORE_LSE: tl.constexpr = False,
+    FULL_LENGTH: tl.constexpr = False,
 ):
     # splits on axis 0 keep a sequence's key ranges in flight together (H100, separate runs: MHA B=8
     # 32k 2.85 against 2.72 TB/s); B * Hkv past the y axis' 65535 goes on axis 0 instead
@@ -111,8 +113,10 @@ def _decode_split(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
 
-    # never past the cache (a length past it is an input error, checked where that is free)
-    seqlen = tl.minimum(tl.load(CacheSeqlens + b).to(tl.int32) + n_new, capacity)
+    if FULL_LENGTH:  # every sequence as long as the cache (plain sdpa()): no lengths tensor
+        seqlen = capacity
+    else:  # never past the cache (a length past it is an input error, checked where that is free)
+        seqlen = tl.minimum(tl.load(CacheSeqlens + b).to(tl.int32) + n_new, capacity)
     if TAIL > 0:  # the keys past the Gluon kernel's whole TAIL-key tiles (cache_forward)
         start = (seqlen // TAIL) * TAIL
         end = seqlen

@@ -1,0 +1,422 @@
+"""The decode kernels' launch parameters (tl/decode.py) and :class:`DecodePlan`, which repeats a
+decode call of one signature with only its pointers (and, for a cache whose length changes per
+call, a few ints) computed per call: no route, no configuration, no compiled-cache key (issue 34:
+~60 us of host time per step through the launch glue before, on the H200).
+
+Workspace rule: a call's split partials live in one float32 tensor allocated per call from
+PyTorch's caching allocator, which orders reuse by stream and gives a CUDA-graph capture memory
+of the graph's own pool.  No workspace outlives its call: one kept across calls would be shared
+by calls on two streams, by two threads interleaving their split and combine launches on one
+stream, and by a captured graph's replays beside eager calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..caches import register_cache
+from . import configs as C
+from . import run
+from .compiled_cache import COMPILED, hooks_installed, relaunch
+from .device import device_info, is_interpreter
+from .limits import MAX_GRID_YZ
+from .params import KernelParams
+from .shapes import cdiv, next_pow2
+from .tl.common import LOG2E
+from .tl.decode import _decode_combine, _decode_split
+from .tl.launch import score_args, score_constexprs
+
+# A split covers at least this many keys: below it the combine pass and the partials' traffic
+# outweigh the parallelism gained.
+MIN_KEYS_PER_SPLIT = 256
+MAX_DECODE_SPLITS = 128
+
+
+def decode_splits(programs: int, capacity: int, num_sms: int) -> int:
+    """Key splits per (sequence, kv head, row block): enough programs for about four waves of
+    the SMs (``programs``: the grid without splits), each split at least MIN_KEYS_PER_SPLIT keys
+    of the cache's ``capacity`` (the longest a sequence can be: no read of cache_seqlens)."""
+    target = 4 * max(1, num_sms)
+    if programs >= target:
+        return 1
+    return max(1, min(cdiv(target, programs), cdiv(capacity, MIN_KEYS_PER_SPLIT), MAX_DECODE_SPLITS))
+
+
+def tiles(group: int, sq: int, d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, row blocks) of the split pass for a GQA group, Sq and head dim."""
+    block_m = max(16, min(64, next_pow2(group * sq)))
+    block_n = 32 if is_interpreter() else (64 if d <= 128 else 32)
+    return block_m, block_n, C.block_d(d), cdiv(group * sq, block_m)  # the head dim's padding is masked
+
+
+def key_splits(programs: int, capacity: int, block_n: int, forced: int, num_sms: int) -> tuple[int, int]:
+    """(splits, keys per split) over a cache of ``capacity`` keys; ``forced`` > 0 asks for that many."""
+    splits = forced if forced > 0 else decode_splits(programs, capacity, num_sms)
+    per_split = max(1, cdiv(cdiv(capacity, splits), block_n)) * block_n  # an empty cache: one split
+    return max(1, cdiv(capacity, per_split)), per_split
+
+
+def cache_geometry(k_cache, v_cache, block_table) -> tuple:
+    """(page, Hkv, capacity, k strides, v strides, block table row stride) of a dense
+    (B, Hkv, S, D) or paged (num_blocks, page, Hkv, D) cache, strides as (block or batch, head, row)."""
+    if block_table is not None:
+        ks, vs = k_cache.stride(), v_cache.stride()
+        page = k_cache.shape[1]
+        return (
+            page,
+            k_cache.shape[2],
+            block_table.shape[1] * page,
+            (ks[0], ks[2], ks[1]),
+            (vs[0], vs[2], vs[1]),
+            (block_table.stride(0)),
+        )
+    return 1, k_cache.shape[1], k_cache.shape[2], k_cache.stride()[:3], v_cache.stride()[:3], 0
+
+
+def split_constexprs(q, params, alibi, group, tile, paged, page, split, tail, append, bh_axis0, sinks, lse, full):
+    """The split pass's constexprs (``tile``: :func:`tiles`'s)."""
+    block_m, block_n, block_d, _ = tile
+    return dict(
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_D=q.shape[3],
+        BLOCK_D=block_d,
+        PAGED=paged,
+        PAGE=page,
+        HAS_WL=params.window_left >= 0,
+        HAS_WR=params.window_right >= 0,
+        SPLIT=split,
+        TAIL=tail,
+        APPEND=append,
+        BH_AXIS0=bh_axis0,
+        DOT_UPCAST=is_interpreter() and q.dtype != torch.float32,
+        DOT_IEEE=q.dtype == torch.float32,
+        HAS_SINKS=sinks,
+        STORE_LSE=lse,
+        **score_constexprs(params, alibi, q.dtype),
+        FULL_LENGTH=full,
+    )
+
+
+def combine_constexprs(splits: int, d: int, block_d: int, sinks: bool, lse: bool) -> dict:
+    return dict(
+        NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits), HEAD_D=d, BLOCK_D=block_d, HAS_SINKS=sinks, STORE_LSE=lse
+    )
+
+
+def split_warps(block_d: int) -> int:
+    return 8 if block_d > 256 else 4  # d512: the (BLOCK_M, 512) fp32 accumulator over 8 warps
+
+
+def split_grid(bh: int, splits: int, row_blocks: int) -> tuple:
+    # B * Hkv past the y axis' 65535 goes on axis 0 (tl/decode.py)
+    return (bh, splits, row_blocks) if bh > MAX_GRID_YZ else (splits, bh, row_blocks)
+
+
+def split_scalars(params, alibi, q_str, k_str, v_str, bt_stride, out_str, new_str, hq, hkv, sq, per_split, n_new, cap):
+    """The split pass's arguments after its 13 pointers, in signature order."""
+    return (
+        params.scale * LOG2E,
+        *score_args(params, alibi),
+        *q_str,
+        *k_str,
+        *v_str,
+        bt_stride,
+        *out_str,
+        *new_str,
+        hq,
+        hkv,
+        sq,
+        per_split,
+        n_new,
+        cap,
+        max(params.window_left, 0),
+        max(params.window_right, 0),
+    )
+
+
+def _int_class(v: int) -> tuple:
+    """What Triton can specialise an int argument on, or finer: 1, divisible by 16, its type's range."""
+    return v == 1, v % 16 == 0, -(2**31) <= v < 2**31, v < 2**63
+
+
+_LAUNCH_ONE = run.launch_one  # a replaced one (a test or benchmark watching launches) sees every launch
+
+
+class _Step:
+    """One launch of a plan: kernel, grid, scalars after the pointers, constexprs, warps, stages,
+    and the compiled kernel's entry (compiled_cache.relaunch) once a launch has given it."""
+
+    __slots__ = ("kernel", "grid", "scalars", "constexprs", "warps", "stages", "key", "entry")
+
+    def __init__(self, kernel, grid, scalars, constexprs, warps, stages, key, entry):
+        self.kernel, self.grid, self.scalars, self.constexprs = kernel, grid, scalars, constexprs
+        self.warps, self.stages, self.key, self.entry = warps, stages, key, entry
+
+
+class _Geometry:
+    """A plan's launches for one cache geometry (capacity and strides)."""
+
+    __slots__ = ("split", "combine", "o_numel", "ws_numel", "route")
+
+    def __init__(self, split, combine, o_numel, ws_numel):
+        self.split, self.combine, self.o_numel, self.ws_numel = split, combine, o_numel, ws_numel
+        self.route = None  # kernels.decode.kv_forward's kernel for this geometry, once chosen
+
+
+class DecodePlan:
+    """The decode launches of one call signature (:func:`plan_key`): query shape, strides, dtype,
+    device and alignment, the cache's heads, page and alignment, which optional tensors come and
+    their layouts, params.  The cache's capacity and strides may change per call (plain sdpa()'s
+    key length grows by one per decode step): the launches of the last geometry are kept, another
+    one costs a few ints.  A call allocates its output and one workspace (module doc) and
+    relaunches the compiled kernels with their addresses; the first launch of a specialisation
+    (compiled_cache) and the interpreter go through :func:`run.launch_one`."""
+
+    __slots__ = (
+        "params",
+        "device",
+        "shape",
+        "dtype",
+        "out_like_q",
+        "full",
+        "n_new",
+        "forced",
+        "paged",
+        "append",
+        "has_alibi",
+        "has_sinks",
+        "need_lse",
+        "fixed",
+        "tile",
+        "num_sms",
+        "entries",
+        "_gkey",
+        "_geo",
+        "launches",
+    )
+
+    def __init__(
+        self, q, params: KernelParams, cache_seqlens, block_table, k_new, alibi, sinks, need_lse, n_new, forced
+    ):
+        B, Hq, Sq, D = q.shape
+        self.params, self.device, self.shape, self.dtype = params, q.device, tuple(q.shape), q.dtype
+        self.out_like_q = q.is_contiguous()  # empty_like gives the contiguous layout of the strides below
+        self.full, self.n_new, self.forced = cache_seqlens is None, n_new, forced
+        self.paged, self.append = block_table is not None, k_new is not None
+        self.has_alibi, self.has_sinks, self.need_lse = alibi is not None, sinks is not None, need_lse
+        out_str = (Hq * Sq * D, Sq * D, D)
+        # what every geometry shares: q, out and k_new strides, the alibi strides (score_args)
+        self.fixed = (q.stride()[:3], out_str, k_new.stride()[:3] if k_new is not None else (0, 0, 0), alibi)
+        self.num_sms = device_info(q.device)[2]
+        self.entries: dict = {}  # (step, its varying scalars' classes) -> compiled entry
+        self._gkey = self._geo = None
+        self.launches = 0  # launches through this plan (tests)
+
+    def geometry(self, q, k_cache, v_cache, block_table) -> _Geometry:
+        """The launches for this cache's capacity and strides (the last geometry's are kept)."""
+        gkey = (
+            k_cache.shape,
+            k_cache.stride(),
+            v_cache.stride(),
+            None if block_table is None else (block_table.shape, block_table.stride()),
+        )
+        return self._geo if gkey == self._gkey else self._geometry(gkey, q, k_cache, v_cache, block_table)
+
+    def _geometry(self, gkey, q, k_cache, v_cache, block_table) -> _Geometry:
+        B, Hq, Sq, D = self.shape
+        page, hkv, cap, k_str, v_str, bt_stride = cache_geometry(k_cache, v_cache, block_table)
+        group = Hq // hkv
+        tile = tiles(group, Sq, D)
+        block_d, row_blocks = tile[2], tile[3]
+        splits, per_split = key_splits(B * hkv * row_blocks, cap, tile[1], self.forced, self.num_sms)
+        split = splits > 1
+        q_str, out_str, new_str, alibi = self.fixed
+        scalars = split_scalars(
+            self.params,
+            alibi,
+            q_str,
+            k_str,
+            v_str,
+            bt_stride,
+            out_str,
+            new_str,
+            Hq,
+            hkv,
+            Sq,
+            per_split,
+            self.n_new,
+            cap,
+        )
+        varying = (*k_str, *v_str, bt_stride, per_split, cap)
+        key = ("split", split, tuple(map(_int_class, varying)))
+        constexprs = split_constexprs(
+            q,
+            self.params,
+            alibi,
+            group,
+            tile,
+            self.paged,
+            page,
+            split,
+            0,
+            self.append,
+            B * hkv > MAX_GRID_YZ,
+            self.has_sinks,
+            self.need_lse,
+            self.full,
+        )
+        first = _Step(
+            _decode_split,
+            split_grid(B * hkv, splits, row_blocks),
+            scalars,
+            constexprs,
+            split_warps(block_d),
+            2,
+            key,
+            self.entries.get(key),
+        )
+        combine, o_numel = None, 0
+        if split:
+            rows = B * Hq * Sq
+            key = ("combine", splits)
+            combine = _Step(
+                _decode_combine,
+                (rows,),
+                (rows, Hq, Sq, *out_str),
+                combine_constexprs(splits, D, block_d, self.has_sinks, self.need_lse),
+                4,
+                1,
+                key,
+                self.entries.get(key),
+            )
+            o_numel = splits * rows * block_d
+        geo = _Geometry(first, combine, o_numel, o_numel + splits * B * Hq * Sq)
+        self._gkey, self._geo = gkey, geo
+        return geo
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi, sinks, geo=None):
+        """(out, lse or None) of one call of this signature (decode_forward's arguments; ``geo``:
+        :meth:`geometry`'s for these tensors, when the caller has it)."""
+        if geo is None:
+            geo = self.geometry(q, k_cache, v_cache, block_table)
+        dev = self.device
+        out = torch.empty_like(q) if self.out_like_q else torch.empty(self.shape, device=dev, dtype=self.dtype)
+        lse = torch.empty(self.shape[:3], device=dev, dtype=torch.float32) if self.need_lse else None
+        ws = torch.empty(geo.ws_numel, device=dev, dtype=torch.float32) if geo.combine is not None else None
+        first, second = geo.split, geo.combine
+        direct = (
+            first.entry is not None
+            and (second is None or second.entry is not None)
+            and run.launch_one is _LAUNCH_ONE
+            and not hooks_installed()
+        )
+        lens = q if cache_seqlens is None else cache_seqlens  # FULL_LENGTH reads no lengths
+        table = block_table if block_table is not None else lens
+        if direct:  # addresses: Triton's launcher takes an int as the pointer itself
+            qp = q.data_ptr()
+            lp = lens.data_ptr()
+            op = out.data_ptr()
+            ep = lse.data_ptr() if lse is not None else qp
+            kp, vp = k_cache.data_ptr(), v_cache.data_ptr()
+            pointers = (
+                qp,
+                kp,
+                vp,
+                lp,
+                table.data_ptr() if block_table is not None else lp,
+                op,
+                ws.data_ptr() if ws is not None else op,
+                ws.data_ptr() + 4 * geo.o_numel if ws is not None else ep,
+                k_new.data_ptr() if k_new is not None else kp,
+                v_new.data_ptr() if v_new is not None else vp,
+                alibi.data_ptr() if alibi is not None else qp,
+                sinks.data_ptr() if sinks is not None else qp,
+                ep,
+            )
+            relaunch(first.entry, first.grid, pointers + first.scalars)
+            COMPILED.record(None, first.grid, pointers, first.constexprs)  # an outer capture cannot replay it
+            if second is not None:
+                pointers = (pointers[6], pointers[7], op, pointers[11], ep)
+                relaunch(second.entry, second.grid, pointers + second.scalars)
+                COMPILED.record(None, second.grid, pointers, second.constexprs)
+            self.launches += 1 + (second is not None)
+            return out, lse
+        o_part = ws[: geo.o_numel] if ws is not None else out
+        l_part = ws[geo.o_numel :] if ws is not None else (lse if lse is not None else out)
+        tensors = (
+            q,
+            k_cache,
+            v_cache,
+            lens,
+            table,
+            out,
+            o_part,
+            l_part,
+            k_new if k_new is not None else k_cache,
+            v_new if v_new is not None else v_cache,
+            alibi if alibi is not None else q,
+            sinks if sinks is not None else q,
+            lse if lse is not None else q,
+        )
+        self._launch(first, tensors)
+        if second is not None:
+            self._launch(second, (o_part, l_part, out, tensors[11], tensors[12]))
+        return out, lse
+
+    def _launch(self, step: _Step, tensors: tuple) -> None:
+        """Through run.launch_one, keeping the compiled entry it gives for later direct launches."""
+        with COMPILED.capture() as seen:
+            run.launch_one(step.kernel, step.grid, tensors + step.scalars, step.constexprs, step.warps, step.stages)
+        entry = seen[-1][0] if seen else None  # none under the interpreter
+        if entry is not None:
+            step.entry = self.entries[step.key] = entry
+        COMPILED.record(None, step.grid, tensors, step.constexprs)
+        self.launches += 1
+
+
+def plan_key(q, cache_seqlens, k_cache, v_cache, block_table, k_new, v_new, alibi, sinks, params, rest) -> tuple:
+    """A decode call's signature but the cache's capacity and strides (DecodePlan); ``rest``:
+    (need_lse, n_new, forced splits)."""
+    paged = block_table is not None
+    return (
+        q.shape,
+        q.stride(),
+        q.dtype,
+        q.device,
+        q.data_ptr() & 15,
+        k_cache.shape[1],
+        k_cache.shape[2] if paged else -1,
+        k_cache.data_ptr() & 15,
+        v_cache.data_ptr() & 15,
+        -1 if cache_seqlens is None else cache_seqlens.data_ptr() & 15,
+        -1 if not paged else block_table.data_ptr() & 15,
+        None if k_new is None else (k_new.stride(), v_new.stride(), k_new.data_ptr() & 15, v_new.data_ptr() & 15),
+        None if alibi is None else (alibi.stride(), alibi.data_ptr() & 15),
+        None if sinks is None else (sinks.dtype, sinks.data_ptr() & 15),
+        params,
+        rest,
+    )
+
+
+PLANS: dict = {}
+register_cache("kernels.decode_plan.PLANS", PLANS.clear, PLANS.__len__)
+MAX_PLANS = 256
+
+
+def plan_for(
+    q, k_cache, v_cache, cache_seqlens, params, block_table, k_new, v_new, alibi, sinks, need_lse, n_new, forced
+):
+    """The :class:`DecodePlan` of this call's signature (made on its first call)."""
+    key = plan_key(
+        q, cache_seqlens, k_cache, v_cache, block_table, k_new, v_new, alibi, sinks, params, (need_lse, n_new, forced)
+    )
+    plan = PLANS.get(key)
+    if plan is None:
+        if len(PLANS) >= MAX_PLANS:
+            PLANS.clear()
+        plan = PLANS[key] = DecodePlan(
+            q, params, cache_seqlens, block_table, k_new, alibi, sinks, need_lse, n_new, forced
+        )
+    return plan

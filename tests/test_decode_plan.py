@@ -1,0 +1,152 @@
+"""kernels/decode_plan.DecodePlan (issue 34): a repeated decode step reuses its plan, doing no
+route, configuration or split choice again, allocating only its output and one workspace, and
+launching the split and combine passes only; plain sdpa()'s decode route with a key length
+growing by one per call keeps one plan; every result against a float64 reference written here
+from the definition (sequence b attends to its first L_b keys; L_b = the whole cache when no
+lengths are given).  CPU: under the interpreter; gpu: the compiled kernels relaunched directly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import attention_dispatch as ad  # noqa: E402
+from attention_dispatch.kernels import decode, decode_plan, run  # noqa: E402
+from attention_dispatch.kernels.compiled_cache import COMPILED  # noqa: E402
+from attention_dispatch.kernels.device import is_interpreter  # noqa: E402
+from attention_dispatch.kernels.params import KernelParams  # noqa: E402
+from oracle import assert_matches  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+DEV = "cpu" if is_interpreter() else "cuda"
+pytestmark = pytest.mark.skipif(
+    "triton" not in ad.list_backends() or not ad.get_backend("triton").is_available(), reason="triton unavailable"
+)
+
+
+def reference(q, k, v, lengths):
+    """float64: each (sequence, query head) over the first lengths[b] keys of its kv head."""
+    b_, hq, sq, d = q.shape
+    group = hq // k.shape[1]
+    out = torch.zeros(b_, hq, sq, d, dtype=torch.float64)
+    for b in range(b_):
+        n = lengths[b]
+        for h in range(hq):
+            kk, vv = k[b, h // group, :n].double().cpu(), v[b, h // group, :n].double().cpu()
+            if n:
+                w = torch.softmax(q[b, h].double().cpu() @ kk.T / d**0.5, -1)
+                out[b, h] = w @ vv
+    return out
+
+
+class Allocations(TorchDispatchMode):
+    """Counts the tensors the host path creates (factory ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name.startswith(("empty", "zeros", "full", "new_", "ones")):
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _inputs(capacity=512, lengths=(300, 511)):
+    b = len(lengths)
+    q = torch.randn(b, 4, 1, 16, device=DEV)
+    k = torch.randn(b, 1, capacity, 16, device=DEV)
+    v = torch.randn(b, 1, capacity, 16, device=DEV)
+    return q, k, v, torch.tensor(lengths, dtype=torch.int32, device=DEV)
+
+
+def test_a_repeated_kvcache_step_reuses_its_plan(monkeypatch):
+    """Two steps through sdpa_with_kvcache() match the reference with one plan; a third one does no
+    route or split choice, creates two tensors (output, workspace) and launches split + combine."""
+    q, k, v, lens = _inputs()
+    for step, lengths in enumerate(((300, 511), (0, 7))):
+        lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        q = torch.randn_like(q)
+        out = ad.sdpa_with_kvcache(q, k, v, lens, backend="triton")
+        assert_matches(out, reference(q, k, v, lengths), None, f"step {step}", dtype=torch.float32)
+    assert len(decode_plan.PLANS) == 1
+    (plan,) = decode_plan.PLANS.values()
+    assert plan._geo.combine is not None, "the case must split the keys (several splits: two launches)"
+
+    def forbidden(*a, **kw):
+        raise AssertionError("per-call work on a repeated step")
+
+    for name in ("tiles", "key_splits", "split_constexprs", "cache_geometry", "device_info"):
+        monkeypatch.setattr(decode_plan, name, forbidden)
+    monkeypatch.setattr(decode, "kv_route", forbidden)
+    launched = []
+    monkeypatch.setattr(run, "launch_one", lambda kernel, *a, **kw: launched.append(kernel))
+    with Allocations() as seen:
+        ad.sdpa_with_kvcache(q, k, v, lens, backend="triton")
+    assert launched == [decode._decode_split, decode._decode_combine]
+    assert len(seen.ops) == 2, seen.ops  # the output and the one workspace
+    assert len(decode_plan.PLANS) == 1
+
+
+def test_an_unsplit_step_allocates_only_its_output(monkeypatch):
+    q, k, v, lens = _inputs(capacity=64, lengths=(64, 3))
+    ad.sdpa_with_kvcache(q, k, v, lens, backend="triton")
+    launched = []
+    monkeypatch.setattr(run, "launch_one", lambda kernel, *a, **kw: launched.append(kernel))
+    with Allocations() as seen:
+        ad.sdpa_with_kvcache(q, k, v, lens, backend="triton")
+    assert launched == [decode._decode_split] and len(seen.ops) == 1, (launched, seen.ops)
+
+
+def test_full_length_decode_with_growing_keys_keeps_one_plan():
+    """decode_forward without lengths (plain sdpa()'s decode route): every key, the cache's
+    length growing by one per call, one plan for all of them."""
+    params = KernelParams(scale=16**-0.5)
+    q = torch.randn(2, 4, 1, 16, device=DEV)
+    flat_k, flat_v = torch.randn(2 * 2 * 300 * 16, device=DEV), torch.randn(2 * 2 * 300 * 16, device=DEV)
+    for sk in (255, 256, 257, 290):
+        k, v = flat_k[: 2 * 2 * sk * 16].view(2, 2, sk, 16), flat_v[: 2 * 2 * sk * 16].view(2, 2, sk, 16)
+        out = decode.decode_forward(q, k, v, None, params)
+        assert_matches(out, reference(q, k, v, [sk, sk]), None, f"Sk={sk}", dtype=torch.float32)
+    assert len(decode_plan.PLANS) == 1
+
+
+def test_plans_differ_by_signature_not_by_lengths():
+    q, k, v, lens = _inputs()
+    ad.sdpa_with_kvcache(q, k, v, lens, backend="triton")
+    ad.sdpa_with_kvcache(q, k, v, lens + 1, backend="triton")
+    ad.sdpa_with_kvcache(q[:, :2], k, v, lens, backend="triton")  # 2 query heads: another signature
+    assert len(decode_plan.PLANS) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_steps_relaunch_the_compiled_kernels():
+    """After the first step no launch goes through the compiled-kernel cache (hits and misses
+    unchanged): the plan relaunches its entries; a growing key length adds at most a few."""
+    q, k, v, lens = (t.to(torch.bfloat16) if t.is_floating_point() else t for t in _inputs(4096, (4000, 17)))
+    ad.sdpa_with_kvcache(q, k, v, lens, backend="triton")
+    before = COMPILED.hits, COMPILED.misses
+    for lengths in ((1, 4096), (2048, 0)):
+        lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        out = ad.sdpa_with_kvcache(q, k, v, lens, backend="triton")
+        assert_matches(out, reference(q, k, v, lengths), None, str(lengths), dtype=torch.bfloat16)
+    assert (COMPILED.hits, COMPILED.misses) == before
+    params = KernelParams(scale=16**-0.5)
+    flat_k, flat_v = torch.randn(2 * 1 * 2100 * 16, device=DEV), torch.randn(2 * 1 * 2100 * 16, device=DEV)
+    q32 = q.float()
+    decode.decode_forward(
+        q32, flat_k[: 2 * 1000 * 16].view(2, 1, 1000, 16), flat_v[:32000].view(2, 1, 1000, 16), None, params
+    )
+    misses = COMPILED.misses
+    for sk in range(1001, 1100):
+        k2, v2 = flat_k[: 2 * sk * 16].view(2, 1, sk, 16), flat_v[: 2 * sk * 16].view(2, 1, sk, 16)
+        out = decode.decode_forward(q32, k2, v2, None, params)
+        if sk % 33 == 0:
+            assert_matches(out, reference(q32, k2, v2, [sk, sk]), None, f"Sk={sk}", dtype=torch.float32)
+    assert COMPILED.misses - misses <= 4, "one specialisation class per split count and divisibility"
