@@ -25,13 +25,13 @@ import torch.multiprocessing as mp
 import attention_dispatch as ad
 from attention_dispatch.distributed import context_parallel_sdpa, cross_rank_checks, shard, unshard
 from attention_dispatch.distributed import context_parallel_sdpa as _context_parallel_sdpa
-from attention_dispatch.distributed.api import default_backward
+from attention_dispatch.distributed.api import default_backward, last_backward
 from attention_dispatch.distributed.layout import segments, shard_of, unshard_from
 from attention_dispatch.distributed.steps import _whole_rows
 
 TOLERANCE = 1e-10
 DEADLINE_S = 360  # the spawned processes' whole run (60-90 s on 2 idle cores, 160 s at load 10)
-TOLERANCES = {"float32": 2e-5, "dropout_triton": 2e-5}  # per feature, where not float64
+TOLERANCES = {"float32": 2e-5, "dropout_triton": 2e-5, "triton": 2e-5, "triton_mask": 2e-5}  # where not float64
 WORLDS = (2, 4)
 B, H, D = 2, 2, 8
 
@@ -80,6 +80,20 @@ FEATURES = {
         "sq_factor": 2,
         "sk_factor": 2,
     },
+    # the triton kernels (interpreter, float32): blocks' forward and backward (merged: from the merged output)
+    "triton": {
+        "backend": "triton",
+        "dtype": torch.float32,
+        "heads_q": 4,
+        "enable_gqa": True,
+        "causal": "bottom_right",
+        "sk_factor": 2,
+        "softcap": 2.0,
+        "alibi": True,
+        "sinks": True,
+        "return_lse": True,
+    },
+    "triton_mask": {"backend": "triton", "dtype": torch.float32, "bias": "bool", "window": (4, 4)},
     "varlen": {"varlen": True},
     "varlen_causal": {"varlen": True, "causal": "top_left"},
     "varlen_window_alibi": {"varlen": True, "causal": "bottom_right", "window": (3, -1), "alibi": True},
@@ -98,6 +112,8 @@ FEATURES = {
     },
 }
 BACKWARDS = ("recompute", "autograd")
+# the Function behind each mode's output (autograd mode: none of them)
+NODES = {"recompute": "_RecomputedAttentionBackward", "merged": "_MergedAttentionBackward"}
 # the triton backend's cases run under its interpreter only (the spawned ranks inherit the setting)
 TRITON = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 
@@ -112,8 +128,27 @@ def _cases(world: int) -> list[tuple[str, str, str, str]]:
         for i, lay in enumerate(("zigzag", "contiguous")):
             for j, ex in enumerate(("ring", "allgather")):
                 cases.append((f, lay, ex, BACKWARDS[(i + j + (world == 4)) % 2]))
-    cases.append(("gqa", "zigzag", "ring", "default"))  # backward=None: the mode default_backward(W) names
+        # merged: 2 of the 4 layout x exchange pairs per world size, all 4 over both; where it
+        # cannot serve the feature, backward=None (the fallback, checked with its reason)
+        pairs = (("zigzag", "ring"), ("contiguous", "allgather"))
+        if world == 4:
+            pairs = (("zigzag", "allgather"), ("contiguous", "ring"))
+        for lay, ex in pairs:
+            cases.append((f, lay, ex, "merged" if _merged_serves(FEATURES[f]) else "default"))
+    cases.append(("gqa", "zigzag", "ring", "default"))  # backward=None: merged where it serves the call
     return cases
+
+
+def _merged_serves(feature: dict) -> bool:
+    """Whether backward="merged" computes the feature: not a float mask's gradient (math and
+    triton declare Capabilities.backward_from_output)."""
+    return feature.get("bias") != "float"
+
+
+def _expected_backward(feature: dict, asked: str, world: int) -> str:
+    if asked != "default":
+        return asked
+    return "merged" if _merged_serves(feature) else default_backward(world)
 
 
 CASES = {world: _cases(world) for world in WORLDS}
@@ -211,9 +246,13 @@ def _one_case(case, group, seed: int) -> float:
     )
     out, lse = result if options["return_lse"] else (result, None)
     nodes = _graph_nodes(out)
-    backward = default_backward(world) if asked is None else asked
-    if ("_RecomputedAttentionBackward" in nodes) != (backward == "recompute"):
-        raise AssertionError(f"backward={backward!r} did not run as asked: graph nodes {sorted(nodes)}")
+    backward = _expected_backward(FEATURES[name], backward, world)
+    choice = last_backward()
+    for mode, node in NODES.items():
+        if (node in nodes) != (backward == mode) or choice.mode != backward:
+            raise AssertionError(f"backward={backward!r} did not run: {choice}, graph nodes {sorted(nodes)}")
+    if asked is None and backward != "merged" and "attn_mask requires grad" not in choice.reason:
+        raise AssertionError(f"the fallback from merged does not say why: {choice}")
     shard_t = dict(t, grad_out=mine(t["grad_out"]))
     if lse is not None:
         shard_t["grad_lse"] = mine(t["grad_lse"], -1)
@@ -281,6 +320,12 @@ def _error_cases(group) -> dict[str, str]:
         "layout": lambda: context_parallel_sdpa(x, x, x, layout="striped"),
         "exchange": lambda: context_parallel_sdpa(x, x, x, exchange="alltoall"),
         "backward": lambda: context_parallel_sdpa(x, x, x, backward="manual"),
+        "merged_mask_grad": lambda: context_parallel_sdpa(
+            x, x, x, torch.zeros(1, 1, 4, 4 * world, dtype=torch.float64, requires_grad=True), backward="merged"
+        ),
+        "merged_backend": lambda: context_parallel_sdpa(
+            x.clone().requires_grad_(), x, x, backend="torch_cpu", backward="merged"
+        ),
         "mask_shape": lambda: context_parallel_sdpa(x, x, x, torch.zeros(1, 1, 4, 4, dtype=torch.float64)),
         "shard_divisible": lambda: shard(torch.zeros(1, 1, 2 * world + 2, 1), group, "zigzag"),
         "contiguous_ok": lambda: context_parallel_sdpa(x[:, :, :3], x[:, :, :3], x[:, :, :3], layout="contiguous"),
@@ -470,6 +515,8 @@ EXPECTED_ERRORS = {
     "layout": ("ValueError", "layout='striped' is not allowed"),
     "exchange": ("ValueError", "exchange='alltoall' is not allowed"),
     "backward": ("ValueError", "backward='manual' is not allowed"),
+    "merged_mask_grad": ("ValueError", "backward='merged' cannot serve this call: attn_mask requires grad"),
+    "merged_backend": ("ValueError", "(torch_cpu, from backend= argument) declares Capabilities.backward_from_output"),
     "mask_shape": ("ValueError", "attn_mask of shape (1, 1, 4, 4)"),
     "shard_divisible": ("ValueError", "is not divisible by"),
     "contiguous_ok": ("", ""),
@@ -522,7 +569,7 @@ def test_importing_attention_dispatch_does_not_import_distributed():
     )
 
 
-def test_default_backward_is_autograd_up_to_two_ranks():
+def test_default_backward_without_merged_is_autograd_up_to_two_ranks():
     assert [default_backward(w) for w in (1, 2, 3, 4, 8)] == ["autograd"] * 2 + ["recompute"] * 3
 
 

@@ -72,6 +72,9 @@ class Capabilities:
     # dropout_stream.positioned() is in scope (context parallelism's dropout blocks)
     dropout_positions: bool = False
     dropout_column_multiple: int = 1  # those blocks' column offsets: multiples of this
+    # run_backward(): a call's dq, dk, dv from a given output and logsumexp (those of a larger
+    # call it is one block of: context parallelism's backward="merged")
+    backward_from_output: bool = False
     notes: str = ""  # free text for `info`, never used to decide
 
     def paged_block_sizes(self) -> str:
@@ -146,6 +149,7 @@ class Capabilities:
                     else ""
                 ),
             ),
+            ("backward from out/lse", yes(self.backward_from_output)),
         ]
 
 
@@ -242,6 +246,14 @@ def not_supported_reasons(caps: Capabilities, problem: Problem) -> list[str]:
     return reasons
 
 
+def check_backward_options(options: dict) -> None:
+    """run_backward()'s limits, raised naming the argument: dense calls without sinks (a given
+    logsumexp is without the sinks; apply them after, as context parallelism does)."""
+    for name in ("cu_seqlens_q", "cu_seqlens_k", "sinks"):
+        if options.get(name) is not None:
+            raise ValueError(f"run_backward: {name} given; it takes dense calls without sinks")
+
+
 def _unequal_lengths(p: Problem) -> str:
     if p.layout == "varlen":
         return "varlen"
@@ -319,6 +331,16 @@ class Backend:
     def run(self, query, key, value, **options):
         """Compute the call; options are the normalised arguments (DESIGN.md section 4)."""
         raise NotImplementedError(f"backend {self.name!r} does not implement run()")
+
+    def run_backward(self, query, key, value, out, lse, grad_out, grad_lse, **options):
+        """(dq, dk, dv) of a dense call (``options`` as run() took them; no sinks, no mask gradient)
+        whose probabilities are ``exp(s - lse)`` for a given ``lse`` (B, Hq, Sq) (lse dtype) and
+        output ``out`` (B, Hq, Sq, Dv): dS = P (dO V^T - rowsum(dO out) + grad_lse), with ``grad_out``
+        (dO) and ``grad_lse`` (None: zero) the gradients of out and lse. With the call's own out and
+        lse it is the call's backward; with a larger call's, this block's share of it. Dropout:
+        under the forward's dropout_stream.positioned() scope. Only for a backend declaring
+        ``Capabilities.backward_from_output``."""
+        raise NotImplementedError(f"backend {self.name!r} does not implement run_backward()")
 
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):
         """sdpa_with_kvcache()'s call, validated (only for a backend whose capabilities name

@@ -20,7 +20,7 @@ from ..dropout_stream import current
 from ..problem import KV_LAYOUTS, Problem
 from ..route import Route, RouteStep
 from ..semantics import band
-from .base import Backend, Capabilities
+from .base import Backend, Capabilities, check_backward_options
 
 
 def _interpreting() -> bool:
@@ -89,6 +89,8 @@ class TritonBackend(Backend):
             # offsets that are multiples of 4); varlen calls cannot be blocks
             dropout_positions=L.dropout,
             dropout_column_multiple=L.dropout_column_multiple,
+            # kernels.attention_backward reads the output and logsumexp it is given
+            backward_from_output=True,
             notes="this project's kernel; CPU only under TRITON_INTERPRET=1",
         )
 
@@ -311,6 +313,35 @@ class TritonBackend(Backend):
         if options.get("return_lse") and cu_seqlens_q is not None:  # the kernels' (total_q, Hq) as (Hq, total_q)
             return result[0], result[1].transpose(0, 1)
         return result
+
+    def run_backward(self, query, key, value, out, lse, grad_out, grad_lse, **options):
+        """Base.run_backward: the kernels' backward (kernels.attention_backward) with the given
+        output and logsumexp (its delta pass reads them and grad_lse), no bias gradient."""
+        from ..kernels import attention_backward
+
+        check_backward_options(options)
+        dense = dict(options, cu_seqlens_q=None)
+        stream = self._dropout_stream(query, key, dense)
+        if options.get("dropout_p", 0) > 0 and stream is None:
+            raise ValueError(
+                "run_backward with dropout_p > 0 needs the forward's keep-mask: call it under the forward's "
+                "dropout_stream.positioned() scope"
+            )
+        seed = stream if stream is not None else torch.empty(0, dtype=torch.int64, device=query.device)
+        dq, dk, dv, _, _ = attention_backward(
+            grad_out,
+            query,
+            key,
+            value,
+            options["attn_mask"],
+            out,
+            lse.to(torch.float32).contiguous(),  # the kernels read a contiguous float32 logsumexp
+            seed,
+            self._params(**options),
+            alibi=self._score_tensors(query, dense)["alibi"],
+            grad_lse=grad_lse,
+        )
+        return dq, dk, dv
 
     def prepare(self, query, key, value, options: dict):
         from ..kernels import prepare_attention

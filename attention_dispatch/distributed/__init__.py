@@ -4,7 +4,15 @@ group (docs/distributed.md). Not imported by ``import attention_dispatch``.
     from attention_dispatch.distributed import context_parallel_sdpa, shard, unshard
 """
 
-from .api import context_parallel_sdpa, cross_rank_checks
+from .api import BackwardChoice, context_parallel_sdpa, cross_rank_checks, last_backward
 from .layout import LAYOUTS, shard, unshard
 
-__all__ = ["context_parallel_sdpa", "cross_rank_checks", "shard", "unshard", "LAYOUTS"]
+__all__ = [
+    "context_parallel_sdpa",
+    "cross_rank_checks",
+    "last_backward",
+    "BackwardChoice",
+    "shard",
+    "unshard",
+    "LAYOUTS",
+]

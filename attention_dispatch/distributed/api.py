@@ -5,8 +5,9 @@ Each rank holds its queries, keys and values at the global positions of the layo
 return_lse=True) (blocks.py says what each block computes and skips blocks outside the causal or
 window band; steps.py runs them), and merges the blocks by their logsumexp (merge.py). The keys
 and values travel by a ring of batch_isend_irecv steps or one all-gather (exchange.py). Backward:
-"recompute" (recompute.py: one Function that recomputes each block and sends the keys round
-again with their gradients) or "autograd" (differentiable exchanges, every block's graph kept).
+"merged" (merged.py: each block's backend's backward from the merged output and logsumexp, the
+keys sent round again with their gradients), "recompute" (recompute.py: recomputes each block
+and its merge weights) or "autograd" (differentiable exchanges, every block's graph kept).
 This module validates the call, checks that the ranks agree, and puts the pieces together.
 """
 
@@ -18,6 +19,7 @@ import contextvars
 import numbers
 import threading
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,7 @@ from . import exchange as _exchange
 from .blocks import Band, Documents
 from .layout import check_layout, chunks_per_rank
 from .merge import apply_sinks
+from .merged import merged_attention
 from .recompute import recomputed_attention
 from .steps import Setup, run_forward
 
@@ -58,11 +61,28 @@ def _clear_checked() -> None:
 register_cache("distributed.checked_facts", _clear_checked, lambda: sum(len(c) for c in list(_checked.values())))
 
 EXCHANGES = ("ring", "allgather")
-BACKWARDS = ("recompute", "autograd")
+BACKWARDS = ("merged", "recompute", "autograd")
+
+
+class BackwardChoice(NamedTuple):
+    """A call's backward mode and why (last_backward())."""
+
+    mode: str
+    reason: str
+
+
+_last_choice: contextvars.ContextVar[BackwardChoice | None] = contextvars.ContextVar(
+    "attention_dispatch_cp_last_backward", default=None
+)
+
+
+def last_backward() -> BackwardChoice | None:
+    """The backward mode of this context's latest context_parallel_sdpa() call and why (None before any)."""
+    return _last_choice.get()
 
 
 def default_backward(world: int) -> str:
-    """backward=None's mode: "autograd" on 1 or 2 ranks, where it holds one other rank's keys
+    """backward=None's mode where "merged" does not serve the call: "autograd" on 1 or 2 ranks, where it holds one other rank's keys
     (as the recomputing backward does while they pass) and measured faster with less memory
     (2 H100s, causal zigzag ring, 64k and 128k: 1.20-1.25x, peak 2.9 / 5.5 GiB against 3.4 /
     6.5); "recompute" on more, where "autograd" would keep every rank's keys (O(S) per rank)
@@ -99,6 +119,52 @@ def _dropout_backends(forced, key_segment: int) -> tuple[str, ...]:
             f"which makes the blocks one sdpa() call's dropout; backends that do: {', '.join(allowed) or 'none'}"
         )
     return able
+
+
+def _merged_backends(setup: Setup, forced) -> tuple[tuple[str, ...], str]:
+    """(the candidate backends, in the call's order, that run a block's backward from the merged
+    output: Capabilities.backward_from_output, and dropout_positions with dropout; '') or ((), why
+    backward="merged" cannot serve the call)."""
+    mask = setup.mask
+    if mask is not None and mask.is_floating_point() and mask.requires_grad and torch.is_grad_enabled():
+        return (), "attn_mask requires grad: a backward from the merged output gives no mask gradient"
+    names, source = dispatch.candidate_order(forced, current_config())
+    known = set(registry.list_backends())
+    able = tuple(n for n in names if n in known and registry.find_backend(n).capabilities.backward_from_output)
+    if setup.dropout_backends is not None:
+        able = tuple(n for n in able if n in setup.dropout_backends)
+    if not able:
+        dropout = " and draws dropout at block positions" if setup.dropout_backends is not None else ""
+        return (), (
+            f"no candidate backend ({', '.join(names)}, from {source}) declares "
+            f"Capabilities.backward_from_output{dropout}"
+        )
+    return able, ""
+
+
+def _choose_backward(setup: Setup, asked, forced, probe) -> BackwardChoice:
+    """backward=None: "merged" where it serves the call (merged.py: the blocks' backward from the
+    merged output, no per-block merge passes), else default_backward(); a mode asked for is
+    taken, "merged" raising where it cannot serve. ``probe(backends)``: whether a block of the
+    call has a backend among them (ad.explain)."""
+    if asked in ("recompute", "autograd"):
+        return BackwardChoice(asked, "backward= argument")
+    grads = (setup.q, setup.k, setup.v, setup.mask, setup.sinks)
+    if asked is None and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads)):
+        mode = default_backward(setup.world)  # the candidates unrestricted: inference may take any backend
+        return BackwardChoice(mode, f"no input requires grad; {mode} on {setup.world} rank(s) (default_backward)")
+    able, why = _merged_backends(setup, forced)
+    if not why and not probe(able):
+        why = f"no backend declaring Capabilities.backward_from_output ({', '.join(able)}) serves the blocks"
+    if not why:
+        setup.backward_backends = able
+        if setup.dropout_backends is not None:  # the blocks' dropout scope: the same backends
+            setup.dropout_backends = able
+        return BackwardChoice("merged", f"the blocks' backward from the merged output on {', '.join(able)}")
+    if asked == "merged":
+        raise ValueError(f"backward='merged' cannot serve this call: {why}; use backward='autograd' or 'recompute'")
+    mode = default_backward(setup.world)
+    return BackwardChoice(mode, f"not merged: {why}; {mode} on {setup.world} rank(s) (default_backward)")
 
 
 def _offsets(cu, name: str, total: int) -> list[int]:
@@ -154,7 +220,7 @@ def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     cu_q, cu_k = options["cu_seqlens_q"], options["cu_seqlens_k"]
     packed = cu_q is not None or cu_k is not None
     setup = Setup()
-    setup.backward = options["backward"] or default_backward(world)
+    setup.backward_backends = ()
     setup.dropout_p, setup.dropout_seed, setup.dropout_backends = dropout_p, None, None
     if dropout_p > 0:
         if packed:
@@ -213,15 +279,28 @@ def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     probe_mask = None if setup.mask is None else setup.mask[..., : k.shape[2]]
     if slopes is not None and probe_mask is None:
         probe_mask = torch.zeros((), dtype=lse_dtype(query.dtype), device=query.device).expand(1, 1, 1, 1)
-    with dispatch.use_backends(*(setup.dropout_backends or ())) if dropout_p > 0 else contextlib.nullcontext():
-        decision = explain(
-            q, k, v, probe_mask, dropout_p, causal=causal, window=window, return_lse=True, **setup.sdpa_args
-        )
-    if decision.backend is None:
-        raise NoBackendError(f"no backend computes a block of this call with return_lse=True:\n{decision}", decision)
     setup.q, setup.k, setup.v, setup.packed, setup.slopes = q, k, v, packed, slopes
     setup.rank, setup.world, setup.group, setup.layout, setup.exchange = rank, world, group, layout, exchange
     setup.sq, setup.sk, setup.return_lse = sq, sk, return_lse
+    decisions = {}
+
+    def probe(backends):
+        """The blocks' decision among ``backends`` (all candidates: None; dropout: theirs)."""
+        if backends not in decisions:
+            scoped = backends or setup.dropout_backends
+            with dispatch.use_backends(*scoped) if scoped else contextlib.nullcontext():
+                decisions[backends] = explain(
+                    q, k, v, probe_mask, dropout_p, causal=causal, window=window, return_lse=True, **setup.sdpa_args
+                )
+        return decisions[backends].backend is not None
+
+    choice = _choose_backward(setup, options["backward"], options["backend"], probe)
+    setup.backward, setup.backward_reason = choice
+    _last_choice.set(choice)
+    probe(setup.backward_backends)
+    decision = decisions[setup.backward_backends]
+    if decision.backend is None:
+        raise NoBackendError(f"no backend computes a block of this call with return_lse=True:\n{decision}", decision)
     return setup
 
 
@@ -342,10 +421,13 @@ def context_parallel_sdpa(
     ranks); output (S_local, Hq, Dv). attn_mask (bool or float, may require grad): this rank's
     query rows of the whole mask, every key column in global order, broadcastable to
     (B, Hq, S_local_q, S_total_k). causal/window/ALiBi refer to global positions. ``exchange``:
-    "ring" (W - 1 batch_isend_irecv steps) or "allgather". ``backward``: "recompute" (the
-    backward recomputes each block and sends the keys round again with their gradients, so no
-    rank keeps others' keys), "autograd" (keeps every block's graph and every received key
-    block; no recomputation) or None (default): "autograd" on up to 2 ranks, else "recompute". With return_lse, also this rank's
+    "ring" (W - 1 batch_isend_irecv steps) or "allgather". ``backward``: "merged" (each
+    block's backward from the merged output on a backend declaring
+    Capabilities.backward_from_output; the keys go round again with their gradients, so no rank
+    keeps others' keys; no mask gradient), "recompute" (recomputes each block, the keys going
+    round again), "autograd" (keeps every block's graph and every received key block) or None
+    (default): "merged" where it serves the call, else "autograd" on up to 2 ranks, else
+    "recompute" (last_backward() says which and why). With return_lse, also this rank's
     logsumexp (B, Hq, S_local_q) (varlen (Hq, S_local)), without the sinks. Dropout (dense
     shards; a backend declaring Capabilities.dropout_positions): each block draws its part of
     one sdpa() call's keep-mask, seeded as sdpa() seeds it (rank 0's draw).
@@ -374,6 +456,9 @@ def context_parallel_sdpa(
         setup.dropout_seed = _exchange.broadcast_seed(draw_seed(setup.q.device), setup.group)
     if setup.backward == "recompute":
         out, lse = recomputed_attention(setup, setup.q, setup.k, setup.v, setup.mask)
+        unused = []
+    elif setup.backward == "merged":
+        out, lse = merged_attention(setup, setup.q, setup.k, setup.v, setup.mask)
         unused = []
     else:
         # merged straight into the inputs' dtype unless the sinks still scale it (one rounding either way)

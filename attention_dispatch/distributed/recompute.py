@@ -99,7 +99,7 @@ class _RecomputedAttention(torch.autograd.Function):
                         _add(total, part, index)
             return [g for g in (dk, dv) if g is not None]
 
-        run = _ring_backward if setup.exchange == "ring" else _allgather_backward
+        run = ring_backward if setup.exchange == "ring" else allgather_backward
         dkv = run(setup, k, v, source_grads)
         dkv = iter(dkv)
         dk = next(dkv).to(k.dtype) if need[1] else None
@@ -113,7 +113,7 @@ class _RecomputedAttention(torch.autograd.Function):
         )
 
 
-def _ring_backward(setup: Setup, k, v, source_grads):
+def ring_backward(setup: Setup, k, v, source_grads):
     """The keys go round again (W - 1 shifts), their gradients with them one step behind (W
     shifts: after the last, each rank holds its own keys' gradients summed over every rank)."""
     rank, world, group = setup.rank, setup.world, setup.group
@@ -138,7 +138,7 @@ def _ring_backward(setup: Setup, k, v, source_grads):
     return travelling or []
 
 
-def _allgather_backward(setup: Setup, k, v, source_grads):
+def allgather_backward(setup: Setup, k, v, source_grads):
     """Gather the keys again (the local block's gradients computed while they travel), then
     reduce-scatter every source's key gradients to their owner."""
     rank, world, group = setup.rank, setup.world, setup.group

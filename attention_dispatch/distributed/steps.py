@@ -1,8 +1,9 @@
 """The forward pass of context-parallel attention: which blocks a rank computes, each block's
 ad.sdpa() call, and the ring / all-gather schedules that bring every rank's keys by.
 
-Shared by both backward modes (api.py): "autograd" runs it with differentiable exchanges and
-keeps every block's graph; "recompute" (recompute.py) runs it without a graph and recomputes.
+Shared by every backward mode (api.py): "autograd" runs it with differentiable exchanges and
+keeps every block's graph; "recompute" (recompute.py) runs it without a graph and recomputes;
+"merged" (merged.py) runs it without a graph and runs each block's backend's backward.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import torch
 
 from ..api import sdpa
+from ..debug import last_decision
 from ..dispatch import use_backends
 from ..dropout_stream import DropoutStream, positioned
 from ..features import lse_dtype
@@ -29,7 +31,7 @@ class Setup:
     __slots__ = (
         "q", "k", "v", "mask", "packed", "rank", "world", "group", "layout", "exchange", "backward",
         "sq", "sk", "band", "docs", "slopes", "sinks", "sdpa_args", "return_lse",
-        "dropout_p", "dropout_seed", "dropout_backends",
+        "dropout_p", "dropout_seed", "dropout_backends", "backward_reason", "backward_backends",
     )  # fmt: skip
 
     band: Band
@@ -93,9 +95,11 @@ def _whole_rows(t):
     return t.contiguous()
 
 
-def block_of_slices(setup: Setup, q_parts, k_parts, q, k, v, mask):
-    """block() of the already sliced q (the rows of q_parts) and k/v (the keys of k_parts);
-    mask: this rank's whole mask (rows and columns are picked here)."""
+def block_args(setup: Setup, q_parts, k_parts, q, k, v, mask):
+    """The ad.sdpa() arguments of block (q_parts x k_parts) of the already sliced q (the rows of
+    q_parts) and k/v (the keys of k_parts) -- (q, k, v, attn_mask, causal, window, scope), the
+    scope (enter it around the call) drawing the block's dropout -- or None when the block holds
+    no allowed pair. mask: this rank's whole mask (rows and columns are picked here)."""
     device, compute = q.device, lse_dtype(q.dtype)
     q, k, v = _whole_rows(q), _whole_rows(k), _whole_rows(v)
     q_pos, k_pos = global_positions(q_parts), global_positions(k_parts)
@@ -132,22 +136,24 @@ def block_of_slices(setup: Setup, q_parts, k_parts, q, k, v, mask):
             slopes = setup.slopes[setup.docs.doc_q[q_pos]].T[None, :, :, None]
             distance = setup.docs.distance(q_pos, k_pos)
         float_parts.append(-(slopes.to(compute) * distance.to(device=device, dtype=compute)))
-    dropout = contextlib.ExitStack()
+    scope = contextlib.ExitStack()
     if setup.dropout_p > 0:  # this block's part of the whole call's keep-mask (one segment pair)
         (qp,), (kp,) = q_parts, k_parts
-        dropout.enter_context(use_backends(*setup.dropout_backends))
-        dropout.enter_context(positioned(DropoutStream(setup.dropout_seed, 0, qp.start, kp.start, setup.sq, setup.sk)))
-    with dropout:
+        scope.enter_context(use_backends(*setup.dropout_backends))
+        scope.enter_context(positioned(DropoutStream(setup.dropout_seed, 0, qp.start, kp.start, setup.sq, setup.sk)))
+    return q, k, v, combine_masks(bool_parts, float_parts), causal, window, scope
+
+
+def block_of_slices(setup: Setup, q_parts, k_parts, q, k, v, mask):
+    """block() of the already sliced q (the rows of q_parts) and k/v (the keys of k_parts);
+    mask: this rank's whole mask (rows and columns are picked here)."""
+    args = block_args(setup, q_parts, k_parts, q, k, v, mask)
+    if args is None:
+        return None
+    q, k, v, attn_mask, causal, window, scope = args
+    with scope:
         return sdpa(
-            q,
-            k,
-            v,
-            combine_masks(bool_parts, float_parts),
-            setup.dropout_p,
-            causal=causal,
-            window=window,
-            return_lse=True,
-            **setup.sdpa_args,
+            q, k, v, attn_mask, setup.dropout_p, causal=causal, window=window, return_lse=True, **setup.sdpa_args
         )
 
 
@@ -158,6 +164,7 @@ class Accumulator:
     def __init__(self, setup: Setup, q, mask):
         self.setup, self.q, self.mask = setup, q, mask
         self.blocks = []  # (q_parts, out, lse)
+        self.served = {}  # (source, q_parts, k_parts) -> the backend that computed the block
         self.unused = []
 
     def add(self, source: int, k, v, exchanged: bool) -> None:
@@ -166,6 +173,7 @@ class Accumulator:
             result = block(self.setup, q_parts, k_parts, self.q, k, v, self.mask)
             if result is not None:
                 self.blocks.append((q_parts, *result))
+                self.served[source, q_parts, k_parts] = last_decision().backend
                 used = True
         if exchanged and not used:
             self.unused += [k, v]
@@ -212,12 +220,15 @@ def run_allgather(setup: Setup, acc: Accumulator, k, v, differentiable: bool) ->
             acc.add(source, gathered_k[source], gathered_v[source], exchanged=True)
 
 
-def run_forward(setup: Setup, q, k, v, mask, differentiable: bool, out_dtype=None):
+def run_forward(setup: Setup, q, k, v, mask, differentiable: bool, out_dtype=None, served=None):
     """This rank's merged (out in out_dtype, default the lse dtype; lse), and the tensors no
-    block read (to be tied to the output: exchanged ones, and the inputs where no block ran)."""
+    block read (to be tied to the output: exchanged ones, and the inputs where no block ran).
+    ``served``: a dict to fill with each computed block's backend (Accumulator.served)."""
     acc = Accumulator(setup, q, mask)
     (run_ring if setup.exchange == "ring" else run_allgather)(setup, acc, k, v, differentiable)
     out, lse = acc.result(out_dtype)
+    if served is not None:
+        served.update(acc.served)
     if not acc.blocks:  # no block read q, k, v or the mask: they get zero gradients, not none
         acc.unused += [q, k, v, mask]
     return out, lse, acc.unused
