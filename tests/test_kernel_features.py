@@ -92,7 +92,8 @@ def check(
     hq = q.shape[1] if cu_q is None else q.shape[1]
     scale = q.shape[-1] ** -0.5
     params = _params(causal, window, scale, dropout_p, softcap, **pkw)
-    slopes = (torch.rand(hq, device=q.device) * 0.4 + 0.05).expand(batch, hq) if alibi else None
+    # alibi: True, or a float scaling the slopes (small slopes: far keys keep visible weights)
+    slopes = (torch.rand(hq, device=q.device) * 0.4 + 0.05).mul(float(alibi)).expand(batch, hq) if alibi else None
     sink_t = (torch.randn(hq, device=q.device) * 2).to(sink_dtype).requires_grad_() if sinks else None
     torch.manual_seed(seed)
     out, lse = triton_attention(
@@ -442,6 +443,31 @@ def test_gpu_gluon_backward_softcap_alibi_gqa(extra):
     steps = describe_route(q, k, v, None, params, backward=True, alibi=torch.ones(1, 4, device=DEV))
     assert steps[0][1] == "gluon" and steps[1][1] == "gluon", steps
     check(q, k, v, causal=causal, window=window, softcap=20.0, alibi=True, **extra)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "d,extra",
+    [
+        (128, {}),
+        (128, dict(causal="bottom_right")),
+        (128, dict(deterministic=True)),
+        (64, {}),
+        (64, dict(softcap=20.0)),
+    ],
+    ids=str,
+)
+def test_gpu_gluon_alibi_small_slopes(d, extra):
+    """ALiBi with slopes 0.05-0.45 times 2^-8: every key tile keeps a visible weight, so the Gluon dK/dV
+    pass's three tile kinds (left of the diagonal, right of it, crossing it) each count."""
+    q, k, v = (rand(1, 4, 2048, d, dtype=BF16) for _ in range(3))
+    extra = dict(extra)
+    causal = extra.pop("causal", None)
+    params = _params(causal, None, d**-0.5, **extra)
+    steps = describe_route(q, k, v, None, params, backward=True, alibi=torch.ones(1, 4, device=DEV))
+    assert steps[0][1] == "gluon" and steps[1][1] == "gluon", steps
+    check(q, k, v, causal=causal, alibi=2.0**-8, **extra)
 
 
 @gpu

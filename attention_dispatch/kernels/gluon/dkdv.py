@@ -64,6 +64,7 @@ def _ws_bwd_loader(
     seq_k,
     num_heads,
     group,
+    scores,
     WG: gl.constexpr,
     WINDOW_LEFT: gl.constexpr,
     WINDOW_RIGHT: gl.constexpr,
@@ -76,6 +77,7 @@ def _ws_bwd_loader(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
+    ALIBI_ROWS: gl.constexpr,
 ):
     kv_bar, q_ready, q_empty, lse_bufs, delta_bufs = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
@@ -115,7 +117,15 @@ def _ws_bwd_loader(
         # the tile's logsumexp and delta rows: the slot's second arrival (the consumers read
         # them from shared memory instead of waiting on global loads inside each step)
         offs = h * seq_q + m + gl.arange(0, BLOCK_M, row_layout)
-        lse_bufs.index(s).store(_lse_log2(gl.load(lse_ptr + offs), HAS_BIAS))
+        lse2 = _lse_log2(gl.load(lse_ptr + offs), HAS_BIAS)
+        if ALIBI_ROWS:  # lse2 + c r, lse2 - c r and c r: the consumers' ALiBi (_ws_bwd_consumer)
+            alibi_ptr, alibi_sb, alibi_sh, alibi_off = scores[2], scores[3], scores[4], scores[5]
+            c = gl.load(alibi_ptr + b * alibi_sb + (hk * group + g) * alibi_sh) * LOG2E
+            r = c * (m + alibi_off - n0 + gl.arange(0, BLOCK_M, row_layout)).to(gl.float32)
+            lse_bufs.index(STAGES + s).store(lse2 - r)
+            lse_bufs.index(2 * STAGES + s).store(r)
+            lse2 = lse2 + r
+        lse_bufs.index(s).store(lse2)
         delta_bufs.index(s).store(gl.load(delta_ptr + offs))
         mbarrier.arrive(q_ready.index(s), count=1)
 
@@ -184,10 +194,17 @@ def _ws_bwd_consumer(
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     m_lo, n_m = _q_tiles(n0, seq_q, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, 2 * BLOCK_N)
     # issue 36's transforms (common._score_transform): ``scores`` = (softcap_in, softcap, slopes,
-    # their batch and head strides, ALiBi's diagonal offset); distances from this warpgroup's first key
+    # their batch and head strides, ALiBi's diagonal offset).  ALiBi alone (ALIBI_ROWS), in log2
+    # units c = slope log2(e), r = i + off - n0, k = j - n0 (n0 the program's first key): a tile
+    # left of the diagonal (r >= k) has -c |r - k| = -c r + c k, one right of it c r - c k, so the
+    # loader folds -+c r into the slot's lse2 and the step adds +-c k (one FADD a score, no per-score
+    # distance); a tile crossing the diagonal adds 2 min(c r - c k, 0) (E87).  With a softcap (whose
+    # tanh already fills the registers that needs) the distances go through _score_transform.
     softcap_in, softcap, alibi_ptr, alibi_sb, alibi_sh, alibi_off = scores
-    scale, to_nat, _coef = _score_scales(qk_scale, softcap, 0.0, HAS_BIAS, SOFTCAP)  # per head: below
+    ALIBI_ROWS: gl.constexpr = HAS_ALIBI and not SOFTCAP
+    scale, to_nat, _coef = _score_scales(qk_scale, softcap, 0.0, HAS_BIAS, SOFTCAP)
     key0 = n0 + WG * BLOCK_N
+    keys_rel = (keys - n0).to(gl.float32)
     keys_f = _small_int_f32(keys - key0)
     if FUSE_DQ:
         dq_desc, ds_bufs, ds_ready, kv_done, dq_bufs = dq_fused
@@ -215,19 +232,25 @@ def _ws_bwd_consumer(
         st_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         offs_m = mi * BLOCK_M + gl.arange(0, BLOCK_M, col_s)
+        lse_slot = s
+        if HAS_ALIBI:  # the slope of query head g of the group, in log2 units
+            h = (pid_bkv % n_kv) * group + t // n_m
+            c = gl.load(alibi_ptr + (pid_bkv // n_kv) * alibi_sb + h * alibi_sh) * LOG2E
+        if ALIBI_ROWS:  # the tile is right of the diagonal (the lse2 - c r slot), left of it, or crosses it
+            r_lo = mi * BLOCK_M + alibi_off - n0
+            right = r_lo + BLOCK_M - 1 <= key0 - n0
+            crossing = (r_lo < key0 + BLOCK_N - 1 - n0) & (not right)
+            if right:
+                lse_slot = s + STAGES
         # the rows' logsumexp and delta (per query column: BLOCK_M / 4 registers each): read before the
         # waits with 64-row tiles (late ran 2-4% slower at d128), where used with 128 (early spilled, E79)
         EARLY_ROWS: gl.constexpr = BLOCK_M == WG_ROWS
-        EARLY_DELTA: gl.constexpr = EARLY_ROWS and not SOFTCAP  # a softcap's tanh takes its registers
+        # a softcap's tanh or ALiBi's crossing tile takes its registers (E87)
+        EARLY_DELTA: gl.constexpr = EARLY_ROWS and not SOFTCAP and not HAS_ALIBI
         if EARLY_ROWS:
-            lse2 = lse_bufs.index(s).load(col_s)
+            lse2 = lse_bufs.index(lse_slot).load(col_s)
         if EARLY_DELTA:
             delta = delta_bufs.index(s).load(col_s)
-        alibi_coef = 0.0
-        if HAS_ALIBI:  # the slope of query head g of the group
-            h = (pid_bkv % n_kv) * group + t // n_m
-            slope = gl.load(alibi_ptr + (pid_bkv // n_kv) * alibi_sb + h * alibi_sh)
-            alibi_coef = slope * LOG2E / scale
         st = warpgroup_mma_wait(1, deps=[st_tok])
         st, tanh_t = _score_transform(
             st,
@@ -235,10 +258,10 @@ def _ws_bwd_consumer(
             keys_f[:, None],
             softcap_in,
             to_nat,
-            alibi_coef,
+            c / scale if HAS_ALIBI else 0.0,
             HAS_BIAS,
             SOFTCAP,
-            HAS_ALIBI,
+            HAS_ALIBI and not ALIBI_ROWS,
             False,
         )
         if HAS_BIAS:  # this warpgroup's keys of the slot's bias tile, transposed as the scores
@@ -251,8 +274,16 @@ def _ws_bwd_consumer(
             if _band_edge(mi * BLOCK_M, n0 + WG * BLOCK_N, BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT):
                 st = _masked(st, offs_m[None, :], keys[:, None], WINDOW_LEFT, WINDOW_RIGHT)
         if not EARLY_ROWS:
-            lse2 = lse_bufs.index(s).load(col_s)
-        pt = gl.exp2(st * scale - lse2[None, :])
+            lse2 = lse_bufs.index(lse_slot).load(col_s)
+        if ALIBI_ROWS:
+            ck = gl.where(right, -c, c) * keys_rel
+            x = st * scale - lse2[None, :]
+            if crossing:  # -c |r - k| = c k - c r + 2 min(c r - c k, 0)
+                cr = lse_bufs.index(s + 2 * STAGES).load(col_s)
+                x = x + 2.0 * gl.minimum(cr[None, :] - ck[:, None], 0.0)
+            pt = gl.exp2(x + ck[:, None])
+        else:
+            pt = gl.exp2(st * scale - lse2[None, :])
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_tok = warpgroup_mma(pt_op, do_buf, dv, is_async=True)
         if SOFTCAP:  # d score / d(q.k scaled): 1 - tanh^2, folded into P before the dP wait, where
@@ -380,7 +411,9 @@ def _attn_bwd_dkdv_ws(
     mbarrier.init(kv_bar, count=1)
     # the (Q, dO) slot's rows of logsumexp (log2 domain) and delta
     row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
+    ALIBI_ROWS: gl.constexpr = HAS_ALIBI and not SOFTCAP  # lse2 + c r, lse2 - c r, c r (_ws_bwd_consumer)
+    LSE_SLOTS: gl.constexpr = 3 * STAGES if ALIBI_ROWS else STAGES
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [LSE_SLOTS, BLOCK_M], row_smem)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=2)  # the copies' expect, and the rows' arrival
@@ -517,6 +550,7 @@ def _attn_bwd_dkdv_ws(
                     seq_k,
                     num_heads,
                     group,
+                    scores,
                     WG0,
                     WINDOW_LEFT,
                     WINDOW_RIGHT,
@@ -529,6 +563,7 @@ def _attn_bwd_dkdv_ws(
                     BLOCK_M,
                     BLOCK_N,
                     STAGES,
+                    ALIBI_ROWS,
                 ),
             ),
         ],
