@@ -54,6 +54,8 @@ from ..problem import KV_LAYOUTS, Problem, compute_capability
 from ..route import Route, RouteStep
 from ..semantics import CausalKind, band
 from .base import Backend, Capabilities, not_supported_reasons
+from .fa4_compiled import compile_refusal
+from .fa4_compiled import flash_attn_func as fa4_compiled_dense
 from .fa4_relaunch import ForwardRelauncher, VarlenRelauncher, untested_release
 from . import flash_attn_features as features
 from . import flash_attn_kvcache as kv
@@ -559,6 +561,8 @@ class FlashAttnBackend(Backend):
         if varlen:
             offsets = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
             return self._varlen(impl.varlen_func, kwargs, query, key, value, lse_of=lse_of, **offsets)
+        if impl.key == "fa4" and torch.compiler.is_compiling() and compile_refusal(impl.version, kwargs) is None:
+            return self._dense(fa4_compiled_dense, kwargs, query, key, value, lse_of=lse_of)
         return self._dense(impl.func, kwargs, query, key, value, lse_of=lse_of)
 
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, **options):
