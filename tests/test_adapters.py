@@ -1780,3 +1780,17 @@ def test_fa4_placeholder_version_reads_the_wheels(fa, monkeypatch):
     assert FlashAttnBackend().version() == "flash-attn 4 4.0.0b36"
     monkeypatch.setattr(fa_module, "_dist_version", lambda *names: "")
     assert FlashAttnBackend().version() == "flash-attn 4 0.0.0"
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_empty_call_output_with_grouped_heads(packed):
+    """An empty call's exact zeros with fewer key/value heads than query heads, packed (total, H, D)
+    as (B, H, S, D) (the GPU fuzz found the packed case grouping along the token axis)."""
+    from attention_dispatch.backends.torch_sdpa import _empty_like_call
+
+    shape_q, shape_kv = ((0, 4, 8), (0, 2, 8)) if packed else ((1, 4, 0, 8), (1, 2, 0, 8))
+    q = torch.randn(shape_q, requires_grad=True)
+    k, v = (torch.randn(shape_kv, requires_grad=True) for _ in range(2))
+    out = _empty_like_call(q, k, v)
+    assert out.shape == q.shape and out.requires_grad
+    assert all(g.shape == t.shape for g, t in zip(torch.autograd.grad(out.sum(), (q, k, v)), (q, k, v)))

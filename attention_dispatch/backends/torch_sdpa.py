@@ -109,10 +109,11 @@ def _empty_like_call(query, key, value):
 
     `(q k^T) v` over an empty axis is an exact zero of the right shape whose gradient
     is zero; the score matrix is empty, so this costs nothing."""
-    if key.shape[-3] != query.shape[-3]:
-        group = query.shape[-3] // max(key.shape[-3], 1)
-        key = key.repeat_interleave(group, dim=-3)
-        value = value.repeat_interleave(group, dim=-3)
+    heads = 1 if query.dim() == 3 else -3  # packed (total, H, D) or (B, H, S, D)
+    if key.shape[heads] != query.shape[heads]:
+        group = query.shape[heads] // max(key.shape[heads], 1)
+        key = key.repeat_interleave(group, dim=heads)
+        value = value.repeat_interleave(group, dim=heads)
     if query.dim() == 3:  # packed (total, H, D): called with an empty query or key axis
         return torch.einsum("qhk,khe->qhe", torch.einsum("qhd,khd->qhk", query, key), value)
     return (query @ key.transpose(-1, -2)) @ value
