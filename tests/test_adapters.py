@@ -1794,3 +1794,15 @@ def test_empty_call_output_with_grouped_heads(packed):
     out = _empty_like_call(q, k, v)
     assert out.shape == q.shape and out.requires_grad
     assert all(g.shape == t.shape for g, t in zip(torch.autograd.grad(out.sum(), (q, k, v)), (q, k, v)))
+
+
+def test_empty_call_gives_a_float_mask_requiring_grad_its_zero_gradient():
+    """An empty call (batch 0) with a float mask that requires grad: the mask's gradient is
+    zeros, as for q, k, v (the GPU fuzz found None from torch_efficient)."""
+    from attention_dispatch.backends.torch_backends import TorchEfficientBackend
+
+    q, k, v = (torch.randn(0, 1, 4, 8, requires_grad=True) for _ in range(3))
+    mask = torch.randn(0, 1, 4, 4, requires_grad=True)
+    out = TorchEfficientBackend().run(q, k, v, attn_mask=mask, dropout_p=0.0, causal=None, window=None, scale=None)
+    (dmask,) = torch.autograd.grad(out.sum(), (mask,))
+    assert dmask.shape == mask.shape and not dmask.any()

@@ -454,7 +454,10 @@ class TorchSdpaBackend(Backend):
             query, key, has_mask=attn_mask is not None, causal=causal, varlen=varlen, dropout=bool(dropout_p)
         )
         if form == EMPTY:
-            return _empty_like_call(query, key, value)
+            out = _empty_like_call(query, key, value)
+            if attn_mask is not None and attn_mask.requires_grad:  # its gradient: zeros, not None
+                out = out + attn_mask.sum().to(out.dtype) * 0
+            return out
         if form == NESTED:
             return self._run_varlen(
                 query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal, scale
