@@ -8,7 +8,7 @@ from .debug import configure_logging_from_env, last_decision, record
 from .kvcache import explain_with_kvcache, sdpa_with_kvcache
 from .patch import patch_sdpa, unpatch_sdpa
 from .dispatch import BackendRunError, Decision, NoBackendError, use_backends
-from .policy.guard import GuardError
+from .policy.guard import GuardError, guard_flush
 from .problem import Problem
 from .route import Route, RouteStep
 from .registry import get_backend, list_backends, register_backend, unregister_backend
@@ -50,6 +50,7 @@ __all__ = [
     "NoBackendError",
     "BackendRunError",
     "GuardError",
+    "guard_flush",
     "clear_cache",
     "use_backends",
     "Problem",

@@ -303,5 +303,5 @@ def explain(
     route = registry.get_backend(decision.backend).route(call.query, call.key, call.value, call.options)
     guard = _config.current_config().guard
     note = _guard.not_judged_note(decision.backend, decision.problem, call.options, guard, (decision.backend,))
-    notes = decision.notes + ((note,) if note else ())
+    notes = decision.notes + tuple(n for n in (note, _guard.mode_note(guard)) if n)
     return dataclasses.replace(decision, notes=notes, **({} if route is None else {"route": route}))

@@ -59,6 +59,12 @@ class GuardSection(BaseModel):
         "later calls; strict: every call, raising on a mismatch instead of quarantining the backend",
     )
     sample: float = Field(default=0.01, ge=0.0, le=1.0, description="fraction of later calls checked (sample)")
+    sample_verdict: Literal["deferred", "immediate"] = Field(
+        default="deferred",
+        description="sample: deferred reads a sampled call's verdict once the device has it (no host sync; a "
+        "wrong backend is quarantined from a later call, that call's output stays); immediate reads it at "
+        "once (a sync each) and re-runs a wrong call on the next candidate",
+    )
     rows: int = Field(default=8, ge=1, le=4096, description="query rows recomputed per checked call")
     factor: float = Field(default=2.0, gt=0.0, description="allowed error: factor x the input dtype's own error")
 

@@ -142,12 +142,12 @@ def test_off_by_default_checks_nothing(monkeypatch):
         ad.sdpa(*args)  # the full path, the same decision
 
 
-def test_sample_mode_catches_a_later_call_on_the_fast_path():
+def test_sample_mode_immediate_catches_a_later_call_on_the_fast_path():
     drifting = Drifting()
     ad.register_backend(drifting, priority="first")
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
     ref = naive_attention(q.double(), k.double(), v.double()).float()
-    with guarded("sample", "drifting", sample=1.0):
+    with guarded("sample", "drifting", sample=1.0, sample_verdict="immediate"):
         torch.testing.assert_close(ad.sdpa(q, k, v), ref)  # first call: checked, right
         assert ad.last_decision().backend == "drifting"
         torch.testing.assert_close(ad.sdpa(q, k, v), ref)  # fast path, sampled: caught, re-run
@@ -234,7 +234,7 @@ def test_calls_it_cannot_judge_are_named():
 
 
 def test_guard_config_is_validated():
-    for bad in ({"mode": "always"}, {"sample": 1.5}, {"rows": 0}, {"stict": True}):
+    for bad in ({"mode": "always"}, {"sample": 1.5}, {"rows": 0}, {"stict": True}, {"sample_verdict": "later"}):
         with pytest.raises(ad.ConfigError, match="guard"):
             with ad.use_config({"guard": bad}):
                 pass

@@ -20,7 +20,7 @@ random state kept before the call).  A due call the guard cannot judge is never 
 
 from __future__ import annotations
 
-import bisect
+import atexit
 import dataclasses
 import logging
 import random
@@ -29,7 +29,8 @@ import threading
 import torch
 
 from ..caches import register_cache
-from .guard_rows import Rows, _chunks, _gather_dense, _gather_varlen, _max_err, _reference, _rows_in
+from . import guard_rows as _rows
+from .guard_rows import _chunks, _errors, _gather_dense, _gather_varlen, _reference, _rows_in, _wide_bias
 
 logger = logging.getLogger("attention_dispatch")
 
@@ -82,13 +83,32 @@ _checked: set = set()  # (backend, Problem) whose first call passed
 _rng = random.Random()  # never torch's generator: the guard must not move the user's dropout stream
 
 
+@dataclasses.dataclass
+class _Pending:
+    """A sampled call's deferred verdict: check()'s payload, copied to the host behind `event`
+    (None: already there, a CPU call)."""
+
+    name: str
+    problem: object
+    payload: torch.Tensor
+    event: object
+    factor: float
+    with_lse: bool
+
+
+_pending: list[_Pending] = []
+# deferred verdicts kept at most: one more waits for the oldest (a queue running far behind)
+PENDING_LIMIT = 64
+
+
 def _clear() -> None:
     with _lock:
         _quarantine.clear()
         _checked.clear()
+        _pending.clear()  # verdicts of calls made before: they would quarantine into a clean state
 
 
-register_cache("guard.quarantine", _clear, lambda: len(_quarantine) + len(_checked))
+register_cache("guard.quarantine", _clear, lambda: len(_quarantine) + len(_checked) + len(_pending))
 
 
 def kind_of(problem) -> tuple:
@@ -201,42 +221,71 @@ def _redrawn_keep(backend, rng, query, key, options):
         torch.set_rng_state(after) if module is None else module.set_rng_state(after, device)
 
 
-def _picks(query, options: dict, count: int) -> list[tuple[int, int, int, int, int, int, int]]:
-    """Random (batch, head, row, q_index, sq, k0, sk) of up to `count` distinct query rows:
-    q_index is the row in the packed query (varlen) and k0 the sequence's first key."""
-    cu_q = options["cu_seqlens_q"]
-    hq = query.shape[-2] if cu_q is not None else query.shape[1]
-    if cu_q is None:
+def _picks(query, options: dict, count: int) -> torch.Tensor | None:
+    """Up to `count` distinct random query rows on the query's device, drawn on the host from
+    sizes alone (no sync): dense (3, n) batch, head, row; varlen (2, n) packed row, head."""
+    varlen = options["cu_seqlens_q"] is not None
+    hq = query.shape[-2] if varlen else query.shape[1]
+    if varlen:
+        total = query.shape[0] * hq
+        flat = _rng.sample(range(total), min(count, total))
+        columns = [[f // hq for f in flat], [f % hq for f in flat]]
+    else:
         b, _, sq, _ = query.shape
         total = b * hq * sq
         flat = _rng.sample(range(total), min(count, total))
-        return [(f // (hq * sq), f // sq % hq, f % sq, f % sq, sq, 0, -1) for f in flat]
-    starts_q, starts_k = cu_q.tolist(), options["cu_seqlens_k"].tolist()
-    total = starts_q[-1] * hq
-    picks = []
-    for f in _rng.sample(range(total), min(count, total)):
-        t, h = divmod(f, hq)
-        b = bisect.bisect_right(starts_q, t) - 1  # the last start <= t: a sequence holding row t
-        sq, sk = starts_q[b + 1] - starts_q[b], starts_k[b + 1] - starts_k[b]
-        picks.append((b, h, t - starts_q[b], t, sq, starts_k[b], sk))
-    return picks
+        columns = [[f // (hq * sq) for f in flat], [f // sq % hq for f in flat], [f % sq for f in flat]]
+    return _rows.index_tensor(columns, query.device) if flat else None
 
 
-def _verdict(picks, error: float, base: float, dtype, factor: float, floor: float = 0.0) -> Mismatch | None:
+def _where(options: dict, picks) -> torch.Tensor:
+    """The (batch, head, row) of each pick, (3, n) on the device (varlen: its sequence and row in it)."""
+    if options["cu_seqlens_q"] is None:
+        return picks
+    b, i = _rows.varlen_rows(options, picks[0])[:2]
+    return torch.stack([b, picks[1], i])
+
+
+def _verdict(rows, error: float, base: float, dtype, factor: float, floor: float = 0.0) -> Mismatch | None:
     allowed_error = factor * base + max(FLOOR.get(dtype, 1e-5), floor)
-    if error <= allowed_error:
+    if error <= allowed_error:  # NaN never passes
         return None
-    return Mismatch(error, allowed_error, tuple((b, h, i) for b, h, i, *_ in picks))
+    return Mismatch(error, allowed_error, tuple(rows))
 
 
-def _wide_bias(rows: Rows, dtype) -> bool:
-    """A bias wider than the inputs is exact input: the input dtype's error is then rounding alone."""
-    return rows.bias is not None and rows.bias.dtype != dtype and rows.bias.dtype.itemsize > dtype.itemsize
+def _read(values: list, dtype, factor: float, with_lse: bool) -> Mismatch | None:
+    """The verdict on a payload read on the host (see :func:`payload`)."""
+    n = (len(values) - 5) // 3
+    where = [int(x) for x in values[5:]]
+    rows = zip(where[:n], where[n : 2 * n], where[2 * n :])
+    found = _verdict(rows, values[_rows.ERROR], values[_rows.BASE], dtype, factor)
+    if found is None and with_lse:  # lse is float32: half an ulp of it is rounding however computed
+        floor = 0.5 * torch.finfo(torch.float32).eps * values[_rows.LARGEST_LSE]
+        found = _verdict(rows, values[_rows.LSE_ERROR], values[_rows.LSE_BASE], dtype, factor, floor)
+    return found
 
 
 def _split(out, options):
     """A backend's result as (out, lse or None)."""
     return out if options.get("return_lse") else (out, None)
+
+
+def payload(problem, query, key, value, options: dict, out, rows: int = 8, keep=None) -> torch.Tensor | None:
+    """check()'s measurement, left on the device (no host sync: it only queues kernels): a
+    float64 tensor of guard_rows.measure()'s 5 values, then the (batch, head, row) of each
+    recomputed row; None where there is nothing to judge (see check)."""
+    if options["dropout_p"] > 0 and keep is None or unjudged(problem, dict(options, dropout_p=0.0)) is not None:
+        return None
+    out, lse = _split(out, options)
+    picks = _picks(query, options, rows)
+    if picks is None:
+        return None
+    gather = _gather_varlen if options["cu_seqlens_q"] is not None else _gather_dense
+    scale, softcap = options["scale"], options.get("softcap")
+    with torch.no_grad():
+        chunks = (gather(problem, c, query, key, value, options, out, lse, keep) for c in _chunks(picks, key, options))
+        stats = _rows.measure(chunks, scale, softcap, query.dtype, lse is not None)
+        return torch.cat([stats, _where(options, picks).double().flatten()])
 
 
 def check(
@@ -245,38 +294,12 @@ def check(
     """Recompute up to `rows` random query rows of a call (canonical tensors and options, as
     a backend's run() gets them, and its result) and return the Mismatch if the output's rows
     (or the returned lse's) are wrong, else None.  keep: a dropout call's keep-mask (see
-    :func:`unjudged` for the calls it cannot judge; it passes those)."""
-    if options["dropout_p"] > 0 and keep is None or unjudged(problem, dict(options, dropout_p=0.0)) is not None:
+    :func:`unjudged` for the calls it cannot judge; it passes those).  Reads its verdict on
+    the host: one sync (see :func:`payload` for the measurement alone)."""
+    measured = payload(problem, query, key, value, options, out, rows, keep)
+    if measured is None:
         return None
-    out, lse = _split(out, options)
-    picks = _picks(query, options, rows)
-    if not picks:
-        return None
-    gather = _gather_varlen if options["cu_seqlens_q"] is not None else _gather_dense
-    scale, softcap, dtype = options["scale"], options.get("softcap"), query.dtype
-    errors = dict(out=0.0, lse=0.0)
-    bases = dict(out=0.0, lse=0.0)
-    largest_lse = 0.0
-    with torch.no_grad():
-        for chunk in _chunks(picks, key, options):
-            got = gather(problem, chunk, query, key, value, options, out, lse, keep)
-            ref, ref_lse = _reference(got, scale, softcap)
-            if _wide_bias(got, dtype):
-                low, low_lse = ref.to(dtype), ref_lse.to(dtype)
-            else:
-                low, low_lse = _rows_in(dtype, got, scale, softcap)
-            bases["out"] = max(bases["out"], _max_err(low.double(), ref))
-            errors["out"] = max(errors["out"], _max_err(got.got.double(), ref))
-            if lse is not None:
-                bases["lse"] = max(bases["lse"], _max_err(low_lse.double(), ref_lse))
-                errors["lse"] = max(errors["lse"], _max_err(got.got_lse.double(), ref_lse))
-                finite = ref_lse[torch.isfinite(ref_lse)]
-                largest_lse = max([largest_lse] + finite.abs().tolist())
-    found = _verdict(picks, errors["out"], bases["out"], dtype, factor)
-    if found is None and lse is not None:  # lse is float32: half an ulp of it is rounding however computed
-        floor = 0.5 * torch.finfo(torch.float32).eps * largest_lse
-        found = _verdict(picks, errors["lse"], bases["lse"], dtype, factor, floor)
-    return found
+    return _read(measured.tolist(), query.dtype, factor, bool(options.get("return_lse")))
 
 
 def check_backward(
@@ -292,7 +315,7 @@ def check_backward(
     if not out.requires_grad or not query.requires_grad:
         return None
     picks = _picks(query, options, rows)
-    if not picks:
+    if picks is None:
         return None
     generator = torch.Generator(device=out.device)
     generator.manual_seed(_rng.getrandbits(62))
@@ -300,7 +323,7 @@ def check_backward(
     (dq,) = torch.autograd.grad(out, query, grad_out, retain_graph=True)
     gather = _gather_varlen if options["cu_seqlens_q"] is not None else _gather_dense
     scale, softcap, dtype = options["scale"], options.get("softcap"), query.dtype
-    error = base = 0.0
+    worst = None  # [error, base] on the device
     for chunk in _chunks(picks, key, options):
         with torch.no_grad():
             got = gather(problem, chunk, query, key, value, options, dq, keep=keep)
@@ -313,9 +336,10 @@ def check_backward(
             else:
                 ql = got.q.detach().clone().requires_grad_()
                 (low_dq,) = torch.autograd.grad(_rows_in(dtype, got, scale, softcap, ql)[0], ql, grad_rows)
-        base = max(base, _max_err(low_dq.double(), ref_dq))
-        error = max(error, _max_err(got.got.double(), ref_dq))
-    return _verdict(picks, error, base, dtype, factor)
+        errors = _errors(torch.stack([got.got.double(), low_dq.double()]), ref_dq)
+        worst = errors if worst is None else torch.maximum(worst, errors)
+    values = torch.cat([worst, worst.new_zeros(3), _where(options, picks).double().flatten()]).tolist()
+    return _read(values, dtype, factor, False)
 
 
 # ---- the hooks sdpa() calls ------------------------------------------------------------------
@@ -382,6 +406,8 @@ def guard_call(decision, call, out, cfg, rerun, rng=None):
     quarantine it and ``rerun()`` (decide again and run), checking the next one likewise; a
     due call the guard cannot judge gets a note saying why.  rng: :func:`rng_before`'s state
     (a dropout call).  Returns (decision, out)."""
+    if _pending:  # sampled calls' verdicts that came in: a quarantine applies from the next decision
+        _resolve(wait=False)
     problem, wrong = call.problem, []
     while _due(decision.backend, problem, cfg):
         name = decision.backend
@@ -406,22 +432,126 @@ def _noted(decision, name: str, reason: str):
 
 
 def sampled(runner, decision, options: dict, cfg):
-    """sdpa()'s fast-path runner for mode "sample": a fraction of calls are checked; a
-    mismatch quarantines the backend and raises, so that sdpa() takes the full path (which
-    decides again and runs the next candidate)."""
+    """sdpa()'s fast-path runner for mode "sample": a fraction of calls are checked.  With
+    ``sample_verdict = "immediate"`` a mismatch quarantines the backend and raises, so that
+    sdpa() takes the full path (which decides again and runs the next candidate); that reads
+    the verdict on the host, a sync of the device's queue.  "deferred" (default) queues the
+    check and reads its verdict when it is done (:func:`_resolve`): each guarded call first
+    applies the verdicts that came in, and takes the full path if they quarantined this backend;
+    the sampled call's own output was already returned."""
     name, problem, fraction = decision.backend, decision.problem, cfg.sample
     options = dict(options, attn_mask=None)  # each call passes its own; don't keep the first one's alive
-    chance = _rng.random
+    chance, deferred = _rng.random, cfg.sample_verdict == "deferred"
 
     def guarded(query, key, value, *args, **kwargs):
+        if _pending:
+            _resolve(wait=False)
+            if _quarantine and quarantine_reasons(name, problem):
+                raise _Quarantined(name)
         if chance() >= fraction:
             return runner(query, key, value, *args, **kwargs)
         rng = rng_before(name, problem, query.device, cfg)
         out = runner(query, key, value, *args, **kwargs)
         opts = dict(options, attn_mask=args[0] if args else None)
         opts.update(kwargs)
-        if _judge(name, problem, query, key, value, opts, out, cfg, rng) is not None:
+        if deferred:
+            _defer(name, problem, query, key, value, opts, out, cfg, rng)
+        elif _judge(name, problem, query, key, value, opts, out, cfg, rng) is not None:
             raise _Quarantined(name)
         return out
 
     return guarded
+
+
+def mode_note(cfg) -> str | None:
+    """explain()'s note on how sampled calls are judged (None unless mode "sample")."""
+    if cfg.mode != "sample":
+        return None
+    if cfg.sample_verdict == "immediate":
+        how = "judged before the call returns (a host sync each); a wrong one is re-run on the next candidate"
+    else:
+        how = (
+            "judged after the call returns, without a host sync; a wrong backend is quarantined from a "
+            "later call, the sampled call's output is not re-run (guard_flush() waits for the verdicts)"
+        )
+    return f"numerics guard (sample {cfg.sample:g}, sample_verdict={cfg.sample_verdict!r}): sampled calls are {how}"
+
+
+# ---- deferred verdicts ------------------------------------------------------------------------
+
+
+def _defer(name: str, problem, query, key, value, options, out, cfg, rng) -> None:
+    """Queue the check of a sampled call and keep its payload's copy to the host with an event."""
+    from .. import registry
+
+    backend = registry.get_backend(name)
+    if unjudged(problem, options, backend, rng) is not None:
+        return
+    keep = _redrawn_keep(backend, rng, query, key, options) if options["dropout_p"] > 0 else None
+    measured = payload(problem, query, key, value, options, out, cfg.rows, keep)
+    if measured is None:
+        return
+    event = None
+    if measured.device.type != "cpu":  # the copy lands behind the check's kernels; the event says when
+        module = torch.get_device_module(measured.device.type)
+        host = torch.empty(measured.shape, dtype=measured.dtype, pin_memory=True)
+        host.copy_(measured, non_blocking=True)
+        event = module.Event()
+        event.record(module.current_stream(measured.device))
+        measured = host
+    with _lock:
+        _pending.append(_Pending(name, problem, measured, event, cfg.factor, bool(options.get("return_lse"))))
+        full = len(_pending) > PENDING_LIMIT
+    if full:
+        _resolve(wait=True, oldest=True)
+
+
+def _resolve(wait: bool, oldest: bool = False) -> list[str]:
+    """Apply the deferred verdicts that are in (wait: all of them, waiting for the device; oldest:
+    the oldest alone): a mismatch is logged and quarantines its backend.  The quarantine reasons."""
+    with _lock:
+        if oldest:
+            ready = _pending[:1]
+        else:
+            ready = [p for p in _pending if wait or p.event is None or p.event.query()]
+        for item in ready:
+            _pending.remove(item)
+    reasons = []
+    for item in ready:
+        if item.event is not None:
+            item.event.synchronize()  # done already unless waiting
+        problem = item.problem
+        found = _read(item.payload.tolist(), problem.dtype, item.factor, item.with_lse)
+        if found is None:
+            continue
+        what = f"max error {found.error:.3g} > {found.allowed:.3g} on {problem.summary()}"
+        logger.error(
+            "numerics guard: backend %r gives wrong results: %s (rows (batch, head, query) %s); found after "
+            "the sampled call returned ([guard] sample_verdict = \"deferred\"): that call's output was "
+            "already returned and is not re-run; later calls of this kind do not run it",
+            item.name,
+            what,
+            found.rows,
+        )
+        reason = f"quarantined: {what} (numerics guard, a sampled call; for every call of this kind: "
+        reason += f"{describe_kind(kind_of(problem))})"
+        quarantine(item.name, problem, reason)
+        reasons.append(f"{item.name} {reason}")
+    return reasons
+
+
+def guard_flush() -> list[str]:
+    """Wait for the deferred verdicts of sampled calls (mode "sample", sample_verdict "deferred")
+    and apply them: each mismatch is logged and quarantines its backend.  Returns the reasons
+    ("<backend> quarantined: ...") of those it quarantined.  Also run at process exit."""
+    return _resolve(wait=True) if _pending else []
+
+
+def _flush_at_exit() -> None:
+    try:
+        guard_flush()
+    except Exception as exc:  # noqa: BLE001 - a device torn down at exit: say so, never fail the exit
+        logger.warning("numerics guard: deferred verdicts not read at exit: %s", exc)
+
+
+atexit.register(_flush_at_exit)

@@ -9,7 +9,7 @@ import torch
 from ..backends.math import _cache_rows
 from ..semantics import band
 from . import guard
-from .guard_rows import Rows, _features, _max_err, _reference, _rows_in
+from .guard_rows import Rows, _features, measure
 
 _KV_OPTIONS = frozenset(
     {"k_new", "v_new", "block_table", "causal", "window", "scale", "softcap", "alibi_slopes", "sinks", "return_lse"}
@@ -44,7 +44,8 @@ def _gather(problem, picks, query, k_cache, v_cache, lengths, options, out, lse)
     fields = dict(q=torch.stack(qs), k=torch.stack(ks), v=torch.stack(vs), allowed=allowed, bias=None)
     fields |= dict(slope=None, distance=None, sinks=None, got=torch.stack(got))
     diag = torch.tensor(diags, device=dev)[:, None]
-    _features(fields, dict(options, dropout_p=0.0), b, h, diag, width, None, None if lse is None else lse[b, h, i])
+    j = torch.arange(width, device=dev)
+    _features(fields, dict(options, dropout_p=0.0), b, h, diag, j, None, None if lse is None else lse[b, h, i])
     return Rows(**fields)
 
 
@@ -65,24 +66,13 @@ def check(problem, call, out, rows: int = 8, factor: float = 2.0) -> guard.Misma
         return None
     out, lse = out if options.get("return_lse") else (out, None)
     scale, softcap, dtype = options["scale"], options.get("softcap"), query.dtype
-    errors, bases, largest_lse = [0.0, 0.0], [0.0, 0.0], 0.0  # [out, lse]
-    with torch.no_grad():
-        for start in range(0, len(picks), 4):  # a few rows at a time: a cache can be long
-            chunk = picks[start : start + 4]
-            rows_ = _gather(problem, chunk, query, call.k_cache, call.v_cache, lengths, options, out, lse)
-            ref, ref_lse = _reference(rows_, scale, softcap)
-            low, low_lse = _rows_in(dtype, rows_, scale, softcap)
-            bases[0] = max(bases[0], _max_err(low.double(), ref))
-            errors[0] = max(errors[0], _max_err(rows_.got.double(), ref))
-            if lse is not None:
-                bases[1] = max(bases[1], _max_err(low_lse.double(), ref_lse))
-                errors[1] = max(errors[1], _max_err(rows_.got_lse.double(), ref_lse))
-                largest_lse = max([largest_lse] + ref_lse[torch.isfinite(ref_lse)].abs().tolist())
-    found = guard._verdict(picks, errors[0], bases[0], dtype, factor)
-    if found is None and lse is not None:  # as guard.check: half an ulp of a float32 lse is rounding
-        floor = 0.5 * torch.finfo(torch.float32).eps * largest_lse
-        found = guard._verdict(picks, errors[1], bases[1], dtype, factor, floor)
-    return found
+    gather = (call.k_cache, call.v_cache, lengths, options, out, lse)
+    chunks = (
+        _gather(problem, picks[s : s + 4], query, *gather) for s in range(0, len(picks), 4)
+    )  # a cache can be long
+    stats = measure(chunks, scale, softcap, dtype, lse is not None)
+    where = [x for column in zip(*picks) for x in column]
+    return guard._read(stats.tolist() + where, dtype, factor, lse is not None)
 
 
 def guard_kv_call(decision, call, out, cfg, rerun):

@@ -56,21 +56,35 @@ def _rows_in(dtype, rows: Rows, scale, softcap, q=None):
     return torch.einsum("nl,nlv->nv", p, v), lse[:, 0]
 
 
-def _max_err(got, ref) -> float:
-    """max |got - ref| over entries; a non-finite value where the reference has another is inf."""
+def _errors(got, ref) -> torch.Tensor:
+    """max |got[k] - ref| over entries for each got[k] (got (K, *ref.shape)), as a float64 (K,)
+    tensor on the device, read by nobody here (no host sync); a non-finite value where the
+    reference has another (or NaN against NaN) is inf."""
+    got, ref = got.double(), ref.double()
     finite = torch.isfinite(ref)
-    if not torch.equal(torch.isfinite(got), finite) or not torch.equal(got[~finite], ref[~finite]):
-        return math.inf
-    return (got[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
+    agree = torch.where(finite, torch.isfinite(got), got == ref).flatten(1)
+    diff = torch.where(finite & torch.isfinite(got), got - ref, 0.0).abs().flatten(1)
+    worst = diff.amax(1) if diff.shape[1] else diff.new_zeros(diff.shape[0])
+    return torch.where(agree.all(1), worst, math.inf)
 
 
-def _features(rows: dict, options: dict, b, h, diag, sk, keep, lse) -> None:
+def index_tensor(columns, device) -> torch.Tensor:
+    """Host ints (K lists of n) as a (K, n) int64 tensor on `device`, copied without a host
+    sync (a pageable copy to the GPU waits for its queue; a pinned one does not)."""
+    host = torch.tensor(columns, dtype=torch.int64)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _features(rows: dict, options: dict, b, h, diag, j, keep, lse) -> None:
     """Adds ALiBi (slope, distance), sinks, dropout (folded into v) and the backend's lse rows
-    to `rows` (tensors (n,) of batch/head, diag (n, 1) the diagonal, sk the keys' width)."""
+    to `rows` (b, h (n,) batch/head, diag (n, 1) the diagonal, j the keys' positions in their
+    sequence, (width,) or (n, width))."""
     slopes, sinks = options.get("alibi_slopes"), options.get("sinks")
     if slopes is not None:
         rows["slope"] = slopes[b, h]
-        rows["distance"] = (diag - torch.arange(sk, device=diag.device)).abs().double()
+        rows["distance"] = (diag - j).abs().double()
     if sinks is not None:
         rows["sinks"] = sinks.detach()[h]
     if keep is not None:
@@ -78,86 +92,90 @@ def _features(rows: dict, options: dict, b, h, diag, sk, keep, lse) -> None:
     rows["got_lse"] = lse
 
 
+def _band(options, diag, j, sk):
+    """(n, width) keys a row may attend by causal/window alone (j: local key positions, sk the
+    sequence's length, an int or (n, 1))."""
+    bottom_right, left, right = band(options["causal"], options["window"])
+    allowed = (j >= 0) & (j < sk)
+    if left >= 0:
+        allowed = allowed & (j >= diag - left)
+    if right >= 0:
+        allowed = allowed & (j <= diag + right)
+    return allowed
+
+
 def _gather_dense(problem, picks, query, key, value, options, out, lse=None, keep=None) -> Rows:
-    """The picked rows of a dense call, gathered in one go (lse: the backend's (B, Hq, Sq);
-    keep: the keep-mask (B, Hq, Sq, Sk) of a dropout call)."""
-    dev = query.device
-    b, h, i = (torch.tensor(column, device=dev) for column in list(zip(*picks))[:3])
+    """The picked rows of a dense call, gathered in one go (picks (3, n): batch, head, row on
+    the device; lse: the backend's (B, Hq, Sq); keep: the keep-mask (B, Hq, Sq, Sk))."""
+    b, h, i = picks
     kv_head = h // (problem.heads_q // max(problem.heads_kv, 1))
     sq, sk = query.shape[2], key.shape[2]
-    bottom_right, left, right = band(options["causal"], options["window"])
+    bottom_right, _, _ = band(options["causal"], options["window"])
     diag = (i + (sk - sq if bottom_right else 0))[:, None]
-    j = torch.arange(sk, device=dev)
-    allowed = torch.ones(len(picks), sk, dtype=torch.bool, device=dev)
-    if left >= 0:
-        allowed &= j >= diag - left
-    if right >= 0:
-        allowed &= j <= diag + right
+    j = torch.arange(sk, device=query.device)
+    allowed = _band(options, diag, j, sk)
     bias, mask = None, options["attn_mask"]
     if mask is not None:
         rows = mask.expand(problem.batch, problem.heads_q, sq, sk)[b, h, i]
         if rows.dtype == torch.bool:
-            allowed &= rows
+            allowed = allowed & rows
         else:
             bias = rows
     fields = dict(q=query[b, h, i], k=key[b, kv_head], v=value[b, kv_head], allowed=allowed, bias=bias)
     fields |= dict(slope=None, distance=None, sinks=None, got=out[b, h, i])
     keep = None if keep is None else keep[b, h, i][..., None]
-    _features(fields, options, b, h, diag, sk, keep, None if lse is None else lse[b, h, i])
+    _features(fields, options, b, h, diag, j, keep, None if lse is None else lse[b, h, i])
     return Rows(**fields)
 
 
+def varlen_rows(options, t):
+    """Packed query rows t (n,) on the device -> their (sequence b, row i in it, sq, k0, sk),
+    from the offsets on the device (never read on the host)."""
+    cu_q, cu_k = options["cu_seqlens_q"].long(), options["cu_seqlens_k"].long()
+    b = torch.searchsorted(cu_q, t, right=True) - 1  # the last start <= t: the sequence holding t
+    q0, k0 = cu_q[b], cu_k[b]
+    return b, t - q0, cu_q[b + 1] - q0, k0, cu_k[b + 1] - k0
+
+
 def _gather_varlen(problem, picks, query, key, value, options, out, lse=None, keep=None) -> Rows:
-    """As _gather_dense for packed sequences: each row's own keys, padded to the longest
-    (padding not allowed); a mask and a keep-mask are indexed by positions local to each
-    sequence; lse is the backend's (Hq, total_q)."""
+    """As _gather_dense for packed sequences (picks (2, n): packed row t, head): each row over
+    every packed key, those outside its sequence not allowed (the offsets stay on the device);
+    a mask and a keep-mask are indexed by positions local to each sequence; lse is (Hq, total_q)."""
+    t, h = picks
     group = problem.heads_q // max(problem.heads_kv, 1)
-    bottom_right, left, right = band(options["causal"], options["window"])
-    mask = options["attn_mask"]
+    bottom_right, _, _ = band(options["causal"], options["window"])
+    b, i, sq, k0, sk = varlen_rows(options, t)
+    j = torch.arange(key.shape[0], device=query.device) - k0[:, None]  # (n, total_k) local positions
+    diag = (i + (sk - sq if bottom_right else 0))[:, None]
+    allowed = _band(options, diag, j, sk[:, None])
+    local = j.clamp(0, max(problem.seqlen_k - 1, 0))
+    bias, mask = None, options["attn_mask"]
     if mask is not None:
         mask = mask.expand(problem.batch, problem.heads_q, problem.seqlen_q, problem.seqlen_k)
-    width = max(p[6] for p in picks)
-    n, dev = len(picks), query.device
-    qs, ks, vs, got, diags = [], [], [], [], []
-    allowed = torch.zeros(n, width, dtype=torch.bool, device=dev)
-    bias = None if mask is None or mask.dtype == torch.bool else torch.zeros(n, width, dtype=mask.dtype, device=dev)
-    kept = None if keep is None else torch.zeros(n, width, 1, dtype=torch.bool)
-    for r, (b, h, i, t, sq, k0, sk) in enumerate(picks):
-        qs.append(query[t, h])
-        got.append(out[t, h])
-        ks.append(torch.nn.functional.pad(key[k0 : k0 + sk, h // group], (0, 0, 0, width - sk)))
-        vs.append(torch.nn.functional.pad(value[k0 : k0 + sk, h // group], (0, 0, 0, width - sk)))
-        diag = i + (sk - sq if bottom_right else 0)
-        diags.append(diag)
-        lo, hi = (diag - left if left >= 0 else 0), (diag + right if right >= 0 else sk - 1)
-        allowed[r, max(lo, 0) : max(min(hi, sk - 1) + 1, 0)] = True
-        if mask is not None:
-            row = mask[b, h, i, :sk]
-            if bias is None:
-                allowed[r, :sk] &= row
-            else:
-                bias[r, :sk] = row
-        if keep is not None:
-            kept[r, :sk, 0] = keep[b, h, i, :sk].cpu()
-    b, h, t = (torch.tensor([p[k] for p in picks], device=dev) for k in (0, 1, 3))
-    fields = dict(q=torch.stack(qs), k=torch.stack(ks), v=torch.stack(vs), allowed=allowed, bias=bias)
-    fields |= dict(slope=None, distance=None, sinks=None, got=torch.stack(got))
-    diag = torch.tensor(diags, device=dev)[:, None]
-    _features(fields, options, b, h, diag, width, kept, None if lse is None else lse[h, t])
+        rows = mask[b[:, None], h[:, None], i[:, None], local]
+        if rows.dtype == torch.bool:
+            allowed = allowed & rows
+        else:
+            bias = torch.where(allowed, rows, 0)
+    kv_head = h // group
+    fields = dict(q=query[t, h], k=key[:, kv_head].transpose(0, 1), v=value[:, kv_head].transpose(0, 1))
+    fields |= dict(allowed=allowed, bias=bias, slope=None, distance=None, sinks=None, got=out[t, h])
+    kept = None if keep is None else (keep[b[:, None], h[:, None], i[:, None], local] & allowed)[..., None]
+    _features(fields, options, b, h, diag, j, kept, None if lse is None else lse[h, t])
     return Rows(**fields)
 
 
 # float64 elements of one batch of recomputed rows' keys and values (64 MiB): long sequences
-# are checked a few rows at a time, never as one copy of n x Sk keys
+# are checked a few rows at a time, never as one copy of n x Sk keys (varlen: n x total_k)
 CHUNK_ELEMENTS = 1 << 23
 
 
 def _chunks(picks, key, options):
-    """The picks in batches whose float64 copies of keys and values stay under CHUNK_ELEMENTS."""
-    width = max(p[6] for p in picks) if options["cu_seqlens_q"] is not None else key.shape[-2]
+    """The picks ((K, n) on the device) in batches whose float64 copies of keys and values stay under CHUNK_ELEMENTS."""
+    width = key.shape[0] if options["cu_seqlens_q"] is not None else key.shape[-2]
     per_row = max(1, width * (key.shape[-1] + 1) * 2)
     step = max(1, CHUNK_ELEMENTS // per_row)
-    return [picks[i : i + step] for i in range(0, len(picks), step)]
+    return [picks[:, i : i + step] for i in range(0, picks.shape[1], step)]
 
 
 def _reference(rows: Rows, scale, softcap, q=None):
@@ -183,3 +201,35 @@ def _reference(rows: Rows, scale, softcap, q=None):
         return_lse=True,
     )
     return out[0, :, 0], lse[0, :, 0]
+
+
+def _wide_bias(rows: Rows, dtype) -> bool:
+    """A bias wider than the inputs is exact input: the input dtype's error is then rounding alone."""
+    return rows.bias is not None and rows.bias.dtype != dtype and rows.bias.dtype.itemsize > dtype.itemsize
+
+
+# the layout of measure()'s result
+ERROR, BASE, LSE_ERROR, LSE_BASE, LARGEST_LSE = range(5)
+
+
+def measure(chunks, scale, softcap, dtype, with_lse: bool) -> torch.Tensor:
+    """The errors of gathered Rows (an iterable of chunks) as one float64 (5,) tensor on their
+    device, never read here: the output's error against float64 and its base (the same rows'
+    error in the input dtype), the lse's two, and the largest finite |lse| (zeros without lse)."""
+    stats = None
+    with torch.no_grad():
+        for rows in chunks:
+            ref, ref_lse = _reference(rows, scale, softcap)
+            if _wide_bias(rows, dtype):
+                low, low_lse = ref.to(dtype), ref_lse.to(dtype)
+            else:
+                low, low_lse = _rows_in(dtype, rows, scale, softcap)
+            parts = [_errors(torch.stack([rows.got.double(), low.double()]), ref)]
+            if with_lse:
+                parts.append(_errors(torch.stack([rows.got_lse.double(), low_lse.double()]), ref_lse))
+                parts.append(torch.where(torch.isfinite(ref_lse), ref_lse.abs(), 0.0).amax(0, keepdim=True))
+            else:
+                parts.append(ref.new_zeros(3))
+            chunk = torch.cat(parts)
+            stats = chunk if stats is None else torch.maximum(stats, chunk)
+    return stats

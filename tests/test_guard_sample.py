@@ -1,0 +1,149 @@
+"""The numerics guard's sampled calls (issue 38): with sample_verdict "deferred" (default) a
+sampled call's check is queued without a host sync and its verdict applied on a later call
+(or at guard_flush()); "immediate" judges before the call returns and re-runs it."""
+
+import contextlib
+import logging
+
+import pytest
+import torch
+
+import attention_dispatch as ad
+from attention_dispatch.api import normalize_call
+from attention_dispatch.backends.math import math_attention
+from attention_dispatch.policy import guard
+
+from cases import Case, make_inputs
+from naive import naive_attention
+from test_guard import Drifting, guarded
+
+
+def drifting_setup():
+    ad.register_backend(Drifting(), priority="first")
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    return (q, k, v), naive_attention(q.double(), k.double(), v.double()).float()
+
+
+def test_deferred_verdict_quarantines_on_a_later_call_and_logs_it(caplog):
+    (q, k, v), ref = drifting_setup()
+    with guarded("sample", "drifting", sample=1.0), caplog.at_level(logging.ERROR, "attention_dispatch"):
+        torch.testing.assert_close(ad.sdpa(q, k, v), ref)  # first call: checked at once, right
+        wrong = ad.sdpa(q, k, v)  # fast path, sampled: its verdict is deferred, its output returned
+        assert not torch.allclose(wrong, ref, atol=0.1)
+        assert ad.last_decision().backend == "drifting" and guard.quarantined() == {}
+        torch.testing.assert_close(ad.sdpa(q, k, v), ref)  # applies the verdict, then the next candidate
+        assert ad.last_decision().backend != "drifting"
+        assert "sampled call" in guard.quarantined()["drifting"][0]
+        notes = " ".join(ad.explain(q, k, v).notes)
+        assert "drifting" in " ".join(ad.explain(q, k, v).rejected) or "drifting" in notes
+        assert "sample_verdict='deferred'" in notes
+    logged = [r.getMessage() for r in caplog.records if "numerics guard" in r.getMessage()]
+    assert len(logged) == 1 and "'drifting'" in logged[0] and "already returned" in logged[0], logged
+
+
+def test_guard_flush_applies_pending_verdicts():
+    (q, k, v), _ = drifting_setup()
+    with guarded("sample", "drifting", sample=1.0):
+        ad.sdpa(q, k, v)
+        ad.sdpa(q, k, v)  # wrong, deferred
+        reasons = ad.guard_flush()
+        assert len(reasons) == 1 and reasons[0].startswith("drifting quarantined: max error")
+        assert "drifting" in guard.quarantined() and ad.guard_flush() == []
+
+
+def test_deferred_verdict_passes_a_right_backend():
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    with guarded("sample", "torch_cpu", sample=1.0):
+        for _ in range(4):
+            ad.sdpa(q, k, v)
+        assert ad.guard_flush() == [] and guard.quarantined() == {}
+
+
+def test_clear_cache_drops_pending_verdicts():
+    (q, k, v), _ = drifting_setup()
+    with guarded("sample", "drifting", sample=1.0):
+        ad.sdpa(q, k, v)
+        ad.sdpa(q, k, v)
+    ad.clear_cache()
+    assert ad.guard_flush() == [] and guard.quarantined() == {}
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Every way of reading a tensor on the host (a sync on a device) raises inside."""
+
+    def forbid(name):
+        def read(*args, **kwargs):
+            raise AssertionError(f"host read: Tensor.{name}")
+
+        return read
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, forbid(name))
+        patch.setattr(torch, "equal", forbid("equal"))
+        yield
+
+
+SYNC_CASES = [
+    Case(causal="bottom_right", seqlen_q=5, seqlen_k=9, heads_q=4, heads_kv=2),
+    Case(mask="bool", mask_shape="keys", seqlen_q=6, seqlen_k=6),
+    Case(varlen=(3, 0, 5, 1), extra_k=(2, 4, 0, 0), mask="float", window=(1, 1), return_lse=True),
+    Case(alibi="batch", sinks="fixed", softcap=5.0, return_lse=True, causal="top_left"),
+]
+
+
+@pytest.mark.parametrize("case", SYNC_CASES, ids=str)
+def test_the_deferred_measurement_reads_nothing_on_the_host(case):
+    q, k, v, mask, sdpa_kw, _ = make_inputs(case, requires_grad=False)
+    call = normalize_call(q, k, v, mask, **sdpa_kw)
+    out = math_attention(call.query, call.key, call.value, **call.options)
+    args = (call.problem, call.query, call.key, call.value, call.options)
+    with no_host_reads():
+        measured = guard.payload(*args, out, rows=4096)
+    found = guard._read(measured.tolist(), case.dtype, 2.0, bool(case.return_lse))
+    assert found is None and guard.check(*args, out, rows=4096) is None
+    with no_host_reads(), pytest.raises(AssertionError, match="host read"):
+        guard.check(*args, out, rows=4096)  # the immediate verdict reads it: the fixture can fail
+
+
+def test_a_sampled_call_reads_nothing_on_the_host():
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    call = normalize_call(q, k, v)
+    out = math_attention(call.query, call.key, call.value, **call.options)
+    decision = ad.explain(q, k, v, backend="math")
+    for verdict in ("deferred", "immediate"):
+        with ad.use_config({"guard": {"mode": "sample", "sample": 1.0, "sample_verdict": verdict}}) as cfg:
+            runner = guard.sampled(lambda *args, **kwargs: out, decision, call.options, cfg.guard)
+            with no_host_reads():
+                if verdict == "deferred":
+                    assert runner(q, k, v) is out
+                else:  # the immediate verdict reads the check on the host: the patch would see a sync
+                    with pytest.raises(AssertionError, match="host read"):
+                        runner(q, k, v)
+        assert len(guard._pending) == (verdict == "deferred")
+        assert ad.guard_flush() == []  # nothing left pending for the next verdict's run
+
+
+def test_first_mode_checks_nothing_after_the_first_call(monkeypatch):
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    measured = []
+    monkeypatch.setattr(guard, "payload", lambda *a, **kw: measured.append(1))
+    with guarded("first", "torch_cpu"):
+        for _ in range(5):
+            ad.sdpa(q, k, v)
+    assert measured == [1]
+
+
+def test_sample_verdict_is_validated_and_named_in_explain():
+    with pytest.raises(ad.ConfigError, match="sample_verdict"):
+        with ad.use_config({"guard": {"mode": "sample", "sample_verdict": "later"}}):
+            pass
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    for verdict in ("deferred", "immediate"):
+        with ad.use_config({"guard": {"mode": "sample", "sample_verdict": verdict}}):
+            assert f"sample_verdict={verdict!r}" in " ".join(ad.explain(q, k, v).notes)
+    assert not any("sample_verdict" in n for n in ad.explain(q, k, v).notes)
