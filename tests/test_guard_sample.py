@@ -147,3 +147,36 @@ def test_sample_verdict_is_validated_and_named_in_explain():
         with ad.use_config({"guard": {"mode": "sample", "sample_verdict": verdict}}):
             assert f"sample_verdict={verdict!r}" in " ".join(ad.explain(q, k, v).notes)
     assert not any("sample_verdict" in n for n in ad.explain(q, k, v).notes)
+
+
+@pytest.mark.gpu
+def test_deferred_on_cuda_syncs_nothing_and_quarantines_later():
+    """On the GPU: the sampled call queues its check without a sync (torch's sync debug mode
+    raises on one; the immediate verdict is caught by it), and a later call applies the verdict."""
+    q, k, v = (torch.randn(2, 4, 200, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    call = normalize_call(q, k, v, None, 0.0, True)
+    out = math_attention(call.query, call.key, call.value, **call.options)
+    decision = ad.explain(q, k, v, is_causal=True, backend="math")
+    for verdict in ("deferred", "immediate"):
+        with ad.use_config({"guard": {"mode": "sample", "sample": 1.0, "sample_verdict": verdict}}) as cfg:
+            runner = guard.sampled(lambda *args, **kwargs: out, decision, call.options, cfg.guard)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                if verdict == "deferred":
+                    runner(q, k, v)
+                else:
+                    with pytest.raises(RuntimeError, match="synchroniz"):
+                        runner(q, k, v)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert ad.guard_flush() == []
+    ad.register_backend(Drifting(), priority="first")
+    ref = naive_attention(q.double(), k.double(), v.double(), causal="top_left")
+    with guarded("sample", "drifting", sample=1.0):
+        ad.sdpa(q, k, v, is_causal=True)
+        ad.sdpa(q, k, v, is_causal=True)  # wrong, its verdict deferred
+        torch.cuda.synchronize()
+        right = ad.sdpa(q, k, v, is_causal=True)  # the verdict is in: quarantined, the next candidate runs
+        assert ad.last_decision().backend != "drifting" and "drifting" in guard.quarantined()
+        torch.testing.assert_close(right.double(), ref, atol=2e-2, rtol=0)
