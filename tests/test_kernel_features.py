@@ -453,14 +453,16 @@ def test_gpu_gluon_backward_softcap_alibi_gqa(extra):
         (128, {}),
         (128, dict(causal="bottom_right")),
         (128, dict(deterministic=True)),
+        (128, dict(softcap=20.0)),
         (64, {}),
         (64, dict(softcap=20.0)),
     ],
     ids=str,
 )
 def test_gpu_gluon_alibi_small_slopes(d, extra):
-    """ALiBi with slopes 0.05-0.45 times 2^-8: every key tile keeps a visible weight, so the Gluon dK/dV
-    pass's three tile kinds (left of the diagonal, right of it, crossing it) each count."""
+    """ALiBi with slopes 0.05-0.45 times 2^-8: every key tile keeps a visible weight, so the three tile
+    kinds (left of the diagonal, right of it, crossing it) of the Gluon forward, dQ and dK/dV passes
+    each count (common._alibi_split; deterministic: the separate dQ pass)."""
     q, k, v = (rand(1, 4, 2048, d, dtype=BF16) for _ in range(3))
     extra = dict(extra)
     causal = extra.pop("causal", None)

@@ -322,17 +322,57 @@ def _release_bias(bias, j, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(sc, m_i, scale, MAY_EMPTY: gl.constexpr):
+def _softmax_step(
+    sc, m_i, scale, MAY_EMPTY: gl.constexpr, roff=0.0, ROW_OFF: gl.constexpr = False, EXP2_POLY: gl.constexpr = False
+):
     """One key tile of the online softmax: (P, rescale factor of the earlier sums, new max).
     ``sc * scale`` are log2-domain scores; ``m_i`` the running max (scaled), -inf while a row
     has seen no allowed key: with MAY_EMPTY (a bias or a window's left bound can hide a whole
-    tile) such a row is exponentiated against 0, so its P and factor are 0 instead of NaN."""
-    m_new = gl.maximum(m_i, gl.max(sc, 1) * scale)
+    tile) such a row is exponentiated against 0, so its P and factor are 0 instead of NaN.
+    ROW_OFF: the scores are ``sc + roff`` (a row vector, :func:`_alibi_split`), added per row only;
+    EXP2_POLY: half of P's exponentials on the FMA pipe (:func:`_exp2_half_poly`)."""
+    if ROW_OFF:
+        m_new = gl.maximum(m_i, (gl.max(sc, 1) + roff) * scale)
+    else:
+        m_new = gl.maximum(m_i, gl.max(sc, 1) * scale)
     m_use = m_new
     if MAY_EMPTY:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(sc * scale - m_use[:, None])
+    m_sub = m_use
+    if ROW_OFF:
+        m_sub = m_use - roff * scale
+    if EXP2_POLY:
+        p = _exp2_half_poly(sc * scale - m_sub[:, None])
+    else:
+        p = gl.exp2(sc * scale - m_sub[:, None])
     return p, gl.exp2(m_i - m_use), m_new
+
+
+# 2^x for x <= 0 on the FMA pipe (FA4's trick, issue 36): Cody-Waite split x = n + f (n = floor(x)
+# by a round-down add of 1.5 * 2^23, f in [0, 1)), 2^f by a degree-3 minimax polynomial
+# (flash-attn 4's coefficients: relative error 8.8e-5, bf16's rounding of P is 2^-9), 2^n by adding
+# n to the exponent bits; x clamped at -127 (2^-127 + f gives 0 or a denormal below 2^-126)
+_EXP2_POLY_ASM = gl.constexpr("""{
+.reg .b32 xc, xr, xb, f, q, e;
+ex2.approx.ftz.f32 $0, $2;
+max.ftz.f32 xc, $3, 0fC2FE0000;
+add.rm.ftz.f32 xr, xc, 0f4B400000;
+sub.ftz.f32 xb, xr, 0f4B400000;
+sub.ftz.f32 f, xc, xb;
+fma.rn.ftz.f32 q, f, 0f3D9DF09D, 0f3E6906A4;
+fma.rn.ftz.f32 q, q, f, 0f3F31F519;
+fma.rn.ftz.f32 q, q, f, 0f3F800000;
+shl.b32 e, xr, 23;
+add.s32 $1, e, q;
+}""")
+
+
+@gluon.jit
+def _exp2_half_poly(x):
+    """exp2 of a tile whose elements are <= 0 (or -inf): of each pair of a thread's consecutive
+    elements (two adjacent columns of a wgmma tile) one by ex2.approx (MUFU), one by the polynomial
+    above (nine FP32/integer ops): a softcap's tanh already takes one MUFU op a score (E87)."""
+    return gl.inline_asm_elementwise(_EXP2_POLY_ASM, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -401,6 +441,23 @@ def _score_transform(
         else:
             sc = sc - alibi_coef * gl.abs(rows_f - cols_f)
     return sc, t
+
+
+@gluon.jit
+def _alibi_split(sc, cr, ckj, k0, coef, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """ALiBi of a (query rows x keys) tile, as (sc', roff) with scores = sc' + roff per row (units of
+    ``coef`` = slope log2(e) / scale; E87): with r = i + off - origin in [0, BLOCK_M) (``cr`` = coef r,
+    a row vector), k = j - origin = k0 + jj (``ckj`` = coef jj, loop-invariant), a tile left of the
+    diagonal (k <= r) has -coef |r - k| = coef k - cr, one right of it cr - coef k: one FFMA a score
+    (sc + -+ckj) and a row offset; a tile crossing it adds 2 min(cr - coef k, 0) (two ops more)."""
+    right = k0 >= BLOCK_M - 1
+    sgn = gl.where(right, -1.0, 1.0)
+    ck0 = coef * k0.to(gl.float32)
+    sc = gl.fma(ckj[None, :], sgn, sc)
+    roff = sgn * (ck0 - cr)
+    if (not right) & (k0 + BLOCK_N - 1 > 0):
+        sc = sc + 2.0 * gl.minimum((cr - ck0)[:, None] - ckj[None, :], 0.0)
+    return sc, roff
 
 
 @gluon.jit

@@ -8,6 +8,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from .common import (
     _lse_log2,
     WG_ROWS,
+    _alibi_split,
     _bias_ring,
     _bias_tile,
     _kv_ring,
@@ -93,7 +94,17 @@ def _ws_bwd_dq_consumer(
     if HAS_ALIBI:
         alibi_slope = gl.load(alibi_ptr + (pid_bh // num_heads) * alibi_sb + (pid_bh % num_heads) * alibi_sh)
     scale, to_nat, alibi_coef = _score_scales(qk_scale, softcap, alibi_slope, HAS_BIAS, SOFTCAP)
+    # ALiBi alone as the forward's (common._alibi_split): r = i + off - origin in [0, BLOCK_M), the row
+    # part in the logsumexp, one FFMA a score; with a softcap the distances stay in _score_transform
+    # (the split's 32 key registers beside tanh spilled 1020 B at d128, E87)
+    ALIBI_SPLIT: gl.constexpr = HAS_ALIBI and not SOFTCAP
+    origin = q_start + alibi_off
     rows_f = _small_int_f32(rows + alibi_off - q_start)
+    cr = 0.0
+    ckj = 0.0
+    if ALIBI_SPLIT:
+        cr = alibi_coef * (rows - q_start).to(gl.float32)
+        ckj = alibi_coef * gl.arange(0, BLOCK_N, col_s).to(gl.float32)
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     first, n_tiles, n_full = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, 2)
@@ -110,23 +121,30 @@ def _ws_bwd_dq_consumer(
         if HAS_BIAS:
             b = _bias_tile(bias, j, WG, BLOCK_M, BIAS_STAGES, s_layout)
         sc = warpgroup_mma_wait(1, deps=[s_tok])
+        cols_f = 0.0
+        if HAS_ALIBI and not ALIBI_SPLIT:
+            cols_f = _small_int_f32((first + j) * BLOCK_N - q_start + gl.arange(0, BLOCK_N, col_s))[None, :]
         sc, tanh_t = _score_transform(
             sc,
             rows_f[:, None],
-            _small_int_f32((first + j) * BLOCK_N - q_start + gl.arange(0, BLOCK_N, col_s))[None, :],
+            cols_f,
             softcap_in,
             to_nat,
             alibi_coef,
             HAS_BIAS,
             SOFTCAP,
-            HAS_ALIBI,
+            HAS_ALIBI and not ALIBI_SPLIT,
             False,
         )
+        lse_j = lse2
+        if ALIBI_SPLIT:
+            sc, roff = _alibi_split(sc, cr, ckj, (first + j) * BLOCK_N - origin, alibi_coef, BLOCK_M, BLOCK_N)
+            lse_j = lse2 - roff * scale
         if HAS_BIAS:
             sc = sc + b
             _release_bias(bias, j, BIAS_STAGES)
         sc = _mask_tile(sc, rows, q_start, j, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-        p = gl.exp2(sc * scale - lse2[:, None])
+        p = gl.exp2(sc * scale - lse_j[:, None])
         dp, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, do_buf, v_buf])
         mbarrier.arrive(v_empty.index(s), count=1)
         ds = p * (dp - delta[:, None])

@@ -11,6 +11,7 @@ from .common import (
     WG_ROWS,
     _bias_tile,
     _mask_tile,
+    _alibi_split,
     _release_bias,
     _score_scales,
     _score_transform,
@@ -30,6 +31,8 @@ def _transformed(
     softcap_in,
     to_nat,
     alibi_coef,
+    cr,
+    ckj,
     col_layout: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HAS_BIAS: gl.constexpr,
@@ -37,22 +40,29 @@ def _transformed(
     HAS_ALIBI: gl.constexpr,
     ALIBI_ROWLESS: gl.constexpr,
 ):
-    """Raw products of key tile ``tile`` -> scores before the bias (:func:`_score_transform`; the
-    distances from ``key0``, ``rows_f`` = MAGIC + i + off - key0 per row)."""
-    cols_f = _small_int_f32(tile * BLOCK_N - key0 + gl.arange(0, BLOCK_N, col_layout))
+    """Raw products of key tile ``tile`` -> (scores before the bias, their row offset): ALiBi as
+    :func:`_alibi_split` (``cr``, ``ckj``) unless ALIBI_ROWLESS (:func:`_score_transform`, the
+    distances from ``key0``, ``rows_f`` = MAGIC + i + off - key0 per row); roff 0.0 without ALiBi."""
+    ALIBI_SPLIT: gl.constexpr = HAS_ALIBI and not ALIBI_ROWLESS
+    cols_f = 0.0
+    if ALIBI_ROWLESS:
+        cols_f = _small_int_f32(tile * BLOCK_N - key0 + gl.arange(0, BLOCK_N, col_layout))[None, :]
     sc, _ = _score_transform(
         sc,
         rows_f[:, None],
-        cols_f[None, :],
+        cols_f,
         softcap_in,
         to_nat,
         alibi_coef,
         HAS_BIAS,
         SOFTCAP,
-        HAS_ALIBI,
+        ALIBI_ROWLESS,
         ALIBI_ROWLESS,
     )
-    return sc
+    roff = 0.0
+    if ALIBI_SPLIT:
+        sc, roff = _alibi_split(sc, cr, ckj, tile * BLOCK_N - key0, alibi_coef, sc.shape[0], BLOCK_N)
+    return sc, roff
 
 
 @gluon.jit
@@ -100,8 +110,16 @@ def _consume(
     scale, to_nat, alibi_coef = _score_scales(qk_scale, softcap, alibi_slope, HAS_BIAS, SOFTCAP)
     # ALiBi: the distances count from key0, this warpgroup's first diagonal, and stay small
     ALIBI_ROWLESS: gl.constexpr = HAS_ALIBI and WINDOW_RIGHT == 0  # banded: Sq == Sk, off = 0
+    ALIBI_SPLIT: gl.constexpr = HAS_ALIBI and not ALIBI_ROWLESS
     key0 = row0 + alibi_off
     rows_f = _small_int_f32(rows + alibi_off - key0)
+    cr = 0.0
+    ckj = 0.0
+    if ALIBI_SPLIT:  # the per-row and per-key parts of its terms (common._alibi_split)
+        cr = alibi_coef * (rows_f - MAGIC)
+        ckj = alibi_coef * gl.arange(0, BLOCK_N, col_s).to(gl.float32)
+    # softcap: its tanh takes one MUFU op a score, so half of P's exponentials go to the FMA pipe
+    EXP2_POLY: gl.constexpr = SOFTCAP
 
     # tile 0: its scores start the running max and sum
     mbarrier.wait(k_ready.index(0), 0)
@@ -111,7 +129,7 @@ def _consume(
         b = _bias_tile(bias, 0, WG, BLOCK_M, BIAS_STAGES, s_layout)
     sc, _, _ = warpgroup_mma_wait(0, deps=[sc, q_buf, k_buf])
     mbarrier.arrive(k_empty.index(0), count=1)
-    sc = _transformed(
+    sc, roff = _transformed(
         sc,
         rows_f,
         first,
@@ -119,6 +137,8 @@ def _consume(
         softcap_in,
         to_nat,
         alibi_coef,
+        cr,
+        ckj,
         col_s,
         BLOCK_N,
         HAS_BIAS,
@@ -130,7 +150,8 @@ def _consume(
         sc = sc + b
         _release_bias(bias, 0, BIAS_STAGES)
     sc = _mask_tile(sc, rows, row0, 0, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-    p, alpha, m_i = _softmax_step(sc, gl.full([BLOCK_M], float("-inf"), gl.float32, row_s), scale, MAY_EMPTY)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY, roff, ALIBI_SPLIT, EXP2_POLY)
     l_i = gl.sum(p, 1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     for j in range(1, n_tiles):
@@ -147,7 +168,7 @@ def _consume(
         # wgmma groups retire in order: one outstanding = S_j done, P_{j-1} V_{j-1} running
         sc, _, _ = warpgroup_mma_wait(1, deps=[sc_tok, q_buf, k_buf])
         mbarrier.arrive(k_empty.index(s), count=1)
-        sc = _transformed(
+        sc, roff = _transformed(
             sc,
             rows_f,
             first + j,
@@ -155,6 +176,8 @@ def _consume(
             softcap_in,
             to_nat,
             alibi_coef,
+            cr,
+            ckj,
             col_s,
             BLOCK_N,
             HAS_BIAS,
@@ -166,7 +189,7 @@ def _consume(
             sc = sc + b
             _release_bias(bias, j, BIAS_STAGES)
         sc = _mask_tile(sc, rows, row0, j, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-        p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY)
+        p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY, roff, ALIBI_SPLIT, EXP2_POLY)
         l_i = l_i * alpha + gl.sum(p, 1)
         acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
         mbarrier.arrive(v_empty.index(sp), count=1)
