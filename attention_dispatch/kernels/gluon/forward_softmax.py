@@ -39,13 +39,14 @@ def _transformed(
     SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr,
     ALIBI_ROWLESS: gl.constexpr,
+    ALIBI_SPLIT_OK: gl.constexpr,
 ):
     """Raw products of key tile ``tile`` -> (scores before the bias, their row offset): ALiBi as
-    :func:`_alibi_split` (``cr``, ``ckj``) unless ALIBI_ROWLESS (:func:`_score_transform`, the
+    :func:`_alibi_split` (``cr``, ``ckj``) where ALIBI_SPLIT_OK, else (:func:`_score_transform`, the
     distances from ``key0``, ``rows_f`` = MAGIC + i + off - key0 per row); roff 0.0 without ALiBi."""
-    ALIBI_SPLIT: gl.constexpr = HAS_ALIBI and not ALIBI_ROWLESS
+    ALIBI_SPLIT: gl.constexpr = HAS_ALIBI and not ALIBI_ROWLESS and ALIBI_SPLIT_OK
     cols_f = 0.0
-    if ALIBI_ROWLESS:
+    if HAS_ALIBI and not ALIBI_SPLIT:
         cols_f = _small_int_f32(tile * BLOCK_N - key0 + gl.arange(0, BLOCK_N, col_layout))[None, :]
     sc, _ = _score_transform(
         sc,
@@ -56,7 +57,7 @@ def _transformed(
         alibi_coef,
         HAS_BIAS,
         SOFTCAP,
-        ALIBI_ROWLESS,
+        HAS_ALIBI and not ALIBI_SPLIT,
         ALIBI_ROWLESS,
     )
     roff = 0.0
@@ -110,7 +111,8 @@ def _consume(
     scale, to_nat, alibi_coef = _score_scales(qk_scale, softcap, alibi_slope, HAS_BIAS, SOFTCAP)
     # ALiBi: the distances count from key0, this warpgroup's first diagonal, and stay small
     ALIBI_ROWLESS: gl.constexpr = HAS_ALIBI and WINDOW_RIGHT == 0  # banded: Sq == Sk, off = 0
-    ALIBI_SPLIT: gl.constexpr = HAS_ALIBI and not ALIBI_ROWLESS
+    # not at d64 (three warpgroups of 128 registers): the split's key vector spilled 560-1076 B (E87)
+    ALIBI_SPLIT: gl.constexpr = HAS_ALIBI and not ALIBI_ROWLESS and HEAD_D >= 128
     key0 = row0 + alibi_off
     rows_f = _small_int_f32(rows + alibi_off - key0)
     cr = 0.0
@@ -145,6 +147,7 @@ def _consume(
         SOFTCAP,
         HAS_ALIBI,
         ALIBI_ROWLESS,
+        ALIBI_SPLIT,
     )
     if HAS_BIAS:
         sc = sc + b
@@ -184,6 +187,7 @@ def _consume(
             SOFTCAP,
             HAS_ALIBI,
             ALIBI_ROWLESS,
+            ALIBI_SPLIT,
         )
         if HAS_BIAS:
             sc = sc + b
