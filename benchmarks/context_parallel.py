@@ -11,8 +11,8 @@ rule, with fp32 as the reference since a float64 oracle at these lengths is out 
 
 Scaling: forward+backward time of causal zigzag ring attention at S_total = 64k and 128k on W GPUs
 against one GPU at the same S (measured in the same run, before the processes start), and the peak
-memory per GPU, for each backward mode ("recompute", "autograd", and "autograd-nocheck": autograd
-inside cross_rank_checks(False), a training loop's steady state); the 1-GPU baseline both with
+memory per GPU, for the default backward (backward=None: "merged" where it serves the call; the
+row names the mode it chose) and the other modes ("recompute", "autograd"); the 1-GPU baseline both with
 the default dispatch and forced onto the backend the blocks ran on. Breakdown (printed before the
 table): per ring step, the compute stream's time in the step's blocks and stalled in the wait
 for the next keys (CUDA events around Accumulator.add and Pending.wait), forward and backward
@@ -201,7 +201,7 @@ def _worker(rank: int, world: int, args, init: str, queue) -> None:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=device)
-    from attention_dispatch.distributed import context_parallel_sdpa, cross_rank_checks, shard, unshard
+    from attention_dispatch.distributed import context_parallel_sdpa, cross_rank_checks, last_backward, shard, unshard
 
     rows = []
     lengths = [] if args.no_correctness else args.correctness_lengths
@@ -239,12 +239,12 @@ def _worker(rank: int, world: int, args, init: str, queue) -> None:
         leaves = [shard(t, layout="zigzag").detach().requires_grad_() for t in (q, k, v)]
         dos = shard(do, layout="zigzag")
         del q, k, v, do
-        # autograd-nocheck: inside cross_rank_checks(False); the autograd rows' check now runs once
-        # per signature (the warm-up), so the two should match (before: an all-gather per call)
-        for mode in ("recompute", "autograd", "autograd-nocheck"):
-            backward = mode.split("-")[0]
+        # default: backward=None, "merged" where it serves (its row says which mode ran); the cross-rank
+        # check runs once per signature (the warm-up), as in a training loop's steady state
+        for mode in ("default", "recompute", "autograd"):
+            backward = None if mode == "default" else mode
 
-            def forward(leaves=leaves, backward=backward, check=mode != "autograd-nocheck"):
+            def forward(leaves=leaves, backward=backward, check=True):
                 with cross_rank_checks(check):
                     return context_parallel_sdpa(
                         *leaves, enable_gqa=True, causal="bottom_right", exchange="ring", backward=backward
@@ -286,6 +286,7 @@ def _worker(rank: int, world: int, args, init: str, queue) -> None:
                 breakdown_ms={n: round(t, 3) for n, t in sorted(parts.items())},
                 sdpa_calls=dict(forward=n_fwd, backward=len(decisions) - n_fwd),
                 backends=dict(used),
+                backward=tuple(last_backward()),  # (mode, why)
             )
             timings[f"{s} {mode}"] = row
             if rank == 0:
@@ -366,6 +367,7 @@ def main() -> None:
     print("  S_total  backward          1 GPU ms   W ms (fwd)        speedup   peak GiB 1 -> W   held after fwd 1 -> W")
     for key, t in result["timings"].items():
         s, backward = key.split()
+        backward = backward if backward != "default" else f"default={t['backward'][0]}"
         base = single[int(s)]["default"]
         print(
             f"  {int(s):>7}  {backward:<16} {base['ms']:>8.1f} {t['ms']:>8.1f} ({t['fwd_ms']:>6.1f}) "

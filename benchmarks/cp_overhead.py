@@ -5,7 +5,8 @@
 2 gloo processes, bf16, GQA 4/2 heads, d16, causal zigzag ring (the 2-GPU benchmark's call at a
 tiny size). Each block's ad.sdpa() is wrapped in an autograd Function that stands for one fused
 attention forward and one fused backward (what a flash-style kernel does), so that every other
-tensor op (merge, casts, slices' gradients, accumulation, exchanges) is counted per fwd+bwd:
+tensor op (merge, casts, slices' gradients, accumulation, exchanges) is counted per fwd+bwd
+(backward="merged": each block's Backend.run_backward is the one fused backward):
 launches (view ops excluded) and bytes read + written, per phase and backward mode, and the
 largest ops. Bytes are given in units of one local query shard (B, Hq, S / W, D) in bf16.
 """
@@ -82,6 +83,20 @@ class _FusedAttention(torch.autograd.Function):
 _REAL_SDPA = ad.sdpa
 
 
+def _fused_run_backward(real):
+    """A backend's run_backward (backward="merged") as one fused backward 'kernel' (uncounted,
+    its delta pass included, as the other modes' blocks' backward)."""
+
+    def run_backward(*args, **kwargs):
+        _INSIDE["attention"] += 1
+        try:
+            return real(*args, **kwargs)
+        finally:
+            _INSIDE["attention"] -= 1
+
+    return run_backward
+
+
 def _stub(q, k, v, attn_mask=None, dropout_p=0.0, **kwargs):
     assert attn_mask is None and dropout_p == 0
     return _FusedAttention.apply(kwargs, q, k, v)
@@ -93,13 +108,15 @@ def _worker(rank, world, s, init, queue):
     from attention_dispatch.distributed import context_parallel_sdpa, shard, steps
 
     steps.sdpa = _stub
+    math = ad.get_backend("math")
+    math.run_backward = _fused_run_backward(math.run_backward)
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(B, h, s, D, generator=g, dtype=DTYPE) for h in (HQ, HKV, HKV, HQ))
     leaves = [shard(t).detach().requires_grad_() for t in (q, k, v)]
     dos = shard(do)
     unit = leaves[0].numel() * leaves[0].element_size()
     rows = {}
-    for backward in ("recompute", "autograd"):
+    for backward in ("merged", "recompute", "autograd"):
         kw = dict(enable_gqa=True, causal="bottom_right", exchange="ring", backward=backward, backend="math")
         context_parallel_sdpa(*leaves, **kw).backward(dos)  # warm-up (first-call caches)
         for t in leaves:
