@@ -117,6 +117,8 @@ def _feature_constexprs(d, cfg, causal, bias, bias_desc, dropout):
         DB_SUM_ROWS=False,
         DB_SUM_HEADS=False,
         ATOMIC=False,
+        LSE_PAIR=False,  # float32 only (issue 38): bf16 compiles without it
+        EXACT_P=0,  # float32 only (issue 38)
     )
 
 

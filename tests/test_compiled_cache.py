@@ -476,7 +476,7 @@ def test_training_plan_replays_a_warp_specialised_backward(cache, monkeypatch, f
     gluon = _FakeFusedDqKernel() if fused_dq else _FakeGluonKernel()
     ptr, relaunched, full = _FakeKernel(), [], []
 
-    def backward(do, q, k, v, bias, out, lse, seed, params, delta=None):
+    def backward(do, q, k, v, bias, out, lse, seed, params, delta=None, lse_pair=None):
         full.append(do)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         cache.launch(ptr, (1,), (do, delta, 16, 0.5), dict(FLAG=True, BLOCK=16), 4, 3)

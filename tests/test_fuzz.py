@@ -185,11 +185,15 @@ def test_fuzz_torch_cpu(f):
     differential("torch_cpu", f)
 
 
-# The triton kernel's float32 backward loses ~|score| * eps where scores reach hundreds (it
-# recomputes P as exp(s - lse) with lse = m + log(l) rounded to float32): found by this fuzzer,
-# kept below as an expected failure; its fuzzing keeps scores moderate until that is fixed.  A
-# kernel inaccuracy, not the rule: its dv is 10-100x an honest float32 computation's (naive, math,
-# F.sdpa math) on the same inputs (docs/experiments/issue-38-trust.md).
+# The triton kernel's float32 backward lost ~|score| * eps where scores reach hundreds: found by
+# this fuzzer (head dim 1, kept below) and measured at head dims 1, 16 and 64 against the math
+# backend (further below).  Its P = exp2(s - lse) was 1 + ~|s| * eps, not 1, where one key
+# dominates a row: the lse carried the rounding of m + log(l) in one float32, and the backward's
+# scores, summed in another order than the forward's, were not the forward's.  Fixed for float32
+# (issue 38, tl/common.py EXACT_P): an exact (hi, lo) log2 lse pair (the eager autograd path and
+# the TrainingPlan replay; one float still: the torch.compile op, whose schema returns one lse,
+# and calls with sinks) and the forward's scores bit for bit.  Its fuzzing keeps magnitudes at 1
+# (docs/experiments/issue-38-trust.md).
 LARGE_SCORES = Fuzzed(
     Case(
         heads_q=6, heads_kv=2, head_dim=1, mask="float", mask_shape="square", varlen=(0, 0, 0, 5), extra_k=(0, 0, 0, 3)
@@ -209,11 +213,51 @@ def test_fuzz_triton(f):
     differential("triton", f)
 
 
-@pytest.mark.xfail(strict=True, reason="triton float32 backward with scores in the hundreds: dv error ~5e-5 > 1e-5")
 def test_triton_backward_with_large_scores():
+    """The fuzzer's example, by the suite's rule (head dim 1; at 16 and 64 no float32 computation
+    meets the rule's 1e-5 floor: math's own dq error is ~1e-4 there)."""
     if not ad.get_backend("triton").is_available():
         pytest.skip(ad.get_backend("triton").unavailable_reason())
     differential("triton", LARGE_SCORES)
+
+
+def _dv_error(f: Fuzzed, backend: str) -> float:
+    """max |dv - naive float64's dv| of sdpa(backend=...) on f's float32 inputs."""
+    q, k, v, mask, sdpa_kw, naive_kw = inputs(f)
+    out = ad.sdpa(q, k, v, attn_mask=mask, backend=backend, **sdpa_kw)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    q64, k64, v64 = (leaf_copy(t, torch.float64) for t in (q, k, v))
+    m = None if mask is None else mask.detach().to(torch.float64 if mask.is_floating_point() else mask.dtype)
+    reference(q64, k64, v64, mask=m, **naive_kw).backward(grad_out.to(torch.float64))
+    assert torch.isfinite(v.grad).all()
+    return (v.grad.double() - v64.grad).abs().max().item()
+
+
+# Scores in the hundreds: the kernel's float32 dv within 2.5x of the math backend's float32 dv
+# error, as measured under the interpreter (issue 38: 10-300x before).  Not a law: where two keys
+# nearly tie, the rounding of the float32 scores themselves decides the error, and one
+# computation's luck can be 5x the other's (the note's S=40 case); these inputs are the note's.
+_DENSE = Case(batch=1, heads_q=2, heads_kv=2, seqlen_q=16, seqlen_k=16)
+LARGE_SCORE_DV = [
+    pytest.param(
+        dataclasses.replace(LARGE_SCORES, case=dataclasses.replace(LARGE_SCORES.case, head_dim=d)),
+        id=f"varlen-mask-d{d}",
+    )
+    for d in (1, 16, 64)
+] + [
+    pytest.param(Fuzzed(dataclasses.replace(_DENSE, head_dim=d), 3.0 / d**0.5, 8.0, seed), id=f"dense-d{d}-seed{seed}")
+    for d in (1, 16, 64)
+    for seed in (1, 2)
+]
+
+
+@pytest.mark.parametrize("f", LARGE_SCORE_DV)
+def test_triton_float32_dv_error_at_large_scores(f):
+    if not ad.get_backend("triton").is_available():
+        pytest.skip(ad.get_backend("triton").unavailable_reason())
+    got, honest = _dv_error(f, "triton"), _dv_error(f, "math")
+    assert got <= 2.5 * honest, f"triton float32 dv error {got:.2e} > 2.5x the math backend's {honest:.2e}"
 
 
 GPU_BACKENDS = ("triton", "flash_attn", "cudnn", "torch_flash", "torch_efficient", "xformers", "math")

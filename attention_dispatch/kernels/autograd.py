@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .dropout import STREAM_LEN
-from .entry import attention_backward, attention_forward
+from .entry import attention_backward, attention_forward, lse_pair_buffer
 from .replay import ForwardPlan, TrainingPlan
 from .params import KernelParams
 
@@ -65,7 +65,8 @@ def _fwd_op(
     num_splits: int,
     max_grid: int,
     descriptors: int,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, dropout stream, the float32 exact lse pairs (entry.lse_pair_buffer) or empty)."""
     p = _params(
         scale,
         align_bottom_right,
@@ -80,7 +81,8 @@ def _fwd_op(
         max_grid,
         descriptors,
     )
-    return attention_forward(
+    pair = _op_pair(query, cu_seqlens_q, sinks)
+    out, lse, seed = attention_forward(
         query,
         key,
         value,
@@ -94,7 +96,14 @@ def _fwd_op(
         sinks=sinks,
         # an op's outputs never alias its inputs: the stream it returns is a copy
         stream=None if dropout_stream is None else dropout_stream.clone(),
+        lse_pair=pair,
     )
+    return out, lse, seed, pair if pair is not None else query.new_empty((0,), dtype=torch.float32)
+
+
+def _op_pair(query, cu_q, sinks):
+    """The forward op's lse pair buffer: float32 inputs without sinks (what the tl forward fills)."""
+    return lse_pair_buffer(query, cu_q) if sinks is None else None
 
 
 @_fwd_op.register_fake
@@ -111,7 +120,8 @@ def _fwd_fake(
         out = query.new_empty((t, hq, value.shape[-1]))
         lse = query.new_empty((t, hq), dtype=torch.float32)
     seed = query.new_empty((STREAM_LEN if dropout_p > 0 else 0,), dtype=torch.int64)
-    return out, lse, seed
+    pair = _op_pair(query, cu_seqlens_q, sinks)
+    return out, lse, seed, pair if pair is not None else query.new_empty((0,), dtype=torch.float32)
 
 
 @_custom_op(_BWD)
@@ -126,6 +136,7 @@ def _bwd_op(
     sinks: Optional[Tensor],
     out: Tensor,
     lse: Tensor,
+    lse_pair: Tensor,
     seed: Tensor,
     cu_seqlens_q: Optional[Tensor],
     cu_seqlens_k: Optional[Tensor],
@@ -179,6 +190,7 @@ def _bwd_op(
         sinks=sinks,
         sinks_grad=sinks_grad,
         grad_lse=grad_lse,
+        lse_pair=lse_pair if lse_pair.numel() else None,
     )
     # absent gradients as empty tensors: an op returns tensors only
     if db is None:
@@ -208,10 +220,10 @@ _N_TENSOR_ARGS = 11  # query .. dropout_stream: the forward op's arguments befor
 
 def _setup_context(ctx, inputs, output):
     query, key, value, bias, cu_q, cu_k, max_sq, max_sk, alibi, sinks, _ = inputs[:_N_TENSOR_ARGS]
-    out, lse, seed = output
-    ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks)
+    out, lse, seed, pair = output
+    ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks, pair)
     ctx.extra = (max_sq, max_sk, tuple(inputs[_N_TENSOR_ARGS : _N_TENSOR_ARGS + _N_PARAMS]))
-    ctx.mark_non_differentiable(seed)
+    ctx.mark_non_differentiable(seed, pair)
 
 
 def _backward_inputs(ctx, grad_out, sinks_index: int):
@@ -229,9 +241,9 @@ def _backward_inputs(ctx, grad_out, sinks_index: int):
     return saved, grad_out, bias_grad, sinks_grad
 
 
-def _backward(ctx, grad_out, grad_lse, grad_seed):
+def _backward(ctx, grad_out, grad_lse, grad_seed, grad_pair):
     saved, grad_out, bias_grad, sinks_grad = _backward_inputs(ctx, grad_out, 9)
-    query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks = saved
+    query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks, pair = saved
     max_sq, max_sk, pargs = ctx.extra
     dq, dk, dv, db, dsinks = _bwd_op(
         grad_out,
@@ -244,6 +256,7 @@ def _backward(ctx, grad_out, grad_lse, grad_seed):
         sinks,
         out,
         lse,
+        pair,
         seed,
         cu_q,
         cu_k,
@@ -275,8 +288,9 @@ class _EagerAttention(torch.autograd.Function):
         # and an allocation every backward (E67), and it would run the logsumexp-gradient path
         ctx.set_materialize_grads(False)
         if plan is not None:
-            (out, lse), seed = plan.forward(query, key, value), None
+            (out, lse, pair), seed = plan.forward(query, key, value), None
         else:
+            pair = lse_pair_buffer(query, cu_q)  # float32: the exact log2 logsumexp (issue 38)
             out, lse, seed = attention_forward(
                 query,
                 key,
@@ -290,19 +304,20 @@ class _EagerAttention(torch.autograd.Function):
                 alibi=alibi,
                 sinks=sinks,
                 stream=stream,
+                lse_pair=pair,
             )
-        ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks)
+        ctx.save_for_backward(query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks, pair)
         ctx.extra = (max_sq, max_sk, params, plan)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         saved, grad_out, bias_grad, sinks_grad = _backward_inputs(ctx, grad_out, 11)
-        query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks = saved
+        query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks, pair = saved
         max_sq, max_sk, params, plan = ctx.extra
         dsinks = None
         if plan is not None:
-            (dq, dk, dv), db = plan.backward(grad_out, query, key, value, out, lse), None
+            (dq, dk, dv), db = plan.backward(grad_out, query, key, value, out, lse, pair), None
         else:
             dq, dk, dv, db, dsinks = attention_backward(
                 grad_out,
@@ -323,6 +338,7 @@ class _EagerAttention(torch.autograd.Function):
                 sinks=sinks,
                 sinks_grad=sinks_grad,
                 grad_lse=grad_lse,
+                lse_pair=pair,
             )
         return dq, dk, dv, (db if bias_grad else None), None, None, None, None, None, None, None, dsinks, None
 
@@ -365,7 +381,7 @@ def triton_attention(
     else:
         msq = msk = -1
     if torch.compiler.is_compiling():
-        out, lse, _ = _fwd_op(
+        out, lse, _, _ = _fwd_op(
             query,
             key,
             value,

@@ -194,12 +194,14 @@ def attention_forward(
     alibi=None,
     sinks=None,
     stream=None,
+    lse_pair=None,
 ):
     """Returns (out, lse (fp32, natural log, without the sink; None unless need_lse), the
     dropout stream (int64 (5,), dropout.py; empty without dropout)).  Inference calls pass
     need_lse=False: the kernel then writes no logsumexp.  ``alibi``: fp32 (B, Hq) slopes;
     ``sinks``: (Hq,) logits; either None.  ``stream``: dropout.positioned_stream's (a block of
-    a larger call), else a new seed is drawn (dropout.draw_stream)."""
+    a larger call), else a new seed is drawn (dropout.draw_stream).  ``lse_pair``:
+    :func:`lse_pair_buffer`'s buffer or None, filled by a tl forward without sinks."""
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     check_inputs(q, k, v)
     prob = KernelShapes(q, k, v, cu_q, cu_k, max_sq, max_sk)
@@ -231,8 +233,19 @@ def attention_forward(
         ws_bias = gluon_launch.WsBias.of(bt, bstr, prob) if kind else None
         gluon_launch.forward(q, k, v, out, lse, params, prob, *route.rows, bias=ws_bias, sinks=sinks, alibi=alibi)
         return out, lse, seed
-    out = tl_launch.forward(q, k, v, out, lse, seed, kind, bt, bstr, params, prob, desc, cu_q, cu_k, alibi, sinks)
+    pair = lse_pair if need_lse and sinks is None else None
+    out = tl_launch.forward(q, k, v, out, lse, seed, kind, bt, bstr, params, prob, desc, cu_q, cu_k, alibi, sinks, pair)
     return out, lse, seed
+
+
+def lse_pair_buffer(q, cu_q=None) -> torch.Tensor | None:
+    """For float32 inputs a (*lse_shape, 2) float32 buffer where the tl forward keeps the log2
+    logsumexp as an exact sum hi + lo for the backward: a single float32 lse carries ~|lse| * eps of
+    rounding, which P = exp(s - lse) passes to dV at scores in the hundreds (issue 38).  Else None."""
+    if q.dtype != torch.float32:
+        return None
+    rows = (q.shape[0], q.shape[1]) if cu_q is not None else (q.shape[0], q.shape[1], q.shape[2])
+    return torch.empty((*rows, 2), device=q.device, dtype=torch.float32)
 
 
 def attention_backward(
@@ -255,6 +268,7 @@ def attention_backward(
     sinks=None,
     sinks_grad: bool = False,
     grad_lse=None,
+    lse_pair=None,
 ):
     """Returns (dq, dk, dv, dbias or None, dsinks or None).  dbias has bias's shape: summed over
     its size-1 (broadcast) dims; full-size dims (even with stride 0) get the per-element
@@ -276,7 +290,11 @@ def attention_backward(
         return dq, dk, dv, dbias, dsinks
 
     desc = use_descriptors(params, (q, k, v, do), dev)
-    args = tl_launch.backward_args(do, q, kind, bt, bstr, seed, params, prob, desc, cu_q, cu_k, alibi)
+    # the forward's (hi, lo) pairs (lse_pair_buffer): P's normaliser unless a sink joins it
+    pair = lse_pair if sinks is None else None
+    args = tl_launch.backward_args(
+        do, q, kind, bt, bstr, seed, params, prob, desc, cu_q, cu_k, alibi, lse_pair=pair is not None
+    )
     if delta is None:
         delta = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32)
     lse_used = dsink_rows = None
@@ -303,6 +321,8 @@ def attention_backward(
         elif route.dq == TL:
             dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args)
         return dq, dk, dv, None, dsinks
+    if pair is not None:
+        lse = pair
     dk, dv, dbias = tl_launch.dkdv_pass(do, q, k, v, lse, delta, bias, bias_grad, bcast, params, prob, args)
     dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args)
     return dq, dk, dv, dbias, dsinks

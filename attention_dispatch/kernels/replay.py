@@ -8,7 +8,8 @@ import torch
 
 from .compiled_cache import COMPILED, DirectLaunch, hooks_installed, is_descriptor, rebase, relaunch
 from .device import is_interpreter, run_with_scratch
-from .entry import attention_backward, attention_forward
+from .entry import attention_backward, attention_forward, lse_pair_buffer
+from .tl.launch import natural_lse
 from .params import KernelParams
 
 
@@ -172,28 +173,36 @@ class TrainingPlan:
         return [torch.empty(shape, device=self.device, dtype=dtype) for shape, dtype in outputs]
 
     def forward(self, q, k, v):
-        """(out, lse) as :func:`attention_forward` returns them."""
+        """(out, lse, the float32 inputs' exact log2 lse pairs or None: entry.lse_pair_buffer)
+        as :func:`attention_forward` writes them."""
+        pair = lse_pair_buffer(q)
         if self.fwd is not None and not hooks_installed():
             out, lse = self._empty(self.fwd_outputs)
-            self.fwd((q, k, v, out, lse))
-            return out, lse
+            self.fwd((q, k, v, out, lse) + ((pair,) if pair is not None else ()))
+            if pair is not None:  # the launcher's conversion is no captured kernel launch
+                natural_lse(pair, lse)
+            return out, lse, pair
         with COMPILED.capture() as launches:
-            out, lse, _ = attention_forward(q, k, v, None, self.params)
+            out, lse, _ = attention_forward(q, k, v, None, self.params, lse_pair=pair)
         if self.fwd is None and contiguous(out, lse):
             self.fwd_outputs = ((out.shape, out.dtype), (lse.shape, lse.dtype))
-            self.fwd = Replay.capture(launches, (q, k, v, out, lse), self.device)
-        return out, lse
+            pool = (q, k, v, out, lse) + ((pair,) if pair is not None else ())
+            self.fwd = Replay.capture(launches, pool, self.device)
+        return out, lse, pair
 
-    def backward(self, do, q, k, v, out, lse):
-        """(dq, dk, dv) as :func:`attention_backward` returns them (no bias)."""
+    def backward(self, do, q, k, v, out, lse, pair=None):
+        """(dq, dk, dv) as :func:`attention_backward` returns them (no bias; ``pair``: forward's)."""
+        extra = (pair,) if pair is not None else ()
         key = (do.shape, do.stride(), do.dtype, do.data_ptr() & 15)
         if self.bwd is not None and key == self.bwd_key and not hooks_installed():
             delta, dq, dk, dv = self._empty(self.bwd_outputs)
-            self.bwd((q, k, v, out, lse, do, delta, dq, dk, dv))
+            self.bwd((q, k, v, out, lse, do, delta, dq, dk, dv) + extra)
             return dq, dk, dv
         delta = torch.empty(lse.shape, device=self.device, dtype=torch.float32)
         with COMPILED.capture() as launches:
-            dq, dk, dv, *_ = attention_backward(do, q, k, v, None, out, lse, None, self.params, delta=delta)
+            dq, dk, dv, *_ = attention_backward(
+                do, q, k, v, None, out, lse, None, self.params, delta=delta, lse_pair=pair
+            )
         if (
             self.bwd is None
             and contiguous(dq, dk, dv)
@@ -201,7 +210,7 @@ class TrainingPlan:
         ):
             self.bwd_outputs = tuple((t.shape, t.dtype) for t in (delta, dq, dk, dv))
             self.bwd_key = key
-            self.bwd = Replay.capture(launches, (q, k, v, out, lse, do, delta, dq, dk, dv), self.device)
+            self.bwd = Replay.capture(launches, (q, k, v, out, lse, do, delta, dq, dk, dv) + extra, self.device)
         return dq, dk, dv
 
 

@@ -24,10 +24,25 @@ from .common import (
     _load_tile,
     _lowp,
     _load_stream,
+    _qk,
     _rng_rows,
     _tile_desc,
 )
 from .score import _alibi_slope2, _score_log2, _softcap_grad
+
+
+@triton.jit
+def _lse_log2(LSE, offs, row_ok, LSE_PAIR: tl.constexpr):
+    """(hi, lo): the rows' logsumexp in log2 units, P = exp2((s - hi) - lo); +inf for a row with
+    nothing allowed (P = 0).  ``offs``: the rows' offsets in lse's layout.  LSE_PAIR: LSE is the
+    forward's (*lse_shape, 2) pairs (float32 inputs, issue 38); else the natural-log lse, lo = 0."""
+    if LSE_PAIR:
+        hi = tl.load(LSE + 2 * offs, mask=row_ok, other=0.0)
+        lo = tl.load(LSE + 2 * offs + 1, mask=row_ok, other=0.0)
+        return tl.where(hi == float("-inf"), float("inf"), hi), lo
+    else:
+        lse = tl.load(LSE + offs, mask=row_ok, other=0.0)
+        return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), 0.0
 
 
 @triton.jit
@@ -205,11 +220,13 @@ def _attn_bwd_dkdv(
     DOT_IEEE: tl.constexpr,
     ROUND_P: tl.constexpr,
     USE_DESC: tl.constexpr,
+    LSE_PAIR: tl.constexpr = False,
+    EXACT_P: tl.constexpr = 0,
 ):
     """One program: one key tile of one (batch, kv head); loops over the query heads of the
     GROUP that read this kv head (all of them, or the share of split program_id(2), whose
     partial dK/dV go to an fp32 workspace slice summed on the host) and over the query tiles
-    of the band.  No atomics."""
+    of the band.  No atomics.  EXACT_P (float32): see common.py."""
     pid_n = tl.program_id(0)
     gsplit = tl.program_id(2)
     b, hk = _batch_head(tl.program_id(1) + bh_start, HK, NB, BATCH_MINOR)
@@ -303,16 +320,19 @@ def _attn_bwd_dkdv(
             row_ok = offs_m < sq
             q = _load_tile(q_desc, q_base, start_m, offs_m, sqs, row_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
             do = _load_tile(do_desc, do_base, start_m, offs_m, sdos, row_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
-            lse = tl.load(LSE + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            if LSE_PAIR:  # a helper for the one-float load too reorders the bf16 PTX
+                lse2, lse_lo = _lse_log2(LSE, l_base + offs_m.to(tl.int64) * sls, row_ok, LSE_PAIR)
+            else:
+                lse = tl.load(LSE + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
+                lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
             delta = tl.load(Delta + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
 
             # both products first: Triton 3.6 waits for each one where it is issued, so this
             # order and the other one compile to the same schedule (neutral, E25, E27)
-            sT = _dot(k, tl.trans(q), DOT_UPCAST, DOT_IEEE)
+            sT = _qk(k, q, DOT_UPCAST, DOT_IEEE, EXACT_P)
             dpT = _dot(v, tl.trans(do), DOT_UPCAST, DOT_IEEE)
             sT, tT = _score_log2(
-                sT, qk_scale, softcap_in, softcap_out, slope2, offs_m, offs_n, off, SOFTCAP, HAS_ALIBI, True
+                sT, qk_scale, softcap_in, softcap_out, slope2, offs_m, offs_n, off, SOFTCAP, HAS_ALIBI, True, EXACT_P
             )
             sT = _apply_bias(sT, bias_base, start_m, n0, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, True)
             if (start_m < full_lo) | (start_m >= full_hi):
@@ -321,7 +341,10 @@ def _attn_bwd_dkdv(
                     sT,
                     float("-inf"),
                 )
-            pT = tl.math.exp2(sT - lse2[None, :])
+            if LSE_PAIR:
+                pT = tl.math.exp2((sT - lse2[None, :]) - lse_lo[None, :])
+            else:
+                pT = tl.math.exp2(sT - lse2[None, :])
             if HAS_DROPOUT:
                 rng_rows = _rng_rows(pid_bh64, offs_m, rng_row0, rng_col4, rng_sq, rng_per_row)
                 keep = _dropout_keep(seed, rng_rows, n0, dropout_p, BLOCK_N, True)
@@ -439,9 +462,12 @@ def _attn_bwd_dq(
     DOT_IEEE: tl.constexpr,
     ROUND_P: tl.constexpr,
     USE_DESC: tl.constexpr,
+    LSE_PAIR: tl.constexpr = False,
+    EXACT_P: tl.constexpr = 0,
 ):
     """One program: one query tile of one (batch, head) and one split of its key range.
-    ATOMIC (split-keys): partial dQ is atomically added to an fp32 workspace."""
+    ATOMIC (split-keys): partial dQ is atomically added to an fp32 workspace.  EXACT_P (float32):
+    see common.py."""
     pid_m = tl.program_id(0)
     split = tl.program_id(2)
     b, h = _batch_head(tl.program_id(1) + bh_start, H, NB, BATCH_MINOR)
@@ -487,8 +513,11 @@ def _attn_bwd_dq(
         BLOCK_DV == HEAD_DV,
     )
     l_ptrs = b64 * slb + h64 * slh + rows * sls
-    lse = tl.load(LSE + l_ptrs, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    if LSE_PAIR:
+        lse2, lse_lo = _lse_log2(LSE, l_ptrs, row_ok, LSE_PAIR)
+    else:
+        lse = tl.load(LSE + l_ptrs, mask=row_ok, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(Delta + l_ptrs, mask=row_ok, other=0.0)
     k_base = K + b64 * skb + hk64 * skh + k_start * sks
     v_base = V + b64 * svb + hk64 * svh + k_start * svs
@@ -531,15 +560,20 @@ def _attn_bwd_dq(
         col_ok = offs_n < sk
         k = _load_tile(k_desc, k_base, start_n, offs_n, sks, col_ok, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
         v = _load_tile(v_desc, v_base, start_n, offs_n, svs, col_ok, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
-        s = _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE)
+        s = _qk(q, k, DOT_UPCAST, DOT_IEEE, EXACT_P)
         dp = _dot(do, tl.trans(v), DOT_UPCAST, DOT_IEEE)  # the same order as dK/dV
-        s, t = _score_log2(s, qk_scale, softcap_in, softcap_out, slope2, offs_m, offs_n, off, SOFTCAP, HAS_ALIBI, False)
+        s, t = _score_log2(
+            s, qk_scale, softcap_in, softcap_out, slope2, offs_m, offs_n, off, SOFTCAP, HAS_ALIBI, False, EXACT_P
+        )
         s = _apply_bias(s, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, False)
         if (start_n < full_lo) | (start_n >= full_hi):
             s = tl.where(
                 _band_mask(offs_m, offs_n, sk, off, window_left, window_right, HAS_WL, HAS_WR, False), s, float("-inf")
             )
-        p = tl.math.exp2(s - lse2[:, None])
+        if LSE_PAIR:
+            p = tl.math.exp2((s - lse2[:, None]) - lse_lo[:, None])
+        else:
+            p = tl.math.exp2(s - lse2[:, None])
         if HAS_DROPOUT:
             keep = _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N, False)
             dp = tl.where(keep, dp * inv_keep, 0.0)

@@ -8,6 +8,12 @@ Conventions (all kernels):
   * varlen: ``CuQ/CuK`` hold the cumulative lengths; the batch stride is then 0 and the
     sequence's first row is added to the row index, so one code path serves both layouts;
   * scores live in the log2 domain: ``s2 = s * log2(e)``, ``qk_scale = scale * log2(e)``;
+  * EXACT_P (float32 inputs, issue 38): the backward recomputes the forward's log2 scores bit
+    for bit, so that P = exp2((s - hi) - lo) is exactly 1 / l where one key dominates a row at
+    large scores: the products through :func:`_qk`, the scale as a multiply rounded on its own
+    (score._mul_rn: a contraction into the max's subtraction would leave the max's exponent
+    at its rounding error instead of 0, in one pass and maybe not the other); 1 the GPU, 2 the
+    interpreter;
   * a key j is allowed for query i when ``(HAS_WL: j >= i + off - wl)`` and
     ``(HAS_WR: j <= i + off + wr)``, ``off = Sk - Sq`` (per sequence) if ALIGN_BR else 0;
   * dropout: lane ``j % 4`` of the Philox4x32-7 draw at counter
@@ -36,6 +42,19 @@ def _dot(a, b, DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _qk(a, b, DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, EXACT_P: tl.constexpr):
+    """Raw score products a b^T of rows a (R, D) and b (C, D): (R, C).  The backward recomputes
+    the forward's scores with the operands swapped and other tiles; float32 needs the same bits
+    (issue 38).  The GPU's ieee tl.dot is one FMA chain over D, whatever the orientation; the
+    interpreter's np.matmul is not (27-40% of the scores differ), so with EXACT_P == 2 the
+    scores are a sum over D of the rounded products, the same bits in every orientation and tile."""
+    if EXACT_P == 2:
+        return tl.sum(a[:, None, :].to(tl.float32) * b[None, :, :].to(tl.float32), 2)  # float32: no-op casts
+    else:
+        return _dot(a, tl.trans(b), DOT_UPCAST, DOT_IEEE)
 
 
 @triton.jit

@@ -14,11 +14,12 @@ from .common import (
     _load_tile,
     _lowp,
     _load_stream,
+    _qk,
     _rng_rows,
     _tile_desc,
 )
 from .forward_io import _fwd_store, _load_q
-from .score import _alibi_slope2, _score_log2
+from .score import _alibi_slope2, _mul_rn, _score_log2
 
 
 @triton.jit
@@ -60,6 +61,7 @@ def _fwd_step(
     ROUND_P: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    EXACT_P: tl.constexpr,
 ):
     """One key block of the online softmax (log2 domain) given the raw scores ``s = q k^T``
     of the rows ``offs_m`` (from ``m0``).  MASKED: apply the band mask (edge blocks);
@@ -71,7 +73,9 @@ def _fwd_step(
     # the raw scores times the scale is the max of the scaled ones.
     PLAIN: tl.constexpr = BIAS_KIND == 0 and SCALE_POS and not SOFTCAP and not HAS_ALIBI
     if not PLAIN:
-        s, _ = _score_log2(s, qk_scale, softcap_in, softcap_out, slope2, offs_m, offs_n, off, SOFTCAP, HAS_ALIBI, False)
+        s, _ = _score_log2(
+            s, qk_scale, softcap_in, softcap_out, slope2, offs_m, offs_n, off, SOFTCAP, HAS_ALIBI, False, EXACT_P
+        )
         s = _apply_bias(s, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, False)
     if MASKED:
         s = tl.where(
@@ -85,7 +89,10 @@ def _fwd_step(
     # would underflow the exp2 of later, very negative, scores) and exponentiates against 0.
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new) if MAY_EMPTY else m_new
     if PLAIN:
-        p = tl.math.exp2(s * qk_scale - m_use[:, None])
+        if EXACT_P:  # no fma: the max's exponent is 0, as in the backward (common.py)
+            p = tl.math.exp2(_mul_rn(s, qk_scale, EXACT_P) - m_use[:, None])
+        else:
+            p = tl.math.exp2(s * qk_scale - m_use[:, None])
     else:
         p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
@@ -163,6 +170,7 @@ def _fwd_range(
     DOT_IEEE: tl.constexpr,
     ROUND_P: tl.constexpr,
     KV_HOST: tl.constexpr,
+    EXACT_P: tl.constexpr,
 ):
     """The online softmax over key blocks [n_lo, n_hi) (one software-pipelined loop).  With
     SUBTILES=2 the program's query rows are two halves (``q`` at row m0, ``q_b`` right after)
@@ -179,10 +187,9 @@ def _fwd_range(
         else:
             k = _load_tile(k_desc, k_base, row, offs_n, sks, offs_n < sk, offs_dq, HEAD_DQK, BLOCK_DQK, USE_DESC)
             v = _load_tile(v_desc, v_base, row, offs_n, svs, offs_n < sk, offs_dv, HEAD_DV, BLOCK_DV, USE_DESC)
-        k_t = tl.trans(k)
-        s = _dot(q, k_t, DOT_UPCAST, DOT_IEEE)
+        s = _qk(q, k, DOT_UPCAST, DOT_IEEE, EXACT_P)
         if SUBTILES == 2:
-            s_b = _dot(q_b, k_t, DOT_UPCAST, DOT_IEEE)
+            s_b = _qk(q_b, k, DOT_UPCAST, DOT_IEEE, EXACT_P)
         acc, l_i, m_i = _fwd_step(
             acc,
             l_i,
@@ -221,6 +228,7 @@ def _fwd_range(
             ROUND_P,
             SOFTCAP,
             HAS_ALIBI,
+            EXACT_P,
         )
         if SUBTILES == 2:
             acc_b, l_b, m_b = _fwd_step(
@@ -261,6 +269,7 @@ def _fwd_range(
                 ROUND_P,
                 SOFTCAP,
                 HAS_ALIBI,
+                EXACT_P,
             )
     return acc, l_i, m_i, acc_b, l_b, m_b
 
@@ -339,6 +348,8 @@ def _attn_fwd(
     STORE_LSE: tl.constexpr,
     SUBTILES: tl.constexpr = 1,
     KV_HOST: tl.constexpr = 0,
+    LSE_PAIR: tl.constexpr = False,
+    EXACT_P: tl.constexpr = 0,
 ):
     """USE_DESC: K/V (and Q beside a bias descriptor) through TMA tensor descriptors built
     in-kernel per (sequence, head) (Hopper+; the launcher checks the 16-byte alignment TMA
@@ -350,7 +361,9 @@ def _attn_fwd(
     through the TMA descriptors KD/VD that the launcher built (Sk a multiple of BLOCK_N, so
     no tile reaches into the next head or sequence): 1 over the (B * Hkv * Sk, D) rows of
     (B, Hkv, Sk, D) memory, 2 over the (B * Sk, Hkv * D) rows of (B, Sk, Hkv, D) memory.  No
-    tensormap is written per program for them (E30)."""
+    tensormap is written per program for them (E30).  LSE_PAIR (float32): LSE is the (*lse_shape, 2)
+    log2 logsumexp as hi + lo (forward_io._fwd_store), its strides those of that memory.
+    EXACT_P (float32): see common.py."""
     # Last query tiles first: under a causal band they have the most keys, and starting
     # the longest programs first shortens the tail of the launch.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -534,6 +547,7 @@ def _attn_fwd(
             DOT_IEEE,
             ROUND_P,
             KV_HOST,
+            EXACT_P,
         )
     _fwd_store(
         acc,
@@ -553,6 +567,7 @@ def _attn_fwd(
         HAS_DROPOUT,
         STORE_LSE,
         HAS_SINKS,
+        LSE_PAIR,
     )
     if SUBTILES == 2:
         _fwd_store(
@@ -573,4 +588,5 @@ def _attn_fwd(
             HAS_DROPOUT,
             STORE_LSE,
             HAS_SINKS,
+            LSE_PAIR,
         )

@@ -49,10 +49,14 @@ def _fwd_store(
     HAS_DROPOUT: tl.constexpr,
     STORE_LSE: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    LSE_PAIR: tl.constexpr = False,
 ):
     """Normalise the rows ``offs_m`` (with HAS_SINKS the sink ``sink2``, log2 domain, joins the
     denominator) and store them and, with STORE_LSE, their logsumexp (natural log, without the
-    sink; -inf for a row with no allowed key, whose output is 0)."""
+    sink; -inf for a row with no allowed key, whose output is 0).  LSE_PAIR (float32 inputs): it
+    goes to (*lse_shape, 2) memory instead, in log2 units as an exact sum hi + lo (hi = fl(m + log2 l),
+    lo its rounding error): the backward's P = exp2((s - hi) - lo) keeps P = 1 exact where one key
+    dominates a row at large scores (issue 38); the launcher writes the natural-log lse from hi."""
     row_ok = offs_m < sq
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, _sink_denominator(l_i, m_i, sink2, HAS_SINKS))
@@ -64,6 +68,15 @@ def _fwd_store(
         tl.store(o_ptrs, out, mask=row_ok[:, None])
     else:
         tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_dv < HEAD_DV)[None, :])
-    if STORE_LSE:  # off for inference calls (nothing reads it)
+    if LSE_PAIR:
+        a = tl.where(empty, 0.0, m_i)  # an empty row's -inf would make the residual NaN
+        b = tl.math.log2(tl.where(empty, 1.0, l_i))
+        hi = a + b
+        bb = hi - a  # TwoSum (additions only: no contraction into an FMA can change it)
+        lo = (a - (hi - bb)) + (b - bb)
+        p_ptrs = lse_base + offs_m.to(tl.int64) * sls
+        tl.store(p_ptrs, tl.where(empty, float("-inf"), hi), mask=row_ok)
+        tl.store(p_ptrs + 1, tl.where(empty, 0.0, lo), mask=row_ok)
+    elif STORE_LSE:  # off for inference calls (nothing reads it)
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
         tl.store(lse_base + offs_m.to(tl.int64) * sls, lse, mask=row_ok)

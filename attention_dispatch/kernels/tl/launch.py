@@ -95,8 +95,11 @@ def forward(
     cu_k=None,
     alibi=None,
     sinks=None,
+    lse_pair=None,
 ) -> torch.Tensor:
     """The tl forward into ``out`` (and ``lse`` unless None); returns out in q's dtype.
+    ``lse_pair`` (float32 (*lse_shape, 2), float32 inputs): the kernel writes the log2 logsumexp
+    there as hi + lo for the backward (issue 38) and lse = hi * ln 2 is taken from it.
     ``bias_kind, bias_t, bias_strides``: :func:`bias.bias_layout` of the call's bias; ``seed``:
     the dropout seed (empty without dropout); ``alibi`` (B, Hq) fp32 slopes, ``sinks`` (Hq,)
     contiguous, or None."""
@@ -119,7 +122,7 @@ def forward(
         v,
         bt if bt is not None else dummy,
         out,
-        lse if need_lse else out,
+        lse_pair if lse_pair is not None else lse if need_lse else out,
         seed if seed.numel() else dummy,
         cu_q if cu_q is not None else dummy,
         cu_k if cu_k is not None else dummy,
@@ -133,7 +136,7 @@ def forward(
         *prob.v_strides,
         *bstr,
         *prob.out_strides(out),
-        *(prob.lse_strides() if need_lse else (0, 0, 0)),
+        *(lse_strides(prob, lse_pair is not None) if need_lse else (0, 0, 0)),
         prob.Hq,
         prob.B,
         prob.group,
@@ -150,6 +153,8 @@ def forward(
         STORE_LSE=need_lse,
         HAS_SINKS=sinks is not None,
         **score_constexprs(params, alibi, q.dtype),
+        LSE_PAIR=lse_pair is not None,
+        EXACT_P=exact_p(q.dtype),
     )
     n_bh = prob.B * prob.Hq
     key = ("fwd", dev, q.dtype, prob.Dqk, prob.Dv, desc)
@@ -168,7 +173,28 @@ def forward(
             C.FWD, _attn_fwd, grid, args + (start, params.window_left, params.window_right), kw, cands, key, fwd_tail
         )
         cands = [cfg]
+    if lse_pair is not None:
+        natural_lse(lse_pair, lse)
     return as_dtype(out, q.dtype)
+
+
+def exact_p(dtype: torch.dtype) -> int:
+    """EXACT_P of the forward, dK/dV and dQ kernels (tl/common.py): float32 inputs recompute the
+    forward's probabilities exactly in the backward (issue 38); 2 under the interpreter (its tl.dot
+    sums in an order of its own)."""
+    if dtype != torch.float32:
+        return 0
+    return 2 if is_interpreter() else 1
+
+
+def natural_lse(pair: torch.Tensor, lse: torch.Tensor) -> None:
+    """lse = hi * ln 2 from the forward's log2 (hi, lo) pairs (what the kernel writes without them)."""
+    torch.mul(pair[..., 0], 0.6931471805599453, out=lse)
+
+
+def lse_strides(prob: KernelShapes, pair: bool) -> tuple:
+    """lse's (batch, head, row) strides, or those of the (*lse_shape, 2) pairs."""
+    return tuple(2 * x for x in prob.lse_strides()) if pair else prob.lse_strides()
 
 
 def score_args(params: KernelParams, alibi) -> tuple:
@@ -264,8 +290,10 @@ def backward_args(
     cu_q,
     cu_k,
     alibi=None,
+    lse_pair: bool = False,
 ) -> BackwardArgs:
-    """The :class:`BackwardArgs` of a call (``bias_kind, bias_t, bias_strides``: :func:`bias.bias_layout`)."""
+    """The :class:`BackwardArgs` of a call (``bias_kind, bias_t, bias_strides``: :func:`bias.bias_layout`;
+    ``lse_pair``: the dK/dV and dQ passes read the forward's (hi, lo) pairs as their lse)."""
     dummy = q
     return BackwardArgs(
         bias_t if bias_t is not None else dummy,
@@ -279,6 +307,8 @@ def backward_args(
             USE_DESC=uses_descriptors,
             HAS_DROPOUT=params.dropout_p > 0,
             **score_constexprs(params, alibi, q.dtype),
+            LSE_PAIR=lse_pair,
+            EXACT_P=exact_p(q.dtype),
         ),
         run.table_traits(bias_kind, params, prob),
         grid_limit(params),

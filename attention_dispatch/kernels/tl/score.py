@@ -31,6 +31,18 @@ def _tanh_approx(x):
 
 
 @triton.jit
+def _mul_rn(x, y, EXACT_P: tl.constexpr):
+    """x * y rounded once to float32, never fused into a later add (the forward and the backward
+    would round differently: common.py's EXACT_P).  The interpreter (EXACT_P == 2) fuses nothing."""
+    if EXACT_P == 1:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return x * y
+
+
+@triton.jit
 def _score_log2(
     s,
     qk_scale,
@@ -43,20 +55,27 @@ def _score_log2(
     SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     TRANS: tl.constexpr,
+    EXACT_P: tl.constexpr = 0,
 ):
     """Raw products ``s = q k^T`` (BM, BN), or (BN, BM) when TRANS -> (scores in the log2
     domain before the bias, tanh of the capped score or 0.0 without SOFTCAP: the backward's
     d score / d(q k) = scale * (1 - tanh^2)).  ``slope2``: a scalar, or (BM, 1) per row (decode);
-    ``off``: a scalar, or (BM, 1) per row (decode)."""
+    ``off``: a scalar, or (BM, 1) per row (decode).  EXACT_P: common.py's."""
     if SOFTCAP:
         if SOFTCAP == 2:
             t = _tanh_approx(s * softcap_in)
         else:
             t = _tanh(s * softcap_in)
-        s = t * softcap_out
+        if EXACT_P:
+            s = _mul_rn(t, softcap_out, EXACT_P)
+        else:
+            s = t * softcap_out
     else:
         t = 0.0
-        s = s * qk_scale
+        if EXACT_P:
+            s = _mul_rn(s, qk_scale, EXACT_P)
+        else:
+            s = s * qk_scale
     if HAS_ALIBI:
         if TRANS:
             dist = tl.abs(offs_m[None, :] + off - offs_n[:, None]).to(tl.float32)
