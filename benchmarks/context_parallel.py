@@ -13,7 +13,10 @@ Scaling: forward+backward time of causal zigzag ring attention at S_total = 64k 
 against one GPU at the same S (measured in the same run, before the processes start), and the peak
 memory per GPU, for the default backward (backward=None: "merged" where it serves the call; the
 row names the mode it chose) and the other modes ("recompute", "autograd"); the 1-GPU baseline both with
-the default dispatch and forced onto the backend the blocks ran on. Breakdown (printed before the
+the default dispatch and forced onto the backend the blocks ran on. Memory per GPU: the timed
+loop's peak, and apart the state allocated before a steady-state step (leaves, their .grad, dout,
+whatever a replay plan keeps) and the step's peak above it; each measurement starts from freed
+caches (ad.clear_cache(): a TrainingPlan keeps the tensors of the call it captured). Breakdown (printed before the
 table): per ring step, the compute stream's time in the step's blocks and stalled in the wait
 for the next keys (CUDA events around Accumulator.add and Pending.wait), forward and backward
 time apart, the blocks' sdpa() calls and backends. A short table is printed last; details go
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import os
 import sys
@@ -67,6 +71,28 @@ def _peak_gib() -> float:
 def _allocated_gib() -> float:
     _sync()
     return 0.0 if CPU else torch.cuda.memory_allocated() / 2**30
+
+
+def _step_memory(fn) -> tuple[float, float]:
+    """(GiB allocated before a steady-state call of ``fn``, GiB its peak rose above that): two
+    untimed calls first, so that what the first calls leave behind (the leaves' .grad, a replay
+    plan's captured tensors) counts as state, not as the step's own workspace."""
+    fn()
+    fn()
+    before = _allocated_gib()
+    _peak_reset()
+    fn()
+    _sync()
+    return before, _peak_gib() - before
+
+
+def _release() -> None:
+    """Drop what earlier measurements left: library caches (a TrainingPlan keeps the tensors of the
+    call it captured), garbage, the allocator's cache."""
+    ad.clear_cache()
+    gc.collect()
+    if not CPU:
+        torch.cuda.empty_cache()
 
 
 def _inputs(s: int, seed: int, device):
@@ -152,37 +178,47 @@ def _timed(fn, reps: int) -> float:
 
 
 def _single_gpu_baselines(lengths, reps, backends) -> dict:
-    """fwd+bwd ms and peak GiB of one GPU's ad.sdpa, causal, at each total length: the default
-    dispatch (key None) and each backend of ``backends`` that serves the call."""
-    device = "cpu" if CPU else "cuda"
+    """fwd+bwd ms and memory of one GPU's ad.sdpa, causal, at each total length: the default
+    dispatch (key "default") and each backend of ``backends`` that serves the call, each
+    measured from the same state (_release() before it)."""
     out = {}
     for s in lengths:
-        q, k, v, do = _inputs(s, 0, device)
-        leaves = [t.requires_grad_() for t in (q, k, v)]
         out[s] = {}
         for name in (None, *backends):
-
-            def step(leaves=leaves, do=do, name=name):
-                ad.sdpa(*leaves, enable_gqa=True, causal="bottom_right", backend=name).backward(do)
-
-            _peak_reset()
-            try:
-                ms = _timed(step, reps)
-            except Exception as exc:  # noqa: BLE001 - a backend not installed or not serving: noted
-                out[s][name or "default"] = dict(error=f"{type(exc).__name__}: {str(exc)[:120]}")
-                continue
-            peak = _peak_gib()
-            before = _allocated_gib()
-            held = ad.sdpa(*leaves, enable_gqa=True, causal="bottom_right", backend=name)
-            held_gib = _allocated_gib() - before
-            del held
-            out[s][name or "default"] = dict(
-                ms=ms, peak_gib=peak, held_after_fwd_gib=round(held_gib, 3), backend=ad.last_decision().backend
-            )
-        del q, k, v, do, leaves
-        if not CPU:
-            torch.cuda.empty_cache()
+            _release()
+            out[s][name or "default"] = _single_gpu_one(s, reps, name)
+    _release()
     return out
+
+
+def _single_gpu_one(s: int, reps: int, name) -> dict:
+    """peak_gib: the timed loop's peak; state_gib / step_gib: allocated before a steady-state
+    step and its peak above that (_step_memory); held_after_fwd_gib: what a forward keeps."""
+    q, k, v, do = _inputs(s, 0, "cpu" if CPU else "cuda")
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+
+    def step():
+        ad.sdpa(*leaves, enable_gqa=True, causal="bottom_right", backend=name).backward(do)
+
+    _peak_reset()
+    try:
+        ms = _timed(step, reps)
+    except Exception as exc:  # noqa: BLE001 - a backend not installed or not serving: noted
+        return dict(error=f"{type(exc).__name__}: {str(exc)[:120]}")
+    peak = _peak_gib()
+    state, step_peak = _step_memory(step)
+    before = _allocated_gib()
+    held = ad.sdpa(*leaves, enable_gqa=True, causal="bottom_right", backend=name)
+    held_gib = _allocated_gib() - before
+    del held
+    return dict(
+        ms=ms,
+        peak_gib=peak,
+        state_gib=round(state, 3),
+        step_gib=round(step_peak, 3),
+        held_after_fwd_gib=round(held_gib, 3),
+        backend=ad.last_decision().backend,
+    )
 
 
 def _configure(args) -> None:
@@ -201,10 +237,25 @@ def _worker(rank: int, world: int, args, init: str, queue) -> None:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=device)
-    from attention_dispatch.distributed import context_parallel_sdpa, cross_rank_checks, last_backward, shard, unshard
+    # one function per phase: nothing of one phase stays allocated into the next one's memory
+    rows = [] if args.no_correctness else _correctness(rank, device, args.correctness_lengths)
+    _release()
+    timings = {}
+    marks = _Marks()
+    _instrument(marks)
+    for s in args.timing_lengths:
+        timings.update(_timing(rank, device, s, args.reps, marks))
+        _release()
+    if rank == 0:
+        queue.put(dict(rows=rows, timings=timings))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _correctness(rank: int, device, lengths) -> list[dict]:
+    from attention_dispatch.distributed import context_parallel_sdpa, shard, unshard
 
     rows = []
-    lengths = [] if args.no_correctness else args.correctness_lengths
     for s in lengths:
         q, k, v, do = _inputs(s, s, device)  # the same inputs on every rank (seeded)
         for feature, kw in FEATURES.items():
@@ -226,79 +277,89 @@ def _worker(rank: int, world: int, args, init: str, queue) -> None:
                     if rank == 0:
                         rows.append(row)
                         print("cp", row, flush=True)  # progress: a timed-out run still shows its rows
-                    del leaves, out, got
-            del want, want32
-            if not CPU:
-                torch.cuda.empty_cache()
-        del q, k, v, do
+    return rows
+
+
+def _max_over_ranks(value: float, device) -> float:
+    t = torch.tensor([value], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _timing(rank: int, device, s: int, reps: int, marks) -> dict:
+    """Every backward mode's timing row at total length s (module docstring)."""
+    from attention_dispatch.distributed import context_parallel_sdpa, cross_rank_checks, last_backward, shard
+
+    q, k, v, do = _inputs(s, 0, device)
+    leaves = [shard(t, layout="zigzag").detach().requires_grad_() for t in (q, k, v)]
+    dos = shard(do, layout="zigzag")
+    del q, k, v, do
     timings = {}
-    marks = _Marks()
-    _instrument(marks)
-    for s in args.timing_lengths:
-        q, k, v, do = _inputs(s, 0, device)
-        leaves = [shard(t, layout="zigzag").detach().requires_grad_() for t in (q, k, v)]
-        dos = shard(do, layout="zigzag")
-        del q, k, v, do
-        # default: backward=None, "merged" where it serves (its row says which mode ran); the cross-rank
-        # check runs once per signature (the warm-up), as in a training loop's steady state
-        for mode in ("default", "recompute", "autograd"):
-            backward = None if mode == "default" else mode
+    # default: backward=None, "merged" where it serves (its row says which mode ran); the cross-rank
+    # check runs once per signature (the warm-up), as in a training loop's steady state
+    for mode in ("default", "recompute", "autograd"):
+        backward = None if mode == "default" else mode
 
-            def forward(leaves=leaves, backward=backward, check=True):
-                with cross_rank_checks(check):
-                    return context_parallel_sdpa(
-                        *leaves, enable_gqa=True, causal="bottom_right", exchange="ring", backward=backward
-                    )
+        def forward(backward=backward):
+            with cross_rank_checks(True):
+                return context_parallel_sdpa(
+                    *leaves, enable_gqa=True, causal="bottom_right", exchange="ring", backward=backward
+                )
 
-            def step(dos=dos, forward=forward):
-                forward().backward(dos)
+        def step(forward=forward):
+            forward().backward(dos)
 
-            marks.events.clear()
+        for t in leaves:  # each mode from the same state: no gradient yet
+            t.grad = None
+        marks.events.clear()
+        _peak_reset()
+        dist.barrier()
+        ms = _timed(step, reps)
+        peak = _max_over_ranks(_peak_gib(), device)
+        state, step_peak = _step_memory(step)
+        fwd_ms = _timed(forward, reps)
+        # one instrumented step: forward steps' compute and waits, backward apart, blocks' backends,
+        # memory above the allocation before it (peak in the forward, held after it, peak in the backward)
+        marks.events.clear()
+        marks.step["n"] = 0
+        before = _allocated_gib()
+        _peak_reset()
+        with ad.record() as decisions:
+            a = marks.stamp()
+            out = forward()
+            b = marks.stamp()
+            held = _allocated_gib() - before  # what the forward's graph keeps for the backward
+            fwd_peak = _peak_gib() - before
             _peak_reset()
-            dist.barrier()
-            ms = _timed(step, args.reps)
-            peak = torch.tensor([_peak_gib()], device=device)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            fwd_ms = _timed(forward, args.reps)
-            # one instrumented step: forward steps' compute and waits, backward apart, blocks' backends
-            marks.events.clear()
-            marks.step["n"] = 0
-            _sync()
-            before = _allocated_gib()
-            with ad.record() as decisions:
-                a = marks.stamp()
-                out = forward()
-                b = marks.stamp()
-                held = _allocated_gib() - before  # what the forward's graph keeps for the backward
-                n_fwd = len(decisions)
-                marks.in_backward = True
-                out.backward(dos)
-                c = marks.stamp()
-                marks.in_backward = False
-            parts = marks.totals()
-            parts["fwd total"], parts["bwd total"] = marks.ms(a, b), marks.ms(b, c)
-            used = collections.Counter(f"{d.backend}" for d in decisions)
-            row = dict(
-                ms=ms,
-                fwd_ms=fwd_ms,
-                peak_gib=peak.item(),
-                held_after_fwd_gib=round(held, 3),
-                breakdown_ms={n: round(t, 3) for n, t in sorted(parts.items())},
-                sdpa_calls=dict(forward=n_fwd, backward=len(decisions) - n_fwd),
-                backends=dict(used),
-                backward=tuple(last_backward()),  # (mode, why)
-            )
-            timings[f"{s} {mode}"] = row
-            if rank == 0:
-                print("cp timing", s, mode, row, flush=True)
-            del out
-        del leaves, dos
-        if not CPU:
-            torch.cuda.empty_cache()
-    if rank == 0:
-        queue.put(dict(rows=rows, timings=timings))
-    dist.barrier()
-    dist.destroy_process_group()
+            n_fwd = len(decisions)
+            marks.in_backward = True
+            out.backward(dos)
+            c = marks.stamp()
+            marks.in_backward = False
+        _sync()
+        bwd_peak = _peak_gib() - before
+        del out
+        parts = marks.totals()
+        parts["fwd total"], parts["bwd total"] = marks.ms(a, b), marks.ms(b, c)
+        used = collections.Counter(f"{d.backend}" for d in decisions)
+        row = dict(
+            ms=ms,
+            fwd_ms=fwd_ms,
+            peak_gib=peak,
+            state_gib=round(_max_over_ranks(state, device), 3),
+            step_gib=round(_max_over_ranks(step_peak, device), 3),
+            held_after_fwd_gib=round(held, 3),
+            fwd_peak_gib=round(fwd_peak, 3),
+            bwd_peak_gib=round(bwd_peak, 3),
+            breakdown_ms={n: round(t, 3) for n, t in sorted(parts.items())},
+            sdpa_calls=dict(forward=n_fwd, backward=len(decisions) - n_fwd),
+            backends=dict(used),
+            backward=tuple(last_backward()),  # (mode, why)
+        )
+        timings[f"{s} {mode}"] = row
+        if rank == 0:
+            print("cp timing", s, mode, row, flush=True)
+    return timings
 
 
 def main() -> None:
@@ -359,20 +420,29 @@ def main() -> None:
     for key, t in result["timings"].items():
         parts = " ".join(f"[{n}] {v:.2f}" for n, v in t["breakdown_ms"].items())
         print(f"  S={key}: {parts}; sdpa calls {t['sdpa_calls']} on {t['backends']}")
+        print(
+            f"    GiB above the step's start: forward peak {t['fwd_peak_gib']:.3f}, held after it "
+            f"{t['held_after_fwd_gib']:.3f}, backward peak {t['bwd_peak_gib']:.3f}"
+        )
     print("1 GPU baselines (fwd+bwd ms, backend):")
     for s, by in single.items():
         cells = [f"{n}: " + (f"{b['ms']:.1f} ({b['backend']})" if "ms" in b else b["error"]) for n, b in by.items()]
         print(f"  S={s}: " + "; ".join(cells))
-    print(f"scaling, causal zigzag ring, fwd+bwd, {world} ranks against 1 (default dispatch):")
-    print("  S_total  backward          1 GPU ms   W ms (fwd)        speedup   peak GiB 1 -> W   held after fwd 1 -> W")
+    print(f"scaling, causal zigzag ring, fwd+bwd, {world} ranks against 1 (default dispatch); GiB per GPU:")
+    print("  peak: the timed loop's; state + step: allocated before a steady-state step + its peak above that")
+    print(
+        "  S_total  backward          1 GPU ms   W ms (fwd)        speedup   peak 1 -> W   state 1 -> W"
+        "   step 1 -> W   held after fwd 1 -> W"
+    )
     for key, t in result["timings"].items():
         s, backward = key.split()
         backward = backward if backward != "default" else f"default={t['backward'][0]}"
         base = single[int(s)]["default"]
         print(
             f"  {int(s):>7}  {backward:<16} {base['ms']:>8.1f} {t['ms']:>8.1f} ({t['fwd_ms']:>6.1f}) "
-            f"{base['ms'] / t['ms']:>8.2f}x   {base['peak_gib']:.1f} -> {t['peak_gib']:.1f}"
-            f"        {base['held_after_fwd_gib']:.2f} -> {t['held_after_fwd_gib']:.2f}"
+            f"{base['ms'] / t['ms']:>8.2f}x   {base['peak_gib']:.2f} -> {t['peak_gib']:.2f}"
+            f"   {base['state_gib']:.2f} -> {t['state_gib']:.2f}   {base['step_gib']:.2f} -> {t['step_gib']:.2f}"
+            f"   {base['held_after_fwd_gib']:.2f} -> {t['held_after_fwd_gib']:.2f}"
         )
 
 
