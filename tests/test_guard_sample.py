@@ -172,11 +172,11 @@ def test_deferred_on_cuda_syncs_nothing_and_quarantines_later():
                 torch.cuda.set_sync_debug_mode("default")
         assert ad.guard_flush() == []
     ad.register_backend(Drifting(), priority="first")
-    ref = naive_attention(q.double(), k.double(), v.double(), causal="top_left")
+    ref = naive_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), causal="top_left")  # on the CPU
     with guarded("sample", "drifting", sample=1.0):
         ad.sdpa(q, k, v, is_causal=True)
         ad.sdpa(q, k, v, is_causal=True)  # wrong, its verdict deferred
         torch.cuda.synchronize()
         right = ad.sdpa(q, k, v, is_causal=True)  # the verdict is in: quarantined, the next candidate runs
         assert ad.last_decision().backend != "drifting" and "drifting" in guard.quarantined()
-        torch.testing.assert_close(right.double(), ref, atol=2e-2, rtol=0)
+        torch.testing.assert_close(right.double().cpu(), ref, atol=2e-2, rtol=0)

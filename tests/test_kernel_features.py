@@ -463,7 +463,7 @@ def test_gpu_gluon_alibi_small_slopes(d, extra):
     """ALiBi with slopes 0.05-0.45 times 2^-8: every key tile keeps a visible weight, so the three tile
     kinds (left of the diagonal, right of it, crossing it) of the Gluon forward, dQ and dK/dV passes
     each count (common._alibi_split; deterministic: the separate dQ pass)."""
-    q, k, v = (rand(1, 4, 2048, d, dtype=BF16) for _ in range(3))
+    q, k, v = (rand(1, 4, 4096, d, dtype=BF16) for _ in range(3))  # at least WS_MIN_WORK: the Gluon route
     extra = dict(extra)
     causal = extra.pop("causal", None)
     params = _params(causal, None, d**-0.5, **extra)
