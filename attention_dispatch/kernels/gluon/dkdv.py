@@ -201,7 +201,7 @@ def _ws_bwd_consumer(
     # distance); a tile crossing the diagonal adds 2 min(c r - c k, 0) (E87).  With a softcap (whose
     # tanh already fills the registers that needs) the distances go through _score_transform.
     softcap_in, softcap, alibi_ptr, alibi_sb, alibi_sh, alibi_off = scores
-    ALIBI_ROWS: gl.constexpr = HAS_ALIBI and not SOFTCAP
+    ALIBI_ROWS: gl.constexpr = HAS_ALIBI and not SOFTCAP and HEAD_D >= 128  # see _attn_bwd_dkdv_ws
     scale, to_nat, _coef = _score_scales(qk_scale, softcap, 0.0, HAS_BIAS, SOFTCAP)
     key0 = n0 + WG * BLOCK_N
     keys_rel = (keys - n0).to(gl.float32)
@@ -411,7 +411,9 @@ def _attn_bwd_dkdv_ws(
     mbarrier.init(kv_bar, count=1)
     # the (Q, dO) slot's rows of logsumexp (log2 domain) and delta
     row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    ALIBI_ROWS: gl.constexpr = HAS_ALIBI and not SOFTCAP  # lse2 + c r, lse2 - c r, c r (_ws_bwd_consumer)
+    # lse2 + c r, lse2 - c r, c r (_ws_bwd_consumer); not at d64, whose fused dK/dV+dQ had 233,904 B of
+    # shared memory with the two extra slots (sm90's limit 232,448: out of resources on the H100)
+    ALIBI_ROWS: gl.constexpr = HAS_ALIBI and not SOFTCAP and k_desc.block_type.shape[1] >= 128
     LSE_SLOTS: gl.constexpr = 3 * STAGES if ALIBI_ROWS else STAGES
     lse_bufs = gl.allocate_shared_memory(gl.float32, [LSE_SLOTS, BLOCK_M], row_smem)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
