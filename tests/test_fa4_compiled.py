@@ -14,6 +14,7 @@ from attention_dispatch.semantics import CausalKind
 
 from tests import fakes
 from tests.naive import naive_attention
+from tests.test_adapters import _fa4_options
 
 
 @pytest.fixture
@@ -27,22 +28,6 @@ def fa4(monkeypatch):
     return FlashAttnBackend(), modules["flash_attn.cute.interface"], calls
 
 
-def _options(causal, window):
-    return dict(
-        attn_mask=None,
-        dropout_p=0.0,
-        causal=causal,
-        window=window,
-        scale=0.3,
-        cu_seqlens_q=None,
-        cu_seqlens_k=None,
-        max_seqlen_q=None,
-        max_seqlen_k=None,
-        enable_gqa=True,
-        deterministic=False,
-    )
-
-
 CASES = [(None, None), (CausalKind.BOTTOM_RIGHT, None), (None, (5, 3)), (CausalKind.BOTTOM_RIGHT, (6, 0))]
 
 
@@ -51,7 +36,7 @@ def test_traced_flash_attn_4_call_is_one_op_pair(fa4, causal, window):
     """fullgraph=True over backend.run(): output and gradients equal to the eager call's (which
     goes through flash_attn_func and FlashAttnFunc), the backward through _flash_attn_bwd."""
     backend, interface, calls = fa4
-    options = _options(causal, window)
+    options = _fa4_options(causal, window, 4, 2)
     q = torch.randn(2, 4, 24, 64, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, 2, 40, 64, dtype=torch.float64, requires_grad=True) for _ in range(2))
 
@@ -77,7 +62,7 @@ def test_traced_flash_attn_4_call_is_one_op_pair(fa4, causal, window):
 
 def test_traced_call_returns_the_logsumexp_when_asked(fa4):
     backend, _, _ = fa4
-    options = dict(_options(None, None), return_lse=True)
+    options = dict(_fa4_options(None, None, 2, 2), return_lse=True)
     q, k, v = (torch.randn(1, 2, 8, 64, dtype=torch.float64) for _ in range(3))
     want_out, want_lse = backend.run(q, k, v, **options)
     torch._dynamo.reset()

@@ -22,6 +22,7 @@ from .decode_plan import (
     split_constexprs,
     split_grid,
     split_scalars,
+    split_tensors,
     split_warps,
     tiles,
 )
@@ -80,19 +81,9 @@ def _launch_split(
         _decode_split,
         split_grid(B * Hkv, num_splits, row_blocks),
         (
-            q,
-            k_cache,
-            v_cache,
-            cache_seqlens,
-            bt,
-            out,
-            o_part,
-            l_part,
-            k_new if k_new is not None else k_cache,
-            v_new if v_new is not None else v_cache,
-            alibi if alibi is not None else q,
-            sinks if sinks is not None else q,
-            lse if lse is not None else q,
+            *split_tensors(
+                q, k_cache, v_cache, cache_seqlens, bt, out, o_part, l_part, k_new, v_new, alibi, sinks, lse
+            ),
             *split_scalars(
                 params,
                 alibi,

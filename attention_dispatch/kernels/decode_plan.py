@@ -114,6 +114,25 @@ def split_grid(bh: int, splits: int, row_blocks: int) -> tuple:
     return (bh, splits, row_blocks) if bh > MAX_GRID_YZ else (splits, bh, row_blocks)
 
 
+def split_tensors(q, k_cache, v_cache, lens, table, out, o_part, l_part, k_new, v_new, alibi, sinks, lse):
+    """The split pass's 13 pointer arguments, in signature order (absent ones point at q or the cache)."""
+    return (
+        q,
+        k_cache,
+        v_cache,
+        lens,
+        table,
+        out,
+        o_part,
+        l_part,
+        k_new if k_new is not None else k_cache,
+        v_new if v_new is not None else v_cache,
+        alibi if alibi is not None else q,
+        sinks if sinks is not None else q,
+        lse if lse is not None else q,
+    )
+
+
 def split_scalars(params, alibi, q_str, k_str, v_str, bt_stride, out_str, new_str, hq, hkv, sq, per_split, n_new, cap):
     """The split pass's arguments after its 13 pointers, in signature order."""
     return (
@@ -345,21 +364,7 @@ class DecodePlan:
             return out, lse
         o_part = ws[: geo.o_numel] if ws is not None else out
         l_part = ws[geo.o_numel :] if ws is not None else (lse if lse is not None else out)
-        tensors = (
-            q,
-            k_cache,
-            v_cache,
-            lens,
-            table,
-            out,
-            o_part,
-            l_part,
-            k_new if k_new is not None else k_cache,
-            v_new if v_new is not None else v_cache,
-            alibi if alibi is not None else q,
-            sinks if sinks is not None else q,
-            lse if lse is not None else q,
-        )
+        tensors = split_tensors(q, k_cache, v_cache, lens, table, out, o_part, l_part, k_new, v_new, alibi, sinks, lse)
         self._launch(first, tensors)
         if second is not None:
             self._launch(second, (o_part, l_part, out, tensors[11], tensors[12]))
