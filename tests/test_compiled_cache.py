@@ -227,6 +227,43 @@ def test_forward_plan_rebuilds_gluon_descriptors_and_later_pointers(cache, monke
     assert args[0].layout == _gluon_descriptor(q).layout and tuple(args[3:]) == (0.5, 64)
 
 
+@pytest.mark.skipif(cc.GluonDescriptor is None, reason="this Triton has no Gluon")
+def test_a_captured_plan_keeps_no_tensor_of_the_captured_call_alive(cache, monkeypatch):
+    """A plan lives as long as its signature's cache entry: what it keeps of the first call (its
+    descriptors, the arguments after the leading pointers) must not hold that call's tensors, or
+    a training loop carries a second copy of q/k/v/out (0.76 GiB at S=64k, issue 40)."""
+    import gc
+    import weakref
+
+    from attention_dispatch.kernels import ForwardPlan
+
+    monkeypatch.setattr(cc, "current_stream", lambda: 0)
+    monkeypatch.setattr(replay, "hooks_installed", lambda: False)
+    kern, outs = _FakeGluonKernel(), []
+
+    def forward(q, k, v, bias, params, need_lse):
+        out = torch.empty_like(q)
+        outs.append(weakref.ref(out))
+        cache.launch(
+            kern, (1,), (_gluon_descriptor(q), _gluon_descriptor(out), out, params.scale, 64), dict(FLAG=True), 4, 3
+        )
+        return out, None, None
+
+    monkeypatch.setattr(replay, "attention_forward", forward)
+    monkeypatch.setattr(replay, "relaunch", lambda entry, grid, args: None)
+    q = torch.randn(64, 16)
+    plan = ForwardPlan(q, KernelParams(scale=0.5))
+    first_q = weakref.ref(q)
+    plan(q, q, q)
+    assert plan.launch is not None
+    kern.log.clear()  # the fake kernel's own record of its launches
+    del q
+    gc.collect()
+    assert first_q() is None and outs[0]() is None
+    q2 = torch.randn(64, 16)
+    assert plan(q2, q2, q2).shape == q2.shape  # the plan still relaunches
+
+
 def test_launch_hooks_keep_tritons_path(cache, monkeypatch):
     kern, x = _FakeKernel(), torch.zeros(8)
     _launch(cache, kern, x, x, 8)
@@ -411,8 +448,9 @@ def test_forward_plan_relaunches_with_the_new_tensors(monkeypatch, feature):
     assert plan.launch is not None and relaunched == []
     # the output is allocated like q (empty_like) only where that is the layout the launch captured
     assert plan.out_like_query == (feature in ("dense", "causal", "gqa", "host_kv"))
-    assert [(i, d.base is (q, k, v)[i]) for _, i, d in plan.launch.patches if d is not None] == (
-        [(1, True), (2, True)] if feature.startswith("host_kv") else []
+    # descriptors over key and value, kept detached from the first call's tensors (no leak)
+    assert [(i, d.base.numel(), d.base.dtype) for _, i, d in plan.launch.patches if d is not None] == (
+        [(1, 0, k.dtype), (2, 0, v.dtype)] if feature.startswith("host_kv") else []
     )
     for _ in range(2):
         q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))  # same shapes and strides (the contract)
@@ -716,6 +754,33 @@ def test_direct_launch_passes_what_triton_36s_wrapper_passes_and_keeps_tensormap
         pool = (a3, b3, p3, lse3)
         assert direct_call(pool) == through_triton(pool)
     assert all(len(maps) <= 3 for *_, maps in direct.descriptors)
+
+
+@pytest.mark.skipif(cc.TensorDescriptor is None, reason="Triton without host-built descriptors")
+def test_direct_launch_keeps_no_captured_tensor_alive(monkeypatch):
+    """DirectLaunch keeps tensormaps per address, never the tensors: neither the captured
+    call's nor a later call's."""
+    import gc
+    import weakref
+
+    mod = _fake_triton36_driver([])
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr(cc, "current_stream", lambda: 0)
+    calls = []
+    signature = ["tensordesc<bf16[64, 64]>", "*bf16"]
+    launcher = mod.Launcher(lambda *a: calls.append(a), signature, [{"swizzle": 128}])
+    entry = (launcher, "function", ("packed",), ())
+    a, p = torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(64, 64, dtype=torch.bfloat16)
+    direct = cc.DirectLaunch.build(
+        entry, (1,), (cc.TensorDescriptor(a, [64, 64], [64, 1], [64, 64]), p), {1: 1}, {0: 0}
+    )
+    assert direct is not None
+    a2, p2 = torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(64, 64, dtype=torch.bfloat16)
+    direct([a2.data_ptr(), p2.data_ptr()], (a2, p2))
+    refs = [weakref.ref(t) for t in (a, p, a2, p2)]
+    del a, p, a2, p2
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4 and calls
 
 
 def test_direct_launch_is_refused_for_launchers_it_does_not_know(monkeypatch):

@@ -112,6 +112,12 @@ def rebase(descriptor, base: torch.Tensor):
     return TensorDescriptor(base, descriptor.shape, descriptor.strides, descriptor.block_shape, descriptor.padding)
 
 
+def detached(descriptor):
+    """The descriptor over an empty tensor of its dtype and device: what a captured launch keeps
+    (every field but the base), so that it does not hold the captured call's tensor alive."""
+    return rebase(descriptor, torch.empty(0, dtype=descriptor.base.dtype, device=descriptor.base.device))
+
+
 _get_device = torch_private.cuda_device
 _get_raw_stream = torch_private.cuda_raw_stream  # None (Triton's own query) unless both are on
 
@@ -356,13 +362,13 @@ class DirectLaunch:
         template, slots, descs = list(head), [], []
         for pos, value in enumerate(values):
             if pos in descriptors:
-                expanded = encode(value, metas[pos])  # the captured call's own tensormap seeds the cache
+                expanded = encode(value, metas[pos])  # the captured call's tensormap seeds the cache
                 descs.append(
                     (
                         len(template),
                         len(template) + len(expanded),
                         descriptors[pos],
-                        value,
+                        detached(value),
                         metas[pos],
                         {value.base.data_ptr(): expanded},
                     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .compiled_cache import COMPILED, DirectLaunch, hooks_installed, is_descriptor, rebase, relaunch
+from .compiled_cache import COMPILED, DirectLaunch, detached, hooks_installed, is_descriptor, rebase, relaunch
 from .device import is_interpreter, run_with_scratch
 from .entry import attention_backward, attention_forward, lse_pair_buffer
 from .tl.launch import natural_lse
@@ -53,7 +53,8 @@ class Replay:
                     idx = index(a.base if desc else a)
                     if idx is None:
                         return None
-                    patches.append((pos, idx, a if desc else None))
+                    patches.append((pos, idx, detached(a) if desc else None))
+            patched = {pos for pos, _, _ in patches}
             direct = (
                 None
                 if is_interpreter()
@@ -70,7 +71,8 @@ class Replay:
                     entry,
                     tuple(grid),
                     tuple(sources),
-                    tuple(args[len(sources) :]),
+                    # patched positions hold nothing of the captured call (its tensors stay the caller's)
+                    tuple(None if pos in patched else a for pos, a in enumerate(args) if pos >= len(sources)),
                     tuple(patches),
                     constexprs.get("USE_DESC", False),
                     direct,
