@@ -131,6 +131,7 @@ def _launch_split(
                 sinks if sinks is not None else q,
                 lse if lse is not None else q,
                 B * Hq * Sq,
+                num_splits,
                 Hq,
                 Sq,
                 *out.stride()[:3],

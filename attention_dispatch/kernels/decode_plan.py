@@ -100,9 +100,8 @@ def split_constexprs(q, params, alibi, group, tile, paged, page, split, tail, ap
 
 
 def combine_constexprs(splits: int, d: int, block_d: int, sinks: bool, lse: bool) -> dict:
-    return dict(
-        NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits), HEAD_D=d, BLOCK_D=block_d, HAS_SINKS=sinks, STORE_LSE=lse
-    )
+    """The combine pass's constexprs: the split count only as its power of two (it is an argument)."""
+    return dict(SPLITS_P2=next_pow2(splits), HEAD_D=d, BLOCK_D=block_d, HAS_SINKS=sinks, STORE_LSE=lse)
 
 
 def split_warps(block_d: int) -> int:
@@ -299,11 +298,11 @@ class DecodePlan:
         combine, o_numel = None, 0
         if split:
             rows = B * Hq * Sq
-            key = ("combine", splits)
+            key = ("combine", next_pow2(splits), _int_class(splits))
             combine = _Step(
                 _decode_combine,
                 (rows,),
-                (rows, Hq, Sq, *out_str),
+                (rows, splits, Hq, Sq, *out_str),
                 combine_constexprs(splits, D, block_d, self.has_sinks, self.need_lse),
                 4,
                 1,

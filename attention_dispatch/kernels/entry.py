@@ -224,9 +224,8 @@ def attention_forward(
     # Q is checked too: it goes through a descriptor beside a bias descriptor (tl/forward.py)
     desc = use_descriptors(params, (q, k, v), dev, loop_len=prob.Sk)
     route = forward_route(q, k, v, kind, bt, bstr, params, prob, desc, need_lse, alibi, sinks)
-    if route.kernel == DECODE:  # every sequence as long as the keys: a full "cache"
-        lengths = torch.full((prob.B,), prob.Sk, device=dev, dtype=torch.int32)
-        return decode_forward(q, k, v, lengths, params, alibi=alibi, sinks=sinks), None, seed
+    if route.kernel == DECODE:  # every sequence as long as the keys: FULL_LENGTH, no lengths tensor
+        return decode_forward(q, k, v, None, params, alibi=alibi, sinks=sinks), None, seed
     out = torch.empty(prob.out_shape, device=dev, dtype=store_dtype(q.dtype))
     lse = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32) if need_lse else None
     if route.kernel == GLUON:

@@ -257,12 +257,12 @@ def _decode_combine(
     Sinks,
     Lse,
     rows_total,
+    num_splits,
     Hq,
     Sq,
     sob,
     soh,
     sos,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -272,10 +272,12 @@ def _decode_combine(
     """Out[row] = sum_s w_s * OPart[s, row] / sum_s w_s with w_s = 2^(LPart[s, row] - max)
     (HAS_SINKS: the sink's 2^(sink - max) joins the denominator, once); a row no split saw
     (every LPart -inf) is 0.  STORE_LSE: Lse[row] = the merged logsumexp (natural log, without
-    the sink).  One program per (B, Hq, Sq) row."""
+    the sink).  One program per (B, Hq, Sq) row.  ``num_splits`` is an argument, not a constexpr:
+    the split count grows with the key length, and a constexpr compiled a kernel per count
+    (up to MAX_DECODE_SPLITS for one decode loop); SPLITS_P2 keeps the variants to its powers of two."""
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS_P2)
-    split_ok = splits < NUM_SPLITS
+    split_ok = splits < num_splits
     lse = tl.load(LPart + splits.to(tl.int64) * rows_total + row, mask=split_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
