@@ -29,17 +29,39 @@ def rounding_floor(ref64: torch.Tensor, dtype: torch.dtype) -> float:
     return max(SLACK[dtype], 0.5 * torch.finfo(dtype).eps * largest)
 
 
-def assert_matches(got, ref64, ref_lowp=None, what: str = "output", dtype=None, factor: float = 2.0) -> float:
+def assert_matches(
+    got, ref64, ref_lowp=None, what: str = "output", dtype=None, factor: float = 2.0, extra: float = 0.0
+) -> float:
     """got/ref_lowp in the input dtype, ref64 in float64 (same shapes). Without ref_lowp the
-    budget is the slack alone; dtype (default got's) picks the slack. Returns the error."""
+    budget is the slack alone; dtype (default got's) picks the slack; ``extra`` is added to the
+    budget (an error the algorithm owes to an earlier rounding: :func:`stored_output_slack`).
+    Returns the error."""
     assert got is not None, f"{what}: missing (None)"
     assert got.shape == ref64.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref64.shape)}"
     assert not torch.isnan(got).any(), f"{what}: NaN in result"
     err = max_err(got, ref64)
     base = max_err(ref_lowp, ref64) if ref_lowp is not None else 0.0
-    budget = factor * base + rounding_floor(ref64, dtype or got.dtype)
+    budget = factor * base + rounding_floor(ref64, dtype or got.dtype) + extra
     assert err <= budget, f"{what}: max error {err:.3e} > allowed {budget:.3e}"
     return err
+
+
+def stored_output_slack(out, out64, grad_out, lse64, inputs: dict) -> dict:
+    """{name: max |gradient error|} that a flash-style backward owes to its stored output alone.
+    It takes each row's delta_i = <dO_i, O_i> from the output it wrote (PyTorch's, flash-attn's and
+    our kernels do), so that output's own error e_i = <dO_i, O_i - O64_i> moves every d score_ij by
+    -P_ij e_i: the gradients move by -e_i d lse_i / d theta, however exactly the rest is computed
+    (fp16 Sq=1 Sk=2 at scale 1: dq 4.9e-3 off where the fp16 autograd reference is 1e-4 off, H100).
+    ``lse64``: tests/naive.py's float64 logsumexp (shaped as the output less its last axis),
+    connected to the float64 leaves in ``inputs``."""
+    e = ((out.detach().double().cpu() - out64.detach()) * grad_out.double().cpu()).sum(-1)
+    finite = torch.isfinite(lse64)
+    moved = (torch.where(finite, lse64, torch.zeros_like(lse64)) * e).sum()
+    if not moved.requires_grad:
+        return {}
+    names = list(inputs)
+    grads = torch.autograd.grad(moved, [inputs[n] for n in names], allow_unused=True)
+    return {n: (g.abs().max().item() if g is not None and g.numel() else 0.0) for n, g in zip(names, grads)}
 
 
 def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234, requires_grad=True):
