@@ -72,10 +72,8 @@ def sdpa(
     else:
         recent = None if _is_compiling() else fast_calls.get(RECENT)  # dynamo: call_key returns None
         if recent is not None and cu_seqlens_q is None and cu_seqlens_k is None:  # fast_key.recent_hit
-            entry = recent_hit(
-                recent[1], query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal, window,
-                deterministic, backend,
-            )  # fmt: skip
+            options = (dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic, backend)
+            entry = recent_hit(recent[1], query, key, value, attn_mask, options)
             if entry is not None:
                 decision = entry[6]
                 try:
@@ -201,6 +199,7 @@ def sdpa(
         and opts["cu_seqlens_k"] is cu_seqlens_k
         and guard.mode != "strict"  # strict checks every call, on the full path
     ):
+        runner = None
         try:
             runner = registry.get_backend(decision.backend).prepare(query, key, value, call.options)
         except Exception as exc:  # noqa: BLE001 - the call succeeded; only its fast path is lost
@@ -216,14 +215,16 @@ def sdpa(
             and guard.mode in ("off", "first")
             and not (policy.policy == "fastest" and backend is None)
         ):
-            _remember_span(lengths[0], decision, call.options, backend)
+            _remember_span(lengths[0], decision, call.options, backend, runner)
     return out if call.restore is None else call.restore(out)
 
 
-def _remember_span(length_key_: tuple, decision: Decision, options: dict, forced) -> None:
+def _remember_span(length_key_: tuple, decision: Decision, options: dict, forced, runner=None) -> None:
     """After a full path of a call with a length key: the first one of its signature only
     marks it; a later one (another Sk) proves the span of its Decision
-    (dispatch.seqlen_k_span) and keeps it for sdpa()'s calls with Sk in it."""
+    (dispatch.seqlen_k_span) and keeps it for sdpa()'s calls with Sk in it, to run through
+    ``runner`` (this call's prepared one) where it serves any key length (Backend.prepare),
+    else through the backend's run()."""
     spans = span_calls.get(length_key_)
     if spans is None:
         if len(span_calls) >= FAST_CALLS_LIMIT:
@@ -242,8 +243,11 @@ def _remember_span(length_key_: tuple, decision: Decision, options: dict, forced
     entry = (
         *span,
         dataclasses.replace(decision, seqlen_k_span=span),
-        registry.get_backend(decision.backend).run,
-        options,
+        *(
+            (runner, {})
+            if getattr(runner, "any_key_length", False)
+            else (registry.get_backend(decision.backend).run, options)
+        ),
     )
     span_calls[length_key_] = ((entry,) + entries[: dispatch.SPAN_ENTRIES - 1], probes)
 

@@ -125,6 +125,133 @@ def test_plans_differ_by_signature_not_by_lengths():
     assert len(decode_plan.PLANS) == 2
 
 
+def _growing(sk_max, b=1, hq=4, hkv=2, d=16, dtype=torch.float32):
+    """q and a function giving k, v of any key length up to sk_max as views of one buffer (what a
+    growing cache hands over each step)."""
+    q = torch.randn(b, hq, 1, d, device=DEV, dtype=dtype)
+    flat_k = torch.randn(b * hkv * sk_max * d, device=DEV, dtype=dtype)
+    flat_v = torch.randn_like(flat_k)
+
+    def kv(sk):
+        n = b * hkv * sk * d
+        return flat_k[:n].view(b, hkv, sk, d), flat_v[:n].view(b, hkv, sk, d)
+
+    return q, kv
+
+
+def test_plain_decode_route_creates_no_lengths_tensor():
+    """attention_forward's decode route runs full length: its tensors are the (empty) dropout
+    seed, the output and the split workspace, no lengths tensor filled per call."""
+    from attention_dispatch.kernels.entry import attention_forward
+
+    q, kv = _growing(600)
+    k, v = kv(600)
+    with Allocations() as seen:
+        out, _, _ = attention_forward(q, k, v, None, KernelParams(scale=16**-0.5), need_lse=False)
+    assert not any(op.startswith(("full", "fill")) for op in seen.ops), seen.ops
+    assert_matches(out, reference(q, k, v, [600]), None, "Sk=600", dtype=torch.float32)
+    (plan,) = decode_plan.PLANS.values()
+    assert plan.full
+
+
+def test_growing_sdpa_decode_runs_the_prepared_runner(monkeypatch):
+    """sdpa() with Sk growing by one per call: after the two calls that prove the span, each call
+    is a span hit run by the triton backend's prepared DecodeRunner: no normalisation, decision,
+    backend run() or route, no fixed launch parameter recomputed, no lengths tensor (output and
+    workspace only), split + combine launched; every result against the float64 reference."""
+    from attention_dispatch import api, dispatch
+    from attention_dispatch.kernels import autograd, entry
+
+    q, kv = _growing(700)
+    for sk in (520, 521):  # the first marks the signature, the second proves the span
+        out = ad.sdpa(q, *kv(sk), enable_gqa=True, backend="triton")
+        assert_matches(out, reference(q, *kv(sk), [sk]), None, f"Sk={sk}", dtype=torch.float32)
+    ((entries, _),) = dispatch.span_calls.values()
+    assert isinstance(entries[0][3], decode_plan.DecodeRunner), entries
+
+    def forbidden(*a, **kw):
+        raise AssertionError("per-call work on a span hit")
+
+    monkeypatch.setattr(api, "normalize_call", forbidden)
+    monkeypatch.setattr(autograd, "triton_attention", forbidden)  # the runner's fallback: the whole path
+    monkeypatch.setattr(entry, "forward_route", forbidden)
+    for name in ("tiles", "split_constexprs", "combine_constexprs", "device_info"):
+        monkeypatch.setattr(decode_plan, name, forbidden)
+    for sk in range(522, 530):
+        k, v = kv(sk)
+        out = ad.sdpa(q, k, v, enable_gqa=True, backend="triton")
+        assert ad.last_decision().seqlen_k_span == (512, 1023)
+        assert_matches(out, reference(q, k, v, [sk]), None, f"Sk={sk}", dtype=torch.float32)
+    launched = []
+    with monkeypatch.context() as m:  # the host path alone (the interpreter's launches create tensors)
+        m.setattr(run, "launch_one", lambda kernel, *a, **kw: launched.append(kernel))
+        with Allocations() as seen:
+            ad.sdpa(q, *kv(530), enable_gqa=True, backend="triton")
+    assert launched == [decode._decode_split, decode._decode_combine], launched
+    assert len(seen.ops) == 2, seen.ops  # the output and the one workspace
+    assert len(decode_plan.PLANS) == 1
+
+
+def test_the_runner_sends_a_call_below_the_decode_route_to_the_whole_path():
+    """A prepared DecodeRunner given fewer keys than the decode route takes (a span below
+    DECODE_MIN_KEYS never holds one, but the runner does not rely on it) runs the backend's path."""
+    from attention_dispatch.kernels.autograd import prepare_attention
+    from attention_dispatch.kernels.entry import DECODE_MIN_KEYS
+
+    q, kv = _growing(DECODE_MIN_KEYS + 8)
+    params = KernelParams(scale=16**-0.5)
+    runner = prepare_attention(q, *kv(DECODE_MIN_KEYS + 8), None, params)
+    assert isinstance(runner, decode_plan.DecodeRunner)
+    for sk in (DECODE_MIN_KEYS - 1, DECODE_MIN_KEYS, DECODE_MIN_KEYS + 3):
+        before = runner.plan.launches
+        out = runner(q, *kv(sk))
+        assert (runner.plan.launches > before) == (sk >= DECODE_MIN_KEYS), sk
+        assert_matches(out, reference(q, *kv(sk), [sk]), None, f"Sk={sk}", dtype=torch.float32)
+
+
+def test_the_combine_pass_compiles_one_variant_per_power_of_two_of_splits(monkeypatch):
+    """The split count is an argument of the combine pass: key lengths giving 3 and 4 splits
+    launch it with the same constexprs (one compiled kernel), 5 with the next power of two."""
+    params = KernelParams(scale=16**-0.5)
+    q, kv = _growing(1300)
+    seen = {}
+    real = run.launch_one
+
+    def watch(kernel, grid, args, constexprs, *a, **kw):
+        if kernel is decode._decode_combine:
+            seen[args[6]] = constexprs  # args: 5 pointers, rows, the split count
+        return real(kernel, grid, args, constexprs, *a, **kw)
+
+    monkeypatch.setattr(run, "launch_one", watch)
+    for sk in (700, 1000, 1200):  # 256 keys per split at least: 3, 4 and 5 splits
+        decode.decode_forward(q, *kv(sk), None, params, num_splits=-(-sk // 256))
+    assert sorted(seen) == [3, 4, 5], seen
+    assert seen[3] == seen[4] != seen[5]
+    assert seen[4]["SPLITS_P2"] == 4 and "NUM_SPLITS" not in seen[4]
+
+
+@pytest.mark.gpu
+def test_gpu_growing_sdpa_decode_compiles_a_bounded_number_of_kernels():
+    """A decode loop through sdpa() from Sk=512 to 2600 (2 to 11 splits) takes the decode route
+    on span hits with at most a handful of compiled-kernel cache misses (the split pass by
+    Triton's int classes, the combine pass by the split count's power of two), results correct."""
+    q, kv = _growing(2600, hq=32, hkv=8, d=128, dtype=torch.bfloat16)
+    ad.sdpa(q, *kv(512), enable_gqa=True, backend="triton")
+    misses = COMPILED.misses
+    for sk in range(513, 2600):
+        out = ad.sdpa(q, *kv(sk), enable_gqa=True, backend="triton")
+        if sk % 397 == 0:
+            assert_matches(out, reference(q, *kv(sk), [sk]), None, f"Sk={sk}", dtype=torch.bfloat16)
+    assert COMPILED.misses - misses <= 8, COMPILED.misses - misses
+    assert [type(e[3]).__name__ for spans in dispatch_spans() for e in spans] == ["DecodeRunner"] * 2
+
+
+def dispatch_spans():
+    from attention_dispatch import dispatch
+
+    return [entries for entries, _ in dispatch.span_calls.values()]
+
+
 @pytest.mark.gpu
 def test_gpu_repeated_steps_relaunch_the_compiled_kernels():
     """After the first step no launch goes through the compiled-kernel cache (hits and misses

@@ -360,7 +360,10 @@ class Backend:
         options; when they hold a mask, each call passes its own as the fourth argument (only
         the mask's kind may be relied on); varlen calls pass their own offsets (same shapes and
         max_seqlen; omitted, the prepared call's are used).  Override it to skip per-call work
-        (the `triton` backend relaunches its compiled kernel); the default calls run()."""
+        (the `triton` backend relaunches its compiled kernel); the default calls run().  A runner
+        with a true ``any_key_length`` attribute also serves dense calls without a mask that
+        differ from this one only in the key length and the strides (sdpa()'s decode steps:
+        fast_key.length_key); without it those calls go to run()."""
         rest = {
             name: value for name, value in options.items() if name not in ("attn_mask", "cu_seqlens_q", "cu_seqlens_k")
         }

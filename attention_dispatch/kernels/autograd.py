@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from .dropout import STREAM_LEN
-from .entry import attention_backward, attention_forward, lse_pair_buffer
+from .decode_plan import DecodeRunner
+from .entry import DECODE_MIN_KEYS, attention_backward, attention_forward, decode_plan_of, lse_pair_buffer
 from .replay import ForwardPlan, TrainingPlan
 from .params import KernelParams
 
@@ -443,14 +444,19 @@ def prepare_attention(
 ):
     """A callable ``(query, key, value[, bias], *, cu_seqlens_q, cu_seqlens_k) -> out`` for
     repeated calls whose tensors have these shapes, strides, dtype, device and alignment,
-    under the same grad mode: a :class:`ForwardPlan` (captured kernel launches, relaunched) for
-    dense inference calls without a bias, a :class:`TrainingPlan` behind the autograd function
+    under the same grad mode: a :class:`DecodeRunner` for dense inference calls that take the
+    decode route (any key length), a :class:`ForwardPlan` (captured kernel launches, relaunched)
+    for other dense inference calls without a bias, a :class:`TrainingPlan` behind the autograd function
     for dense training calls without a bias or dropout, else :func:`triton_attention` with
     these parameters (``bias`` only says whether the calls have one: each call passes its
     own; varlen calls pass their own offsets, of these shapes and max_seqlen)."""
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, bias))
     if bias is None and cu_seqlens_q is None and query.dim() == 4:
         if not needs_grad:
+            plan = decode_plan_of(query, key, value, params)
+            if plan is not None:  # also serves other key lengths (sdpa()'s span hits)
+                fallback = lambda q, k, v: triton_attention(q, k, v, None, params)  # noqa: E731
+                return DecodeRunner(plan, query, key, value, DECODE_MIN_KEYS, fallback)
             return ForwardPlan(query, params)
         if params.dropout_p == 0:
             plan = TrainingPlan(query, params)

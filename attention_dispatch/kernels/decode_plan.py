@@ -133,30 +133,22 @@ def split_tensors(q, k_cache, v_cache, lens, table, out, o_part, l_part, k_new, 
 
 
 def split_scalars(params, alibi, q_str, k_str, v_str, bt_stride, out_str, new_str, hq, hkv, sq, per_split, n_new, cap):
-    """The split pass's arguments after its 13 pointers, in signature order."""
-    return (
-        params.scale * LOG2E,
-        *score_args(params, alibi),
-        *q_str,
-        *k_str,
-        *v_str,
-        bt_stride,
-        *out_str,
-        *new_str,
-        hq,
-        hkv,
-        sq,
-        per_split,
-        n_new,
-        cap,
-        max(params.window_left, 0),
-        max(params.window_right, 0),
-    )
+    """The split pass's arguments after its 13 pointers, in signature order: fixed parts around
+    the cache's strides and around (keys per split, n_new, capacity) (:func:`_scalar_parts`)."""
+    head, mid, tail = _scalar_parts(params, alibi, q_str, out_str, new_str, hq, hkv, sq)
+    return head + tuple(k_str) + tuple(v_str) + (bt_stride,) + mid + (per_split, n_new, cap) + tail
 
 
-def _int_class(v: int) -> tuple:
-    """What Triton can specialise an int argument on, or finer: 1, divisible by 16, its type's range."""
-    return v == 1, v % 16 == 0, -(2**31) <= v < 2**31, v < 2**63
+def _scalar_parts(params, alibi, q_str, out_str, new_str, hq, hkv, sq) -> tuple[tuple, tuple, tuple]:
+    """:func:`split_scalars`' parts that do not change with the cache's geometry (DecodePlan keeps them)."""
+    head = (params.scale * LOG2E, *score_args(params, alibi), *q_str)
+    mid = (*out_str, *new_str, hq, hkv, sq)
+    return head, mid, (max(params.window_left, 0), max(params.window_right, 0))
+
+
+def _int_class(v: int) -> int:
+    """What Triton can specialise an int argument >= 0 on, or finer, as bits: 1, divisible by 16, past int32."""
+    return (v == 1) | ((v & 15) == 0) << 1 | (v >= 2**31) << 2
 
 
 _LAUNCH_ONE = run.launch_one  # a replaced one (a test or benchmark watching launches) sees every launch
@@ -207,7 +199,8 @@ class DecodePlan:
         "has_sinks",
         "need_lse",
         "fixed",
-        "tile",
+        "fixed_parts",
+        "combine_cx",
         "num_sms",
         "entries",
         "_gkey",
@@ -228,6 +221,8 @@ class DecodePlan:
         # what every geometry shares: q, out and k_new strides, the alibi strides (score_args)
         self.fixed = (q.stride()[:3], out_str, k_new.stride()[:3] if k_new is not None else (0, 0, 0), alibi)
         self.num_sms = device_info(q.device)[2]
+        self.fixed_parts = None  # _fixed_parts, on the first geometry
+        self.combine_cx: dict = {}  # the combine pass's constexprs by its SPLITS_P2
         self.entries: dict = {}  # (step, its varying scalars' classes) -> compiled entry
         self._gkey = self._geo = None
         self.launches = 0  # launches through this plan (tests)
@@ -245,52 +240,22 @@ class DecodePlan:
     def _geometry(self, gkey, q, k_cache, v_cache, block_table) -> _Geometry:
         B, Hq, Sq, D = self.shape
         page, hkv, cap, k_str, v_str, bt_stride = cache_geometry(k_cache, v_cache, block_table)
-        group = Hq // hkv
-        tile = tiles(group, Sq, D)
-        block_d, row_blocks = tile[2], tile[3]
-        splits, per_split = key_splits(B * hkv * row_blocks, cap, tile[1], self.forced, self.num_sms)
+        fixed = self.fixed_parts
+        if fixed is None:  # what no geometry changes (heads and page are in plan_key), made once
+            fixed = self.fixed_parts = self._fixed_parts(q, hkv, page)
+        tile, grid_bh, head, mid, tail, constexprs, warps = fixed
+        splits, per_split = key_splits(grid_bh * tile[3], cap, tile[1], self.forced, self.num_sms)
         split = splits > 1
-        q_str, out_str, new_str, alibi = self.fixed
-        scalars = split_scalars(
-            self.params,
-            alibi,
-            q_str,
-            k_str,
-            v_str,
-            bt_stride,
-            out_str,
-            new_str,
-            Hq,
-            hkv,
-            Sq,
-            per_split,
-            self.n_new,
-            cap,
-        )
+        scalars = head + k_str + v_str + (bt_stride,) + mid + (per_split, self.n_new, cap) + tail
         varying = (*k_str, *v_str, bt_stride, per_split, cap)
-        key = ("split", split, tuple(map(_int_class, varying)))
-        constexprs = split_constexprs(
-            q,
-            self.params,
-            alibi,
-            group,
-            tile,
-            self.paged,
-            page,
-            split,
-            0,
-            self.append,
-            B * hkv > MAX_GRID_YZ,
-            self.has_sinks,
-            self.need_lse,
-            self.full,
-        )
+        # _int_class inline (no call per value: a tenth of a growing-Sk step's host time); strides >= 0
+        key = ("split", split, tuple([(x == 1) | ((x & 15) == 0) << 1 | (x >= 2**31) << 2 for x in varying]))
         first = _Step(
             _decode_split,
-            split_grid(B * hkv, splits, row_blocks),
+            split_grid(grid_bh, splits, tile[3]),
             scalars,
-            constexprs,
-            split_warps(block_d),
+            constexprs[split],
+            warps,
             2,
             key,
             self.entries.get(key),
@@ -298,21 +263,47 @@ class DecodePlan:
         combine, o_numel = None, 0
         if split:
             rows = B * Hq * Sq
-            key = ("combine", next_pow2(splits), _int_class(splits))
+            p2 = next_pow2(splits)
+            cx = self.combine_cx.get(p2)
+            if cx is None:
+                cx = self.combine_cx[p2] = combine_constexprs(splits, D, tile[2], self.has_sinks, self.need_lse)
+            key = ("combine", p2, _int_class(splits))
             combine = _Step(
-                _decode_combine,
-                (rows,),
-                (rows, splits, Hq, Sq, *out_str),
-                combine_constexprs(splits, D, block_d, self.has_sinks, self.need_lse),
-                4,
-                1,
-                key,
-                self.entries.get(key),
+                _decode_combine, (rows,), (rows, splits, Hq, Sq, *self.fixed[1]), cx, 4, 1, key, self.entries.get(key)
             )
-            o_numel = splits * rows * block_d
+            o_numel = splits * rows * tile[2]
         geo = _Geometry(first, combine, o_numel, o_numel + splits * B * Hq * Sq)
         self._gkey, self._geo = gkey, geo
         return geo
+
+    def _fixed_parts(self, q, hkv: int, page: int) -> tuple:
+        """(tile, B * Hkv, scalars before the cache strides, between them and the split sizes,
+        after those, the split pass's constexprs by SPLIT, its warps)."""
+        B, Hq, Sq, D = self.shape
+        group = Hq // hkv
+        tile = tiles(group, Sq, D)
+        q_str, out_str, new_str, alibi = self.fixed
+        head, mid, tail = _scalar_parts(self.params, alibi, q_str, out_str, new_str, Hq, hkv, Sq)
+        constexprs = {
+            split: split_constexprs(
+                q,
+                self.params,
+                alibi,
+                group,
+                tile,
+                self.paged,
+                page,
+                split,
+                0,
+                self.append,
+                B * hkv > MAX_GRID_YZ,
+                self.has_sinks,
+                self.need_lse,
+                self.full,
+            )
+            for split in (False, True)
+        }
+        return tile, B * hkv, head, mid, tail, constexprs, split_warps(tile[2])
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi, sinks, geo=None):
         """(out, lse or None) of one call of this signature (decode_forward's arguments; ``geo``:
@@ -424,3 +415,28 @@ def plan_for(
             q, params, cache_seqlens, block_table, k_new, alibi, sinks, need_lse, n_new, forced
         )
     return plan
+
+
+class DecodeRunner:
+    """Plain sdpa()'s decode route, prepared (kernels.autograd.prepare_attention): a call of the
+    prepared one's signature but for its key length and the keys' strides (what sdpa()'s span
+    hits pass: fast_key.length_key) runs ``plan`` (full length: no lengths tensor) directly, its
+    launch parameters for a new key length computed by :meth:`DecodePlan.geometry`; a call the
+    plan does not cover (fewer than ``min_keys`` keys, another query stride or pointer alignment)
+    goes to ``fallback(q, k, v)``, the backend's whole path."""
+
+    any_key_length = True  # Backend.prepare: sdpa() may pass it calls of other key lengths
+    __slots__ = ("plan", "q_stride", "align", "min_keys", "fallback")
+
+    def __init__(self, plan: DecodePlan, q, k, v, min_keys: int, fallback):
+        self.plan, self.q_stride, self.min_keys, self.fallback = plan, q.stride(), min_keys, fallback
+        self.align = (q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
+
+    def __call__(self, q, k, v):
+        if (
+            k.shape[2] < self.min_keys
+            or q.stride() != self.q_stride
+            or (q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15) != self.align
+        ):
+            return self.fallback(q, k, v)
+        return self.plan(q, k, v, None, None, None, None, None, None)[0]

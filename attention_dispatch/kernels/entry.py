@@ -17,6 +17,7 @@ import torch
 from . import configs as C
 from .bias import bias_layout, ws_bias_reason
 from .decode import decode_forward
+from .decode_plan import DecodePlan, plan_for
 from .device import use_descriptors
 from .dropout import STREAM_LEN, draw_stream
 from .gluon import launch as gluon_launch
@@ -74,6 +75,19 @@ def decode_reason(
     if store_dtype(q.dtype) != q.dtype:
         return "the CPU interpreter writes bfloat16 results as float32"
     return None
+
+
+def decode_plan_of(q, k, v, params: KernelParams) -> DecodePlan | None:
+    """The plan :func:`attention_forward` runs for this dense inference call without a mask,
+    ALiBi or sinks when it takes the decode route (its key length free: the plan's geometry),
+    else None; q, k, v with a contiguous last dim."""
+    if any(t.dim() != 4 or t.stride(-1) != 1 for t in (q, k, v)):
+        return None
+    check_inputs(q, k, v)
+    prob = KernelShapes(q, k, v, None, None, None, None)
+    if _empty(prob, k) or decode_reason(q, 0, params, prob, False) is not None:
+        return None
+    return plan_for(q, k, v, None, params, None, None, None, None, None, False, 0, 0)
 
 
 class BackwardRoute(NamedTuple):
