@@ -29,10 +29,17 @@ growing by one per call over every loop, so that no call repeats an earlier one'
                                                     by slice and F.sdpa over the valid keys
                                                     (the lengths cycle over --decode-n values: a
                                                     cache's Problem holds its capacity, not them)
+  sdpa(..., backend="triton"), Sk growing (CUDA)   our decode kernel's path whatever auto chooses
 each under torch.no_grad() (as a generation loop), timed in rounds of --decode-n calls: ours, the
 chosen backend's run() / run_kvcache() alone on the same normalised call, and F.sdpa, over the
 same key lengths in turns (order rotating); reported: the medians over rounds of us per call,
-of ours - F.sdpa's and of ours - the backend's alone (what the dispatcher adds).
+of ours - F.sdpa's and of ours - the backend's alone (what the dispatcher adds).  A row stops
+after the round that passes --decode-budget seconds (the rounds run are printed), so a backend
+whose every new key length costs milliseconds (cuDNN builds a graph per sequence length) bounds
+the run instead of stretching it.  Before the rows: the decision for the growing-Sk call, and
+each eligible backend's run() timed call by call over --decode-probe new key lengths (first,
+median and max ms; synchronised per call): what a new Sk costs each backend, compiles included.
+Progress goes to stderr with the elapsed time.
 """
 
 from __future__ import annotations
@@ -91,8 +98,9 @@ def paired_ratio(fn_ref, fn, n: int, repeat: int, sync) -> tuple[float, list[flo
     return statistics.median(ratios), ratios
 
 
-def decode_rows(args, device: str, dtype, sync) -> dict:
-    """The decode-step rows (module doc): {row: {"median_us", "ref_median_us", "minus_ref_us", ...}}."""
+def decode_rows(args, device: str, dtype, sync) -> tuple[dict, dict]:
+    """The decode-step rows (module doc): ({row: {"median_us", "ref_median_us", "minus_ref_us", ...}},
+    the per-backend probe: :func:`probe_backends`)."""
     import torch
     import torch.nn.functional as F
 
@@ -103,7 +111,13 @@ def decode_rows(args, device: str, dtype, sync) -> dict:
     sk0 = args.decode_sk if args.decode_sk is not None else (512 if device == "cuda" else 64)
     warm = max(5, n // 10)
     steps = warm + rounds * n  # every call of a row gets a key length of its own
-    capacity = sk0 + steps
+    probe = args.decode_probe
+    capacity = sk0 + steps + probe  # the probe's lengths follow the rows' (new to every backend)
+    began = time.perf_counter()
+
+    def progress(what: str) -> None:
+        print(f"[{time.perf_counter() - began:7.1f} s] {what}", file=sys.stderr, flush=True)
+
     q = torch.randn(b, hq, 1, d, device=device, dtype=dtype)
     # key/value of every length as contiguous views of one buffer (what a growing cache hands
     # over each step, e.g. torch.cat in transformers' DynamicCache), without allocating per call
@@ -170,7 +184,14 @@ def decode_rows(args, device: str, dtype, sync) -> dict:
         v_cache[:, :, sk : sk + 1] = v_new
         return F.scaled_dot_product_attention(q, k_cache[:, :, : sk + 1], v_cache[:, :, : sk + 1], enable_gqa=True)
 
+    def triton_row(i):
+        k, v = kv_of(sk0 + i)
+        return ad.sdpa(q, k, v, enable_gqa=True, backend="triton")
+
     with torch.no_grad():  # as a generation loop runs
+        progress("decision and per-backend probe")
+        print(ad.explain(q, k0, v0, enable_gqa=True))
+        probes = probe_backends(ad.explain(q, k0, v0, enable_gqa=True), q, kv_of, sk0 + steps, probe, options, sync)
         sdpa_backend = chosen(lambda: ad.sdpa(q, k0, v0, enable_gqa=True))
         kv_backend = chosen(lambda: kv_row(0))
         kv_append_backend = chosen(lambda: kv_append_row(0))
@@ -184,14 +205,32 @@ def decode_rows(args, device: str, dtype, sync) -> dict:
                 kv_append_backend.name,
             ),
         }
+        if device == "cuda" and "triton" in probes and "error" not in probes["triton"]:
+            triton = registry.get_backend("triton")
+
+            def triton_alone(i):
+                k, v = kv_of(sk0 + i)
+                return triton.run(q, k, v, **options)
+
+            rows[f"decode sdpa(backend='triton'), Sk {sk0}+ growing by 1"] = (
+                triton_row,
+                triton_alone,
+                sdpa_ref,
+                "triton",
+            )
         results = {}
         for name, (fn, alone, ref, chose) in rows.items():
+            progress(f"row {name!r} ({chose})")
+            row_began = time.perf_counter()
             for i in range(warm):
                 for f in (fn, alone, ref):
                     f(i)
             sync()
             times = {"ours": [], "alone": [], "ref": []}
             for r in range(rounds):
+                if r and time.perf_counter() - row_began > args.decode_budget:
+                    progress(f"  budget of {args.decode_budget:.0f} s spent after {r} of {rounds} rounds")
+                    break
                 lo = warm + r * n  # the three over the same lengths; ours never repeats one
                 turn = [("ours", fn), ("alone", alone), ("ref", ref)]
                 for label, f in turn[r % 3 :] + turn[: r % 3]:
@@ -210,7 +249,21 @@ def decode_rows(args, device: str, dtype, sync) -> dict:
                 "minus_ref_us": statistics.median(a - t for a, t in zip(ours, theirs)),
                 "minus_alone_us": statistics.median(a - t for a, t in zip(ours, alone_t)),
                 "over_ref": statistics.median(a / t for a, t in zip(ours, theirs)),
+                "rounds": len(ours),
             }
+    progress("done")
+    print(
+        f"new key length per call, each eligible backend's run() alone (ms per call, synchronised; "
+        f"{probe} lengths from {sk0 + steps}):"
+    )
+    for name, p in probes.items():
+        if "error" in p:
+            print(f"  {name:<16} failed: {p['error']}")
+        else:
+            print(
+                f"  {name:<16} first {p['first_ms']:9.3f}  median {p['median_ms']:9.3f}  max {p['max_ms']:9.3f}"
+                f"  ({p['calls']} calls)"
+            )
     print(
         f"decode steps, B={b} Hq/Hkv={hq}/{hkv} Sq=1 d{d} {str(dtype).removeprefix('torch.')} on {device}, "
         f"key length from {sk0} growing by one per call, under no_grad; {rounds} rounds of {n} calls; us per call "
@@ -223,8 +276,41 @@ def decode_rows(args, device: str, dtype, sync) -> dict:
             f"ours - F.sdpa {r['minus_ref_us']:+8.2f} ({r['over_ref']:.2f}x, issue 34: <= 1 -> "
             f"{'met' if r['over_ref'] <= 1.0 else 'not met'})  "
             f"{r['backend']} alone {r['backend_alone_median_us']:8.2f} us  dispatcher {r['minus_alone_us']:+7.2f} us"
+            + (f"  ({r['rounds']} rounds: budget)" if r["rounds"] < rounds else "")
         )
-    return results
+    return results, probes
+
+
+def probe_backends(decision, q, kv_of, sk_first: int, calls: int, options: dict, sync, budget_s: float = 3.0) -> dict:
+    """{backend: {"first_ms", "median_ms", "max_ms", "calls"} or {"error"}}: each eligible backend of
+    ``decision`` run alone over ``calls`` key lengths from ``sk_first`` (new to it), one call at a
+    time, synchronised: what a decode step with a new Sk costs it (a compile or graph build per
+    length shows as the median, not only the first call); at most ``budget_s`` per backend."""
+    from attention_dispatch import registry
+
+    out = {}
+    for name in decision.candidates:
+        if name in decision.rejected or name in decision.failures:
+            continue
+        backend = registry.get_backend(name)
+        print(f"  probing {name}", file=sys.stderr, flush=True)
+        ms = []
+        try:
+            began = time.perf_counter()
+            for i in range(calls):
+                k, v = kv_of(sk_first + i)
+                sync()
+                start = time.perf_counter()
+                backend.run(q, k, v, **options)
+                sync()
+                ms.append((time.perf_counter() - start) * 1e3)
+                if time.perf_counter() - began > budget_s:
+                    break
+        except Exception as exc:  # noqa: BLE001 - a probe: report and go on
+            out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
+            continue
+        out[name] = {"first_ms": ms[0], "median_ms": statistics.median(ms), "max_ms": max(ms), "calls": len(ms)}
+    return out
 
 
 def main(argv=None) -> int:
@@ -245,6 +331,10 @@ def main(argv=None) -> int:
     p.add_argument("--decode-heads", default="32/8", help="query/key-value heads of the decode rows")
     p.add_argument("--decode-dim", type=int, default=128, help="head dim of the decode rows")
     p.add_argument("--decode-batch", type=int, default=1, help="batch of the decode rows")
+    p.add_argument(
+        "--decode-budget", type=float, default=6.0, help="seconds per decode row: rounds stop past it (at least one)"
+    )
+    p.add_argument("--decode-probe", type=int, default=16, help="new key lengths each eligible backend is probed on")
     args = p.parse_args(argv)
 
     import torch
@@ -270,12 +360,11 @@ def main(argv=None) -> int:
 
     gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     if args.decode_only:
-        decode = decode_rows(args, device, dtype, sync)
+        decode, probes = decode_rows(args, device, dtype, sync)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(
-                json.dumps({"device": device, "gpu": gpu, "torch": torch.__version__, "decode": decode}, indent=1)
-            )
+            summary = {"device": device, "gpu": gpu, "torch": torch.__version__, "decode": decode}
+            args.json.write_text(json.dumps(summary | {"decode_new_length": probes}, indent=1))
         return 0
 
     ad.sdpa(q, k, v)
@@ -354,7 +443,7 @@ def main(argv=None) -> int:
         f"{ours / ref:.2f}x from the loops above)"
     )
     print(f"  decision-cache hit: {hit:.2f} us (issue 5: <= 3 us) -> {'met' if hit <= 3.0 else 'not met'}")
-    decode = decode_rows(args, device, dtype, sync)
+    decode, probes = decode_rows(args, device, dtype, sync)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
@@ -369,6 +458,7 @@ def main(argv=None) -> int:
                     "sdpa_over_F_sdpa_rounds": paired_rounds,
                     "tiny_call_interleaved": tiny,
                     "decode": decode,
+                    "decode_new_length": probes,
                 },
                 indent=1,
             )

@@ -498,4 +498,6 @@ def test_overhead_decode_rows_run(monkeypatch, capsys, tmp_path):
     rows = json.loads(out.read_text())["decode"]
     assert len(rows) == 3 and all(r["backend"] == "torch_cpu" and r["median_us"] > 0 for r in rows.values())
     assert "decode sdpa(), Sk 16+ growing by 1" in capsys.readouterr().out
+    probes = json.loads(out.read_text())["decode_new_length"]  # every eligible backend, new key lengths
+    assert set(probes) == set(CPU_ORDER) and all(p["calls"] > 0 and p["median_ms"] > 0 for p in probes.values())
     assert span_stats()["hits"] > 0
