@@ -2,11 +2,13 @@
 sampled call's check is queued without a host sync and its verdict applied on a later call
 (or at guard_flush()); "immediate" judges before the call returns and re-runs it."""
 
+import collections
 import contextlib
 import logging
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attention_dispatch as ad
 from attention_dispatch.api import normalize_call
@@ -126,6 +128,63 @@ def test_a_sampled_call_reads_nothing_on_the_host():
                         runner(q, k, v)
         assert len(guard._pending) == (verdict == "deferred")
         assert ad.guard_flush() == []  # nothing left pending for the next verdict's run
+
+
+class DeviceOps(TorchDispatchMode):
+    """Counts the aten ops a check runs on the tensors' device: views (no kernel) and the host's
+    own (the picks' host tensor, a Python scalar's) left out; on a GPU each is a launch."""
+
+    HOST = frozenset({"lift_fresh", "scalar_tensor", "_pin_memory", "is_pinned"})
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket.__name__ not in self.HOST:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# (case, most device ops of one check, 8 rows): the first is benchmarks/guard_overhead.py's row
+# (bf16 causal d128; on a GPU one more: the picks' copy to the device); 83 before issue 38's rework
+OP_LIMITS = [
+    (Case(causal="bottom_right", dtype=torch.bfloat16, seqlen_q=64, seqlen_k=64, head_dim=128), 38),
+    (Case(mask="bool", mask_shape="keys", window=(3, 2), heads_q=4, heads_kv=2, return_lse=True), 56),
+    (Case(alibi="batch", sinks="fixed", softcap=5.0, return_lse=True, causal="top_left"), 72),
+    (Case(varlen=(3, 0, 5, 1), extra_k=(2, 4, 0, 0), mask="float", window=(1, 1), return_lse=True), 97),
+]
+
+
+@pytest.mark.parametrize(("case", "limit"), OP_LIMITS, ids=[str(c) for c, _ in OP_LIMITS])
+def test_sampled_check_launches_at_most_N_ops(case, limit):
+    """A sampled check's cost is its launches (~1% of calls, each a few microseconds): counted
+    here so that it cannot creep up; the check still catches a wrong entry."""
+    q, k, v, mask, sdpa_kw, _ = make_inputs(case, requires_grad=False)
+    call = normalize_call(q, k, v, mask, **sdpa_kw)
+    out = math_attention(call.query, call.key, call.value, **call.options)
+    args = (call.problem, call.query, call.key, call.value, call.options)
+    guard.payload(*args, out)  # made once: the positions kept on the device
+    with DeviceOps() as counted:
+        measured = guard.payload(*args, out)
+    total = sum(counted.ops.values())
+    assert 0 < total <= limit, dict(counted.ops.most_common())
+    assert guard._read(measured.tolist(), case.dtype, 2.0, bool(case.return_lse)) is None
+    bad = (out[0] if case.return_lse else out).clone()
+    bad.view(-1)[::7] += 0.5  # every 7th entry: some in any 8 rows
+    assert guard.check(*args, (bad, out[1]) if case.return_lse else bad) is not None
+
+
+def test_picks_spread_over_batch_and_heads():
+    """The sampled rows are random across batch, heads and rows (and the kv head follows GQA)."""
+    q, k = torch.empty(3, 4, 5, 8), torch.empty(3, 2, 6, 8)
+    options = dict(cu_seqlens_q=None, causal=None, window=None)
+    seen = set()
+    for _ in range(200):
+        b, h, i, kv, diag, _, _ = guard._picks(q, k, options, 8).tolist()
+        assert kv == [x // 2 for x in h] and diag == [r + 1 for r in i]  # bottom-right: Sk - Sq = 1
+        seen.update(zip(b, h, i))
+    assert len(seen) == 3 * 4 * 5
 
 
 def test_first_mode_checks_nothing_after_the_first_call(monkeypatch):

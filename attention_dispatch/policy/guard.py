@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import math
 import random
 import threading
 
@@ -221,27 +222,26 @@ def _redrawn_keep(backend, rng, query, key, options):
         torch.set_rng_state(after) if module is None else module.set_rng_state(after, device)
 
 
-def _picks(query, options: dict, count: int) -> torch.Tensor | None:
-    """Up to `count` distinct random query rows on the query's device, drawn on the host from
-    sizes alone (no sync): dense (3, n) batch, head, row; varlen (2, n) packed row, head."""
-    varlen = options["cu_seqlens_q"] is not None
-    hq = query.shape[-2] if varlen else query.shape[1]
-    if varlen:
-        total = query.shape[0] * hq
+def _picks(query, key, options: dict, count: int) -> torch.Tensor | None:
+    """Up to `count` distinct random query rows (across batch, heads and rows) on the query's
+    device, drawn on the host from sizes alone (no sync), with what follows from them there:
+    dense (7, n) (guard_rows.dense_columns); varlen (3, n) packed row, head, kv head."""
+    if options["cu_seqlens_q"] is not None:
+        hq = query.shape[-2]
+        total, group = query.shape[0] * hq, hq // max(key.shape[-2], 1)
         flat = _rng.sample(range(total), min(count, total))
-        columns = [[f // hq for f in flat], [f % hq for f in flat]]
+        columns = [[f // hq for f in flat], [f % hq for f in flat], [f % hq // group for f in flat]]
     else:
-        b, _, sq, _ = query.shape
-        total = b * hq * sq
-        flat = _rng.sample(range(total), min(count, total))
-        columns = [[f // (hq * sq) for f in flat], [f // sq % hq for f in flat], [f % sq for f in flat]]
+        b, hq, sq, _ = query.shape
+        flat = _rng.sample(range(b * hq * sq), min(count, b * hq * sq))
+        columns = _rows.dense_columns(flat, query, key, options)
     return _rows.index_tensor(columns, query.device) if flat else None
 
 
 def _where(options: dict, picks) -> torch.Tensor:
     """The (batch, head, row) of each pick, (3, n) on the device (varlen: its sequence and row in it)."""
     if options["cu_seqlens_q"] is None:
-        return picks
+        return picks[:3]
     b, i = _rows.varlen_rows(options, picks[0])[:2]
     return torch.stack([b, picks[1], i])
 
@@ -257,6 +257,7 @@ def _read(values: list, dtype, factor: float, with_lse: bool) -> Mismatch | None
     """The verdict on a payload read on the host (see :func:`payload`)."""
     n = (len(values) - 5) // 3
     where = [int(x) for x in values[5:]]
+    values = [math.inf if math.isnan(x) else x for x in values[:5]]  # a NaN error (or base) is inf
     rows = zip(where[:n], where[n : 2 * n], where[2 * n :])
     found = _verdict(rows, values[_rows.ERROR], values[_rows.BASE], dtype, factor)
     if found is None and with_lse:  # lse is float32: half an ulp of it is rounding however computed
@@ -277,7 +278,7 @@ def payload(problem, query, key, value, options: dict, out, rows: int = 8, keep=
     if options["dropout_p"] > 0 and keep is None or unjudged(problem, dict(options, dropout_p=0.0)) is not None:
         return None
     out, lse = _split(out, options)
-    picks = _picks(query, options, rows)
+    picks = _picks(query, key, options, rows)
     if picks is None:
         return None
     gather = _gather_varlen if options["cu_seqlens_q"] is not None else _gather_dense
@@ -285,7 +286,7 @@ def payload(problem, query, key, value, options: dict, out, rows: int = 8, keep=
     with torch.no_grad():
         chunks = (gather(problem, c, query, key, value, options, out, lse, keep) for c in _chunks(picks, key, options))
         stats = _rows.measure(chunks, scale, softcap, query.dtype, lse is not None)
-        return torch.cat([stats, _where(options, picks).double().flatten()])
+        return torch.cat([stats, _where(options, picks).flatten()])  # one kernel: cat converts
 
 
 def check(
@@ -314,7 +315,7 @@ def check_backward(
         return None
     if not out.requires_grad or not query.requires_grad:
         return None
-    picks = _picks(query, options, rows)
+    picks = _picks(query, key, options, rows)
     if picks is None:
         return None
     generator = torch.Generator(device=out.device)

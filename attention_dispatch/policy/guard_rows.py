@@ -1,29 +1,32 @@
 """The numerics guard's recomputed rows: each picked query row of a call gathered as a
 one-query call over its own keys (band, mask, ALiBi, sinks, dropout's kept weights), its
-float64 reference through the math backend, and the same rows in the input dtype."""
+float64 reference (the math backend's section 3 for those rows), and the same rows in the
+input dtype.  A sampled check runs on ~1% of calls: its kernels are few (measure())."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
-from ..backends.math import dense_math_attention
+from ..caches import register_cache
 from ..semantics import band
 
 
 @dataclasses.dataclass
 class Rows:
     """Recomputed rows, each a one-query call over its own keys: q (n, D), k (n, Sk, D), v (n,
-    Sk, Dv) (dropout's kept weights folded in: v * keep / (1 - p)), allowed (n, Sk), the float
-    bias (n, Sk) or None, ALiBi as slope (n,) and distance (n, Sk) or None, sinks (n,) or None,
+    Sk, Dv) (dropout's kept weights folded in: v * keep / (1 - p)), allowed (n, Sk) or None (every
+    key), the float bias (n, Sk) or None, ALiBi as slope (n,) and distance (n, Sk) or None, sinks (n,) or None,
     and the backend's output rows (n, Dv) and lse (n,) or None."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    allowed: torch.Tensor
+    allowed: torch.Tensor | None
     bias: torch.Tensor | None
     slope: torch.Tensor | None
     distance: torch.Tensor | None
@@ -32,39 +35,51 @@ class Rows:
     got_lse: torch.Tensor | None
 
 
-def _rows_in(dtype, rows: Rows, scale, softcap, q=None):
-    """Section 3 for single rows computed in `dtype` (the input dtype's own error), as
-    tests/naive.py does: (out (n, Dv), lse (n,)).  q: the rows' queries (default rows.q)."""
+def _rows_in(dtype, rows: Rows, scale, softcap, q=None, with_lse: bool = True):
+    """Section 3 for single rows computed in `dtype`, as tests/naive.py and the math backend do:
+    in float64 the reference, in the input dtype its own error (the same roundings, step by
+    step).  (out (n, Dv), lse (n,) without the sinks, or None unless with_lse or sinks).  q: the
+    rows' queries (default rows.q; one requiring grad for the backward).  Few kernels (a check is ~1% of calls): a row without keys (or a
+    non-finite max) shifts by 0 and its sum (>= 1 wherever a key counts: the max's exp is 1)
+    divides as 1."""
     q, k, v = (rows.q if q is None else q).to(dtype), rows.k.to(dtype), rows.v.to(dtype)
-    s = torch.einsum("nd,nld->nl", q, k) * scale
+    s = torch.bmm(k, q[:, :, None])[:, :, 0] * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     if rows.slope is not None:
         s = s - rows.slope.to(dtype)[:, None] * rows.distance.to(dtype)
     if rows.bias is not None:
         s = s + rows.bias.to(dtype)
-    s = s.masked_fill(~rows.allowed, -math.inf)
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    if rows.allowed is not None:
+        s = torch.where(rows.allowed, s, -math.inf)
+    m = s.detach().amax(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)
     e = torch.exp(s - m)
     z = e.sum(-1, keepdim=True)
-    lse = torch.where(z > 0, m + torch.log(torch.where(z > 0, z, torch.ones_like(z))), -math.inf)
+    lse = (m + torch.log(z))[:, 0] if with_lse or rows.sinks is not None else None  # log(0) = -inf: no keys
     if rows.sinks is None:
-        p = e / torch.where(z > 0, z, torch.ones_like(z))
-    else:
-        p = torch.exp(s - torch.logaddexp(lse, rows.sinks.to(dtype)[:, None]))
-    return torch.einsum("nl,nlv->nv", p, v), lse[:, 0]
+        p = e / z.clamp_min(1.0)
+    else:  # P = exp(s - logaddexp(lse, sink)): exact for any sink, an empty row included (lse -inf)
+        p = torch.exp(s - torch.logaddexp(lse, rows.sinks.to(dtype))[:, None])
+    return torch.bmm(p[:, None], v)[:, 0], lse
 
 
 def _errors(got, ref) -> torch.Tensor:
     """max |got[k] - ref| over entries for each got[k] (got (K, *ref.shape)), as a float64 (K,)
     tensor on the device, read by nobody here (no host sync); a non-finite value where the
-    reference has another (or NaN against NaN) is inf.  Few kernels: equal entries (infinities
-    too) count 0, any other difference with a non-finite side is inf or NaN, and NaN is max's."""
-    got, ref = got.double(), ref.double()
+    reference has another (or NaN against NaN) is inf or NaN, which the host reads as inf
+    (guard._read).  Few kernels: equal entries (infinities too) count 0, NaN is max's, and the
+    comparisons promote got to float64 as they go (no copy)."""
     diff = torch.where(got == ref, 0.0, (got - ref).abs()).flatten(1)
-    worst = diff.amax(1) if diff.shape[1] else diff.new_zeros(diff.shape[0])
-    return worst.nan_to_num(nan=math.inf)
+    return diff.amax(1) if diff.shape[1] else diff.new_zeros(diff.shape[0])
+
+
+@functools.lru_cache(maxsize=16)
+def positions(length: int, device: torch.device) -> torch.Tensor:
+    """arange(length) on `device`, made once (a kernel less in every check of that length)."""
+    return torch.arange(length, device=device)
+
+
+register_cache("guard.positions", positions.cache_clear, lambda: positions.cache_info().currsize)
 
 
 def index_tensor(columns, device) -> torch.Tensor:
@@ -103,27 +118,41 @@ def _band(options, diag, j, sk):
     return allowed
 
 
+def dense_columns(flat, query, key, options) -> list[list[int]]:
+    """Flat picks (ints < B * Hq * Sq) as host columns for _gather_dense: batch, head, row, the
+    kv head, the diagonal and the band's bounds lo, hi (keys lo <= j <= hi; unused where unbounded),
+    all worked out on the host, where they cost no kernel."""
+    _, hq, sq, _ = query.shape
+    sk, group = key.shape[2], hq // max(key.shape[1], 1)
+    bottom_right, left, right = band(options["causal"], options["window"])
+    b, h, i = [f // (hq * sq) for f in flat], [f // sq % hq for f in flat], [f % sq for f in flat]
+    diag = [r + (sk - sq if bottom_right else 0) for r in i]
+    return [b, h, i, [x // group for x in h], diag, [d - left for d in diag], [d + right for d in diag]]
+
+
 def _gather_dense(problem, picks, query, key, value, options, out, lse=None, keep=None) -> Rows:
-    """The picked rows of a dense call, gathered in one go (picks (3, n): batch, head, row on
-    the device; lse: the backend's (B, Hq, Sq); keep: the keep-mask (B, Hq, Sq, Sk))."""
-    b, h, i = picks
-    kv_head = h // (problem.heads_q // max(problem.heads_kv, 1))
+    """The picked rows of a dense call, gathered in one go (picks (7, n) on the device, see
+    dense_columns; lse: the backend's (B, Hq, Sq); keep: the keep-mask (B, Hq, Sq, Sk))."""
+    b, h, i, kv_head, diag, lo, hi = picks
     sq, sk = query.shape[2], key.shape[2]
-    bottom_right, _, _ = band(options["causal"], options["window"])
-    diag = (i + (sk - sq if bottom_right else 0))[:, None]
-    j = torch.arange(sk, device=query.device)
-    allowed = _band(options, diag, j, None).expand(len(i), sk)
+    _, left, right = band(options["causal"], options["window"])
+    j = positions(sk, query.device)
+    allowed = None  # every key
+    if left >= 0:
+        allowed = j >= lo[:, None]
+    if right >= 0:
+        allowed = j <= hi[:, None] if allowed is None else allowed & (j <= hi[:, None])
     bias, mask = None, options["attn_mask"]
     if mask is not None:
         rows = mask.expand(problem.batch, problem.heads_q, sq, sk)[b, h, i]
         if rows.dtype == torch.bool:
-            allowed = allowed & rows
+            allowed = rows if allowed is None else allowed & rows
         else:
             bias = rows
     fields = dict(q=query[b, h, i], k=key[b, kv_head], v=value[b, kv_head], allowed=allowed, bias=bias)
     fields |= dict(slope=None, distance=None, sinks=None, got=out[b, h, i])
     keep = None if keep is None else keep[b, h, i][..., None]
-    _features(fields, options, b, h, diag, j, keep, None if lse is None else lse[b, h, i])
+    _features(fields, options, b, h, diag[:, None], j, keep, None if lse is None else lse[b, h, i])
     return Rows(**fields)
 
 
@@ -137,11 +166,10 @@ def varlen_rows(options, t):
 
 
 def _gather_varlen(problem, picks, query, key, value, options, out, lse=None, keep=None) -> Rows:
-    """As _gather_dense for packed sequences (picks (2, n): packed row t, head): each row over
+    """As _gather_dense for packed sequences (picks (3, n): packed row t, head, kv head): each row over
     every packed key, those outside its sequence not allowed (the offsets stay on the device);
     a mask and a keep-mask are indexed by positions local to each sequence; lse is (Hq, total_q)."""
-    t, h = picks
-    group = problem.heads_q // max(problem.heads_kv, 1)
+    t, h, kv_head = picks
     bottom_right, _, _ = band(options["causal"], options["window"])
     b, i, sq, k0, sk = varlen_rows(options, t)
     j = torch.arange(key.shape[0], device=query.device) - k0[:, None]  # (n, total_k) local positions
@@ -156,7 +184,6 @@ def _gather_varlen(problem, picks, query, key, value, options, out, lse=None, ke
             allowed = allowed & rows
         else:
             bias = torch.where(allowed, rows, 0)
-    kv_head = h // group
     fields = dict(q=query[t, h], k=key[:, kv_head].transpose(0, 1), v=value[:, kv_head].transpose(0, 1))
     fields |= dict(allowed=allowed, bias=bias, slope=None, distance=None, sinks=None, got=out[t, h])
     kept = None if keep is None else (keep[b[:, None], h[:, None], i[:, None], local] & allowed)[..., None]
@@ -164,9 +191,10 @@ def _gather_varlen(problem, picks, query, key, value, options, out, lse=None, ke
     return Rows(**fields)
 
 
-# float64 elements of one batch of recomputed rows' keys and values (64 MiB): long sequences
-# are checked a few rows at a time, never as one copy of n x Sk keys (varlen: n x total_k)
-CHUNK_ELEMENTS = 1 << 23
+# float64 elements of one batch of recomputed rows' keys and values (128 MiB): long sequences
+# are checked a few rows at a time, never as one copy of n x Sk keys (varlen: n x total_k);
+# 8 rows of head dim 128 are one batch up to Sk = 8k (each batch is ~40 kernels)
+CHUNK_ELEMENTS = 1 << 24
 
 
 def _chunks(picks, key, options):
@@ -177,29 +205,10 @@ def _chunks(picks, key, options):
     return [picks[:, i : i + step] for i in range(0, picks.shape[1], step)]
 
 
-def _reference(rows: Rows, scale, softcap, q=None):
-    """The rows in float64 through the math reference, as (out (n, Dv), lse (n,)): the rows are
-    the heads of a one-query call without causal or window (the band, mask and ALiBi folded into
-    a float mask, dropout into v).  q: the rows' queries (default rows.q; pass one requiring grad)."""
-    mask = torch.zeros(rows.allowed.shape, dtype=torch.float64, device=rows.allowed.device)
-    if rows.bias is not None:
-        mask = mask + rows.bias.double()
-    if rows.slope is not None:
-        mask = mask - rows.slope.double()[:, None] * rows.distance
-    out, lse = dense_math_attention(
-        (rows.q if q is None else q).double()[None, :, None],
-        rows.k.double()[None],
-        rows.v.double()[None],
-        mask.masked_fill(~rows.allowed, -math.inf)[None, :, None],
-        scale=scale,
-        bottom_right=True,
-        left=-1,
-        right=-1,
-        softcap=softcap,
-        sinks=None if rows.sinks is None else rows.sinks.double(),
-        return_lse=True,
-    )
-    return out[0, :, 0], lse[0, :, 0]
+def _reference(rows: Rows, scale, softcap, q=None, with_lse: bool = True):
+    """The rows in float64, as (out (n, Dv), lse (n,)): the math backend's computation for
+    one-query calls (see _rows_in).  q: the rows' queries (default rows.q; pass one requiring grad)."""
+    return _rows_in(torch.float64, rows, scale, softcap, q, with_lse)
 
 
 def _wide_bias(rows: Rows, dtype) -> bool:
@@ -214,21 +223,24 @@ ERROR, BASE, LSE_ERROR, LSE_BASE, LARGEST_LSE = range(5)
 def measure(chunks, scale, softcap, dtype, with_lse: bool) -> torch.Tensor:
     """The errors of gathered Rows (an iterable of chunks) as one float64 (5,) tensor on their
     device, never read here: the output's error against float64 and its base (the same rows'
-    error in the input dtype), the lse's two, and the largest finite |lse| (zeros without lse)."""
+    error in the input dtype), the lse's two, and the largest finite |lse| (zeros without lse).
+    A NaN among them is read as inf (guard._read)."""
     stats = None
     with torch.no_grad():
         for rows in chunks:
-            ref, ref_lse = _reference(rows, scale, softcap)
-            if _wide_bias(rows, dtype):
-                low, low_lse = ref.to(dtype), ref_lse.to(dtype)
+            ref, ref_lse = _reference(rows, scale, softcap, with_lse=with_lse)
+            if dtype == torch.float64:  # the input dtype's computation is the reference itself
+                low, low_lse = ref, ref_lse
+            elif _wide_bias(rows, dtype):
+                low, low_lse = ref.to(dtype), None if ref_lse is None else ref_lse.to(dtype)
             else:
-                low, low_lse = _rows_in(dtype, rows, scale, softcap)
-            parts = [_errors(torch.stack([rows.got, low.to(rows.got.dtype)]), ref)]
+                low, low_lse = _rows_in(dtype, rows, scale, softcap, with_lse=with_lse)
+            chunk = _errors(torch.stack([rows.got, low.to(rows.got.dtype)]), ref)
             if with_lse:
-                parts.append(_errors(torch.stack([rows.got_lse, low_lse.to(rows.got_lse.dtype)]), ref_lse))
-                parts.append(torch.where(torch.isfinite(ref_lse), ref_lse.abs(), 0.0).amax(0, keepdim=True))
+                lse_errors = _errors(torch.stack([rows.got_lse, low_lse.to(rows.got_lse.dtype)]), ref_lse)
+                largest = ref_lse.abs().nan_to_num(0.0, 0.0).amax(0, keepdim=True)  # -inf (no keys) counts 0
+                chunk = torch.cat([chunk, lse_errors, largest])
             else:
-                parts.append(ref.new_zeros(3))
-            chunk = torch.cat(parts)
+                chunk = F.pad(chunk, (0, 3))
             stats = chunk if stats is None else torch.maximum(stats, chunk)
     return stats
