@@ -29,7 +29,7 @@ growing by one per call over every loop, so that no call repeats an earlier one'
                                                     by slice and F.sdpa over the valid keys
                                                     (the lengths cycle over --decode-n values: a
                                                     cache's Problem holds its capacity, not them)
-  sdpa(..., backend="triton"), Sk growing (CUDA)   our decode kernel's path whatever auto chooses
+  sdpa(..., backend="triton"), Sk growing (CUDA)   our decode kernel's path, where auto chose another
 each under torch.no_grad() (as a generation loop), timed in rounds of --decode-n calls: ours, the
 chosen backend's run() / run_kvcache() alone on the same normalised call, and F.sdpa, over the
 same key lengths in turns (order rotating); reported: the medians over rounds of us per call,
@@ -37,8 +37,8 @@ of ours - F.sdpa's and of ours - the backend's alone (what the dispatcher adds).
 after the round that passes --decode-budget seconds (the rounds run are printed), so a backend
 whose every new key length costs milliseconds (cuDNN builds a graph per sequence length) bounds
 the run instead of stretching it.  Before the rows: the decision for the growing-Sk call, and
-each eligible backend's run() timed call by call over --decode-probe new key lengths (first,
-median and max ms; synchronised per call): what a new Sk costs each backend, compiles included.
+each eligible backend's run() and F.sdpa timed call by call over --decode-probe new key lengths
+(first, median and max ms; synchronised per call): what a new Sk costs each, compiles included.
 Progress goes to stderr with the elapsed time.
 """
 
@@ -191,7 +191,10 @@ def decode_rows(args, device: str, dtype, sync) -> tuple[dict, dict]:
     with torch.no_grad():  # as a generation loop runs
         progress("decision and per-backend probe")
         print(ad.explain(q, k0, v0, enable_gqa=True))
-        probes = probe_backends(ad.explain(q, k0, v0, enable_gqa=True), q, kv_of, sk0 + steps, probe, options, sync)
+        runs = {name: registry.get_backend(name).run for name in ad.explain(q, k0, v0, enable_gqa=True).eligible}
+        # F.sdpa too: PyTorch's own choice (cuDNN first on sm90 since torch 2.9) may build per length
+        runs["F.sdpa"] = lambda q, k, v, **_: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        probes = probe_backends(runs, q, kv_of, sk0 + steps, probe, options, sync)
         sdpa_backend = chosen(lambda: ad.sdpa(q, k0, v0, enable_gqa=True))
         kv_backend = chosen(lambda: kv_row(0))
         kv_append_backend = chosen(lambda: kv_append_row(0))
@@ -205,7 +208,7 @@ def decode_rows(args, device: str, dtype, sync) -> tuple[dict, dict]:
                 kv_append_backend.name,
             ),
         }
-        if device == "cuda" and "triton" in probes and "error" not in probes["triton"]:
+        if device == "cuda" and sdpa_backend.name != "triton" and "error" not in probes.get("triton", {"error": 1}):
             triton = registry.get_backend("triton")
 
             def triton_alone(i):
@@ -281,18 +284,13 @@ def decode_rows(args, device: str, dtype, sync) -> tuple[dict, dict]:
     return results, probes
 
 
-def probe_backends(decision, q, kv_of, sk_first: int, calls: int, options: dict, sync, budget_s: float = 3.0) -> dict:
-    """{backend: {"first_ms", "median_ms", "max_ms", "calls"} or {"error"}}: each eligible backend of
-    ``decision`` run alone over ``calls`` key lengths from ``sk_first`` (new to it), one call at a
-    time, synchronised: what a decode step with a new Sk costs it (a compile or graph build per
-    length shows as the median, not only the first call); at most ``budget_s`` per backend."""
-    from attention_dispatch import registry
-
+def probe_backends(runs: dict, q, kv_of, sk_first: int, calls: int, options: dict, sync, budget_s: float = 3.0) -> dict:
+    """{name: {"first_ms", "median_ms", "max_ms", "calls"} or {"error"}}: each ``runs[name](q, k, v,
+    **options)`` (a backend's run()) over ``calls`` key lengths from ``sk_first`` (new to it), one
+    call at a time, synchronised: what a decode step with a new Sk costs it (a compile or graph
+    build per length shows as the median, not only the first call); at most ``budget_s`` each."""
     out = {}
-    for name in decision.candidates:
-        if name in decision.rejected or name in decision.failures:
-            continue
-        backend = registry.get_backend(name)
+    for name, run in runs.items():
         print(f"  probing {name}", file=sys.stderr, flush=True)
         ms = []
         try:
@@ -301,7 +299,7 @@ def probe_backends(decision, q, kv_of, sk_first: int, calls: int, options: dict,
                 k, v = kv_of(sk_first + i)
                 sync()
                 start = time.perf_counter()
-                backend.run(q, k, v, **options)
+                run(q, k, v, **options)
                 sync()
                 ms.append((time.perf_counter() - start) * 1e3)
                 if time.perf_counter() - began > budget_s:
