@@ -77,7 +77,7 @@ def test_a_repeated_kvcache_step_reuses_its_plan(monkeypatch):
         assert_matches(out, reference(q, k, v, lengths), None, f"step {step}", dtype=torch.float32)
     assert len(decode_plan.PLANS) == 1
     (plan,) = decode_plan.PLANS.values()
-    assert plan._geo.combine is not None, "the case must split the keys (several splits: two launches)"
+    assert plan.last[1].combine is not None, "the case must split the keys (several splits: two launches)"
 
     def forbidden(*a, **kw):
         raise AssertionError("per-call work on a repeated step")

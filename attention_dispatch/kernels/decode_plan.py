@@ -203,8 +203,7 @@ class DecodePlan:
         "combine_cx",
         "num_sms",
         "entries",
-        "_gkey",
-        "_geo",
+        "last",
         "launches",
     )
 
@@ -224,7 +223,7 @@ class DecodePlan:
         self.fixed_parts = None  # _fixed_parts, on the first geometry
         self.combine_cx: dict = {}  # the combine pass's constexprs by its SPLITS_P2
         self.entries: dict = {}  # (step, its varying scalars' classes) -> compiled entry
-        self._gkey = self._geo = None
+        self.last = (None, None)  # (geometry key, _Geometry) of the last call: one tuple, read at once by threads
         self.launches = 0  # launches through this plan (tests)
 
     def geometry(self, q, k_cache, v_cache, block_table) -> _Geometry:
@@ -235,7 +234,8 @@ class DecodePlan:
             v_cache.stride(),
             None if block_table is None else (block_table.shape, block_table.stride()),
         )
-        return self._geo if gkey == self._gkey else self._geometry(gkey, q, k_cache, v_cache, block_table)
+        last = self.last
+        return last[1] if gkey == last[0] else self._geometry(gkey, q, k_cache, v_cache, block_table)
 
     def _geometry(self, gkey, q, k_cache, v_cache, block_table) -> _Geometry:
         B, Hq, Sq, D = self.shape
@@ -273,7 +273,7 @@ class DecodePlan:
             )
             o_numel = splits * rows * tile[2]
         geo = _Geometry(first, combine, o_numel, o_numel + splits * B * Hq * Sq)
-        self._gkey, self._geo = gkey, geo
+        self.last = (gkey, geo)
         return geo
 
     def _fixed_parts(self, q, hkv: int, page: int) -> tuple:
