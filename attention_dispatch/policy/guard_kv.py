@@ -9,7 +9,7 @@ import torch
 from ..backends.math import _cache_rows
 from ..semantics import band
 from . import guard
-from .guard_rows import Rows, _features, measure
+from .guard_rows import Rows, _features, feature_rows, measure
 
 _KV_OPTIONS = frozenset(
     {"k_new", "v_new", "block_table", "causal", "window", "scale", "softcap", "alibi_slopes", "sinks", "return_lse"}
@@ -45,7 +45,8 @@ def _gather(problem, picks, query, k_cache, v_cache, lengths, options, out, lse)
     fields |= dict(slope=None, distance=None, sinks=None, got=torch.stack(got))
     diag = torch.tensor(diags, device=dev)[:, None]
     j = torch.arange(width, device=dev)
-    _features(fields, dict(options, dropout_p=0.0), b, h, diag, j, None, None if lse is None else lse[b, h, i])
+    gathered = {name: source[index] for name, (source, index) in feature_rows(options, b, h).items()}
+    _features(fields, dict(options, dropout_p=0.0), gathered, diag, j, None, None if lse is None else lse[b, h, i])
     return Rows(**fields)
 
 

@@ -91,16 +91,22 @@ def index_tensor(columns, device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _features(rows: dict, options: dict, b, h, diag, j, keep, lse) -> None:
-    """Adds ALiBi (slope, distance), sinks, dropout (folded into v) and the backend's lse rows
-    to `rows` (b, h (n,) batch/head, diag (n, 1) the diagonal, j the keys' positions in their
-    sequence, (width,) or (n, width))."""
+def feature_rows(options: dict, b, h) -> dict:
+    """The rows' ALiBi slopes and sinks (b, h (n,) batch/head): name -> (source, its indices)."""
     slopes, sinks = options.get("alibi_slopes"), options.get("sinks")
-    if slopes is not None:
-        rows["slope"] = slopes[b, h]
+    found = {} if slopes is None else {"slope": (slopes, (b, h))}
+    return found if sinks is None else found | {"sinks": (sinks.detach(), (h,))}
+
+
+def _features(rows: dict, options: dict, gathered: dict, diag, j, keep, lse) -> None:
+    """Adds ALiBi (slope, distance), sinks (gathered: feature_rows' indexings done), dropout
+    (folded into v) and the backend's lse rows to `rows` (diag (n, 1) the diagonal, j the keys'
+    positions in their sequence, (width,) or (n, width))."""
+    if "slope" in gathered:
+        rows["slope"] = gathered["slope"]
         rows["distance"] = (diag - j).abs().double()
-    if sinks is not None:
-        rows["sinks"] = sinks.detach()[h]
+    if "sinks" in gathered:
+        rows["sinks"] = gathered["sinks"]
     if keep is not None:
         rows["v"] = rows["v"].double() * keep.to(rows["v"].device) / (1.0 - options["dropout_p"])
     rows["got_lse"] = lse
@@ -130,30 +136,49 @@ def dense_columns(flat, query, key, options) -> list[list[int]]:
     return [b, h, i, [x // group for x in h], diag, [d - left for d in diag], [d + right for d in diag]]
 
 
-def _gather_dense(problem, picks, query, key, value, options, out, lse=None, keep=None) -> Rows:
-    """The picked rows of a dense call, gathered in one go (picks (7, n) on the device, see
-    dense_columns; lse: the backend's (B, Hq, Sq); keep: the keep-mask (B, Hq, Sq, Sk))."""
-    b, h, i, kv_head, diag, lo, hi = picks
-    sq, sk = query.shape[2], key.shape[2]
+def dense_gathers(problem, picks, query, key, value, options, out, lse=None) -> dict:
+    """The indexings of a dense check's rows (picks (7, n) on the device, see dense_columns; lse:
+    the backend's (B, Hq, Sq)): name -> (source, its index tensors), one indexing each."""
+    b, h, i, kv_head = picks[:4]
+    found = dict(q=(query, (b, h, i)), k=(key, (b, kv_head)), v=(value, (b, kv_head)), got=(out, (b, h, i)))
+    if lse is not None:
+        found["got_lse"] = (lse, (b, h, i))
+    mask = options["attn_mask"]
+    if mask is not None:
+        found["mask"] = (mask.expand(problem.batch, problem.heads_q, query.shape[2], key.shape[2]), (b, h, i))
+    return found | feature_rows(options, b, h)
+
+
+def dense_rows(gathered: dict, picks, options, seqlen_k: int, keep=None) -> Rows:
+    """Rows from dense_gathers' gathered tensors: the band and ALiBi's distances from the picks
+    (no indexing of the call's tensors: guard_graph captures this part). keep: (n, Sk) or None."""
+    diag, lo, hi = picks[4:]
     _, left, right = band(options["causal"], options["window"])
-    j = positions(sk, query.device)
+    j = positions(seqlen_k, picks.device)
     allowed = None  # every key
     if left >= 0:
         allowed = j >= lo[:, None]
     if right >= 0:
         allowed = j <= hi[:, None] if allowed is None else allowed & (j <= hi[:, None])
-    bias, mask = None, options["attn_mask"]
-    if mask is not None:
-        rows = mask.expand(problem.batch, problem.heads_q, sq, sk)[b, h, i]
-        if rows.dtype == torch.bool:
-            allowed = rows if allowed is None else allowed & rows
-        else:
-            bias = rows
-    fields = dict(q=query[b, h, i], k=key[b, kv_head], v=value[b, kv_head], allowed=allowed, bias=bias)
-    fields |= dict(slope=None, distance=None, sinks=None, got=out[b, h, i])
-    keep = None if keep is None else keep[b, h, i][..., None]
-    _features(fields, options, b, h, diag[:, None], j, keep, None if lse is None else lse[b, h, i])
+    bias, mask = None, gathered.get("mask")
+    if mask is not None and mask.dtype == torch.bool:
+        allowed = mask if allowed is None else allowed & mask
+    elif mask is not None:
+        bias = mask
+    fields = dict(q=gathered["q"], k=gathered["k"], v=gathered["v"], allowed=allowed, bias=bias)
+    fields |= dict(slope=None, distance=None, sinks=None, got=gathered["got"])
+    keep = None if keep is None else keep[..., None]
+    _features(fields, options, gathered, diag[:, None], j, keep, gathered.get("got_lse"))
     return Rows(**fields)
+
+
+def _gather_dense(problem, picks, query, key, value, options, out, lse=None, keep=None) -> Rows:
+    """The picked rows of a dense call, gathered in one go (picks (7, n) on the device, see
+    dense_columns; lse: the backend's (B, Hq, Sq); keep: the keep-mask (B, Hq, Sq, Sk))."""
+    found = dense_gathers(problem, picks, query, key, value, options, out, lse)
+    gathered = {name: source[index] for name, (source, index) in found.items()}
+    b, h, i = picks[:3]
+    return dense_rows(gathered, picks, options, key.shape[2], None if keep is None else keep[b, h, i])
 
 
 def varlen_rows(options, t):
@@ -187,7 +212,8 @@ def _gather_varlen(problem, picks, query, key, value, options, out, lse=None, ke
     fields = dict(q=query[t, h], k=key[:, kv_head].transpose(0, 1), v=value[:, kv_head].transpose(0, 1))
     fields |= dict(allowed=allowed, bias=bias, slope=None, distance=None, sinks=None, got=out[t, h])
     kept = None if keep is None else (keep[b[:, None], h[:, None], i[:, None], local] & allowed)[..., None]
-    _features(fields, options, b, h, diag, j, kept, None if lse is None else lse[h, t])
+    gathered = {name: source[index] for name, (source, index) in feature_rows(options, b, h).items()}
+    _features(fields, options, gathered, diag, j, kept, None if lse is None else lse[h, t])
     return Rows(**fields)
 
 
