@@ -8,7 +8,7 @@ the decision recorded for last_decision() / record().
 
 A repeated call (a decode step: same shapes, strides, dtypes, devices, alignment and options;
 cache_seqlens, block_table and the tensors' contents may change) skips all of that
-(kv_fast_key.py: :func:`kv_call_key`, ``kv_calls``): its key holds everything normalize_kvcache() validates or
+(kv_fast_key.py: :func:`kv_call_key`, ``kv_calls``, and the recent signatures checked in C++): its key holds everything normalize_kvcache() validates or
 derives but the values of cache_seqlens and block_table, and everything decide() keys on, so a
 hit is a call the full path accepted before and would decide the same way.  What a hit still
 does is what depends on those values: an int cache_seqlens is range-checked and made a tensor,
@@ -30,7 +30,8 @@ from .features import check_alibi_slopes, check_return_lse, check_sinks, check_s
 from .caches import register_cache
 from .backends.base import dtype_name
 from .debug import _last, _recorders, note_decision
-from .kv_fast_key import kv_call_key, kv_calls
+from .fast_key import RECENT, _is_compiling
+from .kv_fast_key import kv_call_key, kv_calls, kv_recent_entry, kv_recent_hit, kv_remember_recent
 from .dispatch import FAST_CALLS_LIMIT, Decision, decide, run_with_fallback
 from .policy import guard_kv as _guard_kv
 from .problem import Problem, _aligned_16, compute_capability
@@ -389,26 +390,37 @@ def sdpa_with_kvcache(
     rows' logsumexp, float32 (B, Hq, Sq) (-inf for a row with no key, without the sinks).
     """
     features = softcap is not None or alibi_slopes is not None or sinks is not None or return_lse
-    key = (
-        None
-        if features
-        else kv_call_key(
-            query,
-            k_cache,
-            v_cache,
-            cache_seqlens,
-            k_new,
-            v_new,
-            block_table,
-            causal,
-            window,
-            scale,
-            enable_gqa,
-            backend,
-            validate,
-        )
-    )
-    hit = None if key is None else kv_calls.get(key)
+    key = hit = None
+    if not features and not _is_compiling():
+        recent = kv_calls.get(RECENT)
+        if recent is not None:  # kv_fast_key.kv_recent_hit: the key's facts checked in C++
+            entry = kv_recent_hit(
+                recent[1], query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                (causal, window, scale, enable_gqa, backend, validate),
+            )  # fmt: skip
+            if entry is not None:
+                hit, key = entry[4], entry[5]
+        if hit is None:
+            key = kv_call_key(
+                query,
+                k_cache,
+                v_cache,
+                cache_seqlens,
+                k_new,
+                v_new,
+                block_table,
+                causal,
+                window,
+                scale,
+                enable_gqa,
+                backend,
+                validate,
+            )
+            hit = None if key is None else kv_calls.get(key)
+            if hit is not None:  # the next call of this key checks it in C++
+                entry = kv_recent_entry(key, hit, query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+                if entry is not None:
+                    kv_remember_recent(entry)
     if hit is not None:
         decision, run, fixed, limits, on_cuda = hit
         n_new, capacity, what, num_blocks, page, check = limits
@@ -435,6 +447,7 @@ def sdpa_with_kvcache(
                         torch.set_grad_enabled(True)
             except Exception:  # noqa: BLE001 - the full path below raises or falls back per config
                 kv_calls.pop(key, None)
+                kv_calls.pop(RECENT, None)  # its recent entry with it
             else:
                 _last.set(decision)  # note_decision(), inline
                 for sink in _recorders.get():
