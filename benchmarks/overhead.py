@@ -290,7 +290,7 @@ def probe_backends(runs: dict, q, kv_of, sk_first: int, calls: int, options: dic
     call at a time, synchronised: what a decode step with a new Sk costs it (a compile or graph
     build per length shows as the median, not only the first call); at most ``budget_s`` each."""
     out = {}
-    for name, run in runs.items():
+    for name, run in runs.items() if calls > 0 else ():
         print(f"  probing {name}", file=sys.stderr, flush=True)
         ms = []
         try:
@@ -330,9 +330,11 @@ def main(argv=None) -> int:
     p.add_argument("--decode-dim", type=int, default=128, help="head dim of the decode rows")
     p.add_argument("--decode-batch", type=int, default=1, help="batch of the decode rows")
     p.add_argument(
-        "--decode-budget", type=float, default=6.0, help="seconds per decode row: rounds stop past it (at least one)"
+        "--decode-budget", type=float, default=5.0, help="seconds per decode row: rounds stop past it (at least one)"
     )
-    p.add_argument("--decode-probe", type=int, default=16, help="new key lengths each eligible backend is probed on")
+    p.add_argument(
+        "--decode-probe", type=int, default=16, help="new key lengths each eligible backend is probed on (0: no probe)"
+    )
     args = p.parse_args(argv)
 
     import torch
