@@ -88,6 +88,10 @@ def main() -> None:
         results.append(row)
         pct = "  ".join(f"{m} {row['overhead_pct'][m]:+.2f}%" for m in SHOWN)
         print(f"{row['shape']:<24} {'fwd+bwd' if grad else 'fwd':<8} off {med['off']:.4f} ms  {pct}", flush=True)
+    print(f"\n{'row':<32} {'off ms':>8} " + " ".join(f"{m:>17}" for m in SHOWN))
+    for r in results:
+        name = f"{r['shape']} {'fwd+bwd' if r['grad'] else 'fwd'}"
+        print(f"{name:<32} {r['ms']['off']:>8.4f} " + " ".join(f"{r['overhead_pct'][m]:>+16.2f}%" for m in SHOWN))
     worst = max(r["overhead_pct"]["sample"] for r in results)
     noise = max(abs(r["overhead_pct"]["off2"]) for r in results)
     verdict = "met" if worst <= 2 else "NOT met"

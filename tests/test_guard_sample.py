@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import attention_dispatch as ad
 from attention_dispatch.api import normalize_call
 from attention_dispatch.backends.math import math_attention
-from attention_dispatch.policy import guard
+from attention_dispatch.policy import guard, guard_graph
 
 from cases import Case, make_inputs
 from naive import naive_attention
@@ -239,3 +239,44 @@ def test_deferred_on_cuda_syncs_nothing_and_quarantines_later():
         right = ad.sdpa(q, k, v, is_causal=True)  # the verdict is in: quarantined, the next candidate runs
         assert ad.last_decision().backend != "drifting" and "drifting" in guard.quarantined()
         torch.testing.assert_close(right.double().cpu(), ref, atol=2e-2, rtol=0)
+
+
+GRAPH_CASES = [
+    OP_LIMITS[0][0],
+    OP_LIMITS[1][0],
+    OP_LIMITS[2][0],
+    Case(mask="float", dtype=torch.float16, causal="top_left"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GRAPH_CASES, ids=str)
+def test_the_cuda_graph_check_matches_the_eager_one_in_a_few_launches(case, monkeypatch):
+    """A dense CUDA check replays its signature's graph: the same payload as the eager check for
+    the same picks (new picks each time), another layout gets its own graph, at most 10 device
+    ops outside the graph, and a wrong entry is caught through it."""
+    ad.clear_cache()
+    q, k, v, mask, sdpa_kw, _ = make_inputs(case, device="cuda", requires_grad=False)
+    for layout in ("contiguous", "strided"):
+        if layout == "strided":  # the same values, other strides: another signature
+            q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        call = normalize_call(q, k, v, mask, **sdpa_kw)
+        out = math_attention(call.query, call.key, call.value, **call.options)
+        args = (call.problem, call.query, call.key, call.value, call.options)
+        for step in range(3):  # the capture, then replays
+            state = guard._rng.getstate()
+            with DeviceOps() as counted:
+                graphed = guard.payload(*args, out)
+            if step:
+                assert sum(counted.ops.values()) <= 10, dict(counted.ops)
+            guard._rng.setstate(state)
+            with monkeypatch.context() as patch:
+                patch.setattr(guard_graph, "capturable", lambda *a: False)
+                eager = guard.payload(*args, out)
+            assert torch.equal(graphed[5:], eager[5:])  # the same rows
+            torch.testing.assert_close(graphed[:5], eager[:5], rtol=0.05, atol=1e-7)
+        bad = (out[0] if case.return_lse else out).clone()  # its strides kept: the same signature
+        bad[..., ::7] += 0.5
+        assert guard.check(*args, (bad, out[1]) if case.return_lse else bad) is not None
+    graphs = [g for g in guard_graph._graphs.values() if g is not None]
+    assert len(graphs) == 2, "each layout is captured once"

@@ -30,6 +30,7 @@ import threading
 import torch
 
 from ..caches import register_cache
+from . import guard_graph as _graph
 from . import guard_rows as _rows
 from .guard_rows import _chunks, _errors, _gather_dense, _gather_varlen, _reference, _rows_in, _wide_bias
 
@@ -223,9 +224,15 @@ def _redrawn_keep(backend, rng, query, key, options):
 
 
 def _picks(query, key, options: dict, count: int) -> torch.Tensor | None:
-    """Up to `count` distinct random query rows (across batch, heads and rows) on the query's
-    device, drawn on the host from sizes alone (no sync), with what follows from them there:
-    dense (7, n) (guard_rows.dense_columns); varlen (3, n) packed row, head, kv head."""
+    """_columns on the query's device (copied without a sync)."""
+    columns = _columns(query, key, options, count)
+    return None if columns is None else _rows.index_tensor(columns, query.device)
+
+
+def _columns(query, key, options: dict, count: int) -> list | None:
+    """Up to `count` distinct random query rows (across batch, heads and rows), drawn on the
+    host from sizes alone, with what follows from them there, as host columns: dense 7
+    (guard_rows.dense_columns); varlen 3: packed row, head, kv head."""
     if options["cu_seqlens_q"] is not None:
         hq = query.shape[-2]
         total, group = query.shape[0] * hq, hq // max(key.shape[-2], 1)
@@ -235,7 +242,7 @@ def _picks(query, key, options: dict, count: int) -> torch.Tensor | None:
         b, hq, sq, _ = query.shape
         flat = _rng.sample(range(b * hq * sq), min(count, b * hq * sq))
         columns = _rows.dense_columns(flat, query, key, options)
-    return _rows.index_tensor(columns, query.device) if flat else None
+    return columns if flat else None
 
 
 def _where(options: dict, picks) -> torch.Tensor:
@@ -278,9 +285,14 @@ def payload(problem, query, key, value, options: dict, out, rows: int = 8, keep=
     if options["dropout_p"] > 0 and keep is None or unjudged(problem, dict(options, dropout_p=0.0)) is not None:
         return None
     out, lse = _split(out, options)
-    picks = _picks(query, key, options, rows)
-    if picks is None:
+    columns = _columns(query, key, options, rows)
+    if columns is None:
         return None
+    if _graph.capturable(query, key, value, options, len(columns[0]), keep):
+        measured = _graph.payload(problem, query, key, value, options, out, lse, columns)
+        if measured is not None:
+            return measured
+    picks = _rows.index_tensor(columns, query.device)
     gather = _gather_varlen if options["cu_seqlens_q"] is not None else _gather_dense
     scale, softcap = options["scale"], options.get("softcap")
     with torch.no_grad():
