@@ -72,8 +72,10 @@ def sdpa(
     else:
         recent = None if _is_compiling() else fast_calls.get(RECENT)  # dynamo: call_key returns None
         if recent is not None and cu_seqlens_q is None and cu_seqlens_k is None:  # fast_key.recent_hit
-            options = (dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic, backend)
-            entry = recent_hit(recent[1], query, key, value, attn_mask, options)
+            entry = recent_hit(
+                recent[1], query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal, window,
+                deterministic, backend,
+            )  # fmt: skip
             if entry is not None:
                 decision = entry[6]
                 try:
