@@ -288,6 +288,30 @@ def expected_times(problem: Problem, device: torch.device) -> tuple[PerfTable, d
 SLOW_RATIO = 1.5
 
 
+# policy="auto" takes a backend that builds a plan per sequence length (Capabilities.plans_per_length)
+# only where the fastest other one is more than this much slower, and never for a decode step
+LENGTH_PLAN_MARGIN = 1.05
+DECODE_MAX_QUERIES = 16  # an inference call with at most this many queries: a decode or verify step
+
+
+def _length_plan_alternative(problem, ranked: list, times: dict) -> tuple[str, str] | None:
+    """(the backend to take instead of ``ranked[0]``, why) where ranked[0] builds a plan per
+    sequence length and another eligible backend is within LENGTH_PLAN_MARGIN, or the call is a
+    decode step (its key length grows by one a call: every step would build one); else None."""
+    why = registry.get_backend(ranked[0]).capabilities.plans_per_length
+    if not why:
+        return None
+    others = [n for n in ranked[1:] if not registry.get_backend(n).capabilities.plans_per_length]
+    if not others:
+        return None
+    decode = problem.layout == "dense" and not problem.requires_grad and problem.seqlen_q <= DECODE_MAX_QUERIES
+    ratio = times[others[0]] / times[ranked[0]]
+    if not decode and ratio > LENGTH_PLAN_MARGIN:
+        return None
+    where = "a decode step" if decode else f"within {LENGTH_PLAN_MARGIN:.2f}x ({ratio:.3f}x)"
+    return others[0], f"auto: {others[0]} rather than {ranked[0]} ({where}): {why}"
+
+
 def _cuda_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
@@ -320,6 +344,10 @@ def table_choice(decision, policy: str):
     if policy == "auto" and ranked and not unmeasured:
         backend = ranked[0]
         notes += (text,)
+        instead = _length_plan_alternative(p, ranked, times)
+        if instead is not None:
+            backend = instead[0]
+            notes += (instead[1],)
     elif policy == "auto":
         why = "; ".join(stale.get(n, f"{n} not timed in this bucket") for n in unmeasured)
         notes += (f"auto: {table.label()} has no usable time for {', '.join(unmeasured)} ({why}); priority order",)

@@ -163,6 +163,39 @@ def test_auto_picks_the_lowest_expected_time_and_says_so(table_dir, fake_gpu):
     assert "auto (table Fake torch" in text and "flash_attn 1.020 ms, triton 1.140 ms, cudnn 1.160 ms" in text
 
 
+@pytest.mark.parametrize(
+    "call, times, want",
+    [
+        # a decode step: cuDNN would build a graph per key length, whatever its margin
+        (dict(seqlen_q=1, seqlen_k=4096), {"cudnn": 0.35, "flash_attn": 0.40, "triton": 0.36}, "triton"),
+        # prefill within 5%: the backend without per-length plans
+        (dict(seqlen_q=1024, seqlen_k=1024), {"cudnn": 0.224, "flash_attn": 0.230, "triton": 0.237}, "flash_attn"),
+        # over 5% faster: cuDNN keeps its win
+        (dict(seqlen_q=1024, seqlen_k=1024), {"cudnn": 0.200, "flash_attn": 0.230, "triton": 0.237}, "cudnn"),
+        # training (no decode step) over 5% faster: cuDNN
+        (dict(seqlen_q=1, seqlen_k=4096, requires_grad=True), {"cudnn": 0.30, "triton": 0.36}, "cudnn"),
+        # a backend without per-length plans winning outright: no note
+        (dict(seqlen_q=1, seqlen_k=4096), {"cudnn": 0.40, "flash_attn": 0.41, "triton": 0.36}, "triton"),
+    ],
+    ids=["decode", "prefill-within-5%", "prefill-over-5%", "training", "no-cudnn-win"],
+)
+def test_auto_avoids_a_backend_that_plans_per_length_where_lengths_change(table_dir, fake_gpu, call, times, want):
+    """cuDNN (Capabilities.plans_per_length) builds a graph per exact sequence length (62 ms for
+    each new key length of a decode loop on an H100 against 0.35 ms a step): auto takes the
+    next backend for a decode step and within LENGTH_PLAN_MARGIN elsewhere, and says why."""
+    assert ad.get_backend("cudnn").capabilities.plans_per_length
+    assert not any(ad.get_backend(n).capabilities.plans_per_length for n in ("triton", "flash_attn"))
+    p = problem(**call)
+    write(table_dir, "t.json", {perf_table.bucket_key(p): times})
+    eligible = tuple(n for n in ("triton", "flash_attn", "cudnn") if n in times)
+    got = perf_table.table_choice(decision(p, eligible=eligible), "auto")
+    assert got.backend == want
+    moved = [n for n in got.notes if "rather than cudnn" in n]
+    assert bool(moved) == (want != min(times, key=times.get))
+    if moved:
+        assert "builds one" in moved[0] and ("(a decode step)" in moved[0]) == (call["seqlen_q"] == 1)
+
+
 def test_priority_keeps_its_choice_but_names_a_trap(table_dir, fake_gpu):
     p = problem()
     write(table_dir, "t.json", {perf_table.bucket_key(p): {"triton": 3.0, "flash_attn": 1.0, "cudnn": 1.2}})

@@ -60,6 +60,9 @@ class Capabilities:
     kv_append: bool = True  # k_new/v_new written into the cache before attending
     kv_multi_query: bool = True  # Sq > 1 new queries per sequence (chunked prefill, speculative decoding)
     kv_cache_declined: str = ""  # why kv_cache is empty although the kernel has a KV path (in the reason)
+    # why a call of a new sequence length builds a new plan (what that costs), "" when it does not:
+    # policy="auto" then avoids this backend where a loop changes lengths (perf_table.table_choice)
+    plans_per_length: str = ""
     # Features added after the first backends were written: off by default, so a backend that
     # never heard of them (a custom one included) rejects them instead of ignoring them.
     softcap: bool = False  # softcap * tanh(score / softcap) before bias and ALiBi
@@ -75,6 +78,9 @@ class Capabilities:
     # run_backward(): a call's dq, dk, dv from a given output and logsumexp (those of a larger
     # call it is one block of: context parallelism's backward="merged")
     backward_from_output: bool = False
+    # run_backward(dq_accumulator=): the query's gradient added, unrounded, into a given tensor
+    # of the lse dtype (a rank's sum over its blocks) instead of returned
+    backward_dq_accumulator: bool = False
     notes: str = ""  # free text for `info`, never used to decide
 
     def paged_block_sizes(self) -> str:
@@ -149,7 +155,10 @@ class Capabilities:
                     else ""
                 ),
             ),
-            ("backward from out/lse", yes(self.backward_from_output)),
+            (
+                "backward from out/lse",
+                yes(self.backward_from_output) + (" (dq accumulator)" if self.backward_dq_accumulator else ""),
+            ),
         ]
 
 
@@ -254,6 +263,16 @@ def check_backward_options(options: dict) -> None:
             raise ValueError(f"run_backward: {name} given; it takes dense calls without sinks")
 
 
+def check_dq_accumulator(acc, query) -> None:
+    """run_backward()'s ``dq_accumulator``: the query's shape and device, the lse dtype."""
+    want = torch.float64 if query.dtype == torch.float64 else torch.float32  # features.lse_dtype
+    if acc is not None and (acc.dtype != want or acc.shape != query.shape or acc.device != query.device):
+        raise ValueError(
+            f"run_backward: dq_accumulator must be {want} of the query's shape {tuple(query.shape)} on "
+            f"{query.device}, got {acc.dtype} {tuple(acc.shape)} on {acc.device}"
+        )
+
+
 def _unequal_lengths(p: Problem) -> str:
     if p.layout == "varlen":
         return "varlen"
@@ -332,14 +351,16 @@ class Backend:
         """Compute the call; options are the normalised arguments (DESIGN.md section 4)."""
         raise NotImplementedError(f"backend {self.name!r} does not implement run()")
 
-    def run_backward(self, query, key, value, out, lse, grad_out, grad_lse, **options):
+    def run_backward(self, query, key, value, out, lse, grad_out, grad_lse, dq_accumulator=None, **options):
         """(dq, dk, dv) of a dense call (``options`` as run() took them; no sinks, no mask gradient)
         whose probabilities are ``exp(s - lse)`` for a given ``lse`` (B, Hq, Sq) (lse dtype) and
         output ``out`` (B, Hq, Sq, Dv): dS = P (dO V^T - rowsum(dO out) + grad_lse), with ``grad_out``
         (dO) and ``grad_lse`` (None: zero) the gradients of out and lse. With the call's own out and
         lse it is the call's backward; with a larger call's, this block's share of it. Dropout:
         under the forward's dropout_stream.positioned() scope. Only for a backend declaring
-        ``Capabilities.backward_from_output``."""
+        ``Capabilities.backward_from_output``. ``dq_accumulator`` (declared by
+        ``Capabilities.backward_dq_accumulator``): a tensor of the query's shape in the lse dtype
+        that dq is added into (then dq is None)."""
         raise NotImplementedError(f"backend {self.name!r} does not implement run_backward()")
 
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):

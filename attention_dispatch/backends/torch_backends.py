@@ -49,6 +49,10 @@ class CudnnBackend(TorchSdpaBackend):
         max_batch_heads=None,
         kv_cache=frozenset({"dense"}),  # F.sdpa with a bool mask from cache_seqlens
         notes="bottom-right causal as a folded bool mask; head dim 256 only on sm90 with cuDNN >= 9.19 or sm10x with cuDNN > 9.22",
+        plans_per_length=(
+            "PyTorch keys its cuDNN graphs by exact sizes: each new sequence length builds one "
+            "(H100, torch 2.11, a decode step over a new key length: 62 ms median, 0.35 ms once built)"
+        ),
     )
 
     def _built(self) -> str:
