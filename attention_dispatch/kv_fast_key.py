@@ -19,8 +19,8 @@ from .caches import register_cache
 from .fast_key import RECENT, RECENT_LIMIT, _is_compiling, dispatch_state
 from .torch_private import tensor_check
 
-# sdpa_with_kvcache()'s repeated calls: kv_call_key -> (Decision, the backend's run_kvcache, its
-# options but k_new, v_new and block_table, KvCall.limits, whether the tensors are on CUDA);
+# sdpa_with_kvcache()'s repeated calls: kv_call_key -> (Decision, the backend's prepare_kvcache()
+# runner, KvCall.limits, whether the tensors are on CUDA);
 # kv_calls[RECENT] = (None, recent entries, newest first)
 kv_calls: dict = {}
 register_cache("kv_fast_key.kv_calls", kv_calls.clear, kv_calls.__len__)

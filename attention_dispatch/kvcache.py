@@ -13,7 +13,8 @@ derives but the values of cache_seqlens and block_table, and everything decide()
 hit is a call the full path accepted before and would decide the same way.  What a hit still
 does is what depends on those values: an int cache_seqlens is range-checked and made a tensor,
 and where values are checked (CPU tensors, or validate=True) :func:`_check_values` reads them,
-with the full path's messages; then the backend's run_kvcache().
+with the full path's messages; then the runner the backend prepared for the signature
+(Backend.prepare_kvcache: the `triton` backend's relaunches its decode plan).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .call import _check_scalars, check_plain_tensor
 from .features import check_alibi_slopes, check_return_lse, check_sinks, check_softcap
 from .caches import register_cache
 from .backends.base import dtype_name
-from .debug import _last, _recorders, note_decision
+from .debug import _last, _recorders, logger, note_decision
 from .fast_key import RECENT, _is_compiling
 from .kv_fast_key import kv_call_key, kv_calls, kv_recent_entry, kv_recent_hit, kv_remember_recent
 from .dispatch import FAST_CALLS_LIMIT, Decision, decide, run_with_fallback
@@ -38,8 +39,6 @@ from .problem import Problem, _aligned_16, compute_capability
 from .semantics import CausalKind, normalize_window
 
 _ALLOWED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# run_kvcache()'s options that a repeated call passes anew (its key holds only their shapes)
-_PER_CALL = ("k_new", "v_new", "block_table")
 
 
 def _shape(t) -> str:
@@ -422,7 +421,7 @@ def sdpa_with_kvcache(
                 if entry is not None:
                     kv_remember_recent(entry)
     if hit is not None:
-        decision, run, fixed, limits, on_cuda = hit
+        decision, run, limits, on_cuda = hit
         n_new, capacity, what, num_blocks, page, check = limits
         lengths = cache_seqlens
         if type(lengths) is int:  # flash-attn's form; out of range: the full path says so
@@ -439,9 +438,7 @@ def sdpa_with_kvcache(
                 if grad:
                     torch.set_grad_enabled(False)
                 try:
-                    out = run(
-                        query, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, block_table=block_table, **fixed
-                    )
+                    out = run(query, k_cache, v_cache, lengths, k_new, v_new, block_table)
                 finally:
                     if grad:
                         torch.set_grad_enabled(True)
@@ -449,7 +446,8 @@ def sdpa_with_kvcache(
                 kv_calls.pop(key, None)
                 kv_calls.pop(RECENT, None)  # its recent entry with it
             else:
-                _last.set(decision)  # note_decision(), inline
+                if _last.get() is not decision:  # note_decision(), inline
+                    _last.set(decision)
                 for sink in _recorders.get():
                     sink.append(decision)
                 return out
@@ -482,13 +480,19 @@ def sdpa_with_kvcache(
     # a call that fell back at run time keeps the full path, as every call of the guard's
     # sample and strict modes (the repeated-call path below is not checked)
     if key is not None and decision is decided and guard.mode in ("off", "first"):
-        if len(kv_calls) >= FAST_CALLS_LIMIT:
-            kv_calls.clear()
-        # the full path's options but the tensors a hit passes itself: one list of options
-        fixed = {name: value for name, value in call.options.items() if name not in _PER_CALL}
-        run = registry.get_backend(decision.backend).run_kvcache
-        on_cuda = query.device.type == "cuda"  # the key holds the device
-        kv_calls[key] = (decision, run, fixed, call.limits, on_cuda)
+        try:  # the backend's run for this signature, its per-call work done once
+            run = registry.get_backend(decision.backend).prepare_kvcache(
+                call.query, call.k_cache, call.v_cache, call.cache_seqlens, call.options
+            )
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot prepare keeps the full path
+            logger.debug(
+                "backend %r: prepare_kvcache() failed (%s); this signature keeps the full path", decision.backend, exc
+            )
+        else:
+            if len(kv_calls) >= FAST_CALLS_LIMIT:
+                kv_calls.clear()
+            on_cuda = query.device.type == "cuda"  # the key holds the device
+            kv_calls[key] = (decision, run, call.limits, on_cuda)
     return out
 
 

@@ -373,6 +373,23 @@ class Backend:
         Returns (B, Hq, Sq, D) in query's dtype; called under torch.no_grad()."""
         raise NotImplementedError(f"backend {self.name!r} does not implement run_kvcache()")
 
+    def prepare_kvcache(self, query, k_cache, v_cache, cache_seqlens, options: dict):
+        """A callable ``(query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table) -> out``
+        that sdpa_with_kvcache() caches for repeated calls of this one's signature
+        (kv_fast_key.kv_call_key: the same shapes, strides, dtypes, devices and 16-byte alignment of
+        query, the cache and k_new/v_new, and these other ``options``, run_kvcache()'s; the
+        lengths and block table keep only their shapes, dtypes and devices).  Override it to skip
+        per-call work (the `triton` backend relaunches its decode plan); the default calls
+        run_kvcache()."""
+        fixed = {name: value for name, value in options.items() if name not in ("k_new", "v_new", "block_table")}
+
+        def runner(query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
+            return self.run_kvcache(
+                query, k_cache, v_cache, cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table, **fixed
+            )
+
+        return runner
+
     def prepare(self, query, key, value, options: dict):
         """A callable ``(query, key, value[, attn_mask], *, cu_seqlens_q, cu_seqlens_k) -> out``
         that sdpa() caches for repeated calls whose tensors (a mask included) have these

@@ -15,6 +15,7 @@ from .decode_plan import (
     MAX_DECODE_SPLITS,
     MIN_KEYS_PER_SPLIT,
     cache_geometry,
+    KvRunner,
     combine_constexprs,
     decode_splits,
     key_splits,
@@ -294,3 +295,26 @@ def kv_forward(
             append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
         return cache_forward(q, k_cache, v_cache, cache_seqlens, params, n_new, need_lse)
     return _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi, sinks, need_lse, geo)
+
+
+def prepare_kv(q, k_cache, v_cache, cache_seqlens, params: KernelParams, block_table, k_new, v_new, fallback):
+    """A :class:`~.decode_plan.KvRunner` for repeated calls of this one's signature (no alibi,
+    sinks or logsumexp), or None where it would not run the decode kernel itself (the Gluon
+    route, rows to copy, an empty call, lengths with another stride): kv_forward serves those."""
+    tensors = (q, k_cache, v_cache) + ((k_new, v_new) if k_new is not None else ())
+    if (
+        any(t.stride(-1) != 1 for t in tensors)
+        or cache_seqlens.stride(0) != 1
+        or (block_table is not None and block_table.stride(-1) != 1)
+        or q.numel() == 0
+    ):
+        return None
+    n_new = q.shape[2] if k_new is not None else 0
+    plan = plan_for(q, k_cache, v_cache, cache_seqlens, params, block_table, k_new, v_new, None, None, False, n_new, 0)
+    geo = plan.geometry(q, k_cache, v_cache, block_table)
+    if geo.route is None:
+        geo.route = kv_route(q, k_cache, v_cache, block_table, params)[0]
+    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[2]
+    if geo.route != CACHE_DECODE or capacity == 0:
+        return None
+    return KvRunner(plan, geo, cache_seqlens, block_table, fallback)

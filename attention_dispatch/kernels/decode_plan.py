@@ -440,3 +440,27 @@ class DecodeRunner:
         ):
             return self.fallback(q, k, v)
         return self.plan(q, k, v, None, None, None, None, None, None)[0]
+
+
+class KvRunner:
+    """sdpa_with_kvcache()'s repeated calls of one signature through the decode kernel, prepared
+    (kernels.decode.prepare_kv): ``plan`` relaunched with the prepared ``geo`` (the signature
+    fixes the cache's shape and strides), none of run_kvcache()'s argument processing.  The
+    signature does not fix the lengths' and block table's strides and alignment: a call whose
+    differ from the prepared call's goes to ``fallback`` (the backend's whole path)."""
+
+    __slots__ = ("plan", "geo", "lens_align", "table_layout", "fallback")
+
+    def __init__(self, plan: DecodePlan, geo: _Geometry, cache_seqlens, block_table, fallback):
+        self.plan, self.geo, self.fallback = plan, geo, fallback
+        self.lens_align = cache_seqlens.data_ptr() & 15
+        self.table_layout = None if block_table is None else (block_table.stride(), block_table.data_ptr() & 15)
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
+        if (
+            cache_seqlens.stride(0) != 1
+            or cache_seqlens.data_ptr() & 15 != self.lens_align
+            or (block_table is not None and (block_table.stride(), block_table.data_ptr() & 15) != self.table_layout)
+        ):
+            return self.fallback(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+        return self.plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, None, None, self.geo)[0]
