@@ -201,6 +201,27 @@ class TritonBackend(Backend):
             need_lse=return_lse,
         )
 
+    def prepare_kvcache(self, query, k_cache, v_cache, cache_seqlens, options: dict):
+        """Base.prepare_kvcache: the decode plan relaunched (kernels.decode.prepare_kv) where the
+        call runs the decode kernel without alibi, sinks or logsumexp, else run_kvcache()."""
+        fallback = super().prepare_kvcache(query, k_cache, v_cache, cache_seqlens, options)
+        if options.get("return_lse") or any(options.get(n) is not None for n in ("softcap", "alibi_slopes", "sinks")):
+            return fallback
+        from ..kernels.decode import prepare_kv
+
+        runner = prepare_kv(
+            query,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            self._kv_params(**options),
+            options["block_table"],
+            options["k_new"],
+            options["v_new"],
+            fallback,
+        )
+        return fallback if runner is None else runner
+
     @staticmethod
     def _params(causal, window, scale, dropout_p, deterministic, softcap=None, **_):
         from ..kernels import KernelParams
