@@ -106,7 +106,7 @@ def _steps(args, steps: int):
             causal=args["causal"],
             window=args["window"],
         )
-        assert_matches(out, ref, None, f"step {step}", dtype=torch.float32)
+        assert_matches(out, ref, None, f"step {step}")
         args["cache_seqlens"] = lens.flip(0).contiguous()  # other lengths, same layout
 
 
@@ -127,6 +127,28 @@ def test_triton_hits_relaunch_the_plan_and_match_the_reference(monkeypatch, layo
     calls = _count_run_kvcache(monkeypatch)
     _steps(args, 4)
     assert len(calls) == 1, f"run_kvcache ran {len(calls)} times in 4 calls of one signature (the first only)"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_triton_hits_on_cuda_relaunch_the_plan_and_match_the_reference(monkeypatch, layout):
+    """The compiled kernels relaunched directly (kernels.compiled_cache.relaunch): a decode step's shapes."""
+    _triton()
+    case = KvCase(
+        dtype=torch.bfloat16,
+        batch=2,
+        heads_q=32,
+        heads_kv=8,
+        capacity=1024,
+        head_dim=128,
+        block_size=16 if layout == "paged" else None,
+        append=True,
+        lengths=(700, 3),
+    )
+    args = make_kv_inputs(case, "cuda")
+    calls = _count_run_kvcache(monkeypatch)
+    _steps(args, 4)
+    assert len(calls) == 1
 
 
 def test_lengths_or_block_table_of_another_layout_take_run_kvcache(monkeypatch):
