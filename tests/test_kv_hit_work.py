@@ -97,12 +97,13 @@ def _steps(args, steps: int):
             k, v = reference_append(k, v, lens, args["k_new"], args["v_new"], args.get("block_table"))
             n_new = args["query"].shape[2]
         out = ad.sdpa_with_kvcache(**args, backend="triton")
-        ref = kv_reference(
-            args["query"],
-            k,
-            v,
+        table = args.get("block_table")
+        ref = kv_reference(  # on the CPU (the reference's masks are built there)
+            args["query"].cpu(),
+            k.cpu(),
+            v.cpu(),
             [n + n_new for n in lens.tolist()],
-            block_table=args.get("block_table"),
+            block_table=None if table is None else table.cpu(),
             causal=args["causal"],
             window=args["window"],
         )
