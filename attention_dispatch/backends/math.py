@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from ..dropout_stream import DropoutStream, current, draw_seed, keep_mask
 from ..features import lse_dtype
 from ..semantics import band
-from .base import Backend, Capabilities, check_backward_options
+from .base import Backend, Capabilities, check_backward_options, check_dq_accumulator
 
 # Elements of one chunk's score block (B * Hq * rows * Sk): 2**24 fp32 is 64 MiB.
 CHUNK_ELEMENTS = 1 << 24
@@ -370,6 +370,7 @@ class MathBackend(Backend):
         lse_grad=True,
         dropout_positions=True,
         backward_from_output=True,
+        backward_dq_accumulator=True,
         notes="reference; query-chunked, bounded memory; the test oracle in float64",
     )
 
@@ -379,11 +380,13 @@ class MathBackend(Backend):
     def run(self, query, key, value, **options):
         return math_attention(query, key, value, **options)
 
-    def run_backward(self, query, key, value, out, lse, grad_out, grad_lse, **options):
+    def run_backward(self, query, key, value, out, lse, grad_out, grad_lse, dq_accumulator=None, **options):
         """Base.run_backward's gradients by autograd through this call recomputed, (out_b, lse_b):
         with w = exp(lse_b - lse), exp(s - lse) = w exp(s - lse_b), so the given lse's dS is the
-        call's backward for d out_b = w dO and d lse_b = w (rowsum(dO out_b) - rowsum(dO out) + grad_lse)."""
+        call's backward for d out_b = w dO and d lse_b = w (rowsum(dO out_b) - rowsum(dO out) + grad_lse);
+        dq added into ``dq_accumulator`` where given."""
         check_backward_options(options)
+        check_dq_accumulator(dq_accumulator, query)
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_() for t in (query, key, value)]
             out_b, lse_b = math_attention(*leaves, **dict(options, return_lse=True))
@@ -393,7 +396,11 @@ class MathBackend(Backend):
             delta = (dout * out.to(compute)).sum(-1) - (0 if grad_lse is None else grad_lse.to(compute))
             inner = (dout * out_b.detach().to(compute)).sum(-1)
             grads = ((weight.unsqueeze(-1) * dout).to(out_b.dtype), weight * (inner - delta))
-            return torch.autograd.grad((out_b, lse_b), leaves, grads, materialize_grads=True)
+            dq, dk, dv = torch.autograd.grad((out_b, lse_b), leaves, grads, materialize_grads=True)
+        if dq_accumulator is None:
+            return dq, dk, dv
+        dq_accumulator.add_(dq)
+        return None, dk, dv
 
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, **options):
         return math_attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, **options)

@@ -20,7 +20,7 @@ from ..dropout_stream import current
 from ..problem import KV_LAYOUTS, Problem
 from ..route import Route, RouteStep
 from ..semantics import band
-from .base import Backend, Capabilities, check_backward_options
+from .base import Backend, Capabilities, check_backward_options, check_dq_accumulator
 
 
 def _interpreting() -> bool:
@@ -91,6 +91,7 @@ class TritonBackend(Backend):
             dropout_column_multiple=L.dropout_column_multiple,
             # kernels.attention_backward reads the output and logsumexp it is given
             backward_from_output=True,
+            backward_dq_accumulator=True,
             notes="this project's kernel; CPU only under TRITON_INTERPRET=1",
         )
 
@@ -335,12 +336,14 @@ class TritonBackend(Backend):
             return result[0], result[1].transpose(0, 1)
         return result
 
-    def run_backward(self, query, key, value, out, lse, grad_out, grad_lse, **options):
+    def run_backward(self, query, key, value, out, lse, grad_out, grad_lse, dq_accumulator=None, **options):
         """Base.run_backward: the kernels' backward (kernels.attention_backward) with the given
-        output and logsumexp (its delta pass reads them and grad_lse), no bias gradient."""
+        output and logsumexp (its delta pass reads them and grad_lse), no bias gradient; dq
+        added into ``dq_accumulator`` by the kernels where given."""
         from ..kernels import attention_backward
 
         check_backward_options(options)
+        check_dq_accumulator(dq_accumulator, query)
         dense = dict(options, cu_seqlens_q=None)
         stream = self._dropout_stream(query, key, dense)
         if options.get("dropout_p", 0) > 0 and stream is None:
@@ -361,6 +364,7 @@ class TritonBackend(Backend):
             self._params(**options),
             alibi=self._score_tensors(query, dense)["alibi"],
             grad_lse=grad_lse,
+            dq_accumulator=dq_accumulator,
         )
         return dq, dk, dv
 

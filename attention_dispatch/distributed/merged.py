@@ -22,22 +22,23 @@ from .recompute import allgather_backward, ring_backward
 from .steps import Setup, _whole_rows, block_args, block_pairs, run_forward
 
 
-def _place(total, part, index, shape):
+def _place(total, part, index, shape, spare=None):
     """total[index] += part, total made on first use: ``part`` itself where it covers ``shape``
-    (no zero fill), else zeros of ``shape`` in part's dtype."""
+    (no zero fill), else ``spare`` (a buffer of ``shape`` no longer read) or new, zeroed."""
     if part is None:
         return total
     if total is None:
         if tuple(part.shape) == tuple(shape):
             return part
-        total = part.new_zeros(shape)
+        total = part.new_zeros(shape) if spare is None else spare.zero_()
     total[index].add_(part)
     return total
 
 
-def _block_backward(setup: Setup, backend: str, q_parts, k_parts, k, v, saved):
-    """(dq of the block's rows, dk, dv of its keys) from the block's backend, or None when the
-    block holds no allowed pair."""
+def _block_backward(setup: Setup, backend: str, q_parts, k_parts, k, v, saved, dq):
+    """(dq of the block's rows or None where added into ``dq``, the rank's accumulator (lse
+    dtype) or not needed, dk, dv of its keys) from the block's backend, or None when the block
+    holds no allowed pair."""
     q, mask, out, lse, dout, dlse = saved
     rows, keys = slice(*span(q_parts)), slice(*span(k_parts))
     args = block_args(setup, q_parts, k_parts, q[:, :, rows], k[:, :, keys], v[:, :, keys], mask)
@@ -45,9 +46,11 @@ def _block_backward(setup: Setup, backend: str, q_parts, k_parts, k, v, saved):
         return None
     q_b, k_b, v_b, attn_mask, causal, window, scope = args
     options = {n: a for n, a in setup.sdpa_args.items() if n != "backend"}
+    chosen = registry.get_backend(backend)
+    into = dq is not None and chosen.capabilities.backward_dq_accumulator
     with scope:  # the block's dropout stream, as in the forward
         call = normalize_call(q_b, k_b, v_b, attn_mask, setup.dropout_p, causal=causal, window=window, **options)
-        return registry.get_backend(backend).run_backward(
+        grads = chosen.run_backward(
             call.query,
             call.key,
             call.value,
@@ -55,8 +58,12 @@ def _block_backward(setup: Setup, backend: str, q_parts, k_parts, k, v, saved):
             lse[:, :, rows],
             _whole_rows(dout[:, :, rows]),  # a part of S: whole rows, as the kernels read q (steps.py)
             None if dlse is None else dlse[:, :, rows],
+            **({"dq_accumulator": dq[:, :, rows]} if into else {}),
             **call.options,
         )
+    if dq is not None and not into:
+        dq[:, :, rows].add_(grads[0])
+    return grads
 
 
 class _MergedAttention(torch.autograd.Function):
@@ -80,21 +87,21 @@ class _MergedAttention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         saved = (q, mask, out.detach(), lse.detach(), dout, dlse)
-        dq = None
+        # the rank's dq summed over its blocks unrounded (the kernels add into it), rounded once
+        dq = torch.zeros_like(q, dtype=lse.dtype) if need[0] else None
 
-        def source_grads(source, k, v):
-            nonlocal dq
+        def source_grads(source, k, v, spare):
             dk = dv = None
-            for q_parts, k_parts in block_pairs(setup, source):
-                backend = served.get((source, q_parts, k_parts))
-                if backend is None:  # skipped in the forward: no allowed pair
-                    continue
-                grads = _block_backward(setup, backend, q_parts, k_parts, k, v, saved)
-                rows = (slice(None), slice(None), slice(*span(q_parts)))
+            # blocks skipped in the forward (no allowed pair) have no backend
+            blocks = [(q_parts, k_parts) for q_parts, k_parts in block_pairs(setup, source)]
+            blocks = [(b, served[(source, *b)]) for b in blocks if (source, *b) in served]
+            for i, ((q_parts, k_parts), backend) in enumerate(blocks):
+                grads = _block_backward(setup, backend, q_parts, k_parts, k, v, saved, dq)
                 keys = (slice(None), slice(None), slice(*span(k_parts)))
-                dq = _place(dq, grads[0] if need[0] else None, rows, q.shape)
-                dk = _place(dk, grads[1] if need[1] else None, keys, k.shape)
-                dv = _place(dv, grads[2] if need[2] else None, keys, v.shape)
+                # the keys' buffers may hold their gradients once the source's last block read them
+                kept = spare if spare is not None and i == len(blocks) - 1 else (None, None)
+                dk = _place(dk, grads[1] if need[1] else None, keys, k.shape, kept[0])
+                dv = _place(dv, grads[2] if need[2] else None, keys, v.shape, kept[1])
             # every source sends a gradient for each needed tensor, zeros where no block read its keys
             dk = k.new_zeros(k.shape) if need[1] and dk is None else dk
             dv = v.new_zeros(v.shape) if need[2] and dv is None else dv
@@ -104,8 +111,6 @@ class _MergedAttention(torch.autograd.Function):
         dkv = iter(run(setup, k, v, source_grads))
         dk = next(dkv).to(k.dtype) if need[1] else None
         dv = next(dkv).to(v.dtype) if need[2] else None
-        if need[0] and dq is None:  # no block computed (every row empty)
-            dq = torch.zeros_like(q)
         return None, None if dq is None else dq.to(q.dtype), dk, dv, None
 
 

@@ -86,8 +86,9 @@ class _RecomputedAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=compute) if need[0] else None
         dmask = torch.zeros_like(mask, dtype=compute) if need[3] else None
 
-        def source_grads(source, k_src, v_src):
-            """dk, dv (lse dtype, None where not needed) of source's keys from this rank's blocks."""
+        def source_grads(source, k_src, v_src, spare):
+            """dk, dv (lse dtype, None where not needed) of source's keys from this rank's blocks
+            (``spare`` unused: they are kept in the lse dtype)."""
             dk = torch.zeros_like(k_src, dtype=compute) if need[1] else None
             dv = torch.zeros_like(v_src, dtype=compute) if need[2] else None
             for q_parts, k_parts in block_pairs(setup, source):
@@ -115,18 +116,28 @@ class _RecomputedAttention(torch.autograd.Function):
 
 def ring_backward(setup: Setup, k, v, source_grads):
     """The keys go round again (W - 1 shifts), their gradients with them one step behind (W
-    shifts: after the last, each rank holds its own keys' gradients summed over every rank)."""
+    shifts: after the last, each rank holds its own keys' gradients summed over every rank). On
+    two ranks a rank's own keys' gradients stay here and the other rank's part comes back once,
+    after the last step: one shift, and no gradient buffer in flight during that step.
+    ``source_grads(source, k, v, spare)``: the gradients of source's keys from this rank's blocks;
+    ``spare``: None, or the received k and v, not read again once its blocks ran (their buffers
+    may hold the gradients)."""
     rank, world, group = setup.rank, setup.world, setup.group
-    travelling, pending_grads = None, None
+    home = world == 2
+    own, travelling, pending_grads = None, None, None
     for step in range(world):
+        last = step == world - 1
         pending_keys = None
-        if step < world - 1:
+        if not last:
             (next_k, next_v), pending_keys = _exchange.start_shift([k, v], group, rank, world)
-        grads = source_grads((rank - step) % world, k, v)
+        grads = source_grads((rank - step) % world, k, v, [k, v] if last and step > 0 else None)
+        k = v = None  # not read again: a received buffer is freed before the next shift
         if pending_grads is not None:  # the gradients of these keys from the ranks before
             pending_grads.wait()
             grads = [g.add_(t) for g, t in zip(grads, travelling)]
-        if grads and world > 1:
+        if home and step == 0:
+            own = grads
+        elif grads and world > 1:
             travelling, pending_grads = _exchange.start_shift(grads, group, rank, world)
         elif grads:
             travelling, pending_grads = grads, None
@@ -135,6 +146,8 @@ def ring_backward(setup: Setup, k, v, source_grads):
             k, v = next_k, next_v
     if pending_grads is not None:
         pending_grads.wait()
+    if own:  # two ranks: the other rank's part of this rank's keys' gradients came back
+        return [g.add_(t) for g, t in zip(own, travelling)]
     return travelling or []
 
 
@@ -143,14 +156,14 @@ def allgather_backward(setup: Setup, k, v, source_grads):
     reduce-scatter every source's key gradients to their owner."""
     rank, world, group = setup.rank, setup.world, setup.group
     if world == 1:
-        return source_grads(rank, k, v)
+        return source_grads(rank, k, v, None)
     pending = _exchange.Pending()
     gathered_k, gathered_v = _exchange.start_all_gather([k, v], group, pending)
-    by_source = {rank: source_grads(rank, k, v)}
+    by_source = {rank: source_grads(rank, k, v, None)}
     pending.wait()
     for source in range(world):
         if source != rank:
-            by_source[source] = source_grads(source, gathered_k[source], gathered_v[source])
+            by_source[source] = source_grads(source, gathered_k[source], gathered_v[source], None)
     count = len(by_source[rank])
     return [_exchange.reduce_scatter_sum([by_source[s][i] for s in range(world)], group) for i in range(count)]
 

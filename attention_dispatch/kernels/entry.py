@@ -282,12 +282,17 @@ def attention_backward(
     sinks_grad: bool = False,
     grad_lse=None,
     lse_pair=None,
+    dq_accumulator=None,
 ):
     """Returns (dq, dk, dv, dbias or None, dsinks or None).  dbias has bias's shape: summed over
     its size-1 (broadcast) dims; full-size dims (even with stride 0) get the per-element
     gradient.  ``delta``: an fp32 buffer of lse's shape for rowsum(dO * O) (allocated here when
     None).  ``sinks``: the forward's (Hq,) sinks (their gradient, in sinks' dtype, with
-    ``sinks_grad``); ``grad_lse``: the gradient flowing into lse (None: none, nothing extra)."""
+    ``sinks_grad``); ``grad_lse``: the gradient flowing into lse (None: none, nothing extra).
+    ``dq_accumulator``: a float32 tensor of q's shape (a view of a larger one is fine) that dQ is
+    added into, unrounded, instead of being returned (dq None): context parallelism sums a rank's
+    blocks' dQ in it (dense calls only)."""
+    check_dq_accumulator(dq_accumulator, q, cu_q)
     q, k, v, do = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v), last_dim_contiguous(do)
     prob = KernelShapes(q, k, v, cu_q, cu_k, max_sq, max_sk)
     dev = q.device
@@ -295,7 +300,7 @@ def attention_backward(
     sinks_grad = bool(sinks_grad) and sinks is not None
     kind, bt, bstr, bcast = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
     if _empty(prob, k):
-        dq = torch.zeros(q.shape, device=dev, dtype=q.dtype)
+        dq = None if dq_accumulator is not None else torch.zeros(q.shape, device=dev, dtype=q.dtype)
         dk = torch.zeros(k.shape, device=dev, dtype=k.dtype)
         dv = torch.zeros(v.shape, device=dev, dtype=v.dtype)
         dbias = torch.zeros(bias.shape, device=dev, dtype=bias.dtype) if bias_grad else None
@@ -324,21 +329,42 @@ def attention_backward(
     # (B, Hq, Sq) or (total_q, Hq): summed over all but the head dim, in a fixed order
     dsinks = dsink_rows.sum(dim=(0, 2) if not prob.varlen else 0).to(sinks.dtype) if sinks_grad else None
     route = backward_route(do, q, k, v, kind, bt, bstr, bias_grad, params, prob, desc, alibi is not None)
+    acc = dq_accumulator
     if route.dkdv == GLUON:
         ws_bias = gluon_launch.WsBias.of(bt, bstr, prob) if kind else None
+        fused = route.dq == FUSED
         dk, dv, dq = gluon_launch.dkdv(
-            q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, fuse_dq=route.dq == FUSED, alibi=alibi
-        )
+            q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, fuse_dq=fused, alibi=alibi,
+            dq_acc=acc if fused else None,
+        )  # fmt: skip
         if route.dq == GLUON:
             dq = gluon_launch.dq(q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, alibi=alibi)
         elif route.dq == TL:
-            dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args)
-        return dq, dk, dv, None, dsinks
+            dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc)
+            acc = None
+        if acc is not None and not fused:  # the Gluon dQ pass writes dq in q's dtype
+            acc.add_(dq)
+        return (None if dq_accumulator is not None else dq), dk, dv, None, dsinks
     if pair is not None:
         lse = pair
     dk, dv, dbias = tl_launch.dkdv_pass(do, q, k, v, lse, delta, bias, bias_grad, bcast, params, prob, args)
-    dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args)
+    dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc)
     return dq, dk, dv, dbias, dsinks
+
+
+def check_dq_accumulator(acc, q, cu_q) -> None:
+    """attention_backward's ``dq_accumulator``: float32, q's shape and device, dense calls."""
+    if acc is None:
+        return
+    if cu_q is not None:
+        raise ValueError("dq_accumulator: dense calls only (cu_seqlens_q given)")
+    if acc.dtype != torch.float32 or tuple(acc.shape) != tuple(q.shape) or acc.device != q.device:
+        raise ValueError(
+            f"dq_accumulator: float32 of the query's shape {tuple(q.shape)} on {q.device} expected, "
+            f"got {acc.dtype} {tuple(acc.shape)} on {acc.device}"
+        )
+    if acc.stride(-1) != 1:
+        raise ValueError(f"dq_accumulator: the last dim must be contiguous, got strides {tuple(acc.stride())}")
 
 
 def describe_route(

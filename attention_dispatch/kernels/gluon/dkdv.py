@@ -207,7 +207,7 @@ def _ws_bwd_consumer(
     keys_rel = (keys - n0).to(gl.float32)
     keys_f = _small_int_f32(keys - key0)
     if FUSE_DQ:
-        dq_desc, ds_bufs, ds_ready, kv_done, dq_bufs = dq_fused
+        dq_desc, ds_bufs, ds_ready, kv_done, dq_bufs, dq_head_rows = dq_fused
         # each warpgroup's share of the tile's dQ: with 64-row tiles the 64 rows x half the columns,
         # with 128-row tiles its 64-row half x every column (E81)
         DQ_SPLIT_ROWS: gl.constexpr = BLOCK_M == 2 * WG_ROWS
@@ -330,7 +330,7 @@ def _ws_bwd_consumer(
             dq_buf = dq_bufs.index((t % DQ_STAGES) * 2 + WG)
             dq_buf.store(dq * sm_scale)
             fence_async_shared()
-            row0 = (dq_head0 + t // n_m) * seq_q + mi * BLOCK_M + dq_row
+            row0 = (dq_head0 + t // n_m) * dq_head_rows + mi * BLOCK_M + dq_row
             _tma_reduce_add(dq_desc, [row0, dq_col], dq_buf)
         else:
             dv, dk, _, _, _ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dst_op, q_buf, do_buf])
@@ -362,6 +362,7 @@ def _attn_bwd_dkdv_ws(
     lse_ptr,
     delta_ptr,
     dq_desc,
+    dq_head_rows,
     qk_scale,
     sm_scale,
     seq_q,
@@ -394,8 +395,9 @@ def _attn_bwd_dkdv_ws(
     its group.
     dK, dV: (B * Hkv * Sk, D) rows; lse, delta: (B, Hq, Sq) contiguous; ``bias_desc``
     (HAS_BIAS): (rows, Sk) bias matrix, tiles (query tile rows, 128); None without.  FUSE_DQ: dQ is added
-    into ``dq_desc``, fp32 (B * Hq * Sq, D) rows zeroed beforehand, tiles (64, D / 2) with 64-row
-    query tiles and (64, D) with 128; None without.  SOFTCAP / HAS_ALIBI: the forward's score
+    into ``dq_desc``, fp32 rows (head h of batch b from row (b * Hq + h) * ``dq_head_rows``: Sq,
+    or more for a slice of a larger accumulator's rows), tiles (64, D / 2) with 64-row query
+    tiles and (64, D) with 128; None without.  SOFTCAP / HAS_ALIBI: the forward's score
     transforms (its arguments: _attn_fwd_ws's), recomputed; dS times 1 - tanh^2 under a softcap."""
     BLOCK_N: gl.constexpr = WG_ROWS  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]  # query rows per tile
@@ -439,7 +441,7 @@ def _attn_bwd_dkdv_ws(
         # one beside a bias
         DQ_STAGES: gl.constexpr = 1 if HAS_BIAS else 2
         dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * DQ_STAGES] + dq_desc.block_type.shape, dq_desc.layout)
-        dq_fused = (dq_desc, ds_bufs, ds_ready, kv_done, dq_bufs)
+        dq_fused = (dq_desc, ds_bufs, ds_ready, kv_done, dq_bufs, dq_head_rows)
     else:
         dq_fused = bars  # not read
     scores = (softcap_in, softcap, alibi_ptr, alibi_sb, alibi_sh, alibi_off)

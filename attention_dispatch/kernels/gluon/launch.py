@@ -189,13 +189,28 @@ def forward(
 DQ_ACC_SWIZZLE = 64
 
 
+def dq_head_rows(dq_acc: torch.Tensor) -> int | None:
+    """The rows between two heads' first rows in the fused dQ's fp32 (B, Hq, Sq, D) buffer: Sq
+    where it is contiguous, more for a slice of a larger buffer's rows (S); None where its
+    memory is not such rows."""
+    B, H, S, D = dq_acc.shape
+    sb, sh, ss, sd = dq_acc.stride()
+    if dq_acc.dtype != torch.float32 or sd != 1 or (S > 1 and ss != D):
+        return None
+    head = sh if H > 1 else sb if B > 1 else S * D  # a size-1 dim's stride says nothing
+    if head % D or head < S * D or (B > 1 and H > 1 and sb != H * sh):
+        return None
+    return head // D
+
+
 def dq_acc_descriptor(dq_acc: torch.Tensor, cols: int):
-    """Gluon descriptor over the fused dQ's fp32 (B * Hq * Sq, D) rows, tiles of (64, ``cols``):
-    each consumer warpgroup's partial (gluon/dkdv.py, FUSE_DQ: D / 2 with 64-row query tiles, D
-    with 128)."""
-    D = dq_acc.shape[-1]
+    """Gluon descriptor over the fused dQ's fp32 rows (head h of batch b at row (b * Hq + h) *
+    dq_head_rows), tiles of (64, ``cols``): each consumer warpgroup's partial (gluon/dkdv.py,
+    FUSE_DQ: D / 2 with 64-row query tiles, D with 128)."""
+    B, H, S, D = dq_acc.shape
+    rows = (B * H - 1) * dq_head_rows(dq_acc) + S
     layout = _gl.NVMMASharedLayout(DQ_ACC_SWIZZLE, 32, 2)
-    return _GluonDescriptor(dq_acc, [dq_acc.numel() // D, D], [D, 1], [WG_ROWS, cols], layout)
+    return _GluonDescriptor(dq_acc, [rows, D], [D, 1], [WG_ROWS, cols], layout)
 
 
 def dkdv(
@@ -213,13 +228,16 @@ def dkdv(
     bias: WsBias | None = None,
     fuse_dq: bool = False,
     alibi: torch.Tensor | None = None,
+    dq_acc: torch.Tensor | None = None,
 ):
     """(dK, dV, dQ or None) of a call the warp-specialised forward serves (same scope, dO in a
-    row layout); ``fuse_dq``: dQ too, added by TMA reduce-add into a zeroed fp32 buffer;
-    ``params.softcap`` and ``alibi`` as the forward's."""
+    row layout); ``fuse_dq``: dQ too, added by TMA reduce-add into a zeroed fp32 buffer, or into
+    ``dq_acc`` (float32, q's shape; then dQ None); ``params.softcap`` and ``alibi`` as the forward's."""
     cfg = C.WS_BWD_CONFIGS[prob.Dqk]
     dk, dv = torch.empty(k.shape, device=k.device, dtype=k.dtype), torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fuse_dq else None
+    given = dq_acc
+    if fuse_dq and (given is None or dq_head_rows(given) is None):
+        dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     # keys per consumer warpgroup, query rows per tile (a bias tile of 128 rows spills at d64)
     w, m = WG_ROWS, (cfg.bwd_block_m if bias is None else WG_ROWS)
     bias_desc, batch_rows, head_rows = bias_args(bias, m, 2 * w, prob.Sk)
@@ -239,6 +257,7 @@ def dkdv(
             lse,
             delta,
             dq_desc,
+            dq_head_rows(dq_acc) if fuse_dq else 0,
             params.scale * LOG2E,
             params.scale,
             prob.Sq,
@@ -265,7 +284,12 @@ def dkdv(
         WS_STAGES,
         maxnreg=cfg.max_regs,
     )
-    return dk, dv, (dq_acc.to(q.dtype) if fuse_dq else None)
+    if not fuse_dq or given is dq_acc:
+        return dk, dv, None
+    if given is not None:  # a layout the descriptor cannot address: added unrounded
+        given.add_(dq_acc)
+        return dk, dv, None
+    return dk, dv, dq_acc.to(q.dtype)
 
 
 def dq(

@@ -479,8 +479,11 @@ def reduce_dbias(ws: torch.Tensor, bcast, bias: torch.Tensor) -> torch.Tensor:
     return ws.reshape(shape4).reshape(bias.shape).to(bias.dtype)
 
 
-def dq_pass(do, q, k, v, lse, delta, params: KernelParams, prob: KernelShapes, a: BackwardArgs) -> torch.Tensor:
-    """dQ: query-tile parallel, optionally split over keys (fp32 workspace + atomics)."""
+def dq_pass(
+    do, q, k, v, lse, delta, params: KernelParams, prob: KernelShapes, a: BackwardArgs, accumulator=None
+) -> torch.Tensor | None:
+    """dQ: query-tile parallel, optionally split over keys (fp32 workspace + atomics).
+    ``accumulator`` (float32, q's shape, dense): dQ is atomically added into it instead (None returned)."""
     dev = q.device
     bias_t, bstr, seed_t, cu_q_t, cu_k_t, common, traits, limit, num_sms, lse_str, do_str, _, _ = a
     cands = run.select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params, **traits)
@@ -493,8 +496,10 @@ def dq_pass(do, q, k, v, lse, delta, params: KernelParams, prob: KernelShapes, a
         splits = num_splits_heuristic(
             prob.B * prob.Hq, cdiv(prob.Sq, bm), cdiv(prob.Sk, bn), num_sms, params.deterministic
         )
-    atomic = splits > 1
-    if atomic:
+    atomic = splits > 1 or accumulator is not None
+    if accumulator is not None:
+        dq_ws = accumulator
+    elif atomic:
         dq_ws = torch.zeros(q.shape, device=dev, dtype=torch.float32)
     else:
         dq_ws = torch.empty(q.shape, device=dev, dtype=store_dtype(q.dtype))
@@ -548,4 +553,4 @@ def dq_pass(do, q, k, v, lse, delta, params: KernelParams, prob: KernelShapes, a
             key,
         )
         cands = [cfg]
-    return as_dtype(dq_ws, q.dtype)
+    return None if accumulator is not None else as_dtype(dq_ws, q.dtype)

@@ -1,0 +1,111 @@
+"""Backend.run_backward(dq_accumulator=) (Capabilities.backward_dq_accumulator): the query's
+gradient added, unrounded, into a given tensor of the lse dtype, a rank's sum over its blocks in
+context parallelism (backward="merged"). Against the same call returning its dq: the rows of the
+accumulator it covers gain exactly that dq (before rounding), no other row changes. Generated from
+what the backends declare. And the peak of what the merged backward allocates per rank, counted
+on 2 gloo ranks (benchmarks/cp_memory.py), is below the float32-per-block scheme's."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import attention_dispatch as ad
+from attention_dispatch import registry
+from attention_dispatch.backends.base import Backend
+from attention_dispatch.call import normalize_call
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _declaring() -> list[str]:
+    names = []
+    for name in ad.list_backends():
+        backend = registry.get_backend(name)
+        if not backend.capabilities.backward_dq_accumulator or not backend.is_available():
+            continue
+        if name == "triton" and not INTERPRET:
+            continue  # CPU tensors: the kernels under the interpreter only
+        names.append(name)
+    return names
+
+
+def test_declared_exactly_where_run_backward_takes_an_accumulator():
+    for name in ad.list_backends():
+        backend = registry.get_backend(name)
+        own = type(backend).run_backward
+        takes = own is not Backend.run_backward and "dq_accumulator" in inspect.signature(own).parameters
+        assert backend.capabilities.backward_dq_accumulator == takes, name
+        assert not takes or backend.capabilities.backward_from_output, name
+    assert {"math", "triton"} <= {
+        n for n in ad.list_backends() if registry.get_backend(n).capabilities.backward_dq_accumulator
+    }
+
+
+def _call(dtype, causal):
+    q = torch.randn(1, 4, 32, 16).to(dtype)
+    k, v = torch.randn(1, 2, 48, 16).to(dtype), torch.randn(1, 2, 48, 16).to(dtype)
+    call = normalize_call(q, k, v, enable_gqa=True, causal="bottom_right" if causal else None)
+    out, lse = ad.sdpa(q, k, v, enable_gqa=True, causal="bottom_right" if causal else None, return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    return call, out, lse, dout, dlse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend", _declaring())
+def test_accumulated_dq_is_the_returned_dq_added_to_its_rows(backend, causal):
+    for dtype in (torch.float64,) if backend == "math" else (torch.float32, torch.bfloat16):
+        call, out, lse, dout, dlse = _call(dtype, causal)
+        chosen = registry.get_backend(backend)
+        args = (call.query, call.key, call.value, out, lse, dout, dlse)
+        dq, dk, dv = chosen.run_backward(*args, **call.options)
+        compute = lse.dtype
+        # a slice of a larger buffer's rows (a block's rows in a rank's accumulator), random before
+        whole = torch.randn(1, 4, 80, 16, dtype=compute)
+        before = whole.clone()
+        rows = slice(24, 56)
+        none, dk2, dv2 = chosen.run_backward(*args, dq_accumulator=whole[:, :, rows], **call.options)
+        assert none is None and torch.equal(dk2, dk) and torch.equal(dv2, dv), dtype
+        outside = torch.ones(80, dtype=torch.bool)
+        outside[rows] = False
+        assert torch.equal(whole[:, :, outside], before[:, :, outside]), dtype
+        zero = torch.zeros(1, 4, 32, 16, dtype=compute)
+        chosen.run_backward(*args, dq_accumulator=zero, **call.options)
+        assert zero.isfinite().all()
+        # the returned dq is the accumulated one rounded once to the input dtype
+        assert torch.equal(zero.to(dtype), dq), dtype
+        assert torch.equal(whole[:, :, rows], before[:, :, rows] + zero), dtype
+
+
+@pytest.mark.parametrize("backend", _declaring())
+def test_a_wrong_accumulator_is_refused_naming_it(backend):
+    call, out, lse, dout, dlse = _call(torch.float64 if backend == "math" else torch.float32, False)
+    chosen = registry.get_backend(backend)
+    args = (call.query, call.key, call.value, out, lse, dout, dlse)
+    for bad in (torch.zeros(1, 4, 31, 16, dtype=lse.dtype), torch.zeros(1, 4, 32, 16, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="dq_accumulator must be .* of the query's shape"):
+            chosen.run_backward(*args, dq_accumulator=bad, **call.options)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the triton kernels under the interpreter (TRITON_INTERPRET=1)")
+def test_merged_backward_allocates_less_than_a_float32_dq_per_block():
+    """2 gloo ranks, S = 256: each rank's backward peaks at ~6.06 / 5.06 local query shards (a
+    float32 dQ per block cast and added into a bf16 one, and the own keys' gradients in flight
+    during the second step: 7.56 / 8.06)."""
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import cp_memory
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'rendezvous')}"
+        mp.spawn(cp_memory._worker, args=(2, 256, "triton", init, queue), nprocs=2, join=True)
+    peaks = dict((rank, peak) for rank, peak, _ in (queue.get() for _ in range(2)))
+    assert peaks[0] <= 6.1 and peaks[1] <= 5.1, peaks
