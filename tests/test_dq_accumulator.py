@@ -109,3 +109,39 @@ def test_merged_backward_allocates_less_than_a_float32_dq_per_block():
         mp.spawn(cp_memory._worker, args=(2, 256, "triton", init, queue), nprocs=2, join=True)
     peaks = dict((rank, peak) for rank, peak, _ in (queue.get() for _ in range(2)))
     assert peaks[0] <= 6.1 and peaks[1] <= 5.1, peaks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("causal", [None, "top_left"])
+def test_gpu_gluon_fused_dq_adds_into_a_row_slice(causal):
+    """The Gluon fused dK/dV (sm90) reduce-adds dQ into an accumulator whose heads are rows apart
+    by more than Sq (a block's rows of a rank's accumulator): those rows gain the dq the call
+    returns (float32 reduce-adds: to their rounding), no other row changes."""
+    from attention_dispatch.kernels.entry import describe_route
+    from attention_dispatch.kernels.params import KernelParams
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 8, 4096, 128, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(1, 4, 4096, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    chosen = registry.get_backend("triton")
+    call = normalize_call(q, k, v, enable_gqa=True, causal=causal)
+    out, lse = ad.sdpa(q, k, v, enable_gqa=True, causal=causal, return_lse=True, backend="triton")
+    dout = torch.randn(out.shape, device="cuda", generator=g).bfloat16()
+    args = (call.query, call.key, call.value, out, lse, dout, None)
+    if torch.cuda.get_device_capability() == (9, 0):
+        params = KernelParams(scale=128**-0.5, window_left=-1, window_right=0 if causal else -1)
+        steps = describe_route(q, k, v, None, params, backward=True)
+        assert steps[-1][1] == "fused", steps
+    dq, dk, dv = chosen.run_backward(*args, **call.options)
+    whole = torch.randn(1, 8, 6144, 128, device="cuda", generator=g)
+    before = whole.clone()
+    rows = slice(1024, 5120)
+    none, dk2, dv2 = chosen.run_backward(*args, dq_accumulator=whole[:, :, rows], **call.options)
+    assert none is None
+    assert torch.equal(whole[:, :, :1024], before[:, :, :1024]) and torch.equal(whole[:, :, 5120:], before[:, :, 5120:])
+    added = whole[:, :, rows] - before[:, :, rows]
+    assert added.isfinite().all()
+    scale = dq.float().abs().max().item()
+    assert (added - dq.float()).abs().max().item() <= 1e-2 * scale  # dq rounded to bf16, sums reordered
+    assert (dk2.float() - dk.float()).abs().max().item() <= 1e-2 * dk.float().abs().max().item()
