@@ -116,8 +116,9 @@ def test_merged_backward_allocates_less_than_a_float32_dq_per_block():
 @pytest.mark.parametrize("causal", [None, "top_left"])
 def test_gpu_gluon_fused_dq_adds_into_a_row_slice(causal):
     """The Gluon fused dK/dV (sm90) reduce-adds dQ into an accumulator whose heads are rows apart
-    by more than Sq (a block's rows of a rank's accumulator): those rows gain the dq the call
-    returns (float32 reduce-adds: to their rounding), no other row changes."""
+    by more than Sq (a block's rows of a rank's accumulator), and causal's separate Gluon dQ pass
+    is added into it: those rows gain the dq the call returns (to their rounding), no other row
+    changes."""
     from attention_dispatch.kernels.entry import describe_route
     from attention_dispatch.kernels.params import KernelParams
 
@@ -132,7 +133,8 @@ def test_gpu_gluon_fused_dq_adds_into_a_row_slice(causal):
     if torch.cuda.get_device_capability() == (9, 0):
         params = KernelParams(scale=128**-0.5, window_left=-1, window_right=0 if causal else -1)
         steps = describe_route(q, k, v, None, params, backward=True)
-        assert steps[-1][1] == "fused", steps
+        # causal keeps the separate Gluon dQ pass (measured faster, E54): its dq is added after it
+        assert steps[-1][1] == ("fused" if causal is None else "gluon"), steps
     dq, dk, dv = chosen.run_backward(*args, **call.options)
     whole = torch.randn(1, 8, 6144, 128, device="cuda", generator=g)
     before = whole.clone()
