@@ -82,6 +82,48 @@ def test_accumulated_dq_is_the_returned_dq_added_to_its_rows(backend, causal):
         assert torch.equal(whole[:, :, rows], before[:, :, rows] + zero), dtype
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend", _declaring())
+def test_row_slices_of_query_and_dout_give_their_copies_gradients(backend, causal):
+    """The merged backward passes a block's rows of the rank's q and dout where they lie (no
+    whole-row copies): the same arithmetic, so the copies' gradients bit for bit, both layouts."""
+    for dtype in (torch.float64,) if backend == "math" else (torch.float32, torch.bfloat16):
+        call, out, lse, dout, dlse = _call(dtype, causal)
+        chosen = registry.get_backend(backend)
+        rows = slice(24, 56)
+        for tokens_first in (False, True):  # (B, H, S, D) and (B, S, H, D) memory
+            bigger = torch.randn(1, 80, 4, 16) if tokens_first else torch.randn(1, 4, 80, 16)
+            q_big, do_big = bigger.to(dtype), torch.randn_like(bigger).to(dtype)
+            seq = (slice(None), rows) if tokens_first else (slice(None), slice(None), rows)
+            q_part, do_part = q_big[seq], do_big[seq]
+            if tokens_first:
+                q_part, do_part = q_part.transpose(1, 2), do_part.transpose(1, 2)
+            assert not q_part.is_contiguous() and q_part.shape == call.query.shape
+            kv = (call.key, call.value)
+            got = chosen.run_backward(q_part, *kv, out, lse, do_part, dlse, **call.options)
+            want = chosen.run_backward(q_part.contiguous(), *kv, out, lse, do_part.contiguous(), dlse, **call.options)
+            for name, g, w in zip(("dq", "dk", "dv"), got, want):
+                assert g.isfinite().all() and torch.equal(g, w), (dtype, tokens_first, name)
+
+
+def test_seq_rows_reads_a_slice_of_rows_in_either_layout():
+    """kernels.shapes.seq_rows: a block's rows of a longer (B, H, S, D) or (B, S, H, D) tensor are
+    rows of that layout, sequences S_whole apart; a slice of heads or a permuted tensor is not."""
+    pytest.importorskip("triton")
+    from attention_dispatch.kernels.shapes import row_matrix, rows_layout, seq_rows
+
+    heads_first = torch.zeros(2, 4, 80, 16)[:, :, 24:56]
+    tokens_first = torch.zeros(2, 80, 4, 16)[:, 24:56].transpose(1, 2)
+    assert rows_layout(heads_first) == 0 and rows_layout(heads_first, strided=True) == 1
+    assert seq_rows(heads_first, 1) == 80 and row_matrix(heads_first, 1) == (7 * 80 + 32, 16)
+    assert rows_layout(tokens_first, strided=True) == 2 and seq_rows(tokens_first, 2) == 80
+    assert row_matrix(tokens_first, 2) == (80 + 32, 64)
+    whole = torch.zeros(2, 4, 32, 16)
+    assert seq_rows(whole, 1) == 32 and row_matrix(whole, 1) == (2 * 4 * 32, 16)
+    assert seq_rows(torch.zeros(2, 8, 32, 16)[:, :4], 1) is None
+    assert seq_rows(torch.zeros(2, 32, 4, 16).permute(0, 3, 1, 2)[..., :16], 1) is None
+
+
 @pytest.mark.parametrize("backend", _declaring())
 def test_a_wrong_accumulator_is_refused_naming_it(backend):
     call, out, lse, dout, dlse = _call(torch.float64 if backend == "math" else torch.float32, False)

@@ -19,7 +19,7 @@ from ..call import normalize_call
 from ..dispatch import use_backends
 from .blocks import span
 from .recompute import allgather_backward, ring_backward
-from .steps import Setup, _whole_rows, block_args, block_pairs, run_forward
+from .steps import Setup, block_args, block_pairs, run_forward
 
 
 def _place(total, part, index, shape, spare=None):
@@ -41,7 +41,8 @@ def _block_backward(setup: Setup, backend: str, q_parts, k_parts, k, v, saved, d
     holds no allowed pair."""
     q, mask, out, lse, dout, dlse = saved
     rows, keys = slice(*span(q_parts)), slice(*span(k_parts))
-    args = block_args(setup, q_parts, k_parts, q[:, :, rows], k[:, :, keys], v[:, :, keys], mask)
+    # q and dout rows where they lie: the kernels' backward passes read a slice of the shard's rows
+    args = block_args(setup, q_parts, k_parts, q[:, :, rows], k[:, :, keys], v[:, :, keys], mask, q_strided=True)
     if args is None:
         return None
     q_b, k_b, v_b, attn_mask, causal, window, scope = args
@@ -56,7 +57,7 @@ def _block_backward(setup: Setup, backend: str, q_parts, k_parts, k, v, saved, d
             call.value,
             out[:, :, rows],
             lse[:, :, rows],
-            _whole_rows(dout[:, :, rows]),  # a part of S: whole rows, as the kernels read q (steps.py)
+            dout[:, :, rows],
             None if dlse is None else dlse[:, :, rows],
             **({"dq_accumulator": dq[:, :, rows]} if into else {}),
             **call.options,

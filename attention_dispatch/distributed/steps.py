@@ -86,22 +86,24 @@ def block(setup: Setup, q_parts, k_parts, q, k, v, mask):
 
 def _whole_rows(t):
     """t, or a contiguous copy where it is a slice of a shard's rows in neither (B, H, S, D) nor
-    (B, S, H, D) memory (a part of S with H > 1): the triton backend's Gluon kernels read
-    whole-row layouts by TMA only and run such a view on its slower tl kernels (2 H100s, 128k:
+    (B, S, H, D) memory (a part of S with H > 1): the triton backend's Gluon forward reads
+    whole-row layouts by TMA only and runs such a view on its slower tl kernels (2 H100s, 128k:
     that block's forward took 32.3 ms against 27.7 for the same work contiguous). The copy is
-    one read and write of the slice."""
+    one read and write of the slice. (Its backward passes read a query or dO slice where it
+    lies: kernels.shapes.seq_rows.)"""
     if t.dim() != 4 or t.is_contiguous() or t.transpose(1, 2).is_contiguous():
         return t
     return t.contiguous()
 
 
-def block_args(setup: Setup, q_parts, k_parts, q, k, v, mask):
+def block_args(setup: Setup, q_parts, k_parts, q, k, v, mask, q_strided: bool = False):
     """The ad.sdpa() arguments of block (q_parts x k_parts) of the already sliced q (the rows of
     q_parts) and k/v (the keys of k_parts) -- (q, k, v, attn_mask, causal, window, scope), the
     scope (enter it around the call) drawing the block's dropout -- or None when the block holds
-    no allowed pair. mask: this rank's whole mask (rows and columns are picked here)."""
+    no allowed pair. mask: this rank's whole mask (rows and columns are picked here).
+    ``q_strided``: q as it is, not _whole_rows (a backward's: its passes read q where it lies)."""
     device, compute = q.device, lse_dtype(q.dtype)
-    q, k, v = _whole_rows(q), _whole_rows(k), _whole_rows(v)
+    q, k, v = q if q_strided else _whole_rows(q), _whole_rows(k), _whole_rows(v)
     q_pos, k_pos = global_positions(q_parts), global_positions(k_parts)
     bool_parts, float_parts, causal, window = [], [], None, None
     if setup.docs is not None:  # packed documents: the mask says everything (built on the CPU: no sync)

@@ -158,18 +158,50 @@ def bh_chunks(n: int, inner: int, limit: int):
         start += cnt
 
 
-def rows_layout(*tensors) -> int:
+def rows_layout(*tensors, strided: bool = False) -> int:
     """1: every tensor is (B, H, S, D) in memory (contiguous), 2: (B, S, H, D) memory seen as
-    (B, H, S, D), the layout of a model that keeps tokens first; 0: anything else."""
+    (B, H, S, D), the layout of a model that keeps tokens first; 0: anything else.
+    ``strided``: a slice of such a tensor's rows (S) counts too (see :func:`seq_rows`)."""
     if all(t.is_contiguous() for t in tensors):
         return 1
     if all(t.transpose(1, 2).is_contiguous() for t in tensors):
         return 2
+    for layout in (1, 2) if strided else ():
+        if all(seq_rows(t, layout) is not None for t in tensors):
+            return layout
     return 0
+
+
+def seq_rows(t: torch.Tensor, layout: int) -> int | None:
+    """The rows between two sequences' first rows in the matrix of rows layout ``layout`` of
+    ``t`` (B, H, S, D): S where ``t`` is that layout, more where it is a slice of a longer
+    one's rows (a block's rows of a rank's shard); None where its memory is not such rows.
+    Sequences are (b, h) pairs in layout 1, batches in layout 2 (rows of H * D)."""
+    B, H, S, D = t.shape
+    sb, sh, ss, sd = t.stride()
+    width = D if layout == 1 else H * D
+    if width == 0 or (sd != 1 and D > 1):
+        return None
+    if layout == 1:
+        if S > 1 and ss != D:
+            return None
+        # a size-1 dim's stride says nothing
+        apart = sh if H > 1 else sb if B > 1 else S * D
+        if B > 1 and H > 1 and sb != H * sh:
+            return None
+    else:
+        if (H > 1 and sh != D) or (S > 1 and ss != width):
+            return None
+        apart = sb if B > 1 else S * width
+    if apart % width or apart < S * width:
+        return None
+    return apart // width
 
 
 def row_matrix(t: torch.Tensor, layout: int) -> tuple[int, int]:
     """(rows, row length) of ``t`` (B, H, S, D) seen as the matrix of its rows layout (see
-    rows_layout): (B * H * S, D) for 1, (B * S, H * D) for 2 (a head's columns at h * D)."""
+    rows_layout): (B * H * S, D) for 1, (B * S, H * D) for 2 (a head's columns at h * D); a
+    slice of a longer tensor's rows spans from its first row to its last (:func:`seq_rows`)."""
     B, H, S, D = t.shape
-    return (B * H * S, D) if layout == 1 else (B * S, H * D)
+    seqs, width = (B * H, D) if layout == 1 else (B, H * D)
+    return (seqs - 1) * seq_rows(t, layout) + S, width

@@ -65,6 +65,7 @@ def _ws_bwd_loader(
     num_heads,
     group,
     scores,
+    seq_rows,
     WG: gl.constexpr,
     WINDOW_LEFT: gl.constexpr,
     WINDOW_RIGHT: gl.constexpr,
@@ -98,8 +99,9 @@ def _ws_bwd_loader(
         g = t // n_m
         m = _q_tile(t, m_lo, n_m, pid_n, FUSE_DQ) * BLOCK_M
         h = b * num_heads + hk * group + g
-        q_row, q_col = _tile_origin(h, 1, num_heads, seq_q, Q_ROWS, HEAD_D)
-        do_row, do_col = _tile_origin(h, 1, num_heads, seq_q, DO_ROWS, HEAD_D)
+        # a block's rows of longer tensors: their sequences seq_rows apart (launch.rows_descriptor)
+        q_row, q_col = _tile_origin(h, 1, num_heads, seq_rows[0], Q_ROWS, HEAD_D)
+        do_row, do_col = _tile_origin(h, 1, num_heads, seq_rows[1], DO_ROWS, HEAD_D)
         s = t % STAGES
         mbarrier.wait(q_empty.index(s), ((t // STAGES) & 1) ^ 1)
         if HAS_BIAS:  # the (query tile, 128 keys) bias tile rides in the (Q, dO) slot
@@ -363,6 +365,8 @@ def _attn_bwd_dkdv_ws(
     delta_ptr,
     dq_desc,
     dq_head_rows,
+    q_seq_rows,
+    do_seq_rows,
     qk_scale,
     sm_scale,
     seq_q,
@@ -393,6 +397,8 @@ def _attn_bwd_dkdv_ws(
     """Grid (Sk / 128, B * Hkv); one program: 128 keys of one (b, kv head) in two consumer
     warpgroups of 64, over the query tiles (``q_desc``'s rows: 64 or 128) of every query head of
     its group.
+    Q, dO: rows of their layouts (Q_ROWS, DO_ROWS), a sequence's first rows ``q_seq_rows`` /
+    ``do_seq_rows`` apart (Sq, or more for a block's rows of longer tensors).
     dK, dV: (B * Hkv * Sk, D) rows; lse, delta: (B, Hq, Sq) contiguous; ``bias_desc``
     (HAS_BIAS): (rows, Sk) bias matrix, tiles (query tile rows, 128); None without.  FUSE_DQ: dQ is added
     into ``dq_desc``, fp32 rows (head h of batch b from row (b * Hq + h) * ``dq_head_rows``: Sq,
@@ -555,6 +561,7 @@ def _attn_bwd_dkdv_ws(
                     num_heads,
                     group,
                     scores,
+                    (q_seq_rows, do_seq_rows),
                     WG0,
                     WINDOW_LEFT,
                     WINDOW_RIGHT,

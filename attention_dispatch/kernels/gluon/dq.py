@@ -50,6 +50,7 @@ def _ws_bwd_dq_consumer(
     group,
     n_m_blocks,
     scores,
+    seq_rows,
     WG: gl.constexpr,
     WINDOW_LEFT: gl.constexpr,
     WINDOW_RIGHT: gl.constexpr,
@@ -77,8 +78,9 @@ def _ws_bwd_dq_consumer(
     pid_m = n_m_blocks - 1 - gl.program_id(0)
     pid_bh = _program_row(num_heads, BATCH_MINOR)
     q_start = pid_m * 2 * BLOCK_M + WG * BLOCK_M
-    q_row, q_col = _tile_origin(pid_bh, 1, num_heads, seq_q, Q_ROWS, HEAD_D)
-    do_row, do_col = _tile_origin(pid_bh, 1, num_heads, seq_q, DO_ROWS, HEAD_D)
+    # a block's rows of longer tensors: their sequences seq_rows apart (launch.rows_descriptor)
+    q_row, q_col = _tile_origin(pid_bh, 1, num_heads, seq_rows[0], Q_ROWS, HEAD_D)
+    do_row, do_col = _tile_origin(pid_bh, 1, num_heads, seq_rows[1], DO_ROWS, HEAD_D)
     q_buf = q_bufs.index(WG)
     do_buf = do_bufs.index(WG)
     mbarrier.expect(q_bar.index(WG), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -168,6 +170,8 @@ def _attn_bwd_dq_ws(
     bias_desc,
     lse_ptr,
     delta_ptr,
+    q_seq_rows,
+    do_seq_rows,
     qk_scale,
     sm_scale,
     seq_q,
@@ -198,7 +202,9 @@ def _attn_bwd_dq_ws(
     HAS_ALIBI: gl.constexpr = False,
 ):
     """Grid (Sq / 128, B * Hq); one program: dQ of 128 query rows of one (b, h), the K/V ring, the
-    bias ring and their loader shared with the forward (_ws_loader).  dQ: (B * Hq * Sq, D) rows.
+    bias ring and their loader shared with the forward (_ws_loader).  dQ: (B * Hq * Sq, D) rows;
+    Q, dO: rows of their layouts, a sequence's first rows ``q_seq_rows`` / ``do_seq_rows`` apart
+    (Sq, or more for a block's rows of longer tensors).
     SOFTCAP / HAS_ALIBI: the forward's score transforms (its arguments: _attn_fwd_ws's)."""
     BLOCK_M: gl.constexpr = WG_ROWS
     NUM_WG: gl.constexpr = 2
@@ -267,6 +273,7 @@ def _attn_bwd_dq_ws(
                     group,
                     n_m_blocks,
                     scores,
+                    (q_seq_rows, do_seq_rows),
                     WG0,
                     WINDOW_LEFT,
                     WINDOW_RIGHT,
@@ -306,6 +313,7 @@ def _attn_bwd_dq_ws(
                     group,
                     n_m_blocks,
                     scores,
+                    (q_seq_rows, do_seq_rows),
                     WG1,
                     WINDOW_LEFT,
                     WINDOW_RIGHT,

@@ -12,7 +12,7 @@ from .. import configs as C
 from .. import run
 from ..bias import batch_minor, ws_bias_rows
 from ..params import KernelParams
-from ..shapes import KernelShapes, cdiv, row_matrix
+from ..shapes import KernelShapes, cdiv, row_matrix, seq_rows
 from ..tl.common import LOG2E
 
 try:  # Gluon (Triton >= 3.5)
@@ -42,7 +42,8 @@ def smem_layout(rows: int, cols: int, dtype: torch.dtype):
 
 
 def rows_descriptor(t: torch.Tensor, layout: int, block_rows: int):
-    """Gluon descriptor over ``t`` (B, H, S, D) as the matrix of its rows layout, tiles of one head."""
+    """Gluon descriptor over ``t`` (B, H, S, D) as the matrix of its rows layout, tiles of one head
+    (a slice of a longer tensor's rows: its sequences seq_rows apart, as the kernel's argument)."""
     rows, width = row_matrix(t, layout)
     D = t.shape[3]
     return _GluonDescriptor(t, [rows, width], [width, 1], [block_rows, D], smem_layout(block_rows, D, t.dtype))
@@ -193,14 +194,7 @@ def dq_head_rows(dq_acc: torch.Tensor) -> int | None:
     """The rows between two heads' first rows in the fused dQ's fp32 (B, Hq, Sq, D) buffer: Sq
     where it is contiguous, more for a slice of a larger buffer's rows (S); None where its
     memory is not such rows."""
-    B, H, S, D = dq_acc.shape
-    sb, sh, ss, sd = dq_acc.stride()
-    if dq_acc.dtype != torch.float32 or sd != 1 or (S > 1 and ss != D):
-        return None
-    head = sh if H > 1 else sb if B > 1 else S * D  # a size-1 dim's stride says nothing
-    if head % D or head < S * D or (B > 1 and H > 1 and sb != H * sh):
-        return None
-    return head // D
+    return seq_rows(dq_acc, 1) if dq_acc.dtype == torch.float32 else None
 
 
 def dq_acc_descriptor(dq_acc: torch.Tensor, cols: int):
@@ -258,6 +252,8 @@ def dkdv(
             delta,
             dq_desc,
             dq_head_rows(dq_acc) if fuse_dq else 0,
+            seq_rows(q, q_rows),
+            seq_rows(do, do_rows),
             params.scale * LOG2E,
             params.scale,
             prob.Sq,
@@ -325,6 +321,8 @@ def dq(
             bias_desc,
             lse,
             delta,
+            seq_rows(q, q_rows),
+            seq_rows(do, do_rows),
             params.scale * LOG2E,
             params.scale,
             prob.Sq,

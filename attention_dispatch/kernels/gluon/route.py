@@ -14,7 +14,7 @@ from .. import configs as C
 from ..device import device_info, tma_compatible
 from ..limits import MAX_GRID_YZ
 from ..params import KernelParams
-from ..shapes import KernelShapes, grid_limit, rows_layout
+from ..shapes import KernelShapes, grid_limit, row_matrix, rows_layout
 from .launch import GLUON_IMPORT_ERROR, WG_ROWS
 
 # The Gluon kernels run calls of at least this many query-key-dim products B * Hq * Sq * Sk * D,
@@ -133,12 +133,20 @@ def score_features_reason(
 
 
 def ws_reason(
-    q, k, v, bias_reason: str | None, params: KernelParams, prob: KernelShapes, uses_descriptors: bool
+    q,
+    k,
+    v,
+    bias_reason: str | None,
+    params: KernelParams,
+    prob: KernelShapes,
+    uses_descriptors: bool,
+    q_strided: bool = False,
 ) -> tuple[str | None, tuple[int, int] | None]:
     """(None, (q rows layout, k/v rows layout)) when the Gluon kernels can compute this call
     (:func:`ws_forward_reason`), else (why not, None).  ``bias_reason``: :func:`ws_bias_reason`
-    of the call's bias; ``uses_descriptors``: :func:`use_descriptors` of the call's tensors."""
-    rows = (rows_layout(q), rows_layout(k, v)) if uses_descriptors else (0, 0)
+    of the call's bias; ``uses_descriptors``: :func:`use_descriptors` of the call's tensors;
+    ``q_strided``: q may be a slice of a longer tensor's rows (the backward passes take it)."""
+    rows = (rows_layout(q, strided=q_strided), rows_layout(k, v)) if uses_descriptors else (0, 0)
     reason = ws_forward_reason(prob, bias_reason, params, q.dtype, device_info(q.device)[0], uses_descriptors, *rows)
     return reason, (None if reason else rows)
 
@@ -186,14 +194,17 @@ def ws_backward_reason(
     this backward (the Gluon dQ pass too where configs.WS_DQ_CONFIGS has the head dim), else
     (why not, None).  ``bias_reason``: :func:`ws_bias_reason` of the call's bias and whether its
     gradient is needed; ``uses_descriptors``: :func:`use_descriptors` of q, k, v and dO."""
-    reason, rows = ws_reason(q, k, v, bias_reason, params, prob, uses_descriptors)
+    # q and dO may be a block's rows of longer tensors (context parallelism): read where they lie
+    reason, rows = ws_reason(q, k, v, bias_reason, params, prob, uses_descriptors, q_strided=True)
     if reason is not None:
         return reason, None
     if prob.Dqk not in C.WS_BWD_CONFIGS:
         return f"head dim {prob.Dqk}: the Gluon dK/dV pass has configs for {sorted(C.WS_BWD_CONFIGS)} only", None
-    do_rows = rows_layout(do)
+    do_rows = rows_layout(do, strided=True)
     if not do_rows:
-        return "memory layout: dO neither (B, H, S, D) nor (B, S, H, D) contiguous", None
+        return "memory layout: dO neither (B, H, S, D) nor (B, S, H, D) rows (or a slice of their S)", None
+    if max(row_matrix(q, rows[0])[0], row_matrix(do, do_rows)[0]) >= 2**31:
+        return "q's or dO's rows (a slice of longer tensors) past the kernel's 32-bit row index", None
     return None, (*rows, do_rows)
 
 
