@@ -189,3 +189,38 @@ def test_gpu_gluon_fused_dq_adds_into_a_row_slice(causal):
     scale = dq.float().abs().max().item()
     assert (added - dq.float()).abs().max().item() <= 1e-2 * scale  # dq rounded to bf16, sums reordered
     assert (dk2.float() - dk.float()).abs().max().item() <= 1e-2 * dk.float().abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("causal", [None, "top_left"])
+@pytest.mark.parametrize("tokens_first", [False, True])
+def test_gpu_gluon_backward_reads_query_and_dout_row_slices(causal, tokens_first):
+    """The Gluon dK/dV (+fused dQ) and dQ passes (sm90) read q and dO as a block's rows of longer
+    tensors (their sequences seq_rows apart): dK, dV and the separate pass's dQ equal their
+    contiguous copies' bit for bit, the fused dQ (reduce-adds in any order) to its rounding."""
+    from attention_dispatch.kernels.gluon.route import ws_backward_reason
+    from attention_dispatch.kernels.params import KernelParams
+    from attention_dispatch.kernels.shapes import KernelShapes
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    S, rows = 4096, slice(1024, 5120)
+    shape = (1, 6144, 8, 128) if tokens_first else (1, 8, 6144, 128)
+    q_big, do_big = (torch.randn(shape, device="cuda", generator=g).bfloat16() for _ in range(2))
+    q, dout = (t[:, rows].transpose(1, 2) if tokens_first else t[:, :, rows] for t in (q_big, do_big))
+    k, v = (torch.randn(1, 4, S, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    chosen = registry.get_backend("triton")
+    call = normalize_call(q, k, v, enable_gqa=True, causal=causal)
+    out, lse = ad.sdpa(q.contiguous(), k, v, enable_gqa=True, causal=causal, return_lse=True, backend="triton")
+    if torch.cuda.get_device_capability() == (9, 0):
+        params = KernelParams(scale=128**-0.5, window_left=-1, window_right=0 if causal else -1)
+        reason, _ = ws_backward_reason(dout, q, k, v, None, params, KernelShapes(q, k, v, None, None, None, None), True)
+        assert reason is None, reason
+    got = chosen.run_backward(q, k, v, out, lse, dout, None, **call.options)
+    want = chosen.run_backward(q.contiguous(), k, v, out, lse, dout.contiguous(), None, **call.options)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    if causal:  # the separate Gluon dQ pass: the same arithmetic
+        assert torch.equal(got[0], want[0])
+    else:
+        assert (got[0].float() - want[0].float()).abs().max().item() <= 1e-2 * want[0].float().abs().max().item()
+    assert all(t.isfinite().all() for t in got)
