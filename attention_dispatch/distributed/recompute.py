@@ -143,7 +143,8 @@ def ring_backward(setup: Setup, k, v, source_grads):
             travelling, pending_grads = grads, None
         if pending_keys is not None:
             pending_keys.wait()
-            k, v = next_k, next_v
+            # the only references: the received keys are freed once their blocks ran
+            k, v, next_k, next_v = next_k, next_v, None, None
     if pending_grads is not None:
         pending_grads.wait()
     if own:  # two ranks: the other rank's part of this rank's keys' gradients came back
