@@ -1843,9 +1843,23 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias, fuse_dq):
             return [g.to(do.device) for g in torch.autograd.grad(o, leaves, do.cpu().double())]
 
     def fake_dkdv(
-        q, k, v, do, lse, delta, params, prob, q_rows, kv_rows, do_rows, bias=None, fuse_dq=False, alibi=None
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        params,
+        prob,
+        q_rows,
+        kv_rows,
+        do_rows,
+        bias=None,
+        fuse_dq=False,
+        alibi=None,
+        dq_acc=None,
     ):
-        assert alibi is None
+        assert alibi is None and dq_acc is None
         calls.append(("dkdv+dq" if fuse_dq else "dkdv", q_rows, kv_rows, do_rows) + bias_rows(bias))
         made["delta_dkdv"] = delta.clone()
         dq, dk, dv = fake_grads(q, k, v, do, params, bias)
