@@ -8,8 +8,10 @@ Variants, each through ``triton_attention`` (the kernels' autograd function): "p
 (the Gluon kernels where they serve), "plain-tl" with the Gluon kernels off (gluon.route.WS_MIN_WORK
 raised), "softcap" (30.0, as shipped: the GPU's tanh.approx), "softcap-exact" (tl/launch.TANH_APPROX_DTYPES
 emptied: the tl kernels' exact tanh; the Gluon kernels keep tanh.approx), "alibi" (slopes (B, Hq)),
-"sinks" (requiring grad) and "lse-grad" (the loss reads the returned logsumexp too).  Rounds are
-interleaved; each prints the median milliseconds and the ratio to "plain" and to "plain-tl".
+"sinks" (requiring grad) and "lse-grad" (the loss reads the returned logsumexp too); flash-attn 4
+beside them where it is installed: "fa4", "fa4-softcap", "fa4-sinks" (its ``learnable_sink``), their
+ratios to "fa4".  Rounds are interleaved; each prints the median milliseconds and the ratio to
+"plain" (FA4's to "fa4") and to "plain-tl".
 Also prints the softcap's error against float64 with each tanh (S=512), beside bf16's own.
 """
 
@@ -34,6 +36,7 @@ from attention_dispatch.kernels.gluon import route as gluon_route  # noqa: E402
 from attention_dispatch.kernels.tl import launch as tl_launch  # noqa: E402
 
 VARIANTS = ("plain", "plain-tl", "softcap", "softcap-exact", "alibi", "sinks", "lse-grad")
+FA4_VARIANTS = ("fa4", "fa4-softcap", "fa4-sinks")
 SOFTCAP = 30.0
 
 
@@ -50,7 +53,45 @@ def variant_setting(name: str):
         gluon_route.WS_MIN_WORK, tl_launch.TANH_APPROX_DTYPES = saved
 
 
+def fa4_call(name: str, q, k, v, causal: bool, backward: bool):
+    """flash-attn 4's flash_attn_func on the same inputs in its (B, S, H, D) layout."""
+    from flash_attn.cute import flash_attn_func
+
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    kwargs = {"causal": causal}
+    if name == "fa4-softcap":
+        kwargs["softcap"] = SOFTCAP
+    sinks = torch.randn(q.shape[1], device=q.device, requires_grad=True) if name == "fa4-sinks" else None
+    if sinks is not None:
+        kwargs["learnable_sink"] = sinks
+    leaves = [qt, kt, vt] + ([sinks] if sinks is not None else [])
+    do = torch.randn_like(qt)
+
+    def run():
+        out = flash_attn_func(qt, kt, vt, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def fwd():
+        with torch.no_grad():
+            return run()
+
+    def train():
+        torch.autograd.grad((run() * do).sum(), leaves)
+
+    return train if backward else fwd
+
+
+def fa4_installed() -> bool:
+    try:
+        from flash_attn.cute import flash_attn_func  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed or broken: its rows are left out
+        return False
+    return True
+
+
 def make_call(name: str, q, k, v, causal: bool, backward: bool):
+    if name.startswith("fa4"):
+        return fa4_call(name, q, k, v, causal, backward)
     b, h = q.shape[:2]
     params = KernelParams(
         scale=q.shape[-1] ** -0.5,
@@ -101,11 +142,18 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget", type=float, default=150.0, help="seconds: stop starting rounds past it")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
+    every = VARIANTS + FA4_VARIANTS
+    ap.add_argument("--variants", default=",".join(every), help="comma-separated, from: " + ", ".join(every))
     args = ap.parse_args(argv)
     start = time.time()
     variants = [n for n in args.variants.split(",") if n]
-    assert {"plain", "plain-tl"} <= set(variants) <= set(VARIANTS), variants
+    assert {"plain", "plain-tl"} <= set(variants) <= set(VARIANTS + FA4_VARIANTS), variants
+    if any(n.startswith("fa4") for n in variants):
+        if fa4_installed():
+            variants += [] if "fa4" in variants else ["fa4"]
+        else:
+            print("flash-attn 4 not installed: its variants left out", flush=True)
+            variants = [n for n in variants if not n.startswith("fa4")]
     if "softcap-exact" in variants:
         print(torch.cuda.get_device_name(), "softcap errors:", softcap_errors(), flush=True)
     shape = (args.batch, args.heads, args.seq, 128)
@@ -124,14 +172,14 @@ def main(argv=None) -> int:
     print(torch.cuda.get_device_name(), flush=True)
     label = f"bf16 d128 B={args.batch} H={args.heads} S={args.seq}" + (" causal" if args.causal else "")
     for mode in ("fwd", "fwd+bwd"):
-        base = statistics.median(times[("plain", mode)])
         base_tl = statistics.median(times[("plain-tl", mode)])
         for name in variants:
+            base = statistics.median(times[("fa4" if name.startswith("fa4") else "plain", mode)])
             ms = statistics.median(times[(name, mode)])
             tflops = flops * (3.5 if mode == "fwd+bwd" else 1.0) / ms / 1e9
             print(
                 f"{label} {mode:8s} {name:15s} {ms:8.3f} ms {tflops:6.0f} TFLOP/s  "
-                f"x{ms / base:5.3f} of plain  x{ms / base_tl:5.3f} of plain-tl",
+                f"x{ms / base:5.3f} of {'fa4' if name.startswith('fa4') else 'plain'}  x{ms / base_tl:5.3f} of plain-tl",
                 flush=True,
             )
     return 0
