@@ -262,9 +262,10 @@ def _verdict(rows, error: float, base: float, dtype, factor: float, floor: float
 
 def _read(values: list, dtype, factor: float, with_lse: bool) -> Mismatch | None:
     """The verdict on a payload read on the host (see :func:`payload`)."""
-    n = (len(values) - 5) // 3
-    where = [int(x) for x in values[5:]]
-    values = [math.inf if math.isnan(x) else x for x in values[:5]]  # a NaN error (or base) is inf
+    count = _rows.stat_count(with_lse)
+    n = (len(values) - count) // 3
+    where = [int(x) for x in values[count:]]
+    values = [math.inf if math.isnan(x) else x for x in values[:count]]  # a NaN error (or base) is inf
     rows = zip(where[:n], where[n : 2 * n], where[2 * n :])
     found = _verdict(rows, values[_rows.ERROR], values[_rows.BASE], dtype, factor)
     if found is None and with_lse:  # lse is float32: half an ulp of it is rounding however computed
@@ -280,7 +281,7 @@ def _split(out, options):
 
 def payload(problem, query, key, value, options: dict, out, rows: int = 8, keep=None) -> torch.Tensor | None:
     """check()'s measurement, left on the device (no host sync: it only queues kernels): a
-    float64 tensor of guard_rows.measure()'s 5 values, then the (batch, head, row) of each
+    float64 tensor of guard_rows.measure()'s values (stat_count), then the (batch, head, row) of each
     recomputed row; None where there is nothing to judge (see check)."""
     if options["dropout_p"] > 0 and keep is None or unjudged(problem, dict(options, dropout_p=0.0)) is not None:
         return None
@@ -351,7 +352,7 @@ def check_backward(
                 (low_dq,) = torch.autograd.grad(_rows_in(dtype, got, scale, softcap, ql)[0], ql, grad_rows)
         errors = _errors(torch.stack([got.got.double(), low_dq.double()]), ref_dq)
         worst = errors if worst is None else torch.maximum(worst, errors)
-    values = torch.cat([worst, worst.new_zeros(3), _where(options, picks).double().flatten()]).tolist()
+    values = torch.cat([worst, _where(options, picks).double().flatten()]).tolist()
     return _read(values, dtype, factor, False)
 
 

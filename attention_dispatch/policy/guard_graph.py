@@ -3,7 +3,7 @@ checked signature (issue 38: a check on ~1% of calls must cost well under 2% of 
 
 Per check, outside the graph: the picks' copy into the graph's static index buffer, one
 indexing of each of the call's tensors into its static rows (guard_rows.dense_gathers), the
-replay (guard_rows.dense_rows and measure(): ~38 kernels as one launch) and a copy of the
+replay (guard_rows.dense_rows and measure(): ~25 kernels as one launch) and a copy of the
 result.  A signature is everything the captured kernels depend on: the device and stream, the
 rows' count, the shapes, strides and dtypes of every tensor and the options' values; no tensor
 of a call is referenced inside a graph.  A graph's pool keeps its intermediates, so only
@@ -33,7 +33,7 @@ GRAPH_LIMIT = 4
 class _Graph:
     graph: object
     picks: torch.Tensor  # (7, n) int64, static
-    inputs: dict  # name -> static gathered rows
+    inputs: dict  # name -> static gathered rows (guard_rows.gather: views of its packed buffers)
     result: torch.Tensor  # static payload
     positions: torch.Tensor  # read by the graph: kept alive here, whatever the positions cache drops
     fresh: bool = True  # the static buffers hold the capturing check's rows already
@@ -110,7 +110,7 @@ def _capture(problem, query, key, value, options, out, lse, host) -> _Graph | No
     with torch.inference_mode(False), torch.no_grad():
         picks = host.to(device, non_blocking=True)
         found = _rows.dense_gathers(problem, picks, query, key, value, options, out, lse)
-        inputs = {name: source[index] for name, (source, index) in found.items()}
+        inputs = _rows.gather(found)
 
         def measure():
             rows = _rows.dense_rows(inputs, picks, options, sk)

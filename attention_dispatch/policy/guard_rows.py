@@ -10,7 +10,6 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ..caches import register_cache
 from ..semantics import band
@@ -21,7 +20,10 @@ class Rows:
     """Recomputed rows, each a one-query call over its own keys: q (n, D), k (n, Sk, D), v (n,
     Sk, Dv) (dropout's kept weights folded in: v * keep / (1 - p)), allowed (n, Sk) or None (every
     key), the float bias (n, Sk) or None, ALiBi as slope (n,) and distance (n, Sk) or None, sinks (n,) or None,
-    and the backend's output rows (n, Dv) and lse (n,) or None."""
+    and the backend's output rows (n, Dv) and lse (n,) or None.  packed: the one flat buffer
+    q, k, v are views of (the float64 reference converts it in one op), pair: (2, n, Dv), got
+    its slot 0 (slot 1 takes the input dtype's rows: the errors need no stack); None each
+    where not gathered so (see gather)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -33,16 +35,20 @@ class Rows:
     sinks: torch.Tensor | None
     got: torch.Tensor
     got_lse: torch.Tensor | None
+    packed: torch.Tensor | None = None
+    pair: torch.Tensor | None = None
 
 
-def _rows_in(dtype, rows: Rows, scale, softcap, q=None, with_lse: bool = True):
+def _rows_in(dtype, rows: Rows, scale, softcap, q=None, with_lse: bool = True, out=None):
     """Section 3 for single rows computed in `dtype`, as tests/naive.py and the math backend do:
     in float64 the reference, in the input dtype its own error (the same roundings, step by
     step).  (out (n, Dv), lse (n,) without the sinks, or None unless with_lse or sinks).  q: the
-    rows' queries (default rows.q; one requiring grad for the backward).  Few kernels (a check is ~1% of calls): a row without keys (or a
+    rows' queries (default rows.q; one requiring grad for the backward); out: an (n, Dv) buffer
+    for the output rows (none requiring grad).  In float64 without lse or sinks the softmax is
+    one op: a float64 rounding apart from the steps, far under any input dtype's error.  Few kernels (a check is ~1% of calls): a row without keys (or a
     non-finite max) shifts by 0 and its sum (>= 1 wherever a key counts: the max's exp is 1)
     divides as 1."""
-    q, k, v = (rows.q if q is None else q).to(dtype), rows.k.to(dtype), rows.v.to(dtype)
+    q, k, v = _converted(dtype, rows, q)
     s = torch.bmm(k, q[:, :, None])[:, :, 0] * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
@@ -52,6 +58,8 @@ def _rows_in(dtype, rows: Rows, scale, softcap, q=None, with_lse: bool = True):
         s = s + rows.bias.to(dtype)
     if rows.allowed is not None:
         s = torch.where(rows.allowed, s, -math.inf)
+    if dtype == torch.float64 and not with_lse and rows.sinks is None:  # a row without keys: NaN -> 0
+        return torch.bmm(torch.softmax(s, -1).nan_to_num(0.0)[:, None], v, out=_row_out(out))[:, 0], None
     m = s.detach().amax(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)
     e = torch.exp(s - m)
     z = e.sum(-1, keepdim=True)
@@ -60,7 +68,19 @@ def _rows_in(dtype, rows: Rows, scale, softcap, q=None, with_lse: bool = True):
         p = e / z.clamp_min(1.0)
     else:  # P = exp(s - logaddexp(lse, sink)): exact for any sink, an empty row included (lse -inf)
         p = torch.exp(s - torch.logaddexp(lse, rows.sinks.to(dtype))[:, None])
-    return torch.bmm(p[:, None], v)[:, 0], lse
+    return torch.bmm(p[:, None], v, out=_row_out(out))[:, 0], lse
+
+
+def _row_out(out):
+    return None if out is None else out[:, None]
+
+
+def _converted(dtype, rows: Rows, q=None):
+    """rows' q, k, v in `dtype`: one conversion of rows.packed where it holds them (q not given)."""
+    if rows.packed is None or q is not None or rows.packed.dtype == dtype:
+        return (rows.q if q is None else q).to(dtype), rows.k.to(dtype), rows.v.to(dtype)
+    parts = rows.packed.to(dtype).split([rows.q.numel(), rows.k.numel(), rows.v.numel()])
+    return (part.view(t.shape) for part, t in zip(parts, (rows.q, rows.k, rows.v)))
 
 
 def _errors(got, ref) -> torch.Tensor:
@@ -107,8 +127,9 @@ def _features(rows: dict, options: dict, gathered: dict, diag, j, keep, lse) -> 
         rows["distance"] = (diag - j).abs().double()
     if "sinks" in gathered:
         rows["sinks"] = gathered["sinks"]
-    if keep is not None:
+    if keep is not None:  # v is no longer the packed buffer's
         rows["v"] = rows["v"].double() * keep.to(rows["v"].device) / (1.0 - options["dropout_p"])
+        rows["packed"] = None
     rows["got_lse"] = lse
 
 
@@ -149,6 +170,27 @@ def dense_gathers(problem, picks, query, key, value, options, out, lse=None) -> 
     return found | feature_rows(options, b, h)
 
 
+def gather(found: dict) -> dict:
+    """dense_gathers' indexings done, one op each: q, k, v into views of one flat buffer when
+    they share a dtype ("packed"), got into slot 0 of a (2, n, Dv) buffer ("pair"), the rest
+    each its own tensor (guard_graph refills these same tensors: index.Tensor_out)."""
+    shapes = {name: (index[0].shape[0], *source.shape[len(index) :]) for name, (source, index) in found.items()}
+    gathered, (q, _), device = {}, found["q"], found["q"][0].device
+    if found["k"][0].dtype == q.dtype == found["v"][0].dtype:
+        sizes = [math.prod(shapes[name]) for name in "qkv"]
+        gathered["packed"] = torch.empty(sum(sizes), dtype=q.dtype, device=device)
+        for name, part in zip("qkv", gathered["packed"].split(sizes)):
+            gathered[name] = part.view(shapes[name])
+    gathered["pair"] = torch.empty((2, *shapes["got"]), dtype=found["got"][0].dtype, device=device)
+    gathered["got"] = gathered["pair"][0]
+    for name, (source, index) in found.items():
+        if name in gathered:
+            torch.ops.aten.index.Tensor_out(source, list(index), out=gathered[name])
+        else:
+            gathered[name] = source[index]
+    return gathered
+
+
 def dense_rows(gathered: dict, picks, options, seqlen_k: int, keep=None) -> Rows:
     """Rows from dense_gathers' gathered tensors: the band and ALiBi's distances from the picks
     (no indexing of the call's tensors: guard_graph captures this part). keep: (n, Sk) or None."""
@@ -167,6 +209,7 @@ def dense_rows(gathered: dict, picks, options, seqlen_k: int, keep=None) -> Rows
         bias = mask
     fields = dict(q=gathered["q"], k=gathered["k"], v=gathered["v"], allowed=allowed, bias=bias)
     fields |= dict(slope=None, distance=None, sinks=None, got=gathered["got"])
+    fields |= dict(packed=gathered.get("packed"), pair=gathered.get("pair"))
     keep = None if keep is None else keep[..., None]
     _features(fields, options, gathered, diag[:, None], j, keep, gathered.get("got_lse"))
     return Rows(**fields)
@@ -175,8 +218,7 @@ def dense_rows(gathered: dict, picks, options, seqlen_k: int, keep=None) -> Rows
 def _gather_dense(problem, picks, query, key, value, options, out, lse=None, keep=None) -> Rows:
     """The picked rows of a dense call, gathered in one go (picks (7, n) on the device, see
     dense_columns; lse: the backend's (B, Hq, Sq); keep: the keep-mask (B, Hq, Sq, Sk))."""
-    found = dense_gathers(problem, picks, query, key, value, options, out, lse)
-    gathered = {name: source[index] for name, (source, index) in found.items()}
+    gathered = gather(dense_gathers(problem, picks, query, key, value, options, out, lse))
     b, h, i = picks[:3]
     return dense_rows(gathered, picks, options, key.shape[2], None if keep is None else keep[b, h, i])
 
@@ -242,31 +284,37 @@ def _wide_bias(rows: Rows, dtype) -> bool:
     return rows.bias is not None and rows.bias.dtype != dtype and rows.bias.dtype.itemsize > dtype.itemsize
 
 
-# the layout of measure()'s result
+# the layout of measure()'s result: the first two alone without lse
 ERROR, BASE, LSE_ERROR, LSE_BASE, LARGEST_LSE = range(5)
 
 
+def stat_count(with_lse: bool) -> int:
+    """measure()'s values: 5 with the lse's, else 2."""
+    return 5 if with_lse else 2
+
+
 def measure(chunks, scale, softcap, dtype, with_lse: bool) -> torch.Tensor:
-    """The errors of gathered Rows (an iterable of chunks) as one float64 (5,) tensor on their
-    device, never read here: the output's error against float64 and its base (the same rows'
-    error in the input dtype), the lse's two, and the largest finite |lse| (zeros without lse).
-    A NaN among them is read as inf (guard._read)."""
+    """The errors of gathered Rows (an iterable of chunks) as one float64 tensor on their
+    device (stat_count() values), never read here: the output's error against float64 and its
+    base (the same rows' error in the input dtype), then with lse the lse's two and the largest
+    finite |lse|.  A NaN among them is read as inf (guard._read)."""
     stats = None
     with torch.no_grad():
         for rows in chunks:
             ref, ref_lse = _reference(rows, scale, softcap, with_lse=with_lse)
+            slot = None  # the input dtype's rows written next to got: no stack
             if dtype == torch.float64:  # the input dtype's computation is the reference itself
                 low, low_lse = ref, ref_lse
             elif _wide_bias(rows, dtype):
                 low, low_lse = ref.to(dtype), None if ref_lse is None else ref_lse.to(dtype)
             else:
-                low, low_lse = _rows_in(dtype, rows, scale, softcap, with_lse=with_lse)
-            chunk = _errors(torch.stack([rows.got, low.to(rows.got.dtype)]), ref)
+                slot = rows.pair[1] if rows.pair is not None and rows.pair.dtype == dtype else None
+                low, low_lse = _rows_in(dtype, rows, scale, softcap, with_lse=with_lse, out=slot)
+            both = rows.pair if slot is not None else torch.stack([rows.got, low.to(rows.got.dtype)])
+            chunk = _errors(both, ref)
             if with_lse:
                 lse_errors = _errors(torch.stack([rows.got_lse, low_lse.to(rows.got_lse.dtype)]), ref_lse)
                 largest = ref_lse.abs().nan_to_num(0.0, 0.0).amax(0, keepdim=True)  # -inf (no keys) counts 0
                 chunk = torch.cat([chunk, lse_errors, largest])
-            else:
-                chunk = F.pad(chunk, (0, 3))
             stats = chunk if stats is None else torch.maximum(stats, chunk)
     return stats
