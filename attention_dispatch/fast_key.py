@@ -243,9 +243,11 @@ def length_key(exact: tuple):
 
 def recent_entry(exact: tuple, decision, runner, query, key, value, attn_mask):
     """The entry of :func:`recent_hit` for a call whose :func:`call_key` is ``exact`` and whose
-    tensors are these: (check, has mask, options, dispatch state, reads grad mode, grad,
-    decision, runner, exact); None for a call it cannot check (packed tensors, a pointer off 16
-    bytes, one tensor passed twice: TensorGuards never matches a repeated tensor)."""
+    tensors are these: (check, has mask, options, scoped config, reads grad mode, grad,
+    decision, runner, exact, scope, loaded config, config version, registry version,
+    determinism); None for a call it cannot check (packed tensors, a pointer off 16 bytes, one
+    tensor passed twice: TensorGuards never matches a repeated tensor).  The dispatch state is
+    kept as the objects call_key read (compared by identity: one ``is`` each on a hit)."""
     if tensor_check is None or exact[_POINTERS] or exact[_PACKED] is not None:
         return None
     tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
@@ -253,13 +255,33 @@ def recent_entry(exact: tuple, decision, runner, query, key, value, attn_mask):
         return None
     if attn_mask is not None and exact[_MASK][-1]:
         return None
+    common = exact[_COMMON:]
+    # common: 3 dtypes, 3 devices, grad, 8 options (dropout_p ... backend), 5 of dispatch state
+    scoped, scope, loaded = _scoped_config(), _scope_get(), _config._loaded
+    if (id(loaded if scoped is None else scoped), _config._version, registry._version, scope) != common[15:19]:
+        return None  # not the state this key was read in
     check = tensor_check(*tensors)
     if check is None:
         return None
-    common = exact[_COMMON:]
-    # common: 3 dtypes, 3 devices, grad, 8 options (dropout_p ... backend), 5 of dispatch state
     reads_grad = any(t.requires_grad for t in tensors)
-    return (check, attn_mask is not None, common[7:15], common[15:], reads_grad, common[6], decision, runner, exact)
+    head = (check, attn_mask is not None, common[7:15], scoped, reads_grad, common[6], decision, runner, exact)
+    return head + (scope, loaded, common[16], common[17], common[19])
+
+
+def _options_match(options: tuple, given: tuple) -> bool:
+    """Options equal to an entry's, with the types call_key() accepts (1 == 1.0 == True must not hit)."""
+    dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic, backend = given
+    return (
+        options == given
+        and type(dropout_p) is float
+        and type(is_causal) is bool
+        and type(enable_gqa) is bool
+        and (scale is None or type(scale) is float)
+        and (causal is None or type(causal) is str)
+        and (deterministic is None or type(deterministic) is bool)
+        and (backend is None or type(backend) is str)
+        and (window is None or (type(window) is tuple and type(window[0]) is int and type(window[1]) is int))
+    )
 
 
 def recent_hit(
@@ -279,43 +301,43 @@ def recent_hit(
 ):
     """The entry among ``entries`` (:func:`recent_entry`) whose signature this call has (all
     of call_key's fields equal), else None.  The call has no packed offsets nor features and
-    is not being traced (torch.compiler.is_compiling())."""
-    options = (dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic, backend)
-    state = None
+    is not being traced (torch.compiler.is_compiling()).  Host time (issue 35): options that
+    are the entry's own objects (defaults, constants) need no type check, and the dispatch
+    state is compared object by object (experiment 91)."""
+    has_mask = attn_mask is not None
     for entry in entries:
-        if entry[2] != options or entry[1] is not (attn_mask is not None):
+        o = entry[2]
+        if entry[1] is not has_mask:
             continue
-        if not (entry[0](query, key, value) if attn_mask is None else entry[0](query, key, value, attn_mask)):
+        if not (
+            dropout_p is o[0]
+            and is_causal is o[1]
+            and scale is o[2]
+            and enable_gqa is o[3]
+            and causal is o[4]
+            and window is o[5]
+            and deterministic is o[6]
+            and backend is o[7]
+        ) and not _options_match(o, (dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic, backend)):
             continue
-        if state is None:  # what every entry compares alike: types, alignment, dispatch state
-            if not (
-                type(dropout_p) is float
-                and type(is_causal) is bool
-                and type(enable_gqa) is bool
-                and (scale is None or type(scale) is float)
-                and (causal is None or type(causal) is str)
-                and (deterministic is None or type(deterministic) is bool)
-                and (backend is None or type(backend) is str)
-                and (window is None or (type(window) is tuple and type(window[0]) is int and type(window[1]) is int))
-            ):
-                return None  # options equal to an entry's with another type (1 == 1.0 == True)
-            pointers = query.data_ptr() | key.data_ptr() | value.data_ptr()
-            if attn_mask is not None:
-                pointers |= attn_mask.data_ptr()
-            if pointers & 15:
-                return None
-            config = _scoped_config()
-            if config is None:
-                config = _config._loaded
-            det = _deterministic()
-            state = (
-                id(config),
-                _config._version,
-                registry._version,
-                _scope_get(),
-                det and (1 + _deterministic_warn_only()),
-            )
-        if entry[3] == state and (not entry[4] or _grad_enabled() is entry[5]):
+        if has_mask:
+            if not entry[0](query, key, value, attn_mask):
+                continue
+            if (query.data_ptr() | key.data_ptr() | value.data_ptr() | attn_mask.data_ptr()) & 15:
+                return None  # every entry is aligned
+        elif not entry[0](query, key, value):
+            continue
+        elif (query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15:
+            return None
+        if (
+            _scoped_config() is entry[3]
+            and _scope_get() is entry[9]
+            and _config._loaded is entry[10]
+            and _config._version == entry[11]
+            and registry._version == entry[12]
+            and entry[13] == (_deterministic() and 1 + _deterministic_warn_only())
+            and (not entry[4] or _grad_enabled() is entry[5])
+        ):
             return entry
     return None
 
