@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -61,9 +62,9 @@ FEATURES = (
 SCORE_FEATURES = (("", 0, False, False), ("+softcap", 1, False, False), ("+softcap-approx+alibi+sinks", 2, True, True))
 
 
-def kernel_cases(kinds=tuple(KERNELS)):
+def kernel_cases(kinds=tuple(KERNELS), entries=C.CONFIG_TABLE):
     """(kind, entry, feature label, constexprs) for every sm90 entry and the features it serves."""
-    for e in C.CONFIG_TABLE:
+    for e in entries:
         if e.kind not in kinds or e.min_cc != (9, 0):
             continue
         d, cfg = e.max_block_d, e.config
@@ -113,6 +114,7 @@ def _feature_constexprs(d, cfg, causal, bias, bias_desc, dropout):
         SCALE_POS=True,
         STORE_LSE=True,
         SUBTILES=cfg.subtiles,
+        BLOCK_DK=cfg.block_dk if C.dchunk_applies(cfg, d, d, torch.bfloat16) else 0,
         BIAS_GRAD=bias == 1,
         DB_SUM_ROWS=False,
         DB_SUM_HEADS=False,
@@ -149,7 +151,8 @@ def compile_case(kind: str, entry, constexprs: dict):
     const = {k: v for k, v in constexprs.items() if k in names}
     sig = {n: "constexpr" if n in const else POINTERS.get(n, "fp32" if n in FLOATS else "i32") for n in names}
     if const.get("KV_HOST"):  # the host-built K/V descriptors (tl/launch.host_kv_descriptors)
-        sig["KD"] = sig["VD"] = f"tensordesc<bf16[{const['BLOCK_N']}, {const['BLOCK_DQK']}]>"
+        cols = const["BLOCK_DK"] if 0 < const.get("BLOCK_DK", 0) < const["BLOCK_DQK"] else const["BLOCK_DQK"]
+        sig["KD"] = sig["VD"] = f"tensordesc<bf16[{const['BLOCK_N']}, {cols}]>"
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
     return _compile(src, dict(num_warps=entry.config.num_warps, num_stages=entry.config.num_stages))
 
@@ -191,9 +194,9 @@ def ws_cases():
         for label, const in _ws_variants(2):
             if const["HAS_BIAS"] and cfg.consumers != 2:  # a bias tile's rows: a power of two
                 continue
-            # KV_LENS: a KV-cache call (kernels/decode.cache_forward): no bias, causal or not, lse
+            # KV_LENS: a KV-cache call (kernels/decode.cache_forward): no bias, causal or not
             kv_cache = (False, True) if not const["HAS_BIAS"] and label.split()[0] in ("dense", "causal") else (False,)
-            for store_lse, kv_lens in [(lse, False) for lse in (True, False)] + [(True, True)] * (len(kv_cache) - 1):
+            for store_lse, kv_lens in [(lse, kv) for kv in kv_cache for lse in (True, False)]:
                 # issue 36's softcap, sinks and ALiBi (not in a KV-cache call) with the logsumexp, each
                 # alone too over (B, H, S, D) rows without a bias
                 for scores in _ws_score_variants(store_lse and not kv_lens, const):
@@ -415,18 +418,31 @@ def main(argv=None) -> int:
     p.add_argument(
         "--sass", action="store_true", help="print each case's SASS opcode counts, per HGMMA in brackets (sass_counts)"
     )
-    p.add_argument("--only", default="", help="fwd_ws: compile only the cases whose label matches this regex")
+    p.add_argument("--only", default="", help="compile only the cases whose label matches this regex")
+    p.add_argument(
+        "--fwd-configs",
+        default="",
+        help="instead of the table: tl forward configs 'BM,BN,warps,stages[,subtiles,host_kv,block_dk];...' "
+        "(KernelConfig's fields) at --head-dim, e.g. to check a sweep's candidates",
+    )
+    p.add_argument("--head-dim", type=int, default=512, help="the head dim of --fwd-configs")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("TRITON_INTERPRET=1: the interpreter compiles nothing; run without it")
         return 2
     failed = n = 0
-    for kind, entry, label, const in kernel_cases(args.kinds):
+    entries = C.CONFIG_TABLE
+    if args.fwd_configs:
+        cfgs = [C.KernelConfig(*(int(x) for x in c.split(","))) for c in args.fwd_configs.split(";") if c.strip()]
+        entries = [C.ConfigEntry(C.FWD, (9, 0), (9, 9), args.head_dim, (torch.bfloat16,), c) for c in cfgs]
+    for kind, entry, label, const in kernel_cases(args.kinds, entries):
         if args.limit and n >= args.limit:
             break
+        label = f"{kind} d<={entry.max_block_d} {entry.config} {label}"
+        if not re.search(args.only, label):
+            continue
         n += 1
         err, kernel = compile_case(kind, entry, const)
-        label = f"{kind} d<={entry.max_block_d} {entry.config} {label}"
         failed += _report(label, err, kernel, args.ptx_hashes, args.spills)
     if "fwd_ws" in args.kinds:
         seen = set()

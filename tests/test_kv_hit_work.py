@@ -1,7 +1,8 @@
 """What a repeated sdpa_with_kvcache() call (a hit: kv_fast_key) runs besides its backend (issue
 34: host time of a decode step <= F.sdpa's on CUDA, where each device op is a launch): no device
 op beyond the backend's own, and on the `triton` backend its decode plan relaunched
-(Backend.prepare_kvcache, kernels.decode_plan.KvRunner) with none of run_kvcache()'s argument
+(Backend.prepare_kvcache, kernels.decode_plan.KvRunner; the Gluon route's launch replayed,
+kernels.decode.CacheRunner) with none of run_kvcache()'s argument
 processing, lengths or block tables of another layout going to run_kvcache()."""
 
 from __future__ import annotations
@@ -150,6 +151,33 @@ def test_triton_hits_on_cuda_relaunch_the_plan_and_match_the_reference(monkeypat
     calls = _count_run_kvcache(monkeypatch)
     _steps(args, 4)
     assert len(calls) == 1
+
+
+@pytest.mark.gpu
+def test_triton_hits_on_the_gluon_route_replay_its_launch_and_match_the_reference(monkeypatch):
+    """Many new queries over a dense cache (kernels.decode.CacheRunner): the first hit captures
+    cache_forward's launch, later hits relaunch it over the new tensors (no cache_forward call)."""
+    from attention_dispatch.kernels import decode
+    from attention_dispatch.kernels.params import KernelParams
+
+    _triton()
+    case = KvCase(
+        dtype=torch.bfloat16, batch=2, heads_q=16, heads_kv=4, seqlen_q=128, capacity=8192, head_dim=128,
+        append=True, causal=True, lengths=(8000, 63),
+    )  # fmt: skip
+    args = make_kv_inputs(case, "cuda")
+    route, why_not = decode.kv_route(
+        args["query"], args["k_cache"], args["v_cache"], None, KernelParams(scale=1.0, window_right=0)
+    )
+    if route != decode.CACHE_GLUON:
+        pytest.skip(f"not the Gluon route here: {why_not}")
+    calls = _count_run_kvcache(monkeypatch)
+    forwards = []
+    real = decode.cache_forward
+    monkeypatch.setattr(decode, "cache_forward", lambda *a, **kw: forwards.append(1) or real(*a, **kw))
+    _steps(args, 4)
+    assert len(calls) == 1
+    assert len(forwards) == 2, f"cache_forward ran {len(forwards)} times in 4 calls (the full path and the capture)"
 
 
 def test_lengths_or_block_table_of_another_layout_take_run_kvcache(monkeypatch):

@@ -818,5 +818,5 @@ def test_explain_with_kvcache_shows_the_triton_route():
     args = make_kv_inputs(KvCase())
     d = ad.explain_with_kvcache(**args, backend="triton")
     assert d.route is not None and str(d.route) == "decode split-KV forward"
-    assert "route: decode split-KV forward (not gluon forward + tail: " in str(d)
+    assert "route: decode split-KV forward (not gluon cache forward: " in str(d)
     assert ad.explain_with_kvcache(**args, backend="math").route is None

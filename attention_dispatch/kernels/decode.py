@@ -205,10 +205,9 @@ def _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_ne
 
 def cache_forward(q, k_cache, v_cache, cache_seqlens, params: KernelParams, n_new: int = 0, need_lse: bool = False):
     """decode_forward's result for a call gluon.route.cache_forward_reason accepts (many new
-    queries over a dense cache): the Gluon forward over each sequence's whole key tiles, then
-    the decode kernel over the keys past them, merged by the logsumexp.  Returns (B, Hq, Sq, D),
-    or with ``need_lse`` (out, the merged logsumexp (B, Hq, Sq))."""
-    from . import configs as C
+    queries over a dense cache): one launch of the Gluon forward over each sequence's key tiles,
+    the last one partial (gluon/common._cache_tiles).  Returns (B, Hq, Sq, D), or with
+    ``need_lse`` (out, the logsumexp (B, Hq, Sq))."""
     from .gluon import launch as gluon_launch
     from .shapes import KernelShapes, rows_layout
 
@@ -216,7 +215,7 @@ def cache_forward(q, k_cache, v_cache, cache_seqlens, params: KernelParams, n_ne
     if empty is not None:
         return _with_lse(empty, None, need_lse, q)
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if need_lse else None
     prob = KernelShapes(q, k_cache, v_cache, None, None, None, None)
     gluon_launch.forward(
         q,
@@ -231,25 +230,10 @@ def cache_forward(q, k_cache, v_cache, cache_seqlens, params: KernelParams, n_ne
         kv_lens=cache_seqlens,
         n_new=n_new,
     )
-    tail = C.WS_FWD_CONFIGS[q.shape[3]].block_n
-    _launch_split(
-        q,
-        k_cache,
-        v_cache,
-        cache_seqlens,
-        None,
-        out,
-        params,
-        n_new,
-        1,
-        tail=tail,
-        tail_lse=lse,
-        lse=lse if need_lse else None,
-    )
     return _with_lse(out, lse, need_lse, q)
 
 
-CACHE_GLUON = "gluon forward + tail"  # cache_forward
+CACHE_GLUON = "gluon cache forward"  # cache_forward
 CACHE_DECODE = "decode split-KV"  # decode_forward
 
 
@@ -298,9 +282,9 @@ def kv_forward(
 
 
 def prepare_kv(q, k_cache, v_cache, cache_seqlens, params: KernelParams, block_table, k_new, v_new, fallback):
-    """A :class:`~.decode_plan.KvRunner` for repeated calls of this one's signature (no alibi,
-    sinks or logsumexp), or None where it would not run the decode kernel itself (the Gluon
-    route, rows to copy, an empty call, lengths with another stride): kv_forward serves those."""
+    """A :class:`~.decode_plan.KvRunner` (the decode kernel) or :class:`CacheRunner` (the Gluon
+    route) for repeated calls of this one's signature (no alibi, sinks or logsumexp), or None
+    (rows to copy, an empty call, lengths with another stride): kv_forward serves those."""
     tensors = (q, k_cache, v_cache) + ((k_new, v_new) if k_new is not None else ())
     if (
         any(t.stride(-1) != 1 for t in tensors)
@@ -315,6 +299,45 @@ def prepare_kv(q, k_cache, v_cache, cache_seqlens, params: KernelParams, block_t
     if geo.route is None:
         geo.route = kv_route(q, k_cache, v_cache, block_table, params)[0]
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[2]
-    if geo.route != CACHE_DECODE or capacity == 0:
+    if capacity == 0:
         return None
+    if geo.route == CACHE_GLUON:
+        return CacheRunner(params, n_new, cache_seqlens, fallback)
     return KvRunner(plan, geo, cache_seqlens, block_table, fallback)
+
+
+class CacheRunner:
+    """sdpa_with_kvcache()'s repeated calls of one signature on the Gluon route (prepare_kv): the
+    append, then :func:`cache_forward`'s launch captured on the first call and relaunched over
+    the new tensors after it (replay.Replay: its descriptors' tensormaps kept per address), none
+    of kv_forward's or the launcher's argument processing.  A call whose lengths have another
+    stride or alignment than the prepared call's goes to ``fallback`` (the backend's whole path)."""
+
+    __slots__ = ("params", "n_new", "lens_align", "fallback", "launch", "out_like_query")
+
+    def __init__(self, params: KernelParams, n_new: int, cache_seqlens, fallback):
+        self.params, self.n_new, self.fallback, self.launch = params, n_new, fallback, None
+        self.lens_align = cache_seqlens.data_ptr() & 15
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
+        from .compiled_cache import COMPILED, hooks_installed
+
+        if cache_seqlens.stride(0) != 1 or cache_seqlens.data_ptr() & 15 != self.lens_align:
+            return self.fallback(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+        if k_new is not None:
+            from ..backends.kv_append import append_kv
+
+            append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new)
+        launch = self.launch  # None: not captured yet; False: its launches cannot be replayed
+        if launch and not hooks_installed():
+            out = torch.empty_like(q) if self.out_like_query else torch.empty(q.shape, device=q.device, dtype=q.dtype)
+            launch((q, k_cache, v_cache, cache_seqlens, out))
+            return out
+        with COMPILED.capture() as launches:
+            out = cache_forward(q, k_cache, v_cache, cache_seqlens, self.params, self.n_new)
+        if launch is None:
+            from .replay import Replay
+
+            self.out_like_query = q.is_contiguous()  # empty_like gives cache_forward's contiguous out
+            self.launch = Replay.capture(launches, (q, k_cache, v_cache, cache_seqlens, out), q.device) or False
+        return out

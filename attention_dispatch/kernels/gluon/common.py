@@ -152,18 +152,20 @@ def _cache_tiles(
 ):
     """:func:`_kv_tiles` of a KV-cache call (KV_LENS; no window, causal or not): sequence ``b``
     attends to its first L = kv_lens[b] + n_new keys of the cache, its Sq queries at their end
-    (query i's diagonal is key i + L - Sq).  Only whole key tiles below L are read: the keys from
-    L // BLOCK_N * BLOCK_N on are the tl tail kernel's (tl/decode.py), which merges by the
-    logsumexp, so no key past L is loaded.  Returns (first, n_tiles, n_full, L - Sq)."""
+    (query i's diagonal is key i + L - Sq).  The key tiles up to L's, the last one partial: its
+    keys from L on are masked (causal: every diagonal is below L; else the consumer masks them,
+    forward.py) and their V rows zeroed in shared memory (forward_softmax._zero_v_rows): past L
+    the cache holds anything, NaN included.  Returns (first, n_tiles, n_full, L - Sq), n_full:
+    the tiles no key of which is masked for any row."""
     seq_len = gl.minimum(gl.load(kv_lens + b) + n_new, capacity)
     diag = seq_len - seq_q
-    n_tiles = seq_len // BLOCK_N
-    n_full = n_tiles
+    n_tiles = gl.cdiv(seq_len, BLOCK_N)
+    n_full = seq_len // BLOCK_N
     if _causal(WINDOW_LEFT, WINDOW_RIGHT):
         row0 = pid_m * NUM_WG * BLOCK_M + diag  # the program's first row's diagonal
         # up to the last row's diagonal; a diagonal below 0 sees no key
         n_tiles = gl.maximum(gl.minimum(n_tiles, gl.cdiv(row0 + NUM_WG * BLOCK_M, BLOCK_N)), 0)
-        n_full = gl.maximum(gl.minimum(n_tiles, (row0 + 1) // BLOCK_N), 0)
+        n_full = gl.maximum(gl.minimum(n_full, (row0 + 1) // BLOCK_N), 0)
     return 0, n_tiles, n_full, diag
 
 

@@ -194,7 +194,16 @@ def _ws_consumer(
     if HAS_ALIBI:
         alibi_slope = gl.load(alibi_ptr + (pid_bh // num_heads) * alibi_sb + (pid_bh % num_heads) * alibi_sh)
     if KV_LENS:
+        seq_len = diag + seq_q
         if n_tiles > 0:
+            # not causal: the keys past L (in the last tile) masked as a causal band whose every
+            # row's diagonal is key L - 1
+            if WINDOW_LEFT < 0 and WINDOW_RIGHT < 0:
+                mask_rows = gl.full([BLOCK_M], seq_len - 1, gl.int32, row_s)
+            else:
+                mask_rows = rows
+            CAUSAL_LEFT: gl.constexpr = -1
+            CAUSAL_RIGHT: gl.constexpr = 0
             acc, m_i, l_i = _consume(
                 q_buf,
                 k_bufs,
@@ -202,14 +211,14 @@ def _ws_consumer(
                 bars,
                 bias,
                 qk_scale,
-                rows,
+                mask_rows,
                 q_start + diag,
                 first,
                 n_tiles,
                 n_full,
                 WG,
-                WINDOW_LEFT,
-                WINDOW_RIGHT,
+                CAUSAL_LEFT,
+                CAUSAL_RIGHT,
                 HAS_BIAS,
                 BIAS_STAGES,
                 MAY_EMPTY,
@@ -219,8 +228,10 @@ def _ws_consumer(
                 alibi_slope,
                 alibi_off,
                 HAS_ALIBI,
+                seq_len,
+                True,
             )
-        else:  # no whole key tile below the diagonal: the tail kernel computes these rows
+        else:  # no key tile up to the diagonal (a row of the cache's first keys, or none: L = 0)
             acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
             l_i = gl.zeros([BLOCK_M], gl.float32, row_s)

@@ -3,7 +3,12 @@ the score transforms (bias, softcap, ALiBi) applied to each tile (conventions: c
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .common import (
     LOG2E,
@@ -66,6 +71,31 @@ def _transformed(
     return sc, roff
 
 
+@gluon.constexpr_function
+def _v_chunk_layout(head_d):
+    """Registers of a (16, head_d) 16-bit tile over one warpgroup, 8 contiguous elements a thread."""
+    cols = min(32, head_d // 8)
+    return gl.BlockedLayout([1, 8], [32 // cols, cols], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _zero_v_rows(v_buf, keep):
+    """Rows ``keep``.. of the V tile ``v_buf`` set to 0 (keys past a KV-cache sequence: P is 0
+    there, but 0 x NaN is NaN), 16 rows at a time.  Both consumer warpgroups write the same
+    values into the shared tile, so neither's product can read anything else."""
+    BLOCK_N: gl.constexpr = v_buf.shape[0]
+    HEAD_D: gl.constexpr = v_buf.shape[1]
+    CH: gl.constexpr = 16
+    layout: gl.constexpr = _v_chunk_layout(HEAD_D)
+    for c in gl.static_range(BLOCK_N // CH):
+        if (c + 1) * CH > keep:
+            chunk = v_buf.slice(c * CH, CH)
+            row = c * CH + gl.arange(0, CH, gl.SliceLayout(1, layout))
+            vals = chunk.load(layout)
+            chunk.store(gl.where((row < keep)[:, None], vals, gl.zeros_like(vals)))
+    fence_async_shared()  # the generic stores before the wgmma's async read
+
+
 @gluon.jit
 def _consume(
     q_buf,
@@ -91,9 +121,12 @@ def _consume(
     alibi_slope,
     alibi_off,
     HAS_ALIBI: gl.constexpr,
+    v_keys=0,
+    V_TAIL: gl.constexpr = False,
 ):
     """A consumer's pass over its ``n_tiles`` (>= 1) key tiles from ``first``: (unnormalised O,
-    running max, running sum) of its rows (``rows``: their diagonals, from ``row0``)."""
+    running max, running sum) of its rows (``rows``: their diagonals, from ``row0``).  V_TAIL:
+    the V rows of keys from ``v_keys`` on in the last tile are zeroed first (:func:`_zero_v_rows`)."""
     BLOCK_M: gl.constexpr = WG_ROWS
     BLOCK_N: gl.constexpr = k_bufs.shape[1]
     STAGES: gl.constexpr = k_bufs.shape[0]
@@ -202,6 +235,10 @@ def _consume(
     sl = (n_tiles - 1) % STAGES
     mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
     v_buf = v_bufs.index(sl)
+    if V_TAIL:
+        keep = v_keys - (first + n_tiles - 1) * BLOCK_N
+        if keep < BLOCK_N:
+            _zero_v_rows(v_buf, keep)
     acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
     mbarrier.arrive(v_empty.index(sl), count=1)
