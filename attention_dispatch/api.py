@@ -12,7 +12,8 @@ from .dispatch import FAST_CALLS_LIMIT, Decision, decide, fast_calls, run_with_f
 from .call import Call, _seqlens, make_problem, normalize_call
 from .fast_key import (
     RECENT,
-    _is_compiling,
+    _compiler,
+    _is_dynamo_compiling,
     call_key,
     forget_recent,
     length_key,
@@ -70,7 +71,8 @@ def sdpa(
     if softcap is not None or alibi_slopes is not None or sinks is not None or return_lse:
         fast_key = None  # the fast path's key knows none of these
     else:
-        recent = None if _is_compiling() else fast_calls.get(RECENT)  # dynamo: call_key returns None
+        # torch.compiler.is_compiling() (call_key returns None), without its two Python calls
+        recent = None if _is_dynamo_compiling() or _compiler._is_compiling_flag else fast_calls.get(RECENT)
         if recent is not None and cu_seqlens_q is None and cu_seqlens_k is None:  # fast_key.recent_hit
             entry = recent_hit(
                 recent[1], query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal, window,

@@ -47,6 +47,9 @@ _POINTERS, _MASK, _PACKED, _COMMON = 6, 7, 8, 9
 
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling  # a function torch.compile knows (a flag would be guarded on)
+# is_compiling() is this function (dynamo folds it to True: the flag is never traced) or the flag
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_compiler = torch_private.compiler
 _grad_enabled = torch.is_grad_enabled
 _deterministic = torch_private.deterministic  # torch.are_deterministic_algorithms_enabled() without its wrapper
 _deterministic_warn_only = torch_private.deterministic_warn_only

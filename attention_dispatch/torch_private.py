@@ -5,9 +5,12 @@ fast_key's recent signatures use to check a call's tensors (issue 35).  Any othe
 one without it, gets None and the caller builds its key from Python as before.
 :data:`deterministic` and :data:`deterministic_warn_only` are the C getters behind
 ``torch.are_deterministic_algorithms_enabled()`` and its warn-only twin (fast_key reads them per
-call), else those public functions.  :data:`cuda_device` and :data:`cuda_raw_stream` give the
-current device's raw stream without ``torch.cuda``'s lazy-init check (kernels.compiled_cache),
-else None.  Imports nothing of this package, so kernels may import it.
+call), else those public functions.  :data:`compiler` holds ``_is_compiling_flag``, which
+``torch.compiler.is_compiling()`` returns (after a TorchScript check), for sdpa()'s hit path
+(a read, not two Python calls: experiment 91), else a stand-in calling the public function.
+:data:`cuda_device` and :data:`cuda_raw_stream` give the current device's raw stream without
+``torch.cuda``'s lazy-init check (kernels.compiled_cache), else None.  Imports nothing of this
+package, so kernels may import it.
 tests/test_torch_private.py checks each against its public twin and the attribute's presence.
 """
 
@@ -54,6 +57,24 @@ def _adapter(version: str):
 
 
 tensor_check = _adapter(torch.__version__)
+
+
+class _Compiling:
+    """The stand-in for ``torch.compiler`` where its flag is not used: the public function."""
+
+    @property
+    def _is_compiling_flag(self) -> bool:
+        return torch.compiler.is_compiling()
+
+
+def _compiler(version: str):
+    """``torch.compiler`` on a tested torch that has the flag torch.compiler.is_compiling()
+    returns outside TorchScript, else :class:`_Compiling`."""
+    tested = untested_torch(version) is None and hasattr(torch.compiler, "_is_compiling_flag")
+    return torch.compiler if tested else _Compiling()
+
+
+compiler = _compiler(torch.__version__)
 
 
 def _private(name: str, public, version: str):

@@ -189,3 +189,34 @@ def test_an_entry_keeps_no_tensor_alive():
     del q, k, v
     gc.collect()
     assert _entries() and all(r() is None for r in refs)
+
+
+def test_equal_options_hit_whether_or_not_they_are_the_entrys_objects():
+    q, k, v = _qkv()
+    scale = 0.25
+    _warm(q, k, v, scale=scale)
+    entry = _hit(q, k, v, scale=scale)  # the entry's own float: the identity check
+    assert entry is not None and entry[2][2] is scale
+    assert _hit(q, k, v, scale=float("0.25")) is entry  # an equal float of another object
+    assert _hit(q, k, v, scale=0.5) is None
+
+
+def test_determinism_warn_only_is_another_state():
+    q, k, v = _qkv()
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        _warm(q, k, v)
+        assert _hit(q, k, v) is not None
+        torch.use_deterministic_algorithms(True)
+        assert _hit(q, k, v) is None
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_no_recent_entry_is_read_while_export_traces(monkeypatch):
+    q, k, v = _qkv()
+    _warm(q, k, v)
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # what torch.export sets
+    monkeypatch.setattr(ad.api, "recent_hit", lambda *a: pytest.fail("a recent entry was read while tracing"))
+    torch.testing.assert_close(ad.sdpa(q, k, v), F.scaled_dot_product_attention(q, k, v))

@@ -129,6 +129,16 @@ def test_the_deterministic_getters_match_the_public_functions(mode):
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
+@pytest.mark.parametrize("flag", [False, True])
+def test_the_compiling_flag_is_what_is_compiling_returns(monkeypatch, flag):
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", flag)
+    assert (torch_private.compiler is torch.compiler) == (untested_torch(torch.__version__) is None)
+    stand_in = torch_private._compiler("2.14.0")
+    assert stand_in is not torch.compiler
+    for holder in (torch_private.compiler, stand_in):
+        assert holder._is_compiling_flag is torch.compiler.is_compiling() is flag
+
+
 @pytest.mark.gpu
 def test_the_cuda_getters_give_the_current_device_and_stream():
     assert torch_private.cuda_raw_stream is not None, "a tested CUDA torch turns the raw-stream pair on"
