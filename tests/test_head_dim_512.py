@@ -168,6 +168,28 @@ def test_head_dim_512_on_the_gpu(label, case):
     compare_backend(case, "triton", device="cuda")
 
 
+# the head-dim-chunked forward's tiles forced (benchmarks/head_dim_512.py's sweep candidates that
+# compile for sm90 without spills: benchmarks/compile_sm90.py --fwd-configs)
+DCHUNK_GPU = [(64, 64, 8, 1, 1, True, 128), (64, 32, 8, 2, 1, True, 64), (64, 16, 8, 3, 1, True, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", DCHUNK_GPU, ids=str)
+@pytest.mark.parametrize("label,case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_head_dim_512_chunked_forward_on_the_gpu(monkeypatch, label, case, cfg):
+    from attention_dispatch.kernels import configs as C
+
+    candidates = C.candidate_configs
+    monkeypatch.setattr(
+        C,
+        "candidate_configs",
+        lambda kind, *a, **k: [C.KernelConfig(*cfg)] if kind == C.FWD else candidates(kind, *a, **k),
+    )
+    seen = _dchunk_launches(monkeypatch)
+    compare_backend(dataclasses.replace(case, dtype=torch.bfloat16), "triton", device="cuda")
+    assert seen and all(dk == cfg[-1] for dk in seen), seen
+
+
 @pytest.mark.gpu
 def test_head_dim_512_route_on_the_gpu_names_the_tl_kernels():
     """On the H100 the Gluon kernels are passed over for d512 with the head-dim reason."""
