@@ -20,6 +20,7 @@ from attention_dispatch.kernels import decode, decode_plan, run  # noqa: E402
 from attention_dispatch.kernels.compiled_cache import COMPILED  # noqa: E402
 from attention_dispatch.kernels.device import is_interpreter  # noqa: E402
 from attention_dispatch.kernels.params import KernelParams  # noqa: E402
+from attention_dispatch.kernels.tl import decode as tl_decode  # noqa: E402
 from oracle import assert_matches  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -89,7 +90,7 @@ def test_a_repeated_kvcache_step_reuses_its_plan(monkeypatch):
     monkeypatch.setattr(run, "launch_one", lambda kernel, *a, **kw: launched.append(kernel))
     with Allocations() as seen:
         ad.sdpa_with_kvcache(q, k, v, lens, backend="triton")
-    assert launched == [decode._decode_split, decode._decode_combine]
+    assert launched == [tl_decode._decode_split, tl_decode._decode_combine]
     assert len(seen.ops) == 2, seen.ops  # the output and the one workspace
     assert len(decode_plan.PLANS) == 1
 
@@ -101,7 +102,7 @@ def test_an_unsplit_step_allocates_only_its_output(monkeypatch):
     monkeypatch.setattr(run, "launch_one", lambda kernel, *a, **kw: launched.append(kernel))
     with Allocations() as seen:
         ad.sdpa_with_kvcache(q, k, v, lens, backend="triton")
-    assert launched == [decode._decode_split] and len(seen.ops) == 1, (launched, seen.ops)
+    assert launched == [tl_decode._decode_split] and len(seen.ops) == 1, (launched, seen.ops)
 
 
 def test_full_length_decode_with_growing_keys_keeps_one_plan():
@@ -187,7 +188,7 @@ def test_growing_sdpa_decode_runs_the_prepared_runner(monkeypatch):
         m.setattr(run, "launch_one", lambda kernel, *a, **kw: launched.append(kernel))
         with Allocations() as seen:
             ad.sdpa(q, *kv(530), enable_gqa=True, backend="triton")
-    assert launched == [decode._decode_split, decode._decode_combine], launched
+    assert launched == [tl_decode._decode_split, tl_decode._decode_combine], launched
     assert len(seen.ops) == 2, seen.ops  # the output and the one workspace
     assert len(decode_plan.PLANS) == 1
 
@@ -218,7 +219,7 @@ def test_the_combine_pass_compiles_one_variant_per_power_of_two_of_splits(monkey
     real = run.launch_one
 
     def watch(kernel, grid, args, constexprs, *a, **kw):
-        if kernel is decode._decode_combine:
+        if kernel is tl_decode._decode_combine:
             seen[args[6]] = constexprs  # args: 5 pointers, rows, the split count
         return real(kernel, grid, args, constexprs, *a, **kw)
 

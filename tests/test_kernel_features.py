@@ -497,8 +497,8 @@ def test_gpu_decode_features(dtype):
 @gpu
 @needs_cuda
 def test_gpu_kv_cache_gluon_forward_returns_the_merged_lse():
-    """Many new queries over a dense cache: the Gluon forward over whole key tiles, the decode
-    kernel's tail merged into its output and logsumexp in place (kernels/decode.cache_forward)."""
+    """Many new queries over a dense cache: the Gluon forward's output and logsumexp, each
+    sequence's partial last key tile included (kernels/decode.cache_forward)."""
     from attention_dispatch.kernels.decode import CACHE_GLUON, kv_forward
 
     b, hq, hkv, sq, cap, d = 2, 8, 2, 256, 8192, 128

@@ -1,6 +1,6 @@
-"""Launching the decode kernels (tl/decode.py) for a call against a KV cache (the new keys
-already appended: backends/kv_append.py): the number of key splits, the split pass and the
-combine pass.
+"""A call against a KV cache: its route (:func:`kv_route`), the decode kernels (tl/decode.py,
+launched by decode_plan.DecodePlan: key splits, the split and combine passes) or the Gluon
+forward over the cache (:func:`cache_forward`), and their prepared runners for repeated calls.
 
 Everything is device work or python ints: ``cache_seqlens`` and ``block_table`` are never read
 on the host, so a call is CUDA-graph capturable with their contents changing between replays.
@@ -10,137 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from . import run
 from .decode_plan import (
     MAX_DECODE_SPLITS,
     MIN_KEYS_PER_SPLIT,
-    cache_geometry,
     KvRunner,
-    combine_constexprs,
     decode_splits,
-    key_splits,
     plan_for,
-    split_constexprs,
-    split_grid,
-    split_scalars,
-    split_tensors,
-    split_warps,
-    tiles,
 )
-from .device import device_info
-from .limits import MAX_GRID_YZ
 from .params import KernelParams
-from .tl.decode import _decode_combine, _decode_split
 
 __all__ = ["MAX_DECODE_SPLITS", "MIN_KEYS_PER_SPLIT", "decode_splits"]  # kept here for their users
-
-
-def _launch_split(
-    q,
-    k_cache,
-    v_cache,
-    cache_seqlens,
-    block_table,
-    out,
-    params,
-    n_new,
-    num_splits,
-    tail=0,
-    tail_lse=None,
-    k_new=None,
-    v_new=None,
-    alibi=None,
-    sinks=None,
-    lse=None,
-):
-    """The split pass (and, with several splits, the combine pass) into ``out``; ``tail`` > 0:
-    one split over each sequence's keys past its last whole ``tail``-key tile, merged into
-    ``out`` and ``tail_lse`` (natural log, (B, Hq, Sq)), what the Gluon forward wrote (merged
-    in place too when ``lse`` is given);
-    ``k_new``/``v_new`` (B, Hkv, n_new, D): appended by the split pass itself; ``alibi`` (B, Hq)
-    and ``sinks`` (Hq,, contiguous) or None; ``lse``: (B, Hq, Sq) fp32 for the logsumexp, or None."""
-    B, Hq, Sq, D = q.shape
-    page, Hkv, capacity, k_str, v_str, bt_stride = cache_geometry(k_cache, v_cache, block_table)
-    bt = block_table if block_table is not None else cache_seqlens
-    group = Hq // Hkv
-    tile = tiles(group, Sq, D)
-    block_d, row_blocks = tile[2], tile[3]
-    if tail:
-        num_splits, keys_per_split = 1, tail
-    else:
-        num_splits, keys_per_split = key_splits(
-            B * Hkv * row_blocks, capacity, tile[1], num_splits, device_info(q.device)[2]
-        )
-    split = num_splits > 1
-    if split:
-        o_part = torch.empty((num_splits, B, Hq, Sq, block_d), device=q.device, dtype=torch.float32)
-        l_part = torch.empty((num_splits, B, Hq, Sq), device=q.device, dtype=torch.float32)
-    else:
-        o_part, l_part = out, (tail_lse if tail else out)
-    new_str = k_new.stride()[:3] if k_new is not None else (0, 0, 0)
-    run.launch_one(
-        _decode_split,
-        split_grid(B * Hkv, num_splits, row_blocks),
-        (
-            *split_tensors(
-                q, k_cache, v_cache, cache_seqlens, bt, out, o_part, l_part, k_new, v_new, alibi, sinks, lse
-            ),
-            *split_scalars(
-                params,
-                alibi,
-                q.stride()[:3],
-                k_str,
-                v_str,
-                bt_stride,
-                out.stride()[:3],
-                new_str,
-                Hq,
-                Hkv,
-                Sq,
-                keys_per_split,
-                n_new,
-                capacity,
-            ),
-        ),
-        split_constexprs(
-            q,
-            params,
-            alibi,
-            group,
-            tile,
-            block_table is not None,
-            page,
-            split,
-            tail,
-            k_new is not None,
-            B * Hkv > MAX_GRID_YZ,
-            sinks is not None,
-            lse is not None,
-            False,
-        ),
-        split_warps(block_d),
-        2,
-    )
-    if split:
-        run.launch_one(
-            _decode_combine,
-            (B * Hq * Sq,),
-            (
-                o_part,
-                l_part,
-                out,
-                sinks if sinks is not None else q,
-                lse if lse is not None else q,
-                B * Hq * Sq,
-                num_splits,
-                Hq,
-                Sq,
-                *out.stride()[:3],
-            ),
-            combine_constexprs(num_splits, D, block_d, sinks is not None, lse is not None),
-            4,
-            1,
-        )
 
 
 def _empty_result(q, capacity: int):

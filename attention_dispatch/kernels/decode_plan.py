@@ -73,7 +73,7 @@ def cache_geometry(k_cache, v_cache, block_table) -> tuple:
     return 1, k_cache.shape[1], k_cache.shape[2], k_cache.stride()[:3], v_cache.stride()[:3], 0
 
 
-def split_constexprs(q, params, alibi, group, tile, paged, page, split, tail, append, bh_axis0, sinks, lse, full):
+def split_constexprs(q, params, alibi, group, tile, paged, page, split, append, bh_axis0, sinks, lse, full):
     """The split pass's constexprs (``tile``: :func:`tiles`'s)."""
     block_m, block_n, block_d, _ = tile
     return dict(
@@ -87,7 +87,6 @@ def split_constexprs(q, params, alibi, group, tile, paged, page, split, tail, ap
         HAS_WL=params.window_left >= 0,
         HAS_WR=params.window_right >= 0,
         SPLIT=split,
-        TAIL=tail,
         APPEND=append,
         BH_AXIS0=bh_axis0,
         DOT_UPCAST=is_interpreter() and q.dtype != torch.float32,
@@ -294,7 +293,6 @@ class DecodePlan:
                 self.paged,
                 page,
                 split,
-                0,
                 self.append,
                 B * hkv > MAX_GRID_YZ,
                 self.has_sinks,

@@ -331,7 +331,7 @@ def _attn_fwd_ws(
     A bias needs two warpgroups: a TMA tile's rows are a power of two.  SOFTCAP: scores
     ``softcap * tanh(q k^T * softcap_in)`` (softcap_in = scale / softcap) before the bias;
     HAS_SINKS: the head's sink (``sinks_ptr``, (Hq,)) joins each row's denominator, not its
-    logsumexp (not with KV_LENS: the tail kernel's merge would count it twice); HAS_ALIBI: minus
+    logsumexp (not with KV_LENS: gluon/route.score_features_reason); HAS_ALIBI: minus
     ``slope[b, h] * |i + alibi_off - j|`` (``alibi_ptr`` fp32 (B, Hq), strides alibi_sb / alibi_sh;
     not with KV_LENS)."""
     BLOCK_M: gl.constexpr = WG_ROWS  # noqa: F841 - the tile height the docstring names

@@ -116,8 +116,8 @@ ALIBI_MAX_SEQ = 1 << 21
 def score_features_reason(
     params: KernelParams, has_alibi: bool, has_sinks: bool, part: str, longest: int = 0
 ) -> str | None:
-    """Why the Gluon ``part`` ("forward", "backward" or "cache forward" (the KV-cache one, merged with
-    the decode kernel's tail by the logsumexp)) cannot take a call's score transforms, or None
+    """Why the Gluon ``part`` ("forward", "backward" or "cache forward" (the KV-cache one,
+    kernels/decode.cache_forward)) cannot take a call's score transforms, or None
     (``longest``: the longer of Sq and Sk).  The forward and the backward compute the softcap and
     ALiBi (common._score_transform); the backward reads the sink only through the logsumexp and
     delta that the tl delta pass prepares, so sinks (and a logsumexp gradient) pass there."""
@@ -128,7 +128,7 @@ def score_features_reason(
     if has_alibi and longest >= ALIBI_MAX_SEQ:
         return f"alibi_slopes with {longest} keys or queries: the Gluon kernels' distances stay below {ALIBI_MAX_SEQ}"
     if has_sinks and part == "cache forward":
-        return "sinks: not in the Gluon cache forward (its tail merge would count the sink twice)"
+        return f"sinks: not in the Gluon {part}"
     return None
 
 

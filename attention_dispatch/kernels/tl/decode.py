@@ -10,13 +10,10 @@ several splits each program writes its normalised partial output and logsumexp (
 and :func:`_decode_combine` merges them; a program past ``L_b`` writes an empty partial.
 With ``APPEND`` the last ``n_new`` keys are read from k_new / v_new and written into the cache
 by the programs of the first row block (the append fused: no separate pass).
-With ``TAIL`` (> 0) one program per row block covers the keys past the last whole TAIL-key tile
-below ``L_b``, the rest being the Gluon forward's (kernels/decode.cache_forward), and merges its
-result into that kernel's output by the logsumexp.
 Scores live in the log2 domain as in the other kernels (conventions: common.py); softcap, ALiBi
 (diagonal offset L_b - Sq) and the sink as in tl/score.py, the sink added once: after the
 combine pass when the keys are split.  STORE_LSE: each row's logsumexp (natural log, without the
-sink) into Lse (B, Hq, Sq), or merged in place into LPart with TAIL.  FULL_LENGTH: every
+sink) into Lse (B, Hq, Sq).  FULL_LENGTH: every
 sequence is the whole cache (L_b = capacity; CacheSeqlens is not read).
 """
 
@@ -84,7 +81,6 @@ def _decode_split(
     HAS_WL: tl.constexpr,
     HAS_WR: tl.constexpr,
     SPLIT: tl.constexpr,
-    TAIL: tl.constexpr,
     APPEND: tl.constexpr,
     BH_AXIS0: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
@@ -117,12 +113,8 @@ def _decode_split(
         seqlen = capacity
     else:  # never past the cache (a length past it is an input error, checked where that is free)
         seqlen = tl.minimum(tl.load(CacheSeqlens + b).to(tl.int32) + n_new, capacity)
-    if TAIL > 0:  # the keys past the Gluon kernel's whole TAIL-key tiles (cache_forward)
-        start = (seqlen // TAIL) * TAIL
-        end = seqlen
-    else:
-        start = split * keys_per_split
-        end = tl.minimum(start + keys_per_split, seqlen)
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, seqlen)
     # the keys any row of this tile may see (queries sit at the end of the sequence)
     diag = qi + seqlen - Sq
     if HAS_WR:
@@ -133,10 +125,7 @@ def _decode_split(
         start = tl.maximum(start, lo_key)
 
     q_ptrs = Q + b64 * sqb + head.to(tl.int64)[:, None] * sqh + qi.to(tl.int64)[:, None] * sqs + offs_d[None, :]
-    q_ok = row_ok
-    if TAIL > 0:  # most programs have no tail key (causal: only the last rows reach it)
-        q_ok = q_ok & (rows * 0 + start < end)
-    q = tl.load(q_ptrs, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -220,7 +209,7 @@ def _decode_split(
         else:
             sink2 = 0.0
         out = acc / tl.where(empty, 1.0, _sink_denominator(l_i, m_i, sink2, HAS_SINKS))[:, None]
-        if STORE_LSE and TAIL == 0:
+        if STORE_LSE:
             tl.store(lse_ptrs, lse2 * LN2_C, mask=row_ok)
     if SPLIT:
         # partials laid out (split, B, Hq, Sq, D) and (split, B, Hq, Sq), contiguous
@@ -230,23 +219,7 @@ def _decode_split(
         tl.store(LPart + part, lse2, mask=row_ok)
     else:
         o_ptrs = Out + b64 * sob + head.to(tl.int64)[:, None] * soh + qi.to(tl.int64)[:, None] * sos + offs_d[None, :]
-        store = row_ok
-        if TAIL > 0:
-            # merge into the Gluon kernel's normalised output and natural-log logsumexp (LPart,
-            # (B, Hq, Sq)); a row the tail does not reach keeps them untouched
-            store = row_ok & (l_i > 0.0)
-            prev = tl.load(o_ptrs, mask=store[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            lse_prev = tl.load(LPart + (b64 * Hq + head) * Sq + qi, mask=store, other=float("-inf")) * LOG2E_C
-            lse_tail = m_i + tl.log2(tl.where(store, l_i, 1.0))
-            top = tl.maximum(lse_prev, lse_tail)
-            top = tl.where(top == float("-inf"), 0.0, top)
-            w_prev = tl.exp2(lse_prev - top)
-            w_tail = tl.exp2(lse_tail - top)
-            total = tl.where(store, w_prev + w_tail, 1.0)
-            out = (prev * w_prev[:, None] + out * w_tail[:, None]) / total[:, None]
-            if STORE_LSE:  # the merged logsumexp, in place
-                tl.store(LPart + (b64 * Hq + head) * Sq + qi, (top + tl.log2(total)) * LN2_C, mask=store)
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=store[:, None] & d_ok[None, :])
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
