@@ -32,6 +32,7 @@ import torch
 from ..caches import register_cache
 from . import guard_graph as _graph
 from . import guard_rows as _rows
+from . import guard_triton as _triton
 from .guard_rows import _chunks, _errors, _gather_dense, _gather_varlen, _reference, _rows_in, _wide_bias
 
 logger = logging.getLogger("attention_dispatch")
@@ -289,6 +290,10 @@ def payload(problem, query, key, value, options: dict, out, rows: int = 8, keep=
     columns = _columns(query, key, options, rows)
     if columns is None:
         return None
+    if query.device.type == "cuda" and _triton.supported(query, key, value, options, out, lse, keep):
+        measured = _triton.payload(query, key, value, options, out, columns)
+        if measured is not None:
+            return measured
     if _graph.capturable(query, key, value, options, len(columns[0]), keep):
         measured = _graph.payload(problem, query, key, value, options, out, lse, columns)
         if measured is not None:
