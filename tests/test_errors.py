@@ -1,5 +1,7 @@
 """Bad input: a clear error naming the argument, what was given and what is allowed."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ CU = torch.tensor([0, 3, 8], dtype=torch.int32)
 PQ, PK, PV = t(8, 4, 16), t(8, 4, 16), t(8, 4, 16)
 
 CASES = [
+    ((Q, K, V, None, 0.0, False, None, False, "top_left"), {}, TypeError, "takes from 3 to 8 positional arguments"),
     (([[1.0]], K, V), {}, TypeError, "query must be a torch.Tensor, got list"),
     ((Q.long(), K.long(), V.long()), {}, TypeError, "query.dtype=int64 is not allowed; allowed: float16"),
     ((Q, K.double(), V), {}, ValueError, "share one dtype, got query=torch.float32, key=torch.float64"),
@@ -140,6 +143,13 @@ def test_bad_input_message(args, kwargs, exc, message):
         with pytest.raises(exc) as err:
             fn(*args, **kwargs)
         assert message in str(err.value), str(err.value)
+
+
+def test_sdpa_shows_and_keeps_explains_signature():
+    """sdpa() declares its options after enable_gqa behind a marker (api._keyword_only_signature)."""
+    sdpa, explain = inspect.signature(ad.sdpa).parameters, inspect.signature(ad.explain).parameters
+    assert list(sdpa.values()) == list(explain.values())
+    assert [p.name for p in sdpa.values() if p.kind is p.KEYWORD_ONLY][0] == "causal"
 
 
 def test_bad_input_raises_before_any_backend_runs():
