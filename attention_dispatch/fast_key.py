@@ -271,22 +271,6 @@ def recent_entry(exact: tuple, decision, runner, query, key, value, attn_mask):
     return head + (scope, loaded, common[16], common[17], common[19])
 
 
-def _options_match(options: tuple, given: tuple) -> bool:
-    """Options equal to an entry's, with the types call_key() accepts (1 == 1.0 == True must not hit)."""
-    dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic, backend = given
-    return (
-        options == given
-        and type(dropout_p) is float
-        and type(is_causal) is bool
-        and type(enable_gqa) is bool
-        and (scale is None or type(scale) is float)
-        and (causal is None or type(causal) is str)
-        and (deterministic is None or type(deterministic) is bool)
-        and (backend is None or type(backend) is str)
-        and (window is None or (type(window) is tuple and type(window[0]) is int and type(window[1]) is int))
-    )
-
-
 def recent_hit(
     entries,
     query,
@@ -304,25 +288,27 @@ def recent_hit(
 ):
     """The entry among ``entries`` (:func:`recent_entry`) whose signature this call has (all
     of call_key's fields equal), else None.  The call has no packed offsets nor features and
-    is not being traced (torch.compiler.is_compiling()).  Host time (issue 35): options that
-    are the entry's own objects (defaults, constants) need no type check, and the dispatch
+    is not being traced (torch.compiler.is_compiling()).  Host time (issue 35): an option that
+    is the entry's own object (a default, a constant) needs no type check, and the dispatch
     state is compared object by object (experiment 91)."""
     has_mask = attn_mask is not None
     for entry in entries:
-        o = entry[2]
-        if entry[1] is not has_mask:
-            continue
+        o = entry[2]  # the entry's options, of the types call_key() accepts: bools and None by identity
         if not (
-            dropout_p is o[0]
+            entry[1] is has_mask
             and is_causal is o[1]
-            and scale is o[2]
             and enable_gqa is o[3]
-            and causal is o[4]
-            and window is o[5]
             and deterministic is o[6]
-            and backend is o[7]
-        ) and not _options_match(o, (dropout_p, is_causal, scale, enable_gqa, causal, window, deterministic, backend)):
-            continue
+            and (dropout_p is o[0] or (type(dropout_p) is float and dropout_p == o[0]))
+            and (scale is o[2] or (type(scale) is float and scale == o[2]))
+            and (causal is o[4] or (type(causal) is str and causal == o[4]))
+            and (backend is o[7] or (type(backend) is str and backend == o[7]))
+            and (
+                window is o[5]
+                or (type(window) is tuple and window == o[5] and type(window[0]) is int and type(window[1]) is int)
+            )
+        ):
+            continue  # another option, or an equal one of another type (1 == 1.0 == True)
         if has_mask:
             if not entry[0](query, key, value, attn_mask):
                 continue

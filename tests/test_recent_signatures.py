@@ -220,3 +220,25 @@ def test_no_recent_entry_is_read_while_export_traces(monkeypatch):
     monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # what torch.export sets
     monkeypatch.setattr(ad.api, "recent_hit", lambda *a: pytest.fail("a recent entry was read while tracing"))
     torch.testing.assert_close(ad.sdpa(q, k, v), F.scaled_dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize(
+    "warm, same, other_type",
+    [
+        ({"dropout_p": 0.0}, {"dropout_p": float("0.0")}, {"dropout_p": 0}),
+        ({"window": (3, 0)}, {"window": tuple([3, 0])}, {"window": (3.0, 0)}),
+        ({"causal": "bottom_right"}, {"causal": "".join(["bottom", "_right"])}, None),
+        ({"backend": "math"}, {"backend": "".join(["ma", "th"])}, None),
+        ({"scale": 1.0}, {"scale": float("1.0")}, {"scale": 1}),
+    ],
+    ids=["dropout_p", "window", "causal", "backend", "scale"],
+)
+def test_an_option_equal_to_the_entrys_hits_and_one_of_another_type_does_not(warm, same, other_type):
+    q, k, v = _qkv()
+    _warm(q, k, v, **warm)
+    name = next(iter(warm))
+    assert same[name] is not warm[name] and same[name] == warm[name]
+    entry = _hit(q, k, v, **same)
+    assert entry is not None and entry[8] == _key(q, k, v, **same)
+    if other_type is not None:
+        assert _hit(q, k, v, **other_type) is None
