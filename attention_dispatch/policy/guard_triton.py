@@ -44,15 +44,16 @@ def payload(query, key, value, options: dict, out, columns) -> torch.Tensor | No
     n = len(columns[0])
     host = torch.tensor([0.0, 0.0, *(x for column in columns for x in column), options["scale"]], dtype=torch.float64)
     buf = host if query.device.type == "cpu" else host.pin_memory().to(query.device, non_blocking=True)
+    scores = torch.empty((2, n, key.shape[2]), dtype=torch.float64, device=query.device)  # the kernel's own
     _, left, right = band(options["causal"], options["window"])
     d, dv = query.shape[-1], value.shape[-1]
     try:
         _guard_check[(n,)](
-            query, key, value, out, buf, buf.view(torch.int64),
+            query, key, value, out, buf, buf.view(torch.int64), scores,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(),
             n, key.shape[2], d, dv,
             HAS_LO=left >= 0, HAS_HI=right >= 0, IS_BF16=query.dtype == torch.bfloat16,
-            BLOCK_N=32, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv),
+            BLOCK_N=64, BLOCK_S=512, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), num_warps=8,
         )  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - a compiler's error: the torch path still checks the call
         _broken.append(repr(exc))
