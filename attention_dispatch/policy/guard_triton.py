@@ -7,6 +7,7 @@ the kernel failed to build (logged once)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -39,8 +40,6 @@ def payload(query, key, value, options: dict, out, columns) -> torch.Tensor | No
     """guard.payload()'s float64 tensor for a supported call (columns: guard_rows.dense_columns'
     host picks): [output error, base, then the rows' batch, head, row]; None if the kernel fails
     to build (then never again in this process)."""
-    from ..kernels.tl.guard_check import _guard_check  # Triton: imported on the first check
-
     n = len(columns[0])
     host = torch.tensor([0.0, 0.0, *(x for column in columns for x in column), options["scale"]], dtype=torch.float64)
     buf = host if query.device.type == "cpu" else host.pin_memory().to(query.device, non_blocking=True)
@@ -48,14 +47,18 @@ def payload(query, key, value, options: dict, out, columns) -> torch.Tensor | No
     _, left, right = band(options["causal"], options["window"])
     d, dv = query.shape[-1], value.shape[-1]
     try:
-        _guard_check[(n,)](
-            query, key, value, out, buf, buf.view(torch.int64), scores,
-            *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-            n, key.shape[2], d, dv,
-            HAS_LO=left >= 0, HAS_HI=right >= 0, IS_BF16=query.dtype == torch.bfloat16,
-            BLOCK_N=64, BLOCK_S=512, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), num_warps=8,
-        )  # fmt: skip
-    except Exception as exc:  # noqa: BLE001 - a compiler's error: the torch path still checks the call
+        from ..kernels.tl.guard_check import _guard_check  # Triton: imported on the first check
+
+        on_device = torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext()
+        with on_device:  # Triton launches on the current device: the call's may be another
+            _guard_check[(n,)](
+                query, key, value, out, buf, buf.view(torch.int64), scores,
+                *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+                n, key.shape[2], d, dv,
+                HAS_LO=left >= 0, HAS_HI=right >= 0, IS_BF16=query.dtype == torch.bfloat16,
+                BLOCK_N=64, BLOCK_S=512, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), num_warps=8,
+            )  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - no Triton, or its compiler's error: the torch path checks the call
         _broken.append(repr(exc))
         logger.warning("numerics guard: its one-kernel check is off (torch ops instead): %s", exc)
         return None
