@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import attention_dispatch as ad  # noqa: E402
-from attention_dispatch.policy import guard  # noqa: E402
+from attention_dispatch.policy import guard, guard_triton  # noqa: E402
 from attention_dispatch.timing import collector_off, lower_quartile, turn_order  # noqa: E402
 from benchmarks.runner import _HostEvent  # noqa: E402
 
@@ -192,6 +192,16 @@ def table(results: list[dict]) -> list[str]:
     return lines
 
 
+def check_path(q, k, v) -> str:
+    """How a sampled check of this row ran: policy/guard_triton.py's one kernel, or torch ops and why."""
+    if guard_triton._broken:
+        return f"torch ops (the one-kernel check failed to build: {guard_triton._broken[0][:120]})"
+    options = dict(attn_mask=None, cu_seqlens_q=None, dropout_p=0.0)
+    if q.device.type == "cuda" and guard_triton.supported(q, k, v, options, q, None, None):
+        return "one Triton kernel (policy/guard_triton.py)"
+    return "torch ops (policy/guard_rows.py: graph or eager)"
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -248,12 +258,13 @@ def main(argv=None) -> list[dict]:
             ms, checks, orders = measure_row(
                 call, args.calls, budget, args.min_rounds, args.max_rounds, f"{args.seed}-{name}", events, sync, draws
             )
-            row = dict(name=name, **summarize(ms, checks), ms=ms, orders=orders)
+            row = dict(name=name, **summarize(ms, checks), ms=ms, orders=orders, check_path=check_path(q, k, v))
             results.append(row)
             pct = "  ".join(f"{m} {row['overhead_pct'][m]['median']:+.2f}%" for m in SHOWN)
             print(f"{name:<32} off {row['off_ms']:.4f} ms  {row['rounds']} rounds  {pct}", flush=True)
     print(f"\n{len(chosen)} rows in {time.perf_counter() - began:.0f} s; {args.calls} calls a turn, checks a turn:")
     print("  " + ", ".join(f"{m} {sorted({c for r in results for c in r['checks_per_turn'][m]})}" for m in MODES))
+    print("  check path: " + "; ".join(sorted({r["check_path"] for r in results})))
     print("\n".join(table(results)))
     print(verdict(results))
     if args.json:
