@@ -13,6 +13,7 @@ import logging
 import torch
 
 from ..semantics import band
+from . import guard_rows as _rows
 
 logger = logging.getLogger("attention_dispatch")
 
@@ -39,8 +40,10 @@ def supported(query, key, value, options: dict, out, lse, keep) -> bool:
 def payload(query, key, value, options: dict, out, columns) -> torch.Tensor | None:
     """guard.payload()'s float64 tensor for a supported call (columns: guard_rows.dense_columns'
     host picks): [output error, base, then the rows' batch, head, row]; None if the kernel fails
-    to build (then never again in this process)."""
+    to build (then never again in this process) or its scores would pass guard_rows.CHUNK_ELEMENTS."""
     n = len(columns[0])
+    if 2 * n * key.shape[2] > _rows.CHUNK_ELEMENTS:  # its scratch of scores: the torch path goes in chunks
+        return None
     host = torch.tensor([0.0, 0.0, *(x for column in columns for x in column), options["scale"]], dtype=torch.float64)
     buf = host if query.device.type == "cpu" else host.pin_memory().to(query.device, non_blocking=True)
     scores = torch.empty((2, n, key.shape[2]), dtype=torch.float64, device=query.device)  # the kernel's own

@@ -54,7 +54,11 @@ def _scores(
         ok = ok & (j >= lo)
     if HAS_HI:
         ok = ok & (j <= hi)
-    k = tl.load(K + k_row + j[:, None] * sks + d[None, :] * skd, mask=(j < Sk)[:, None] & (d < D)[None, :], other=0.0)
+    k = tl.load(
+        K + k_row + j[:, None].to(tl.int64) * sks + d[None, :] * skd,
+        mask=(j < Sk)[:, None] & (d < D)[None, :],
+        other=0.0,
+    )
     k = k.to(tl.float32)
     s64 = tl.sum(k.to(tl.float64) * q64[None, :], 1) * scale  # products exact, summed in float64
     s16 = _rnd(_rnd(tl.sum(k * q32[None, :], 1), IS_BF16) * scale.to(tl.float32), IS_BF16)
@@ -117,7 +121,9 @@ def _guard_check(
         s64 = tl.load(S64 + j, mask=j < Sk, other=float("-inf"))
         s16 = tl.load(S16 + j, mask=j < Sk, other=float("-inf")).to(tl.float32)
         v32 = tl.load(
-            V + v_row + j[:, None] * svs + e[None, :] * svd, mask=(j < Sk)[:, None] & (e < Dv)[None, :], other=0.0
+            V + v_row + j[:, None].to(tl.int64) * svs + e[None, :] * svd,
+            mask=(j < Sk)[:, None] & (e < Dv)[None, :],
+            other=0.0,
         ).to(tl.float32)
         p64 = tl.exp(s64 - m64) / z64
         p16 = _rnd(_rnd(tl.exp(_rnd(s16 - m16, IS_BF16)), IS_BF16) / z16, IS_BF16)
