@@ -194,8 +194,11 @@ def ws_cases():
         for label, const in _ws_variants(2):
             if const["HAS_BIAS"] and cfg.consumers != 2:  # a bias tile's rows: a power of two
                 continue
-            # KV_LENS: a KV-cache call (kernels/decode.cache_forward): no bias, causal or not
-            kv_cache = (False, True) if not const["HAS_BIAS"] and label.split()[0] in ("dense", "causal") else (False,)
+            # KV_LENS: a KV-cache call (kernels/decode.cache_forward; no bias, causal or not) and
+            # ONE_LENGTH: a dense causal call with Sq < Sk (kernels/entry.GLUON_LENGTHS)
+            band = label.split()[0]
+            kv_cache = (0, 1) if not const["HAS_BIAS"] and band in ("dense", "causal") else (0,)
+            kv_cache += (2,) if not const["HAS_BIAS"] and band == "causal" else ()
             for store_lse, kv_lens in [(lse, kv) for kv in kv_cache for lse in (True, False)]:
                 # issue 36's softcap, sinks and ALiBi (not in a KV-cache call) with the logsumexp, each
                 # alone too over (B, H, S, D) rows without a bias
@@ -203,7 +206,9 @@ def ws_cases():
                     yield (
                         d,
                         cfg,
-                        f"ws {name} {label} lse={store_lse}" + (" kv-cache" if kv_lens else "") + _score_label(scores),
+                        f"ws {name} {label} lse={store_lse}"
+                        + ("", " kv-cache", " one-length")[kv_lens]
+                        + _score_label(scores),
                         dict(
                             const,
                             STORE_LSE=store_lse,
@@ -318,7 +323,7 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
             o_desc=desc(wg),
             bias_desc=desc(cfg.consumers * wg, cfg.block_n),
             lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16",
-            kv_lens="*i32" if constexprs["KV_LENS"] else "*bf16",
+            kv_lens="*i32" if constexprs["KV_LENS"] == 1 else "*bf16",
             sinks_ptr="*fp32" if constexprs["HAS_SINKS"] else "*bf16",
             qk_scale="fp32",
             softcap_in="fp32",

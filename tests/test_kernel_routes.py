@@ -44,7 +44,8 @@ def _expected(route, seen) -> list:
         return [("decode_split", False)] + [("decode_combine", False)] * (
             len(seen) > 1 and seen[1][0] == "decode_combine"
         )
-    out = [("fwd_ws", False) if steps["forward"] == "gluon" else ("fwd", False)]
+    # "gluon" or "gluon one-length" (a causal call with Sq < Sk): the same kernel
+    out = [("fwd_ws", False) if steps["forward"].startswith("gluon") else ("fwd", False)]
     if "dK/dV" not in steps:
         return out
     out.append(("bwd_preprocess", False))

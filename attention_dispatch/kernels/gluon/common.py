@@ -48,6 +48,11 @@ LOG2E = gl.constexpr(1.4426950408889634)
 # Rows per consumer warpgroup (one wgmma M): a program covers 2 * WG_ROWS query rows (forward,
 # dQ) or keys (dK/dV); the dK/dV pass streams WG_ROWS-row query tiles.  The launcher reads it.
 WG_ROWS = gl.constexpr(64)
+# The forward's KV_LENS modes (0: every key of a dense call): LENS_TENSOR, sequence b's keys the
+# first kv_lens[b] + n_new (a KV cache); ONE_LENGTH, every sequence's the first n_new (a dense
+# causal call with Sq < Sk: no lengths tensor to allocate or read).  The launcher reads them.
+LENS_TENSOR = gl.constexpr(1)
+ONE_LENGTH = gl.constexpr(2)
 
 
 @_builtin
@@ -149,15 +154,19 @@ def _cache_tiles(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     NUM_WG: gl.constexpr,
+    KV_LENS: gl.constexpr,
 ):
     """:func:`_kv_tiles` of a KV-cache call (KV_LENS; no window, causal or not): sequence ``b``
-    attends to its first L = kv_lens[b] + n_new keys of the cache, its Sq queries at their end
-    (query i's diagonal is key i + L - Sq).  The key tiles up to L's, the last one partial: its
+    attends to its first L = kv_lens[b] + n_new keys of the cache (ONE_LENGTH: L = n_new, no
+    tensor read), its Sq queries at their end (query i's diagonal is key i + L - Sq).  The key tiles up to L's, the last one partial: its
     keys from L on are masked (causal: every diagonal is below L; else the consumer masks them,
     forward.py) and their V rows zeroed in shared memory (forward_softmax._zero_v_rows): past L
     the cache holds anything, NaN included.  Returns (first, n_tiles, n_full, L - Sq), n_full:
     the tiles no key of which is masked for any row."""
-    seq_len = gl.minimum(gl.load(kv_lens + b) + n_new, capacity)
+    if KV_LENS == ONE_LENGTH:
+        seq_len = n_new
+    else:
+        seq_len = gl.minimum(gl.load(kv_lens + b) + n_new, capacity)
     diag = seq_len - seq_q
     n_tiles = gl.cdiv(seq_len, BLOCK_N)
     n_full = seq_len // BLOCK_N

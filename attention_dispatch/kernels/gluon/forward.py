@@ -6,6 +6,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from .common import (
+    LENS_TENSOR,
     LN2,
     LOG2E,
     WG_ROWS,
@@ -81,7 +82,7 @@ def _ws_loader(
     if KV_LENS:
         b = pid_bh // num_heads
         first, n_tiles, _, _ = _cache_tiles(
-            pid_m, kv_lens, n_new, b, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG
+            pid_m, kv_lens, n_new, b, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG, KV_LENS
         )
     else:
         first, n_tiles, _ = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG)
@@ -179,6 +180,7 @@ def _ws_consumer(
             BLOCK_M,
             BLOCK_N,
             NUM_WG,
+            KV_LENS,
         )
     else:
         first, n_tiles, n_full = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG)
@@ -187,8 +189,9 @@ def _ws_consumer(
     rows = q_start + diag + gl.arange(0, BLOCK_M, row_s)
     # a bias can mask a whole tile, and so can a window's left bound (the second warpgroup's
     # rows start past the program's first key tile), and a cache shorter than Sq all of a row's
-    # keys: the running max may still be -inf
-    MAY_EMPTY: gl.constexpr = HAS_BIAS or WINDOW_LEFT >= 0 or KV_LENS
+    # keys: the running max may still be -inf (ONE_LENGTH: L >= Sq, every row sees key 0)
+    LENS: gl.constexpr = KV_LENS == LENS_TENSOR
+    MAY_EMPTY: gl.constexpr = HAS_BIAS or WINDOW_LEFT >= 0 or LENS
     mbarrier.wait(q_bar.index(WG), 0)
     alibi_slope = 0.0
     if HAS_ALIBI:
@@ -262,7 +265,7 @@ def _ws_consumer(
             HAS_ALIBI,
         )
 
-    if HAS_BIAS or KV_LENS:  # a row with no allowed key: output 0, logsumexp -inf
+    if HAS_BIAS or LENS:  # a row with no allowed key: output 0, logsumexp -inf
         empty = l_i == 0.0
         l_i = gl.where(empty, 1.0, l_i)
         m_i = gl.where(empty, float("-inf"), m_i)
@@ -270,7 +273,7 @@ def _ws_consumer(
     if HAS_SINKS:  # the sink's 2^(sink - max) (log2 domain): in the denominator, not in the logsumexp
         sink2 = gl.load(sinks_ptr + pid_bh % num_heads).to(gl.float32) * LOG2E
         denominator = l_i + gl.exp2(sink2 - gl.where(m_i == float("-inf"), sink2, m_i))
-        if HAS_BIAS or KV_LENS:
+        if HAS_BIAS or LENS:
             denominator = gl.where(empty, 1.0, denominator)
     acc = acc / gl.convert_layout(denominator, row_o)[:, None]
     # with three warpgroups (Sq a multiple of 64, not of 192) the last program's last ones can
@@ -333,7 +336,8 @@ def _attn_fwd_ws(
     HAS_SINKS: the head's sink (``sinks_ptr``, (Hq,)) joins each row's denominator, not its
     logsumexp (not with KV_LENS: gluon/route.score_features_reason); HAS_ALIBI: minus
     ``slope[b, h] * |i + alibi_off - j|`` (``alibi_ptr`` fp32 (B, Hq), strides alibi_sb / alibi_sh;
-    not with KV_LENS)."""
+    not with KV_LENS).  KV_LENS: 0 (every key), LENS_TENSOR or ONE_LENGTH (common.py; ``kv_lens``,
+    ``n_new``: the keys each sequence reads, its queries aligned to their end)."""
     BLOCK_M: gl.constexpr = WG_ROWS  # noqa: F841 - the tile height the docstring names
     gl.static_assert(NUM_WG == 2 or (NUM_WG == 3 and not HAS_BIAS))
     q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES, NUM_WG)

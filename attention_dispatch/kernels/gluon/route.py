@@ -48,6 +48,17 @@ def gluon_reason() -> str | None:
 WS_MIN_WINDOW = 1024
 
 
+def one_length(params: KernelParams, prob: KernelShapes) -> int | None:
+    """The keys every sequence reads when the Gluon forward computes this call in its ONE_LENGTH
+    mode (gluon/launch.forward's int kv_lens: the KV-cache mode's bottom-right causal mask,
+    the keys past them in the last tile masked): Sk for causal aligned bottom-right with
+    Sq < Sk, Sq for top-left (no row sees a key past Sq - 1); None for any other call."""
+    causal = params.window_left < 0 and params.window_right == 0
+    if not causal or prob.Sq >= prob.Sk:
+        return None
+    return prob.Sk if params.align_bottom_right else prob.Sq
+
+
 def ws_forward_reason(
     prob: KernelShapes,
     bias_reason: str | None,
@@ -57,13 +68,16 @@ def ws_forward_reason(
     uses_descriptors: bool,
     q_rows: int,
     kv_rows: int,
+    lengths: bool = False,
 ) -> str | None:
     """None when the warp-specialised sm90 kernels (forward, dK/dV, dQ; the forward only where
     :func:`ws_forward_serves` says) compute this call, else why not (one line).
     ``bias_reason``: :func:`ws_bias_reason` of the call's bias; ``uses_descriptors``:
     :func:`use_descriptors` of q, k, v; ``q_rows`` / ``kv_rows``: :func:`rows_layout` of q and
-    of (k, v)."""
+    of (k, v); ``lengths``: the forward asks, which also computes causal calls with Sq < Sk
+    (:func:`one_length`; the backward passes do not)."""
     banded = params.window_left >= 0 or params.window_right >= 0
+    keys = one_length(params, prob) if lengths else None
     cfg = C.WS_FWD_CONFIGS.get(prob.Dqk)
     gluon = gluon_reason()
     if gluon is not None:
@@ -82,7 +96,9 @@ def ws_forward_reason(
         return bias_reason
     if params.dropout_p > 0:
         return "dropout: not in the warp-specialised kernels"
-    if banded and prob.Sq != prob.Sk:
+    if banded and prob.Sq != prob.Sk and keys is None:
+        if lengths:
+            return "window, or causal with Sq > Sk: with Sq != Sk the Gluon forward takes causal with Sq < Sk only"
         return "window or causal with Sq != Sk: banded calls with Sq == Sk only"
     width = (
         math.inf if params.window_left < 0 or params.window_right < 0 else params.window_left + params.window_right + 1
@@ -97,14 +113,16 @@ def ws_forward_reason(
     if params.block_m or params.block_n:
         return "tiles forced by the call's parameters"
     # a program's rows (forward, dQ) and keys (dK/dV), and the forward's key tile, cover whole heads
-    rows, keys = 2 * WG_ROWS, math.lcm(2 * WG_ROWS, cfg.block_n)
-    if prob.Sq % rows or prob.Sk % keys:
-        return f"Sq={prob.Sq}, Sk={prob.Sk}: multiples of {rows} and {keys} only"
+    rows, tile = 2 * WG_ROWS, math.lcm(2 * WG_ROWS, cfg.block_n)
+    if keys is not None and prob.Sq % rows:  # the last key tile is masked past the length
+        return f"Sq={prob.Sq}: a multiple of {rows} only (causal with Sq < Sk)"
+    if keys is None and (prob.Sq % rows or prob.Sk % tile):
+        return f"Sq={prob.Sq}, Sk={prob.Sk}: multiples of {rows} and {tile} only"
     if q_rows == 0 or kv_rows == 0:
         return "memory layout: query and key/value each (B, H, S, D) or (B, S, H, D) contiguous"
-    if prob.B * prob.Hq > grid_limit(params) or prob.B * prob.Hq * prob.Sq >= 2**31:
+    if prob.B * prob.Hq > grid_limit(params) or max(prob.B * prob.Hq * prob.Sq, prob.B * prob.Hkv * prob.Sk) >= 2**31:
         return "grid or row count past the kernel's 32-bit limits"
-    if prob.B * prob.Hq * prob.Sq * prob.Sk * prob.Dqk < WS_MIN_WORK:
+    if prob.B * prob.Hq * prob.Sq * (keys or prob.Sk) * prob.Dqk < WS_MIN_WORK:
         return f"below WS_MIN_WORK ({WS_MIN_WORK} query-key-dim products): the host descriptors cost more"
     return None
 
@@ -116,18 +134,20 @@ ALIBI_MAX_SEQ = 1 << 21
 def score_features_reason(
     params: KernelParams, has_alibi: bool, has_sinks: bool, part: str, longest: int = 0
 ) -> str | None:
-    """Why the Gluon ``part`` ("forward", "backward" or "cache forward" (the KV-cache one,
-    kernels/decode.cache_forward)) cannot take a call's score transforms, or None
-    (``longest``: the longer of Sq and Sk).  The forward and the backward compute the softcap and
-    ALiBi (common._score_transform); the backward reads the sink only through the logsumexp and
-    delta that the tl delta pass prepares, so sinks (and a logsumexp gradient) pass there."""
-    if params.softcap > 0 and part == "cache forward":
+    """Why the Gluon ``part`` ("forward", "backward", "cache forward" (the KV-cache one,
+    kernels/decode.cache_forward) or "one-length forward" (:func:`one_length`'s calls)) cannot
+    take a call's score transforms, or None (``longest``: the longer of Sq and Sk).  The forward
+    and the backward compute the softcap and ALiBi (common._score_transform); the backward reads
+    the sink only through the logsumexp and delta that the tl delta pass prepares, so sinks (and
+    a logsumexp gradient) pass there.  The forward's key-length modes take none of them."""
+    lengths = part in ("cache forward", "one-length forward")
+    if params.softcap > 0 and lengths:
         return f"softcap: not in the Gluon {part}"
-    if has_alibi and part == "cache forward":
+    if has_alibi and lengths:
         return f"alibi_slopes: not in the Gluon {part}"
     if has_alibi and longest >= ALIBI_MAX_SEQ:
         return f"alibi_slopes with {longest} keys or queries: the Gluon kernels' distances stay below {ALIBI_MAX_SEQ}"
-    if has_sinks and part == "cache forward":
+    if has_sinks and lengths:
         return f"sinks: not in the Gluon {part}"
     return None
 
@@ -141,13 +161,16 @@ def ws_reason(
     prob: KernelShapes,
     uses_descriptors: bool,
     q_strided: bool = False,
+    lengths: bool = False,
 ) -> tuple[str | None, tuple[int, int] | None]:
     """(None, (q rows layout, k/v rows layout)) when the Gluon kernels can compute this call
-    (:func:`ws_forward_reason`), else (why not, None).  ``bias_reason``: :func:`ws_bias_reason`
-    of the call's bias; ``uses_descriptors``: :func:`use_descriptors` of the call's tensors;
-    ``q_strided``: q may be a slice of a longer tensor's rows (the backward passes take it)."""
+    (:func:`ws_forward_reason`, ``lengths`` as there), else (why not, None).  ``bias_reason``:
+    :func:`ws_bias_reason` of the call's bias; ``uses_descriptors``: :func:`use_descriptors` of
+    the call's tensors; ``q_strided``: q may be a slice of a longer tensor's rows (the backward
+    passes take it)."""
     rows = (rows_layout(q, strided=q_strided), rows_layout(k, v)) if uses_descriptors else (0, 0)
-    reason = ws_forward_reason(prob, bias_reason, params, q.dtype, device_info(q.device)[0], uses_descriptors, *rows)
+    cc = device_info(q.device)[0]
+    reason = ws_forward_reason(prob, bias_reason, params, q.dtype, cc, uses_descriptors, *rows, lengths=lengths)
     return reason, (None if reason else rows)
 
 
