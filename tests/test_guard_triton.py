@@ -51,9 +51,11 @@ def test_the_kernel_measures_what_the_torch_path_measures(case, strided):
     assert guard_triton.supported(call.query, call.key, call.value, call.options, out, None, None)
     kernel, torch_path = _both(call, out)
     assert torch.equal(kernel[2:], torch_path[2:])  # the same rows
-    # the error against float64 alike; the base (the input dtype's steps) up to float32 summation order
+    # the error against float64 alike; the base (the input dtype's steps) is a max over roundings that
+    # another float32 summation order moves entry by entry: within the rule's factor 2 either way
     torch.testing.assert_close(kernel[0], torch_path[0], rtol=1e-6, atol=1e-12)
-    torch.testing.assert_close(kernel[1], torch_path[1], rtol=0.05, atol=1e-7)
+    base, torch_base = kernel[1].item(), torch_path[1].item()
+    assert torch_base / 2 - 1e-7 <= base <= 2 * torch_base + 1e-7, (base, torch_base)
     assert guard._read(kernel.tolist(), case.dtype, 2.0, False) is None
 
 
