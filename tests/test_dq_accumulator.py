@@ -136,9 +136,10 @@ def test_a_wrong_accumulator_is_refused_naming_it(backend):
 
 @pytest.mark.skipif(not INTERPRET, reason="the triton kernels under the interpreter (TRITON_INTERPRET=1)")
 def test_merged_backward_allocates_less_than_a_float32_dq_per_block():
-    """2 gloo ranks, S = 256: each rank's backward peaks at ~5.06 / 5.06 local query shards (a
+    """2 gloo ranks, S = 256: each rank's backward peaks at ~4.25 / 4.56 local query shards (a
     float32 dQ per block cast and added into a bf16 one, and the own keys' gradients in flight
-    during the second step: 7.56 / 8.06; rank 0's whole-row q and dout copies: 6.06)."""
+    during the second step: 7.56 / 8.06; rank 0's whole-row q and dout copies: 6.06; the last
+    block's dk/dv new and the other rank's key gradients received whole: 5.06 / 5.06)."""
     import torch.multiprocessing as mp
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -150,7 +151,7 @@ def test_merged_backward_allocates_less_than_a_float32_dq_per_block():
         init = f"file://{os.path.join(tmp, 'rendezvous')}"
         mp.spawn(cp_memory._worker, args=(2, 256, "triton", init, queue), nprocs=2, join=True)
     peaks = dict((rank, peak) for rank, peak, _ in (queue.get() for _ in range(2)))
-    assert peaks[0] <= 5.1 and peaks[1] <= 5.1, peaks
+    assert peaks[0] <= 4.3 and peaks[1] <= 4.6, peaks
 
 
 @pytest.mark.gpu

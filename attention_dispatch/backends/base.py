@@ -81,7 +81,21 @@ class Capabilities:
     # run_backward(dq_accumulator=): the query's gradient added, unrounded, into a given tensor
     # of the lse dtype (a rank's sum over its blocks) instead of returned
     backward_dq_accumulator: bool = False
+    # run_backward(dkv_out=): dk and dv written into given tensors, which may be the key and value
+    # themselves (a ring's received keys, read no more: no new buffers for their gradients)
+    backward_dkv_out: bool = False
     notes: str = ""  # free text for `info`, never used to decide
+
+    def _backward_extras(self) -> str:
+        extras = [
+            n
+            for n, on in (
+                ("dq accumulator", self.backward_dq_accumulator),
+                ("dk/dv into given tensors", self.backward_dkv_out),
+            )
+            if on
+        ]
+        return f" ({', '.join(extras)})" if extras else ""
 
     def paged_block_sizes(self) -> str:
         """The block sizes a paged cache may have, in words ("powers of two >= 16")."""
@@ -157,7 +171,7 @@ class Capabilities:
             ),
             (
                 "backward from out/lse",
-                yes(self.backward_from_output) + (" (dq accumulator)" if self.backward_dq_accumulator else ""),
+                yes(self.backward_from_output) + self._backward_extras(),
             ),
         ]
 
@@ -273,6 +287,27 @@ def check_dq_accumulator(acc, query) -> None:
         )
 
 
+def check_dkv_out(dkv_out, key, value) -> None:
+    """run_backward()'s ``dkv_out``: None or (dk, dv) of the key's and value's shapes, dtypes and
+    device, each the key/value itself or memory shared with neither."""
+    if dkv_out is None:
+        return
+    if not isinstance(dkv_out, (tuple, list)) or len(dkv_out) != 2:
+        raise ValueError(f"run_backward: dkv_out must be a pair (dk, dv) of tensors, got {type(dkv_out).__name__}")
+    for name, out, t, other in (("dk", dkv_out[0], key, value), ("dv", dkv_out[1], value, key)):
+        if out.dtype != t.dtype or out.shape != t.shape or out.device != t.device or out.stride(-1) != 1:
+            raise ValueError(
+                f"run_backward: dkv_out's {name} must be {t.dtype} of shape {tuple(t.shape)} on {t.device} with a "
+                f"contiguous last dim, got {out.dtype} {tuple(out.shape)} strides {tuple(out.stride())} on {out.device}"
+            )
+        same = out.data_ptr() == t.data_ptr() and out.stride() == t.stride()
+        shared = {x.untyped_storage().data_ptr() for x in (t, other)}
+        if out.numel() and not same and out.untyped_storage().data_ptr() in shared:
+            raise ValueError(
+                f"run_backward: dkv_out's {name} shares memory with the key or value without being that tensor"
+            )
+
+
 def _unequal_lengths(p: Problem) -> str:
     if p.layout == "varlen":
         return "varlen"
@@ -351,7 +386,9 @@ class Backend:
         """Compute the call; options are the normalised arguments (DESIGN.md section 4)."""
         raise NotImplementedError(f"backend {self.name!r} does not implement run()")
 
-    def run_backward(self, query, key, value, out, lse, grad_out, grad_lse, dq_accumulator=None, **options):
+    def run_backward(
+        self, query, key, value, out, lse, grad_out, grad_lse, dq_accumulator=None, dkv_out=None, **options
+    ):
         """(dq, dk, dv) of a dense call (``options`` as run() took them; no sinks, no mask gradient)
         whose probabilities are ``exp(s - lse)`` for a given ``lse`` (B, Hq, Sq) (lse dtype) and
         output ``out`` (B, Hq, Sq, Dv): dS = P (dO V^T - rowsum(dO out) + grad_lse), with ``grad_out``
@@ -360,7 +397,9 @@ class Backend:
         under the forward's dropout_stream.positioned() scope. Only for a backend declaring
         ``Capabilities.backward_from_output``. ``dq_accumulator`` (declared by
         ``Capabilities.backward_dq_accumulator``): a tensor of the query's shape in the lse dtype
-        that dq is added into (then dq is None)."""
+        that dq is added into (then dq is None). ``dkv_out`` (declared by
+        ``Capabilities.backward_dkv_out``): (dk, dv) tensors the gradients are written into and
+        returned as, each the key/value itself (read no more by the caller) or separate memory."""
         raise NotImplementedError(f"backend {self.name!r} does not implement run_backward()")
 
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):

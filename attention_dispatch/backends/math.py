@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from ..dropout_stream import DropoutStream, current, draw_seed, keep_mask
 from ..features import lse_dtype
 from ..semantics import band
-from .base import Backend, Capabilities, check_backward_options, check_dq_accumulator
+from .base import Backend, Capabilities, check_backward_options, check_dkv_out, check_dq_accumulator
 
 # Elements of one chunk's score block (B * Hq * rows * Sk): 2**24 fp32 is 64 MiB.
 CHUNK_ELEMENTS = 1 << 24
@@ -371,6 +371,7 @@ class MathBackend(Backend):
         dropout_positions=True,
         backward_from_output=True,
         backward_dq_accumulator=True,
+        backward_dkv_out=True,
         notes="reference; query-chunked, bounded memory; the test oracle in float64",
     )
 
@@ -380,13 +381,17 @@ class MathBackend(Backend):
     def run(self, query, key, value, **options):
         return math_attention(query, key, value, **options)
 
-    def run_backward(self, query, key, value, out, lse, grad_out, grad_lse, dq_accumulator=None, **options):
+    def run_backward(
+        self, query, key, value, out, lse, grad_out, grad_lse, dq_accumulator=None, dkv_out=None, **options
+    ):
         """Base.run_backward's gradients by autograd through this call recomputed, (out_b, lse_b):
         with w = exp(lse_b - lse), exp(s - lse) = w exp(s - lse_b), so the given lse's dS is the
         call's backward for d out_b = w dO and d lse_b = w (rowsum(dO out_b) - rowsum(dO out) + grad_lse);
-        dq added into ``dq_accumulator`` where given."""
+        dq added into ``dq_accumulator``, dk/dv copied into ``dkv_out`` (after autograd read the keys)
+        where given."""
         check_backward_options(options)
         check_dq_accumulator(dq_accumulator, query)
+        check_dkv_out(dkv_out, key, value)
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_() for t in (query, key, value)]
             out_b, lse_b = math_attention(*leaves, **dict(options, return_lse=True))
@@ -397,6 +402,8 @@ class MathBackend(Backend):
             inner = (dout * out_b.detach().to(compute)).sum(-1)
             grads = ((weight.unsqueeze(-1) * dout).to(out_b.dtype), weight * (inner - delta))
             dq, dk, dv = torch.autograd.grad((out_b, lse_b), leaves, grads, materialize_grads=True)
+        if dkv_out is not None:
+            dk, dv = dkv_out[0].copy_(dk), dkv_out[1].copy_(dv)
         if dq_accumulator is None:
             return dq, dk, dv
         dq_accumulator.add_(dq)

@@ -20,7 +20,7 @@ from ..dropout_stream import current
 from ..problem import KV_LAYOUTS, Problem
 from ..route import Route, RouteStep
 from ..semantics import band
-from .base import Backend, Capabilities, check_backward_options, check_dq_accumulator
+from .base import Backend, Capabilities, check_backward_options, check_dkv_out, check_dq_accumulator
 
 
 def _interpreting() -> bool:
@@ -92,6 +92,7 @@ class TritonBackend(Backend):
             # kernels.attention_backward reads the output and logsumexp it is given
             backward_from_output=True,
             backward_dq_accumulator=True,
+            backward_dkv_out=True,
             notes="this project's kernel; CPU only under TRITON_INTERPRET=1",
         )
 
@@ -336,14 +337,17 @@ class TritonBackend(Backend):
             return result[0], result[1].transpose(0, 1)
         return result
 
-    def run_backward(self, query, key, value, out, lse, grad_out, grad_lse, dq_accumulator=None, **options):
+    def run_backward(
+        self, query, key, value, out, lse, grad_out, grad_lse, dq_accumulator=None, dkv_out=None, **options
+    ):
         """Base.run_backward: the kernels' backward (kernels.attention_backward) with the given
         output and logsumexp (its delta pass reads them and grad_lse), no bias gradient; dq
-        added into ``dq_accumulator`` by the kernels where given."""
+        added into ``dq_accumulator`` and dk/dv written into ``dkv_out`` by the kernels where given."""
         from ..kernels import attention_backward
 
         check_backward_options(options)
         check_dq_accumulator(dq_accumulator, query)
+        check_dkv_out(dkv_out, key, value)
         dense = dict(options, cu_seqlens_q=None)
         stream = self._dropout_stream(query, key, dense)
         if options.get("dropout_p", 0) > 0 and stream is None:
@@ -365,6 +369,8 @@ class TritonBackend(Backend):
             alibi=self._score_tensors(query, dense)["alibi"],
             grad_lse=grad_lse,
             dq_accumulator=dq_accumulator,
+            dk_out=None if dkv_out is None else dkv_out[0],
+            dv_out=None if dkv_out is None else dkv_out[1],
         )
         return dq, dk, dv
 

@@ -133,6 +133,30 @@ def start_shift(tensors, group, rank: int, world: int, backwards: bool = False) 
     return received, pending
 
 
+def swap_add(into, sends, group, rank: int, world: int, pieces: int = 2) -> None:
+    """Two ranks: ``into[i] +=`` the other rank's ``sends[i]`` (shaped as ``into[i]``) while
+    ``sends`` go to it, ``pieces`` pieces per tensor one after the other, each received into the
+    memory of the piece sent before it (the first into a new one): one piece's buffer more instead
+    of a copy of ``sends``, which are overwritten. Pieces by element count alone: both ranks cut
+    alike, whatever the strides."""
+    whole = [t if t.is_contiguous() else t.contiguous() for t in into]
+    sends = [t.contiguous() for t in sends]
+    peer = _global(group, (rank + 1) % world)
+    chunks = [(a, b) for t, s in zip(whole, sends) for a, b in zip(t.view(-1).chunk(pieces), s.view(-1).chunk(pieces))]
+    sent = None  # the piece sent last: its memory is free once its send completed
+    for own, send in chunks:  # the other rank's piece is shaped as this rank's (its sends: these keys')
+        n = own.numel()
+        recv = sent[:n] if sent is not None and sent.numel() >= n else torch.empty_like(own)
+        ops = [dist.P2POp(dist.isend, send, peer, group), dist.P2POp(dist.irecv, recv, peer, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        own.add_(recv)
+        sent = send
+    for t, w in zip(into, whole):
+        if w is not t:
+            t.copy_(w)
+
+
 def start_all_gather(tensors, group, pending: Pending) -> list[list[torch.Tensor]]:
     """all_gather_tensors without autograd, asynchronous: read after ``pending.wait()``."""
     world = dist.get_world_size(group)

@@ -24,21 +24,32 @@ from .steps import Setup, block_args, block_pairs, run_forward
 
 def _place(total, part, index, shape, spare=None):
     """total[index] += part, total made on first use: ``part`` itself where it covers ``shape``
-    (no zero fill), else ``spare`` (a buffer of ``shape`` no longer read) or new, zeroed."""
+    (no zero fill), else ``spare`` (a buffer of ``shape`` no longer read; ``part`` may already be
+    its ``index`` rows: then only the rest is zeroed) or new, zeroed."""
     if part is None:
         return total
     if total is None:
         if tuple(part.shape) == tuple(shape):
             return part
-        total = part.new_zeros(shape) if spare is None else spare.zero_()
+        if spare is None:
+            total = part.new_zeros(shape)
+        else:
+            rows = spare[index]
+            if part.data_ptr() == rows.data_ptr() and part.stride() == rows.stride():
+                spare[..., : index[-1].start, :].zero_()
+                spare[..., index[-1].stop :, :].zero_()
+                return spare
+            total = spare.zero_()
     total[index].add_(part)
     return total
 
 
-def _block_backward(setup: Setup, backend: str, q_parts, k_parts, k, v, saved, dq):
+def _block_backward(setup: Setup, backend: str, q_parts, k_parts, k, v, saved, dq, overwrite=False):
     """(dq of the block's rows or None where added into ``dq``, the rank's accumulator (lse
     dtype) or not needed, dk, dv of its keys) from the block's backend, or None when the block
-    holds no allowed pair."""
+    holds no allowed pair. ``overwrite``: k and v are read no more after this block; a backend
+    declaring ``Capabilities.backward_dkv_out`` writes the block's dk/dv into the keys it read
+    (a view of k/v, or the copy block_args made)."""
     q, mask, out, lse, dout, dlse = saved
     rows, keys = slice(*span(q_parts)), slice(*span(k_parts))
     # q and dout rows where they lie: the kernels' backward passes read a slice of the shard's rows
@@ -49,6 +60,7 @@ def _block_backward(setup: Setup, backend: str, q_parts, k_parts, k, v, saved, d
     options = {n: a for n, a in setup.sdpa_args.items() if n != "backend"}
     chosen = registry.get_backend(backend)
     into = dq is not None and chosen.capabilities.backward_dq_accumulator
+    in_place = overwrite and chosen.capabilities.backward_dkv_out
     with scope:  # the block's dropout stream, as in the forward
         call = normalize_call(q_b, k_b, v_b, attn_mask, setup.dropout_p, causal=causal, window=window, **options)
         grads = chosen.run_backward(
@@ -60,6 +72,7 @@ def _block_backward(setup: Setup, backend: str, q_parts, k_parts, k, v, saved, d
             dout[:, :, rows],
             None if dlse is None else dlse[:, :, rows],
             **({"dq_accumulator": dq[:, :, rows]} if into else {}),
+            **({"dkv_out": (call.key, call.value)} if in_place else {}),
             **call.options,
         )
     if dq is not None and not into:
@@ -97,10 +110,11 @@ class _MergedAttention(torch.autograd.Function):
             blocks = [(q_parts, k_parts) for q_parts, k_parts in block_pairs(setup, source)]
             blocks = [(b, served[(source, *b)]) for b in blocks if (source, *b) in served]
             for i, ((q_parts, k_parts), backend) in enumerate(blocks):
-                grads = _block_backward(setup, backend, q_parts, k_parts, k, v, saved, dq)
-                keys = (slice(None), slice(None), slice(*span(k_parts)))
+                last = spare is not None and i == len(blocks) - 1
                 # the keys' buffers may hold their gradients once the source's last block read them
-                kept = spare if spare is not None and i == len(blocks) - 1 else (None, None)
+                grads = _block_backward(setup, backend, q_parts, k_parts, k, v, saved, dq, overwrite=last)
+                keys = (slice(None), slice(None), slice(*span(k_parts)))
+                kept = spare if last else (None, None)
                 dk = _place(dk, grads[1] if need[1] else None, keys, k.shape, kept[0])
                 dv = _place(dv, grads[2] if need[2] else None, keys, v.shape, kept[1])
             # every source sends a gradient for each needed tensor, zeros where no block read its keys

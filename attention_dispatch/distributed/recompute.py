@@ -118,7 +118,8 @@ def ring_backward(setup: Setup, k, v, source_grads):
     """The keys go round again (W - 1 shifts), their gradients with them one step behind (W
     shifts: after the last, each rank holds its own keys' gradients summed over every rank). On
     two ranks a rank's own keys' gradients stay here and the other rank's part comes back once,
-    after the last step: one shift, and no gradient buffer in flight during that step.
+    after the last step, in pieces (exchange.swap_add: one piece's buffer, not a whole copy), and
+    no gradient buffer is in flight during that step.
     ``source_grads(source, k, v, spare)``: the gradients of source's keys from this rank's blocks;
     ``spare``: None, or the received k and v, not read again once its blocks ran (their buffers
     may hold the gradients)."""
@@ -137,6 +138,9 @@ def ring_backward(setup: Setup, k, v, source_grads):
             grads = [g.add_(t) for g, t in zip(grads, travelling)]
         if home and step == 0:
             own = grads
+        elif home and own:  # the other rank's part of this rank's keys' gradients, piece by piece
+            _exchange.swap_add(own, grads, group, rank, world)
+            travelling = None
         elif grads and world > 1:
             travelling, pending_grads = _exchange.start_shift(grads, group, rank, world)
         elif grads:
@@ -147,8 +151,8 @@ def ring_backward(setup: Setup, k, v, source_grads):
             k, v, next_k, next_v = next_k, next_v, None, None
     if pending_grads is not None:
         pending_grads.wait()
-    if own:  # two ranks: the other rank's part of this rank's keys' gradients came back
-        return [g.add_(t) for g, t in zip(own, travelling)]
+    if own:  # two ranks: the other rank's part of this rank's keys' gradients was added
+        return own
     return travelling or []
 
 

@@ -21,12 +21,23 @@ from .decode_plan import DecodePlan, plan_for
 from .device import use_descriptors
 from .dropout import STREAM_LEN, draw_stream
 from .gluon import launch as gluon_launch
-from .gluon.route import forward_scope_reason, fuse_dq_reason, score_features_reason, ws_backward_reason, ws_reason
+from .gluon.route import (
+    forward_scope_reason,
+    fuse_dq_reason,
+    one_length,
+    score_features_reason,
+    ws_backward_reason,
+    ws_reason,
+)
 from .params import KernelParams
 from .shapes import KernelShapes, check_inputs, last_dim_contiguous, store_dtype
 from .tl import launch as tl_launch
 
 GLUON, TL, FUSED = "gluon", "tl", "fused"  # FUSED: dQ computed inside the Gluon dK/dV pass
+# The Gluon forward in its ONE_LENGTH mode: a causal call with Sq < Sk, each sequence's keys read
+# up to gluon.route.one_length (0.415 ms against the tl forward's 0.513 on the H100: q (4, 32,
+# 512, 128) bf16 over 8704 keys, GQA 32/8, bottom-right; issues 34/35)
+GLUON_LENGTHS = "gluon one-length"
 DECODE = "decode"  # the KV-cache decode kernel (tl/decode.py) over the whole key range
 
 # Inference calls with at most this many query rows per kv head (GQA group x Sq: one row tile of
@@ -37,9 +48,9 @@ DECODE_MIN_KEYS = 512
 
 
 class ForwardRoute(NamedTuple):
-    """The forward's kernel (DECODE, GLUON or TL), why not the Gluon one (None when it runs), the
-    Gluon kernel's (q rows layout, k/v rows layout), and why not the decode kernel for a call
-    shaped like decode (few query rows per kv head) that does not take it."""
+    """The forward's kernel (DECODE, GLUON, GLUON_LENGTHS or TL), why not the Gluon one (None when
+    it runs), the Gluon kernel's (q rows layout, k/v rows layout), and why not the decode kernel
+    for a call shaped like decode (few query rows per kv head) that does not take it."""
 
     kernel: str
     why_not_gluon: str | None
@@ -129,14 +140,20 @@ def forward_route(
         not_decode = None  # not shaped like decode: nothing to report
     if store_dtype(q.dtype) != q.dtype:  # the interpreter writes bf16 as fp32 (no Gluon there)
         return ForwardRoute(TL, "the CPU interpreter writes bfloat16 results as float32", None, not_decode)
-    score_reason = score_features_reason(params, alibi is not None, sinks is not None, "forward", max(prob.Sq, prob.Sk))
+    lengths = one_length(params, prob) is not None
+    part = "one-length forward" if lengths else "forward"
+    score_reason = score_features_reason(params, alibi is not None, sinks is not None, part, max(prob.Sq, prob.Sk))
+    if score_reason is None and lengths and bias_kind:
+        score_reason = f"attn_mask: not in the Gluon {part}"
     if score_reason is not None:
         return ForwardRoute(TL, score_reason, None, not_decode)
     bias_reason = ws_bias_reason(bias_kind, bias_t, bias_strides, q.dtype, desc)
-    reason, rows = ws_reason(q, k, v, bias_reason, params, prob, desc)
+    reason, rows = ws_reason(q, k, v, bias_reason, params, prob, desc, lengths=True)
     if reason is None:
         reason = forward_scope_reason(C.WS_FWD_CONFIGS[prob.Dqk], bias_kind != 0, params)
-    return ForwardRoute(TL, reason, None, not_decode) if reason else ForwardRoute(GLUON, None, rows, not_decode)
+    if reason:
+        return ForwardRoute(TL, reason, None, not_decode)
+    return ForwardRoute(GLUON_LENGTHS if lengths else GLUON, None, rows, not_decode)
 
 
 def backward_route(
@@ -242,6 +259,9 @@ def attention_forward(
         return decode_forward(q, k, v, None, params, alibi=alibi, sinks=sinks), None, seed
     out = torch.empty(prob.out_shape, device=dev, dtype=store_dtype(q.dtype))
     lse = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32) if need_lse else None
+    if route.kernel == GLUON_LENGTHS:  # no bias, sinks or ALiBi (score_features_reason)
+        gluon_launch.forward(q, k, v, out, lse, params, prob, *route.rows, kv_lens=one_length(params, prob))
+        return out, lse, seed
     if route.kernel == GLUON:
         ws_bias = gluon_launch.WsBias.of(bt, bstr, prob) if kind else None
         gluon_launch.forward(q, k, v, out, lse, params, prob, *route.rows, bias=ws_bias, sinks=sinks, alibi=alibi)
@@ -283,6 +303,8 @@ def attention_backward(
     grad_lse=None,
     lse_pair=None,
     dq_accumulator=None,
+    dk_out=None,
+    dv_out=None,
 ):
     """Returns (dq, dk, dv, dbias or None, dsinks or None).  dbias has bias's shape: summed over
     its size-1 (broadcast) dims; full-size dims (even with stride 0) get the per-element
@@ -291,9 +313,18 @@ def attention_backward(
     ``sinks_grad``); ``grad_lse``: the gradient flowing into lse (None: none, nothing extra).
     ``dq_accumulator``: a float32 tensor of q's shape (a view of a larger one is fine) that dQ is
     added into, unrounded, instead of being returned (dq None): context parallelism sums a rank's
-    blocks' dQ in it (dense calls only)."""
+    blocks' dQ in it (dense calls only).  ``dk_out``/``dv_out``: tensors dK/dV are written into and
+    returned as, each k/v itself (the caller reads k/v no more: a ring's received keys) or memory
+    shared with no input; cross-tile readers of K/V then run before the dK/dV pass, which writes
+    each tile after reading it."""
     check_dq_accumulator(dq_accumulator, q, cu_q)
+    check_dkv_out(dk_out, k, v, "dk_out")
+    check_dkv_out(dv_out, v, k, "dv_out")
+    if dk_out is not None and dv_out is not None and _shares_memory(dk_out, dv_out):
+        raise ValueError("dv_out: shares memory with dk_out; give two separate tensors")
     q, k, v, do = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v), last_dim_contiguous(do)
+    # written in place of the K/V the kernels read (last_dim_contiguous kept them): dQ reads them first
+    overwrites = (dk_out is not None and _same_view(dk_out, k)) or (dv_out is not None and _same_view(dv_out, v))
     prob = KernelShapes(q, k, v, cu_q, cu_k, max_sq, max_sk)
     dev = q.device
     bias_grad = bool(bias_grad) and bias is not None and bias.dtype.is_floating_point
@@ -305,7 +336,7 @@ def attention_backward(
         dv = torch.zeros(v.shape, device=dev, dtype=v.dtype)
         dbias = torch.zeros(bias.shape, device=dev, dtype=bias.dtype) if bias_grad else None
         dsinks = torch.zeros(sinks.shape, device=dev, dtype=sinks.dtype) if sinks_grad else None
-        return dq, dk, dv, dbias, dsinks
+        return dq, _into(dk_out, dk), _into(dv_out, dv), dbias, dsinks
 
     desc = use_descriptors(params, (q, k, v, do), dev)
     # the forward's (hi, lo) pairs (lse_pair_buffer): P's normaliser unless a sink joins it
@@ -333,23 +364,69 @@ def attention_backward(
     if route.dkdv == GLUON:
         ws_bias = gluon_launch.WsBias.of(bt, bstr, prob) if kind else None
         fused = route.dq == FUSED
-        dk, dv, dq = gluon_launch.dkdv(
+        dq = None
+
+        def separate_dq():
+            if route.dq == GLUON:
+                return gluon_launch.dq(q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, alibi=alibi)
+            return tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc)
+
+        if overwrites and not fused:  # the dQ pass reads every K/V tile: before dK/dV replace them
+            dq = separate_dq()
+        dk, dv, fused_dq = gluon_launch.dkdv(
             q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, fuse_dq=fused, alibi=alibi,
-            dq_acc=acc if fused else None,
+            dq_acc=acc if fused else None, dk_out=dk_out, dv_out=dv_out,
         )  # fmt: skip
-        if route.dq == GLUON:
-            dq = gluon_launch.dq(q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, alibi=alibi)
-        elif route.dq == TL:
-            dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc)
-            acc = None
+        if fused:
+            dq = fused_dq
+        elif dq is None:
+            dq = separate_dq()
+        if route.dq == TL:
+            acc = None  # the tl dQ pass added into it
         if acc is not None and not fused:  # the Gluon dQ pass writes dq in q's dtype
             acc.add_(dq)
-        return (None if dq_accumulator is not None else dq), dk, dv, None, dsinks
+        dq = None if dq_accumulator is not None else dq
+        return dq, _into(dk_out, dk), _into(dv_out, dv), None, dsinks
     if pair is not None:
         lse = pair
-    dk, dv, dbias = tl_launch.dkdv_pass(do, q, k, v, lse, delta, bias, bias_grad, bcast, params, prob, args)
-    dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc)
-    return dq, dk, dv, dbias, dsinks
+    if overwrites:  # the dQ pass reads every K/V tile: before dK/dV replace them
+        dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc)
+    dk, dv, dbias = tl_launch.dkdv_pass(
+        do, q, k, v, lse, delta, bias, bias_grad, bcast, params, prob, args, dk_out=dk_out, dv_out=dv_out
+    )
+    if not overwrites:
+        dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc)
+    return dq, _into(dk_out, dk), _into(dv_out, dv), dbias, dsinks
+
+
+def _shares_memory(a, b) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _same_view(a, b) -> bool:
+    """a and b are one view of one memory (same start, shape and strides)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _into(out, result):
+    """``result`` in the caller's ``out`` (a kernel that could write it there did: no copy)."""
+    if out is None or result is out or _same_view(result, out):
+        return result if out is None else out
+    return out.copy_(result)
+
+
+def check_dkv_out(out, t, other, name: str) -> None:
+    """attention_backward's ``dk_out``/``dv_out``: t's shape, dtype and device, last dim contiguous,
+    ``t`` itself or memory shared with neither ``t`` nor ``other``."""
+    if out is None:
+        return
+    if out.dtype != t.dtype or out.shape != t.shape or out.device != t.device or out.stride(-1) != 1:
+        raise ValueError(
+            f"{name}: {t.dtype} of shape {tuple(t.shape)} on {t.device} with a contiguous last dim expected, "
+            f"got {out.dtype} {tuple(out.shape)} strides {tuple(out.stride())} on {out.device}"
+        )
+    if out.numel() and not _same_view(out, t) and (_shares_memory(out, t) or _shares_memory(out, other)):
+        raise ValueError(f"{name}: shares memory with the keys or values without being the same view of them")
 
 
 def check_dq_accumulator(acc, q, cu_q) -> None:

@@ -19,16 +19,17 @@ try:  # Gluon (Triton >= 3.5)
     from triton.experimental.gluon import language as _gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
 
-    from .common import WG_ROWS as WG_ROWS_CONSTEXPR
+    from . import common as _common
     from .dkdv import _attn_bwd_dkdv_ws
     from .dq import _attn_bwd_dq_ws
     from .forward import _attn_fwd_ws
 
-    WG_ROWS = WG_ROWS_CONSTEXPR.value  # rows per consumer warpgroup; a program covers two
+    WG_ROWS = _common.WG_ROWS.value  # rows per consumer warpgroup; a program covers two
+    LENS_TENSOR, ONE_LENGTH = _common.LENS_TENSOR.value, _common.ONE_LENGTH.value  # the forward's KV_LENS
     GLUON_IMPORT_ERROR = None
 except ImportError as e:  # pragma: no cover - a Triton without Gluon: the tl kernels serve every call
     _attn_fwd_ws = _attn_bwd_dkdv_ws = _attn_bwd_dq_ws = None
-    WG_ROWS = 64
+    WG_ROWS, LENS_TENSOR, ONE_LENGTH = 64, 1, 2
     GLUON_IMPORT_ERROR = str(e)
 
 # The jit kernels the launches below run, by pass (None without Gluon): tools compile them
@@ -125,16 +126,22 @@ def forward(
     q_rows: int,
     kv_rows: int,
     bias: WsBias | None = None,
-    kv_lens: torch.Tensor | None = None,
+    kv_lens: torch.Tensor | int | None = None,
     n_new: int = 0,
     sinks: torch.Tensor | None = None,
     alibi: torch.Tensor | None = None,
 ):
     """The warp-specialised forward.  ``kv_lens`` (int32 (B,)): a KV-cache call, k and v the dense
     cache (prob.Sk its capacity), sequence b's keys the first kv_lens[b] + n_new, causal aligned
-    bottom-right; only whole key tiles are read (common._cache_tiles; the tail kernel does the rest).
+    bottom-right (common._cache_tiles: the keys past them in the last tile masked, the cache's
+    rows there never used); an int L instead: every sequence's keys the first L, no lengths
+    tensor (a dense causal call with Sq < Sk: L = Sk bottom-right, Sq top-left).
     ``params.softcap``, ``sinks`` ((Hq,) contiguous) and ``alibi`` (fp32 (B, Hq)) as the tl
-    forward's (the last two not with kv_lens)."""
+    forward's (none of them with kv_lens)."""
+    one_length = isinstance(kv_lens, int)
+    if one_length:
+        kv_lens, n_new = None, kv_lens
+    mode = ONE_LENGTH if one_length else (LENS_TENSOR if kv_lens is not None else 0)
     cfg = C.WS_FWD_CONFIGS[prob.Dqk]
     rows = cfg.consumers * WG_ROWS
     n_m = cdiv(prob.Sq, rows)
@@ -168,7 +175,7 @@ def forward(
             Q_ROWS=q_rows,
             KV_ROWS=kv_rows,
             STORE_LSE=lse is not None,
-            KV_LENS=kv_lens is not None,
+            KV_LENS=mode,
             SOFTCAP=params.softcap > 0,
             HAS_SINKS=sinks is not None,
             HAS_ALIBI=alibi is not None,
@@ -223,12 +230,19 @@ def dkdv(
     fuse_dq: bool = False,
     alibi: torch.Tensor | None = None,
     dq_acc: torch.Tensor | None = None,
+    dk_out: torch.Tensor | None = None,
+    dv_out: torch.Tensor | None = None,
 ):
     """(dK, dV, dQ or None) of a call the warp-specialised forward serves (same scope, dO in a
     row layout); ``fuse_dq``: dQ too, added by TMA reduce-add into a zeroed fp32 buffer, or into
-    ``dq_acc`` (float32, q's shape; then dQ None); ``params.softcap`` and ``alibi`` as the forward's."""
+    ``dq_acc`` (float32, q's shape; then dQ None); ``params.softcap`` and ``alibi`` as the forward's.
+    ``dk_out``/``dv_out``: written there where contiguous (k/v themselves included: a program
+    stores its dK/dV tile after its only read of that K/V tile), else new."""
     cfg = C.WS_BWD_CONFIGS[prob.Dqk]
-    dk, dv = torch.empty(k.shape, device=k.device, dtype=k.dtype), torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    dk, dv = (
+        out if out is not None and out.is_contiguous() else torch.empty(t.shape, device=t.device, dtype=t.dtype)
+        for out, t in ((dk_out, k), (dv_out, v))
+    )
     given = dq_acc
     if fuse_dq and (given is None or dq_head_rows(given) is None):
         dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)

@@ -374,11 +374,26 @@ def delta_pass(
 
 
 def dkdv_pass(
-    do, q, k, v, lse, delta, bias, bias_grad: bool, bcast, params: KernelParams, prob: KernelShapes, a: BackwardArgs
+    do,
+    q,
+    k,
+    v,
+    lse,
+    delta,
+    bias,
+    bias_grad: bool,
+    bcast,
+    params: KernelParams,
+    prob: KernelShapes,
+    a: BackwardArgs,
+    dk_out=None,
+    dv_out=None,
 ):
     """(dK, dV, d(bias) or None): key-tile parallel, each program looping over the query heads of
     its GQA group (split over grid axis 2 into fp32 partials summed in a fixed order when the
-    grid is small).  ``bcast``: which of the bias's dims broadcast (:func:`bias.bias_layout`)."""
+    grid is small).  ``bcast``: which of the bias's dims broadcast (:func:`bias.bias_layout`).
+    ``dk_out``/``dv_out`` (any strides, last dim contiguous): written there without group splits
+    (k/v themselves included: a program stores its dK/dV tile after its only read of that tile)."""
     dev = q.device
     dummy = q
     bias_t, bstr, seed_t, cu_q_t, cu_k_t, common, traits, limit, num_sms, lse_str, do_str, _, _ = a
@@ -409,8 +424,8 @@ def dkdv_pass(
         dk0, dv0 = dk_out[0], dv_out[0]
         split_str = (dk_out.stride(0), dv_out.stride(0))
     else:
-        dk_out = dk0 = torch.empty(k.shape, device=dev, dtype=store_dtype(k.dtype))
-        dv_out = dv0 = torch.empty(v.shape, device=dev, dtype=store_dtype(v.dtype))
+        dk_out = dk0 = _out_or_new(dk_out, k)
+        dv_out = dv0 = _out_or_new(dv_out, v)
         split_str = (0, 0)
     if prob.varlen:
         dk_str = (0, dk0.stride(1), dk0.stride(0))
@@ -477,6 +492,12 @@ def dkdv_pass(
 
     dbias = reduce_dbias(db_ws, bcast, bias) if bias_grad else None
     return dk, dv, dbias
+
+
+def _out_or_new(out, t):
+    """``out`` where the kernel stores in its dtype, else a new tensor of t's shape."""
+    dtype = store_dtype(t.dtype)
+    return out if out is not None and out.dtype == dtype else torch.empty(t.shape, device=t.device, dtype=dtype)
 
 
 def reduce_dbias(ws: torch.Tensor, bcast, bias: torch.Tensor) -> torch.Tensor:
