@@ -1858,8 +1858,10 @@ def test_warp_specialized_routing(monkeypatch, causal, with_bias, fuse_dq):
         fuse_dq=False,
         alibi=None,
         dq_acc=None,
+        dk_out=None,
+        dv_out=None,
     ):
-        assert alibi is None and dq_acc is None
+        assert alibi is None and dq_acc is None and dk_out is None and dv_out is None
         calls.append(("dkdv+dq" if fuse_dq else "dkdv", q_rows, kv_rows, do_rows) + bias_rows(bias))
         made["delta_dkdv"] = delta.clone()
         dq, dk, dv = fake_grads(q, k, v, do, params, bias)
