@@ -20,7 +20,8 @@ deadlocks there, E35); Gluon states the partitions, barriers and tensor-core cal
 Scope (route.py's ``ws_forward_reason`` says why a call is not served): sm90, fp16/bf16,
 Dqk == Dv of configs.WS_*_CONFIGS (the forward: 128, 256 and, for dense calls only, 64; the
 dK/dV and dQ passes: 128 and 64), dense, causal or a window (``WINDOW_LEFT`` / ``WINDOW_RIGHT``
-constexprs, -1 unbounded; route.WS_MIN_WINDOW keys wide at least) with Sq == Sk, no mask or
+constexprs, -1 unbounded; route.WS_MIN_WINDOW keys wide at least) with Sq == Sk (the forward:
+causal with Sq < Sk too, in its ONE_LENGTH mode; a KV cache in LENS_TENSOR's), no mask or
 dropout, lengths multiples of the tiles, positive scale; a float bias of the query's dtype that
 TMA can read as a (rows, Sk) matrix (``ws_bias_reason``; not one whose gradient is needed: the
 tl backward computes it).  A window skips the key (query) tiles outside the band and masks the
