@@ -44,9 +44,33 @@ def _both(call, out, rows=8):
     return kernel, torch.cat([stats, picks[:3].flatten()])
 
 
+# keys split across programs (guard_triton.BLOCK_N forced small below): blocks the band leaves
+# without keys, a last block cut short
+SPLIT_CASES = [
+    Case(causal="bottom_right", dtype=BF16, seqlen_q=8, seqlen_k=300, head_dim=64),
+    Case(window=(40, 7), dtype=FP16, seqlen_q=30, seqlen_k=301, heads_q=4, heads_kv=2, head_dim=24),
+    Case(dtype=BF16, seqlen_q=4, seqlen_k=700, head_dim=16, head_dim_v=40),
+]
+
+
+@pytest.fixture
+def small_splits(monkeypatch):
+    monkeypatch.setattr(guard_triton, "BLOCK_N", 16)
+
+
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
 def test_the_kernel_measures_what_the_torch_path_measures(case, strided):
+    _same_as_the_torch_path(case, strided)
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
+def test_keys_split_across_programs_measure_what_the_torch_path_measures(case, small_splits):
+    assert case.seqlen_k / guard_triton.block_n(case.head_dim, case.head_dim_v or case.head_dim) > 18
+    _same_as_the_torch_path(case, False)
+
+
+def _same_as_the_torch_path(case, strided):
     call, out = _call(case, strided)
     assert guard_triton.supported(call.query, call.key, call.value, call.options, out, None, None)
     kernel, torch_path = _both(call, out)
@@ -59,9 +83,9 @@ def test_the_kernel_measures_what_the_torch_path_measures(case, strided):
     assert guard._read(kernel.tolist(), case.dtype, 2.0, False) is None
 
 
-@pytest.mark.parametrize("case", [KERNEL_CASES[0], KERNEL_CASES[3]], ids=str)  # interpreted: ~10 s each
+@pytest.mark.parametrize("case", [KERNEL_CASES[0], KERNEL_CASES[3], SPLIT_CASES[1]], ids=str)  # interpreted: ~10 s each
 @pytest.mark.parametrize("wrong", ["entries", "nan", "row"])
-def test_the_kernel_catches_a_wrong_output(case, wrong):
+def test_the_kernel_catches_a_wrong_output(case, wrong, small_splits):
     call, out = _call(case)
     bad = out.clone()
     if wrong == "entries":

@@ -1,7 +1,7 @@
 """The numerics guard's sampled check of a dense 16-bit call as one Triton kernel
 (kernels/tl/guard_check.py): the same rows, rule and verdict as guard_rows.measure(), in 3
 device ops (the picks' copy, the kernel, the payload's copy to the host) instead of ~30 small
-ones, with no gathered or float64 copies of the keys.  Calls with a mask, ALiBi, softcap, sinks,
+ones, with no gathered or float64 copies of the keys; each row's keys split across programs.  Calls with a mask, ALiBi, softcap, sinks,
 a returned lse, dropout, varlen or other dtypes keep guard_rows' path; so does every call after
 the kernel failed to build (logged once)."""
 
@@ -19,6 +19,8 @@ logger = logging.getLogger("attention_dispatch")
 
 _broken: list[str] = []  # why the kernel is off for this process (its build failed)
 MAX_HEAD_DIM = 256
+# keys a program (kernels/tl/guard_check.py): Sk / 64 programs a row fill the GPU; half for head dims over 128
+BLOCK_N = 64
 
 
 def _pow2(x: int) -> int:
@@ -37,29 +39,36 @@ def supported(query, key, value, options: dict, out, lse, keep) -> bool:
     return max(query.shape[-1], value.shape[-1]) <= MAX_HEAD_DIM
 
 
+def block_n(d: int, dv: int) -> int:
+    """Keys a program: BLOCK_N, half of it where a head dim passes 128 (its tiles in registers)."""
+    return BLOCK_N if max(d, dv) <= 128 else max(BLOCK_N // 2, 16)
+
+
 def payload(query, key, value, options: dict, out, columns) -> torch.Tensor | None:
     """guard.payload()'s float64 tensor for a supported call (columns: guard_rows.dense_columns'
     host picks): [output error, base, then the rows' batch, head, row]; None if the kernel fails
-    to build (then never again in this process) or its scores would pass guard_rows.CHUNK_ELEMENTS."""
-    n = len(columns[0])
-    if 2 * n * key.shape[2] > _rows.CHUNK_ELEMENTS:  # its scratch of scores: the torch path goes in chunks
-        return None
-    host = torch.tensor([0.0, 0.0, *(x for column in columns for x in column), options["scale"]], dtype=torch.float64)
-    buf = host if query.device.type == "cpu" else host.pin_memory().to(query.device, non_blocking=True)
-    scores = torch.empty((2, n, key.shape[2]), dtype=torch.float64, device=query.device)  # the kernel's own
-    _, left, right = band(options["causal"], options["window"])
+    to build (then never again in this process) or its partials would pass guard_rows.CHUNK_ELEMENTS."""
+    n, sk = len(columns[0]), key.shape[2]
     d, dv = query.shape[-1], value.shape[-1]
+    block = block_n(d, dv)
+    splits = -(-sk // block) or 1
+    if n * splits * (4 + 2 * dv) > _rows.CHUNK_ELEMENTS:  # its scratch: the torch path goes in chunks
+        return None
+    host = torch.tensor([0.0, 0.0, *(x for c in columns for x in c), options["scale"], *[0.0] * n], dtype=torch.float64)
+    buf = host if query.device.type == "cpu" else host.pin_memory().to(query.device, non_blocking=True)
+    parts = torch.empty((n, splits, 4 + 2 * dv), dtype=torch.float64, device=query.device)  # the kernel's own
+    _, left, right = band(options["causal"], options["window"])
     try:
         from ..kernels.tl.guard_check import _guard_check  # Triton: imported on the first check
 
         on_device = torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext()
         with on_device:  # Triton launches on the current device: the call's may be another
-            _guard_check[(n,)](
-                query, key, value, out, buf, buf.view(torch.int64), scores,
+            _guard_check[(n, splits)](
+                query, key, value, out, buf, buf.view(torch.int64), parts,
                 *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-                n, key.shape[2], d, dv,
+                n, sk, d, dv, splits,
                 HAS_LO=left >= 0, HAS_HI=right >= 0, IS_BF16=query.dtype == torch.bfloat16,
-                BLOCK_N=64, BLOCK_S=512, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), num_warps=8,
+                BLOCK_N=block, BLOCK_P=16, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), num_warps=8,
             )  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - no Triton, or its compiler's error: the torch path checks the call
         _broken.append(repr(exc))
