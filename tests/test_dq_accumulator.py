@@ -225,3 +225,60 @@ def test_gpu_gluon_backward_reads_query_and_dout_row_slices(causal, tokens_first
     else:
         assert (got[0].float() - want[0].float()).abs().max().item() <= 1e-2 * want[0].float().abs().max().item()
     assert all(t.isfinite().all() for t in got)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the delta pass runs on CPU tensors under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_gluon_separate_dq_into_an_accumulator_is_freed_before_dkdv(monkeypatch, overwrite):
+    """The Gluon route with a separate dQ pass (causal: gluon.route.fuse_dq_reason) and an
+    accumulator: the dQ pass runs first, its q-dtype dq is added into the accumulator and no longer
+    alive when the dK/dV pass starts (the GPU's merged step held both: issue 40's 0.754 GiB at
+    64k); the accumulator gains exactly that dq. Stand-in passes, the real entry glue."""
+    import weakref
+
+    from attention_dispatch.kernels import entry
+    from attention_dispatch.kernels.gluon import launch as gluon_launch
+    from attention_dispatch.kernels.params import KernelParams
+
+    monkeypatch.setattr(
+        entry,
+        "backward_route",
+        lambda *a, **kw: entry.BackwardRoute(entry.GLUON, entry.GLUON, None, "causal", (1, 1, 1)),
+    )
+    events, made = [], {}
+
+    def fake_dq(q, k, v, do, lse, delta, params, prob, *rows, bias=None, alibi=None):
+        made["dq"] = torch.randn(q.shape, dtype=q.dtype)
+        events.append("dq")
+        return made["dq"].clone()
+
+    def fake_dkdv(q, k, v, do, lse, delta, params, prob, *rows, dk_out=None, dv_out=None, **kw):
+        events.append(("dkdv", [r() is not None for r in made["alive"]]))
+        dk = k if dk_out is not None else torch.empty_like(k)
+        dv = v if dv_out is not None else torch.empty_like(v)
+        return dk.fill_(1), dv.fill_(2), None
+
+    monkeypatch.setattr(gluon_launch, "dq", fake_dq)
+    monkeypatch.setattr(gluon_launch, "dkdv", fake_dkdv)
+    real_add = torch.Tensor.add_
+    made["alive"] = []
+
+    q, do, out = (torch.randn(1, 4, 64, 16).half() for _ in range(3))
+    k, v = torch.randn(1, 2, 64, 16).half(), torch.randn(1, 2, 64, 16).half()
+    lse = torch.randn(1, 4, 64)
+    acc = torch.randn(1, 4, 64, 16)
+    before = acc.clone()
+
+    def add_(self, other, *a, **kw):  # the accumulator's add: remember the dq it was given
+        if self is acc:
+            made["alive"].append(weakref.ref(other))
+        return real_add(self, other, *a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "add_", add_)
+    params = KernelParams(scale=0.25, align_bottom_right=False, window_left=-1, window_right=0)
+    got = entry.attention_backward(
+        do, q, k, v, None, out, lse, None, params, dq_accumulator=acc,
+        **({"dk_out": k, "dv_out": v} if overwrite else {}),
+    )  # fmt: skip
+    assert got[0] is None and events[0] == "dq" and events[1] == ("dkdv", [False])
+    assert torch.equal(acc, before + made["dq"].float())

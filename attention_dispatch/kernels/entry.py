@@ -364,28 +364,29 @@ def attention_backward(
     if route.dkdv == GLUON:
         ws_bias = gluon_launch.WsBias.of(bt, bstr, prob) if kind else None
         fused = route.dq == FUSED
-        dq = None
 
         def separate_dq():
-            if route.dq == GLUON:
-                return gluon_launch.dq(q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, alibi=alibi)
-            return tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc)
+            """dq, or None once added into ``acc`` (the Gluon pass's bf16 dq is added here)."""
+            if route.dq == TL:
+                dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc)
+            else:
+                dq = gluon_launch.dq(q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, alibi=alibi)
+                if acc is not None:
+                    acc.add_(dq)
+            return None if acc is not None else dq
 
-        if overwrites and not fused:  # the dQ pass reads every K/V tile: before dK/dV replace them
-            dq = separate_dq()
+        # first where dK/dV overwrite the K/V it reads, or where an accumulator takes dq: the Gluon
+        # pass's bf16 dq is then freed before dK/dV are allocated (not both alive at the peak)
+        early = not fused and (overwrites or acc is not None)
+        dq = separate_dq() if early else None
         dk, dv, fused_dq = gluon_launch.dkdv(
             q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, fuse_dq=fused, alibi=alibi,
             dq_acc=acc if fused else None, dk_out=dk_out, dv_out=dv_out,
         )  # fmt: skip
         if fused:
             dq = fused_dq
-        elif dq is None:
+        elif not early:
             dq = separate_dq()
-        if route.dq == TL:
-            acc = None  # the tl dQ pass added into it
-        if acc is not None and not fused:  # the Gluon dQ pass writes dq in q's dtype
-            acc.add_(dq)
-        dq = None if dq_accumulator is not None else dq
         return dq, _into(dk_out, dk), _into(dv_out, dv), None, dsinks
     if pair is not None:
         lse = pair
