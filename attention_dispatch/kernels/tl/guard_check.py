@@ -3,14 +3,14 @@ recomputed from the call's own tensors (no gathered copies) in float64 (the refe
 the input dtype step by step (the rule's base), its keys split across programs flash-decoding
 style so that a check fills the GPU instead of 8 SMs (policy/guard_triton.py).
 
-Grid (n rows, splits): program (r, s) reads keys [s * SPLIT, (s + 1) * SPLIT) once, in blocks
-of BLOCK_N with an online softmax, and stores its partial (max, sum, unnormalised output) in
-both precisions to Parts (float64, (n, splits, 4 + 2 Dv)).  The input dtype's computation is a
-flash-style one: every op rounded as torch's bf16/fp16 ops round, exp(s - m) rounded before it
-meets the values, sums and rescales in float32, the sum rounded before the division, the output
-rounded once.  The row's last program to finish (an atomic counter per row) merges the
-partials, measures the two errors against the backend's row and folds them into the payload's
-first two slots with an atomic max.
+Grid (n rows, splits): program (r, s) reads keys and values [s BLOCK_N, (s + 1) BLOCK_N) once
+and stores its partial to Parts (float64, (n, splits, 4 + 2 Dv)): [max, sum] in float64, the
+same in the input dtype, the float64 output unnormalised, the input dtype's normalised by its
+block's sum.  Within a block the input dtype follows torch's bf16/fp16 softmax step by step
+(every op rounded, sums in float32), so a one-block row is the torch path's computation; the
+row's last program (an atomic counter per row) merges the blocks flash-decoding style (rescales
+and weights in float32), rounds the output once, measures the two errors against the backend's
+row and folds them into the payload's first two slots with an atomic max.
 
 Buf (float64, 3 + 8 n): [error, base, the picks' 7 columns of n: batch, head, row, kv head,
 diagonal, band's lo, hi, the scale (float64: a Python float argument would be float32), then
