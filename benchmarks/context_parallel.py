@@ -1,6 +1,6 @@
 """Issue 40: context-parallel attention on 2 GPUs over NCCL, correctness and scaling, one script.
 
-    python benchmarks/context_parallel.py [--world 2] [--quick] [--no-correctness] [--out DIR]
+    python benchmarks/context_parallel.py [--world 2] [--quick] [--no-correctness] [--memory-trace] [--out DIR]
     python benchmarks/context_parallel.py --cpu --world 2      # gloo, tiny sizes: checks the script runs
 
 Correctness (bf16, d128, GQA 16/8 heads): every exchange x layout x feature (causal, not, window)
@@ -244,7 +244,11 @@ def _worker(rank: int, world: int, args, init: str, queue) -> None:
     marks = _Marks()
     _instrument(marks)
     for s in args.timing_lengths:
-        timings.update(_timing(rank, device, s, args.reps, marks))
+        # --memory-trace: the default (merged) backward's allocations at the first length
+        trace = (
+            os.path.join(args.out, "memory_trace.txt") if args.memory_trace and s == args.timing_lengths[0] else None
+        )
+        timings.update(_timing(rank, device, s, args.reps, marks, trace))
         _release()
     if rank == 0:
         queue.put(dict(rows=rows, timings=timings))
@@ -280,14 +284,73 @@ def _correctness(rank: int, device, lengths) -> list[dict]:
     return rows
 
 
+def _frame(frames) -> str:
+    """The innermost attention_dispatch frame of an allocation's stack (else its innermost)."""
+    ours = [f for f in frames if "attention_dispatch" in f["filename"] and "/benchmarks/" not in f["filename"]]
+    f = (ours or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]
+    return f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']} {f['name']}"
+
+
+def _peak_allocations(events) -> tuple[int, dict, int]:
+    """(peak bytes, {addr: (bytes, frames)} alive then, event index) of the allocations made
+    within an allocator trace (torch.cuda.memory._snapshot()'s device_traces: an allocation
+    counts from its "alloc" to its "free_completed", as memory_allocated does)."""
+    live, total, peak, at, at_i = {}, 0, 0, {}, 0
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], e.get("frames", []))
+            total += e["size"]
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])[0]
+        if total > peak:
+            peak, at, at_i = total, dict(live), i
+    return peak, at, at_i
+
+
+def _memory_trace(step, path: str, rank: int, top: int = 24) -> None:
+    """One steady-state fwd+bwd ``step`` (every rank runs it) with rank 0's allocator history
+    recorded: the allocations made in it and alive at the peak of their sum (what max_memory_allocated
+    rises above the step's start), largest first, each with its innermost attention_dispatch frame,
+    and whether the peak fell in the backward; written to ``path`` and printed."""
+    if CPU:
+        return
+    _sync()
+    if rank == 0:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    step()
+    _sync()
+    if rank != 0:
+        return
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    events = snap["device_traces"][torch.cuda.current_device()]
+    peak, at, at_i = _peak_allocations(events)
+    backward = any("backward" in _frame(fr) or "ring_backward" in _frame(fr) for _, fr in at.values())
+    lines = [
+        f"merged fwd+bwd step, rank 0: peak {peak / 2**30:.3f} GiB above the step's start at event {at_i} of "
+        f"{len(events)} ({len(at)} allocations alive{', a backward frame among them' if backward else ''})",
+        "  MiB      allocated at (innermost attention_dispatch frame)",
+    ]
+    rows = sorted(at.values(), key=lambda a: -a[0])
+    for size, frames in rows[:top]:
+        lines.append(f"  {size / 2**20:8.2f} {_frame(frames)}")
+    rest = sum(size for size, _ in rows[top:])
+    if rest:
+        lines.append(f"  {rest / 2**20:8.2f} in {len(rows) - top} smaller allocations")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
 def _max_over_ranks(value: float, device) -> float:
     t = torch.tensor([value], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
-def _timing(rank: int, device, s: int, reps: int, marks) -> dict:
-    """Every backward mode's timing row at total length s (module docstring)."""
+def _timing(rank: int, device, s: int, reps: int, marks, trace: str | None = None) -> dict:
+    """Every backward mode's timing row at total length s (module docstring); ``trace``: a path
+    for _memory_trace's summary of one default-mode step."""
     from attention_dispatch.distributed import context_parallel_sdpa, cross_rank_checks, last_backward, shard
 
     q, k, v, do = _inputs(s, 0, device)
@@ -339,6 +402,8 @@ def _timing(rank: int, device, s: int, reps: int, marks) -> dict:
         _sync()
         bwd_peak = _peak_gib() - before
         del out
+        if trace and mode == "default":
+            _memory_trace(step, trace, rank)
         parts = marks.totals()
         parts["fwd total"], parts["bwd total"] = marks.ms(a, b), marks.ms(b, c)
         used = collections.Counter(f"{d.backend}" for d in decisions)
@@ -371,6 +436,12 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="gloo processes on the CPU at tiny sizes (a dry run)")
     parser.add_argument(
         "--baseline-backends", default="flash_attn,triton", help="1-GPU baselines forced onto these (comma list)"
+    )
+    parser.add_argument(
+        "--memory-trace",
+        action="store_true",
+        help="record one default (merged) fwd+bwd step's allocations at the first length on rank 0: "
+        "those alive at its peak into OUT/memory_trace.txt",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="details directory (default: $OUT or .)")
     args = parser.parse_args()

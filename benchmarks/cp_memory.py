@@ -7,9 +7,10 @@ benchmark's call at a small size). Every tensor an op creates during the backwar
 by a weak reference; after each op the bytes of the distinct storages still alive are summed:
 the peak of that sum is what the GPU's peak above the step's start follows (the blocks' kernels'
 own workspaces included, as their torch allocations: the triton kernels under the interpreter
-take the tl route, here made to allocate what the GPU's Gluon fused dK/dV does at d128: bf16
-dK and dV, and dQ (without an accumulator) in a zeroed float32 buffer of the query's shape cast
-to bf16). Printed per rank in units of one local query shard (B, Hq, S / W, D) in bf16.
+take the tl route, here made to allocate what the GPU's Gluon route does at d128:
+_gpu_like_launches). Printed per rank in units of one local query shard (B, Hq, S / W, D) in
+bf16, with each block's dQ and dK/dV branch. The GPU's step peak (context_parallel.py) adds
+what the forward keeps (the merged output: 1 shard).
 """
 
 from __future__ import annotations
@@ -31,25 +32,62 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 B, HQ, HKV, D, DTYPE = 1, 4, 2, 32, torch.bfloat16
 
 
+BRANCHES = []  # per attention_backward call: (q rows, keys, dQ branch, dK/dV branch), as on the GPU
+
+
 def _gpu_like_launches():
     """The interpreter's kernel launches copy their tensor arguments (a GPU launch allocates
     nothing): ops inside them are not followed. And the tl kernels write bf16 results in bf16,
-    as on a GPU (the interpreter's float32 results, rounded by torch after, would count twice)."""
+    as on a GPU (the interpreter's float32 results, rounded by torch after, would count twice).
+    The tl passes allocate what the GPU's Gluon route (bf16 d128, Sk >= FUSE_DQ_MIN_KEYS there)
+    does: dQ fused into the dK/dV pass (reduce-added into the accumulator, or a zeroed float32
+    buffer cast) unless the block is banded (gluon.route.fuse_dq_reason: causal or window), then
+    a separate Gluon dQ pass writing a bf16 dq that entry adds into the accumulator; dK/dV written
+    into dk_out/dv_out only where contiguous (gluon.launch.dkdv), else new and copied by entry."""
     from triton.runtime.interpreter import GridExecutor
 
+    from attention_dispatch import kernels
     from attention_dispatch.kernels.tl import launch
 
     launch.store_dtype = lambda dtype: dtype
-    real_dq = launch.dq_pass
+    real_dq, real_dkdv = launch.dq_pass, launch.dkdv_pass
 
-    def dq_pass(do, q, k, v, lse, delta, params, prob, a, accumulator=None):  # as the Gluon fused dK/dV
+    def dq_pass(do, q, k, v, lse, delta, params, prob, a, accumulator=None):
+        banded = params.window_left >= 0 or params.window_right >= 0
+        if banded:  # the separate Gluon dQ pass: a bf16 dq of q's rows, added by entry
+            dq = real_dq(do, q, k, v, lse, delta, params, prob, a)
+            BRANCHES[-1][:3] = [q.shape[2], k.shape[2], "separate dQ (bf16 dq, then added)"]
+            if accumulator is None:
+                return dq
+            accumulator.add_(dq)
+            return None
+        BRANCHES[-1][:3] = [q.shape[2], k.shape[2], "dQ fused into dK/dV"]
         if accumulator is not None:
             return real_dq(do, q, k, v, lse, delta, params, prob, a, accumulator)
         acc = torch.zeros(q.shape, dtype=torch.float32)  # its float32 workspace, then cast
         acc.add_(real_dq(do, q, k, v, lse, delta, params, prob, a))
         return acc.to(q.dtype)
 
-    launch.dq_pass = dq_pass
+    def dkdv_pass(*args, dk_out=None, dv_out=None):
+        k = args[2]
+        given = dk_out is not None
+        dk_out, dv_out = (t if t is not None and t.is_contiguous() else None for t in (dk_out, dv_out))
+        over = dk_out is not None and dk_out.data_ptr() == k.data_ptr()
+        if not given:
+            branch = "new"
+        elif dk_out is None:
+            branch = "new, then copied into the non-contiguous dk_out"
+        else:
+            branch = "in place over the keys it read" if over else "into dk_out"
+        BRANCHES[-1][3] = branch
+        return real_dkdv(*args, dk_out=dk_out, dv_out=dv_out)
+
+    def attention_backward(*args, **kwargs):  # one record per call, filled by its passes
+        BRANCHES.append([None] * 4)
+        return real_backward(*args, **kwargs)
+
+    real_backward = kernels.attention_backward
+    launch.dq_pass, launch.dkdv_pass, kernels.attention_backward = dq_pass, dkdv_pass, attention_backward
 
     real = GridExecutor.__call__
 
@@ -112,7 +150,7 @@ def backward_peak(rank: int, world: int, s: int, backend: str) -> tuple[float, s
         out.backward(dos)
     if os.environ.get("CP_MEMORY_DEBUG"):
         print(rank, [(sh, str(dt)[6:], round(n / unit, 2)) for sh, dt, n in mode.at_peak], flush=True)
-    return mode.peak / unit, mode.peak_op
+    return mode.peak / unit, mode.peak_op, BRANCHES[len(BRANCHES) // 2 :]  # the measured call's blocks
 
 
 def _worker(rank, world, s, backend, init, queue):
@@ -140,8 +178,10 @@ def main():
         mp.spawn(_worker, args=(args.world, args.s, args.backend, init, queue), nprocs=args.world, join=True)
     rows = sorted(queue.get() for _ in range(args.world))
     print(f"backward='merged' peak allocated in the backward, causal zigzag ring, S={args.s}, {args.backend} blocks:")
-    for rank, peak, op in rows:
+    for rank, peak, op, branches in rows:
         print(f"  rank {rank}: {peak:.2f} local q shards (at {op})")
+        for q_rows, keys, dq, dkdv in branches:
+            print(f"    block q rows {q_rows} x keys {keys}: {dq}; dK/dV {dkdv}")
 
 
 if __name__ == "__main__":

@@ -390,12 +390,13 @@ def attention_backward(
         return dq, _into(dk_out, dk), _into(dv_out, dv), None, dsinks
     if pair is not None:
         lse = pair
-    if overwrites:  # the dQ pass reads every K/V tile: before dK/dV replace them
+    early = overwrites or acc is not None  # the Gluon branch's order (nothing to keep alive here)
+    if early:
         dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc)
     dk, dv, dbias = tl_launch.dkdv_pass(
         do, q, k, v, lse, delta, bias, bias_grad, bcast, params, prob, args, dk_out=dk_out, dv_out=dv_out
     )
-    if not overwrites:
+    if not early:
         dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc)
     return dq, _into(dk_out, dk), _into(dv_out, dv), dbias, dsinks
 
