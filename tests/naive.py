@@ -37,9 +37,11 @@ def _one(q, k, v, bias, keep, dropout_p, scale, causal, window, softcap=None, sl
     group = hq // hkv
     if sq == 0 or sk == 0:
         return q.new_zeros(hq, sq, v.shape[-1]), q.new_full((hq, sq), -math.inf)
-    allowed = _allowed(sq, sk, causal, window)
+    # on q's device: GPU tests build their input-dtype reference there
+    allowed = _allowed(sq, sk, causal, window).to(q.device)
     off = 0 if causal == "top_left" else sk - sq
-    distance = (torch.arange(sq).unsqueeze(1) + off - torch.arange(sk).unsqueeze(0)).abs().to(q.dtype)
+    pos_q, pos_k = torch.arange(sq, device=q.device), torch.arange(sk, device=q.device)
+    distance = (pos_q.unsqueeze(1) + off - pos_k.unsqueeze(0)).abs().to(q.dtype)
     rows = []
     for h in range(hq):
         s = scale * (q[h] @ k[h // group].T)
