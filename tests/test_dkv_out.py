@@ -146,3 +146,30 @@ def test_gpu_gradients_written_over_the_keys(causal, tokens_first):
     else:
         assert (got[0].float() - want[0].float()).abs().max().item() <= 1e-2 * want[0].float().abs().max().item()
     assert all(t.isfinite().all() for t in got)
+
+
+@pytest.mark.parametrize("B,H,S", [(1, 1, 8), (1, 3, 8), (2, 2, 12)])
+def test_received_key_rows_packed_in_their_own_memory_and_gradients_unpacked(B, H, S):
+    """distributed.merged's last block over a part of the received keys: where _packable allows,
+    _pack_rows gives exactly those rows in a contiguous view of the front of the same memory, and
+    _unpack_rows puts a gradient written there back at those rows, zeros elsewhere (every part)."""
+    from attention_dispatch.distributed.merged import _packable, _pack_rows, _unpack_rows
+
+    seen = 0
+    for start in range(S):
+        for stop in range(start + 1, S + 1):
+            keys = slice(start, stop)
+            t = torch.randn(B, H, S, 4, dtype=torch.float64)
+            if not _packable(t, keys):
+                continue
+            seen += 1
+            want = t[:, :, keys].clone()
+            packed = _pack_rows(t, keys)
+            assert packed.is_contiguous() and packed.data_ptr() == t.data_ptr()
+            assert torch.equal(packed, want)
+            grad = torch.randn_like(want)
+            packed.copy_(grad)
+            expect = torch.zeros_like(t)
+            expect[:, :, keys] = grad
+            assert torch.equal(_unpack_rows(t, packed, keys), expect)
+    assert seen >= S // 2  # at least the prefixes of up to half the rows

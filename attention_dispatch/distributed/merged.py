@@ -22,6 +22,39 @@ from .recompute import allgather_backward, ring_backward
 from .steps import Setup, block_args, block_pairs, run_forward
 
 
+def _packable(t, keys: slice) -> bool:
+    """Rows ``keys`` of each (batch, head) of the contiguous (B, H, S, D) ``t`` can be moved, head
+    after head, to the front of its memory (_pack_rows) without writing rows not yet moved."""
+    n, S, o = keys.stop - keys.start, t.shape[2], keys.start
+    return t.is_contiguous() and 0 < n < S and (o == 0 or o >= n) and S - n + o >= n
+
+
+def _pack_rows(t, keys: slice):
+    """The rows ``keys`` of t (B, H, S, D), read no more, as a contiguous (B, H, n, D) view of the
+    front of t's memory: one head's rows after another, each moved before a later one's
+    destination reaches it (_packable), instead of a new copy (block_args' _whole_rows)."""
+    B, H, S, D = t.shape
+    n = keys.stop - keys.start
+    flat, packed = t.view(B * H, S, D), t.view(-1)[: B * H * n * D].view(B * H, n, D)
+    for j in range(B * H):
+        if j or keys.start:  # head 0's rows at offset 0 are already in place
+            packed[j].copy_(flat[j, keys])
+    return packed.view(B, H, n, D)
+
+
+def _unpack_rows(t, packed, keys: slice):
+    """_pack_rows undone for their gradients: ``packed`` (the front of t's memory) moved to rows
+    ``keys`` of t, last head first, the other rows zeroed; returns t."""
+    B, H, S, D = t.shape
+    flat, rows = t.view(B * H, S, D), packed.reshape(B * H, -1, D)
+    for j in reversed(range(B * H)):
+        if j or keys.start:
+            flat[j, keys].copy_(rows[j])
+    t[..., : keys.start, :].zero_()
+    t[..., keys.stop :, :].zero_()
+    return t
+
+
 def _place(total, part, index, shape, spare=None):
     """total[index] += part, total made on first use: ``part`` itself where it covers ``shape``
     (no zero fill), else ``spare`` (a buffer of ``shape`` no longer read; ``part`` may already be
@@ -35,6 +68,8 @@ def _place(total, part, index, shape, spare=None):
             total = part.new_zeros(shape)
         else:
             rows = spare[index]
+            if part.data_ptr() == spare.data_ptr() and part.is_contiguous() and part.shape != spare.shape:
+                return _unpack_rows(spare, part, index[-1])  # written over _pack_rows' keys
             if part.data_ptr() == rows.data_ptr() and part.stride() == rows.stride():
                 spare[..., : index[-1].start, :].zero_()
                 spare[..., index[-1].stop :, :].zero_()
@@ -53,14 +88,18 @@ def _block_backward(setup: Setup, backend: str, q_parts, k_parts, k, v, saved, d
     q, mask, out, lse, dout, dlse = saved
     rows, keys = slice(*span(q_parts)), slice(*span(k_parts))
     # q and dout rows where they lie: the kernels' backward passes read a slice of the shard's rows
-    args = block_args(setup, q_parts, k_parts, q[:, :, rows], k[:, :, keys], v[:, :, keys], mask, q_strided=True)
+    chosen = registry.get_backend(backend)
+    in_place = overwrite and chosen.capabilities.backward_dkv_out
+    k_b, v_b = k[:, :, keys], v[:, :, keys]
+    if in_place and k_b.shape != k.shape and _packable(k, keys) and _packable(v, keys):
+        # a part of the received keys: moved to the front of their own memory, not copied
+        k_b, v_b = _pack_rows(k, keys), _pack_rows(v, keys)
+    args = block_args(setup, q_parts, k_parts, q[:, :, rows], k_b, v_b, mask, q_strided=True)
     if args is None:
         return None
     q_b, k_b, v_b, attn_mask, causal, window, scope = args
     options = {n: a for n, a in setup.sdpa_args.items() if n != "backend"}
-    chosen = registry.get_backend(backend)
     into = dq is not None and chosen.capabilities.backward_dq_accumulator
-    in_place = overwrite and chosen.capabilities.backward_dkv_out
     with scope:  # the block's dropout stream, as in the forward
         call = normalize_call(q_b, k_b, v_b, attn_mask, setup.dropout_p, causal=causal, window=window, **options)
         grads = chosen.run_backward(
