@@ -114,7 +114,6 @@ def _feature_constexprs(d, cfg, causal, bias, bias_desc, dropout):
         SCALE_POS=True,
         STORE_LSE=True,
         SUBTILES=cfg.subtiles,
-        BLOCK_DK=cfg.block_dk if C.dchunk_applies(cfg, d, d, torch.bfloat16) else 0,
         BIAS_GRAD=bias == 1,
         DB_SUM_ROWS=False,
         DB_SUM_HEADS=False,
@@ -151,8 +150,7 @@ def compile_case(kind: str, entry, constexprs: dict):
     const = {k: v for k, v in constexprs.items() if k in names}
     sig = {n: "constexpr" if n in const else POINTERS.get(n, "fp32" if n in FLOATS else "i32") for n in names}
     if const.get("KV_HOST"):  # the host-built K/V descriptors (tl/launch.host_kv_descriptors)
-        cols = const["BLOCK_DK"] if 0 < const.get("BLOCK_DK", 0) < const["BLOCK_DQK"] else const["BLOCK_DQK"]
-        sig["KD"] = sig["VD"] = f"tensordesc<bf16[{const['BLOCK_N']}, {cols}]>"
+        sig["KD"] = sig["VD"] = f"tensordesc<bf16[{const['BLOCK_N']}, {const['BLOCK_DQK']}]>"
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
     return _compile(src, dict(num_warps=entry.config.num_warps, num_stages=entry.config.num_stages))
 
@@ -427,7 +425,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--fwd-configs",
         default="",
-        help="instead of the table: tl forward configs 'BM,BN,warps,stages[,subtiles,host_kv,block_dk];...' "
+        help="instead of the table: tl forward configs 'BM,BN,warps,stages[,subtiles,host_kv];...' "
         "(KernelConfig's fields) at --head-dim, e.g. to check a sweep's candidates",
     )
     p.add_argument("--head-dim", type=int, default=512, help="the head dim of --fwd-configs")

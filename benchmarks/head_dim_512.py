@@ -1,6 +1,6 @@
 """Head dim 512 on the GPU (issue 36): our triton kernels against every backend that runs d512.
 
-    COMMIT=$(git rev-parse --short HEAD) python benchmarks/head_dim_512.py [--sweep] [--kinds fwd,...] [--budget S]
+    COMMIT=$(git rev-parse --short HEAD) python benchmarks/head_dim_512.py [--sweep] [--budget S]
 
 bf16, S = 4096, d = 512 (Dqk = Dv), causal and not: the forward (under no_grad) and forward +
 backward of ``ad.sdpa(backend="triton")``, PyTorch's memory-efficient and math paths (through
@@ -11,8 +11,7 @@ backward.  Times: the median of ``triton.testing.do_bench``.
 ``--sweep`` first times the d512 tile candidates of each kernel (non-causal; forced one at a
 time by replacing configs.candidate_configs, as sweep_configs.py does): every forward candidate,
 then dK/dV and dQ with the best forward fixed; the main table then runs the best of each.
-``--kinds``: the kernel kinds swept (fwd, bwd_dkdv, bwd_dq; default all).  ``--budget``: seconds
-after which the sweep stops trying candidates (the table always runs).
+``--budget``: seconds after which the sweep stops trying candidates (the table always runs).
 Details (every number, each failure's message) go to $OUT/head_dim_512.json; a short table last.
 """
 
@@ -39,23 +38,9 @@ BWD_FACTOR = 3.5  # benchmarks/grid.py: forward + backward = 3.5 x the forward's
 D = 512
 SHAPES = ((2, 16, 4096),)  # (B, H, S)
 
-# d512 tile candidates (BM, BN, warps, stages[, subtiles, host_kv, block_dk]): the configs.py entries
-# first, then neighbours.  Forward block_dk > 0: the head-dim-chunked loop (tl/forward_dchunk.py).
-# Only candidates that compile for sm90 within shared memory and without spills (Triton 3.6,
-# benchmarks/compile_sm90.py --fwd-configs, docs/experiments/head-dim-512.md) besides the table's.
+# d512 tile candidates (BM, BN, warps, stages): the configs.py entries first, then neighbours
 SWEEP = {
-    C.FWD: [
-        (64, 64, 8, 1),
-        (64, 64, 8, 1, 1, True, 128),
-        (64, 32, 8, 2, 1, True, 128),
-        (64, 32, 8, 2, 1, True, 64),
-        (64, 16, 8, 3, 1, True, 128),
-        (64, 16, 8, 4, 1, True, 128),
-        (64, 16, 8, 4, 1, True, 64),
-        (64, 64, 8, 1, 1, True, 64),
-        (64, 32, 8, 2),
-        (64, 16, 8, 4),
-    ],
+    C.FWD: [(64, 32, 8, 2), (64, 64, 8, 1), (128, 32, 16, 1), (64, 32, 4, 2)],
     C.BWD_DKDV: [(32, 32, 8, 2), (16, 64, 8, 2), (32, 64, 8, 1)],
     C.BWD_DQ: [(64, 32, 8, 1), (32, 32, 8, 2), (64, 16, 8, 2)],
 }
@@ -124,13 +109,12 @@ def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def sweep(B, H, S, q, k, v, g, deadline, log, kinds=(C.FWD, C.BWD_DKDV, C.BWD_DQ)):
-    """Each kind's candidates, non-causal (the forward's causal too, not ranked); FORCED keeps the best
-    of each for the table."""
+def sweep(B, H, S, q, k, v, g, deadline, log):
+    """Each kind's candidates, non-causal; FORCED keeps the best of each for the table."""
     f = lambda q, k, v: ad.sdpa(q, k, v, backend="triton")  # noqa: E731
     flops = fwd_flops(B, H, S, False)
     out = []
-    for kind in kinds:
+    for kind in (C.FWD, C.BWD_DKDV, C.BWD_DQ):
         best = None
         for cfg in SWEEP[kind]:
             if time.time() > deadline:
@@ -143,10 +127,6 @@ def sweep(B, H, S, q, k, v, g, deadline, log, kinds=(C.FWD, C.BWD_DKDV, C.BWD_DQ
                 ms = measure(f, q, k, v, g, "fwd" if kind == C.FWD else "fwd+bwd")
                 tf = flops * (1 if kind == C.FWD else BWD_FACTOR) / ms / 1e9
                 rec = dict(kind=kind, cfg=cfg, ms=ms, tflops=tf)
-                if kind == C.FWD:  # the causal forward too (the target holds for both)
-                    fc = lambda q, k, v: ad.sdpa(q, k, v, is_causal=True, backend="triton")  # noqa: E731
-                    ms_c = measure(fc, q, k, v, g, "fwd")
-                    rec.update(causal_ms=ms_c, causal_tflops=fwd_flops(B, H, S, True) / ms_c / 1e9)
             except Exception as e:  # noqa: BLE001
                 rec = dict(kind=kind, cfg=cfg, error=first_line(e))
             rec["seconds"] = round(time.time() - t0, 1)
@@ -167,7 +147,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--budget", type=float, default=150.0)
-    ap.add_argument("--kinds", default=",".join(SWEEP), help="the kinds --sweep tries (fwd, bwd_dkdv, bwd_dq)")
     args = ap.parse_args()
     t_start = time.time()
     out_dir = os.environ.get("OUT", ".")
@@ -195,8 +174,7 @@ def main():
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         g = torch.randn_like(q)
         if args.sweep:
-            kinds = tuple(k for k in args.kinds.split(",") if k)
-            report["sweep"] = sweep(B, H, S, q, k, v, g, t_start + args.budget, log, kinds)
+            report["sweep"] = sweep(B, H, S, q, k, v, g, t_start + args.budget, log)
         report["forced"] = {kind: list(cfg) for kind, cfg in FORCED.items()}
         for causal in (False, True):
             impls = make_impls(causal, S)
@@ -252,10 +230,6 @@ def main():
             for m in ("fwd", "fwd+bwd")
         ]
         print(f"{'':18s} {'ours / best other':16s} {ratios[0]:>9s} {ratios[1]:>9s}")
-    for rec in report["sweep"]:  # the sweep, one line a candidate
-        tf = f"{rec['tflops']:7.1f}" if "tflops" in rec else f"fail: {rec.get('error', '')[:80]}"
-        causal = f" causal {rec['causal_tflops']:7.1f}" if "causal_tflops" in rec else ""
-        print(f"sweep {rec['kind']:9s} {str(tuple(rec['cfg'])):32s} {tf}{causal}")
     print(f"total {report['seconds']} s")
 
 

@@ -168,28 +168,6 @@ def test_head_dim_512_on_the_gpu(label, case):
     compare_backend(case, "triton", device="cuda")
 
 
-# the head-dim-chunked forward's tiles forced: one stage of 64-key tiles in 128-column chunks, two
-# of 32-key tiles in 64-column chunks (benchmarks/head_dim_512.py's sweep candidates)
-DCHUNK_GPU = [(64, 64, 8, 1, 1, True, 128), (64, 32, 8, 2, 1, True, 64)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", DCHUNK_GPU, ids=str)
-@pytest.mark.parametrize("label,case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_head_dim_512_chunked_forward_on_the_gpu(monkeypatch, label, case, cfg):
-    from attention_dispatch.kernels import configs as C
-
-    candidates = C.candidate_configs
-    monkeypatch.setattr(
-        C,
-        "candidate_configs",
-        lambda kind, *a, **k: [C.KernelConfig(*cfg)] if kind == C.FWD else candidates(kind, *a, **k),
-    )
-    seen = _dchunk_launches(monkeypatch)
-    compare_backend(dataclasses.replace(case, dtype=torch.bfloat16), "triton", device="cuda")
-    assert seen and all(dk == cfg[-1] for dk in seen), seen
-
-
 @pytest.mark.gpu
 def test_head_dim_512_route_on_the_gpu_names_the_tl_kernels():
     """On the H100 the Gluon kernels are passed over for d512 with the head-dim reason."""
@@ -208,67 +186,3 @@ def test_decode_kernel_head_dim_512_on_the_gpu():
         KvCase(dtype=torch.bfloat16, batch=2, heads_q=8, heads_kv=2, capacity=2048, head_dim=512, append=True),
         device="cuda",
     )
-
-
-# ---------------------------------------------------------------- the head-dim-chunked forward loop
-# 16-bit calls past d256 run the forward's chunked loop (configs.dchunk_applies; the interpreter's
-# INTERPRETER_FWD_DCHUNK, 128 columns a chunk): every feature of the tl forward through it, in
-# float16 at tiny shapes, with the backward's gradients (an unchanged kernel) against naive in float64.
-def _chunked(d=512, dv=None, b=1, hq=2, hkv=2, sq=9, sk=13):
-    from test_kernel_features import F16, rand
-
-    return rand(b, hq, sq, d, dtype=F16), rand(b, hkv, sk, d, dtype=F16), rand(b, hkv, sk, dv or d, dtype=F16)
-
-
-def _dchunk_launches(monkeypatch):
-    """The BLOCK_DK of every forward launch, recorded."""
-    from attention_dispatch.kernels import run
-
-    seen, launch = [], run.launch_one
-
-    def record(kernel, grid, args, constexprs, *a, **k):
-        if "SUBTILES" in constexprs:  # the forward
-            seen.append(constexprs.get("BLOCK_DK", 0))
-        return launch(kernel, grid, args, constexprs, *a, **k)
-
-    monkeypatch.setattr(run, "launch_one", record)
-    return seen
-
-
-@pytest.mark.parametrize(
-    "dims,causal", [((512, 512), "bottom_right"), ((320, 512), "top_left"), ((512, 256), None)], ids=str
-)
-def test_chunked_forward_all_score_features(monkeypatch, dims, causal):
-    from test_kernel_features import ALL, check
-
-    seen = _dchunk_launches(monkeypatch)
-    check(*_chunked(*dims), causal=causal, **ALL)
-    assert seen and all(dk == 128 for dk in seen), seen
-
-
-def test_chunked_forward_window_gqa_bias_grad():
-    from test_kernel_features import ALL, F16, check, rand
-
-    q, k, v = _chunked(hq=4, hkv=2, sq=11, sk=9)
-    check(q, k, v, rand(1, 4, 1, 9, dtype=F16), window=(3, 1), **ALL)
-
-
-def test_chunked_forward_varlen_dropout():
-    from test_kernel_features import ALL, DEV, F16, check, rand
-
-    # query lengths 5, 0, 7 over key lengths 6, 4, 3
-    cu_q = torch.tensor([0, 5, 5, 12], dtype=torch.int32, device=DEV)
-    cu_k = torch.tensor([0, 6, 10, 13], dtype=torch.int32, device=DEV)
-    q, k, v = rand(12, 2, 512, dtype=F16), rand(13, 1, 512, dtype=F16), rand(13, 1, 512, dtype=F16)
-    check(q, k, v, causal="bottom_right", cu=(cu_q, cu_k), max_s=(7, 6), dropout_p=0.3, **ALL)
-
-
-def test_float32_and_forced_tiles_keep_the_whole_row_loop(monkeypatch):
-    """float32 (exact scores, issue 38) and forced tiles run the unchunked loop."""
-    from attention_dispatch.kernels import KernelParams, triton_attention
-
-    seen = _dchunk_launches(monkeypatch)
-    q = torch.randn(1, 1, 8, 320)
-    triton_attention(q, q, q, None, KernelParams(scale=0.1))
-    triton_attention(q.half(), q.half(), q.half(), None, KernelParams(scale=0.1, block_m=16, block_n=16))
-    assert seen == [0, 0]

@@ -42,16 +42,12 @@ class KernelConfig(NamedTuple):
     num_stages: int = 2
     subtiles: int = 1  # forward only: the query tile as 2 halves sharing each K/V block
     host_kv: bool = True  # forward only: K/V through host-built descriptors where the call allows
-    # forward only, padded head dims > 256 in 16-bit dtypes, one sub-tile: Q, K, V and the output in
-    # head-dim chunks of this many columns (tl/forward_dchunk.py); 0: whole rows
-    block_dk: int = 0
 
     def __str__(self) -> str:  # pragma: no cover - cosmetic
         return (
             f"BM={self.block_m} BN={self.block_n} warps={self.num_warps} stages={self.num_stages}"
             + (f" subtiles={self.subtiles}" if self.subtiles > 1 else "")
             + ("" if self.host_kv else " host_kv=off")
-            + (f" dk={self.block_dk}" if self.block_dk else "")
         )
 
 
@@ -86,9 +82,9 @@ _SM80 = ((8, 0), (8, 0))  # A100 / A30: 164 KiB shared memory
 _ANY = ((7, 5), (99, 9))  # fallbacks that fit small shared memories
 
 
-def _e(kind, cc, max_d, dtypes, bm, bn, w, s, banded=None, subtiles=1, extras=None, host_kv=True, grouped=None, dk=0):
+def _e(kind, cc, max_d, dtypes, bm, bn, w, s, banded=None, subtiles=1, extras=None, host_kv=True, grouped=None):
     return ConfigEntry(
-        kind, cc[0], cc[1], max_d, dtypes, KernelConfig(bm, bn, w, s, subtiles, host_kv, dk), banded, extras, grouped
+        kind, cc[0], cc[1], max_d, dtypes, KernelConfig(bm, bn, w, s, subtiles, host_kv), banded, extras, grouped
     )
 
 
@@ -242,17 +238,6 @@ INTERPRETER_CONFIGS = {
     BWD_DKDV: KernelConfig(16, 32, 1, 1),
     BWD_DQ: KernelConfig(32, 16, 1, 1),
 }
-# ... and the forward's at padded head dims > 256 in 16-bit dtypes: the head-dim-chunked loop
-# (KernelConfig.block_dk), 128 columns a chunk, so that 320 ends in a partial chunk and 512/256 has
-# fewer V chunks than K chunks (float32 keeps INTERPRETER_CONFIGS: its exact scores, issue 38).
-INTERPRETER_FWD_DCHUNK = KernelConfig(32, 16, 1, 1, block_dk=128)
-
-
-def dchunk_applies(cfg: KernelConfig, block_dqk: int, block_dv: int, dtype: torch.dtype) -> bool:
-    """Whether the forward runs ``cfg`` head-dim-chunked: a block_dk, one sub-tile, a padded head
-    dim > 256 and a 16-bit dtype (float32's scores must match the backward's bit for bit, which a
-    chunked sum does not, issue 38)."""
-    return cfg.block_dk > 0 and cfg.subtiles == 1 and max(block_dqk, block_dv) > 256 and dtype in _HALF
 
 
 def block_d(head_dim: int) -> int:

@@ -63,10 +63,6 @@ def select_config(
     one tile: no sub-tiles).  ``extras``: a bias, mask or dropout; ``grouped``: GQA / MQA."""
     if is_interpreter() or torch.device(device).type != "cuda":
         cands = [C.INTERPRETER_CONFIGS[kind]]
-        if kind == C.FWD and C.dchunk_applies(
-            C.INTERPRETER_FWD_DCHUNK, C.block_d(head_dim_qk), C.block_d(head_dim_v), dtype
-        ):
-            cands = [C.INTERPRETER_FWD_DCHUNK]
     else:
         cc, smem, _ = device_info(device)
         banded = params is not None and (params.window_left >= 0 or params.window_right >= 0)

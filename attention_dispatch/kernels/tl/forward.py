@@ -5,18 +5,106 @@ import triton
 import triton.language as tl
 
 from .common import (
+    _apply_bias,
+    _band_mask,
     _batch_head,
     _bias_desc,
+    _dot,
+    _dropout_keep,
     _load_tile,
+    _lowp,
     _load_stream,
     _qk,
     _rng_rows,
     _tile_desc,
 )
-from .forward_dchunk import _fwd_range_dk, _fwd_store_dk, _load_q_chunks
 from .forward_io import _fwd_store, _load_q
-from .online_softmax import _fwd_step
-from .score import _alibi_slope2
+from .score import _alibi_slope2, _mul_rn, _score_log2
+
+
+@triton.jit
+def _fwd_step(
+    acc,
+    l_i,
+    m_i,
+    s,
+    v,
+    m0,
+    start_n,
+    offs_m,
+    offs_n0,
+    qk_scale,
+    sk,
+    sq,
+    off,
+    window_left,
+    window_right,
+    bias_base,
+    sbi,
+    sbj,
+    seed,
+    rng_rows,
+    dropout_p,
+    softcap_in,
+    softcap_out,
+    slope2,
+    MASKED: tl.constexpr,
+    MAY_EMPTY: tl.constexpr,
+    SCALE_POS: tl.constexpr,
+    HAS_WL: tl.constexpr,
+    HAS_WR: tl.constexpr,
+    BIAS_KIND: tl.constexpr,
+    BIAS_DESC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+    ROUND_P: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    EXACT_P: tl.constexpr,
+):
+    """One key block of the online softmax (log2 domain) given the raw scores ``s = q k^T``
+    of the rows ``offs_m`` (from ``m0``).  MASKED: apply the band mask (edge blocks);
+    MAY_EMPTY: a row may have seen only masked keys so far (max = -inf); SCALE_POS: the
+    softmax scale is > 0; SOFTCAP / HAS_ALIBI: score transforms (score.py)."""
+    offs_n = start_n + offs_n0
+    # Without a bias or score transform and with a positive scale, the scale is applied inside
+    # exp2's argument (one FMA per score instead of a multiply and a subtract): the row max of
+    # the raw scores times the scale is the max of the scaled ones.
+    PLAIN: tl.constexpr = BIAS_KIND == 0 and SCALE_POS and not SOFTCAP and not HAS_ALIBI
+    if not PLAIN:
+        s, _ = _score_log2(
+            s, qk_scale, softcap_in, softcap_out, slope2, offs_m, offs_n, off, SOFTCAP, HAS_ALIBI, False, EXACT_P
+        )
+        s = _apply_bias(s, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, False)
+    if MASKED:
+        s = tl.where(
+            _band_mask(offs_m, offs_n, sk, off, window_left, window_right, HAS_WL, HAS_WR, False), s, float("-inf")
+        )
+    if PLAIN:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with no allowed key so far keeps max -inf (carried as such: a finite placeholder
+    # would underflow the exp2 of later, very negative, scores) and exponentiates against 0.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new) if MAY_EMPTY else m_new
+    if PLAIN:
+        if EXACT_P:  # no fma: the max's exponent is 0, as in the backward (common.py)
+            p = tl.math.exp2(_mul_rn(s, qk_scale, EXACT_P) - m_use[:, None])
+        else:
+            p = tl.math.exp2(s * qk_scale - m_use[:, None])
+    else:
+        p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if HAS_DROPOUT:
+        p = tl.where(_dropout_keep(seed, rng_rows, start_n, dropout_p, offs_n0.shape[0], False), p, 0.0)
+    if DOT_UPCAST | DOT_IEEE:
+        acc += _dot(_lowp(p, v.dtype, ROUND_P), v, DOT_UPCAST, DOT_IEEE)
+    else:
+        acc = tl.dot(_lowp(p, v.dtype, ROUND_P), v, acc)
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -262,7 +350,6 @@ def _attn_fwd(
     KV_HOST: tl.constexpr = 0,
     LSE_PAIR: tl.constexpr = False,
     EXACT_P: tl.constexpr = 0,
-    BLOCK_DK: tl.constexpr = 0,
 ):
     """USE_DESC: K/V (and Q beside a bias descriptor) through TMA tensor descriptors built
     in-kernel per (sequence, head) (Hopper+; the launcher checks the 16-byte alignment TMA
@@ -276,8 +363,7 @@ def _attn_fwd(
     (B, Hkv, Sk, D) memory, 2 over the (B * Sk, Hkv * D) rows of (B, Sk, Hkv, D) memory.  No
     tensormap is written per program for them (E30).  LSE_PAIR (float32): LSE is the (*lse_shape, 2)
     log2 logsumexp as hi + lo (forward_io._fwd_store), its strides those of that memory.
-    EXACT_P (float32): see common.py.  BLOCK_DK > 0 (head dims > 256, SUBTILES=1, EXACT_P=0): K, V,
-    Q and the output in head-dim chunks of at most BLOCK_DK columns (forward_dchunk.py)."""
+    EXACT_P (float32): see common.py."""
     # Last query tiles first: under a causal band they have the most keys, and starting
     # the longest programs first shortens the tail of the launch.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -309,9 +395,6 @@ def _attn_fwd(
     offs_dq = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     b64 = b.to(tl.int64)
-    # the K/V (and chunked Q) load width: a head-dim chunk with BLOCK_DK, else the whole padded dim
-    CQ: tl.constexpr = BLOCK_DK if BLOCK_DK > 0 and BLOCK_DK < BLOCK_DQK else BLOCK_DQK
-    CV: tl.constexpr = BLOCK_DK if BLOCK_DK > 0 and BLOCK_DK < BLOCK_DV else BLOCK_DV
 
     q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q_start * sqs
     k_base = K + b64 * skb + hk.to(tl.int64) * skh + k_start * sks
@@ -332,8 +415,8 @@ def _attn_fwd(
             k_col0 = hk * HEAD_DQK
             v_col0 = hk * HEAD_DV
     else:
-        k_desc = _tile_desc(K, k_base, sk, sks, HEAD_DQK, BLOCK_N, CQ, USE_DESC)
-        v_desc = _tile_desc(V, v_base, sk, svs, HEAD_DV, BLOCK_N, CV, USE_DESC)
+        k_desc = _tile_desc(K, k_base, sk, sks, HEAD_DQK, BLOCK_N, BLOCK_DQK, USE_DESC)
+        v_desc = _tile_desc(V, v_base, sk, svs, HEAD_DV, BLOCK_N, BLOCK_DV, USE_DESC)
         kv_row0 = 0
         k_col0 = 0
         v_col0 = 0
@@ -341,10 +424,7 @@ def _attn_fwd(
     # tensormap written and fenced per program (pointers for them ran 0-13% faster, E29).
     # Beside a bias descriptor Q keeps one: Triton 3.6's ptxas (12.8) crashes (SIGSEGV) on
     # the pointer load of Q next to the in-kernel bias tensormap, for every tile shape.
-    if BLOCK_DK == 0:
-        q = _load_q(Q, q_base, m0, offs_m, sq, sqs, offs_dq, HEAD_DQK, HALF, BLOCK_DQK, BIAS_DESC)
-    else:  # a tuple of (HALF, CQ) chunks
-        q = _load_q_chunks(Q, q_base, m0, offs_m, sq, sqs, HEAD_DQK, HALF, CQ, BIAS_DESC)
+    q = _load_q(Q, q_base, m0, offs_m, sq, sqs, offs_dq, HEAD_DQK, HALF, BLOCK_DQK, BIAS_DESC)
 
     # ---- key range: blocks entirely outside the band are skipped by the loop bounds ----
     m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
@@ -372,12 +452,7 @@ def _attn_fwd(
 
     m_i = tl.full([HALF], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([HALF], dtype=tl.float32)
-    if BLOCK_DK == 0:
-        acc = tl.zeros([HALF, BLOCK_DV], dtype=tl.float32)
-    else:  # one (HALF, CV) accumulator per chunk of Dv
-        acc = ()
-        for c in tl.static_range((HEAD_DV + CV - 1) // CV):
-            acc = acc + (tl.zeros([HALF, CV], dtype=tl.float32),)
+    acc = tl.zeros([HALF, BLOCK_DV], dtype=tl.float32)
     if SUBTILES == 2:
         q_b = _load_q(Q, q_base, m0 + HALF, offs_m + HALF, sq, sqs, offs_dq, HEAD_DQK, HALF, BLOCK_DQK, BIAS_DESC)
         m_b = tl.full([HALF], float("-inf"), dtype=tl.float32)
@@ -410,169 +485,90 @@ def _attn_fwd(
             n_lo, n_hi = mid_lo, mid_hi
         else:
             n_lo, n_hi = mid_hi, hi
-        if BLOCK_DK == 0:
-            acc, l_i, m_i, acc_b, l_b, m_b = _fwd_range(
-                acc,
-                l_i,
-                m_i,
-                q,
-                m0,
-                offs_m,
-                rng_rows,
-                acc_b,
-                l_b,
-                m_b,
-                q_b,
-                rng_rows_b,
-                k_desc,
-                v_desc,
-                k_base,
-                v_base,
-                kv_row0,
-                k_col0,
-                v_col0,
-                n_lo,
-                n_hi,
-                offs_n0,
-                offs_dq,
-                offs_dv,
-                sks,
-                svs,
-                qk_scale,
-                sk,
-                sq,
-                off,
-                window_left,
-                window_right,
-                bias_base,
-                sbi,
-                sbj,
-                seed,
-                dropout_p,
-                softcap_in,
-                softcap_out,
-                slope2,
-                part != 1,
-                MAY_EMPTY,
-                SCALE_POS,
-                HAS_WL,
-                HAS_WR,
-                BIAS_KIND,
-                BIAS_DESC,
-                HAS_DROPOUT,
-                SOFTCAP,
-                HAS_ALIBI,
-                HEAD_DQK,
-                HEAD_DV,
-                BLOCK_N,
-                BLOCK_DQK,
-                BLOCK_DV,
-                USE_DESC,
-                SUBTILES,
-                DOT_UPCAST,
-                DOT_IEEE,
-                ROUND_P,
-                KV_HOST,
-                EXACT_P,
-            )
-        else:
-            acc, l_i, m_i = _fwd_range_dk(
-                acc,
-                l_i,
-                m_i,
-                q,
-                m0,
-                offs_m,
-                rng_rows,
-                k_desc,
-                v_desc,
-                k_base,
-                v_base,
-                kv_row0,
-                k_col0,
-                v_col0,
-                n_lo,
-                n_hi,
-                offs_n0,
-                sks,
-                svs,
-                qk_scale,
-                sk,
-                sq,
-                off,
-                window_left,
-                window_right,
-                bias_base,
-                sbi,
-                sbj,
-                seed,
-                dropout_p,
-                softcap_in,
-                softcap_out,
-                slope2,
-                part != 1,
-                MAY_EMPTY,
-                SCALE_POS,
-                HAS_WL,
-                HAS_WR,
-                BIAS_KIND,
-                BIAS_DESC,
-                HAS_DROPOUT,
-                SOFTCAP,
-                HAS_ALIBI,
-                HEAD_DQK,
-                HEAD_DV,
-                BLOCK_N,
-                CQ,
-                CV,
-                USE_DESC,
-                DOT_UPCAST,
-                DOT_IEEE,
-                ROUND_P,
-                KV_HOST,
-                EXACT_P,
-            )
-    if BLOCK_DK == 0:
-        _fwd_store(
+        acc, l_i, m_i, acc_b, l_b, m_b = _fwd_range(
             acc,
             l_i,
             m_i,
-            o_base,
-            lse_base,
+            q,
+            m0,
             offs_m,
-            sq,
-            sos,
-            sls,
-            dropout_p,
-            sink2,
+            rng_rows,
+            acc_b,
+            l_b,
+            m_b,
+            q_b,
+            rng_rows_b,
+            k_desc,
+            v_desc,
+            k_base,
+            v_base,
+            kv_row0,
+            k_col0,
+            v_col0,
+            n_lo,
+            n_hi,
+            offs_n0,
+            offs_dq,
             offs_dv,
-            HEAD_DV,
-            BLOCK_DV,
-            HAS_DROPOUT,
-            STORE_LSE,
-            HAS_SINKS,
-            LSE_PAIR,
-        )
-    else:
-        _fwd_store_dk(
-            acc,
-            l_i,
-            m_i,
-            o_base,
-            lse_base,
-            offs_m,
+            sks,
+            svs,
+            qk_scale,
+            sk,
             sq,
-            sos,
-            sls,
+            off,
+            window_left,
+            window_right,
+            bias_base,
+            sbi,
+            sbj,
+            seed,
             dropout_p,
-            sink2,
-            HEAD_DV,
-            CV,
+            softcap_in,
+            softcap_out,
+            slope2,
+            part != 1,
+            MAY_EMPTY,
+            SCALE_POS,
+            HAS_WL,
+            HAS_WR,
+            BIAS_KIND,
+            BIAS_DESC,
             HAS_DROPOUT,
-            STORE_LSE,
-            HAS_SINKS,
-            LSE_PAIR,
+            SOFTCAP,
+            HAS_ALIBI,
+            HEAD_DQK,
+            HEAD_DV,
+            BLOCK_N,
+            BLOCK_DQK,
+            BLOCK_DV,
+            USE_DESC,
+            SUBTILES,
+            DOT_UPCAST,
+            DOT_IEEE,
+            ROUND_P,
+            KV_HOST,
+            EXACT_P,
         )
+    _fwd_store(
+        acc,
+        l_i,
+        m_i,
+        o_base,
+        lse_base,
+        offs_m,
+        sq,
+        sos,
+        sls,
+        dropout_p,
+        sink2,
+        offs_dv,
+        HEAD_DV,
+        BLOCK_DV,
+        HAS_DROPOUT,
+        STORE_LSE,
+        HAS_SINKS,
+        LSE_PAIR,
+    )
     if SUBTILES == 2:
         _fwd_store(
             acc_b,

@@ -39,7 +39,7 @@ MAX_SPLITS = 16
 HOST_KV_MIN_WORK = 1 << 32
 
 
-def host_kv_descriptors(k, v, prob: KernelShapes, uses_descriptors: bool, block_dqk: int, block_dv: int, chunk=None):
+def host_kv_descriptors(k, v, prob: KernelShapes, uses_descriptors: bool, block_dqk: int, block_dv: int):
     """For dense K/V read through descriptors, with D equal to its block, laid out as
     (B, Hkv, Sk, D) or (B, Sk, Hkv, D) in memory, in a call of at least HOST_KV_MIN_WORK:
     ``descriptors(cfg)`` -> (K descriptor, V descriptor, KV_HOST) built here over the rows of
@@ -47,7 +47,7 @@ def host_kv_descriptors(k, v, prob: KernelShapes, uses_descriptors: bool, block_
     when the configuration keeps in-kernel ones or Sk is not a multiple of its key tile (a
     tile would reach into the next head or sequence).  None when K/V are not read that way.
     A host descriptor saves each program the tensormap write and fence of an in-kernel one
-    (E30).  ``chunk(cfg)``: the forward's BLOCK_DK (head-dim chunks: tiles of that many columns)."""
+    (E30)."""
     if (
         not uses_descriptors
         or TensorDescriptor is None
@@ -67,12 +67,11 @@ def host_kv_descriptors(k, v, prob: KernelShapes, uses_descriptors: bool, block_
         block_n = cfg.block_n
         if not cfg.host_kv or prob.Sk % block_n:
             return None
-        dk = chunk(cfg) if chunk is not None else 0
         # the base is k / v itself (Triton reads only its address and dtype): a relaunch
         # recognises it (ForwardPlan)
         return (
-            TensorDescriptor(k, [k_rows, k_len], [k_len, 1], [block_n, dk if 0 < dk < prob.Dqk else prob.Dqk]),
-            TensorDescriptor(v, [v_rows, v_len], [v_len, 1], [block_n, dk if 0 < dk < prob.Dv else prob.Dv]),
+            TensorDescriptor(k, [k_rows, k_len], [k_len, 1], [block_n, prob.Dqk]),
+            TensorDescriptor(v, [v_rows, v_len], [v_len, 1], [block_n, prob.Dv]),
             layout,
         )
 
@@ -159,18 +158,11 @@ def forward(
     )
     n_bh = prob.B * prob.Hq
     key = ("fwd", dev, q.dtype, prob.Dqk, prob.Dv, desc)
-
-    def chunk(cfg):  # BLOCK_DK: head-dim chunks (configs.dchunk_applies)
-        return cfg.block_dk if C.dchunk_applies(cfg, kw["BLOCK_DQK"], kw["BLOCK_DV"], q.dtype) else 0
-
-    kv_descriptors = host_kv_descriptors(k, v, prob, desc, kw["BLOCK_DQK"], kw["BLOCK_DV"], chunk)
+    kv_descriptors = host_kv_descriptors(k, v, prob, desc, kw["BLOCK_DQK"], kw["BLOCK_DV"])
 
     def fwd_tail(cfg):
         kv = kv_descriptors(cfg) if kv_descriptors is not None else None
-        extra = {"SUBTILES": cfg.subtiles, "KV_HOST": kv[2] if kv else 0}
-        if chunk(cfg):  # only then: the other calls compile exactly as before
-            extra["BLOCK_DK"] = chunk(cfg)
-        return (kv[:2] if kv else (0, 0)), extra
+        return (kv[:2] if kv else (0, 0)), {"SUBTILES": cfg.subtiles, "KV_HOST": kv[2] if kv else 0}
 
     for start, cnt in bh_chunks(n_bh, prob.Hq, grid_limit(params)):
 
