@@ -108,3 +108,22 @@ def leaf_copy(t, dtype=None):
         return None
     c = t.detach().to(dtype or t.dtype).clone()
     return c.requires_grad_(t.requires_grad)
+
+
+def cpu_backends_declaring(claim: str) -> list[str]:
+    """The available backends whose Capabilities set ``claim``, for tests on CPU tensors (triton
+    only under the interpreter): one test item per backend that makes the claim."""
+    import os
+
+    import attention_dispatch as ad
+    from attention_dispatch import registry
+
+    names = []
+    for name in ad.list_backends():
+        backend = registry.get_backend(name)
+        if not getattr(backend.capabilities, claim) or not backend.is_available():
+            continue
+        if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+            continue  # CPU tensors: the kernels under the interpreter only
+        names.append(name)
+    return names

@@ -6,8 +6,6 @@ backends declare: every available backend declaring the capability, and only tho
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,6 +15,8 @@ from attention_dispatch.backends.base import Backend
 from attention_dispatch.call import normalize_call
 from attention_dispatch.dropout_stream import DropoutStream, draw_seed, positioned
 
+from cases import cpu_backends_declaring
+
 B, HQ, HKV, SQ, SK, D = 2, 4, 2, 12, 24, 16
 CUTS = (0, 8, 24)  # two key blocks; column offsets multiples of 4 (the triton kernels' dropout draw)
 CASES = {
@@ -25,19 +25,6 @@ CASES = {
     "bool_mask_bias": {"mask": True, "bias": True},
     "dropout": {"dropout_p": 0.3, "grad_lse": True},
 }
-
-
-def _declaring() -> list[str]:
-    names = []
-    for name in ad.list_backends():
-        backend = registry.get_backend(name)
-        if not backend.capabilities.backward_from_output:
-            continue
-        if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-            continue  # CPU tensors: the kernels under the interpreter only
-        if backend.is_available():
-            names.append(name)
-    return names
 
 
 def test_declared_exactly_where_run_backward_is_implemented():
@@ -51,7 +38,7 @@ def test_declared_exactly_where_run_backward_is_implemented():
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("backend", _declaring())
+@pytest.mark.parametrize("backend", cpu_backends_declaring("backward_from_output"))
 def test_blocks_from_the_whole_calls_output_add_up_to_its_backward(backend, case):
     feature = CASES[case]
     dtype = torch.float64 if backend == "math" else torch.float32
@@ -105,7 +92,7 @@ def test_blocks_from_the_whole_calls_output_add_up_to_its_backward(backend, case
         assert (g.double() - w).abs().max() <= tolerance * max(1.0, w.abs().max().item()), name
 
 
-@pytest.mark.parametrize("backend", _declaring())
+@pytest.mark.parametrize("backend", cpu_backends_declaring("backward_from_output"))
 def test_run_backward_refuses_what_it_does_not_compute(backend):
     q = torch.randn(1, 2, 4, 8)
     call = normalize_call(q, q, q, sinks=torch.zeros(2))

@@ -18,19 +18,9 @@ from attention_dispatch import registry
 from attention_dispatch.backends.base import Backend
 from attention_dispatch.call import normalize_call
 
+from cases import cpu_backends_declaring
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _declaring() -> list[str]:
-    names = []
-    for name in ad.list_backends():
-        backend = registry.get_backend(name)
-        if not backend.capabilities.backward_dkv_out or not backend.is_available():
-            continue
-        if name == "triton" and not INTERPRET:
-            continue  # CPU tensors: the kernels under the interpreter only
-        names.append(name)
-    return names
 
 
 def test_declared_exactly_where_run_backward_takes_dkv_out():
@@ -59,7 +49,7 @@ def _dtypes(backend):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("backend", _declaring())
+@pytest.mark.parametrize("backend", cpu_backends_declaring("backward_dkv_out"))
 def test_gradients_written_over_the_keys_equal_new_ones(backend, causal):
     """dkv_out=(key, value): dq, dk, dv bit for bit those of the call returning new tensors,
     dk/dv returned as the key/value tensors themselves."""
@@ -76,7 +66,7 @@ def test_gradients_written_over_the_keys_equal_new_ones(backend, causal):
             assert g.isfinite().all() and torch.equal(g, w), (dtype, name)
 
 
-@pytest.mark.parametrize("backend", _declaring())
+@pytest.mark.parametrize("backend", cpu_backends_declaring("backward_dkv_out"))
 def test_gradients_written_into_separate_strided_buffers(backend):
     """dkv_out of separate memory: a row slice of longer (B, H, S, D) buffers (a key block's rows
     of a rank's received keys); the rows outside it keep their values."""
@@ -96,7 +86,7 @@ def test_gradients_written_into_separate_strided_buffers(backend):
             assert torch.equal(big[:, :, :16], old[:, :, :16]) and torch.equal(big[:, :, 64:], old[:, :, 64:])
 
 
-@pytest.mark.parametrize("backend", _declaring())
+@pytest.mark.parametrize("backend", cpu_backends_declaring("backward_dkv_out"))
 def test_a_wrong_dkv_out_is_refused_naming_it(backend):
     q, k, v, causal_arg, out, lse, dout, dlse = _call(torch.float64 if backend == "math" else torch.float32, False)
     chosen = registry.get_backend(backend)

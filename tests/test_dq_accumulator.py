@@ -20,19 +20,9 @@ from attention_dispatch import registry
 from attention_dispatch.backends.base import Backend
 from attention_dispatch.call import normalize_call
 
+from cases import cpu_backends_declaring
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _declaring() -> list[str]:
-    names = []
-    for name in ad.list_backends():
-        backend = registry.get_backend(name)
-        if not backend.capabilities.backward_dq_accumulator or not backend.is_available():
-            continue
-        if name == "triton" and not INTERPRET:
-            continue  # CPU tensors: the kernels under the interpreter only
-        names.append(name)
-    return names
 
 
 def test_declared_exactly_where_run_backward_takes_an_accumulator():
@@ -57,7 +47,7 @@ def _call(dtype, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("backend", _declaring())
+@pytest.mark.parametrize("backend", cpu_backends_declaring("backward_dq_accumulator"))
 def test_accumulated_dq_is_the_returned_dq_added_to_its_rows(backend, causal):
     for dtype in (torch.float64,) if backend == "math" else (torch.float32, torch.bfloat16):
         call, out, lse, dout, dlse = _call(dtype, causal)
@@ -83,7 +73,7 @@ def test_accumulated_dq_is_the_returned_dq_added_to_its_rows(backend, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("backend", _declaring())
+@pytest.mark.parametrize("backend", cpu_backends_declaring("backward_dq_accumulator"))
 def test_row_slices_of_query_and_dout_give_their_copies_gradients(backend, causal):
     """The merged backward passes a block's rows of the rank's q and dout where they lie (no
     whole-row copies): the same arithmetic, so the copies' gradients bit for bit, both layouts."""
@@ -124,7 +114,7 @@ def test_seq_rows_reads_a_slice_of_rows_in_either_layout():
     assert seq_rows(torch.zeros(2, 32, 4, 16).permute(0, 3, 1, 2)[..., :16], 1) is None
 
 
-@pytest.mark.parametrize("backend", _declaring())
+@pytest.mark.parametrize("backend", cpu_backends_declaring("backward_dq_accumulator"))
 def test_a_wrong_accumulator_is_refused_naming_it(backend):
     call, out, lse, dout, dlse = _call(torch.float64 if backend == "math" else torch.float32, False)
     chosen = registry.get_backend(backend)
