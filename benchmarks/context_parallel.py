@@ -294,13 +294,15 @@ def _frame(frames) -> str:
 def _peak_allocations(events) -> tuple[int, dict, int]:
     """(peak bytes, {addr: (bytes, frames)} alive then, event index) of the allocations made
     within an allocator trace (torch.cuda.memory._snapshot()'s device_traces: an allocation
-    counts from its "alloc" to its "free_completed", as memory_allocated does)."""
+    counts from its "alloc" to its "free_requested", as memory_allocated does; its
+    "free_completed" comes later where another stream used it (NCCL's buffers), when that
+    stream's work is done, and counting to it added freed buffers to the peak)."""
     live, total, peak, at, at_i = {}, 0, 0, {}, 0
     for i, e in enumerate(events):
         if e["action"] == "alloc":
             live[e["addr"]] = (e["size"], e.get("frames", []))
             total += e["size"]
-        elif e["action"] == "free_completed" and e["addr"] in live:
+        elif e["action"] in ("free_requested", "free_completed") and e["addr"] in live:
             total -= live.pop(e["addr"])[0]
         if total > peak:
             peak, at, at_i = total, dict(live), i

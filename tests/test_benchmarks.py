@@ -1375,3 +1375,21 @@ def test_forward_ab_configured_changes_one_thing_and_restores_it(impl):
     }[impl]
     assert changed == expected
     assert state() == shipped
+
+
+def test_context_parallel_trace_peak_ends_an_allocation_at_its_free_request():
+    """A buffer another stream used (NCCL's) has its free_completed late, after the allocations
+    that followed its free: memory_allocated fell at free_requested, so does the trace's peak."""
+    mod = _load("context_parallel")
+    events = [
+        dict(action="alloc", addr=1, size=100),  # a received buffer
+        dict(action="free_requested", addr=1, size=100),
+        dict(action="alloc", addr=2, size=60),
+        dict(action="free_completed", addr=1, size=100),  # its stream's work seen done
+        dict(action="alloc", addr=3, size=30),
+    ]
+    peak, alive, _ = mod._peak_allocations(events)
+    assert peak == 100 and set(alive) == {1}
+    events[-1]["size"] = 50
+    peak, alive, _ = mod._peak_allocations(events)
+    assert peak == 110 and set(alive) == {2, 3}
