@@ -133,12 +133,13 @@ def start_shift(tensors, group, rank: int, world: int, backwards: bool = False) 
     return received, pending
 
 
-def swap_add(into, sends, group, rank: int, world: int, pieces: int = 2) -> None:
+def swap_add(into, sends, group, rank: int, world: int, pieces: int = 4) -> None:
     """Two ranks: ``into[i] +=`` the other rank's ``sends[i]`` (shaped as ``into[i]``) while
     ``sends`` go to it, ``pieces`` pieces per tensor one after the other, each received into the
     memory of the piece sent before it (the first into a new one): one piece's buffer more instead
     of a copy of ``sends``, which are overwritten. Pieces by element count alone: both ranks cut
-    alike, whatever the strides."""
+    alike, whatever the strides. 4 pieces: the one piece's buffer is the merged backward's peak
+    over its other buffers (a quarter of a key shard); each piece more is one blocking round more."""
     whole = [t if t.is_contiguous() else t.contiguous() for t in into]
     sends = [t.contiguous() for t in sends]
     peer = _global(group, (rank + 1) % world)
