@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 
 from . import config as _config
 from . import registry
-from .debug import _last, _recorders, logger, note_decision
+from .debug import logger, note_decision
 from . import dispatch
 from .dispatch import FAST_CALLS_LIMIT, Decision, decide, fast_calls, run_with_fallback, span_calls
 from .call import Call, _seqlens, make_problem, normalize_call
 from .fast_key import (
     RECENT,
     _compiler,
+    _config_vars,
+    _deterministic,
+    _deterministic_warn_only,
+    _grad_enabled,
     _is_dynamo_compiling,
+    _last_get,
+    _last_set,
+    _recent_get,
+    _recorders_get,
+    _scope_get,
+    _scoped_config,
     call_key,
     forget_recent,
     length_key,
     recent_entry,
-    recent_hit,
     remember_recent,
 )
 from .fastest import choose_fastest
@@ -30,6 +40,12 @@ from .policy import guard as _guard
 def _execute(decision: Decision, call: Call):
     """Run the chosen backend; on a run-time failure re-raise or fall back per config."""
     return run_with_fallback(decision, lambda backend: backend.run(call.query, call.key, call.value, **call.options))
+
+
+def _execute_again(call: Call, backend):
+    """Decide again and run (the guard's re-run); a function, not a closure in sdpa(): a closure's
+    cells would be made on every call, hits included."""
+    return _execute(decide(call.problem, backend), call)
 
 
 _KEYWORD_ONLY = object()  # sdpa()'s marker parameter's default
@@ -93,24 +109,70 @@ def sdpa(
         fast_key = None  # the fast path's key knows none of these
     else:
         # torch.compiler.is_compiling() (call_key returns None), without its two Python calls
-        recent = None if _is_dynamo_compiling() or _compiler._is_compiling_flag else fast_calls.get(RECENT)
-        if recent is not None and cu_seqlens_q is None and cu_seqlens_k is None:  # fast_key.recent_hit
-            entry = recent_hit(
-                recent[1], query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal, window,
-                deterministic, backend,
-            )  # fmt: skip
-            if entry is not None:
-                decision = entry[6]
-                try:
-                    out = entry[7](query, key, value) if attn_mask is None else entry[7](query, key, value, attn_mask)
+        recent = None if _is_dynamo_compiling() or _compiler._is_compiling_flag else _recent_get(RECENT)
+        if recent is not None and cu_seqlens_q is None and cu_seqlens_k is None:
+            # a recent signature (fast_key.recent_entry): a call that passes its check has its
+            # call_key, every field (options by identity, else exact type and equality; tensors in
+            # C++; 16-byte pointers; dispatch state by identity).  Inline: a Python frame is ~3% of
+            # the tiny CPU call (experiment 92).
+            has_mask = attn_mask is not None
+            for entry in recent[1]:
+                o = entry[2]  # the entry's options, of the types call_key() accepts: bools and None by identity
+                if not (
+                    entry[1] is has_mask
+                    and is_causal is o[1]
+                    and enable_gqa is o[3]
+                    and deterministic is o[6]
+                    and (dropout_p is o[0] or (type(dropout_p) is float and dropout_p == o[0]))
+                    and (scale is o[2] or (type(scale) is float and scale == o[2]))
+                    and (causal is o[4] or (type(causal) is str and causal == o[4]))
+                    and (backend is o[7] or (type(backend) is str and backend == o[7]))
+                    and (
+                        window is o[5]
+                        or (
+                            type(window) is tuple
+                            and window == o[5]
+                            and type(window[0]) is int
+                            and type(window[1]) is int
+                        )
+                    )
+                ):
+                    continue  # another option, or an equal one of another type (1 == 1.0 == True)
+                if has_mask:
+                    if not entry[0](query, key, value, attn_mask):
+                        continue
+                    if (query.data_ptr() | key.data_ptr() | value.data_ptr() | attn_mask.data_ptr()) & 15:
+                        break  # every entry is aligned
+                elif not entry[0](query, key, value):
+                    continue
+                elif (query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15:
+                    break
+                if not (
+                    _scoped_config() is entry[3]
+                    and _scope_get() is entry[9]
+                    and _config_vars["_loaded"] is entry[10]
+                    and _config_vars["_version"] == entry[11]
+                    and registry._version == entry[12]
+                    and entry[13] == (_deterministic() and 1 + _deterministic_warn_only())
+                    and (not entry[4] or _grad_enabled() is entry[5])
+                ):
+                    continue
+                decision, op = entry[6], entry[14]
+                try:  # op: the runner's own C call (Backend.prepare's first_of), a Python frame less
+                    if op is not None:
+                        out = op(query, key, value)[0]
+                    else:
+                        out = (
+                            entry[7](query, key, value) if attn_mask is None else entry[7](query, key, value, attn_mask)
+                        )
                 except Exception:  # noqa: BLE001 - the full path below raises or falls back per config
                     forget_recent(fast_calls, entry)
-                else:
-                    if _last.get() is not decision:  # note_decision(), inline
-                        _last.set(decision)
-                    for sink in _recorders.get():
-                        sink.append(decision)
-                    return out
+                    break
+                if _last_get() is not decision:  # note_decision(), inline
+                    _last_set(decision)
+                for sink in _recorders_get():
+                    sink.append(decision)
+                return out
         fast_key = call_key(
             query,
             key,
@@ -146,8 +208,8 @@ def sdpa(
             except Exception:  # noqa: BLE001 - the full path below raises or falls back per config
                 fast_calls.pop(fast_key, None)
             else:
-                _last.set(decision)  # note_decision(), inline: it is a tenth of a tiny call's overhead
-                for sink in _recorders.get():
+                _last_set(decision)  # note_decision(), inline: it is a tenth of a tiny call's overhead
+                for sink in _recorders_get():
                     sink.append(decision)
                 if cu_seqlens_q is None:  # the next call of this signature checks it in C++
                     entry = recent_entry(fast_key, decision, runner, query, key, value, attn_mask)
@@ -207,7 +269,7 @@ def sdpa(
     decision, out = _execute(decision, call)
     if guard.mode != "off":  # check the answer; a wrong backend is quarantined and the call re-run
         decision, out = _guard.guard_call(
-            decision, call, out, guard, lambda: _execute(decide(call.problem, backend), call), rng
+            decision, call, out, guard, functools.partial(_execute_again, call, backend), rng
         )
     note_decision(decision)
     opts = call.options

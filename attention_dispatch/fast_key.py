@@ -20,12 +20,12 @@ metadata from Python is most of it (~0.1-0.2 us per attribute, ~20 of them, then
 comparing the objects read), so the key reads each fact once, is one flat tuple, and calls
 torch's C getters directly where the public function is a Python wrapper of one.
 
-The recent signatures (:func:`recent_entry`, :func:`recent_hit`) skip even that: the last
+The recent signatures (:func:`recent_entry`, checked inline in sdpa()) skip even that: the last
 RECENT_LIMIT signatures that hit the dictionary keep a check of their tensors in C++ (torch's
 ``TensorGuards``, dynamo's check of Python type, dispatch keys, dtype, device, requires_grad,
 sizes and strides: ~1 us for three tensors where reading them from Python costs ~3-5 us), and a
 call passing it, with the same options, pointer alignment and dispatch state, is a call with
-that signature's key: the key's every field is checked, in C++ or here.  TensorGuards is
+that signature's key: the key's every field is checked, in C++ or in sdpa().  TensorGuards is
 private: torch_private.tensor_check adapts it on tested torch releases only (None elsewhere:
 no recent entries, every call takes the key).  They live in
 ``fast_calls`` under the key RECENT, so whatever clears that dictionary clears them.
@@ -38,7 +38,8 @@ import torch
 from . import config as _config
 from . import registry
 from .call import mask_kept_as_given, offsets_kept_as_given
-from .dispatch import _scope
+from .debug import _last, _recorders
+from .dispatch import _scope, fast_calls
 from . import torch_private
 from .torch_private import tensor_check
 
@@ -55,6 +56,12 @@ _deterministic = torch_private.deterministic  # torch.are_deterministic_algorith
 _deterministic_warn_only = torch_private.deterministic_warn_only
 _scoped_config = _config._scoped.get  # current_config(): the scoped config, else the loaded one
 _scope_get = _scope.get
+# sdpa()'s hit path reads these without an attribute lookup per call: CPython 3.11 neither
+# specializes a method call on a name bound by an import (it makes a bound method each time) nor an
+# attribute of a module with a __getattr__ (config's, PEP 562) (experiment 92)
+_config_vars = vars(_config)
+_recent_get = fast_calls.get
+_last_get, _last_set, _recorders_get = _last.get, _last.set, _recorders.get
 
 RECENT = object()  # fast_calls[RECENT] = (None, recent entries, newest first): module doc
 RECENT_LIMIT = 4
@@ -245,12 +252,13 @@ def length_key(exact: tuple):
 
 
 def recent_entry(exact: tuple, decision, runner, query, key, value, attn_mask):
-    """The entry of :func:`recent_hit` for a call whose :func:`call_key` is ``exact`` and whose
-    tensors are these: (check, has mask, options, scoped config, reads grad mode, grad,
-    decision, runner, exact, scope, loaded config, config version, registry version,
-    determinism); None for a call it cannot check (packed tensors, a pointer off 16 bytes, one
-    tensor passed twice: TensorGuards never matches a repeated tensor).  The dispatch state is
-    kept as the objects call_key read (compared by identity: one ``is`` each on a hit)."""
+    """The recent entry (sdpa() checks it inline) for a call whose :func:`call_key` is
+    ``exact`` and whose tensors are these: (check, has mask, options, scoped config, reads grad
+    mode, grad, decision, runner, exact, scope, loaded config, config version, registry
+    version, determinism, the runner's ``first_of`` op for a call without a mask else None);
+    None for a call it cannot check (packed tensors, a pointer off 16 bytes, one tensor passed
+    twice: TensorGuards never matches a repeated tensor).  The dispatch state is kept as the
+    objects call_key read (compared by identity: one ``is`` each on a hit)."""
     if tensor_check is None or exact[_POINTERS] or exact[_PACKED] is not None:
         return None
     tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
@@ -268,67 +276,8 @@ def recent_entry(exact: tuple, decision, runner, query, key, value, attn_mask):
         return None
     reads_grad = any(t.requires_grad for t in tensors)
     head = (check, attn_mask is not None, common[7:15], scoped, reads_grad, common[6], decision, runner, exact)
-    return head + (scope, loaded, common[16], common[17], common[19])
-
-
-def recent_hit(
-    entries,
-    query,
-    key,
-    value,
-    attn_mask,
-    dropout_p,
-    is_causal,
-    scale,
-    enable_gqa,
-    causal,
-    window,
-    deterministic,
-    backend,
-):
-    """The entry among ``entries`` (:func:`recent_entry`) whose signature this call has (all
-    of call_key's fields equal), else None.  The call has no packed offsets nor features and
-    is not being traced (torch.compiler.is_compiling()).  Host time (issue 35): an option that
-    is the entry's own object (a default, a constant) needs no type check, and the dispatch
-    state is compared object by object (experiment 91)."""
-    has_mask = attn_mask is not None
-    for entry in entries:
-        o = entry[2]  # the entry's options, of the types call_key() accepts: bools and None by identity
-        if not (
-            entry[1] is has_mask
-            and is_causal is o[1]
-            and enable_gqa is o[3]
-            and deterministic is o[6]
-            and (dropout_p is o[0] or (type(dropout_p) is float and dropout_p == o[0]))
-            and (scale is o[2] or (type(scale) is float and scale == o[2]))
-            and (causal is o[4] or (type(causal) is str and causal == o[4]))
-            and (backend is o[7] or (type(backend) is str and backend == o[7]))
-            and (
-                window is o[5]
-                or (type(window) is tuple and window == o[5] and type(window[0]) is int and type(window[1]) is int)
-            )
-        ):
-            continue  # another option, or an equal one of another type (1 == 1.0 == True)
-        if has_mask:
-            if not entry[0](query, key, value, attn_mask):
-                continue
-            if (query.data_ptr() | key.data_ptr() | value.data_ptr() | attn_mask.data_ptr()) & 15:
-                return None  # every entry is aligned
-        elif not entry[0](query, key, value):
-            continue
-        elif (query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15:
-            return None
-        if (
-            _scoped_config() is entry[3]
-            and _scope_get() is entry[9]
-            and _config._loaded is entry[10]
-            and _config._version == entry[11]
-            and registry._version == entry[12]
-            and entry[13] == (_deterministic() and 1 + _deterministic_warn_only())
-            and (not entry[4] or _grad_enabled() is entry[5])
-        ):
-            return entry
-    return None
+    first_of = None if attn_mask is not None else getattr(runner, "first_of", None)  # Backend.prepare
+    return head + (scope, loaded, common[16], common[17], common[19], first_of)
 
 
 def remember_recent(fast_calls: dict, entry) -> None:

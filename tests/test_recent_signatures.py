@@ -1,11 +1,13 @@
-"""sdpa()'s recent signatures (fast_key.recent_entry / recent_hit, issue 35): a call that passes
-a recent entry's C++ check is a call with that entry's fast-path key (every field of
-call_key), it runs the prepared runner and records its decision, and anything else (another
-size, stride, dtype, grad need, option type, alignment, config, scope, determinism, a mask, a
-tensor passed twice, inference mode, tracing) takes the key's path as before."""
+"""sdpa()'s recent signatures (fast_key.recent_entry, checked inline in sdpa(), issue 35): a call
+that passes a recent entry's check is a call with that entry's fast-path key (every field of
+call_key) and the full path's decision (every field), it runs the prepared runner (or its
+``first_of`` op) and records its decision, and anything else (another size, stride, dtype, grad
+need, option type, alignment, config, scope, determinism, a mask, a tensor passed twice,
+inference mode, tracing) takes the key's path as before."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
@@ -14,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import attention_dispatch as ad
-from attention_dispatch import dispatch, torch_private
-from attention_dispatch.fast_key import RECENT, RECENT_LIMIT, call_key, recent_hit
+from attention_dispatch import api, dispatch, torch_private
+from attention_dispatch.fast_key import RECENT, RECENT_LIMIT, call_key
 
 pytestmark = pytest.mark.skipif(
     torch_private.tensor_check is None, reason="this torch has no tested TensorGuards (torch_private)"
@@ -40,9 +42,37 @@ def _entries():
     return () if recent is None else recent[1]
 
 
+class _Miss(Exception):
+    pass
+
+
+def _no_key(*args):
+    raise _Miss  # the call left the recent entries for the key's path: stop it there
+
+
 def _hit(q, k, v, **kw):
-    o = _options(**kw)
-    return recent_hit(_entries(), q, k, v, *(o[name] for name in ARGS))
+    """The recent entry that sdpa() runs for this call (its runner traced, first_of off), else
+    None: the call went on to call_key(), stopped there (nothing decided, nothing remembered)."""
+    entries, ran = _entries(), []
+
+    def traced(entry):
+        def run(*args):
+            ran.append(entry)
+            return entry[7](*args)
+
+        return entry[:7] + (run,) + entry[8:-1] + (None,)
+
+    dispatch.fast_calls[RECENT] = (None, tuple(traced(e) for e in entries))
+    saved, api.call_key = api.call_key, _no_key
+    try:
+        ad.sdpa(q, k, v, **_options(**kw))
+    except _Miss:
+        return None
+    finally:
+        api.call_key = saved
+        dispatch.fast_calls[RECENT] = (None, entries)
+    assert len(ran) == 1
+    return ran[0]
 
 
 def _key(q, k, v, **kw):
@@ -129,6 +159,38 @@ def test_the_dispatch_state_is_checked(scope):
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
 
 
+class _Spare(ad.Backend):
+    name = "spare_for_recent"
+
+    def is_available(self):
+        return False
+
+
+def _swap_loaded_config():
+    """Another loaded config without a version bump (no API does that: the check is defensive)."""
+    ad.config._loaded = ad.config._loaded.model_copy()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda: ad.config._bump(),  # what dropping the config pins does: the version alone
+        lambda: ad.load_config(),  # another loaded config, and the version
+        lambda: ad.register_backend(_Spare()),  # the registry's version
+        _swap_loaded_config,
+    ],
+    ids=["config version", "loaded config", "registry", "loaded config alone"],
+)
+def test_a_process_wide_change_is_another_state(change):
+    q, k, v = _qkv()
+    ad.load_config()
+    _warm(q, k, v)
+    assert _hit(q, k, v) is not None
+    change()
+    assert _hit(q, k, v) is None
+    torch.testing.assert_close(ad.sdpa(q, k, v), F.scaled_dot_product_attention(q, k, v))
+
+
 def test_a_mask_call_has_its_own_entry():
     q, k, v = _qkv()
     mask = torch.rand(1, 1, 8, 8) > 0.3
@@ -166,10 +228,71 @@ def test_a_failing_runner_drops_its_entry_and_the_full_path_runs(monkeypatch):
     def broken(*a):
         raise RuntimeError("stale runner")
 
-    dispatch.fast_calls[RECENT] = (None, (entry[:7] + (broken,) + entry[8:],))
+    dispatch.fast_calls[RECENT] = (None, (entry[:7] + (broken,) + entry[8:-1] + (None,),))
     out = ad.sdpa(q, k, v)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
     assert all(e[7] is not broken for e in _entries())
+
+
+def test_a_failing_first_of_op_drops_its_entry_and_the_full_path_runs():
+    q, k, v = _qkv()
+    _warm(q, k, v, backend="torch_cpu")
+    entry = _entries()[0]
+    assert entry[14] is not None  # torch_cpu's plain call: sdpa() calls the op itself
+
+    def broken(*a):
+        raise RuntimeError("stale op")
+
+    dispatch.fast_calls[RECENT] = (None, (entry[:14] + (broken,),))
+    out = ad.sdpa(q, k, v, backend="torch_cpu")
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+    assert all(e[14] is not broken for e in _entries())
+
+
+def test_the_first_of_op_computes_what_the_runner_does():
+    q, k, v = _qkv()
+    _warm(q, k, v, backend="torch_cpu")
+    entry = _entries()[0]
+    assert entry[14] is not None and entry[7].first_of is entry[14]
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    torch.testing.assert_close(ad.sdpa(q2, k2, v2, backend="torch_cpu"), entry[7](q2, k2, v2), rtol=0, atol=0)
+    assert ad.last_decision() is entry[6]
+    _warm(q, k, v, backend="torch_cpu", is_causal=True)  # a runner without first_of: no op
+    assert _entries()[0][8] != entry[8] and _entries()[0][14] is None
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    _warm(q, k, v, attn_mask=mask, backend="torch_cpu")
+    assert _entries()[0][1] and _entries()[0][14] is None  # a mask call runs its runner
+
+
+def _fields(decision):
+    return {f.name: getattr(decision, f.name) for f in dataclasses.fields(decision)}
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"dropout_p": 0.0, "is_causal": False},
+        {"is_causal": True},
+        {"scale": 0.3},
+        {"causal": "bottom_right"},
+        {"backend": "torch_cpu"},
+        {"backend": "torch_cpu", "dropout_p": 0.0, "is_causal": False},
+    ],
+    ids=["plain", "transformers", "causal", "scale", "bottom_right", "torch_cpu", "torch_cpu transformers"],
+)
+def test_a_hit_records_the_full_paths_decision_field_by_field(kw):
+    q, k, v = _qkv()
+    _warm(q, k, v, **kw)
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    entry = _hit(q2, k2, v2, **kw)
+    assert entry is not None and entry[8] == _key(q2, k2, v2, **kw)
+    hit = ad.sdpa(q2, k2, v2, **kw)
+    hit_decision = ad.last_decision()
+    ad.clear_cache()  # the same call decided from scratch, on the full path
+    full = ad.sdpa(q2, k2, v2, **kw)
+    assert _fields(hit_decision) == _fields(ad.last_decision())
+    torch.testing.assert_close(hit, full, rtol=0, atol=0)
 
 
 def test_more_signatures_than_the_limit_stay_correct():
@@ -218,7 +341,7 @@ def test_no_recent_entry_is_read_while_export_traces(monkeypatch):
     q, k, v = _qkv()
     _warm(q, k, v)
     monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # what torch.export sets
-    monkeypatch.setattr(ad.api, "recent_hit", lambda *a: pytest.fail("a recent entry was read while tracing"))
+    monkeypatch.setattr(ad.api, "_recent_get", lambda *a: pytest.fail("a recent entry was read while tracing"))
     torch.testing.assert_close(ad.sdpa(q, k, v), F.scaled_dot_product_attention(q, k, v))
 
 

@@ -440,7 +440,9 @@ class Backend:
         (the `triton` backend relaunches its compiled kernel); the default calls run().  A runner
         with a true ``any_key_length`` attribute also serves dense calls without a mask that
         differ from this one only in the key length and the strides (sdpa()'s decode steps:
-        fast_key.length_key); without it those calls go to run()."""
+        fast_key.length_key); without it those calls go to run().  A runner with a
+        ``first_of`` attribute computes ``first_of(q, k, v)[0]`` for calls without a mask:
+        sdpa()'s recent hits call that C function themselves (a Python frame less)."""
         rest = {
             name: value for name, value in options.items() if name not in ("attn_mask", "cu_seqlens_q", "cu_seqlens_k")
         }

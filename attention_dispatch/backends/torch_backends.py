@@ -263,7 +263,9 @@ class TorchCpuBackend(TorchSdpaBackend):
                 return lambda query, key, value: op(query, key, value, 0.0, True)[0]
             return lambda query, key, value: op(query, key, value, 0.0, True, scale=scale)[0]
         if default:
-            return lambda query, key, value: op(query, key, value)[0]
+            runner = lambda query, key, value: op(query, key, value)[0]  # noqa: E731
+            runner.first_of = op  # Backend.prepare: sdpa()'s recent hits call op themselves
+            return runner
         return lambda query, key, value: op(query, key, value, scale=scale)[0]
 
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):
