@@ -39,6 +39,19 @@ def device_info(device: torch.device) -> tuple[tuple[int, int], int, int]:
     return (0, 0), 1 << 30, 1
 
 
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(index: int) -> int:
+    return int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0) or 0)
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The GPU's L2 cache in bytes (0 off CUDA or where torch does not say)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    return _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
+
+
 # In-kernel TMA descriptors need a small global scratch buffer per launch, which Triton
 # asks from the allocator in its context variable.  When the caller has not set one, the
 # launch sets ours for its own duration only (restored in finally).

@@ -92,11 +92,31 @@ def _tile_origin(pid_bh, head_groups, num_heads, seq, ROWS: gl.constexpr, HEAD_D
 def _program_row(heads, BATCH_MINOR: gl.constexpr):
     """Grid axis 1 as ``b * heads + h``.  BATCH_MINOR launches it batch-fastest: the programs of
     one head in every batch run together, so a bias shared by the batches is read from L2."""
-    pid = gl.program_id(1)
+    return _batch_minor(gl.program_id(1), heads, BATCH_MINOR)
+
+
+@gluon.jit
+def _batch_minor(pid, heads, BATCH_MINOR: gl.constexpr):
     if BATCH_MINOR:
         batch = gl.num_programs(1) // heads
         pid = (pid % batch) * heads + pid // batch
     return pid
+
+
+@gluon.jit
+def _query_block(n_m_blocks, heads, lpt_rows, BATCH_MINOR: gl.constexpr):
+    """(query block, ``b * heads + h``) of a forward program of the grid (n_m_blocks, B * heads).
+    ``lpt_rows`` > 0 (causal): FA3's longest-processing-time order, the launch in groups of
+    ``lpt_rows`` rows (b, h) whose K/V fit in L2, each group's longest blocks first over all its
+    rows, so the last wave holds the shortest; 0: a row's blocks together, longest first."""
+    if lpt_rows > 0:
+        pid = gl.program_id(1) * n_m_blocks + gl.program_id(0)
+        per_group = lpt_rows * n_m_blocks
+        g = pid // per_group
+        r = pid - g * per_group
+        width = gl.minimum(lpt_rows, gl.num_programs(1) - g * lpt_rows)
+        return n_m_blocks - 1 - r // width, _batch_minor(g * lpt_rows + r % width, heads, BATCH_MINOR)
+    return n_m_blocks - 1 - gl.program_id(0), _program_row(heads, BATCH_MINOR)
 
 
 @gluon.constexpr_function

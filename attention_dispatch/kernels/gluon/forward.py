@@ -16,7 +16,7 @@ from .common import (
     _kv_ring,
     _kv_tiles,
     _load_bias_tile,
-    _program_row,
+    _query_block,
     _store_rows,
     _tile_origin,
     _wgmma_layout,
@@ -59,6 +59,7 @@ def _ws_loader(
         num_heads,
         group,
         n_m_blocks,
+        lpt_rows,
         kv_lens,
         n_new,
         sinks_ptr,
@@ -76,8 +77,7 @@ def _ws_loader(
     NUM_WG: gl.constexpr = q_bufs.shape[0]
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     HEAD_D: gl.constexpr = k_desc.block_type.shape[1]
-    pid_m = n_m_blocks - 1 - gl.program_id(0)  # longest causal rows first
-    pid_bh = _program_row(num_heads, BATCH_MINOR)
+    pid_m, pid_bh = _query_block(n_m_blocks, num_heads, lpt_rows, BATCH_MINOR)
     kv_row, kv_col = _tile_origin(pid_bh, group, num_heads, seq_k, KV_ROWS, HEAD_D)
     if KV_LENS:
         b = pid_bh // num_heads
@@ -138,6 +138,7 @@ def _ws_consumer(
         num_heads,
         group,
         n_m_blocks,
+        lpt_rows,
         kv_lens,
         n_new,
         sinks_ptr,
@@ -159,8 +160,7 @@ def _ws_consumer(
     row_s: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(BLOCK_N))
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    pid_m = n_m_blocks - 1 - gl.program_id(0)
-    pid_bh = _program_row(num_heads, BATCH_MINOR)
+    pid_m, pid_bh = _query_block(n_m_blocks, num_heads, lpt_rows, BATCH_MINOR)
     q_start = pid_m * NUM_WG * BLOCK_M + WG * BLOCK_M  # this warpgroup's first query row
     q_row, q_col = _tile_origin(pid_bh, 1, num_heads, seq_q, Q_ROWS, HEAD_D)
     q_buf = q_bufs.index(WG)
@@ -299,6 +299,7 @@ def _attn_fwd_ws(
     num_heads,
     group,
     n_m_blocks,
+    lpt_rows,
     bias_batch_rows,
     bias_head_rows,
     kv_lens,
@@ -365,6 +366,7 @@ def _attn_fwd_ws(
         num_heads,
         group,
         n_m_blocks,
+        lpt_rows,
         kv_lens,
         n_new,
         sinks_ptr,

@@ -10,6 +10,7 @@ import torch
 
 from .. import configs as C
 from .. import run
+from ..device import l2_bytes
 from ..bias import batch_minor, ws_bias_rows
 from ..params import KernelParams
 from ..shapes import KernelShapes, cdiv, row_matrix, seq_rows
@@ -115,6 +116,17 @@ def score_args(params: KernelParams, prob: KernelShapes, alibi: torch.Tensor | N
     )
 
 
+def lpt_rows(params: KernelParams, prob: KernelShapes, bias, k: torch.Tensor) -> int:
+    """The forward's launch order (gluon.common._query_block): for a causal call without a bias,
+    groups of (b, h) rows whose K and V fit in L2 (a power of two of kv heads, their query heads
+    together), longest query blocks first; 0 (the grid's order) otherwise."""
+    if bias is not None or not (params.window_left < 0 and params.window_right == 0):
+        return 0
+    one_kv_head = prob.Sk * (prob.Dqk + prob.Dv) * k.element_size()
+    fit = max(1, l2_bytes(k.device) // max(one_kv_head, 1))
+    return (1 << (fit.bit_length() - 1)) * prob.group
+
+
 def forward(
     q,
     k,
@@ -162,6 +174,7 @@ def forward(
             prob.Hq,
             prob.group,
             n_m,
+            lpt_rows(params, prob, bias, k),
             batch_rows,
             head_rows,
             kv_lens if kv_lens is not None else out,
