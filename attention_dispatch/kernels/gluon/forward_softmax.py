@@ -105,7 +105,7 @@ def _step(
     acc,
     m_i,
     l_i,
-    p_op,
+    carried,
     WG: gl.constexpr,
     WINDOW_LEFT: gl.constexpr,
     WINDOW_RIGHT: gl.constexpr,
@@ -118,9 +118,11 @@ def _step(
     ALIBI_SPLIT: gl.constexpr,
     EXP2_POLY: gl.constexpr,
     MASK: gl.constexpr,
+    CARRY_F32: gl.constexpr,
 ):
     """Key tile ``j`` >= 1 of :func:`_consume`'s loop: S_j = Q K_j^T beside P_{j-1} V_{j-1}, then
-    S_j's softmax step; MASK: the tile may cross the band (:func:`_mask_tile`)."""
+    S_j's softmax step; MASK: the tile may cross the band (:func:`_mask_tile`).  ``carried``: P_{j-1}
+    as the product's 16-bit operand, or (CARRY_F32) in float32, converted here; returned the same way."""
     q_buf, k_bufs, v_bufs, bars, bias, scale, rows, row0, first, n_full, rows_f, key0 = step_args
     softcap_in, to_nat, alibi_coef, cr, ckj = score_args
     BLOCK_M: gl.constexpr = WG_ROWS
@@ -142,6 +144,10 @@ def _step(
     sc_tok = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
     v_buf = v_bufs.index(sp)
+    if CARRY_F32:
+        p_op = gl.convert_layout(carried.to(dtype), p_layout)
+    else:
+        p_op = carried
     acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
     if HAS_BIAS:
         b = _bias_tile(bias, j, WG, BLOCK_M, BIAS_STAGES, s_layout)
@@ -176,8 +182,11 @@ def _step(
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
     mbarrier.arrive(v_empty.index(sp), count=1)
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    return acc, m_i, l_i, p_op
+    if CARRY_F32:
+        carried = p
+    else:
+        carried = gl.convert_layout(p.to(dtype), p_layout)
+    return acc, m_i, l_i, carried
 
 
 @gluon.jit
@@ -272,22 +281,26 @@ def _consume(
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY, roff, ALIBI_SPLIT, EXP2_POLY)
     l_i = gl.sum(p, 1)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
     step_args = (q_buf, k_bufs, v_bufs, bars, bias, scale, rows, row0, first, n_full, rows_f, key0)
     score_args = (softcap_in, to_nat, alibi_coef, cr, ckj)
-    if _causal(WINDOW_LEFT, WINDOW_RIGHT):
-        # the tiles below the diagonal in a loop without the mask's code (FA3's split): its branch
-        # in every step cost the causal forward ~4% (E92)
+    # a plain causal d128 call: the steps below the diagonal in a loop without the mask's code
+    # (FA3's split; in one loop the mask's selects ran every step: 617 instructions a step against
+    # 453), P carried between the loops in float32 (as 16-bit values each step paid 32 PRMT);
+    # elsewhere that carry spills (d64's three warpgroups, the score transforms: E95)
+    SPLIT: gl.constexpr = (
+        _causal(WINDOW_LEFT, WINDOW_RIGHT) and HEAD_D == 128 and not (HAS_BIAS or SOFTCAP or HAS_ALIBI)
+    )
+    if SPLIT:
         n_plain = gl.maximum(gl.minimum(n_full, n_tiles), 1)
         for j in range(1, n_plain):
-            acc, m_i, l_i, p_op = _step(
+            acc, m_i, l_i, p = _step(
                 step_args,
                 score_args,
                 j,
                 acc,
                 m_i,
                 l_i,
-                p_op,
+                p,
                 WG,
                 WINDOW_LEFT,
                 WINDOW_RIGHT,
@@ -300,16 +313,17 @@ def _consume(
                 ALIBI_SPLIT,
                 EXP2_POLY,
                 False,
+                True,
             )
         for j in range(n_plain, n_tiles):
-            acc, m_i, l_i, p_op = _step(
+            acc, m_i, l_i, p = _step(
                 step_args,
                 score_args,
                 j,
                 acc,
                 m_i,
                 l_i,
-                p_op,
+                p,
                 WG,
                 WINDOW_LEFT,
                 WINDOW_RIGHT,
@@ -322,8 +336,11 @@ def _consume(
                 ALIBI_SPLIT,
                 EXP2_POLY,
                 True,
+                True,
             )
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
     else:
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, n_tiles):
             acc, m_i, l_i, p_op = _step(
                 step_args,
@@ -345,6 +362,7 @@ def _consume(
                 ALIBI_SPLIT,
                 EXP2_POLY,
                 True,
+                False,
             )
     sl = (n_tiles - 1) % STAGES
     mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
