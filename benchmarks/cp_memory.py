@@ -52,8 +52,12 @@ def _gpu_like_launches():
     launch.store_dtype = lambda dtype: dtype
     real_dq, real_dkdv = launch.dq_pass, launch.dkdv_pass
 
-    def dq_pass(do, q, k, v, lse, delta, params, prob, a, accumulator=None):
-        banded = params.window_left >= 0 or params.window_right >= 0
+    def dq_pass(do, q, k, v, lse, delta, params, prob, a, accumulator=None, out=None):
+        # only="dq" (no dK/dV pass: "-") runs the separate Gluon dQ pass where the route fuses it
+        banded = params.window_left >= 0 or params.window_right >= 0 or BRANCHES[-1][3] == "-"
+        if banded and out is not None:  # the separate Gluon dQ pass writing into the given dq
+            BRANCHES[-1][:3] = [q.shape[2], k.shape[2], "separate dQ (bf16, into dq_out)"]
+            return real_dq(do, q, k, v, lse, delta, params, prob, a, out=out)
         if banded:  # the separate Gluon dQ pass: a bf16 dq of q's rows, added by entry
             dq = real_dq(do, q, k, v, lse, delta, params, prob, a)
             BRANCHES[-1][:3] = [q.shape[2], k.shape[2], "separate dQ (bf16 dq, then added)"]
@@ -79,11 +83,13 @@ def _gpu_like_launches():
             branch = "new, then copied into the non-contiguous dk_out"
         else:
             branch = "in place over the keys it read" if over else "into dk_out"
+        BRANCHES[-1][:2] = [args[1].shape[2], k.shape[2]]
         BRANCHES[-1][3] = branch
         return real_dkdv(*args, dk_out=dk_out, dv_out=dv_out)
 
     def attention_backward(*args, **kwargs):  # one record per call, filled by its passes
-        BRANCHES.append([None] * 4)
+        only = kwargs.get("only")
+        BRANCHES.append([None, None, "-" if only == "dkv" else None, "-" if only == "dq" else None])
         return real_backward(*args, **kwargs)
 
     real_backward = kernels.attention_backward

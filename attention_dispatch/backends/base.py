@@ -84,6 +84,9 @@ class Capabilities:
     # run_backward(dkv_out=): dk and dv written into given tensors, which may be the key and value
     # themselves (a ring's received keys, read no more: no new buffers for their gradients)
     backward_dkv_out: bool = False
+    # run_backward(only="dq" | "dkv", dq_out=): one of the two gradients' passes alone (a caller
+    # running them at different times), dq written into a given tensor of the query's dtype
+    backward_split: bool = False
     notes: str = ""  # free text for `info`, never used to decide
 
     def _backward_extras(self) -> str:
@@ -92,6 +95,7 @@ class Capabilities:
             for n, on in (
                 ("dq accumulator", self.backward_dq_accumulator),
                 ("dk/dv into given tensors", self.backward_dkv_out),
+                ("dq or dk/dv alone", self.backward_split),
             )
             if on
         ]
@@ -287,6 +291,25 @@ def check_dq_accumulator(acc, query) -> None:
         )
 
 
+def check_split(only, dq_out, query, dq_accumulator) -> None:
+    """run_backward()'s ``only`` (None, "dq" or "dkv") and ``dq_out`` (None or a contiguous tensor
+    of the query's shape, dtype and device; not with ``dq_accumulator`` nor only="dkv")."""
+    if only not in (None, "dq", "dkv"):
+        raise ValueError(f'run_backward: only must be None, "dq" or "dkv", got {only!r}')
+    if dq_out is None:
+        return
+    if dq_accumulator is not None or only == "dkv":
+        raise ValueError("run_backward: dq_out is not taken with dq_accumulator nor with only='dkv'")
+    if (dq_out.dtype, dq_out.shape, dq_out.device) != (query.dtype, query.shape, query.device) or (
+        not dq_out.is_contiguous()
+    ):
+        raise ValueError(
+            f"run_backward: dq_out must be a contiguous {query.dtype} tensor of the query's shape "
+            f"{tuple(query.shape)} on {query.device}, got {dq_out.dtype} {tuple(dq_out.shape)} strides "
+            f"{tuple(dq_out.stride())} on {dq_out.device}"
+        )
+
+
 def check_dkv_out(dkv_out, key, value) -> None:
     """run_backward()'s ``dkv_out``: None or (dk, dv) of the key's and value's shapes, dtypes and
     device, each the key/value itself or memory shared with neither."""
@@ -387,7 +410,19 @@ class Backend:
         raise NotImplementedError(f"backend {self.name!r} does not implement run()")
 
     def run_backward(
-        self, query, key, value, out, lse, grad_out, grad_lse, dq_accumulator=None, dkv_out=None, **options
+        self,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        grad_out,
+        grad_lse,
+        dq_accumulator=None,
+        dkv_out=None,
+        only=None,
+        dq_out=None,
+        **options,
     ):
         """(dq, dk, dv) of a dense call (``options`` as run() took them; no sinks, no mask gradient)
         whose probabilities are ``exp(s - lse)`` for a given ``lse`` (B, Hq, Sq) (lse dtype) and
@@ -399,7 +434,10 @@ class Backend:
         ``Capabilities.backward_dq_accumulator``): a tensor of the query's shape in the lse dtype
         that dq is added into (then dq is None). ``dkv_out`` (declared by
         ``Capabilities.backward_dkv_out``): (dk, dv) tensors the gradients are written into and
-        returned as, each the key/value itself (read no more by the caller) or separate memory."""
+        returned as, each the key/value itself (read no more by the caller) or separate memory.
+        ``only`` and ``dq_out`` (declared by ``Capabilities.backward_split``): "dq" computes dq
+        alone (dk, dv None), "dkv" dk and dv alone (dq None); ``dq_out``: a contiguous tensor of
+        the query's shape and dtype dq is written into and returned as."""
         raise NotImplementedError(f"backend {self.name!r} does not implement run_backward()")
 
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):

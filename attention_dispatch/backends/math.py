@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from ..dropout_stream import DropoutStream, current, draw_seed, keep_mask
 from ..features import lse_dtype
 from ..semantics import band
-from .base import Backend, Capabilities, check_backward_options, check_dkv_out, check_dq_accumulator
+from .base import Backend, Capabilities, check_backward_options, check_dkv_out, check_dq_accumulator, check_split
 
 # Elements of one chunk's score block (B * Hq * rows * Sk): 2**24 fp32 is 64 MiB.
 CHUNK_ELEMENTS = 1 << 24
@@ -372,6 +372,7 @@ class MathBackend(Backend):
         backward_from_output=True,
         backward_dq_accumulator=True,
         backward_dkv_out=True,
+        backward_split=True,
         notes="reference; query-chunked, bounded memory; the test oracle in float64",
     )
 
@@ -382,14 +383,27 @@ class MathBackend(Backend):
         return math_attention(query, key, value, **options)
 
     def run_backward(
-        self, query, key, value, out, lse, grad_out, grad_lse, dq_accumulator=None, dkv_out=None, **options
+        self,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        grad_out,
+        grad_lse,
+        dq_accumulator=None,
+        dkv_out=None,
+        only=None,
+        dq_out=None,
+        **options,
     ):
         """Base.run_backward's gradients by autograd through this call recomputed, (out_b, lse_b):
         with w = exp(lse_b - lse), exp(s - lse) = w exp(s - lse_b), so the given lse's dS is the
         call's backward for d out_b = w dO and d lse_b = w (rowsum(dO out_b) - rowsum(dO out) + grad_lse);
         dq added into ``dq_accumulator``, dk/dv copied into ``dkv_out`` (after autograd read the keys)
-        where given."""
+        where given; ``only`` returns one of them (both computed: a reference, not a saving)."""
         check_backward_options(options)
+        check_split(only, dq_out, query, dq_accumulator)
         check_dq_accumulator(dq_accumulator, query)
         check_dkv_out(dkv_out, key, value)
         with torch.enable_grad():
@@ -402,8 +416,14 @@ class MathBackend(Backend):
             inner = (dout * out_b.detach().to(compute)).sum(-1)
             grads = ((weight.unsqueeze(-1) * dout).to(out_b.dtype), weight * (inner - delta))
             dq, dk, dv = torch.autograd.grad((out_b, lse_b), leaves, grads, materialize_grads=True)
-        if dkv_out is not None:
+        if only == "dq":
+            dk = dv = None
+        elif dkv_out is not None:
             dk, dv = dkv_out[0].copy_(dk), dkv_out[1].copy_(dv)
+        if only == "dkv":
+            return None, dk, dv
+        if dq_out is not None:
+            dq = dq_out.copy_(dq)
         if dq_accumulator is None:
             return dq, dk, dv
         dq_accumulator.add_(dq)

@@ -20,7 +20,7 @@ from ..dropout_stream import current
 from ..problem import KV_LAYOUTS, Problem
 from ..route import Route, RouteStep
 from ..semantics import band
-from .base import Backend, Capabilities, check_backward_options, check_dkv_out, check_dq_accumulator
+from .base import Backend, Capabilities, check_backward_options, check_dkv_out, check_dq_accumulator, check_split
 
 
 def _interpreting() -> bool:
@@ -93,6 +93,7 @@ class TritonBackend(Backend):
             backward_from_output=True,
             backward_dq_accumulator=True,
             backward_dkv_out=True,
+            backward_split=True,
             notes="this project's kernel; CPU only under TRITON_INTERPRET=1",
         )
 
@@ -338,14 +339,28 @@ class TritonBackend(Backend):
         return result
 
     def run_backward(
-        self, query, key, value, out, lse, grad_out, grad_lse, dq_accumulator=None, dkv_out=None, **options
+        self,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        grad_out,
+        grad_lse,
+        dq_accumulator=None,
+        dkv_out=None,
+        only=None,
+        dq_out=None,
+        **options,
     ):
         """Base.run_backward: the kernels' backward (kernels.attention_backward) with the given
         output and logsumexp (its delta pass reads them and grad_lse), no bias gradient; dq
-        added into ``dq_accumulator`` and dk/dv written into ``dkv_out`` by the kernels where given."""
+        added into ``dq_accumulator`` and dk/dv written into ``dkv_out`` by the kernels where given;
+        ``only``/``dq_out`` as the kernels' (a separate dQ pass where the route fuses it)."""
         from ..kernels import attention_backward
 
         check_backward_options(options)
+        check_split(only, dq_out, query, dq_accumulator)
         check_dq_accumulator(dq_accumulator, query)
         check_dkv_out(dkv_out, key, value)
         dense = dict(options, cu_seqlens_q=None)
@@ -371,6 +386,8 @@ class TritonBackend(Backend):
             dq_accumulator=dq_accumulator,
             dk_out=None if dkv_out is None else dkv_out[0],
             dv_out=None if dkv_out is None else dkv_out[1],
+            only=only,
+            dq_out=dq_out,
         )
         return dq, dk, dv
 

@@ -75,7 +75,7 @@ def diagonal_mask(lo: float, hi: float, q_len: int, k_len: int, device) -> torch
 
 def span(parts: tuple[Segment, ...]) -> tuple[int, int]:
     """The local [start, stop) of consecutive segments of one shard."""
-    return parts[0].local_start, parts[-1].local_start + sum(p.length for p in parts)
+    return parts[0].local_start, parts[0].local_start + sum(p.length for p in parts)
 
 
 def global_positions(parts: tuple[Segment, ...]) -> torch.Tensor:

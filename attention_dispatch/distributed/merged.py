@@ -17,6 +17,7 @@ import torch
 from .. import registry
 from ..call import normalize_call
 from ..dispatch import use_backends
+from . import dq_buffer
 from .blocks import span
 from .recompute import allgather_backward, ring_backward
 from .steps import Setup, block_args, block_pairs, run_forward
@@ -79,12 +80,13 @@ def _place(total, part, index, shape, spare=None):
     return total
 
 
-def _block_backward(setup: Setup, backend: str, q_parts, k_parts, k, v, saved, dq, overwrite=False):
+def _block_backward(setup: Setup, backend: str, q_parts, k_parts, k, v, saved, dq, overwrite=False, **split):
     """(dq of the block's rows or None where added into ``dq``, the rank's accumulator (lse
     dtype) or not needed, dk, dv of its keys) from the block's backend, or None when the block
     holds no allowed pair. ``overwrite``: k and v are read no more after this block; a backend
     declaring ``Capabilities.backward_dkv_out`` writes the block's dk/dv into the keys it read
-    (a view of k/v, or the copy block_args made)."""
+    (a view of k/v, or the copy block_args made). ``split``: run_backward's ``only`` with its
+    ``dq_out`` or ``dkv_out`` (_OwnSplit; the backend declares ``Capabilities.backward_split``)."""
     q, mask, out, lse, dout, dlse = saved
     rows, keys = slice(*span(q_parts)), slice(*span(k_parts))
     # q and dout rows where they lie: the kernels' backward passes read a slice of the shard's rows
@@ -112,11 +114,39 @@ def _block_backward(setup: Setup, backend: str, q_parts, k_parts, k, v, saved, d
             None if dlse is None else dlse[:, :, rows],
             **({"dq_accumulator": dq[:, :, rows]} if into else {}),
             **({"dkv_out": (call.key, call.value)} if in_place else {}),
+            **split,
             **call.options,
         )
     if dq is not None and not into:
         dq[:, :, rows].add_(grads[0])
     return grads
+
+
+def _own_split(setup: Setup, served, q, k, v, acc_dtype, need):
+    """(q parts, k parts, backend) of this rank's own block where its backward runs in two parts
+    (own_grads in _MergedAttention.backward: dq at the first ring step, dk/dv after the last, in
+    one buffer with dq: dq_buffer), else None. Two ranks on a ring, every gradient needed, 16-bit
+    contiguous inputs, the own keys one block over all the rank's rows and keys, its backend
+    declaring ``Capabilities.backward_split``, and a banded block: the kernels then run dQ as a
+    pass of its own anyway (gluon.route.fuse_dq_reason: causal or window), so the split adds
+    none (an unbanded block's dQ is fused into its dK/dV pass: split, it would cost one)."""
+    if setup.world != 2 or setup.exchange != "ring" or not all(need[:3]):
+        return None
+    if not (dq_buffer.halves(q, acc_dtype) and k.is_contiguous() and v.is_contiguous()):
+        return None
+    blocks = [b for b in block_pairs(setup, setup.rank) if (setup.rank, *b) in served]
+    if len(blocks) != 1:
+        return None
+    (q_parts, k_parts), backend = blocks[0], served[(setup.rank, *blocks[0])]
+    if span(q_parts) != (0, q.shape[2]) or span(k_parts) != (0, k.shape[2]):
+        return None
+    caps = registry.get_backend(backend).capabilities
+    if not (caps.backward_split and caps.backward_dkv_out):
+        return None
+    args = block_args(setup, q_parts, k_parts, q, k, v, None, q_strided=True)
+    if args is None or (args[4] is None and args[5] is None):
+        return None
+    return q_parts, k_parts, backend
 
 
 class _MergedAttention(torch.autograd.Function):
@@ -140,10 +170,38 @@ class _MergedAttention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         saved = (q, mask, out.detach(), lse.detach(), dout, dlse)
+        own = _own_split(setup, served, q, k, v, lse.dtype, need)
         # the rank's dq summed over its blocks unrounded (the kernels add into it), rounded once
-        dq = torch.zeros_like(q, dtype=lse.dtype) if need[0] else None
+        if own is not None:  # filled by the own block's dq (dq_buffer.widen): no zero fill
+            dq = dq_buffer.new(q, lse.dtype)
+        else:
+            dq = torch.zeros_like(q, dtype=lse.dtype) if need[0] else None
+        result = {}
+
+        def own_grads(k, v):
+            """The own block's dq now (the keys travelling), a callable for its dk/dv after the
+            last block (ring_backward): dq narrowed in place first, dk/dv in its freed half."""
+            q_parts, k_parts, backend = own
+            front = dq_buffer.front(dq, q.dtype)
+            _block_backward(setup, backend, q_parts, k_parts, k, v, saved, None, only="dq", dq_out=front)
+            dq_buffer.widen(dq, q.dtype)
+
+            def finish():
+                result["dq"] = dq_buffer.narrow(dq, q.dtype)
+                dk, dv = (
+                    t if t is not None else torch.empty_like(like)
+                    for t, like in zip(dq_buffer.back_views(dq, q.dtype, k, v), (k, v))
+                )
+                grads = _block_backward(
+                    setup, backend, q_parts, k_parts, k, v, saved, None, only="dkv", dkv_out=(dk, dv)
+                )
+                return [grads[1], grads[2]]
+
+            return finish
 
         def source_grads(source, k, v, spare):
+            if own is not None and source == setup.rank:
+                return own_grads(k, v)
             dk = dv = None
             # blocks skipped in the forward (no allowed pair) have no backend
             blocks = [(q_parts, k_parts) for q_parts, k_parts in block_pairs(setup, source)]
@@ -165,6 +223,7 @@ class _MergedAttention(torch.autograd.Function):
         dkv = iter(run(setup, k, v, source_grads))
         dk = next(dkv).to(k.dtype) if need[1] else None
         dv = next(dkv).to(v.dtype) if need[2] else None
+        dq = result.get("dq", dq)  # narrowed in place (own_grads), else rounded here
         return None, None if dq is None else dq.to(q.dtype), dk, dv, None
 
 

@@ -122,7 +122,8 @@ def ring_backward(setup: Setup, k, v, source_grads):
     no gradient buffer is in flight during that step.
     ``source_grads(source, k, v, spare)``: the gradients of source's keys from this rank's blocks;
     ``spare``: None, or the received k and v, not read again once its blocks ran (their buffers
-    may hold the gradients)."""
+    may hold the gradients). On two ranks the own source's may be a callable giving them, called
+    after the last step's blocks (merged.py computes them then)."""
     rank, world, group = setup.rank, setup.world, setup.group
     home = world == 2
     own, travelling, pending_grads = None, None, None
@@ -139,6 +140,8 @@ def ring_backward(setup: Setup, k, v, source_grads):
         if home and step == 0:
             own = grads
         elif home and own:  # the other rank's part of this rank's keys' gradients, piece by piece
+            if callable(own):  # computed only now (merged.py: after the last block's)
+                own = own()
             _exchange.swap_add(own, grads, group, rank, world)
             travelling = None
         elif grads and world > 1:

@@ -305,6 +305,8 @@ def attention_backward(
     dq_accumulator=None,
     dk_out=None,
     dv_out=None,
+    only=None,
+    dq_out=None,
 ):
     """Returns (dq, dk, dv, dbias or None, dsinks or None).  dbias has bias's shape: summed over
     its size-1 (broadcast) dims; full-size dims (even with stride 0) get the per-element
@@ -316,12 +318,16 @@ def attention_backward(
     blocks' dQ in it (dense calls only).  ``dk_out``/``dv_out``: tensors dK/dV are written into and
     returned as, each k/v itself (the caller reads k/v no more: a ring's received keys) or memory
     shared with no input; cross-tile readers of K/V then run before the dK/dV pass, which writes
-    each tile after reading it."""
+    each tile after reading it. ``only``: "dq" runs the dQ pass alone (dk, dv None), "dkv" the
+    dK/dV pass alone (dq None; no bias gradient): a caller running them at different times (a
+    separate dQ pass where the route fuses it costs that pass). ``dq_out``: a contiguous tensor of
+    q's shape and dtype dQ is written into and returned as (no accumulator)."""
+    check_only(only, dq_out, q, dq_accumulator)
     check_dq_accumulator(dq_accumulator, q, cu_q)
     check_dkv_out(dk_out, k, v, "dk_out")
     check_dkv_out(dv_out, v, k, "dv_out")
-    if dk_out is not None and dv_out is not None and _shares_memory(dk_out, dv_out):
-        raise ValueError("dv_out: shares memory with dk_out; give two separate tensors")
+    if dk_out is not None and dv_out is not None and _overlap(dk_out, dv_out):
+        raise ValueError("dv_out: overlaps dk_out's memory; give two separate tensors")
     q, k, v, do = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v), last_dim_contiguous(do)
     # written in place of the K/V the kernels read (last_dim_contiguous kept them): dQ reads them first
     overwrites = (dk_out is not None and _same_view(dk_out, k)) or (dv_out is not None and _same_view(dv_out, v))
@@ -331,7 +337,7 @@ def attention_backward(
     sinks_grad = bool(sinks_grad) and sinks is not None
     kind, bt, bstr, bcast = bias_layout(bias, (prob.B, prob.Hq, prob.Sq, prob.Sk))
     if _empty(prob, k):
-        dq = None if dq_accumulator is not None else torch.zeros(q.shape, device=dev, dtype=q.dtype)
+        dq = None if dq_accumulator is not None else _into(dq_out, torch.zeros(q.shape, device=dev, dtype=q.dtype))
         dk = torch.zeros(k.shape, device=dev, dtype=k.dtype)
         dv = torch.zeros(v.shape, device=dev, dtype=v.dtype)
         dbias = torch.zeros(bias.shape, device=dev, dtype=bias.dtype) if bias_grad else None
@@ -363,21 +369,24 @@ def attention_backward(
     acc = dq_accumulator
     if route.dkdv == GLUON:
         ws_bias = gluon_launch.WsBias.of(bt, bstr, prob) if kind else None
-        fused = route.dq == FUSED
+        fused = route.dq == FUSED and only is None
+        gluon_dq = route.dq == GLUON or (route.dq == FUSED and prob.Dqk in C.WS_DQ_CONFIGS)
 
         def separate_dq():
             """dq, or None once added into ``acc`` (the Gluon pass's bf16 dq is added here)."""
-            if route.dq == TL:
-                dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc)
-            else:
-                dq = gluon_launch.dq(q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, alibi=alibi)
-                if acc is not None:
-                    acc.add_(dq)
+            if not gluon_dq:
+                return tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc, out=dq_out)
+            into = {} if dq_out is None else {"out": dq_out}
+            dq = gluon_launch.dq(q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, alibi=alibi, **into)
+            if acc is not None:
+                acc.add_(dq)
             return None if acc is not None else dq
 
+        if only == "dq":
+            return separate_dq(), None, None, None, dsinks
         # first where dK/dV overwrite the K/V it reads, or where an accumulator takes dq: the Gluon
         # pass's bf16 dq is then freed before dK/dV are allocated (not both alive at the peak)
-        early = not fused and (overwrites or acc is not None)
+        early = not fused and only is None and (overwrites or acc is not None)
         dq = separate_dq() if early else None
         dk, dv, fused_dq = gluon_launch.dkdv(
             q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, fuse_dq=fused, alibi=alibi,
@@ -385,24 +394,41 @@ def attention_backward(
         )  # fmt: skip
         if fused:
             dq = fused_dq
-        elif not early:
+        elif not early and only is None:
             dq = separate_dq()
         return dq, _into(dk_out, dk), _into(dv_out, dv), None, dsinks
     if pair is not None:
         lse = pair
-    early = overwrites or acc is not None  # the Gluon branch's order (nothing to keep alive here)
+    if only == "dq":
+        return tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc, out=dq_out), None, None, None, dsinks
+    early = only is None and (overwrites or acc is not None)  # the Gluon branch's order (nothing to keep alive here)
     if early:
-        dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc)
+        dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc, out=dq_out)
     dk, dv, dbias = tl_launch.dkdv_pass(
         do, q, k, v, lse, delta, bias, bias_grad, bcast, params, prob, args, dk_out=dk_out, dv_out=dv_out
     )
-    if not early:
-        dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc)
+    if only == "dkv":
+        dq = None
+    elif not early:
+        dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc, out=dq_out)
     return dq, _into(dk_out, dk), _into(dv_out, dv), dbias, dsinks
 
 
 def _shares_memory(a, b) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _overlap(a, b) -> bool:
+    """The byte ranges a and b span in one storage meet (disjoint views of one buffer may not)."""
+    if not _shares_memory(a, b):
+        return False
+
+    def extent(t):
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else -1
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = extent(a), extent(b)
+    return a0 < b1 and b0 < a1
 
 
 def _same_view(a, b) -> bool:
@@ -415,6 +441,21 @@ def _into(out, result):
     if out is None or result is out or _same_view(result, out):
         return result if out is None else out
     return out.copy_(result)
+
+
+def check_only(only, dq_out, q, acc) -> None:
+    """attention_backward's ``only`` and ``dq_out``."""
+    if only not in (None, "dq", "dkv"):
+        raise ValueError(f'only: None, "dq" or "dkv" expected, got {only!r}')
+    if dq_out is None:
+        return
+    if acc is not None or only == "dkv":
+        raise ValueError("dq_out: not with dq_accumulator, nor with only='dkv'")
+    if dq_out.dtype != q.dtype or dq_out.shape != q.shape or dq_out.device != q.device or not dq_out.is_contiguous():
+        raise ValueError(
+            f"dq_out: a contiguous {q.dtype} tensor of the query's shape {tuple(q.shape)} on {q.device} expected, "
+            f"got {dq_out.dtype} {tuple(dq_out.shape)} strides {tuple(dq_out.stride())} on {dq_out.device}"
+        )
 
 
 def check_dkv_out(out, t, other, name: str) -> None:

@@ -329,11 +329,13 @@ def dq(
     do_rows: int,
     bias: WsBias | None = None,
     alibi: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dQ of a call the warp-specialised forward serves, over the forward's K/V ring
-    (``params.softcap`` and ``alibi`` as the forward's)."""
+    (``params.softcap`` and ``alibi`` as the forward's); written into ``out`` where given
+    (contiguous, q's shape and dtype)."""
     cfg = C.WS_DQ_CONFIGS[prob.Dqk]
-    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dq = out if out is not None else torch.empty(q.shape, device=q.device, dtype=q.dtype)
     n_m = prob.Sq // (2 * WG_ROWS)
     bias_desc, batch_rows, head_rows = bias_args(bias, 2 * WG_ROWS, cfg.block_n, prob.Sk)
     run.launch_one(

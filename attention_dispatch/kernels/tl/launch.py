@@ -501,10 +501,11 @@ def reduce_dbias(ws: torch.Tensor, bcast, bias: torch.Tensor) -> torch.Tensor:
 
 
 def dq_pass(
-    do, q, k, v, lse, delta, params: KernelParams, prob: KernelShapes, a: BackwardArgs, accumulator=None
+    do, q, k, v, lse, delta, params: KernelParams, prob: KernelShapes, a: BackwardArgs, accumulator=None, out=None
 ) -> torch.Tensor | None:
     """dQ: query-tile parallel, optionally split over keys (fp32 workspace + atomics).
-    ``accumulator`` (float32, q's shape, dense): dQ is atomically added into it instead (None returned)."""
+    ``accumulator`` (float32, q's shape, dense): dQ is atomically added into it instead (None returned).
+    ``out`` (q's shape and dtype): dQ written there (directly where no workspace is needed)."""
     dev = q.device
     bias_t, bstr, seed_t, cu_q_t, cu_k_t, common, traits, limit, num_sms, lse_str, do_str, _, _ = a
     cands = run.select_config(C.BWD_DQ, prob.Dqk, prob.Dv, q.dtype, dev, params, **traits)
@@ -522,6 +523,8 @@ def dq_pass(
         dq_ws = accumulator
     elif atomic:
         dq_ws = torch.zeros(q.shape, device=dev, dtype=torch.float32)
+    elif out is not None and out.dtype == store_dtype(q.dtype):
+        dq_ws = out
     else:
         dq_ws = torch.empty(q.shape, device=dev, dtype=store_dtype(q.dtype))
     dq_str = (
@@ -574,4 +577,7 @@ def dq_pass(
             key,
         )
         cands = [cfg]
-    return None if accumulator is not None else as_dtype(dq_ws, q.dtype)
+    if accumulator is not None:
+        return None
+    dq = as_dtype(dq_ws, q.dtype)
+    return dq if out is None or dq is out else out.copy_(dq)
