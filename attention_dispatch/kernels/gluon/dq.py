@@ -237,6 +237,7 @@ def _attn_bwd_dq_ws(
         num_heads,
         group,
         n_m_blocks,
+        0,  # the forward's lpt_rows: the grid's own order (gluon.common._query_block)
         lse_ptr,  # no KV-cache lengths: not read
         0,
         lse_ptr,  # the forward's sinks, softcap and ALiBi arguments: not read by the loader
