@@ -234,8 +234,9 @@ def _ws_bwd_dq_consumer(
         alibi_coef,
         softcap_in,
     )
-    if SPLIT_CAUSAL and _causal(WINDOW_LEFT, WINDOW_RIGHT):
-        # the key tiles no row masks, in a loop without the mask's code (the forward's split, E97)
+    # the key tiles no row masks, in a loop without the mask's code (the forward's split, E97); not with
+    # a bias or score transform, where the second loop's registers spilled 130-800 B
+    if SPLIT_CAUSAL and _causal(WINDOW_LEFT, WINDOW_RIGHT) and not (HAS_BIAS or SOFTCAP or HAS_ALIBI):
         n_plain = gl.minimum(n_full, n_tiles)
         for j in range(n_plain):
             dq = _dq_step(
