@@ -644,6 +644,38 @@ def test_merge_blocks_equals_softmax_over_the_union_of_keys(out_dtype):
         assert a.isfinite().all() and (a - b).abs().max() <= (1e-12 if out_dtype is None else 1e-2)
 
 
+def test_merge_sums_several_blocks_part_by_part():
+    """Two bf16 blocks over most rows (rank 1's merge in the 2-rank causal zigzag ring, where
+    both cover all its rows): the merge's new storage peaks at its output and one part's float32
+    sum (~1.6 outputs with the logsumexps and weights), not the whole sum beside it (~2.6: that
+    rank's step peak, issue 40); the values within one bf16 rounding of the float64 merge."""
+    import sys
+
+    from attention_dispatch.distributed.merge import merge_blocks
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from cp_memory import LiveBytes
+
+    g = torch.Generator().manual_seed(int(time.time()))
+    h, d, n, shift = 8, 128, 4096, 512  # rows [512, 4096) in both blocks: 3.5M elements a sum
+    outs = [torch.randn(1, h, n, d, generator=g).to(torch.bfloat16) for _ in range(2)]
+    lses = [4 * torch.randn(1, h, n, generator=g) for _ in range(2)]
+    mode = LiveBytes()
+    with mode:
+        out, lse = merge_blocks([(0, outs[0], lses[0]), (shift, outs[1], lses[1])], n + shift, torch.bfloat16)
+    unit = out.numel() * out.element_size()
+    assert mode.peak / unit <= 1.7, f"peak {mode.peak / unit:.2f} outputs (at {mode.peak_op})"
+    ref_out = torch.zeros(1, h, n + shift, d, dtype=torch.float64)
+    ref_lse = torch.full((1, h, n + shift), -math.inf, dtype=torch.float64)
+    for r0, l_b in ((0, lses[0]), (shift, lses[1])):
+        ref_lse[:, :, r0 : r0 + n] = torch.logaddexp(ref_lse[:, :, r0 : r0 + n], l_b.double())
+    for r0, o_b, l_b in ((0, outs[0], lses[0]), (shift, outs[1], lses[1])):
+        w = torch.exp(l_b.double() - ref_lse[:, :, r0 : r0 + n]).unsqueeze(-1)
+        ref_out[:, :, r0 : r0 + n] += w * o_b.double()
+    assert ((out.double() - ref_out).abs() <= 2**-8 * ref_out.abs() + 1e-6).all()
+    assert (lse.double() - ref_lse).abs().max() <= 1e-5
+
+
 def test_signature_is_sdpa_s_with_the_group_options():
     """context_parallel_sdpa spells out sdpa()'s arguments (help() and editors show them): the
     same names, kinds, defaults and order, the group's keyword-only options after ``enable_gqa``."""

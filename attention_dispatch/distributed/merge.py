@@ -38,6 +38,34 @@ def _pieces(starts, lengths, length: int):
     ]
 
 
+# A sum of several blocks' outputs is formed in float32 (twice a bf16 output's bytes) in at most
+# _SUM_PARTS row ranges of at least _SUM_PART_ELEMENTS elements each: whole, it was the step's
+# peak of a rank whose two blocks cover all its rows (2-rank causal zigzag, rank 1: issue 40).
+_SUM_PARTS = 4
+_SUM_PART_ELEMENTS = 1 << 20
+
+
+def _sum_parts(a: int, c: int, per_row: int):
+    """Rows [a, c) (``per_row`` elements each) as consecutive ranges of about equal length whose
+    float32 sums are formed one after another: up to _SUM_PARTS, fewer for a small piece."""
+    parts = max(1, min(_SUM_PARTS, c - a, (c - a) * per_row // _SUM_PART_ELEMENTS))
+    step = -(-(c - a) // parts)
+    return [(r, min(r + step, c)) for r in range(a, c, step)]
+
+
+def _sum_into(target, terms) -> None:
+    """target = w_1 out_1 + ... (``terms``: (w, out) pairs) summed in the lse dtype, the last
+    term written into the target in its dtype (one rounding); one term is one pass. The float32
+    sum is freed on return, before the next part's."""
+    if len(terms) == 1:
+        torch.mul(terms[0][1], terms[0][0], out=target)
+        return
+    total = torch.mul(terms[0][1], terms[0][0])  # in the lse dtype (w's)
+    for w, o in terms[1:-1]:
+        total.addcmul_(w, o)
+    torch.addcmul(total, *terms[-1], out=target)
+
+
 class _Merge(torch.autograd.Function):
     @staticmethod
     def forward(ctx, length, starts, out_dtype, *parts):
@@ -51,26 +79,20 @@ class _Merge(torch.autograd.Function):
             torch.logaddexp(rows, lse_b, out=rows)
         weights = [block_weights(lse_b, lse[:, :, r0 : r0 + lse_b.shape[2]]) for r0, lse_b in zip(starts, lses)]
         out = outs[0].new_empty((b, h, length, dv), dtype=out_dtype)
-        # per piece of rows: w_1 out_1 + ... summed in the lse dtype, the last term written into
-        # the output in its dtype (one rounding); a piece one block covers is one pass
+        # per piece of rows, a sum of several blocks in parts (_sum_parts)
         for a, c, covering in _pieces(starts, [o.shape[2] for o in outs], length):
-            target = out[:, :, a:c]
-            terms = [
-                (
-                    weights[i][:, :, a - starts[i] : c - starts[i]].unsqueeze(-1),
-                    outs[i][:, :, a - starts[i] : c - starts[i]],
-                )
-                for i in covering
-            ]
-            if not terms:  # rows no block covers
-                target.zero_()
-            elif len(terms) == 1:
-                torch.mul(terms[0][1], terms[0][0], out=target)
-            else:
-                total = torch.mul(terms[0][1], terms[0][0])  # in the lse dtype (w's)
-                for w, o in terms[1:-1]:
-                    total.addcmul_(w, o)
-                torch.addcmul(total, *terms[-1], out=target)
+            if not covering:  # rows no block covers
+                out[:, :, a:c].zero_()
+                continue
+            for r0, r1 in _sum_parts(a, c, b * h * dv) if len(covering) > 1 else [(a, c)]:
+                terms = [
+                    (
+                        weights[i][:, :, r0 - starts[i] : r1 - starts[i]].unsqueeze(-1),
+                        outs[i][:, :, r0 - starts[i] : r1 - starts[i]],
+                    )
+                    for i in covering
+                ]
+                _sum_into(out[:, :, r0:r1], terms)
         ctx.starts, ctx.length = starts, length
         ctx.save_for_backward(*outs, *weights)
         return out, lse
