@@ -309,28 +309,16 @@ def _peak_allocations(events) -> tuple[int, dict, int]:
     return peak, at, at_i
 
 
-def _memory_trace(step, path: str, rank: int, top: int = 24) -> None:
-    """One steady-state fwd+bwd ``step`` (every rank runs it) with rank 0's allocator history
-    recorded: the allocations made in it and alive at the peak of their sum (what max_memory_allocated
-    rises above the step's start), largest first, each with its innermost attention_dispatch frame,
-    and whether the peak fell in the backward; written to ``path`` and printed."""
-    if CPU:
-        return
-    _sync()
-    if rank == 0:
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-    step()
-    _sync()
-    if rank != 0:
-        return
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    events = snap["device_traces"][torch.cuda.current_device()]
+def _peak_lines(rank: int, events, top: int = 24) -> tuple[int, list[str]]:
+    """(peak bytes, lines): one rank's part of _memory_trace's summary from its allocator
+    ``events``: its peak above the step's start, whether a backward frame allocated something
+    alive then, and the ``top`` largest allocations alive at it (MiB, innermost
+    attention_dispatch frame), the rest summed."""
     peak, at, at_i = _peak_allocations(events)
     backward = any("backward" in _frame(fr) or "ring_backward" in _frame(fr) for _, fr in at.values())
     lines = [
-        f"merged fwd+bwd step, rank 0: peak {peak / 2**30:.3f} GiB above the step's start at event {at_i} of "
-        f"{len(events)} ({len(at)} allocations alive{', a backward frame among them' if backward else ''})",
+        f"rank {rank}: peak {peak / 2**30:.3f} GiB above the step's start at event {at_i} of {len(events)} "
+        f"({len(at)} allocations alive{', a backward frame among them' if backward else ''})",
         "  MiB      allocated at (innermost attention_dispatch frame)",
     ]
     rows = sorted(at.values(), key=lambda a: -a[0])
@@ -339,9 +327,45 @@ def _memory_trace(step, path: str, rank: int, top: int = 24) -> None:
     rest = sum(size for size, _ in rows[top:])
     if rest:
         lines.append(f"  {rest / 2**20:8.2f} in {len(rows) - top} smaller allocations")
+    return peak, lines
+
+
+def _trace_summary(per_rank: list[tuple[int, list[str]]]) -> str:
+    """_memory_trace's text from every rank's _peak_lines (rank 0's first): a line of the ranks'
+    peaks naming the highest (the one the step's peak, _max_over_ranks, reports), then each
+    rank's composition."""
+    peaks = [peak for peak, _ in per_rank]
+    head = (
+        "merged fwd+bwd step, GiB above the step's start per rank: "
+        + ", ".join(f"rank {r} {p / 2**30:.3f}" for r, p in enumerate(peaks))
+        + f" (highest: rank {peaks.index(max(peaks))})"
+    )
+    return "\n\n".join([head, *("\n".join(lines) for _, lines in per_rank)]) + "\n"
+
+
+def _memory_trace(step, path: str, rank: int) -> None:
+    """One steady-state fwd+bwd ``step`` (every rank runs it) with every rank's allocator history
+    recorded: per rank, the allocations made in it and alive at the peak of their sum (what
+    max_memory_allocated rises above the step's start), largest first, each with its innermost
+    attention_dispatch frame (_peak_lines); gathered on rank 0, written to ``path`` and printed."""
+    if CPU:
+        return
+    _sync()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    step()
+    _sync()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    mine = _peak_lines(rank, snap["device_traces"][torch.cuda.current_device()])
+    del snap
+    per_rank = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, per_rank, dst=0)
+    if rank != 0:
+        return
+    text = _trace_summary(per_rank)
     with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
+        f.write(text)
+    print(text, end="", flush=True)
 
 
 def _max_over_ranks(value: float, device) -> float:
@@ -442,8 +466,8 @@ def main() -> None:
     parser.add_argument(
         "--memory-trace",
         action="store_true",
-        help="record one default (merged) fwd+bwd step's allocations at the first length on rank 0: "
-        "those alive at its peak into OUT/memory_trace.txt",
+        help="record one default (merged) fwd+bwd step's allocations at the first length on every rank: "
+        "each rank's alive at its peak into OUT/memory_trace.txt (rank 0's first)",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="details directory (default: $OUT or .)")
     args = parser.parse_args()

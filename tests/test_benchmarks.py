@@ -1393,3 +1393,25 @@ def test_context_parallel_trace_peak_ends_an_allocation_at_its_free_request():
     events[-1]["size"] = 50
     peak, alive, _ = mod._peak_allocations(events)
     assert peak == 110 and set(alive) == {2, 3}
+
+
+def test_context_parallel_trace_summary_gives_every_rank_s_peak_rank_0_first():
+    """--memory-trace's summary: a line of every rank's peak naming the highest (the rank the
+    step's max-over-ranks reports), then each rank's allocations alive at its own peak, rank 0's
+    first, with their frames."""
+    mod = _load("context_parallel")
+
+    def events(*mib):  # allocations, each by its own line of merge.py, the last freed again
+        frames = [[dict(filename="/x/attention_dispatch/distributed/merge.py", line=i, name="forward")] for i in mib]
+        made = [dict(action="alloc", addr=i, size=n << 20, frames=f) for i, (n, f) in enumerate(zip(mib, frames))]
+        return made + [dict(action="free_requested", addr=len(mib) - 1, size=mib[-1] << 20)]
+
+    text = mod._trace_summary([mod._peak_lines(0, events(256, 128, 64)), mod._peak_lines(1, events(512, 128, 32))])
+    head, rank0, rank1 = text.rstrip("\n").split("\n\n")
+    assert head.endswith("rank 0 0.438, rank 1 0.656 (highest: rank 1)")
+    assert rank0.startswith("rank 0: peak 0.438 GiB") and rank1.startswith("rank 1: peak 0.656 GiB")
+    assert rank1.splitlines()[2:] == [
+        "    512.00 distributed/merge.py:512 forward",
+        "    128.00 distributed/merge.py:128 forward",
+        "     32.00 distributed/merge.py:32 forward",
+    ]
