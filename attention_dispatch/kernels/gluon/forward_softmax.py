@@ -306,7 +306,7 @@ def _consume(
                 WINDOW_RIGHT,
                 HAS_BIAS,
                 BIAS_STAGES,
-                MAY_EMPTY,
+                False,  # MAY_EMPTY: this loop runs only past a tile 0 whose every key each row sees
                 SOFTCAP,
                 HAS_ALIBI,
                 ALIBI_ROWLESS,
