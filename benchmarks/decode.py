@@ -9,8 +9,9 @@ printed), the whole dispatcher (``ad_kv``: ad.sdpa_with_kvcache; ``ad_sdpa``: pl
 the cache sliced to the common length, as transformers' DynamicCache calls it), F.sdpa on that
 slice (PyTorch picks its kernel; GQA through enable_gqa), and flash-attn 4 where installed; plus
 a copy of the same bytes (the bandwidth ceiling).  Rows with many queries (chunked prefill) also
-give TFLOP/s (4 x allowed (query, key) pairs x D).  Median of CUDA-event timed loops after a
-warm-up.
+give TFLOP/s (4 x allowed (query, key) pairs x D).  Append rows also print the append apart:
+append_kv (one Triton launch) then the decode kernel without k_new, against its fused append.
+Median of CUDA-event timed loops after a warm-up.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import attention_dispatch as ad  # noqa: E402
+from attention_dispatch.backends.kv_append import append_kv  # noqa: E402
 from attention_dispatch.kernels import KernelParams  # noqa: E402
 from attention_dispatch.kernels.decode import kv_forward, kv_route  # noqa: E402
 
@@ -124,6 +126,12 @@ def run_row(row) -> dict:
     res["ours_ms"], res["ad_kv_ms"] = timed(ours), timed(ad_kv)
     res["ad_kv_ms"], res["ours_ms"] = min(res["ad_kv_ms"], timed(ad_kv)), min(res["ours_ms"], timed(ours))
     res["ad_kv_backend"] = ad.last_decision().backend
+    if lengths == "append":
+        # the append apart (append_kv: one Triton launch) against the decode kernel's fused one
+        caches, tbl, longer = (kp, vp) if page else (k, v), table if page else None, cache_seqlens + n_new
+        alone = lambda: append_kv(*caches, cache_seqlens, *new_kv, tbl)  # noqa: E731
+        res["append_alone_ms"] = timed(alone)
+        res["apart_ms"] = timed(lambda: (alone(), kv_forward(q, *caches, longer, params, tbl)))
     if Sq > 1:
         pairs = sum(Sq * (int(n) + n_new) - (Sq * (Sq - 1) // 2 if causal else 0) for n in lens)
         res["ours_tflops"] = 4 * pairs * Hq * D / res["ours_ms"] / 1e9
@@ -177,6 +185,12 @@ def main(argv=None) -> int:
             flush=True,
         )
         print(f"    ad_kv ran {r['ad_kv_backend']}; ad.sdpa: {r.get('ad_sdpa_backend', '-')}", flush=True)
+        if "apart_ms" in r:
+            print(
+                f"    append apart: {r['bytes'] / r['apart_ms'] / 1e9:.2f} TB/s (append_kv alone "
+                f"{1000 * r['append_alone_ms']:.1f} us, then the decode kernel without k_new)",
+                flush=True,
+            )
     if a.json:
         a.json.write_text(json.dumps({"commit": a.commit, "device": torch.cuda.get_device_name(), "rows": results}))
     table = markdown(results)
