@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|quick|hostbound|overhead|probe [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|quick|hostbound|overhead|probe|e100|kvappend [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -74,5 +74,27 @@ case "$what" in
              # where a training call's host time goes (S=512)
     timeout 240 python3 benchmarks/fa4_layout.py --json "$out/fa4_layout.json" 2>&1 | grep -v -i warn | tail -14
     timeout 120 python3 benchmarks/host_split.py 512 2>&1 | grep -v -i warn | tail -30 ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|quick|hostbound|overhead|probe [SHA]"; exit 2 ;;
+  e100)      # perf-notes E100's dK/dV+dQ order (docs/experiments/patches/e100-dkdv-fa3-order.patch) in a scratch
+             # copy: its warp-specialised GPU tests (four processes: compiling dominates), then fwd+bwd against
+             # this tree's Gluon kernels ("base") in interleaved rounds
+    # the working tree, not git archive: the device's .git can lag it (see SHA above)
+    rm -rf /tmp/e100 && mkdir -p /tmp/e100 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e100 \
+      && patch -d /tmp/e100 -p1 < docs/experiments/patches/e100-dkdv-fa3-order.patch || exit 1
+    W="test_gpu_forward_warp_specialized and not inference"
+    for sel in "$W and dtype1 and not causal" "$W and dtype1 and causal" "test_gpu_warp_specialized_fused_dq and 128" \
+               "test_gpu_warp_specialized_bias or test_gpu_warp_specialized_window"; do
+      (cd /tmp/e100 && timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
+         -W ignore::UserWarning tests/test_triton_kernel.py -k "$sel" > "$out/e100_$(echo "$sel" | tr -c 'a-z0-9' _).log" 2>&1) &
+    done
+    wait
+    tail -qn1 "$out"/e100_*.log; grep -h "^FAILED" "$out"/e100_*.log | head
+    (cd /tmp/e100 && PYTHONPATH=. timeout 240 python3 benchmarks/forward_ab.py --impls ws,base --ref base \
+       --base-module "$OLDPWD/attention_dispatch/kernels/gluon" --rows "bf16 d128 4k,bf16 d128 16k causal" --rounds 5 --json "$out/e100_ab.json" \
+       --commit "$sha+e100" 2>&1 | tail -14) ;;
+  kvappend)  # issue 34: the one-launch KV append's GPU tests, then the append rows with the append apart
+    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
+      tests/test_kv_append.py tests/test_kv_prefill.py 2>&1 | tee "$out/gpu_tests.log" | tail -4
+    timeout 200 python3 benchmarks/decode.py --rows append,Sq=512 --json "$out/decode_append.json" --commit "$sha" \
+      2>&1 | grep -v -i warn | tail -12 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|quick|hostbound|overhead|probe|e100|kvappend [SHA]"; exit 2 ;;
 esac
