@@ -28,11 +28,6 @@ from .common import (
 from .forward import _ws_loader
 
 
-# The causal dQ loop split in two: tiles below the diagonal run without the mask's selects (390 instead
-# of 558 instructions a step, E97); causal d128 training ~0.6% faster on the H100 (E98).
-SPLIT_CAUSAL = gl.constexpr(True)
-
-
 @gluon.jit
 def _dq_step(
     step,
@@ -234,9 +229,12 @@ def _ws_bwd_dq_consumer(
         alibi_coef,
         softcap_in,
     )
-    # the key tiles no row masks, in a loop without the mask's code (the forward's split, E97); not with
-    # a bias or score transform, where the second loop's registers spilled 130-800 B
-    if SPLIT_CAUSAL and _causal(WINDOW_LEFT, WINDOW_RIGHT) and not (HAS_BIAS or SOFTCAP or HAS_ALIBI):
+    # the key tiles no row masks, in a loop without the mask's code (the forward's split: 390 instead of
+    # 558 instructions a step, E97/E98); not with a bias or score transform, where the second loop's
+    # registers spilled 130-800 B
+    SPLIT: gl.constexpr = _causal(WINDOW_LEFT, WINDOW_RIGHT) and not (HAS_BIAS or SOFTCAP or HAS_ALIBI)
+    n_plain = 0
+    if SPLIT:
         n_plain = gl.minimum(n_full, n_tiles)
         for j in range(n_plain):
             dq = _dq_step(
@@ -253,37 +251,21 @@ def _ws_bwd_dq_consumer(
                 ALIBI_SPLIT,
                 False,
             )
-        for j in range(n_plain, n_tiles):
-            dq = _dq_step(
-                step_args,
-                j,
-                dq,
-                WG,
-                WINDOW_LEFT,
-                WINDOW_RIGHT,
-                HAS_BIAS,
-                BIAS_STAGES,
-                SOFTCAP,
-                HAS_ALIBI,
-                ALIBI_SPLIT,
-                True,
-            )
-    else:
-        for j in range(n_tiles):
-            dq = _dq_step(
-                step_args,
-                j,
-                dq,
-                WG,
-                WINDOW_LEFT,
-                WINDOW_RIGHT,
-                HAS_BIAS,
-                BIAS_STAGES,
-                SOFTCAP,
-                HAS_ALIBI,
-                ALIBI_SPLIT,
-                True,
-            )
+    for j in range(n_plain, n_tiles):
+        dq = _dq_step(
+            step_args,
+            j,
+            dq,
+            WG,
+            WINDOW_LEFT,
+            WINDOW_RIGHT,
+            HAS_BIAS,
+            BIAS_STAGES,
+            SOFTCAP,
+            HAS_ALIBI,
+            ALIBI_SPLIT,
+            True,
+        )
     # dQ leaves through this warpgroup's Q buffer
     _store_rows(q_buf, (dq * sm_scale).to(dtype), dq_desc, pid_bh * seq_q + q_start)
 

@@ -290,17 +290,20 @@ def _consume(
     SPLIT: gl.constexpr = (
         _causal(WINDOW_LEFT, WINDOW_RIGHT) and HEAD_D == 128 and not (HAS_BIAS or SOFTCAP or HAS_ALIBI)
     )
+    # P_{j-1} between steps: in float32 after the split's first loop (its carry), else as the product's operand
+    n_plain = 1
+    carried = p
     if SPLIT:
         n_plain = gl.maximum(gl.minimum(n_full, n_tiles), 1)
         for j in range(1, n_plain):
-            acc, m_i, l_i, p = _step(
+            acc, m_i, l_i, carried = _step(
                 step_args,
                 score_args,
                 j,
                 acc,
                 m_i,
                 l_i,
-                p,
+                carried,
                 WG,
                 WINDOW_LEFT,
                 WINDOW_RIGHT,
@@ -315,55 +318,34 @@ def _consume(
                 False,
                 True,
             )
-        for j in range(n_plain, n_tiles):
-            acc, m_i, l_i, p = _step(
-                step_args,
-                score_args,
-                j,
-                acc,
-                m_i,
-                l_i,
-                p,
-                WG,
-                WINDOW_LEFT,
-                WINDOW_RIGHT,
-                HAS_BIAS,
-                BIAS_STAGES,
-                MAY_EMPTY,
-                SOFTCAP,
-                HAS_ALIBI,
-                ALIBI_ROWLESS,
-                ALIBI_SPLIT,
-                EXP2_POLY,
-                True,
-                True,
-            )
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
     else:
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, n_tiles):
-            acc, m_i, l_i, p_op = _step(
-                step_args,
-                score_args,
-                j,
-                acc,
-                m_i,
-                l_i,
-                p_op,
-                WG,
-                WINDOW_LEFT,
-                WINDOW_RIGHT,
-                HAS_BIAS,
-                BIAS_STAGES,
-                MAY_EMPTY,
-                SOFTCAP,
-                HAS_ALIBI,
-                ALIBI_ROWLESS,
-                ALIBI_SPLIT,
-                EXP2_POLY,
-                True,
-                False,
-            )
+        carried = gl.convert_layout(p.to(dtype), p_layout)
+    for j in range(n_plain, n_tiles):
+        acc, m_i, l_i, carried = _step(
+            step_args,
+            score_args,
+            j,
+            acc,
+            m_i,
+            l_i,
+            carried,
+            WG,
+            WINDOW_LEFT,
+            WINDOW_RIGHT,
+            HAS_BIAS,
+            BIAS_STAGES,
+            MAY_EMPTY,
+            SOFTCAP,
+            HAS_ALIBI,
+            ALIBI_ROWLESS,
+            ALIBI_SPLIT,
+            EXP2_POLY,
+            True,
+            SPLIT,
+        )
+    p_op = carried
+    if SPLIT:
+        p_op = gl.convert_layout(carried.to(dtype), p_layout)
     sl = (n_tiles - 1) % STAGES
     mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
     v_buf = v_bufs.index(sl)
