@@ -238,7 +238,8 @@ def _worker(rank: int, world: int, args, init: str, queue) -> None:
         device = torch.device("cuda", rank)
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=device)
     # one function per phase: nothing of one phase stays allocated into the next one's memory
-    rows = [] if args.no_correctness else _correctness(rank, device, args.correctness_lengths)
+    features = args.features.split(",")
+    rows = [] if args.no_correctness else _correctness(rank, device, args.correctness_lengths, features)
     _release()
     timings = {}
     marks = _Marks()
@@ -256,14 +257,14 @@ def _worker(rank: int, world: int, args, init: str, queue) -> None:
     dist.destroy_process_group()
 
 
-def _correctness(rank: int, device, lengths) -> list[dict]:
+def _correctness(rank: int, device, lengths, features) -> list[dict]:
     from attention_dispatch.distributed import context_parallel_sdpa, shard, unshard
 
-    rows = []
+    rows, t0 = [], time.time()
     for s in lengths:
         q, k, v, do = _inputs(s, s, device)  # the same inputs on every rank (seeded)
-        for feature, kw in FEATURES.items():
-            want = want32 = None
+        for feature in features:
+            kw, want, want32 = FEATURES[feature], None, None
             for exchange in ("ring", "allgather"):
                 for layout in ("zigzag", "contiguous"):
                     leaves = [shard(t, layout=layout).detach().requires_grad_() for t in (q, k, v)]
@@ -273,7 +274,7 @@ def _correctness(rank: int, device, lengths) -> list[dict]:
                     if want is None:  # one GPU's bf16 call and its float32 twin, on every rank
                         want = _single(q, k, v, do, kw, torch.bfloat16)
                         want32 = _single(q, k, v, do, kw, torch.float32)
-                    row = dict(s=s, feature=feature, exchange=exchange, layout=layout, ok=True)
+                    row = dict(s=s, feature=feature, exchange=exchange, layout=layout, ok=True, t=round(time.time() - t0))
                     for name, g, w, w32 in zip(("out", "dq", "dk", "dv"), got, want, want32):
                         err, base = _err(g, w32), _err(w, w32)
                         row[name] = [err, base]
@@ -457,6 +458,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, help="GPUs (default: 2)")
     parser.add_argument("--quick", action="store_true", help="correctness at S=32k only (timing unchanged)")
+    parser.add_argument(
+        "--correctness-lengths", default=None, help="comma list of total lengths to check (default: 32768,131072)"
+    )
+    parser.add_argument("--features", default=",".join(FEATURES), help=f"comma list of {', '.join(FEATURES)}")
     parser.add_argument("--no-correctness", action="store_true", help="timing and breakdown only")
     parser.add_argument("--no-timing", action="store_true", help="correctness only (no 1-GPU baselines or timing)")
     parser.add_argument("--reps", type=int, default=5, help="timed fwd+bwd steps (default: 5)")
@@ -472,6 +477,10 @@ def main() -> None:
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="details directory (default: $OUT or .)")
     args = parser.parse_args()
+    args.correctness_lengths_arg = args.correctness_lengths
+    unknown = set(args.features.split(",")) - set(FEATURES)
+    if unknown:
+        parser.error(f"--features: unknown {sorted(unknown)}; allowed {list(FEATURES)}")
     _configure(args)
     if CPU:
         args.correctness_lengths, args.timing_lengths = [64], [] if args.no_timing else [256, 512]
@@ -479,6 +488,8 @@ def main() -> None:
         world = args.world
     else:
         args.correctness_lengths = [32768] if args.quick else [32768, 131072]
+        if args.correctness_lengths_arg:
+            args.correctness_lengths = [int(x) for x in args.correctness_lengths_arg.split(",")]
         args.timing_lengths = [] if args.no_timing else [65536, 131072]
         world = min(args.world, torch.cuda.device_count())
         if world < 2:
