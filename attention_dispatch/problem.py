@@ -74,6 +74,9 @@ class Problem:
     sinks: bool = False
     sinks_grad: bool = False
     return_lse: bool = False
+    # the gradients from a given output and logsumexp (Backend.run_backward: a block of context
+    # parallelism's merged backward), not from the call's own forward
+    backward_from_output: bool = False
 
     @property
     def kv_cache(self) -> bool:
@@ -131,7 +134,7 @@ class Problem:
         if features:
             parts.append(" + ".join(features))
         if self.requires_grad:
-            parts.append("grad")
+            parts.append("grad from a given out/lse" if self.backward_from_output else "grad")
         if self.deterministic:
             parts.append("deterministic" + (" (warn only)" if self.deterministic_warn_only else ""))
         return ", ".join(parts)

@@ -6,16 +6,20 @@ backends declare: every available backend declaring the capability, and only tho
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 import attention_dispatch as ad
 from attention_dispatch import registry
 from attention_dispatch.backends.base import Backend
+from attention_dispatch.backends.flash_attn import FA2_CAPS, FA3_CAPS, FA4_CAPS, FlashAttnBackend
 from attention_dispatch.call import normalize_call
 from attention_dispatch.dropout_stream import DropoutStream, draw_seed, positioned
 
 from cases import cpu_backends_declaring
+from tests import fakes
 
 B, HQ, HKV, SQ, SK, D = 2, 4, 2, 12, 24, 16
 CUTS = (0, 8, 24)  # two key blocks; column offsets multiples of 4 (the triton kernels' dropout draw)
@@ -31,6 +35,10 @@ def test_declared_exactly_where_run_backward_is_implemented():
     for name in ad.list_backends():
         backend = registry.get_backend(name)
         implemented = type(backend).run_backward is not Backend.run_backward
+        if name == "flash_attn":  # declared per generation: flash-attn 4's alone (a tested release)
+            assert implemented and FA4_CAPS.backward_from_output
+            assert not (FA2_CAPS.backward_from_output or FA3_CAPS.backward_from_output)
+            continue
         assert backend.capabilities.backward_from_output == implemented, name
     assert {"math", "triton"} <= {
         n for n in ad.list_backends() if registry.get_backend(n).capabilities.backward_from_output
@@ -40,12 +48,53 @@ def test_declared_exactly_where_run_backward_is_implemented():
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("backend", cpu_backends_declaring("backward_from_output"))
 def test_blocks_from_the_whole_calls_output_add_up_to_its_backward(backend, case):
-    feature = CASES[case]
     dtype = torch.float64 if backend == "math" else torch.float32
+    _check_blocks(registry.get_backend(backend), CASES[case], dtype)
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    """flash_attn on the fake flash-attn 4 (tests/fakes), whose backward computes from the given
+    out and lse as flash-attn 4's does."""
+    modules = fakes.make_flash_attn(4, [])
+    for missing in ("flash_attn", "flash_attn_interface", "flash_attn.cute"):
+        monkeypatch.delitem(sys.modules, missing, raising=False)
+    fakes.install(monkeypatch, modules)
+    modules["flash_attn.cute.interface"].marked_lse = False
+    modules["flash_attn.cute.interface"].backward_from_lse = True
+    return FlashAttnBackend()
+
+
+@pytest.mark.parametrize("case", [c for c, f in CASES.items() if not ({"mask", "bias", "dropout_p"} & set(f))])
+def test_flash_attn_4_blocks_add_up_to_the_backward(fake_fa4, case):
+    """flash_attn's run_backward (flash-attn 4's backward op with out, lse and dlse as given), on
+    the fake: the blocks' shares from the whole call's output add up to its backward."""
+    assert fake_fa4.capabilities.backward_from_output
+    _check_blocks(fake_fa4, CASES[case], torch.float32, d=64)  # its lse is float32; its head dims
+
+
+def test_flash_attn_run_backward_refuses_what_it_does_not_declare(fake_fa4):
+    q = torch.randn(1, 2, 8, 64, dtype=torch.float64)
+    call = normalize_call(q, q, q)
+    out, lse = torch.zeros_like(q), torch.zeros(1, 2, 8)
+    acc = torch.zeros_like(q)
+    with pytest.raises(ValueError, match="flash_attn.run_backward: dq_accumulator given"):
+        fake_fa4.run_backward(q, q, q, out, lse, out, None, dq_accumulator=acc, **call.options)
+
+
+def test_untested_flash_attn_4_release_does_not_declare_it():
+    from attention_dispatch.backends.flash_attn_backward import fa4_capabilities
+
+    assert fa4_capabilities(FA4_CAPS, "4.0.0b36").backward_from_output
+    caps = fa4_capabilities(FA4_CAPS, "4.9.0")
+    assert not caps.backward_from_output and "no run_backward: flash-attn 4 4.9.0" in caps.notes
+
+
+def _check_blocks(chosen, feature: dict, dtype, d: int = D):
     hq = HQ if feature.get("enable_gqa") else HKV
-    q = torch.randn(B, hq, SQ, D, dtype=torch.float64)
-    k, v = torch.randn(B, HKV, SK, D, dtype=torch.float64), torch.randn(B, HKV, SK, D, dtype=torch.float64)
-    dout, dlse = torch.randn(B, hq, SQ, D, dtype=torch.float64), torch.randn(B, hq, SQ, dtype=torch.float64)
+    q = torch.randn(B, hq, SQ, d, dtype=torch.float64)
+    k, v = torch.randn(B, HKV, SK, d, dtype=torch.float64), torch.randn(B, HKV, SK, d, dtype=torch.float64)
+    dout, dlse = torch.randn(B, hq, SQ, d, dtype=torch.float64), torch.randn(B, hq, SQ, dtype=torch.float64)
     mask = None
     if feature.get("bias"):
         mask = torch.randn(B, 1, SQ, SK, dtype=torch.float64)
@@ -74,7 +123,7 @@ def test_blocks_from_the_whole_calls_output_add_up_to_its_backward(backend, case
         with stream(c0):
             call = normalize_call(q.to(dtype), k[:, :, c0:c1].to(dtype), v[:, :, c0:c1].to(dtype), cols, **options)
             blocks.append(
-                registry.get_backend(backend).run_backward(
+                chosen.run_backward(
                     call.query,
                     call.key,
                     call.value,
@@ -99,3 +148,52 @@ def test_run_backward_refuses_what_it_does_not_compute(backend):
     out, lse = torch.zeros_like(q), torch.zeros(1, 2, 4)
     with pytest.raises(ValueError, match="run_backward: sinks given"):
         registry.get_backend(backend).run_backward(q, q, q, out, lse, out, None, **call.options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_flash_attn_4_blocks_add_up_to_the_backward(causal):
+    """flash-attn 4's run_backward on the H100, bf16 d128 GQA: two key blocks of one call (its
+    bottom-right causal mask: the first block unmasked, the second causal), each from the whole
+    call's float64 out and lse with a dlse; their sum against float64 autograd, within twice
+    flash-attn 4's own bf16 backward error of the whole call + 1e-2."""
+    pytest.importorskip("flash_attn.cute")
+    backend = FlashAttnBackend(versions=("fa4",))
+    assert backend.capabilities.backward_from_output, backend.capabilities.notes
+    b, hq, hkv, sq, sk, d = 2, 8, 2, 256, 512, 128
+    gen = torch.Generator(device="cuda").manual_seed(7 + causal)
+    q, dout = (torch.randn(b, hq, sq, d, device="cuda", dtype=torch.float64, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.float64, generator=gen) for _ in range(2))
+    dlse = torch.randn(b, hq, sq, device="cuda", dtype=torch.float64, generator=gen)
+    whole = dict(enable_gqa=True, causal="bottom_right" if causal else None)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = ad.sdpa(*leaves, return_lse=True, backend="math", **whole)
+    torch.autograd.backward((out, lse), (dout, dlse))
+    want = [t.grad for t in leaves]
+    own = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    own_out, own_lse = ad.sdpa(*own, return_lse=True, backend="flash_attn", **whole)
+    torch.autograd.backward((own_out, own_lse), (dout.to(torch.bfloat16), dlse.float()))
+    blocks = []
+    for c0, c1, block_causal in ((0, 256, None), (256, 512, "bottom_right" if causal else None)):
+        bf = [t.to(torch.bfloat16) for t in (q, k[:, :, c0:c1], v[:, :, c0:c1])]
+        call = normalize_call(*bf, enable_gqa=True, causal=block_causal)
+        blocks.append(
+            backend.run_backward(
+                call.query,
+                call.key,
+                call.value,
+                out.detach().to(torch.bfloat16),
+                lse.detach().float(),
+                dout.to(torch.bfloat16),
+                dlse.float(),
+                **call.options,
+            )  # fmt: skip
+        )
+    got = [
+        sum(x[0].double() for x in blocks),
+        torch.cat([x[1] for x in blocks], 2),
+        torch.cat([x[2] for x in blocks], 2),
+    ]
+    for name, g, w, o in zip("qkv", got, want, [t.grad for t in own]):
+        err, base = (g.double() - w).abs().max().item(), (o.double() - w).abs().max().item()
+        assert g.isfinite().all() and err <= 2 * base + 1e-2, (name, err, base)

@@ -250,6 +250,8 @@ def not_supported_reasons(caps: Capabilities, problem: Problem) -> list[str]:
         reasons.append(f"GQA (Hq={p.heads_q}, Hkv={p.heads_kv}) not supported")
     if p.requires_grad and not caps.backward:
         reasons.append("backward (inputs require grad) not supported")
+    if p.backward_from_output and not caps.backward_from_output:
+        reasons.append("backward from a given output and logsumexp (run_backward) not supported")
     if p.requires_grad and p.deterministic and not p.deterministic_warn_only and not caps.deterministic_backward:
         reasons.append("deterministic algorithms requested but the backward is nondeterministic")
     if caps.max_seqlen is not None and max(p.seqlen_q, p.seqlen_k) > caps.max_seqlen:

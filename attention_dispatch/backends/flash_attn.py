@@ -57,6 +57,7 @@ from .base import Backend, Capabilities, not_supported_reasons
 from .fa4_compiled import compile_refusal
 from .fa4_compiled import flash_attn_func as fa4_compiled_dense
 from .fa4_relaunch import ForwardRelauncher, VarlenRelauncher, untested_release
+from . import flash_attn_backward
 from . import flash_attn_features as features
 from . import flash_attn_kvcache as kv
 
@@ -100,6 +101,7 @@ FA4_CAPS = dataclasses.replace(
     max_compute_capability=(11, 9),
     head_dim_multiple=8,
     dropout=False,
+    backward_from_output=True,  # run_backward (flash_attn_backward.py), a tested release only
     notes="flash-attn 4 (flash_attn.cute); KV cache: declined (it reads rows past seqused_k: FA4_KV_DECLINED)",
     **kv.FA4_KV,
     **features.declared_flags("fa4"),
@@ -193,6 +195,7 @@ def caps_union(caps: list[Capabilities]) -> Capabilities:
                 "gqa",
                 "backward",
                 "deterministic_backward",
+                "backward_from_output",
                 *features.FLAGS,
             )
         },
@@ -294,7 +297,8 @@ class FlashAttnBackend(Backend):
         version = str(getattr(mod, "__version__", "") or "")
         if version in ("", "0.0.0"):
             version = _dist_version("flash-attn-4", "flash_attn_4") or version
-        return cls._implementation("fa4", str(version), mod, mod.flash_attn_func, FA4_CAPS)
+        caps = flash_attn_backward.fa4_capabilities(FA4_CAPS, str(version))
+        return cls._implementation("fa4", str(version), mod, mod.flash_attn_func, caps)
 
     def implementations(self) -> list[Implementation]:
         return self.load()[0]
@@ -564,6 +568,14 @@ class FlashAttnBackend(Backend):
         if impl.key == "fa4" and torch.compiler.is_compiling() and compile_refusal(impl.version, kwargs) is None:
             return self._dense(fa4_compiled_dense, kwargs, query, key, value, lse_of=lse_of)
         return self._dense(impl.func, kwargs, query, key, value, lse_of=lse_of)
+
+    def run_backward(
+        self, query, key, value, out, lse, grad_out, grad_lse, dq_accumulator=None, dkv_out=None, only=None,
+        dq_out=None, **options,
+    ):  # fmt: skip
+        """Base.run_backward on flash-attn 4's backward op (flash_attn_backward.py)."""
+        extras = dict(dq_accumulator=dq_accumulator, dkv_out=dkv_out, only=only, dq_out=dq_out)
+        return flash_attn_backward.run_backward(self, query, key, value, out, lse, grad_out, grad_lse, extras, options)
 
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, **options):
         return kv.run_kvcache(self, query, k_cache, v_cache, cache_seqlens, **options)

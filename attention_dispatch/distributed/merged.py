@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import torch
 
+import dataclasses
+
 from .. import registry
 from ..call import normalize_call
-from ..dispatch import use_backends
+from ..debug import note_decision
+from ..dispatch import decide, use_backends
 from . import dq_buffer
 from .blocks import span
 from .recompute import allgather_backward, ring_backward
@@ -122,6 +125,29 @@ def _block_backward(setup: Setup, backend: str, q_parts, k_parts, k, v, saved, d
     return grads
 
 
+def backward_backends(setup: Setup, served: dict) -> dict:
+    """(source, q_parts, k_parts) -> the backend running that block's backward from the merged
+    output: decided apart from its forward (dispatch.decide on the block's Problem as a training
+    call from a given output, among setup.backward_backends; with a table, policy "auto" ranks
+    them by their training time), since the merged out and lse do not depend on which backend
+    computed a block. With dropout, the forward's backend (its keep-mask). Each decision is
+    noted (ad.record() / ad.last_decision() see it) where it differs from the forward's."""
+    chosen, decided = {}, {}
+    for block, forward in served.items():
+        if setup.dropout_p > 0:
+            chosen[block] = forward.backend
+            continue
+        problem = dataclasses.replace(forward.problem, requires_grad=True, backward_from_output=True, return_lse=False)
+        if problem not in decided:
+            with use_backends(*setup.backward_backends):
+                decision = decide(problem, raise_if_none=False)
+            decided[problem] = decision
+            if decision.backend is not None and decision.backend != forward.backend:
+                note_decision(decision)
+        chosen[block] = decided[problem].backend or forward.backend
+    return chosen
+
+
 def _own_split(setup: Setup, served, q, k, v, acc_dtype, need):
     """(q parts, k parts, backend) of this rank's own block where its backward runs in two parts
     (own_grads in _MergedAttention.backward: dq at the first ring step, dk/dv after the last, in
@@ -164,7 +190,8 @@ class _MergedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        setup, served = ctx.setup, ctx.served
+        setup = ctx.setup
+        served = backward_backends(setup, ctx.served)
         q, k, v, mask, out, lse = ctx.saved_tensors
         need = ctx.needs_input_grad[1:4]
         if dout is None:

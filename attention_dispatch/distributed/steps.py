@@ -166,7 +166,7 @@ class Accumulator:
     def __init__(self, setup: Setup, q, mask):
         self.setup, self.q, self.mask = setup, q, mask
         self.blocks = []  # (q_parts, out, lse)
-        self.served = {}  # (source, q_parts, k_parts) -> the backend that computed the block
+        self.served = {}  # (source, q_parts, k_parts) -> the Decision of the block's sdpa() call
         self.unused = []
 
     def add(self, source: int, k, v, exchanged: bool) -> None:
@@ -175,7 +175,7 @@ class Accumulator:
             result = block(self.setup, q_parts, k_parts, self.q, k, v, self.mask)
             if result is not None:
                 self.blocks.append((q_parts, *result))
-                self.served[source, q_parts, k_parts] = last_decision().backend
+                self.served[source, q_parts, k_parts] = last_decision()
                 used = True
         if exchanged and not used:
             self.unused += [k, v]
@@ -225,7 +225,7 @@ def run_allgather(setup: Setup, acc: Accumulator, k, v, differentiable: bool) ->
 def run_forward(setup: Setup, q, k, v, mask, differentiable: bool, out_dtype=None, served=None):
     """This rank's merged (out in out_dtype, default the lse dtype; lse), and the tensors no
     block read (to be tied to the output: exchanged ones, and the inputs where no block ran).
-    ``served``: a dict to fill with each computed block's backend (Accumulator.served)."""
+    ``served``: a dict to fill with each computed block's Decision (Accumulator.served)."""
     acc = Accumulator(setup, q, mask)
     (run_ring if setup.exchange == "ring" else run_allgather)(setup, acc, k, v, differentiable)
     out, lse = acc.result(out_dtype)

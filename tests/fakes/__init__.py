@@ -15,7 +15,7 @@ import types
 
 import torch
 
-from tests.naive import naive_attention
+from tests.naive import _allowed, naive_attention
 
 
 def install(monkeypatch, modules: dict[str, types.ModuleType]) -> None:
@@ -455,6 +455,28 @@ class _FakeFlashAttnFunc(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+def _backward_from_output(q, k, v, out, dout, lse, dlse, scale, causal, window, softcap):
+    """flash-attn 4's backward as it computes it, in float64: P = exp(s - lse) from the GIVEN
+    logsumexp, dS = P (dO V^T - rowsum(dO out) + dlse) (tanh's derivative with softcap); (B, S, H, D)
+    in and out, in q's dtype."""
+    qb, kb, vb, ob, gb = (t.transpose(1, 2).double() for t in (q, k, v, out, dout))
+    group = qb.shape[1] // kb.shape[1]
+    kr, vr = kb.repeat_interleave(group, 1), vb.repeat_interleave(group, 1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    raw = scale * qb @ kr.transpose(-1, -2)
+    s = softcap * torch.tanh(raw / softcap) if softcap else raw
+    allowed = _allowed(qb.shape[2], kb.shape[2], "bottom_right" if causal else None, window)
+    p = torch.exp(s - lse.double().unsqueeze(-1)).masked_fill(~allowed, 0.0)
+    delta = (gb * ob).sum(-1) - (0.0 if dlse is None else dlse.double())
+    ds = p * (gb @ vr.transpose(-1, -2) - delta.unsqueeze(-1))
+    if softcap:
+        ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
+    dq = scale * ds @ kr
+    dk = (scale * ds.transpose(-1, -2) @ qb).unflatten(1, (kb.shape[1], group)).sum(2)
+    dv = (p.transpose(-1, -2) @ gb).unflatten(1, (kb.shape[1], group)).sum(2)
+    return tuple(t.transpose(1, 2).to(q.dtype) for t in (dq, dk, dv))
+
+
 class AuxData(tuple):
     """flash_attn.cute.utils.AuxData: a NamedTuple (tensors, scalars)."""
 
@@ -476,6 +498,9 @@ def _fa4_interface(dense_math, varlen_math) -> types.ModuleType:
     interface = types.ModuleType("flash_attn.cute.interface")
     interface.launches, interface.backwards, interface.extra_tensor, interface.copy_query = [], [], False, False
     interface.marked_lse = True
+    # True: _flash_attn_bwd computes from the out and lse it is given (a real logsumexp), as flash-attn
+    # 4's does; False: by autograd through its own forward (the forward's lse may be a marker)
+    interface.backward_from_lse = False
     interface.copy_offsets = False
 
     def compiled_for(causal, extra_tensor, varlen):
@@ -575,7 +600,8 @@ def _fa4_interface(dense_math, varlen_math) -> types.ModuleType:
         dlse=None,
         learnable_sink=None,
     ):
-        assert dlse is None and learnable_sink is None, "the fake's relaunched backward takes neither"
+        assert learnable_sink is None, "the fake's backward takes no learnable_sink"
+        assert dlse is None or interface.backward_from_lse, "dlse: only the backward from the given lse takes it"
         interface.backwards.append(
             dict(
                 q_ptr=q.data_ptr(),
@@ -588,6 +614,9 @@ def _fa4_interface(dense_math, varlen_math) -> types.ModuleType:
         if interface.marked_lse:  # False: the LSE came from the public function (return_lse=True)
             assert torch.all(lse == float(q.detach().sum())), "the LSE is not this call's"
         assert lse.dtype == torch.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+        if interface.backward_from_lse:  # flash-attn 4's backward from out and lse as given
+            window = _fa_window((window_size_left, window_size_right), True)
+            return _backward_from_output(q, k, v, out, dout, lse, dlse, softmax_scale, causal, window, softcap)
         # torch.func.vjp, not autograd: a custom op's implementation (fa4_compiled) runs below
         # the autograd dispatch key, where a tape would record nothing
         window = (window_size_left, window_size_right)
