@@ -51,6 +51,7 @@ import attention_dispatch as ad  # noqa: E402
 B, HQ, HKV, D = 1, 16, 8, 128
 FEATURES = {"causal": dict(causal="bottom_right"), "full": {}, "window": dict(window=(4095, 0))}
 DTYPE = torch.bfloat16
+MODES = ("default", "recompute", "autograd")  # backward modes timed (--modes)
 CPU = False  # --cpu: gloo processes, float32, tiny sizes (a check that the script runs)
 
 
@@ -222,7 +223,8 @@ def _single_gpu_one(s: int, reps: int, name) -> dict:
 
 
 def _configure(args) -> None:
-    global CPU, DTYPE, B, HQ, HKV, D
+    global CPU, DTYPE, B, HQ, HKV, D, MODES
+    MODES = tuple(m for m in args.modes.split(",") if m)
     if args.cpu:
         CPU, DTYPE, B, HQ, HKV, D = True, torch.float32, 1, 4, 2, 16
 
@@ -387,7 +389,7 @@ def _timing(rank: int, device, s: int, reps: int, marks, trace: str | None = Non
     timings = {}
     # default: backward=None, "merged" where it serves (its row says which mode ran); the cross-rank
     # check runs once per signature (the warm-up), as in a training loop's steady state
-    for mode in ("default", "recompute", "autograd"):
+    for mode in MODES:
         backward = None if mode == "default" else mode
 
         def forward(backward=backward):
@@ -464,6 +466,7 @@ def main() -> None:
     parser.add_argument("--features", default=",".join(FEATURES), help=f"comma list of {', '.join(FEATURES)}")
     parser.add_argument("--no-correctness", action="store_true", help="timing and breakdown only")
     parser.add_argument("--no-timing", action="store_true", help="correctness only (no 1-GPU baselines or timing)")
+    parser.add_argument("--modes", default=",".join(MODES), help="backward modes to time (comma list)")
     parser.add_argument("--reps", type=int, default=5, help="timed fwd+bwd steps (default: 5)")
     parser.add_argument("--cpu", action="store_true", help="gloo processes on the CPU at tiny sizes (a dry run)")
     parser.add_argument(
