@@ -52,6 +52,7 @@ B, HQ, HKV, D = 1, 16, 8, 128
 FEATURES = {"causal": dict(causal="bottom_right"), "full": {}, "window": dict(window=(4095, 0))}
 DTYPE = torch.bfloat16
 MODES = ("default", "recompute", "autograd")  # backward modes timed (--modes)
+PROFILE = ""  # --profile: rank 0's default step profiled at each length, tables into this directory
 CPU = False  # --cpu: gloo processes, float32, tiny sizes (a check that the script runs)
 
 
@@ -223,8 +224,9 @@ def _single_gpu_one(s: int, reps: int, name) -> dict:
 
 
 def _configure(args) -> None:
-    global CPU, DTYPE, B, HQ, HKV, D, MODES
+    global CPU, DTYPE, B, HQ, HKV, D, MODES, PROFILE
     MODES = tuple(m for m in args.modes.split(",") if m)
+    PROFILE = args.out if args.profile else ""
     if args.cpu:
         CPU, DTYPE, B, HQ, HKV, D = True, torch.float32, 1, 4, 2, 16
 
@@ -276,7 +278,9 @@ def _correctness(rank: int, device, lengths, features) -> list[dict]:
                     if want is None:  # one GPU's bf16 call and its float32 twin, on every rank
                         want = _single(q, k, v, do, kw, torch.bfloat16)
                         want32 = _single(q, k, v, do, kw, torch.float32)
-                    row = dict(s=s, feature=feature, exchange=exchange, layout=layout, ok=True, t=round(time.time() - t0))
+                    row = dict(
+                        s=s, feature=feature, exchange=exchange, layout=layout, ok=True, t=round(time.time() - t0)
+                    )
                     for name, g, w, w32 in zip(("out", "dq", "dk", "dv"), got, want, want32):
                         err, base = _err(g, w32), _err(w, w32)
                         row[name] = [err, base]
@@ -377,6 +381,22 @@ def _max_over_ranks(value: float, device) -> float:
     return t.item()
 
 
+def _profile(step, path: str | None) -> None:
+    """One step under torch.profiler: the GPU kernels by total time into ``path`` (None: not
+    written), the top printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync()
+    if path is None:
+        return
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+    with open(path, "w") as f:
+        f.write(table)
+    print("\n".join(table.splitlines()[:22]), flush=True)
+
+
 def _timing(rank: int, device, s: int, reps: int, marks, trace: str | None = None) -> dict:
     """Every backward mode's timing row at total length s (module docstring); ``trace``: a path
     for _memory_trace's summary of one default-mode step."""
@@ -410,6 +430,8 @@ def _timing(rank: int, device, s: int, reps: int, marks, trace: str | None = Non
         peak = _max_over_ranks(_peak_gib(), device)
         state, step_peak = _step_memory(step)
         fwd_ms = _timed(forward, reps)
+        if PROFILE and mode == "default":  # every rank steps (collectives); rank 0 writes
+            _profile(step, os.path.join(PROFILE, f"profile_{s}.txt") if rank == 0 else None)
         # one instrumented step: forward steps' compute and waits, backward apart, blocks' backends,
         # memory above the allocation before it (peak in the forward, held after it, peak in the backward)
         marks.events.clear()
@@ -466,6 +488,7 @@ def main() -> None:
     parser.add_argument("--features", default=",".join(FEATURES), help=f"comma list of {', '.join(FEATURES)}")
     parser.add_argument("--no-correctness", action="store_true", help="timing and breakdown only")
     parser.add_argument("--no-timing", action="store_true", help="correctness only (no 1-GPU baselines or timing)")
+    parser.add_argument("--profile", action="store_true", help="rank 0's default step under torch.profiler")
     parser.add_argument("--modes", default=",".join(MODES), help="backward modes to time (comma list)")
     parser.add_argument("--reps", type=int, default=5, help="timed fwd+bwd steps (default: 5)")
     parser.add_argument("--cpu", action="store_true", help="gloo processes on the CPU at tiny sizes (a dry run)")
