@@ -131,7 +131,8 @@ def backward_backends(setup: Setup, served: dict) -> dict:
     call from a given output, among setup.backward_backends; with a table, policy "auto" ranks
     them by their training time), since the merged out and lse do not depend on which backend
     computed a block. With dropout, the forward's backend (its keep-mask). Each decision is
-    noted (ad.record() / ad.last_decision() see it) where it differs from the forward's."""
+    noted (ad.record() / ad.last_decision() see it) where it differs from the forward's; called
+    by the forward (autograd may run the backward in another thread, outside the caller's record())."""
     chosen, decided = {}, {}
     for block, forward in served.items():
         if setup.dropout_p > 0:
@@ -184,14 +185,14 @@ class _MergedAttention(torch.autograd.Function):
         served = {}
         with use_backends(*setup.backward_backends):  # blocks on backends with run_backward()
             out, lse, _ = run_forward(setup, q, k, v, mask, False, out_dtype, served)
-        ctx.setup, ctx.served = setup, served
+        # decided here, in the caller's context (ad.record() sees the decisions), not in autograd's thread
+        ctx.setup, ctx.served = setup, backward_backends(setup, served)
         ctx.save_for_backward(q, k, v, mask, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        setup = ctx.setup
-        served = backward_backends(setup, ctx.served)
+        setup, served = ctx.setup, ctx.served
         q, k, v, mask, out, lse = ctx.saved_tensors
         need = ctx.needs_input_grad[1:4]
         if dout is None:
