@@ -569,13 +569,10 @@ class FlashAttnBackend(Backend):
             return self._dense(fa4_compiled_dense, kwargs, query, key, value, lse_of=lse_of)
         return self._dense(impl.func, kwargs, query, key, value, lse_of=lse_of)
 
-    def run_backward(
-        self, query, key, value, out, lse, grad_out, grad_lse, dq_accumulator=None, dkv_out=None, only=None,
-        dq_out=None, **options,
-    ):  # fmt: skip
-        """Base.run_backward on flash-attn 4's backward op (flash_attn_backward.py)."""
-        extras = dict(dq_accumulator=dq_accumulator, dkv_out=dkv_out, only=only, dq_out=dq_out)
-        return flash_attn_backward.run_backward(self, query, key, value, out, lse, grad_out, grad_lse, extras, options)
+    def run_backward(self, query, key, value, out, lse, grad_out, grad_lse, **options):
+        """Base.run_backward on flash-attn 4's backward op (flash_attn_backward.py); no dq_accumulator,
+        dkv_out or only/dq_out (not declared: refused, naming them)."""
+        return flash_attn_backward.run_backward(self, query, key, value, out, lse, grad_out, grad_lse, options)
 
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, **options):
         return kv.run_kvcache(self, query, k_cache, v_cache, cache_seqlens, **options)

@@ -25,19 +25,23 @@ def fa4_capabilities(caps: Capabilities, version: str) -> Capabilities:
     return dataclasses.replace(caps, backward_from_output=False, notes=f"{caps.notes}; no run_backward: {why}")
 
 
-def run_backward(backend, query, key, value, out, lse, grad_out, grad_lse, extras: dict, options: dict):
+# run_backward's keywords for what flash-attn 4 does not do (Capabilities.backward_dq_accumulator,
+# backward_dkv_out, backward_split: not declared)
+_UNDECLARED = ("dq_accumulator", "dkv_out", "only", "dq_out")
+
+
+def run_backward(backend, query, key, value, out, lse, grad_out, grad_lse, options: dict):
     """(dq, dk, dv) (B, H, S, D) of a dense call from ``out`` (B, Hq, Sq, Dv, the query's dtype),
     ``lse`` (B, Hq, Sq) and their gradients ``grad_out``, ``grad_lse`` (None: zero), on the
-    generation select() takes for the call's backward from a given output (flash-attn 4).
-    ``extras``: run_backward's dq_accumulator / dkv_out / only / dq_out, none declared here."""
+    generation select() takes for the call's backward from a given output (flash-attn 4)."""
+    options = dict(options)
+    given = [name for name in _UNDECLARED if options.pop(name, None) is not None]
     check_backward_options(options)
-    given = [name for name, value in extras.items() if value is not None]
     if given:
         raise ValueError(
             f"flash_attn.run_backward: {', '.join(given)} given; flash-attn returns dq, dk and dv "
             "(Capabilities.backward_dq_accumulator / backward_dkv_out / backward_split are not declared)"
         )
-    options = dict(options)
     if options.pop("attn_mask", None) is not None:
         raise ValueError("flash_attn.run_backward: attn_mask given; flash-attn takes no mask")
     problem = dataclasses.replace(
