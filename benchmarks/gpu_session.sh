@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|quick|hostbound|overhead|probe|e100|kvappend [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|quick|hostbound|overhead|probe|e100|kvappend|e101 [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -96,5 +96,18 @@ case "$what" in
       tests/test_kv_append.py tests/test_kv_prefill.py 2>&1 | tee "$out/gpu_tests.log" | tail -4
     timeout 200 python3 benchmarks/decode.py --rows append,Sq=512 --json "$out/decode_append.json" --commit "$sha" \
       2>&1 | grep -v -i warn | tail -12 ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|quick|hostbound|overhead|probe|e100|kvappend [SHA]"; exit 2 ;;
+  e101)      # perf-notes E101: the KV-cache forward's length read off each program's first copies
+             # (docs/experiments/patches/e101-kv-length-off-path.patch) in a scratch copy: the GPU tests of
+             # the KV-cache (LENS_TENSOR) and one-length forwards there, then the chunked-prefill rows, the
+             # patched kernels against this tree's ("base") and flash-attn 4 in interleaved rounds
+    # the working tree, not git archive: the device's .git can lag it (see SHA above)
+    rm -rf /tmp/e101 && mkdir -p /tmp/e101 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e101 \
+      && patch -d /tmp/e101 -p1 < docs/experiments/patches/e101-kv-length-off-path.patch || exit 1
+    (cd /tmp/e101 && timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
+       -W ignore::UserWarning tests/test_kv_prefill.py tests/test_gluon_one_length.py tests/test_kv_past_lengths.py \
+       tests/test_kernel_features.py -k "gluon_route or kv_cache or chunked_prefill or (one_length_forward and 128) or (past_the_lengths and triton)" \
+       2>&1 | tee "$out/e101_tests.log" | tail -4)
+    (cd /tmp/e101 && PYTHONPATH=. timeout 200 python3 benchmarks/kv_ab.py --base-module "$OLDPWD/attention_dispatch/kernels/gluon" \
+       --rounds 15 --json "$out/e101_ab.json" --commit "$sha+e101" 2>&1 | grep -v -i warn | tail -6) ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|quick|hostbound|overhead|probe|e100|kvappend|e101 [SHA]"; exit 2 ;;
 esac
