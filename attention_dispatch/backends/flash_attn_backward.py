@@ -10,10 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from .base import Capabilities, check_backward_options
-from .fa4_compiled import fa4_dense_backward
+from .fa4_compiled import _NO_WINDOW, fa4_dense_backward
 from .fa4_relaunch import untested_release
-
-_NO_WINDOW = -1  # fa4_dense_backward's unbounded side
 
 
 def fa4_capabilities(caps: Capabilities, version: str) -> Capabilities:
