@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -55,9 +56,14 @@ def _tables_text() -> str:
 
 
 def _cmd_tune(args) -> int:
-    from .tune import tune
+    from .tune import merge_tables, parse_shard, tune
 
-    tune(quick=args.quick, out=args.out, device=args.device)
+    if args.merge:
+        if args.out is None or args.shard is not None:
+            raise ValueError("--merge takes --out FILE (the merged table) and no --shard")
+        merge_tables([Path(p) for p in args.merge], Path(args.out))
+        return 0
+    tune(quick=args.quick, out=args.out, device=args.device, shard=parse_shard(args.shard) if args.shard else None)
     return 0
 
 
@@ -287,6 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a smaller grid (bf16; about 5 minutes on an H100)")
     p.add_argument("--out", default=None, help="table file (default: the user's cache directory, one per GPU)")
     p.add_argument("--device", default="cuda", help="the GPU to measure")
+    p.add_argument(
+        "--shard",
+        default=None,
+        metavar="K/N",
+        help="measure only the K-th of N parts of the grid (N processes on N GPUs of one kind; then --merge)",
+    )
+    p.add_argument("--merge", nargs="+", metavar="FILE", help="merge tables of one environment into --out (no GPU)")
     p.set_defaults(func=_cmd_tune)
 
     p = add_parser("config", help="validate config files, or print the current config")

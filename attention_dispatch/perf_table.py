@@ -252,11 +252,13 @@ def write_table(path: Path, environment: Environment, created: str, entries: dic
     tables_found.cache_clear()
 
 
-def read_details(path: Path) -> dict:
-    """The per-bucket details tune keeps beside the times (row label, host times, failures)."""
+def read_extra(path: Path) -> dict:
+    """What tune keeps beside the times: "details" (per bucket: row label, host times, failures)
+    and "grid" ("full" or "quick"); {} for a file that has none."""
     try:
-        return dict(json.loads(Path(path).read_text()).get("details", {}))
-    except (OSError, ValueError, AttributeError):
+        data = json.loads(Path(path).read_text())
+        return {name: data[name] for name in ("details", "grid") if name in data}
+    except (OSError, ValueError, TypeError):
         return {}
 
 

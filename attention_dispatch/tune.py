@@ -14,6 +14,7 @@ import datetime
 import random
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -154,9 +155,71 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 60}:{seconds % 60:02d}"
 
 
-def tune(quick: bool = False, out: Path | None = None, device: str = "cuda", log=sys.stderr) -> Path:
-    """Measure :func:`grid` on ``device`` and write the table (resuming a file of the same
-    environment); returns its path."""
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"K/N"`` (1 <= K <= N) as (K, N): the K-th of N disjoint parts of the grid."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard: expected K/N with integers 1 <= K <= N, got {text!r}") from None
+    if not 1 <= k <= n:
+        raise ValueError(f"--shard: expected K/N with 1 <= K <= N, got {text!r}")
+    return k, n
+
+
+def shard_rows(rows: list[GridRow], shard: tuple[int, int] | None) -> list[GridRow]:
+    """The rows of part ``shard`` = (K, N): every N-th row from the K-th (all rows for None), so
+    N processes on N GPUs of one kind measure the grid once between them (merge with merge_tables)."""
+    if shard is None:
+        return rows
+    k, n = shard
+    return rows[k - 1 :: n]
+
+
+def merge_tables(paths: list[Path], out: Path, log=sys.stderr) -> Path:
+    """One table from several written by ``tune`` in one environment (the shards of one grid);
+    a ValueError naming the file whose environment differs from the first's, or that is not a
+    table.  The earliest creation time is kept; a bucket in several files keeps the last one's."""
+    tables = []
+    for path in paths:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            table = perf_table.read_table(Path(path), "user")
+        if table is None:
+            raise ValueError(f"--merge: {path} is not a performance table this version reads")
+        if tables and table.environment != tables[0].environment:
+            raise ValueError(
+                f"--merge: {path} was measured in another environment ({table.environment.label()}, "
+                f"{dict(table.environment.backends)}) than {tables[0].path} ({tables[0].environment.label()}, "
+                f"{dict(tables[0].environment.backends)})"
+            )
+        tables.append(table)
+    if not tables:
+        raise ValueError("--merge: no table given")
+    entries: dict[str, dict[str, float]] = {}
+    details: dict[str, dict] = {}
+    grids = set()
+    for table in tables:
+        entries.update(table.entries)
+        extra = perf_table.read_extra(Path(table.path))
+        details.update(extra.get("details", {}))
+        grids.add(extra.get("grid", "full"))
+    created = min(t.created for t in tables)
+    grid_name = grids.pop() if len(grids) == 1 else "mixed"
+    perf_table.write_table(Path(out), tables[0].environment, created, entries, {"details": details, "grid": grid_name})
+    perf_table.forget()
+    print(f"tune: merged {len(tables)} tables into {out} ({len(entries)} buckets)", file=log)
+    return Path(out)
+
+
+def tune(
+    quick: bool = False,
+    out: Path | None = None,
+    device: str = "cuda",
+    log=sys.stderr,
+    shard: tuple[int, int] | None = None,
+) -> Path:
+    """Measure :func:`grid` (its part ``shard``, see shard_rows) on ``device`` and write the
+    table (resuming a file of the same environment); returns its path."""
     from .fastest import time_backends
 
     dev = torch.device(device)
@@ -171,9 +234,9 @@ def tune(quick: bool = False, out: Path | None = None, device: str = "cuda", log
         old = perf_table.read_table(path, "user")
         if old is not None and old.environment == env:
             entries = dict(old.entries)
-            details = perf_table.read_details(path)
+            details = dict(perf_table.read_extra(path).get("details", {}))
             print(f"tune: resuming {path} ({len(entries)} buckets measured)", file=log)
-    rows = grid(quick)
+    rows = shard_rows(grid(quick), shard)
     created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     began = time.perf_counter()
     done = 0

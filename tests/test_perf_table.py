@@ -298,6 +298,69 @@ def test_every_grid_row_normalises_to_a_bucket_of_its_own():
     assert len(keys) == len(rows)
 
 
+def test_the_shards_of_the_grid_cover_it_once():
+    rows = tune.grid()
+    parts = [tune.shard_rows(rows, (k, 4)) for k in range(1, 5)]
+    labels = [r.label for part in parts for r in part]
+    assert sorted(labels) == sorted(r.label for r in rows) and len(labels) == len(set(labels))
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert tune.shard_rows(rows, None) == rows
+
+
+@pytest.mark.parametrize("text", ["0/4", "5/4", "2", "a/b", "1/0"])
+def test_a_bad_shard_is_refused_naming_the_flag(text):
+    with pytest.raises(ValueError, match="--shard"):
+        tune.parse_shard(text)
+
+
+def test_merged_shards_are_one_table_with_every_bucket_and_detail(tmp_path):
+    perf_table.write_table(
+        tmp_path / "a.json",
+        environment(),
+        "2026-11-27 03:10 UTC",
+        {"k1": {"triton": 1.0}},
+        {"details": {"k1": {"row": "r1"}}, "grid": "full"},
+    )
+    perf_table.write_table(
+        tmp_path / "b.json",
+        environment(),
+        "2026-11-27 03:09 UTC",
+        {"k2": {"cudnn": 2.0}},
+        {"details": {"k2": {"row": "r2"}}, "grid": "full"},
+    )
+    out = tune.merge_tables([tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "m.json")
+    merged = perf_table.read_table(out, "user")
+    assert merged.entries == {"k1": {"triton": 1.0}, "k2": {"cudnn": 2.0}}
+    assert merged.environment == environment() and merged.created == "2026-11-27 03:09 UTC"
+    assert perf_table.read_extra(out) == {"details": {"k1": {"row": "r1"}, "k2": {"row": "r2"}}, "grid": "full"}
+
+
+def test_merge_refuses_tables_of_another_environment_naming_the_file(tmp_path):
+    other = dataclasses.replace(environment(), torch="2.12.0")
+    write(tmp_path, "a.json", {"k1": {"triton": 1.0}})
+    write(tmp_path, "b.json", {"k2": {"triton": 1.0}}, env=other)
+    (tmp_path / "c.json").write_text("{not json")
+    with pytest.raises(ValueError, match="b.json was measured in another environment"):
+        tune.merge_tables([tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "m.json")
+    with pytest.raises(ValueError, match="c.json is not a performance table"):
+        tune.merge_tables([tmp_path / "a.json", tmp_path / "c.json"], tmp_path / "m.json")
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_tune_cli_merges_and_refuses_a_merge_without_out(tmp_path, capsys):
+    from attention_dispatch.cli import main
+
+    write(tmp_path, "a.json", {"k1": {"triton": 1.0}})
+    write(tmp_path, "b.json", {"k2": {"triton": 2.0}})
+    assert (
+        main(["tune", "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "m.json")])
+        == 0
+    )
+    assert set(perf_table.read_table(tmp_path / "m.json", "user").entries) == {"k1", "k2"}
+    assert main(["tune", "--merge", str(tmp_path / "a.json")]) == 2
+    assert "--merge takes --out" in capsys.readouterr().err
+
+
 def test_tune_refuses_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is here")
