@@ -88,7 +88,7 @@ case "$what" in
     done
     wait
     tail -qn1 "$out"/e100_*.log; grep -h "^FAILED" "$out"/e100_*.log | head
-    (cd /tmp/e100 && PYTHONPATH=. timeout 240 python3 benchmarks/forward_ab.py --impls ws,base --ref base \
+    (cd /tmp/e100 && PYTHONPATH=.:$PYTHONPATH timeout 240 python3 benchmarks/forward_ab.py --impls ws,base --ref base \
        --base-module "$OLDPWD/attention_dispatch/kernels/gluon" --rows "bf16 d128 4k,bf16 d128 16k causal" --rounds 5 --json "$out/e100_ab.json" \
        --commit "$sha+e100" 2>&1 | tail -14) ;;
   kvappend)  # issue 34: the one-launch KV append's GPU tests, then the append rows with the append apart
@@ -107,7 +107,7 @@ case "$what" in
        -W ignore::UserWarning tests/test_kv_prefill.py tests/test_gluon_one_length.py tests/test_kv_past_lengths.py \
        tests/test_kernel_features.py -k "gluon_route or kv_cache or chunked_prefill or (one_length_forward and 128) or (past_the_lengths and triton)" \
        2>&1 | tee "$out/e101_tests.log" | tail -4)
-    (cd /tmp/e101 && PYTHONPATH=. timeout 200 python3 benchmarks/kv_ab.py --base-module "$OLDPWD/attention_dispatch/kernels/gluon" \
+    (cd /tmp/e101 && PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/kv_ab.py --base-module "$OLDPWD/attention_dispatch/kernels/gluon" \
        --rounds 15 --json "$out/e101_ab.json" --commit "$sha+e101" 2>&1 | grep -v -i warn | tail -6) ;;
   *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|quick|hostbound|overhead|probe|e100|kvappend|e101 [SHA]"; exit 2 ;;
 esac
