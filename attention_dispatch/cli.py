@@ -297,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard",
         default=None,
         metavar="K/N",
-        help="measure only the K-th of N parts of the grid (N processes on N GPUs of one kind; then --merge)",
+        help="measure only the K-th of N parts of the grid (N GPUs of one kind, on separate hosts: side by side on one host, shards timed flash-attn 4 up to 1.6x slow; then --merge)",
     )
     p.add_argument("--merge", nargs="+", metavar="FILE", help="merge tables of one environment into --out (no GPU)")
     p.set_defaults(func=_cmd_tune)

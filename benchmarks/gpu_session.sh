@@ -33,11 +33,16 @@ case "$what" in
       --commit "$sha" 2>&1 | tee "$out/bench_stdout.txt" | tail -55 ;;
   bench1|bench2)   # the grid in two device calls (bf16 rows, then fp16 rows + host overhead); merge here with
                    #   python benchmarks/bench.py --from-json <part1>/bench.json <part2>/bench.json
+                   # (run them in separate calls or GPUs, never beside tune: see docs/decisions.md)
+    # plots and precompile logs stay on the device: a call brings back only ~8 files from $OUT (session 38
+    # lost a bench.json that way)
     part=$([ "$what" = bench1 ] && echo bf16- || echo fp16-)
-    timeout 545 python3 benchmarks/bench.py --budget-s 500 --rows "$part" --out "$out/bench" \
-      --doc "$out/bench/benchmarks.md" --commit "$sha" 2>&1 | tee "$out/bench_stdout.txt" | tail -30
+    rm -rf "/tmp/grid_$what"
+    timeout 545 python3 benchmarks/bench.py --budget-s 500 --rows "$part" --no-plot --out "/tmp/grid_$what" \
+      --doc "$out/benchmarks.md" --commit "$sha" 2>&1 | tee "$out/bench_stdout.txt" | tail -30
+    cp "/tmp/grid_$what/bench.json" "$out/"
     if [ "$what" = bench2 ]; then
-      timeout 40 python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -9
+      timeout 120 python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -9
     fi ;;
   quick)     # bf16 hdim 128 + feature rows, ~3 minutes
     timeout 300 python3 benchmarks/bench.py --quick --out "$out/bench" --doc "$out/bench/benchmarks.md" --commit "$sha" \
@@ -56,7 +61,7 @@ case "$what" in
     timeout ${KERNEL_TESTS_S:-480} python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
       tests/test_compiled_cache.py tests/test_triton_kernel.py tests/test_compile.py -k "not warp_specialized and not training_plan" \
       2>&1 | tee "$out/gpu_tests.log" | tail -8
-    timeout 40 python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -11 ;;
+    timeout 120 python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -11 ;;
   kernel2)   # the kernel's warp-specialised paths and the training plan's replays
     timeout ${KERNEL_TESTS_S:-560} python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
       tests/test_triton_kernel.py -k "warp_specialized or training_plan" 2>&1 | tee "$out/gpu_tests.log" | tail -8 ;;
