@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|quick|hostbound|overhead|probe|e100|kvappend|e101 [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101 [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -44,6 +44,10 @@ case "$what" in
     if [ "$what" = bench2 ]; then
       timeout 120 python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -9
     fi ;;
+  retune)    # the shipped table re-measured: tune's full grid alone on this GPU (~5:30 on an H100; nothing else
+             # running on the host: side by side, shards timed flash-attn 4 up to 1.6x slow, docs/decisions.md);
+             # commit $OUT/table.json as attention_dispatch/tables/<gpu>-torch<version>.json, then bench1 + bench2
+    timeout 560 python3 -m attention_dispatch tune --out "$out/table.json" 2>&1 | tail -3 ;;
   quick)     # bf16 hdim 128 + feature rows, ~3 minutes
     timeout 300 python3 benchmarks/bench.py --quick --out "$out/bench" --doc "$out/bench/benchmarks.md" --commit "$sha" \
       2>&1 | tee "$out/bench_stdout.txt" | tail -45 ;;
@@ -114,5 +118,5 @@ case "$what" in
        2>&1 | tee "$out/e101_tests.log" | tail -4)
     (cd /tmp/e101 && PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/kv_ab.py --base-module "$OLDPWD/attention_dispatch/kernels/gluon" \
        --rounds 15 --json "$out/e101_ab.json" --commit "$sha+e101" 2>&1 | grep -v -i warn | tail -6) ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|quick|hostbound|overhead|probe|e100|kvappend|e101 [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101 [SHA]"; exit 2 ;;
 esac
