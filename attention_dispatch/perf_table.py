@@ -36,6 +36,7 @@ from . import registry
 from .caches import register_cache
 from .problem import Problem
 from .semantics import CausalKind
+from .timing import pick_winner, tie_note
 
 logger = logging.getLogger("attention_dispatch")
 
@@ -198,14 +199,16 @@ MAX_NEAREST_DISTANCE = 7.0
 
 @dataclasses.dataclass(frozen=True)
 class PerfTable:
-    """One table file: where it was read from, what it measured, and its entries
-    (bucket key -> backend -> expected ms per call)."""
+    """One table file: where it was read from, what it measured, its entries (bucket key ->
+    backend -> expected ms per call) and the host's part of them (bucket key -> backend -> host
+    ms per call, from tune's details; empty where the file has none)."""
 
     path: str
     origin: str  # "package" | "user"
     environment: Environment
     created: str
     entries: dict[str, dict[str, float]]
+    host: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
     def label(self) -> str:
         return f"table {self.environment.label()}"
@@ -232,7 +235,11 @@ def read_table(path: Path, origin: str) -> PerfTable | None:
         entries = {
             str(key): {str(n): float(ms) for n, ms in dict(times).items()} for key, times in data["entries"].items()
         }
-        return PerfTable(str(path), origin, env, str(data.get("created", "")), entries)
+        host = {
+            str(key): {str(n): float(ms) for n, ms in dict(dict(found).get("host_ms") or {}).items()}
+            for key, found in dict(data.get("details") or {}).items()
+        }
+        return PerfTable(str(path), origin, env, str(data.get("created", "")), entries, host)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         warnings.warn(f"attention_dispatch: ignoring performance table {path}: {exc}", RuntimeWarning, stacklevel=2)
         return None
@@ -346,21 +353,32 @@ def _sizes_label(key: str) -> str:
     return " ".join(key.split("|")[i] for i in _SIZE_FIELDS)
 
 
-def expected_times(problem: Problem, device: torch.device) -> tuple[PerfTable, dict[str, float], str] | None:
+def host_times(table: PerfTable, keys: tuple[str, ...]) -> dict[str, float]:
+    """backend -> host ms per call in the buckets ``keys`` (their mean, for backends with a host
+    time in each); {} where the table kept none."""
+    found = [table.host.get(k, {}) for k in keys]
+    common = set.intersection(*(set(h) for h in found)) if found else set()
+    return {n: sum(h[n] for h in found) / len(found) for n in common}
+
+
+def expected_times(
+    problem: Problem, device: torch.device
+) -> tuple[PerfTable, dict[str, float], str, dict[str, float]] | None:
     """(the table, backend -> expected ms, where they come from: "" for the call's own bucket, else
-    "nearest ..." naming the sizes of the bucket(s) they were measured at), or None (no table
-    applies, or neither this bucket nor one near it was measured)."""
+    "nearest ..." naming the sizes of the bucket(s) they were measured at, backend -> host ms per
+    call in the same bucket(s)), or None (no table applies, or neither this bucket nor one near it
+    was measured)."""
     table = applicable_table(device)
     if table is None:
         return None
     key = bucket_key(problem)
     times = table.entries.get(key)
     if times:
-        return table, times, ""
+        return table, times, "", host_times(table, (key,))
     near = nearest_times(table, key)
     if near is None:
         return None
-    return table, near[0], "nearest " + " + ".join(_sizes_label(k) for k in near[1])
+    return table, near[0], "nearest " + " + ".join(_sizes_label(k) for k in near[1]), host_times(table, near[1])
 
 
 # explain() says so where the chosen backend is expected this much slower than the fastest
@@ -417,7 +435,7 @@ def table_choice(decision, policy: str):
         )
         note = f"auto: no performance table entry ({why}); priority order"
         return dataclasses.replace(decision, notes=decision.notes + (note,))
-    table, times, where = found
+    table, times, where, host = found
     stale = stale_backends(table)
     times = {n: ms for n, ms in times.items() if n not in stale}
     ranked = sorted((n for n in decision.eligible if n in times), key=times.__getitem__)
@@ -427,9 +445,13 @@ def table_choice(decision, policy: str):
     text = f"auto ({source}): " + ", ".join(f"{n} {times[n]:.3f} ms" for n in ranked)
     backend, notes = decision.backend, decision.notes
     if policy == "auto" and ranked and not unmeasured:
-        backend = ranked[0]
+        # a near-tie goes to host time to spare, as policy="fastest" decides (timing.pick_winner)
+        ranked_times = {n: times[n] for n in ranked}
+        backend = pick_winner(ranked_times, {n: ms for n, ms in host.items() if n in ranked_times})
         notes += (text,)
-        instead = _length_plan_alternative(p, ranked, times)
+        tie = tie_note(backend, ranked_times, host, "auto")
+        notes += (tie,) if tie else ()
+        instead = _length_plan_alternative(p, [backend] + [n for n in ranked if n != backend], times)
         if instead is not None:
             backend = instead[0]
             notes += (instead[1],)

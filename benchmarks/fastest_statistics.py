@@ -16,7 +16,7 @@ Where the grid recorded the host's time per call of each timed backend (`measure
 session 21), the lower quartile is also replayed with a host margin: a backend costs the larger
 of its lower quartile and the margin times its host time (HOST_MARGINS), and with the library's
 own rule since experiment 73 (a near-tie with a host-heavy leader goes to the backend with the
-least host time: attention_dispatch.fastest.pick_winner).  And the choice from
+least host time: attention_dispatch.timing.pick_winner).  And the choice from
 the first k timed rounds only, by the leader's time (experiment 72: how many rounds decide).
 Several runs: each is printed, then (with more than one) all of them together.
 """
@@ -54,7 +54,7 @@ def replay(
     """(backend the statistic picks, its column / the best eligible column), or None when the
     cell recorded no samples (or, with ``host_margin`` or ``host_tie``, no host times) or a
     column is missing.  ``host_tie``: the library's rule, a near-tie to host time to spare
-    (fastest.pick_winner, experiment 73)."""
+    (timing.pick_winner, experiment 73)."""
     cell = (entry["results"].get("fastest") or {}).get(mode) or {}
     samples = cell.get("measured_samples")
     host = cell.get("measured_host_ms") or {}
@@ -66,7 +66,7 @@ def replay(
         return max(own, host_margin * host[name]) if host_margin is not None and name in host else own
 
     if host_tie:
-        from attention_dispatch.fastest import pick_winner
+        from attention_dispatch.timing import pick_winner
 
         pick = pick_winner({name: statistic(x) for name, x in samples.items()}, host)
     else:

@@ -513,20 +513,20 @@ def test_policy_fastest_gives_a_near_tie_to_host_time_to_spare():
     """A leader that spends HOST_HEAVY of its time on the host loses a near-tie (within TIE) to
     the backend with the least host time; a clear lead, or a leader with host time to spare,
     keeps it; without host times (the CPU) the lowest time wins."""
-    from attention_dispatch import fastest
+    from attention_dispatch import timing
 
-    pick = fastest.pick_winner
+    pick = timing.pick_winner
     timings = {"fa4": 0.647, "ours": 0.663, "cudnn": 0.695}  # grid c06cc63, d64 S=512 causal
     assert pick(timings, {"fa4": 0.572, "ours": 0.437, "cudnn": 0.352}) == "ours"  # cuDNN: 7% off
     assert pick(timings, {"fa4": 0.40, "ours": 0.437, "cudnn": 0.352}) == "fa4"  # fa4 not host-heavy
     assert pick({"fa4": 0.60, "ours": 0.663}, {"fa4": 0.572, "ours": 0.437}) == "fa4"  # 10% lead
     assert pick(timings, {}) == "fa4"
-    heavy = fastest.HOST_HEAVY * 0.647
+    heavy = timing.HOST_HEAVY * 0.647
     assert pick(timings, {"fa4": heavy, "ours": 0.1}) == "ours"
     assert pick(timings, {"fa4": heavy * 0.99, "ours": 0.1}) == "fa4"
-    edge = {"fa4": 1.0, "ours": 1.0 + fastest.TIE}
+    edge = {"fa4": 1.0, "ours": 1.0 + timing.TIE}
     assert pick(edge, {"fa4": 0.9, "ours": 0.1}) == "ours"
-    assert pick({"fa4": 1.0, "ours": 1.0 + fastest.TIE * 1.01}, {"fa4": 0.9, "ours": 0.1}) == "fa4"
+    assert pick({"fa4": 1.0, "ours": 1.0 + timing.TIE * 1.01}, {"fa4": 0.9, "ours": 0.1}) == "fa4"
 
 
 def test_policy_fastest_says_why_a_near_tie_went_to_the_host_light_backend(monkeypatch):
