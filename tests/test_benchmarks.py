@@ -1328,7 +1328,8 @@ def test_fastest_statistics_agreement_of_one_kernel_measured_twice():
 
 
 @pytest.mark.parametrize(
-    "impl", ["ws", "tl", "ws-tl-dq", "ws-bwd-stages", "ws-no-fuse", "ws-fuse-banded", "ws-bwd-block-m"]
+    "impl",
+    ["ws", "tl", "ws-tl-dq", "ws-bwd-stages", "ws-no-fuse", "ws-fuse-banded", "ws-bwd-block-m", "ws-lpt0", "ws-lpt32"],
 )
 def test_forward_ab_configured_changes_one_thing_and_restores_it(impl):
     """forward_ab.configured: inside, the impl's one change to the launch glue or the Gluon configs
@@ -1348,6 +1349,7 @@ def test_forward_ab_configured_changes_one_thing_and_restores_it(impl):
             dict(configs.WS_DQ_CONFIGS),
             route.fuse_dq_reason,
             dict(gluon_launch.KERNELS),
+            gluon_launch.lpt_rows,
         )
 
     shipped = state()
@@ -1357,10 +1359,14 @@ def test_forward_ab_configured_changes_one_thing_and_restores_it(impl):
     with ab.configured(impl, route.WS_MIN_WORK, bwd_stages=3, bwd_block_m=128):
         inside = state()
         fuses_causal = route.fuse_dq_reason(causal, prob, False) is None
+        groups = (
+            gluon_launch.lpt_rows(causal, prob, None, q),
+            gluon_launch.lpt_rows(KernelParams(scale=0.1), prob, None, q),
+        )
     changed = [
         name
         for name, a, b in zip(
-            ("WS_MIN_WORK", "WS_BWD_CONFIGS", "WS_DQ_CONFIGS", "fuse_dq_reason", "KERNELS"), shipped, inside
+            ("WS_MIN_WORK", "WS_BWD_CONFIGS", "WS_DQ_CONFIGS", "fuse_dq_reason", "KERNELS", "lpt_rows"), shipped, inside
         )
         if a != b
     ] + (["fuse_dq"] if fuses_causal else [])
@@ -1372,8 +1378,12 @@ def test_forward_ab_configured_changes_one_thing_and_restores_it(impl):
         "ws-no-fuse": ["WS_BWD_CONFIGS"],
         "ws-fuse-banded": ["WS_BWD_CONFIGS", "fuse_dq"],
         "ws-bwd-block-m": ["WS_BWD_CONFIGS"],
+        "ws-lpt0": ["lpt_rows"],
+        "ws-lpt32": ["lpt_rows"],
     }[impl]
     assert changed == expected
+    if impl.startswith("ws-lpt"):  # the causal call's groups only; the dense one keeps the grid's order
+        assert groups == (int(impl[6:]), 0)
     assert state() == shipped
 
 
@@ -1414,4 +1424,22 @@ def test_context_parallel_trace_summary_gives_every_rank_s_peak_rank_0_first():
         "    512.00 distributed/merge.py:512 forward",
         "    128.00 distributed/merge.py:128 forward",
         "     32.00 distributed/merge.py:32 forward",
+    ]
+
+
+def test_cp_first_call_dry_run_reports_each_layouts_first_and_second_step(tmp_path):
+    """benchmarks/cp_first_call.py on 2 gloo processes (--cpu): a line per layout with both
+    steps' times and the blocks' backends, and the profile tables written."""
+    import subprocess
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "cp_first_call.py"), "--cpu", "--out", str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith(("zigzag ", "contiguous "))]
+    assert len(lines) == 2 and all("first fwd" in line and "second fwd" in line and ": 2}" in line for line in lines), (
+        lines
+    )
+    assert sorted(p.name for p in tmp_path.glob("first_call_*.txt")) == [
+        "first_call_contiguous.txt",
+        "first_call_zigzag.txt",
     ]
