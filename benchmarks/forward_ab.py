@@ -13,9 +13,11 @@ e.g. ``git archive HEAD~1 attention_dispatch/kernels/gluon | tar -x -C /tmp/base
 ``--bwd-stages`` (Q, dO) slots in the dK/dV pass, "ws-no-fuse" with the dQ pass kept apart
 from the dK/dV pass (experiments 54 and 78), "ws-fuse-banded" with dQ fused for causal and
 windowed calls too (WsConfig.fuse_dq_banded at every head dim) and "ws-bwd-block-m" with
-``--bwd-block-m`` query rows per dK/dV tile (experiment 79).  Prints forward (and
-forward+backward where asked) TFLOP/s medians and each one's ratio to ``--ref``;
-docs/experiments/perf-notes.md experiments 40-43.
+``--bwd-block-m`` query rows per dK/dV tile (experiment 79), "ws-lpt<N>" (e.g. ws-lpt32) with the
+causal Gluon forward launched in LPT groups of N (b, h) rows (gluon.launch.lpt_rows; ws-lpt0:
+the grid's order, experiment 102).  Prints forward (and forward+backward where asked, not with
+``--fwd-only``) TFLOP/s medians and each one's ratio to ``--ref``; docs/experiments/perf-notes.md
+experiments 40-43.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import statistics
 import sys
 import time
@@ -64,6 +67,7 @@ ROWS = [
     ("bf16 d64 4k window 1024/0", torch.bfloat16, 64, 4096, (1024, 0), 32, 32, False, True),
     ("bf16 d64 16k window 1024/0", torch.bfloat16, 64, 16384, (1024, 0), 32, 32, False, True),
     ("bf16 d64 4k window 256/256", torch.bfloat16, 64, 4096, (256, 256), 32, 32, False, True),
+    ("bf16 d256 512 causal", torch.bfloat16, 256, 512, True, 8, 8, False, True),
     ("bf16 d256 4k", torch.bfloat16, 256, 4096, False, 8, 8, False, True),
     ("bf16 d256 4k causal", torch.bfloat16, 256, 4096, True, 8, 8, False, True),
     ("bf16 d256 16k", torch.bfloat16, 256, 16384, False, 8, 8, False, True),
@@ -75,6 +79,7 @@ TOKENS = 16384
 # dK/dV pass with the tl dQ pass (forward+backward only: its forward is "ws")
 IMPLS = ("ws", "tl", "ws-tl-dq", "base", "ws-bwd-stages", "ws-no-fuse", "ws-fuse-banded", "ws-bwd-block-m")
 BWD_ONLY = ("ws-tl-dq", "ws-bwd-stages", "ws-no-fuse", "ws-fuse-banded", "ws-bwd-block-m")  # their forward is "ws"
+LPT_IMPL = re.compile(r"ws-lpt(\d+)")  # "ws" with LPT groups of N rows (0: the grid's order)
 
 
 def load_base(path: Path) -> dict:
@@ -96,7 +101,11 @@ def load_base(path: Path) -> dict:
 def configured(impl: str, ws_min: int, base: dict | None = None, bwd_stages: int = 0, bwd_block_m: int = 64):
     dq, bwd = C.WS_DQ_CONFIGS.copy(), C.WS_BWD_CONFIGS.copy()
     shipped = dict(gluon_launch.KERNELS)
+    shipped_lpt = gluon_launch.lpt_rows
     try:
+        if lpt := LPT_IMPL.fullmatch(impl):  # the calls the shipped rule groups (causal, no bias) take N
+            n = int(lpt.group(1))
+            gluon_launch.lpt_rows = lambda *args: n if shipped_lpt(*args) else 0
         gluon_route.WS_MIN_WORK = 1 << 62 if impl == "tl" else ws_min
         if impl == "ws-tl-dq":
             C.WS_DQ_CONFIGS.clear()
@@ -118,6 +127,7 @@ def configured(impl: str, ws_min: int, base: dict | None = None, bwd_stages: int
         C.WS_DQ_CONFIGS.update(dq)
         C.WS_BWD_CONFIGS.update(bwd)
         gluon_launch.KERNELS.update(shipped)
+        gluon_launch.lpt_rows = shipped_lpt
 
 
 def main(argv=None) -> int:
@@ -133,9 +143,10 @@ def main(argv=None) -> int:
     )
     p.add_argument("--bwd-stages", type=int, default=3, help="dK/dV pass slots for impl 'ws-bwd-stages'")
     p.add_argument("--bwd-block-m", type=int, default=64, help="dK/dV query tile rows for impl 'ws-bwd-block-m'")
+    p.add_argument("--fwd-only", action="store_true", help="measure the forward only")
     a = p.parse_args(argv)
     impls = tuple(a.impls.split(","))
-    unknown = [i for i in impls + (a.ref,) if i not in IMPLS]
+    unknown = [i for i in impls + (a.ref,) if i not in IMPLS and not LPT_IMPL.fullmatch(i)]
     if unknown or a.ref not in impls or ("base" in impls and a.base_module is None):
         p.error(f"--impls/--ref: unknown {unknown}, or --ref not among --impls, or 'base' without --base-module")
     base = load_base(a.base_module) if "base" in impls else None
@@ -165,7 +176,7 @@ def main(argv=None) -> int:
         def fwd_bwd():
             torch.autograd.grad(triton_attention(q, k, v, None, params), (q, k, v), do)
 
-        modes = {"fwd": (fwd, 1.0)} | ({"fwd+bwd": (fwd_bwd, 3.5)} if with_bwd else {})
+        modes = {"fwd": (fwd, 1.0)} | ({"fwd+bwd": (fwd_bwd, 3.5)} if with_bwd and not a.fwd_only else {})
         samples = {(impl, m): [] for impl in impls for m in modes}
         outs = {}
         for impl in impls:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101 [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -118,5 +118,43 @@ case "$what" in
        2>&1 | tee "$out/e101_tests.log" | tail -4)
     (cd /tmp/e101 && PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/kv_ab.py --base-module "$OLDPWD/attention_dispatch/kernels/gluon" \
        --rounds 15 --json "$out/e101_ab.json" --commit "$sha+e101" 2>&1 | grep -v -i warn | tail -6) ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101 [SHA]"; exit 2 ;;
+  e102)      # perf-notes E102: the causal Gluon forward's LPT groups sized to half the L2
+             # (docs/experiments/patches/e102-d256-causal-fwd.patch) in a scratch copy: its GPU tests there
+             # (every group size bit-equal to the grid's order; the causal warp-specialised forward, bf16),
+             # then bench.py's d256 S=512 and d128 S=2k rows in the patched copy and in this tree, alternately
+             # twice (~8-9 minutes); the lines to compare: $OUT/e102_summary.txt
+    # the working tree, not git archive: the device's .git can lag it (see SHA above)
+    rm -rf /tmp/e102 && mkdir -p /tmp/e102 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e102 \
+      && patch -d /tmp/e102 -p1 < docs/experiments/patches/e102-d256-causal-fwd.patch || exit 1
+    (cd /tmp/e102 && timeout 130 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
+       -W ignore::UserWarning tests/test_gluon_lpt.py tests/test_triton_kernel.py \
+       -k "lpt or (test_gpu_forward_warp_specialized and dtype1 and causal and not 64)" \
+       2>&1 | tee "$out/e102_tests.log" | tail -3)
+    summary="$out/e102_summary.txt"
+    tail -n1 "$out/e102_tests.log" > "$summary"
+    for turn in patched1 base1 patched2 base2; do
+      dir=$([ "${turn%?}" = patched ] && echo /tmp/e102 || echo "$PWD")
+      (cd "$dir" && timeout 105 python3 benchmarks/bench.py --rows bf16-d256-s512-causal bf16-d256-s512-full \
+         bf16-d128-s2048-causal --impls triton,cudnn,fa4 --no-doc --no-plot --budget-s 60 --out "/tmp/e102_$turn" \
+         --commit "$sha-${turn%?}" > "/tmp/e102_$turn.log" 2>&1)
+      cp "/tmp/e102_$turn/bench.json" "$out/e102_$turn.json" || echo "$turn: no bench.json" | tee -a "$summary"
+    done
+    # per run: each row's triton / cuDNN / fa4 ms and cuDNN's time over triton's
+    python3 - "$out"/e102_*.json <<'EOF' | tee -a "$summary"
+import json, sys
+for path in sys.argv[1:]:
+    for e in json.load(open(path))["rows"]:
+        for mode in ("fwd", "fwd+bwd"):
+            ms = {i: (e["results"].get(i, {}).get(mode) or {}).get("ms") for i in ("triton", "cudnn", "fa4")}
+            ratio = ms["cudnn"] / ms["triton"] if ms["triton"] and ms["cudnn"] else float("nan")
+            cells = " ".join(f"{i} {v:.4f}" if v else f"{i} -" for i, v in ms.items())
+            print(f"{path.rsplit('/', 1)[-1]:18s} {e['row']['id']:24s} {mode:8s} {cells}  cudnn/triton {ratio:.3f}")
+EOF
+    ;;
+  e102sweep) # perf-notes E102's LPT group sizes on this tree (forward_ab: ws as shipped, ws-lpt0 the grid's
+             # order before 3cac568, ws-lptN groups of N rows) on the causal rows the rule must serve (~3 min)
+    timeout 400 python3 benchmarks/forward_ab.py --fwd-only --impls ws,ws-lpt0,ws-lpt8,ws-lpt16,ws-lpt32,ws-lpt64 \
+      --ref ws --rows "bf16 d256 512 causal,bf16 d256 4k causal,bf16 d128 512 causal,bf16 d128 2k causal,bf16 d128 4k causal" \
+      --rounds 9 --json "$out/e102_sweep.json" --commit "$sha" 2>&1 | grep -v -i warn | tail -8 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep [SHA]"; exit 2 ;;
 esac
