@@ -271,20 +271,25 @@ def _correctness(rank: int, device, lengths, features) -> list[dict]:
             kw, want, want32 = FEATURES[feature], None, None
             for exchange in ("ring", "allgather"):
                 for layout in ("zigzag", "contiguous"):
+                    start = time.time()
                     leaves = [shard(t, layout=layout).detach().requires_grad_() for t in (q, k, v)]
                     out = context_parallel_sdpa(*leaves, enable_gqa=True, exchange=exchange, layout=layout, **kw)
                     out.backward(shard(do, layout=layout))
                     got = [unshard(t, layout=layout) for t in [out.detach()] + [x.grad for x in leaves]]
+                    _sync()  # the case's own GPU work, not a later case's first host sync, ends its time
+                    row = dict(s=s, feature=feature, exchange=exchange, layout=layout, ok=True)
+                    row["case_s"] = round(time.time() - start, 1)
                     if want is None:  # one GPU's bf16 call and its float32 twin, on every rank
+                        start = time.time()
                         want = _single(q, k, v, do, kw, torch.bfloat16)
                         want32 = _single(q, k, v, do, kw, torch.float32)
-                    row = dict(
-                        s=s, feature=feature, exchange=exchange, layout=layout, ok=True, t=round(time.time() - t0)
-                    )
+                        _sync()  # float32 runs our ieee (no tensor core) kernels: O(S^2), minutes at 128k
+                        row["reference_s"] = round(time.time() - start, 1)
                     for name, g, w, w32 in zip(("out", "dq", "dk", "dv"), got, want, want32):
                         err, base = _err(g, w32), _err(w, w32)
                         row[name] = [err, base]
                         row["ok"] &= bool(err <= 2 * base + 1e-2) and not torch.isnan(g).any().item()
+                    row["t"] = round(time.time() - t0)
                     if rank == 0:
                         rows.append(row)
                         print("cp", row, flush=True)  # progress: a timed-out run still shows its rows

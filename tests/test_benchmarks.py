@@ -1443,3 +1443,46 @@ def test_cp_first_call_dry_run_reports_each_layouts_first_and_second_step(tmp_pa
         "first_call_contiguous.txt",
         "first_call_zigzag.txt",
     ]
+
+
+def test_context_parallel_correctness_rows_time_each_case_apart_from_the_reference(tmp_path, monkeypatch):
+    """_correctness's rows: each case's seconds end at a sync of its own work, the one-GPU reference's
+    apart (reference_s, on the first case). On a GPU the float32 reference runs asynchronously and was
+    paid at the next case's first host sync: the first contiguous case of each feature took its
+    O(S^2) time (13 s at 32k, 100 / 200 s at 128k causal / full). Simulated here: the reference leaves
+    a debt that the next sync (_sync, or _err's .item()) pays."""
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+
+    mod = _load("context_parallel")
+    mod._configure(argparse.Namespace(modes="", profile=False, out=str(tmp_path), cpu=True))
+    debt = {"s": 0.0}
+    single, err = mod._single, mod._err
+
+    def pay():
+        time.sleep(debt["s"])
+        debt["s"] = 0.0
+
+    def queued_single(*args):
+        debt["s"] += 2.5  # a case takes ~0.6 s here
+        return single(*args)
+
+    monkeypatch.setattr(mod, "_single", queued_single)
+    monkeypatch.setattr(mod, "_sync", pay)
+    monkeypatch.setattr(mod, "_err", lambda a, b: (pay(), err(a, b))[1])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        rows = mod._correctness(0, torch.device("cpu"), [16], ["full"])
+    finally:
+        dist.destroy_process_group()
+    assert [(r["exchange"], r["layout"]) for r in rows] == [
+        ("ring", "zigzag"),
+        ("ring", "contiguous"),
+        ("allgather", "zigzag"),
+        ("allgather", "contiguous"),
+    ]
+    assert all(r["ok"] for r in rows), rows
+    assert rows[0]["reference_s"] >= 5 and all("reference_s" not in r for r in rows[1:])
+    assert all(r["case_s"] < 2.5 for r in rows), rows  # no case pays the reference
