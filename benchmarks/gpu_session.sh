@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103 [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -156,5 +156,45 @@ EOF
     timeout 400 python3 benchmarks/forward_ab.py --fwd-only --impls ws,ws-lpt0,ws-lpt8,ws-lpt16,ws-lpt32,ws-lpt64 \
       --ref ws --rows "bf16 d256 512 causal,bf16 d256 4k causal,bf16 d128 512 causal,bf16 d128 2k causal,bf16 d128 4k causal" \
       --rounds 9 --json "$out/e102_sweep.json" --commit "$sha" 2>&1 | grep -v -i warn | tail -8 ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep [SHA]"; exit 2 ;;
+  e103)      # perf-notes E103: ALiBi's left split in the causal Gluon forward and a bounded softcap's fixed softmax
+             # reference (docs/experiments/patches/e103-alibi-forward.patch, then e103-softcap-bounded.patch) in a
+             # scratch copy: the Gluon softcap / ALiBi GPU tests there (two processes), then features.py (plain,
+             # plain-tl, softcap 30, alibi; bf16 d128 B4 H16 S=4k) dense and causal, patched copy and this tree
+             # in ABBA order (~8-9 minutes); the lines to compare: $OUT/e103_summary.txt
+    # the working tree, not git archive: the device's .git can lag it (see SHA above)
+    rm -rf /tmp/e103 && mkdir -p /tmp/e103 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e103 \
+      && patch -d /tmp/e103 -p1 < docs/experiments/patches/e103-alibi-forward.patch \
+      && patch -d /tmp/e103 -p1 < docs/experiments/patches/e103-softcap-bounded.patch || exit 1
+    for sel in "small_slopes or bounded" "softcap_alibi"; do
+      (cd /tmp/e103 && timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
+         -W ignore::UserWarning tests/test_kernel_features.py -k "gluon and ($sel)" \
+         > "$out/e103_tests_$(echo "$sel" | tr -c 'a-z0-9' _).log" 2>&1) &
+    done
+    wait
+    summary="$out/e103_summary.txt"
+    { nvidia-smi -L | head -1; tail -qn1 "$out"/e103_tests_*.log; grep -h "^FAILED" "$out"/e103_tests_*.log | head -8; } > "$summary"
+    for band in dense causal; do
+      for turn in patched1 base1 base2 patched2; do
+        [ $SECONDS -gt 560 ] && { echo "$band $turn: skipped (time)" >> "$summary"; continue; }
+        dir=$([ "${turn%?}" = patched ] && echo /tmp/e103 || echo "$PWD")
+        (cd "$dir" && timeout 120 python3 benchmarks/features.py --rounds 2 --budget 25 \
+           --variants plain,plain-tl,softcap,alibi $([ $band = causal ] && echo --causal) 2>&1 \
+           | grep -a "^bf16" | sed "s/^/$turn /") >> "$out/e103_features.txt"
+      done
+    done
+    # each variant's x of plain per turn, then the median of each tree's two turns
+    python3 - "$out/e103_features.txt" <<'EOF' | tee -a "$summary"
+import collections, statistics, sys
+ratios = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    f = line.split()
+    c = "causal" in f  # the label has one more word
+    mode, name, x = f[6 + c], f[7 + c], float(f[12 + c].lstrip("x"))
+    ratios[("causal" if c else "dense", mode, name, f[0].rstrip("12"))].append(x)
+for (band, mode, name, tree), xs in sorted(ratios.items()):
+    if name != "plain":
+        print(f"{band:6s} {mode:8s} {name:9s} {tree:7s} x of plain {' '.join(f'{x:.3f}' for x in xs)}  median {statistics.median(xs):.3f}")
+EOF
+    ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103 [SHA]"; exit 2 ;;
 esac
