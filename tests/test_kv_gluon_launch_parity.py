@@ -11,25 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attention_dispatch as ad
 from attention_dispatch.kernels import KernelParams, decode, entry, run
 from attention_dispatch.kernels.compiled_cache import is_descriptor
 from attention_dispatch.kernels.gluon import launch as gluon_launch
 from attention_dispatch.kernels.gluon import route as gluon_route
+from test_kv_hit_work import _AtenOps
 
 B, HQ, HKV, SQ, S, D = 2, 8, 2, 128, 384, 128
-
-
-class _AtenOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _as_sm90(monkeypatch) -> list:
