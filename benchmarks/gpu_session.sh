@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103 [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|probe512|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -196,5 +196,32 @@ for (band, mode, name, tree), xs in sorted(ratios.items()):
         print(f"{band:6s} {mode:8s} {name:9s} {tree:7s} x of plain {' '.join(f'{x:.3f}' for x in xs)}  median {statistics.median(xs):.3f}")
 EOF
     ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103 [SHA]"; exit 2 ;;
+  probe512)  # issue 36: the d512 Gluon forward probe's no-loader layout (head-dim-512.md "Probe"), then the shipped
+             # loader layout with the tl forward as baseline (~6 minutes)
+    P=benchmarks/probe_d512_gluon.py
+    for args in "--layout no-loader --mode s-only" "--layout no-loader --mode full" \
+                "--layout no-loader --mode full --pv-n 256" "--mode full --baseline"; do
+      echo "== $args"; timeout 150 python3 $P $args 2>&1 | grep -v -i warn | tail -4
+    done ;;
+  fa4host)   # issue 35: flash-attn 4's host time per call through our relaunch, split (~30 s)
+    timeout 120 python3 benchmarks/fa4_host_probe.py 2>&1 | grep -v -i warn | tail -9 ;;
+  parallel)  # kernel-against-kernel A/Bs side by side on a multi-GPU host, one GPU each: bash gpu_session.sh
+             # parallel SHA 0:e103 1:e102sweep,e101 2:probe512 3:fa4host,e102. Never tune or the grid this way
+             # (side by side, flash-attn 4's host-heavy calls slow down: perf-notes E104). Brings back each GPU's
+             # log and the modes' *summary* files (a call returns ~8 files); the rest stays in /tmp/par.
+    shift 2
+    rm -rf /tmp/par
+    for job in "$@"; do
+      gpu=${job%%:*}
+      (
+        for mode in $(echo "${job#*:}" | tr , ' '); do
+          echo "=== $mode on GPU $gpu"
+          CUDA_VISIBLE_DEVICES=$gpu OUT=/tmp/par/gpu$gpu/$mode bash "$0" "$mode" "$sha" 2>&1
+        done > "$out/gpu$gpu.log"
+      ) &
+    done
+    wait
+    find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
+    for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|probe512|fa4host|parallel [SHA]"; exit 2 ;;
 esac
