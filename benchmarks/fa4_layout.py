@@ -35,12 +35,21 @@ import torch  # noqa: E402
 import attention_dispatch as ad  # noqa: E402
 
 TOKENS, HIDDEN = 16384, 2048
-ROWS = [("bf16", 64, 16384, False), ("fp16", 64, 16384, False), ("bf16", 128, 16384, True), ("bf16", 128, 8192, False)]
+# (dtype, head dim, S, causal, window): the window rows forward only (flash-attn 4 has no windowed backward on sm90);
+# bf16 window (1024, 0) S=16k read 0.93 through sdpa against the fa4 column in the grid of 2026-11-27 (1.01 on 11-26)
+ROWS = [
+    ("bf16", 64, 16384, False, None),
+    ("fp16", 64, 16384, False, None),
+    ("bf16", 128, 16384, True, None),
+    ("bf16", 128, 8192, False, None),
+    ("bf16", 128, 16384, False, (1024, 0)),
+    ("bf16", 128, 4096, False, (1024, 0)),
+]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 IMPLS = ("bshd", "views", "views+out", "sdpa")
 
 
-def calls(func, fwd_into, dtype, D, S, causal):
+def calls(func, fwd_into, dtype, D, S, causal, window=None):
     B, H = TOKENS // S, HIDDEN // D
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=g) for _ in range(4))
@@ -53,19 +62,20 @@ def calls(func, fwd_into, dtype, D, S, causal):
     def first(o):
         return o[0] if isinstance(o, tuple) else o
 
+    kw = dict(causal=causal, window_size=window) if window else dict(causal=causal)
+    # the internal forward takes the window's sides apart
+    kw_into = dict(causal=causal, window_size_left=window[0], window_size_right=window[1]) if window else kw
     fwd = {
-        "bshd": lambda: first(func(qb, kb, vb, causal=causal)),
-        "views": lambda: first(func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)),
+        "bshd": lambda: first(func(qb, kb, vb, **kw)),
+        "views": lambda: first(func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw)),
         "views+out": lambda: first(
-            fwd_into(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, out=out_bhsd.transpose(1, 2)
-            )
+            fwd_into(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw_into, out=out_bhsd.transpose(1, 2))
         ),
-        "sdpa": lambda: ad.sdpa(q, k, v, is_causal=causal, backend="flash_attn"),
+        "sdpa": lambda: ad.sdpa(q, k, v, is_causal=causal, window=window, backend="flash_attn"),
     }
     # (leaves, gradient of the output in its layout) of the differentiable ones: out= exists only
     # on the internal forward, which has no autograd
-    training = {"bshd": ((qb, kb, vb), dob), "views": ((q, k, v), dob), "sdpa": ((q, k, v), do)}
+    training = {} if window else {"bshd": ((qb, kb, vb), dob), "views": ((q, k, v), dob), "sdpa": ((q, k, v), do)}
     out = {}
     for name, f in fwd.items():
 
@@ -129,19 +139,19 @@ def main() -> None:
     from flash_attn.cute.interface import _flash_attn_fwd as fwd_into
 
     report = []
-    for dt, D, S, causal in ROWS:
-        label = f"{dt} d{D} S={S}{' causal' if causal else ''}"
-        fns = calls(func, fwd_into, DTYPES[dt], D, S, causal)
+    for dt, D, S, causal, window in ROWS:
+        label = f"{dt} d{D} S={S}{' causal' if causal else ''}{f' window {window}' if window else ''}"
+        fns = calls(func, fwd_into, DTYPES[dt], D, S, causal, window)
         med = time_rounds(fns, a.rounds, a.per_turn)
-        kern = kernels_of(fns[("sdpa", "fwd+bwd")])
+        kern = kernels_of(fns[("sdpa", "fwd" if window else "fwd+bwd")])
         report.append(
             {"row": label, "median_ms": {f"{n} {m}": ms for (n, m), ms in med.items()}, "sdpa_fwd_bwd_kernels": kern}
         )
-        for m in ("fwd", "fwd+bwd"):
+        for m in ("fwd",) if window else ("fwd", "fwd+bwd"):
             base = med[("bshd", m)]
             cells = "  ".join(f"{n} {med[(n, m)]:.3f} ms ({base / med[(n, m)]:.3f})" for n in IMPLS if (n, m) in med)
             print(f"{label:22s} {m:8s} {cells}", flush=True)
-        print("  sdpa fwd+bwd kernels: " + "; ".join(kern), flush=True)
+        print(f"  sdpa {'fwd' if window else 'fwd+bwd'} kernels: " + "; ".join(kern), flush=True)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(

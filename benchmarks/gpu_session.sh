@@ -81,7 +81,7 @@ case "$what" in
     python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -12 ;;
   probe)     # experiment 67's diagnostics (~90 s): flash-attn 4 on its layout and through sdpa(), then
              # where a training call's host time goes (S=512)
-    timeout 240 python3 benchmarks/fa4_layout.py --json "$out/fa4_layout.json" 2>&1 | grep -v -i warn | tail -14
+    timeout 240 python3 benchmarks/fa4_layout.py --json "$out/fa4_layout.json" 2>&1 | grep -v -i warn | tail -20
     timeout 120 python3 benchmarks/host_split.py 512 2>&1 | grep -v -i warn | tail -30 ;;
   e100)      # perf-notes E100's dK/dV+dQ order (docs/experiments/patches/e100-dkdv-fa3-order.patch) in a scratch
              # copy: its warp-specialised GPU tests (four processes: compiling dominates), then fwd+bwd against
