@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|probe512|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|probe512|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -203,6 +203,13 @@ EOF
                 "--layout no-loader --mode full --pv-n 256" "--mode full --baseline"; do
       echo "== $args"; timeout 150 python3 $P $args 2>&1 | grep -v -i warn | tail -4
     done ;;
+  e105)      # perf-notes E105: d512 backward dK/dV tiles (32x32x8x2 shipped, 32x32x8x1, 64x16x8x1, 64x32x8x1, 32x16x8x1)
+             # timed by head_dim_512.py's sweep (forward and dQ as shipped; ~6 minutes); adopt one only per E105's rule
+    COMMIT=$sha timeout 570 python3 -c "
+import sys; sys.path.insert(0, 'benchmarks'); sys.argv = ['head_dim_512', '--sweep', '--budget', '330']
+import head_dim_512 as h; from attention_dispatch.kernels import configs as C
+h.SWEEP = {C.FWD: [(64, 64, 8, 1)], C.BWD_DKDV: [(32, 32, 8, 2), (32, 32, 8, 1), (64, 16, 8, 1), (64, 32, 8, 1), (32, 16, 8, 1)], C.BWD_DQ: [(64, 32, 8, 1)]}
+h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
   fa4host)   # issue 35: flash-attn 4's host time per call through our relaunch, split (~30 s)
     timeout 120 python3 benchmarks/fa4_host_probe.py 2>&1 | grep -v -i warn | tail -9 ;;
   parallel)  # kernel-against-kernel A/Bs side by side on a multi-GPU host, one GPU each: bash gpu_session.sh
@@ -223,5 +230,5 @@ EOF
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|probe512|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|probe512|fa4host|parallel [SHA]"; exit 2 ;;
 esac
