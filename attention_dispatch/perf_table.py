@@ -447,7 +447,7 @@ def table_choice(decision, policy: str):
     if policy == "auto" and ranked and not unmeasured:
         # a near-tie goes to host time to spare, as policy="fastest" decides (timing.pick_winner)
         ranked_times = {n: times[n] for n in ranked}
-        backend = pick_winner(ranked_times, {n: ms for n, ms in host.items() if n in ranked_times})
+        backend = pick_winner(ranked_times, host)
         notes += (text,)
         tie = tie_note(backend, ranked_times, host, "auto")
         notes += (tie,) if tie else ()

@@ -209,20 +209,28 @@ def main(argv=None) -> int:
             flush=True,
         )
         q = k = v = do = outs = None  # free the row's tensors before the next
+    finish_run(a, results, impls=impls, ref=a.ref)
+    return 0
+
+
+def finish_run(a, results: list, against: str = "", **extra) -> dict:
+    """An A/B run's ending (this script's and kv_ab.py's): its meta (GPU, torch, Triton, rounds,
+    commit, ``extra``, date), the summary line printed, and ``results`` with the meta into
+    ``a.json`` when given."""
     meta = dict(
         gpu=torch.cuda.get_device_name(),
         torch=torch.__version__,
         triton=triton.__version__,
         rounds=a.rounds,
         commit=a.commit,
-        impls=impls,
-        ref=a.ref,
+        **extra,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     )
-    print(f"{meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | {a.rounds} rounds | {a.commit}")
+    tail = f" against {against}" if against else ""
+    print(f"{meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | {a.rounds} rounds | {a.commit}{tail}")
     if a.json:
         a.json.write_text(json.dumps(dict(meta=meta, results=results), indent=1))
-    return 0
+    return meta
 
 
 if __name__ == "__main__":

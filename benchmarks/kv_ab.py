@@ -17,10 +17,8 @@ docs/experiments/perf-notes.md, E101.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +33,7 @@ from attention_dispatch.kernels import KernelParams, triton_attention  # noqa: E
 from attention_dispatch.kernels.decode import kv_forward, kv_route  # noqa: E402
 from attention_dispatch.kernels.gluon import launch as gluon_launch  # noqa: E402
 from benchmarks.decode import ROWS, fa4, timed  # noqa: E402
-from benchmarks.forward_ab import load_base  # noqa: E402
+from benchmarks.forward_ab import finish_run, load_base  # noqa: E402
 
 IMPLS = ("ours", "base", "ad-kv", "slice", "fa4")
 
@@ -126,17 +124,7 @@ def main(argv=None) -> int:
             + f"  [{r['route']}; ad-kv ran {r['ad_kv_backend']}]",
             flush=True,
         )
-    meta = dict(
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        rounds=a.rounds,
-        commit=a.commit,
-        base=str(a.base_module),
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    )
-    print(f"{meta['gpu']} | torch {meta['torch']} | {a.rounds} rounds | {a.commit} against {a.base_module}")
-    if a.json:
-        a.json.write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    finish_run(a, results, against=str(a.base_module), base=str(a.base_module))
     return 0
 
 

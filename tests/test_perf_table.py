@@ -49,8 +49,9 @@ def environment(gpu=GPU, torch_version=None, **versions) -> perf_table.Environme
     return perf_table.Environment(gpu, (9, 0), torch_version or torch.__version__, tuple(sorted(now.items())))
 
 
-def write(folder, name, entries, env=None):
-    perf_table.write_table(folder / name, env or environment(), "2026-11-25", entries)
+def write(folder, name, entries, env=None, created="2026-11-25", **extra):
+    """A table file; ``extra``: what tune keeps beside the times (details, grid)."""
+    perf_table.write_table(folder / name, env or environment(), created, entries, extra or None)
 
 
 def decision(p, eligible=("triton", "flash_attn", "cudnn"), backend=None) -> Decision:
@@ -172,9 +173,7 @@ def test_auto_gives_a_near_tie_to_the_backend_with_host_time_to_spare(table_dir,
     p = problem(requires_grad=True)
     times = {"flash_attn": 0.64422, "triton": 0.64461, "cudnn": 0.6921}
     details = {perf_table.bucket_key(p): {"host_ms": {"flash_attn": 0.4789, "triton": 0.2537, "cudnn": 0.31}}}
-    perf_table.write_table(
-        table_dir / "t.json", environment(), "2026-11-27", {perf_table.bucket_key(p): times}, {"details": details}
-    )
+    write(table_dir, "t.json", {perf_table.bucket_key(p): times}, details=details)
     got = perf_table.table_choice(decision(p), "auto")
     assert got.backend == "triton"
     assert any(
@@ -182,9 +181,7 @@ def test_auto_gives_a_near_tie_to_the_backend_with_host_time_to_spare(table_dir,
     )
     # a host-light leader, or a table without host times, keeps the lowest time
     details[perf_table.bucket_key(p)]["host_ms"]["flash_attn"] = 0.2
-    perf_table.write_table(
-        table_dir / "t.json", environment(), "2026-11-27", {perf_table.bucket_key(p): times}, {"details": details}
-    )
+    write(table_dir, "t.json", {perf_table.bucket_key(p): times}, details=details)
     perf_table.forget()
     assert perf_table.table_choice(decision(p), "auto").backend == "flash_attn"
     write(table_dir, "t.json", {perf_table.bucket_key(p): times})
@@ -342,19 +339,21 @@ def test_a_bad_shard_is_refused_naming_the_flag(text):
 
 
 def test_merged_shards_are_one_table_with_every_bucket_and_detail(tmp_path):
-    perf_table.write_table(
-        tmp_path / "a.json",
-        environment(),
-        "2026-11-27 03:10 UTC",
+    write(
+        tmp_path,
+        "a.json",
         {"k1": {"triton": 1.0}},
-        {"details": {"k1": {"row": "r1"}}, "grid": "full"},
+        created="2026-11-27 03:10 UTC",
+        details={"k1": {"row": "r1"}},
+        grid="full",
     )
-    perf_table.write_table(
-        tmp_path / "b.json",
-        environment(),
-        "2026-11-27 03:09 UTC",
+    write(
+        tmp_path,
+        "b.json",
         {"k2": {"cudnn": 2.0}},
-        {"details": {"k2": {"row": "r2"}}, "grid": "full"},
+        created="2026-11-27 03:09 UTC",
+        details={"k2": {"row": "r2"}},
+        grid="full",
     )
     out = tune.merge_tables([tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "m.json")
     merged = perf_table.read_table(out, "user")
