@@ -232,11 +232,14 @@ def _ws_score_variants(takes_scores: bool, const: dict, sinks: bool = True):
     yield {k: True for k in off}
     if const["Q_ROWS"] == 1 and const["KV_ROWS"] == 1 and not const["HAS_BIAS"]:
         yield dict(off, SOFTCAP=True)
+        if sinks:  # the forward's softmax without a running max under a cap up to ~52 (gluon/common.py)
+            yield dict(off, SOFTCAP=2)
         yield dict(off, HAS_ALIBI=True)
 
 
 def _score_label(scores: dict) -> str:
     on = [n for n, k in (("softcap", "SOFTCAP"), ("sinks", "HAS_SINKS"), ("alibi", "HAS_ALIBI")) if scores.get(k)]
+    on = ["softcap-bounded" if n == "softcap" and scores["SOFTCAP"] == 2 else n for n in on]
     return " " + "+".join(on) if on else ""
 
 

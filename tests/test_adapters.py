@@ -1772,14 +1772,17 @@ def test_flash_attn_4_fake_has_the_real_private_signatures():
 def test_fa4_placeholder_version_reads_the_wheels(fa, monkeypatch):
     """flash_attn.cute 4.0.0b36 reports "0.0.0" (its __version__ asks for another distribution
     name): the backend reads the installed wheel's version instead."""
-    from attention_dispatch.backends import flash_attn as fa_module
+    from attention_dispatch.backends import fa4_relaunch
 
     backend, _ = fa(4)
     monkeypatch.setattr(sys.modules["flash_attn.cute"], "__version__", "0.0.0", raising=False)
-    monkeypatch.setattr(fa_module, "_dist_version", lambda *names: "4.0.0b36" if "flash-attn-4" in names else "")
+    monkeypatch.setattr(fa4_relaunch, "dist_version", lambda *names: "4.0.0b36" if "flash-attn-4" in names else "")
     assert FlashAttnBackend().version() == "flash-attn 4 4.0.0b36"
-    monkeypatch.setattr(fa_module, "_dist_version", lambda *names: "")
+    # the relauncher reads the same version (it read "0.0.0" and never relaunched before)
+    assert fa4_relaunch._release() == "4.0.0b36" and fa4_relaunch.untested_release(fa4_relaunch._release()) is None
+    monkeypatch.setattr(fa4_relaunch, "dist_version", lambda *names: "")
     assert FlashAttnBackend().version() == "flash-attn 4 0.0.0"
+    assert "not a tested release" in fa4_relaunch.untested_release(fa4_relaunch._release())
 
 
 @pytest.mark.parametrize("packed", [True, False])

@@ -383,6 +383,16 @@ def test_dense_call_on_the_decode_route_takes_the_features():
     assert_matches(out.cpu(), ref, None, "out", dtype=F32)
 
 
+def test_gluon_softcap_bounded_up_to_55():
+    """Caps up to 55.4 take the Gluon forward's fixed softmax reference (gluon/common.SOFTCAP_BOUNDED: its
+    P stays within [2^-96, 2^64]), larger ones the running max."""
+    from attention_dispatch.kernels.gluon.launch import SOFTCAP_BOUNDED, forward_softcap
+
+    assert forward_softcap(0.0) is False
+    assert forward_softcap(2.5) == forward_softcap(30.0) == forward_softcap(55.4) == SOFTCAP_BOUNDED
+    assert forward_softcap(55.5) is True
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -470,6 +480,23 @@ def test_gpu_gluon_alibi_small_slopes(d, extra):
     steps = describe_route(q, k, v, None, params, backward=True, alibi=torch.ones(1, 4, device=DEV))
     assert steps[0][1] == "gluon" and steps[1][1] == "gluon", steps
     check(q, k, v, causal=causal, alibi=2.0**-8, **extra)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("softcap,causal", [(30.0, None), (50.0, None), (50.0, "bottom_right"), (60.0, None)], ids=str)
+def test_gpu_gluon_softcap_bounded(softcap, causal):
+    """A cap up to 55.4 runs the Gluon forward's softmax on a fixed reference (gluon/common.SOFTCAP_BOUNDED;
+    60: the running max): against naive, the first 64 rows with every score at the lower cap (the
+    smallest P the reference gives, 2^(64 - 2 c log2 e)), the rest random."""
+    k = (1.0 + 0.1 * torch.randn(1, 2, 4096, 128, device=DEV)).to(BF16).requires_grad_()
+    q = torch.randn(1, 2, 4096, 128, device=DEV)
+    q[:, :, :64] = -20.0  # q.k near -2560 for every key: tanh saturates at -1
+    q = q.to(BF16).requires_grad_()
+    v = rand(1, 2, 4096, 128, dtype=BF16)
+    params = _params(causal, None, 128**-0.5, softcap=softcap)
+    assert describe_route(q, k, v, None, params)[0][1] == "gluon"
+    check(q, k, v, causal=causal, softcap=softcap)
 
 
 @gpu

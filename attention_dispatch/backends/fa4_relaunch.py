@@ -139,19 +139,29 @@ def refusal(
     return None
 
 
-def _release() -> str:
-    """flash-attn 4's version, as the flash_attn backend reads it."""
+def dist_version(*names: str) -> str:
+    """The first installed distribution's version among ``names``, "" when none is."""
     from importlib import metadata
 
-    version = getattr(importlib.import_module("flash_attn.cute"), "__version__", "")
-    for name in ("flash-attn-4", "flash_attn_4"):
-        if version:
-            break
+    for name in names:
         try:
-            version = metadata.version(name)
-        except metadata.PackageNotFoundError:
+            return metadata.version(name)
+        except Exception:
             continue
-    return str(version)
+    return ""
+
+
+def fa4_version(module_version: str) -> str:
+    """flash-attn 4's version: its module's, or the installed wheel's where the module says "0.0.0"
+    (4.0.0b36's ``__version__`` asks for a distribution "fa4"; the wheel's is "flash-attn-4")."""
+    if module_version in ("", "0.0.0"):
+        return dist_version("flash-attn-4", "flash_attn_4") or module_version
+    return module_version
+
+
+def _release() -> str:
+    """flash-attn 4's version, as the flash_attn backend reads it."""
+    return fa4_version(str(getattr(importlib.import_module("flash_attn.cute"), "__version__", "") or ""))
 
 
 def _recorded_call(public: Callable, args: tuple, kwargs: dict, training: bool = False):

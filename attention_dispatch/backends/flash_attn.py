@@ -55,7 +55,7 @@ from ..semantics import CausalKind, band
 from .base import Backend, Capabilities, not_supported_reasons
 from .fa4_compiled import compile_refusal
 from .fa4_compiled import flash_attn_func as fa4_compiled_dense
-from .fa4_relaunch import ForwardRelauncher, VarlenRelauncher, untested_release
+from .fa4_relaunch import ForwardRelauncher, VarlenRelauncher, dist_version, fa4_version, untested_release
 from . import flash_attn_backward
 from . import flash_attn_features as features
 from . import flash_attn_kvcache as kv
@@ -80,17 +80,6 @@ RELAUNCHED, PUBLIC = "relaunched", "public function"
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
-def _dist_version(*names: str) -> str:
-    from importlib import metadata
-
-    for n in names:
-        try:
-            return metadata.version(n)
-        except Exception:
-            continue
-    return ""
 
 
 def _missing(error: ImportError, *names: str) -> bool:
@@ -174,22 +163,19 @@ class FlashAttnBackend(Backend):
         func = getattr(mod, "flash_attn_func", None)
         if func is None:  # e.g. only flash-attn 4's flash_attn.cute is installed
             return None
-        version = str(getattr(mod, "__version__", "") or _dist_version("flash-attn"))
+        version = str(getattr(mod, "__version__", "") or dist_version("flash-attn"))
         return cls._implementation("fa2", version, mod, func, FA2_CAPS)
 
     @classmethod
     def _import_fa3(cls) -> Implementation | None:
         mod = importlib.import_module("flash_attn_interface")
-        version = str(getattr(mod, "__version__", "") or _dist_version("flash-attn-3", "flash_attn_3"))
+        version = str(getattr(mod, "__version__", "") or dist_version("flash-attn-3", "flash_attn_3"))
         return cls._implementation("fa3", version, mod, mod.flash_attn_func, FA3_CAPS, kv.fa3_build_flags())
 
     @classmethod
     def _import_fa4(cls) -> Implementation | None:
         mod = importlib.import_module("flash_attn.cute")
-        # 4.0.0b36's __version__ asks for a distribution "fa4" and says "0.0.0"; the wheel's is "flash-attn-4"
-        version = str(getattr(mod, "__version__", "") or "")
-        if version in ("", "0.0.0"):
-            version = _dist_version("flash-attn-4", "flash_attn_4") or version
+        version = fa4_version(str(getattr(mod, "__version__", "") or ""))
         caps = flash_attn_backward.fa4_capabilities(FA4_CAPS, str(version))
         return cls._implementation("fa4", str(version), mod, mod.flash_attn_func, caps)
 

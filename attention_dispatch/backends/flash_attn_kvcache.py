@@ -60,6 +60,7 @@ import torch
 from ..problem import Problem, compute_capability
 from ..semantics import band
 from .base import Capabilities
+from .fa4_relaunch import fa4_version
 from .kv_append import append_kv
 
 _PAGED_ANY_SIZE = dict(paged_block_size_min=1, paged_block_size_multiple=1, paged_block_size_pow2=False)
@@ -158,18 +159,7 @@ def fa4_release(version: str) -> tuple[int, int, int, float] | None:
     """flash-attn 4's release from its module's version, or from the installed distribution's
     metadata when the module says '0.0.0' (4.0.0b36's __init__ asks for a distribution "fa4" that
     the wheel "flash-attn-4" does not install)."""
-    found = _release(version)
-    if found is None:
-        from importlib import metadata
-
-        for name in ("flash-attn-4", "flash_attn_4"):
-            try:
-                found = _release(metadata.version(name))
-            except Exception:
-                continue
-            if found is not None:
-                break
-    return found
+    return _release(fa4_version(version))
 
 
 def passed_window(causal, window) -> tuple[int, int]:

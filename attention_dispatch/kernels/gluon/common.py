@@ -54,6 +54,14 @@ WG_ROWS = gl.constexpr(64)
 # causal call with Sq < Sk: no lengths tensor to allocate or read).  The launcher reads them.
 LENS_TENSOR = gl.constexpr(1)
 ONE_LENGTH = gl.constexpr(2)
+# The forward's SOFTCAP values: False, True, or SOFTCAP_BOUNDED: a cap c with c log2(e) <= BOUNDED_LOG2_CAP
+# (c <= 55.4; the launcher decides), whose scores lie in [-c, c]: the softmax takes the fixed reference
+# c log2(e) - BOUNDED_TOP instead of a running max (forward_softmax, E103): P in [2^(64 - 2 c log2 e), 2^64],
+# normal float32 and bfloat16 values (>= 2^-96, products with V down to 2^-30 too); O and l overflow only
+# for |V| > 2^44 at 2^20 keys
+SOFTCAP_BOUNDED = gl.constexpr(2)
+BOUNDED_TOP = gl.constexpr(64.0)
+BOUNDED_LOG2_CAP = gl.constexpr(80.0)
 
 
 @_builtin
@@ -476,19 +484,25 @@ def _score_transform(
 
 
 @gluon.jit
-def _alibi_split(sc, cr, ckj, k0, coef, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _alibi_split(sc, cr, ckj, k0, coef, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LEFT: gl.constexpr = False):
     """ALiBi of a (query rows x keys) tile, as (sc', roff) with scores = sc' + roff per row (units of
     ``coef`` = slope log2(e) / scale; E87): with r = i + off - origin in [0, BLOCK_M) (``cr`` = coef r,
     a row vector), k = j - origin = k0 + jj (``ckj`` = coef jj, loop-invariant), a tile left of the
     diagonal (k <= r) has -coef |r - k| = coef k - cr, one right of it cr - coef k: one FFMA a score
-    (sc + -+ckj) and a row offset; a tile crossing it adds 2 min(cr - coef k, 0) (two ops more)."""
-    right = k0 >= BLOCK_M - 1
-    sgn = gl.where(right, -1.0, 1.0)
-    ck0 = coef * k0.to(gl.float32)
-    sc = gl.fma(ckj[None, :], sgn, sc)
-    roff = sgn * (ck0 - cr)
-    if (not right) & (k0 + BLOCK_N - 1 > 0):
-        sc = sc + 2.0 * gl.minimum((cr - ck0)[:, None] - ckj[None, :], 0.0)
+    (sc + -+ckj) and a row offset; a tile crossing it adds 2 min(cr - coef k, 0) (two ops more).
+    LEFT: every allowed key is left of its row's diagonal (a band with WINDOW_RIGHT = 0): the left
+    form in every tile, with no correction (the pairs right of the diagonal are masked after)."""
+    if LEFT:
+        sc = sc + ckj[None, :]
+        roff = coef * k0.to(gl.float32) - cr
+    else:
+        right = k0 >= BLOCK_M - 1
+        sgn = gl.where(right, -1.0, 1.0)
+        ck0 = coef * k0.to(gl.float32)
+        sc = gl.fma(ckj[None, :], sgn, sc)
+        roff = sgn * (ck0 - cr)
+        if (not right) & (k0 + BLOCK_N - 1 > 0):
+            sc = sc + 2.0 * gl.minimum((cr - ck0)[:, None] - ckj[None, :], 0.0)
     return sc, roff
 
 

@@ -11,8 +11,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .common import (
+    BOUNDED_TOP,
     LOG2E,
     MAGIC,
+    SOFTCAP_BOUNDED,
     WG_ROWS,
     _bias_tile,
     _causal,
@@ -46,10 +48,12 @@ def _transformed(
     HAS_ALIBI: gl.constexpr,
     ALIBI_ROWLESS: gl.constexpr,
     ALIBI_SPLIT_OK: gl.constexpr,
+    ALIBI_LEFT: gl.constexpr = False,
 ):
     """Raw products of key tile ``tile`` -> (scores before the bias, their row offset): ALiBi as
-    :func:`_alibi_split` (``cr``, ``ckj``) where ALIBI_SPLIT_OK, else (:func:`_score_transform`, the
-    distances from ``key0``, ``rows_f`` = MAGIC + i + off - key0 per row); roff 0.0 without ALiBi."""
+    :func:`_alibi_split` (``cr``, ``ckj``; ALIBI_LEFT: its left-only form) where ALIBI_SPLIT_OK, else
+    (:func:`_score_transform`, the distances from ``key0``, ``rows_f`` = MAGIC + i + off - key0 per
+    row); roff 0.0 without ALiBi."""
     ALIBI_SPLIT: gl.constexpr = HAS_ALIBI and not ALIBI_ROWLESS and ALIBI_SPLIT_OK
     cols_f = 0.0
     if HAS_ALIBI and not ALIBI_SPLIT:
@@ -68,7 +72,7 @@ def _transformed(
     )
     roff = 0.0
     if ALIBI_SPLIT:
-        sc, roff = _alibi_split(sc, cr, ckj, tile * BLOCK_N - key0, alibi_coef, sc.shape[0], BLOCK_N)
+        sc, roff = _alibi_split(sc, cr, ckj, tile * BLOCK_N - key0, alibi_coef, sc.shape[0], BLOCK_N, ALIBI_LEFT)
     return sc, roff
 
 
@@ -119,10 +123,12 @@ def _step(
     EXP2_POLY: gl.constexpr,
     MASK: gl.constexpr,
     CARRY_F32: gl.constexpr,
+    BOUNDED: gl.constexpr = False,
 ):
     """Key tile ``j`` >= 1 of :func:`_consume`'s loop: S_j = Q K_j^T beside P_{j-1} V_{j-1}, then
     S_j's softmax step; MASK: the tile may cross the band (:func:`_mask_tile`).  ``carried``: P_{j-1}
-    as the product's 16-bit operand, or (CARRY_F32) in float32, converted here; returned the same way."""
+    as the product's 16-bit operand, or (CARRY_F32) in float32, converted here; returned the same way.
+    BOUNDED: ``m_i`` is the fixed reference (:func:`_consume`): no new max, no rescale of O and l."""
     q_buf, k_bufs, v_bufs, bars, bias, scale, rows, row0, first, n_full, rows_f, key0 = step_args
     softcap_in, to_nat, alibi_coef, cr, ckj = score_args
     BLOCK_M: gl.constexpr = WG_ROWS
@@ -171,17 +177,23 @@ def _step(
         HAS_ALIBI,
         ALIBI_ROWLESS,
         ALIBI_SPLIT,
+        WINDOW_RIGHT == 0,
     )
     if HAS_BIAS:
         sc = sc + b
         _release_bias(bias, j, BIAS_STAGES)
     if MASK:
         sc = _mask_tile(sc, rows, row0, j, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-    p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY, roff, ALIBI_SPLIT, EXP2_POLY)
-    l_i = l_i * alpha + gl.sum(p, 1)
+    if BOUNDED:
+        p = gl.exp2(sc * scale - m_i[:, None])
+        l_i = l_i + gl.sum(p, 1)
+    else:
+        p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY, roff, ALIBI_SPLIT, EXP2_POLY)
+        l_i = l_i * alpha + gl.sum(p, 1)
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
     mbarrier.arrive(v_empty.index(sp), count=1)
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    if not BOUNDED:
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     if CARRY_F32:
         carried = p
     else:
@@ -235,9 +247,12 @@ def _consume(
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     scale, to_nat, alibi_coef = _score_scales(qk_scale, softcap, alibi_slope, HAS_BIAS, SOFTCAP)
     # ALiBi: the distances count from key0, this warpgroup's first diagonal, and stay small
-    ALIBI_ROWLESS: gl.constexpr = HAS_ALIBI and WINDOW_RIGHT == 0  # banded: Sq == Sk, off = 0
-    # not at d64 (three warpgroups of 128 registers): the split's key vector spilled 560-1076 B (E87)
-    ALIBI_SPLIT: gl.constexpr = HAS_ALIBI and not ALIBI_ROWLESS and HEAD_D >= 128
+    ALIBI_LEFT: gl.constexpr = HAS_ALIBI and WINDOW_RIGHT == 0  # banded: Sq == Sk, off = 0
+    # not at d64 (three warpgroups of 128 registers): the split's key vector spilled 560-1076 B (E87);
+    # banded calls take its left form (E103: the rowless per-tile key distances cost 64 more ops a tile),
+    # but not with a bias (its left form spilled there: 28 B causal, 10 more LDL a step in a window)
+    ALIBI_SPLIT: gl.constexpr = HAS_ALIBI and HEAD_D >= 128 and not (ALIBI_LEFT and HAS_BIAS)
+    ALIBI_ROWLESS: gl.constexpr = ALIBI_LEFT and not ALIBI_SPLIT
     key0 = row0 + alibi_off
     rows_f = _small_int_f32(rows + alibi_off - key0)
     cr = 0.0
@@ -247,6 +262,9 @@ def _consume(
         ckj = alibi_coef * gl.arange(0, BLOCK_N, col_s).to(gl.float32)
     # half of P's exponentials on the FMA pipe (beside softcap's tanh) measured slower: x1.35 vs x1.28 (E87)
     EXP2_POLY: gl.constexpr = False
+    # a bounded softcap alone (common.SOFTCAP_BOUNDED): scores in [-scale, scale] (log2 units), so the
+    # softmax's reference is fixed: no running max, no rescale of O and l (E103: 145 fewer ops a tile)
+    BOUNDED: gl.constexpr = SOFTCAP == SOFTCAP_BOUNDED and not (HAS_BIAS or HAS_ALIBI)
 
     # tile 0: its scores start the running max and sum
     mbarrier.wait(k_ready.index(0), 0)
@@ -273,13 +291,18 @@ def _consume(
         HAS_ALIBI,
         ALIBI_ROWLESS,
         ALIBI_SPLIT,
+        ALIBI_LEFT,
     )
     if HAS_BIAS:
         sc = sc + b
         _release_bias(bias, 0, BIAS_STAGES)
     sc = _mask_tile(sc, rows, row0, 0, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY, roff, ALIBI_SPLIT, EXP2_POLY)
+    if BOUNDED:
+        m_i = gl.full([BLOCK_M], 0.0, gl.float32, row_s) + (scale - BOUNDED_TOP)
+        p = gl.exp2(sc * scale - m_i[:, None])
+    else:
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+        p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY, roff, ALIBI_SPLIT, EXP2_POLY)
     l_i = gl.sum(p, 1)
     step_args = (q_buf, k_bufs, v_bufs, bars, bias, scale, rows, row0, first, n_full, rows_f, key0)
     score_args = (softcap_in, to_nat, alibi_coef, cr, ckj)
@@ -317,6 +340,7 @@ def _consume(
                 EXP2_POLY,
                 False,
                 True,
+                BOUNDED,
             )
     else:
         carried = gl.convert_layout(p.to(dtype), p_layout)
@@ -342,6 +366,7 @@ def _consume(
             EXP2_POLY,
             True,
             SPLIT,
+            BOUNDED,
         )
     p_op = carried
     if SPLIT:

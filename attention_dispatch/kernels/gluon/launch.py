@@ -27,10 +27,12 @@ try:  # Gluon (Triton >= 3.5)
 
     WG_ROWS = _common.WG_ROWS.value  # rows per consumer warpgroup; a program covers two
     LENS_TENSOR, ONE_LENGTH = _common.LENS_TENSOR.value, _common.ONE_LENGTH.value  # the forward's KV_LENS
+    SOFTCAP_BOUNDED, BOUNDED_LOG2_CAP = _common.SOFTCAP_BOUNDED.value, _common.BOUNDED_LOG2_CAP.value
     GLUON_IMPORT_ERROR = None
 except ImportError as e:  # pragma: no cover - a Triton without Gluon: the tl kernels serve every call
     _attn_fwd_ws = _attn_bwd_dkdv_ws = _attn_bwd_dq_ws = None
     WG_ROWS, LENS_TENSOR, ONE_LENGTH = 64, 1, 2
+    SOFTCAP_BOUNDED, BOUNDED_LOG2_CAP = 2, 80.0
     GLUON_IMPORT_ERROR = str(e)
 
 # The jit kernels the launches below run, by pass (None without Gluon): tools compile them
@@ -116,14 +118,29 @@ def score_args(params: KernelParams, prob: KernelShapes, alibi: torch.Tensor | N
     )
 
 
+# The part of L2 an LPT group's K and V may fill.  FA3/FA4 size groups to the whole L2, but a group's
+# K/V are re-read over all its query blocks while Q and O stream through L2 too: bf16 d256 S=512
+# causal's 64-row groups (32 MiB of K/V of H100's 50 MiB) read ~1.45x the K/V from HBM in an LRU
+# model, where the memory-bound forward went 0.109 -> 0.128 ms (E102); 32-row groups read 1.0-1.02x.
+LPT_L2_SHARE = 0.5
+
+
+def forward_softcap(softcap: float):
+    """The forward's SOFTCAP constexpr: False without a cap, SOFTCAP_BOUNDED for a cap up to 55.4
+    (its softmax needs no running max: gluon/common.py), True above."""
+    if softcap <= 0:
+        return False
+    return SOFTCAP_BOUNDED if softcap * LOG2E <= BOUNDED_LOG2_CAP else True
+
+
 def lpt_rows(params: KernelParams, prob: KernelShapes, bias, k: torch.Tensor) -> int:
     """The forward's launch order (gluon.common._query_block): for a causal call without a bias,
-    groups of (b, h) rows whose K and V fit in L2 (a power of two of kv heads, their query heads
-    together), longest query blocks first; 0 (the grid's order) otherwise."""
+    groups of (b, h) rows whose K and V fit in LPT_L2_SHARE of L2 (a power of two of kv heads,
+    their query heads together), longest query blocks first; 0 (the grid's order) otherwise."""
     if bias is not None or not (params.window_left < 0 and params.window_right == 0):
         return 0
     one_kv_head = prob.Sk * (prob.Dqk + prob.Dv) * k.element_size()
-    fit = max(1, l2_bytes(k.device) // max(one_kv_head, 1))
+    fit = max(1, int(l2_bytes(k.device) * LPT_L2_SHARE) // max(one_kv_head, 1))
     return (1 << (fit.bit_length() - 1)) * prob.group
 
 
@@ -189,7 +206,7 @@ def forward(
             KV_ROWS=kv_rows,
             STORE_LSE=lse is not None,
             KV_LENS=mode,
-            SOFTCAP=params.softcap > 0,
+            SOFTCAP=forward_softcap(params.softcap),
             HAS_SINKS=sinks is not None,
             HAS_ALIBI=alibi is not None,
             BLOCK_N=cfg.block_n,
