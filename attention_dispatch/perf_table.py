@@ -387,22 +387,30 @@ SLOW_RATIO = 1.5
 
 
 # policy="auto" takes a backend that builds a plan per sequence length (Capabilities.plans_per_length)
-# only where the fastest other one is more than this much slower, and never for a decode step
+# only where the fastest other one is more than this much slower, and never for a decode step; one whose
+# first call of a shape is slow (Capabilities.first_call_per_shape) only outside decode steps
 LENGTH_PLAN_MARGIN = 1.05
 DECODE_MAX_QUERIES = 16  # an inference call with at most this many queries: a decode or verify step
+
+
+def _per_length_cost(name: str, decode: bool) -> str:
+    """Why backend ``name`` pays per new sequence length in this kind of call, "" when it does not."""
+    caps = registry.get_backend(name).capabilities
+    return caps.plans_per_length or (caps.first_call_per_shape if decode else "")
 
 
 def _length_plan_alternative(problem, ranked: list, times: dict) -> tuple[str, str] | None:
     """(the backend to take instead of ``ranked[0]``, why) where ranked[0] builds a plan per
     sequence length and another eligible backend is within LENGTH_PLAN_MARGIN, or the call is a
-    decode step (its key length grows by one a call: every step would build one); else None."""
-    why = registry.get_backend(ranked[0]).capabilities.plans_per_length
+    decode step (its key length grows by one a call: every step would build one or make a slow
+    first call); else None."""
+    decode = problem.layout == "dense" and not problem.requires_grad and problem.seqlen_q <= DECODE_MAX_QUERIES
+    why = _per_length_cost(ranked[0], decode)
     if not why:
         return None
-    others = [n for n in ranked[1:] if not registry.get_backend(n).capabilities.plans_per_length]
+    others = [n for n in ranked[1:] if not _per_length_cost(n, decode)]
     if not others:
         return None
-    decode = problem.layout == "dense" and not problem.requires_grad and problem.seqlen_q <= DECODE_MAX_QUERIES
     ratio = times[others[0]] / times[ranked[0]]
     if not decode and ratio > LENGTH_PLAN_MARGIN:
         return None

@@ -224,6 +224,29 @@ def test_auto_avoids_a_backend_that_plans_per_length_where_lengths_change(table_
         assert "builds one" in moved[0] and ("(a decode step)" in moved[0]) == (call["seqlen_q"] == 1)
 
 
+@pytest.mark.parametrize("seqlen_q, want", [(1, "triton"), (16, "triton"), (17, "flash_attn"), (1024, "flash_attn")])
+def test_auto_avoids_a_slow_first_call_per_shape_only_for_decode_steps(
+    table_dir, fake_gpu, monkeypatch, seqlen_q, want
+):
+    """flash-attn 4 (Capabilities.first_call_per_shape) makes a public call for each new exact shape
+    before it is relaunched (~190 us of host time against ~36 us on an H100): a decode step, whose
+    key length grows every call, takes the next backend without per-length costs; a prefill keeps it
+    whatever the margin (no plan to build: its first call is slow once)."""
+    from attention_dispatch.backends.flash_attn import FlashAttnBackend
+    from attention_dispatch.backends.flash_attn_generations import FA4_CAPS
+
+    assert FA4_CAPS.first_call_per_shape and not FA4_CAPS.plans_per_length
+    monkeypatch.setattr(FlashAttnBackend, "capabilities", property(lambda self: FA4_CAPS))
+    p = problem(seqlen_q=seqlen_q, seqlen_k=4096)
+    write(table_dir, "t.json", {perf_table.bucket_key(p): {"flash_attn": 0.352, "cudnn": 0.354, "triton": 0.363}})
+    got = perf_table.table_choice(decision(p, eligible=("triton", "flash_attn", "cudnn")), "auto")
+    assert got.backend == want
+    moved = [n for n in got.notes if "rather than flash_attn" in n]
+    assert bool(moved) == (want == "triton")
+    if moved:
+        assert "(a decode step)" in moved[0] and "public call" in moved[0]
+
+
 def test_priority_keeps_its_choice_but_names_a_trap(table_dir, fake_gpu):
     p = problem()
     write(table_dir, "t.json", {perf_table.bucket_key(p): {"triton": 3.0, "flash_attn": 1.0, "cudnn": 1.2}})

@@ -63,6 +63,9 @@ class Capabilities:
     # why a call of a new sequence length builds a new plan (what that costs), "" when it does not:
     # policy="auto" then avoids this backend where a loop changes lengths (perf_table.table_choice)
     plans_per_length: str = ""
+    # why the first call of each exact shape costs extra host time (no plan: a slower first call),
+    # "" when it does not: policy="auto" avoids this backend for a decode step, whose key length grows
+    first_call_per_shape: str = ""
     # Features added after the first backends were written: off by default, so a backend that
     # never heard of them (a custom one included) rejects them instead of ignoring them.
     softcap: bool = False  # softcap * tanh(score / softcap) before bias and ALiBi

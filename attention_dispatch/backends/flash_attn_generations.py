@@ -59,6 +59,10 @@ FA4_CAPS = dataclasses.replace(
     dropout=False,
     backward_from_output=True,  # run_backward (flash_attn_backward.py), a tested release only
     notes="flash-attn 4 (flash_attn.cute); KV cache: declined (it reads rows past seqused_k: FA4_KV_DECLINED)",
+    first_call_per_shape=(
+        "flash-attn 4 is relaunched from a call recorded per exact shape: each new length goes through "
+        "its public call first (H100, a decode step over a new key length: 189 us of host time, 36 us relaunched)"
+    ),
     **kv.FA4_KV,
     **features.declared_flags("fa4"),
 )
@@ -129,6 +133,7 @@ def caps_union(caps: list[Capabilities]) -> Capabilities:
             )
         },
         needs_last_dim_contiguous=all(c.needs_last_dim_contiguous for c in caps),
+        first_call_per_shape=next((c.first_call_per_shape for c in caps if c.first_call_per_shape), ""),
         notes=" / ".join(c.notes for c in caps),
         **kv.kv_union(caps),
     )
