@@ -1,10 +1,11 @@
 """Compile every sm90 kernel of the configuration table for sm90, without a GPU.
 
-    python benchmarks/compile_sm90.py [--kinds fwd,bwd_dkdv,bwd_dq,fwd_ws] [--limit N] [--ptx-hashes] [--spills]
-        [--sass] [--only REGEX]
+    python benchmarks/compile_sm90.py [--kinds fwd,bwd_dkdv,bwd_dq,fwd_ws,fwd_d512] [--limit N] [--ptx-hashes]
+        [--spills] [--sass] [--only REGEX]
 
 The warp-specialised Gluon forward (kind fwd_ws) is compiled for each head dim, causal
-flag and row layout it serves.  Each sm90 table entry (kernel kind, head dim, tiles, warps, stages) is compiled with the
+flag and row layout it serves, the Gluon d512 forward (kind fwd_d512) dense and causal over
+each row layout.  Each sm90 table entry (kernel kind, head dim, tiles, warps, stages) is compiled with the
 installed Triton down to a cubin (ptxas runs), for every feature set the entry can be
 chosen for: causal, dense, float bias through a TMA descriptor with dropout, float bias,
 bool mask, dropout; forward kernels with K/V through in-kernel and through host-built
@@ -343,6 +344,36 @@ def compile_ws_case(d: int, cfg, constexprs: dict):
     return _compile(src, dict(num_warps=4, maxnreg=cfg.max_regs))
 
 
+def d512_cases():
+    """(label, constexprs) of the Gluon d512 forward (kernels/gluon/forward_d512.py): dense and
+    causal, each row layout pairing with the logsumexp, (B, H, S, D) rows without it."""
+    from attention_dispatch.kernels.gluon import launch_d512
+
+    for causal in (False, True):
+        for rows, store_lse in (((1, 1), True), ((2, 2), True), ((1, 2), True), ((1, 1), False)):
+            label = f"d512 {'causal' if causal else 'dense'} rows={rows} lse={store_lse}"
+            yield label, launch_d512.constexprs(*rows, causal, store_lse)
+
+
+def compile_d512_case(constexprs: dict):
+    """Compile the Gluon d512 forward for sm90 (bf16) with its launch's options: as compile_case."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from attention_dispatch.kernels.gluon import launch_d512
+
+    fn = launch_d512.KERNELS["fwd_d512"]
+    names = fn.arg_names
+    sig = {
+        f"{name}_desc": f"tensordesc<bf16[{r}, {c}],{gl.NVMMASharedLayout.get_default_for([r, c], gl.bfloat16)!r}>"
+        for name, (r, c) in launch_d512.tiles().items()
+    }
+    sig.update(lse_ptr="*fp32" if constexprs["STORE_LSE"] else "*bf16", qk_scale="fp32")
+    sig = {n: "constexpr" if n in constexprs else sig.get(n, "i32") for n in names}
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=aligned)
+    return _compile(src, dict(num_warps=launch_d512.WARPS, num_stages=launch_d512.WS_STAGES))
+
+
 def ptxas_usage(ptx: str) -> str:
     """ptxas -v's register and spill summary of ``ptx`` (sm_90a): 'N registers, S bytes spill
     stores, L bytes spill loads'."""
@@ -404,14 +435,14 @@ def main(argv=None) -> int:
     p.add_argument(
         "--kinds",
         type=lambda s: tuple(s.split(",")),
-        default=tuple(KERNELS) + ("fwd_ws",),
-        help="fwd, bwd_dkdv, bwd_dq, fwd_ws (the warp-specialised Gluon kernels)",
+        default=tuple(KERNELS) + ("fwd_ws", "fwd_d512"),
+        help="fwd, bwd_dkdv, bwd_dq, fwd_ws (the warp-specialised Gluon kernels), fwd_d512 (the Gluon d512 forward)",
     )
     p.add_argument("--limit", type=int, default=0, help="compile only the first N cases (0: all)")
     p.add_argument(
         "--ws-one-each",
         action="store_true",
-        help="fwd_ws: compile only the first (dense) case of each warp-specialised kernel and head dim",
+        help="fwd_ws, fwd_d512: compile only the first (dense) case of each Gluon kernel and head dim",
     )
     p.add_argument(
         "--ptx-hashes",
@@ -459,6 +490,12 @@ def main(argv=None) -> int:
             seen.add(kernel_name)
             n += 1
             err, kernel = compile_ws_case(d, cfg, const)
+            failed += _report(label, err, kernel, args.ptx_hashes, args.spills, args.sass)
+    if "fwd_d512" in args.kinds:
+        cases = [(label, const) for label, const in d512_cases() if re.search(args.only, label)]
+        for label, const in cases[:1] if args.ws_one_each else cases:
+            n += 1
+            err, kernel = compile_d512_case(const)
             failed += _report(label, err, kernel, args.ptx_hashes, args.spills, args.sass)
     print(f"triton {triton.__version__}: {n} kernels compiled for sm90, {failed} failed")
     return 1 if failed else 0

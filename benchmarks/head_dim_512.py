@@ -1,6 +1,6 @@
 """Head dim 512 on the GPU (issue 36): our triton kernels against every backend that runs d512.
 
-    COMMIT=$(git rev-parse --short HEAD) python benchmarks/head_dim_512.py [--sweep] [--budget S]
+    COMMIT=$(git rev-parse --short HEAD) python benchmarks/head_dim_512.py [--sweep] [--budget S] [--forward]
 
 bf16, S = 4096, d = 512 (Dqk = Dv), causal and not: the forward (under no_grad) and forward +
 backward of ``ad.sdpa(backend="triton")``, PyTorch's memory-efficient and math paths (through
@@ -13,14 +13,21 @@ time by replacing configs.candidate_configs, as sweep_configs.py does): every fo
 then dK/dV and dQ with the best forward fixed; the main table then runs the best of each.
 ``--budget``: seconds after which the sweep stops trying candidates (the table always runs).
 Details (every number, each failure's message) go to $OUT/head_dim_512.json; a short table last.
+
+``--forward`` instead times only our forward, dense and causal: ``ad.sdpa(backend="triton")`` as
+routed (the Gluon d512 forward on an H100 with Triton 3.6) and with the d512 route switched off
+(the tl forward) in the same process, each with the route explain() gives and its relative
+difference from the other (both 16-bit).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import sys
 import time
 import traceback
 from datetime import datetime, timezone
@@ -143,11 +150,61 @@ def sweep(B, H, S, q, k, v, g, deadline, log):
     return out
 
 
+@contextlib.contextmanager
+def d512_route_off():
+    """The tl d512 forward: the route's Gluon d512 forward switched off, caches emptied on entry and
+    exit (sdpa()'s fast paths replay captured launches)."""
+    from attention_dispatch.kernels import entry
+
+    real = entry.serves_head_dims
+    entry.serves_head_dims = lambda prob: False
+    clear_cache()
+    try:
+        yield
+    finally:
+        entry.serves_head_dims = real
+        clear_cache()
+
+
+def forward_only(B, H, S) -> int:
+    """--forward: our forward as routed and with the d512 route off, dense and causal."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    print(
+        f"{torch.cuda.get_device_name()} | torch {torch.__version__} | Triton {triton.__version__} | commit "
+        f"{os.environ.get('COMMIT', '?')}",
+        flush=True,
+    )
+    for causal in (False, True):
+        kw = dict(is_causal=causal, backend="triton")
+        outs, tflops = {}, {}
+        for name, scope in (("routed", contextlib.nullcontext), ("tl", d512_route_off)):
+            with scope(), torch.no_grad():
+                route = ad.explain(q, k, v, **kw).route
+                outs[name] = ad.sdpa(q, k, v, **kw)
+                ms = bench_ms(lambda: ad.sdpa(q, k, v, **kw))
+            tflops[name] = fwd_flops(B, H, S, causal) / ms / 1e9
+            print(
+                f"bf16 B={B} H={H} S={S} d={D} {'causal' if causal else 'dense '} fwd {name:6s} {ms:7.3f} ms "
+                f"{tflops[name]:6.1f} TFLOP/s  route: {'; '.join(route.lines())}",
+                flush=True,
+            )
+        print(
+            f"  routed / tl {tflops['routed'] / tflops['tl']:.2f}x, |routed - tl| / |tl| = "
+            f"{rel_err(outs['routed'], outs['tl']):.1e}",
+            flush=True,
+        )
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--budget", type=float, default=150.0)
+    ap.add_argument("--forward", action="store_true", help="only our forward, as routed and on the tl kernel")
     args = ap.parse_args()
+    if args.forward:
+        return forward_only(*SHAPES[0])
     t_start = time.time()
     out_dir = os.environ.get("OUT", ".")
     lines = []
@@ -234,4 +291,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

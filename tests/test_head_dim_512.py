@@ -169,13 +169,20 @@ def test_head_dim_512_on_the_gpu(label, case):
 
 
 @pytest.mark.gpu
-def test_head_dim_512_route_on_the_gpu_names_the_tl_kernels():
-    """On the H100 the Gluon kernels are passed over for d512 with the head-dim reason."""
+def test_head_dim_512_route_on_the_gpu_names_the_d512_forward_and_the_tl_backward():
+    """On the H100 the forward is the Gluon d512 one (tests/test_gluon_d512.py; the tl forward where
+    this Triton runs no Gluon kernel, saying why); the backward passes are the tl ones, the
+    d<=256 Gluon kernels passed over with the head-dim reason."""
+    from attention_dispatch.kernels.gluon.route import gluon_reason
+
     q = torch.randn(2, 8, 4096, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     call = normalize_call(q, q, q, is_causal=True)
     route = ad.get_backend("triton").route(call.query, call.key, call.value, call.options)
-    assert [s.chosen for s in route.steps] == ["tl", "tl", "tl"], route
-    for step in route.steps:
+    forward = "gluon d512" if gluon_reason() is None else "tl"
+    assert [s.chosen for s in route.steps] == [forward, "tl", "tl"], route
+    if forward == "tl":
+        assert route.steps[0].passed_over == (("gluon d512", gluon_reason()),), route.steps[0]
+    for step in route.steps[1:]:
         assert any(name == "gluon" and "head dims 512/512" in why for name, why in step.passed_over), step
 
 

@@ -21,6 +21,7 @@ from .decode_plan import DecodePlan, plan_for
 from .device import use_descriptors
 from .dropout import STREAM_LEN, draw_stream
 from .gluon import launch as gluon_launch
+from .gluon import launch_d512 as gluon_d512
 from .gluon.route import (
     forward_scope_reason,
     fuse_dq_reason,
@@ -29,6 +30,7 @@ from .gluon.route import (
     ws_backward_reason,
     ws_reason,
 )
+from .gluon.route_d512 import d512_forward_reason, serves_head_dims
 from .params import KernelParams
 from .shapes import KernelShapes, check_inputs, last_dim_contiguous, store_dtype
 from .tl import launch as tl_launch
@@ -38,6 +40,9 @@ GLUON, TL, FUSED = "gluon", "tl", "fused"  # FUSED: dQ computed inside the Gluon
 # up to gluon.route.one_length (0.415 ms against the tl forward's 0.513 on the H100: q (4, 32,
 # 512, 128) bf16 over 8704 keys, GQA 32/8, bottom-right; issues 34/35)
 GLUON_LENGTHS = "gluon one-length"
+# The Gluon d512 forward (gluon/forward_d512.py; Dqk = Dv = 512, dense or causal): 452-458 TFLOP/s
+# dense at B=2 H=16 S=4096 in its probe on the H100, the tl forward 233 (issue 36)
+GLUON_D512 = "gluon d512"
 DECODE = "decode"  # the KV-cache decode kernel (tl/decode.py) over the whole key range
 
 # Inference calls with at most this many query rows per kv head (GQA group x Sq: one row tile of
@@ -48,14 +53,16 @@ DECODE_MIN_KEYS = 512
 
 
 class ForwardRoute(NamedTuple):
-    """The forward's kernel (DECODE, GLUON, GLUON_LENGTHS or TL), why not the Gluon one (None when
-    it runs), the Gluon kernel's (q rows layout, k/v rows layout), and why not the decode kernel
-    for a call shaped like decode (few query rows per kv head) that does not take it."""
+    """The forward's kernel (DECODE, GLUON, GLUON_LENGTHS, GLUON_D512 or TL), why not the Gluon one
+    (None when it runs), the Gluon kernel's (q rows layout, k/v rows layout), why not the decode
+    kernel for a call shaped like decode (few query rows per kv head) that does not take it, and
+    which Gluon forward ``why_not_gluon`` speaks of (GLUON_D512 for Dqk = Dv = 512)."""
 
     kernel: str
     why_not_gluon: str | None
     rows: tuple[int, int] | None
     why_not_decode: str | None = None
+    gluon: str = GLUON
 
 
 def decode_reason(
@@ -140,6 +147,10 @@ def forward_route(
         not_decode = None  # not shaped like decode: nothing to report
     if store_dtype(q.dtype) != q.dtype:  # the interpreter writes bf16 as fp32 (no Gluon there)
         return ForwardRoute(TL, "the CPU interpreter writes bfloat16 results as float32", None, not_decode)
+    if serves_head_dims(prob):  # d512: its own Gluon forward, or the tl one with the reason
+        has_scores = (alibi is not None, sinks is not None)
+        reason, rows = d512_forward_reason(q, k, v, bias_kind, params, prob, desc, *has_scores)
+        return ForwardRoute(TL if reason else GLUON_D512, reason, rows, not_decode, GLUON_D512)
     lengths = one_length(params, prob) is not None
     part = "one-length forward" if lengths else "forward"
     score_reason = score_features_reason(params, alibi is not None, sinks is not None, part, max(prob.Sq, prob.Sk))
@@ -259,6 +270,9 @@ def attention_forward(
         return decode_forward(q, k, v, None, params, alibi=alibi, sinks=sinks), None, seed
     out = torch.empty(prob.out_shape, device=dev, dtype=store_dtype(q.dtype))
     lse = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32) if need_lse else None
+    if route.kernel == GLUON_D512:  # no bias, dropout or score transforms (route_d512)
+        gluon_d512.forward(q, k, v, out, lse, params, prob, *route.rows)
+        return out, lse, seed
     if route.kernel == GLUON_LENGTHS:  # no bias, sinks or ALiBi (score_features_reason)
         gluon_launch.forward(q, k, v, out, lse, params, prob, *route.rows, kv_lens=one_length(params, prob))
         return out, lse, seed
@@ -515,7 +529,7 @@ def describe_route(
     desc = use_descriptors(params, (q, k, v), q.device, prob.Sk)
     fwd = forward_route(q, k, v, kind, bt, bstr, params, prob, desc, backward or need_lse, alibi, sinks)
     passed = ((DECODE, fwd.why_not_decode),) if fwd.why_not_decode else ()
-    passed += ((GLUON, fwd.why_not_gluon),) if fwd.why_not_gluon else ()
+    passed += ((fwd.gluon, fwd.why_not_gluon),) if fwd.why_not_gluon else ()
     steps = [("forward", fwd.kernel, passed)]
     if not backward:
         return steps
