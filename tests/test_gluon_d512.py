@@ -50,6 +50,7 @@ def _gluon_here(monkeypatch, min_work: int = 0):
     monkeypatch.setattr(gluon_route, "GLUON_TRITON_VERSIONS", (triton.__version__,))
     monkeypatch.setattr(gluon_route, "device_info", lambda dev: ((9, 0), 132))
     monkeypatch.setattr(route_d512, "device_info", lambda dev: ((9, 0), 132))
+    monkeypatch.setattr(route_d512, "GPU_VERIFIED", True)
     monkeypatch.setattr(gluon_route, "WS_MIN_WORK", min_work)
 
 
@@ -125,6 +126,15 @@ def test_route_reasons_for_the_calls_it_leaves_to_the_tl_forward(monkeypatch, la
     kw = {n: change[n] for n in ("bias_kind", "desc", "alibi", "sinks") if n in change}
     got, rows = _reason(q, k, v, params, **kw)
     assert got is not None and why in got and rows is None, got
+
+
+def test_route_is_off_until_verified_on_a_gpu(monkeypatch):
+    """The shipped route stays off (the tl forward serves d512, saying why) until its GPU tests pass."""
+    _gluon_here(monkeypatch)
+    monkeypatch.setattr(route_d512, "GPU_VERIFIED", False)
+    q, k, v = _qkv()
+    why, rows = _reason(q, k, v, _params())
+    assert rows is None and "not yet verified on a GPU" in why
 
 
 def test_route_reasons_for_the_machine_and_the_memory_layout(monkeypatch):
@@ -345,7 +355,8 @@ def _watch_d512(monkeypatch) -> list:
     return seen
 
 
-def _skip_without_the_route():
+def _skip_without_the_route(monkeypatch):
+    monkeypatch.setattr(route_d512, "GPU_VERIFIED", True)  # these tests are what verifies it
     if not _sm90():
         pytest.skip("needs an sm90 GPU")
     if gluon_route.gluon_reason() is not None:
@@ -371,7 +382,7 @@ def test_gpu_d512_forward_and_tl_backward_match_float64(monkeypatch, label, caus
     """Output and logsumexp of the Gluon d512 forward against the math backend in float64 (budget:
     tests/naive.py in the input dtype), and the gradients of the tl backward that reads them
     against float64 autograd; the route and the launch are the d512 kernel's."""
-    _skip_without_the_route()
+    _skip_without_the_route(monkeypatch)
     monkeypatch.setattr(gluon_route, "WS_MIN_WORK", 0)  # small shapes: the route, not its threshold
     params = _params(causal)
     q, k, v = _qkv(sq, sk, hkv=hkv, dtype=dtype, layout=layout, device="cuda", grad=True)
@@ -407,7 +418,7 @@ def test_gpu_sdpa_inference_at_the_benchmark_shape_takes_the_d512_forward(monkey
     """ad.sdpa(backend="triton") without gradients at B=2 H=16 S=4096 (the timed shape, above
     WS_MIN_WORK): explain() names the d512 forward, it runs without a logsumexp, and matches
     float32 math within bf16's budget."""
-    _skip_without_the_route()
+    _skip_without_the_route(monkeypatch)
     q, k, v = _qkv(4096, 4096, hq=16, hkv=16, dtype=BF16, device="cuda")
     kw = dict(is_causal=causal, backend="triton")
     decision = ad.explain(q, k, v, **kw)
