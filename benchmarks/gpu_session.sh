@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|probe512|d512fwd|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e108|probe512|d512fwd|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -218,6 +218,56 @@ import sys; sys.path.insert(0, 'benchmarks'); sys.argv = ['head_dim_512', '--swe
 import head_dim_512 as h; from attention_dispatch.kernels import configs as C
 h.SWEEP = {C.FWD: [(64, 64, 8, 1)], C.BWD_DKDV: [(32, 32, 8, 2), (32, 32, 8, 1), (64, 16, 8, 1), (64, 32, 8, 1), (32, 16, 8, 1)], C.BWD_DQ: [(64, 32, 8, 1)]}
 h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
+  e108)      # perf-notes E108: the d512 backward's dK/dV pass as a dV and a dK pass on wgmma tiles, dP apart from the
+             # other products' warp layout (docs/experiments/patches/e108-d512-bwd-split.patch) in a scratch copy: its
+             # d512 GPU tests there (two processes), then d512 training (bf16 B=2 H=16 S=4096, dense and causal, with
+             # the tl forward, then the Gluon d512 one turned on) patched and this tree in ABBA turns (d512_backward_ab.py),
+             # then the patched copy's other dK/dV choices while time is left (~8 minutes); $OUT/e108_summary.txt
+    # the working tree, not git archive: the device's .git can lag it (see SHA above)
+    rm -rf /tmp/e108 && mkdir -p /tmp/e108 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e108 \
+      && patch -d /tmp/e108 -p1 < docs/experiments/patches/e108-d512-bwd-split.patch || exit 1
+    for t in test_wide_backward test_head_dim_512; do
+      (cd /tmp/e108 && timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
+         -W ignore::UserWarning tests/$t.py > "$out/e108_$t.log" 2>&1) &
+    done
+    wait
+    summary="$out/e108_summary.txt" ab="$out/e108_ab.txt"
+    { nvidia-smi -L | head -1; tail -qn1 "$out"/e108_test_*.log; grep -h "^FAILED" "$out"/e108_test_*.log | head -8; } > "$summary"
+    for turn in patched1 base1 base2 patched2; do
+      [ $SECONDS -gt 400 ] && { echo "$turn: skipped (time)" >> "$summary"; continue; }
+      dir=$([ "${turn%?}" = patched ] && echo /tmp/e108 || echo "$PWD")
+      (cd "$dir" && timeout 130 python3 benchmarks/d512_backward_ab.py --label $turn --forwards tl,gluon \
+         $([ $turn = base1 ] && echo --ref) 2>&1 | grep -a "^$turn ") >> "$ab"
+    done
+    if [ $SECONDS -lt 330 ]; then  # the patched copy's other dK/dV choices (d512_backward_ab.py's variants)
+      (cd /tmp/e108 && timeout $((520 - SECONDS)) python3 benchmarks/d512_backward_ab.py --label variants \
+         --variants table,dk16,dv1,combined1 --bands dense --forwards tl 2>&1 | grep -a "^variants ") >> "$ab"
+    fi
+    # per band and forward: each tree's median training and backward ms, patched against this tree, and x the
+    # efficient kernel's training time (base1's --ref); the variants' lines as they are
+    python3 - "$ab" <<'EOF' | tee -a "$summary"
+import collections, statistics, sys
+runs, ref = collections.defaultdict(list), {}
+for line in open(sys.argv[1]):
+    f = line.split()
+    if len(f) != 8 or f[0] == "variants":
+        print(line.rstrip())
+    elif f[1] == "efficient":
+        ref[f[2]] = float(f[5])
+    else:
+        runs[(f[2], f[3], f[0].rstrip("12"))].append((float(f[5]), float(f[6])))
+for band in ("dense", "causal"):
+    for fwd in ("tl", "gluon"):
+        med = {t: [statistics.median(x[i] for x in runs[(band, fwd, t)]) for i in (0, 1)]
+               for t in ("patched", "base") if runs[(band, fwd, t)]}
+        if len(med) < 2:
+            continue
+        (pt, pb), (bt, bb) = med["patched"], med["base"]
+        x = lambda t: f" = {ref[band] / t:.2f}x efficient" if band in ref else ""
+        print(f"{band:6s} {fwd:6s} forward: training {bt:.2f} -> {pt:.2f} ms (x{bt / pt:.2f}){x(pt)} [base{x(bt)}],"
+              f" backward {bb:.2f} -> {pb:.2f} ms (x{bb / pb:.2f})")
+EOF
+    ;;
   fa4host)   # issue 35: flash-attn 4's host time per call through our relaunch, split (~30 s)
     timeout 120 python3 benchmarks/fa4_host_probe.py 2>&1 | grep -v -i warn | tail -9 ;;
   parallel)  # kernel-against-kernel A/Bs side by side on a multi-GPU host, one GPU each: bash gpu_session.sh
@@ -238,5 +288,5 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|probe512|d512fwd|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e108|probe512|d512fwd|fa4host|parallel [SHA]"; exit 2 ;;
 esac
