@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e108|probe512|d512fwd|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e108|probe512|d512fwd|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -218,6 +218,59 @@ import sys; sys.path.insert(0, 'benchmarks'); sys.argv = ['head_dim_512', '--swe
 import head_dim_512 as h; from attention_dispatch.kernels import configs as C
 h.SWEEP = {C.FWD: [(64, 64, 8, 1)], C.BWD_DKDV: [(32, 32, 8, 2), (32, 32, 8, 1), (64, 16, 8, 1), (64, 32, 8, 1), (32, 16, 8, 1)], C.BWD_DQ: [(64, 32, 8, 1)]}
 h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
+  e106)      # perf-notes E106: softcap's cost against the plain call (docs/experiments/patches/e106-softcap-fma.patch:
+             # half of the bounded forward's exponentials on the FMA pipe; the backward's masked tanh tile and the
+             # causal dQ split) in a scratch copy, and a second copy with a quarter on the FMA pipe
+             # (SOFTCAP_EXP2_POLY 4): the softcap GPU tests in the first (two processes), then features.py
+             # (plain, plain-tl, softcap 30; bf16 d128 B4 H16 S=4k) dense and causal, the copies and this tree in
+             # ABBA turns (~8-9 minutes); the lines to compare: $OUT/e106_summary.txt
+    # the working tree, not git archive: the device's .git can lag it (see SHA above)
+    patchfile="$PWD/docs/experiments/patches/e106-softcap-fma.patch"
+    for d in /tmp/e106 /tmp/e106q; do
+      rm -rf $d && mkdir -p $d && tar --exclude='./.*' -cf - . | tar -x -C $d && (cd $d && git apply "$patchfile") || exit 1
+    done
+    sed -i 's/^SOFTCAP_EXP2_POLY = gl.constexpr(2)/SOFTCAP_EXP2_POLY = gl.constexpr(4)/' \
+      /tmp/e106q/attention_dispatch/kernels/gluon/common.py
+    grep -q "^SOFTCAP_EXP2_POLY = gl.constexpr(4)" /tmp/e106q/attention_dispatch/kernels/gluon/common.py || exit 1
+    pytest_gpu="timeout 220 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning"
+    (cd /tmp/e106 && $pytest_gpu tests/test_softcap_fma.py > "$out/e106_tests_fma.log" 2>&1) &
+    (cd /tmp/e106 && $pytest_gpu tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
+       > "$out/e106_tests_features.log" 2>&1) &
+    # meanwhile one untimed round in the other two trees, so their turns below find their kernels compiled
+    for dir in "$PWD" /tmp/e106q; do
+      for band in "" --causal; do
+        (cd "$dir" && timeout 200 python3 benchmarks/features.py --rounds 1 --budget 0 --variants plain,plain-tl,softcap \
+           $band > /dev/null 2>&1) &
+      done
+    done
+    wait
+    summary="$out/e106_summary.txt"
+    { nvidia-smi -L | head -1; tail -qn1 "$out"/e106_tests_*.log; grep -h "^FAILED" "$out"/e106_tests_*.log | head -8; } > "$summary"
+    for band in dense causal; do
+      for turn in patched1 quarter1 base1 base2 quarter2 patched2; do
+        [ $SECONDS -gt 525 ] && { echo "$band $turn: skipped (time)" >> "$summary"; continue; }
+        case "${turn%?}" in patched) dir=/tmp/e106 ;; quarter) dir=/tmp/e106q ;; *) dir="$PWD" ;; esac
+        (cd "$dir" && timeout 100 python3 benchmarks/features.py --rounds 2 --budget 20 \
+           --variants plain,plain-tl,softcap $([ $band = causal ] && echo --causal) 2>&1 \
+           | grep -a "^bf16" | sed "s/^/$turn /") >> "$out/e106_features.txt"
+      done
+    done
+    # each variant's ms and x of plain per turn, then the median of each tree's two turns
+    python3 - "$out/e106_features.txt" <<'EOF' | tee -a "$summary"
+import collections, statistics, sys
+ratios, ms = collections.defaultdict(list), collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    f = line.split()
+    c = "causal" in f  # the label has one more word
+    key = ("causal" if c else "dense", f[6 + c], f[7 + c], f[0].rstrip("12"))
+    ratios[key].append(float(f[12 + c].lstrip("x")))
+    ms[key].append(float(f[8 + c]))
+for (band, mode, name, tree), xs in sorted(ratios.items()):
+    t = " ".join(f"{m:.3f}" for m in ms[(band, mode, name, tree)])
+    print(f"{band:6s} {mode:8s} {name:9s} {tree:7s} ms {t}  x of plain {' '.join(f'{x:.3f}' for x in xs)}"
+          f"  median {statistics.median(xs):.3f}")
+EOF
+    ;;
   e108)      # perf-notes E108: the d512 backward's dK/dV pass as a dV and a dK pass on wgmma tiles, dP apart from the
              # other products' warp layout (docs/experiments/patches/e108-d512-bwd-split.patch) in a scratch copy: its
              # d512 GPU tests there (two processes), then d512 training (bf16 B=2 H=16 S=4096, dense and causal, with
@@ -288,5 +341,5 @@ EOF
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e108|probe512|d512fwd|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e108|probe512|d512fwd|fa4host|parallel [SHA]"; exit 2 ;;
 esac
