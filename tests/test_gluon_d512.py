@@ -28,6 +28,7 @@ from attention_dispatch.kernels.gluon import route as gluon_route  # noqa: E402
 from attention_dispatch.kernels.gluon import route_d512  # noqa: E402
 from attention_dispatch.kernels.shapes import KernelShapes  # noqa: E402
 from attention_dispatch.kernels.tl.common import LOG2E  # noqa: E402
+from launch_watch import sm90, watch_launches  # noqa: E402
 from naive import naive_attention  # noqa: E402
 from oracle import assert_matches, stored_output_slack  # noqa: E402
 
@@ -338,26 +339,9 @@ def test_d512_forward_compiles_for_sm90_without_spills():
 # ---- GPU: against float64 ----------------------------------------------------------------------
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-def _watch_d512(monkeypatch) -> list:
-    """The constexprs of every d512 forward launch from now on."""
-    seen, real = [], run.launch_one
-
-    def spy(kernel, grid, args, constexprs, *rest, **options):
-        if kernel is launch_d512.KERNELS["fwd_d512"]:
-            seen.append(constexprs)
-        return real(kernel, grid, args, constexprs, *rest, **options)
-
-    monkeypatch.setattr(run, "launch_one", spy)
-    return seen
-
-
 def _skip_without_the_route(monkeypatch):
     monkeypatch.setattr(route_d512, "GPU_VERIFIED", True)  # these tests are what verifies it
-    if not _sm90():
+    if not sm90():
         pytest.skip("needs an sm90 GPU")
     if gluon_route.gluon_reason() is not None:
         pytest.skip(gluon_route.gluon_reason())
@@ -388,7 +372,7 @@ def test_gpu_d512_forward_and_tl_backward_match_float64(monkeypatch, label, caus
     q, k, v = _qkv(sq, sk, hkv=hkv, dtype=dtype, layout=layout, device="cuda", grad=True)
     steps = describe_route(q, k, v, None, params, backward=True)
     assert [s[1] for s in steps] == [entry.GLUON_D512, entry.TL, entry.TL], steps
-    seen = _watch_d512(monkeypatch)
+    seen = watch_launches(monkeypatch, launch_d512.KERNELS["fwd_d512"], lambda c: c)
     out, lse = triton_attention(q, k, v, None, params, return_lse=True)
     assert [(c["CAUSAL"], c["Q_ROWS"], c["STORE_LSE"]) for c in seen] == [(causal is not None, layout, True)], seen
     grad_out = torch.randn_like(out)
@@ -423,7 +407,7 @@ def test_gpu_sdpa_inference_at_the_benchmark_shape_takes_the_d512_forward(monkey
     kw = dict(is_causal=causal, backend="triton")
     decision = ad.explain(q, k, v, **kw)
     assert decision.route.steps[0].chosen == entry.GLUON_D512, str(decision)
-    seen = _watch_d512(monkeypatch)
+    seen = watch_launches(monkeypatch, launch_d512.KERNELS["fwd_d512"], lambda c: c)
     with torch.no_grad():
         out = ad.sdpa(q, k, v, **kw)
     assert [(c["CAUSAL"], c["STORE_LSE"]) for c in seen] == [(causal, False)], seen

@@ -18,11 +18,12 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 
 import attention_dispatch as ad  # noqa: E402
-from attention_dispatch.kernels import KernelParams, configs, describe_route, run, triton_attention  # noqa: E402
+from attention_dispatch.kernels import KernelParams, configs, describe_route, triton_attention  # noqa: E402
 from attention_dispatch.kernels import entry  # noqa: E402
 from attention_dispatch.kernels.gluon import launch as gluon_launch  # noqa: E402
 from attention_dispatch.kernels.gluon import route as gluon_route  # noqa: E402
 from attention_dispatch.kernels.shapes import KernelShapes  # noqa: E402
+from launch_watch import sm90, watch_launches  # noqa: E402
 from naive import naive_attention  # noqa: E402
 from oracle import assert_matches, stored_output_slack  # noqa: E402
 
@@ -143,23 +144,6 @@ def test_route_names_the_one_length_forward_and_the_tl_backward(monkeypatch, kw,
 # ---- the GPU route ---------------------------------------------------------------------------
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-def _watch_forward(monkeypatch) -> list:
-    """KV_LENS of every Gluon forward launch from now on."""
-    seen, real = [], run.launch_one
-
-    def spy(kernel, grid, args, constexprs, *rest, **options):
-        if kernel is gluon_launch.KERNELS["fwd_ws"]:
-            seen.append(constexprs["KV_LENS"])
-        return real(kernel, grid, args, constexprs, *rest, **options)
-
-    monkeypatch.setattr(run, "launch_one", spy)
-    return seen
-
-
 GPU_SHAPES = [(sq, sk) for sq in (128, 384) for sk in (sq + 128, 1000)]
 
 
@@ -173,7 +157,7 @@ def test_gpu_one_length_forward_matches_math_float64(monkeypatch, sq, sk, hkv, d
     and the gradients of the tl backward that reads them against float64 autograd; the route is
     the one-length Gluon forward wherever the head dim's config runs its forward on causal calls
     (d64: the tl forward, the route says why)."""
-    if not _sm90():
+    if not sm90():
         pytest.skip("needs an sm90 GPU")
     if gluon_route.gluon_reason() is not None:
         pytest.skip(gluon_route.gluon_reason())
@@ -184,7 +168,7 @@ def test_gpu_one_length_forward_matches_math_float64(monkeypatch, sq, sk, hkv, d
     served = configs.WS_FWD_CONFIGS[d].forward_scope == "all"
     steps = describe_route(q, k, v, None, params, backward=True)
     assert steps[0][1] == (entry.GLUON_LENGTHS if served else entry.TL), steps
-    seen = _watch_forward(monkeypatch)
+    seen = watch_launches(monkeypatch, gluon_launch.KERNELS["fwd_ws"], lambda c: c["KV_LENS"])
     out, lse = triton_attention(q, k, v, None, params, return_lse=True)
     assert seen == ([gluon_launch.ONE_LENGTH] if served else []), seen
     grad_out = torch.randn_like(out)
@@ -213,14 +197,14 @@ def test_gpu_one_length_forward_matches_math_float64(monkeypatch, sq, sk, hkv, d
 def test_gpu_chunked_prefill_call_explains_and_takes_the_one_length_forward(monkeypatch):
     """The benchmark's call (benchmarks/decode.py, "Sq=512 over 8k+"): a plain sdpa() with
     causal="bottom_right" and GQA, no gradients: explain() names the route and it runs."""
-    if not _sm90() or gluon_route.gluon_reason() is not None:
+    if not sm90() or gluon_route.gluon_reason() is not None:
         pytest.skip("needs an sm90 GPU and the Triton the Gluon kernels are written for")
     q = torch.randn(4, 32, 512, 128, device="cuda", dtype=BF16)
     k, v = (torch.randn(4, 8, 8704, 128, device="cuda", dtype=BF16) for _ in range(2))
     kw = dict(causal="bottom_right", enable_gqa=True, backend="triton")
     decision = ad.explain(q, k, v, **kw)
     assert decision.route.steps[0].chosen == entry.GLUON_LENGTHS, str(decision)
-    seen = _watch_forward(monkeypatch)
+    seen = watch_launches(monkeypatch, gluon_launch.KERNELS["fwd_ws"], lambda c: c["KV_LENS"])
     out = ad.sdpa(q, k, v, **kw)
     assert seen == [gluon_launch.ONE_LENGTH], seen
     ref64 = ad.sdpa(q.double(), k.double(), v.double(), causal="bottom_right", enable_gqa=True, backend="math")
