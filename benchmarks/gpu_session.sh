@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e107|e108|probe512|d512fwd|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e107|e108|probe512|d512fwd|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -339,6 +339,12 @@ for band in ("dense", "causal"):
               f" backward {bb:.2f} -> {pb:.2f} ms (x{bb / pb:.2f})")
 EOF
     ;;
+  rows)      # grid rows re-measured alone (issue 35: a row a side-by-side run disturbed), e.g.
+             #   bash gpu_session.sh rows SHA bf16-d256-s512-causal fp16-d256-s512-causal   (~1-2 min a row)
+    shift 2
+    timeout 540 python3 benchmarks/bench.py --rows "$@" --no-doc --no-plot --budget-s 480 --out /tmp/rows \
+      --commit "$sha" 2>&1 | grep -v -i warn | tail -20
+    cp /tmp/rows/bench.json "$out/" ;;
   fa4host)   # issue 35: flash-attn 4's host time per call through our relaunch, split (~30 s)
     timeout 120 python3 benchmarks/fa4_host_probe.py 2>&1 | grep -v -i warn | tail -9 ;;
   parallel)  # kernel-against-kernel A/Bs side by side on a multi-GPU host, one GPU each: bash gpu_session.sh
@@ -359,5 +365,5 @@ EOF
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e107|e108|probe512|d512fwd|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e107|e108|probe512|d512fwd|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac
