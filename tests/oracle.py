@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+import attention_dispatch as ad
+
 SLACK = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
@@ -72,7 +74,6 @@ def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234, r
     torch.manual_seed(seed) as the backend does; needed when case.dropout_p > 0.
     Returns the Decision of the call.
     """
-    import attention_dispatch as ad
     from cases import leaf_copy, make_inputs
     from naive import naive_attention
 
@@ -177,3 +178,27 @@ def triton_keep_mask(case, q, k, cu_q, cu_k):
 
 # Backends whose dropout mask a test can recover exactly; others are checked statistically.
 KEEP_MASKS = {"math": math_keep_mask, "triton": triton_keep_mask}
+
+
+def check_stored_forward_backward(q, k, v, out, lse, grad_out, causal, scale, enable_gqa: bool):
+    """A kernel's output, float32 logsumexp and q/k/v gradients (``out.backward(grad_out)`` already
+    run) against the math backend in float64, with tests/naive.py in the input dtype as the budget
+    and the stored-output slack of a flash-style backward; the lse within 1e-4 of float64's."""
+    from naive import naive_attention
+
+    pairs = (("dq", q), ("dk", k), ("dv", v))
+    leaves = {n: t.detach().double().requires_grad_() for n, t in pairs}
+    out64 = ad.sdpa(*leaves.values(), backend="math", causal=causal, scale=scale, enable_gqa=enable_gqa)
+    out64.backward(grad_out.double())
+    ref64 = {"out": out64.detach()} | {n: t.grad for n, t in leaves.items()}
+    low = {n: t.detach().clone().requires_grad_() for n, t in pairs}
+    out_low = naive_attention(*low.values(), causal=causal, scale=scale)
+    out_low.backward(grad_out)
+    ref_low = {"out": out_low.detach()} | {n: t.grad for n, t in low.items()}
+    naive64 = {n: t.detach().cpu().double().requires_grad_() for n, t in leaves.items()}
+    o64, lse64 = naive_attention(*naive64.values(), causal=causal, scale=scale, return_lse=True)
+    assert_matches(lse, lse64, what="lse", extra=1e-4)  # fp32 from exact 16-bit products: ~1e-6 off
+    slack = stored_output_slack(out, o64, grad_out, lse64, naive64)
+    got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    for name, value in got.items():
+        assert_matches(value, ref64[name], ref_low[name], what=name, extra=slack.get(name, 0.0))
