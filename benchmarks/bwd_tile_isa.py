@@ -1,7 +1,7 @@
 """The tl backward kernels' code at given tiles, compiled for sm90 without a GPU (issue 36, experiment 105).
 
-    /tmp/t36/bin/python benchmarks/bwd_tile_isa.py [--head-dim 512] [--kinds bwd_dkdv,bwd_dq]
-        [--configs 'kind:BM,BN,warps,stages;...'] [--features causal,dense]
+    /tmp/t36/bin/python benchmarks/bwd_tile_isa.py [--head-dim 512] [--kinds bwd_dkdv,bwd_dq,bwd_dv,bwd_dk]
+        [--configs 'kind:BM,BN,warps,stages;...'] [--features causal,dense] [--const NAME=VALUE,...]
 
 For each (kernel, tiles, feature) bf16 case: registers and spill bytes (ptxas -v), shared memory,
 whether Triton emitted wgmma (HGMMA) or mma.sync (HMMA), and the SASS opcodes of the hottest loop
@@ -9,6 +9,9 @@ whether Triton emitted wgmma (HGMMA) or mma.sync (HMMA), and the SASS opcodes of
 Then a per-step model (step_model, experiment 105): tensor-core, shared-memory and L2 clocks, spills
 charged twice, as a percentage of the tensor-core peak; it ranks tiles, it does not time them.
 Without --configs: the configs.py sm90 entries of that head dim and a few neighbours.
+bwd_dv / bwd_dk: the dK/dV kernel computing dV alone / dK alone (E108); "clk/pair" (a step's clocks
+per query-key pair) adds up across them to compare the two passes with one bwd_dkdv.  --const: kernel
+constexprs over the defaults (e.g. DP_IN_BRANCH=0, the layout before E108).
 """
 
 from __future__ import annotations
@@ -48,9 +51,14 @@ GROUPS = {
 INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\S*)\s*([^;]*);")
 
 NEIGHBOURS = {
-    C.BWD_DKDV: [(32, 32, 8, 2), (32, 32, 4, 2), (32, 64, 8, 1), (64, 32, 8, 1), (64, 64, 8, 1), (16, 64, 8, 2)],
+    C.BWD_DKDV: [(32, 32, 8, 2), (32, 32, 8, 1), (32, 32, 4, 2), (32, 64, 8, 1), (64, 32, 8, 1), (16, 64, 8, 2)],
     C.BWD_DQ: [(64, 32, 8, 1), (64, 32, 4, 1), (64, 64, 8, 1), (128, 32, 8, 1), (32, 32, 8, 2), (64, 16, 8, 2)],
+    C.BWD_DV: [(32, 64, 8, 2), (32, 64, 8, 1), (64, 64, 8, 1), (16, 64, 8, 2)],
+    C.BWD_DK: [(32, 64, 8, 1), (16, 64, 8, 2), (16, 64, 8, 1), (32, 32, 8, 1)],
 }
+# product units (BM x BN x D multiply-adds) a step needs: dK/dV S, dP, dV, dK; dQ S, dP, dQ; dV alone
+# S, dV; dK alone S, dP, dK
+UNITS = {C.BWD_DKDV: 4, C.BWD_DQ: 3, C.BWD_DV: 2, C.BWD_DK: 3}
 
 
 def sass_of(kernel) -> str:
@@ -113,11 +121,11 @@ def usage(ptx: str):
     return [int(x) if x.isdigit() else -1 for x in re.findall(r"(\d+|\?) (?:registers|bytes)", text)]
 
 
-def report(kind, cfg, feature, d):
+def report(kind, cfg, feature, d, extra=None):
     entry = C.ConfigEntry(kind, (9, 0), (9, 9), d, (), C.KernelConfig(*cfg))
     causal = feature == "causal"
     const = dict(cs._feature_constexprs(d, entry.config, causal, 0, False, False), KV_HOST=0)
-    const.update(SOFTCAP=0, HAS_ALIBI=False, HAS_SINKS=False)
+    const.update(SOFTCAP=0, HAS_ALIBI=False, HAS_SINKS=False, **cs.SPLIT_CONSTEXPRS.get(kind, {}), **(extra or {}))
     err, kernel = cs.compile_case(kind, entry, const)
     name = f"{kind} {'x'.join(map(str, cfg))} {feature}"
     if err:
@@ -128,9 +136,9 @@ def report(kind, cfg, feature, d):
     ptx = kernel.asm["ptx"]
     mma_clk, smem, spill = step_model(loop_insns, cfg[2])
     bm, bn = cfg[0], cfg[1]
-    useful = (4 if kind == C.BWD_DKDV else 3) * bm * bn * d  # multiply-adds one step needs
-    # the tiles a step streams in: Q and dO (dK/dV) or K and V (dQ), bf16
-    gmem = 2 * (bm if kind == C.BWD_DKDV else bn) * d * 2
+    useful = UNITS[kind] * bm * bn * d  # multiply-adds one step needs
+    # the tiles a step streams in: Q and dO (dK/dV, dV, dK) or K and V (dQ), bf16
+    gmem = 2 * (bn if kind == C.BWD_DQ else bm) * d * 2
     # a step costs its tensor-core, shared-memory or L2 time, whichever is longest, plus twice the
     # spill traffic (local memory goes through L1 and adds latency): clocks per useful multiply-add
     clk = max(mma_clk, smem / SMEM_BW, gmem / L2_BW) + 2 * spill / SMEM_BW
@@ -141,7 +149,7 @@ def report(kind, cfg, feature, d):
         f"mma.sync(ptx)={ptx.count('mma.sync')} | loop: {sum(loop.values())} insns/warp "
         f"{groups} | {dict(shapes)} | model/step: mma {mma_clk:.0f} clk, smem {smem / 1024:.0f} KiB "
         f"({smem / SMEM_BW:.0f} clk), L2 {gmem / L2_BW:.0f} clk, spill {spill / 1024:.1f} KiB, useful {useful / MMA_MACS:.0f} clk: "
-        f"{100 * useful / MMA_MACS / clk:.0f}% of peak",
+        f"{100 * useful / MMA_MACS / clk:.0f}% of peak, {clk / (bm * bn):.2f} clk/pair",
         flush=True,
     )
 
@@ -149,10 +157,12 @@ def report(kind, cfg, feature, d):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head-dim", type=int, default=512)
-    p.add_argument("--kinds", default="bwd_dkdv,bwd_dq")
+    p.add_argument("--kinds", default="bwd_dkdv,bwd_dq,bwd_dv,bwd_dk")
     p.add_argument("--configs", default="", help="'kind:BM,BN,warps,stages;...' instead of the defaults")
     p.add_argument("--features", default="dense,causal")
+    p.add_argument("--const", default="", help="'NAME=VALUE,...': kernel constexprs (integers) over the defaults")
     args = p.parse_args(argv)
+    extra = {k: int(v) for k, v in (c.split("=") for c in args.const.split(",") if c.strip())}
     if args.configs:
         cases = [
             (k, tuple(int(x) for x in c.split(",")))
@@ -169,7 +179,7 @@ def main(argv=None) -> int:
             cases += [(kind, c) for c in dict.fromkeys(table + NEIGHBOURS.get(kind, []))]
     for kind, cfg in cases:
         for feature in args.features.split(","):
-            report(kind, cfg, feature, args.head_dim)
+            report(kind, cfg, feature, args.head_dim, extra)
     return 0
 
 

@@ -38,6 +38,9 @@ from attention_dispatch.kernels import configs as C  # noqa: E402
 from attention_dispatch.kernels.tl import KERNELS as TL_KERNELS  # noqa: E402
 
 KERNELS = {kind: TL_KERNELS[kind] for kind in (C.FWD, C.BWD_DKDV, C.BWD_DQ)}
+# the split dK/dV passes (configs.SPLIT_KINDS): the dK/dV kernel with one of its outputs
+KERNELS.update({kind: TL_KERNELS[C.BWD_DKDV] for kind in C.SPLIT_KINDS})
+SPLIT_CONSTEXPRS = {C.BWD_DV: dict(DO_DK=False, BIAS_GRAD=False), C.BWD_DK: dict(DO_DV=False)}  # as tl/launch.py
 POINTERS = dict(
     {n: "*bf16" for n in ("Q", "K", "V", "Bias", "O", "DO", "DK", "DV", "DQ", "DB")},
     LSE="*fp32",
@@ -87,6 +90,7 @@ def kernel_cases(kinds=tuple(KERNELS), entries=C.CONFIG_TABLE):
                             SOFTCAP=softcap,
                             HAS_ALIBI=alibi,
                             HAS_SINKS=sinks,
+                            **SPLIT_CONSTEXPRS.get(e.kind, {}),
                         ),
                     )
 
@@ -121,6 +125,10 @@ def _feature_constexprs(d, cfg, causal, bias, bias_desc, dropout):
         ATOMIC=False,
         LSE_PAIR=False,  # float32 only (issue 38): bf16 compiles without it
         EXACT_P=0,  # float32 only (issue 38)
+        # constexprs with defaults are passed too: a missing one would compile as a runtime argument
+        DO_DK=True,
+        DO_DV=True,
+        DP_IN_BRANCH=C.wide_backward(d, d, torch.bfloat16),
     )
 
 
@@ -436,7 +444,8 @@ def main(argv=None) -> int:
         "--kinds",
         type=lambda s: tuple(s.split(",")),
         default=tuple(KERNELS) + ("fwd_ws", "fwd_d512"),
-        help="fwd, bwd_dkdv, bwd_dq, fwd_ws (the warp-specialised Gluon kernels), fwd_d512 (the Gluon d512 forward)",
+        help="fwd, bwd_dkdv, bwd_dq, bwd_dv, bwd_dk, fwd_ws (the warp-specialised Gluon kernels), fwd_d512 (the Gluon "
+        "d512 forward)",
     )
     p.add_argument("--limit", type=int, default=0, help="compile only the first N cases (0: all)")
     p.add_argument(

@@ -25,6 +25,11 @@ FWD = "fwd"
 BWD_DKDV = "bwd_dkdv"  # key-block parallel: dK, dV (and d(bias))
 BWD_DQ = "bwd_dq"  # query-block parallel: dQ (optionally split over keys)
 KINDS = (FWD, BWD_DKDV, BWD_DQ)
+# The dK/dV pass as two launches where these have entries (wide_backward calls, E108): dV alone,
+# then dK (and d(bias)) alone, each holding one BN x D fp32 accumulator; elsewhere BWD_DKDV.
+BWD_DV = "bwd_dv"
+BWD_DK = "bwd_dk"
+SPLIT_KINDS = (BWD_DV, BWD_DK)
 
 SUPPORTED_DTYPES = KERNEL_LIMITS.dtypes
 MIN_HEAD_DIM = KERNEL_LIMITS.min_head_dim
@@ -152,6 +157,15 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     _e(BWD_DKDV, _ANY, 256, _ALL, 16, 32, 4, 1),
     _e(BWD_DKDV, _ANY, 256, _ALL, 16, 16, 2, 1),
     _e(BWD_DKDV, _ANY, 512, _ALL, 16, 16, 4, 1),
+    # ---------------- backward dV alone, then dK alone (SPLIT_KINDS; padded head dims > 256) ----------------
+    # sm90 d512 (E108, compiled for sm90, not yet timed): 64 keys a program over 8 warps is one 64 x 512
+    # fp32 accumulator at 128 registers a thread and wgmma (64 x 256 a warpgroup) instead of mma.sync; no
+    # spill in either loop.  dV: S^T and dV only, 168 KiB in two stages.  dK: K and V stay (128 KiB), so
+    # 32 query rows fit one stage (its products N = 16 a warpgroup), 16 rows two stages (N = 8).
+    _e(BWD_DV, _SM90, 512, _HALF, 32, 64, 8, 2),
+    _e(BWD_DV, _SM90, 512, _HALF, 32, 64, 8, 1),
+    _e(BWD_DK, _SM90, 512, _HALF, 32, 64, 8, 1),
+    _e(BWD_DK, _SM90, 512, _HALF, 16, 64, 8, 2),
     # ---------------- backward dQ ----------------
     # sm90: the sweep's best tiles (E5; 128x64x8x3 re-checked at d=128, E33).
     _e(BWD_DQ, _SM90, 64, _HALF, 128, 64, 8, 3),
@@ -237,7 +251,16 @@ INTERPRETER_CONFIGS = {
     FWD: KernelConfig(32, 16, 1, 1, subtiles=2),  # forced tiles (tests) run the one-tile path
     BWD_DKDV: KernelConfig(16, 32, 1, 1),
     BWD_DQ: KernelConfig(32, 16, 1, 1),
+    BWD_DV: KernelConfig(16, 32, 1, 1),
+    BWD_DK: KernelConfig(32, 16, 1, 1),
 }
+
+
+def wide_backward(block_dqk: int, block_dv: int, dtype: torch.dtype) -> bool:
+    """Padded head dims > 256 in 16-bit dtypes (E108): the backward computes dP apart from the other
+    products' warp layout (DP_IN_BRANCH) and splits the dK/dV pass where SPLIT_KINDS have entries.
+    float32 keeps one dK/dV pass (its small fallback tiles; its scores must match bit for bit, issue 38)."""
+    return max(block_dqk, block_dv) > 256 and dtype in _HALF
 
 
 def block_d(head_dim: int) -> int:
@@ -250,7 +273,9 @@ def shared_memory_estimate(kind: str, cfg: KernelConfig, block_dqk: int, block_d
     bm, bn, st = cfg.block_m, cfg.block_n, max(1, cfg.num_stages)
     if kind == FWD:
         return (bm * block_dqk + st * bn * (block_dqk + block_dv)) * elem_size
-    if kind == BWD_DKDV:
+    if kind == BWD_DV:  # K stays; Q and dO stream
+        return (bn * block_dqk + st * bm * (block_dqk + block_dv)) * elem_size + bm * bn * elem_size
+    if kind in (BWD_DKDV, BWD_DK):
         return (bn * (block_dqk + block_dv) + st * bm * (block_dqk + block_dv)) * elem_size + 2 * bm * bn * elem_size
     if kind == BWD_DQ:
         return (bm * (block_dqk + block_dv) + st * bn * (block_dqk + block_dv)) * elem_size + bm * bn * elem_size

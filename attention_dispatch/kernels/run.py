@@ -61,14 +61,10 @@ def select_config(
 ) -> list[C.KernelConfig]:
     """Candidate configurations, best first (a forced block_m/block_n replaces the tiles, in
     one tile: no sub-tiles).  ``extras``: a bias, mask or dropout; ``grouped``: GQA / MQA."""
-    if is_interpreter() or torch.device(device).type != "cuda":
-        cands = [C.INTERPRETER_CONFIGS[kind]]
-    else:
+    cands = table_candidates(kind, head_dim_qk, head_dim_v, dtype, device, params, extras, grouped)
+    if not cands:
         cc, smem, _ = device_info(device)
-        banded = params is not None and (params.window_left >= 0 or params.window_right >= 0)
-        cands = C.candidate_configs(kind, head_dim_qk, head_dim_v, dtype, cc, smem, banded, extras, grouped)
-        if not cands:
-            raise RuntimeError(C.arch_reason(head_dim_qk, head_dim_v, dtype, cc, smem) or f"no {kind} configuration")
+        raise RuntimeError(C.arch_reason(head_dim_qk, head_dim_v, dtype, cc, smem) or f"no {kind} configuration")
     if params is not None and (params.block_m or params.block_n):
         cands = list(
             dict.fromkeys(
@@ -77,6 +73,25 @@ def select_config(
             )
         )
     return cands
+
+
+def table_candidates(
+    kind: str,
+    head_dim_qk: int,
+    head_dim_v: int,
+    dtype: torch.dtype,
+    device,
+    params: KernelParams | None = None,
+    extras: bool = False,
+    grouped: bool = False,
+) -> list[C.KernelConfig]:
+    """The table's entries for the call that fit the device, best first ([] when none; the
+    interpreter's fixed tiles on the CPU): :func:`select_config` without forced tiles."""
+    if is_interpreter() or torch.device(device).type != "cuda":
+        return [C.INTERPRETER_CONFIGS[kind]]
+    cc, smem, _ = device_info(device)
+    banded = params is not None and (params.window_left >= 0 or params.window_right >= 0)
+    return C.candidate_configs(kind, head_dim_qk, head_dim_v, dtype, cc, smem, banded, extras, grouped)
 
 
 CHOSEN: dict = {}

@@ -1,6 +1,7 @@
 """The tl (triton.language) kernels: every feature, every CUDA GPU from sm80 and the CPU interpreter."""
 
-from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
+from .backward import _attn_bwd_dkdv, _attn_bwd_dq
+from .backward_delta import _attn_bwd_preprocess
 from .decode import _decode_combine, _decode_split
 from .dropout import _dropout_mask_kernel
 from .forward import _attn_fwd

@@ -1,5 +1,6 @@
-"""Triton backward kernels: delta preprocessing, dK/dV (+ d(bias)), dQ (optionally split
-over keys with fp32 atomics).  Conventions: see common.py.
+"""Triton backward kernels: dK/dV (+ d(bias); or dV and dK in two launches), dQ (optionally
+split over keys with fp32 atomics); the delta pass before them is backward_delta.py.  Conventions:
+see common.py.
 
 Gradients (natural-log units): P = exp(s - lse), dP = dO V^T (times keep/(1-p) under
 dropout), dS = P * (dP - delta) with delta = rowsum(dO * O); dQ = scale * dS K,
@@ -43,94 +44,6 @@ def _lse_log2(LSE, offs, row_ok, LSE_PAIR: tl.constexpr):
     else:
         lse = tl.load(LSE + offs, mask=row_ok, other=0.0)
         return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), 0.0
-
-
-@triton.jit
-def _attn_bwd_preprocess(
-    O,
-    DO,
-    Delta,
-    CuQ,
-    LSE,
-    Sinks,
-    DLse,
-    LseTotal,
-    DSinkRows,
-    sob,
-    soh,
-    sos,
-    sdob,
-    sdoh,
-    sdos,
-    slb,
-    slh,
-    sls,
-    H,
-    seqlen_q,
-    bh_start,
-    HEAD_DV: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    SINK_GRAD: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
-    """delta = rowsum(dO * O).  HAS_SINKS: LseTotal = logaddexp(lse, sink) (-inf kept for an
-    empty row), P's normaliser in the dK/dV and dQ passes; SINK_GRAD: DSinkRows = -exp(sink -
-    LseTotal) * delta per row, summed over rows on the host.  HAS_DLSE: a gradient flowing into
-    lse adds dlse * P_plain to dS, i.e. delta -= dlse * exp(LseTotal - lse) (dlse without sinks;
-    0 for an empty row).  LSE, DLse, LseTotal and DSinkRows share delta's layout."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1) + bh_start
-    b = pid_bh // H
-    h = pid_bh % H
-    if IS_VARLEN:
-        q_start = tl.load(CuQ + b).to(tl.int64)
-        sq = (tl.load(CuQ + b + 1).to(tl.int64) - q_start).to(tl.int32)
-    else:
-        q_start = 0
-        sq = seqlen_q
-    m0 = pid_m * BLOCK_M
-    if m0 >= sq:
-        return
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < sq
-    rows = q_start + offs_m.to(tl.int64)
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    o = _load_rows(
-        O + b64 * sob + h64 * soh + rows[:, None] * sos + offs_d[None, :], row_ok, offs_d < HEAD_DV, BLOCK_DV == HEAD_DV
-    )
-    do = _load_rows(
-        DO + b64 * sdob + h64 * sdoh + rows[:, None] * sdos + offs_d[None, :],
-        row_ok,
-        offs_d < HEAD_DV,
-        BLOCK_DV == HEAD_DV,
-    )
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    l_ptrs = b64 * slb + h64 * slh + rows * sls
-    if HAS_SINKS | HAS_DLSE:
-        lse = tl.load(LSE + l_ptrs, mask=row_ok, other=float("-inf"))
-        empty = lse == float("-inf")
-        lse_used = tl.where(empty, 0.0, lse)
-    if HAS_SINKS:
-        sink = tl.load(Sinks + h).to(tl.float32)
-        top = tl.maximum(lse_used, sink)
-        # logaddexp(lse, sink) - lse, >= 0: the factor exp(lse_total - lse) below
-        excess = top - lse_used + tl.log(tl.exp(lse_used - top) + tl.exp(sink - top))
-        lse_total = tl.where(empty, float("-inf"), lse_used + excess)
-        tl.store(LseTotal + l_ptrs, lse_total, mask=row_ok)
-        if SINK_GRAD:
-            p_sink = tl.where(empty, 0.0, tl.exp(sink - tl.where(empty, 0.0, lse_total)))
-            tl.store(DSinkRows + l_ptrs, -p_sink * delta, mask=row_ok)
-    if HAS_DLSE:
-        dlse = tl.load(DLse + l_ptrs, mask=row_ok, other=0.0)
-        if HAS_SINKS:
-            dlse = dlse * tl.exp(excess)
-        delta = delta - tl.where(empty, 0.0, dlse)
-    tl.store(Delta + l_ptrs, delta, mask=row_ok)
 
 
 @triton.jit
@@ -222,11 +135,19 @@ def _attn_bwd_dkdv(
     USE_DESC: tl.constexpr,
     LSE_PAIR: tl.constexpr = False,
     EXACT_P: tl.constexpr = 0,
+    DO_DK: tl.constexpr = True,
+    DO_DV: tl.constexpr = True,
+    DP_IN_BRANCH: tl.constexpr = False,
 ):
     """One program: one key tile of one (batch, kv head); loops over the query heads of the
     GROUP that read this kv head (all of them, or the share of split program_id(2), whose
     partial dK/dV go to an fp32 workspace slice summed on the host) and over the query tiles
-    of the band.  No atomics.  EXACT_P (float32): see common.py."""
+    of the band.  No atomics.  EXACT_P (float32): see common.py.  DO_DK / DO_DV: which of the
+    two gradients this launch computes; one alone (two launches, d > 256: E108) holds one
+    BN x D fp32 accumulator instead of two, and the dV pass needs neither V nor dP.
+    DP_IN_BRANCH (d > 256): dP goes through the band-edge branch as S does.  Triton 3.6 gives a
+    product whose value reaches another product (a forward slice, which an if's yield ends) warps
+    [num_warps, 1]: at 64 rows over 8 warps both warpgroups then compute all of dP (E105, E108)."""
     pid_n = tl.program_id(0)
     gsplit = tl.program_id(2)
     b, hk = _batch_head(tl.program_id(1) + bh_start, HK, NB, BATCH_MINOR)
@@ -262,12 +183,13 @@ def _attn_bwd_dkdv(
         offs_dq < HEAD_DQK,
         BLOCK_DQK == HEAD_DQK,
     )
-    v = _load_rows(
-        V + b64 * svb + hk64 * svh + krows[:, None] * svs + offs_dv[None, :],
-        col_ok,
-        offs_dv < HEAD_DV,
-        BLOCK_DV == HEAD_DV,
-    )
+    if DO_DK:
+        v = _load_rows(
+            V + b64 * svb + hk64 * svh + krows[:, None] * svs + offs_dv[None, :],
+            col_ok,
+            offs_dv < HEAD_DV,
+            BLOCK_DV == HEAD_DV,
+        )
 
     # ---- query range of the band for this key tile ----
     n_last = tl.minimum(n0 + BLOCK_N, sk) - 1
@@ -325,22 +247,23 @@ def _attn_bwd_dkdv(
             else:
                 lse = tl.load(LSE + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
                 lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            delta = tl.load(Delta + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
+            if DO_DK:
+                delta = tl.load(Delta + l_base + offs_m.to(tl.int64) * sls, mask=row_ok, other=0.0)
 
             # both products first: Triton 3.6 waits for each one where it is issued, so this
             # order and the other one compile to the same schedule (neutral, E25, E27)
             sT = _qk(k, q, DOT_UPCAST, DOT_IEEE, EXACT_P)
-            dpT = _dot(v, tl.trans(do), DOT_UPCAST, DOT_IEEE)
+            if DO_DK:
+                dpT = _dot(v, tl.trans(do), DOT_UPCAST, DOT_IEEE)
             sT, tT = _score_log2(
                 sT, qk_scale, softcap_in, softcap_out, slope2, offs_m, offs_n, off, SOFTCAP, HAS_ALIBI, True, EXACT_P
             )
             sT = _apply_bias(sT, bias_base, start_m, n0, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, True)
             if (start_m < full_lo) | (start_m >= full_hi):
-                sT = tl.where(
-                    _band_mask(offs_m, offs_n, sk, off, window_left, window_right, HAS_WL, HAS_WR, True),
-                    sT,
-                    float("-inf"),
-                )
+                band = _band_mask(offs_m, offs_n, sk, off, window_left, window_right, HAS_WL, HAS_WR, True)
+                sT = tl.where(band, sT, float("-inf"))
+                if DO_DK and DP_IN_BRANCH:  # the same P = 0 there; dP's warps split like S's
+                    dpT = tl.where(band, dpT, 0.0)
             if LSE_PAIR:
                 pT = tl.math.exp2((sT - lse2[None, :]) - lse_lo[None, :])
             else:
@@ -349,12 +272,15 @@ def _attn_bwd_dkdv(
                 rng_rows = _rng_rows(pid_bh64, offs_m, rng_row0, rng_col4, rng_sq, rng_per_row)
                 keep = _dropout_keep(seed, rng_rows, n0, dropout_p, BLOCK_N, True)
                 pdT = tl.where(keep, pT * inv_keep, 0.0)
-                dpT = tl.where(keep, dpT * inv_keep, 0.0)
+                if DO_DK:
+                    dpT = tl.where(keep, dpT * inv_keep, 0.0)
             else:
                 pdT = pT
-            dv += _dot(_lowp(pdT, do.dtype, ROUND_P), do, DOT_UPCAST, DOT_IEEE)
-            dsT = pT * (dpT - delta[None, :])
-            dk += _dot(_lowp(_softcap_grad(dsT, tT, SOFTCAP), q.dtype, ROUND_P), q, DOT_UPCAST, DOT_IEEE)
+            if DO_DV:
+                dv += _dot(_lowp(pdT, do.dtype, ROUND_P), do, DOT_UPCAST, DOT_IEEE)
+            if DO_DK:
+                dsT = pT * (dpT - delta[None, :])
+                dk += _dot(_lowp(_softcap_grad(dsT, tT, SOFTCAP), q.dtype, ROUND_P), q, DOT_UPCAST, DOT_IEEE)
             if BIAS_GRAD:
                 if DB_SUM_ROWS:
                     db_acc += tl.sum(tl.where(row_ok[None, :], dsT, 0.0), 1)
@@ -379,14 +305,16 @@ def _attn_bwd_dkdv(
     dk = dk * sm_scale
     dk_ptrs = DK + gsplit.to(tl.int64) * sdk_split + b64 * sdkb + hk64 * sdkh + krows[:, None] * sdks + offs_dq[None, :]
     dv_ptrs = DV + gsplit.to(tl.int64) * sdv_split + b64 * sdvb + hk64 * sdvh + krows[:, None] * sdvs + offs_dv[None, :]
-    if BLOCK_DQK == HEAD_DQK:
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-    else:
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_dq < HEAD_DQK)[None, :])
-    if BLOCK_DV == HEAD_DV:
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
-    else:
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv < HEAD_DV)[None, :])
+    if DO_DK:
+        if BLOCK_DQK == HEAD_DQK:
+            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+        else:
+            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_dq < HEAD_DQK)[None, :])
+    if DO_DV:
+        if BLOCK_DV == HEAD_DV:
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+        else:
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv < HEAD_DV)[None, :])
 
 
 @triton.jit
@@ -464,10 +392,11 @@ def _attn_bwd_dq(
     USE_DESC: tl.constexpr,
     LSE_PAIR: tl.constexpr = False,
     EXACT_P: tl.constexpr = 0,
+    DP_IN_BRANCH: tl.constexpr = False,
 ):
     """One program: one query tile of one (batch, head) and one split of its key range.
     ATOMIC (split-keys): partial dQ is atomically added to an fp32 workspace.  EXACT_P (float32):
-    see common.py."""
+    see common.py.  DP_IN_BRANCH: see :func:`_attn_bwd_dkdv`."""
     pid_m = tl.program_id(0)
     split = tl.program_id(2)
     b, h = _batch_head(tl.program_id(1) + bh_start, H, NB, BATCH_MINOR)
@@ -567,9 +496,10 @@ def _attn_bwd_dq(
         )
         s = _apply_bias(s, bias_base, m0, start_n, offs_m, offs_n, sq, sk, sbi, sbj, BIAS_KIND, BIAS_DESC, False)
         if (start_n < full_lo) | (start_n >= full_hi):
-            s = tl.where(
-                _band_mask(offs_m, offs_n, sk, off, window_left, window_right, HAS_WL, HAS_WR, False), s, float("-inf")
-            )
+            band = _band_mask(offs_m, offs_n, sk, off, window_left, window_right, HAS_WL, HAS_WR, False)
+            s = tl.where(band, s, float("-inf"))
+            if DP_IN_BRANCH:  # the same P = 0 there; dP's warps split like S's
+                dp = tl.where(band, dp, 0.0)
         if LSE_PAIR:
             p = tl.math.exp2((s - lse2[:, None]) - lse_lo[:, None])
         else:

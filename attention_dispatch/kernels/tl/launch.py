@@ -26,7 +26,8 @@ from ..shapes import (
     rows_layout,
     store_dtype,
 )
-from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
+from .backward import _attn_bwd_dkdv, _attn_bwd_dq
+from .backward_delta import _attn_bwd_preprocess
 from .common import LOG2E
 from .forward import _attn_fwd
 
@@ -309,6 +310,7 @@ def backward_args(
             **score_constexprs(params, alibi, q.dtype),
             LSE_PAIR=lse_pair,
             EXACT_P=exact_p(q.dtype),
+            DP_IN_BRANCH=C.wide_backward(C.block_d(prob.Dqk), C.block_d(prob.Dv), q.dtype),
         ),
         run.table_traits(bias_kind, params, prob),
         grid_limit(params),
@@ -335,7 +337,7 @@ def delta_pass(
     """delta = rowsum(dO * O) into ``delta`` (fp32, lse's shape): every backward's first pass.
     With ``sinks`` (Hq,) it writes ``lse_total`` = logaddexp(lse, sink) and, given
     ``dsink_rows``, each row's share of d(sink); with ``grad_lse`` (lse's layout) delta takes the
-    logsumexp's gradient (tl/backward.py's _attn_bwd_preprocess); all of lse's layout."""
+    logsumexp's gradient (tl/backward_delta.py's _attn_bwd_preprocess); all of lse's layout."""
     bm_pre = 16 if is_interpreter() else 64
     o_str = prob.out_strides(out)
     dummy = delta
@@ -385,7 +387,8 @@ def dkdv_pass(
     its GQA group (split over grid axis 2 into fp32 partials summed in a fixed order when the
     grid is small).  ``bcast``: which of the bias's dims broadcast (:func:`bias.bias_layout`).
     ``dk_out``/``dv_out`` (any strides, last dim contiguous): written there without group splits
-    (k/v themselves included: a program stores its dK/dV tile after its only read of that tile)."""
+    (k/v themselves included: a program stores its dK/dV tile after its only read of that tile).
+    Where configs.SPLIT_KINDS have entries for a wide_backward call: dV, then dK, in two launches."""
     dev = q.device
     dummy = q
     bias_t, bstr, seed_t, cu_q_t, cu_k_t, common, traits, limit, num_sms, lse_str, do_str, _, _ = a
@@ -399,7 +402,16 @@ def dkdv_pass(
     else:
         db_ws = dummy
         db_str = (0, 0, 0, 0)
-    cands = run.select_config(C.BWD_DKDV, prob.Dqk, prob.Dv, q.dtype, dev, params, **traits)
+    parts = {C.BWD_DKDV: dict(DO_DK=True, DO_DV=True)}  # every constexpr passed: relaunchable (compiled_cache)
+    if common["DP_IN_BRANCH"] and all(
+        run.table_candidates(kind, prob.Dqk, prob.Dv, q.dtype, dev, params, **traits) for kind in C.SPLIT_KINDS
+    ):
+        parts = {  # d(bias) is dS's: the dK pass's
+            C.BWD_DV: dict(DO_DK=False, DO_DV=True, BIAS_GRAD=False),
+            C.BWD_DK: dict(DO_DK=True, DO_DV=False),
+        }
+        dv_out = None  # the dK pass reads V after the dV pass: not into v itself (the caller copies)
+    cands = {kind: run.select_config(kind, prob.Dqk, prob.Dv, q.dtype, dev, params, **traits) for kind in parts}
     # group split (GQA/MQA): query heads of a kv head spread over grid axis 2, partial
     # dK/dV in an fp32 workspace summed in a fixed order (never with a head-summed d(bias)).
     if params.deterministic or prob.group == 1 or (bias_grad and sum_heads):
@@ -407,7 +419,8 @@ def dkdv_pass(
     elif params.num_splits > 0:
         gsplits = min(params.num_splits, prob.group)
     else:
-        gsplits = group_splits_heuristic(prob.B * prob.Hkv, cdiv(prob.Sk, cands[0].block_n), prob.group, num_sms)
+        n_tiles = cdiv(prob.Sk, cands[list(parts)[-1]][0].block_n)
+        gsplits = group_splits_heuristic(prob.B * prob.Hkv, n_tiles, prob.group, num_sms)
     per_split = cdiv(prob.group, gsplits)
     gsplits = cdiv(prob.group, per_split)
     if gsplits > 1:
@@ -460,23 +473,26 @@ def dkdv_pass(
         prob.Sq,
         prob.Sk,
     )
-    kw = dict(common, BIAS_GRAD=bias_grad, DB_SUM_ROWS=sum_rows, DB_SUM_HEADS=sum_heads)
-    key = ("dkdv", dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
-    for start, cnt in bh_chunks(prob.B * prob.Hkv, prob.Hkv, limit):
+    for kind, outputs in parts.items():
+        kw = dict(common, BIAS_GRAD=bias_grad, DB_SUM_ROWS=sum_rows, DB_SUM_HEADS=sum_heads)
+        kw.update(outputs)
+        key = (kind, dev, q.dtype, prob.Dqk, prob.Dv, common["USE_DESC"])
+        kind_cands = cands[kind]
+        for start, cnt in bh_chunks(prob.B * prob.Hkv, prob.Hkv, limit):
 
-        def grid(cfg, cnt=cnt):
-            return (cdiv(prob.Sk, cfg.block_n), cnt, gsplits)
+            def grid(cfg, cnt=cnt):
+                return (cdiv(prob.Sk, cfg.block_n), cnt, gsplits)
 
-        cfg = run.launch_first_fitting(
-            C.BWD_DKDV,
-            _attn_bwd_dkdv,
-            grid,
-            args + (start, params.window_left, params.window_right, per_split, *split_str),
-            kw,
-            cands,
-            key,
-        )
-        cands = [cfg]
+            cfg = run.launch_first_fitting(
+                kind,
+                _attn_bwd_dkdv,
+                grid,
+                args + (start, params.window_left, params.window_right, per_split, *split_str),
+                kw,
+                kind_cands,
+                key,
+            )
+            kind_cands = [cfg]
     if gsplits > 1:
         dk, dv = dk_out.sum(0).to(k.dtype), dv_out.sum(0).to(v.dtype)
     else:
