@@ -217,8 +217,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         dest="pair_fastest",
         action="store_false",
         default=PAIR_FASTEST,
-        help="time policy=\"fastest\" in its shuffled place, not next to the backend it chose "
-        "(docs/experiments/perf-notes.md, experiment 69)",
+        help="time policy=\"fastest\" and default sdpa() in their shuffled places, not next to the "
+        "backend each chose (docs/experiments/perf-notes.md, experiment 69)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--no-check", action="store_true", help="skip the output comparison against the reference")
@@ -561,6 +561,7 @@ def main(argv=None) -> int:
         min_per_turn=args.min_per_turn,
         pair_fastest=args.pair_fastest,
         pair_rounds=args.pair_fastest,
+        pair_default=args.pair_fastest,  # default sdpa() paired with its choice too (issue 35's target)
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         commit=git_commit(args.commit),
         quick=args.quick,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from benchmarks.grid import ANCHORS, BWD_FACTOR, HIDDEN, IMPLS, LABELS, MODES, TOKENS, Row
 from benchmarks.targets import (
     TARGET_MIN_S,
-    fastest_ratio,
+    choice_ratio,
     ratio_between,
     target_rows,
 )
@@ -106,11 +106,12 @@ def md_table(headers: list[str], lines: list[list[str]]) -> str:
 
 def row_lines(entries: list[dict], impls: list[str]) -> tuple[list[str], list[list[str]]]:
     """Headers and lines: one line per row, 'fwd / fwd+bwd' TFLOP/s per implementation,
-    then the best anchor and the ratios of sdpa and triton to it."""
+    then the best anchor and triton's ratio to it, and our two policies (default sdpa() and
+    policy="fastest") against the best backend each could have chosen (choice_ratio)."""
     headers = (
         ["row"]
         + [LABELS.get(i, i) for i in impls]
-        + ["best anchor", "sdpa/best", "triton/best", "fastest/best backend"]
+        + ["best anchor", "triton/best", "default/best backend", "fastest/best backend"]
     )
     lines = []
     for e in entries:
@@ -123,9 +124,9 @@ def row_lines(entries: list[dict], impls: list[str]) -> tuple[list[str], list[li
             + [fmt_pair(res.get(i)) for i in impls]
             + [
                 best_s,
-                fmt_ratio(res.get("sdpa")),
                 fmt_ratio(res.get("triton")),
-                fmt_modes(lambda m, e=e: fastest_ratio(e, m)),
+                fmt_modes(lambda m, e=e: choice_ratio(e, m, "sdpa")),
+                fmt_modes(lambda m, e=e: choice_ratio(e, m)),
             ]
         )
     return headers, lines
@@ -147,15 +148,15 @@ def split_dense(entries: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def target_note(target: dict) -> str:
-    """What explains a target's misses, where the target records them (policy="fastest"): each
-    row below the bar, and whether fastest chose the best column's backend there."""
+    """What explains a target's misses, where the target records them (our policies): each row
+    below the bar, and whether the policy chose the best column's backend there."""
     parts = []
     for m in target.get("misses") or []:
         why = "the best column: one kernel timed twice" if m["same_backend"] else f"the best: {m['best']}"
-        if m.get("paired"):  # read paired (fastest_ratio): what the lower quartiles alone read
+        if m.get("paired"):  # read paired (choice_ratio): what the lower quartiles alone read
             why += f"; read paired, lower quartiles {m['direct']:.2f}"
         parts.append(("below: " if not parts else "") + f"{m['row']} {m['ratio']:.2f} (chose {m['chose']}, {why})")
-    if "direct_below" in target:  # policy="fastest": how its rows were read (fastest_ratio)
+    if "direct_below" in target:  # our policies: how their rows were read (choice_ratio)
         parts.append(
             f"{target['paired_rows']} rows read paired with the choice's column (one call a turn), "
             f"the others by lower quartiles; lower quartiles alone: worst {target['direct_worst']:.2f}, "
@@ -282,13 +283,13 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
         "(first line in details.log), `skip` = out of time budget, `!` = output differed from the "
         "reference. Ratios are to the best anchor of the row (anchors: "
         + ", ".join(LABELS[a] for a in ANCHORS)
-        + "); `fastest/best backend` compares policy=\"fastest\" "
-        "with the best of the backends eligible for that row and mode (the ones claiming it exactly: "
-        "not cuDNN's dropout, for one; one that failed while timed still counts)"
+        + "); `default/best backend` and `fastest/best backend` compare default sdpa() and "
+        "policy=\"fastest\" with the best of the backends eligible for that row and mode (the ones "
+        "claiming it exactly: not cuDNN's dropout, for one; one that failed while timed still counts)"
         + (
-            "; where its turns ran next to its choice's column one call a turn (cells over ~3.6 ms), it is "
-            "read as fastest / that column, paired round by round (the medians of the rounds where fastest "
-            "went second and of those where it went first, averaged), times that column / the best "
+            "; where a policy's turns ran next to its choice's column one call a turn (cells over ~3.6 ms), "
+            "it is read as policy / that column, paired round by round (the medians of the rounds where the "
+            "policy went second and of those where it went first, averaged), times that column / the best "
             "column (docs/experiments/perf-notes.md, experiment 75)"
             if meta.get("pair_fastest")
             else ""
@@ -325,7 +326,9 @@ def markdown_report(data: dict, plot_links: dict[str, str]) -> str:
             )  # runs before experiment 66 time every turn alike
             + (
                 "; policy=\"fastest\" takes its turn next to the backend it chose (after it in even rounds, "
-                "before it in odd ones: two measurements of one kernel share the machine's state"
+                "before it in odd ones"
+                + ("; default sdpa() likewise, on the other side" if meta.get("pair_default") else "")
+                + ": two measurements of one kernel share the machine's state"
                 + (
                     "; rounds 2k and 2k + 1 in one order, so each side goes first after the same turns"
                     if meta.get("pair_rounds")

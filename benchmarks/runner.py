@@ -17,7 +17,7 @@ from benchmarks.grid import COMPILING_IMPLS, MODES, OURS, Row, flops, support, t
 from benchmarks.implementations import Implementations
 from benchmarks.report import fmt_num
 from benchmarks.targets import chosen_column
-from benchmarks.turns import pair_fastest, slow_turns, turn_order, warm_calls
+from benchmarks.turns import PAIRED, pair_choices, slow_turns, turn_order, warm_calls
 
 
 # A cell's time from its repetitions (experiment 62): slowdowns from the clock state a previous
@@ -184,7 +184,12 @@ class Runner(Implementations):
         failed: dict[int, str] = {}
         slow: set[int] = set()
         turn_names = [(impl, m) for impl, m, *_ in pending]
-        chosen = {m: c for m in MODES if self.args.pair_fastest and (c := chosen_column(entry["results"], m))}
+        chosen = {
+            (impl, m): c
+            for impl in PAIRED
+            for m in MODES
+            if self.args.pair_fastest and (c := chosen_column(entry["results"], m, impl))
+        }
         gc.collect()  # sample() keeps the collector off while it times; start from a clean heap
         for rnd in range(rounds):
             if rnd == 1:
@@ -196,7 +201,7 @@ class Runner(Implementations):
             # paired, rounds 2k and 2k + 1 share one order (only the pair's two turns swap): both
             # sides of the pair go first after the same turn, whose clock state the first inherits
             order = turn_order(len(pending), row.id, rnd // 2 if chosen else rnd, self.args.seed)
-            for i in pair_fastest(order, turn_names, chosen, rnd):
+            for i in pair_choices(order, turn_names, chosen, rnd):
                 impl, m, fn, ctx, w = pending[i]
                 if i in failed or w["est"] > 1000.0 and times[i] or i in slow and rnd >= self.args.slow_rounds:
                     continue
@@ -223,8 +228,8 @@ class Runner(Implementations):
                 continue
             r = dict(res[m], **self.summarize(w, times[i]))
             r.update(status="ok", tflops=tflops(row, m, r["ms"]), rounds=turns[i])
-            if impl == "fastest" and m in chosen and (chosen[m], m) in turn_names:
-                r["paired_with"] = chosen[m]  # its turns ran next to that column's (pair_fastest)
+            if (column := chosen.get((impl, m))) and column != impl and (column, m) in turn_names:
+                r["paired_with"] = column  # its turns ran next to that column's (pair_choices)
             res[m] = r
             log(
                 f"  {impl:16s} {m:8s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  peak "

@@ -66,8 +66,9 @@ def best_backend(entry: dict, mode: str) -> tuple[str | None, float | None]:
     return best_anchor(entry["results"], mode, impls)
 
 
-def paired_log_ratio(entry: dict, mode: str) -> float | None:
-    """log(policy="fastest"'s speed / the speed of the column it was paired with), read round by
+def paired_log_ratio(entry: dict, mode: str, impl: str = "fastest") -> float | None:
+    """log(``impl``'s speed (one of PAIRED: policy="fastest" or the default policy's column) / the
+    speed of the column it was paired with), read round by
     round from the two turns that ran next to each other (PAIR_FASTEST), or None where they do
     not pair: not paired in this run, different rounds, or more than one timed call per turn
     (cells under ~3.6 ms: host-bound at times, where the lower quartile reads the device's
@@ -79,7 +80,7 @@ def paired_log_ratio(entry: dict, mode: str) -> float | None:
     is ~3% slower on average and up to ~15% (power-limited clock, docs/experiments/perf-notes.md experiment
     75); with 11 rounds one side goes second once more, and the plain median follows that side."""
     results = entry["results"]
-    cell = (results.get("fastest") or {}).get(mode) or {}
+    cell = (results.get(impl) or {}).get(mode) or {}
     column = cell.get("paired_with")
     other = ((results.get(column) or {}).get(mode) or {}) if column else {}
     mine, theirs, rounds = cell.get("samples_ms") or [], other.get("samples_ms") or [], cell.get("rounds") or 0
@@ -96,51 +97,52 @@ def paired_log_ratio(entry: dict, mode: str) -> float | None:
     return (statistics.median(logs[0::2]) + statistics.median(logs[1::2])) / 2
 
 
-def fastest_ratio(entry: dict, mode: str, paired: bool = True) -> float | None:
-    """policy="fastest" against the best single backend it could have chosen (best_backend).
-    Where its turns were paired with its choice's column one call a turn (paired_log_ratio),
-    read as (fastest / that column, paired) x (that column / the best column): the first factor
-    is two measurements of one kernel side by side, the second the choice.  ``paired=False``:
-    the ratio of the two columns' lower quartiles (the direct reading, also reported)."""
+def choice_ratio(entry: dict, mode: str, impl: str = "fastest", paired: bool = True) -> float | None:
+    """``impl`` (policy="fastest", or "sdpa": the default policy) against the best single backend it
+    could have chosen (best_backend).  Where its turns were paired with its choice's column one call
+    a turn (paired_log_ratio), read as (impl / that column, paired) x (that column / the best
+    column): the first factor is two measurements of one kernel side by side, the second the choice.
+    ``paired=False``: the ratio of the two columns' lower quartiles (the direct reading, also reported)."""
     results = entry["results"]
-    v = cell_value(results.get("fastest"), mode)
+    v = cell_value(results.get(impl), mode)
     _, best = best_backend(entry, mode)
     if v is None or not best:
         return None
-    log_ratio = paired_log_ratio(entry, mode) if paired else None
+    log_ratio = paired_log_ratio(entry, mode, impl) if paired else None
     if log_ratio is None:
         return v / best
-    column = results["fastest"][mode]["paired_with"]
+    column = results[impl][mode]["paired_with"]
     return math.exp(log_ratio) * cell_value(results[column], mode) / best
 
 
-def chosen_column(results: dict, mode: str) -> str | None:
-    """The column running the backend policy="fastest" chose in this mode (its backend name,
-    BACKEND_COLUMNS where the column is named otherwise), or None before it chose."""
-    backend = ((results.get("fastest") or {}).get(mode) or {}).get("backend")
+def chosen_column(results: dict, mode: str, impl: str = "fastest") -> str | None:
+    """The column running the backend ``impl`` (policy="fastest", or "sdpa": the default policy)
+    chose in this mode (its backend name, BACKEND_COLUMNS where the column is named otherwise), or
+    None before it chose."""
+    backend = ((results.get(impl) or {}).get(mode) or {}).get("backend")
     return BACKEND_COLUMNS.get(backend, backend) if backend else None
 
 
-def fastest_misses(entries: list[dict], mode: str, need: float = 0.97) -> list[dict]:
-    """The rows where policy="fastest" read below ``need`` of the best single backend: its
-    ratio, the backend it chose, the best column's backend, and whether they are one backend
-    (then the gap is two measurements of one kernel, not a wrong choice)."""
+def choice_misses(entries: list[dict], mode: str, need: float = 0.97, impl: str = "fastest") -> list[dict]:
+    """The rows where ``impl`` (policy="fastest", or "sdpa": the default policy) read below ``need``
+    of the best single backend: its ratio, the backend it chose, the best column's backend, and
+    whether they are one backend (then the gap is two measurements of one kernel, not a wrong choice)."""
     misses = []
     for e in entries:
-        r = fastest_ratio(e, mode)
+        r = choice_ratio(e, mode, impl)
         if r is None or r >= need:
             continue
-        chose = ((e["results"].get("fastest") or {}).get(mode) or {}).get("backend")
+        chose = ((e["results"].get(impl) or {}).get(mode) or {}).get("backend")
         best, _ = best_backend(e, mode)
         misses.append(
             dict(
                 row=Row.from_json(e["row"]).id,
                 ratio=round(r, 3),
-                direct=round(fastest_ratio(e, mode, paired=False), 3),
-                paired=paired_log_ratio(e, mode) is not None,
+                direct=round(choice_ratio(e, mode, impl, paired=False), 3),
+                paired=paired_log_ratio(e, mode, impl) is not None,
                 chose=chose,
                 best=BACKEND_NAMES.get(best, best),
-                same_backend=chosen_column(e["results"], mode) == best,
+                same_backend=chosen_column(e["results"], mode, impl) == best,
             )
         )
     return misses
@@ -199,18 +201,20 @@ def evaluate_targets(entries: list[dict], impl: str = "triton") -> list[dict]:
             b = (dense["results"].get(impl) or {}).get(mode) or {}
             r = (b["ms"] / a["ms"]) if a.get("status") == "ok" and b.get("status") == "ok" else None
             add(f"window (1024,0) S=16k {mode}: >= 5x faster than our dense non-causal (time ratio)", [r], 5.0)
-    for mode in MODES:
-        cells = [e for e in entries if (e["results"].get("fastest") or {}).get(mode)]
-        ratios = [r for e in cells if (r := fastest_ratio(e, mode)) is not None]
-        if ratios:
-            direct = [r for e in cells if (r := fastest_ratio(e, mode, paired=False)) is not None]
-            add(
-                f"policy=fastest {mode} >= 0.97x the best single backend, every row ({len(ratios)} rows)",
-                ratios,
-                0.97,
-                misses=fastest_misses(entries, mode, 0.97),
-                paired_rows=sum(paired_log_ratio(e, mode) is not None for e in cells),
-                direct_worst=round(min(direct), 3),
-                direct_below=sum(r < 0.97 for r in direct),
-            )
+    # issue 35: the default policy's choice; policy="fastest" measures its own
+    for chooser, name, need in (("sdpa", "default sdpa() (auto)", 0.95), ("fastest", "policy=fastest", 0.97)):
+        for mode in MODES:
+            cells = [e for e in entries if (e["results"].get(chooser) or {}).get(mode)]
+            ratios = [r for e in cells if (r := choice_ratio(e, mode, chooser)) is not None]
+            if ratios:
+                direct = [r for e in cells if (r := choice_ratio(e, mode, chooser, paired=False)) is not None]
+                add(
+                    f"{name} {mode} >= {need}x the best single backend, every row ({len(ratios)} rows)",
+                    ratios,
+                    need,
+                    misses=choice_misses(entries, mode, need, chooser),
+                    paired_rows=sum(paired_log_ratio(e, mode, chooser) is not None for e in cells),
+                    direct_worst=round(min(direct), 3),
+                    direct_below=sum(r < need for r in direct),
+                )
     return targets

@@ -1,6 +1,6 @@
 """How a row's implementations take turns in rounds: the order of each round (shuffled by
-attention_dispatch.timing.turn_order, salted by the row), policy="fastest"'s turn paired with
-its choice's, slow turns cut short, and the untimed calls opening a turn."""
+attention_dispatch.timing.turn_order, salted by the row), our policies' turns paired with
+their choices', slow turns cut short, and the untimed calls opening a turn."""
 
 from __future__ import annotations
 
@@ -29,19 +29,28 @@ def warm_calls(est_ms: float, warm_ms: float, most: int = 200) -> int:
     return max(1, min(most, math.ceil(warm_ms / max(est_ms, 1e-3))))
 
 
-def pair_fastest(order: list[int], turns: list[tuple[str, str]], chosen: dict[str, str], rnd: int) -> list[int]:
-    """``order`` (a round's turn indices) with each policy="fastest" turn moved next to the turn of
-    the column running the backend it chose in that mode (``chosen``: mode -> column): right after
-    it in even rounds, right before it in odd ones.  ``turns``: (implementation, mode) per index.
-    A mode whose choice has no column in the row keeps its place."""
+# The columns of our policies, each timed next to the column of the backend it chose: policy="fastest"
+# right after it in even rounds and right before it in odd ones, the default policy ("sdpa") the other
+# way round, so both sit next to their choice every round even when they chose the same column.
+PAIRED = {"fastest": 1, "sdpa": -1}
+
+
+def pair_choices(
+    order: list[int], turns: list[tuple[str, str]], chosen: dict[tuple[str, str], str], rnd: int
+) -> list[int]:
+    """``order`` (a round's turn indices) with each PAIRED implementation's turn moved next to the
+    turn of the column running the backend it chose (``chosen``: (implementation, mode) -> column),
+    on its PAIRED side in even rounds and the other side in odd ones.  ``turns``: (implementation,
+    mode) per index.  A choice without a column in the row keeps its place."""
     out = list(order)
-    for mode, column in chosen.items():
-        if ("fastest", mode) not in turns or (column, mode) not in turns:
+    for (impl, mode), column in chosen.items():
+        if (impl, mode) not in turns or (column, mode) not in turns or column == impl:
             continue
-        mine = turns.index(("fastest", mode))
+        mine = turns.index((impl, mode))
         out.remove(mine)
         at = out.index(turns.index((column, mode)))
-        out.insert(at + 1 if rnd % 2 == 0 else at, mine)
+        after = (PAIRED[impl] > 0) == (rnd % 2 == 0)
+        out.insert(at + 1 if after else at, mine)
     return out
 
 

@@ -23,7 +23,7 @@ from attention_dispatch.timing import lower_quartile  # noqa: E402
 from benchmarks import grid, report, targets  # noqa: E402
 from benchmarks.details_log import Log  # noqa: E402
 from benchmarks.runner import Runner  # noqa: E402
-from benchmarks.turns import pair_fastest, slow_turns, turn_order, warm_calls  # noqa: E402
+from benchmarks.turns import pair_choices, slow_turns, turn_order, warm_calls  # noqa: E402
 
 
 def _load(name):
@@ -636,22 +636,22 @@ def test_fastest_ratio_counts_our_backends_per_mode():
             "flex": cell(500.0, 500.0),
         }
     }
-    assert targets.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
-    assert targets.fastest_ratio(entry, "fwd+bwd") == pytest.approx(0.8)
+    assert targets.choice_ratio(entry, "fwd") == pytest.approx(0.9)
+    assert targets.choice_ratio(entry, "fwd+bwd") == pytest.approx(0.8)
     # only the backends it timed (those claiming the row) count, when the run recorded them
     entry["results"]["fastest"]["fwd"]["measured"] = ["triton", "cudnn"]
-    assert targets.fastest_ratio(entry, "fwd") == pytest.approx(90.0 / 80.0)
+    assert targets.choice_ratio(entry, "fwd") == pytest.approx(90.0 / 80.0)
     entry["results"]["fastest"]["fwd"]["measured"] = ["cudnn", "flash_attn"]
-    assert targets.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
+    assert targets.choice_ratio(entry, "fwd") == pytest.approx(0.9)
     # an eligible backend that failed while timed still counts: pinned, it runs its column
     entry["results"]["fastest"]["fwd"].update(
         measured=["triton", "cudnn"],
         eligible=["flash_attn", "triton", "cudnn"],
         failed={"flash_attn": "TypeError: ..."},
     )
-    assert targets.fastest_ratio(entry, "fwd") == pytest.approx(0.9)
+    assert targets.choice_ratio(entry, "fwd") == pytest.approx(0.9)
     entry["results"]["fastest"]["fwd"] = {"status": "err"}
-    assert targets.fastest_ratio(entry, "fwd") is None
+    assert targets.choice_ratio(entry, "fwd") is None
 
 
 def test_fastest_misses_say_whether_the_choice_was_the_best_column(tmp_path):
@@ -664,13 +664,13 @@ def test_fastest_misses_say_whether_the_choice_was_the_best_column(tmp_path):
     for e, chose in zip(entries, [("flash_attn", "triton"), ("flash_attn", "triton"), ("flash_attn", "cudnn")]):
         for m, name in zip(grid.MODES, chose):
             e["results"]["fastest"][m]["backend"] = name
-    misses = targets.fastest_misses(entries, "fwd+bwd")
+    misses = targets.choice_misses(entries, "fwd+bwd")
     assert [(m["row"], m["chose"], m["best"], m["same_backend"]) for m in misses] == [
         ("bf16-d128-s512-causal", "triton", "triton", True),  # 430 / 450: ours, timed twice
         ("fp16-d64-s16384-full", "cudnn", "triton", False),
     ]  # 400 / 450: a wrong choice
     assert misses[0]["ratio"] == pytest.approx(430 / 450, abs=1e-3)
-    assert targets.fastest_misses(entries, "fwd") == []  # 0.98-1.0 of flash-attn 4's 520
+    assert targets.choice_misses(entries, "fwd") == []  # 0.98-1.0 of flash-attn 4's 520
     data = {"meta": dict(gpu="g", impls=list(grid.IMPLS)), "rows": entries}
     table = bench.write_outputs(data, tmp_path, None, plot=False)
     assert (
@@ -921,10 +921,11 @@ def test_measure_rounds_stop_slow_turns_and_time_contenders_longer():
     assert max(res["fast"]["ms"], res["close"]["ms"]) < res["slow"]["ms"]
 
 
-def test_pair_fastest_puts_fastest_next_to_its_choice():
+def test_pair_choices_put_our_policies_next_to_their_choice():
     """policy="fastest"'s turn of each mode lands right after the turn of the column it chose in
-    even rounds and right before it in odd ones; every turn stays once; a choice without a
-    column in the row leaves the order alone."""
+    even rounds and right before it in odd ones, default sdpa()'s the other way round, so both sit
+    next to their choice every round even when they chose one column; every turn stays once; a
+    choice without a column in the row leaves the order alone."""
     turns = [
         ("sdpa", "fwd"),
         ("fastest", "fwd"),
@@ -935,19 +936,26 @@ def test_pair_fastest_puts_fastest_next_to_its_choice():
         ("triton", "fwd+bwd"),
         ("cudnn", "fwd+bwd"),
     ]
-    chosen = {"fwd": "fa4", "fwd+bwd": "triton"}
+    chosen = {
+        ("fastest", "fwd"): "fa4",
+        ("sdpa", "fwd"): "fa4",  # both policies chose one column
+        ("fastest", "fwd+bwd"): "triton",
+        ("sdpa", "fwd+bwd"): "cudnn",
+    }
     for rnd in range(6):
         order = turn_order(len(turns), "bf16-d128-s512-causal", rnd, 0)
-        paired = pair_fastest(order, turns, chosen, rnd)
+        paired = pair_choices(order, turns, chosen, rnd)
         assert sorted(paired) == list(range(len(turns)))
-        for mode, column in chosen.items():
-            f, c = paired.index(turns.index(("fastest", mode))), paired.index(turns.index((column, mode)))
-            assert f - c == (1 if rnd % 2 == 0 else -1), (rnd, paired)
-        others = [i for i in paired if turns[i][0] != "fastest"]
-        assert others == [i for i in order if turns[i][0] != "fastest"]  # the rest keep their order
+        for (impl, mode), column in chosen.items():
+            f, c = paired.index(turns.index((impl, mode))), paired.index(turns.index((column, mode)))
+            side = 1 if impl == "fastest" else -1
+            assert f - c == (side if rnd % 2 == 0 else -side), (impl, mode, rnd, paired)
+        mine = {"fastest", "sdpa"}
+        others = [i for i in paired if turns[i][0] not in mine]
+        assert others == [i for i in order if turns[i][0] not in mine]  # the rest keep their order
     order = turn_order(len(turns), "x", 3, 0)
-    assert pair_fastest(order, turns, {"fwd": "math"}, 3) == order
-    assert pair_fastest(order, turns, {}, 3) == order
+    assert pair_choices(order, turns, {("fastest", "fwd"): "math"}, 3) == order
+    assert pair_choices(order, turns, {}, 3) == order
 
 
 def test_measure_rounds_time_fastest_next_to_its_choice():
@@ -998,6 +1006,64 @@ def test_measure_rounds_time_fastest_next_to_its_choice():
     assert seen[1] != seen[0]  # unpaired, the shuffle decides
 
 
+def test_measure_rounds_time_the_default_on_the_other_side_of_its_choice():
+    """Default sdpa() chose the same backend as policy="fastest": in each round the default goes
+    right before that column and fastest right after it (even rounds), the other way in odd ones;
+    both cells name the column they were paired with, which the default's target then reads."""
+    import contextlib
+
+    args = bench.parse_args(["--smoke-cpu", "--rounds", "6", "--turn-warm-ms", "0", "--slow-factor", "0"])
+    runner = Runner(args, Log(None, echo=False))
+    log = []
+    names = ("sdpa", "fastest", "triton", "cudnn", "fa4")
+    w = dict(est=0.6, reps=6, inner=1, first_call_s=0.0)
+    entry = {"results": {n: {"fwd": {"status": "pending", "peak_mib": None}} for n in names}}
+    for policy in ("sdpa", "fastest"):
+        entry["results"][policy]["fwd"]["backend"] = "flash_attn"  # the fa4 column's backend
+    pending = [(n, "fwd", (lambda n=n: log.append(n)), contextlib.nullcontext, w) for n in names]
+    runner.measure_rounds(grid.smoke_grid()[0], entry, pending)
+    turns = log[::2]
+    rounds = [turns[r * len(names) : (r + 1) * len(names)] for r in range(6)]
+    assert [r.index("fastest") - r.index("fa4") for r in rounds] == [1, -1] * 3
+    assert [r.index("sdpa") - r.index("fa4") for r in rounds] == [-1, 1] * 3
+    assert all(entry["results"][p]["fwd"]["paired_with"] == "fa4" for p in ("sdpa", "fastest"))
+
+
+def test_default_target_reads_the_default_paired_with_its_choice(tmp_path):
+    """Issue 35's target (default sdpa() >= 0.95x the best eligible backend in every row) reads the
+    default like policy="fastest": paired with the column it chose where both took one call a turn,
+    so one kernel timed twice reads ~1.0; a wrong choice is a miss naming the best backend."""
+    import random
+
+    rng = random.Random(7)
+    base = [4.0 * (1 + 0.2 * rng.random()) for _ in range(11)]  # a 20% spread between rounds
+    e = paired_entry([b * 1.01 for b in base], base)  # fastest (= fa4 column) 1% slower
+    res = e["results"]
+    f = grid.flops(Row.from_json(e["row"]), "fwd+bwd")
+    res["sdpa"] = {"fwd+bwd": dict(res["fastest"]["fwd+bwd"], samples_ms=[x * 1.005 for x in base])}
+    direct = lower_quartile([x * 1.005 for x in base])  # its lower quartile read 6% high (a slow clock)
+    res["sdpa"]["fwd+bwd"].update(ms=direct * 1.06, tflops=f / (direct * 1.06 * 1e9))
+    assert targets.choice_ratio(e, "fwd+bwd", "sdpa", paired=False) == pytest.approx(1 / 1.005 / 1.06, abs=2e-3)
+    assert targets.choice_ratio(e, "fwd+bwd", "sdpa") == pytest.approx(1 / 1.005, abs=2e-3)
+    data = {"meta": dict(gpu="g", impls=list(grid.IMPLS), pair_fastest=True, pair_default=True), "rows": [e]}
+    bench.write_outputs(data, tmp_path, None, plot=False)
+    target = next(t for t in data["targets"] if t["target"].startswith("default sdpa() (auto) fwd+bwd >= 0.95x"))
+    assert target["status"] == "met" and target["paired_rows"] == 1 and target["misses"] == []
+    # the default chose cuDNN, 20% slower than flash-attn 4's column: a miss, the best named
+    res["sdpa"]["fwd+bwd"] = dict(res["cudnn"]["fwd+bwd"], backend="cudnn")
+    res["cudnn"]["fwd+bwd"] = dict(res["cudnn"]["fwd+bwd"], samples_ms=[x * 1.2 for x in base])
+    res["cudnn"]["fwd+bwd"].update(ms=lower_quartile(res["cudnn"]["fwd+bwd"]["samples_ms"]))
+    res["cudnn"]["fwd+bwd"]["tflops"] = f / (res["cudnn"]["fwd+bwd"]["ms"] * 1e9)
+    res["sdpa"]["fwd+bwd"].update(samples_ms=res["cudnn"]["fwd+bwd"]["samples_ms"], paired_with="cudnn")
+    for k in ("ms", "tflops"):
+        res["sdpa"]["fwd+bwd"][k] = res["cudnn"]["fwd+bwd"][k]
+    misses = targets.choice_misses([e], "fwd+bwd", 0.95, "sdpa")
+    assert [(m["chose"], m["best"], m["same_backend"], m["paired"]) for m in misses] == [
+        ("cudnn", "flash_attn", False, True)
+    ]
+    assert misses[0]["ratio"] == pytest.approx(1 / 1.2, abs=5e-3)
+
+
 def paired_entry(fastest_ms, column_ms, best_ms=None, per_turn=1):
     """A row whose fastest (fwd+bwd) chose flash_attn and was paired with the fa4 column; cuDNN
     at ``best_ms`` (default: slower than both).  Samples per round as given."""
@@ -1035,13 +1101,13 @@ def test_paired_reading_cancels_the_turn_order():
     logs = [math.log(c / f) for f, c in zip(fastest, column)]
     assert statistics.median(logs) < math.log(0.95)  # the naive paired median
     assert abs(targets.paired_log_ratio(e, "fwd+bwd")) < 0.005
-    assert targets.fastest_ratio(e, "fwd+bwd") == pytest.approx(1.0, abs=0.005)
+    assert targets.choice_ratio(e, "fwd+bwd") == pytest.approx(1.0, abs=0.005)
     # a real difference survives: fastest 5% slower in every round, whatever the order
     e = paired_entry([x * 1.05 for x in fastest], column)
-    assert targets.fastest_ratio(e, "fwd+bwd") == pytest.approx(1 / 1.05, abs=0.005)
+    assert targets.choice_ratio(e, "fwd+bwd") == pytest.approx(1 / 1.05, abs=0.005)
     # and a wrong choice still counts: the chosen column against a faster best column
     e = paired_entry(fastest, column, best_ms=[12.0] * 11)
-    assert targets.fastest_ratio(e, "fwd+bwd") == pytest.approx(
+    assert targets.choice_ratio(e, "fwd+bwd") == pytest.approx(
         lower_quartile([e["results"]["cudnn"]["fwd+bwd"]["ms"]]) / e["results"]["fa4"]["fwd+bwd"]["ms"], abs=0.005
     )
 
@@ -1058,7 +1124,7 @@ def test_paired_reading_only_for_one_call_a_turn_of_paired_columns():
         if change == "rounds":
             e["results"]["fa4"]["fwd+bwd"]["rounds"] -= 1
         assert targets.paired_log_ratio(e, "fwd+bwd") is None, change
-        assert targets.fastest_ratio(e, "fwd+bwd") == targets.fastest_ratio(e, "fwd+bwd", paired=False)
+        assert targets.choice_ratio(e, "fwd+bwd") == targets.choice_ratio(e, "fwd+bwd", paired=False)
 
 
 def test_read_run_names_the_paired_column_of_older_runs(tmp_path):
