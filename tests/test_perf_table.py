@@ -196,16 +196,16 @@ def test_auto_gives_a_near_tie_to_the_backend_with_host_time_to_spare(table_dir,
     [
         # a decode step: cuDNN would build a graph per key length, whatever its margin
         (dict(seqlen_q=1, seqlen_k=4096), {"cudnn": 0.35, "flash_attn": 0.40, "triton": 0.36}, "triton"),
-        # prefill within 5%: the backend without per-length plans
-        (dict(seqlen_q=1024, seqlen_k=1024), {"cudnn": 0.224, "flash_attn": 0.230, "triton": 0.237}, "flash_attn"),
-        # over 5% faster: cuDNN keeps its win
-        (dict(seqlen_q=1024, seqlen_k=1024), {"cudnn": 0.200, "flash_attn": 0.230, "triton": 0.237}, "cudnn"),
-        # training (no decode step) over 5% faster: cuDNN
+        # prefill within 2%: the backend without per-length plans
+        (dict(seqlen_q=1024, seqlen_k=1024), {"cudnn": 0.226, "flash_attn": 0.230, "triton": 0.237}, "flash_attn"),
+        # over 2% faster (the grid's bf16 d128 S=1k inference bucket, 2.7%): cuDNN keeps its win
+        (dict(seqlen_q=1024, seqlen_k=1024), {"cudnn": 0.224, "flash_attn": 0.230, "triton": 0.237}, "cudnn"),
+        # training (no decode step) over 2% faster: cuDNN
         (dict(seqlen_q=1, seqlen_k=4096, requires_grad=True), {"cudnn": 0.30, "triton": 0.36}, "cudnn"),
         # a backend without per-length plans winning outright: no note
         (dict(seqlen_q=1, seqlen_k=4096), {"cudnn": 0.40, "flash_attn": 0.41, "triton": 0.36}, "triton"),
     ],
-    ids=["decode", "prefill-within-5%", "prefill-over-5%", "training", "no-cudnn-win"],
+    ids=["decode", "prefill-within-2%", "prefill-over-2%", "training", "no-cudnn-win"],
 )
 def test_auto_avoids_a_backend_that_plans_per_length_where_lengths_change(table_dir, fake_gpu, call, times, want):
     """cuDNN (Capabilities.plans_per_length) builds a graph per exact sequence length (62 ms for
