@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e107|e108|probe512|d512fwd|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|probe512|d512fwd|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -20,6 +20,34 @@ mkdir -p "$out"
 source .gpudeps/gpu-env.sh
 source .fa4b/fa4-env.sh || echo "flash-attn 4 not prepared: its rows and tests are skipped"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-}
+# pytest for the summaries below: each failure's assertion message on one line (--tb=line), the FAILED and
+# ERROR lines (-rfE) 300 columns wide
+pytest_lines="env COLUMNS=300 python3 -m pytest -m gpu -q -rfE --tb=line -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning"
+# a summary's lines of $pytest_lines logs: each log's last line, each FAILED or ERROR line, and each failure's
+# message ("file.py:N: Error: message"), cut at 600 characters
+test_lines() {
+  tail -qn1 "$@"
+  grep -h -E "^(FAILED|ERROR) " "$@" | cut -c1-300 | head -12
+  grep -h -E "^[^ ]+\.py:[0-9]+: " "$@" | cut -c1-600 | head -12
+}
+# features.py lines ("<turn> bf16 ...", a turn = a tree's name and 1 or 2): each variant's ms and x of plain
+# per turn, then the median of each tree's turns
+features_medians() {
+  python3 - "$1" <<'EOF'
+import collections, statistics, sys
+ratios, ms = collections.defaultdict(list), collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    f = line.split()
+    c = "causal" in f  # the label has one more word
+    key = ("causal" if c else "dense", f[6 + c], f[7 + c], f[0].rstrip("12"))
+    ratios[key].append(float(f[12 + c].lstrip("x")))
+    ms[key].append(float(f[8 + c]))
+for (band, mode, name, tree), xs in sorted(ratios.items()):
+    t = " ".join(f"{m:.3f}" for m in ms[(band, mode, name, tree)])
+    print(f"{band:6s} {mode:8s} {name:9s} {tree:7s} ms {t}  x of plain {' '.join(f'{x:.3f}' for x in xs)}"
+          f"  median {statistics.median(xs):.3f}")
+EOF
+}
 case "$what" in
   tests)     # the adapters and the capability claims (the kernel's own tests: `kernel`; both together
              # outgrew one call: 102 of ~110 in 570 s at 7a3041f)
@@ -232,7 +260,7 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
     sed -i 's/^SOFTCAP_EXP2_POLY = gl.constexpr(2)/SOFTCAP_EXP2_POLY = gl.constexpr(4)/' \
       /tmp/e106q/attention_dispatch/kernels/gluon/common.py
     grep -q "^SOFTCAP_EXP2_POLY = gl.constexpr(4)" /tmp/e106q/attention_dispatch/kernels/gluon/common.py || exit 1
-    pytest_gpu="timeout 220 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning"
+    pytest_gpu="timeout 220 $pytest_lines"
     (cd /tmp/e106 && $pytest_gpu tests/test_softcap_fma.py > "$out/e106_tests_fma.log" 2>&1) &
     (cd /tmp/e106 && $pytest_gpu tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
        > "$out/e106_tests_features.log" 2>&1) &
@@ -245,7 +273,7 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
     done
     wait
     summary="$out/e106_summary.txt"
-    { nvidia-smi -L | head -1; tail -qn1 "$out"/e106_tests_*.log; grep -h "^FAILED" "$out"/e106_tests_*.log | head -8; } > "$summary"
+    { nvidia-smi -L | head -1; test_lines "$out"/e106_tests_*.log; } > "$summary"
     for band in dense causal; do
       for turn in patched1 quarter1 base1 base2 quarter2 patched2; do
         [ $SECONDS -gt 525 ] && { echo "$band $turn: skipped (time)" >> "$summary"; continue; }
@@ -255,21 +283,45 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
            | grep -a "^bf16" | sed "s/^/$turn /") >> "$out/e106_features.txt"
       done
     done
-    # each variant's ms and x of plain per turn, then the median of each tree's two turns
-    python3 - "$out/e106_features.txt" <<'EOF' | tee -a "$summary"
-import collections, statistics, sys
-ratios, ms = collections.defaultdict(list), collections.defaultdict(list)
-for line in open(sys.argv[1]):
-    f = line.split()
-    c = "causal" in f  # the label has one more word
-    key = ("causal" if c else "dense", f[6 + c], f[7 + c], f[0].rstrip("12"))
-    ratios[key].append(float(f[12 + c].lstrip("x")))
-    ms[key].append(float(f[8 + c]))
-for (band, mode, name, tree), xs in sorted(ratios.items()):
-    t = " ".join(f"{m:.3f}" for m in ms[(band, mode, name, tree)])
-    print(f"{band:6s} {mode:8s} {name:9s} {tree:7s} ms {t}  x of plain {' '.join(f'{x:.3f}' for x in xs)}"
-          f"  median {statistics.median(xs):.3f}")
-EOF
+    features_medians "$out/e106_features.txt" | tee -a "$summary"
+    ;;
+  e106a)     # perf-notes E106a: the softcap backward's masked tanh tile and the causal dQ split
+             # (docs/experiments/patches/e106a-softcap-masked-tanh.patch, E106's backward half) in a scratch copy: its
+             # GPU tests there (three processes: test_softcap_masked_tanh.py's d64 and d128 cases, every band the
+             # change touches; test_kernel_features -k "gluon and (softcap or bounded)"), both trees' kernels compiled
+             # meanwhile by an untimed round, then features.py (plain, plain-tl, softcap 30; bf16 d128 B4 H16 S=4k)
+             # causal then dense, patched and this tree in ABBA turns (~7-8 minutes); $OUT/e106a_summary.txt keeps
+             # each failure's assertion message
+    # the working tree, not git archive: the device's .git can lag it (see SHA above)
+    patchfile="$PWD/docs/experiments/patches/e106a-softcap-masked-tanh.patch"
+    rm -rf /tmp/e106a && mkdir -p /tmp/e106a && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e106a \
+      && (cd /tmp/e106a && git apply "$patchfile") || exit 1
+    pytest_gpu="timeout 270 $pytest_lines"
+    for d in 64 128; do  # a process each: each head dim compiles its own kernels
+      (cd /tmp/e106a && $pytest_gpu tests/test_softcap_masked_tanh.py -k "$([ $d = 64 ] && echo not) 128" \
+         > "$out/e106a_tests_masked_tanh_d$d.log" 2>&1) &
+    done
+    (cd /tmp/e106a && $pytest_gpu tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
+       > "$out/e106a_tests_features.log" 2>&1) &
+    for dir in "$PWD" /tmp/e106a; do
+      for band in "" --causal; do
+        (cd "$dir" && timeout 200 python3 benchmarks/features.py --rounds 1 --budget 0 --variants plain,plain-tl,softcap \
+           $band > /dev/null 2>&1) &
+      done
+    done
+    wait
+    summary="$out/e106a_summary.txt"
+    { nvidia-smi -L | head -1; test_lines "$out"/e106a_tests_*.log; } > "$summary"
+    for band in causal dense; do
+      for turn in patched1 base1 base2 patched2; do
+        [ $SECONDS -gt 500 ] && { echo "$band $turn: skipped (time)" >> "$summary"; continue; }
+        dir=$([ "${turn%?}" = patched ] && echo /tmp/e106a || echo "$PWD")
+        (cd "$dir" && timeout 100 python3 benchmarks/features.py --rounds 2 --budget 20 \
+           --variants plain,plain-tl,softcap $([ $band = causal ] && echo --causal) 2>&1 \
+           | grep -a "^bf16" | sed "s/^/$turn /") >> "$out/e106a_features.txt"
+      done
+    done
+    features_medians "$out/e106a_features.txt" | tee -a "$summary"
     ;;
   e107)      # perf-notes E107: the KV-cache and one-length Gluon forwards persistent (one program an SM walking
              # units in a snake of waves; docs/experiments/patches/e107-kv-persistent-forward.patch) in a scratch copy:
@@ -365,5 +417,5 @@ EOF
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e107|e108|probe512|d512fwd|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|probe512|d512fwd|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac
