@@ -220,10 +220,17 @@ def _band_edge(
     return edge
 
 
+# A masked pair's score under a softcap alone in the backward passes, in place of -inf: exp2 of it times
+# any positive scale is 0 and 1 - its square is finite, so P (1 - tanh^2) is 0, not NaN, and the masked
+# tile stands for the tanh tile (the scores and the tanh beside them through the mask's branch spilled
+# 296 B in the causal dK/dV pass and 720 B in its dQ pass, E106)
+MASKED_TANH = gl.constexpr(-(2.0**60))
+
+
 @gluon.jit
-def _masked(sc, rows, cols, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr):
-    """``sc`` with the pairs outside the band at -inf (``rows``, ``cols``: query and key indices
-    broadcast to its shape, whichever its orientation)."""
+def _masked(sc, rows, cols, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, FILL: gl.constexpr = float("-inf")):
+    """``sc`` with the pairs outside the band at FILL, -inf unless given (``rows``, ``cols``: query and
+    key indices broadcast to its shape, whichever its orientation)."""
     if _causal(WINDOW_LEFT, WINDOW_RIGHT):
         ok = cols <= rows
     elif WINDOW_LEFT < 0:
@@ -232,7 +239,7 @@ def _masked(sc, rows, cols, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexp
         ok = rows - cols <= WINDOW_LEFT
     else:
         ok = (rows - cols <= WINDOW_LEFT) & (cols - rows <= WINDOW_RIGHT)
-    return gl.where(ok, sc, float("-inf"))
+    return gl.where(ok, sc, FILL)
 
 
 @gluon.jit
@@ -264,18 +271,19 @@ def _mask_tile(
     WINDOW_RIGHT: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    FILL: gl.constexpr = float("-inf"),
 ):
     """Scores (query rows x keys) of step ``t`` of a forward or dQ consumer (key tile first + t;
-    its rows ``rows`` from ``q_start``), masked where the tile crosses the band."""
+    its rows ``rows`` from ``q_start``), masked (to FILL, :func:`_masked`) where the tile crosses the band."""
     if _causal(WINDOW_LEFT, WINDOW_RIGHT):
         if t >= n_full:
             cols = t * BLOCK_N + gl.arange(0, BLOCK_N, col_layout)
-            sc = _masked(sc, rows[:, None], cols[None, :], WINDOW_LEFT, WINDOW_RIGHT)
+            sc = _masked(sc, rows[:, None], cols[None, :], WINDOW_LEFT, WINDOW_RIGHT, FILL)
     elif _window(WINDOW_LEFT, WINDOW_RIGHT):
         col0 = (first + t) * BLOCK_N
         if _band_edge(q_start, col0, BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT):
             cols = col0 + gl.arange(0, BLOCK_N, col_layout)
-            sc = _masked(sc, rows[:, None], cols[None, :], WINDOW_LEFT, WINDOW_RIGHT)
+            sc = _masked(sc, rows[:, None], cols[None, :], WINDOW_LEFT, WINDOW_RIGHT, FILL)
     return sc
 
 

@@ -14,6 +14,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .common import (
     _lse_log2,
     LOG2E,
+    MASKED_TANH,
     WG_ROWS,
     _band_edge,
     _bias_row,
@@ -205,6 +206,10 @@ def _ws_bwd_consumer(
     softcap_in, softcap, alibi_ptr, alibi_sb, alibi_sh, alibi_off = scores
     ALIBI_ROWS: gl.constexpr = HAS_ALIBI and not SOFTCAP and HEAD_D >= 128  # see _attn_bwd_dkdv_ws
     scale, to_nat, _coef = _score_scales(qk_scale, softcap, 0.0, HAS_BIAS, SOFTCAP)
+    # a softcap alone: the scores are the tanh tile, masked to MASKED_TANH instead of -inf so that one
+    # tile (not the scores and the tanh beside them) is live through the mask's branch (E106)
+    TANH_IS_SCORE: gl.constexpr = SOFTCAP and not (HAS_BIAS or HAS_ALIBI)
+    FILL: gl.constexpr = MASKED_TANH if TANH_IS_SCORE else float("-inf")
     key0 = n0 + WG * BLOCK_N
     keys_rel = (keys - n0).to(gl.float32)
     keys_f = _small_int_f32(keys - key0)
@@ -271,10 +276,12 @@ def _ws_bwd_consumer(
             st = st + bt.to(gl.float32)
         if _causal(WINDOW_LEFT, WINDOW_RIGHT):
             if mi * BLOCK_M < n0 + 2 * BLOCK_N:
-                st = _masked(st, offs_m[None, :], keys[:, None], WINDOW_LEFT, WINDOW_RIGHT)
+                st = _masked(st, offs_m[None, :], keys[:, None], WINDOW_LEFT, WINDOW_RIGHT, FILL)
         elif _window(WINDOW_LEFT, WINDOW_RIGHT):
             if _band_edge(mi * BLOCK_M, n0 + WG * BLOCK_N, BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT):
-                st = _masked(st, offs_m[None, :], keys[:, None], WINDOW_LEFT, WINDOW_RIGHT)
+                st = _masked(st, offs_m[None, :], keys[:, None], WINDOW_LEFT, WINDOW_RIGHT, FILL)
+        if TANH_IS_SCORE:  # the masked tile is the tanh tile (common.MASKED_TANH)
+            tanh_t = st
         if not EARLY_ROWS:
             lse2 = lse_bufs.index(lse_slot).load(col_s)
         if ALIBI_ROWS:

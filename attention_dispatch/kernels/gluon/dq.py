@@ -7,6 +7,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .common import (
     _lse_log2,
+    MASKED_TANH,
     WG_ROWS,
     _alibi_split,
     _bias_ring,
@@ -110,13 +111,23 @@ def _dq_step(
     if HAS_BIAS:
         sc = sc + b
         _release_bias(bias, j, BIAS_STAGES)
+    # a softcap alone: the scores are the tanh tile, masked to MASKED_TANH (one tile through the branch)
+    TANH_IS_SCORE: gl.constexpr = SOFTCAP and not (HAS_BIAS or HAS_ALIBI)
     if MASK:
-        sc = _mask_tile(sc, rows, q_start, j, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+        FILL: gl.constexpr = MASKED_TANH if TANH_IS_SCORE else float("-inf")
+        sc = _mask_tile(sc, rows, q_start, j, first, n_full, col_s, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, FILL)
+    if TANH_IS_SCORE:
+        tanh_t = sc
     p = gl.exp2(sc * scale - lse_j[:, None])
+    # d score / d(q.k scaled): 1 - tanh^2; a softcap alone folds it into P before the dP wait (dkdv.py's
+    # order: tanh kept beside P, dP and dQ spilled 720 B in causal calls, E106); with ALiBi or a bias
+    # (tanh not the score) the fold spilled more (564 -> 692 B causal), so dS takes it after the wait
+    if TANH_IS_SCORE:
+        p = p * (1.0 - tanh_t * tanh_t)
     dp, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, do_buf, v_buf])
     mbarrier.arrive(v_empty.index(s), count=1)
     ds = p * (dp - delta[:, None])
-    if SOFTCAP:  # d score / d(q.k scaled): 1 - tanh^2
+    if SOFTCAP and not TANH_IS_SCORE:
         ds = ds * (1.0 - tanh_t * tanh_t)
     ds_op = gl.convert_layout(ds.to(dtype), op_layout)
     dq_tok = warpgroup_mma(ds_op, k_buf, dq, is_async=True)
@@ -230,9 +241,9 @@ def _ws_bwd_dq_consumer(
         softcap_in,
     )
     # the key tiles no row masks, in a loop without the mask's code (the forward's split: 390 instead of
-    # 558 instructions a step, E97/E98); not with a bias or score transform, where the second loop's
-    # registers spilled 130-800 B
-    SPLIT: gl.constexpr = _causal(WINDOW_LEFT, WINDOW_RIGHT) and not (HAS_BIAS or SOFTCAP or HAS_ALIBI)
+    # 558 instructions a step, E97/E98); not with a bias or ALiBi, where the second loop's registers
+    # spilled 130-800 B; a softcap alone since its masked tile is the tanh tile (E106: 0 B)
+    SPLIT: gl.constexpr = _causal(WINDOW_LEFT, WINDOW_RIGHT) and not (HAS_BIAS or HAS_ALIBI)
     n_plain = 0
     if SPLIT:
         n_plain = gl.minimum(n_full, n_tiles)
