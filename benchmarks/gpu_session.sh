@@ -323,6 +323,32 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
     done
     features_medians "$out/e106a_features.txt" | tee -a "$summary"
     ;;
+  e109)      # perf-notes E109: causal softcap training with dQ fused into the dK/dV pass (a route change:
+             # docs/experiments/patches/e109-causal-softcap-fused-dq.patch) in a scratch copy: its GPU tests there
+             # (test_kernel_features -k "gluon and (softcap or bounded)", test_triton_kernel -k fused_dq), both trees'
+             # kernels compiled meanwhile, then features.py (plain, softcap 30; bf16 d128 B4 H16 S=4k causal) patched
+             # and this tree in ABBA turns (~4 minutes); $OUT/e109_summary.txt
+    # the working tree, not git archive: the device's .git can lag it (see SHA above)
+    patchfile="$PWD/docs/experiments/patches/e109-causal-softcap-fused-dq.patch"
+    rm -rf /tmp/e109 && mkdir -p /tmp/e109 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e109 \
+      && (cd /tmp/e109 && git apply "$patchfile") || exit 1
+    (cd /tmp/e109 && timeout 240 $pytest_lines tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
+       > "$out/e109_tests_features.log" 2>&1) &
+    (cd /tmp/e109 && timeout 240 $pytest_lines tests/test_triton_kernel.py -k fused_dq > "$out/e109_tests_fused_dq.log" 2>&1) &
+    for dir in "$PWD" /tmp/e109; do
+      (cd "$dir" && timeout 200 python3 benchmarks/features.py --rounds 1 --budget 0 --variants plain,softcap --causal \
+         > /dev/null 2>&1) &
+    done
+    wait
+    summary="$out/e109_summary.txt"
+    { nvidia-smi -L | head -1; test_lines "$out"/e109_tests_*.log; } > "$summary"
+    for turn in patched1 base1 base2 patched2; do
+      dir=$([ "${turn%?}" = patched ] && echo /tmp/e109 || echo "$PWD")
+      (cd "$dir" && timeout 100 python3 benchmarks/features.py --rounds 2 --budget 20 --variants plain,softcap --causal 2>&1 \
+         | grep -a "^bf16" | sed "s/^/$turn /") >> "$out/e109_features.txt"
+    done
+    features_medians "$out/e109_features.txt" | tee -a "$summary"
+    ;;
   e107)      # perf-notes E107: the KV-cache and one-length Gluon forwards persistent (one program an SM walking
              # units in a snake of waves; docs/experiments/patches/e107-kv-persistent-forward.patch) in a scratch copy:
              # its GPU tests there (two processes: persistent bit-equal to one program per unit at 1-48 programs; the
