@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|probe512|d512fwd|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -239,6 +239,10 @@ EOF
       tests/test_gluon_d512.py tests/test_head_dim_512.py 2>&1 | tee "$out/gpu_tests.log" | tail -8
     COMMIT=$sha timeout 180 python3 benchmarks/head_dim_512.py --forward 2>&1 | grep -v -i warn | tail -7 \
       | tee "$out/d512fwd_summary.txt" ;;
+  d512)      # issue 36's d512 report: head_dim_512.py's table (bf16 B=2 H=16 S=4096 d512, dense and causal, forward and
+             # training: ours as routed, PyTorch's efficient and math paths, FlexAttention; ~3-5 minutes)
+    COMMIT=$sha OUT=$out timeout 420 python3 benchmarks/head_dim_512.py 2>&1 | grep -v -i warn | tail -16 \
+      | tee "$out/d512_summary.txt" ;;
   e105)      # perf-notes E105: d512 backward dK/dV tiles (32x32x8x2 shipped, 32x32x8x1, 64x16x8x1, 64x32x8x1, 32x16x8x1)
              # timed by head_dim_512.py's sweep (forward and dQ as shipped; ~6 minutes); adopt one only per E105's rule
     COMMIT=$sha timeout 570 python3 -c "
@@ -443,5 +447,5 @@ EOF
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|probe512|d512fwd|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac
