@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|e111|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -371,6 +371,26 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
     { nvidia-smi -L | head -1; tail -qn1 "$out"/e107_tests_*.log; grep -h "^FAILED" "$out"/e107_tests_*.log | head -8; } > "$summary"
     (cd /tmp/e107 && timeout $((520 - SECONDS)) python3 benchmarks/kv_device_ab.py --rounds 11 --json "$out/e107_ab.json" \
        --commit "$sha+e107" 2>&1 | grep -v -i warn | tail -16) | tee -a "$summary" ;;
+  e111)      # perf-notes E111: the KV-cache / one-length d128 forward's consumers in turns on named barriers and its
+             # causal LPT groups over the whole L2 where a group runs in one wave (docs/experiments/patches/
+             # e110b-chunked-prefill.patch) in a scratch copy: its GPU tests there (two processes: bit-equal with and
+             # without, KV-cache and one-length; the KV-cache and one-length routes' own), then benchmarks/kv_device_ab.py
+             # there: the chunked-prefill rows on the device alone (queued behind a spin) and from an idle GPU, e111,
+             # each choice alone and base (neither: the launch before E111), the dispatcher, sdpa() and flash-attn 4
+             # (~7-8 minutes); $OUT/e111_summary.txt keeps each failure's assertion message
+    # the working tree, not git archive: the device's .git can lag it (see SHA above)
+    patchfile="$PWD/docs/experiments/patches/e110b-chunked-prefill.patch"
+    rm -rf /tmp/e111 && mkdir -p /tmp/e111 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e111 \
+      && (cd /tmp/e111 && git apply "$patchfile") || exit 1
+    pytest_gpu="timeout 240 $pytest_lines"
+    (cd /tmp/e111 && $pytest_gpu tests/test_gluon_kv_pingpong.py > "$out/e111_tests_pingpong.log" 2>&1) &
+    (cd /tmp/e111 && $pytest_gpu tests/test_kv_prefill.py tests/test_gluon_one_length.py \
+       -k "gluon_route or chunked_prefill or (one_length_forward and 128)" > "$out/e111_tests_routes.log" 2>&1) &
+    wait
+    summary="$out/e111_summary.txt"
+    { nvidia-smi -L | head -1; test_lines "$out"/e111_tests_*.log; } > "$summary"
+    (cd /tmp/e111 && timeout $((520 - SECONDS)) python3 benchmarks/kv_device_ab.py --rounds 11 --json "$out/e111_ab.json" \
+       --commit "$sha+e111" 2>&1 | grep -v -i warn | tail -20) | tee -a "$summary" ;;
   e108)      # perf-notes E108: the d512 backward's dK/dV pass as a dV and a dK pass on wgmma tiles, dP apart from the
              # other products' warp layout (docs/experiments/patches/e108-d512-bwd-split.patch) in a scratch copy: its
              # d512 GPU tests there (two processes), then d512 training (bf16 B=2 H=16 S=4096, dense and causal, with
@@ -447,5 +467,5 @@ EOF
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|e111|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac
