@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|e111|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|e110|e111|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -353,6 +353,42 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
     done
     features_medians "$out/e109_features.txt" | tee -a "$summary"
     ;;
+  e110)      # perf-notes E110: the bounded softcap forward's P V product running under the whole softmax (a shared store
+             # of the row sums keeps ptxas's P V wait below the exponentials: docs/experiments/patches/
+             # e110-softcap-forward.patch) in a scratch copy: its GPU tests there (test_softcap_overlap.py: d64/d128/d256
+             # against float64; test_kernel_features -k "gluon and (softcap or bounded)"), both trees' kernels compiled
+             # meanwhile, then benchmarks/mufu_rate.py (tanh.approx against ex2.approx on this GPU) and features.py
+             # (plain, plain-tl, softcap 30; bf16 d128 B4 H16 S=4k) dense and causal, patched and this tree in ABBA
+             # turns (~7-8 minutes); $OUT/e110_summary.txt
+    # the working tree, not git archive: the device's .git can lag it (see SHA above)
+    patchfile="$PWD/docs/experiments/patches/e110-softcap-forward.patch"
+    rm -rf /tmp/e110 && mkdir -p /tmp/e110 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e110 \
+      && (cd /tmp/e110 && git apply "$patchfile") || exit 1
+    (cd /tmp/e110 && timeout 270 $pytest_lines tests/test_softcap_overlap.py > "$out/e110_tests_overlap.log" 2>&1) &
+    (cd /tmp/e110 && timeout 270 $pytest_lines tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
+       > "$out/e110_tests_features.log" 2>&1) &
+    for dir in "$PWD" /tmp/e110; do
+      for band in "" --causal; do
+        (cd "$dir" && timeout 200 python3 benchmarks/features.py --rounds 1 --budget 0 --variants plain,plain-tl,softcap \
+           $band > /dev/null 2>&1) &
+      done
+    done
+    wait
+    summary="$out/e110_summary.txt"
+    { nvidia-smi -L | head -1; test_lines "$out"/e110_tests_*.log; } > "$summary"
+    # alone on the GPU: tanh's MUFU rate against ex2's (x1 shares its rate, x2 half rate)
+    timeout 90 python3 benchmarks/mufu_rate.py 2>&1 | grep -a -v -i warn | tail -5 | tee "$out/e110_mufu.txt" >> "$summary"
+    for band in dense causal; do
+      for turn in patched1 base1 base2 patched2; do
+        [ $SECONDS -gt 510 ] && { echo "$band $turn: skipped (time)" >> "$summary"; continue; }
+        dir=$([ "${turn%?}" = patched ] && echo /tmp/e110 || echo "$PWD")
+        (cd "$dir" && timeout 100 python3 benchmarks/features.py --rounds 2 --budget 20 \
+           --variants plain,plain-tl,softcap $([ $band = causal ] && echo --causal) 2>&1 \
+           | grep -a "^bf16" | sed "s/^/$turn /") >> "$out/e110_features.txt"
+      done
+    done
+    features_medians "$out/e110_features.txt" | tee -a "$summary"
+    ;;
   e107)      # perf-notes E107: the KV-cache and one-length Gluon forwards persistent (one program an SM walking
              # units in a snake of waves; docs/experiments/patches/e107-kv-persistent-forward.patch) in a scratch copy:
              # its GPU tests there (two processes: persistent bit-equal to one program per unit at 1-48 programs; the
@@ -467,5 +503,5 @@ EOF
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|e111|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|e110|e111|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac
