@@ -48,6 +48,34 @@ for (band, mode, name, tree), xs in sorted(ratios.items()):
           f"  median {statistics.median(xs):.3f}")
 EOF
 }
+# a scratch copy of the working tree at $1 (not git archive: the device's .git can lag the tree, see SHA above)
+# with the patch $2 applied
+scratch_copy() {
+  rm -rf "$1" && mkdir -p "$1" && tar --exclude='./.*' -cf - . | tar -x -C "$1" && (cd "$1" && git apply "$2")
+}
+# one untimed features.py round in each tree ($3...) for the bands $2 ("dense causal") and variants $1, in the
+# background (the caller waits): the timed turns then find their kernels compiled
+features_warm() {
+  local variants=$1 bands=$2 dir band; shift 2
+  for dir in "$@"; do
+    for band in $bands; do
+      (cd "$dir" && timeout 200 python3 benchmarks/features.py --rounds 1 --budget 0 --variants "$variants" \
+         $([ "$band" = causal ] && echo --causal) > /dev/null 2>&1) &
+    done
+  done
+}
+# features.py turns of an A/B into $1 (the lines features_medians reads): variants $2, past $3 s of this call
+# the turns left are skipped (a line in $summary), bands $4, then the turns as NAME=DIR in their order
+features_turns() {
+  local file=$1 variants=$2 limit=$3 bands=$4 band spec; shift 4
+  for band in $bands; do
+    for spec in "$@"; do
+      [ $SECONDS -gt "$limit" ] && { echo "$band ${spec%%=*}: skipped (time)" >> "$summary"; continue; }
+      (cd "${spec#*=}" && timeout 100 python3 benchmarks/features.py --rounds 2 --budget 20 --variants "$variants" \
+         $([ "$band" = causal ] && echo --causal) 2>&1 | grep -a "^bf16" | sed "s/^/${spec%%=*} /") >> "$file"
+    done
+  done
+}
 case "$what" in
   tests)     # the adapters and the capability claims (the kernel's own tests: `kernel`; both together
              # outgrew one call: 102 of ~110 in 570 s at 7a3041f)
@@ -256,11 +284,8 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
              # (SOFTCAP_EXP2_POLY 4): the softcap GPU tests in the first (two processes), then features.py
              # (plain, plain-tl, softcap 30; bf16 d128 B4 H16 S=4k) dense and causal, the copies and this tree in
              # ABBA turns (~8-9 minutes); the lines to compare: $OUT/e106_summary.txt
-    # the working tree, not git archive: the device's .git can lag it (see SHA above)
     patchfile="$PWD/docs/experiments/patches/e106-softcap-fma.patch"
-    for d in /tmp/e106 /tmp/e106q; do
-      rm -rf $d && mkdir -p $d && tar --exclude='./.*' -cf - . | tar -x -C $d && (cd $d && git apply "$patchfile") || exit 1
-    done
+    for d in /tmp/e106 /tmp/e106q; do scratch_copy $d "$patchfile" || exit 1; done
     sed -i 's/^SOFTCAP_EXP2_POLY = gl.constexpr(2)/SOFTCAP_EXP2_POLY = gl.constexpr(4)/' \
       /tmp/e106q/attention_dispatch/kernels/gluon/common.py
     grep -q "^SOFTCAP_EXP2_POLY = gl.constexpr(4)" /tmp/e106q/attention_dispatch/kernels/gluon/common.py || exit 1
@@ -268,25 +293,12 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
     (cd /tmp/e106 && $pytest_gpu tests/test_softcap_fma.py > "$out/e106_tests_fma.log" 2>&1) &
     (cd /tmp/e106 && $pytest_gpu tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
        > "$out/e106_tests_features.log" 2>&1) &
-    # meanwhile one untimed round in the other two trees, so their turns below find their kernels compiled
-    for dir in "$PWD" /tmp/e106q; do
-      for band in "" --causal; do
-        (cd "$dir" && timeout 200 python3 benchmarks/features.py --rounds 1 --budget 0 --variants plain,plain-tl,softcap \
-           $band > /dev/null 2>&1) &
-      done
-    done
+    features_warm plain,plain-tl,softcap "dense causal" "$PWD" /tmp/e106q
     wait
     summary="$out/e106_summary.txt"
     { nvidia-smi -L | head -1; test_lines "$out"/e106_tests_*.log; } > "$summary"
-    for band in dense causal; do
-      for turn in patched1 quarter1 base1 base2 quarter2 patched2; do
-        [ $SECONDS -gt 525 ] && { echo "$band $turn: skipped (time)" >> "$summary"; continue; }
-        case "${turn%?}" in patched) dir=/tmp/e106 ;; quarter) dir=/tmp/e106q ;; *) dir="$PWD" ;; esac
-        (cd "$dir" && timeout 100 python3 benchmarks/features.py --rounds 2 --budget 20 \
-           --variants plain,plain-tl,softcap $([ $band = causal ] && echo --causal) 2>&1 \
-           | grep -a "^bf16" | sed "s/^/$turn /") >> "$out/e106_features.txt"
-      done
-    done
+    features_turns "$out/e106_features.txt" plain,plain-tl,softcap 525 "dense causal" patched1=/tmp/e106 \
+      quarter1=/tmp/e106q base1="$PWD" base2="$PWD" quarter2=/tmp/e106q patched2=/tmp/e106
     features_medians "$out/e106_features.txt" | tee -a "$summary"
     ;;
   e106a)     # perf-notes E106a: the softcap backward's masked tanh tile and the causal dQ split
@@ -296,10 +308,7 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
              # meanwhile by an untimed round, then features.py (plain, plain-tl, softcap 30; bf16 d128 B4 H16 S=4k)
              # causal then dense, patched and this tree in ABBA turns (~7-8 minutes); $OUT/e106a_summary.txt keeps
              # each failure's assertion message
-    # the working tree, not git archive: the device's .git can lag it (see SHA above)
-    patchfile="$PWD/docs/experiments/patches/e106a-softcap-masked-tanh.patch"
-    rm -rf /tmp/e106a && mkdir -p /tmp/e106a && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e106a \
-      && (cd /tmp/e106a && git apply "$patchfile") || exit 1
+    scratch_copy /tmp/e106a "$PWD/docs/experiments/patches/e106a-softcap-masked-tanh.patch" || exit 1
     pytest_gpu="timeout 270 $pytest_lines"
     for d in 64 128; do  # a process each: each head dim compiles its own kernels
       (cd /tmp/e106a && $pytest_gpu tests/test_softcap_masked_tanh.py -k "$([ $d = 64 ] && echo not) 128" \
@@ -307,24 +316,12 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
     done
     (cd /tmp/e106a && $pytest_gpu tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
        > "$out/e106a_tests_features.log" 2>&1) &
-    for dir in "$PWD" /tmp/e106a; do
-      for band in "" --causal; do
-        (cd "$dir" && timeout 200 python3 benchmarks/features.py --rounds 1 --budget 0 --variants plain,plain-tl,softcap \
-           $band > /dev/null 2>&1) &
-      done
-    done
+    features_warm plain,plain-tl,softcap "dense causal" "$PWD" /tmp/e106a
     wait
     summary="$out/e106a_summary.txt"
     { nvidia-smi -L | head -1; test_lines "$out"/e106a_tests_*.log; } > "$summary"
-    for band in causal dense; do
-      for turn in patched1 base1 base2 patched2; do
-        [ $SECONDS -gt 500 ] && { echo "$band $turn: skipped (time)" >> "$summary"; continue; }
-        dir=$([ "${turn%?}" = patched ] && echo /tmp/e106a || echo "$PWD")
-        (cd "$dir" && timeout 100 python3 benchmarks/features.py --rounds 2 --budget 20 \
-           --variants plain,plain-tl,softcap $([ $band = causal ] && echo --causal) 2>&1 \
-           | grep -a "^bf16" | sed "s/^/$turn /") >> "$out/e106a_features.txt"
-      done
-    done
+    features_turns "$out/e106a_features.txt" plain,plain-tl,softcap 500 "causal dense" patched1=/tmp/e106a \
+      base1="$PWD" base2="$PWD" patched2=/tmp/e106a
     features_medians "$out/e106a_features.txt" | tee -a "$summary"
     ;;
   e109)      # perf-notes E109: causal softcap training with dQ fused into the dK/dV pass (a route change:
@@ -332,25 +329,16 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
              # (test_kernel_features -k "gluon and (softcap or bounded)", test_triton_kernel -k fused_dq), both trees'
              # kernels compiled meanwhile, then features.py (plain, softcap 30; bf16 d128 B4 H16 S=4k causal) patched
              # and this tree in ABBA turns (~4 minutes); $OUT/e109_summary.txt
-    # the working tree, not git archive: the device's .git can lag it (see SHA above)
-    patchfile="$PWD/docs/experiments/patches/e109-causal-softcap-fused-dq.patch"
-    rm -rf /tmp/e109 && mkdir -p /tmp/e109 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e109 \
-      && (cd /tmp/e109 && git apply "$patchfile") || exit 1
+    scratch_copy /tmp/e109 "$PWD/docs/experiments/patches/e109-causal-softcap-fused-dq.patch" || exit 1
     (cd /tmp/e109 && timeout 240 $pytest_lines tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
        > "$out/e109_tests_features.log" 2>&1) &
     (cd /tmp/e109 && timeout 240 $pytest_lines tests/test_triton_kernel.py -k fused_dq > "$out/e109_tests_fused_dq.log" 2>&1) &
-    for dir in "$PWD" /tmp/e109; do
-      (cd "$dir" && timeout 200 python3 benchmarks/features.py --rounds 1 --budget 0 --variants plain,softcap --causal \
-         > /dev/null 2>&1) &
-    done
+    features_warm plain,softcap causal "$PWD" /tmp/e109
     wait
     summary="$out/e109_summary.txt"
     { nvidia-smi -L | head -1; test_lines "$out"/e109_tests_*.log; } > "$summary"
-    for turn in patched1 base1 base2 patched2; do
-      dir=$([ "${turn%?}" = patched ] && echo /tmp/e109 || echo "$PWD")
-      (cd "$dir" && timeout 100 python3 benchmarks/features.py --rounds 2 --budget 20 --variants plain,softcap --causal 2>&1 \
-         | grep -a "^bf16" | sed "s/^/$turn /") >> "$out/e109_features.txt"
-    done
+    features_turns "$out/e109_features.txt" plain,softcap 500 causal patched1=/tmp/e109 base1="$PWD" base2="$PWD" \
+      patched2=/tmp/e109
     features_medians "$out/e109_features.txt" | tee -a "$summary"
     ;;
   e110)      # perf-notes E110: the bounded softcap forward's P V product running under the whole softmax (a shared store
@@ -360,33 +348,18 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
              # meanwhile, then benchmarks/mufu_rate.py (tanh.approx against ex2.approx on this GPU) and features.py
              # (plain, plain-tl, softcap 30; bf16 d128 B4 H16 S=4k) dense and causal, patched and this tree in ABBA
              # turns (~7-8 minutes); $OUT/e110_summary.txt
-    # the working tree, not git archive: the device's .git can lag it (see SHA above)
-    patchfile="$PWD/docs/experiments/patches/e110-softcap-forward.patch"
-    rm -rf /tmp/e110 && mkdir -p /tmp/e110 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e110 \
-      && (cd /tmp/e110 && git apply "$patchfile") || exit 1
+    scratch_copy /tmp/e110 "$PWD/docs/experiments/patches/e110-softcap-forward.patch" || exit 1
     (cd /tmp/e110 && timeout 270 $pytest_lines tests/test_softcap_overlap.py > "$out/e110_tests_overlap.log" 2>&1) &
     (cd /tmp/e110 && timeout 270 $pytest_lines tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
        > "$out/e110_tests_features.log" 2>&1) &
-    for dir in "$PWD" /tmp/e110; do
-      for band in "" --causal; do
-        (cd "$dir" && timeout 200 python3 benchmarks/features.py --rounds 1 --budget 0 --variants plain,plain-tl,softcap \
-           $band > /dev/null 2>&1) &
-      done
-    done
+    features_warm plain,plain-tl,softcap "dense causal" "$PWD" /tmp/e110
     wait
     summary="$out/e110_summary.txt"
     { nvidia-smi -L | head -1; test_lines "$out"/e110_tests_*.log; } > "$summary"
     # alone on the GPU: tanh's MUFU rate against ex2's (x1 shares its rate, x2 half rate)
     timeout 90 python3 benchmarks/mufu_rate.py 2>&1 | grep -a -v -i warn | tail -5 | tee "$out/e110_mufu.txt" >> "$summary"
-    for band in dense causal; do
-      for turn in patched1 base1 base2 patched2; do
-        [ $SECONDS -gt 510 ] && { echo "$band $turn: skipped (time)" >> "$summary"; continue; }
-        dir=$([ "${turn%?}" = patched ] && echo /tmp/e110 || echo "$PWD")
-        (cd "$dir" && timeout 100 python3 benchmarks/features.py --rounds 2 --budget 20 \
-           --variants plain,plain-tl,softcap $([ $band = causal ] && echo --causal) 2>&1 \
-           | grep -a "^bf16" | sed "s/^/$turn /") >> "$out/e110_features.txt"
-      done
-    done
+    features_turns "$out/e110_features.txt" plain,plain-tl,softcap 510 "dense causal" patched1=/tmp/e110 \
+      base1="$PWD" base2="$PWD" patched2=/tmp/e110
     features_medians "$out/e110_features.txt" | tee -a "$summary"
     ;;
   e107)      # perf-notes E107: the KV-cache and one-length Gluon forwards persistent (one program an SM walking
@@ -395,9 +368,7 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
              # KV-cache and one-length routes' own), then benchmarks/kv_device_ab.py there: the chunked-prefill rows
              # on the device alone (queued behind a spin) and from an idle GPU, persistent against per-unit (the launch
              # before E107), the dispatcher, sdpa() and flash-attn 4 (~7-8 minutes); $OUT/e107_summary.txt
-    # the working tree, not git archive: the device's .git can lag it (see SHA above)
-    rm -rf /tmp/e107 && mkdir -p /tmp/e107 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e107 \
-      && patch -d /tmp/e107 -p1 < docs/experiments/patches/e107-kv-persistent-forward.patch || exit 1
+    scratch_copy /tmp/e107 "$PWD/docs/experiments/patches/e107-kv-persistent-forward.patch" || exit 1
     pytest_gpu="timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning"
     (cd /tmp/e107 && $pytest_gpu tests/test_gluon_persistent.py tests/test_gluon_lpt.py > "$out/e107_tests_persistent.log" 2>&1) &
     (cd /tmp/e107 && $pytest_gpu tests/test_kv_prefill.py tests/test_gluon_one_length.py \
@@ -414,10 +385,7 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
              # there: the chunked-prefill rows on the device alone (queued behind a spin) and from an idle GPU, e111,
              # each choice alone and base (neither: the launch before E111), the dispatcher, sdpa() and flash-attn 4
              # (~7-8 minutes); $OUT/e111_summary.txt keeps each failure's assertion message
-    # the working tree, not git archive: the device's .git can lag it (see SHA above)
-    patchfile="$PWD/docs/experiments/patches/e110b-chunked-prefill.patch"
-    rm -rf /tmp/e111 && mkdir -p /tmp/e111 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e111 \
-      && (cd /tmp/e111 && git apply "$patchfile") || exit 1
+    scratch_copy /tmp/e111 "$PWD/docs/experiments/patches/e110b-chunked-prefill.patch" || exit 1
     pytest_gpu="timeout 240 $pytest_lines"
     (cd /tmp/e111 && $pytest_gpu tests/test_gluon_kv_pingpong.py > "$out/e111_tests_pingpong.log" 2>&1) &
     (cd /tmp/e111 && $pytest_gpu tests/test_kv_prefill.py tests/test_gluon_one_length.py \
@@ -432,9 +400,7 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
              # d512 GPU tests there (two processes), then d512 training (bf16 B=2 H=16 S=4096, dense and causal, with
              # the tl forward, then the Gluon d512 one turned on) patched and this tree in ABBA turns (d512_backward_ab.py),
              # then the patched copy's other dK/dV choices while time is left (~8 minutes); $OUT/e108_summary.txt
-    # the working tree, not git archive: the device's .git can lag it (see SHA above)
-    rm -rf /tmp/e108 && mkdir -p /tmp/e108 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e108 \
-      && patch -d /tmp/e108 -p1 < docs/experiments/patches/e108-d512-bwd-split.patch || exit 1
+    scratch_copy /tmp/e108 "$PWD/docs/experiments/patches/e108-d512-bwd-split.patch" || exit 1
     for t in test_wide_backward test_head_dim_512; do
       (cd /tmp/e108 && timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
          -W ignore::UserWarning tests/$t.py > "$out/e108_$t.log" 2>&1) &
