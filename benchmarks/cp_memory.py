@@ -47,7 +47,7 @@ def _gpu_like_launches():
     from triton.runtime.interpreter import GridExecutor
 
     from attention_dispatch import kernels
-    from attention_dispatch.kernels.tl import launch
+    from attention_dispatch.kernels.tl import launch_backward as launch
 
     launch.store_dtype = lambda dtype: dtype
     real_dq, real_dkdv = launch.dq_pass, launch.dkdv_pass

@@ -242,16 +242,16 @@ def test_window_leaving_rows_empty_with_sinks():
 
 def test_sinks_without_grad_and_no_lse_gradient_costs_nothing(monkeypatch):
     """No lse gradient, sinks not requiring grad: the delta pass gets no dlse and no d(sink) rows."""
-    from attention_dispatch.kernels.tl import launch as tl_launch
+    from attention_dispatch.kernels.tl import launch_backward
 
     seen = []
-    real = tl_launch.delta_pass
+    real = launch_backward.delta_pass
 
     def spy(*args, **kw):
         seen.append(args[5:])
         return real(*args, **kw)
 
-    monkeypatch.setattr(tl_launch, "delta_pass", spy)
+    monkeypatch.setattr(launch_backward, "delta_pass", spy)
     q, k, v = dense()
     out = triton_attention(q, k, v, None, KernelParams(scale=0.25), sinks=torch.randn(2, device=DEV))
     out.sum().backward()

@@ -55,9 +55,9 @@ _LAZY = {
     "config_reason": ".run",
     "device_info": ".device",
     "dropout_keep_mask": ".dropout",
-    "group_splits_heuristic": ".tl.launch",
+    "group_splits_heuristic": ".tl.launch_backward",
     "is_interpreter": ".device",
-    "num_splits_heuristic": ".tl.launch",
+    "num_splits_heuristic": ".tl.launch_backward",
     "select_config": ".run",
 }
 

@@ -34,6 +34,7 @@ from .gluon.route_d512 import d512_forward_reason, serves_head_dims
 from .params import KernelParams
 from .shapes import KernelShapes, check_inputs, last_dim_contiguous, store_dtype
 from .tl import launch as tl_launch
+from .tl import launch_backward as tl_backward
 
 GLUON, TL, FUSED = "gluon", "tl", "fused"  # FUSED: dQ computed inside the Gluon dK/dV pass
 # The Gluon forward in its ONE_LENGTH mode: a causal call with Sq < Sk, each sequence's keys read
@@ -361,7 +362,7 @@ def attention_backward(
     desc = use_descriptors(params, (q, k, v, do), dev)
     # the forward's (hi, lo) pairs (lse_pair_buffer): P's normaliser unless a sink joins it
     pair = lse_pair if sinks is None else None
-    args = tl_launch.backward_args(
+    args = tl_backward.backward_args(
         do, q, kind, bt, bstr, seed, params, prob, desc, cu_q, cu_k, alibi, lse_pair=pair is not None
     )
     if delta is None:
@@ -374,7 +375,7 @@ def attention_backward(
             dsink_rows = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32)
     if grad_lse is not None:
         grad_lse = grad_lse.to(torch.float32).contiguous()
-    tl_launch.delta_pass(do, out, delta, prob, args, lse, sinks, grad_lse, lse_used, dsink_rows)
+    tl_backward.delta_pass(do, out, delta, prob, args, lse, sinks, grad_lse, lse_used, dsink_rows)
     if lse_used is not None:
         lse = lse_used
     # (B, Hq, Sq) or (total_q, Hq): summed over all but the head dim, in a fixed order
@@ -389,7 +390,7 @@ def attention_backward(
         def separate_dq():
             """dq, or None once added into ``acc`` (the Gluon pass's bf16 dq is added here)."""
             if not gluon_dq:
-                return tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc, out=dq_out)
+                return tl_backward.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc, out=dq_out)
             into = {} if dq_out is None else {"out": dq_out}
             dq = gluon_launch.dq(q, k, v, do, lse, delta, params, prob, *route.rows, bias=ws_bias, alibi=alibi, **into)
             if acc is not None:
@@ -414,17 +415,17 @@ def attention_backward(
     if pair is not None:
         lse = pair
     if only == "dq":
-        return tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc, out=dq_out), None, None, None, dsinks
+        return tl_backward.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc, out=dq_out), None, None, None, dsinks
     early = only is None and (overwrites or acc is not None)  # the Gluon branch's order (nothing to keep alive here)
     if early:
-        dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc, out=dq_out)
-    dk, dv, dbias = tl_launch.dkdv_pass(
+        dq = tl_backward.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc, out=dq_out)
+    dk, dv, dbias = tl_backward.dkdv_pass(
         do, q, k, v, lse, delta, bias, bias_grad, bcast, params, prob, args, dk_out=dk_out, dv_out=dv_out
     )
     if only == "dkv":
         dq = None
     elif not early:
-        dq = tl_launch.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc, out=dq_out)
+        dq = tl_backward.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc, out=dq_out)
     return dq, _into(dk_out, dk), _into(dv_out, dv), dbias, dsinks
 
 
