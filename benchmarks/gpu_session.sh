@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|e110|e111|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|e110|e111|e112|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -362,6 +362,30 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
       base1="$PWD" base2="$PWD" patched2=/tmp/e110
     features_medians "$out/e110_features.txt" | tee -a "$summary"
     ;;
+  e112)      # perf-notes E112: a bounded softcap forward's tanh partly on the FMA pipe (odd polynomial of degree 19:
+             # docs/experiments/patches/e112-softcap-tanh-poly.patch, SOFTCAP_TANH_POLY 2: half) in a scratch copy and in
+             # a second with SOFTCAP_TANH_POLY 4 (a quarter); the GPU tests in the half copy (test_softcap_tanh_poly.py:
+             # d64/d128/d256 against float64; test_kernel_features -k "gluon and (softcap or bounded)"), the three trees'
+             # kernels compiled meanwhile, then mufu_rate.py alone and features.py (plain, softcap 30; bf16 d128 B4 H16
+             # S=4k) dense and causal, half / quarter / this tree in ABBA turns (~8 minutes); $OUT/e112_summary.txt
+    scratch_copy /tmp/e112 "$PWD/docs/experiments/patches/e112-softcap-tanh-poly.patch" || exit 1
+    scratch_copy /tmp/e112q "$PWD/docs/experiments/patches/e112-softcap-tanh-poly.patch" || exit 1
+    sed -i 's/^SOFTCAP_TANH_POLY = gl.constexpr(2)/SOFTCAP_TANH_POLY = gl.constexpr(4)/' \
+      /tmp/e112q/attention_dispatch/kernels/gluon/common.py
+    grep -q "^SOFTCAP_TANH_POLY = gl.constexpr(4)" /tmp/e112q/attention_dispatch/kernels/gluon/common.py || exit 1
+    (cd /tmp/e112 && timeout 270 $pytest_lines tests/test_softcap_tanh_poly.py > "$out/e112_tests_poly.log" 2>&1) &
+    (cd /tmp/e112 && timeout 270 $pytest_lines tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
+       > "$out/e112_tests_features.log" 2>&1) &
+    features_warm plain,softcap "dense causal" "$PWD" /tmp/e112 /tmp/e112q
+    wait
+    summary="$out/e112_summary.txt"
+    { nvidia-smi -L | head -1; test_lines "$out"/e112_tests_*.log; } > "$summary"
+    # alone on the GPU: tanh's MUFU rate against ex2's (x1 shares its rate, x2 half rate: E112's case)
+    timeout 90 python3 benchmarks/mufu_rate.py 2>&1 | grep -a -v -i warn | tail -5 | tee "$out/e112_mufu.txt" >> "$summary"
+    features_turns "$out/e112_features.txt" plain,softcap 520 "dense causal" patched1=/tmp/e112 quarter1=/tmp/e112q \
+      base1="$PWD" base2="$PWD" quarter2=/tmp/e112q patched2=/tmp/e112
+    features_medians "$out/e112_features.txt" | tee -a "$summary"
+    ;;
   e107)      # perf-notes E107: the KV-cache and one-length Gluon forwards persistent (one program an SM walking
              # units in a snake of waves; docs/experiments/patches/e107-kv-persistent-forward.patch) in a scratch copy:
              # its GPU tests there (two processes: persistent bit-equal to one program per unit at 1-48 programs; the
@@ -469,5 +493,5 @@ EOF
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|e110|e111|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|e110|e111|e112|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac
