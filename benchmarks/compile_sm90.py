@@ -40,7 +40,10 @@ from attention_dispatch.kernels.tl import KERNELS as TL_KERNELS  # noqa: E402
 KERNELS = {kind: TL_KERNELS[kind] for kind in (C.FWD, C.BWD_DKDV, C.BWD_DQ)}
 # the split dK/dV passes (configs.SPLIT_KINDS): the dK/dV kernel with one of its outputs
 KERNELS.update({kind: TL_KERNELS[C.BWD_DKDV] for kind in C.SPLIT_KINDS})
-SPLIT_CONSTEXPRS = {C.BWD_DV: dict(DO_DK=False, BIAS_GRAD=False), C.BWD_DK: dict(DO_DV=False)}  # as tl/launch_backward.py
+SPLIT_CONSTEXPRS = {
+    C.BWD_DV: dict(DO_DK=False, BIAS_GRAD=False),
+    C.BWD_DK: dict(DO_DV=False),
+}  # as tl/launch_backward.py
 POINTERS = dict(
     {n: "*bf16" for n in ("Q", "K", "V", "Bias", "O", "DO", "DK", "DV", "DQ", "DB")},
     LSE="*fp32",

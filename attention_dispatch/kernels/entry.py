@@ -415,7 +415,13 @@ def attention_backward(
     if pair is not None:
         lse = pair
     if only == "dq":
-        return tl_backward.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc, out=dq_out), None, None, None, dsinks
+        return (
+            tl_backward.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc, out=dq_out),
+            None,
+            None,
+            None,
+            dsinks,
+        )
     early = only is None and (overwrites or acc is not None)  # the Gluon branch's order (nothing to keep alive here)
     if early:
         dq = tl_backward.dq_pass(do, q, k, v, lse, delta, params, prob, args, acc, out=dq_out)
