@@ -228,7 +228,7 @@ class Runner(Implementations):
                 continue
             r = dict(res[m], **self.summarize(w, times[i]))
             r.update(status="ok", tflops=tflops(row, m, r["ms"]), rounds=turns[i])
-            if (column := chosen.get((impl, m))) and column != impl and (column, m) in turn_names:
+            if (column := chosen.get((impl, m))) and (column, m) in turn_names:
                 r["paired_with"] = column  # its turns ran next to that column's (pair_choices)
             res[m] = r
             log(

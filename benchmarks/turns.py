@@ -44,7 +44,7 @@ def pair_choices(
     mode) per index.  A choice without a column in the row keeps its place."""
     out = list(order)
     for (impl, mode), column in chosen.items():
-        if (impl, mode) not in turns or (column, mode) not in turns or column == impl:
+        if (impl, mode) not in turns or (column, mode) not in turns:
             continue
         mine = turns.index((impl, mode))
         out.remove(mine)

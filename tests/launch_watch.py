@@ -1,4 +1,4 @@
-"""What the GPU route tests share: whether this is an sm90 GPU, and a spy on kernel launches."""
+"""What the route tests share: whether this is an sm90 GPU, and spies on kernel launches."""
 
 from __future__ import annotations
 
@@ -23,4 +23,16 @@ def watch_launches(monkeypatch, kernel, pick: Callable[[dict], object]) -> list:
         return real(launched, grid, args, constexprs, *rest, **options)
 
     monkeypatch.setattr(run, "launch_one", spy)
+    return seen
+
+
+def watch_kinds(monkeypatch) -> list:
+    """The configuration kind (configs.FWD, BWD_DV, ...) of every tl launch from now on; they still run."""
+    seen, real = [], run.launch_first_fitting
+
+    def spy(kind, *a, **kw):
+        seen.append(kind)
+        return real(kind, *a, **kw)
+
+    monkeypatch.setattr(run, "launch_first_fitting", spy)
     return seen

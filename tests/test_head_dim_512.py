@@ -12,8 +12,10 @@ import torch
 import attention_dispatch as ad
 from attention_dispatch.api import normalize_call
 from attention_dispatch.kernels import KERNEL_LIMITS
+from attention_dispatch.kernels import configs as C
 from cases import Case
-from oracle import compare_backend
+from launch_watch import sm90, watch_kinds
+from oracle import compare_backend, triton_keep_mask
 from test_kvcache import KvCase, check_kv_call
 
 MAX = KERNEL_LIMITS.max_head_dim
@@ -126,6 +128,7 @@ def test_decode_kernel_takes_head_dim_512_over_a_kv_cache():
 
 # ---------------------------------------------------------------- GPU (bf16, the H100)
 GPU_CASES = [
+    ("d512 S=1024", Case(batch=1, heads_q=4, heads_kv=4, seqlen_q=1024, seqlen_k=1024, head_dim=512)),
     (
         "d512 S=1024 causal",
         Case(batch=1, heads_q=4, heads_kv=4, seqlen_q=1024, seqlen_k=1024, head_dim=512, causal="top_left"),
@@ -158,14 +161,33 @@ GPU_CASES = [
             mask_shape="heads",
         ),
     ),
+    (
+        "d512 S=512 bias grad window dropout",
+        Case(
+            batch=1,
+            heads_q=4,
+            heads_kv=4,
+            seqlen_q=512,
+            seqlen_k=520,
+            head_dim=512,
+            window=(200, 50),
+            mask="float_grad",
+            mask_shape="heads",
+            dropout_p=0.1,
+        ),
+    ),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("label,case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_head_dim_512_on_the_gpu(label, case):
+def test_head_dim_512_on_the_gpu(label, case, monkeypatch):
+    """Against float64; on sm90 the backward launches dV and dK apart (configs.wide_backward, E108)."""
+    seen = watch_kinds(monkeypatch)
     case = dataclasses.replace(case, dtype=torch.bfloat16)
-    compare_backend(case, "triton", device="cuda")
+    compare_backend(case, "triton", keep_fn=triton_keep_mask if case.dropout_p else None, device="cuda")
+    if sm90():
+        assert C.BWD_DV in seen and C.BWD_DK in seen and C.BWD_DKDV not in seen, seen
 
 
 @pytest.mark.gpu

@@ -2,9 +2,8 @@
 dK in two launches of the tl dK/dV kernel (configs.SPLIT_KINDS) where the table has entries for
 them, dP computed apart from the other products' warp layout (DP_IN_BRANCH).  Gradients against
 tests/naive.py in float64 (tests/oracle.py's rule) under TRITON_INTERPRET=1, the launches each
-call makes, dK/dV written over the keys they read, and on the GPU (bf16) the same at S = 1024."""
-
-import dataclasses
+call makes and dK/dV written over the keys they read; on the GPU (bf16) test_head_dim_512's cases
+assert the split launches."""
 
 import pytest
 import torch
@@ -13,8 +12,8 @@ import attention_dispatch as ad
 from attention_dispatch import registry
 from attention_dispatch.call import normalize_call
 from attention_dispatch.kernels import configs as C
-from attention_dispatch.kernels import run
 from cases import Case
+from launch_watch import watch_kinds
 from oracle import compare_backend, triton_keep_mask
 
 SM90, SM80 = ((9, 0), 227 * 1024), ((8, 0), 163 * 1024)
@@ -97,27 +96,15 @@ CPU_CASES = [
 ]
 
 
-def _launched_kinds(monkeypatch) -> list:
-    seen = []
-    real = run.launch_first_fitting
-
-    def spy(kind, *a, **kw):
-        seen.append(kind)
-        return real(kind, *a, **kw)
-
-    monkeypatch.setattr(run, "launch_first_fitting", spy)
-    return seen
-
-
 @pytest.mark.parametrize("label,case", CPU_CASES, ids=[c[0] for c in CPU_CASES])
 def test_split_dkdv_passes_match_the_oracle(label, case, monkeypatch):
-    seen = _launched_kinds(monkeypatch)
+    seen = watch_kinds(monkeypatch)
     compare_backend(case, "triton", keep_fn=triton_keep_mask if case.dropout_p else None)
     assert [k for k in seen if k != C.FWD] == [C.BWD_DV, C.BWD_DK, C.BWD_DQ], seen
 
 
 def test_float32_and_narrow_head_dims_keep_one_dkdv_pass(monkeypatch):
-    seen = _launched_kinds(monkeypatch)
+    seen = watch_kinds(monkeypatch)
     for case in (
         Case(batch=1, heads_q=2, heads_kv=2, seqlen_q=20, seqlen_k=20, head_dim=512),  # float32
         Case(batch=1, heads_q=2, heads_kv=2, seqlen_q=20, seqlen_k=20, head_dim=256, dtype=torch.bfloat16),
@@ -160,52 +147,3 @@ def test_split_kinds_have_fitting_sm90_entries_and_none_elsewhere(dims):
             assert not C.candidate_configs(kind, *dims, dtype, *SM80)
     assert not C.wide_backward(bdq, bdv, torch.float32)
     assert not C.wide_backward(256, 128, torch.bfloat16)
-
-
-# ---------------------------------------------------------------- GPU (bf16, the H100)
-GPU_CASES = [
-    ("d512 S=1024", Case(batch=1, heads_q=4, heads_kv=4, seqlen_q=1024, seqlen_k=1024, head_dim=512)),
-    (
-        "d512 S=1024 causal",
-        Case(batch=1, heads_q=4, heads_kv=4, seqlen_q=1024, seqlen_k=1024, head_dim=512, causal="top_left"),
-    ),
-    (
-        "512/256 GQA 8/2 S=512 causal bottom-right",
-        Case(
-            batch=1,
-            heads_q=8,
-            heads_kv=2,
-            seqlen_q=384,
-            seqlen_k=512,
-            head_dim=512,
-            head_dim_v=256,
-            causal="bottom_right",
-        ),
-    ),
-    (
-        "d512 S=512 bias grad window dropout",
-        Case(
-            batch=1,
-            heads_q=4,
-            heads_kv=4,
-            seqlen_q=512,
-            seqlen_k=520,
-            head_dim=512,
-            window=(200, 50),
-            mask="float_grad",
-            mask_shape="heads",
-            dropout_p=0.1,
-        ),
-    ),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("label,case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_split_dkdv_passes_on_the_gpu(label, case, monkeypatch):
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the split passes have sm90 entries only")
-    seen = _launched_kinds(monkeypatch)
-    case = dataclasses.replace(case, dtype=torch.bfloat16)
-    compare_backend(case, "triton", keep_fn=triton_keep_mask if case.dropout_p else None, device="cuda")
-    assert C.BWD_DV in seen and C.BWD_DK in seen and C.BWD_DKDV not in seen, seen
