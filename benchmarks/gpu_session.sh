@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|e110|e111|e112|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|e110|e111|e112|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -174,84 +174,11 @@ case "$what" in
        2>&1 | tee "$out/e101_tests.log" | tail -4)
     (cd /tmp/e101 && PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/kv_ab.py --base-module "$OLDPWD/attention_dispatch/kernels/gluon" \
        --rounds 15 --json "$out/e101_ab.json" --commit "$sha+e101" 2>&1 | grep -v -i warn | tail -6) ;;
-  e102)      # perf-notes E102: the causal Gluon forward's LPT groups sized to half the L2
-             # (docs/experiments/patches/e102-d256-causal-fwd.patch) in a scratch copy: its GPU tests there
-             # (every group size bit-equal to the grid's order; the causal warp-specialised forward, bf16),
-             # then bench.py's d256 S=512 and d128 S=2k rows in the patched copy and in this tree, alternately
-             # twice (~8-9 minutes); the lines to compare: $OUT/e102_summary.txt
-    # the working tree, not git archive: the device's .git can lag it (see SHA above)
-    rm -rf /tmp/e102 && mkdir -p /tmp/e102 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e102 \
-      && patch -d /tmp/e102 -p1 < docs/experiments/patches/e102-d256-causal-fwd.patch || exit 1
-    (cd /tmp/e102 && timeout 130 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
-       -W ignore::UserWarning tests/test_gluon_lpt.py tests/test_triton_kernel.py \
-       -k "lpt or (test_gpu_forward_warp_specialized and dtype1 and causal and not 64)" \
-       2>&1 | tee "$out/e102_tests.log" | tail -3)
-    summary="$out/e102_summary.txt"
-    tail -n1 "$out/e102_tests.log" > "$summary"
-    for turn in patched1 base1 patched2 base2; do
-      dir=$([ "${turn%?}" = patched ] && echo /tmp/e102 || echo "$PWD")
-      (cd "$dir" && timeout 105 python3 benchmarks/bench.py --rows bf16-d256-s512-causal bf16-d256-s512-full \
-         bf16-d128-s2048-causal --impls triton,cudnn,fa4 --no-doc --no-plot --budget-s 60 --out "/tmp/e102_$turn" \
-         --commit "$sha-${turn%?}" > "/tmp/e102_$turn.log" 2>&1)
-      cp "/tmp/e102_$turn/bench.json" "$out/e102_$turn.json" || echo "$turn: no bench.json" | tee -a "$summary"
-    done
-    # per run: each row's triton / cuDNN / fa4 ms and cuDNN's time over triton's
-    python3 - "$out"/e102_*.json <<'EOF' | tee -a "$summary"
-import json, sys
-for path in sys.argv[1:]:
-    for e in json.load(open(path))["rows"]:
-        for mode in ("fwd", "fwd+bwd"):
-            ms = {i: (e["results"].get(i, {}).get(mode) or {}).get("ms") for i in ("triton", "cudnn", "fa4")}
-            ratio = ms["cudnn"] / ms["triton"] if ms["triton"] and ms["cudnn"] else float("nan")
-            cells = " ".join(f"{i} {v:.4f}" if v else f"{i} -" for i, v in ms.items())
-            print(f"{path.rsplit('/', 1)[-1]:18s} {e['row']['id']:24s} {mode:8s} {cells}  cudnn/triton {ratio:.3f}")
-EOF
-    ;;
   e102sweep) # perf-notes E102's LPT group sizes on this tree (forward_ab: ws as shipped, ws-lpt0 the grid's
              # order before 3cac568, ws-lptN groups of N rows) on the causal rows the rule must serve (~3 min)
     timeout 400 python3 benchmarks/forward_ab.py --fwd-only --impls ws,ws-lpt0,ws-lpt8,ws-lpt16,ws-lpt32,ws-lpt64 \
       --ref ws --rows "bf16 d256 512 causal,bf16 d256 4k causal,bf16 d128 512 causal,bf16 d128 2k causal,bf16 d128 4k causal" \
       --rounds 9 --json "$out/e102_sweep.json" --commit "$sha" 2>&1 | grep -v -i warn | tail -8 ;;
-  e103)      # perf-notes E103: ALiBi's left split in the causal Gluon forward and a bounded softcap's fixed softmax
-             # reference (docs/experiments/patches/e103-alibi-forward.patch, then e103-softcap-bounded.patch) in a
-             # scratch copy: the Gluon softcap / ALiBi GPU tests there (two processes), then features.py (plain,
-             # plain-tl, softcap 30, alibi; bf16 d128 B4 H16 S=4k) dense and causal, patched copy and this tree
-             # in ABBA order (~8-9 minutes); the lines to compare: $OUT/e103_summary.txt
-    # the working tree, not git archive: the device's .git can lag it (see SHA above)
-    rm -rf /tmp/e103 && mkdir -p /tmp/e103 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e103 \
-      && patch -d /tmp/e103 -p1 < docs/experiments/patches/e103-alibi-forward.patch \
-      && patch -d /tmp/e103 -p1 < docs/experiments/patches/e103-softcap-bounded.patch || exit 1
-    for sel in "small_slopes or bounded" "softcap_alibi"; do
-      (cd /tmp/e103 && timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
-         -W ignore::UserWarning tests/test_kernel_features.py -k "gluon and ($sel)" \
-         > "$out/e103_tests_$(echo "$sel" | tr -c 'a-z0-9' _).log" 2>&1) &
-    done
-    wait
-    summary="$out/e103_summary.txt"
-    { nvidia-smi -L | head -1; tail -qn1 "$out"/e103_tests_*.log; grep -h "^FAILED" "$out"/e103_tests_*.log | head -8; } > "$summary"
-    for band in dense causal; do
-      for turn in patched1 base1 base2 patched2; do
-        [ $SECONDS -gt 560 ] && { echo "$band $turn: skipped (time)" >> "$summary"; continue; }
-        dir=$([ "${turn%?}" = patched ] && echo /tmp/e103 || echo "$PWD")
-        (cd "$dir" && timeout 120 python3 benchmarks/features.py --rounds 2 --budget 25 \
-           --variants plain,plain-tl,softcap,alibi $([ $band = causal ] && echo --causal) 2>&1 \
-           | grep -a "^bf16" | sed "s/^/$turn /") >> "$out/e103_features.txt"
-      done
-    done
-    # each variant's x of plain per turn, then the median of each tree's two turns
-    python3 - "$out/e103_features.txt" <<'EOF' | tee -a "$summary"
-import collections, statistics, sys
-ratios = collections.defaultdict(list)
-for line in open(sys.argv[1]):
-    f = line.split()
-    c = "causal" in f  # the label has one more word
-    mode, name, x = f[6 + c], f[7 + c], float(f[12 + c].lstrip("x"))
-    ratios[("causal" if c else "dense", mode, name, f[0].rstrip("12"))].append(x)
-for (band, mode, name, tree), xs in sorted(ratios.items()):
-    if name != "plain":
-        print(f"{band:6s} {mode:8s} {name:9s} {tree:7s} x of plain {' '.join(f'{x:.3f}' for x in xs)}  median {statistics.median(xs):.3f}")
-EOF
-    ;;
   probe512)  # issue 36: the d512 Gluon forward probe's no-loader layout (head-dim-512.md "Probe"), then the shipped
              # loader layout with the tl forward as baseline (~6 minutes)
     P=benchmarks/probe_d512_gluon.py
@@ -271,59 +198,6 @@ EOF
              # training: ours as routed, PyTorch's efficient and math paths, FlexAttention; ~3-5 minutes)
     COMMIT=$sha OUT=$out timeout 420 python3 benchmarks/head_dim_512.py 2>&1 | grep -v -i warn | tail -16 \
       | tee "$out/d512_summary.txt" ;;
-  e105)      # perf-notes E105: d512 backward dK/dV tiles (32x32x8x2 shipped, 32x32x8x1, 64x16x8x1, 64x32x8x1, 32x16x8x1)
-             # timed by head_dim_512.py's sweep (forward and dQ as shipped; ~6 minutes); adopt one only per E105's rule
-    COMMIT=$sha timeout 570 python3 -c "
-import sys; sys.path.insert(0, 'benchmarks'); sys.argv = ['head_dim_512', '--sweep', '--budget', '330']
-import head_dim_512 as h; from attention_dispatch.kernels import configs as C
-h.SWEEP = {C.FWD: [(64, 64, 8, 1)], C.BWD_DKDV: [(32, 32, 8, 2), (32, 32, 8, 1), (64, 16, 8, 1), (64, 32, 8, 1), (32, 16, 8, 1)], C.BWD_DQ: [(64, 32, 8, 1)]}
-h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
-  e106)      # perf-notes E106: softcap's cost against the plain call (docs/experiments/patches/e106-softcap-fma.patch:
-             # half of the bounded forward's exponentials on the FMA pipe; the backward's masked tanh tile and the
-             # causal dQ split) in a scratch copy, and a second copy with a quarter on the FMA pipe
-             # (SOFTCAP_EXP2_POLY 4): the softcap GPU tests in the first (two processes), then features.py
-             # (plain, plain-tl, softcap 30; bf16 d128 B4 H16 S=4k) dense and causal, the copies and this tree in
-             # ABBA turns (~8-9 minutes); the lines to compare: $OUT/e106_summary.txt
-    patchfile="$PWD/docs/experiments/patches/e106-softcap-fma.patch"
-    for d in /tmp/e106 /tmp/e106q; do scratch_copy $d "$patchfile" || exit 1; done
-    sed -i 's/^SOFTCAP_EXP2_POLY = gl.constexpr(2)/SOFTCAP_EXP2_POLY = gl.constexpr(4)/' \
-      /tmp/e106q/attention_dispatch/kernels/gluon/common.py
-    grep -q "^SOFTCAP_EXP2_POLY = gl.constexpr(4)" /tmp/e106q/attention_dispatch/kernels/gluon/common.py || exit 1
-    pytest_gpu="timeout 220 $pytest_lines"
-    (cd /tmp/e106 && $pytest_gpu tests/test_softcap_fma.py > "$out/e106_tests_fma.log" 2>&1) &
-    (cd /tmp/e106 && $pytest_gpu tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
-       > "$out/e106_tests_features.log" 2>&1) &
-    features_warm plain,plain-tl,softcap "dense causal" "$PWD" /tmp/e106q
-    wait
-    summary="$out/e106_summary.txt"
-    { nvidia-smi -L | head -1; test_lines "$out"/e106_tests_*.log; } > "$summary"
-    features_turns "$out/e106_features.txt" plain,plain-tl,softcap 525 "dense causal" patched1=/tmp/e106 \
-      quarter1=/tmp/e106q base1="$PWD" base2="$PWD" quarter2=/tmp/e106q patched2=/tmp/e106
-    features_medians "$out/e106_features.txt" | tee -a "$summary"
-    ;;
-  e106a)     # perf-notes E106a: the softcap backward's masked tanh tile and the causal dQ split
-             # (docs/experiments/patches/e106a-softcap-masked-tanh.patch, E106's backward half) in a scratch copy: its
-             # GPU tests there (three processes: test_softcap_masked_tanh.py's d64 and d128 cases, every band the
-             # change touches; test_kernel_features -k "gluon and (softcap or bounded)"), both trees' kernels compiled
-             # meanwhile by an untimed round, then features.py (plain, plain-tl, softcap 30; bf16 d128 B4 H16 S=4k)
-             # causal then dense, patched and this tree in ABBA turns (~7-8 minutes); $OUT/e106a_summary.txt keeps
-             # each failure's assertion message
-    scratch_copy /tmp/e106a "$PWD/docs/experiments/patches/e106a-softcap-masked-tanh.patch" || exit 1
-    pytest_gpu="timeout 270 $pytest_lines"
-    for d in 64 128; do  # a process each: each head dim compiles its own kernels
-      (cd /tmp/e106a && $pytest_gpu tests/test_softcap_masked_tanh.py -k "$([ $d = 64 ] && echo not) 128" \
-         > "$out/e106a_tests_masked_tanh_d$d.log" 2>&1) &
-    done
-    (cd /tmp/e106a && $pytest_gpu tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
-       > "$out/e106a_tests_features.log" 2>&1) &
-    features_warm plain,plain-tl,softcap "dense causal" "$PWD" /tmp/e106a
-    wait
-    summary="$out/e106a_summary.txt"
-    { nvidia-smi -L | head -1; test_lines "$out"/e106a_tests_*.log; } > "$summary"
-    features_turns "$out/e106a_features.txt" plain,plain-tl,softcap 500 "causal dense" patched1=/tmp/e106a \
-      base1="$PWD" base2="$PWD" patched2=/tmp/e106a
-    features_medians "$out/e106a_features.txt" | tee -a "$summary"
-    ;;
   e109)      # perf-notes E109: causal softcap training with dQ fused into the dK/dV pass (a route change:
              # docs/experiments/patches/e109-causal-softcap-fused-dq.patch) in a scratch copy: its GPU tests there
              # (test_kernel_features -k "gluon and (softcap or bounded)", test_triton_kernel -k fused_dq), both trees'
@@ -419,54 +293,6 @@ h.main()" 2>&1 | grep -v -i warn | tail -30 | tee "$out/e105_summary.txt" ;;
     { nvidia-smi -L | head -1; test_lines "$out"/e111_tests_*.log; } > "$summary"
     (cd /tmp/e111 && timeout $((520 - SECONDS)) python3 benchmarks/kv_device_ab.py --rounds 11 --json "$out/e111_ab.json" \
        --commit "$sha+e111" 2>&1 | grep -v -i warn | tail -20) | tee -a "$summary" ;;
-  e108)      # perf-notes E108: the d512 backward's dK/dV pass as a dV and a dK pass on wgmma tiles, dP apart from the
-             # other products' warp layout (docs/experiments/patches/e108-d512-bwd-split.patch) in a scratch copy: its
-             # d512 GPU tests there (two processes), then d512 training (bf16 B=2 H=16 S=4096, dense and causal, with
-             # the tl forward, then the Gluon d512 one turned on) patched and this tree in ABBA turns (d512_backward_ab.py),
-             # then the patched copy's other dK/dV choices while time is left (~8 minutes); $OUT/e108_summary.txt
-    scratch_copy /tmp/e108 "$PWD/docs/experiments/patches/e108-d512-bwd-split.patch" || exit 1
-    for t in test_wide_backward test_head_dim_512; do
-      (cd /tmp/e108 && timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
-         -W ignore::UserWarning tests/$t.py > "$out/e108_$t.log" 2>&1) &
-    done
-    wait
-    summary="$out/e108_summary.txt" ab="$out/e108_ab.txt"
-    { nvidia-smi -L | head -1; tail -qn1 "$out"/e108_test_*.log; grep -h "^FAILED" "$out"/e108_test_*.log | head -8; } > "$summary"
-    for turn in patched1 base1 base2 patched2; do
-      [ $SECONDS -gt 400 ] && { echo "$turn: skipped (time)" >> "$summary"; continue; }
-      dir=$([ "${turn%?}" = patched ] && echo /tmp/e108 || echo "$PWD")
-      (cd "$dir" && timeout 130 python3 benchmarks/d512_backward_ab.py --label $turn --forwards tl,gluon \
-         $([ $turn = base1 ] && echo --ref) 2>&1 | grep -a "^$turn ") >> "$ab"
-    done
-    if [ $SECONDS -lt 330 ]; then  # the patched copy's other dK/dV choices (d512_backward_ab.py's variants)
-      (cd /tmp/e108 && timeout $((520 - SECONDS)) python3 benchmarks/d512_backward_ab.py --label variants \
-         --variants table,dk16,dv1,combined1 --bands dense --forwards tl 2>&1 | grep -a "^variants ") >> "$ab"
-    fi
-    # per band and forward: each tree's median training and backward ms, patched against this tree, and x the
-    # efficient kernel's training time (base1's --ref); the variants' lines as they are
-    python3 - "$ab" <<'EOF' | tee -a "$summary"
-import collections, statistics, sys
-runs, ref = collections.defaultdict(list), {}
-for line in open(sys.argv[1]):
-    f = line.split()
-    if len(f) != 8 or f[0] == "variants":
-        print(line.rstrip())
-    elif f[1] == "efficient":
-        ref[f[2]] = float(f[5])
-    else:
-        runs[(f[2], f[3], f[0].rstrip("12"))].append((float(f[5]), float(f[6])))
-for band in ("dense", "causal"):
-    for fwd in ("tl", "gluon"):
-        med = {t: [statistics.median(x[i] for x in runs[(band, fwd, t)]) for i in (0, 1)]
-               for t in ("patched", "base") if runs[(band, fwd, t)]}
-        if len(med) < 2:
-            continue
-        (pt, pb), (bt, bb) = med["patched"], med["base"]
-        x = lambda t: f" = {ref[band] / t:.2f}x efficient" if band in ref else ""
-        print(f"{band:6s} {fwd:6s} forward: training {bt:.2f} -> {pt:.2f} ms (x{bt / pt:.2f}){x(pt)} [base{x(bt)}],"
-              f" backward {bb:.2f} -> {pb:.2f} ms (x{bb / pb:.2f})")
-EOF
-    ;;
   rows)      # grid rows re-measured alone (issue 35: a row a side-by-side run disturbed), e.g.
              #   bash gpu_session.sh rows SHA bf16-d256-s512-causal fp16-d256-s512-causal   (~1-2 min a row)
     shift 2
@@ -493,5 +319,5 @@ EOF
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102|e102sweep|e103|e105|e106|e106a|e107|e108|e109|e110|e111|e112|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|e110|e111|e112|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac
