@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|e110|e111|e112|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -71,8 +71,12 @@ features_turns() {
   for band in $bands; do
     for spec in "$@"; do
       [ $SECONDS -gt "$limit" ] && { echo "$band ${spec%%=*}: skipped (time)" >> "$summary"; continue; }
+      local log=/tmp/features_turn.log
       (cd "${spec#*=}" && timeout 100 python3 benchmarks/features.py --rounds 2 --budget 20 --variants "$variants" \
-         $([ "$band" = causal ] && echo --causal) 2>&1 | grep -a "^bf16" | sed "s/^/${spec%%=*} /") >> "$file"
+         $([ "$band" = causal ] && echo --causal)) > "$log" 2>&1
+      # a turn without its lines says why in the summary (session 41: a rejected --variants printed nothing)
+      grep -a "^bf16" "$log" | sed "s/^/${spec%%=*} /" >> "$file" \
+        || echo "$band ${spec%%=*}: no lines: $(grep -a -v -i warn "$log" | tail -1 | cut -c1-300)" >> "$summary"
     done
   done
 }
@@ -215,51 +219,6 @@ case "$what" in
       patched2=/tmp/e109
     features_medians "$out/e109_features.txt" | tee -a "$summary"
     ;;
-  e110)      # perf-notes E110: the bounded softcap forward's P V product running under the whole softmax (a shared store
-             # of the row sums keeps ptxas's P V wait below the exponentials: docs/experiments/patches/
-             # e110-softcap-forward.patch) in a scratch copy: its GPU tests there (test_softcap_overlap.py: d64/d128/d256
-             # against float64; test_kernel_features -k "gluon and (softcap or bounded)"), both trees' kernels compiled
-             # meanwhile, then benchmarks/mufu_rate.py (tanh.approx against ex2.approx on this GPU) and features.py
-             # (plain, plain-tl, softcap 30; bf16 d128 B4 H16 S=4k) dense and causal, patched and this tree in ABBA
-             # turns (~7-8 minutes); $OUT/e110_summary.txt
-    scratch_copy /tmp/e110 "$PWD/docs/experiments/patches/e110-softcap-forward.patch" || exit 1
-    (cd /tmp/e110 && timeout 270 $pytest_lines tests/test_softcap_overlap.py > "$out/e110_tests_overlap.log" 2>&1) &
-    (cd /tmp/e110 && timeout 270 $pytest_lines tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
-       > "$out/e110_tests_features.log" 2>&1) &
-    features_warm plain,plain-tl,softcap "dense causal" "$PWD" /tmp/e110
-    wait
-    summary="$out/e110_summary.txt"
-    { nvidia-smi -L | head -1; test_lines "$out"/e110_tests_*.log; } > "$summary"
-    # alone on the GPU: tanh's MUFU rate against ex2's (x1 shares its rate, x2 half rate)
-    timeout 90 python3 benchmarks/mufu_rate.py 2>&1 | grep -a -v -i warn | tail -5 | tee "$out/e110_mufu.txt" >> "$summary"
-    features_turns "$out/e110_features.txt" plain,plain-tl,softcap 510 "dense causal" patched1=/tmp/e110 \
-      base1="$PWD" base2="$PWD" patched2=/tmp/e110
-    features_medians "$out/e110_features.txt" | tee -a "$summary"
-    ;;
-  e112)      # perf-notes E112: a bounded softcap forward's tanh partly on the FMA pipe (odd polynomial of degree 19:
-             # docs/experiments/patches/e112-softcap-tanh-poly.patch, SOFTCAP_TANH_POLY 2: half) in a scratch copy and in
-             # a second with SOFTCAP_TANH_POLY 4 (a quarter); the GPU tests in the half copy (test_softcap_tanh_poly.py:
-             # d64/d128/d256 against float64; test_kernel_features -k "gluon and (softcap or bounded)"), the three trees'
-             # kernels compiled meanwhile, then mufu_rate.py alone and features.py (plain, softcap 30; bf16 d128 B4 H16
-             # S=4k) dense and causal, half / quarter / this tree in ABBA turns (~8 minutes); $OUT/e112_summary.txt
-    scratch_copy /tmp/e112 "$PWD/docs/experiments/patches/e112-softcap-tanh-poly.patch" || exit 1
-    scratch_copy /tmp/e112q "$PWD/docs/experiments/patches/e112-softcap-tanh-poly.patch" || exit 1
-    sed -i 's/^SOFTCAP_TANH_POLY = gl.constexpr(2)/SOFTCAP_TANH_POLY = gl.constexpr(4)/' \
-      /tmp/e112q/attention_dispatch/kernels/gluon/common.py
-    grep -q "^SOFTCAP_TANH_POLY = gl.constexpr(4)" /tmp/e112q/attention_dispatch/kernels/gluon/common.py || exit 1
-    (cd /tmp/e112 && timeout 270 $pytest_lines tests/test_softcap_tanh_poly.py > "$out/e112_tests_poly.log" 2>&1) &
-    (cd /tmp/e112 && timeout 270 $pytest_lines tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
-       > "$out/e112_tests_features.log" 2>&1) &
-    features_warm plain,softcap "dense causal" "$PWD" /tmp/e112 /tmp/e112q
-    wait
-    summary="$out/e112_summary.txt"
-    { nvidia-smi -L | head -1; test_lines "$out"/e112_tests_*.log; } > "$summary"
-    # alone on the GPU: tanh's MUFU rate against ex2's (x1 shares its rate, x2 half rate: E112's case)
-    timeout 90 python3 benchmarks/mufu_rate.py 2>&1 | grep -a -v -i warn | tail -5 | tee "$out/e112_mufu.txt" >> "$summary"
-    features_turns "$out/e112_features.txt" plain,softcap 520 "dense causal" patched1=/tmp/e112 quarter1=/tmp/e112q \
-      base1="$PWD" base2="$PWD" quarter2=/tmp/e112q patched2=/tmp/e112
-    features_medians "$out/e112_features.txt" | tee -a "$summary"
-    ;;
   e107)      # perf-notes E107: the KV-cache and one-length Gluon forwards persistent (one program an SM walking
              # units in a snake of waves; docs/experiments/patches/e107-kv-persistent-forward.patch) in a scratch copy:
              # its GPU tests there (two processes: persistent bit-equal to one program per unit at 1-48 programs; the
@@ -276,23 +235,6 @@ case "$what" in
     { nvidia-smi -L | head -1; tail -qn1 "$out"/e107_tests_*.log; grep -h "^FAILED" "$out"/e107_tests_*.log | head -8; } > "$summary"
     (cd /tmp/e107 && timeout $((520 - SECONDS)) python3 benchmarks/kv_device_ab.py --rounds 11 --json "$out/e107_ab.json" \
        --commit "$sha+e107" 2>&1 | grep -v -i warn | tail -16) | tee -a "$summary" ;;
-  e111)      # perf-notes E111: the KV-cache / one-length d128 forward's consumers in turns on named barriers and its
-             # causal LPT groups over the whole L2 where a group runs in one wave (docs/experiments/patches/
-             # e110b-chunked-prefill.patch) in a scratch copy: its GPU tests there (two processes: bit-equal with and
-             # without, KV-cache and one-length; the KV-cache and one-length routes' own), then benchmarks/kv_device_ab.py
-             # there: the chunked-prefill rows on the device alone (queued behind a spin) and from an idle GPU, e111,
-             # each choice alone and base (neither: the launch before E111), the dispatcher, sdpa() and flash-attn 4
-             # (~7-8 minutes); $OUT/e111_summary.txt keeps each failure's assertion message
-    scratch_copy /tmp/e111 "$PWD/docs/experiments/patches/e110b-chunked-prefill.patch" || exit 1
-    pytest_gpu="timeout 240 $pytest_lines"
-    (cd /tmp/e111 && $pytest_gpu tests/test_gluon_kv_pingpong.py > "$out/e111_tests_pingpong.log" 2>&1) &
-    (cd /tmp/e111 && $pytest_gpu tests/test_kv_prefill.py tests/test_gluon_one_length.py \
-       -k "gluon_route or chunked_prefill or (one_length_forward and 128)" > "$out/e111_tests_routes.log" 2>&1) &
-    wait
-    summary="$out/e111_summary.txt"
-    { nvidia-smi -L | head -1; test_lines "$out"/e111_tests_*.log; } > "$summary"
-    (cd /tmp/e111 && timeout $((520 - SECONDS)) python3 benchmarks/kv_device_ab.py --rounds 11 --json "$out/e111_ab.json" \
-       --commit "$sha+e111" 2>&1 | grep -v -i warn | tail -20) | tee -a "$summary" ;;
   rows)      # grid rows re-measured alone (issue 35: a row a side-by-side run disturbed), e.g.
              #   bash gpu_session.sh rows SHA bf16-d256-s512-causal fp16-d256-s512-causal   (~1-2 min a row)
     shift 2
@@ -319,5 +261,5 @@ case "$what" in
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|e110|e111|e112|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac
