@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import attention_dispatch as ad  # noqa: E402
-from attention_dispatch.backends.kv_append import append_kv  # noqa: E402
+from attention_dispatch.kernels.kv_append import append_kv  # noqa: E402
 from attention_dispatch.kernels import KernelParams  # noqa: E402
 from attention_dispatch.kernels.decode import kv_forward, kv_route  # noqa: E402
 

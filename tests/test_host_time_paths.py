@@ -289,7 +289,7 @@ def test_kvcache_append_with_one_length_writes_the_same_cache_as_the_scatter():
     """The slice copy (every sequence at one length) and kv_append's scatter leave equal caches."""
     case = KvCase(batch=3, heads_q=4, heads_kv=2, seqlen_q=2, append=True, lengths=(30, 30, 30))
     args = make_kv_inputs(case)
-    from attention_dispatch.backends.kv_append import append_kv
+    from attention_dispatch.kernels.kv_append import append_kv
 
     k_want, v_want = args["k_cache"].clone(), args["v_cache"].clone()
     append_kv(k_want, v_want, args["cache_seqlens"], args["k_new"], args["v_new"])

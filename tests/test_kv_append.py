@@ -1,5 +1,5 @@
 """The KV-cache append (issue 34): the Triton kernel (kernels/tl/kv_append.py, one launch for keys
-and values) writes what the torch ops (backends/kv_append.append_kv_torch) and the definition
+and values) writes what the torch ops (kernels/kv_append.append_kv_torch) and the definition
 (test_kvcache.reference_append) write, and nothing else: caches are NaN-filled and compared bit
 for bit where written, NaN for NaN elsewhere, the storage around strided views included (the
 kernel's NaNs keep the fill's bits).  Dense and paged (block sizes 16 and 256,
@@ -11,10 +11,9 @@ captured in a CUDA graph and replayed with new lengths and block tables."""
 import pytest
 import torch
 
-from attention_dispatch.backends.kv_append import append_kv, append_kv_torch
 from attention_dispatch.kernels import kv_append as kv_append_launch
 from attention_dispatch.kernels import run
-from attention_dispatch.kernels.kv_append import append_kv_kernel
+from attention_dispatch.kernels.kv_append import append_kv, append_kv_kernel, append_kv_torch
 from attention_dispatch.kernels.tl.kv_append import _kv_append
 from test_kvcache import reference_append
 

@@ -31,7 +31,7 @@ flash-attn 2 at v2.8.3, flash-attn 3 ``hopper/`` at 0251105a, flash-attn 4 in th
   with ``page_table`` (interface.py:764-771); on sm90 pages of the kernel's key tile load by TMA,
   any other page size by cp.async (interface.py:1652, paged_kv.py:148): every page size.  Paged
   KV on sm90 came with 4.0.0b5 (4.0.0b0-b4 assert "paged KV not supported on SM 9.0").  So
-  k_new/v_new are written first with our ``append_kv`` (kv_append.py), then the call reads
+  k_new/v_new are written first with our ``append_kv`` (kernels/kv_append.py), then the call reads
   ``seqused_k = cache_seqlens + Sq``.  A sequence with no key gives 0 (flash_fwd_sm90.py:1231,
   softmax.py:277).  Its docstring warns (interface.py:4277) that with pages loaded by TMA, rows
   past seqused_k in a sequence's last page are read and must be finite (P = 0 times NaN); a
@@ -61,7 +61,7 @@ from ..problem import Problem, compute_capability
 from ..semantics import band
 from .base import Capabilities
 from .fa4_relaunch import fa4_version
-from .kv_append import append_kv
+from ..kernels.kv_append import append_kv
 
 _PAGED_ANY_SIZE = dict(paged_block_size_min=1, paged_block_size_multiple=1, paged_block_size_pow2=False)
 # The KV-cache fields of each generation's Capabilities (flash_attn.py's FA2/FA3/FA4_CAPS).

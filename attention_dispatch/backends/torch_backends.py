@@ -11,7 +11,7 @@ import torch
 from ..problem import Problem
 from ..semantics import CausalKind
 from .base import Capabilities
-from .kv_append import append_kv
+from ..kernels.kv_append import append_kv
 from .torch_sdpa import (
     HALF_DTYPES,
     CpuPinnedKernel,

@@ -41,7 +41,7 @@ How our call maps onto ``F.scaled_dot_product_attention``:
   heads of each kv head folded into rows, (B, Hkv, G * Sq, D), where that pays (``fold_pays``):
   the same attention (each row attends on its own), with each K/V tile read once for G heads.
 - a dense KV cache (sdpa_with_kvcache; backends that take a bool mask): k_new/v_new written
-  into the cache in place (kv_append.py), then F.sdpa over the whole cache with a bool mask
+  into the cache in place (kernels/kv_append.py), then F.sdpa over the whole cache with a bool mask
   built on the device from ``cache_seqlens`` (key j < L_b, causal aligned to L_b), the rows
   past each L_b zeroed in a copy (``torch.where``: a mask leaves a NaN there in the sum):
   nothing is read on the host, so it can be captured in a CUDA graph.  Paged caches, windows:
@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from ..problem import Problem
 from ..route import Route, RouteStep
 from ..semantics import CausalKind
-from .kv_append import append_kv
+from ..kernels.kv_append import append_kv
 from .base import Backend
 
 HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
@@ -518,7 +518,7 @@ class TorchSdpaBackend(Backend):
         return out
 
     def run_kvcache(self, query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table, causal, window, scale):
-        """A dense KV cache: the append (kv_append.py), then F.sdpa over the whole cache with
+        """A dense KV cache: the append (kernels/kv_append.py), then F.sdpa over the whole cache with
         a bool mask built on the device from cache_seqlens, rows past the lengths zeroed in a
         copy (module doc)."""
         if block_table is not None or window is not None:

@@ -170,7 +170,7 @@ class TritonBackend(Backend):
         return_lse=False,
     ):
         from ..kernels.decode import kv_forward
-        from .kv_append import append_kv
+        from ..kernels.kv_append import append_kv
 
         params = self._kv_params(causal, window, scale, softcap)
         # the kernels read rows with unit stride: copy what is not (never the common call); a

@@ -17,6 +17,7 @@ from .decode_plan import (
     decode_splits,
     plan_for,
 )
+from .kv_append import append_kv
 from .params import KernelParams
 
 __all__ = ["MAX_DECODE_SPLITS", "MIN_KEYS_PER_SPLIT", "decode_splits"]  # kept here for their users
@@ -74,8 +75,6 @@ def _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_ne
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[2]
     if q.numel() == 0 or capacity == 0:
         if k_new is not None and capacity and k_new.numel():
-            from ..backends.kv_append import append_kv
-
             append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
         return _with_lse(_empty_result(q, 0), None, need_lse, q)
     out, lse = plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi, sinks, geo)
@@ -142,8 +141,6 @@ def kv_forward(
     :func:`cache_forward` after the append where :func:`kv_route` takes it, else
     :func:`decode_forward` with the append fused.  ``alibi``/``sinks``/``need_lse``: as
     :func:`decode_forward`'s.  The route is chosen once per signature (its plan's geometry)."""
-    from ..backends.kv_append import append_kv
-
     n_new = q.shape[2] if k_new is not None else 0
     if sinks is not None and sinks.stride(0) != 1:
         sinks = sinks.contiguous()
@@ -204,8 +201,6 @@ class CacheRunner:
         if cache_seqlens.stride(0) != 1 or cache_seqlens.data_ptr() & 15 != self.lens_align:
             return self.fallback(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
         if k_new is not None:
-            from ..backends.kv_append import append_kv
-
             append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new)
         launch = self.launch  # None: not captured yet; False: its launches cannot be replayed
         if launch and not hooks_installed():
