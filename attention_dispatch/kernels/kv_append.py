@@ -25,26 +25,26 @@ def append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None) -
     (num_blocks, block_size, Hkv, D) with ``block_table`` (B, max_blocks).  CUDA tensors: one
     launch (:func:`append_kv_kernel`); elsewhere, or while torch.compile traces the call,
     :func:`append_kv_torch`."""
-    if k_new.is_cuda and not torch.compiler.is_compiling() and _kernel_imports():
+    if k_new.is_cuda and not torch.compiler.is_compiling() and _launch_parts() is not None:
         append_kv_kernel(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
         return
     append_kv_torch(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
 
 
 @functools.cache
-def _kernel_imports() -> bool:
-    # a missing or broken Triton keeps the torch ops
+def _launch_parts():
+    """(run, cdiv, next_pow2, the kernel), imported once; None where Triton is missing or broken
+    (the torch ops then serve)."""
     try:
-        from . import run  # noqa: F401
-        from .tl.kv_append import _kv_append  # noqa: F401
+        from . import run
+        from .shapes import cdiv, next_pow2
+        from .tl.kv_append import _kv_append
     except Exception:
-        return False
-    return True
+        return None
+    return run, cdiv, next_pow2, _kv_append
 
 
-register_cache(
-    "kernels.kv_append.kernel_imports", _kernel_imports.cache_clear, lambda: _kernel_imports.cache_info().currsize
-)
+register_cache("kernels.kv_append.launch_parts", _launch_parts.cache_clear, lambda: _launch_parts.cache_info().currsize)
 
 
 def append_kv_torch(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None) -> None:
@@ -70,10 +70,7 @@ def append_kv_kernel(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=
     dense caches (B, Hkv, S, D), paged ones (num_blocks, block_size, Hkv, D) with ``block_table``
     int32 (B, max_blocks); ``cache_seqlens`` int32 (B,); any strides).  Rows whose position is
     past the cache, or whose block entry is out of range, are skipped, never written elsewhere."""
-    from . import run
-    from .shapes import cdiv, next_pow2
-    from .tl.kv_append import _kv_append
-
+    run, cdiv, next_pow2, kernel = _launch_parts()
     B, Hkv, Sn, D = k_new.shape
     if k_new.numel() == 0:
         return
@@ -97,4 +94,4 @@ def append_kv_kernel(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=
     )  # fmt: skip
     constexprs = dict(PAGED=block_table is not None, BLOCK_S=block_s, BLOCK_D=block_d)
     warps = max(1, min(4, block_s * block_d // 256))
-    run.launch_one(_kv_append, grid, args, constexprs, warps, 1)
+    run.launch_one(kernel, grid, args, constexprs, warps, 1)
