@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|probe512|d512fwd|d512|ncu|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -235,6 +235,46 @@ case "$what" in
     { nvidia-smi -L | head -1; tail -qn1 "$out"/e107_tests_*.log; grep -h "^FAILED" "$out"/e107_tests_*.log | head -8; } > "$summary"
     (cd /tmp/e107 && timeout $((520 - SECONDS)) python3 benchmarks/kv_device_ab.py --rounds 11 --json "$out/e107_ab.json" \
        --commit "$sha+e107" 2>&1 | grep -v -i warn | tail -16) | tee -a "$summary" ;;
+  ncu)       # perf-notes E113 (issues 34, 36): Nsight Compute's ground truth, one call of each benchmarks/ncu_target.py
+             # case (plain softcap plain-causal softcap-causal kv-chunk fa4-chunk; NCU_CASES="..." for others): tensor,
+             # XU (MUFU), FMA and ALU pipes, issue, occupancy, stall reasons per kernel and per SASS instruction. The
+             # cases compile side by side first; then one ncu run a case (clocks left alone), its report exported as
+             # raw and source CSV (~5-7 minutes); $OUT/ncu_summary.txt (short table last), $OUT/ncu_csv.tar.gz (CSVs,
+             # logs) and $OUT/ncu_reps.tar.gz (the .ncu-rep reports for the GUI, where under 15 MB)
+    dir=/tmp/ncu summary="$out/ncu_summary.txt" cases=${NCU_CASES:-plain softcap plain-causal softcap-causal kv-chunk fa4-chunk}
+    rm -rf "$dir" && mkdir -p "$dir"
+    ncu_bin=$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | tail -1)
+    [ -n "$ncu_bin" ] || { echo "ncu: not found on this machine (PATH, /opt/nvidia/nsight-compute)" | tee "$summary"; exit 1; }
+    for c in $cases; do
+      (timeout 240 python3 benchmarks/ncu_target.py --case "$c" --warm-only > "$dir/warm_$c.log" 2>&1 \
+         || echo "$c: warm-up failed (rc $?): $(grep -v -i warn "$dir/warm_$c.log" | tail -1 | cut -c1-200)" >> "$dir/warm_$c.log") &
+    done
+    "$ncu_bin" --version > "$dir/ncu_version.txt" 2>&1
+    # a metric name this ncu lacks would fail every profile: ask only for the names it lists
+    timeout 60 "$ncu_bin" --query-metrics > "$dir/query_metrics.txt" 2>&1
+    wait
+    metrics=$(python3 benchmarks/ncu_metrics.py metrics "$dir/query_metrics.txt")
+    for c in $cases; do
+      left=$((520 - SECONDS))
+      [ $left -lt 40 ] && { echo "skipped: no time left in this call ($SECONDS s)" > "$dir/ncu_$c.log"; continue; }
+      timeout $((left < 150 ? left : 150)) "$ncu_bin" --clock-control none --profile-from-start off --target-processes all \
+        $(python3 benchmarks/ncu_metrics.py sections) ${metrics:+--metrics "$metrics"} -f -o "$dir/ncu_$c" \
+        python3 benchmarks/ncu_target.py --case "$c" > "$dir/ncu_$c.log" 2>&1 || echo "ncu rc $?" >> "$dir/ncu_$c.log"
+      [ -f "$dir/ncu_$c.ncu-rep" ] || continue
+      "$ncu_bin" -i "$dir/ncu_$c.ncu-rep" --page raw --csv --print-units base > "$dir/ncu_$c.csv" 2>> "$dir/ncu_$c.log"
+      "$ncu_bin" -i "$dir/ncu_$c.ncu-rep" --page source --csv --print-source sass > "$dir/ncu_$c.source.csv" \
+        2>> "$dir/ncu_$c.log"
+    done
+    { nvidia-smi -L | head -1; grep -i version "$dir/ncu_version.txt" | head -1
+      echo "explicit metrics this ncu knows: $(echo "$metrics" | tr , '\n' | grep -c .)"
+      grep -h "warm-up failed" "$dir"/warm_*.log; python3 benchmarks/ncu_summary.py "$dir"/ncu_*; } 2>&1 | tee "$summary"
+    (cd "$dir" && tar -czf "$out/ncu_csv.tar.gz" --exclude='*.ncu-rep' .)
+    if ls "$dir"/*.ncu-rep > /dev/null 2>&1; then
+      (cd "$dir" && tar -czf "$out/ncu_reps.tar.gz" ./*.ncu-rep)
+      # a call brings back files of up to 16 MB
+      [ "$(stat -c %s "$out/ncu_reps.tar.gz")" -gt 15000000 ] \
+        && { rm -f "$out/ncu_reps.tar.gz"; echo "the .ncu-rep reports are over 15 MB: left in $dir on the device"; }
+    fi ;;
   rows)      # grid rows re-measured alone (issue 35: a row a side-by-side run disturbed), e.g.
              #   bash gpu_session.sh rows SHA bf16-d256-s512-causal fp16-d256-s512-causal   (~1-2 min a row)
     shift 2
@@ -261,5 +301,5 @@ case "$what" in
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|probe512|d512fwd|d512|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|probe512|d512fwd|d512|ncu|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac
