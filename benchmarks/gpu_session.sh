@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|probe512|d512fwd|d512|ncu|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -275,6 +275,11 @@ case "$what" in
       [ "$(stat -c %s "$out/ncu_reps.tar.gz")" -gt 15000000 ] \
         && { rm -f "$out/ncu_reps.tar.gz"; echo "the .ncu-rep reports are over 15 MB: left in $dir on the device"; }
     fi ;;
+  decode)    # issue 34's report: benchmarks/decode.py's every row (dense, paged, uneven, append, chunked prefill; ours,
+             # the dispatcher, F.sdpa, flash-attn 4, copy) into $OUT/decode.md (commit it as docs/decode.md) and
+             # $OUT/decode.json, alone on the GPU (its cells time device loops, but ad.sdpa_with_kvcache's include host time)
+    timeout 540 python3 benchmarks/decode.py --doc "$out/decode.md" --json "$out/decode.json" --commit "$sha" 2>&1 \
+      | grep -v -i warn | tail -30 ;;
   rows)      # grid rows re-measured alone (issue 35: a row a side-by-side run disturbed), e.g.
              #   bash gpu_session.sh rows SHA bf16-d256-s512-causal fp16-d256-s512-causal   (~1-2 min a row)
     shift 2
@@ -301,5 +306,5 @@ case "$what" in
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|probe512|d512fwd|d512|ncu|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac
