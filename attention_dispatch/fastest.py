@@ -2,7 +2,9 @@
 
 A bucket is the Problem with its sizes rounded up to powers of two (all feature flags,
 dtype and device kept). Winners live in memory and, when `dispatch.fastest_cache` names
-a file, in JSON keyed also by the GPU and library versions, so later processes reuse them.
+a file, in JSON keyed also by the GPU and library versions, so later processes reuse them;
+on a GPU each measurement then also refines the user's performance table for policy="auto"
+(perf_table.refine).
 Timing runs on clones of the caller's tensors with the RNG state forked, so the user's
 random stream and autograd graph are untouched.
 """
@@ -20,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import registry
+from . import perf_table, registry
 from .caches import register_cache
 from .dispatch import Decision, logger
 from .problem import Problem
@@ -298,6 +300,8 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
         if cache_path:
             with _lock:
                 _store_file(cache_path, _file_key(decision.problem, device), winner, timings, host)
+                # later processes' policy="auto" ranks this bucket by the measurement too
+                perf_table.refine(decision.problem, device, timings, host, failures)
         logger.debug("measured %s: %s (failed: %s)", bucket(decision.problem).summary(), timings, failures)
     with _lock:
         _winners[key] = found

@@ -7,7 +7,8 @@ backend's ``version()``: Triton, cuDNN, flash-attn, ...), its date, and per buck
 (:func:`bucket_key`: sizes rounded up to powers of two, every feature flag, inference or
 training) the lower-quartile milliseconds of each backend it timed.  Tables ship in
 ``attention_dispatch/tables/`` and are written per user to :func:`user_table_dir`; a user's
-table is preferred to a shipped one of the same environment.
+table is preferred to a shipped one of the same environment.  policy="fastest" with
+``fastest_cache`` set refines the user's table with each bucket it measures (:func:`refine`).
 
 A table applies on the same GPU (name and compute capability) with the same torch; a
 backend's times count only where its version now is the one timed (a backend not installed
@@ -22,6 +23,7 @@ and the Decision says why.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import json
 import logging
@@ -53,6 +55,13 @@ def user_table_dir() -> Path:
         return Path(base) / "tables"
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(xdg) / "attention_dispatch" / "tables"
+
+
+def user_table_path(environment: "Environment") -> Path:
+    """The user's table file for this GPU and torch (one per environment), which ``tune`` and
+    policy="fastest"'s :func:`refine` write."""
+    gpu = "".join(c if c.isalnum() else "-" for c in environment.gpu).strip("-").lower()
+    return user_table_dir() / f"{gpu}-torch{environment.torch.split('+')[0]}.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,10 +270,11 @@ def write_table(path: Path, environment: Environment, created: str, entries: dic
 
 def read_extra(path: Path) -> dict:
     """What tune keeps beside the times: "details" (per bucket: row label, host times, failures)
-    and "grid" ("full" or "quick"); {} for a file that has none."""
+    and "grid" ("full" or "quick"), and the buckets policy="fastest" re-measured ("refined", see
+    :func:`refine`); {} for a file that has none."""
     try:
         data = json.loads(Path(path).read_text())
-        return {name: data[name] for name in ("details", "grid") if name in data}
+        return {name: data[name] for name in ("details", "grid", "refined") if name in data}
     except (OSError, ValueError, TypeError):
         return {}
 
@@ -473,6 +483,49 @@ def table_choice(decision, policy: str):
             f"({text.removeprefix('auto ')})",
         )
     return dataclasses.replace(decision, backend=backend, notes=notes, expected=expected)
+
+
+def refine(
+    problem: Problem, device: torch.device, timings: dict[str, float], host: dict[str, float], failures: dict[str, str]
+) -> Path | None:
+    """policy="fastest"'s measurement of ``problem`` (with ``fastest_cache`` set) written into the
+    user's table for this GPU and these versions (:func:`user_table_path`), so that policy="auto"
+    ranks that bucket by it in later processes: the table that applies now (the user's or the
+    package's) is copied without its stale backends' times, the call's bucket replaced, and the
+    file written atomically (concurrent refiners never tear it; the last one wins).  The same
+    timing as ``tune``'s (fastest.time_backends).  None off CUDA or with no time."""
+    env = device_environment(device)
+    if env is None or not timings:
+        return None
+    base = applicable_table(device)
+    entries: dict[str, dict[str, float]] = {}
+    extra: dict = {"details": {}, "grid": "refined", "refined": []}
+    if base is not None:
+        stale = stale_backends(base)
+        entries = {k: {n: ms for n, ms in t.items() if n not in stale} for k, t in base.entries.items()}
+        extra.update(read_extra(Path(base.path)))
+        extra["details"] = {
+            k: {**d, "host_ms": {n: ms for n, ms in dict(d.get("host_ms") or {}).items() if n not in stale}}
+            for k, d in dict(extra.get("details") or {}).items()
+            if isinstance(d, dict)
+        }
+    key = bucket_key(problem)
+    entries[key] = {n: round(ms, 5) for n, ms in timings.items()}
+    extra["details"][key] = {"row": "policy=fastest", "host_ms": dict(host), "failures": dict(failures)}
+    extra["refined"] = sorted({*extra.get("refined", []), key})
+    created = (
+        base.created
+        if base is not None
+        else datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    )
+    path = user_table_path(env)
+    try:
+        write_table(path, env, created, entries, extra)
+    except OSError as exc:  # a read-only cache directory costs the refinement, never the call
+        warnings.warn(f"attention_dispatch: could not refine the performance table {path}: {exc}", RuntimeWarning)
+        return None
+    forget()
+    return path
 
 
 def forget() -> None:

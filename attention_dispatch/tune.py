@@ -144,12 +144,6 @@ def make_call(row: GridRow, device: torch.device):
     )
 
 
-def default_path(environment: perf_table.Environment) -> Path:
-    """The user's table file for this GPU and torch: one per environment."""
-    gpu = "".join(c if c.isalnum() else "-" for c in environment.gpu).strip("-").lower()
-    return perf_table.user_table_dir() / f"{gpu}-torch{environment.torch.split('+')[0]}.json"
-
-
 def _clock(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 60}:{seconds % 60:02d}"
@@ -227,7 +221,7 @@ def tune(
         raise RuntimeError("tune measures a CUDA GPU; none is available here")
     dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
     env = perf_table.device_environment(dev)
-    path = Path(out) if out is not None else default_path(env)
+    path = Path(out) if out is not None else perf_table.user_table_path(env)
     entries: dict[str, dict[str, float]] = {}
     details: dict[str, dict] = {}
     if path.exists():

@@ -9,6 +9,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import attention_dispatch as ad  # noqa: E402
+from attention_dispatch import perf_table  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -46,3 +47,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---- performance tables (test_perf_table.py, test_table_refine.py) ---------------------------
+
+FAKE_GPU = "NVIDIA Fake GPU 80GB"  # fake_gpu's device name
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    """An empty user table directory; no shipped table is read."""
+    monkeypatch.setenv("ATTENTION_DISPATCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(perf_table, "PACKAGE_TABLES", tmp_path / "no-package-tables")
+    perf_table.forget()
+    yield tmp_path / "tables"
+    perf_table.forget()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """This process looks like it runs on GPU (torch.cuda answers for a fake H100-like card)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: FAKE_GPU)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    perf_table.forget()
+    yield
+    perf_table.forget()

@@ -17,34 +17,13 @@ import attention_dispatch as ad
 from attention_dispatch import perf_table, tune
 from attention_dispatch.dispatch import Decision
 from attention_dispatch.timing import pick_winner
+from conftest import FAKE_GPU
 from test_adapters import BR, TL, problem
 
-GPU = "NVIDIA Fake GPU 80GB"
+# table_dir and fake_gpu (an empty user table directory, a fake CUDA GPU named FAKE_GPU): conftest.py
 
 
-@pytest.fixture
-def table_dir(tmp_path, monkeypatch):
-    """An empty user table directory; no shipped table is read."""
-    monkeypatch.setenv("ATTENTION_DISPATCH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(perf_table, "PACKAGE_TABLES", tmp_path / "no-package-tables")
-    perf_table.forget()
-    yield tmp_path / "tables"
-    perf_table.forget()
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """This process looks like it runs on GPU (torch.cuda answers for a fake H100-like card)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: GPU)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    perf_table.forget()
-    yield
-    perf_table.forget()
-
-
-def environment(gpu=GPU, torch_version=None, **versions) -> perf_table.Environment:
+def environment(gpu=FAKE_GPU, torch_version=None, **versions) -> perf_table.Environment:
     now = perf_table.backend_versions()
     now.update(versions)
     return perf_table.Environment(gpu, (9, 0), torch_version or torch.__version__, tuple(sorted(now.items())))
