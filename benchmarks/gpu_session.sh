@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|e116|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -219,6 +219,24 @@ case "$what" in
       patched2=/tmp/e109
     features_medians "$out/e109_features.txt" | tee -a "$summary"
     ;;
+  e116)      # perf-notes E116: the two consumer warpgroups take turns on named barriers in the bounded-softcap d128
+             # forward (docs/experiments/patches/e116-softcap-turns.patch) in a scratch copy: its GPU tests there
+             # (test_kernel_features -k "gluon and (softcap or bounded)", test_gluon_softcap_turns: bit-equal with
+             # and without the turns), both trees' kernels compiled meanwhile, then features.py (plain, softcap 30;
+             # bf16 d128 B4 H16 S=4k) dense and causal, patched and this tree in ABBA turns (~8 minutes);
+             # $OUT/e116_summary.txt
+    scratch_copy /tmp/e116 "$PWD/docs/experiments/patches/e116-softcap-turns.patch" || exit 1
+    (cd /tmp/e116 && timeout 200 $pytest_lines tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
+       > "$out/e116_tests_features.log" 2>&1) &
+    (cd /tmp/e116 && timeout 200 $pytest_lines tests/test_gluon_softcap_turns.py > "$out/e116_tests_turns.log" 2>&1) &
+    features_warm plain,softcap "dense causal" "$PWD" /tmp/e116
+    wait
+    summary="$out/e116_summary.txt"
+    { nvidia-smi -L | head -1; test_lines "$out"/e116_tests_*.log; } > "$summary"
+    features_turns "$out/e116_features.txt" plain,softcap 480 "dense causal" patched1=/tmp/e116 base1="$PWD" \
+      base2="$PWD" patched2=/tmp/e116
+    features_medians "$out/e116_features.txt" | tee -a "$summary"
+    ;;
   e107)      # perf-notes E107: the KV-cache and one-length Gluon forwards persistent (one program an SM walking
              # units in a snake of waves; docs/experiments/patches/e107-kv-persistent-forward.patch) in a scratch copy:
              # its GPU tests there (two processes: persistent bit-equal to one program per unit at 1-48 programs; the
@@ -306,5 +324,5 @@ case "$what" in
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|e116|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac
