@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|e116|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|e115|e116|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -237,6 +237,45 @@ case "$what" in
       base2="$PWD" patched2=/tmp/e116
     features_medians "$out/e116_features.txt" | tee -a "$summary"
     ;;
+  e115)      # perf-notes E115: the d128 forward's consumers release K/V slots per warp on named barriers (no warpgroup
+             # bar.sync; docs/experiments/patches/e115-warp-release.patch) in a scratch copy: its GPU tests there (the
+             # KV-cache / one-length routes, the dense Gluon forward at d128) while both trees' kernels compile, then
+             # benchmarks/kv_device_ab.py (the chunked-prefill rows, device-only and from idle) and features.py plain,
+             # dense and causal, patched and this tree in ABBA turns (~8 minutes); $OUT/e115_summary.txt
+    scratch_copy /tmp/e115 "$PWD/docs/experiments/patches/e115-warp-release.patch" || exit 1
+    (cd /tmp/e115 && timeout 180 $pytest_lines tests/test_kv_prefill.py tests/test_gluon_one_length.py \
+       -k "gluon_route or chunked_prefill or (one_length_forward and 128)" > "$out/e115_tests_routes.log" 2>&1) &
+    (cd /tmp/e115 && timeout 180 $pytest_lines tests/test_kernel_features.py -k gpu_gluon \
+       > "$out/e115_tests_dense.log" 2>&1) &
+    features_warm plain "dense causal" "$PWD" /tmp/e115
+    wait
+    summary="$out/e115_summary.txt"
+    { nvidia-smi -L | head -1; test_lines "$out"/e115_tests_*.log; } > "$summary"
+    # kv_device_ab.py times the tree it runs from: the two trees in turns, 3 rounds a turn (~40 s a turn)
+    for spec in patched1=/tmp/e115 base1="$PWD" base2="$PWD" patched2=/tmp/e115; do
+      [ $SECONDS -gt 330 ] && { echo "kv ${spec%%=*}: skipped (time)" >> "$summary"; continue; }
+      (cd "${spec#*=}" && timeout 90 python3 benchmarks/kv_device_ab.py --rows "Sq=512 8k causal,Sq=128" --rounds 3 \
+         --json "$out/e115_kv_${spec%%=*}.json" --commit "$sha ${spec%%=*}" > "$out/e115_kv_${spec%%=*}.log" 2>&1)
+    done
+    python3 - "$out" <<'EOF' | tee -a "$summary"
+import glob, json, os, statistics, sys
+ours = {}  # (row, tree) -> device and idle TFLOP/s of each turn
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "e115_kv_*.json"))):
+    tree = os.path.basename(f)[len("e115_kv_") : -len(".json")].rstrip("12")
+    for r in json.load(open(f))["results"]:
+        ours.setdefault((r["row"], tree), []).append((r["tflops_device"]["ours"], r["tflops_idle"]["ours"]))
+for row in sorted({k[0] for k in ours}):
+    p, b = ours.get((row, "patched"), []), ours.get((row, "base"), [])
+    if p and b:
+        dev = statistics.median(x[0] for x in p) / statistics.median(x[0] for x in b)
+        idle = statistics.median(x[1] for x in p) / statistics.median(x[1] for x in b)
+        print(f"kv {row:<32} patched / base: device {dev:.3f}  idle {idle:.3f}  (turns, TFLOP/s device/idle: {p} vs {b})")
+EOF
+    grep -h "vs fa4" "$out"/e115_kv_*.log | sed 's/^/kv /' >> "$summary"
+    features_turns "$out/e115_features.txt" plain 500 "dense causal" patched1=/tmp/e115 base1="$PWD" base2="$PWD" \
+      patched2=/tmp/e115
+    features_medians "$out/e115_features.txt" | tee -a "$summary"
+    ;;
   e107)      # perf-notes E107: the KV-cache and one-length Gluon forwards persistent (one program an SM walking
              # units in a snake of waves; docs/experiments/patches/e107-kv-persistent-forward.patch) in a scratch copy:
              # its GPU tests there (two processes: persistent bit-equal to one program per unit at 1-48 programs; the
@@ -324,5 +363,5 @@ case "$what" in
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|e116|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|e115|e116|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac

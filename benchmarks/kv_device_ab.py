@@ -1,0 +1,187 @@
+"""Issue 34's chunked-prefill rows timed on the device alone and from an idle GPU: the KV-cache Gluon
+forward of the tree it runs from, the dispatcher, plain sdpa() and flash-attn 4 (GPU).
+
+    python benchmarks/kv_device_ab.py [--rows TEXT,...] [--rounds 11] [--reps 10] [--json out.json] [--commit SHA]
+
+Per round, in an order that rotates, each implementation's ``reps`` back-to-back calls are timed
+twice: "device", queued behind a spin kernel (torch.cuda._sleep) that outlasts the host's queueing of
+all of them, so the CUDA events time the kernels alone; "idle", from an idle GPU as kv_ab.py and
+decode.py time, where the first call's host time before its launch adds 1/reps of itself to every
+call (flash-attn 4's public call spends ~130 us there, ours 20-150 us: E107).  Implementations:
+
+- ``ours``: kernels.decode.kv_forward (LENS_TENSOR) as this tree builds it;
+- ``ad-kv``: ad.sdpa_with_kvcache (the dispatcher; a hit relaunches CacheRunner's captured launch);
+- ``sdpa``: ad.sdpa over the cache (ONE_LENGTH for causal rows);
+- ``fa4``: flash_attn.cute.flash_attn_func on (B, S, H, D) copies, where installed.
+
+A kernel change is A/B-timed by running this script in this tree and in a patched scratch copy in
+turns (gpu_session.sh e115) and comparing ``ours``'s device medians; flash-attn 4's column, timed in
+each turn, shows how much the turns' GPU state moved.  Prints per row the median TFLOP/s on the
+device and from idle, the medians of the per-round device and idle ratios against flash-attn 4 (its
+time over ours: > 1, faster), each one's host microseconds before its kernels ((idle - device) x
+reps), and ours's agreement with F.scaled_dot_product_attention.  The "uneven" row (cache lengths
+spread over the capacity) has no flash-attn 4 column.  docs/experiments/perf-notes.md, E107 (the
+timing), E111, E115.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import attention_dispatch as ad  # noqa: E402
+from attention_dispatch.kernels import KernelParams  # noqa: E402
+from attention_dispatch.kernels.decode import kv_forward, kv_route  # noqa: E402
+from benchmarks.decode import fa4  # noqa: E402
+from benchmarks.forward_ab import finish_run  # noqa: E402
+
+IMPLS = ("ours", "ad-kv", "sdpa", "fa4")
+# (label, B, Hq, Hkv, Sq, capacity, causal, lengths: None = every sequence the whole cache)
+ROWS = [
+    ("gqa B=4 Sq=512 8k causal", 4, 32, 8, 512, 8192 + 512, True, None),
+    ("gqa B=8 Sq=128 16k causal", 8, 32, 8, 128, 16384 + 128, True, None),
+    ("mha B=4 Sq=256 4k", 4, 32, 32, 256, 4096 + 256, False, None),
+    ("gqa B=4 Sq=512 8k causal uneven", 4, 32, 8, 512, 8192 + 512, True, (8704, 6100, 3300, 900)),
+]
+SPIN_HZ = 2.0e9  # cycles a second torch.cuda._sleep counts, about (H100 boost: 1.98 GHz)
+
+
+def per_call_ms(fn, reps: int, spin_ms: float) -> tuple[float, float]:
+    """(ms a call from the CUDA events, ms of host time a call) over ``reps`` calls; ``spin_ms`` > 0
+    queues them behind a spin of that long first (0: from an idle GPU)."""
+    torch.cuda.synchronize()
+    if spin_ms:
+        torch.cuda._sleep(int(spin_ms * 1e-3 * SPIN_HZ))
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    host = (time.perf_counter() - t0) * 1e3 / reps
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps, host
+
+
+def run_row(row, rounds: int, reps: int) -> dict:
+    label, B, Hq, Hkv, Sq, S, causal, lengths = row
+    D, dt, dev = 128, torch.bfloat16, "cuda"
+    q = torch.randn(B, Hq, Sq, D, device=dev, dtype=dt)
+    k = torch.randn(B, Hkv, S, D, device=dev, dtype=dt)
+    v = torch.randn(B, Hkv, S, D, device=dev, dtype=dt)
+    lens_list = list(lengths or [S] * B)
+    lens = torch.tensor(lens_list, dtype=torch.int32, device=dev)
+    params = KernelParams(scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True)
+
+    fns = {"ours": lambda: kv_forward(q, k, v, lens, params, None)}
+    fns["ad-kv"] = lambda: ad.sdpa_with_kvcache(q, k, v, lens, causal=causal)
+    flash = fa4()
+    if lengths is None:  # the same keys as a dense call
+        fns["sdpa"] = lambda: ad.sdpa(q, k, v, causal="bottom_right" if causal else False, enable_gqa=Hq != Hkv)
+        if flash is not None:
+            qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+            fns["fa4"] = lambda: flash(qt, kt, vt, causal=causal)
+    with torch.no_grad():
+        ours = fns["ours"]()
+    with torch.no_grad():
+        ad.sdpa_with_kvcache(q, k, v, lens, causal=causal)
+    backend = ad.last_decision().backend
+    ref = torch.empty_like(q)
+    for b, n in enumerate(lens_list):
+        mask = torch.ones(Sq, n, device=dev, dtype=torch.bool).tril(n - Sq) if causal else None
+        ref[b] = F.scaled_dot_product_attention(
+            q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], attn_mask=mask, enable_gqa=Hq != Hkv
+        )[0]
+    pairs = sum(Sq * n - (Sq * (Sq - 1) // 2 if causal else 0) for n in lens_list)
+    flops = 4 * pairs * Hq * D
+    names = [n for n in IMPLS if n in fns]
+    # each one's host time a call, queued behind a long spin: the device spin of its timed loops
+    spin = {}
+    for n in names:
+        for _ in range(3):
+            fns[n]()
+        _, host = per_call_ms(fns[n], reps, 50.0)
+        spin[n] = max(1.0, 2.0 * host * reps)
+    dev_ms, idle_ms, host_ms, short = ({n: [] for n in names} for _ in range(4))
+    for rnd in range(rounds):
+        order = names[rnd % len(names) :] + names[: rnd % len(names)]
+        for n in order:
+            t, host = per_call_ms(fns[n], reps, spin[n])
+            dev_ms[n].append(t)
+            host_ms[n].append(host)
+            short[n].append(host * reps > spin[n])  # the queue drained: a host-bound sample
+            idle_ms[n].append(per_call_ms(fns[n], reps, 0.0)[0])
+    med = statistics.median
+
+    def ratios(times, against):
+        return {n: med(a / t for a, t in zip(times[against], times[n])) for n in names if n != against}
+
+    tflops = {n: (flops / med(dev_ms[n]) / 1e9, flops / med(idle_ms[n]) / 1e9) for n in names}
+    return dict(
+        row=label,
+        tflops_device={n: t[0] for n, t in tflops.items()},
+        tflops_idle={n: t[1] for n, t in tflops.items()},
+        device_vs_fa4=ratios(dev_ms, "fa4") if "fa4" in fns else {},
+        idle_vs_fa4=ratios(idle_ms, "fa4") if "fa4" in fns else {},
+        pre_launch_us={n: 1e3 * reps * (med(idle_ms[n]) - med(dev_ms[n])) for n in names},
+        host_us={n: 1e3 * med(host_ms[n]) for n in names},
+        host_bound_samples={n: sum(short[n]) for n in names},
+        dev_ms=dev_ms,
+        idle_ms=idle_ms,
+        ad_kv_backend=backend,
+        route=kv_route(q, k, v, None, params)[0],
+        max_ours_vs_sdpa=(ours.float() - ref.float()).abs().max().item(),
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="", help="comma-separated substrings of the row labels")
+    p.add_argument("--rounds", type=int, default=11)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--commit", default="unknown")
+    a = p.parse_args(argv)
+    results = []
+    for row in ROWS:
+        if a.rows and not any(part in row[0] for part in a.rows.split(",")):
+            continue
+        r = run_row(row, a.rounds, a.reps)
+        results.append(r)
+        print(
+            f"{r['row']:<32} TFLOP/s device / idle "
+            + " ".join(f"{n} {r['tflops_device'][n]:.0f}/{r['tflops_idle'][n]:.0f}" for n in r["tflops_device"]),
+            flush=True,
+        )
+        if r["device_vs_fa4"]:
+            print(
+                "    vs fa4 device "
+                + " ".join(f"{n} {x:.3f}" for n, x in r["device_vs_fa4"].items())
+                + " | idle "
+                + " ".join(f"{n} {x:.3f}" for n, x in r["idle_vs_fa4"].items()),
+                flush=True,
+            )
+        print(
+            "    host us a call (before its kernels, from idle): "
+            + " ".join(f"{n} {r['host_us'][n]:.0f} ({r['pre_launch_us'][n]:.0f})" for n in r["host_us"])
+            + f"  host-bound samples {sum(r['host_bound_samples'].values())}"
+            + f"  |ours-F.sdpa| {r['max_ours_vs_sdpa']:.1e}"
+            + f"  [{r['route']}; ad-kv ran {r['ad_kv_backend']}]",
+            flush=True,
+        )
+    finish_run(a, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
