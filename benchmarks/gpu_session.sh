@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|e115|e116|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e109|e115|e116|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -276,22 +276,6 @@ EOF
       patched2=/tmp/e115
     features_medians "$out/e115_features.txt" | tee -a "$summary"
     ;;
-  e107)      # perf-notes E107: the KV-cache and one-length Gluon forwards persistent (one program an SM walking
-             # units in a snake of waves; docs/experiments/patches/e107-kv-persistent-forward.patch) in a scratch copy:
-             # its GPU tests there (two processes: persistent bit-equal to one program per unit at 1-48 programs; the
-             # KV-cache and one-length routes' own), then benchmarks/kv_device_ab.py there: the chunked-prefill rows
-             # on the device alone (queued behind a spin) and from an idle GPU, persistent against per-unit (the launch
-             # before E107), the dispatcher, sdpa() and flash-attn 4 (~7-8 minutes); $OUT/e107_summary.txt
-    scratch_copy /tmp/e107 "$PWD/docs/experiments/patches/e107-kv-persistent-forward.patch" || exit 1
-    pytest_gpu="timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning"
-    (cd /tmp/e107 && $pytest_gpu tests/test_gluon_persistent.py tests/test_gluon_lpt.py > "$out/e107_tests_persistent.log" 2>&1) &
-    (cd /tmp/e107 && $pytest_gpu tests/test_kv_prefill.py tests/test_gluon_one_length.py \
-       -k "gluon_route or chunked_prefill or (one_length_forward and 128)" > "$out/e107_tests_routes.log" 2>&1) &
-    wait
-    summary="$out/e107_summary.txt"
-    { nvidia-smi -L | head -1; tail -qn1 "$out"/e107_tests_*.log; grep -h "^FAILED" "$out"/e107_tests_*.log | head -8; } > "$summary"
-    (cd /tmp/e107 && timeout $((520 - SECONDS)) python3 benchmarks/kv_device_ab.py --rounds 11 --json "$out/e107_ab.json" \
-       --commit "$sha+e107" 2>&1 | grep -v -i warn | tail -16) | tee -a "$summary" ;;
   ncu)       # perf-notes E113 (issues 34, 36): Nsight Compute's ground truth, one call of each benchmarks/ncu_target.py
              # case (plain softcap plain-causal softcap-causal kv-chunk fa4-chunk; NCU_CASES="..." for others): tensor,
              # XU (MUFU), FMA and ALU pipes, issue, occupancy, stall reasons per kernel and per SASS instruction. The
@@ -363,5 +347,5 @@ EOF
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e107|e109|e115|e116|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e109|e115|e116|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac
