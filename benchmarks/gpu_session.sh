@@ -245,8 +245,9 @@ case "$what" in
     scratch_copy /tmp/e115 "$PWD/docs/experiments/patches/e115-warp-release.patch" || exit 1
     (cd /tmp/e115 && timeout 180 $pytest_lines tests/test_kv_prefill.py tests/test_gluon_one_length.py \
        -k "gluon_route or chunked_prefill or (one_length_forward and 128)" > "$out/e115_tests_routes.log" 2>&1) &
-    (cd /tmp/e115 && timeout 180 $pytest_lines tests/test_kernel_features.py -k gpu_gluon \
-       > "$out/e115_tests_dense.log" 2>&1) &
+    # the dense d128 forward plain (the switch's main case) and with a bounded softcap
+    (cd /tmp/e115 && timeout 240 $pytest_lines tests/test_triton_kernel.py tests/test_kernel_features.py \
+       -k "(forward_warp_specialized and 128) or gpu_gluon_softcap_bounded" > "$out/e115_tests_dense.log" 2>&1) &
     features_warm plain "dense causal" "$PWD" /tmp/e115
     wait
     summary="$out/e115_summary.txt"
