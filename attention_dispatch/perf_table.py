@@ -491,7 +491,8 @@ def refine(
     """policy="fastest"'s measurement of ``problem`` (with ``fastest_cache`` set) written into the
     user's table for this GPU and these versions (:func:`user_table_path`), so that policy="auto"
     ranks that bucket by it in later processes: the table that applies now (the user's or the
-    package's) is copied without its stale backends' times, the call's bucket replaced, and the
+    package's) is copied without its stale backends' times, the call's bucket updated with the
+    measured times (a backend not measured keeps its time, one that failed loses it), and the
     file written atomically (concurrent refiners never tear it; the last one wins).  The same
     timing as ``tune``'s (fastest.time_backends).  None off CUDA or with no time."""
     env = device_environment(device)
@@ -510,8 +511,15 @@ def refine(
             if isinstance(d, dict)
         }
     key = bucket_key(problem)
-    entries[key] = {n: round(ms, 5) for n, ms in timings.items()}
-    extra["details"][key] = {"row": "policy=fastest", "host_ms": dict(host), "failures": dict(failures)}
+    # backends the call could not use (disabled, another order) keep their times; one that failed loses its own
+    kept = {n: ms for n, ms in entries.get(key, {}).items() if n not in failures}
+    entries[key] = {**kept, **{n: round(ms, 5) for n, ms in timings.items()}}
+    kept_host = {
+        n: ms
+        for n, ms in dict(extra["details"].get(key, {}).get("host_ms") or {}).items()
+        if n in kept and n not in timings
+    }
+    extra["details"][key] = {"row": "policy=fastest", "host_ms": {**kept_host, **host}, "failures": dict(failures)}
     extra["refined"] = sorted({*extra.get("refined", []), key})
     created = (
         base.created

@@ -56,6 +56,21 @@ def test_refining_again_keeps_earlier_refinements(table_dir, fake_gpu, package):
     assert data["details"][perf_table.bucket_key(q)]["failures"] == {"flash_attn": "RuntimeError: no"}
 
 
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_backend_not_measured_keeps_its_time_and_one_that_failed_loses_it(table_dir, fake_gpu, package, failed):
+    """A call under use_backends() or a disabled backend measures fewer backends than the bucket holds."""
+    p = problem()
+    key = perf_table.bucket_key(p)
+    write(package, "shipped.json", {key: {"triton": 1.0, "flash_attn": 2.0, "cudnn": 2.0}},
+          details={key: {"row": "r", "host_ms": {"triton": 0.1, "flash_attn": 0.2, "cudnn": 0.3}, "failures": {}}})  # fmt: skip
+    failures = {"flash_attn": "RuntimeError: unsupported"} if failed else {}
+    path = perf_table.refine(p, CUDA, {"triton": 3.0, "cudnn": 1.0}, {"cudnn": 0.01}, failures)
+    data = json.loads(path.read_text())
+    want = {"triton": 3.0, "cudnn": 1.0} if failed else {"triton": 3.0, "flash_attn": 2.0, "cudnn": 1.0}
+    assert data["entries"][key] == want
+    assert data["details"][key]["host_ms"] == ({"cudnn": 0.01} if failed else {"flash_attn": 0.2, "cudnn": 0.01})
+
+
 def test_a_stale_backends_times_are_not_carried_into_the_refined_table(table_dir, fake_gpu, package):
     p, other = problem(), "some|other|bucket"
     old = environment(triton="0.0.1")  # triton was timed at another version than this process has
