@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import attention_dispatch as ad  # noqa: E402
-from attention_dispatch.kernels import autograd as ag, compiled_cache as cc, entry, replay, run  # noqa: E402
+from attention_dispatch.kernels import autograd as ag, compiled_cache as cc, entry, launch_replay, replay, run  # noqa: E402
 from attention_dispatch.kernels.gluon import launch as gluon_launch, route as gluon_route  # noqa: E402
 
 acc = collections.Counter()
@@ -51,12 +51,12 @@ wrap(run, "launch_one")
 wrap(cc.COMPILED, "launch", "COMPILED.launch")
 wrap(replay.TrainingPlan, "forward", "TrainingPlan.forward")
 wrap(replay.TrainingPlan, "backward", "TrainingPlan.backward")
-wrap(replay.Replay, "__call__", "Replay.__call__")
-wrap(replay, "rebase")
-wrap(replay, "run_with_scratch")
+wrap(launch_replay.Replay, "__call__", "Replay.__call__")
+wrap(launch_replay, "rebase")
+wrap(launch_replay, "run_with_scratch")
 wrap(run, "run_with_scratch", "run_with_scratch(run)")
 wrap(cc, "relaunch", "relaunch")
-wrap(replay, "relaunch", "relaunch(replay)")
+wrap(launch_replay, "relaunch", "relaunch(replay)")
 for mod in (ag, replay):  # attention_forward / attention_backward as both callers see them
     for n in ("attention_forward", "attention_backward"):
         wrap(mod, n, f"{n}({mod.__name__.rsplit('.', 1)[-1]})")

@@ -23,7 +23,7 @@ from test_triton_kernel import run_and_check  # noqa: E402
 
 from attention_dispatch.kernels import KernelParams, is_interpreter, triton_attention  # noqa: E402
 from attention_dispatch.kernels import compiled_cache as cc  # noqa: E402
-from attention_dispatch.kernels import replay, run  # noqa: E402
+from attention_dispatch.kernels import launch_replay, replay, run  # noqa: E402
 from attention_dispatch.kernels.tl import KERNELS as TL_KERNELS  # noqa: E402
 from attention_dispatch.kernels.tl import launch as tl_launch  # noqa: E402
 
@@ -209,7 +209,7 @@ def test_forward_plan_rebuilds_gluon_descriptors_and_later_pointers(cache, monke
         return out, None, None
 
     monkeypatch.setattr(replay, "attention_forward", forward)
-    monkeypatch.setattr(replay, "relaunch", lambda entry, grid, args: relaunched.append(args))
+    monkeypatch.setattr(launch_replay, "relaunch", lambda entry, grid, args: relaunched.append(args))
     q = torch.randn(64, 16)
     plan = ForwardPlan(q, KernelParams(scale=0.5))
     plan(q, q, q)
@@ -250,7 +250,7 @@ def test_a_captured_plan_keeps_no_tensor_of_the_captured_call_alive(cache, monke
         return out, None, None
 
     monkeypatch.setattr(replay, "attention_forward", forward)
-    monkeypatch.setattr(replay, "relaunch", lambda entry, grid, args: None)
+    monkeypatch.setattr(launch_replay, "relaunch", lambda entry, grid, args: None)
     q = torch.randn(64, 16)
     plan = ForwardPlan(q, KernelParams(scale=0.5))
     first_q = weakref.ref(q)
@@ -414,7 +414,7 @@ def _interpreted_relaunches(monkeypatch):
         real(kernel, grid, args, constexprs, num_warps, num_stages)
 
     monkeypatch.setattr(run, "launch_one", launch_and_record)
-    monkeypatch.setattr(replay, "relaunch", fake_relaunch)
+    monkeypatch.setattr(launch_replay, "relaunch", fake_relaunch)
     return real, launch_and_record, relaunched
 
 
@@ -529,7 +529,7 @@ def test_training_plan_replays_a_warp_specialised_backward(cache, monkeypatch, f
         return dq, dk, dv, None
 
     monkeypatch.setattr(replay, "attention_backward", backward)
-    monkeypatch.setattr(replay, "relaunch", lambda entry, grid, args: relaunched.append(args))
+    monkeypatch.setattr(launch_replay, "relaunch", lambda entry, grid, args: relaunched.append(args))
     q, k, v, out = (torch.randn(64, 16) for _ in range(4))
     lse = torch.randn(64)
     plan = TrainingPlan(q, KernelParams(scale=0.5))
@@ -623,7 +623,7 @@ def test_gpu_sdpa_fast_path_relaunches_the_plan(monkeypatch, seq):
     from attention_dispatch.kernels import ForwardPlan
 
     relaunched = []
-    monkeypatch.setattr(replay, "relaunch", lambda *a: relaunched.append("relaunch") or cc.relaunch(*a))
+    monkeypatch.setattr(launch_replay, "relaunch", lambda *a: relaunched.append("relaunch") or cc.relaunch(*a))
     direct_call = cc.DirectLaunch.__call__
     monkeypatch.setattr(cc.DirectLaunch, "__call__", lambda *a: relaunched.append("direct") or direct_call(*a))
     monkeypatch.setattr(tl_launch, "HOST_KV_MIN_WORK", 0)  # host descriptors at seq=256 too

@@ -18,6 +18,7 @@ from .decode_plan import (
     plan_for,
 )
 from .kv_append import append_kv
+from .launch_replay import Replay
 from .params import KernelParams
 
 __all__ = ["MAX_DECODE_SPLITS", "MIN_KEYS_PER_SPLIT", "decode_splits"]  # kept here for their users
@@ -185,7 +186,7 @@ def prepare_kv(q, k_cache, v_cache, cache_seqlens, params: KernelParams, block_t
 class CacheRunner:
     """sdpa_with_kvcache()'s repeated calls of one signature on the Gluon route (prepare_kv): the
     append, then :func:`cache_forward`'s launch captured on the first call and relaunched over
-    the new tensors after it (replay.Replay: its descriptors' tensormaps kept per address), none
+    the new tensors after it (launch_replay.Replay: its descriptors' tensormaps kept per address), none
     of kv_forward's or the launcher's argument processing.  A call whose lengths have another
     stride or alignment than the prepared call's goes to ``fallback`` (the backend's whole path)."""
 
@@ -210,8 +211,6 @@ class CacheRunner:
         with COMPILED.capture() as launches:
             out = cache_forward(q, k_cache, v_cache, cache_seqlens, self.params, self.n_new)
         if launch is None:
-            from .replay import Replay
-
             self.out_like_query = q.is_contiguous()  # empty_like gives cache_forward's contiguous out
             self.launch = Replay.capture(launches, (q, k_cache, v_cache, cache_seqlens, out), q.device) or False
         return out
