@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e109|e115|e116|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e109|e115|e116|e117|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -237,6 +237,27 @@ case "$what" in
       base2="$PWD" patched2=/tmp/e116
     features_medians "$out/e116_features.txt" | tee -a "$summary"
     ;;
+  e117)      # perf-notes E117: E116's turns plus half the bounded softcap's exponentials on the FMA pipe (E106b's
+             # SOFTCAP_EXP2_POLY 2; docs/experiments/patches/e117-softcap-turns-exp2.patch) in /tmp/e117, E116 alone in
+             # /tmp/e116: the GPU tests in /tmp/e117 (test_softcap_exp2_poly, test_gluon_softcap_turns, test_kernel_features
+             # -k "gluon and (softcap or bounded)") while the three trees' kernels compile, then features.py (plain,
+             # softcap 30; bf16 d128 B4 H16 S=4k) dense and causal, e117 / e116 / this tree in ABBA turns (~8.5 minutes);
+             # $OUT/e117_summary.txt
+    scratch_copy /tmp/e116 "$PWD/docs/experiments/patches/e116-softcap-turns.patch" || exit 1
+    scratch_copy /tmp/e117 "$PWD/docs/experiments/patches/e117-softcap-turns-exp2.patch" || exit 1
+    (cd /tmp/e117 && timeout 180 $pytest_lines tests/test_softcap_exp2_poly.py > "$out/e117_tests_poly.log" 2>&1) &
+    (cd /tmp/e117 && timeout 180 $pytest_lines tests/test_gluon_softcap_turns.py > "$out/e117_tests_turns.log" 2>&1) &
+    (cd /tmp/e117 && timeout 180 $pytest_lines tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
+       > "$out/e117_tests_features.log" 2>&1) &
+    features_warm plain,softcap "dense causal" "$PWD" /tmp/e116 /tmp/e117
+    wait
+    summary="$out/e117_summary.txt"
+    { nvidia-smi -L | head -1; test_lines "$out"/e117_tests_*.log; } > "$summary"
+    # twelve turns of ~25 s after ~200 s of tests and compiles; a turn that would start past 480 s is skipped
+    features_turns "$out/e117_features.txt" plain,softcap 480 "dense causal" e1171=/tmp/e117 e1161=/tmp/e116 \
+      base1="$PWD" base2="$PWD" e1162=/tmp/e116 e1172=/tmp/e117
+    features_medians "$out/e117_features.txt" | tee -a "$summary"
+    ;;
   e115)      # perf-notes E115: the d128 forward's consumers release K/V slots per warp on named barriers (no warpgroup
              # bar.sync; docs/experiments/patches/e115-warp-release.patch) in a scratch copy: its GPU tests there (the
              # KV-cache / one-length routes, the dense Gluon forward at d128) while both trees' kernels compile, then
@@ -348,5 +369,5 @@ EOF
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e109|e115|e116|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e109|e115|e116|e117|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac
