@@ -5,6 +5,8 @@ tests/naive.py in float64 (tests/oracle.py's rule) under TRITON_INTERPRET=1, the
 call makes and dK/dV written over the keys they read; on the GPU (bf16) test_head_dim_512's cases
 assert the split launches."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,54 +17,17 @@ from attention_dispatch.kernels import configs as C
 from cases import Case
 from launch_watch import watch_kinds
 from oracle import compare_backend, triton_keep_mask
+from test_head_dim_512 import CPU_CASES as HEAD_DIM_512_CASES
 
 SM90, SM80 = ((9, 0), 227 * 1024), ((8, 0), 163 * 1024)
 
-# (label, case): tiny shapes that cross several of the interpreter's 16/32-row tiles
+# (label, case): test_head_dim_512's float32 shapes in half precision (fp16 and bf16 in turn), and two
+# feature mixes of their own; tiny shapes that cross several of the interpreter's 16/32-row tiles
+HALF = (torch.float16, torch.bfloat16)
 CPU_CASES = [
-    ("d512 fp16", Case(batch=1, heads_q=2, heads_kv=2, seqlen_q=40, seqlen_k=37, head_dim=512, dtype=torch.float16)),
-    (
-        "320/512 bf16 GQA causal bottom-right",
-        Case(
-            batch=1,
-            heads_q=4,
-            heads_kv=2,
-            seqlen_q=19,
-            seqlen_k=35,
-            head_dim=320,
-            head_dim_v=512,
-            causal="bottom_right",
-            dtype=torch.bfloat16,
-        ),
-    ),
-    (
-        "512/256 fp16 causal top-left Sq>Sk",
-        Case(
-            batch=1,
-            heads_q=2,
-            heads_kv=2,
-            seqlen_q=37,
-            seqlen_k=21,
-            head_dim=512,
-            head_dim_v=256,
-            causal="top_left",
-            dtype=torch.float16,
-        ),
-    ),
-    (
-        "d512 bf16 window bias grad",
-        Case(
-            batch=1,
-            heads_q=2,
-            heads_kv=2,
-            seqlen_q=26,
-            seqlen_k=33,
-            head_dim=512,
-            dtype=torch.bfloat16,
-            window=(9, 4),
-            mask="float_grad",
-            mask_shape="full",
-        ),
+    *(
+        (f"{label} {str(dtype).removeprefix('torch.')}", dataclasses.replace(case, dtype=dtype))
+        for (label, case), dtype in zip(HEAD_DIM_512_CASES, HALF * len(HEAD_DIM_512_CASES))
     ),
     (
         "d512 fp16 dropout softcap",
