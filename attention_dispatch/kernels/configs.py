@@ -158,7 +158,7 @@ CONFIG_TABLE: tuple[ConfigEntry, ...] = (
     _e(BWD_DKDV, _ANY, 256, _ALL, 16, 16, 2, 1),
     _e(BWD_DKDV, _ANY, 512, _ALL, 16, 16, 4, 1),
     # ---------------- backward dV alone, then dK alone (SPLIT_KINDS; padded head dims > 256) ----------------
-    # sm90 d512 (E108, compiled for sm90, not yet timed): 64 keys a program over 8 warps is one 64 x 512
+    # sm90 d512 (E108; H100 2026-11-27: backward x1.41 dense, x1.59 causal over one pass): 64 keys a program over 8 warps is one 64 x 512
     # fp32 accumulator at 128 registers a thread and wgmma (64 x 256 a warpgroup) instead of mma.sync; no
     # spill in either loop.  dV: S^T and dV only, 168 KiB in two stages.  dK: K and V stay (128 KiB), so
     # 32 query rows fit one stage (its products N = 16 a warpgroup), 16 rows two stages (N = 8).
