@@ -37,7 +37,8 @@ SOFTCAP = 30.0
 CASES = [
     (128, None, None, {}, "fused"),  # dK/dV with dQ fused
     (128, None, None, dict(deterministic=True), "gluon"),  # the dQ pass over dense tiles
-    (128, "bottom_right", None, {}, "gluon"),  # dK/dV and the dQ pass's causal split, masked tiles
+    (128, "bottom_right", None, {}, "fused"),  # causal softcap: dQ fused, masked diagonal tiles (E109)
+    (128, "bottom_right", None, dict(deterministic=True), "gluon"),  # the dQ pass's causal split, masked tiles
     (128, None, (1500, 0), {}, "gluon"),  # a window's masked tiles in both passes
     (128, None, (700, 400), {}, "gluon"),
     (64, "bottom_right", None, {}, "fused"),  # d64: 128-row query tiles, dQ fused in causal calls too

@@ -1604,7 +1604,9 @@ def test_gpu_warp_specialized_fused_dq(monkeypatch, feature, d, block_m):
     monkeypatch.setattr(gluon_route, "WS_MIN_WINDOW", 0)
     # entry.py imports fuse_dq_reason by name: its global is the one backward_route calls
     monkeypatch.setattr(
-        entry, "fuse_dq_reason", lambda params, prob, has_bias: "deterministic" if params.deterministic else None
+        entry,
+        "fuse_dq_reason",
+        lambda params, prob, has_bias, has_alibi=False: "deterministic" if params.deterministic else None,
     )
     # 64-row query tiles: each warpgroup adds half of dQ's columns; 128 (d64): half of its rows
     # (experiment 81); a bias keeps 64-row tiles
@@ -1762,6 +1764,12 @@ def test_gpu_training_plan_replays(monkeypatch, causal, route):
         (dict(banded_config=True, causal="top_left", bias=True), False),
         (dict(banded_config=True, window=(1024, 0), deterministic=True), False),
         (dict(banded_config=True, causal="top_left", sk=2048), False),
+        (dict(causal="top_left", softcap=30.0), True),  # one pass computes tanh and exp2 (E109)
+        (dict(causal="bottom_right", softcap=30.0), True),
+        (dict(causal="top_left", softcap=30.0, alibi=True), False),
+        (dict(window=(1024, 0), softcap=30.0), False),
+        (dict(causal="top_left", softcap=30.0, sk=2048), False),
+        (dict(causal="top_left", softcap=30.0, deterministic=True), False),
     ],
 )
 def test_fuse_dq_is_chosen_where_it_was_measured_faster(monkeypatch, change, fused):
@@ -1782,9 +1790,13 @@ def test_fuse_dq_is_chosen_where_it_was_measured_faster(monkeypatch, change, fus
     k = torch.empty(1, 1 if change.get("gqa") else 4, sk, 128)
     prob = shapes.KernelShapes(q, k, k, None, None, None, None)
     params = make_params(
-        q, change.get("causal"), change.get("window"), deterministic=change.get("deterministic", False)
+        q,
+        change.get("causal"),
+        change.get("window"),
+        deterministic=change.get("deterministic", False),
+        softcap=change.get("softcap", 0.0),
     )
-    reason = gluon_route.fuse_dq_reason(params, prob, bool(change.get("bias")))
+    reason = gluon_route.fuse_dq_reason(params, prob, bool(change.get("bias")), bool(change.get("alibi")))
     assert (reason is None) is fused, reason
     assert reason is None or (reason and "\n" not in reason)
 

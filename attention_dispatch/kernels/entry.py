@@ -190,7 +190,7 @@ def backward_route(
     reason, rows = ws_backward_reason(do, q, k, v, bias_reason, params, prob, desc)
     if reason is not None:
         return BackwardRoute(TL, TL, reason, None, None)
-    not_fused = fuse_dq_reason(params, prob, bias_kind != 0)
+    not_fused = fuse_dq_reason(params, prob, bias_kind != 0, has_alibi)
     dq = FUSED if not_fused is None else (GLUON if prob.Dqk in C.WS_DQ_CONFIGS else TL)
     return BackwardRoute(GLUON, dq, None, not_fused, rows)
 

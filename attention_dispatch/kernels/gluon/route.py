@@ -190,16 +190,19 @@ def forward_scope_reason(cfg: C.WsConfig, has_bias: bool, params: KernelParams) 
 FUSE_DQ_MIN_KEYS = 4096
 
 
-def fuse_dq_reason(params: KernelParams, prob: KernelShapes, has_bias: bool) -> str | None:
+def fuse_dq_reason(params: KernelParams, prob: KernelShapes, has_bias: bool, has_alibi: bool = False) -> str | None:
     """None when the Gluon dK/dV pass computes dQ too (FA3's way: fp32 partials added by TMA
     reduce-add), else why not: it runs where it was measured faster (no bias, Sk >=
-    FUSE_DQ_MIN_KEYS, no band unless the head dim's config says so) and never when the call asks
-    for determinism (its reduce-adds land in any order)."""
+    FUSE_DQ_MIN_KEYS, no band unless the head dim's config says so, or a causal call with a
+    softcap and no ALiBi) and never when the call asks for determinism (its reduce-adds land in
+    any order)."""
     cfg = C.WS_BWD_CONFIGS[prob.Dqk]
     banded = params.window_left >= 0 or params.window_right >= 0
+    # a separate dQ pass recomputes tanh and exp2: twice the MUFU ops of the fused pass (E109)
+    causal_softcap = params.softcap > 0 and not has_alibi and (params.window_left, params.window_right) == (-1, 0)
     if not cfg.fuse_dq:
         return "this head dim's config keeps a separate dQ pass (WsConfig.fuse_dq)"
-    if banded and not cfg.fuse_dq_banded:
+    if banded and not cfg.fuse_dq_banded and not causal_softcap:
         return "causal or window: measured slower fused (0.96-0.97x, E54)"
     if params.deterministic:
         return "deterministic: the fused dQ's reduce-adds land in any order"
