@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e109|e115|e116|e117|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e118|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -71,7 +71,7 @@ features_turns() {
   for band in $bands; do
     for spec in "$@"; do
       [ $SECONDS -gt "$limit" ] && { echo "$band ${spec%%=*}: skipped (time)" >> "$summary"; continue; }
-      local log=/tmp/features_turn.log
+      local log=$out/features_turn.log  # $out: one per GPU under `parallel`
       (cd "${spec#*=}" && timeout 100 python3 benchmarks/features.py --rounds 2 --budget 20 --variants "$variants" \
          $([ "$band" = causal ] && echo --causal)) > "$log" 2>&1
       # a turn without its lines says why in the summary (session 41: a rejected --variants printed nothing)
@@ -202,88 +202,36 @@ case "$what" in
              # training: ours as routed, PyTorch's efficient and math paths, FlexAttention; ~3-5 minutes)
     COMMIT=$sha OUT=$out timeout 420 python3 benchmarks/head_dim_512.py 2>&1 | grep -v -i warn | tail -16 \
       | tee "$out/d512_summary.txt" ;;
-  e109)      # perf-notes E109: causal softcap training with dQ fused into the dK/dV pass (a route change:
-             # docs/experiments/patches/e109-causal-softcap-fused-dq.patch) in a scratch copy: its GPU tests there
-             # (test_kernel_features -k "gluon and (softcap or bounded)", test_triton_kernel -k fused_dq), both trees'
-             # kernels compiled meanwhile, then features.py (plain, softcap 30; bf16 d128 B4 H16 S=4k causal) patched
-             # and this tree in ABBA turns (~4 minutes); $OUT/e109_summary.txt
-    scratch_copy /tmp/e109 "$PWD/docs/experiments/patches/e109-causal-softcap-fused-dq.patch" || exit 1
-    (cd /tmp/e109 && timeout 240 $pytest_lines tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
-       > "$out/e109_tests_features.log" 2>&1) &
-    (cd /tmp/e109 && timeout 240 $pytest_lines tests/test_triton_kernel.py -k fused_dq > "$out/e109_tests_fused_dq.log" 2>&1) &
-    features_warm plain,softcap causal "$PWD" /tmp/e109
+  e118)      # perf-notes E118: the d128+ Gluon forward keeps each row's sum as per-thread partials, reduced across
+             # the row's 4 threads once after the loop (FA4's way; docs/experiments/patches/e118-deferred-row-sum.patch)
+             # in a scratch copy: its GPU tests there (the Gluon forward's routes and features) while both trees' kernels
+             # compile, then benchmarks/kv_device_ab.py (the chunked-prefill rows, device-only and from idle, and
+             # against flash-attn 4) and features.py plain and softcap, dense and causal, patched and this tree in ABBA
+             # turns (~8 minutes); $OUT/e118_summary.txt. Side by side on several GPUs (`parallel SHA 0:e118 1:e118`):
+             # each run has its own scratch copy and logs, so the GPUs give independent repeats.
+    dir=/tmp/e118_gpu${CUDA_VISIBLE_DEVICES:-0}
+    scratch_copy "$dir" "$PWD/docs/experiments/patches/e118-deferred-row-sum.patch" || exit 1
+    (cd "$dir" && timeout 240 $pytest_lines tests/test_kv_prefill.py tests/test_gluon_one_length.py \
+       -k "gluon_route or chunked_prefill or (one_length_forward and 128)" > "$out/e118_tests_routes.log" 2>&1) &
+    # the dense Gluon forward at d128 and d256, plain and with every score feature (softcap, ALiBi, sinks, lse)
+    (cd "$dir" && timeout 240 $pytest_lines tests/test_triton_kernel.py tests/test_kernel_features.py \
+       -k "forward_warp_specialized or (gluon and (softcap or bounded or alibi or sinks))" \
+       > "$out/e118_tests_dense.log" 2>&1) &
+    features_warm plain,softcap "dense causal" "$PWD" "$dir"
     wait
-    summary="$out/e109_summary.txt"
-    { nvidia-smi -L | head -1; test_lines "$out"/e109_tests_*.log; } > "$summary"
-    features_turns "$out/e109_features.txt" plain,softcap 500 causal patched1=/tmp/e109 base1="$PWD" base2="$PWD" \
-      patched2=/tmp/e109
-    features_medians "$out/e109_features.txt" | tee -a "$summary"
-    ;;
-  e116)      # perf-notes E116: the two consumer warpgroups take turns on named barriers in the bounded-softcap d128
-             # forward (docs/experiments/patches/e116-softcap-turns.patch) in a scratch copy: its GPU tests there
-             # (test_kernel_features -k "gluon and (softcap or bounded)", test_gluon_softcap_turns: bit-equal with
-             # and without the turns), both trees' kernels compiled meanwhile, then features.py (plain, softcap 30;
-             # bf16 d128 B4 H16 S=4k) dense and causal, patched and this tree in ABBA turns (~8 minutes);
-             # $OUT/e116_summary.txt
-    scratch_copy /tmp/e116 "$PWD/docs/experiments/patches/e116-softcap-turns.patch" || exit 1
-    (cd /tmp/e116 && timeout 200 $pytest_lines tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
-       > "$out/e116_tests_features.log" 2>&1) &
-    (cd /tmp/e116 && timeout 200 $pytest_lines tests/test_gluon_softcap_turns.py > "$out/e116_tests_turns.log" 2>&1) &
-    features_warm plain,softcap "dense causal" "$PWD" /tmp/e116
-    wait
-    summary="$out/e116_summary.txt"
-    { nvidia-smi -L | head -1; test_lines "$out"/e116_tests_*.log; } > "$summary"
-    features_turns "$out/e116_features.txt" plain,softcap 480 "dense causal" patched1=/tmp/e116 base1="$PWD" \
-      base2="$PWD" patched2=/tmp/e116
-    features_medians "$out/e116_features.txt" | tee -a "$summary"
-    ;;
-  e117)      # perf-notes E117: E116's turns plus half the bounded softcap's exponentials on the FMA pipe (E106b's
-             # SOFTCAP_EXP2_POLY 2; docs/experiments/patches/e117-softcap-turns-exp2.patch) in /tmp/e117, E116 alone in
-             # /tmp/e116: the GPU tests in /tmp/e117 (test_softcap_exp2_poly, test_gluon_softcap_turns, test_kernel_features
-             # -k "gluon and (softcap or bounded)") while the three trees' kernels compile, then features.py (plain,
-             # softcap 30; bf16 d128 B4 H16 S=4k) dense and causal, e117 / e116 / this tree in ABBA turns (~8.5 minutes);
-             # $OUT/e117_summary.txt
-    scratch_copy /tmp/e116 "$PWD/docs/experiments/patches/e116-softcap-turns.patch" || exit 1
-    scratch_copy /tmp/e117 "$PWD/docs/experiments/patches/e117-softcap-turns-exp2.patch" || exit 1
-    (cd /tmp/e117 && timeout 180 $pytest_lines tests/test_softcap_exp2_poly.py > "$out/e117_tests_poly.log" 2>&1) &
-    (cd /tmp/e117 && timeout 180 $pytest_lines tests/test_gluon_softcap_turns.py > "$out/e117_tests_turns.log" 2>&1) &
-    (cd /tmp/e117 && timeout 180 $pytest_lines tests/test_kernel_features.py -k "gluon and (softcap or bounded)" \
-       > "$out/e117_tests_features.log" 2>&1) &
-    features_warm plain,softcap "dense causal" "$PWD" /tmp/e116 /tmp/e117
-    wait
-    summary="$out/e117_summary.txt"
-    { nvidia-smi -L | head -1; test_lines "$out"/e117_tests_*.log; } > "$summary"
-    # twelve turns of ~25 s after ~200 s of tests and compiles; a turn that would start past 480 s is skipped
-    features_turns "$out/e117_features.txt" plain,softcap 480 "dense causal" e1171=/tmp/e117 e1161=/tmp/e116 \
-      base1="$PWD" base2="$PWD" e1162=/tmp/e116 e1172=/tmp/e117
-    features_medians "$out/e117_features.txt" | tee -a "$summary"
-    ;;
-  e115)      # perf-notes E115: the d128 forward's consumers release K/V slots per warp on named barriers (no warpgroup
-             # bar.sync; docs/experiments/patches/e115-warp-release.patch) in a scratch copy: its GPU tests there (the
-             # KV-cache / one-length routes, the dense Gluon forward at d128) while both trees' kernels compile, then
-             # benchmarks/kv_device_ab.py (the chunked-prefill rows, device-only and from idle) and features.py plain,
-             # dense and causal, patched and this tree in ABBA turns (~8 minutes); $OUT/e115_summary.txt
-    scratch_copy /tmp/e115 "$PWD/docs/experiments/patches/e115-warp-release.patch" || exit 1
-    (cd /tmp/e115 && timeout 180 $pytest_lines tests/test_kv_prefill.py tests/test_gluon_one_length.py \
-       -k "gluon_route or chunked_prefill or (one_length_forward and 128)" > "$out/e115_tests_routes.log" 2>&1) &
-    # the dense d128 forward plain (the switch's main case) and with a bounded softcap
-    (cd /tmp/e115 && timeout 240 $pytest_lines tests/test_triton_kernel.py tests/test_kernel_features.py \
-       -k "(forward_warp_specialized and 128) or gpu_gluon_softcap_bounded" > "$out/e115_tests_dense.log" 2>&1) &
-    features_warm plain "dense causal" "$PWD" /tmp/e115
-    wait
-    summary="$out/e115_summary.txt"
-    { nvidia-smi -L | head -1; test_lines "$out"/e115_tests_*.log; } > "$summary"
+    summary="$out/e118_summary.txt"
+    { nvidia-smi -L | head -1; test_lines "$out"/e118_tests_*.log; } > "$summary"
     # kv_device_ab.py times the tree it runs from: the two trees in turns, 3 rounds a turn (~40 s a turn)
-    for spec in patched1=/tmp/e115 base1="$PWD" base2="$PWD" patched2=/tmp/e115; do
-      [ $SECONDS -gt 330 ] && { echo "kv ${spec%%=*}: skipped (time)" >> "$summary"; continue; }
+    for spec in patched1="$dir" base1="$PWD" base2="$PWD" patched2="$dir"; do
+      [ $SECONDS -gt 380 ] && { echo "kv ${spec%%=*}: skipped (time)" >> "$summary"; continue; }
       (cd "${spec#*=}" && timeout 90 python3 benchmarks/kv_device_ab.py --rows "Sq=512 8k causal,Sq=128" --rounds 3 \
-         --json "$out/e115_kv_${spec%%=*}.json" --commit "$sha ${spec%%=*}" > "$out/e115_kv_${spec%%=*}.log" 2>&1)
+         --json "$out/e118_kv_${spec%%=*}.json" --commit "$sha ${spec%%=*}" > "$out/e118_kv_${spec%%=*}.log" 2>&1)
     done
     python3 - "$out" <<'EOF' | tee -a "$summary"
 import glob, json, os, statistics, sys
 ours = {}  # (row, tree) -> device and idle TFLOP/s of each turn
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "e115_kv_*.json"))):
-    tree = os.path.basename(f)[len("e115_kv_") : -len(".json")].rstrip("12")
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "e118_kv_*.json"))):
+    tree = os.path.basename(f)[len("e118_kv_") : -len(".json")].rstrip("12")
     for r in json.load(open(f))["results"]:
         ours.setdefault((r["row"], tree), []).append((r["tflops_device"]["ours"], r["tflops_idle"]["ours"]))
 for row in sorted({k[0] for k in ours}):
@@ -293,10 +241,10 @@ for row in sorted({k[0] for k in ours}):
         idle = statistics.median(x[1] for x in p) / statistics.median(x[1] for x in b)
         print(f"kv {row:<32} patched / base: device {dev:.3f}  idle {idle:.3f}  (turns, TFLOP/s device/idle: {p} vs {b})")
 EOF
-    grep -h "vs fa4" "$out"/e115_kv_*.log | sed 's/^/kv /' >> "$summary"
-    features_turns "$out/e115_features.txt" plain 500 "dense causal" patched1=/tmp/e115 base1="$PWD" base2="$PWD" \
-      patched2=/tmp/e115
-    features_medians "$out/e115_features.txt" | tee -a "$summary"
+    grep -h "vs fa4" "$out"/e118_kv_*.log | sed 's/^/kv /' >> "$summary"
+    features_turns "$out/e118_features.txt" plain,softcap 560 "dense causal" patched1="$dir" base1="$PWD" \
+      base2="$PWD" patched2="$dir"
+    features_medians "$out/e118_features.txt" | tee -a "$summary"
     ;;
   ncu)       # perf-notes E113 (issues 34, 36): Nsight Compute's ground truth, one call of each benchmarks/ncu_target.py
              # case (plain softcap plain-causal softcap-causal kv-chunk fa4-chunk; NCU_CASES="..." for others): tensor,
@@ -369,5 +317,5 @@ EOF
     wait
     find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e109|e115|e116|e117|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e118|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac
