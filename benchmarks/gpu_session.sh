@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e118|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -202,36 +202,37 @@ case "$what" in
              # training: ours as routed, PyTorch's efficient and math paths, FlexAttention; ~3-5 minutes)
     COMMIT=$sha OUT=$out timeout 420 python3 benchmarks/head_dim_512.py 2>&1 | grep -v -i warn | tail -16 \
       | tee "$out/d512_summary.txt" ;;
-  e118)      # perf-notes E118: the d128+ Gluon forward keeps each row's sum as per-thread partials, reduced across
-             # the row's 4 threads once after the loop (FA4's way; docs/experiments/patches/e118-deferred-row-sum.patch)
-             # in a scratch copy: its GPU tests there (the Gluon forward's routes and features) while both trees' kernels
-             # compile, then benchmarks/kv_device_ab.py (the chunked-prefill rows, device-only and from idle, and
-             # against flash-attn 4) and features.py plain and softcap, dense and causal, patched and this tree in ABBA
-             # turns (~8 minutes); $OUT/e118_summary.txt. Side by side on several GPUs (`parallel SHA 0:e118 1:e118`):
-             # each run has its own scratch copy and logs, so the GPUs give independent repeats.
-    dir=/tmp/e118_gpu${CUDA_VISIBLE_DEVICES:-0}
-    scratch_copy "$dir" "$PWD/docs/experiments/patches/e118-deferred-row-sum.patch" || exit 1
-    (cd "$dir" && timeout 240 $pytest_lines tests/test_kv_prefill.py tests/test_gluon_one_length.py \
-       -k "gluon_route or chunked_prefill or (one_length_forward and 128)" > "$out/e118_tests_routes.log" 2>&1) &
+  patchab)   # a forward kernel patch against this tree: PATCH=docs/experiments/patches/NAME.patch bash gpu_session.sh
+             # patchab SHA (E118's A/B). In a scratch copy with the patch: the Gluon forward's GPU tests (routes,
+             # features) while both trees' kernels compile, then benchmarks/kv_device_ab.py (the chunked-prefill rows,
+             # device-only and from idle, and against flash-attn 4) and features.py plain and softcap, dense and causal,
+             # patched and this tree in ABBA turns (~8 minutes); $OUT/patchab_summary.txt. Side by side on several GPUs
+             # (`PATCH=... bash gpu_session.sh parallel SHA 0:patchab 1:patchab`): each run has its own scratch copy
+             # and logs, so the GPUs give independent repeats.
+    [ -f "${PATCH:-}" ] || { echo "patchab: set PATCH to a patch file (got '${PATCH:-}')"; exit 2; }
+    dir=/tmp/patchab_gpu${CUDA_VISIBLE_DEVICES:-0}
+    scratch_copy "$dir" "$PWD/$PATCH" || exit 1
+    (cd "$dir" && timeout 300 $pytest_lines tests/test_kv_prefill.py tests/test_gluon_one_length.py \
+       -k "gluon_route or chunked_prefill or (one_length_forward and 128)" > "$out/patchab_tests_routes.log" 2>&1) &
     # the dense Gluon forward at d128 and d256, plain and with every score feature (softcap, ALiBi, sinks, lse)
-    (cd "$dir" && timeout 240 $pytest_lines tests/test_triton_kernel.py tests/test_kernel_features.py \
+    (cd "$dir" && timeout 300 $pytest_lines tests/test_triton_kernel.py tests/test_kernel_features.py \
        -k "forward_warp_specialized or (gluon and (softcap or bounded or alibi or sinks))" \
-       > "$out/e118_tests_dense.log" 2>&1) &
+       > "$out/patchab_tests_dense.log" 2>&1) &
     features_warm plain,softcap "dense causal" "$PWD" "$dir"
     wait
-    summary="$out/e118_summary.txt"
-    { nvidia-smi -L | head -1; test_lines "$out"/e118_tests_*.log; } > "$summary"
+    summary="$out/patchab_summary.txt"
+    { nvidia-smi -L | head -1; test_lines "$out"/patchab_tests_*.log; } > "$summary"
     # kv_device_ab.py times the tree it runs from: the two trees in turns, 3 rounds a turn (~40 s a turn)
     for spec in patched1="$dir" base1="$PWD" base2="$PWD" patched2="$dir"; do
       [ $SECONDS -gt 380 ] && { echo "kv ${spec%%=*}: skipped (time)" >> "$summary"; continue; }
       (cd "${spec#*=}" && timeout 90 python3 benchmarks/kv_device_ab.py --rows "Sq=512 8k causal,Sq=128" --rounds 3 \
-         --json "$out/e118_kv_${spec%%=*}.json" --commit "$sha ${spec%%=*}" > "$out/e118_kv_${spec%%=*}.log" 2>&1)
+         --json "$out/patchab_kv_${spec%%=*}.json" --commit "$sha ${spec%%=*}" > "$out/patchab_kv_${spec%%=*}.log" 2>&1)
     done
     python3 - "$out" <<'EOF' | tee -a "$summary"
 import glob, json, os, statistics, sys
 ours = {}  # (row, tree) -> device and idle TFLOP/s of each turn
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "e118_kv_*.json"))):
-    tree = os.path.basename(f)[len("e118_kv_") : -len(".json")].rstrip("12")
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "patchab_kv_*.json"))):
+    tree = os.path.basename(f)[len("patchab_kv_") : -len(".json")].rstrip("12")
     for r in json.load(open(f))["results"]:
         ours.setdefault((r["row"], tree), []).append((r["tflops_device"]["ours"], r["tflops_idle"]["ours"]))
 for row in sorted({k[0] for k in ours}):
@@ -241,11 +242,23 @@ for row in sorted({k[0] for k in ours}):
         idle = statistics.median(x[1] for x in p) / statistics.median(x[1] for x in b)
         print(f"kv {row:<32} patched / base: device {dev:.3f}  idle {idle:.3f}  (turns, TFLOP/s device/idle: {p} vs {b})")
 EOF
-    grep -h "vs fa4" "$out"/e118_kv_*.log | sed 's/^/kv /' >> "$summary"
-    features_turns "$out/e118_features.txt" plain,softcap 560 "dense causal" patched1="$dir" base1="$PWD" \
+    grep -h "vs fa4" "$out"/patchab_kv_*.log | sed 's/^/kv /' >> "$summary"
+    features_turns "$out/patchab_features.txt" plain,softcap 560 "dense causal" patched1="$dir" base1="$PWD" \
       base2="$PWD" patched2="$dir"
-    features_medians "$out/e118_features.txt" | tee -a "$summary"
+    features_medians "$out/patchab_features.txt" | tee -a "$summary"
     ;;
+  features)  # issue 36's cost table alone on this GPU: benchmarks/features.py plain, softcap, alibi, sinks, lse-grad and
+             # flash-attn 4 plain / softcap / sinks, dense then causal (bf16 d128 B4 H16 S=4k, 3 interleaved rounds,
+             # ~4-5 minutes); $OUT/features_summary.txt (the lines, then each variant's x of plain)
+    summary="$out/features_summary.txt"
+    nvidia-smi -L | head -1 > "$summary"
+    for band in dense causal; do
+      timeout 280 python3 benchmarks/features.py --rounds 3 --budget 200 \
+        --variants plain,softcap,alibi,sinks,lse-grad,fa4,fa4-softcap,fa4-sinks $([ "$band" = causal ] && echo --causal) \
+        > "$out/features_$band.log" 2>&1 || echo "$band: features.py rc $?: $(grep -v -i warn "$out/features_$band.log" | tail -1)" >> "$summary"
+      grep -a "^bf16" "$out/features_$band.log" >> "$summary"
+    done
+    tail -n 40 "$summary" ;;
   ncu)       # perf-notes E113 (issues 34, 36): Nsight Compute's ground truth, one call of each benchmarks/ncu_target.py
              # case (plain softcap plain-causal softcap-causal kv-chunk fa4-chunk; NCU_CASES="..." for others): tensor,
              # XU (MUFU), FMA and ALU pipes, issue, occupancy, stall reasons per kernel and per SASS instruction. The
@@ -315,7 +328,8 @@ EOF
       ) &
     done
     wait
-    find /tmp/par -name "*summary*" -exec cp {} "$out/" \;
+    # one file per GPU and mode: the same mode on several GPUs writes the same summary name
+    for f in /tmp/par/gpu*/*/*summary*; do [ -f "$f" ] && cp "$f" "$out/$(echo "${f#/tmp/par/}" | tr / _)"; done
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|e118|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]"; exit 2 ;;
 esac
