@@ -1,6 +1,7 @@
 """The ncu probe's files (perf-notes E113) as a short table: per case its kernels' time, pipes, issue,
-occupancy and top stall reasons, the SASS instructions with the most stall samples, and the pairs
-that issues 34 and 36 compare.  CPU only.
+occupancy and top stall reasons, the SASS instructions with the most stall samples, the consumers' main
+loop alone (its stall reasons and opcodes, from the source view's execution counts), and the pairs that
+issues 34 and 36 compare, their loops' stall samples a step side by side.  CPU only.
 
     python benchmarks/ncu_summary.py DIR/ncu_CASE.csv [DIR/ncu_CASE.source.csv DIR/ncu_CASE.log ...]
 
@@ -144,6 +145,7 @@ class Instruction:
     sass: str
     samples: float
     reasons: dict[str, float]
+    executed: float = 0.0  # warp-level executions ("Instructions Executed")
 
     @property
     def opcode(self) -> str:
@@ -182,7 +184,16 @@ def parse_source(text: str) -> list[tuple[str, list[Instruction]]]:
             for c, v in ((c, number(v)) for c, v in cells.items() if c.startswith("stall_") and not not_issued(c))
             if isinstance(v, float) and v > 0
         }
-        blocks[-1][1].append(Instruction(cells.get("Address", "?"), cells.get("Source", "").strip(), samples, reasons))
+        executed = number(cells.get("Instructions Executed", "0"))
+        blocks[-1][1].append(
+            Instruction(
+                cells.get("Address", "?"),
+                cells.get("Source", "").strip(),
+                samples,
+                reasons,
+                executed if isinstance(executed, float) else 0.0,
+            )
+        )
     return blocks
 
 
@@ -278,6 +289,79 @@ def instruction_lines(instructions: list[Instruction]) -> list[str]:
     return out
 
 
+LOOP_MIN = 100  # instructions: a run executed this often with fewer is a retry loop or a branch, not a step
+
+
+def main_loop(instructions: list[Instruction]) -> list[Instruction]:
+    """The consumers' main loop: every instruction executed as often as the most executed run (a
+    contiguous stretch with one execution count) of at least LOOP_MIN instructions.  Each consumer
+    warpgroup's copy of the loop counts (ours compiles one a warpgroup, flash-attn 4 one for both), and
+    so do short stretches of the same count between (a loop body split by a branch)."""
+    runs: list[list[Instruction]] = []
+    for i in instructions:
+        if runs and runs[-1][-1].executed == i.executed:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    top = max((r[0].executed for r in runs if len(r) >= LOOP_MIN and r[0].executed > 0), default=0.0)
+    return [i for i in instructions if top and i.executed == top]
+
+
+def loop_steps(loop: list[Instruction]) -> float:
+    """Warp-steps of a main loop: its executions summed over its code copies (one count a copy)."""
+    if not loop:
+        return 0.0
+    copies = max(1, sum(1 for a, b in zip(loop, loop[1:]) if (hex_address(b) or 0) - (hex_address(a) or 0) > 0x100) + 1)
+    return loop[0].executed * copies
+
+
+def loop_reasons(loop: list[Instruction]) -> Counter:
+    total: Counter = Counter()
+    for i in loop:
+        total.update(i.reasons)
+    return total
+
+
+def loop_lines(instructions: list[Instruction]) -> list[str]:
+    loop = main_loop(instructions)
+    if not loop:
+        return ["    main loop: none found (no execution counts in the source view)"]
+    samples = sum(i.samples for i in loop)
+    kernel = sum(i.samples for i in instructions) or 1.0
+    reasons = loop_reasons(loop)
+    selected = reasons.get("selected", 0.0)
+    per_issue = f", samples per issued instruction {samples / selected:.2f}" if selected else ""
+    out = [
+        f"    main loop: {len(loop)} instructions (all copies), {loop_steps(loop):.0f} warp-steps, "
+        f"{100 * samples / kernel:.1f}% of the samples{per_issue}",
+        "      stalls: " + ", ".join(f"{r} {100 * v / samples:.1f}%" for r, v in reasons.most_common(8) if samples),
+    ]
+    by_op: dict[str, Counter] = {}
+    for i in loop:
+        by_op.setdefault(i.opcode.split(".")[0], Counter()).update({"_n": 1, "_s": i.samples, **i.reasons})
+    ranked = sorted(by_op.items(), key=lambda kv: -kv[1]["_s"])[:8]
+    for op, c in ranked:
+        top = ", ".join(f"{r} {v:.0f}" for r, v in c.most_common() if not r.startswith("_"))
+        top = ", ".join(top.split(", ")[:3])
+        out.append(f"      {op:12s} x{c['_n']:<4.0f} {100 * c['_s'] / samples:5.1f}% of the loop's samples  ({top})")
+    return out
+
+
+def loop_pair_line(label: str, a: list[Instruction], b: list[Instruction]) -> str | None:
+    """Two cases' main loops: stall samples a warp-step and the reasons that grew most (a - b).  Per-warp
+    sampling rates differ where the resident warps differ (flash-attn 4 exits three loader warps): compare
+    shares within a kernel first."""
+    la, lb = main_loop(a), main_loop(b)
+    sa, sb = loop_steps(la), loop_steps(lb)
+    if not (sa and sb):
+        return None
+    ra, rb = loop_reasons(la), loop_reasons(lb)
+    per_a, per_b = sum(ra.values()) / sa * 1000, sum(rb.values()) / sb * 1000
+    diff = sorted(((r, ra[r] / sa * 1000 - rb[r] / sb * 1000) for r in set(ra) | set(rb)), key=lambda x: -abs(x[1]))
+    moved = ", ".join(f"{r} {d:+.1f}" for r, d in diff[:5])
+    return f"{label} loop: stall samples per 1000 warp-steps {per_a:.1f} vs {per_b:.1f} (x{per_a / per_b:.3f}); by reason {moved}"
+
+
 def case_lines(case: Case) -> list[str]:
     out = [f"== {case.name}"]
     if not case.kernels:
@@ -294,7 +378,7 @@ def case_lines(case: Case) -> list[str]:
         )
         out.append(f"    stalls: {stall_text(k, 6)}")
         block = source_for(case, n, k)
-        out += instruction_lines(block) if block is not None else ["    source view: none"]
+        out += instruction_lines(block) + loop_lines(block) if block is not None else ["    source view: none"]
     return out
 
 
@@ -320,6 +404,7 @@ def short_table(cases: list[Case]) -> list[str]:
         cells = " ".join(f"{fmt(k.column(lab), 3 if lab == 'ms' else 1):>7s}" for lab in labels)
         out.append(f"{c.name:15s} {short_name(k.name, 28):28s} {cells}  {stall_text(k, 3)}")
     by_name = {c.name: c.main_kernel() for c in cases}
+    by_case = {c.name: c for c in cases}
     for label, a, b in PAIRS:
         ka, kb = by_name.get(a), by_name.get(b)
         if ka is None or kb is None:
@@ -336,6 +421,11 @@ def short_table(cases: list[Case]) -> list[str]:
         if xa and xb:
             parts.append(f"xu inst x{xa / xb:.2f}")
         out.append(f"{label}: " + ", ".join(parts))
+        ca, cb = by_case[a], by_case[b]
+        sa, sb = source_for(ca, ca.kernels.index(ka), ka), source_for(cb, cb.kernels.index(kb), kb)
+        line = loop_pair_line(label, sa, sb) if sa is not None and sb is not None else None
+        if line:
+            out.append(line)
     return out
 
 

@@ -125,6 +125,47 @@ def test_parse_source_blocks_opcodes_and_reasons():
     assert lines[-1].startswith("    by opcode: MUFU 80.0%, WARPGROUP 20.0%")
 
 
+def _loop_kernel(base: int, steps: int, copies: int, mufu_wait: int) -> list:
+    """Instructions of a kernel: a 4-instruction prologue run once a warp, then ``copies`` loop bodies of
+    120 instructions run ``steps`` times each (0x2000 apart, as one copy a consumer warpgroup), a
+    retry branch between them run more often but too short to be a loop."""
+    I = ncu_summary.Instruction
+    out = [I(f"{base + 16 * n:#x}", "MOV R1, R2 ;", 5, {"wait": 5}, 8) for n in range(4)]
+    for c in range(copies):
+        start = base + 0x1000 + 0x2000 * c
+        for n in range(120):
+            sass, why = (
+                ("MUFU.EX2 R1, R2 ;", {"wait": mufu_wait, "selected": 2})
+                if n % 2
+                else ("FADD R1, R2, R3 ;", {"selected": 2})
+            )
+            out.append(I(f"{start + 16 * n:#x}", sass, sum(why.values()), why, steps))
+        out.append(I(f"{start + 16 * 120:#x}", "@!P0 BRA 0x10 ;", 50, {"long_sb": 50}, steps * 40))
+    return out
+
+
+def test_main_loop_is_the_most_executed_long_run_in_every_copy():
+    ours = _loop_kernel(0x7F3A00000000, steps=1000, copies=2, mufu_wait=10)
+    loop = ncu_summary.main_loop(ours)
+    assert len(loop) == 240 and {i.executed for i in loop} == {1000}  # not the retry branch run 40x as often
+    assert ncu_summary.loop_steps(loop) == 2000  # two copies, 1000 warp-steps each
+    lines = ncu_summary.loop_lines(ours)
+    assert lines[0].startswith("    main loop: 240 instructions (all copies), 2000 warp-steps")
+    assert "wait" in lines[1] and lines[2].lstrip().startswith("MUFU") and "x120" in lines[2]
+    assert ncu_summary.loop_lines(ours[:4]) == ["    main loop: none found (no execution counts in the source view)"]
+
+
+def test_loop_pair_compares_stall_samples_a_warp_step():
+    slow = _loop_kernel(0x7F3A00000000, steps=1000, copies=2, mufu_wait=10)
+    fast = _loop_kernel(0x7F3B00000000, steps=2000, copies=1, mufu_wait=4)
+    line = ncu_summary.loop_pair_line("ours / fa4", slow, fast)
+    # samples are a code copy's over all its executions: slow 2 x (60 MUFU x 12 + 60 FADD x 2) = 1680 over
+    # 2000 warp-steps, fast 60 x 6 + 60 x 2 = 480 over 2000
+    assert line.startswith("ours / fa4 loop: stall samples per 1000 warp-steps 840.0 vs 240.0 (x3.500)")
+    assert "by reason wait +480.0, selected +120.0" in line
+    assert ncu_summary.loop_pair_line("none", slow[:4], fast) is None
+
+
 def test_short_name_drops_arguments_and_templates():
     assert ncu_summary.short_name(SETUP) == "vectorized_elementwise_kernel"
     assert ncu_summary.short_name("x" * 50, 10) == "x" * 8 + ".."
