@@ -260,7 +260,8 @@ EOF
     done
     tail -n 40 "$summary" ;;
   ncu)       # perf-notes E113 (issues 34, 36): Nsight Compute's ground truth, one call of each benchmarks/ncu_target.py
-             # case (plain softcap plain-causal softcap-causal kv-chunk fa4-chunk; NCU_CASES="..." for others): tensor,
+             # case (plain softcap plain-causal softcap-causal kv-chunk fa4-chunk; NCU_CASES="..." for others, e.g.
+             # "plain-train softcap-train softcap-causal-train" for the backward's dK/dV pass): tensor,
              # XU (MUFU), FMA and ALU pipes, issue, occupancy, stall reasons per kernel and per SASS instruction. The
              # cases compile side by side first; then one ncu run a case (clocks left alone), its report exported as
              # raw and source CSV (~5-7 minutes); $OUT/ncu_summary.txt (short table last), $OUT/ncu_csv.tar.gz (CSVs,

@@ -43,6 +43,7 @@ PAIRS = (
     ("softcap / plain causal", "softcap-causal", "plain-causal"),
     ("ours / fa4 chunk", "kv-chunk", "fa4-chunk"),
     ("fa4 softcap / plain", "fa4-softcap", "fa4"),
+    ("softcap / plain training", "softcap-train", "plain-train"),
 )
 TOP_INSTRUCTIONS = 15
 # unit -> factor to nanoseconds, for a duration ncu printed in other units than base

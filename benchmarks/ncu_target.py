@@ -15,7 +15,9 @@ first leaves the profiled processes Triton's disk cache.  Cases (bf16, d128, for
 - kv-chunk: chunked prefill, kernels.decode.kv_forward (the Gluon KV-cache forward) with B=4,
   Hq 32 / Hkv 8, 512 new queries over 8k keys (capacity 8704, every cache full), causal, as
   E107/E111's kv_device_ab.py (in their patches) times it;
-- fa4-chunk: flash-attn 4 on (B, S, H, D) copies of the same tensors, causal (bottom-right).
+- fa4-chunk: flash-attn 4 on (B, S, H, D) copies of the same tensors, causal (bottom-right);
+- plain-train, softcap-train, softcap-causal-train: features.py's training call (forward + backward of
+  the dense or causal shape above): the backward's dK/dV pass is the case's longest kernel.
 """
 
 from __future__ import annotations
@@ -28,14 +30,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# case -> (features.py variant or None, causal); None: the chunked-prefill row
+# case -> (features.py variant, causal, forward + backward)
 DENSE = {
-    "plain": ("plain", False),
-    "softcap": ("softcap", False),
-    "plain-causal": ("plain", True),
-    "softcap-causal": ("softcap", True),
-    "fa4": ("fa4", False),
-    "fa4-softcap": ("fa4-softcap", False),
+    "plain": ("plain", False, False),
+    "softcap": ("softcap", False, False),
+    "plain-causal": ("plain", True, False),
+    "softcap-causal": ("softcap", True, False),
+    "fa4": ("fa4", False, False),
+    "fa4-softcap": ("fa4-softcap", False, False),
+    "plain-train": ("plain", False, True),
+    "softcap-train": ("softcap", False, True),
+    "softcap-causal-train": ("softcap", True, True),
 }
 CHUNK = ("kv-chunk", "fa4-chunk")
 CASES = tuple(DENSE) + CHUNK
@@ -50,10 +55,10 @@ def dense_call(case: str):
 
     from benchmarks.features import make_call
 
-    variant, causal = DENSE[case]
-    q, k, v = (torch.randn(DENSE_SHAPE, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    fn = make_call(variant, q, k, v, causal, backward=False)
-    return fn, f"{case}: features.py {variant!r} bf16 B,H,S,D={DENSE_SHAPE} causal={causal}"
+    variant, causal, train = DENSE[case]
+    q, k, v = (torch.randn(DENSE_SHAPE, device="cuda", dtype=torch.bfloat16, requires_grad=train) for _ in range(3))
+    fn = make_call(variant, q, k, v, causal, backward=train)
+    return fn, f"{case}: features.py {variant!r} bf16 B,H,S,D={DENSE_SHAPE} causal={causal} backward={train}"
 
 
 def chunk_call(case: str):
@@ -90,7 +95,8 @@ def main(argv=None) -> int:
 
     fn, label = chunk_call(args.case) if args.case in CHUNK else dense_call(args.case)
     print(label, flush=True)
-    with torch.no_grad():
+    train = args.case in DENSE and DENSE[args.case][2]
+    with torch.set_grad_enabled(train):
         for _ in range(2):
             fn()
         torch.cuda.synchronize()
