@@ -265,13 +265,21 @@ EOF
              # XU (MUFU), FMA and ALU pipes, issue, occupancy, stall reasons per kernel and per SASS instruction. The
              # cases compile side by side first; then one ncu run a case (clocks left alone), its report exported as
              # raw and source CSV (~5-7 minutes); $OUT/ncu_summary.txt (short table last), $OUT/ncu_csv.tar.gz (CSVs,
-             # logs) and $OUT/ncu_reps.tar.gz (the .ncu-rep reports for the GUI, where under 15 MB)
+             # logs) and $OUT/ncu_reps.tar.gz (the .ncu-rep reports for the GUI, where under 15 MB). A case named
+             # CASE@patch runs in a scratch copy with PATCH applied (PATCH=docs/experiments/patches/NAME.patch
+             # NCU_CASES="softcap softcap@patch"): the summary sets it beside CASE (why a patch moved what it moved)
     dir=/tmp/ncu summary="$out/ncu_summary.txt" cases=${NCU_CASES:-plain softcap plain-causal softcap-causal kv-chunk fa4-chunk}
     rm -rf "$dir" && mkdir -p "$dir"
+    if [[ " $cases" == *@patch* ]]; then
+      [ -f "${PATCH:-}" ] || { echo "ncu: a CASE@patch case needs PATCH (got '${PATCH:-}')" | tee "$summary"; exit 2; }
+      scratch_copy /tmp/ncu_patched "$PWD/$PATCH" || exit 1
+    fi
+    tree_of() { [[ "$1" == *@patch ]] && echo /tmp/ncu_patched || echo "$PWD"; }
     ncu_bin=$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | tail -1)
     [ -n "$ncu_bin" ] || { echo "ncu: not found on this machine (PATH, /opt/nvidia/nsight-compute)" | tee "$summary"; exit 1; }
     for c in $cases; do
-      (timeout 240 python3 benchmarks/ncu_target.py --case "$c" --warm-only > "$dir/warm_$c.log" 2>&1 \
+      (cd "$(tree_of "$c")" && timeout 240 python3 benchmarks/ncu_target.py --case "${c%@patch}" --warm-only \
+         > "$dir/warm_$c.log" 2>&1 \
          || echo "$c: warm-up failed (rc $?): $(grep -v -i warn "$dir/warm_$c.log" | tail -1 | cut -c1-200)" >> "$dir/warm_$c.log") &
     done
     "$ncu_bin" --version > "$dir/ncu_version.txt" 2>&1
@@ -282,9 +290,10 @@ EOF
     for c in $cases; do
       left=$((520 - SECONDS))
       [ $left -lt 40 ] && { echo "skipped: no time left in this call ($SECONDS s)" > "$dir/ncu_$c.log"; continue; }
-      timeout $((left < 150 ? left : 150)) "$ncu_bin" --clock-control none --profile-from-start off --target-processes all \
-        $(python3 benchmarks/ncu_metrics.py sections) ${metrics:+--metrics "$metrics"} -f -o "$dir/ncu_$c" \
-        python3 benchmarks/ncu_target.py --case "$c" > "$dir/ncu_$c.log" 2>&1 || echo "ncu rc $?" >> "$dir/ncu_$c.log"
+      (cd "$(tree_of "$c")" && timeout $((left < 150 ? left : 150)) "$ncu_bin" --clock-control none \
+        --profile-from-start off --target-processes all $(python3 benchmarks/ncu_metrics.py sections) \
+        ${metrics:+--metrics "$metrics"} -f -o "$dir/ncu_$c" python3 benchmarks/ncu_target.py --case "${c%@patch}") \
+        > "$dir/ncu_$c.log" 2>&1 || echo "ncu rc $?" >> "$dir/ncu_$c.log"
       [ -f "$dir/ncu_$c.ncu-rep" ] || continue
       "$ncu_bin" -i "$dir/ncu_$c.ncu-rep" --page raw --csv --print-units base > "$dir/ncu_$c.csv" 2>> "$dir/ncu_$c.log"
       "$ncu_bin" -i "$dir/ncu_$c.ncu-rep" --page source --csv --print-source sass > "$dir/ncu_$c.source.csv" \

@@ -45,6 +45,7 @@ PAIRS = (
     ("fa4 softcap / plain", "fa4-softcap", "fa4"),
     ("softcap / plain training", "softcap-train", "plain-train"),
 )
+PATCHED = "@patch"  # a case name's suffix for its profile in the patched tree
 TOP_INSTRUCTIONS = 15
 # unit -> factor to nanoseconds, for a duration ncu printed in other units than base
 TIME_UNITS = {"nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9, "s": 1e9}
@@ -406,7 +407,10 @@ def short_table(cases: list[Case]) -> list[str]:
         out.append(f"{c.name:15s} {short_name(k.name, 28):28s} {cells}  {stall_text(k, 3)}")
     by_name = {c.name: c.main_kernel() for c in cases}
     by_case = {c.name: c for c in cases}
-    for label, a, b in PAIRS:
+    # a case profiled in a patched tree too ("softcap@patch", gpu_session.sh ncu with PATCH=) against its base
+    patched = [(f"{c.name} / {c.name[: -len(PATCHED)]}", c.name, c.name[: -len(PATCHED)]) for c in cases]
+    patched = [t for t in patched if t[1].endswith(PATCHED) and t[2] in by_case]
+    for label, a, b in PAIRS + tuple(patched):
         ka, kb = by_name.get(a), by_name.get(b)
         if ka is None or kb is None:
             continue
@@ -438,7 +442,12 @@ def main(argv=None) -> int:
     if not found:
         print("no ncu_<case> files among the arguments: the probe made none (see its log)")
         return 1
-    order = sorted(found, key=lambda c: (CASES.index(c) if c in CASES else len(CASES), c))
+
+    def rank(c: str) -> tuple:
+        base = c.removesuffix(PATCHED)
+        return (CASES.index(base) if base in CASES else len(CASES), c)
+
+    order = sorted(found, key=rank)
     cases = [load_case(name, found[name]) for name in order]
     for c in cases:
         print("\n".join(case_lines(c)))

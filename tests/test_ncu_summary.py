@@ -195,6 +195,20 @@ def test_summary_of_cases_table_last_pairs_and_a_failed_case(tmp_path, capsys):
     assert not any(line.startswith("ours / fa4 chunk") for line in table)  # neither ran
 
 
+def test_a_patched_profile_is_set_beside_its_base_case(tmp_path, capsys):
+    """gpu_session.sh ncu with PATCH= and NCU_CASES="softcap softcap@patch": the patched tree's profile is
+    listed right after its case and compared with it like the issues' pairs."""
+    mufu = [("0x7f3a00000a10", "MUFU.EX2 R1, R2 ;", 500, {"stall_math": 400})]
+    write_case(tmp_path, "softcap@patch", 0.240, 70.0, 80.0, 1_500_000, {"wait": 50}, mufu)
+    write_case(tmp_path, "softcap", 0.250, 65.0, 99.0, 2_000_000, {"wait": 20}, mufu)
+    write_case(tmp_path, "plain", 0.200, 80.0, 50.0, 1_000_000, {"wait": 30}, mufu)
+    assert ncu_summary.main([str(p) for p in sorted(tmp_path.iterdir())]) == 0
+    out = capsys.readouterr().out
+    assert out.index("== plain") < out.index("== softcap\n") < out.index("== softcap@patch")
+    pair = next(line for line in out.splitlines() if line.startswith("softcap@patch / softcap:"))
+    assert "time x0.960" in pair and "xu inst x0.75" in pair
+
+
 def test_log_reason_names_the_target_error_ncu_error_and_status():
     log = (
         "==PROF== Connected to process 7\n"
