@@ -338,14 +338,17 @@ def loop_lines(instructions: list[Instruction]) -> list[str]:
         f"{100 * samples / kernel:.1f}% of the samples{per_issue}",
         "      stalls: " + ", ".join(f"{r} {100 * v / samples:.1f}%" for r, v in reasons.most_common(8) if samples),
     ]
-    by_op: dict[str, Counter] = {}
+    count: Counter = Counter()
+    share: Counter = Counter()
+    why: dict[str, Counter] = {}
     for i in loop:
-        by_op.setdefault(i.opcode.split(".")[0], Counter()).update({"_n": 1, "_s": i.samples, **i.reasons})
-    ranked = sorted(by_op.items(), key=lambda kv: -kv[1]["_s"])[:8]
-    for op, c in ranked:
-        top = ", ".join(f"{r} {v:.0f}" for r, v in c.most_common() if not r.startswith("_"))
-        top = ", ".join(top.split(", ")[:3])
-        out.append(f"      {op:12s} x{c['_n']:<4.0f} {100 * c['_s'] / samples:5.1f}% of the loop's samples  ({top})")
+        op = i.opcode.split(".")[0]
+        count[op] += 1
+        share[op] += i.samples
+        why.setdefault(op, Counter()).update(i.reasons)
+    for op, s in share.most_common(8):
+        top = ", ".join(f"{r} {v:.0f}" for r, v in why[op].most_common(3))
+        out.append(f"      {op:12s} x{count[op]:<4d} {100 * s / samples:5.1f}% of the loop's samples  ({top})")
     return out
 
 

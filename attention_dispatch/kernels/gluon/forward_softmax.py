@@ -120,21 +120,24 @@ def _thread_row_sums(p):
 
 
 @gluon.jit
+def _row_sums(p, DEFER: gl.constexpr):
+    """rowsum(P) (BLOCK_M,), or with DEFER its per-thread partials (:func:`_thread_row_sums`)."""
+    if DEFER:
+        return _thread_row_sums(p)
+    else:
+        return gl.sum(p, 1)
+
+
+@gluon.jit
 def _row_sum_add(l_i, p, alpha, DEFER: gl.constexpr, RESCALE: gl.constexpr):
     """The running row sum after tile P: ``l_i * alpha + rowsum(P)`` (RESCALE) or ``l_i + rowsum(P)``.
     DEFER: ``l_i`` holds :func:`_thread_row_sums` partials, reduced across a row's threads once after
     the loop (:func:`_row_sum_total`), as FA4 does: 4 shuffles and 4 adds a step fewer (E118)."""
-    if DEFER:
-        if RESCALE:  # the same threads hold each row: no data moves
-            alpha = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout), assert_trivial=True)
-            return l_i * alpha[:, None] + _thread_row_sums(p)
-        else:
-            return l_i + _thread_row_sums(p)
-    else:
-        if RESCALE:
-            return l_i * alpha + gl.sum(p, 1)
-        else:
-            return l_i + gl.sum(p, 1)
+    if RESCALE:
+        if DEFER:  # the same threads hold each row: no data moves
+            alpha = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout), assert_trivial=True)[:, None]
+        l_i = l_i * alpha
+    return l_i + _row_sums(p, DEFER)
 
 
 @gluon.jit
@@ -350,10 +353,7 @@ def _consume(
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
         p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY, roff, ALIBI_SPLIT, EXP2_POLY)
     DEFER: gl.constexpr = _defer_row_sum(HEAD_D, SOFTCAP)
-    if DEFER:
-        l_i = _thread_row_sums(p)
-    else:
-        l_i = gl.sum(p, 1)
+    l_i = _row_sums(p, DEFER)
     step_args = (q_buf, k_bufs, v_bufs, bars, bias, scale, rows, row0, first, n_full, rows_f, key0)
     score_args = (softcap_in, to_nat, alibi_coef, cr, ckj)
     # a plain causal d128 call: the steps below the diagonal in a loop without the mask's code
