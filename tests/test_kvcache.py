@@ -254,6 +254,22 @@ CASES = {
     # 72 query rows per kv head: two row blocks of the decode kernel, one of which writes the append
     "append, two row blocks": KvCase(heads_q=8, heads_kv=1, seqlen_q=9, append=True, causal=True, lengths=(55, 0, 20)),
     "paged append, two row blocks": KvCase(heads_q=8, heads_kv=1, seqlen_q=9, block_size=16, append=True),
+    # Sq past one row block (64 rows): the first row block's queries see only part of the new keys
+    # through causal or a right window, yet all of them must reach the cache
+    "append Sq=80 causal, new keys past the first row block": KvCase(
+        batch=2, heads_q=1, heads_kv=1, seqlen_q=80, capacity=160, append=True, causal=True, lengths=(50, 0)
+    ),
+    "paged append Sq=80 window, new keys past the first row block": KvCase(
+        batch=2,
+        heads_q=2,
+        heads_kv=1,
+        seqlen_q=80,
+        capacity=160,
+        block_size=16,
+        append=True,
+        window=(20, 0),
+        lengths=(80, 3),
+    ),
 }
 
 

@@ -8,8 +8,9 @@ head are packed into the rows of one tile (row r is head ``r // Sq`` of the grou
 ``i + L_b - Sq - wl <= j <= i + L_b - Sq + wr`` (HAS_WL / HAS_WR; causal is wr = 0).  With
 several splits each program writes its normalised partial output and logsumexp (log2 domain)
 and :func:`_decode_combine` merges them; a program past ``L_b`` writes an empty partial.
-With ``APPEND`` the last ``n_new`` keys are read from k_new / v_new and written into the cache
-by the programs of the first row block (the append fused: no separate pass).
+With ``APPEND`` the last ``n_new`` keys are read from k_new / v_new (a loop of their own after the
+cached keys') and written into the cache by the programs of the first row block, each the new keys
+of its split's range (the append fused: no separate pass).
 Scores live in the log2 domain as in the other kernels (conventions: common.py); softcap, ALiBi
 (diagonal offset L_b - Sq) and the sink as in tl/score.py, the sink added once: after the
 combine pass when the keys are split.  STORE_LSE: each row's logsumexp (natural log, without the
@@ -25,6 +26,54 @@ from .score import _score_log2, _sink_denominator
 
 LOG2E_C = tl.constexpr(LOG2E)
 LN2_C = tl.constexpr(LN2)
+
+
+@triton.jit
+def _cache_rows(offs_n, key_ok, b64, BlockTable, sbt, skb, sks, svb, svs, PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """The element offsets of keys ``offs_n`` of sequence b in the K and V caches (without the kv head's)."""
+    if PAGED:
+        blk = tl.load(BlockTable + b64 * sbt + offs_n // PAGE, mask=key_ok, other=0).to(tl.int64)
+        return blk * skb + (offs_n % PAGE).to(tl.int64) * sks, blk * svb + (offs_n % PAGE).to(tl.int64) * svs
+    else:
+        return b64 * skb + offs_n.to(tl.int64) * sks, b64 * svb + offs_n.to(tl.int64) * svs
+
+
+@triton.jit
+def _attend(
+    q, k, v_ptrs, kv_mask, m_i, l_i, acc, offs_n, key_ok, row_ok, qi, diag, seqlen, Sq, qk_scale,
+    softcap_in, softcap_out, slope2, window_left, window_right,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
+):  # fmt: skip
+    """One key tile of the online softmax: the running (max, sum, accumulator) after keys ``offs_n``
+    (K tile ``k``; the V tile is loaded from ``v_ptrs`` once the scores are out)."""
+    s, _ = _score_log2(
+        _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE),
+        qk_scale,
+        softcap_in,
+        softcap_out,
+        slope2,
+        qi,
+        offs_n,
+        seqlen - Sq,
+        SOFTCAP,
+        HAS_ALIBI,
+        False,
+    )
+    allowed = key_ok[None, :] & row_ok[:, None]
+    if HAS_WR:
+        allowed = allowed & (offs_n[None, :] <= diag[:, None] + window_right)
+    if HAS_WL:
+        allowed = allowed & (offs_n[None, :] >= diag[:, None] - window_left)
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_UPCAST, DOT_IEEE)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -133,70 +182,51 @@ def _decode_split(
         slope2 = (tl.load(Alibi + b64 * sab + head.to(tl.int64) * sah, mask=row_ok, other=0.0) * LOG2E_C)[:, None]
     else:
         slope2 = 0.0
-    for n0 in range(start, end, BLOCK_N):
+    if APPEND:  # the last n_new keys come from k_new / v_new (B, Hkv, n_new, D), not the cache
+        old_end = seqlen - n_new
+        new_base = b64 * snb + hkv.to(tl.int64) * snh
+    else:
+        old_end = end
+    # the cached keys: the memory-bound loop, free of the append's selects
+    for n0 in range(start, tl.minimum(end, old_end), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        key_ok = offs_n < end
-        if PAGED:
-            blk = tl.load(BlockTable + b64 * sbt + offs_n // PAGE, mask=key_ok, other=0).to(tl.int64)
-            k_rows = blk * skb + (offs_n % PAGE).to(tl.int64) * sks
-            v_rows = blk * svb + (offs_n % PAGE).to(tl.int64) * svs
-        else:
-            k_rows = b64 * skb + offs_n.to(tl.int64) * sks
-            v_rows = b64 * svb + offs_n.to(tl.int64) * svs
+        key_ok = offs_n < tl.minimum(end, old_end)
+        k_rows, v_rows = _cache_rows(offs_n, key_ok, b64, BlockTable, sbt, skb, sks, svb, svs, PAGED, PAGE)
         kv_mask = key_ok[:, None] & d_ok[None, :]
-        k_ptrs = K + hkv.to(tl.int64) * skh + k_rows[:, None] + offs_d[None, :]
-        if APPEND:
-            # the last n_new keys come from k_new/v_new (B, Hkv, n_new, D); the first row block's
-            # programs also write them into the cache (each key lies in one split's range)
-            new = offs_n >= seqlen - n_new
-            new_rows = b64 * snb + hkv.to(tl.int64) * snh + (offs_n - (seqlen - n_new)).to(tl.int64) * sns
-            new_mask = kv_mask & new[:, None]
-            old_mask = kv_mask & (offs_n < seqlen - n_new)[:, None]
-            k = tl.where(
-                new[:, None],
-                tl.load(KNew + new_rows[:, None] + offs_d[None, :], mask=new_mask, other=0.0),
-                tl.load(k_ptrs, mask=old_mask, other=0.0),
-            )
-            writes = new_mask & ((offs_n * 0 + tl.program_id(2)) == 0)[:, None]
-            tl.store(k_ptrs, k, mask=writes)
-        else:
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        s, _ = _score_log2(
-            _dot(q, tl.trans(k), DOT_UPCAST, DOT_IEEE),
-            qk_scale,
-            softcap_in,
-            softcap_out,
-            slope2,
-            qi,
-            offs_n,
-            seqlen - Sq,
-            SOFTCAP,
-            HAS_ALIBI,
-            False,
-        )
-        allowed = key_ok[None, :] & row_ok[:, None]
-        if HAS_WR:
-            allowed = allowed & (offs_n[None, :] <= diag[:, None] + window_right)
-        if HAS_WL:
-            allowed = allowed & (offs_n[None, :] >= diag[:, None] - window_left)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        k = tl.load(K + hkv.to(tl.int64) * skh + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v_ptrs = V + hkv.to(tl.int64) * svh + v_rows[:, None] + offs_d[None, :]
-        if APPEND:
-            v = tl.where(
-                new[:, None],
-                tl.load(VNew + new_rows[:, None] + offs_d[None, :], mask=new_mask, other=0.0),
-                tl.load(v_ptrs, mask=old_mask, other=0.0),
-            )
-            tl.store(v_ptrs, v, mask=writes)
-        else:
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_UPCAST, DOT_IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _attend(
+            q, k, v_ptrs, kv_mask, m_i, l_i, acc, offs_n, key_ok, row_ok, qi, diag, seqlen, Sq, qk_scale,
+            softcap_in, softcap_out, slope2, window_left, window_right,
+            SOFTCAP, HAS_ALIBI, HAS_WL, HAS_WR, DOT_UPCAST, DOT_IEEE,
+        )  # fmt: skip
+    if APPEND:
+        # the new keys this program attends to, read from k_new / v_new (another program may be writing them)
+        for n0 in range(tl.maximum(start, old_end), end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            key_ok = offs_n < end
+            kv_mask = key_ok[:, None] & d_ok[None, :]
+            new_rows = new_base + (offs_n - old_end).to(tl.int64) * sns
+            k = tl.load(KNew + new_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            m_i, l_i, acc = _attend(
+                q, k, VNew + new_rows[:, None] + offs_d[None, :], kv_mask, m_i, l_i, acc, offs_n, key_ok, row_ok,
+                qi, diag, seqlen, Sq, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
+                SOFTCAP, HAS_ALIBI, HAS_WL, HAS_WR, DOT_UPCAST, DOT_IEEE,
+            )  # fmt: skip
+        # the first row block's program writes the new keys of its split's whole range into the cache: its own
+        # rows may see only part of them (causal or a right window with Sq past one row block)
+        if tl.program_id(2) == 0:
+            split_end = tl.minimum(split * keys_per_split + keys_per_split, seqlen)
+            for n0 in range(tl.maximum(split * keys_per_split, old_end), split_end, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                key_ok = offs_n < split_end
+                kv_mask = key_ok[:, None] & d_ok[None, :]
+                new_rows = new_base + (offs_n - old_end).to(tl.int64) * sns
+                k_rows, v_rows = _cache_rows(offs_n, key_ok, b64, BlockTable, sbt, skb, sks, svb, svs, PAGED, PAGE)
+                k = tl.load(KNew + new_rows[:, None] + offs_d[None, :], mask=kv_mask)
+                tl.store(K + hkv.to(tl.int64) * skh + k_rows[:, None] + offs_d[None, :], k, mask=kv_mask)
+                v = tl.load(VNew + new_rows[:, None] + offs_d[None, :], mask=kv_mask)
+                tl.store(V + hkv.to(tl.int64) * svh + v_rows[:, None] + offs_d[None, :], v, mask=kv_mask)
 
     empty = l_i == 0.0
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))  # without the sink
