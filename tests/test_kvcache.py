@@ -836,3 +836,10 @@ def test_explain_with_kvcache_shows_the_triton_route():
     assert d.route is not None and str(d.route) == "decode split-KV forward"
     assert "route: decode split-KV forward (not gluon cache forward: " in str(d)
     assert ad.explain_with_kvcache(**args, backend="math").route is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", [label for label in CASES if "past the first row block" in label])
+def test_gpu_append_past_the_first_row_block(label):
+    """The decode kernel's append on the GPU: every new key in the cache, the output as defined."""
+    check_kv_call("triton", CASES[label], "cuda")
