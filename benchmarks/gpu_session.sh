@@ -21,7 +21,7 @@ source .gpudeps/gpu-env.sh
 source .fa4b/fa4-env.sh || echo "flash-attn 4 not prepared: its rows and tests are skipped"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-}
 # pytest for the summaries below: each failure's assertion message on one line (--tb=line), the FAILED and
-# ERROR lines (-rfE) 300 columns wide
+# ERROR lines (-rfE) 300 columns wide; run under `timeout -s INT`, so a run cut by its limit still prints them
 pytest_lines="env COLUMNS=300 python3 -m pytest -m gpu -q -rfE --tb=line -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning"
 # a summary's lines of $pytest_lines logs: each log's last line, each FAILED or ERROR line, and each failure's
 # message ("file.py:N: Error: message"), cut at 600 characters
@@ -83,7 +83,7 @@ features_turns() {
 case "$what" in
   tests)     # the adapters and the capability claims (the kernel's own tests: `kernel`; both together
              # outgrew one call: 102 of ~110 in 570 s at 7a3041f)
-    timeout 570 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
+    timeout -s INT 570 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
       tests/test_adapters.py tests/test_capabilities.py \
       2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
   bench)     # the full grid alone (kernels compiled first by 8 worker processes: --precompile-workers):
@@ -132,7 +132,7 @@ case "$what" in
   d64)       # head dim 64's Gluon kernels (experiments 76-81; ~6-8 minutes): their GPU tests against float64,
              # then forward and forward+backward against the tl kernels (and d128's forward, which the
              # forward consumer's code shares)
-    timeout 340 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
+    timeout -s INT 340 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
       tests/test_triton_kernel.py -k "d64 or (warp_specialized and 64) or fused_dq or training_plan" \
       2>&1 | tee "$out/gpu_tests.log" | tail -6
     timeout 240 python3 benchmarks/forward_ab.py --rows "d64,bf16 d128 4k causal,bf16 d128 16k causal" --impls ws,tl,ws-no-fuse,ws-fuse-banded --rounds 5 \
@@ -152,7 +152,7 @@ case "$what" in
     W="test_gpu_forward_warp_specialized and not inference"
     for sel in "$W and dtype1 and not causal" "$W and dtype1 and causal" "test_gpu_warp_specialized_fused_dq and 128" \
                "test_gpu_warp_specialized_bias or test_gpu_warp_specialized_window"; do
-      (cd /tmp/e100 && timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
+      (cd /tmp/e100 && timeout -s INT 300 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
          -W ignore::UserWarning tests/test_triton_kernel.py -k "$sel" > "$out/e100_$(echo "$sel" | tr -c 'a-z0-9' _).log" 2>&1) &
     done
     wait
@@ -161,7 +161,7 @@ case "$what" in
        --base-module "$OLDPWD/attention_dispatch/kernels/gluon" --rows "bf16 d128 4k,bf16 d128 16k causal" --rounds 5 --json "$out/e100_ab.json" \
        --commit "$sha+e100" 2>&1 | tail -14) ;;
   kvappend)  # issue 34: the one-launch KV append's GPU tests, then the append rows with the append apart
-    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
+    timeout -s INT 300 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
       tests/test_kv_append.py tests/test_kv_prefill.py 2>&1 | tee "$out/gpu_tests.log" | tail -4
     timeout 200 python3 benchmarks/decode.py --rows append,Sq=512 --json "$out/decode_append.json" --commit "$sha" \
       2>&1 | grep -v -i warn | tail -12 ;;
@@ -172,7 +172,7 @@ case "$what" in
     # the working tree, not git archive: the device's .git can lag it (see SHA above)
     rm -rf /tmp/e101 && mkdir -p /tmp/e101 && tar --exclude='./.*' -cf - . | tar -x -C /tmp/e101 \
       && patch -d /tmp/e101 -p1 < docs/experiments/patches/e101-kv-length-off-path.patch || exit 1
-    (cd /tmp/e101 && timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
+    (cd /tmp/e101 && timeout -s INT 330 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
        -W ignore::UserWarning tests/test_kv_prefill.py tests/test_gluon_one_length.py tests/test_kv_past_lengths.py \
        tests/test_kernel_features.py -k "gluon_route or kv_cache or chunked_prefill or (one_length_forward and 128) or (past_the_lengths and triton)" \
        2>&1 | tee "$out/e101_tests.log" | tail -4)
@@ -194,7 +194,7 @@ case "$what" in
              # output, logsumexp and the tl backward through it against float64; test_head_dim_512.py's d512 calls and
              # route), then its forward at B=2 H=16 S=4096 dense and causal through ad.sdpa(backend='triton') against the
              # tl forward (the d512 route off) in the same process (~3-5 minutes)
-    timeout 360 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
+    timeout -s INT 360 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning \
       tests/test_gluon_d512.py tests/test_head_dim_512.py 2>&1 | tee "$out/gpu_tests.log" | tail -8
     COMMIT=$sha timeout 180 python3 benchmarks/head_dim_512.py --forward 2>&1 | grep -v -i warn | tail -7 \
       | tee "$out/d512fwd_summary.txt" ;;
@@ -212,10 +212,10 @@ case "$what" in
     [ -f "${PATCH:-}" ] || { echo "patchab: set PATCH to a patch file (got '${PATCH:-}')"; exit 2; }
     dir=/tmp/patchab_gpu${CUDA_VISIBLE_DEVICES:-0}
     scratch_copy "$dir" "$PWD/$PATCH" || exit 1
-    (cd "$dir" && timeout 300 $pytest_lines tests/test_kv_prefill.py tests/test_gluon_one_length.py \
+    (cd "$dir" && timeout -s INT 300 $pytest_lines tests/test_kv_prefill.py tests/test_gluon_one_length.py \
        -k "gluon_route or chunked_prefill or (one_length_forward and 128)" > "$out/patchab_tests_routes.log" 2>&1) &
     # the dense Gluon forward at d128 and d256, plain and with every score feature (softcap, ALiBi, sinks, lse)
-    (cd "$dir" && timeout 300 $pytest_lines tests/test_triton_kernel.py tests/test_kernel_features.py \
+    (cd "$dir" && timeout -s INT 300 $pytest_lines tests/test_triton_kernel.py tests/test_kernel_features.py \
        -k "forward_warp_specialized or (gluon and (softcap or bounded or alibi or sinks))" \
        > "$out/patchab_tests_dense.log" 2>&1) &
     features_warm plain,softcap "dense causal" "$PWD" "$dir"
