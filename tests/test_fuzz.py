@@ -23,6 +23,7 @@ from attention_dispatch.api import normalize_call
 from cases import Case, leaf_copy, make_inputs
 from naive import naive_attention
 from oracle import KEEP_MASKS, assert_matches, stored_output_slack
+from test_kvcache import KvCase, _declared, check_kv_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +241,59 @@ def test_fuzz_triton(f):
         pytest.skip(ad.get_backend("triton").unavailable_reason())
     assume(supported("triton", f))
     differential("triton", f)
+
+
+@st.composite
+def kv_problems(draw):
+    """(KvCase, seed): an sdpa_with_kvcache call whose new queries may span several of the decode kernel's
+    64-row blocks (GQA group x Sq), over a dense or paged cache of up to a few key splits, with or without
+    the append, causal, a window and one of softcap / ALiBi / sinks / the logsumexp."""
+    hkv = draw(st.integers(1, 2))
+    sq = draw(st.sampled_from((1, 2, 5, 16, 63, 65, 80, 130)))
+    append = draw(st.booleans())
+    block = draw(st.sampled_from((None, None, 16, 64)))
+    capacity = max(draw(st.sampled_from((48, 160, 600))), sq + 8)
+    if block:
+        capacity = -(-capacity // block) * block
+    room = capacity - (sq if append else 0)
+    lengths = tuple(draw(st.sampled_from((0, 1, room, room // 2 + 3))) for _ in range(draw(st.integers(1, 3))))
+    window = draw(st.sampled_from((None, None, (0, 0), (7, -1), (40, 3))))
+    score = draw(st.sampled_from(({}, {}, {"softcap": 5.0}, {"alibi": True}, {"sinks": True}, {"return_lse": True})))
+    case = KvCase(
+        batch=len(lengths),
+        heads_q=hkv * draw(st.sampled_from((1, 2, 4))),
+        heads_kv=hkv,
+        seqlen_q=sq,
+        capacity=capacity,
+        block_size=block,
+        append=append,
+        causal=draw(st.booleans()),
+        window=window,
+        lengths=lengths,
+        **score,
+    )
+    return case, draw(st.integers(0, 2**16))
+
+
+# the decode kernel wrote the append only from the first row block's key range (cut at its last diagonal)
+APPEND_PAST_THE_FIRST_ROW_BLOCK = (
+    KvCase(batch=1, heads_q=1, heads_kv=1, seqlen_q=80, capacity=160, append=True, causal=True, lengths=(50,)),
+    0,
+)
+
+
+@pytest.mark.parametrize("backend", ["math", "triton"])
+@settings(FUZZ, max_examples=40)
+@given(kv_problems())
+@example(APPEND_PAST_THE_FIRST_ROW_BLOCK)
+def test_fuzz_kvcache(backend, problem):
+    """sdpa_with_kvcache(backend=...) against the float64 definition, and the cache after the append exactly."""
+    case, seed = problem
+    if not ad.get_backend(backend).is_available():
+        pytest.skip(ad.get_backend(backend).unavailable_reason())
+    assume(_declared(backend, case))
+    torch.manual_seed(seed)
+    check_kv_call(backend, case)
 
 
 def test_triton_backward_with_large_scores():
