@@ -47,22 +47,27 @@ SCALES = (None, None, 1e-4, 0.05, 1.0, 3.0)
 
 @st.composite
 def problems(
-    draw, dropout: bool = True, scales=SCALES, magnitudes=(1.0, 1.0, 8.0), features: bool = False, head_dims=HEAD_DIMS
+    draw,
+    dropout: bool = True,
+    scales=SCALES,
+    magnitudes=(1.0, 1.0, 8.0),
+    features: bool = False,
+    head_dims=HEAD_DIMS,
+    lengths=st.integers(0, 12),
 ):
-    """A Fuzzed call: any shape and feature set sdpa() accepts (a backend filters by its capabilities)."""
+    """A Fuzzed call: any shape and feature set sdpa() accepts (a backend filters by its capabilities);
+    ``lengths``: the dense calls' Sq and Sk and varlen's per-sequence query lengths."""
     hkv = draw(st.integers(1, 3))
     hq = hkv * draw(st.integers(1, 3))
     dim = draw(st.sampled_from(head_dims))
     fields = dict(heads_q=hq, heads_kv=hkv, head_dim=dim, dtype=draw(st.sampled_from(DTYPES)))
     fields["head_dim_v"] = draw(st.sampled_from((None, None, 1, 5, 16)))
     if draw(st.booleans()):
-        lq = draw(st.lists(st.integers(0, 9), min_size=1, max_size=4))
+        lq = draw(st.lists(lengths, min_size=1, max_size=4))
         fields["varlen"] = tuple(lq)
         fields["extra_k"] = tuple(draw(st.integers(-q, 4)) for q in lq)
     else:
-        fields.update(
-            batch=draw(st.integers(0, 2)), seqlen_q=draw(st.integers(0, 12)), seqlen_k=draw(st.integers(0, 12))
-        )
+        fields.update(batch=draw(st.integers(0, 2)), seqlen_q=draw(lengths), seqlen_k=draw(lengths))
     fields["causal"] = draw(st.sampled_from((None, "top_left", "bottom_right")))
     if draw(st.booleans()):
         fields["window"] = (draw(st.integers(-1, 6)), draw(st.integers(-1, 6)))
@@ -294,6 +299,20 @@ def test_fuzz_kvcache(backend, problem):
     assume(_declared(backend, case))
     torch.manual_seed(seed)
     check_kv_call(backend, case)
+
+
+# the interpreter's tiles (configs.INTERPRETER_CONFIGS: 32 x 16 forward, 16 x 32 and 32 x 16 backward) are
+# crossed by these lengths, with partial last tiles on both sides
+TILE_LENGTHS = st.sampled_from((0, 1, 5, 15, 17, 31, 33, 47, 64, 70))
+
+
+@settings(FUZZ, max_examples=16)
+@given(problems(scales=(None, 0.05, 1.0), magnitudes=(1.0,), features=True, lengths=TILE_LENGTHS))
+def test_fuzz_triton_across_tiles(f):
+    if not ad.get_backend("triton").is_available():
+        pytest.skip(ad.get_backend("triton").unavailable_reason())
+    assume(supported("triton", f))
+    differential("triton", f)
 
 
 def test_triton_backward_with_large_scores():
