@@ -249,12 +249,12 @@ def test_fuzz_triton(f):
 
 
 @st.composite
-def kv_problems(draw):
+def kv_problems(draw, dtypes=(torch.float32,), head_dims=(16,), sqs=(1, 2, 5, 16, 63, 65, 80, 130)):
     """(KvCase, seed): an sdpa_with_kvcache call whose new queries may span several of the decode kernel's
     64-row blocks (GQA group x Sq), over a dense or paged cache of up to a few key splits, with or without
     the append, causal, a window and one of softcap / ALiBi / sinks / the logsumexp."""
     hkv = draw(st.integers(1, 2))
-    sq = draw(st.sampled_from((1, 2, 5, 16, 63, 65, 80, 130)))
+    sq = draw(st.sampled_from(sqs))
     append = draw(st.booleans())
     block = draw(st.sampled_from((None, None, 16, 64)))
     capacity = max(draw(st.sampled_from((48, 160, 600))), sq + 8)
@@ -265,6 +265,8 @@ def kv_problems(draw):
     window = draw(st.sampled_from((None, None, (0, 0), (7, -1), (40, 3))))
     score = draw(st.sampled_from(({}, {}, {"softcap": 5.0}, {"alibi": True}, {"sinks": True}, {"return_lse": True})))
     case = KvCase(
+        dtype=draw(st.sampled_from(dtypes)),
+        head_dim=draw(st.sampled_from(head_dims)),
         batch=len(lengths),
         heads_q=hkv * draw(st.sampled_from((1, 2, 4))),
         heads_kv=hkv,
@@ -381,6 +383,30 @@ def test_fuzz_gpu(backend, f):
     assume(not f.case.dropout_p or backend in KEEP_MASKS)
     assume(supported(backend, f, "cuda"))
     differential(backend, f, "cuda")
+
+
+KV_GPU_BACKENDS = ("triton", "flash_attn", "cudnn", "torch_efficient", "math")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", KV_GPU_BACKENDS)
+@settings(FUZZ, max_examples=GPU_EXAMPLES)
+@given(
+    problem=kv_problems(
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        head_dims=(16, 64, 128),
+        sqs=(1, 2, 5, 16, 65, 128, 130, 256),
+    )
+)
+def test_fuzz_kvcache_gpu(backend, problem):
+    """The KV-cache generator on the GPU (16-bit dtypes and head dims that reach the Gluon cache forward
+    and the adapters), GPU_EXAMPLES examples per backend."""
+    case, seed = problem
+    if not ad.get_backend(backend).is_available():
+        pytest.skip(ad.get_backend(backend).unavailable_reason())
+    assume(_declared(backend, case))
+    torch.manual_seed(seed)
+    check_kv_call(backend, case, "cuda")
 
 
 def _flash_style_dq(q, k, v, grad_out, scale, out_stored):
