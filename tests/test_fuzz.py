@@ -23,7 +23,7 @@ from attention_dispatch.api import normalize_call
 from cases import Case, leaf_copy, make_inputs
 from naive import naive_attention
 from oracle import KEEP_MASKS, assert_matches, stored_output_slack
-from test_kvcache import KvCase, _declared, check_kv_call
+from test_kvcache import KvCase, _declared, check_kv_call, make_kv_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,9 +404,12 @@ def test_fuzz_kvcache_gpu(backend, problem):
     case, seed = problem
     if not ad.get_backend(backend).is_available():
         pytest.skip(ad.get_backend(backend).unavailable_reason())
-    assume(_declared(backend, case))
+    if not ad.get_backend(backend).capabilities.kv_cache:
+        pytest.skip(f"{backend} declares no KV cache: {ad.get_backend(backend).capabilities.kv_cache_declined}")
     torch.manual_seed(seed)
-    check_kv_call(backend, case, "cuda")
+    args = make_kv_inputs(case, "cuda")
+    assume(ad.explain_with_kvcache(**args, backend=backend).backend is not None)  # inside its declared claims
+    check_kv_call(backend, case, "cuda", args=args)
 
 
 def _flash_style_dq(q, k, v, grad_out, scale, out_stored):
