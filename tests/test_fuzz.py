@@ -317,6 +317,47 @@ def test_fuzz_triton_across_tiles(f):
     differential("triton", f)
 
 
+@st.composite
+def decode_problems(draw):
+    """(Case, seed): a plain sdpa() inference call shaped like decode (at most 64 query rows per kv head over
+    at least 512 keys: the triton backend's decode route), with causal / window / softcap / ALiBi / sinks."""
+    hkv = draw(st.integers(1, 2))
+    group = draw(st.sampled_from((1, 2, 4, 8)))
+    sq = draw(st.sampled_from(tuple(n for n in (1, 2, 3, 8, 16, 64) if n * group <= 64)))
+    window = draw(st.sampled_from((None, None, (0, 0), (100, -1), (300, 2))))
+    case = Case(
+        batch=draw(st.integers(1, 2)),
+        heads_q=hkv * group,
+        heads_kv=hkv,
+        seqlen_q=sq,
+        seqlen_k=draw(st.sampled_from((512, 700, 1100))),
+        head_dim=draw(st.sampled_from((8, 16, 33))),
+        causal=draw(st.sampled_from((None, "bottom_right"))),
+        window=window,
+        softcap=draw(st.sampled_from((None, None, 5.0))),
+        alibi=draw(st.sampled_from((None, None, "heads", "batch"))),
+        sinks=draw(st.sampled_from((None, None, "fixed"))),
+        dtype=draw(st.sampled_from((torch.float32, torch.float32, torch.float16))),
+    )
+    return case, draw(st.integers(0, 2**16))
+
+
+@settings(FUZZ, max_examples=20)
+@given(decode_problems())
+def test_fuzz_triton_decode_route(problem):
+    """Plain sdpa()'s decode route (the KV-cache decode kernel over the whole key range, split) against
+    naive float64, forward only (it serves inference)."""
+    if not ad.get_backend("triton").is_available():
+        pytest.skip(ad.get_backend("triton").unavailable_reason())
+    case, seed = problem
+    torch.manual_seed(seed)
+    q, k, v, mask, sdpa_kw, naive_kw = make_inputs(case, "cpu", requires_grad=False)
+    assert str(ad.explain(q, k, v, attn_mask=mask, backend="triton", **sdpa_kw).route) == "decode forward"
+    out = ad.sdpa(q, k, v, attn_mask=mask, backend="triton", **sdpa_kw)
+    refs = [reference(*(t.to(dtype) for t in (q, k, v)), **naive_kw) for dtype in (torch.float64, case.dtype)]
+    assert_matches(out, refs[0], refs[1], f"triton decode route {case}", case.dtype)
+
+
 def test_triton_backward_with_large_scores():
     """The fuzzer's example, by the suite's rule (head dim 1; at 16 and 64 no float32 computation
     meets the rule's 1e-5 floor: math's own dq error is ~1e-4 there)."""
