@@ -32,12 +32,19 @@ MIN_KEYS_PER_SPLIT = 256
 MAX_DECODE_SPLITS = 128
 
 
-def decode_splits(programs: int, capacity: int, num_sms: int) -> int:
-    """Key splits per (sequence, kv head, row block): at most two programs per SM in all
-    (``programs``: the grid without splits), each split at least MIN_KEYS_PER_SPLIT keys of the
-    cache's ``capacity`` (the longest a sequence can be: no read of cache_seqlens).  Rounded down:
-    a grid just past what the SMs hold at once leaves a tail that streams at a fraction of the
-    bandwidth (H100: 768 programs of the MHA B=8 Sk=32k row 2.85 TB/s, 256 of them 3.12)."""
+def decode_splits(programs: int, capacity: int, num_sms: int, equal_lengths: bool = False) -> int:
+    """Key splits per (sequence, kv head, row block) (``programs``: the grid without splits), each
+    split at least MIN_KEYS_PER_SPLIT keys of the cache's ``capacity`` (the longest a sequence can
+    be: no read of cache_seqlens).  Per-sequence lengths (``equal_lengths`` False) may differ: enough
+    programs for about four waves of the SMs, so that long sequences spread (H100, uniform 1..32k
+    over B=64: 1 split 2.66-2.72 TB/s, 2 splits 2.87-2.91).  Every sequence the whole cache (plain
+    sdpa()): at most two programs per SM, rounded down, since a grid just past what the SMs hold
+    leaves a slow tail (MHA B=8 Sk=32k: 3 splits 2.85 TB/s, 1 split 3.10-3.12)."""
+    if not equal_lengths:
+        target = 4 * max(1, num_sms)
+        if programs >= target:
+            return 1
+        return max(1, min(cdiv(target, programs), cdiv(capacity, MIN_KEYS_PER_SPLIT), MAX_DECODE_SPLITS))
     target = 2 * num_sms if num_sms > 1 else 4  # the interpreter (one "SM"): small grids split, so CPU tests run it
     return max(1, min(target // programs, cdiv(capacity, MIN_KEYS_PER_SPLIT), MAX_DECODE_SPLITS))
 
@@ -49,9 +56,11 @@ def tiles(group: int, sq: int, d: int) -> tuple[int, int, int, int]:
     return block_m, block_n, C.block_d(d), cdiv(group * sq, block_m)  # the head dim's padding is masked
 
 
-def key_splits(programs: int, capacity: int, block_n: int, forced: int, num_sms: int) -> tuple[int, int]:
+def key_splits(
+    programs: int, capacity: int, block_n: int, forced: int, num_sms: int, equal_lengths: bool = False
+) -> tuple[int, int]:
     """(splits, keys per split) over a cache of ``capacity`` keys; ``forced`` > 0 asks for that many."""
-    splits = forced if forced > 0 else decode_splits(programs, capacity, num_sms)
+    splits = forced if forced > 0 else decode_splits(programs, capacity, num_sms, equal_lengths)
     per_split = max(1, cdiv(cdiv(capacity, splits), block_n)) * block_n  # an empty cache: one split
     return max(1, cdiv(capacity, per_split)), per_split
 
@@ -243,7 +252,7 @@ class DecodePlan:
         if fixed is None:  # what no geometry changes (heads and page are in plan_key), made once
             fixed = self.fixed_parts = self._fixed_parts(q, hkv, page)
         tile, grid_bh, head, mid, tail, constexprs, warps = fixed
-        splits, per_split = key_splits(grid_bh * tile[3], cap, tile[1], self.forced, self.num_sms)
+        splits, per_split = key_splits(grid_bh * tile[3], cap, tile[1], self.forced, self.num_sms, self.full)
         split = splits > 1
         scalars = head + k_str + v_str + (bt_stride,) + mid + (per_split, self.n_new, cap) + tail
         varying = (*k_str, *v_str, bt_stride, per_split, cap)
