@@ -5,14 +5,20 @@ the automatic choice (kernels/decode_plan.decode_splits), dense bf16 d128 decode
 """
 
 import argparse
-import statistics
+import sys
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script on a machine where the package is not installed
+    sys.path.insert(0, str(ROOT))
 
 from attention_dispatch.kernels.decode import decode_forward
 from attention_dispatch.kernels.decode_plan import decode_splits, tiles
 from attention_dispatch.kernels.device import device_info
 from attention_dispatch.kernels.params import KernelParams
+from benchmarks.decode import timed
 
 ROWS = [  # (label, B, Hq, Hkv, S)
     ("gqa B=64 Sk=4k", 64, 32, 8, 4096),
@@ -22,22 +28,6 @@ ROWS = [  # (label, B, Hq, Hkv, S)
     ("gqa B=1 Sk=128k", 1, 32, 8, 131072),
     ("gqa B=64 uniform 1..32k", 64, 32, 8, 32768),  # lengths drawn uniformly (docs/decode.md's row)
 ]
-
-
-def timed(fn, reps: int = 20, rounds: int = 7) -> float:
-    """Median ms of a call over back-to-back loops timed by CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:

@@ -1424,7 +1424,7 @@ def test_forward_ab_configured_changes_one_thing_and_restores_it(impl):
     causal = KernelParams(scale=0.1, window_left=-1, window_right=0)
     with ab.configured(impl, route.WS_MIN_WORK, bwd_stages=3, bwd_block_m=128):
         inside = state()
-        fuses_causal = route.fuse_dq_reason(causal, prob, False) is None
+        fuses_causal = route.fuse_dq_reason(causal, prob, False, False) is None
         groups = (
             gluon_launch.lpt_rows(causal, prob, None, q),
             gluon_launch.lpt_rows(KernelParams(scale=0.1), prob, None, q),

@@ -23,7 +23,7 @@ from attention_dispatch.api import normalize_call
 from cases import Case, leaf_copy, make_inputs
 from naive import naive_attention
 from oracle import KEEP_MASKS, assert_matches, stored_output_slack
-from test_kvcache import KvCase, _declared, check_kv_call, make_kv_inputs
+from test_kvcache import KvCase, check_kv_call, make_kv_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,12 +298,21 @@ APPEND_PAST_THE_FIRST_ROW_BLOCK = (
 @example(APPEND_PAST_THE_FIRST_ROW_BLOCK)
 def test_fuzz_kvcache(backend, problem):
     """sdpa_with_kvcache(backend=...) against the float64 definition, and the cache after the append exactly."""
+    kv_differential(backend, problem, "cpu")
+
+
+def kv_differential(backend: str, problem, device: str) -> None:
+    """check_kv_call on `problem`'s fresh inputs where `backend` takes the call (its declared claims)."""
     case, seed = problem
     if not ad.get_backend(backend).is_available():
         pytest.skip(ad.get_backend(backend).unavailable_reason())
-    assume(_declared(backend, case))
+    caps = ad.get_backend(backend).capabilities
+    if not caps.kv_cache:
+        pytest.skip(f"{backend} declares no KV cache: {caps.kv_cache_declined}")
     torch.manual_seed(seed)
-    check_kv_call(backend, case)
+    args = make_kv_inputs(case, device)
+    assume(ad.explain_with_kvcache(**args, backend=backend).backend is not None)
+    check_kv_call(backend, case, device, args=args)
 
 
 # the interpreter's tiles (configs.INTERPRETER_CONFIGS: 32 x 16 forward, 16 x 32 and 32 x 16 backward) are
@@ -445,15 +454,7 @@ KV_GPU_BACKENDS = ("triton", "flash_attn", "cudnn", "torch_efficient", "math")
 def test_fuzz_kvcache_gpu(backend, problem):
     """The KV-cache generator on the GPU (16-bit dtypes and head dims that reach the Gluon cache forward
     and the adapters), GPU_EXAMPLES examples per backend."""
-    case, seed = problem
-    if not ad.get_backend(backend).is_available():
-        pytest.skip(ad.get_backend(backend).unavailable_reason())
-    if not ad.get_backend(backend).capabilities.kv_cache:
-        pytest.skip(f"{backend} declares no KV cache: {ad.get_backend(backend).capabilities.kv_cache_declined}")
-    torch.manual_seed(seed)
-    args = make_kv_inputs(case, "cuda")
-    assume(ad.explain_with_kvcache(**args, backend=backend).backend is not None)  # inside its declared claims
-    check_kv_call(backend, case, "cuda", args=args)
+    kv_differential(backend, problem, "cuda")
 
 
 def _flash_style_dq(q, k, v, grad_out, scale, out_stored):

@@ -190,7 +190,7 @@ def forward_scope_reason(cfg: C.WsConfig, has_bias: bool, params: KernelParams) 
 FUSE_DQ_MIN_KEYS = 4096
 
 
-def fuse_dq_reason(params: KernelParams, prob: KernelShapes, has_bias: bool, has_alibi: bool = False) -> str | None:
+def fuse_dq_reason(params: KernelParams, prob: KernelShapes, has_bias: bool, has_alibi: bool) -> str | None:
     """None when the Gluon dK/dV pass computes dQ too (FA3's way: fp32 partials added by TMA
     reduce-add), else why not: it runs where it was measured faster (no bias, Sk >=
     FUSE_DQ_MIN_KEYS, no band unless the head dim's config says so, or a causal call with a

@@ -185,12 +185,13 @@ def _decode_split(
     if APPEND:  # the last n_new keys come from k_new / v_new (B, Hkv, n_new, D), not the cache
         old_end = seqlen - n_new
         new_base = b64 * snb + hkv.to(tl.int64) * snh
+        cached_end = tl.minimum(end, old_end)
     else:
-        old_end = end
+        cached_end = end
     # the cached keys: the memory-bound loop, free of the append's selects
-    for n0 in range(start, tl.minimum(end, old_end), BLOCK_N):
+    for n0 in range(start, cached_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        key_ok = offs_n < tl.minimum(end, old_end)
+        key_ok = offs_n < cached_end
         k_rows, v_rows = _cache_rows(offs_n, key_ok, b64, BlockTable, sbt, skb, sks, svb, svs, PAGED, PAGE)
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(K + hkv.to(tl.int64) * skh + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
