@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -314,6 +314,34 @@ EOF
              # $OUT/decode.json, alone on the GPU (its cells time device loops, but ad.sdpa_with_kvcache's include host time)
     timeout 540 python3 benchmarks/decode.py --doc "$out/decode.md" --json "$out/decode.json" --commit "$sha" 2>&1 \
       | grep -v -i warn | tail -30 ;;
+  decodeab)  # a decode-kernel patch against this tree (E123): PATCH=docs/experiments/patches/NAME.patch bash
+             # gpu_session.sh decodeab SHA. In a scratch copy with the patch: the decode GPU tests, then decode.py's rows
+             # (DECODE_ROWS, default the append rows) patched and this tree in ABBA turns (~4 minutes);
+             # $OUT/decodeab_summary.txt: each row's `ours` TB/s per turn and the patched / base ratio of the medians
+    [ -f "${PATCH:-}" ] || { echo "decodeab: set PATCH to a patch file (got '${PATCH:-}')"; exit 2; }
+    dir=/tmp/decodeab_gpu${CUDA_VISIBLE_DEVICES:-0} summary="$out/decodeab_summary.txt"
+    scratch_copy "$dir" "$PWD/$PATCH" || exit 1
+    (cd "$dir" && timeout -s INT 240 $pytest_lines tests/test_kvcache.py tests/test_kv_append.py tests/test_decode_plan.py \
+       tests/test_kv_past_lengths.py > "$out/decodeab_tests.log" 2>&1)
+    { nvidia-smi -L | head -1; test_lines "$out/decodeab_tests.log"; } > "$summary"
+    for spec in patched1="$dir" base1="$PWD" base2="$PWD" patched2="$dir"; do
+      [ $SECONDS -gt 500 ] && { echo "${spec%%=*}: skipped (time)" >> "$summary"; continue; }
+      (cd "${spec#*=}" && timeout 150 python3 benchmarks/decode.py --rows "${DECODE_ROWS:-append}" \
+         --json "$out/decodeab_${spec%%=*}.json" --commit "$sha ${spec%%=*}" > "$out/decodeab_${spec%%=*}.log" 2>&1)
+    done
+    python3 - "$out" <<'EOF' | tee -a "$summary"
+import glob, json, os, statistics, sys
+tbs = {}  # (row, tree) -> ours TB/s of each turn
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "decodeab_*.json"))):
+    tree = os.path.basename(f)[len("decodeab_") : -len(".json")].rstrip("12")
+    for r in json.load(open(f))["rows"]:
+        tbs.setdefault((r["row"], tree), []).append(r["ours_tbs"])
+for row in sorted({k[0] for k in tbs}):
+    p, b = tbs.get((row, "patched"), []), tbs.get((row, "base"), [])
+    if p and b:
+        print(f"{row:<32} patched / base {statistics.median(p) / statistics.median(b):.3f}  (TB/s {p} vs {b})")
+EOF
+    ;;
   rows)      # grid rows re-measured alone (issue 35: a row a side-by-side run disturbed), e.g.
              #   bash gpu_session.sh rows SHA bf16-d256-s512-causal fp16-d256-s512-causal   (~1-2 min a row)
     shift 2
