@@ -329,6 +329,35 @@ def test_unused_block_table_entries_are_never_read():
         assert_matches(out, ref, None, backend, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("bad", [-3, 1000])
+def test_block_entries_out_of_range_are_never_read_or_written_by_the_triton_kernel(bad):
+    """validate=False with an entry outside [0, num_blocks) (an input error validate=True reports): the
+    decode kernel skips that block's keys, reading and writing nothing outside the cache (as append_kv),
+    and the other sequences' outputs and appended rows are exact.  The caches are slices of larger
+    buffers whose surroundings must stay untouched."""
+    case = KvCase(block_size=16, append=True, seqlen_q=3, lengths=(20, 9, 30))
+    args = make_kv_inputs(case)
+    b_bad = 1  # sequence 1 reads block 0 only; its appended rows 9..11 land there
+    args["block_table"][b_bad, 0] = bad
+    whole = {name: torch.randn(args[name].shape[0] + 4, *args[name].shape[1:]) for name in ("k_cache", "v_cache")}
+    for name in whole:
+        whole[name][2:-2] = args[name]
+    before = {name: t.clone() for name, t in whole.items()}
+    call = {**args, "k_cache": whole["k_cache"][2:-2], "v_cache": whole["v_cache"][2:-2]}
+    out = ad.sdpa_with_kvcache(**call, backend="triton", validate=False)
+    assert not out.isnan().any()
+    for name in whole:  # outside the cache: untouched
+        assert same_values(whole[name][:2], before[name][:2]) and same_values(whole[name][-2:], before[name][-2:])
+    good = [b for b in range(case.batch) if b != b_bad]
+    table = args["block_table"][good]
+    k, v = reference_append(
+        args["k_cache"], args["v_cache"], args["cache_seqlens"][good], args["k_new"][good], args["v_new"][good], table
+    )
+    assert same_values(call["k_cache"], k) and same_values(call["v_cache"], v)
+    ref = kv_reference(args["query"][good], k, v, [case.lengths[b] + 3 for b in good], block_table=table)
+    assert_matches(out[good], ref, None, "the valid sequences", dtype=torch.float32)
+
+
 def test_inputs_that_require_grad_give_an_output_without_graph():
     case = KvCase(append=True)
     args = make_kv_inputs(case)

@@ -66,8 +66,9 @@ def key_splits(
 
 
 def cache_geometry(k_cache, v_cache, block_table) -> tuple:
-    """(page, Hkv, capacity, k strides, v strides, block table row stride) of a dense
-    (B, Hkv, S, D) or paged (num_blocks, page, Hkv, D) cache, strides as (block or batch, head, row)."""
+    """(page, Hkv, capacity, k strides, v strides, block table row stride, num_blocks) of a dense
+    (B, Hkv, S, D) or paged (num_blocks, page, Hkv, D) cache (dense: num_blocks 0, not read),
+    strides as (block or batch, head, row)."""
     if block_table is not None:
         ks, vs = k_cache.stride(), v_cache.stride()
         page = k_cache.shape[1]
@@ -77,9 +78,10 @@ def cache_geometry(k_cache, v_cache, block_table) -> tuple:
             block_table.shape[1] * page,
             (ks[0], ks[2], ks[1]),
             (vs[0], vs[2], vs[1]),
-            (block_table.stride(0)),
+            block_table.stride(0),
+            k_cache.shape[0],
         )
-    return 1, k_cache.shape[1], k_cache.shape[2], k_cache.stride()[:3], v_cache.stride()[:3], 0
+    return 1, k_cache.shape[1], k_cache.shape[2], k_cache.stride()[:3], v_cache.stride()[:3], 0, 0
 
 
 def split_constexprs(q, params, alibi, group, tile, paged, page, split, append, bh_axis0, sinks, lse, full):
@@ -140,15 +142,8 @@ def split_tensors(q, k_cache, v_cache, lens, table, out, o_part, l_part, k_new, 
     )
 
 
-def split_scalars(params, alibi, q_str, k_str, v_str, bt_stride, out_str, new_str, hq, hkv, sq, per_split, n_new, cap):
-    """The split pass's arguments after its 13 pointers, in signature order: fixed parts around
-    the cache's strides and around (keys per split, n_new, capacity) (:func:`_scalar_parts`)."""
-    head, mid, tail = _scalar_parts(params, alibi, q_str, out_str, new_str, hq, hkv, sq)
-    return head + tuple(k_str) + tuple(v_str) + (bt_stride,) + mid + (per_split, n_new, cap) + tail
-
-
 def _scalar_parts(params, alibi, q_str, out_str, new_str, hq, hkv, sq) -> tuple[tuple, tuple, tuple]:
-    """:func:`split_scalars`' parts that do not change with the cache's geometry (DecodePlan keeps them)."""
+    """The split pass's scalar arguments that do not change with the cache's geometry (DecodePlan keeps them)."""
     head = (params.scale * LOG2E, *score_args(params, alibi), *q_str)
     mid = (*out_str, *new_str, hq, hkv, sq)
     return head, mid, (max(params.window_left, 0), max(params.window_right, 0))
@@ -247,15 +242,15 @@ class DecodePlan:
 
     def _geometry(self, gkey, q, k_cache, v_cache, block_table) -> _Geometry:
         B, Hq, Sq, D = self.shape
-        page, hkv, cap, k_str, v_str, bt_stride = cache_geometry(k_cache, v_cache, block_table)
+        page, hkv, cap, k_str, v_str, bt_stride, num_blocks = cache_geometry(k_cache, v_cache, block_table)
         fixed = self.fixed_parts
         if fixed is None:  # what no geometry changes (heads and page are in plan_key), made once
             fixed = self.fixed_parts = self._fixed_parts(q, hkv, page)
         tile, grid_bh, head, mid, tail, constexprs, warps = fixed
         splits, per_split = key_splits(grid_bh * tile[3], cap, tile[1], self.forced, self.num_sms, self.full)
         split = splits > 1
-        scalars = head + k_str + v_str + (bt_stride,) + mid + (per_split, self.n_new, cap) + tail
-        varying = (*k_str, *v_str, bt_stride, per_split, cap)
+        scalars = head + k_str + v_str + (bt_stride,) + mid + (per_split, self.n_new, cap, num_blocks) + tail
+        varying = (*k_str, *v_str, bt_stride, per_split, cap, num_blocks)
         # _int_class inline (no call per value: a tenth of a growing-Sk step's host time); strides >= 0
         key = ("split", split, tuple([(x == 1) | ((x & 15) == 0) << 1 | (x >= 2**31) << 2 for x in varying]))
         first = _Step(

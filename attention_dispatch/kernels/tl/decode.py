@@ -26,16 +26,23 @@ from .score import _score_log2, _sink_denominator
 
 LOG2E_C = tl.constexpr(LOG2E)
 LN2_C = tl.constexpr(LN2)
+# the new keys' loops (a few keys a call) in tiles of 16 keys: their (BLOCK_N, D) tiles of 64-bit addresses
+# set the append kernel's register peak (sm90: 147 -> 114 registers, 3 -> 4 programs an SM)
+NEW_N = tl.constexpr(16)
 
 
 @triton.jit
-def _cache_rows(offs_n, key_ok, b64, BlockTable, sbt, skb, sks, svb, svs, PAGED: tl.constexpr, PAGE: tl.constexpr):
-    """The element offsets of keys ``offs_n`` of sequence b in the K and V caches (without the kv head's)."""
+def _cache_rows(offs_n, key_ok, b64, BlockTable, sbt, skb, sks, svb, svs, num_blocks, PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """(K offsets, V offsets, ok) of keys ``offs_n`` of sequence b in the caches (without the kv head's):
+    ``ok`` is ``key_ok`` without the keys whose block entry lies outside [0, num_blocks), an input error
+    checked where that is free (kvcache._check_values): never read or written, as in tl/kv_append.py."""
     if PAGED:
         blk = tl.load(BlockTable + b64 * sbt + offs_n // PAGE, mask=key_ok, other=0).to(tl.int64)
-        return blk * skb + (offs_n % PAGE).to(tl.int64) * sks, blk * svb + (offs_n % PAGE).to(tl.int64) * svs
+        ok = key_ok & (blk >= 0) & (blk < num_blocks)
+        slot = (offs_n % PAGE).to(tl.int64)
+        return blk * skb + slot * sks, blk * svb + slot * svs, ok
     else:
-        return b64 * skb + offs_n.to(tl.int64) * sks, b64 * svb + offs_n.to(tl.int64) * svs
+        return b64 * skb + offs_n.to(tl.int64) * sks, b64 * svb + offs_n.to(tl.int64) * svs, key_ok
 
 
 @triton.jit
@@ -118,6 +125,7 @@ def _decode_split(
     keys_per_split,
     n_new,
     capacity,
+    num_blocks,
     window_left,
     window_right,
     GROUP: tl.constexpr,
@@ -192,8 +200,10 @@ def _decode_split(
     for n0 in range(start, cached_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs_n < cached_end
-        k_rows, v_rows = _cache_rows(offs_n, key_ok, b64, BlockTable, sbt, skb, sks, svb, svs, PAGED, PAGE)
-        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k_rows, v_rows, rows_ok = _cache_rows(
+            offs_n, key_ok, b64, BlockTable, sbt, skb, sks, svb, svs, num_blocks, PAGED, PAGE
+        )
+        kv_mask = rows_ok[:, None] & d_ok[None, :]
         k = tl.load(K + hkv.to(tl.int64) * skh + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v_ptrs = V + hkv.to(tl.int64) * svh + v_rows[:, None] + offs_d[None, :]
         m_i, l_i, acc = _attend(
@@ -203,8 +213,8 @@ def _decode_split(
         )  # fmt: skip
     if APPEND:
         # the new keys this program attends to, read from k_new / v_new (another program may be writing them)
-        for n0 in range(tl.maximum(start, old_end), end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
+        for n0 in range(tl.maximum(start, old_end), end, NEW_N):
+            offs_n = n0 + tl.arange(0, NEW_N)
             key_ok = offs_n < end
             kv_mask = key_ok[:, None] & d_ok[None, :]
             new_rows = new_base + (offs_n - old_end).to(tl.int64) * sns
@@ -218,12 +228,13 @@ def _decode_split(
         # rows may see only part of them (causal or a right window with Sq past one row block)
         if tl.program_id(2) == 0:
             split_end = tl.minimum(split * keys_per_split + keys_per_split, seqlen)
-            for n0 in range(tl.maximum(split * keys_per_split, old_end), split_end, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                key_ok = offs_n < split_end
-                kv_mask = key_ok[:, None] & d_ok[None, :]
+            for n0 in range(tl.maximum(split * keys_per_split, old_end), split_end, NEW_N):
+                offs_n = n0 + tl.arange(0, NEW_N)
+                k_rows, v_rows, rows_ok = _cache_rows(
+                    offs_n, offs_n < split_end, b64, BlockTable, sbt, skb, sks, svb, svs, num_blocks, PAGED, PAGE
+                )
+                kv_mask = rows_ok[:, None] & d_ok[None, :]
                 new_rows = new_base + (offs_n - old_end).to(tl.int64) * sns
-                k_rows, v_rows = _cache_rows(offs_n, key_ok, b64, BlockTable, sbt, skb, sks, svb, svs, PAGED, PAGE)
                 k = tl.load(KNew + new_rows[:, None] + offs_d[None, :], mask=kv_mask)
                 tl.store(K + hkv.to(tl.int64) * skh + k_rows[:, None] + offs_d[None, :], k, mask=kv_mask)
                 v = tl.load(VNew + new_rows[:, None] + offs_d[None, :], mask=kv_mask)
