@@ -32,7 +32,9 @@ NEW_N = tl.constexpr(16)
 
 
 @triton.jit
-def _cache_rows(offs_n, key_ok, b64, BlockTable, sbt, skb, sks, svb, svs, num_blocks, PAGED: tl.constexpr, PAGE: tl.constexpr):
+def _cache_rows(
+    offs_n, key_ok, b64, BlockTable, sbt, skb, sks, svb, svs, num_blocks, PAGED: tl.constexpr, PAGE: tl.constexpr
+):
     """(K offsets, V offsets, ok) of keys ``offs_n`` of sequence b in the caches (without the kv head's):
     ``ok`` is ``key_ok`` without the keys whose block entry lies outside [0, num_blocks), an input error
     checked where that is free (kvcache._check_values): never read or written, as in tl/kv_append.py."""
