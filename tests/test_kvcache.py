@@ -358,6 +358,16 @@ def test_block_entries_out_of_range_are_never_read_or_written_by_the_triton_kern
     assert_matches(out[good], ref, None, "the valid sequences", dtype=torch.float32)
 
 
+def test_a_paged_cache_without_blocks_reads_nothing():
+    """validate=False, a paged cache of 0 blocks and lengths past 0 (an input error validate=True reports): no
+    block entry is in range, so no key is read (the kernel once read block 0 of the empty cache): zeros."""
+    case = KvCase(block_size=16, append=True, lengths=(5, 0, 9))
+    args = make_kv_inputs(case)
+    args["k_cache"], args["v_cache"] = args["k_cache"][:0], args["v_cache"][:0]
+    out = ad.sdpa_with_kvcache(**args, backend="triton", validate=False)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
 def test_inputs_that_require_grad_give_an_output_without_graph():
     case = KvCase(append=True)
     args = make_kv_inputs(case)

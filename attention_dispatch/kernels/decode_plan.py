@@ -75,7 +75,7 @@ def cache_geometry(k_cache, v_cache, block_table) -> tuple:
         return (
             page,
             k_cache.shape[2],
-            block_table.shape[1] * page,
+            block_table.shape[1] * page if k_cache.shape[0] else 0,  # no blocks: no key is readable
             (ks[0], ks[2], ks[1]),
             (vs[0], vs[2], vs[1]),
             block_table.stride(0),
