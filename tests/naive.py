@@ -61,7 +61,14 @@ def _one(q, k, v, bias, keep, dropout_p, scale, causal, window, softcap=None, sl
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         e = torch.exp(s - m) * ok
         z = e.sum(-1, keepdim=True)
-        denominator = z if sinks is None else z + torch.exp(sinks[h].to(s.dtype) - m)
+        if sinks is not None:
+            # shifted by the larger of the row's max and the sink: exp(sink - m) overflowed in float32 when
+            # every key's score sat far below the sink (its backward then gave NaN)
+            m_sink = torch.maximum(m, sinks[h].to(s.dtype))
+            e = torch.exp(s - m_sink) * ok
+            denominator = e.sum(-1, keepdim=True) + torch.exp(sinks[h].to(s.dtype) - m_sink)
+        else:
+            denominator = z
         p = torch.where(z > 0, e / torch.where(z > 0, denominator, torch.ones_like(z)), torch.zeros_like(e))
         if keep is not None:
             kp = keep[h] if keep.dim() == 3 else keep

@@ -66,6 +66,33 @@ def stored_output_slack(out, out64, grad_out, lse64, inputs: dict) -> dict:
     return {n: (g.abs().max().item() if g is not None and g.numel() else 0.0) for n, g in zip(names, grads)}
 
 
+def delta_rounding_slack(grad_out, out64, q64, k64, v64, key_rows, scale: float, dtype, heads_kv: int, batch: int):
+    """{name: bound} of the gradient error a flash-style backward owes to rounding dP_ij = <dO_i, v_j>
+    and D_i = <dO_i, O_i> apart: dS_ij = P_ij (dP_ij - D_i) cancels where one key holds a row's
+    softmax (Sq = Sk = 1: exactly 0 in float64 and in the autograd reference of the budget, which
+    takes D_i from P and dP), so the budget's reference error says nothing there (torch_cpu float32,
+    magnitude 8: dq 1.04e-5 against the 1e-5 floor).  Each row's error c ~ u sum_d |dO_id| (max |v| +
+    max |O_i|) (the maxima over-count what a dot product's rounding errors reach, typically u sqrt(Dv)
+    times its terms' size), u the unit roundoff of the accumulation (float32 for 16-bit inputs); dq
+    then moves by at most c scale max|k| (sum_j P_ij <= 1; softcap's derivative <= 1), dk by c scale
+    max|q| max_j sum_i P_ij (``key_rows``: that column sum, over the kv head's query heads too), a
+    float mask's gradient by c key_rows over the heads and batch it may be broadcast across."""
+    if out64.numel() == 0:
+        return {}
+    u = torch.finfo(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype).eps / 2
+
+    def largest(t):
+        return t.detach().abs().max().item() if t.numel() else 0.0
+
+    g, o = grad_out.detach().double().abs(), out64.detach().abs()
+    c = u * largest(g.sum(-1) * (largest(v64) + o.amax(-1)))
+    return {
+        "dq": c * scale * largest(k64),
+        "dk": c * scale * largest(q64) * key_rows,
+        "dmask": c * key_rows * heads_kv * max(batch, 1),
+    }
+
+
 def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234, requires_grad=True):
     """Run `case` through sdpa(backend=...) forward and backward and check the output and
     every gradient against tests/naive.py in float64 (and in the input dtype for the budget).

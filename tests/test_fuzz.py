@@ -22,7 +22,7 @@ from attention_dispatch.api import normalize_call
 
 from cases import Case, leaf_copy, make_inputs
 from naive import naive_attention
-from oracle import KEEP_MASKS, assert_matches, stored_output_slack
+from oracle import KEEP_MASKS, assert_matches, delta_rounding_slack, stored_output_slack
 from test_kvcache import KvCase, check_kv_call, make_kv_inputs
 
 
@@ -171,6 +171,24 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu") -> None:
             return_lse=True,
         )
         extra = stored_output_slack(out, out64, grad_out, lse64, copies)
+        # and to rounding dP and D apart (oracle.delta_rounding_slack): each key's column sum of P, without
+        # dropout (D_i's error multiplies the undropped P), as the gradient of sum(out) with respect to v
+        v_cols = copies["dv"].detach().clone().requires_grad_()
+        kw = dict(naive_kw, sinks=sinks64)
+        kw.pop("dropout_p", None)
+        kw.pop("return_lse", None)
+        m_values = m.detach() if isinstance(m, torch.Tensor) else m
+        plain = naive_attention(copies["dq"].detach(), copies["dk"].detach(), v_cols, mask=m_values, **kw)
+        key_rows = 0.0  # an empty call's output does not depend on v
+        if plain.requires_grad:
+            (cols,) = torch.autograd.grad(plain.sum(), v_cols, allow_unused=True, materialize_grads=True)
+            key_rows = cols.abs().max().item() if cols.numel() else 0.0
+        scale = naive_kw.get("scale") or q.shape[-1] ** -0.5
+        batch = case.batch if case.varlen is None else len(case.varlen)
+        rounding = delta_rounding_slack(
+            grad_out, out64, copies["dq"], copies["dk"], copies["dv"], key_rows, scale, case.dtype, case.heads_kv, batch
+        )  # fmt: skip
+        extra = {n: extra.get(n, 0.0) + rounding.get(n, 0.0) for n in set(extra) | set(rounding)}
     for name, value in got.items():
         assert_matches(
             value,
@@ -493,4 +511,33 @@ def test_stored_output_slack_covers_a_flash_backward_and_nothing_more():
         no_delta = _flash_style_dq(q, k, v, grad_out, 1.0, torch.zeros_like(stored)).half()
         with pytest.raises(AssertionError):
             assert_matches(no_delta, dq64, dq16, "", torch.float16, extra=extra)
+    assert needed, "no seed needed the slack: this test shows nothing"
+
+
+def test_delta_rounding_slack_covers_a_float32_flash_backward_and_nothing_more():
+    """torch_cpu's case (float32, Sq = Sk = 1, magnitude 8, scale 1: the exact dq is 0) on the CPU, over
+    seeds: a flash-style dq computed in float32 (dP and delta rounded apart) passes the budget with
+    delta_rounding_slack and fails it without on some seeds; one that forgets delta still fails."""
+    needed = 0
+    for seed in range(40):
+        torch.manual_seed(seed)
+        q, k, v = (torch.randn(1, 1, 1, 16, dtype=torch.float64) * m for m in (8, 8, 1))
+        q.requires_grad_()
+        out64 = naive_attention(q, k, v, scale=1.0)
+        grad_out = torch.randn_like(out64)
+        (dq64,) = torch.autograd.grad(out64, q, grad_out)
+        q32 = q.detach().float().requires_grad_()  # the float32 autograd reference: exactly 0 here
+        (dq32,) = torch.autograd.grad(naive_attention(q32, k.float(), v.float(), scale=1.0), q32, grad_out.float())
+        k32, v32, do32 = k.float(), v.float(), grad_out.float()
+        out32 = torch.softmax(q32.detach() @ k32.transpose(-1, -2), dim=-1) @ v32
+        got = (do32 @ v32.transpose(-1, -2) - (do32 * out32).sum(-1, keepdim=True)) @ k32  # P = 1
+        extra = delta_rounding_slack(grad_out, out64, q, k, v, 1.0, 1.0, torch.float32, 1, 1)["dq"]
+        assert_matches(got, dq64, dq32, f"seed {seed}", torch.float32, extra=extra)
+        try:
+            assert_matches(got, dq64, dq32, "", torch.float32)
+        except AssertionError:
+            needed += 1
+        no_delta = (do32 @ v32.transpose(-1, -2)) @ k32
+        with pytest.raises(AssertionError):
+            assert_matches(no_delta, dq64, dq32, "", torch.float32, extra=extra)
     assert needed, "no seed needed the slack: this test shows nothing"
