@@ -56,7 +56,9 @@ def stored_output_slack(out, out64, grad_out, lse64, inputs: dict) -> dict:
     (fp16 Sq=1 Sk=2 at scale 1: dq 4.9e-3 off where the fp16 autograd reference is 1e-4 off, H100).
     ``lse64``: tests/naive.py's float64 logsumexp (shaped as the output less its last axis),
     connected to the float64 leaves in ``inputs``."""
-    e = ((out.detach().double().cpu() - out64.detach()) * grad_out.double().cpu()).sum(-1)
+    e = (
+        (out.detach().to(out64.device, torch.float64) - out64.detach()) * grad_out.to(out64.device, torch.float64)
+    ).sum(-1)
     finite = torch.isfinite(lse64)
     moved = (torch.where(finite, lse64, torch.zeros_like(lse64)) * e).sum()
     if not moved.requires_grad:
@@ -66,30 +68,45 @@ def stored_output_slack(out, out64, grad_out, lse64, inputs: dict) -> dict:
     return {n: (g.abs().max().item() if g is not None and g.numel() else 0.0) for n, g in zip(names, grads)}
 
 
-def delta_rounding_slack(grad_out, out64, q64, k64, v64, key_rows, scale: float, dtype, heads_kv: int, batch: int):
-    """{name: bound} of the gradient error a flash-style backward owes to rounding dP_ij = <dO_i, v_j>
-    and D_i = <dO_i, O_i> apart: dS_ij = P_ij (dP_ij - D_i) cancels where one key holds a row's
-    softmax (Sq = Sk = 1: exactly 0 in float64 and in the autograd reference of the budget, which
-    takes D_i from P and dP), so the budget's reference error says nothing there (torch_cpu float32,
-    magnitude 8: dq 1.04e-5 against the 1e-5 floor).  Each row's error c ~ u sum_d |dO_id| (max |v| +
-    max |O_i|) (the maxima over-count what a dot product's rounding errors reach, typically u sqrt(Dv)
-    times its terms' size), u the unit roundoff of the accumulation (float32 for 16-bit inputs); dq
-    then moves by at most c scale max|k| (sum_j P_ij <= 1; softcap's derivative <= 1), dk by c scale
-    max|q| max_j sum_i P_ij (``key_rows``: that column sum, over the kv head's query heads too), a
-    float mask's gradient by c key_rows over the heads and batch it may be broadcast across."""
+def accumulation_slack(
+    grad_out, out64, lse64, q64, k64, v64, key_rows, scale: float, dtype, heads_kv: int, batch: int
+) -> dict:
+    """{name: bound} of the error an attention in the accumulation's precision owes to roundings whose
+    size the budget's reference, run in the input dtype, may miss by luck or by its formula:
+    - the scores: s_ij rounded to ~u |s_ij|, ~u |lse_i| where P matters: the output moves by ~2 u max|lse|
+      times |v_j - O_i| (math float32, scale 3 at magnitude 8, scores ~300: out 1.9e-5 against an allowed
+      1.05e-5, where the float32 reference's worst element happened to round closer);
+    - dP_ij = <dO_i, v_j> and D_i = <dO_i, O_i> rounded apart: dS_ij = P_ij (dP_ij - D_i) cancels where
+      one key holds a row's softmax (Sq = Sk = 1: exactly 0 in float64 and in the reference; torch_cpu
+      float32 at magnitude 8: dq 1.04e-5 against the 1e-5 floor): an error ~ u G_i a row, with
+      G_i = sum_d |dO_id| (max |v| + max |O_i|) (maxima: more than a dot product's rounding reaches);
+    - P_ij = exp(s_ij - lse_i) recomputed from the stored logsumexp: a relative error ~ 2 u |lse_i| where
+      P matters (there s_ij ~ lse_i), large with large scores or a large bias (torch_cpu float32, Sk = 1,
+      a bias ~100: dv 4.3e-5 against 1.0e-5).
+    u: the accumulation's unit roundoff (float32 for 16-bit inputs).  With e = u + 2 u max|lse|, dS_ij is
+    off by at most P_ij e G_i: dq by e G scale max|k| (sum_j P_ij <= 1; softcap's derivative <= 1), dk by
+    e G scale max|q| key_rows (``key_rows``: max_j sum_i P_ij, over the kv head's query heads too), a float
+    mask's gradient by e G key_rows over the heads and batch it may be broadcast across; dv_j = sum_i
+    P_ij dO_i by 2 u max|lse| key_rows max|dO|."""
     if out64.numel() == 0:
         return {}
     u = torch.finfo(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype).eps / 2
 
     def largest(t):
-        return t.detach().abs().max().item() if t.numel() else 0.0
+        t = t.detach()
+        t = t[torch.isfinite(t)]
+        return t.abs().max().item() if t.numel() else 0.0
 
-    g, o = grad_out.detach().double().abs(), out64.detach().abs()
-    c = u * largest(g.sum(-1) * (largest(v64) + o.amax(-1)))
+    g, o = grad_out.detach().to(out64.device, torch.float64).abs(), out64.detach().abs()
+    big = largest(g.sum(-1) * (largest(v64) + o.amax(-1)))
+    p_rel = 2 * u * largest(lse64)
+    e = u + p_rel
     return {
-        "dq": c * scale * largest(k64),
-        "dk": c * scale * largest(q64) * key_rows,
-        "dmask": c * key_rows * heads_kv * max(batch, 1),
+        "out": p_rel * 2 * largest(v64),
+        "dq": e * big * scale * largest(k64),
+        "dk": e * big * scale * largest(q64) * key_rows,
+        "dv": p_rel * key_rows * largest(g),
+        "dmask": e * big * key_rows * heads_kv * max(batch, 1),
     }
 
 

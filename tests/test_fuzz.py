@@ -19,10 +19,11 @@ from hypothesis import strategies as st
 
 import attention_dispatch as ad
 from attention_dispatch.api import normalize_call
+from attention_dispatch.kernels.gluon.route import WS_MIN_WORK
 
 from cases import Case, leaf_copy, make_inputs
 from naive import naive_attention
-from oracle import KEEP_MASKS, assert_matches, delta_rounding_slack, stored_output_slack
+from oracle import KEEP_MASKS, assert_matches, accumulation_slack, stored_output_slack
 from test_kvcache import KvCase, check_kv_call, make_kv_inputs
 
 
@@ -124,17 +125,18 @@ def reference(q, k, v, **kw):
     return naive_attention(q, k, v, **kw) + zero
 
 
-def differential(backend: str, f: Fuzzed, device: str = "cpu") -> None:
-    """sdpa(backend=...) forward and backward against naive float64 (on the CPU), budget from
-    the input dtype."""
+def differential(backend: str, f: Fuzzed, device: str = "cpu", ref_device: str = "cpu") -> None:
+    """sdpa(backend=...) forward and backward against naive float64 (on ``ref_device``: the GPU for
+    shapes too large for the CPU's), budget from the input dtype."""
     case = f.case
     q, k, v, mask, sdpa_kw, naive_kw = inputs(f, device=device)
+    naive_kw = {n: t.to(ref_device) if isinstance(t, torch.Tensor) else t for n, t in naive_kw.items()}
     torch.manual_seed(f.seed + 1)
     out = ad.sdpa(q, k, v, attn_mask=mask, backend=backend, **sdpa_kw)
     keep = None
     if case.dropout_p:
         torch.manual_seed(f.seed + 1)
-        keep = KEEP_MASKS[backend](case, q, k, sdpa_kw.get("cu_seqlens_q"), sdpa_kw.get("cu_seqlens_k")).cpu()
+        keep = KEEP_MASKS[backend](case, q, k, sdpa_kw.get("cu_seqlens_q"), sdpa_kw.get("cu_seqlens_k")).to(ref_device)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     sinks = sdpa_kw.get("sinks")
@@ -145,21 +147,23 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu") -> None:
     for dtype in (torch.float64, case.dtype):
 
         def copy(t):
-            return None if t is None else leaf_copy(t.cpu(), dtype if t.is_floating_point() else None)
+            return None if t is None else leaf_copy(t.to(ref_device), dtype if t.is_floating_point() else None)
 
         copies = {n: copy(t) for n, t in leaves.items()}
         kw = dict(naive_kw, sinks=copies.get("dsinks", copy(sinks)))
         m = copies.get("dmask", copy(mask))
         ref = reference(copies["dq"], copies["dk"], copies["dv"], mask=m, keep=keep, **kw)
-        ref.backward(grad_out.cpu().to(dtype))
+        ref.backward(grad_out.to(ref_device, dtype))
         refs[dtype] = {"out": ref.to(dtype)} | {n: t.grad.to(dtype) for n, t in copies.items()}
     extra = {}
     if leaves and out.numel():  # the gradients' share of the stored output's error (oracle.stored_output_slack)
-        copies = {n: leaf_copy(t.cpu(), torch.float64) for n, t in leaves.items() if n != "dsinks"}
-        sinks64 = None if sinks is None else sinks.detach().cpu().double()
+        copies = {n: leaf_copy(t.to(ref_device), torch.float64) for n, t in leaves.items() if n != "dsinks"}
+        sinks64 = None if sinks is None else sinks.detach().to(ref_device, torch.float64)
         m = copies.get(
             "dmask",
-            None if mask is None else leaf_copy(mask.cpu(), torch.float64 if mask.is_floating_point() else None),
+            None
+            if mask is None
+            else leaf_copy(mask.to(ref_device), torch.float64 if mask.is_floating_point() else None),
         )
         out64, lse64 = naive_attention(
             copies["dq"],
@@ -171,8 +175,8 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu") -> None:
             return_lse=True,
         )
         extra = stored_output_slack(out, out64, grad_out, lse64, copies)
-        # and to rounding dP and D apart (oracle.delta_rounding_slack): each key's column sum of P, without
-        # dropout (D_i's error multiplies the undropped P), as the gradient of sum(out) with respect to v
+        # and to its own roundings (oracle.accumulation_slack): each key's column sum of P, without dropout
+        # (the roundings' errors multiply the undropped P), as the gradient of sum(out) with respect to v
         v_cols = copies["dv"].detach().clone().requires_grad_()
         kw = dict(naive_kw, sinks=sinks64)
         kw.pop("dropout_p", None)
@@ -185,8 +189,9 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu") -> None:
             key_rows = cols.abs().max().item() if cols.numel() else 0.0
         scale = naive_kw.get("scale") or q.shape[-1] ** -0.5
         batch = case.batch if case.varlen is None else len(case.varlen)
-        rounding = delta_rounding_slack(
-            grad_out, out64, copies["dq"], copies["dk"], copies["dv"], key_rows, scale, case.dtype, case.heads_kv, batch
+        rounding = accumulation_slack(
+            grad_out, out64, lse64, copies["dq"], copies["dk"], copies["dv"], key_rows, scale, case.dtype, case.heads_kv,
+            batch,
         )  # fmt: skip
         extra = {n: extra.get(n, 0.0) + rounding.get(n, 0.0) for n in set(extra) | set(rounding)}
     for name, value in got.items():
@@ -475,6 +480,63 @@ def test_fuzz_kvcache_gpu(backend, problem):
     kv_differential(backend, problem, "cuda")
 
 
+@st.composite
+def gluon_problems(draw):
+    """A Fuzzed call the triton backend's Gluon kernels take on sm90 (16-bit, d 64/128/256, at least
+    gluon.route.WS_MIN_WORK products: its heads chosen for it, at most ~100), lengths off the 128-row
+    tiles, Sq below, at or above Sk, with the features the Gluon forward and backward passes take: both causal alignments,
+    windows, a float bias with or without its gradient, softcap, ALiBi, sinks, the logsumexp, GQA."""
+    dim = draw(st.sampled_from((64, 128, 256)))
+    group = draw(st.sampled_from((1, 2, 4)))
+    sq = draw(st.sampled_from((1000, 1024, 1537, 2048)))
+    sk = draw(st.sampled_from((sq, sq, 700, 2100, 4096)))
+    batch = draw(st.integers(1, 2))
+    hkv = max(1, -(-WS_MIN_WORK // (batch * group * sq * sk * dim)))
+    mask = draw(st.sampled_from(("none", "none", "none", "float", "float_grad")))
+    fields = dict(
+        batch=batch,
+        heads_q=hkv * group,
+        heads_kv=hkv,
+        seqlen_q=sq,
+        seqlen_k=sk,
+        head_dim=dim,
+        dtype=draw(st.sampled_from((torch.bfloat16, torch.float16))),
+        causal=draw(st.sampled_from((None, None, "top_left", "bottom_right"))),
+        mask=mask,
+        mask_shape=draw(st.sampled_from(("full", "heads", "keys"))) if mask != "none" else "full",
+        softcap=draw(st.sampled_from((None, None, 2.0, 30.0, 80.0))),
+        alibi=draw(st.sampled_from((None, None, "heads", "batch"))),
+        sinks=draw(st.sampled_from((None, None, "fixed", "grad"))),
+        return_lse=draw(st.booleans()),
+    )
+    if draw(st.integers(0, 3)) == 0:
+        fields["window"] = (draw(st.sampled_from((-1, 0, 100, 1500))), draw(st.sampled_from((-1, 0, 60, 400))))
+    return Fuzzed(
+        Case(**fields), scale=draw(st.sampled_from((None, None, 0.05))), magnitude=1.0, seed=draw(st.integers(0, 2**16))
+    )
+
+
+def gluon_differential(f: Fuzzed) -> None:
+    """differential() on CUDA with the float64 references there, for a call whose forward or backward
+    the triton backend runs on a Gluon kernel (others are not what this generator is for)."""
+    assume(supported("triton", f, "cuda"))
+    q, k, v, mask, sdpa_kw, _ = inputs(f, device="cuda")
+    decision = ad.explain(q, k, v, attn_mask=mask, backend="triton", **sdpa_kw)
+    assume(decision.route is not None and any("gluon" in step.chosen for step in decision.route.steps))
+    differential("triton", f, "cuda", ref_device="cuda")
+
+
+@pytest.mark.gpu
+@settings(FUZZ, max_examples=12)
+@given(gluon_problems())
+def test_fuzz_gluon_gpu(f):
+    """The Gluon kernels (forward, dK/dV, dQ) on random large calls with every feature they take,
+    against the float64 definition computed on the GPU."""
+    if not ad.get_backend("triton").is_available():
+        pytest.skip(ad.get_backend("triton").unavailable_reason())
+    gluon_differential(f)
+
+
 def _flash_style_dq(q, k, v, grad_out, scale, out_stored):
     """dq as a flash-style backward computes it, in float64 but for delta_i = <dO_i, O_i>
     taken from the output as stored (dense, no mask)."""
@@ -514,10 +576,10 @@ def test_stored_output_slack_covers_a_flash_backward_and_nothing_more():
     assert needed, "no seed needed the slack: this test shows nothing"
 
 
-def test_delta_rounding_slack_covers_a_float32_flash_backward_and_nothing_more():
+def test_accumulation_slack_covers_a_float32_flash_backward_and_nothing_more():
     """torch_cpu's case (float32, Sq = Sk = 1, magnitude 8, scale 1: the exact dq is 0) on the CPU, over
     seeds: a flash-style dq computed in float32 (dP and delta rounded apart) passes the budget with
-    delta_rounding_slack and fails it without on some seeds; one that forgets delta still fails."""
+    accumulation_slack and fails it without on some seeds; one that forgets delta still fails."""
     needed = 0
     for seed in range(40):
         torch.manual_seed(seed)
@@ -531,7 +593,8 @@ def test_delta_rounding_slack_covers_a_float32_flash_backward_and_nothing_more()
         k32, v32, do32 = k.float(), v.float(), grad_out.float()
         out32 = torch.softmax(q32.detach() @ k32.transpose(-1, -2), dim=-1) @ v32
         got = (do32 @ v32.transpose(-1, -2) - (do32 * out32).sum(-1, keepdim=True)) @ k32  # P = 1
-        extra = delta_rounding_slack(grad_out, out64, q, k, v, 1.0, 1.0, torch.float32, 1, 1)["dq"]
+        lse64 = torch.logsumexp(q.detach() @ k.transpose(-1, -2), -1)
+        extra = accumulation_slack(grad_out, out64, lse64, q, k, v, 1.0, 1.0, torch.float32, 1, 1)["dq"]
         assert_matches(got, dq64, dq32, f"seed {seed}", torch.float32, extra=extra)
         try:
             assert_matches(got, dq64, dq32, "", torch.float32)
@@ -540,4 +603,38 @@ def test_delta_rounding_slack_covers_a_float32_flash_backward_and_nothing_more()
         no_delta = (do32 @ v32.transpose(-1, -2)) @ k32
         with pytest.raises(AssertionError):
             assert_matches(no_delta, dq64, dq32, "", torch.float32, extra=extra)
+    assert needed, "no seed needed the slack: this test shows nothing"
+
+
+def test_accumulation_slack_covers_p_from_the_stored_logsumexp_and_nothing_more():
+    """torch_cpu's other case (float32, a bias ~100, magnitude 8): a flash-style dv whose P is exp(s - lse)
+    with s recomputed in another order than the forward's (scale on q first) passes the budget with
+    accumulation_slack and fails it without on some seeds; one that drops the bias from s still fails."""
+    needed = 0
+    for seed in range(40):
+        torch.manual_seed(seed)
+        q, k = (torch.randn(1, 1, n, 8, dtype=torch.float64) * 8 for n in (3, 2))
+        v = torch.randn(1, 1, 2, 8, dtype=torch.float64, requires_grad=True)
+        bias = torch.randn(1, 1, 3, 2, dtype=torch.float64) * 2 + 100
+        scale = 8**-0.5
+        out64, lse64 = naive_attention(q, k, v, mask=bias, scale=scale, return_lse=True)
+        grad_out = torch.randn_like(out64)
+        (dv64,) = torch.autograd.grad(out64, v, grad_out)
+        v32 = v.detach().float().requires_grad_()
+        out32 = naive_attention(q.float(), k.float(), v32, mask=bias.float(), scale=scale)
+        (dv32,) = torch.autograd.grad(out32, v32, grad_out.float())
+        q32, k32, b32, do32 = q.float(), k.float(), bias.float(), grad_out.float()
+        lse32 = torch.logsumexp(scale * (q32 @ k32.transpose(-1, -2)) + b32, -1, keepdim=True)  # the forward's
+        s_bwd = (q32 * scale) @ k32.transpose(-1, -2) + b32
+        got = torch.exp(s_bwd - lse32).transpose(-1, -2) @ do32
+        cols = torch.softmax(scale * q @ k.transpose(-1, -2) + bias, -1).sum(-2).max().item()
+        extra = accumulation_slack(grad_out, out64, lse64, q, k, v, cols, scale, torch.float32, 1, 1)["dv"]
+        assert_matches(got, dv64, dv32, f"seed {seed}", torch.float32, extra=extra)
+        try:
+            assert_matches(got, dv64, dv32, "", torch.float32)
+        except AssertionError:
+            needed += 1
+        no_bias = torch.exp(s_bwd - b32 - lse32).transpose(-1, -2) @ do32
+        with pytest.raises(AssertionError):
+            assert_matches(no_bias, dv64, dv32, "", torch.float32, extra=extra)
     assert needed, "no seed needed the slack: this test shows nothing"

@@ -1,0 +1,103 @@
+"""Random fuzz rounds of test_fuzz.py's generators for a time budget each (not derandomized: new
+examples every run), to look for failures the derandomized tests do not reach.
+
+    TRITON_INTERPRET=1 python tests/fuzz_campaign.py --seconds 240 --targets triton,tiles,kv
+    python tests/fuzz_campaign.py --seconds 300 --targets gluon          # on a GPU (sm90)
+
+Prints, per target, the examples run or the first failure (hypothesis shrinks it and prints the
+call).  A failure found here belongs in test_fuzz.py as an ``@example``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+
+import test_fuzz as T  # noqa: E402
+
+
+def _differential(backend: str):
+    def body(f):
+        assume(T.supported(backend, f))
+        T.differential(backend, f)
+
+    return body
+
+
+TARGETS = {
+    # name: (generator, check of one example)
+    "triton": (T.problems(scales=(None, 1e-4, 0.05, 1.0, 3.0), magnitudes=(1.0, 8.0)), _differential("triton")),
+    "tiles": (
+        T.problems(scales=(None, 0.05, 1.0), magnitudes=(1.0,), features=True, lengths=T.TILE_LENGTHS),
+        _differential("triton"),
+    ),
+    "features": (T.problems(scales=(None, 0.05, 1.0), magnitudes=(1.0, 8.0), features=True), _differential("triton")),
+    "kv": (
+        T.kv_problems(dtypes=(torch.float32, torch.float16), head_dims=(16, 33)),
+        lambda p: T.test_fuzz_kvcache.hypothesis.inner_test("triton", p),
+    ),
+    "decode": (T.decode_problems(), lambda p: T.test_fuzz_triton_decode_route.hypothesis.inner_test(p)),
+    "math": (T.problems(features=True), _differential("math")),
+    "torch_cpu": (T.problems(), _differential("torch_cpu")),
+    "gluon": (T.gluon_problems(), T.gluon_differential),
+}
+
+
+class _Spent(Exception):
+    """The target's time budget is over."""
+
+
+def run(name: str, seconds: float) -> bool:
+    """Random examples of one target until ``seconds`` pass; False on a failure."""
+    strategy, check = TARGETS[name]
+    start, count = time.time(), [0]
+
+    @settings(
+        derandomize=False,
+        database=None,
+        deadline=None,
+        max_examples=10**6,
+        print_blob=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(strategy)
+    def rounds(x):
+        if time.time() - start > seconds:
+            raise _Spent
+        count[0] += 1
+        check(x)
+
+    try:
+        rounds()
+    except _Spent:
+        pass
+    except BaseException as e:  # noqa: BLE001 - hypothesis re-raises the shrunk failure
+        if not any(isinstance(x, _Spent) for x in getattr(e, "exceptions", ())):
+            print(f"{name}: FAILED after {count[0]} examples\n{''.join(traceback.format_exception(e))[-4000:]}")
+            return False
+    print(f"{name}: no failure in {count[0]} examples ({time.time() - start:.0f} s)", flush=True)
+    return True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=120.0, help="time budget of each target")
+    p.add_argument("--targets", default="triton,tiles,features,kv,decode", help=f"of {','.join(TARGETS)}")
+    a = p.parse_args(argv)
+    names = [n for n in a.targets.split(",") if n]
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        p.error(f"unknown targets {unknown}; allowed: {', '.join(TARGETS)}")
+    return 0 if all([run(n, a.seconds) for n in names]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
