@@ -80,10 +80,11 @@ def problems(
         fields["mask_shape"] = draw(st.sampled_from(("full", "heads", "keys", "square")))
     if dropout and draw(st.integers(0, 4)) == 0:
         fields["dropout_p"] = draw(st.sampled_from((0.2, 0.5)))
-    if features and draw(st.integers(0, 2)) == 0:  # softcap, ALiBi, sinks (issue 36), now and then
+    if features and draw(st.integers(0, 2)) == 0:  # softcap, ALiBi, sinks, the logsumexp (issue 36), now and then
         fields["softcap"] = draw(st.sampled_from((None, 2.0, 30.0)))
         fields["alibi"] = draw(st.sampled_from((None, "heads", "batch")))
         fields["sinks"] = draw(st.sampled_from((None, "fixed", "grad")))
+        fields["return_lse"] = draw(st.booleans())  # and a gradient into it
     return Fuzzed(
         Case(**fields),
         scale=draw(st.sampled_from(scales)),
@@ -121,7 +122,11 @@ def reference(q, k, v, **kw):
         if extra is not None and extra.is_floating_point():
             zero = zero + extra.sum() * 0
     if kw.get("cu_seqlens_q") is None and q.shape[0] == 0:
-        return q.new_zeros(*q.shape[:-1], v.shape[-1]) + zero
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1]) + zero
+        return (out, q.new_full(q.shape[:-1], float("-inf"))) if kw.get("return_lse") else out
+    if kw.get("return_lse"):
+        out, lse = naive_attention(q, k, v, **kw)
+        return out + zero, lse
     return naive_attention(q, k, v, **kw) + zero
 
 
@@ -133,16 +138,25 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu", ref_device: str =
     naive_kw = {n: t.to(ref_device) if isinstance(t, torch.Tensor) else t for n, t in naive_kw.items()}
     torch.manual_seed(f.seed + 1)
     out = ad.sdpa(q, k, v, attn_mask=mask, backend=backend, **sdpa_kw)
+    out, lse = out if case.return_lse else (out, None)
+    varlen = case.varlen is not None
+    if lse is not None and varlen:
+        lse = lse.t()  # (Hq, total_q) -> the reference's (total_q, Hq)
     keep = None
     if case.dropout_p:
         torch.manual_seed(f.seed + 1)
         keep = KEEP_MASKS[backend](case, q, k, sdpa_kw.get("cu_seqlens_q"), sdpa_kw.get("cu_seqlens_k")).to(ref_device)
     grad_out = torch.randn_like(out)
-    out.backward(grad_out)
+    # a gradient into the logsumexp too (issue 36: it is differentiable), 0 on rows without a key (-inf)
+    grad_lse = None if lse is None else torch.where(lse.isfinite(), torch.randn_like(lse), torch.zeros_like(lse))
+    roots = [(out, grad_out)] + ([(lse, grad_lse)] if lse is not None else [])
+    roots = [(r, g) for r, g in roots if r.requires_grad]  # an empty call's logsumexp has no graph
+    if roots:
+        torch.autograd.backward([r for r, _ in roots], [g for _, g in roots])
     sinks = sdpa_kw.get("sinks")
     leaves = {"dq": q, "dk": k, "dv": v, "dmask": mask, "dsinks": sinks}
     leaves = {n: t for n, t in leaves.items() if t is not None and t.requires_grad}
-    got = {"out": out} | {n: t.grad for n, t in leaves.items()}
+    got = {"out": out} | ({"lse": lse} if lse is not None else {}) | {n: t.grad for n, t in leaves.items()}
     refs = {}
     for dtype in (torch.float64, case.dtype):
 
@@ -153,8 +167,18 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu", ref_device: str =
         kw = dict(naive_kw, sinks=copies.get("dsinks", copy(sinks)))
         m = copies.get("dmask", copy(mask))
         ref = reference(copies["dq"], copies["dk"], copies["dv"], mask=m, keep=keep, **kw)
-        ref.backward(grad_out.to(ref_device, dtype))
-        refs[dtype] = {"out": ref.to(dtype)} | {n: t.grad.to(dtype) for n, t in copies.items()}
+        ref, ref_lse = ref if lse is not None else (ref, None)
+        roots = [ref] + ([ref_lse] if lse is not None else [])
+        grads = [grad_out.to(ref_device, dtype)] + ([grad_lse.to(ref_device, dtype)] if lse is not None else [])
+        if any(r.requires_grad for r in roots):
+            torch.autograd.backward(
+                [r for r in roots if r.requires_grad], [g for r, g in zip(roots, grads) if r.requires_grad]
+            )
+        refs[dtype] = (
+            {"out": ref.to(dtype)}
+            | ({"lse": ref_lse.to(torch.float32 if dtype != torch.float64 else dtype)} if lse is not None else {})
+            | {n: (t.grad if t.grad is not None else torch.zeros_like(t)).to(dtype) for n, t in copies.items()}
+        )
     extra = {}
     if leaves and out.numel():  # the gradients' share of the stored output's error (oracle.stored_output_slack)
         copies = {n: leaf_copy(t.to(ref_device), torch.float64) for n, t in leaves.items() if n != "dsinks"}
@@ -171,8 +195,7 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu", ref_device: str =
             copies["dv"],
             mask=m,
             keep=keep,
-            **dict(naive_kw, sinks=sinks64),
-            return_lse=True,
+            **dict(naive_kw, sinks=sinks64, return_lse=True),
         )
         extra = stored_output_slack(out, out64, grad_out, lse64, copies)
         # and to its own roundings (oracle.accumulation_slack): each key's column sum of P, without dropout
@@ -195,6 +218,9 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu", ref_device: str =
         )  # fmt: skip
         extra = {n: extra.get(n, 0.0) + rounding.get(n, 0.0) for n in set(extra) | set(rounding)}
     for name, value in got.items():
+        if name == "lse":  # float32 from the accumulation, whatever the input dtype (as oracle.compare_backend)
+            assert_matches(value, refs[torch.float64][name], None, f"{backend} {f} lse", torch.float32, extra=1e-4)
+            continue
         assert_matches(
             value,
             refs[torch.float64][name],
