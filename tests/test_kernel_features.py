@@ -385,12 +385,14 @@ def test_dense_call_on_the_decode_route_takes_the_features():
 
 def test_gluon_softcap_bounded_up_to_55():
     """Caps up to 55.4 take the Gluon forward's fixed softmax reference (gluon/common.SOFTCAP_BOUNDED: its
-    P stays within [2^-96, 2^64]), larger ones the running max."""
+    P stays within [2^-96, 2^64]) in bfloat16, larger ones and float16 the running max."""
     from attention_dispatch.kernels.gluon.launch import SOFTCAP_BOUNDED, forward_softcap
 
-    assert forward_softcap(0.0) is False
-    assert forward_softcap(2.5) == forward_softcap(30.0) == forward_softcap(55.4) == SOFTCAP_BOUNDED
-    assert forward_softcap(55.5) is True
+    assert forward_softcap(0.0, BF16) is False
+    assert forward_softcap(2.5, BF16) == forward_softcap(30.0, BF16) == forward_softcap(55.4, BF16) == SOFTCAP_BOUNDED
+    assert forward_softcap(55.5, BF16) is True
+    # float16 keeps the running max: the fixed reference's P (up to 2^64) overflowed it to inf, the output NaN
+    assert forward_softcap(2.0, F16) is forward_softcap(30.0, F16) is True
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -484,16 +486,29 @@ def test_gpu_gluon_alibi_small_slopes(d, extra):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("softcap,causal", [(30.0, None), (50.0, None), (50.0, "bottom_right"), (60.0, None)], ids=str)
-def test_gpu_gluon_softcap_bounded(softcap, causal):
-    """A cap up to 55.4 runs the Gluon forward's softmax on a fixed reference (gluon/common.SOFTCAP_BOUNDED;
-    60: the running max): against naive, the first 64 rows with every score at the lower cap (the
-    smallest P the reference gives, 2^(64 - 2 c log2 e)), the rest random."""
-    k = (1.0 + 0.1 * torch.randn(1, 2, 4096, 128, device=DEV)).to(BF16).requires_grad_()
+@pytest.mark.parametrize(
+    "softcap,causal,dtype",
+    [
+        (30.0, None, BF16),
+        (50.0, None, BF16),
+        (50.0, "bottom_right", BF16),
+        (60.0, None, BF16),
+        # float16 keeps the running max (its P overflowed to inf on the fixed reference: NaN, found by fuzzing)
+        (2.0, None, F16),
+        (30.0, "bottom_right", F16),
+    ],
+    ids=str,
+)
+def test_gpu_gluon_softcap_bounded(softcap, causal, dtype):
+    """A cap up to 55.4 runs the Gluon forward's softmax on a fixed reference in bfloat16
+    (gluon/common.SOFTCAP_BOUNDED; 60 and float16: the running max): against naive, the first 64 rows
+    with every score at the lower cap (the smallest P the reference gives, 2^(64 - 2 c log2 e)), the
+    rest random."""
+    k = (1.0 + 0.1 * torch.randn(1, 2, 4096, 128, device=DEV)).to(dtype).requires_grad_()
     q = torch.randn(1, 2, 4096, 128, device=DEV)
     q[:, :, :64] = -20.0  # q.k near -2560 for every key: tanh saturates at -1
-    q = q.to(BF16).requires_grad_()
-    v = rand(1, 2, 4096, 128, dtype=BF16)
+    q = q.to(dtype).requires_grad_()
+    v = rand(1, 2, 4096, 128, dtype=dtype)
     params = _params(causal, None, 128**-0.5, softcap=softcap)
     assert describe_route(q, k, v, None, params)[0][1] == "gluon"
     check(q, k, v, causal=causal, softcap=softcap)

@@ -58,7 +58,7 @@ ONE_LENGTH = gl.constexpr(2)
 # (c <= 55.4; the launcher decides), whose scores lie in [-c, c]: the softmax takes the fixed reference
 # c log2(e) - BOUNDED_TOP instead of a running max (forward_softmax, E103): P in [2^(64 - 2 c log2 e), 2^64],
 # normal float32 and bfloat16 values (>= 2^-96, products with V down to 2^-30 too); O and l overflow only
-# for |V| > 2^44 at 2^20 keys
+# for |V| > 2^44 at 2^20 keys.  Not float16 (max 65504): launch.forward_softcap keeps its running max
 SOFTCAP_BOUNDED = gl.constexpr(2)
 BOUNDED_TOP = gl.constexpr(64.0)
 BOUNDED_LOG2_CAP = gl.constexpr(80.0)

@@ -125,11 +125,16 @@ def score_args(params: KernelParams, prob: KernelShapes, alibi: torch.Tensor | N
 LPT_L2_SHARE = 0.5
 
 
-def forward_softcap(softcap: float):
+def forward_softcap(softcap: float, dtype: torch.dtype):
     """The forward's SOFTCAP constexpr: False without a cap, SOFTCAP_BOUNDED for a cap up to 55.4
-    (its softmax needs no running max: gluon/common.py), True above."""
+    (its softmax needs no running max: gluon/common.py), True above, and for float16 at any cap:
+    the fixed reference puts P in [2^(64 - 2 c log2 e), 2^64], past float16's 65504 (its P operand
+    overflowed to inf and the output was NaN), and no fixed reference fits every row there: below
+    it a row whose scores all sit near -c would underflow to 0."""
     if softcap <= 0:
         return False
+    if dtype == torch.float16:
+        return True
     return SOFTCAP_BOUNDED if softcap * LOG2E <= BOUNDED_LOG2_CAP else True
 
 
@@ -206,7 +211,7 @@ def forward(
             KV_ROWS=kv_rows,
             STORE_LSE=lse is not None,
             KV_LENS=mode,
-            SOFTCAP=forward_softcap(params.softcap),
+            SOFTCAP=forward_softcap(params.softcap, q.dtype),
             HAS_SINKS=sinks is not None,
             HAS_ALIBI=alibi is not None,
             BLOCK_N=cfg.block_n,
