@@ -2,7 +2,7 @@
 examples every run), to look for failures the derandomized tests do not reach.
 
     TRITON_INTERPRET=1 python tests/fuzz_campaign.py --seconds 240 --targets triton,tiles,kv
-    python tests/fuzz_campaign.py --seconds 300 --targets gluon          # on a GPU (sm90)
+    python tests/fuzz_campaign.py --seconds 300 --targets gluon,kv_gpu   # on a GPU (sm90)
 
 Prints, per target, the examples run or the first failure (hypothesis shrinks it and prints the
 call).  A failure found here belongs in test_fuzz.py as an ``@example``.
@@ -48,6 +48,14 @@ TARGETS = {
     "math": (T.problems(features=True), _differential("math")),
     "torch_cpu": (T.problems(), _differential("torch_cpu")),
     "gluon": (T.gluon_problems(), T.gluon_differential),
+    "kv_gpu": (
+        T.kv_problems(
+            dtypes=(torch.float32, torch.float16, torch.bfloat16),
+            head_dims=(16, 64, 128),
+            sqs=(1, 2, 5, 16, 65, 128, 130, 256),
+        ),
+        lambda p: T.test_fuzz_kvcache_gpu.hypothesis.inner_test("triton", p),
+    ),
 }
 
 
