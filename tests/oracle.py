@@ -103,6 +103,7 @@ def accumulation_slack(
     e = u + p_rel
     return {
         "out": p_rel * 2 * largest(v64),
+        "lse": 2 * p_rel,  # the scores' rounding, ~u |s| with |s| ~ |lse| (math float32, scores ~3000: 2.1e-4)
         "dq": e * big * scale * largest(k64),
         "dk": e * big * scale * largest(q64) * key_rows,
         "dv": p_rel * key_rows * largest(g),
