@@ -511,8 +511,9 @@ def test_fuzz_kvcache_gpu(backend, problem):
 def gluon_problems(draw):
     """A Fuzzed call the triton backend's Gluon kernels take on sm90 (16-bit, d 64/128/256, at least
     gluon.route.WS_MIN_WORK products: its heads chosen for it, at most ~100), lengths off the 128-row
-    tiles, Sq below, at or above Sk, with the features the Gluon forward and backward passes take: both causal alignments,
-    windows, a float bias with or without its gradient, softcap, ALiBi, sinks, the logsumexp, GQA."""
+    tiles, Sq below, at or above Sk, with the features the Gluon forward and backward passes take:
+    both causal alignments, windows, a float bias with or without its gradient, softcap, ALiBi, sinks,
+    the logsumexp, GQA."""
     dim = draw(st.sampled_from((64, 128, 256)))
     group = draw(st.sampled_from((1, 2, 4)))
     sq = draw(st.sampled_from((1000, 1024, 1537, 2048)))
