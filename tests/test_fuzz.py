@@ -293,7 +293,9 @@ LARGE_SCORES = Fuzzed(
 
 
 @settings(FUZZ, max_examples=12)
-@given(problems(scales=(None, 1e-4, 0.05, 1.0), magnitudes=(1.0,)))
+# magnitude 8 too (scores in the hundreds): the budget now holds a flash backward's roundings there
+# (oracle.accumulation_slack; random campaigns: no failure in ~3300 checked examples, 2026-11-27)
+@given(problems(scales=(None, 1e-4, 0.05, 1.0), magnitudes=(1.0, 8.0)))
 def test_fuzz_triton(f):
     if not ad.get_backend("triton").is_available():
         pytest.skip(ad.get_backend("triton").unavailable_reason())
