@@ -130,6 +130,23 @@ def reference(q, k, v, **kw):
     return naive_attention(q, k, v, **kw) + zero
 
 
+def fuzz_one(backend: str, f: Fuzzed, device: str = "cpu") -> None:
+    """One fuzz example through ``backend``: skipped where it is not installed, left out (assume) where
+    the call is outside its declared capabilities, else :func:`differential`."""
+    if not ad.get_backend(backend).is_available():
+        pytest.skip(ad.get_backend(backend).unavailable_reason())
+    assume(supported(backend, f, device))
+    differential(backend, f, device)
+
+
+def _backward(pairs) -> None:
+    """autograd.backward over the (root, gradient) pairs whose root has a graph (an empty call's
+    logsumexp has none)."""
+    pairs = [(r, g) for r, g in pairs if r.requires_grad]
+    if pairs:
+        torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+
+
 def differential(backend: str, f: Fuzzed, device: str = "cpu", ref_device: str = "cpu") -> None:
     """sdpa(backend=...) forward and backward against naive float64 (on ``ref_device``: the GPU for
     shapes too large for the CPU's), budget from the input dtype."""
@@ -149,10 +166,7 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu", ref_device: str =
     grad_out = torch.randn_like(out)
     # a gradient into the logsumexp too (issue 36: it is differentiable), 0 on rows without a key (-inf)
     grad_lse = None if lse is None else torch.where(lse.isfinite(), torch.randn_like(lse), torch.zeros_like(lse))
-    roots = [(out, grad_out)] + ([(lse, grad_lse)] if lse is not None else [])
-    roots = [(r, g) for r, g in roots if r.requires_grad]  # an empty call's logsumexp has no graph
-    if roots:
-        torch.autograd.backward([r for r, _ in roots], [g for _, g in roots])
+    _backward([(out, grad_out)] + ([(lse, grad_lse)] if lse is not None else []))
     sinks = sdpa_kw.get("sinks")
     leaves = {"dq": q, "dk": k, "dv": v, "dmask": mask, "dsinks": sinks}
     leaves = {n: t for n, t in leaves.items() if t is not None and t.requires_grad}
@@ -168,16 +182,14 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu", ref_device: str =
         m = copies.get("dmask", copy(mask))
         ref = reference(copies["dq"], copies["dk"], copies["dv"], mask=m, keep=keep, **kw)
         ref, ref_lse = ref if lse is not None else (ref, None)
-        roots = [ref] + ([ref_lse] if lse is not None else [])
-        grads = [grad_out.to(ref_device, dtype)] + ([grad_lse.to(ref_device, dtype)] if lse is not None else [])
-        if any(r.requires_grad for r in roots):
-            torch.autograd.backward(
-                [r for r in roots if r.requires_grad], [g for r, g in zip(roots, grads) if r.requires_grad]
-            )
+        _backward(
+            [(ref, grad_out.to(ref_device, dtype))]
+            + ([(ref_lse, grad_lse.to(ref_device, dtype))] if lse is not None else [])
+        )
         refs[dtype] = (
             {"out": ref.to(dtype)}
-            | ({"lse": ref_lse.to(torch.float32 if dtype != torch.float64 else dtype)} if lse is not None else {})
-            | {n: (t.grad if t.grad is not None else torch.zeros_like(t)).to(dtype) for n, t in copies.items()}
+            | ({"lse": ref_lse} if lse is not None else {})  # the float64 one is compared (float32 budget)
+            | {n: t.grad.to(dtype) for n, t in copies.items()}
         )
     extra = {}
     if leaves and out.numel():  # the gradients' share of the stored output's error (oracle.stored_output_slack)
@@ -249,8 +261,7 @@ EMPTY_MASK_GRAD = Fuzzed(Case(batch=0, heads_q=1, heads_kv=1, seqlen_q=0, seqlen
 @given(problems())
 @example(EMPTY_MASK_GRAD)  # math: dmask was None (not zeros) for an empty call (fixed in backends/math.py)
 def test_fuzz_math(f):
-    assume(supported("math", f))
-    differential("math", f)
+    fuzz_one("math", f)
 
 
 EMPTY_SINKS_GRAD = Fuzzed(Case(batch=0, heads_q=1, heads_kv=1, seqlen_q=0, seqlen_k=0, head_dim=1, sinks="grad"))
@@ -262,15 +273,13 @@ EMPTY_SINKS_GRAD = Fuzzed(Case(batch=0, heads_q=1, heads_kv=1, seqlen_q=0, seqle
 @example(dataclasses.replace(EMPTY_SINKS_GRAD, case=dataclasses.replace(EMPTY_SINKS_GRAD.case, varlen=(), extra_k=())))
 def test_fuzz_math_softcap_alibi_sinks(f):
     assume(f.case.softcap or f.case.alibi or f.case.sinks)
-    assume(supported("math", f))
-    differential("math", f)
+    fuzz_one("math", f)
 
 
 @settings(FUZZ, max_examples=80)
 @given(problems(dropout=False))  # F.sdpa's dropout mask cannot be recovered
 def test_fuzz_torch_cpu(f):
-    assume(supported("torch_cpu", f))
-    differential("torch_cpu", f)
+    fuzz_one("torch_cpu", f)
 
 
 # The triton kernel's float32 backward lost ~|score| * eps where scores reach hundreds: found by
@@ -297,10 +306,7 @@ LARGE_SCORES = Fuzzed(
 # (oracle.accumulation_slack; random campaigns: no failure in ~3300 checked examples, 2026-11-27)
 @given(problems(scales=(None, 1e-4, 0.05, 1.0), magnitudes=(1.0, 8.0)))
 def test_fuzz_triton(f):
-    if not ad.get_backend("triton").is_available():
-        pytest.skip(ad.get_backend("triton").unavailable_reason())
-    assume(supported("triton", f))
-    differential("triton", f)
+    fuzz_one("triton", f)
 
 
 @st.composite
@@ -375,10 +381,7 @@ TILE_LENGTHS = st.sampled_from((0, 1, 5, 15, 17, 31, 33, 47, 64, 70))
 @settings(FUZZ, max_examples=16)
 @given(problems(scales=(None, 0.05, 1.0), magnitudes=(1.0,), features=True, lengths=TILE_LENGTHS))
 def test_fuzz_triton_across_tiles(f):
-    if not ad.get_backend("triton").is_available():
-        pytest.skip(ad.get_backend("triton").unavailable_reason())
-    assume(supported("triton", f))
-    differential("triton", f)
+    fuzz_one("triton", f)
 
 
 @st.composite
@@ -483,11 +486,8 @@ GPU_EXAMPLES = 25
 def test_fuzz_gpu(backend, f):
     """The same generator on the GPU against every installed backend (dropout only where its
     keep-mask can be recovered), GPU_EXAMPLES examples per backend."""
-    if not ad.get_backend(backend).is_available():
-        pytest.skip(ad.get_backend(backend).unavailable_reason())
     assume(not f.case.dropout_p or backend in KEEP_MASKS)
-    assume(supported(backend, f, "cuda"))
-    differential(backend, f, "cuda")
+    fuzz_one(backend, f, "cuda")
 
 
 KV_GPU_BACKENDS = ("triton", "flash_attn", "cudnn", "torch_efficient", "math")
