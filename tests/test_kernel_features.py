@@ -94,7 +94,9 @@ def check(
     params = _params(causal, window, scale, dropout_p, softcap, **pkw)
     # alibi: True, or a float scaling the slopes (small slopes: far keys keep visible weights)
     slopes = (torch.rand(hq, device=q.device) * 0.4 + 0.05).mul(float(alibi)).expand(batch, hq) if alibi else None
-    sink_t = (torch.randn(hq, device=q.device) * 2).to(sink_dtype).requires_grad_() if sinks else None
+    # sinks: True, or a float they are centred on (far above every score: the sink takes ~all the weight)
+    sink_mean = 0.0 if sinks is True else float(sinks)
+    sink_t = (torch.randn(hq, device=q.device) * 2 + sink_mean).to(sink_dtype).requires_grad_() if sinks else None
     torch.manual_seed(seed)
     out, lse = triton_attention(
         q, k, v, bias, params, cu_q, cu_k, *max_s, return_lse=True, alibi_slopes=slopes, sinks=sink_t
@@ -235,13 +237,24 @@ def test_fully_masked_rows_with_sinks_and_lse():
     assert (got["dq"][:, :, 2] == 0).all()
 
 
+@pytest.mark.parametrize("sink", [16.0, 30.0, 120.0])
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_sinks_far_above_every_score_with_a_logsumexp_gradient(sink, dtype):
+    """A sink ~16 (some heads either side of the delta pass's EXCESS_SPLIT), ~30 or ~120 above the scores: P with the sink in its normaliser is ~e^-sink (0 in float32
+    past ~88), while the gradient into lse (without the sink) moves the scores by P without it, O(1).
+    exp(sink) overflowed in the delta pass: NaN in every gradient (H100 fuzz, bf16, 2026-11-27)."""
+    check(*dense(dtype=dtype), sinks=sink, lse_grad=True)
+    check(*dense(dtype=dtype, sq=12, sk=10), causal="top_left", sinks=sink, lse_grad=True, softcap=3.0)
+
+
 def test_window_leaving_rows_empty_with_sinks():
     # bottom-right with Sq > Sk: the first rows see no key at all
     check(*dense(sq=12, sk=5), causal="bottom_right", **ALL)
 
 
 def test_sinks_without_grad_and_no_lse_gradient_costs_nothing(monkeypatch):
-    """No lse gradient, sinks not requiring grad: the delta pass gets no dlse and no d(sink) rows."""
+    """No lse gradient, sinks not requiring grad: the delta pass gets no dlse, no d(sink) rows and no
+    rescaled dO (the passes read the caller's)."""
     from attention_dispatch.kernels.tl import launch_backward
 
     seen = []
@@ -255,8 +268,9 @@ def test_sinks_without_grad_and_no_lse_gradient_costs_nothing(monkeypatch):
     q, k, v = dense()
     out = triton_attention(q, k, v, None, KernelParams(scale=0.25), sinks=torch.randn(2, device=DEV))
     out.sum().backward()
-    lse_arg, sinks_arg, grad_lse, lse_total, dsink_rows = seen[-1]
+    lse_arg, sinks_arg, grad_lse, lse_total, dsink_rows, do_scaled = seen[-1]
     assert sinks_arg is not None and lse_total is not None and grad_lse is None and dsink_rows is None
+    assert do_scaled is None
     out = triton_attention(q, k, v, None, KernelParams(scale=0.25))
     out.sum().backward()
     assert all(a is None for a in seen[-1][1:])

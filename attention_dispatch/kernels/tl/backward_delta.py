@@ -6,6 +6,10 @@ import triton.language as tl
 
 from .common import _load_rows
 
+# a row whose sink outweighs its keys by more than e^EXCESS_SPLIT: the passes take the plain lse as P's
+# normaliser (see _attn_bwd_preprocess); below it P with the sink stays far from float32's underflow
+EXCESS_SPLIT = tl.constexpr(16.0)
+
 
 @triton.jit
 def _attn_bwd_preprocess(
@@ -18,12 +22,16 @@ def _attn_bwd_preprocess(
     DLse,
     LseTotal,
     DSinkRows,
+    DOScaled,
     sob,
     soh,
     sos,
     sdob,
     sdoh,
     sdos,
+    sdsb,
+    sdsh,
+    sdss,
     slb,
     slh,
     sls,
@@ -35,6 +43,7 @@ def _attn_bwd_preprocess(
     HAS_SINKS: tl.constexpr,
     SINK_GRAD: tl.constexpr,
     HAS_DLSE: tl.constexpr,
+    SCALE_DO: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
@@ -42,7 +51,12 @@ def _attn_bwd_preprocess(
     empty row), P's normaliser in the dK/dV and dQ passes; SINK_GRAD: DSinkRows = -exp(sink -
     LseTotal) * delta per row, summed over rows on the host.  HAS_DLSE: a gradient flowing into
     lse adds dlse * P_plain to dS, i.e. delta -= dlse * exp(LseTotal - lse) (dlse without sinks;
-    0 for an empty row).  LSE, DLse, LseTotal and DSinkRows share delta's layout."""
+    0 for an empty row).  With both, DOScaled (dO's shape, contiguous) is the dO the passes read: a
+    row whose sink outweighs its keys by e^excess > e^EXCESS_SPLIT would need exp(excess) (inf past
+    ~88: NaN) times P normalised with the sink (0 past ~88: the lse gradient lost), so its passes
+    normalise P by the plain lse and take dO and delta scaled by r = exp(-excess), delta = r rowsum(dO
+    O) - dlse: dS = P_plain (r dP - r delta + dlse) and dV = sum P_plain r dO, as before; other rows
+    copy dO.  LSE, DLse, LseTotal and DSinkRows share delta's layout."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1) + bh_start
     b = pid_bh // H
@@ -83,13 +97,27 @@ def _attn_bwd_preprocess(
         # logaddexp(lse, sink) - lse, >= 0: the factor exp(lse_total - lse) below
         excess = top - lse_used + tl.log(tl.exp(lse_used - top) + tl.exp(sink - top))
         lse_total = tl.where(empty, float("-inf"), lse_used + excess)
-        tl.store(LseTotal + l_ptrs, lse_total, mask=row_ok)
         if SINK_GRAD:
             p_sink = tl.where(empty, 0.0, tl.exp(sink - tl.where(empty, 0.0, lse_total)))
             tl.store(DSinkRows + l_ptrs, -p_sink * delta, mask=row_ok)
     if HAS_DLSE:
         dlse = tl.load(DLse + l_ptrs, mask=row_ok, other=0.0)
-        if HAS_SINKS:
-            dlse = dlse * tl.exp(excess)
-        delta = delta - tl.where(empty, 0.0, dlse)
+        if SCALE_DO:
+            far = (excess > EXCESS_SPLIT) & ~empty
+            r = tl.where(far, tl.exp(-excess), 1.0)
+            lse_total = tl.where(far, lse, lse_total)
+            delta = tl.where(far, r * delta - dlse, delta - dlse * tl.exp(tl.minimum(excess, EXCESS_SPLIT)))
+            ds_ptrs = DOScaled + b64 * sdsb + h64 * sdsh + rows[:, None] * sdss + offs_d[None, :]
+            tl.store(
+                ds_ptrs,
+                (do.to(tl.float32) * r[:, None]).to(DOScaled.dtype.element_ty),
+                mask=row_ok[:, None] & (offs_d < HEAD_DV)[None, :],
+            )
+        elif HAS_SINKS:
+            delta = delta - dlse * tl.exp(excess)
+        else:
+            delta = delta - dlse
+        delta = tl.where(empty, 0.0, delta)
+    if HAS_SINKS:
+        tl.store(LseTotal + l_ptrs, lse_total, mask=row_ok)
     tl.store(Delta + l_ptrs, delta, mask=row_ok)

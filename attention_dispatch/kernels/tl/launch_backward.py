@@ -135,11 +135,13 @@ def delta_pass(
     grad_lse=None,
     lse_total=None,
     dsink_rows=None,
+    do_scaled=None,
 ) -> None:
     """delta = rowsum(dO * O) into ``delta`` (fp32, lse's shape): every backward's first pass.
     With ``sinks`` (Hq,) it writes ``lse_total`` = logaddexp(lse, sink) and, given
     ``dsink_rows``, each row's share of d(sink); with ``grad_lse`` (lse's layout) delta takes the
-    logsumexp's gradient (tl/backward_delta.py's _attn_bwd_preprocess); all of lse's layout."""
+    logsumexp's gradient; with both, ``do_scaled`` (dO's shape, contiguous) the dO the later passes
+    read (tl/backward_delta.py's _attn_bwd_preprocess: rows the sink outweighs); all of lse's layout."""
     bm_pre = 16 if is_interpreter() else 64
     o_str = prob.out_strides(out)
     dummy = delta
@@ -149,18 +151,34 @@ def delta_pass(
         grad_lse if grad_lse is not None else dummy,
         lse_total if lse_total is not None else dummy,
         dsink_rows if dsink_rows is not None else dummy,
+        do_scaled if do_scaled is not None else do,
     )
+    ds_str = prob.out_strides(do_scaled if do_scaled is not None else do)
     for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, a.limit):
         run.launch_one(
             _attn_bwd_preprocess,
             (cdiv(prob.Sq, bm_pre), cnt),
-            (out, do, delta, a.cu_q_t, *tensors, *o_str, *a.do_strides, *a.lse_strides, prob.Hq, prob.Sq, start),
+            (
+                out,
+                do,
+                delta,
+                a.cu_q_t,
+                *tensors,
+                *o_str,
+                *prob.out_strides(do),
+                *ds_str,
+                *a.lse_strides,
+                prob.Hq,
+                prob.Sq,
+            )
+            + (start,),
             dict(
                 HEAD_DV=prob.Dv,
                 IS_VARLEN=prob.varlen,
                 HAS_SINKS=sinks is not None,
                 SINK_GRAD=dsink_rows is not None,
                 HAS_DLSE=grad_lse is not None,
+                SCALE_DO=do_scaled is not None,
                 BLOCK_M=bm_pre,
                 BLOCK_DV=a.common["BLOCK_DV"],
             ),
