@@ -247,6 +247,28 @@ def test_sinks_far_above_every_score_with_a_logsumexp_gradient(sink, dtype):
     check(*dense(dtype=dtype, sq=12, sk=10), causal="top_left", sinks=sink, lse_grad=True, softcap=3.0)
 
 
+@pytest.mark.parametrize(
+    "dtype, seq", [(F32, None), (BF16, None), pytest.param(BF16, 4096, marks=[gpu, needs_cuda], id="gluon")]
+)
+def test_a_sink_of_plus_infinity_takes_all_the_weight_without_nan(dtype, seq):
+    """sinks = +inf: every P is 0 and the output 0, the sink's gradient 0 (its row weight is 1, delta 0);
+    the logsumexp (without the sink) and its gradient are those of the call without sinks.  inf - inf in
+    the delta pass gave NaN gradients.  ``seq``: a causal d128 call the Gluon kernels take on an sm90."""
+    q, k, v = dense(dtype=dtype, sq=12, sk=10) if seq is None else (rand(1, 2, seq, 128, dtype=dtype) for _ in range(3))
+    params = KernelParams(scale=q.shape[-1] ** -0.5, window_right=0)
+    sinks = torch.full((2,), math.inf, device=DEV, requires_grad=True)
+    out, lse = triton_attention(q, k, v, None, params, return_lse=True, sinks=sinks)
+    do, dlse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out.float() * do.float()).sum() + (lse * dlse).sum(), (q, k, v, sinks))
+    assert (out == 0).all() and all(not g.isnan().any() for g in grads)
+    assert (grads[3] == 0).all() and (grads[2] == 0).all()
+    plain_lse = triton_attention(q, k, v, None, params, return_lse=True)[1]
+    torch.testing.assert_close(lse, plain_lse)
+    expected = torch.autograd.grad((plain_lse * dlse).sum(), (q, k))
+    for got, want in zip(grads[:2], expected):
+        torch.testing.assert_close(got, want)
+
+
 def test_window_leaving_rows_empty_with_sinks():
     # bottom-right with Sq > Sk: the first rows see no key at all
     check(*dense(sq=12, sk=5), causal="bottom_right", **ALL)
@@ -430,6 +452,7 @@ def test_gpu_all_features(dtype, causal, window):
         dict(sinks=True),
         dict(lse_grad=True),
         dict(softcap=30.0, sinks=True, lse_grad=True),
+        dict(sinks=40.0, lse_grad=True),  # sinks outweigh every row: the passes' rescaled dO
         dict(alibi=True, causal="bottom_right"),
         dict(softcap=20.0, alibi=True, sinks=True),
     ],

@@ -43,7 +43,6 @@ def _attn_bwd_preprocess(
     HAS_SINKS: tl.constexpr,
     SINK_GRAD: tl.constexpr,
     HAS_DLSE: tl.constexpr,
-    SCALE_DO: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
@@ -93,16 +92,16 @@ def _attn_bwd_preprocess(
         lse_used = tl.where(empty, 0.0, lse)
     if HAS_SINKS:
         sink = tl.load(Sinks + h).to(tl.float32)
-        top = tl.maximum(lse_used, sink)
-        # logaddexp(lse, sink) - lse, >= 0: the factor exp(lse_total - lse) below
-        excess = top - lse_used + tl.log(tl.exp(lse_used - top) + tl.exp(sink - top))
+        d = sink - lse_used
+        # logaddexp(lse, sink) - lse = softplus(sink - lse) >= 0, +inf for a sink of +inf (not inf - inf)
+        excess = tl.maximum(d, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(d)))
         lse_total = tl.where(empty, float("-inf"), lse_used + excess)
         if SINK_GRAD:
-            p_sink = tl.where(empty, 0.0, tl.exp(sink - tl.where(empty, 0.0, lse_total)))
+            p_sink = tl.where(empty, 0.0, 1.0 / (1.0 + tl.exp(-d)))  # exp(sink - lse_total) = sigmoid(d)
             tl.store(DSinkRows + l_ptrs, -p_sink * delta, mask=row_ok)
     if HAS_DLSE:
         dlse = tl.load(DLse + l_ptrs, mask=row_ok, other=0.0)
-        if SCALE_DO:
+        if HAS_SINKS:
             far = (excess > EXCESS_SPLIT) & ~empty
             r = tl.where(far, tl.exp(-excess), 1.0)
             lse_total = tl.where(far, lse, lse_total)
@@ -113,8 +112,6 @@ def _attn_bwd_preprocess(
                 (do.to(tl.float32) * r[:, None]).to(DOScaled.dtype.element_ty),
                 mask=row_ok[:, None] & (offs_d < HEAD_DV)[None, :],
             )
-        elif HAS_SINKS:
-            delta = delta - dlse * tl.exp(excess)
         else:
             delta = delta - dlse
         delta = tl.where(empty, 0.0, delta)

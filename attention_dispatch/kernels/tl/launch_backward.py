@@ -142,6 +142,8 @@ def delta_pass(
     ``dsink_rows``, each row's share of d(sink); with ``grad_lse`` (lse's layout) delta takes the
     logsumexp's gradient; with both, ``do_scaled`` (dO's shape, contiguous) the dO the later passes
     read (tl/backward_delta.py's _attn_bwd_preprocess: rows the sink outweighs); all of lse's layout."""
+    if (sinks is not None and grad_lse is not None) != (do_scaled is not None):
+        raise ValueError("do_scaled: given exactly when both sinks and grad_lse are")
     bm_pre = 16 if is_interpreter() else 64
     o_str = prob.out_strides(out)
     dummy = delta
@@ -178,7 +180,6 @@ def delta_pass(
                 HAS_SINKS=sinks is not None,
                 SINK_GRAD=dsink_rows is not None,
                 HAS_DLSE=grad_lse is not None,
-                SCALE_DO=do_scaled is not None,
                 BLOCK_M=bm_pre,
                 BLOCK_DV=a.common["BLOCK_DV"],
             ),
