@@ -29,6 +29,7 @@ class Case:
     softcap: float | None = None
     alibi: str | None = None  # ALiBi slopes of shape "heads" (Hq,) or "batch" (B, Hq)
     sinks: str | None = None  # "fixed" or "grad" (the sinks require grad)
+    sink_mean: float = 1.0  # the sinks ~ N(sink_mean, 1): far above the scores, a sink takes ~all the weight
     return_lse: bool = False
 
     def __str__(self):
@@ -95,7 +96,8 @@ def make_inputs(case: Case, device="cpu", requires_grad=True):
         slopes = torch.rand(shape, device=device, dtype=torch.float32) * 0.5 + 0.05
         sdpa_kw["alibi_slopes"], naive_kw["alibi_slopes"] = slopes, slopes.cpu().double()
     if case.sinks is not None:  # naive_kw gets the same tensor: callers make their own leaf copies
-        sinks = (torch.randn(case.heads_q, device=device, dtype=case.dtype) + 1.0).requires_grad_(case.sinks == "grad")
+        sinks = torch.randn(case.heads_q, device=device, dtype=case.dtype) + case.sink_mean
+        sinks = sinks.requires_grad_(case.sinks == "grad")
         sdpa_kw["sinks"] = naive_kw["sinks"] = sinks
     if case.return_lse:
         sdpa_kw["return_lse"] = naive_kw["return_lse"] = True

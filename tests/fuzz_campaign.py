@@ -37,7 +37,7 @@ def _gpu_one(backend: str, f: T.Fuzzed) -> None:
 TARGETS = {
     # name: (generator, check of one example)
     "triton": (
-        T.problems(scales=(None, 1e-4, 0.05, 1.0, 3.0), magnitudes=(1.0, 8.0)),
+        T.problems(scales=(None, 1e-4, 0.05, 1.0, 3.0, 20.0), magnitudes=(1.0, 8.0)),
         functools.partial(T.fuzz_one, "triton"),
     ),
     "tiles": (

@@ -80,13 +80,27 @@ def stored_output_slack(out, out64, grad_out, lse64, inputs: dict) -> dict:
 
 
 def accumulation_slack(
-    grad_out, out64, lse64, q64, k64, v64, key_rows, scale: float, dtype, heads_kv: int, batch: int
+    grad_out,
+    out64,
+    lse64,
+    q64,
+    k64,
+    v64,
+    key_rows,
+    scale: float,
+    dtype,
+    heads_kv: int,
+    batch: int,
+    dot_abs: float = 0.0,
 ) -> dict:
     """{name: bound} of the error an attention in the accumulation's precision owes to roundings whose
     size the budget's reference, run in the input dtype, may miss by luck or by its formula:
     - the scores: s_ij rounded to ~u |s_ij|, ~u |lse_i| where P matters: the output moves by ~2 u max|lse|
       times |v_j - O_i| (math float32, scale 3 at magnitude 8, scores ~300: out 1.9e-5 against an allowed
-      1.05e-5, where the float32 reference's worst element happened to round closer);
+      1.05e-5, where the float32 reference's worst element happened to round closer); and the dot
+      product's own rounding, ~u scale sum_d |q_id k_jd|, which is far more than u |s_ij| where the sum
+      cancels or a softcap squashes it: ``dot_abs`` = max_i scale <|q_i|, sum_j P_ij |k_j|> (math float32,
+      softcap 2 at scale 20 and magnitude 8, scores ~2 from products ~4e4: lse 1.46e-4 against 1.11e-4);
     - dP_ij = <dO_i, v_j> and D_i = <dO_i, O_i> rounded apart: dS_ij = P_ij (dP_ij - D_i) cancels where
       one key holds a row's softmax (Sq = Sk = 1: exactly 0 in float64 and in the reference; torch_cpu
       float32 at magnitude 8: dq 1.04e-5 against the 1e-5 floor): an error ~ u G_i a row, with
@@ -110,11 +124,12 @@ def accumulation_slack(
 
     g, o = grad_out.detach().to(out64.device, torch.float64).abs(), out64.detach().abs()
     big = largest(g.sum(-1) * (largest(v64) + o.amax(-1)))
-    p_rel = 2 * u * largest(lse64)
+    p_rel = 2 * u * (largest(lse64) + dot_abs)
     e = u + p_rel
     return {
         "out": p_rel * 2 * largest(v64),
-        "lse": 2 * p_rel,  # the scores' rounding, ~u |s| with |s| ~ |lse| (math float32, scores ~3000: 2.1e-4)
+        # the scores' rounding, ~u |s| with |s| ~ |lse| (math float32, scores ~3000: 2.1e-4), and the dot products'
+        "lse": 4 * u * largest(lse64) + u * dot_abs,
         "dq": e * big * scale * largest(k64),
         "dk": e * big * scale * largest(q64) * key_rows,
         "dv": p_rel * key_rows * largest(g),
