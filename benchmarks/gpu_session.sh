@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -137,6 +137,17 @@ case "$what" in
       2>&1 | tee "$out/gpu_tests.log" | tail -6
     timeout 240 python3 benchmarks/forward_ab.py --rows "d64,bf16 d128 4k causal,bf16 d128 16k causal" --impls ws,tl,ws-no-fuse,ws-fuse-banded --rounds 5 \
       --json "$out/ab.json" --commit "$sha" 2>&1 | tail -14 ;;
+  fuzz)      # trust: test_fuzz.py's gpu items (~250-300 s cold), then FUZZ_SECONDS (default 50) of each random GPU
+             # campaign (tests/fuzz_campaign.py: new examples each run; a failure prints the shrunk call)
+    timeout -s INT 290 $pytest_lines tests/test_fuzz.py > "$out/fuzz_tests.log" 2>&1
+    timeout -s INT 190 python3 tests/fuzz_campaign.py --seconds "${FUZZ_SECONDS:-50}" --chunk 5 \
+      --targets gpu_large,gpu_features,kv_gpu > "$out/fuzz_campaign.log" 2>&1
+    # a Gluon example compiles for 10-20 s: rounds of 2
+    timeout -s INT 90 python3 tests/fuzz_campaign.py --seconds "${FUZZ_SECONDS:-50}" --chunk 2 \
+      --targets gluon_large >> "$out/fuzz_campaign.log" 2>&1
+    grep -v -E "Warning|warn\(|^  out = " "$out/fuzz_campaign.log" | tail -40
+    test_lines "$out/fuzz_tests.log"
+    grep -h -E "^[a-z_]+: (no failure|FAILED)" "$out/fuzz_campaign.log" ;;
   overhead)  # sdpa() against F.sdpa and the decision cache on CUDA (~37 s; the issue's host targets)
     python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -12 ;;
   probe)     # experiment 67's diagnostics (~90 s): flash-attn 4 on its layout and through sdpa(), then
@@ -369,5 +380,5 @@ EOF
     # one file per GPU and mode: the same mode on several GPUs writes the same summary name
     for f in /tmp/par/gpu*/*/*summary*; do [ -f "$f" ] && cp "$f" "$out/$(echo "${f#/tmp/par/}" | tr / _)"; done
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz [SHA]"; exit 2 ;;
 esac
