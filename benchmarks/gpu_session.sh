@@ -229,6 +229,10 @@ case "$what" in
     (cd "$dir" && timeout -s INT 300 $pytest_lines tests/test_triton_kernel.py tests/test_kernel_features.py \
        -k "forward_warp_specialized or (gluon and (softcap or bounded or alibi or sinks))" \
        > "$out/patchab_tests_dense.log" 2>&1) &
+    # a patch's own GPU tests (e.g. e107b's tests/test_gluon_persistent.py: persistent bit-equal to per-unit)
+    for t in $(awk '/^diff --git/ {f = $4} /^new file mode/ && f ~ /^b\/tests\/test_.*\.py$/ {print substr(f, 3)}' "$PATCH"); do
+      (cd "$dir" && timeout -s INT 300 $pytest_lines "$t" > "$out/patchab_tests_own_$(basename "$t" .py).log" 2>&1) &
+    done
     features_warm plain,softcap "dense causal" "$PWD" "$dir"
     wait
     summary="$out/patchab_summary.txt"
