@@ -22,16 +22,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, assume, given, reject, settings  # noqa: E402
+from hypothesis import HealthCheck, given, reject, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import test_fuzz as T  # noqa: E402
 
 
-def _gpu_one(backend: str, f: T.Fuzzed) -> None:
-    """test_fuzz_gpu's check of one example on CUDA."""
-    assume(not f.case.dropout_p or backend in T.KEEP_MASKS)
-    T.fuzz_one(backend, f, "cuda")
+def _gpu_target(problems):
+    """(backend, problem) pairs over every GPU backend, checked as test_fuzz_gpu checks one."""
+    return st.tuples(st.sampled_from(T.GPU_BACKENDS), problems), lambda bf: T.fuzz_gpu_one(*bf)
 
 
 TARGETS = {
@@ -58,19 +57,11 @@ TARGETS = {
     "gluon": (T.gluon_problems(), T.gluon_differential),
     # large scores (magnitude 4-8 scales q and k: scores in the tens to hundreds) where test_fuzz keeps 1
     "gluon_large": (T.gluon_problems(magnitudes=(4.0, 8.0)), T.gluon_differential),
-    "gpu_large": (
-        st.tuples(
-            st.sampled_from(T.GPU_BACKENDS),
-            T.problems(scales=(None, 0.05, 1.0, 3.0), magnitudes=(4.0, 8.0), head_dims=T.GPU_HEAD_DIMS),
-        ),
-        lambda bf: _gpu_one(*bf),
+    "gpu_large": _gpu_target(
+        T.problems(scales=(None, 0.05, 1.0, 3.0), magnitudes=(4.0, 8.0), head_dims=T.GPU_HEAD_DIMS)
     ),
-    "gpu_features": (
-        st.tuples(
-            st.sampled_from(T.GPU_BACKENDS),
-            T.problems(scales=(None, 0.05, 1.0), magnitudes=(1.0, 8.0), features=True, head_dims=T.GPU_HEAD_DIMS),
-        ),
-        lambda bf: _gpu_one(*bf),
+    "gpu_features": _gpu_target(
+        T.problems(scales=(None, 0.05, 1.0), magnitudes=(1.0, 8.0), features=True, head_dims=T.GPU_HEAD_DIMS)
     ),
     "kv_gpu": (
         T.kv_problems(

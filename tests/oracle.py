@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 import attention_dispatch as ad
+from attention_dispatch.kernels.tl.launch import TANH_APPROX_DTYPES
 
 SLACK = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # the largest |tanh.approx.f32(x) - tanh(x)| over every float32 x (tests/test_tanh_approx.py measures it)
@@ -37,7 +38,7 @@ def softcap_tanh_slack(softcap: float | None, dtype: torch.dtype, device) -> flo
     """What a float32 result (the logsumexp) of a softcap call owes to tanh.approx.f32, which the GPU
     kernels take for 16-bit inputs (tl/launch.TANH_APPROX_DTYPES, the Gluon kernels, flash-attn): each
     score moves by at most softcap x its error, so a row's logsumexp (sum_j P_ij d s_ij) as much."""
-    if not softcap or dtype not in (torch.float16, torch.bfloat16) or torch.device(device).type != "cuda":
+    if not softcap or dtype not in TANH_APPROX_DTYPES or torch.device(device).type != "cuda":
         return 0.0
     return softcap * TANH_APPROX_ABS_ERR
 

@@ -83,9 +83,8 @@ def problems(
         fields["softcap"] = draw(st.sampled_from((None, 2.0, 30.0)))
         fields["alibi"] = draw(st.sampled_from((None, "heads", "batch")))
         fields["sinks"] = draw(st.sampled_from((None, "fixed", "grad")))
-        if fields[
-            "sinks"
-        ]:  # now and then far above every score (a row's lse gradient then needs tl/backward_delta's rescale)
+        # now and then far above every score (a row's lse gradient then needs tl/backward_delta's rescale)
+        if fields["sinks"]:
             fields["sink_mean"] = draw(st.sampled_from((1.0, 1.0, 40.0, 120.0)))
         fields["return_lse"] = draw(st.booleans())  # and a gradient into it
     return Fuzzed(
@@ -215,20 +214,21 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu", ref_device: str =
         extra = stored_output_slack(out, out64, grad_out, lse64, copies)
         # and to its own roundings (oracle.accumulation_slack): each key's column sum of P, without dropout
         # (the roundings' errors multiply the undropped P), as the gradient of sum(out) with respect to v
+        # and (values |k| beside v, one attention) each row's P-weighted sum of |q_i| |k_j|: the dot products' rounding
+        q64, k64 = copies["dq"].detach(), copies["dk"].detach()
         v_cols = copies["dv"].detach().clone().requires_grad_()
         kw = dict(naive_kw, sinks=sinks64)
         kw.pop("dropout_p", None)
         kw.pop("return_lse", None)
         m_values = m.detach() if isinstance(m, torch.Tensor) else m
-        plain = naive_attention(copies["dq"].detach(), copies["dk"].detach(), v_cols, mask=m_values, **kw)
+        plain = naive_attention(q64, k64, torch.cat([v_cols, k64.abs()], -1), mask=m_values, **kw)
         key_rows = 0.0  # an empty call's output does not depend on v
         if plain.requires_grad:
-            (cols,) = torch.autograd.grad(plain.sum(), v_cols, allow_unused=True, materialize_grads=True)
+            v_part = plain[..., : v_cols.shape[-1]]
+            (cols,) = torch.autograd.grad(v_part.sum(), v_cols, allow_unused=True, materialize_grads=True)
             key_rows = cols.abs().max().item() if cols.numel() else 0.0
         scale = naive_kw.get("scale") or q.shape[-1] ** -0.5
-        # each row's P-weighted sum of |q_i| |k_j| (the dot products' rounding): attention over values |k|
-        q64, k64 = copies["dq"].detach(), copies["dk"].detach()
-        weighted = naive_attention(q64, k64, k64.abs(), mask=m_values, **kw)
+        weighted = plain.detach()[..., v_cols.shape[-1] :]
         dot_abs = scale * (q64.abs() * weighted).sum(-1).nan_to_num(0.0).max().item()
         batch = case.batch if case.varlen is None else len(case.varlen)
         rounding = accumulation_slack(
@@ -515,6 +515,11 @@ GPU_EXAMPLES = 25
 def test_fuzz_gpu(backend, f):
     """The same generator on the GPU against every installed backend (dropout only where its
     keep-mask can be recovered), GPU_EXAMPLES examples per backend."""
+    fuzz_gpu_one(backend, f)
+
+
+def fuzz_gpu_one(backend: str, f: Fuzzed) -> None:
+    """fuzz_one on CUDA, dropout only where the backend's keep-mask can be recovered."""
     assume(not f.case.dropout_p or backend in KEEP_MASKS)
     fuzz_one(backend, f, "cuda")
 

@@ -240,9 +240,9 @@ def test_fully_masked_rows_with_sinks_and_lse():
 @pytest.mark.parametrize("sink", [16.0, 30.0, 120.0])
 @pytest.mark.parametrize("dtype", [F32, F16])
 def test_sinks_far_above_every_score_with_a_logsumexp_gradient(sink, dtype):
-    """A sink ~16 (some heads either side of the delta pass's EXCESS_SPLIT), ~30 or ~120 above the scores: P with the sink in its normaliser is ~e^-sink (0 in float32
-    past ~88), while the gradient into lse (without the sink) moves the scores by P without it, O(1).
-    exp(sink) overflowed in the delta pass: NaN in every gradient (H100 fuzz, bf16, 2026-11-27)."""
+    """A sink ~16 (some heads either side of the delta pass's EXCESS_SPLIT), ~30 or ~120 above the
+    scores: P with the sink in its normaliser is ~e^-sink (0 in float32 past ~88), while the gradient
+    into lse (without the sink) moves the scores by P without it, O(1).  exp(sink) overflowed in the delta pass: NaN in every gradient (H100 fuzz, bf16, 2026-11-27)."""
     check(*dense(dtype=dtype), sinks=sink, lse_grad=True)
     check(*dense(dtype=dtype, sq=12, sk=10), causal="top_left", sinks=sink, lse_grad=True, softcap=3.0)
 

@@ -359,9 +359,11 @@ def attention_backward(
         dsinks = torch.zeros(sinks.shape, device=dev, dtype=sinks.dtype) if sinks_grad else None
         return dq, _into(dk_out, dk), _into(dv_out, dv), dbias, dsinks
 
-    do_in = do
-    if sinks is not None and grad_lse is not None:  # the passes read dO as the delta pass rescales it
-        do = torch.empty(do.shape, device=dev, dtype=do.dtype)
+    # sinks with an lse gradient: the passes read dO as the delta pass rescales it (rows the sink outweighs)
+    do_scaled = (
+        torch.empty(do.shape, device=dev, dtype=do.dtype) if sinks is not None and grad_lse is not None else None
+    )
+    do_in, do = do, do if do_scaled is None else do_scaled
     desc = use_descriptors(params, (q, k, v, do), dev)
     # the forward's (hi, lo) pairs (lse_pair_buffer): P's normaliser unless a sink joins it
     pair = lse_pair if sinks is None else None
@@ -378,9 +380,7 @@ def attention_backward(
             dsink_rows = torch.empty(prob.lse_shape, device=dev, dtype=torch.float32)
     if grad_lse is not None:
         grad_lse = grad_lse.to(torch.float32).contiguous()
-    tl_backward.delta_pass(
-        do_in, out, delta, prob, args, lse, sinks, grad_lse, lse_used, dsink_rows, do if do is not do_in else None
-    )
+    tl_backward.delta_pass(do_in, out, delta, prob, args, lse, sinks, grad_lse, lse_used, dsink_rows, do_scaled)
     if lse_used is not None:
         lse = lse_used
     # (B, Hq, Sq) or (total_q, Hq): summed over all but the head dim, in a fixed order

@@ -153,27 +153,15 @@ def delta_pass(
         grad_lse if grad_lse is not None else dummy,
         lse_total if lse_total is not None else dummy,
         dsink_rows if dsink_rows is not None else dummy,
-        do_scaled if do_scaled is not None else do,
+        do if do_scaled is None else do_scaled,  # written only with both sinks and grad_lse
     )
-    ds_str = prob.out_strides(do_scaled if do_scaled is not None else do)
+    ds_str = prob.out_strides(tensors[-1])
     for start, cnt in bh_chunks(prob.B * prob.Hq, prob.Hq, a.limit):
         run.launch_one(
             _attn_bwd_preprocess,
             (cdiv(prob.Sq, bm_pre), cnt),
-            (
-                out,
-                do,
-                delta,
-                a.cu_q_t,
-                *tensors,
-                *o_str,
-                *prob.out_strides(do),
-                *ds_str,
-                *a.lse_strides,
-                prob.Hq,
-                prob.Sq,
-            )
-            + (start,),
+            (out, do, delta, a.cu_q_t, *tensors, *o_str, *prob.out_strides(do), *ds_str, *a.lse_strides)
+            + (prob.Hq, prob.Sq, start),
             dict(
                 HEAD_DV=prob.Dv,
                 IS_VARLEN=prob.varlen,
