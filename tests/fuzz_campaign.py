@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, given, reject, settings  # noqa: E402
+from hypothesis.errors import Unsatisfiable  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import test_fuzz as T  # noqa: E402
@@ -79,6 +80,7 @@ def run(name: str, seconds: float, chunk: int = 20) -> bool:
     ones: not derandomized); False on a failure, which hypothesis shrinks and prints."""
     strategy, check = TARGETS[name]
     start, count = time.time(), [0, 0]  # drawn, checked (the rest fell outside the target: assume())
+    skipped = []  # why a check skipped (a backend not installed here)
 
     @settings(
         derandomize=False,
@@ -93,13 +95,19 @@ def run(name: str, seconds: float, chunk: int = 20) -> bool:
         count[0] += 1
         try:
             check(x)
-        except pytest.skip.Exception:  # a backend not installed here: not a failure, not checked
+        except pytest.skip.Exception as e:  # a backend not installed here: not a failure, not checked
+            skipped[:] = [str(e)]
             reject()
         count[1] += 1
 
     while time.time() - start < seconds:
         try:
             rounds()
+        except Unsatisfiable:
+            if count[1] == 0 and skipped:  # every draw skipped: say why rather than fail
+                print(f"{name}: nothing checked: {skipped[0]}", flush=True)
+                return False
+            continue  # a round whose every draw fell outside the target; the next draws anew
         except Exception as e:  # noqa: BLE001 - hypothesis re-raises the shrunk failure
             print(f"{name}: FAILED after {count[0]} examples\n{''.join(traceback.format_exception(e))[-4000:]}")
             return False

@@ -29,9 +29,10 @@ def _allowed(sq: int, sk: int, causal: str | None, window: tuple[int, int] | Non
     return ok
 
 
-def _one(q, k, v, bias, keep, dropout_p, scale, causal, window, softcap=None, slopes=None, sinks=None):
+def _one(q, k, v, bias, keep, dropout_p, scale, causal, window, softcap=None, slopes=None, sinks=None, dots=None):
     """q (Hq, Sq, D), k (Hkv, Sk, D), v (Hkv, Sk, Dv); bias/keep broadcastable to (Hq, Sq, Sk);
-    slopes (Hq,) ALiBi slopes of this batch entry; sinks (Hq,) one extra logit per head."""
+    slopes (Hq,) ALiBi slopes of this batch entry; sinks (Hq,) one extra logit per head; ``dots``: called
+    with each head's q k^T (Sq, Sk), q_h, its kv head's k and that kv head's index."""
     hq, sq, _ = q.shape
     hkv, sk, _ = k.shape
     group = hq // hkv
@@ -44,7 +45,10 @@ def _one(q, k, v, bias, keep, dropout_p, scale, causal, window, softcap=None, sl
     distance = (pos_q.unsqueeze(1) + off - pos_k.unsqueeze(0)).abs().to(q.dtype)
     rows = []
     for h in range(hq):
-        s = scale * (q[h] @ k[h // group].T)
+        qk = q[h] @ k[h // group].T
+        if dots is not None:
+            dots(qk, q[h], k[h // group], h // group)
+        s = scale * qk
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
         if slopes is not None:
@@ -88,6 +92,11 @@ def _one(q, k, v, bias, keep, dropout_p, scale, causal, window, softcap=None, sl
     return out, lse
 
 
+def _recorder(dot_products, entry: int):
+    """What _one calls with each head's dot products: appends them to ``dot_products`` tagged with the entry."""
+    return None if dot_products is None else (lambda *record: dot_products.append((entry, *record)))
+
+
 def naive_attention(
     q,
     k,
@@ -105,6 +114,7 @@ def naive_attention(
     softcap=None,
     alibi_slopes=None,
     sinks=None,
+    dot_products=None,
 ):
     """Dense: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv).
     Varlen: q (total_q, Hq, D) etc. with cu_seqlens; mask/keep then index (B, Hq, i, j)
@@ -114,7 +124,10 @@ def naive_attention(
     softcap: s = softcap * tanh(scale <q, k> / softcap) before bias; alibi_slopes (Hq,) or (B, Hq):
     adds -slope * |i + off - j| (off = 0 for top-left causal, Sk - Sq otherwise); sinks (Hq,): one
     extra logit per head in each row's softmax denominator, carrying no value (the returned lse
-    leaves it out). Computes in the inputs' dtype (pass float64 for the oracle)."""
+    leaves it out). Computes in the inputs' dtype (pass float64 for the oracle).
+    dot_products: a list given, per batch entry or sequence and query head, (that entry's index, the
+    head's q k^T (Sq, Sk) in the graph, its q (Sq, D), its kv head's k (Sk, D), the kv head's index):
+    gradients with respect to q k^T are a backward's dS times the scale."""
     hq_all = q.shape[1] if cu_seqlens_q is not None else q.shape[-3]
     slopes = None
     if alibi_slopes is not None:
@@ -140,6 +153,7 @@ def naive_attention(
                 causal,
                 window,
                 slopes=None if slopes is None else slopes[i],
+                dots=_recorder(dot_products, i),
                 **extra,
             )
             for i in range(b)
@@ -175,6 +189,7 @@ def naive_attention(
             causal,
             window,
             slopes=None if slopes is None else slopes[i],
+            dots=_recorder(dot_products, i),
             **extra,
         )
         outs.append(o.transpose(0, 1))

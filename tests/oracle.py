@@ -138,6 +138,30 @@ def accumulation_slack(
     }
 
 
+def rounded_ds_slack(dot_products, grads, dtype) -> dict:
+    """{"dq", "dk": bound} of what a 16-bit flash backward owes to each dS_ij rounded to the input dtype
+    before its dq = dS K and dk = dS^T Q products (PyTorch's CPU flash kernel; flash-attn's and our GPU
+    passes feed the tensor cores so): dS_ij off by u |dS_ij| moves dq_i by u scale sum_j |dS_ij| |k_j|,
+    far above dq's own size where that sum cancels (torch_cpu bfloat16, Sq=1 Sk=4 d1 at magnitude 8: dq
+    0.106 off against an allowed 0.0866, scale sum_j |dS_j k_j| = 52); dk_j likewise over the query rows
+    of every head sharing its kv head.  ``dot_products``: tests/naive.py's records of a float64 call
+    (entry, q k^T, q_h, k, kv head); ``grads``: the call's gradients with respect to each q k^T (scale dS).
+    u: the input dtype's unit roundoff (16-bit inputs only; float32 backwards keep dS in float32)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return {}
+    u = torch.finfo(dtype).eps / 2
+    dq, dk_sums = 0.0, {}
+    for (entry, _, q_h, k_kv, kv_head), g in zip(dot_products, grads):
+        if g is None:
+            continue
+        g = g.detach().abs()
+        dq = max(dq, (g @ k_kv.detach().abs()).max().item())
+        key = (entry, kv_head)
+        dk_sums[key] = dk_sums.get(key, 0) + g.T @ q_h.detach().abs()
+    dk = max((t.max().item() for t in dk_sums.values()), default=0.0)
+    return {"dq": u * dq, "dk": u * dk}
+
+
 def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234, requires_grad=True):
     """Run `case` through sdpa(backend=...) forward and backward and check the output and
     every gradient against tests/naive.py in float64 (and in the input dtype for the budget).

@@ -11,6 +11,7 @@ run (never flaky), in a bounded budget; an example that once failed is kept as a
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -23,7 +24,14 @@ from attention_dispatch.kernels.gluon.route import WS_MIN_WORK
 
 from cases import Case, leaf_copy, make_inputs
 from naive import naive_attention
-from oracle import KEEP_MASKS, assert_matches, accumulation_slack, softcap_tanh_slack, stored_output_slack
+from oracle import (
+    KEEP_MASKS,
+    accumulation_slack,
+    assert_matches,
+    rounded_ds_slack,
+    softcap_tanh_slack,
+    stored_output_slack,
+)
 from test_kvcache import KvCase, check_kv_call, make_kv_inputs
 
 
@@ -203,14 +211,22 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu", ref_device: str =
             if mask is None
             else leaf_copy(mask.to(ref_device), torch.float64 if mask.is_floating_point() else None),
         )
+        dots = []
         out64, lse64 = naive_attention(
             copies["dq"],
             copies["dk"],
             copies["dv"],
             mask=m,
             keep=keep,
-            **dict(naive_kw, sinks=sinks64, return_lse=True),
+            **dict(naive_kw, sinks=sinks64, return_lse=True, dot_products=dots),
         )
+        # the 16-bit backwards' dS rounded to the input dtype (oracle.rounded_ds_slack): dS from the float64 call
+        loss = [(out64, grad_out)] + ([(lse64, grad_lse)] if lse is not None else [])
+        ds = torch.autograd.grad(
+            [t for t, _ in loss], [d[1] for d in dots], [g.to(ref_device, torch.float64) for _, g in loss],
+            retain_graph=True, allow_unused=True,
+        ) if dots else ()  # fmt: skip
+        rounded_ds = rounded_ds_slack(dots, ds, case.dtype)
         extra = stored_output_slack(out, out64, grad_out, lse64, copies)
         # and to its own roundings (oracle.accumulation_slack): each key's column sum of P, without dropout
         # (the roundings' errors multiply the undropped P), as the gradient of sum(out) with respect to v
@@ -235,7 +251,10 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu", ref_device: str =
             grad_out, out64, lse64, copies["dq"], copies["dk"], copies["dv"], key_rows, scale, case.dtype, case.heads_kv,
             batch, dot_abs,
         )  # fmt: skip
-        extra = {n: extra.get(n, 0.0) + rounding.get(n, 0.0) for n in set(extra) | set(rounding)}
+        extra = {
+            n: extra.get(n, 0.0) + rounding.get(n, 0.0) + rounded_ds.get(n, 0.0)
+            for n in set(extra) | set(rounding) | set(rounded_ds)
+        }
     for name, value in got.items():
         if name == "lse":  # float32 from the accumulation, whatever the input dtype (as oracle.compare_backend)
             lse_extra = 1e-4 + extra.get("lse", 0.0) + softcap_tanh_slack(case.softcap, case.dtype, device)
@@ -305,8 +324,18 @@ def test_fuzz_math_softcap_alibi_sinks(f):
     fuzz_one("math", f)
 
 
+# bfloat16, one query over 4 keys at magnitude 8: dq is a difference of terms ~50x its size, and PyTorch's CPU
+# flash kernel rounds dS to bfloat16 for its dq product (oracle.rounded_ds_slack; a random campaign found it)
+BF16_DQ_CANCELS = Fuzzed(
+    Case(batch=1, heads_q=1, heads_kv=1, seqlen_q=1, seqlen_k=4, head_dim=1, dtype=torch.bfloat16),
+    magnitude=8.0,
+    seed=44,
+)
+
+
 @settings(FUZZ, max_examples=80)
 @given(problems(dropout=False))  # F.sdpa's dropout mask cannot be recovered
+@example(BF16_DQ_CANCELS)
 def test_fuzz_torch_cpu(f):
     fuzz_one("torch_cpu", f)
 
@@ -698,6 +727,46 @@ def test_accumulation_slack_covers_a_float32_flash_backward_and_nothing_more():
         with pytest.raises(AssertionError):
             assert_matches(no_delta, dq64, dq32, "", torch.float32, extra=extra)
     assert needed, "no seed needed the slack: this test shows nothing"
+
+
+def test_rounded_ds_slack_covers_a_bfloat16_flash_backward_and_nothing_more():
+    """The torch_cpu case (bfloat16, one query over 4 keys, d1, magnitude 8: dq cancels) over seeds: a
+    float64 flash-style dq whose only error is dS rounded to bfloat16 before dS K passes the budget with
+    rounded_ds_slack; one that forgets delta fails with it wherever it fails without it."""
+    caught = 0
+    for seed in range(40):
+        torch.manual_seed(seed)
+        q, k, v = (torch.randn(1, 1, n, 1, dtype=torch.float64) * m for n, m in ((1, 8), (4, 8), (4, 1)))
+        q.requires_grad_()
+        dots = []
+        out64 = naive_attention(q, k, v, dot_products=dots)
+        grad_out = torch.randn_like(out64)
+        (dq64, ds) = torch.autograd.grad(out64, [q, dots[0][1]], grad_out)
+        qb = q.detach().bfloat16().requires_grad_()
+        (dq16,) = torch.autograd.grad(naive_attention(qb, k.bfloat16(), v.bfloat16()), qb, grad_out.bfloat16())
+        p = torch.softmax(q.detach() @ k.transpose(-1, -2), -1)
+        do_v = grad_out @ v.transpose(-1, -2)
+        extra = rounded_ds_slack(dots, [ds], torch.bfloat16)["dq"]
+        got = ((p * (do_v - (grad_out * out64.detach()).sum(-1, keepdim=True))).bfloat16().double() @ k).bfloat16()
+        assert_matches(got, dq64, dq16, f"seed {seed}", torch.bfloat16, extra=extra)
+        no_delta = ((p * do_v).bfloat16().double() @ k).bfloat16()
+        try:
+            assert_matches(no_delta, dq64, dq16, "", torch.bfloat16)
+        except AssertionError:
+            caught += 1
+            with pytest.raises(AssertionError):
+                assert_matches(no_delta, dq64, dq16, "", torch.bfloat16, extra=extra)
+    assert caught >= 30, f"forgetting delta was caught on {caught} of 40 seeds only: this test shows little"
+
+
+def test_rounded_ds_slack_is_what_the_kept_torch_cpu_example_needs(monkeypatch):
+    """BF16_DQ_CANCELS (PyTorch's CPU flash kernel) passes test_fuzz's budget only with rounded_ds_slack."""
+    if not ad.get_backend("torch_cpu").is_available():
+        pytest.skip(ad.get_backend("torch_cpu").unavailable_reason())
+    differential("torch_cpu", BF16_DQ_CANCELS)
+    monkeypatch.setattr(sys.modules[__name__], "rounded_ds_slack", lambda *args: {})
+    with pytest.raises(AssertionError, match="dq: max error"):
+        differential("torch_cpu", BF16_DQ_CANCELS)
 
 
 def test_accumulation_slack_covers_p_from_the_stored_logsumexp_and_nothing_more():
