@@ -32,7 +32,8 @@ def _allowed(sq: int, sk: int, causal: str | None, window: tuple[int, int] | Non
 def _one(q, k, v, bias, keep, dropout_p, scale, causal, window, softcap=None, slopes=None, sinks=None, dots=None):
     """q (Hq, Sq, D), k (Hkv, Sk, D), v (Hkv, Sk, Dv); bias/keep broadcastable to (Hq, Sq, Sk);
     slopes (Hq,) ALiBi slopes of this batch entry; sinks (Hq,) one extra logit per head; ``dots``: called
-    with each head's q k^T (Sq, Sk), q_h, its kv head's k and that kv head's index."""
+    with each head's q k^T (Sq, Sk), q_h, its kv head's k, that kv head's index and the softmax over the
+    allowed keys without sinks or dropout (Sq, Sk)."""
     hq, sq, _ = q.shape
     hkv, sk, _ = k.shape
     group = hq // hkv
@@ -46,8 +47,6 @@ def _one(q, k, v, bias, keep, dropout_p, scale, causal, window, softcap=None, sl
     rows = []
     for h in range(hq):
         qk = q[h] @ k[h // group].T
-        if dots is not None:
-            dots(qk, q[h], k[h // group], h // group)
         s = scale * qk
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
@@ -65,6 +64,8 @@ def _one(q, k, v, bias, keep, dropout_p, scale, causal, window, softcap=None, sl
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         e = torch.exp(s - m) * ok
         z = e.sum(-1, keepdim=True)
+        if dots is not None:
+            dots(qk, q[h], k[h // group], h // group, torch.where(z > 0, e / torch.where(z > 0, z, 1), 0).detach())
         if sinks is not None:
             # shifted by the larger of the row's max and the sink: exp(sink - m) overflowed in float32 when
             # every key's score sat far below the sink (its backward then gave NaN)
@@ -126,8 +127,9 @@ def naive_attention(
     extra logit per head in each row's softmax denominator, carrying no value (the returned lse
     leaves it out). Computes in the inputs' dtype (pass float64 for the oracle).
     dot_products: a list given, per batch entry or sequence and query head, (that entry's index, the
-    head's q k^T (Sq, Sk) in the graph, its q (Sq, D), its kv head's k (Sk, D), the kv head's index):
-    gradients with respect to q k^T are a backward's dS times the scale."""
+    head's q k^T (Sq, Sk) in the graph, its q (Sq, D), its kv head's k (Sk, D), the kv head's index, the
+    softmax over its allowed keys without sinks or dropout): gradients with respect to q k^T are a
+    backward's dS times the scale."""
     hq_all = q.shape[1] if cu_seqlens_q is not None else q.shape[-3]
     slopes = None
     if alibi_slopes is not None:

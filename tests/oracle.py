@@ -93,6 +93,7 @@ def accumulation_slack(
     heads_kv: int,
     batch: int,
     dot_abs: float = 0.0,
+    grad_lse=None,
 ) -> dict:
     """{name: bound} of the error an attention in the accumulation's precision owes to roundings whose
     size the budget's reference, run in the input dtype, may miss by luck or by its formula:
@@ -100,12 +101,14 @@ def accumulation_slack(
       times |v_j - O_i| (math float32, scale 3 at magnitude 8, scores ~300: out 1.9e-5 against an allowed
       1.05e-5, where the float32 reference's worst element happened to round closer); and the dot
       product's own rounding, ~u scale sum_d |q_id k_jd|, which is far more than u |s_ij| where the sum
-      cancels or a softcap squashes it: ``dot_abs`` = max_i scale <|q_i|, sum_j P_ij |k_j|> (math float32,
+      cancels: ``dot_abs`` (:func:`dot_rounding`: P-weighted, times a softcap's derivative; math float32,
       softcap 2 at scale 20 and magnitude 8, scores ~2 from products ~4e4: lse 1.46e-4 against 1.11e-4);
     - dP_ij = <dO_i, v_j> and D_i = <dO_i, O_i> rounded apart: dS_ij = P_ij (dP_ij - D_i) cancels where
       one key holds a row's softmax (Sq = Sk = 1: exactly 0 in float64 and in the reference; torch_cpu
       float32 at magnitude 8: dq 1.04e-5 against the 1e-5 floor): an error ~ u G_i a row, with
-      G_i = sum_d |dO_id| (max |v| + max |O_i|) (maxima: more than a dot product's rounding reaches);
+      G_i = sum_d |dO_id| (max |v| + max |O_i|) (maxima: more than a dot product's rounding reaches), plus
+      |dlse_i| where the logsumexp gets a gradient (``grad_lse``: it adds P_ij dlse_i to dS_ij; math float32
+      with sinks ~40 and softcap 2 at scale 20: dk 1.87e-5 against 1.83e-5, a sum of 18 terms ~160);
     - P_ij = exp(s_ij - lse_i) recomputed from the stored logsumexp: a relative error ~ 2 u |lse_i| where
       P matters (there s_ij ~ lse_i), large with large scores or a large bias (torch_cpu float32, Sk = 1,
       a bias ~100: dv 4.3e-5 against 1.0e-5).
@@ -124,7 +127,10 @@ def accumulation_slack(
         return t.abs().max().item() if t.numel() else 0.0
 
     g, o = grad_out.detach().to(out64.device, torch.float64).abs(), out64.detach().abs()
-    big = largest(g.sum(-1) * (largest(v64) + o.amax(-1)))
+    rows = g.sum(-1) * (largest(v64) + o.amax(-1))
+    if grad_lse is not None:
+        rows = rows + grad_lse.detach().to(rows.device, torch.float64).abs()
+    big = largest(rows)
     p_rel = 2 * u * (largest(lse64) + dot_abs)
     e = u + p_rel
     return {
@@ -145,13 +151,13 @@ def rounded_ds_slack(dot_products, grads, dtype) -> dict:
     far above dq's own size where that sum cancels (torch_cpu bfloat16, Sq=1 Sk=4 d1 at magnitude 8: dq
     0.106 off against an allowed 0.0866, scale sum_j |dS_j k_j| = 52); dk_j likewise over the query rows
     of every head sharing its kv head.  ``dot_products``: tests/naive.py's records of a float64 call
-    (entry, q k^T, q_h, k, kv head); ``grads``: the call's gradients with respect to each q k^T (scale dS).
+    (entry, q k^T, q_h, k, kv head, P); ``grads``: the call's gradients with respect to each q k^T (scale dS).
     u: the input dtype's unit roundoff (16-bit inputs only; float32 backwards keep dS in float32)."""
     if dtype not in (torch.float16, torch.bfloat16):
         return {}
     u = torch.finfo(dtype).eps / 2
     dq, dk_sums = 0.0, {}
-    for (entry, _, q_h, k_kv, kv_head), g in zip(dot_products, grads):
+    for (entry, _, q_h, k_kv, kv_head, _), g in zip(dot_products, grads):
         if g is None:
             continue
         g = g.detach().abs()
@@ -160,6 +166,21 @@ def rounded_ds_slack(dot_products, grads, dtype) -> dict:
         dk_sums[key] = dk_sums.get(key, 0) + g.T @ q_h.detach().abs()
     dk = max((t.max().item() for t in dk_sums.values()), default=0.0)
     return {"dq": u * dq, "dk": u * dk}
+
+
+def dot_rounding(dot_products, scale: float, softcap: float | None) -> float:
+    """max_i sum_j P_ij c_ij scale sum_d |q_id| |k_jd|: what rounding the dot products moves a row's scores
+    by, P-weighted (P over the allowed keys without sinks: a logsumexp's gradient weighs by it), where
+    c_ij = 1 - tanh^2(scale q_i k_j / softcap) is a softcap's derivative (1 without one): a capped score
+    near its bound hardly moves, one whose products cancel moves as much as they round.
+    ``dot_products``: tests/naive.py's records of a float64 call."""
+    worst = 0.0
+    for _, qk, q_h, k_kv, _, p in dot_products:
+        size = scale * (q_h.detach().abs() @ k_kv.detach().abs().T)
+        if softcap:
+            size = size * (1 - torch.tanh(scale * qk.detach() / softcap) ** 2)
+        worst = max(worst, (p * size).sum(-1).max().item())
+    return worst
 
 
 def compare_backend(case, backend: str, keep_fn=None, device="cpu", seed=1234, requires_grad=True):
