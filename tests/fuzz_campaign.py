@@ -59,7 +59,7 @@ TARGETS = {
     # large scores (magnitude 4-8 scales q and k: scores in the tens to hundreds) where test_fuzz keeps 1
     "gluon_large": (T.gluon_problems(magnitudes=(4.0, 8.0)), T.gluon_differential),
     "gpu_large": _gpu_target(
-        T.problems(scales=(None, 0.05, 1.0, 3.0), magnitudes=(4.0, 8.0), head_dims=T.GPU_HEAD_DIMS)
+        T.problems(scales=(None, 0.05, 1.0, 3.0, 20.0), magnitudes=(4.0, 8.0), head_dims=T.GPU_HEAD_DIMS)
     ),
     "gpu_features": _gpu_target(
         T.problems(scales=(None, 0.05, 1.0), magnitudes=(1.0, 8.0), features=True, head_dims=T.GPU_HEAD_DIMS)
