@@ -144,15 +144,19 @@ def accumulation_slack(
     }
 
 
-def rounded_ds_slack(dot_products, grads, dtype) -> dict:
-    """{"dq", "dk": bound} of what a 16-bit flash backward owes to each dS_ij rounded to the input dtype
-    before its dq = dS K and dk = dS^T Q products (PyTorch's CPU flash kernel; flash-attn's and our GPU
-    passes feed the tensor cores so): dS_ij off by u |dS_ij| moves dq_i by u scale sum_j |dS_ij| |k_j|,
-    far above dq's own size where that sum cancels (torch_cpu bfloat16, Sq=1 Sk=4 d1 at magnitude 8: dq
-    0.106 off against an allowed 0.0866, scale sum_j |dS_j k_j| = 52); dk_j likewise over the query rows
-    of every head sharing its kv head.  ``dot_products``: tests/naive.py's records of a float64 call
-    (entry, q k^T, q_h, k, kv head, P); ``grads``: the call's gradients with respect to each q k^T (scale dS).
-    u: the input dtype's unit roundoff (16-bit inputs only; float32 backwards keep dS in float32)."""
+def rounded_operands_slack(dot_products, grads, dv_abs, dtype) -> dict:
+    """{"dq", "dk", "dv": bound} of what a 16-bit flash backward owes to operands it rounds to the input
+    dtype: each dS_ij before its dq = dS K and dk = dS^T Q products, each P_ij before dV = P^T dO, and each
+    query head's dK / dV before a GQA group's sum (PyTorch's CPU flash kernel, flash-attn's GQA backward and
+    the GPU passes, which feed the tensor cores so). dS_ij off by u |dS_ij| moves dq_i by u scale sum_j
+    |dS_ij| |k_j|, far above dq's own size where that sum cancels (torch_cpu bfloat16, Sq=1 Sk=4 d1 at
+    magnitude 8: dq 0.106 off against an allowed 0.0866, scale sum_j |dS_j k_j| = 52); dk_j likewise over
+    the query rows of every head sharing its kv head (which bounds its heads' roundings too); dv_j by u
+    sum_i P_ij |dO_i| over those rows (torch_cpu bfloat16, GQA 3/1, Sk=1: 36 dO rows summed, dv 3.3e-2 off
+    against 2.2e-2).  ``dot_products``: tests/naive.py's records of a float64 call (entry, q k^T, q_h, k, kv
+    head, P); ``grads``: the call's gradients with respect to each q k^T (scale dS); ``dv_abs``: sum_i P_ij
+    |dO_i| (the gradient of <out, |dO|> with respect to v).  u: the input dtype's unit roundoff (16-bit
+    inputs only; float32 backwards keep these in float32)."""
     if dtype not in (torch.float16, torch.bfloat16):
         return {}
     u = torch.finfo(dtype).eps / 2
@@ -165,7 +169,8 @@ def rounded_ds_slack(dot_products, grads, dtype) -> dict:
         key = (entry, kv_head)
         dk_sums[key] = dk_sums.get(key, 0) + g.T @ q_h.detach().abs()
     dk = max((t.max().item() for t in dk_sums.values()), default=0.0)
-    return {"dq": u * dq, "dk": u * dk}
+    dv = dv_abs.abs().max().item() if dv_abs is not None and dv_abs.numel() else 0.0
+    return {"dq": u * dq, "dk": u * dk, "dv": u * dv}
 
 
 def dot_rounding(dot_products, scale: float, softcap: float | None) -> float:
