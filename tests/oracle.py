@@ -94,6 +94,7 @@ def accumulation_slack(
     batch: int,
     dot_abs: float = 0.0,
     grad_lse=None,
+    sink_rows: float = 0.0,
 ) -> dict:
     """{name: bound} of the error an attention in the accumulation's precision owes to roundings whose
     size the budget's reference, run in the input dtype, may miss by luck or by its formula:
@@ -112,6 +113,9 @@ def accumulation_slack(
     - P_ij = exp(s_ij - lse_i) recomputed from the stored logsumexp: a relative error ~ 2 u |lse_i| where
       P matters (there s_ij ~ lse_i), large with large scores or a large bias (torch_cpu float32, Sk = 1,
       a bias ~100: dv 4.3e-5 against 1.0e-5).
+    - a sink's gradient -sum_i p_sink_i <dO_i, O_i>: each p_sink_i = exp(sink - lse_i) off by the same relative
+      error as P, each term by u more: ``sink_rows`` = max_h sum_i p_sink_i sum_d |dO_id O_id| (math float32,
+      scale 20, scores ~115: dsinks 0.5465 off by 1.3e-5 against an allowed 1.0e-5).
     u: the accumulation's unit roundoff (float32 for 16-bit inputs).  With e = u + 2 u max|lse|, dS_ij is
     off by at most P_ij e G_i: dq by e G scale max|k| (sum_j P_ij <= 1; softcap's derivative <= 1), dk by
     e G scale max|q| key_rows (``key_rows``: max_j sum_i P_ij, over the kv head's query heads too), a float
@@ -141,6 +145,7 @@ def accumulation_slack(
         "dk": e * big * scale * largest(q64) * key_rows,
         "dv": p_rel * key_rows * largest(g),
         "dmask": e * big * key_rows * heads_kv * max(batch, 1),
+        "dsinks": (e + u) * sink_rows,
     }
 
 
