@@ -205,7 +205,8 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu", ref_device: str =
     extra = {}
     if leaves and out.numel():  # the gradients' share of the stored output's error (oracle.stored_output_slack)
         copies = {n: leaf_copy(t.to(ref_device), torch.float64) for n, t in leaves.items() if n != "dsinks"}
-        sinks64 = None if sinks is None else sinks.detach().to(ref_device, torch.float64)
+        # a leaf: the budget's sink term is a gradient with respect to it (sink_rows below)
+        sinks64 = None if sinks is None else sinks.detach().to(ref_device, torch.float64).requires_grad_()
         m = copies.get(
             "dmask",
             None
@@ -232,12 +233,17 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu", ref_device: str =
             out64, copies["dv"], grad_out.to(ref_device, torch.float64).abs(), retain_graph=True, allow_unused=True
         ) if out64.requires_grad else (None,)  # fmt: skip
         rounded = rounded_operands_slack(dots, ds, dv_abs, case.dtype)
+        sink_rows = 0.0  # max_h sum_i p_sink_i sum_d |dO_id O_id|: d sinks with |dO| sign(O) as the gradient
+        if sinks64 is not None and out64.requires_grad:
+            g_sinks = grad_out.to(ref_device, torch.float64).abs() * out64.detach().sign()
+            (d_sinks,) = torch.autograd.grad(out64, sinks64, g_sinks, retain_graph=True, allow_unused=True)
+            sink_rows = d_sinks.abs().max().item() if d_sinks is not None and d_sinks.numel() else 0.0
         extra = stored_output_slack(out, out64, grad_out, lse64, copies)
         # and to its own roundings (oracle.accumulation_slack): each key's column sum of P, without dropout
         # (the roundings' errors multiply the undropped P), as the gradient of sum(out) with respect to v;
         # a gradient into the logsumexp weighs dS by P without the sinks (at least P with them): its P then
         v_cols = copies["dv"].detach().clone().requires_grad_()
-        kw = dict(naive_kw, sinks=sinks64 if lse is None else None)
+        kw = dict(naive_kw, sinks=sinks64.detach() if sinks64 is not None and lse is None else None)
         kw.pop("dropout_p", None)
         kw.pop("return_lse", None)
         m_values = m.detach() if isinstance(m, torch.Tensor) else m
@@ -248,20 +254,6 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu", ref_device: str =
             key_rows = cols.abs().max().item() if cols.numel() else 0.0
         scale = naive_kw.get("scale") or q.shape[-1] ** -0.5
         dot_abs = dot_rounding(dots, scale, case.softcap)
-        sink_rows = 0.0  # max_h sum_i p_sink_i sum_d |dO_id O_id|: d sinks with |dO| sign(O) as the gradient
-        if sinks64 is not None and out64.requires_grad:
-            sink_leaf = sinks64.clone().requires_grad_()
-            out_s = naive_attention(
-                copies["dq"].detach(), copies["dk"].detach(), copies["dv"].detach(), mask=m_values, keep=keep,
-                **dict(naive_kw, sinks=sink_leaf, return_lse=False),
-            )  # fmt: skip
-            (d_sinks,) = torch.autograd.grad(
-                out_s,
-                sink_leaf,
-                grad_out.to(ref_device, torch.float64).abs() * out_s.detach().sign(),
-                allow_unused=True,
-            )
-            sink_rows = d_sinks.abs().max().item() if d_sinks is not None and d_sinks.numel() else 0.0
         batch = case.batch if case.varlen is None else len(case.varlen)
         rounding = accumulation_slack(
             grad_out, out64, lse64, copies["dq"], copies["dk"], copies["dv"], key_rows, scale, case.dtype, case.heads_kv,
