@@ -7,7 +7,8 @@ logsumexp gradient at bf16 d128 (default S=4k), forward and forward+backward.
 Variants, each through ``triton_attention`` (the kernels' autograd function): "plain" as shipped
 (the Gluon kernels where they serve), "plain-tl" with the Gluon kernels off (gluon.route.WS_MIN_WORK
 raised), "softcap" (30.0, as shipped: the GPU's tanh.approx), "softcap-exact" (tl/launch.TANH_APPROX_DTYPES
-emptied: the tl kernels' exact tanh; the Gluon kernels keep tanh.approx), "alibi" (slopes (B, Hq)),
+emptied: the tl kernels' exact tanh; the Gluon kernels keep tanh.approx), "softcap-large" (softcap with q
+times LARGE_Q: logits past the Gluon forward's tanh polynomial in every warp, perf-notes E129), "alibi" (slopes (B, Hq)),
 "sinks" (requiring grad) and "lse-grad" (the loss reads the returned logsumexp too); flash-attn 4
 beside them where it is installed: "fa4", "fa4-softcap", "fa4-sinks" (its ``learnable_sink``), their
 ratios to "fa4".  Rounds are interleaved; each prints the median milliseconds and the ratio to
@@ -35,7 +36,9 @@ from attention_dispatch.kernels import KernelParams, triton_attention  # noqa: E
 from attention_dispatch.kernels.gluon import route as gluon_route  # noqa: E402
 from attention_dispatch.kernels.tl import launch as tl_launch  # noqa: E402
 
-VARIANTS = ("plain", "plain-tl", "softcap", "softcap-exact", "alibi", "sinks", "lse-grad")
+VARIANTS = ("plain", "plain-tl", "softcap", "softcap-exact", "softcap-large", "alibi", "sinks", "lse-grad")
+# softcap-large's q scale: row logits up to ~|q| |k| 4 / sqrt(d) x 8 ~ 50 > 0.75 x SOFTCAP in every warp
+LARGE_Q = 8.0
 FA4_VARIANTS = ("fa4", "fa4-softcap", "fa4-sinks")
 SOFTCAP = 30.0
 
@@ -102,6 +105,8 @@ def make_call(name: str, q, k, v, causal: bool, backward: bool):
     slopes = torch.rand(b, h, device=q.device) * 0.1 if name == "alibi" else None
     sinks = torch.randn(h, device=q.device, requires_grad=True) if name == "sinks" else None
     need_lse = name == "lse-grad"
+    if name == "softcap-large":
+        q = (q.detach() * LARGE_Q).requires_grad_()
     leaves = [q, k, v] + ([sinks] if sinks is not None else [])
     do = torch.randn_like(q)
 

@@ -220,8 +220,9 @@ case "$what" in
              # device-only and from idle, and against flash-attn 4) and features.py plain and softcap, dense and causal,
              # patched and this tree in ABBA turns (~8 minutes); $OUT/patchab_summary.txt. Side by side on several GPUs
              # (`PATCH=... bash gpu_session.sh parallel SHA 0:patchab 1:patchab`): each run has its own scratch copy
-             # and logs, so the GPUs give independent repeats.
+             # and logs, so the GPUs give independent repeats. AB_VARIANTS: the features.py variants (plain,softcap).
     [ -f "${PATCH:-}" ] || { echo "patchab: set PATCH to a patch file (got '${PATCH:-}')"; exit 2; }
+    ab_variants=${AB_VARIANTS:-plain,softcap}  # features.py variants of the turns, e.g. plain,softcap,softcap-large
     dir=/tmp/patchab_gpu${CUDA_VISIBLE_DEVICES:-0}
     scratch_copy "$dir" "$PWD/$PATCH" || exit 1
     (cd "$dir" && timeout -s INT 300 $pytest_lines tests/test_kv_prefill.py tests/test_gluon_one_length.py \
@@ -234,7 +235,7 @@ case "$what" in
     for t in $(awk '/^diff --git/ {f = $4} /^new file mode/ && f ~ /^b\/tests\/test_.*\.py$/ {print substr(f, 3)}' "$PATCH"); do
       (cd "$dir" && timeout -s INT 300 $pytest_lines "$t" > "$out/patchab_tests_own_$(basename "$t" .py).log" 2>&1) &
     done
-    features_warm plain,softcap "dense causal" "$PWD" "$dir"
+    features_warm "$ab_variants" "dense causal" "$PWD" "$dir"
     wait
     summary="$out/patchab_summary.txt"
     { nvidia-smi -L | head -1; test_lines "$out"/patchab_tests_*.log; } > "$summary"
@@ -259,7 +260,7 @@ for row in sorted({k[0] for k in ours}):
         print(f"kv {row:<32} patched / base: device {dev:.3f}  idle {idle:.3f}  (turns, TFLOP/s device/idle: {p} vs {b})")
 EOF
     grep -h "vs fa4" "$out"/patchab_kv_*.log | sed 's/^/kv /' >> "$summary"
-    features_turns "$out/patchab_features.txt" plain,softcap 560 "dense causal" patched1="$dir" base1="$PWD" \
+    features_turns "$out/patchab_features.txt" "$ab_variants" 560 "dense causal" patched1="$dir" base1="$PWD" \
       base2="$PWD" patched2="$dir"
     features_medians "$out/patchab_features.txt" | tee -a "$summary"
     ;;
