@@ -23,6 +23,7 @@ import hashlib
 import os
 import re
 import sys
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,8 +142,6 @@ def _compile(src, options: dict):
         return None, triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     except Exception as e:  # noqa: BLE001 - a compiler failure is the finding
         if os.environ.get("COMPILE_SM90_TRACE"):  # the whole message (a CompilationError's source lines)
-            import traceback
-
             traceback.print_exception(e, file=sys.stderr)
         return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:200], None
 
