@@ -221,26 +221,30 @@ case "$what" in
              # patched and this tree in ABBA turns (~8 minutes); $OUT/patchab_summary.txt. Side by side on several GPUs
              # (`PATCH=... bash gpu_session.sh parallel SHA 0:patchab 1:patchab`): each run has its own scratch copy
              # and logs, so the GPUs give independent repeats. AB_VARIANTS: the features.py variants (plain,softcap).
+             # AB_PARTS: which of "tests kv features" run (all by default; "features" for a diagnostic patch whose
+             # results are wrong by design, ~5 minutes).
     [ -f "${PATCH:-}" ] || { echo "patchab: set PATCH to a patch file (got '${PATCH:-}')"; exit 2; }
     ab_variants=${AB_VARIANTS:-plain,softcap}  # features.py variants of the turns, e.g. plain,softcap,softcap-large
+    ab_parts=" ${AB_PARTS:-tests kv features} "
     dir=/tmp/patchab_gpu${CUDA_VISIBLE_DEVICES:-0}
     scratch_copy "$dir" "$PWD/$PATCH" || exit 1
-    (cd "$dir" && timeout -s INT 300 $pytest_lines tests/test_kv_prefill.py tests/test_gluon_one_length.py \
+    [[ $ab_parts == *" tests "* ]] && (cd "$dir" && timeout -s INT 300 $pytest_lines tests/test_kv_prefill.py tests/test_gluon_one_length.py \
        -k "gluon_route or chunked_prefill or (one_length_forward and 128)" > "$out/patchab_tests_routes.log" 2>&1) &
     # the dense Gluon forward at d128 and d256, plain and with every score feature (softcap, ALiBi, sinks, lse)
-    (cd "$dir" && timeout -s INT 300 $pytest_lines tests/test_triton_kernel.py tests/test_kernel_features.py \
+    [[ $ab_parts == *" tests "* ]] && (cd "$dir" && timeout -s INT 300 $pytest_lines tests/test_triton_kernel.py tests/test_kernel_features.py \
        -k "forward_warp_specialized or (gluon and (softcap or bounded or alibi or sinks))" \
        > "$out/patchab_tests_dense.log" 2>&1) &
     # a patch's own GPU tests (e.g. e107b's tests/test_gluon_persistent.py: persistent bit-equal to per-unit)
-    for t in $(awk '/^diff --git/ {f = $4} /^new file mode/ && f ~ /^b\/tests\/test_.*\.py$/ {print substr(f, 3)}' "$PATCH"); do
+    [[ $ab_parts == *" tests "* ]] && for t in $(awk '/^diff --git/ {f = $4} /^new file mode/ && f ~ /^b\/tests\/test_.*\.py$/ {print substr(f, 3)}' "$PATCH"); do
       (cd "$dir" && timeout -s INT 300 $pytest_lines "$t" > "$out/patchab_tests_own_$(basename "$t" .py).log" 2>&1) &
     done
     features_warm "$ab_variants" "dense causal" "$PWD" "$dir"
     wait
     summary="$out/patchab_summary.txt"
-    { nvidia-smi -L | head -1; test_lines "$out"/patchab_tests_*.log; } > "$summary"
+    { nvidia-smi -L | head -1; [[ $ab_parts == *" tests "* ]] && test_lines "$out"/patchab_tests_*.log; } > "$summary"
     # kv_device_ab.py times the tree it runs from: the two trees in turns, 3 rounds a turn (~40 s a turn)
     for spec in patched1="$dir" base1="$PWD" base2="$PWD" patched2="$dir"; do
+      [[ $ab_parts == *" kv "* ]] || continue
       [ $SECONDS -gt 380 ] && { echo "kv ${spec%%=*}: skipped (time)" >> "$summary"; continue; }
       (cd "${spec#*=}" && timeout 90 python3 benchmarks/kv_device_ab.py --rows "Sq=512 8k causal,Sq=128" --rounds 3 \
          --json "$out/patchab_kv_${spec%%=*}.json" --commit "$sha ${spec%%=*}" > "$out/patchab_kv_${spec%%=*}.log" 2>&1)
@@ -260,9 +264,9 @@ for row in sorted({k[0] for k in ours}):
         print(f"kv {row:<32} patched / base: device {dev:.3f}  idle {idle:.3f}  (turns, TFLOP/s device/idle: {p} vs {b})")
 EOF
     grep -h "vs fa4" "$out"/patchab_kv_*.log | sed 's/^/kv /' >> "$summary"
-    features_turns "$out/patchab_features.txt" "$ab_variants" 560 "dense causal" patched1="$dir" base1="$PWD" \
-      base2="$PWD" patched2="$dir"
-    features_medians "$out/patchab_features.txt" | tee -a "$summary"
+    [[ $ab_parts == *" features "* ]] && features_turns "$out/patchab_features.txt" "$ab_variants" 560 "dense causal" \
+      patched1="$dir" base1="$PWD" base2="$PWD" patched2="$dir"
+    [[ $ab_parts == *" features "* ]] && features_medians "$out/patchab_features.txt" | tee -a "$summary"
     ;;
   features)  # issue 36's cost table alone on this GPU: benchmarks/features.py plain, softcap, alibi, sinks, lse-grad and
              # flash-attn 4 plain / softcap / sinks, dense then causal (bf16 d128 B4 H16 S=4k, 3 interleaved rounds,
