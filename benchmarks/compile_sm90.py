@@ -216,20 +216,28 @@ def ws_cases():
                 # issue 36's softcap, sinks and ALiBi (not in a KV-cache call) with the logsumexp, each
                 # alone too over (B, H, S, D) rows without a bias
                 for scores in _ws_score_variants(store_lse and not kv_lens, const):
+                    # the launch gluon/launch.forward takes for these constexprs (a bounded softcap's own)
+                    launched = cfg
+                    if cfg is C.WS_FWD_CONFIGS[d]:
+                        other = const["HAS_BIAS"] or scores["HAS_ALIBI"] or kv_lens != 0
+                        launched = C.ws_forward_config(d, scores["SOFTCAP"] == 2, other)
                     yield (
                         d,
-                        cfg,
+                        launched,
                         f"ws {name} {label} lse={store_lse}"
                         + ("", " kv-cache", " one-length")[kv_lens]
-                        + _score_label(scores),
+                        + _score_label(scores)
+                        + (
+                            f" consumers={launched.consumers} block_n={launched.block_n}" if launched is not cfg else ""
+                        ),
                         dict(
                             const,
                             STORE_LSE=store_lse,
-                            BLOCK_N=cfg.block_n,
-                            STAGES=cfg.stages,
-                            BIAS_STAGES=cfg.bias_stages,
-                            CONSUMER_REGS=cfg.consumer_regs,
-                            NUM_WG=cfg.consumers,
+                            BLOCK_N=launched.block_n,
+                            STAGES=launched.stages,
+                            BIAS_STAGES=launched.bias_stages,
+                            CONSUMER_REGS=launched.consumer_regs,
+                            NUM_WG=launched.consumers,
                             KV_LENS=kv_lens,
                             **scores,
                         ),
@@ -499,7 +507,10 @@ def main(argv=None) -> int:
     if "fwd_ws" in args.kinds:
         seen = set()
         for d, cfg, label, const in list(ws_cases()) + list(ws_backward_cases()):
-            kernel_name = re.split(r" (?:dense|causal|window) ", label)[0]  # "ws dkdv+dq d=128"
+            # "ws dkdv+dq d=128"; a launch of its own (a bounded softcap's) counts apart
+            kernel_name = re.split(r" (?:dense|causal|window) ", label)[0] + "".join(
+                re.findall(r" consumers=.*", label)
+            )
             if (args.ws_one_each and kernel_name in seen) or not re.search(args.only, label):
                 continue
             seen.add(kernel_name)

@@ -431,6 +431,19 @@ def test_gluon_softcap_bounded_up_to_55():
     assert forward_softcap(2.0, F16) is forward_softcap(30.0, F16) is True
 
 
+def test_gluon_bounded_softcap_forward_takes_three_consumers():
+    """A bounded softcap alone at d128 launches the Gluon forward on three consumer warpgroups over 64-key
+    slots (configs.WS_FWD_SOFTCAP_CONFIGS, E130); plain calls, a running-max softcap, other score terms
+    (a bias, ALiBi), KV-cache and one-length launches and the other head dims keep WS_FWD_CONFIGS."""
+    from attention_dispatch.kernels import configs as C
+
+    three = C.ws_forward_config(128, True, False)
+    assert (three.consumers, three.block_n) == (3, 64)
+    assert three == C.WS_FWD_SOFTCAP_CONFIGS[128]
+    for head_d, bounded, other_terms in [(128, False, False), (128, True, True), (64, True, False), (256, True, False)]:
+        assert C.ws_forward_config(head_d, bounded, other_terms) == C.WS_FWD_CONFIGS[head_d], head_d
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -549,6 +562,32 @@ def test_gpu_gluon_softcap_bounded(softcap, causal, dtype):
     params = _params(causal, None, 128**-0.5, softcap=softcap)
     assert describe_route(q, k, v, None, params)[0][1] == "gluon"
     check(q, k, v, causal=causal, softcap=softcap)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "sq,sk,causal,extra",
+    [
+        (128, 4096, None, {}),  # one program: its second and third warpgroups start past Sq
+        (640, 4096, None, dict(sinks=True, lse_grad=True)),  # the last program's first warpgroup only
+        (384, 8192, None, {}),  # whole programs
+        (1280, 1280, "top_left", dict(lse_grad=True)),  # causal, the last program's two warpgroups
+    ],
+    ids=str,
+)
+def test_gpu_gluon_bounded_softcap_three_consumers(sq, sk, causal, extra):
+    """The bounded softcap's three-consumer forward (E130) where Sq is not a multiple of its 192 rows,
+    with sinks and a logsumexp gradient, dense and causal: against naive."""
+    from attention_dispatch.kernels import configs as C
+
+    hq = max(1, (1 << 33) // (sq * sk * 128))  # past WS_MIN_WORK: the Gluon route
+    q = rand(1, hq, sq, 128, dtype=BF16)
+    k, v = rand(1, hq, sk, 128, dtype=BF16), rand(1, hq, sk, 128, dtype=BF16)
+    params = _params(causal, None, 128**-0.5, softcap=30.0)
+    assert describe_route(q, k, v, None, params)[0][1] == "gluon"
+    assert C.ws_forward_config(128, True, False).consumers == 3
+    check(q, k, v, causal=causal, softcap=30.0, **extra)
 
 
 @gpu
