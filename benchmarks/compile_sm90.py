@@ -219,7 +219,8 @@ def ws_cases():
                     # the launch gluon/launch.forward takes for these constexprs (a bounded softcap's own)
                     launched = cfg
                     if cfg is C.WS_FWD_CONFIGS[d]:
-                        other = const["HAS_BIAS"] or scores["HAS_ALIBI"] or kv_lens != 0
+                        window = const["WINDOW_LEFT"] >= 0 or const["WINDOW_RIGHT"] > 0
+                        other = const["HAS_BIAS"] or scores["HAS_ALIBI"] or kv_lens != 0 or window
                         launched = C.ws_forward_config(d, scores["SOFTCAP"] == 2, other)
                     yield (
                         d,

@@ -231,7 +231,7 @@ WS_FWD_CONFIGS = {
     64: WsConfig(consumers=3, consumer_regs=160, max_regs=128, forward_scope="dense"),
     256: WsConfig(block_n=64),
 }
-# A bounded softcap alone (ws_forward_config) at d128: three consumer warpgroups at 160 registers
+# A bounded softcap alone, dense or causal (ws_forward_config), at d128: three consumer warpgroups at 160 registers
 # over three 64-key slots, so two consumers' tanh and exp2 run under the third's products: forward 6-8% faster
 # than on the config above (x of plain 1.26 -> 1.17 dense, 1.30 -> 1.24 causal); plain calls 5% slower on it (E130)
 WS_FWD_SOFTCAP_CONFIGS = {128: WsConfig(consumers=3, block_n=64, stages=3, consumer_regs=160, max_regs=128)}
@@ -240,7 +240,7 @@ WS_FWD_SOFTCAP_CONFIGS = {128: WsConfig(consumers=3, block_n=64, stages=3, consu
 def ws_forward_config(head_d: int, bounded_softcap: bool, other_terms: bool) -> WsConfig:
     """The warp-specialised forward's launch: WS_FWD_SOFTCAP_CONFIGS for a bounded softcap
     (gluon/launch.forward_softcap) where it has the head dim and the call has no ``other_terms`` (a
-    bias, ALiBi, a KV-cache or one-length launch), else WS_FWD_CONFIGS."""
+    bias, ALiBi, a window, a KV-cache or one-length launch: not measured there), else WS_FWD_CONFIGS."""
     if bounded_softcap and not other_terms and head_d in WS_FWD_SOFTCAP_CONFIGS:
         return WS_FWD_SOFTCAP_CONFIGS[head_d]
     return WS_FWD_CONFIGS[head_d]
