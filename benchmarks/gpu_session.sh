@@ -264,9 +264,11 @@ for row in sorted({k[0] for k in ours}):
         print(f"kv {row:<32} patched / base: device {dev:.3f}  idle {idle:.3f}  (turns, TFLOP/s device/idle: {p} vs {b})")
 EOF
     grep -h "vs fa4" "$out"/patchab_kv_*.log | sed 's/^/kv /' >> "$summary"
-    [[ $ab_parts == *" features "* ]] && features_turns "$out/patchab_features.txt" "$ab_variants" 560 "dense causal" \
-      patched1="$dir" base1="$PWD" base2="$PWD" patched2="$dir"
-    [[ $ab_parts == *" features "* ]] && features_medians "$out/patchab_features.txt" | tee -a "$summary"
+    if [[ $ab_parts == *" features "* ]]; then
+      features_turns "$out/patchab_features.txt" "$ab_variants" 560 "dense causal" patched1="$dir" base1="$PWD" \
+        base2="$PWD" patched2="$dir"
+      features_medians "$out/patchab_features.txt" | tee -a "$summary"
+    fi
     ;;
   features)  # issue 36's cost table alone on this GPU: benchmarks/features.py plain, softcap, alibi, sinks, lse-grad and
              # flash-attn 4 plain / softcap / sinks, dense then causal (bf16 d128 B4 H16 S=4k, 3 interleaved rounds,

@@ -51,3 +51,10 @@ def test_features_variants_are_accepted(call):
     names = variants.split(",")
     assert "plain" in names, call
     assert set(names) <= set(_features_variants()), call
+
+
+def test_patchab_turns_are_among_the_checked_calls():
+    """patchab's features_turns call starts its line, so test_features_variants_are_accepted checks it (a call
+    behind `[[ ... ]] &&` had dropped out of its parameters)."""
+    turns = re.findall(r"^\s*features_turns .*$", SCRIPT, flags=re.M)
+    assert any('"$ab_variants"' in call for call in turns), turns
