@@ -219,9 +219,15 @@ def ws_cases():
                     # the launch gluon/launch.forward takes for these constexprs (a bounded softcap's own)
                     launched = cfg
                     if cfg is C.WS_FWD_CONFIGS[d]:
-                        window = const["WINDOW_LEFT"] >= 0 or const["WINDOW_RIGHT"] > 0
-                        other = const["HAS_BIAS"] or scores["HAS_ALIBI"] or kv_lens != 0 or window
-                        launched = C.ws_forward_config(d, scores["SOFTCAP"] == 2, other)
+                        launched = C.ws_forward_config(
+                            d,
+                            scores["SOFTCAP"] == 2,
+                            has_bias=const["HAS_BIAS"],
+                            has_alibi=scores["HAS_ALIBI"],
+                            window_left=const["WINDOW_LEFT"],
+                            window_right=const["WINDOW_RIGHT"],
+                            kv_lens_mode=kv_lens,
+                        )
                     yield (
                         d,
                         launched,

@@ -1210,8 +1210,9 @@ def test_compile_sm90_covers_every_sm90_entry_and_compiles_one():
 
 def test_compile_sm90_ws_one_each_compiles_every_gluon_kernel_once(monkeypatch, capsys):
     """--ws-one-each: one case of each Gluon kernel and head dim the configs serve (forward per
-    WS_FWD_CONFIGS and WS_FWD_SOFTCAP_CONFIGS entry, and d64's two-warpgroup forward; dK/dV per WS_BWD_CONFIGS entry, fused
-    too where it fuses; dQ per WS_DQ_CONFIGS entry), the first of its cases (dense)."""
+    WS_FWD_CONFIGS and WS_FWD_SOFTCAP_CONFIGS entry, and d64's two-warpgroup forward; dK/dV per
+    WS_BWD_CONFIGS entry, fused too where it fuses; dQ per WS_DQ_CONFIGS entry), the first of its
+    cases (dense)."""
     cs = _load("compile_sm90")
     from attention_dispatch.kernels import configs as C
 

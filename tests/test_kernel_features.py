@@ -432,16 +432,27 @@ def test_gluon_softcap_bounded_up_to_55():
 
 
 def test_gluon_bounded_softcap_forward_takes_three_consumers():
-    """A bounded softcap alone at d128 launches the Gluon forward on three consumer warpgroups over 64-key
-    slots (configs.WS_FWD_SOFTCAP_CONFIGS, E130); plain calls, a running-max softcap, other score terms
-    (a bias, ALiBi), KV-cache and one-length launches and the other head dims keep WS_FWD_CONFIGS."""
+    """A bounded softcap alone at d128, dense or causal, launches the Gluon forward on three consumer warpgroups
+    over 64-key slots (configs.WS_FWD_SOFTCAP_CONFIGS, E130); plain calls, a running-max softcap, a bias, ALiBi,
+    a window, KV-cache and one-length launches and the other head dims keep WS_FWD_CONFIGS."""
     from attention_dispatch.kernels import configs as C
 
-    three = C.ws_forward_config(128, True, False)
-    assert (three.consumers, three.block_n) == (3, 64)
-    assert three == C.WS_FWD_SOFTCAP_CONFIGS[128]
-    for head_d, bounded, other_terms in [(128, False, False), (128, True, True), (64, True, False), (256, True, False)]:
-        assert C.ws_forward_config(head_d, bounded, other_terms) == C.WS_FWD_CONFIGS[head_d], head_d
+    base = dict(has_bias=False, has_alibi=False, window_left=-1, window_right=-1, kv_lens_mode=0)
+    for causal in (dict(), dict(window_right=0)):
+        three = C.ws_forward_config(128, True, **dict(base, **causal))
+        assert (three.consumers, three.block_n) == (3, 64) and three == C.WS_FWD_SOFTCAP_CONFIGS[128]
+    for head_d, bounded, change in [
+        (128, False, {}),
+        (128, True, dict(has_bias=True)),
+        (128, True, dict(has_alibi=True)),
+        (128, True, dict(window_left=256, window_right=0)),
+        (128, True, dict(window_right=64)),
+        (128, True, dict(kv_lens_mode=1)),
+        (128, True, dict(kv_lens_mode=2)),
+        (64, True, {}),
+        (256, True, {}),
+    ]:
+        assert C.ws_forward_config(head_d, bounded, **dict(base, **change)) == C.WS_FWD_CONFIGS[head_d], change
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -586,7 +597,7 @@ def test_gpu_gluon_bounded_softcap_three_consumers(sq, sk, causal, extra):
     k, v = rand(1, hq, sk, 128, dtype=BF16), rand(1, hq, sk, 128, dtype=BF16)
     params = _params(causal, None, 128**-0.5, softcap=30.0)
     assert describe_route(q, k, v, None, params)[0][1] == "gluon"
-    assert C.ws_forward_config(128, True, False).consumers == 3
+    assert C.WS_FWD_SOFTCAP_CONFIGS[128].consumers == 3
     check(q, k, v, causal=causal, softcap=30.0, **extra)
 
 

@@ -237,12 +237,23 @@ WS_FWD_CONFIGS = {
 WS_FWD_SOFTCAP_CONFIGS = {128: WsConfig(consumers=3, block_n=64, stages=3, consumer_regs=160, max_regs=128)}
 
 
-def ws_forward_config(head_d: int, bounded_softcap: bool, other_terms: bool) -> WsConfig:
+def ws_forward_config(
+    head_d: int,
+    bounded_softcap: bool,
+    *,
+    has_bias: bool,
+    has_alibi: bool,
+    window_left: int,
+    window_right: int,
+    kv_lens_mode: int,
+) -> WsConfig:
     """The warp-specialised forward's launch: WS_FWD_SOFTCAP_CONFIGS for a bounded softcap
-    (gluon/launch.forward_softcap) where it has the head dim and the call has no ``other_terms`` (a
-    bias, ALiBi, a window, a KV-cache or one-length launch: not measured there), else WS_FWD_CONFIGS."""
-    if bounded_softcap and not other_terms and head_d in WS_FWD_SOFTCAP_CONFIGS:
-        return WS_FWD_SOFTCAP_CONFIGS[head_d]
+    (gluon/launch.forward_softcap) where it has the head dim, without a bias, ALiBi, a window (causal,
+    (-1, 0), is not one) or a KV-cache or one-length launch (``kv_lens_mode`` != 0): it was measured
+    and tested on dense and causal calls only; WS_FWD_CONFIGS for every other call."""
+    window = window_left >= 0 or window_right > 0
+    if bounded_softcap and not (has_bias or has_alibi or window or kv_lens_mode):
+        return WS_FWD_SOFTCAP_CONFIGS.get(head_d, WS_FWD_CONFIGS[head_d])
     return WS_FWD_CONFIGS[head_d]
 
 

@@ -176,9 +176,15 @@ def forward(
     if one_length:
         kv_lens, n_new = None, kv_lens
     mode = ONE_LENGTH if one_length else (LENS_TENSOR if kv_lens is not None else 0)
-    bounded = forward_softcap(params.softcap, q.dtype) == SOFTCAP_BOUNDED
-    window = params.window_left >= 0 or params.window_right > 0  # causal (-1, 0) is not one
-    cfg = C.ws_forward_config(prob.Dqk, bounded, bias is not None or alibi is not None or mode != 0 or window)
+    cfg = C.ws_forward_config(
+        prob.Dqk,
+        forward_softcap(params.softcap, q.dtype) == SOFTCAP_BOUNDED,
+        has_bias=bias is not None,
+        has_alibi=alibi is not None,
+        window_left=params.window_left,
+        window_right=params.window_right,
+        kv_lens_mode=mode,
+    )
     rows = cfg.consumers * WG_ROWS
     n_m = cdiv(prob.Sq, rows)
     bias_desc, batch_rows, head_rows = bias_args(bias, rows, cfg.block_n, prob.Sk)
