@@ -584,17 +584,21 @@ def test_gpu_gluon_softcap_bounded(softcap, causal, dtype):
         (640, 4096, None, dict(sinks=True, lse_grad=True)),  # the last program's first warpgroup only
         (384, 8192, None, {}),  # whole programs
         (1280, 1280, "top_left", dict(lse_grad=True)),  # causal, the last program's two warpgroups
+        (640, 2048, None, dict(group=4)),  # GQA: four query heads a kv head
+        (1280, 1280, "bottom_right", dict(group=2, sinks=True)),
     ],
     ids=str,
 )
 def test_gpu_gluon_bounded_softcap_three_consumers(sq, sk, causal, extra):
     """The bounded softcap's three-consumer forward (E130) where Sq is not a multiple of its 192 rows,
-    with sinks and a logsumexp gradient, dense and causal: against naive."""
+    with sinks, a logsumexp gradient and GQA, dense and causal: against naive."""
     from attention_dispatch.kernels import configs as C
 
-    hq = max(1, (1 << 33) // (sq * sk * 128))  # past WS_MIN_WORK: the Gluon route
+    extra = dict(extra)
+    group = extra.pop("group", 1)
+    hq = group * max(1, (1 << 33) // (sq * sk * 128 * group))  # past WS_MIN_WORK: the Gluon route
     q = rand(1, hq, sq, 128, dtype=BF16)
-    k, v = rand(1, hq, sk, 128, dtype=BF16), rand(1, hq, sk, 128, dtype=BF16)
+    k, v = rand(1, hq // group, sk, 128, dtype=BF16), rand(1, hq // group, sk, 128, dtype=BF16)
     params = _params(causal, None, 128**-0.5, softcap=30.0)
     assert describe_route(q, k, v, None, params)[0][1] == "gluon"
     assert C.WS_FWD_SOFTCAP_CONFIGS[128].consumers == 3
