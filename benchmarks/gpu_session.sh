@@ -228,16 +228,18 @@ case "$what" in
     ab_parts=" ${AB_PARTS:-tests kv features} "
     dir=/tmp/patchab_gpu${CUDA_VISIBLE_DEVICES:-0}
     scratch_copy "$dir" "$PWD/$PATCH" || exit 1
-    [[ $ab_parts == *" tests "* ]] && (cd "$dir" && timeout -s INT 300 $pytest_lines tests/test_kv_prefill.py tests/test_gluon_one_length.py \
-       -k "gluon_route or chunked_prefill or (one_length_forward and 128)" > "$out/patchab_tests_routes.log" 2>&1) &
-    # the dense Gluon forward at d128 and d256, plain and with every score feature (softcap, ALiBi, sinks, lse)
-    [[ $ab_parts == *" tests "* ]] && (cd "$dir" && timeout -s INT 300 $pytest_lines tests/test_triton_kernel.py tests/test_kernel_features.py \
-       -k "forward_warp_specialized or (gluon and (softcap or bounded or alibi or sinks))" \
-       > "$out/patchab_tests_dense.log" 2>&1) &
-    # a patch's own GPU tests (e.g. e107b's tests/test_gluon_persistent.py: persistent bit-equal to per-unit)
-    [[ $ab_parts == *" tests "* ]] && for t in $(awk '/^diff --git/ {f = $4} /^new file mode/ && f ~ /^b\/tests\/test_.*\.py$/ {print substr(f, 3)}' "$PATCH"); do
-      (cd "$dir" && timeout -s INT 300 $pytest_lines "$t" > "$out/patchab_tests_own_$(basename "$t" .py).log" 2>&1) &
-    done
+    if [[ $ab_parts == *" tests "* ]]; then
+      (cd "$dir" && timeout -s INT 300 $pytest_lines tests/test_kv_prefill.py tests/test_gluon_one_length.py \
+         -k "gluon_route or chunked_prefill or (one_length_forward and 128)" > "$out/patchab_tests_routes.log" 2>&1) &
+      # the dense Gluon forward at d128 and d256, plain and with every score feature (softcap, ALiBi, sinks, lse)
+      (cd "$dir" && timeout -s INT 300 $pytest_lines tests/test_triton_kernel.py tests/test_kernel_features.py \
+         -k "forward_warp_specialized or (gluon and (softcap or bounded or alibi or sinks))" \
+         > "$out/patchab_tests_dense.log" 2>&1) &
+      # a patch's own GPU tests (e.g. e107b's tests/test_gluon_persistent.py: persistent bit-equal to per-unit)
+      for t in $(awk '/^diff --git/ {f = $4} /^new file mode/ && f ~ /^b\/tests\/test_.*\.py$/ {print substr(f, 3)}' "$PATCH"); do
+        (cd "$dir" && timeout -s INT 300 $pytest_lines "$t" > "$out/patchab_tests_own_$(basename "$t" .py).log" 2>&1) &
+      done
+    fi
     features_warm "$ab_variants" "dense causal" "$PWD" "$dir"
     wait
     summary="$out/patchab_summary.txt"

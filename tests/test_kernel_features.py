@@ -589,11 +589,20 @@ def test_gpu_gluon_softcap_bounded(softcap, causal, dtype):
     ],
     ids=str,
 )
-def test_gpu_gluon_bounded_softcap_three_consumers(sq, sk, causal, extra):
+def test_gpu_gluon_bounded_softcap_three_consumers(monkeypatch, sq, sk, causal, extra):
     """The bounded softcap's three-consumer forward (E130) where Sq is not a multiple of its 192 rows,
-    with sinks, a logsumexp gradient and GQA, dense and causal: against naive."""
+    with sinks, a logsumexp gradient and GQA, dense and causal: the launch takes that config, the
+    results match naive."""
     from attention_dispatch.kernels import configs as C
 
+    launched = []  # the configs gluon/launch.forward takes
+    choose = C.ws_forward_config
+
+    def record(*args, **kwargs):
+        launched.append(choose(*args, **kwargs))
+        return launched[-1]
+
+    monkeypatch.setattr(C, "ws_forward_config", record)
     extra = dict(extra)
     group = extra.pop("group", 1)
     hq = group * max(1, (1 << 33) // (sq * sk * 128 * group))  # past WS_MIN_WORK: the Gluon route
@@ -601,8 +610,8 @@ def test_gpu_gluon_bounded_softcap_three_consumers(sq, sk, causal, extra):
     k, v = rand(1, hq // group, sk, 128, dtype=BF16), rand(1, hq // group, sk, 128, dtype=BF16)
     params = _params(causal, None, 128**-0.5, softcap=30.0)
     assert describe_route(q, k, v, None, params)[0][1] == "gluon"
-    assert C.WS_FWD_SOFTCAP_CONFIGS[128].consumers == 3
     check(q, k, v, causal=causal, softcap=30.0, **extra)
+    assert launched and all(cfg == C.WS_FWD_SOFTCAP_CONFIGS[128] for cfg in launched), launched
 
 
 @gpu
