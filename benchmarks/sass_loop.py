@@ -1,6 +1,6 @@
 """Instruction counts of a kernel's main loops, from its sm90 cubin (or cuobjdump -sass text), by class.
 
-    python benchmarks/sass_loop.py KERNEL.cubin [--min-hgmma 16] [--timeline] [--cuobjdump PATH]
+    python benchmarks/sass_loop.py KERNEL.cubin [--min-hgmma 8] [--timeline] [--cuobjdump PATH]
 
 A loop is a backward branch (``BRA`` to a lower address) and the instructions from its target to it;
 loops holding at least ``--min-hgmma`` HGMMA instructions are reported (for the d128 forwards: the
@@ -68,17 +68,24 @@ def instructions(sass: str):
 
 
 def loops(ins, min_hgmma: int):
-    """(start, end) address ranges of the backward branches' bodies with >= min_hgmma HGMMA, innermost
-    only, none holding an EXIT (a try-wait retry stub past the EXIT branching back into the code)."""
+    """(start, end) address ranges of the innermost backward branches' bodies that hold an HGMMA and
+    no EXIT (a try-wait retry stub past the EXIT branching back into the code), those with >= min_hgmma
+    HGMMA.  Innermost among all loops with an HGMMA: an outer loop around steps of fewer HGMMA than
+    min_hgmma (the three-consumer forward's 64-key steps: 8 + 4) is not reported as a step."""
     out = []
     for addr, _, op, args in ins:
         m = re.match(r"0x([0-9a-f]+)", args)
         if op.startswith("BRA") and m and int(m.group(1), 16) < addr:
             start = int(m.group(1), 16)
             body = [o for a, _, o, _ in ins if start <= a <= addr]
-            if sum(o.startswith("HGMMA") for o in body) >= min_hgmma and "EXIT" not in body:
-                out.append((start, addr))
-    return [(s, e) for s, e in out if not any((s, e) != (s2, e2) and s <= s2 and e2 <= e for s2, e2 in out)]
+            n_hgmma = sum(o.startswith("HGMMA") for o in body)
+            if n_hgmma and "EXIT" not in body:
+                out.append((start, addr, n_hgmma))
+    return [
+        (s, e)
+        for s, e, n in out
+        if n >= min_hgmma and not any((s, e) != (s2, e2) and s <= s2 and e2 <= e for s2, e2, _ in out)
+    ]
 
 
 def classify(op: str) -> str:
@@ -200,7 +207,7 @@ def dump_fa4(out: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("kernels", nargs="*", help="cubin files (or cuobjdump -sass text)")
-    p.add_argument("--min-hgmma", type=int, default=16)
+    p.add_argument("--min-hgmma", type=int, default=8)
     p.add_argument("--timeline", action="store_true")
     p.add_argument("--cuobjdump", default=None, help="default: the one Triton bundles")
     p.add_argument("--dump-ours", default="", metavar="DIR", help="compile our d128 forwards' cubins into DIR")
