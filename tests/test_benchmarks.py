@@ -1554,3 +1554,28 @@ def test_context_parallel_correctness_rows_time_each_case_apart_from_the_referen
     assert all(r["ok"] for r in rows), rows
     assert rows[0]["reference_s"] >= 5 and all("reference_s" not in r for r in rows[1:])
     assert all(r["case_s"] < 2.5 for r in rows), rows  # no case pays the reference
+
+
+def _sass(program):
+    """cuobjdump -sass text of ``program``: (opcode, operands) lines at addresses 0x00, 0x10, ..."""
+    return "\n".join(f"        /*{16 * i:04x}*/    {op} {args} ;" for i, (op, args) in enumerate(program))
+
+
+def test_sass_loop_reports_the_innermost_step_not_its_outer_region():
+    """sass_loop.loops: a step of 8 + 4 HGMMA (the three-consumer forward's 64-key step) inside an outer
+    loop that holds two such steps' HGMMA is reported as the step (the outer region is not), a loop
+    under --min-hgmma is dropped, and a retry stub holding the EXIT is never a loop."""
+    sl = _load("sass_loop")
+    step = [("HGMMA.64x64x16.F32.BF16", "R88, gdesc[UR12], R88")] * 8 + [("HGMMA.64x128x16.F32.BF16", "R24, R120")] * 4
+    program = (
+        [("NOP", "")]
+        + step  # 0x10..: outer loop's own products (the peeled first step)
+        + step  # 0xd0..: the inner step loop
+        + [("BRA", "0xd0")]  # 0x190: inner back edge
+        + [("BRA", "0x10")]  # 0x1a0: outer back edge
+        + [("EXIT", ""), ("SYNCS.PHASECHK.TRANS64.TRYWAIT", "P0, [R1]"), ("BRA", "0x100")]  # into the step
+    )
+    ins = sl.instructions(_sass(program))
+    assert sl.loops(ins, 8) == [(0xD0, 0x190)]
+    assert sl.loops(ins, 12) == [(0xD0, 0x190)]
+    assert sl.loops(ins, 16) == []  # the step has 12: too few, and the outer region is not a step
