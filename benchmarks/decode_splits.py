@@ -1,7 +1,7 @@
 """The decode kernel's key splits swept on the GPU: TB/s of K/V read per forced split count against
 the automatic choice (kernels/decode_plan.decode_splits), dense bf16 d128 decode rows of docs/decode.md.
 
-    python benchmarks/decode_splits.py [--splits 1,2,3,4,6,8,12,16,24,32]
+    python benchmarks/decode_splits.py [--splits 1,2,3,4,6,8,12,16,24,32] [--extra]
 """
 
 import argparse
@@ -28,16 +28,25 @@ ROWS = [  # (label, B, Hq, Hkv, S)
     ("gqa B=1 Sk=128k", 1, 32, 8, 131072),
     ("gqa B=64 uniform 1..32k", 64, 32, 8, 32768),  # lengths drawn uniformly (docs/decode.md's row)
 ]
+EXTRA_ROWS = [  # other grids for a rule's check (--extra)
+    ("gqa B=16 Sk=16k", 16, 32, 8, 16384),
+    ("gqa B=32 Sk=8k", 32, 32, 8, 8192),
+    ("gqa B=128 Sk=2k", 128, 32, 8, 2048),
+    ("mha B=16 Sk=8k", 16, 32, 32, 8192),
+    ("mha B=32 Sk=16k", 32, 32, 32, 16384),
+    ("gqa B=16 uniform 1..64k", 16, 32, 8, 65536),
+]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--splits", default="1,2,3,4,5,6,8,10,12,16,20,24,32")
+    p.add_argument("--extra", action="store_true", help="also EXTRA_ROWS")
     a = p.parse_args(argv)
     counts = [int(x) for x in a.splits.split(",")]
     sms = device_info(torch.device("cuda"))[2]
     print(f"{torch.cuda.get_device_name()}, {sms} SMs")
-    for label, B, Hq, Hkv, S in ROWS:
+    for label, B, Hq, Hkv, S in ROWS + (EXTRA_ROWS if a.extra else []):
         q = torch.randn(B, Hq, 1, 128, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, Hkv, S, 128, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)

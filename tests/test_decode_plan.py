@@ -276,3 +276,25 @@ def test_gpu_repeated_steps_relaunch_the_compiled_kernels():
         if sk % 33 == 0:
             assert_matches(out, reference(q32, k2, v2, [sk, sk]), None, f"Sk={sk}", dtype=torch.float32)
     assert COMPILED.misses - misses <= 4, "one specialisation class per split count and divisibility"
+
+
+@pytest.mark.parametrize(
+    "programs, capacity, equal_lengths, splits",
+    [
+        (256, 32768, False, 10),  # MHA B=8 Sk=32k: 2560 programs, not the 768 that ran at 0.83 of F.sdpa (E138)
+        (512, 32768, False, 5),  # GQA B=64 uniform 1..32k: long sequences spread
+        (2048, 4096, False, 1),  # already ~16 programs an SM
+        (8, 131072, False, decode_plan.MAX_DECODE_SPLITS),  # B=1 GQA over 128k: capped
+        (64, 1024, False, 4),  # every split at least MIN_KEYS_PER_SPLIT keys
+        (256, 32768, True, 1),  # every sequence the whole cache: at most two programs an SM (E121)
+        (8, 131072, True, 33),
+    ],
+)
+def test_decode_splits_on_132_sms(programs, capacity, equal_lengths, splits):
+    assert decode_plan.decode_splits(programs, capacity, 132, equal_lengths) == splits
+
+
+def test_decode_splits_under_the_interpreter_still_split_small_grids():
+    assert decode_plan.decode_splits(3, 512, 1) == 2  # uneven lengths round the four "waves" up
+    assert decode_plan.decode_splits(3, 512, 1, equal_lengths=True) == 1
+    assert decode_plan.decode_splits(1, 4096, 1, equal_lengths=True) == 4
