@@ -298,3 +298,15 @@ def test_decode_splits_under_the_interpreter_still_split_small_grids():
     assert decode_plan.decode_splits(3, 512, 1) == 2  # uneven lengths round the four "waves" up
     assert decode_plan.decode_splits(3, 512, 1, equal_lengths=True) == 1
     assert decode_plan.decode_splits(1, 4096, 1, equal_lengths=True) == 4
+
+
+def test_the_most_splits_with_mostly_empty_ones_match_the_reference():
+    """MAX_DECODE_SPLITS splits of one key tile each over per-sequence lengths from 0 to the whole
+    cache (E138's rule gives short sequences many splits past their length): the empty splits'
+    partials drop out of the merge."""
+    splits = decode_plan.MAX_DECODE_SPLITS
+    block_n = decode_plan.tiles(4, 1, 16)[1]
+    lengths = (0, 5, splits * block_n, 1000 % (splits * block_n))
+    q, k, v, lens = _inputs(capacity=splits * block_n, lengths=lengths)
+    out = decode.decode_forward(q, k, v, lens, KernelParams(scale=16**-0.5), num_splits=splits)
+    assert_matches(out, reference(q, k, v, lengths), None, f"{splits} splits", dtype=torch.float32)
