@@ -286,8 +286,10 @@ def test_gpu_repeated_steps_relaunch_the_compiled_kernels():
         (2048, 4096, False, 1),  # already ~16 programs an SM
         (8, 131072, False, decode_plan.MAX_DECODE_SPLITS),  # B=1 GQA over 128k: capped
         (64, 1024, False, 4),  # every split at least MIN_KEYS_PER_SPLIT keys
-        (256, 32768, True, 1),  # every sequence the whole cache: at most two programs an SM (E121)
-        (8, 131072, True, 33),
+        (256, 32768, True, 2),  # every sequence the whole cache: about four programs an SM (E138)
+        (64, 32768, True, 8),
+        (512, 4096, True, 1),
+        (8, 131072, True, decode_plan.MAX_DECODE_SPLITS),
     ],
 )
 def test_decode_splits_on_132_sms(programs, capacity, equal_lengths, splits):

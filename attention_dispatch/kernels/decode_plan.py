@@ -31,21 +31,24 @@ from .tl.launch import score_args, score_constexprs
 MIN_KEYS_PER_SPLIT = 256
 MAX_DECODE_SPLITS = 64  # B=1 GQA over 128k on the H200: 64 splits 4.08 TB/s, 128 3.81-3.93 (E138)
 UNEVEN_PROGRAMS_PER_SM = 20
+EQUAL_PROGRAMS_PER_SM = 4  # H100 (E121): 2 was 3% faster on MHA B=8 Sk=32k, level elsewhere
 
 
 def decode_splits(programs: int, capacity: int, num_sms: int, equal_lengths: bool = False) -> int:
     """Key splits per (sequence, kv head, row block) (``programs``: the grid without splits), each
     split at least MIN_KEYS_PER_SPLIT keys of the cache's ``capacity`` (the longest a sequence can
-    be: no read of cache_seqlens), the total rounded down so the grid stays at or under its target.
-    Per-sequence lengths (``equal_lengths`` False) may differ: about UNEVEN_PROGRAMS_PER_SM programs
-    an SM, so that long sequences spread (perf-notes E138, H200: uniform 1..32k over B=64 2 splits
-    4.07 TB/s, 5 splits 4.31; MHA B=8 Sk=32k 3 splits 3.72, 10 splits 4.47).  Every sequence the
-    whole cache (plain sdpa()): at most two programs per SM, since a grid just past what the SMs
-    hold leaves a slow tail (E121, H100: MHA B=8 Sk=32k 3 splits 2.85 TB/s, 1 split 3.10-3.12)."""
+    be: no read of cache_seqlens), the total rounded down so the grid stays at or under its target
+    (a grid just past what the SMs hold leaves a slow tail: 768 programs ran slow on both GPUs, E121,
+    E138).  Per-sequence lengths (``equal_lengths`` False) may differ: about
+    UNEVEN_PROGRAMS_PER_SM programs an SM, so that long sequences spread (H200: uniform 1..32k over
+    B=64 2 splits 4.07 TB/s, 5 splits 4.31).  Every sequence the whole cache (plain sdpa()):
+    about EQUAL_PROGRAMS_PER_SM programs an SM, the best count of each of E138's ten equal-length rows
+    on the H200 (timed with a lengths tensor; GQA B=8 Sk=32k 4 splits 3.86-3.95 TB/s, 8 splits 4.31;
+    MHA B=8 Sk=32k 1 split 4.23, 2 splits 4.49)."""
     if num_sms <= 1:  # the interpreter (one "SM"): small grids split, so CPU tests run the split path
         wanted = 4 // programs if equal_lengths else cdiv(4, programs)
     else:
-        wanted = (2 if equal_lengths else UNEVEN_PROGRAMS_PER_SM) * num_sms // programs
+        wanted = (EQUAL_PROGRAMS_PER_SM if equal_lengths else UNEVEN_PROGRAMS_PER_SM) * num_sms // programs
     return max(1, min(wanted, cdiv(capacity, MIN_KEYS_PER_SPLIT), MAX_DECODE_SPLITS))
 
 
