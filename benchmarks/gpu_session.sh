@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -108,6 +108,22 @@ case "$what" in
              # running on the host: side by side, shards timed flash-attn 4 up to 1.6x slow, docs/decisions.md);
              # commit $OUT/table.json as attention_dispatch/tables/<gpu>-torch<version>.json, then bench1 + bench2
     timeout 560 python3 -m attention_dispatch tune --out "$out/table.json" 2>&1 | tail -3 ;;
+  retuneshards) # tune's full grid in TUNE_SHARDS (default 2) parts on this one GPU, each resumed from a committed
+             # benchmarks/results/tune-*-shard<k>of<N>.json (tune resumes a file of its own environment; another GPU's
+             # is overwritten), one after the other within the call's time; every part finished: merged into
+             # $OUT/table.json (commit it as attention_dispatch/tables/<gpu>-torch<version>.json, drop the shards), else
+             # commit the $OUT shards over the old ones and call again
+    n=${TUNE_SHARDS:-2} finished=1
+    for k in $(seq 1 "$n"); do
+      shard="$out/tune-shard${k}of${n}.json"
+      prev=$(ls benchmarks/results/tune-*-shard"${k}of${n}".json 2>/dev/null | head -1)
+      [ -n "$prev" ] && cp "$prev" "$shard"
+      timeout -s INT $((570 - SECONDS)) python3 -m attention_dispatch tune --shard "$k/$n" --out "$shard" \
+        > "$out/tune_shard$k.log" 2>&1 || finished=0
+      grep -E "^tune:" "$out/tune_shard$k.log" | tail -2
+      [ "$finished" = 1 ] || { echo "shard $k/$n: stopped by the call's time (rc != 0): commit the shards, call again"; break; }
+    done
+    [ "$finished" = 1 ] && python3 -m attention_dispatch tune --merge "$out"/tune-shard*of"$n".json --out "$out/table.json" 2>&1 | tail -1 ;;
   quick)     # bf16 hdim 128 + feature rows, ~3 minutes
     timeout 300 python3 benchmarks/bench.py --quick --out "$out/bench" --doc "$out/bench/benchmarks.md" --commit "$sha" \
       2>&1 | tee "$out/bench_stdout.txt" | tail -45 ;;
@@ -394,5 +410,5 @@ EOF
     # one file per GPU and mode: the same mode on several GPUs writes the same summary name
     for f in /tmp/par/gpu*/*/*summary*; do [ -f "$f" ] && cp "$f" "$out/$(echo "${f#/tmp/par/}" | tr / _)"; done
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz [SHA]"; exit 2 ;;
 esac
