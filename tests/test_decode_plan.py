@@ -312,3 +312,13 @@ def test_the_most_splits_with_mostly_empty_ones_match_the_reference():
     q, k, v, lens = _inputs(capacity=splits * block_n, lengths=lengths)
     out = decode.decode_forward(q, k, v, lens, KernelParams(scale=16**-0.5), num_splits=splits)
     assert_matches(out, reference(q, k, v, lengths), None, f"{splits} splits", dtype=torch.float32)
+
+
+def test_decode_splits_hold_the_workspace_to_its_bound():
+    """Many rows a program (Sq > 1, large head dims) take fewer splits than the grid target asks,
+    so that the float32 partials stay within MAX_SPLIT_WORKSPACE."""
+    split_bytes = 40 * 64 * (512 + 1) * 4  # 40 programs of 64 rows at d512
+    splits = decode_plan.decode_splits(40, 1 << 17, 132, split_bytes=split_bytes)
+    assert splits == decode_plan.MAX_SPLIT_WORKSPACE // split_bytes < 2640 // 40
+    assert splits * split_bytes <= decode_plan.MAX_SPLIT_WORKSPACE
+    assert decode_plan.decode_splits(40, 1 << 17, 132, split_bytes=1 << 30) == 1  # never below one

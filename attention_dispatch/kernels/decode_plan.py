@@ -32,9 +32,11 @@ MIN_KEYS_PER_SPLIT = 256
 MAX_DECODE_SPLITS = 64  # B=1 GQA over 128k on the H200: 64 splits 4.08 TB/s, 128 3.81-3.93 (E138)
 UNEVEN_PROGRAMS_PER_SM = 20
 EQUAL_PROGRAMS_PER_SM = 4  # H100 (E121): 2 was 3% faster on MHA B=8 Sk=32k, level elsewhere
+# The split partials' workspace at most (the four-wave rule's largest was ~69 MB, d512 with 64-row blocks).
+MAX_SPLIT_WORKSPACE = 64 << 20
 
 
-def decode_splits(programs: int, capacity: int, num_sms: int, equal_lengths: bool = False) -> int:
+def decode_splits(programs: int, capacity: int, num_sms: int, equal_lengths: bool = False, split_bytes: int = 0) -> int:
     """Key splits per (sequence, kv head, row block) (``programs``: the grid without splits), each
     split at least MIN_KEYS_PER_SPLIT keys of the cache's ``capacity`` (the longest a sequence can
     be: no read of cache_seqlens), the total rounded down so the grid stays at or under its target
@@ -44,11 +46,14 @@ def decode_splits(programs: int, capacity: int, num_sms: int, equal_lengths: boo
     B=64 2 splits 4.07 TB/s, 5 splits 4.31).  Every sequence the whole cache (plain sdpa()):
     about EQUAL_PROGRAMS_PER_SM programs an SM, the best count of each of E138's ten equal-length rows
     on the H200 (timed with a lengths tensor; GQA B=8 Sk=32k 4 splits 3.86-3.95 TB/s, 8 splits 4.31;
-    MHA B=8 Sk=32k 1 split 4.23, 2 splits 4.49)."""
+    MHA B=8 Sk=32k 1 split 4.23, 2 splits 4.49).  ``split_bytes``: the workspace one split adds (its
+    float32 partials of every row), the splits' together held to MAX_SPLIT_WORKSPACE."""
     if num_sms <= 1:  # the interpreter (one "SM"): small grids split, so CPU tests run the split path
         wanted = 4 // programs if equal_lengths else cdiv(4, programs)
     else:
         wanted = (EQUAL_PROGRAMS_PER_SM if equal_lengths else UNEVEN_PROGRAMS_PER_SM) * num_sms // programs
+    if split_bytes > 0:
+        wanted = min(wanted, MAX_SPLIT_WORKSPACE // split_bytes)
     return max(1, min(wanted, cdiv(capacity, MIN_KEYS_PER_SPLIT), MAX_DECODE_SPLITS))
 
 
@@ -60,10 +65,16 @@ def tiles(group: int, sq: int, d: int) -> tuple[int, int, int, int]:
 
 
 def key_splits(
-    programs: int, capacity: int, block_n: int, forced: int, num_sms: int, equal_lengths: bool = False
+    programs: int,
+    capacity: int,
+    block_n: int,
+    forced: int,
+    num_sms: int,
+    equal_lengths: bool = False,
+    split_bytes: int = 0,
 ) -> tuple[int, int]:
     """(splits, keys per split) over a cache of ``capacity`` keys; ``forced`` > 0 asks for that many."""
-    splits = forced if forced > 0 else decode_splits(programs, capacity, num_sms, equal_lengths)
+    splits = forced if forced > 0 else decode_splits(programs, capacity, num_sms, equal_lengths, split_bytes)
     per_split = max(1, cdiv(cdiv(capacity, splits), block_n)) * block_n  # an empty cache: one split
     return max(1, cdiv(capacity, per_split)), per_split
 
@@ -250,7 +261,10 @@ class DecodePlan:
         if fixed is None:  # what no geometry changes (heads and page are in plan_key), made once
             fixed = self.fixed_parts = self._fixed_parts(q, hkv, page)
         tile, grid_bh, head, mid, tail, constexprs, warps = fixed
-        splits, per_split = key_splits(grid_bh * tile[3], cap, tile[1], self.forced, self.num_sms, self.full)
+        rows = B * Hq * Sq
+        splits, per_split = key_splits(
+            grid_bh * tile[3], cap, tile[1], self.forced, self.num_sms, self.full, rows * (tile[2] + 1) * 4
+        )
         split = splits > 1
         scalars = head + k_str + v_str + (bt_stride,) + mid + (per_split, self.n_new, cap, num_blocks) + tail
         varying = (*k_str, *v_str, bt_stride, per_split, cap, num_blocks)
@@ -268,7 +282,6 @@ class DecodePlan:
         )
         combine, o_numel = None, 0
         if split:
-            rows = B * Hq * Sq
             p2 = next_pow2(splits)
             cx = self.combine_cx.get(p2)
             if cx is None:
