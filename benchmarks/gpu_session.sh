@@ -118,9 +118,10 @@ case "$what" in
       shard="$out/tune-shard${k}of${n}.json"
       prev=$(ls benchmarks/results/tune-*-shard"${k}of${n}".json 2>/dev/null | head -1)
       [ -n "$prev" ] && cp "$prev" "$shard"
-      timeout -s INT $((570 - SECONDS)) python3 -m attention_dispatch tune --shard "$k/$n" --out "$shard" \
+      left=$((570 - SECONDS))  # timeout 0 would mean no limit
+      [ "$left" -gt 10 ] && timeout -s INT "$left" python3 -m attention_dispatch tune --shard "$k/$n" --out "$shard" \
         > "$out/tune_shard$k.log" 2>&1 || finished=0
-      grep -E "^tune:" "$out/tune_shard$k.log" | tail -2
+      grep -E "^tune:" "$out/tune_shard$k.log" 2>/dev/null | tail -2
       [ "$finished" = 1 ] || { echo "shard $k/$n: stopped by the call's time (rc != 0): commit the shards, call again"; break; }
     done
     [ "$finished" = 1 ] && python3 -m attention_dispatch tune --merge "$out"/tune-shard*of"$n".json --out "$out/table.json" 2>&1 | tail -1 ;;
