@@ -322,3 +322,22 @@ def test_decode_splits_hold_the_workspace_to_its_bound():
     assert splits == decode_plan.MAX_SPLIT_WORKSPACE // split_bytes < 2640 // 40
     assert splits * split_bytes <= decode_plan.MAX_SPLIT_WORKSPACE
     assert decode_plan.decode_splits(40, 1 << 17, 132, split_bytes=1 << 30) == 1  # never below one
+
+
+def test_a_plan_passes_its_split_workspace_to_the_bound(monkeypatch):
+    """DecodePlan hands decode_splits one split's workspace (each row's partial output and logsumexp):
+    with the bound at exactly one split's bytes, the call that splits in two runs unsplit, and
+    still matches the reference."""
+    q, k, v, lens = _inputs()
+    b, hq, sq, d = q.shape
+    block_d = decode_plan.tiles(hq // k.shape[1], sq, d)[2]
+    monkeypatch.setattr(decode_plan, "MAX_SPLIT_WORKSPACE", b * hq * sq * (block_d + 1) * 4)
+    out = decode.decode_forward(q, k, v, lens, KernelParams(scale=d**-0.5))
+    (plan,) = decode_plan.PLANS.values()
+    assert plan.last[1].combine is None, "one split: no combine pass"
+    assert_matches(out, reference(q, k, v, lens.tolist()), None, "bounded workspace", dtype=torch.float32)
+    monkeypatch.setattr(decode_plan, "MAX_SPLIT_WORKSPACE", 2 * b * hq * sq * (block_d + 1) * 4)
+    decode_plan.PLANS.clear()
+    decode.decode_forward(q, k, v, lens, KernelParams(scale=d**-0.5))
+    (plan,) = decode_plan.PLANS.values()
+    assert plan.last[1].combine is not None and plan.last[1].ws_numel * 4 <= decode_plan.MAX_SPLIT_WORKSPACE

@@ -262,8 +262,9 @@ class DecodePlan:
             fixed = self.fixed_parts = self._fixed_parts(q, hkv, page)
         tile, grid_bh, head, mid, tail, constexprs, warps = fixed
         rows = B * Hq * Sq
+        split_floats = rows * (tile[2] + 1)  # one split's workspace: each row's partial output and logsumexp
         splits, per_split = key_splits(
-            grid_bh * tile[3], cap, tile[1], self.forced, self.num_sms, self.full, rows * (tile[2] + 1) * 4
+            grid_bh * tile[3], cap, tile[1], self.forced, self.num_sms, self.full, split_floats * 4
         )
         split = splits > 1
         scalars = head + k_str + v_str + (bt_stride,) + mid + (per_split, self.n_new, cap, num_blocks) + tail
@@ -291,7 +292,7 @@ class DecodePlan:
                 _decode_combine, (rows,), (rows, splits, Hq, Sq, *self.fixed[1]), cx, 4, 1, key, self.entries.get(key)
             )
             o_numel = splits * rows * tile[2]
-        geo = _Geometry(first, combine, o_numel, o_numel + splits * B * Hq * Sq)
+        geo = _Geometry(first, combine, o_numel, splits * split_floats)
         self.last = (gkey, geo)
         return geo
 
