@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -231,6 +231,10 @@ case "$what" in
              # training: ours as routed, PyTorch's efficient and math paths, FlexAttention; ~3-5 minutes)
     COMMIT=$sha OUT=$out timeout 420 python3 benchmarks/head_dim_512.py 2>&1 | grep -v -i warn | tail -16 \
       | tee "$out/d512_summary.txt" ;;
+  prefillfloor) # where chunked prefill's gap to flash-attn 4 comes from (issue 34): kv_device_ab.py's rows and its
+             # --extra ones (31 waves, not causal, MHA, square causal through the cache path), device-only and idle
+    timeout 500 python3 benchmarks/kv_device_ab.py --extra --rounds 5 --json "$out/prefillfloor.json" --commit "$sha" \
+      2>&1 | grep -v -i warn | tee "$out/prefillfloor.log" | tail -32 ;;
   patchab)   # a forward kernel patch against this tree: PATCH=docs/experiments/patches/NAME.patch bash gpu_session.sh
              # patchab SHA (E118's A/B). In a scratch copy with the patch: the Gluon forward's GPU tests (routes,
              # features) while both trees' kernels compile, then benchmarks/kv_device_ab.py (the chunked-prefill rows,
