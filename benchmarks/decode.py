@@ -182,8 +182,7 @@ def main(argv=None) -> int:
         # rows with per-sequence lengths have no F.sdpa call to compare with
         err = f"{r['max_err_vs_sdpa']:.1e}" if "max_err_vs_sdpa" in r else "-"
         print(
-            f"{r['row']:<28} TB/s: {cells}  err {err}  [{r['route']}]"
-            + (f"  TFLOP/s: {flops}" if flops else ""),
+            f"{r['row']:<28} TB/s: {cells}  err {err}  [{r['route']}]" + (f"  TFLOP/s: {flops}" if flops else ""),
             flush=True,
         )
         print(f"    ad_kv ran {r['ad_kv_backend']}; ad.sdpa: {r.get('ad_sdpa_backend', '-')}", flush=True)
