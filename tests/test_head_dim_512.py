@@ -104,6 +104,19 @@ def test_head_dim_past_512_is_rejected_with_a_reason_naming_it():
         ad.sdpa(q, q, q, backend="triton")
 
 
+def test_the_kernel_limits_are_reported_once():
+    """dtype and head dims are KERNEL_LIMITS, reported by the capabilities; the backend's own check
+    (arch and shared memory) does not repeat them in other words."""
+    triton_backend = ad.get_backend("triton")
+    for q, v, limit in (
+        (torch.randn(1, 1, 4, 16, dtype=torch.float64), None, "dtype"),
+        (torch.randn(1, 1, 4, 520), None, "520"),
+        (torch.randn(1, 1, 4, 64), torch.randn(1, 1, 4, 544), "544"),
+    ):
+        reasons = triton_backend.reasons(normalize_call(q, q, q if v is None else v).problem)
+        assert sum(limit in r for r in reasons) == 1, reasons
+
+
 def test_the_gluon_kernels_refuse_head_dims_past_256_with_a_reason(monkeypatch):
     """The warp-specialised sm90 kernels have configs up to d256: a d512 call keeps the tl
     kernels, and the route says why (the Triton version check passed over here)."""

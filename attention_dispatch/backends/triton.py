@@ -119,8 +119,10 @@ class TritonBackend(Backend):
             return ["device=cpu needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)"]
         if problem.layout in KV_LAYOUTS:
             return []  # the decode kernel's limits are all in the capabilities (kernels/limits.py)
-        from ..kernels import config_reason
+        from ..kernels import config_reason, configs
 
+        if configs.static_reason(problem.head_dim_qk, problem.head_dim_v, problem.dtype):
+            return []  # dtype and head dims: KERNEL_LIMITS, which the capabilities already report
         reason = config_reason(
             problem.head_dim_qk, problem.head_dim_v, problem.dtype, problem.device_type, problem.compute_capability
         )
