@@ -421,9 +421,9 @@ def test_fuzz_triton(f):
 
 
 @st.composite
-def kv_problems(draw, dtypes=(torch.float32,), head_dims=(16,), sqs=(1, 2, 5, 16, 63, 65, 80, 130)):
-    """(KvCase, seed): an sdpa_with_kvcache call whose new queries may span several of the decode kernel's
-    64-row blocks (GQA group x Sq), over a dense or paged cache of up to a few key splits, with or without
+def kv_problems(draw, dtypes=(torch.float32,), head_dims=(16,), sqs=(1, 2, 5, 16, 63, 65, 80, 130, 0)):
+    """(KvCase, seed): an sdpa_with_kvcache call whose new queries (none at times) may span several of the decode
+    kernel's 64-row blocks (GQA group x Sq), over a dense or paged cache of up to a few key splits, with or without
     the append, causal, a window and one of softcap / ALiBi / sinks / the logsumexp."""
     hkv = draw(st.integers(1, 2))
     sq = draw(st.sampled_from(sqs))
@@ -433,7 +433,9 @@ def kv_problems(draw, dtypes=(torch.float32,), head_dims=(16,), sqs=(1, 2, 5, 16
     if block:
         capacity = -(-capacity // block) * block
     room = capacity - (sq if append else 0)
-    lengths = tuple(draw(st.sampled_from((0, 1, room, room // 2 + 3))) for _ in range(draw(st.integers(1, 3))))
+    # a batch of none now and then: nothing to compute, an empty output (as Sq = 0)
+    batch = draw(st.sampled_from((1, 2, 3, 1, 2, 3, 0)))
+    lengths = tuple(draw(st.sampled_from((0, 1, room, room // 2 + 3))) for _ in range(batch))
     window = draw(st.sampled_from((None, None, (0, 0), (7, -1), (40, 3))))
     score = draw(st.sampled_from(({}, {}, {"softcap": 5.0}, {"alibi": True}, {"sinks": True}, {"return_lse": True})))
     case = KvCase(
@@ -616,7 +618,7 @@ KV_GPU_BACKENDS = ("triton", "flash_attn", "cudnn", "torch_efficient", "math")
     problem=kv_problems(
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         head_dims=(16, 64, 128),
-        sqs=(1, 2, 5, 16, 65, 128, 130, 256),
+        sqs=(1, 2, 5, 16, 65, 128, 130, 256, 0),
     )
 )
 def test_fuzz_kvcache_gpu(backend, problem):

@@ -240,6 +240,12 @@ CASES = {
     "paged bs64 window": KvCase(block_size=64, seqlen_q=2, window=(7, 0), lengths=(64, 0, 40)),
     "paged bs16 MHA Sq=3": KvCase(block_size=16, heads_kv=4, seqlen_q=3, causal=True, lengths=(61, 1, 17)),
     "empty caches": KvCase(lengths=(0, 0, 0)),
+    # nothing to compute: an empty output of the right shape (the split plan divides by the rows)
+    "no query rows": KvCase(seqlen_q=0, lengths=(5, 0, 64)),
+    "no query rows, append of none, lse": KvCase(seqlen_q=0, append=True, return_lse=True),
+    "no query rows paged": KvCase(seqlen_q=0, block_size=16),
+    "empty batch": KvCase(batch=0, append=True, causal=True, seqlen_q=2),
+    "empty batch paged": KvCase(batch=0, block_size=16),
     "empty paged caches": KvCase(block_size=16, seqlen_q=2, causal=True, lengths=(0, 0, 0)),
     "full caches": KvCase(seqlen_q=2, append=True, causal=True, lengths=(62, 62, 62)),
     "full paged caches": KvCase(block_size=32, lengths=(64, 64, 64)),
@@ -279,6 +285,14 @@ def _declared(backend: str, case: KvCase) -> bool:
     if case.dtype not in caps.dtypes or (case.window is not None and not caps.window):
         return False
     if case.heads_q != case.heads_kv and not caps.gqa:
+        return False
+    features = {
+        "softcap": case.softcap is not None,
+        "alibi": case.alibi,
+        "sinks": case.sinks,
+        "return_lse": case.return_lse,
+    }
+    if any(used and not getattr(caps, name) for name, used in features.items()):
         return False
     if case.block_size is not None:
         return "paged" in caps.kv_cache and caps.paged_block_size_ok(case.block_size)

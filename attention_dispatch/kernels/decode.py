@@ -63,6 +63,9 @@ def decode_forward(
     scale, softcap, window and bottom-right causal (``window_right=0``); ``num_splits`` > 0
     forces the key splits; ``alibi`` (B, Hq) fp32 slopes, ``sinks`` (Hq,), or None.  Returns
     (B, Hq, Sq, D), or with ``need_lse`` (out, logsumexp fp32 (B, Hq, Sq) without the sink)."""
+    empty = _empty_call(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, need_lse)
+    if empty is not None:
+        return empty
     if sinks is not None and sinks.stride(0) != 1:
         sinks = sinks.contiguous()
     plan = plan_for(
@@ -71,13 +74,19 @@ def decode_forward(
     return _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi, sinks, need_lse)
 
 
-def _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi, sinks, need_lse, geo=None):
-    """decode_forward's result through its plan (kernels/decode_plan.py)."""
+def _empty_call(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, need_lse):
+    """The result of a call with no query rows or a cache of capacity 0 (zeros; k_new appended
+    where there is room), else None: such a call has no plan (its split geometry divides by them)."""
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[2]
-    if q.numel() == 0 or capacity == 0:
-        if k_new is not None and capacity and k_new.numel():
-            append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-        return _with_lse(_empty_result(q, 0), None, need_lse, q)
+    if q.numel() and capacity:
+        return None
+    if k_new is not None and capacity and k_new.numel():
+        append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    return _with_lse(_empty_result(q, 0), None, need_lse, q)
+
+
+def _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi, sinks, need_lse, geo=None):
+    """decode_forward's result through its plan (kernels/decode_plan.py), for a call _empty_call passed."""
     out, lse = plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi, sinks, geo)
     return (out, lse) if need_lse else out
 
@@ -142,6 +151,9 @@ def kv_forward(
     :func:`cache_forward` after the append where :func:`kv_route` takes it, else
     :func:`decode_forward` with the append fused.  ``alibi``/``sinks``/``need_lse``: as
     :func:`decode_forward`'s.  The route is chosen once per signature (its plan's geometry)."""
+    empty = _empty_call(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, need_lse)
+    if empty is not None:
+        return empty
     n_new = q.shape[2] if k_new is not None else 0
     if sinks is not None and sinks.stride(0) != 1:
         sinks = sinks.contiguous()
