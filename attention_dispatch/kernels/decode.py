@@ -40,6 +40,14 @@ def _with_lse(out, lse, need_lse: bool, q):
     return out, lse
 
 
+def _one_new_layout(k_new, v_new):
+    """k_new and v_new with one set of strides, the one the decode kernel reads both with (and its
+    plan keeps): copies of both where their layouts differ (a rare call; never the common one)."""
+    if k_new is None or k_new.stride() == v_new.stride():
+        return k_new, v_new
+    return k_new.contiguous(), v_new.contiguous()
+
+
 def decode_forward(
     q,
     k_cache,
@@ -66,6 +74,7 @@ def decode_forward(
     empty = _empty_call(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, need_lse)
     if empty is not None:
         return empty
+    k_new, v_new = _one_new_layout(k_new, v_new)
     if sinks is not None and sinks.stride(0) != 1:
         sinks = sinks.contiguous()
     plan = plan_for(
@@ -155,6 +164,7 @@ def kv_forward(
     if empty is not None:
         return empty
     n_new = q.shape[2] if k_new is not None else 0
+    k_new, v_new = _one_new_layout(k_new, v_new)
     if sinks is not None and sinks.stride(0) != 1:
         sinks = sinks.contiguous()
     plan = plan_for(
@@ -173,10 +183,12 @@ def kv_forward(
 def prepare_kv(q, k_cache, v_cache, cache_seqlens, params: KernelParams, block_table, k_new, v_new, fallback):
     """A :class:`~.decode_plan.KvRunner` (the decode kernel) or :class:`CacheRunner` (the Gluon
     route) for repeated calls of this one's signature (no alibi, sinks or logsumexp), or None
-    (rows to copy, an empty call, lengths with another stride): kv_forward serves those."""
+    (rows to copy, k_new and v_new in two layouts, an empty call, lengths with another stride):
+    kv_forward serves those."""
     tensors = (q, k_cache, v_cache) + ((k_new, v_new) if k_new is not None else ())
     if (
         any(t.stride(-1) != 1 for t in tensors)
+        or (k_new is not None and k_new.stride() != v_new.stride())
         or cache_seqlens.stride(0) != 1
         or (block_table is not None and block_table.stride(-1) != 1)
         or q.numel() == 0
