@@ -104,6 +104,31 @@ def make_inputs(case: Case, device="cpu", requires_grad=True):
     return q, k, v, mask, sdpa_kw, naive_kw
 
 
+# memory layouts a (B, H, S, D) or (total, H, D) tensor may come in with the same values: the strides
+# each kernel reads a tensor through, drawn for every tensor apart (the fuzzers' layouts)
+LAYOUTS = ("contiguous", "tokens_first", "every_other", "padded_rows")
+
+
+def restrided(t, layout: str):
+    """A leaf with ``t``'s values and requires_grad in memory layout ``layout``: ``tokens_first`` a
+    (B, S, H, D) buffer seen as (B, H, S, D) (3-d: (H, total, D)), ``every_other`` every other element
+    of a buffer twice as wide, ``padded_rows`` rows of D + 3 elements; ``t`` itself for "contiguous"."""
+    if layout == "contiguous" or t.dim() < 3:
+        return t
+    with torch.no_grad():
+        if layout == "tokens_first":
+            a, b = (1, 2) if t.dim() == 4 else (0, 1)
+            out = t.transpose(a, b).contiguous().transpose(a, b)
+        else:
+            d = t.shape[-1]
+            buf = torch.empty(
+                *t.shape[:-1], 2 * d if layout == "every_other" else d + 3, dtype=t.dtype, device=t.device
+            )
+            out = buf[..., ::2] if layout == "every_other" else buf[..., :d]
+            out.copy_(t)
+    return out.requires_grad_(t.requires_grad)
+
+
 def leaf_copy(t, dtype=None):
     """A detached copy (optionally cast) that requires grad like `t`."""
     if t is None:

@@ -52,6 +52,14 @@ TARGETS = {
         T.kv_problems(dtypes=(torch.float32, torch.float16), head_dims=(16, 33)),
         lambda p: T.test_fuzz_kvcache.hypothesis.inner_test("triton", p),
     ),
+    "layouts": (
+        T.problems(scales=(None, 0.05, 1.0), magnitudes=(1.0, 8.0), features=True, layouts=True),
+        functools.partial(T.fuzz_one, "triton"),
+    ),
+    "kv_layouts": (
+        T.kv_problems(dtypes=(torch.float32, torch.float16), head_dims=(16, 33), layouts=True),
+        lambda p: T.test_fuzz_kvcache.hypothesis.inner_test("triton", p),
+    ),
     "decode": (T.decode_problems(), lambda p: T.test_fuzz_triton_decode_route.hypothesis.inner_test(p)),
     "math": (T.problems(features=True), functools.partial(T.fuzz_one, "math")),
     "torch_cpu": (T.problems(), functools.partial(T.fuzz_one, "torch_cpu")),
@@ -63,6 +71,18 @@ TARGETS = {
     ),
     "gpu_features": _gpu_target(
         T.problems(scales=(None, 0.05, 1.0), magnitudes=(1.0, 8.0), features=True, head_dims=T.GPU_HEAD_DIMS)
+    ),
+    "gpu_layouts": _gpu_target(
+        T.problems(scales=(None, 0.05, 1.0), magnitudes=(1.0,), features=True, head_dims=T.GPU_HEAD_DIMS, layouts=True)
+    ),
+    "kv_gpu_layouts": (
+        T.kv_problems(
+            dtypes=(torch.float16, torch.bfloat16),
+            head_dims=(64, 128),
+            sqs=(1, 2, 16, 128, 256, 0),
+            layouts=True,
+        ),
+        lambda p: T.test_fuzz_kvcache_gpu.hypothesis.inner_test("triton", p),
     ),
     "kv_gpu": (
         T.kv_problems(

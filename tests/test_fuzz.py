@@ -22,7 +22,7 @@ import attention_dispatch as ad
 from attention_dispatch.api import normalize_call
 from attention_dispatch.kernels.gluon.route import WS_MIN_WORK
 
-from cases import Case, leaf_copy, make_inputs
+from cases import LAYOUTS, Case, leaf_copy, make_inputs, restrided
 from naive import naive_attention
 from oracle import (
     KEEP_MASKS,
@@ -42,6 +42,7 @@ class Fuzzed:
     scale: float | None = None
     magnitude: float = 1.0
     seed: int = 0
+    layouts: tuple[str, ...] = ()  # cases.LAYOUTS of q, k, v; () all contiguous
 
 
 DTYPES = (torch.float32, torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -63,10 +64,12 @@ def problems(
     features: bool = False,
     head_dims=HEAD_DIMS,
     lengths=None,
+    layouts: bool = False,
 ):
     """A Fuzzed call: any shape and feature set sdpa() accepts (a backend filters by its capabilities);
     ``lengths``: the dense calls' Sq and Sk and varlen's per-sequence query lengths (None: 0..12 dense,
-    0..9 varlen, the draws every derandomized test's examples were chosen with)."""
+    0..9 varlen, the draws every derandomized test's examples were chosen with); ``layouts``: q, k and v
+    each in a memory layout of its own (drawn last, so the other draws stay those of the tests without)."""
     dense_lengths = st.integers(0, 12) if lengths is None else lengths
     varlen_lengths = st.integers(0, 9) if lengths is None else lengths
     hkv = draw(st.integers(1, 3))
@@ -101,6 +104,7 @@ def problems(
         scale=draw(st.sampled_from(scales)),
         magnitude=draw(st.sampled_from(magnitudes)),
         seed=draw(st.integers(0, 2**16)),
+        layouts=tuple(draw(st.sampled_from(LAYOUTS)) for _ in range(3)) if layouts else (),
     )
 
 
@@ -112,6 +116,8 @@ def inputs(f: Fuzzed, requires_grad: bool = True, device: str = "cpu"):
         k.mul_(f.magnitude)
     if f.scale is not None:
         sdpa_kw["scale"] = naive_kw["scale"] = f.scale
+    if f.layouts:
+        q, k, v = (restrided(t, layout) for t, layout in zip((q, k, v), f.layouts))
     return q, k, v, mask, sdpa_kw, naive_kw
 
 
@@ -421,7 +427,7 @@ def test_fuzz_triton(f):
 
 
 @st.composite
-def kv_problems(draw, dtypes=(torch.float32,), head_dims=(16,), sqs=(1, 2, 5, 16, 63, 65, 80, 130, 0)):
+def kv_problems(draw, dtypes=(torch.float32,), head_dims=(16,), sqs=(1, 2, 5, 16, 63, 65, 80, 130, 0), layouts=False):
     """(KvCase, seed): an sdpa_with_kvcache call whose new queries (none at times) may span several of the decode
     kernel's 64-row blocks (GQA group x Sq), over a dense or paged cache of up to a few key splits, with or without
     the append, causal, a window and one of softcap / ALiBi / sinks / the logsumexp."""
@@ -453,6 +459,8 @@ def kv_problems(draw, dtypes=(torch.float32,), head_dims=(16,), sqs=(1, 2, 5, 16
         lengths=lengths,
         **score,
     )
+    if layouts:  # query, the caches and the new keys and values each in a memory layout of its own
+        case = dataclasses.replace(case, layouts=tuple(draw(st.sampled_from(LAYOUTS)) for _ in range(5)))
     return case, draw(st.integers(0, 2**16))
 
 
@@ -484,6 +492,23 @@ def kv_differential(backend: str, problem, device: str) -> None:
     args = make_kv_inputs(case, device)
     assume(ad.explain_with_kvcache(**args, backend=backend).backend is not None)
     check_kv_call(backend, case, device, args=args)
+
+
+@pytest.mark.parametrize("backend", ["math", "triton", "torch_cpu"])
+@settings(FUZZ, max_examples=24)
+@given(problems(dropout=False, scales=(None, 0.05, 1.0), magnitudes=(1.0,), features=True, layouts=True))
+def test_fuzz_layouts(backend, f):
+    """q, k and v each in a memory layout of its own (cases.LAYOUTS: the strides every path reads them by)."""
+    fuzz_one(backend, f)
+
+
+@pytest.mark.parametrize("backend", ["math", "triton"])
+@settings(FUZZ, max_examples=24)
+@given(kv_problems(layouts=True))
+def test_fuzz_kvcache_layouts(backend, problem):
+    """sdpa_with_kvcache with query, caches and new keys and values each in a memory layout of its own
+    (the decode kernel once read v_new by k_new's strides)."""
+    kv_differential(backend, problem, "cpu")
 
 
 # the interpreter's tiles (configs.INTERPRETER_CONFIGS: 32 x 16 forward, 16 x 32 and 32 x 16 backward) are

@@ -21,6 +21,7 @@ import torch
 
 import attention_dispatch as ad
 from attention_dispatch import dispatch
+from cases import restrided
 from oracle import assert_matches
 
 
@@ -43,6 +44,8 @@ class KvCase:
     alibi: bool = False  # ALiBi slopes (Hq,)
     sinks: bool = False
     return_lse: bool = False
+    # memory layouts (cases.LAYOUTS) of query, k_cache, v_cache, k_new, v_new; () all contiguous
+    layouts: tuple[str, ...] = ()
 
     def __str__(self):
         fields = [
@@ -182,6 +185,9 @@ def make_kv_inputs(case: KvCase, device="cpu"):
         args["sinks"] = torch.randn(case.heads_q, device=device, dtype=case.dtype) + 2.0
     if case.return_lse:
         args["return_lse"] = True
+    for name, layout in zip(("query", "k_cache", "v_cache", "k_new", "v_new"), case.layouts):
+        if name in args:
+            args[name] = restrided(args[name], layout)
     return args
 
 
@@ -382,30 +388,23 @@ def test_a_paged_cache_without_blocks_reads_nothing():
     assert torch.equal(out, torch.zeros_like(out))
 
 
-def _layout(t: torch.Tensor, kind: str) -> torch.Tensor:
-    """The same values as ``t`` (B, H, S, D) in another memory layout."""
-    if kind == "bshd":  # a (B, S, H, D) buffer seen as (B, H, S, D), as a model's projections give it
-        return t.transpose(1, 2).contiguous().transpose(1, 2)
-    if kind == "every other":  # every other element of a buffer twice as wide
-        wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
-        wide[..., ::2] = t
-        return wide[..., ::2]
-    return t
-
-
 @pytest.mark.parametrize("backend", ["math", "triton", "torch_cpu"])
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
-@pytest.mark.parametrize("k_layout,v_layout", [("bshd", "contiguous"), ("contiguous", "every other"), ("bshd", "bshd")])
+@pytest.mark.parametrize(
+    "k_layout,v_layout",
+    [("tokens_first", "contiguous"), ("contiguous", "every_other"), ("tokens_first", "padded_rows")],
+)
 def test_new_keys_and_values_in_layouts_of_their_own(backend, paged, k_layout, v_layout):
     """k_new and v_new each in any layout, the two different (the decode kernel once read v_new with k_new's
     strides: a wrong cache and output, silently); the repeated call too (the prepared runner)."""
-    case = KvCase(seqlen_q=3, append=True, causal=True, block_size=16 if paged else None, lengths=(5, 0, 40))
+    layouts = ("contiguous", "contiguous", "contiguous", k_layout, v_layout)
+    case = KvCase(
+        seqlen_q=3, append=True, causal=True, block_size=16 if paged else None, lengths=(5, 0, 40), layouts=layouts
+    )
     if not _declared(backend, case):
         pytest.skip(f"{backend} does not declare {case}")
     for _ in range(2):
-        args = make_kv_inputs(case)
-        args["k_new"], args["v_new"] = _layout(args["k_new"], k_layout), _layout(args["v_new"], v_layout)
-        check_kv_call(backend, case, args=args)
+        check_kv_call(backend, case)
 
 
 def test_inputs_that_require_grad_give_an_output_without_graph():
