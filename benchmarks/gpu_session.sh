@@ -155,10 +155,14 @@ case "$what" in
     timeout 240 python3 benchmarks/forward_ab.py --rows "d64,bf16 d128 4k causal,bf16 d128 16k causal" --impls ws,tl,ws-no-fuse,ws-fuse-banded --rounds 5 \
       --json "$out/ab.json" --commit "$sha" 2>&1 | tail -14 ;;
   fuzz)      # trust: test_fuzz.py's gpu items (~250-300 s cold), then FUZZ_SECONDS (default 50) of each random GPU
-             # campaign (tests/fuzz_campaign.py: new examples each run; a failure prints the shrunk call)
+             # campaign (tests/fuzz_campaign.py: new examples each run; a failure prints the shrunk call).
+             # FUZZ_TARGETS: other campaigns than the three below (e.g. gpu_layouts,kv_gpu_layouts); the limit
+             # is FUZZ_SECONDS a target plus 40 s
+    targets=${FUZZ_TARGETS:-gpu_large,gpu_features,kv_gpu}
+    n_targets=$(( $(tr -cd , <<< "$targets" | wc -c) + 1 ))
     timeout -s INT 290 $pytest_lines -rfEs tests/test_fuzz.py > "$out/fuzz_tests.log" 2>&1  # -rfEs: the skips too
-    timeout -s INT 190 python3 tests/fuzz_campaign.py --seconds "${FUZZ_SECONDS:-50}" --chunk 5 \
-      --targets gpu_large,gpu_features,kv_gpu > "$out/fuzz_campaign.log" 2>&1
+    timeout -s INT $(( n_targets * ${FUZZ_SECONDS:-50} + 40 )) python3 tests/fuzz_campaign.py --seconds "${FUZZ_SECONDS:-50}" \
+      --chunk 5 --targets "$targets" > "$out/fuzz_campaign.log" 2>&1
     # a Gluon example compiles for 10-20 s: rounds of 2
     timeout -s INT 90 python3 tests/fuzz_campaign.py --seconds "${FUZZ_SECONDS:-50}" --chunk 2 \
       --targets gluon_large >> "$out/fuzz_campaign.log" 2>&1
