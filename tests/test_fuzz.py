@@ -42,7 +42,7 @@ class Fuzzed:
     scale: float | None = None
     magnitude: float = 1.0
     seed: int = 0
-    layouts: tuple[str, ...] = ()  # cases.LAYOUTS of q, k, v; () all contiguous
+    layouts: tuple[str, ...] = ()  # cases.LAYOUTS of q, k, v and the output's gradient; () all contiguous
 
 
 DTYPES = (torch.float32, torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -68,8 +68,8 @@ def problems(
 ):
     """A Fuzzed call: any shape and feature set sdpa() accepts (a backend filters by its capabilities);
     ``lengths``: the dense calls' Sq and Sk and varlen's per-sequence query lengths (None: 0..12 dense,
-    0..9 varlen, the draws every derandomized test's examples were chosen with); ``layouts``: q, k and v
-    each in a memory layout of its own (drawn last, so the other draws stay those of the tests without)."""
+    0..9 varlen, the draws every derandomized test's examples were chosen with); ``layouts``: q, k, v and
+    the output's gradient each in a memory layout of its own (drawn last, so the other draws stay those of the tests without)."""
     dense_lengths = st.integers(0, 12) if lengths is None else lengths
     varlen_lengths = st.integers(0, 9) if lengths is None else lengths
     hkv = draw(st.integers(1, 3))
@@ -104,7 +104,7 @@ def problems(
         scale=draw(st.sampled_from(scales)),
         magnitude=draw(st.sampled_from(magnitudes)),
         seed=draw(st.integers(0, 2**16)),
-        layouts=tuple(draw(st.sampled_from(LAYOUTS)) for _ in range(3)) if layouts else (),
+        layouts=tuple(draw(st.sampled_from(LAYOUTS)) for _ in range(4)) if layouts else (),
     )
 
 
@@ -181,6 +181,8 @@ def differential(backend: str, f: Fuzzed, device: str = "cpu", ref_device: str =
         torch.manual_seed(f.seed + 1)
         keep = KEEP_MASKS[backend](case, q, k, sdpa_kw.get("cu_seqlens_q"), sdpa_kw.get("cu_seqlens_k")).to(ref_device)
     grad_out = torch.randn_like(out)
+    if len(f.layouts) > 3:  # the output's gradient in a layout of its own too
+        grad_out = restrided(grad_out, f.layouts[3])
     # a gradient into the logsumexp too (issue 36: it is differentiable), 0 on rows without a key (-inf)
     grad_lse = None if lse is None else torch.where(lse.isfinite(), torch.randn_like(lse), torch.zeros_like(lse))
     _backward([(out, grad_out)] + ([(lse, grad_lse)] if lse is not None else []))
