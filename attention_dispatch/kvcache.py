@@ -340,6 +340,9 @@ def _execute(decision: Decision, call: KvCall):
     return run_with_fallback(decision, run)
 
 
+# torch.compile runs this call eagerly (a graph break; fullgraph=True raises): it writes the caches in
+# place and has no traced op yet, and tracing into its kernel launches failed
+@torch.compiler.disable
 def sdpa_with_kvcache(
     query,
     k_cache,

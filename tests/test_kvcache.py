@@ -921,3 +921,33 @@ def test_explain_with_kvcache_shows_the_triton_route():
 def test_gpu_append_past_the_first_row_block(label):
     """The decode kernel's append on the GPU: every new key in the cache, the output as defined."""
     check_kv_call("triton", CASES[label], "cuda")
+
+
+@pytest.mark.parametrize("backend", ["math", "triton"])
+def test_under_torch_compile_the_call_runs_eagerly(backend):
+    """torch.compile of a decode step: sdpa_with_kvcache is a graph break that runs eagerly (its in-place
+    cache writes included; tracing into its launches once failed), and fullgraph=True says it cannot."""
+    import torch._dynamo
+
+    case = KvCase(seqlen_q=2, append=True, causal=True, layouts=("contiguous",) * 3 + ("tokens_first", "contiguous"))
+    if not ad.get_backend(backend).is_available():
+        pytest.skip(ad.get_backend(backend).unavailable_reason())
+
+    def step(args):
+        return ad.sdpa_with_kvcache(**args, backend=backend) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="eager")
+    for _ in range(2):
+        args = make_kv_inputs(case)
+        want = check_kv_call(
+            backend, case, args={n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in args.items()}
+        )
+        k0 = args["k_cache"].clone()
+        got = compiled(args)
+        assert torch.equal(got, want * 2)
+        assert not torch.equal(args["k_cache"], k0), "the cache was not written"
+    torch._dynamo.reset()  # else the graph above serves the fullgraph call too
+    with pytest.raises(Exception, match="(?i)disable|skip"):
+        torch.compile(step, backend="eager", fullgraph=True)(make_kv_inputs(case))
+    torch._dynamo.reset()
