@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from ..higher_order import refuse_create_graph
+
 logger = logging.getLogger("attention_dispatch")
 INTERFACE = "flash_attn.cute.interface"
 # flash-attn 4 releases whose private forward compile cache (``_flash_attn_fwd.compile_cache``)
@@ -336,6 +338,7 @@ class _TrainingCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        refuse_create_graph("flash-attn 4's attention")
         q, k, v, out, lse = ctx.saved_tensors
         relauncher = ctx.relauncher
         kw = relauncher.kwargs

@@ -14,6 +14,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from ..higher_order import refuse_create_graph
+
 # Which device types a backend can move when the group does not say (older torch).
 _BACKEND_DEVICES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "mpi": ("cpu", "cuda"), "xccl": ("xpu",)}
 
@@ -115,6 +117,7 @@ class _RingShift(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        refuse_create_graph("the context-parallel ring shift")
         grads = [g.contiguous() for g in grads]
         back, works = _shift(grads, ctx.group, (ctx.rank - 1) % ctx.world, (ctx.rank + 1) % ctx.world)
         for work in works:
@@ -217,6 +220,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        refuse_create_graph("the context-parallel all-gather")
         w = ctx.world
         own = [_reduce_scatter(grads[i * w : (i + 1) * w], ctx.group, w) for i in range(ctx.n)]
         return (None, None, None, *own)
@@ -247,6 +251,7 @@ class _Anchor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *_):
+        refuse_create_graph("context-parallel attention")
         return (grad, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes))
 
 

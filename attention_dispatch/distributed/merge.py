@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from ..higher_order import refuse_create_graph
+
 
 def block_weights(lse_b: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """w_b = exp(lse_b - lse), 0 on empty rows (exp(-inf - -inf) would be NaN)."""
@@ -99,6 +101,7 @@ class _Merge(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        refuse_create_graph("the context-parallel merge")
         starts, n = ctx.starts, len(ctx.starts)
         saved = ctx.saved_tensors
         outs, weights = saved[:n], saved[n:]

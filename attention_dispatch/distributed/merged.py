@@ -16,6 +16,7 @@ import torch
 
 import dataclasses
 
+from ..higher_order import refuse_create_graph
 from .. import registry
 from ..call import normalize_call
 from ..debug import note_decision
@@ -192,6 +193,7 @@ class _MergedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        refuse_create_graph("context-parallel attention")
         setup, served = ctx.setup, ctx.served
         q, k, v, mask, out, lse = ctx.saved_tensors
         need = ctx.needs_input_grad[1:4]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..higher_order import refuse_create_graph
 from . import exchange as _exchange
 from .blocks import span
 from .merge import block_weights
@@ -76,6 +77,7 @@ class _RecomputedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        refuse_create_graph("context-parallel attention")
         setup = ctx.setup
         q, k, v, mask, out, lse = ctx.saved_tensors
         need = ctx.needs_input_grad[1:5]

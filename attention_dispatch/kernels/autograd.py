@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..higher_order import refuse_create_graph
 from .dropout import STREAM_LEN
 from .decode_plan import DecodeRunner
 from .entry import DECODE_MIN_KEYS, attention_backward, attention_forward, decode_plan_of, lse_pair_buffer
@@ -313,6 +314,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
+        refuse_create_graph("the triton backend's attention")
         saved, grad_out, bias_grad, sinks_grad = _backward_inputs(ctx, grad_out, 11)
         query, key, value, bias, out, lse, seed, cu_q, cu_k, alibi, sinks, pair = saved
         max_sq, max_sk, params, plan = ctx.extra
