@@ -105,13 +105,14 @@ def test_head_dim_past_512_is_rejected_with_a_reason_naming_it():
 
 
 def test_the_kernel_limits_are_reported_once():
-    """dtype and head dims are KERNEL_LIMITS, reported by the capabilities; the backend's own check
-    (arch and shared memory) does not repeat them in other words."""
+    """device, dtype and head dims are KERNEL_LIMITS, reported by the capabilities; the backend's own
+    check (arch and shared memory) does not repeat them in other words."""
     triton_backend = ad.get_backend("triton")
     for q, v, limit in (
         (torch.randn(1, 1, 4, 16, dtype=torch.float64), None, "dtype"),
         (torch.randn(1, 1, 4, 520), None, "520"),
         (torch.randn(1, 1, 4, 64), torch.randn(1, 1, 4, 544), "544"),
+        (torch.randn(1, 1, 4, 16, device="meta"), None, "meta"),
     ):
         reasons = triton_backend.reasons(normalize_call(q, q, q if v is None else v).problem)
         assert sum(limit in r for r in reasons) == 1, reasons

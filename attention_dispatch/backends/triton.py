@@ -121,8 +121,10 @@ class TritonBackend(Backend):
             return []  # the decode kernel's limits are all in the capabilities (kernels/limits.py)
         from ..kernels import config_reason, configs
 
-        if configs.static_reason(problem.head_dim_qk, problem.head_dim_v, problem.dtype):
-            return []  # dtype and head dims: KERNEL_LIMITS, which the capabilities already report
+        if problem.device_type not in self.capabilities.devices or configs.static_reason(
+            problem.head_dim_qk, problem.head_dim_v, problem.dtype
+        ):
+            return []  # device, dtype and head dims: KERNEL_LIMITS, which the capabilities already report
         reason = config_reason(
             problem.head_dim_qk, problem.head_dim_v, problem.dtype, problem.device_type, problem.compute_capability
         )
