@@ -340,9 +340,19 @@ def _execute(decision: Decision, call: KvCall):
     return run_with_fallback(decision, run)
 
 
-# torch.compile runs this call eagerly (a graph break; fullgraph=True raises): it writes the caches in
-# place and has no traced op yet, and tracing into its kernel launches failed
-@torch.compiler.disable
+_EAGER: dict = {}  # "call": sdpa_with_kvcache under torch.compiler.disable, made on the first compiled call
+
+
+def _eager_under_compile(**arguments):
+    """torch.compile runs sdpa_with_kvcache eagerly (a graph break; fullgraph=True refuses it): it
+    writes the caches in place and has no traced op yet, and tracing into its kernel launches
+    failed. The wrapper is made here, not at import (which would import torch._dynamo)."""
+    call = _EAGER.get("call")
+    if call is None:
+        call = _EAGER["call"] = torch.compiler.disable(sdpa_with_kvcache)
+    return call(**arguments)
+
+
 def sdpa_with_kvcache(
     query,
     k_cache,
@@ -391,6 +401,13 @@ def sdpa_with_kvcache(
     each sequence's length (ALiBi's distance |i + L_b - Sq - j|); return_lse: also return the
     rows' logsumexp, float32 (B, Hq, Sq) (-inf for a row with no key, without the sinks).
     """
+    if _is_compiling():
+        return _eager_under_compile(
+            query=query, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new,
+            block_table=block_table, causal=causal, window=window, scale=scale, enable_gqa=enable_gqa,
+            backend=backend, validate=validate, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+            return_lse=return_lse,
+        )  # fmt: skip
     features = softcap is not None or alibi_slopes is not None or sinks is not None or return_lse
     key = hit = None
     if not features and not _is_compiling():

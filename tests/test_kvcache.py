@@ -951,3 +951,21 @@ def test_under_torch_compile_the_call_runs_eagerly(backend):
     with pytest.raises(Exception, match="(?i)disable|skip"):
         torch.compile(step, backend="eager", fullgraph=True)(make_kv_inputs(case))
     torch._dynamo.reset()
+
+
+def test_the_compiled_path_forwards_every_parameter():
+    """sdpa_with_kvcache's torch.compile branch passes each of its parameters on by name: one added to the
+    signature but not there would be dropped under torch.compile, silently."""
+    import ast
+    import inspect
+
+    from attention_dispatch import kvcache
+
+    tree = ast.parse(inspect.getsource(kvcache.sdpa_with_kvcache))
+    calls = [
+        n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "_eager_under_compile"
+    ]
+    assert len(calls) == 1
+    passed = {k.arg: k.value.id for k in calls[0].keywords}
+    params = list(inspect.signature(kvcache.sdpa_with_kvcache).parameters)
+    assert passed == {p: p for p in params}
