@@ -20,6 +20,7 @@ with the full path's messages; then the runner the backend prepared for the sign
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -340,17 +341,13 @@ def _execute(decision: Decision, call: KvCall):
     return run_with_fallback(decision, run)
 
 
-_EAGER: dict = {}  # "call": sdpa_with_kvcache under torch.compiler.disable, made on the first compiled call
-
-
-def _eager_under_compile(**arguments):
-    """torch.compile runs sdpa_with_kvcache eagerly (a graph break; fullgraph=True refuses it): it
-    writes the caches in place and has no traced op yet, and tracing into its kernel launches
-    failed. The wrapper is made here, not at import (which would import torch._dynamo)."""
-    call = _EAGER.get("call")
-    if call is None:
-        call = _EAGER["call"] = torch.compiler.disable(sdpa_with_kvcache)
-    return call(**arguments)
+@functools.cache
+def _eager_sdpa_with_kvcache():
+    """sdpa_with_kvcache under torch.compiler.disable, made on the first compiled call (at import it
+    would import torch._dynamo): torch.compile runs the call eagerly (a graph break; fullgraph=True
+    refuses it), since it writes the caches in place, has no traced op yet, and tracing into its
+    kernel launches failed."""
+    return torch.compiler.disable(sdpa_with_kvcache)
 
 
 def sdpa_with_kvcache(
@@ -402,7 +399,7 @@ def sdpa_with_kvcache(
     rows' logsumexp, float32 (B, Hq, Sq) (-inf for a row with no key, without the sinks).
     """
     if _is_compiling():
-        return _eager_under_compile(
+        return _eager_sdpa_with_kvcache()(
             query=query, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new,
             block_table=block_table, causal=causal, window=window, scale=scale, enable_gqa=enable_gqa,
             backend=backend, validate=validate, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
@@ -410,7 +407,7 @@ def sdpa_with_kvcache(
         )  # fmt: skip
     features = softcap is not None or alibi_slopes is not None or sinks is not None or return_lse
     key = hit = None
-    if not features and not _is_compiling():
+    if not features:  # not compiling: that returned above
         recent = kv_calls.get(RECENT)
         if recent is not None:  # kv_fast_key.kv_recent_hit: the key's facts checked in C++
             entry = kv_recent_hit(

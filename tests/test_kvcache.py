@@ -963,7 +963,11 @@ def test_the_compiled_path_forwards_every_parameter():
 
     tree = ast.parse(inspect.getsource(kvcache.sdpa_with_kvcache))
     calls = [
-        n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "_eager_under_compile"
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Call)
+        and getattr(n.func.func, "id", "") == "_eager_sdpa_with_kvcache"
     ]
     assert len(calls) == 1
     passed = {k.arg: k.value.id for k in calls[0].keywords}
