@@ -10,6 +10,7 @@ PyTorch flash / efficient and flash-attn 4 for real against the oracle.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import random
@@ -189,6 +190,36 @@ def test_flash_attn_prepared_runner_matches_run(fa, version, sq, sk, causal, win
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     (gq, gk, gv), g = grads(got, (q2, k2, v2))
     assert torch.equal(gq, torch.autograd.grad(want, q2, g)[0])
+
+
+@pytest.mark.parametrize("version", [2, 3, 4])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("lse", [False, True], ids=["out", "lse"])
+def test_flash_attn_refuses_a_gradient_of_its_gradient(fa, version, varlen, lse):
+    """flash-attn's Functions compute gradients with kernels and let create_graph=True pass: a
+    gradient penalty would silently lose every term through q, k, v. The adapter refuses (the
+    fakes' Functions are differentiable; a hook on the returned tensors must raise first), through
+    run() and the prepared runner, from the output or the logsumexp; a plain backward still runs."""
+    backend, _ = fa(version)
+    if varlen:
+        q, k, v, cu_q, cu_k = packed([3, 7, 1], [5, 4, 6], 4, 2, 64)
+        options = _varlen_options(BR, None, cu_q, cu_k)
+    else:
+        q, k, v = inputs(2, 4, 2, 5, 6, 64)
+        options = _varlen_options(BR, None, None, None) | dict(max_seqlen_q=None, max_seqlen_k=None)
+    if lse:
+        if not backend.capabilities.lse_grad:
+            pytest.skip(f"flash-attn {version}'s logsumexp has no gradient")
+        options["return_lse"] = True
+    runner = backend.prepare(q, k, v, options)
+    for run in (functools.partial(backend.run, **options), runner, runner):  # flash-attn 4: recorded, relaunched
+        result = run(q, k, v)
+        target = result[1] if lse else result
+        with pytest.raises(RuntimeError, match="flash.attn.* attention: gradients of gradients"):
+            torch.autograd.grad(target.sum(), q, create_graph=True)
+    result = backend.run(q, k, v, **options)
+    (gq,) = torch.autograd.grad((result[1] if lse else result).sum(), q)
+    assert torch.isfinite(gq).all()
 
 
 @pytest.mark.parametrize("version", [2, 4])
@@ -738,6 +769,24 @@ def _broken_package(monkeypatch, tmp_path, name, body):
     (tmp_path / name).mkdir()
     (tmp_path / name / "__init__.py").write_text(textwrap.dedent(body))
     monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_xformers_refuses_a_gradient_of_its_gradient(xf, varlen):
+    """xformers' Function computes gradients with kernels and lets create_graph=True pass: the
+    adapter refuses (the fake's Function is differentiable: the hook must raise first)."""
+    backend, _ = xf()
+    if varlen:
+        q, k, v, cu_q, cu_k = packed([3, 7, 1], [5, 4, 6], 4, 2, 64)
+        options = _varlen_options(BR, None, cu_q, cu_k)
+    else:
+        q, k, v = inputs(2, 4, 2, 5, 6, 64)
+        options = dict(causal=BR, scale=0.3, enable_gqa=True)
+    out = backend.run(q, k, v, **options)
+    with pytest.raises(RuntimeError, match="the xformers backend's attention: gradients of gradients"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+    (gq,) = torch.autograd.grad(backend.run(q, k, v, **options).sum(), q)
+    assert torch.isfinite(gq).all()
 
 
 def test_xformers_missing(monkeypatch):

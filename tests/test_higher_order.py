@@ -2,51 +2,119 @@
 
 A backward that computes its gradients with kernels records no graph: autograd would then treat
 the gradient as a constant and a gradient penalty built on it would lose every term through q, k
-and v without a word. PyTorch's own attention kernels raise there; so must ours."""
+and v without a word. PyTorch's own attention kernels raise there; so must ours and every adapter.
+Generated from the declarations: for each backend and each single-feature claim of it, a backend
+declaring ``second_derivatives`` matches tests/naive.py's float64 second derivatives, any other
+backend raises."""
 
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import pytest
 import torch
 
 import attention_dispatch as ad
+from attention_dispatch.api import normalize_call
 from attention_dispatch.distributed.merge import merge_blocks
+from cases import leaf_copy, make_inputs
+from naive import naive_attention
+from oracle import KEEP_MASKS, assert_matches
+from test_capabilities import _available, claimed_cases
+
+# what a refusal says: ours (higher_order.refuse_create_graph), PyTorch's kernels' and a once-differentiable
+# Function's
+REFUSED = r"create_graph=True|is not implemented|differentiate twice"
 
 
-def _reference_second_derivative(q, k, v, causal):
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
-    (g,) = torch.autograd.grad((torch.softmax(s, -1) @ v).sum(), q, create_graph=True)
-    return torch.autograd.grad((g**2).sum(), (k, v))
-
-
-def _backends():
-    names = ["math", "torch_cpu"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
-    return [n for n in names if ad.get_backend(n).is_available()]
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-@pytest.mark.parametrize("backend", _backends())
-def test_a_gradient_of_a_gradient_is_right_or_refused(backend, causal):
-    q, k, v = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(3))
-    out = ad.sdpa(q, k, v, is_causal=causal, backend=backend)
-    try:
-        (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
-        got = torch.autograd.grad((g**2).sum(), (k, v))
-    except RuntimeError as exc:  # refused: PyTorch's kernels and ours say so at the create_graph call
-        assert "create_graph" in str(exc) or "not implemented" in str(exc), exc
+def _second_order_claims(device: str):
+    if device == "cuda" and not torch.cuda.is_available():
         return
-    want = _reference_second_derivative(q, k, v, causal)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-4)
+    for backend in _available(device):
+        caps = ad.get_backend(backend).capabilities
+        for label, case, single in claimed_cases(caps, big=device == "cuda"):
+            if single:
+                if caps.second_derivatives and torch.float64 in caps.dtypes:
+                    case = dataclasses.replace(case, dtype=torch.float64)
+                yield pytest.param(backend, case, id=f"{backend}: {label}")
 
 
-def test_the_triton_backend_refuses_a_gradient_of_its_gradient():
-    if "triton" not in _backends():
+def _leaves(q, k, v, mask, sinks) -> dict:
+    """The call's leaves that require grad, by name."""
+    named = dict(q=q, k=k, v=v, mask=mask, sinks=sinks)
+    return {name: t for name, t in named.items() if t is not None and t.requires_grad}
+
+
+def _outputs(result, case):
+    """The call's differentiable outputs, the varlen logsumexp as (total_q, Hq) like the reference's."""
+    if not case.return_lse:
+        return [result]
+    out, lse = result
+    return [out, lse.t() if case.varlen is not None else lse]
+
+
+def check_second_derivatives(backend: str, case, device="cpu", seed=1234):
+    """grad(out, leaves, create_graph=True), then the gradient of those gradients along random
+    directions: against tests/naive.py's in float64 when ``backend`` declares second_derivatives,
+    else the first or the second step must raise."""
+    q, k, v, mask, kw, naive_kw = make_inputs(case, device, requires_grad=True)
+    reasons = ad.get_backend(backend).reasons(normalize_call(q, k, v, mask, **kw).problem)
+    assert not reasons, f"{backend} claims {case} but rejects it: {reasons}"
+    torch.manual_seed(seed)
+    outs = _outputs(ad.sdpa(q, k, v, attn_mask=mask, backend=backend, **kw), case)
+    assert ad.last_decision().backend == backend
+    named = _leaves(q, k, v, mask, kw.get("sinks"))
+    leaves = list(named.values())
+    cotangents = [torch.randn_like(o) for o in outs]
+    if not ad.get_backend(backend).capabilities.second_derivatives:
+        with pytest.raises(RuntimeError, match=REFUSED):
+            firsts = torch.autograd.grad(outs, leaves, cotangents, create_graph=True, allow_unused=True)
+            pairs = [(f, torch.randn_like(f)) for f in firsts if f is not None]
+            torch.autograd.grad([f for f, _ in pairs], leaves, [d for _, d in pairs], allow_unused=True)
+        return
+    firsts = torch.autograd.grad(outs, leaves, cotangents, create_graph=True, materialize_grads=True)
+    directions = [torch.randn_like(f) for f in firsts]
+    got = torch.autograd.grad(firsts, leaves, directions, materialize_grads=True)
+
+    keep = None
+    if case.dropout_p:
+        torch.manual_seed(seed)
+        keep = KEEP_MASKS[backend](case, q, k, kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")).cpu()
+    # float64 copies: the leaves as new leaves, the rest as constants (a bool mask as it is)
+    ref = {
+        name: leaf_copy(t.cpu(), torch.float64)
+        if name in named
+        else (t.detach().cpu().double() if t.is_floating_point() else t.cpu())
+        for name, t in (dict(mask=mask, sinks=naive_kw.get("sinks")) | named).items()
+        if t is not None
+    }
+    if "sinks" in ref:
+        naive_kw["sinks"] = ref["sinks"]
+    ref_outs = _outputs(
+        naive_attention(ref["q"], ref["k"], ref["v"], mask=ref.get("mask"), keep=keep, **naive_kw), case
+    )
+    ref_leaves = [ref[name] for name in named]
+    ref_firsts = torch.autograd.grad(
+        ref_outs, ref_leaves, [c.cpu().double() for c in cotangents], create_graph=True, materialize_grads=True
+    )
+    want = torch.autograd.grad(ref_firsts, ref_leaves, [d.cpu().double() for d in directions], materialize_grads=True)
+    for name, a, b in zip(named, got, want):
+        assert_matches(a.cpu(), b, what=f"{backend} {case} second derivative of {name}")
+
+
+@pytest.mark.parametrize("backend,case", list(_second_order_claims("cpu")))
+def test_second_derivatives_are_right_or_refused_on_cpu(backend, case):
+    check_second_derivatives(backend, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,case", list(_second_order_claims("cuda")))
+def test_second_derivatives_are_right_or_refused_on_gpu(backend, case):
+    check_second_derivatives(backend, case, device="cuda")
+
+
+def test_the_triton_backend_refuses_with_a_reason_naming_math():
+    if "triton" not in _available("cpu"):
         pytest.skip("the triton backend runs on the CPU only under TRITON_INTERPRET=1")
     q, k, v = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(3))
     out = ad.sdpa(q, k, v, backend="triton")
@@ -62,3 +130,34 @@ def test_the_context_parallel_merge_refuses_a_gradient_of_its_gradient():
     out, _ = merge_blocks([(0, outs[0], lses[0]), (3, outs[1], lses[1])], 6)
     with pytest.raises(RuntimeError, match="the context-parallel merge: gradients of gradients"):
         torch.autograd.grad(out.sum(), outs[0], create_graph=True)
+
+
+class _GraphFreeFunction(torch.autograd.Function):
+    """A library's Function whose backward builds no graph and does not refuse (flash-attn's)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.detach() ** 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return (2 * x.detach() * grad).detach()
+
+
+def test_the_hook_refuses_create_graph_through_a_graph_free_function():
+    from attention_dispatch.higher_order import refuse_create_graph_through
+
+    x = torch.randn(3, requires_grad=True)
+    y = _GraphFreeFunction.apply(x).transpose(0, 0)
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)  # unguarded: a gradient without its graph
+    assert not g.requires_grad
+    y = _GraphFreeFunction.apply(x).transpose(0, 0)
+    refuse_create_graph_through("a library's attention", y, None)
+    with pytest.raises(RuntimeError, match="a library's attention: gradients of gradients"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+    y = _GraphFreeFunction.apply(x).transpose(0, 0)
+    refuse_create_graph_through("a library's attention", y)
+    (g,) = torch.autograd.grad(y.sum(), x)  # a plain backward passes the hook
+    torch.testing.assert_close(g, 2 * x.detach())

@@ -46,6 +46,9 @@ class Capabilities:
     varlen: bool = True
     gqa: bool = True
     backward: bool = True
+    # gradients of gradients (create_graph=True) computed; otherwise the backward raises there (never
+    # a gradient whose graph silently misses its terms through q, k, v)
+    second_derivatives: bool = False
     deterministic_backward: bool = True  # can the backward be made bitwise repeatable
     max_seqlen: int | None = None
     max_batch_heads: int | None = None
@@ -157,6 +160,7 @@ class Capabilities:
             ("GQA", yes(self.gqa)),
             ("backward", yes(self.backward)),
             ("deterministic bwd", yes(self.deterministic_backward)),
+            ("grad of grad", "yes" if self.second_derivatives else "refused"),
             ("max seqlen", str(self.max_seqlen or "any")),
             ("max B*H", str(self.max_batch_heads or "any")),
             ("KV cache", names(self.kv_cache)),

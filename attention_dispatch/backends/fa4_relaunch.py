@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from ..higher_order import refuse_create_graph
+from ..higher_order import refuse_create_graph, refuse_create_graph_through
 
 logger = logging.getLogger("attention_dispatch")
 INTERFACE = "flash_attn.cute.interface"
@@ -222,8 +222,12 @@ class ForwardRelauncher:
         # training: the views stay on the autograd graph (flash-attn's own Function runs)
         q, k, v = (t.transpose(1, 2) if self.training else t.detach().transpose(1, 2) for t in (query, key, value))
         if self.refused is not None:
-            return _first(self.public(q, k, v, **self.kwargs)).transpose(1, 2)
-        return self._record(q, k, v).transpose(1, 2)
+            out = _first(self.public(q, k, v, **self.kwargs)).transpose(1, 2)
+        else:
+            out = self._record(q, k, v).transpose(1, 2)
+        if self.training:  # flash-attn 4's own Function: its gradients have no graph and it does not refuse
+            refuse_create_graph_through("flash-attn 4's attention", out)
+        return out
 
     def _record(self, q, k, v) -> torch.Tensor:
         """One public call, recording its compiled launch; its output (B, S, H, D)."""

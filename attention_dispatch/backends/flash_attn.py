@@ -49,6 +49,7 @@ import importlib
 
 import torch
 
+from ..higher_order import refuse_create_graph_through
 from ..problem import KV_LAYOUTS, Problem, compute_capability
 from ..route import Route, RouteStep
 from ..semantics import CausalKind, band
@@ -71,6 +72,8 @@ from .flash_attn_generations import (
     caps_union,
 )
 
+# flash-attn's autograd Functions compute their gradients with kernels and do not refuse create_graph
+SECOND_ORDER_WHAT = "the flash_attn backend's attention"
 FEATURES = ("softcap", "alibi_slopes", "sinks", "return_lse")  # run()'s options, present only when used
 # sdpa()'s repeated calls of one signature (prepare()): flash-attn 4's compiled call relaunched, or
 # the library's public function
@@ -405,14 +408,18 @@ class FlashAttnBackend(Backend):
         ``lse_of``: with return_lse, the generation's key; returns (out, lse) then."""
         result = func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
         out = (result[0] if isinstance(result, tuple) else result).transpose(1, 2)
-        return out if lse_of is None else (out, features.library_lse(lse_of, result, query, False))
+        lse = None if lse_of is None else features.library_lse(lse_of, result, query, False)
+        refuse_create_graph_through(SECOND_ORDER_WHAT, out, lse)  # flash-attn's Functions would not
+        return out if lse_of is None else (out, lse)
 
     @staticmethod
     def _varlen(func, kwargs: dict, query, key, value, *, cu_seqlens_q, cu_seqlens_k, lse_of=None):
         """Packed (total, H, D) in and out, int32 offsets; ``kwargs`` hold max_seqlen."""
         result = func(query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **kwargs)
         out = result[0] if isinstance(result, tuple) else result
-        return out if lse_of is None else (out, features.library_lse(lse_of, result, query, True))
+        lse = None if lse_of is None else features.library_lse(lse_of, result, query, True)
+        refuse_create_graph_through(SECOND_ORDER_WHAT, out, lse)
+        return out if lse_of is None else (out, lse)
 
     def run(
         self,

@@ -368,6 +368,7 @@ class MathBackend(Backend):
         sinks_grad=True,
         return_lse=True,
         lse_grad=True,
+        second_derivatives=True,  # its backward is differentiable torch ops (checkpointed chunks)
         dropout_positions=True,
         backward_from_output=True,
         backward_dq_accumulator=True,

@@ -36,6 +36,7 @@ import re
 
 import torch
 
+from ..higher_order import refuse_create_graph_through
 from ..problem import Problem
 from ..semantics import CausalKind, band
 from .base import Backend, Capabilities
@@ -371,6 +372,7 @@ class XformersBackend(Backend):
         out = out.squeeze(0) if packed else out.transpose(1, 2)
         if row_ok is not None:
             out = torch.where(row_ok, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        refuse_create_graph_through("the xformers backend's attention", out)  # its Function's gradients have no graph
         return out
 
 
