@@ -65,6 +65,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
+from ..higher_order import refuse_create_graph_through
 from ..problem import Problem
 from ..route import Route, RouteStep
 from ..semantics import CausalKind
@@ -459,9 +460,12 @@ class TorchSdpaBackend(Backend):
                 out = out + attn_mask.sum().to(out.dtype) * 0
             return out
         if form == NESTED:
-            return self._run_varlen(
+            out = self._run_varlen(
                 query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal, scale
             )
+            # under create_graph=True the nested backward fails inside a nested op, naming only that op
+            refuse_create_graph_through(f"the {self.name} backend's varlen attention", out)
+            return out
         return self._run_dense(query, key, value, attn_mask, dropout_p, causal, scale, form)
 
     @staticmethod
