@@ -6,6 +6,8 @@ import dataclasses
 import functools
 import inspect
 
+import torch
+
 from . import config as _config
 from . import registry
 from .debug import logger, note_decision
@@ -32,7 +34,9 @@ from .fast_key import (
     recent_entry,
     remember_recent,
 )
+from .autocast import autocast_inputs
 from .fastest import choose_fastest
+from .torch_private import any_autocast as _any_autocast, forward_ad as _forward_ad
 from .tracing import decide_while_tracing
 from .policy import guard as _guard
 
@@ -105,11 +109,41 @@ def sdpa(
             "sdpa() takes from 3 to 8 positional arguments but more were given (a "
             f"{type(_keyword_only).__name__} after enable_gqa); causal and the options after it are keyword-only"
         )
-    if softcap is not None or alibi_slopes is not None or sinks is not None or return_lse:
-        fast_key = None  # the fast path's key knows none of these
+    compiling = _is_dynamo_compiling()
+    if compiling or _any_autocast():
+        cast = autocast_inputs(query, key, value, attn_mask)
+        if cast is not None:  # torch.autocast on: the inputs as F.sdpa gets them, the call run with it off
+            with torch.autocast(query.device.type, enabled=False):
+                return sdpa(
+                    *cast,
+                    dropout_p,
+                    is_causal,
+                    scale,
+                    enable_gqa,
+                    causal=causal,
+                    window=window,
+                    cu_seqlens_q=cu_seqlens_q,
+                    cu_seqlens_k=cu_seqlens_k,
+                    max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=max_seqlen_k,
+                    backend=backend,
+                    deterministic=deterministic,
+                    softcap=softcap,
+                    alibi_slopes=alibi_slopes,
+                    sinks=sinks,
+                    return_lse=return_lse,
+                )
+    if (
+        softcap is not None
+        or alibi_slopes is not None
+        or sinks is not None
+        or return_lse
+        or _forward_ad._current_level >= 0
+    ):
+        fast_key = None  # the fast path's key knows none of these (nor dual tensors)
     else:
         # torch.compiler.is_compiling() (call_key returns None), without its two Python calls
-        recent = None if _is_dynamo_compiling() or _compiler._is_compiling_flag else _recent_get(RECENT)
+        recent = None if compiling or _compiler._is_compiling_flag else _recent_get(RECENT)
         if recent is not None and cu_seqlens_q is None and cu_seqlens_k is None:
             # a recent signature (fast_key.recent_entry): a call that passes its check has its
             # call_key, every field (options by identity, else exact type and equality; tensors in
@@ -370,6 +404,7 @@ def explain(
 
     Unlike sdpa(), a call no backend can serve returns a Decision with backend=None.
     """
+    query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask) or (query, key, value, attn_mask)
     call = normalize_call(
         query,
         key,

@@ -21,6 +21,7 @@ from .caches import register_cache
 from .features import check_alibi_slopes, check_return_lse, check_sinks, check_softcap
 from .problem import Problem, _aligned_16, compute_capability
 from .semantics import CausalKind, normalize_causal, normalize_window
+from .torch_private import forward_ad
 
 _ALLOWED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
@@ -36,6 +37,12 @@ class Call:
     def __init__(self, query, key, value, options, problem, restore, facts):
         self.query, self.key, self.value = query, key, value
         self.options, self.problem, self.restore, self.facts = options, problem, restore, facts
+
+
+def _has_tangent(*tensors) -> bool:
+    """Whether a tensor among ``tensors`` (None skipped) is a dual tensor of the current forward-AD level."""
+    unpack = torch.autograd.forward_ad.unpack_dual
+    return any(t is not None and unpack(t).tangent is not None for t in tensors)
 
 
 class CallFacts(NamedTuple):
@@ -70,6 +77,7 @@ class CallFacts(NamedTuple):
     sinks: bool
     sinks_grad: bool
     return_lse: bool
+    forward_ad: bool
 
 
 # ---- tensor subclasses -------------------------------------------------------------------
@@ -442,6 +450,8 @@ def normalize_call(
             sinks is not None,  # sinks
             sinks_grad,  # sinks_grad
             return_lse,  # return_lse
+            forward_ad._current_level >= 0
+            and _has_tangent(query, key, value, attn_mask, sinks, alibi_slopes),  # forward_ad
         ),
     )
     problem = None if compiling else _cached_problem(facts)

@@ -77,6 +77,9 @@ class Problem:
     # the gradients from a given output and logsumexp (Backend.run_backward: a block of context
     # parallelism's merged backward), not from the call's own forward
     backward_from_output: bool = False
+    # forward-mode AD: an input is a dual tensor (torch.autograd.forward_ad) whose tangent the
+    # output's must carry
+    forward_ad: bool = False
 
     @property
     def kv_cache(self) -> bool:
@@ -135,6 +138,8 @@ class Problem:
             parts.append(" + ".join(features))
         if self.requires_grad:
             parts.append("grad from a given out/lse" if self.backward_from_output else "grad")
+        if self.forward_ad:
+            parts.append("forward AD")
         if self.deterministic:
             parts.append("deterministic" + (" (warn only)" if self.deterministic_warn_only else ""))
         return ", ".join(parts)

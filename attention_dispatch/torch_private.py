@@ -9,7 +9,13 @@ call), else those public functions.  :data:`compiler` holds ``_is_compiling_flag
 ``torch.compiler.is_compiling()`` returns (after a TorchScript check), for sdpa()'s hit path
 (a read, not two Python calls: experiment 91), else a stand-in calling the public function.
 :data:`cuda_device` and :data:`cuda_raw_stream` give the current device's raw stream without
-``torch.cuda``'s lazy-init check (kernels.compiled_cache), else None.  Imports nothing of this
+``torch.cuda``'s lazy-init check (kernels.compiled_cache), else None.  :data:`any_autocast` is
+``torch._C._is_any_autocast_enabled`` (sdpa() asks it per call: one C call where asking each device
+type's public ``torch.is_autocast_enabled`` costs ~0.5 us), else a stand-in answering True, so the
+caller asks the public function.  :data:`forward_ad` holds ``_current_level``, the module global of
+``torch.autograd.forward_ad`` (-1 outside every ``dual_level``; sdpa() reads it per call), else a
+stand-in answering 0, so callers check each tensor with the public ``unpack_dual``.  Imports nothing
+of this
 package, so kernels may import it.
 tests/test_torch_private.py checks each against its public twin and the attribute's presence.
 """
@@ -91,3 +97,29 @@ deterministic_warn_only = _private(
 cuda_device = _private("_cuda_getDevice", None, torch.__version__)
 cuda_raw_stream = _private("_cuda_getCurrentRawStream", None, torch.__version__) if cuda_device else None
 cuda_device = cuda_device if cuda_raw_stream else None
+
+
+def _maybe_autocast() -> bool:
+    """The stand-in for ``_is_any_autocast_enabled``: True, the caller then asks per device type."""
+    return True
+
+
+any_autocast = _private("_is_any_autocast_enabled", _maybe_autocast, torch.__version__)
+
+
+class _ForwardLevel:
+    """The stand-in for ``torch.autograd.forward_ad`` where its level is not read: a level may be open."""
+
+    _current_level = 0
+
+
+def _forward_ad(version: str):
+    """``torch.autograd.forward_ad`` on a tested torch whose module has ``_current_level``, else
+    :class:`_ForwardLevel`."""
+    module = torch.autograd.forward_ad
+    if untested_torch(version) is None and isinstance(getattr(module, "_current_level", None), int):
+        return module
+    return _ForwardLevel()
+
+
+forward_ad = _forward_ad(torch.__version__)

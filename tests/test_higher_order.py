@@ -5,7 +5,7 @@ the gradient as a constant and a gradient penalty built on it would lose every t
 and v without a word. PyTorch's own attention kernels raise there; so must ours and every adapter.
 Generated from the declarations: for each backend and each single-feature claim of it, a backend
 declaring ``second_derivatives`` matches tests/naive.py's float64 second derivatives, any other
-backend raises."""
+backend raises. Forward-mode AD (dual tensors) likewise: the tangent right, or the backend refused."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 import attention_dispatch as ad
 from attention_dispatch.api import normalize_call
@@ -162,3 +163,64 @@ def test_the_hook_refuses_create_graph_through_a_graph_free_function():
     refuse_create_graph_through("a library's attention", y)
     (g,) = torch.autograd.grad(y.sum(), x)  # a plain backward passes the hook
     torch.testing.assert_close(g, 2 * x.detach())
+
+
+# ---- forward-mode AD (dual tensors) ---------------------------------------------------------------------
+def _forward_claims():
+    for backend in _available("cpu"):
+        caps = ad.get_backend(backend).capabilities
+        for label, case, single in claimed_cases(caps):
+            if single and not case.dropout_p:
+                if caps.forward_ad and torch.float64 in caps.dtypes:
+                    case = dataclasses.replace(case, dtype=torch.float64)
+                yield pytest.param(backend, case, id=f"{backend}: {label}")
+
+
+@pytest.mark.parametrize("backend,case", list(_forward_claims()))
+def test_forward_mode_ad_is_right_or_refused(backend, case):
+    """A dual query, key and value (and float mask): a backend declaring forward_ad gives the output's
+    tangent (tests/naive.py's in float64), any other is refused before it runs, never an output whose
+    tangent is silently zero (a kernel's output carries none)."""
+    q, k, v, mask, kw, naive_kw = make_inputs(case, requires_grad=False)
+    floats = dict(q=q, k=k, v=v) | ({"mask": mask} if mask is not None and mask.is_floating_point() else {})
+    tangents = {name: torch.randn_like(t) for name, t in floats.items()}
+    with fwAD.dual_level():
+        dual = {name: fwAD.make_dual(t, tangents[name]) for name, t in floats.items()}
+        args = (dual["q"], dual["k"], dual["v"])
+        if not ad.get_backend(backend).capabilities.forward_ad:
+            with pytest.raises(ad.NoBackendError, match="forward-mode AD"):
+                ad.sdpa(*args, attn_mask=dual.get("mask", mask), backend=backend, **kw)
+            return
+        result = ad.sdpa(*args, attn_mask=dual.get("mask", mask), backend=backend, **kw)
+        got = [fwAD.unpack_dual(t).tangent for t in _outputs(result, case)]
+    assert ad.last_decision().backend == backend
+    ref_mask = None if mask is None else (mask if not mask.is_floating_point() else mask.double())
+    with fwAD.dual_level():
+        d = {name: fwAD.make_dual(t.double(), tangents[name].double()) for name, t in floats.items()}
+        kw64 = dict(naive_kw)
+        if "sinks" in kw64:
+            kw64["sinks"] = kw64["sinks"].detach().double()
+        ref = naive_attention(d["q"], d["k"], d["v"], mask=d.get("mask", ref_mask), **kw64)
+        want = [fwAD.unpack_dual(t).tangent for t in _outputs(ref, case)]
+    for name, a, b in zip(("out", "lse"), got, want):
+        assert a is not None, f"{backend} {case}: the {name} carries no tangent"
+        assert_matches(a, b, what=f"{backend} {case} tangent of {name}")
+
+
+def test_a_dual_call_is_not_served_from_the_fast_paths():
+    """sdpa()'s fast paths remember a plain call's backend: the same signature with dual tensors must be
+    decided again (a kernel backend refused), and a plain call after it served as before."""
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    for _ in range(3):  # the decision, then its prepared runner, then the recent signature
+        plain = ad.sdpa(q, k, v)
+    fast = ad.last_decision().backend
+    t = torch.randn_like(q)
+    for _ in range(2):
+        with fwAD.dual_level():
+            out = ad.sdpa(fwAD.make_dual(q, t), k, v)
+            tangent = fwAD.unpack_dual(out).tangent
+        assert ad.get_backend(ad.last_decision().backend).capabilities.forward_ad
+        assert tangent is not None
+        torch.testing.assert_close(out, plain)
+    ad.sdpa(q, k, v)
+    assert ad.last_decision().backend == fast

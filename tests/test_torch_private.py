@@ -100,6 +100,7 @@ GETTERS = [
         "_get_deterministic_algorithms_warn_only",
         torch.is_deterministic_algorithms_warn_only_enabled,
     ),
+    ("any_autocast", "_is_any_autocast_enabled", torch_private._maybe_autocast),
     ("cuda_device", "_cuda_getDevice", None),
     ("cuda_raw_stream", "_cuda_getCurrentRawStream", None),
 ]
@@ -127,6 +128,26 @@ def test_the_deterministic_getters_match_the_public_functions(mode):
         assert torch_private.deterministic_warn_only() is warn is (mode == "warn_only")
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_the_autocast_getter_sees_each_device_types_autocast(device_type):
+    if device_type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA autocast turns itself off without a CUDA device")
+    assert torch_private.any_autocast() is False
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=True):
+        assert torch_private.any_autocast() is True
+        assert torch_private._maybe_autocast() is True
+    assert torch_private.any_autocast() is False
+
+
+def test_the_forward_level_is_forward_ads_current_level():
+    assert (torch_private.forward_ad is torch.autograd.forward_ad) == (untested_torch(torch.__version__) is None)
+    assert torch_private._forward_ad("2.14.0")._current_level == 0  # the stand-in: a level may be open
+    assert torch_private.forward_ad._current_level == -1
+    with torch.autograd.forward_ad.dual_level():
+        assert torch_private.forward_ad._current_level == 0
+    assert torch_private.forward_ad._current_level == -1
 
 
 @pytest.mark.parametrize("flag", [False, True])

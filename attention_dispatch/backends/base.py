@@ -49,6 +49,9 @@ class Capabilities:
     # gradients of gradients (create_graph=True) computed; otherwise the backward raises there (never
     # a gradient whose graph silently misses its terms through q, k, v)
     second_derivatives: bool = False
+    # forward-mode AD (dual tensors, torch.autograd.forward_ad): the output's tangent computed; kernels
+    # that carry none are refused for such a call (never an output whose tangent is silently zero)
+    forward_ad: bool = False
     deterministic_backward: bool = True  # can the backward be made bitwise repeatable
     max_seqlen: int | None = None
     max_batch_heads: int | None = None
@@ -161,6 +164,7 @@ class Capabilities:
             ("backward", yes(self.backward)),
             ("deterministic bwd", yes(self.deterministic_backward)),
             ("grad of grad", "yes" if self.second_derivatives else "refused"),
+            ("forward AD", yes(self.forward_ad)),
             ("max seqlen", str(self.max_seqlen or "any")),
             ("max B*H", str(self.max_batch_heads or "any")),
             ("KV cache", names(self.kv_cache)),
@@ -255,6 +259,8 @@ def not_supported_reasons(caps: Capabilities, problem: Problem) -> list[str]:
         reasons.extend(_kv_reasons(caps, p))
     if p.heads_q != p.heads_kv and not caps.gqa:
         reasons.append(f"GQA (Hq={p.heads_q}, Hkv={p.heads_kv}) not supported")
+    if p.forward_ad and not caps.forward_ad:
+        reasons.append("forward-mode AD (a dual tensor among the inputs): its kernels carry no tangent")
     if p.requires_grad and not caps.backward:
         reasons.append("backward (inputs require grad) not supported")
     if p.backward_from_output and not caps.backward_from_output:

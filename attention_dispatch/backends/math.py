@@ -369,6 +369,7 @@ class MathBackend(Backend):
         return_lse=True,
         lse_grad=True,
         second_derivatives=True,  # its backward is differentiable torch ops (checkpointed chunks)
+        forward_ad=True,  # so is its forward
         dropout_positions=True,
         backward_from_output=True,
         backward_dq_accumulator=True,
