@@ -38,6 +38,7 @@ from .dispatch import FAST_CALLS_LIMIT, Decision, decide, run_with_fallback
 from .policy import guard_kv as _guard_kv
 from .problem import Problem, _aligned_16, compute_capability
 from .semantics import CausalKind, normalize_window
+from .torch_private import forward_ad as _forward_ad
 
 _ALLOWED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -350,6 +351,11 @@ def _eager_sdpa_with_kvcache():
     return torch.compiler.disable(sdpa_with_kvcache)
 
 
+def _primal(t):
+    """A dual tensor's primal (a view of its data), any other value as it is."""
+    return t if not isinstance(t, torch.Tensor) else torch.autograd.forward_ad.unpack_dual(t).primal
+
+
 def sdpa_with_kvcache(
     query,
     k_cache,
@@ -387,7 +393,7 @@ def sdpa_with_kvcache(
     requires Hq == Hkv); scale defaults to 1/sqrt(D).  Returns (B, Hq, Sq, D) in query's dtype.
 
     Forward only: it runs under torch.no_grad() (inputs may require grad; the output has no
-    graph).  Nothing is read on the host unless validation does: ``validate=None`` (default)
+    graph) and on dual tensors' primals (forward-mode AD: the output has no tangent).  Nothing is read on the host unless validation does: ``validate=None`` (default)
     checks cache_seqlens against the capacity (with the appended tokens) and the block_table
     entries each sequence reads against [0, num_blocks) when the tensors are on the CPU, where
     that is free; ``True`` also on CUDA (a host sync; not while capturing a CUDA graph);
@@ -405,6 +411,8 @@ def sdpa_with_kvcache(
             backend=backend, validate=validate, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
             return_lse=return_lse,
         )  # fmt: skip
+    if _forward_ad._current_level >= 0:  # forward only in forward-mode AD too: primals, no tangent
+        query, k_new, v_new = (_primal(t) for t in (query, k_new, v_new))
     features = softcap is not None or alibi_slopes is not None or sinks is not None or return_lse
     key = hit = None
     if not features:  # not compiling: that returned above

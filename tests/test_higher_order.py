@@ -224,3 +224,23 @@ def test_a_dual_call_is_not_served_from_the_fast_paths():
         torch.testing.assert_close(out, plain)
     ad.sdpa(q, k, v)
     assert ad.last_decision().backend == fast
+
+
+@pytest.mark.parametrize("backend", [b for b in _available("cpu") if ad.get_backend(b).capabilities.kv_cache])
+def test_sdpa_with_kvcache_is_forward_only_in_forward_mode_ad_too(backend):
+    """Forward only: dual inputs give the primals' output with no tangent on every backend alike (the math
+    reference's torch ops would otherwise carry one and the kernels none)."""
+    q = torch.randn(2, 4, 3, 16)
+    k_cache, v_cache = torch.randn(2, 2, 32, 16), torch.randn(2, 2, 32, 16)
+    k_new, v_new = torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16)
+    lengths = torch.tensor([5, 9], dtype=torch.int32)
+    caches = (k_cache.clone(), v_cache.clone())
+    want = ad.sdpa_with_kvcache(q, *caches, lengths, k_new=k_new, v_new=v_new, causal=True, backend=backend)
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(t, torch.randn_like(t)) for t in (q, k_new, v_new)]
+        out = ad.sdpa_with_kvcache(
+            duals[0], k_cache, v_cache, lengths, k_new=duals[1], v_new=duals[2], causal=True, backend=backend
+        )
+        assert fwAD.unpack_dual(out).tangent is None
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close((k_cache, v_cache), caches, rtol=0, atol=0)  # the same appended keys
