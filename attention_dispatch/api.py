@@ -207,24 +207,27 @@ def sdpa(
                 for sink in _recorders_get():
                     sink.append(decision)
                 return out
-        fast_key = call_key(
-            query,
-            key,
-            value,
-            attn_mask,
-            dropout_p,
-            is_causal,
-            scale,
-            enable_gqa,
-            causal,
-            window,
-            deterministic,
-            backend,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-        )
+        try:
+            fast_key = call_key(
+                query,
+                key,
+                value,
+                attn_mask,
+                dropout_p,
+                is_causal,
+                scale,
+                enable_gqa,
+                causal,
+                window,
+                deterministic,
+                backend,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                max_seqlen_q,
+                max_seqlen_k,
+            )
+        except RuntimeError:  # a tensor without a data pointer (torch.func's wrappers): the full path
+            fast_key = None
     if fast_key is not None:
         hit = fast_calls.get(fast_key)
         if hit is not None:

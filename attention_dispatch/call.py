@@ -21,7 +21,7 @@ from .caches import register_cache
 from .features import check_alibi_slopes, check_return_lse, check_sinks, check_softcap
 from .problem import Problem, _aligned_16, compute_capability
 from .semantics import CausalKind, normalize_causal, normalize_window
-from .torch_private import forward_ad
+from .torch_private import forward_ad, functorch_wrapped
 
 _ALLOWED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
@@ -78,6 +78,7 @@ class CallFacts(NamedTuple):
     sinks_grad: bool
     return_lse: bool
     forward_ad: bool
+    func_transform: bool
 
 
 # ---- tensor subclasses -------------------------------------------------------------------
@@ -415,6 +416,7 @@ def normalize_call(
     mask_grad = attn_mask is not None and grad and attn_mask.requires_grad
     sinks_grad = sinks is not None and grad and sinks.requires_grad
     compiling = torch.compiler.is_compiling()
+    wrapped = not compiling and functorch_wrapped(query)  # torch.func's wrappers have no data pointer
     # Everything the decision needs, as plain constants (torch.compile treats them as such).
     # positional (a keyword call costs 1.2 us more per new signature); each value's field named
     facts = tuple.__new__(
@@ -439,9 +441,9 @@ def normalize_call(
             grad and (query.requires_grad or key.requires_grad or value.requires_grad or mask_grad or sinks_grad),
             # requires_grad
             query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1,  # last_dim_contiguous
-            _aligned_16(query, compiling)
-            and _aligned_16(key, compiling)
-            and _aligned_16(value, compiling),  # aligned_16
+            _aligned_16(query, compiling or wrapped)
+            and _aligned_16(key, compiling or wrapped)
+            and _aligned_16(value, compiling or wrapped),  # aligned_16
             deterministic,  # deterministic
             same_offsets,  # same_offsets
             attn_mask is not None and attn_mask.dtype == torch.float32 and query.dtype in _HALF,  # float32_bias
@@ -452,6 +454,7 @@ def normalize_call(
             return_lse,  # return_lse
             forward_ad._current_level >= 0
             and _has_tangent(query, key, value, attn_mask, sinks, alibi_slopes),  # forward_ad
+            wrapped,  # func_transform
         ),
     )
     problem = None if compiling else _cached_problem(facts)

@@ -80,6 +80,8 @@ class Problem:
     # forward-mode AD: an input is a dual tensor (torch.autograd.forward_ad) whose tangent the
     # output's must carry
     forward_ad: bool = False
+    # under a torch.func transform (vmap, grad, jvp): the inputs are its wrappers, without storage
+    func_transform: bool = False
 
     @property
     def kv_cache(self) -> bool:
@@ -140,6 +142,8 @@ class Problem:
             parts.append("grad from a given out/lse" if self.backward_from_output else "grad")
         if self.forward_ad:
             parts.append("forward AD")
+        if self.func_transform:
+            parts.append("under torch.func")
         if self.deterministic:
             parts.append("deterministic" + (" (warn only)" if self.deterministic_warn_only else ""))
         return ", ".join(parts)

@@ -14,8 +14,9 @@ call), else those public functions.  :data:`compiler` holds ``_is_compiling_flag
 type's public ``torch.is_autocast_enabled`` costs ~0.5 us), else a stand-in answering True, so the
 caller asks the public function.  :data:`forward_ad` holds ``_current_level``, the module global of
 ``torch.autograd.forward_ad`` (-1 outside every ``dual_level``; sdpa() reads it per call), else a
-stand-in answering 0, so callers check each tensor with the public ``unpack_dual``.  Imports nothing
-of this
+stand-in answering 0, so callers check each tensor with the public ``unpack_dual``.
+:func:`functorch_wrapped` is ``torch._C._functorch.is_functorch_wrapped_tensor`` (a tensor that torch.func's
+vmap, grad or jvp wraps), else a stand-in telling a tensor without storage.  Imports nothing of this
 package, so kernels may import it.
 tests/test_torch_private.py checks each against its public twin and the attribute's presence.
 """
@@ -123,3 +124,22 @@ def _forward_ad(version: str):
 
 
 forward_ad = _forward_ad(torch.__version__)
+
+
+def _storage_less(tensor: torch.Tensor) -> bool:
+    """The stand-in for ``is_functorch_wrapped_tensor``: a tensor whose data pointer cannot be read."""
+    try:
+        tensor.data_ptr()
+    except RuntimeError:
+        return True
+    return False
+
+
+def _functorch_wrapped(version: str):
+    """``torch._C._functorch.is_functorch_wrapped_tensor`` on a tested torch that has it, else
+    :func:`_storage_less`."""
+    found = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return found if found is not None and untested_torch(version) is None else _storage_less
+
+
+functorch_wrapped = _functorch_wrapped(torch.__version__)

@@ -244,3 +244,42 @@ def test_sdpa_with_kvcache_is_forward_only_in_forward_mode_ad_too(backend):
         assert fwAD.unpack_dual(out).tangent is None
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     torch.testing.assert_close((k_cache, v_cache), caches, rtol=0, atol=0)  # the same appended keys
+
+
+# ---- torch.func transforms -------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend,case", list(_forward_claims()))
+def test_torch_func_transforms_are_right_or_refused(backend, case):
+    """torch.func.vmap over a stack of queries and torch.func.grad of a scalar of the output: a backend
+    declaring func_transforms gives tests/naive.py's float64 results, any other is refused before it runs
+    (its kernels would fail reading a wrapper's data pointer)."""
+    q, k, v, mask, kw, naive_kw = make_inputs(case, requires_grad=False)
+    queries = torch.stack([q, torch.randn_like(q)])
+    weights = torch.randn(_outputs(ad.sdpa(q, k, v, attn_mask=mask, backend="math", **kw), case)[0].shape)
+
+    def attend(x, fn, **options):
+        return _outputs(fn(x, k, v, attn_mask=mask, **options), case)[0]
+
+    def scalar(x, fn, **options):
+        return (attend(x, fn, **options) * weights.to(x.dtype)).sum()
+
+    if not ad.get_backend(backend).capabilities.func_transforms:
+        with pytest.raises(ad.NoBackendError, match="torch.func"):
+            torch.func.vmap(lambda x: attend(x, ad.sdpa, backend=backend, **kw))(queries)
+        return
+    got_vmap = torch.func.vmap(lambda x: attend(x, ad.sdpa, backend=backend, **kw))(queries)
+    got_grad = torch.func.grad(lambda x: scalar(x, ad.sdpa, backend=backend, **kw))(q)
+    assert ad.last_decision().backend == backend
+    kw64 = dict(naive_kw)
+    if "sinks" in kw64:
+        kw64["sinks"] = kw64["sinks"].detach().double()
+    ref_mask = None if mask is None else (mask.double() if mask.is_floating_point() else mask)
+    k, v, mask = k.double(), v.double(), ref_mask
+
+    def naive(x, k, v, attn_mask):
+        return naive_attention(x, k, v, mask=attn_mask, **kw64)
+
+    want_vmap = torch.stack([attend(x.double(), naive) for x in queries])
+    x64 = q.double().requires_grad_()
+    (want_grad,) = torch.autograd.grad(scalar(x64, naive), x64)
+    assert_matches(got_vmap, want_vmap, what=f"{backend} {case} under vmap")
+    assert_matches(got_grad, want_grad, what=f"{backend} {case} under grad")

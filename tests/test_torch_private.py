@@ -150,6 +150,22 @@ def test_the_forward_level_is_forward_ads_current_level():
     assert torch_private.forward_ad._current_level == -1
 
 
+@pytest.mark.parametrize(
+    "wrapped", [torch_private.functorch_wrapped, torch_private._storage_less], ids=["adapter", "stand-in"]
+)
+def test_functorch_wrapped_tensors_are_told_apart(wrapped):
+    assert (torch_private.functorch_wrapped is torch._C._functorch.is_functorch_wrapped_tensor) == (
+        untested_torch(torch.__version__) is None
+    )
+    assert torch_private._functorch_wrapped("2.14.0") is torch_private._storage_less
+    x = torch.randn(2, 3)
+    assert not wrapped(x)
+    seen = []
+    torch.func.vmap(lambda t: seen.append(wrapped(t)) or t)(x)
+    torch.func.grad(lambda t: seen.append(wrapped(t)) or t.sum())(x)
+    assert seen == [True, True]
+
+
 @pytest.mark.parametrize("flag", [False, True])
 def test_the_compiling_flag_is_what_is_compiling_returns(monkeypatch, flag):
     monkeypatch.setattr(torch.compiler, "_is_compiling_flag", flag)

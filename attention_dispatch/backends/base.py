@@ -52,6 +52,9 @@ class Capabilities:
     # forward-mode AD (dual tensors, torch.autograd.forward_ad): the output's tangent computed; kernels
     # that carry none are refused for such a call (never an output whose tangent is silently zero)
     forward_ad: bool = False
+    # under torch.func's transforms (vmap, grad, jvp and their compositions): computed on their wrapped
+    # tensors; kernels that read data pointers are refused there (torch.func would fail inside them)
+    func_transforms: bool = False
     deterministic_backward: bool = True  # can the backward be made bitwise repeatable
     max_seqlen: int | None = None
     max_batch_heads: int | None = None
@@ -165,6 +168,7 @@ class Capabilities:
             ("deterministic bwd", yes(self.deterministic_backward)),
             ("grad of grad", "yes" if self.second_derivatives else "refused"),
             ("forward AD", yes(self.forward_ad)),
+            ("torch.func", yes(self.func_transforms)),
             ("max seqlen", str(self.max_seqlen or "any")),
             ("max B*H", str(self.max_batch_heads or "any")),
             ("KV cache", names(self.kv_cache)),
@@ -259,6 +263,8 @@ def not_supported_reasons(caps: Capabilities, problem: Problem) -> list[str]:
         reasons.extend(_kv_reasons(caps, p))
     if p.heads_q != p.heads_kv and not caps.gqa:
         reasons.append(f"GQA (Hq={p.heads_q}, Hkv={p.heads_kv}) not supported")
+    if p.func_transform and not caps.func_transforms:
+        reasons.append("under a torch.func transform (vmap, grad, jvp): its kernels take no wrapped tensors")
     if p.forward_ad and not caps.forward_ad:
         reasons.append("forward-mode AD (a dual tensor among the inputs): its kernels carry no tangent")
     if p.requires_grad and not caps.backward:

@@ -370,6 +370,7 @@ class MathBackend(Backend):
         lse_grad=True,
         second_derivatives=True,  # its backward is differentiable torch ops (checkpointed chunks)
         forward_ad=True,  # so is its forward
+        func_transforms=True,
         dropout_positions=True,
         backward_from_output=True,
         backward_dq_accumulator=True,
