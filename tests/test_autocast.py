@@ -97,3 +97,25 @@ def test_a_bad_query_under_autocast_gets_the_usual_error():
     _, k, v = _inputs()
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="query must be a torch.Tensor"):
         ad.sdpa([[1.0]], k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, *(_available("cuda") if torch.cuda.is_available() else [])])
+def test_cuda_autocast_runs_float32_inputs_at_bfloat16(backend):
+    """On the GPU: the call is decided at bfloat16 (the default choice a bfloat16 kernel, not a float32
+    one), and each backend's result is its result on the cast inputs, with float32 gradients."""
+    caps = ad.get_backend(backend).capabilities if backend else None
+    if caps is not None and torch.bfloat16 not in caps.dtypes:
+        pytest.skip(f"{backend} does not take bfloat16")
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", requires_grad=True) for _ in range(3))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        outs = [ad.sdpa(q, k, v, is_causal=True, backend=backend) for _ in range(3)]
+        assert F.scaled_dot_product_attention(q, k, v, is_causal=True).dtype == torch.bfloat16
+    chosen = ad.last_decision().backend
+    assert ad.last_decision().problem.dtype == torch.bfloat16
+    want = ad.sdpa(*(t.detach().bfloat16() for t in (q, k, v)), is_causal=True, backend=chosen)
+    for out in outs:
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    outs[0].float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.float32 and torch.isfinite(t.grad).all() for t in (q, k, v))
