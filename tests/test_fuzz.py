@@ -42,7 +42,7 @@ class Fuzzed:
     scale: float | None = None
     magnitude: float = 1.0
     seed: int = 0
-    layouts: tuple[str, ...] = ()  # cases.LAYOUTS of q, k, v and the output's gradient; () all contiguous
+    layouts: tuple[str, ...] = ()  # cases.LAYOUTS of q, k, v, the output's gradient and the mask; () all contiguous
 
 
 DTYPES = (torch.float32, torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -68,8 +68,8 @@ def problems(
 ):
     """A Fuzzed call: any shape and feature set sdpa() accepts (a backend filters by its capabilities);
     ``lengths``: the dense calls' Sq and Sk and varlen's per-sequence query lengths (None: 0..12 dense,
-    0..9 varlen, the draws every derandomized test's examples were chosen with); ``layouts``: q, k, v and
-    the output's gradient each in a memory layout of its own (drawn last, so the other draws stay those of the tests without)."""
+    0..9 varlen, the draws every derandomized test's examples were chosen with); ``layouts``: q, k, v,
+    the output's gradient and a 4-D mask each in a memory layout of its own (drawn last, so the other draws stay those of the tests without)."""
     dense_lengths = st.integers(0, 12) if lengths is None else lengths
     varlen_lengths = st.integers(0, 9) if lengths is None else lengths
     hkv = draw(st.integers(1, 3))
@@ -104,7 +104,7 @@ def problems(
         scale=draw(st.sampled_from(scales)),
         magnitude=draw(st.sampled_from(magnitudes)),
         seed=draw(st.integers(0, 2**16)),
-        layouts=tuple(draw(st.sampled_from(LAYOUTS)) for _ in range(4)) if layouts else (),
+        layouts=tuple(draw(st.sampled_from(LAYOUTS)) for _ in range(5)) if layouts else (),
     )
 
 
@@ -118,6 +118,8 @@ def inputs(f: Fuzzed, requires_grad: bool = True, device: str = "cpu"):
         sdpa_kw["scale"] = naive_kw["scale"] = f.scale
     if f.layouts:
         q, k, v = (restrided(t, layout) for t, layout in zip((q, k, v), f.layouts))
+        if mask is not None and len(f.layouts) > 4:  # a 4-D mask in a layout of its own too
+            mask = restrided(mask, f.layouts[4])
     return q, k, v, mask, sdpa_kw, naive_kw
 
 
