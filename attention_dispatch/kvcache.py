@@ -38,7 +38,7 @@ from .dispatch import FAST_CALLS_LIMIT, Decision, decide, run_with_fallback
 from .policy import guard_kv as _guard_kv
 from .problem import Problem, _aligned_16, compute_capability
 from .semantics import CausalKind, normalize_window
-from .torch_private import forward_ad as _forward_ad
+from .torch_private import forward_ad as _forward_ad, functorch_wrapped
 
 _ALLOWED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -142,6 +142,12 @@ def normalize_kvcache(
 ) -> KvCall:
     """Validate every argument of sdpa_with_kvcache() (raising before any kernel) and build the call."""
     check_plain_tensor(query, "query")
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
+        if isinstance(t, torch.Tensor) and not _is_compiling() and functorch_wrapped(t):
+            raise TypeError(
+                f"{name} is a tensor of a torch.func transform (vmap, grad, jvp); sdpa_with_kvcache is forward "
+                "only and writes its cache in place: call it outside the transform"
+            )
     if query.dtype not in _ALLOWED_DTYPES:
         raise TypeError(
             f"query.dtype={dtype_name(query.dtype)} is not allowed; allowed: float16, bfloat16, float32, float64"
@@ -418,28 +424,34 @@ def sdpa_with_kvcache(
     if not features:  # not compiling: that returned above
         recent = kv_calls.get(RECENT)
         if recent is not None:  # kv_fast_key.kv_recent_hit: the key's facts checked in C++
-            entry = kv_recent_hit(
-                recent[1], query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                (causal, window, scale, enable_gqa, backend, validate),
-            )  # fmt: skip
+            try:
+                entry = kv_recent_hit(
+                    recent[1], query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                    (causal, window, scale, enable_gqa, backend, validate),
+                )  # fmt: skip
+            except RuntimeError:  # a tensor without a data pointer (torch.func's): the full path says why
+                entry = None
             if entry is not None:
                 hit, key = entry[4], entry[5]
         if hit is None:
-            key = kv_call_key(
-                query,
-                k_cache,
-                v_cache,
-                cache_seqlens,
-                k_new,
-                v_new,
-                block_table,
-                causal,
-                window,
-                scale,
-                enable_gqa,
-                backend,
-                validate,
-            )
+            try:
+                key = kv_call_key(
+                    query,
+                    k_cache,
+                    v_cache,
+                    cache_seqlens,
+                    k_new,
+                    v_new,
+                    block_table,
+                    causal,
+                    window,
+                    scale,
+                    enable_gqa,
+                    backend,
+                    validate,
+                )
+            except RuntimeError:  # a tensor without a data pointer (torch.func's): the full path says why
+                key = None
             hit = None if key is None else kv_calls.get(key)
             if hit is not None:  # the next call of this key checks it in C++
                 entry = kv_recent_entry(key, hit, query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)

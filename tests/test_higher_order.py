@@ -283,3 +283,17 @@ def test_torch_func_transforms_are_right_or_refused(backend, case):
     (want_grad,) = torch.autograd.grad(scalar(x64, naive), x64)
     assert_matches(got_vmap, want_vmap, what=f"{backend} {case} under vmap")
     assert_matches(got_grad, want_grad, what=f"{backend} {case} under grad")
+
+
+def test_sdpa_with_kvcache_under_torch_func_says_why():
+    """vmap or grad over sdpa_with_kvcache (forward only, in-place cache writes) is refused by name, also after
+    its fast paths remember the signature (they read data pointers, which torch.func's tensors lack)."""
+    k_cache, v_cache = torch.randn(2, 2, 32, 8), torch.randn(2, 2, 32, 8)
+    lengths = torch.tensor([3, 7], dtype=torch.int32)
+    queries = torch.randn(3, 2, 4, 1, 8)
+    for _ in range(3):
+        ad.sdpa_with_kvcache(queries[0], k_cache, v_cache, lengths)
+    with pytest.raises(TypeError, match="query is a tensor of a torch.func transform"):
+        torch.func.vmap(lambda q: ad.sdpa_with_kvcache(q, k_cache, v_cache, lengths))(queries)
+    with pytest.raises(TypeError, match="query is a tensor of a torch.func transform"):
+        torch.func.grad(lambda q: ad.sdpa_with_kvcache(q, k_cache, v_cache, lengths).sum())(queries[0])
