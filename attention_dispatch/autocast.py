@@ -15,8 +15,8 @@ def autocast_inputs(query, key, value, attn_mask):
     if not isinstance(query, torch.Tensor):  # normalize_call names what was given
         return None
     device_type = query.device.type
-    if not torch.is_autocast_enabled(device_type):
-        return None
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None  # (meta tensors: no autocast for that device type)
     dtype = torch.get_autocast_dtype(device_type)
 
     def cast(t):

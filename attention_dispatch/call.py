@@ -39,7 +39,7 @@ class Call:
         self.options, self.problem, self.restore, self.facts = options, problem, restore, facts
 
 
-def _has_tangent(*tensors) -> bool:
+def has_tangent(*tensors) -> bool:
     """Whether a tensor among ``tensors`` (None skipped) is a dual tensor of the current forward-AD level."""
     unpack = torch.autograd.forward_ad.unpack_dual
     return any(t is not None and unpack(t).tangent is not None for t in tensors)
@@ -453,7 +453,7 @@ def normalize_call(
             sinks_grad,  # sinks_grad
             return_lse,  # return_lse
             forward_ad._current_level >= 0
-            and _has_tangent(query, key, value, attn_mask, sinks, alibi_slopes),  # forward_ad
+            and has_tangent(query, key, value, attn_mask, sinks, alibi_slopes),  # forward_ad
             wrapped,  # func_transform
         ),
     )

@@ -119,3 +119,9 @@ def test_cuda_autocast_runs_float32_inputs_at_bfloat16(backend):
         torch.testing.assert_close(out, want, rtol=0, atol=0)
     outs[0].float().sum().backward()
     assert all(t.grad is not None and t.grad.dtype == torch.float32 and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_meta_tensors_under_autocast_are_explained_as_before():
+    q, k, v = (torch.empty(2, 3, 7, 16, device="meta") for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ad.explain(q, k, v).problem.dtype == torch.float32

@@ -689,3 +689,42 @@ def test_signature_is_sdpa_s_with_the_group_options():
     for p in theirs:
         assert (by_name[p.name].kind, by_name[p.name].default) == (p.kind, p.default), p.name
     assert all(by_name[name].kind is inspect.Parameter.KEYWORD_ONLY for name in group)
+
+
+def test_autocast_derivative_modes_and_torch_func_on_one_rank(tmp_path):
+    """As ad.sdpa(): under torch.autocast the shards run at the autocast dtype (the output bfloat16, equal
+    to the cast call); dual tensors and torch.func's tensors are refused by name (the exchanges carry no
+    tangent and take plain tensors), before any communication. One rank of a gloo group, in process."""
+    import torch.autograd.forward_ad as fwAD
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = context_parallel_sdpa(q, k, v, is_causal=True)
+        want = context_parallel_sdpa(*(t.bfloat16() for t in (q, k, v)), is_causal=True)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        with fwAD.dual_level(), pytest.raises(TypeError, match="forward-mode AD .* carry no tangent"):
+            context_parallel_sdpa(fwAD.make_dual(q, torch.randn_like(q)), k, v, is_causal=True)
+        with pytest.raises(TypeError, match="query is a tensor of a torch.func transform"):
+            torch.func.vmap(lambda x: context_parallel_sdpa(x, k, v, is_causal=True))(torch.stack([q, q]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_autocast_branch_forwards_every_parameter():
+    """context_parallel_sdpa's autocast branch calls itself with the cast tensors and every other parameter in
+    its place (one added to the signature but not passed there would be dropped under autocast)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(_context_parallel_sdpa))
+    calls = [
+        n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "context_parallel_sdpa"
+    ]
+    assert len(calls) == 1
+    positional = [n.value.id if isinstance(n, ast.Starred) else n.id for n in calls[0].args]
+    params = list(inspect.signature(_context_parallel_sdpa).parameters)
+    assert positional == ["cast", *params[4:8]]
+    assert {k.arg: k.value.id for k in calls[0].keywords} == {p: p for p in params[8:]}

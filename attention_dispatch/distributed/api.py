@@ -27,13 +27,15 @@ import torch.distributed as dist
 from .. import dispatch, registry
 from ..api import explain
 from ..caches import register_cache
-from ..call import check_plain_tensor
+from ..autocast import autocast_inputs
+from ..call import check_plain_tensor, has_tangent
 from ..config import current_config
 from ..dispatch import NoBackendError
 from ..dropout_stream import draw_seed
 from ..features import check_alibi_slopes, check_return_lse, check_sinks, check_softcap, lse_dtype
 from ..semantics import band as fold_band
 from ..semantics import normalize_causal, normalize_window
+from ..torch_private import forward_ad, functorch_wrapped
 from . import exchange as _exchange
 from .blocks import Band, Documents
 from .layout import check_layout, chunks_per_rank
@@ -211,6 +213,16 @@ def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     check_layout(layout)
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_plain_tensor(t, name)
+        if functorch_wrapped(t):
+            raise TypeError(
+                f"{name} is a tensor of a torch.func transform (vmap, grad, jvp): context_parallel_sdpa's "
+                "exchanges between ranks take plain tensors; call it outside the transform"
+            )
+    if forward_ad._current_level >= 0 and has_tangent(query, key, value, attn_mask, options["sinks"]):
+        raise TypeError(
+            "context_parallel_sdpa: forward-mode AD (a dual tensor among the inputs) is not supported: the "
+            "exchanges between ranks carry no tangent (ad.sdpa(backend='math') computes one on one device)"
+        )
     dropout_p = _check_dropout(dropout_p)
     rank, world = _exchange.check_group(group, query.device)
     causal = normalize_causal(is_causal, options["causal"])
@@ -433,6 +445,32 @@ def context_parallel_sdpa(
     one sdpa() call's keep-mask, seeded as sdpa() seeds it (rank 0's draw).
     Every rank must call it with the same shapes and options, and backpropagate through its output.
     """
+    cast = autocast_inputs(query, key, value, attn_mask)
+    if cast is not None:  # torch.autocast on: as ad.sdpa(), the inputs as F.sdpa gets them, run with it off
+        with torch.autocast(query.device.type, enabled=False):
+            return context_parallel_sdpa(
+                *cast,
+                dropout_p,
+                is_causal,
+                scale,
+                enable_gqa,
+                group=group,
+                exchange=exchange,
+                layout=layout,
+                backward=backward,
+                causal=causal,
+                window=window,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k,
+                backend=backend,
+                deterministic=deterministic,
+                softcap=softcap,
+                alibi_slopes=alibi_slopes,
+                sinks=sinks,
+                return_lse=return_lse,
+            )
     del max_seqlen_q, max_seqlen_k  # the blocks' lengths come from the offsets themselves
     options = dict(
         group=group,
