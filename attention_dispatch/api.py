@@ -36,7 +36,7 @@ from .fast_key import (
 )
 from .autocast import autocast_inputs
 from .fastest import choose_fastest
-from .torch_private import any_autocast as _any_autocast, forward_ad as _forward_ad
+from .torch_private import any_autocast as _any_autocast, checkpoint_stop as _checkpoint_stop, forward_ad as _forward_ad
 from .tracing import decide_while_tracing
 from .policy import guard as _guard
 
@@ -199,6 +199,8 @@ def sdpa(
                         out = (
                             entry[7](query, key, value) if attn_mask is None else entry[7](query, key, value, attn_mask)
                         )
+                except _checkpoint_stop:  # activation checkpointing ends its recomputation
+                    raise
                 except Exception:  # noqa: BLE001 - the full path below raises or falls back per config
                     forget_recent(fast_calls, entry)
                     break
@@ -242,6 +244,8 @@ def sdpa(
                     out = runner(query, key, value)
                 else:
                     out = runner(query, key, value, attn_mask)
+            except _checkpoint_stop:
+                raise
             except Exception:  # noqa: BLE001 - the full path below raises or falls back per config
                 fast_calls.pop(fast_key, None)
             else:
@@ -262,6 +266,8 @@ def sdpa(
                     if lo <= sk <= hi:
                         try:
                             out = run(query, key, value, **options)
+                        except _checkpoint_stop:
+                            raise
                         except Exception:  # noqa: BLE001 - the full path below raises or falls back per config
                             span_calls.pop(lengths[0], None)
                         else:

@@ -43,6 +43,7 @@ from . import perf_table, policy, registry
 from .caches import register_cache
 from .problem import Problem, trace_lengths
 from .route import Route
+from .torch_private import checkpoint_stop
 
 logger = logging.getLogger("attention_dispatch")
 
@@ -377,6 +378,8 @@ def run_with_fallback(decision: Decision, run):
     while True:
         try:
             return decision, run(registry.get_backend(decision.backend))
+        except checkpoint_stop:  # activation checkpointing ends its recomputation: not a failure
+            raise
         except Exception as exc:
             if on_error != "fallback":
                 raise BackendRunError(

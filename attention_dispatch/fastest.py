@@ -26,6 +26,7 @@ from . import perf_table, registry
 from .caches import register_cache
 from .dispatch import Decision, logger
 from .problem import Problem
+from .torch_private import checkpoint_stop
 from .timing import calls_per_sample, collector_off, lower_quartile, pick_winner, tie_note, turn_order
 
 
@@ -170,6 +171,8 @@ def time_backends(
             once()
             sync()
             took_ms = max(time.perf_counter() - start, 1e-6) * 1e3
+        except checkpoint_stop:  # activation checkpointing ends its recomputation: not a failure
+            raise
         except Exception as exc:  # a backend that fails to run simply loses
             if failures is not None:
                 failures[name] = f"{type(exc).__name__}: {exc}"

@@ -15,7 +15,10 @@ type's public ``torch.is_autocast_enabled`` costs ~0.5 us), else a stand-in answ
 caller asks the public function.  :data:`forward_ad` holds ``_current_level``, the module global of
 ``torch.autograd.forward_ad`` (-1 outside every ``dual_level``; sdpa() reads it per call), else a
 stand-in answering 0, so callers check each tensor with the public ``unpack_dual``.
-:func:`functorch_wrapped` is ``torch._C._functorch.is_functorch_wrapped_tensor`` (a tensor that torch.func's
+:data:`checkpoint_stop` is ``torch.utils.checkpoint._StopRecomputationError``, which non-reentrant activation
+checkpointing raises through the recomputed forward to end it early: sdpa()'s handlers of a backend's failure let
+it through (on any torch that has it: it is only let pass, never raised or relied upon), else a class nothing
+raises.  :func:`functorch_wrapped` is ``torch._C._functorch.is_functorch_wrapped_tensor`` (a tensor that torch.func's
 vmap, grad or jvp wraps), else a stand-in telling a tensor without storage.  Imports nothing of this
 package, so kernels may import it.
 tests/test_torch_private.py checks each against its public twin and the attribute's presence.
@@ -27,6 +30,7 @@ import re
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 
 try:  # private to dynamo
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
@@ -143,3 +147,16 @@ def _functorch_wrapped(version: str):
 
 
 functorch_wrapped = _functorch_wrapped(torch.__version__)
+
+
+class _NeverRaised(Exception):
+    """The stand-in for a control-flow exception this torch does not have: nothing raises it."""
+
+
+def _checkpoint_stop():
+    """``torch.utils.checkpoint._StopRecomputationError`` where it is an Exception class, else :class:`_NeverRaised`."""
+    found = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)
+    return found if isinstance(found, type) and issubclass(found, Exception) else _NeverRaised
+
+
+checkpoint_stop = _checkpoint_stop()

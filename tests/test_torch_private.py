@@ -184,3 +184,12 @@ def test_the_cuda_getters_give_the_current_device_and_stream():
             assert torch_private.cuda_device() == torch.cuda.current_device() == index
             raw = torch_private.cuda_raw_stream(torch_private.cuda_device())
             assert raw == torch.cuda.current_stream().cuda_stream != torch.cuda.default_stream().cuda_stream
+
+
+def test_checkpoint_stop_is_the_exception_non_reentrant_checkpointing_raises():
+    import torch.utils.checkpoint as tuc
+
+    found = getattr(tuc, "_StopRecomputationError", None)
+    assert found is not None, f"torch {torch.__version__} has no torch.utils.checkpoint._StopRecomputationError"
+    assert torch_private.checkpoint_stop is found
+    assert issubclass(torch_private._NeverRaised, Exception)

@@ -1,0 +1,45 @@
+"""Activation checkpointing (torch.utils.checkpoint) through sdpa(): the recomputed forward gives the
+same output and gradients as the plain call, reentrant or not, dropout included, on every backend and
+through sdpa()'s fast paths. Non-reentrant checkpointing ends its recomputation by raising an exception
+through the recomputed code: sdpa()'s handlers of a backend's failure must let it through."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import attention_dispatch as ad
+from test_capabilities import _available
+
+
+def _cases():
+    for backend in [None, *_available("cpu")]:
+        dropout = backend is None or ad.get_backend(backend).capabilities.dropout
+        for p in (0.0, 0.3) if dropout else (0.0,):
+            for reentrant in (False, True):
+                yield pytest.param(
+                    backend,
+                    p,
+                    reentrant,
+                    id=f"{backend or 'default'}-p{p}-{'reentrant' if reentrant else 'non-reentrant'}",
+                )
+
+
+@pytest.mark.parametrize("backend,dropout_p,reentrant", list(_cases()))
+def test_a_checkpointed_call_equals_the_plain_one(backend, dropout_p, reentrant):
+    base = [torch.randn(1, 2, 10, 8) for _ in range(3)]
+
+    def block(q, k, v):  # an op that saves nothing after it: the recomputation stops inside sdpa()
+        return ad.sdpa(q, k, v, is_causal=True, dropout_p=dropout_p, backend=backend) * 2
+
+    results = []
+    for wrapped in (False, True, True):  # then the same signature again: the fast paths
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        torch.manual_seed(11)
+        out = checkpoint(block, q, k, v, use_reentrant=reentrant) if wrapped else block(q, k, v)
+        out.sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
