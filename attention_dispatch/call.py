@@ -438,7 +438,10 @@ def normalize_call(
             causal_kind,  # causal
             window,  # window
             dropout_p > 0,  # dropout
-            grad and (query.requires_grad or key.requires_grad or value.requires_grad or mask_grad or sinks_grad),
+            (grad and (query.requires_grad or key.requires_grad or value.requires_grad or mask_grad or sinks_grad))
+            # a dropout call on inputs that require grad, under no_grad (reentrant checkpointing's first forward):
+            # decided as its recomputation with grad will be, so that both draw their mask on one backend
+            or (dropout_p > 0 and not grad and (query.requires_grad or key.requires_grad or value.requires_grad)),
             # requires_grad
             query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1,  # last_dim_contiguous
             _aligned_16(query, compiling or wrapped)

@@ -43,3 +43,16 @@ def test_a_checkpointed_call_equals_the_plain_one(backend, dropout_p, reentrant)
     for got in results[1:]:
         for a, b in zip(got, results[0]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_dropout_call_under_no_grad_is_decided_as_its_recomputation():
+    """Reentrant checkpointing runs the first forward under no_grad and recomputes it with grad: a dropout
+    call on inputs that require grad gets the training call's decision both times (one backend, one mask);
+    without dropout, or on inputs that do not require grad, a no_grad call stays an inference call."""
+    q, k, v = (torch.randn(1, 2, 10, 8, requires_grad=True) for _ in range(3))
+    training = ad.explain(q, k, v, dropout_p=0.3)
+    with torch.no_grad():
+        assert ad.explain(q, k, v, dropout_p=0.3).problem == training.problem
+        assert not ad.explain(q, k, v).problem.requires_grad
+        assert not ad.explain(*(t.detach() for t in (q, k, v)), dropout_p=0.3).problem.requires_grad
+    assert training.problem.requires_grad
