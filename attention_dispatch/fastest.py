@@ -269,6 +269,11 @@ def _time_backend(name: str, call, sync) -> float:
     return timings[name]
 
 
+def _kept(tensor):
+    """A saved-tensor hook that keeps the tensor as it is (autograd's own default)."""
+    return tensor
+
+
 def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision:
     """The Decision with its backend replaced by the measured fastest eligible one."""
     if len(decision.eligible) < 2:
@@ -293,7 +298,9 @@ def choose_fastest(decision: Decision, call, cache_path: str | None) -> Decision
         names = decision.eligible
         if device.type == "cuda":
             names = tuple(n for n in names if not registry.get_backend(n).reference) or names
-        with torch.random.fork_rng(devices=devices):
+        # the user's random stream untouched, and the timing's own graphs kept from an enclosing activation
+        # checkpoint's saved-tensor hooks (its recomputation, a cache hit, saves only the winner's tensors)
+        with torch.random.fork_rng(devices=devices), torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
             timings = time_backends(names, call, sync, failures, samples, host)
         if not timings:
             return decision

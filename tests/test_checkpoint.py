@@ -56,3 +56,26 @@ def test_a_dropout_call_under_no_grad_is_decided_as_its_recomputation():
         assert not ad.explain(q, k, v).problem.requires_grad
         assert not ad.explain(*(t.detach() for t in (q, k, v)), dropout_p=0.3).problem.requires_grad
     assert training.problem.requires_grad
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_policy_fastest_timing_inside_a_checkpoint(reentrant):
+    """policy="fastest" times every eligible backend at a kind of call's first sight: when that is inside a
+    checkpointed forward, the timing's own graphs must not pass through the checkpoint's saved-tensor
+    hooks (the recomputation, a cache hit, saves only the winner's) nor move the random stream."""
+    base = [torch.randn(1, 2, 10, 8) for _ in range(3)]
+
+    def block(q, k, v):
+        return ad.sdpa(q, k, v, is_causal=True) * 2
+
+    results = []
+    with ad.use_config({"dispatch": {"policy": "fastest"}}):
+        for wrapped in (True, False):
+            ad.clear_cache()  # the first call of this kind is timed: inside the checkpoint, then outside
+            q, k, v = (t.clone().requires_grad_() for t in base)
+            torch.manual_seed(5)
+            out = checkpoint(block, q, k, v, use_reentrant=reentrant) if wrapped else block(q, k, v)
+            out.sum().backward()
+            results.append((out.detach(), q.grad, k.grad, v.grad, torch.rand(1)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
