@@ -417,6 +417,7 @@ def normalize_call(
     sinks_grad = sinks is not None and grad and sinks.requires_grad
     compiling = torch.compiler.is_compiling()
     wrapped = not compiling and functorch_wrapped(query)  # torch.func's wrappers have no data pointer
+    no_pointer = compiling or wrapped  # _aligned_16 then reads the strides alone
     # Everything the decision needs, as plain constants (torch.compile treats them as such).
     # positional (a keyword call costs 1.2 us more per new signature); each value's field named
     facts = tuple.__new__(
@@ -444,9 +445,9 @@ def normalize_call(
             or (dropout_p > 0 and not grad and (query.requires_grad or key.requires_grad or value.requires_grad)),
             # requires_grad
             query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1,  # last_dim_contiguous
-            _aligned_16(query, compiling or wrapped)
-            and _aligned_16(key, compiling or wrapped)
-            and _aligned_16(value, compiling or wrapped),  # aligned_16
+            _aligned_16(query, no_pointer)
+            and _aligned_16(key, no_pointer)
+            and _aligned_16(value, no_pointer),  # aligned_16
             deterministic,  # deterministic
             same_offsets,  # same_offsets
             attn_mask is not None and attn_mask.dtype == torch.float32 and query.dtype in _HALF,  # float32_bias

@@ -142,8 +142,9 @@ def normalize_kvcache(
 ) -> KvCall:
     """Validate every argument of sdpa_with_kvcache() (raising before any kernel) and build the call."""
     check_plain_tensor(query, "query")
-    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
-        if isinstance(t, torch.Tensor) and not _is_compiling() and functorch_wrapped(t):
+    tensors = (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new))
+    for name, t in () if _is_compiling() else tensors:
+        if isinstance(t, torch.Tensor) and functorch_wrapped(t):
             raise TypeError(
                 f"{name} is a tensor of a torch.func transform (vmap, grad, jvp); sdpa_with_kvcache is forward "
                 "only and writes its cache in place: call it outside the transform"
@@ -422,19 +423,16 @@ def sdpa_with_kvcache(
     features = softcap is not None or alibi_slopes is not None or sinks is not None or return_lse
     key = hit = None
     if not features:  # not compiling: that returned above
-        recent = kv_calls.get(RECENT)
-        if recent is not None:  # kv_fast_key.kv_recent_hit: the key's facts checked in C++
-            try:
+        try:
+            recent = kv_calls.get(RECENT)
+            if recent is not None:  # kv_fast_key.kv_recent_hit: the key's facts checked in C++
                 entry = kv_recent_hit(
                     recent[1], query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                     (causal, window, scale, enable_gqa, backend, validate),
                 )  # fmt: skip
-            except RuntimeError:  # a tensor without a data pointer (torch.func's): the full path says why
-                entry = None
-            if entry is not None:
-                hit, key = entry[4], entry[5]
-        if hit is None:
-            try:
+                if entry is not None:
+                    hit, key = entry[4], entry[5]
+            if hit is None:
                 key = kv_call_key(
                     query,
                     k_cache,
@@ -450,13 +448,13 @@ def sdpa_with_kvcache(
                     backend,
                     validate,
                 )
-            except RuntimeError:  # a tensor without a data pointer (torch.func's): the full path says why
-                key = None
-            hit = None if key is None else kv_calls.get(key)
-            if hit is not None:  # the next call of this key checks it in C++
-                entry = kv_recent_entry(key, hit, query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-                if entry is not None:
-                    kv_remember_recent(entry)
+                hit = None if key is None else kv_calls.get(key)
+                if hit is not None:  # the next call of this key checks it in C++
+                    entry = kv_recent_entry(key, hit, query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+                    if entry is not None:
+                        kv_remember_recent(entry)
+        except RuntimeError:  # a tensor without a data pointer (torch.func's): the full path says why
+            hit = key = None
     if hit is not None:
         decision, run, limits, on_cuda = hit
         n_new, capacity, what, num_blocks, page, check = limits

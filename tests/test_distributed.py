@@ -713,18 +713,19 @@ def test_autocast_derivative_modes_and_torch_func_on_one_rank(tmp_path):
         dist.destroy_process_group()
 
 
-def test_the_autocast_branch_forwards_every_parameter():
-    """context_parallel_sdpa's autocast branch calls itself with the cast tensors and every other parameter in
-    its place (one added to the signature but not passed there would be dropped under autocast)."""
+def test_the_options_hold_every_keyword_parameter():
+    """context_parallel_sdpa gathers its keyword parameters into one ``options`` dict, which the call (under
+    autocast too) runs on: one added to the signature but not there would be dropped, silently."""
     import ast
     import inspect
 
     tree = ast.parse(inspect.getsource(_context_parallel_sdpa))
-    calls = [
-        n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "context_parallel_sdpa"
+    built = [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "options" and isinstance(n.value, ast.Call)
     ]
-    assert len(calls) == 1
-    positional = [n.value.id if isinstance(n, ast.Starred) else n.id for n in calls[0].args]
+    assert len(built) == 1
     params = list(inspect.signature(_context_parallel_sdpa).parameters)
-    assert positional == ["cast", *params[4:8]]
-    assert {k.arg: k.value.id for k in calls[0].keywords} == {p: p for p in params[8:]}
+    unused = {"max_seqlen_q", "max_seqlen_k"}  # the blocks' lengths come from the offsets
+    assert {k.arg: k.value.id for k in built[0].keywords} == {p: p for p in params[8:] if p not in unused}

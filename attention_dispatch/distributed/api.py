@@ -445,32 +445,6 @@ def context_parallel_sdpa(
     one sdpa() call's keep-mask, seeded as sdpa() seeds it (rank 0's draw).
     Every rank must call it with the same shapes and options, and backpropagate through its output.
     """
-    cast = autocast_inputs(query, key, value, attn_mask)
-    if cast is not None:  # torch.autocast on: as ad.sdpa(), the inputs as F.sdpa gets them, run with it off
-        with torch.autocast(query.device.type, enabled=False):
-            return context_parallel_sdpa(
-                *cast,
-                dropout_p,
-                is_causal,
-                scale,
-                enable_gqa,
-                group=group,
-                exchange=exchange,
-                layout=layout,
-                backward=backward,
-                causal=causal,
-                window=window,
-                cu_seqlens_q=cu_seqlens_q,
-                cu_seqlens_k=cu_seqlens_k,
-                max_seqlen_q=max_seqlen_q,
-                max_seqlen_k=max_seqlen_k,
-                backend=backend,
-                deterministic=deterministic,
-                softcap=softcap,
-                alibi_slopes=alibi_slopes,
-                sinks=sinks,
-                return_lse=return_lse,
-            )
     del max_seqlen_q, max_seqlen_k  # the blocks' lengths come from the offsets themselves
     options = dict(
         group=group,
@@ -488,6 +462,15 @@ def context_parallel_sdpa(
         sinks=sinks,
         return_lse=return_lse,
     )
+    cast = autocast_inputs(query, key, value, attn_mask)
+    if cast is None:
+        return _sharded_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, options)
+    with torch.autocast(query.device.type, enabled=False):  # as ad.sdpa(): the inputs as F.sdpa gets them
+        return _sharded_call(*cast, dropout_p, is_causal, scale, enable_gqa, options)
+
+
+def _sharded_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, options):
+    """context_parallel_sdpa() on its normalised ``options`` (the group's and sdpa()'s keyword arguments)."""
     setup = _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, options)
     _check_across_ranks(setup, options)
     if setup.dropout_p > 0:  # one seed per call, as sdpa() draws it; rank 0's, so that all agree
