@@ -13,8 +13,10 @@ import attention_dispatch as ad
 from test_capabilities import _available
 
 
-def _cases():
-    for backend in [None, *_available("cpu")]:
+def _cases(device: str):
+    if device == "cuda" and not torch.cuda.is_available():
+        return
+    for backend in [None, *_available(device)]:
         dropout = backend is None or ad.get_backend(backend).capabilities.dropout
         for p in (0.0, 0.3) if dropout else (0.0,):
             for reentrant in (False, True):
@@ -26,9 +28,17 @@ def _cases():
                 )
 
 
-@pytest.mark.parametrize("backend,dropout_p,reentrant", list(_cases()))
-def test_a_checkpointed_call_equals_the_plain_one(backend, dropout_p, reentrant):
-    base = [torch.randn(1, 2, 10, 8) for _ in range(3)]
+def check_checkpointed_call(backend, dropout_p, reentrant, device):
+    """A block ending in sdpa() under checkpoint(): output and gradients equal to the plain call's (on the
+    CPU exactly; on the GPU the forward exactly, the gradients within a backward's atomics' rounding). The
+    default's reentrant forward runs under no_grad: without dropout an inference call, decided apart from the
+    training call as F.sdpa decides it, so on the GPU its output may come from another kernel: within rounding."""
+    if device == "cpu":
+        shape, dtype = (1, 2, 10, 8), torch.float32
+    else:
+        dtypes = torch.float32 if backend is None else ad.get_backend(backend).capabilities.dtypes
+        shape, dtype = (2, 4, 256, 64), torch.bfloat16 if backend is None or torch.bfloat16 in dtypes else torch.float32
+    base = [torch.randn(*shape, device=device, dtype=dtype) for _ in range(3)]
 
     def block(q, k, v):  # an op that saves nothing after it: the recomputation stops inside sdpa()
         return ad.sdpa(q, k, v, is_causal=True, dropout_p=dropout_p, backend=backend) * 2
@@ -38,11 +48,31 @@ def test_a_checkpointed_call_equals_the_plain_one(backend, dropout_p, reentrant)
         q, k, v = (t.clone().requires_grad_() for t in base)
         torch.manual_seed(11)
         out = checkpoint(block, q, k, v, use_reentrant=reentrant) if wrapped else block(q, k, v)
-        out.sum().backward()
+        out.backward(torch.ones_like(out))
         results.append((out.detach(), q.grad, k.grad, v.grad))
+    other_kernel = device == "cuda" and backend is None and reentrant and not dropout_p
     for got in results[1:]:
-        for a, b in zip(got, results[0]):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        if other_kernel:
+            torch.testing.assert_close(got[0].float(), results[0][0].float(), rtol=2e-2, atol=2e-2)
+        else:
+            torch.testing.assert_close(got[0], results[0][0], rtol=0, atol=0)
+        for a, b in zip(got[1:], results[0][1:]):
+            assert not a.isnan().any()
+            if device == "cpu":
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            else:
+                torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("backend,dropout_p,reentrant", list(_cases("cpu")))
+def test_a_checkpointed_call_equals_the_plain_one(backend, dropout_p, reentrant):
+    check_checkpointed_call(backend, dropout_p, reentrant, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,dropout_p,reentrant", list(_cases("cuda")))
+def test_a_checkpointed_gpu_call_equals_the_plain_one(backend, dropout_p, reentrant):
+    check_checkpointed_call(backend, dropout_p, reentrant, "cuda")
 
 
 def test_a_dropout_call_under_no_grad_is_decided_as_its_recomputation():
