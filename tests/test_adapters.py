@@ -901,7 +901,8 @@ def test_xformers_rejections(xf):
         "attn_mask with varlen" in x for x in r(problem(layout="varlen", mask_kind="bool", mask_shape=(1, 1, 64, 64)))
     )
     assert any("no xformers mask type" in x for x in r(problem(seqlen_q=5, seqlen_k=9, causal=TL, window=(2, 0))))
-    assert any("no allowed key" in x for x in r(problem(seqlen_q=9, seqlen_k=5, causal=BR)))
+    assert r(problem(seqlen_q=9, seqlen_k=5, causal=BR)) == []  # rows without keys: as a tensor bias
+    assert r(problem(dtype=torch.float32, window=(2, 1))) == []  # no float32 local mask type: as a tensor bias
     assert "deterministic algorithms requested but the backward is nondeterministic" in r(
         problem(deterministic=True, requires_grad=True)
     )
@@ -925,6 +926,71 @@ def test_xformers_rejections(xf):
         )
         == []
     )
+
+
+@pytest.mark.parametrize(
+    "sq,sk,causal,window,dtype,form",
+    [
+        (9, 5, BR, None, torch.bfloat16, "tensor"),  # the first 4 rows have no key
+        (9, 5, None, (1, 0), torch.bfloat16, "tensor"),  # a band left of every key for the first rows
+        (6, 10, None, (2, 1), torch.float32, "tensor"),  # float32: cutlass has no two-sided local mask
+        (6, 10, BR, (2, -1), torch.float32, "tensor"),
+        (6, 10, None, (2, 1), torch.bfloat16, "LocalAttentionFromBottomRightMask"),
+        (9, 5, BR, None, torch.float32, "tensor"),
+        (5, 9, BR, None, torch.float32, "LowerTriangularFromBottomRightMask"),
+    ],
+)
+def test_xformers_runs_what_its_mask_types_cannot_as_a_tensor_band(xf, sq, sk, causal, window, dtype, form):
+    """Rows without an allowed key (xformers leaves them unspecified: the fake gives NaN) and float32
+    windows (no operator takes them as a mask type) go as a tensor bias: accepted, right, route says so."""
+    backend, calls = xf()
+    p = problem(seqlen_q=sq, seqlen_k=sk, causal=causal, window=window, dtype=dtype, requires_grad=True)
+    assert backend.reasons(p) == []
+    q, k, v = inputs(2, 4, 2, sq, sk, 8, dtype=dtype)
+    options = dict(causal=causal, window=window, scale=0.4, enable_gqa=True)
+    route = backend.route(q, k, v, options)
+    assert route.steps[0].part == "attn_bias" and route.steps[0].chosen.startswith(form)
+    out = backend.run(q, k, v, **options)
+    assert isinstance(calls[-1]["attn_bias"], torch.Tensor) == (form == "tensor")
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = naive_attention(*wide, causal=_str(causal), window=window, scale=0.4)
+    assert_matches(out, ref, ref_lowp=naive_attention(q, k, v, causal=_str(causal), window=window, scale=0.4))
+    got, g = grads(out, (q, k, v))
+    for a, b_ in zip(got, torch.autograd.grad(ref, wide, g.double())):
+        assert_matches(a, b_, what=f"xformers {form} gradient", factor=4.0, extra=1e-2)
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 6, 8), (2, 4, 0, 8), (2, 4, 6, 0)], ids=["batch", "queries", "head_dim"])
+def test_xformers_empty_dimension_is_zeros_without_a_kernel(xf, shape):
+    backend, calls = xf()
+    b, h, sq, d = shape
+    q, k, v = inputs(b, h, h, sq, 5, d)
+    mask = torch.randn(b, 1, sq, 5, dtype=torch.float64, requires_grad=True)
+    if d:  # a zero head dim is refused by the declared head_dim_min before xformers is asked
+        assert backend.reasons(problem(batch=b, seqlen_q=sq, head_dim_qk=d, head_dim_v=d)) == []
+    assert str(backend.route(q, k, v, {})) == "zeros output"
+    out = backend.run(q, k, v, attn_mask=mask)
+    assert out.shape == (b, h, sq, d) and not out.any() and calls == []
+    grads_ = torch.autograd.grad(out.sum(), (q, k, v, mask), allow_unused=True)
+    assert all(x is not None and not x.any() for x in grads_)
+
+
+@pytest.mark.parametrize("no_operator", [False, True])
+def test_xformers_without_any_operator_is_unavailable(xf, fake_gpu, monkeypatch, no_operator):
+    """An xformers whose C++/CUDA extensions did not load (built for another PyTorch or CUDA) imports with
+    a warning and then refuses every call: unavailable, saying why."""
+    monkeypatch.setattr("attention_dispatch.backends.xformers.PROBE_DEVICE", "meta")
+    backend, _ = xf(no_operator=no_operator)
+    reason = backend.unavailable_reason()
+    if not no_operator:
+        assert reason == "" and backend.is_available()
+    else:
+        assert not backend.is_available()
+        assert reason == (
+            "xformers 0.0.35 has no operator for a plain bfloat16 call (xformers cutlassF-pt: xFormers wasn't "
+            "build with CUDA support; xformers fa2F@2.8.3: xFormers wasn't build with CUDA support); "
+            "`python -m xformers.info` says whether its C++/CUDA extensions loaded"
+        )
 
 
 def test_parse_no_operator_plain_message():

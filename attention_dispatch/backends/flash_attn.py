@@ -54,6 +54,7 @@ from ..problem import KV_LAYOUTS, Problem, compute_capability
 from ..route import Route, RouteStep
 from ..semantics import CausalKind, band
 from .base import Backend, Capabilities, not_supported_reasons
+from .empty import empty_attention, is_empty
 from .fa4_compiled import compile_refusal
 from .fa4_compiled import flash_attn_func as fa4_compiled_dense
 from .fa4_relaunch import ForwardRelauncher, VarlenRelauncher, dist_version, fa4_version, untested_release
@@ -88,21 +89,6 @@ def _first_line(error: BaseException) -> str:
 def _missing(error: ImportError, *names: str) -> bool:
     """True when the ImportError says one of `names` itself is not installed (not a dependency)."""
     return isinstance(error, ModuleNotFoundError) and error.name in names
-
-
-def _empty_call(query, key, value, packed: bool):
-    """Exact zeros, on the autograd graph, for a call with an empty dimension."""
-    if key.shape[1] != query.shape[1]:  # heads are dim 1 in both (B, H, S, D) and (total, H, D)
-        group = query.shape[1] // max(key.shape[1], 1)
-        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
-    if packed:
-        return torch.einsum("qhk,khe->qhe", torch.einsum("qhd,khd->qhk", query, key[:0]), value[:0])
-    return (query @ key.transpose(-1, -2)) @ value
-
-
-def _is_empty(query, key, varlen: bool) -> bool:
-    """A call with an empty dimension: run() returns exact zeros without a kernel."""
-    return query.numel() == 0 or key.shape[-3 if varlen else -2] == 0
 
 
 def _needs_grad(query, key, value) -> bool:
@@ -389,7 +375,7 @@ class FlashAttnBackend(Backend):
         choice = self.select(self.run_problem(query, key, value, **options))
         if choice.impl is None:
             return Route((RouteStep("kernel", "none", choice.passed_over),), note="run() raises: no generation runs it")
-        if _is_empty(query, key, varlen):
+        if is_empty(query, key, value):
             passed = ((choice.impl.label, "an empty dimension: exact zeros, no kernel"),)
             return Route((RouteStep("output", "zeros", passed),))
         steps = [RouteStep("kernel", choice.impl.label, choice.passed_over)]
@@ -448,8 +434,8 @@ class FlashAttnBackend(Backend):
         )
         varlen = cu_seqlens_q is not None
         lse_of = impl.key if options.get("return_lse") else None
-        if _is_empty(query, key, varlen):
-            return features.empty_result(_empty_call(query, key, value, varlen), query, varlen, options)
+        if is_empty(query, key, value):
+            return features.empty_result(empty_attention(query, key, value, varlen), query, varlen, options)
         if varlen:
             offsets = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
             return self._varlen(impl.varlen_func, kwargs, query, key, value, lse_of=lse_of, **offsets)
@@ -471,7 +457,7 @@ class FlashAttnBackend(Backend):
         forward is relaunched from its recorded compiled call (:mod:`.fa4_relaunch`; with
         autograd, flash-attn 4's own backward follows), and so is its varlen inference forward."""
         varlen = options["cu_seqlens_q"] is not None
-        if options["attn_mask"] is not None or _is_empty(query, key, varlen) or any(f in options for f in FEATURES):
+        if options["attn_mask"] is not None or is_empty(query, key, value) or any(f in options for f in FEATURES):
             return super().prepare(query, key, value, options)  # run() each call; nothing recorded
         impl, kwargs = self._resolve(query, key, value, **options)
         grad = _needs_grad(query, key, value)

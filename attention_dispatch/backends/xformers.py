@@ -12,9 +12,13 @@ Mapping of our call (DESIGN.md section 3):
 - a mask: bool -> float bias (0 / -inf, query's dtype); causal and window are folded in as
   -inf; passed as a tensor bias expanded to (B, H, Sq, Sk) (padded to a multiple of 8
   columns when xformers' row alignment needs it). Its gradient flows when it requires grad.
-- rows without an allowed key: with a mask, those rows get a neutral bias inside the
-  kernel and output 0 (gradient 0 everywhere); without a mask (a band missing every key)
-  the call is rejected, since xformers' result for such rows is not specified.
+- a band xformers' types cannot run exactly goes as a tensor bias (one (Sq, Sk) matrix, expanded):
+  rows without an allowed key (e.g. bottom-right causal with Sq > Sk), whose result xformers
+  leaves unspecified, and a float32 window (float32 runs on cutlass only, which has no two-sided
+  local mask and no backward for its causal one). ``route()`` says which form a call takes.
+- rows without an allowed key in a tensor bias get a neutral bias inside the kernel and output 0
+  (gradient 0 everywhere).
+- an empty dimension: exact zeros on the graph, no kernel (xformers refuses some such shapes).
 - varlen: ``BlockDiagonalMask`` / ``BlockDiagonalCausalMask`` (top-left per sequence) /
   ``BlockDiagonalCausalLocalAttentionMask`` (top-left window, right = 0) from the
   sequence lengths, on (1, total, H, D); bottom-right causal and masks are rejected.
@@ -24,7 +28,9 @@ Mapping of our call (DESIGN.md section 3):
   answer (per operator, the reasons) becomes our rejection reasons in ``check()``.
 - ``import xformers`` failing (an ABI mismatch with this PyTorch, or xformers tripping over
   a ``flash_attn`` package without ``flash_attn_interface``) makes the backend unavailable
-  with the error's first line.
+  with the error's first line; so does an xformers that imports but finds no operator for a
+  plain bfloat16 call (its C++/CUDA extensions built for another PyTorch or CUDA load with
+  only a warning, and then every operator is refused).
 """
 
 from __future__ import annotations
@@ -38,10 +44,13 @@ import torch
 
 from ..higher_order import refuse_create_graph_through
 from ..problem import Problem
+from ..route import Route, RouteStep
 from ..semantics import CausalKind, band
 from .base import Backend, Capabilities
+from .empty import empty_attention, is_empty
 
 INSTALL_HINT = "not installed: pip install xformers"
+PROBE_DEVICE = "cuda"  # where unavailable_reason() asks xformers' dispatcher about a plain call
 
 
 def _first_line(error: BaseException) -> str:
@@ -67,6 +76,25 @@ def _dense_empty_rows(sq: int, sk: int, causal, window) -> bool:
     first_hi = off + right if right >= 0 else math.inf  # row 0, last allowed key
     last_lo = sq - 1 + off - left if left >= 0 else -math.inf  # last row, first allowed key
     return sq > 0 and (first_hi < 0 or last_lo > sk - 1)
+
+
+def band_as_tensor(sq: int, sk: int, causal, window, dtype) -> str:
+    """Why a dense call's band (no mask) goes to xformers as a tensor bias, "" when one of its mask
+    types runs it exactly."""
+    if _dense_empty_rows(sq, sk, causal, window):
+        return "rows without an allowed key, which xformers' mask types leave unspecified"
+    if window is not None and dtype == torch.float32:
+        return "float32 runs on cutlass only, which has no two-sided local mask (nor a backward for its causal one)"
+    return ""
+
+
+def _mask_type(causal, window) -> str:
+    """The xformers mask type a dense band without a mask maps to."""
+    if window is not None:
+        return "LocalAttentionFromBottomRightMask"
+    if causal is None:
+        return "none"
+    return "LowerTriangularMask" if causal is CausalKind.TOP_LEFT else "LowerTriangularFromBottomRightMask"
 
 
 def parse_no_operator(message: str) -> list[str]:
@@ -110,6 +138,7 @@ class XformersBackend(Backend):
     def __init__(self):
         self._mods = None
         self._error = None
+        self._no_operator: str | None = None  # unavailable_reason's dispatcher probe, once
         self._verdicts: dict = {}
 
     # -- importing ----------------------------------------------------------------
@@ -135,7 +164,26 @@ class XformersBackend(Backend):
             return self._error or INSTALL_HINT
         if not torch.cuda.is_available():
             return "no CUDA device (torch.cuda.is_available() is False)"
-        return ""
+        if self._no_operator is None:
+            self._no_operator = self._plain_call_refused()
+        return self._no_operator
+
+    def _plain_call_refused(self) -> str:
+        """xformers' dispatcher asked once for a plain bfloat16 (1, 128, 1, 64) call: "" when an operator
+        takes it, else why none does."""
+        fmha = self._load()[2]
+        q = torch.empty(1, dtype=torch.bfloat16, device=PROBE_DEVICE).expand(1, 128, 1, 64)
+        try:
+            fmha.dispatch._dispatch_fw(fmha.Inputs(query=q, key=q, value=q, attn_bias=None, p=0.0, scale=None), False)
+            return ""
+        except NotImplementedError as e:
+            reasons = "; ".join(parse_no_operator(str(e)))
+        except Exception as e:
+            reasons = _first_line(e)
+        return (
+            f"xformers {self.version()} has no operator for a plain bfloat16 call ({reasons}); "
+            "`python -m xformers.info` says whether its C++/CUDA extensions loaded"
+        )
 
     def version(self) -> str:
         mods = self._load()
@@ -171,6 +219,8 @@ class XformersBackend(Backend):
             return ab.BlockDiagonalCausalLocalAttentionMask.from_seqlens(
                 q_seqlen=lq, kv_seqlen=lk, window_size=left + 1
             ), None
+        if mask is None and band_as_tensor(sq, sk, causal, window, dtype):
+            mask = torch.zeros((), dtype=dtype, device=device).expand(sq, sk)  # the band is folded in below
         if mask is None:
             if window is None:
                 if causal is None:
@@ -246,8 +296,6 @@ class XformersBackend(Backend):
                 reasons.append(
                     f"window with causal=top_left and Sq={p.seqlen_q} != Sk={p.seqlen_k} has no xformers mask type"
                 )
-            if p.mask_kind == "none" and _dense_empty_rows(p.seqlen_q, p.seqlen_k, p.causal, p.window):
-                reasons.append("some query rows have no allowed key (xformers' result for them is unspecified)")
         if reasons or self._load() is None:
             return reasons
         return self.operator_reasons(p)
@@ -256,6 +304,8 @@ class XformersBackend(Backend):
         """xformers' own dispatcher asked on stand-in tensors of the problem's shape (no memory)."""
         if p in self._verdicts:
             return self._verdicts[p]
+        if 0 in (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k, p.head_dim_qk, p.head_dim_v):
+            return []  # run() returns zeros without asking xformers
         _, _, fmha, _ = self._load()
         device = torch.device(p.device_type)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -283,6 +333,8 @@ class XformersBackend(Backend):
         if p.mask_kind != "none":  # bool masks become a float bias in run(): stand in with one
             leaf = torch.empty(1, dtype=p.dtype, device=device, requires_grad=p.mask_requires_grad)
             mask = leaf.expand(*p.mask_shape)
+        elif not varlen and band_as_tensor(p.seqlen_q, p.seqlen_k, p.causal, p.window, p.dtype):
+            mask = torch.empty(1, dtype=p.dtype, device=device).expand(p.seqlen_q, p.seqlen_k)
         try:
             bias, _ = self._stand_in_bias(p, mask, device, cu_q, cu_k)
             qx, kx, vx = self.layout(q, k, v, varlen)
@@ -319,6 +371,28 @@ class XformersBackend(Backend):
             cu_seqlens_k=cu_k,
         )
 
+    def route(self, query, key, value, options: dict) -> Route | None:
+        """The form the call's band and mask reach memory_efficient_attention in: one of xformers' mask
+        types, a tensor bias (with why), or exact zeros for an empty dimension."""
+        if is_empty(query, key, value):
+            return Route((RouteStep("output", "zeros", (("xformers", "an empty dimension: no kernel"),)),))
+        causal, window = options.get("causal"), options.get("window")
+        if options.get("cu_seqlens_q") is not None:
+            kind = (
+                "BlockDiagonalMask"
+                if causal is None
+                else "BlockDiagonalCausal" + ("Mask" if window is None else "LocalAttentionMask")
+            )
+            return Route((RouteStep("attn_bias", kind),))
+        if options.get("attn_mask") is not None:
+            return Route((RouteStep("attn_bias", "tensor (the mask, the band folded in)"),))
+        sq, sk = query.shape[2], key.shape[2]
+        why = band_as_tensor(sq, sk, causal, window, query.dtype)
+        if why:
+            passed = ((_mask_type(causal, window), why),)
+            return Route((RouteStep("attn_bias", f"tensor (the band as one {sq} x {sk} matrix)", passed),))
+        return Route((RouteStep("attn_bias", _mask_type(causal, window)),))
+
     # -- running ------------------------------------------------------------------
     def run(
         self,
@@ -346,6 +420,11 @@ class XformersBackend(Backend):
             raise RuntimeError(f"xformers unavailable: {self._error}")
         ops = mods[1]
         packed = cu_seqlens_q is not None
+        if is_empty(query, key, value):
+            out = empty_attention(query, key, value, packed)
+            if attn_mask is not None and attn_mask.requires_grad:  # a zero gradient, as query's
+                out = out + attn_mask.sum().to(out.dtype) * 0
+            return out
         if packed:
             b, sq, sk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
         else:

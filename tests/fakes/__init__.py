@@ -678,7 +678,13 @@ class BlockDiagonalCausalLocalAttentionMask(BlockDiagonalMask):
         return (self.window_size - 1, 0)
 
 
-def make_xformers(calls: list, refuse_head_dim_over: int = 128) -> dict[str, types.ModuleType]:
+def make_xformers(
+    calls: list, refuse_head_dim_over: int = 128, no_operator: bool = False
+) -> dict[str, types.ModuleType]:
+    """A fake xformers whose dispatcher refuses, as 0.0.35's does, head dims over
+    ``refuse_head_dim_over``, a two-sided local mask in float32 (cutlass's only dtype there) and, with
+    ``no_operator`` (C++/CUDA extensions that did not load), every call; its kernel gives NaN for rows
+    a mask type leaves without a key (unspecified in xformers)."""
     xf = types.ModuleType("xformers")
     xf.__version__ = "0.0.35"
     xf.__path__ = []
@@ -716,6 +722,10 @@ def make_xformers(calls: list, refuse_head_dim_over: int = 128) -> dict[str, typ
         reasons = []
         if max(inp.query.shape[-1], inp.value.shape[-1]) > refuse_head_dim_over:
             reasons.append(f"max(query.shape[-1], value.shape[-1]) > {refuse_head_dim_over}")
+        if inp.query.dtype == torch.float32 and type(inp.attn_bias) is LocalAttentionFromBottomRightMask:
+            reasons.append(f"attn_bias type is {type(inp.attn_bias)}")
+        if no_operator:
+            reasons.append("xFormers wasn't build with CUDA support")
         if reasons:
             raise NotImplementedError(
                 "No operator found for `memory_efficient_attention_forward` with inputs:\n"
@@ -758,7 +768,10 @@ def make_xformers(calls: list, refuse_head_dim_over: int = 128) -> dict[str, typ
         elif attn_bias is None:
             out = naive_attention(q, k, v, scale=scale)
         else:
-            out = naive_attention(q, k, v, causal=attn_bias.causal, window=attn_bias.window, scale=scale)
+            out, lse = naive_attention(
+                q, k, v, causal=attn_bias.causal, window=attn_bias.window, scale=scale, return_lse=True
+            )
+            out = out.masked_fill(lse.unsqueeze(-1) == -math.inf, math.nan)  # unspecified rows
         out = out.transpose(1, 2).to(query.dtype)
         if five:  # back to BMGHK
             g, hg = calls[-1]["k"].shape[2], calls[-1]["k"].shape[3]
