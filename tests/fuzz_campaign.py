@@ -29,10 +29,21 @@ from hypothesis import strategies as st  # noqa: E402
 import test_fuzz as T  # noqa: E402
 
 
-def _gpu_target(problems):
-    """(backend, problem) pairs over every GPU backend, checked as test_fuzz_gpu checks one."""
-    return st.tuples(st.sampled_from(T.GPU_BACKENDS), problems), lambda bf: T.fuzz_gpu_one(*bf)
+def _gpu_target(problems, backends=T.GPU_BACKENDS):
+    """(backend, problem) pairs over ``backends`` (every GPU backend), checked as test_fuzz_gpu checks one."""
+    return st.tuples(st.sampled_from(backends), problems), lambda bf: T.fuzz_gpu_one(*bf)
 
+
+# the gpu_* targets' problems, drawn with a backend among test_fuzz's GPU_BACKENDS (or --gpu-backends)
+GPU_PROBLEMS = {
+    "gpu_large": T.problems(scales=(None, 0.05, 1.0, 3.0, 20.0), magnitudes=(4.0, 8.0), head_dims=T.GPU_HEAD_DIMS),
+    "gpu_features": T.problems(
+        scales=(None, 0.05, 1.0), magnitudes=(1.0, 8.0), features=True, head_dims=T.GPU_HEAD_DIMS
+    ),
+    "gpu_layouts": T.problems(
+        scales=(None, 0.05, 1.0), magnitudes=(1.0,), features=True, head_dims=T.GPU_HEAD_DIMS, layouts=True
+    ),
+}
 
 TARGETS = {
     # name: (generator, check of one example)
@@ -66,15 +77,6 @@ TARGETS = {
     "gluon": (T.gluon_problems(), T.gluon_differential),
     # large scores (magnitude 4-8 scales q and k: scores in the tens to hundreds) where test_fuzz keeps 1
     "gluon_large": (T.gluon_problems(magnitudes=(4.0, 8.0)), T.gluon_differential),
-    "gpu_large": _gpu_target(
-        T.problems(scales=(None, 0.05, 1.0, 3.0, 20.0), magnitudes=(4.0, 8.0), head_dims=T.GPU_HEAD_DIMS)
-    ),
-    "gpu_features": _gpu_target(
-        T.problems(scales=(None, 0.05, 1.0), magnitudes=(1.0, 8.0), features=True, head_dims=T.GPU_HEAD_DIMS)
-    ),
-    "gpu_layouts": _gpu_target(
-        T.problems(scales=(None, 0.05, 1.0), magnitudes=(1.0,), features=True, head_dims=T.GPU_HEAD_DIMS, layouts=True)
-    ),
     "kv_gpu_layouts": (
         T.kv_problems(
             dtypes=(torch.float16, torch.bfloat16),
@@ -92,6 +94,7 @@ TARGETS = {
         ),
         lambda p: T.test_fuzz_kvcache_gpu.hypothesis.inner_test("triton", p),
     ),
+    **{name: _gpu_target(problems) for name, problems in GPU_PROBLEMS.items()},
 }
 
 
@@ -141,7 +144,11 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=120.0, help="time budget of each target")
     p.add_argument("--targets", default="triton,tiles,features,kv,decode", help=f"of {','.join(TARGETS)}")
     p.add_argument("--chunk", type=int, default=20, help="examples a round (the budget is checked between rounds)")
+    p.add_argument("--gpu-backends", default="", help=f"the gpu_* targets' backends (default all: {T.GPU_BACKENDS})")
     a = p.parse_args(argv)
+    if a.gpu_backends:
+        backends = tuple(a.gpu_backends.split(","))
+        TARGETS.update({name: _gpu_target(problems, backends) for name, problems in GPU_PROBLEMS.items()})
     names = [n for n in a.targets.split(",") if n]
     unknown = [n for n in names if n not in TARGETS]
     if unknown:

@@ -892,6 +892,39 @@ def test_xformers_varlen_mapping(xf, causal, window):
     assert calls[-1]["attn_bias"].q_seqlen == [3, 7, 2] and calls[-1]["attn_bias"].kv_seqlen == [5, 4, 6]
 
 
+@pytest.mark.parametrize(
+    "lq,lk,causal,window",
+    [
+        ([3, 0, 4], [0, 2, 2], None, None),  # a sequence without keys (and one without queries)
+        ([0, 2, 3], [0, 2, 0], TL, None),
+        ([6, 2], [2, 3], TL, (1, 0)),  # top-left window: local rows 3.. of the first see no key
+    ],
+)
+def test_xformers_varlen_rows_without_keys(xf, lq, lk, causal, window):
+    """xformers leaves the gradient of a varlen row without an allowed key unspecified (the H200 gave dq
+    errors up to 3.7e19; the fake gives NaN): those rows output 0 and their gradients are 0."""
+    backend, _ = xf()
+    q, k, v, cu_q, cu_k = packed(lq, lk, 4, 2, 8)
+    options = _varlen_options(causal, window, cu_q, cu_k)
+    out = backend.run(q, k, v, **options)
+    ref = naive_attention(q, k, v, causal=_str(causal), window=window, scale=0.3, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    got, g = grads(out, (q, k, v))
+    for a, b_ in zip(got, torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b_, rtol=0, atol=1e-10)
+
+
+def test_xformers_copies_strides_its_kernels_refuse(xf):
+    """xformers' dispatcher is asked on stride-0 stand-ins; its kernels refuse a strided last dim (the H200
+    fuzz: value every other element): run() copies such inputs."""
+    backend, calls = xf()
+    q, k, v = inputs(2, 4, 4, 6, 7, 8)
+    wide_v = torch.randn(2, 4, 7, 16, dtype=torch.float64)[..., ::2].requires_grad_()
+    out = backend.run(q, k, wide_v, scale=0.4)
+    torch.testing.assert_close(out, naive_attention(q, k, wide_v, scale=0.4), rtol=0, atol=1e-12)
+    assert calls[-1]["q_ptr"] == q.data_ptr()  # q's strides are taken as they are
+
+
 def test_xformers_rejections(xf):
     backend, _ = xf()
     r = backend.reasons

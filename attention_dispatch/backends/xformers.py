@@ -88,6 +88,29 @@ def band_as_tensor(sq: int, sk: int, causal, window, dtype) -> str:
     return ""
 
 
+def _strides_taken(t) -> bool:
+    """Strides xformers' kernels take as they are: a unit last one, the others multiples of 8 elements
+    (its operators' alignment; the dispatcher is asked on stride-0 stand-ins, so run() copies the rest)."""
+    strides = t.stride()
+    return strides[-1] == 1 and all(s % 8 == 0 for s in strides[:-1])
+
+
+def _keyless_rows(cu_seqlens_q, cu_seqlens_k, total_q: int, causal, window):
+    """A varlen call's rows without an allowed key, as a (total_q,) bool tensor, or None when every row
+    has one: the rows of sequences without keys and, with a top-left window (left, 0), local rows i
+    with i - left past the sequence's last key. xformers leaves their gradient unspecified."""
+    lk = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    left = -1 if window is None or causal is None else band(causal, window)[1]
+    limit = torch.where(lk == 0, 0, lk + left if left >= 0 else total_q)  # first local row without a key
+    lq = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    if not bool((lq > limit).any()):
+        return None
+    rows = torch.arange(total_q, device=cu_seqlens_q.device)
+    seq = torch.searchsorted(cu_seqlens_q[1:].to(rows.dtype), rows, right=True)
+    local = rows - cu_seqlens_q[:-1].to(rows.dtype)[seq]
+    return local >= limit.to(rows.dtype)[seq]
+
+
 def _mask_type(causal, window) -> str:
     """The xformers mask type a dense band without a mask maps to."""
     if window is not None:
@@ -425,11 +448,17 @@ class XformersBackend(Backend):
             if attn_mask is not None and attn_mask.requires_grad:  # a zero gradient, as query's
                 out = out + attn_mask.sum().to(out.dtype) * 0
             return out
+        query, key, value = (t if _strides_taken(t) else t.contiguous() for t in (query, key, value))
         if packed:
             b, sq, sk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
+            keyless = _keyless_rows(cu_seqlens_q, cu_seqlens_k, query.shape[0], causal, window)
+            if keyless is not None:  # xformers' gradient for them is unspecified: it goes to a detached copy
+                keyless = keyless.to(query.device)
+                query = torch.where(keyless[:, None, None], query.detach(), query)
         else:
             b, _, sq, _ = query.shape
             sk = key.shape[2]
+            keyless = None
         bias, row_ok = self.attn_bias(
             batch=b,
             heads_q=query.shape[-3 if not packed else 1],
@@ -451,6 +480,8 @@ class XformersBackend(Backend):
         out = out.squeeze(0) if packed else out.transpose(1, 2)
         if row_ok is not None:
             out = torch.where(row_ok, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        if keyless is not None:
+            out = torch.where(keyless[:, None, None], torch.zeros((), dtype=out.dtype, device=out.device), out)
         refuse_create_graph_through("the xformers backend's attention", out)  # its Function's gradients have no graph
         return out
 

@@ -678,6 +678,20 @@ class BlockDiagonalCausalLocalAttentionMask(BlockDiagonalMask):
         return (self.window_size - 1, 0)
 
 
+class _NanGradient(torch.autograd.Function):
+    """Identity whose gradient is NaN where ``rows`` is set (a kernel's unspecified gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, rows):
+        ctx.save_for_backward(rows)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        return grad.masked_fill(rows, math.nan), None
+
+
 def make_xformers(
     calls: list, refuse_head_dim_over: int = 128, no_operator: bool = False
 ) -> dict[str, types.ModuleType]:
@@ -742,6 +756,9 @@ def make_xformers(
     dispatch._dispatch_fw, dispatch._dispatch_bw = _dispatch_fw, _dispatch_bw
 
     def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=None, **kw):
+        for name, t in (("query", query), ("key", key), ("value", value)):  # as 0.0.35's operators check
+            if t.stride(-1) > 1 or any(s % 8 for s in t.stride()[:-2] if t.dim() > 2):
+                raise NotImplementedError(f"No operator found: {name}.stride() = {t.stride()}")
         calls.append(dict(q=query, k=key, v=value, attn_bias=attn_bias, p=p, scale=scale, q_ptr=query.data_ptr()))
         five = query.dim() == 5
         if five:  # BMGHK: key/value arrive expanded over the group dimension
@@ -750,6 +767,16 @@ def make_xformers(
         if isinstance(attn_bias, BlockDiagonalMask):
             cu_q = torch.tensor([0] + attn_bias.q_seqlen).cumsum(0).to(torch.int32)
             cu_k = torch.tensor([0] + attn_bias.kv_seqlen).cumsum(0).to(torch.int32)
+            with torch.no_grad():  # rows without a key: xformers' gradient for them is unspecified (NaN here)
+                _, lse = naive_attention(
+                    *(t[0].transpose(0, 1) for t in (q, k, v)),
+                    causal=attn_bias.causal,
+                    window=attn_bias.window,
+                    cu_seqlens_q=cu_q,
+                    cu_seqlens_k=cu_k,
+                    return_lse=True,
+                )
+            q = _NanGradient.apply(q, (lse == -math.inf).t()[None, :, :, None])
             out = naive_attention(
                 q[0].transpose(0, 1),
                 k[0].transpose(0, 1),
