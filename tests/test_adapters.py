@@ -923,6 +923,11 @@ def test_xformers_copies_strides_its_kernels_refuse(xf):
     out = backend.run(q, k, wide_v, scale=0.4)
     torch.testing.assert_close(out, naive_attention(q, k, wide_v, scale=0.4), rtol=0, atol=1e-12)
     assert calls[-1]["q_ptr"] == q.data_ptr()  # q's strides are taken as they are
+    # one head and one key: contiguous to PyTorch, yet xformers reads its head stride of 11 (H200 fuzz)
+    q1, k1, v1 = (torch.randn(1, 1, 1, 11, dtype=torch.float64)[..., :8].requires_grad_() for _ in range(3))
+    assert k1.is_contiguous() and k1.stride() == (11, 11, 11, 1)
+    out = backend.run(q1, k1, v1, scale=0.4)
+    torch.testing.assert_close(out, naive_attention(q1, k1, v1, scale=0.4), rtol=0, atol=1e-12)
 
 
 def test_xformers_rejections(xf):

@@ -448,7 +448,10 @@ class XformersBackend(Backend):
             if attn_mask is not None and attn_mask.requires_grad:  # a zero gradient, as query's
                 out = out + attn_mask.sum().to(out.dtype) * 0
             return out
-        query, key, value = (t if _strides_taken(t) else t.contiguous() for t in (query, key, value))
+        # a clone, not .contiguous(): a size-1 dim's stride counts for xformers, not for is_contiguous()
+        query, key, value = (
+            t if _strides_taken(t) else t.clone(memory_format=torch.contiguous_format) for t in (query, key, value)
+        )
         if packed:
             b, sq, sk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
             keyless = _keyless_rows(cu_seqlens_q, cu_seqlens_k, query.shape[0], causal, window)
