@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz|xformers [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -170,6 +170,20 @@ case "$what" in
     test_lines "$out/fuzz_tests.log"
     grep -h "^SKIPPED" "$out/fuzz_tests.log" | cut -c1-200 | head -6
     grep -h -E "^[a-z_]+: (no failure|FAILED|nothing checked)" "$out/fuzz_campaign.log" ;;
+  xformers)  # trust: the xformers adapter on the real library (~2-5 min). The call also carries .gpuxf, which
+             # benchmarks/fetch-xformers.sh prepares (xformers' wheel and the CUDA 12 runtime its extensions load:
+             # the device has CUDA 13 only); every GPU test naming xformers, then XF_SECONDS (default 60) of each
+             # random GPU campaign over xformers alone
+    for w in .gpuxf/*.whl; do python3 -m zipfile -e "$w" /tmp/gpuxf; done
+    export LD_LIBRARY_PATH=/tmp/gpuxf/nvidia/cuda_runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export PYTHONPATH=$PYTHONPATH:/tmp/gpuxf
+    python3 -c "import attention_dispatch as ad; b = ad.get_backend('xformers'); print('xformers', b.version(), b.unavailable_reason() or 'available')"
+    timeout -s INT 200 $pytest_lines -k xformers tests/ > "$out/xformers_tests.log" 2>&1
+    timeout -s INT $(( 3 * ${XF_SECONDS:-60} + 40 )) python3 tests/fuzz_campaign.py --seconds "${XF_SECONDS:-60}" \
+      --targets gpu_features,gpu_large,gpu_layouts --gpu-backends xformers > "$out/xformers_campaign.log" 2>&1
+    grep -v -E "Warning|warn\(" "$out/xformers_campaign.log" | tail -40
+    test_lines "$out/xformers_tests.log"
+    grep -h -E "^[a-z_]+: (no failure|FAILED|nothing checked)" "$out/xformers_campaign.log" ;;
   overhead)  # sdpa() against F.sdpa and the decision cache on CUDA (~37 s; the issue's host targets)
     python3 benchmarks/overhead.py --json "$out/overhead.json" 2>&1 | tail -12 ;;
   probe)     # experiment 67's diagnostics (~90 s): flash-attn 4 on its layout and through sdpa(), then
@@ -419,5 +433,5 @@ EOF
     # one file per GPU and mode: the same mode on several GPUs writes the same summary name
     for f in /tmp/par/gpu*/*/*summary*; do [ -f "$f" ] && cp "$f" "$out/$(echo "${f#/tmp/par/}" | tr / _)"; done
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz|xformers [SHA]"; exit 2 ;;
 esac

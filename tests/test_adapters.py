@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import math
 import random
 import sys
@@ -32,6 +33,7 @@ from attention_dispatch.backends.torch_backends import (
     TorchFlashBackend,
 )
 from attention_dispatch.backends.torch_sdpa import TorchSdpaBackend
+from attention_dispatch.backends.window_clamp import right_bound_cut
 from attention_dispatch.backends.xformers import INSTALL_HINT as XF_HINT, XformersBackend, parse_no_operator
 from attention_dispatch.problem import Problem
 from attention_dispatch.semantics import CausalKind
@@ -152,7 +154,14 @@ DENSE_CASES = [  # (sq, sk, causal, window, hq, hkv)
     (10, 6, BR, (3, -1), 4, 1),
     (8, 8, TL, (2, -1), 4, 4),
     (5, 12, None, (-1, 0), 2, 2),
-    (12, 5, None, (1, -1), 2, 2),
+    (
+        12,
+        5,
+        None,
+        (1, 5),
+        2,
+        2,
+    ),  # right = Sk: flash-attn 2/3 keep it (past Sk: test_flash_attn_2_3_window_right_past_sk)
 ]
 
 
@@ -611,6 +620,53 @@ def test_flash_attn_dense_mapping(fa, version, sq, sk, causal, window, hq, hkv):
     assert ("dropout_p" in call and call["dropout_p"] == 0.0) or version != 2
 
 
+def _fa2_band(sq, sk, left, right):
+    """Each row's allowed keys as flash-attn 2's set_params_fprop leaves the window (bottom-right)."""
+    left, right = (-1 if w >= sk else w for w in (left, right))
+    if left < 0 and right >= 0:
+        left = sk
+    if left >= 0 and right < 0:
+        right = sk
+    return _band_rows(sq, sk, left, right)
+
+
+def _band_rows(sq, sk, left, right):
+    off = sk - sq
+    return [
+        tuple(j for j in range(sk) if (left < 0 or j >= i + off - left) and (right < 0 or j <= i + off + right))
+        for i in range(sq)
+    ]
+
+
+def test_right_bound_cut_is_exactly_where_flash_attn_2_computes_another_band():
+    """window_clamp.right_bound_cut against flash_api.cpp's rules applied row by row, every small case."""
+    for sq, sk in itertools.product(range(1, 9), range(1, 9)):
+        for left, right in itertools.product(range(-1, 11), range(-1, 11)):
+            if (left, right) == (-1, -1):
+                continue
+            differs = _fa2_band(sq, sk, left, right) != _band_rows(sq, sk, left, right)
+            assert bool(right_bound_cut(sq, sk, None, (left, right))) == differs, (sq, sk, left, right)
+
+
+@pytest.mark.parametrize("version", [2, 3, 4])
+@pytest.mark.parametrize("window", [(1, -1), (-1, 6), (1, 5), (2, 0)])
+def test_flash_attn_2_3_window_right_past_sk(fa, version, window):
+    """flash-attn 2/3 bound a right side past Sk at Sk (or drop the window): with Sq > Sk + 1 that changes
+    the first rows (the fake follows flash_api.cpp), so those generations refuse; flash-attn 4 runs it."""
+    backend, _ = fa(version)
+    q, k, v = inputs(2, 2, 2, 12, 5, 64)
+    options = dict(window=window, scale=0.3, deterministic=True)
+    cut = version in (2, 3) and window in ((1, -1), (-1, 6))
+    reasons = backend.reasons(problem(seqlen_q=12, seqlen_k=5, window=window, head_dim_qk=64, head_dim_v=64))
+    assert any("flash-attn 2/3 take its right side" in r for r in reasons) == cut, reasons
+    if cut:
+        with pytest.raises(RuntimeError, match="take its right side as"):
+            backend.run(q, k, v, **options)
+        return
+    ref = naive_attention(q, k, v, window=window, scale=0.3)
+    torch.testing.assert_close(backend.run(q, k, v, **options), ref, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("version", [2, 3, 4])
 @pytest.mark.parametrize("causal,window", [(None, None), (BR, None), (BR, (2, -1)), (None, (1, 2))])
 def test_flash_attn_varlen_mapping(fa, version, causal, window):
@@ -974,6 +1030,8 @@ def test_xformers_rejections(xf):
         (6, 10, None, (2, 1), torch.float32, "tensor"),  # float32: cutlass has no two-sided local mask
         (6, 10, BR, (2, -1), torch.float32, "tensor"),
         (6, 10, None, (2, 1), torch.bfloat16, "LocalAttentionFromBottomRightMask"),
+        (12, 5, None, (1, -1), torch.bfloat16, "tensor"),  # flash-attn 2 would bound its right side at Sk
+        (6, 5, None, (1, -1), torch.float16, "LocalAttentionFromBottomRightMask"),  # Sq <= Sk + 1: exact
         (9, 5, BR, None, torch.float32, "tensor"),
         (5, 9, BR, None, torch.float32, "LowerTriangularFromBottomRightMask"),
     ],

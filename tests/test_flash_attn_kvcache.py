@@ -354,10 +354,14 @@ def test_kv_reasons_of_each_generation(fa):
 
 
 def test_flash_attn_2_window_past_the_cache_is_refused_where_it_would_be_unbounded(fa):
-    """flash-attn 2 makes a window side >= the cache's capacity unbounded: exact unless right < Sq - 1."""
+    """flash-attn 2 takes a window side >= the cache's capacity as unbounded, or as the capacity beside a
+    bounded side (window_clamp): exact only where no row needed more."""
     backend, _ = fa("fa2")
     case = KvCase(seqlen_q=8, capacity=4, window=(1, 5), lengths=(4, 2, 0))
-    assert any("window right=5 >= the cache's capacity 4 with Sq=8" in x for x in backend.reasons(kv_problem(case)))
+    assert any(
+        "window=(1, 5) with Sq=8, Sk=4: flash-attn 2/3 take its right side as Sk=4" in x
+        for x in backend.reasons(kv_problem(case))
+    )
     assert backend.reasons(kv_problem(dataclasses.replace(case, window=(9, 7)))) == []  # right >= Sq - 1: exact
     assert backend.reasons(kv_problem(dataclasses.replace(case, window=(9, 3)))) == []  # right < capacity
     # an accepted one: flash_api.cpp's unbounded sides (the fake's) give the definition's result

@@ -55,6 +55,7 @@ from ..route import Route, RouteStep
 from ..semantics import CausalKind, band
 from .base import Backend, Capabilities, not_supported_reasons
 from .empty import empty_attention, is_empty
+from .window_clamp import right_bound_cut
 from .fa4_compiled import compile_refusal
 from .fa4_compiled import flash_attn_func as fa4_compiled_dense
 from .fa4_relaunch import ForwardRelauncher, VarlenRelauncher, dist_version, fa4_version, untested_release
@@ -217,6 +218,10 @@ class FlashAttnBackend(Backend):
                     reasons.append("varlen backward not supported on sm90")
                 if p.deterministic and not p.deterministic_warn_only:
                     reasons.append("deterministic backward only on sm100/sm110")
+        if impl.key in ("fa2", "fa3") and p.layout not in KV_LAYOUTS:
+            cut = right_bound_cut(p.seqlen_q, p.seqlen_k, p.causal, p.window)
+            if cut:
+                reasons.append(cut)
         if p.layout == "varlen" and impl.varlen_func is None:
             reasons.append("this build has no flash_attn_varlen_func")
         if p.layout in KV_LAYOUTS:

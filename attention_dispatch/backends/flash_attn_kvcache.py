@@ -60,6 +60,7 @@ import torch
 from ..problem import Problem, compute_capability
 from ..semantics import band
 from .base import Capabilities
+from .window_clamp import right_bound_cut
 from .fa4_relaunch import fa4_version
 from ..kernels.kv_append import append_kv
 
@@ -181,11 +182,9 @@ def kv_reasons(key: str, version: str, p: Problem) -> list[str]:
     if key in ("fa2", "fa3") and not p.aligned_16:
         reasons.append("a tensor not 16-byte aligned (flash-attn 2/3 take the cache in place, in 16-byte loads)")
     left, right = passed_window(p.causal, p.window)
-    if key == "fa2" and p.seqlen_k <= right < p.seqlen_q - 1:
-        reasons.append(
-            f"window right={right} >= the cache's capacity {p.seqlen_k} with Sq={p.seqlen_q}: flash-attn 2 "
-            "makes such a window side unbounded"
-        )
+    cut = right_bound_cut(p.seqlen_q, p.seqlen_k, p.causal, p.window) if key in ("fa2", "fa3") else ""
+    if cut:
+        reasons.append(cut + " (Sk: the cache's capacity)")
     group = p.heads_q // max(p.heads_kv, 1)
     if (
         key == "fa2"

@@ -48,6 +48,7 @@ from ..route import Route, RouteStep
 from ..semantics import CausalKind, band
 from .base import Backend, Capabilities
 from .empty import empty_attention, is_empty
+from .window_clamp import right_bound_cut
 
 INSTALL_HINT = "not installed: pip install xformers"
 PROBE_DEVICE = "cuda"  # where unavailable_reason() asks xformers' dispatcher about a plain call
@@ -85,7 +86,8 @@ def band_as_tensor(sq: int, sk: int, causal, window, dtype) -> str:
         return "rows without an allowed key, which xformers' mask types leave unspecified"
     if window is not None and dtype == torch.float32:
         return "float32 runs on cutlass only, which has no two-sided local mask (nor a backward for its causal one)"
-    return ""
+    cut = right_bound_cut(sq, sk, causal, window)  # its half-precision operator is flash-attn 2
+    return cut.replace("flash-attn 2/3 take", "xformers' flash-attn 2 takes") if cut else ""
 
 
 def _strides_taken(t) -> bool:

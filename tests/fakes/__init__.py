@@ -35,11 +35,20 @@ def _dropout_keep(shape, p):
 
 
 # ---------------------------------------------------------------- flash-attn -----
-def _fa_window(window_size, v4):
+def _fa_window(window_size, v4, seqlen_k=None):
+    """The window a generation computes. flash-attn 2/3 (flash_api.cpp's set_params_fprop): a side >= Sk
+    becomes unbounded, then an unbounded side beside a bounded one becomes Sk (which cuts the first rows'
+    keys when Sq > Sk + 1)."""
     left, right = window_size
     if v4:
         left = -1 if left is None else left
         right = -1 if right is None else right
+    elif seqlen_k is not None:
+        left, right = (-1 if w >= seqlen_k else w for w in (left, right))
+        if left < 0 and right >= 0:
+            left = seqlen_k
+        if left >= 0 and right < 0:
+            right = seqlen_k
     return None if (left, right) == (-1, -1) else (left, right)
 
 
@@ -89,7 +98,7 @@ def _fa_features(
         assert v4 and tuple(learnable_sink.shape) == (hq,) and learnable_sink.dtype in _SINK_DTYPES
     kw = dict(
         causal="bottom_right" if causal else None,
-        window=_fa_window(window_size, v4),
+        window=_fa_window(window_size, v4, max_seqlen_k if varlen else k.shape[1]),
         scale=softmax_scale,
         softcap=softcap or None,
         alibi_slopes=None if alibi_slopes is None else alibi_slopes.double(),
@@ -183,7 +192,7 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
             kb,
             vb,
             causal="bottom_right" if causal else None,
-            window=_fa_window(window_size, v4),
+            window=_fa_window(window_size, v4, k.shape[1]),
             scale=softmax_scale,
             keep=keep,
             dropout_p=dropout_p,
@@ -251,7 +260,7 @@ def make_flash_attn(version: int, calls: list) -> dict[str, types.ModuleType]:
             k.double(),
             v.double(),
             causal="bottom_right" if causal else None,
-            window=_fa_window(window_size, v4),
+            window=_fa_window(window_size, v4, int(cu_seqlens_k.diff().max()) if cu_seqlens_k.numel() > 1 else 0),
             scale=softmax_scale,
             cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k,
@@ -795,9 +804,10 @@ def make_xformers(
         elif attn_bias is None:
             out = naive_attention(q, k, v, scale=scale)
         else:
-            out, lse = naive_attention(
-                q, k, v, causal=attn_bias.causal, window=attn_bias.window, scale=scale, return_lse=True
-            )
+            window = attn_bias.window
+            if window is not None and query.dtype in (torch.float16, torch.bfloat16):  # its flash-attn 2 operator
+                window = _fa_window(window, False, k.shape[2])
+            out, lse = naive_attention(q, k, v, causal=attn_bias.causal, window=window, scale=scale, return_lse=True)
             out = out.masked_fill(lse.unsqueeze(-1) == -math.inf, math.nan)  # unspecified rows
         out = out.transpose(1, 2).to(query.dtype)
         if five:  # back to BMGHK
