@@ -173,7 +173,8 @@ case "$what" in
   xformers)  # trust: the xformers adapter on the real library (~2-5 min). The call also carries .gpuxf, which
              # benchmarks/fetch-xformers.sh prepares (xformers' wheel and the CUDA 12 runtime its extensions load:
              # the device has CUDA 13 only); every GPU test naming xformers, then XF_SECONDS (default 60) of each
-             # random GPU campaign over xformers alone
+             # random GPU campaign over xformers alone. Not after flash-attn 4 on the same machine (its flash_attn
+             # package, without flash_attn_interface, stops xformers' import): a fresh machine, no .fa4a/.fa4b
     for w in .gpuxf/*.whl; do python3 -m zipfile -e "$w" /tmp/gpuxf; done
     export LD_LIBRARY_PATH=/tmp/gpuxf/nvidia/cuda_runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export PYTHONPATH=$PYTHONPATH:/tmp/gpuxf
