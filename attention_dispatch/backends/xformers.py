@@ -94,7 +94,13 @@ def _strides_taken(t) -> bool:
     """Strides xformers' kernels take as they are: a unit last one, the others multiples of 8 elements
     (its operators' alignment; the dispatcher is asked on stride-0 stand-ins, so run() copies the rest)."""
     strides = t.stride()
-    return strides[-1] == 1 and all(s % 8 == 0 for s in strides[:-1])
+    if strides[-1] == 1 and all(s % 8 == 0 for s in strides[:-1]):
+        return True
+    fresh, step = [], 1  # a clone's strides: cloning a tensor that has them changes nothing
+    for size in reversed(t.shape):
+        fresh.append(step)
+        step *= size
+    return strides == tuple(reversed(fresh))
 
 
 def _keyless_rows(cu_seqlens_q, cu_seqlens_k, total_q: int, causal, window):
