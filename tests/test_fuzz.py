@@ -957,3 +957,22 @@ def test_accumulation_slack_covers_p_from_the_stored_logsumexp_and_nothing_more(
         with pytest.raises(AssertionError):
             assert_matches(no_bias, dv64, dv32, "", torch.float32, extra=extra)
     assert needed, "no seed needed the slack: this test shows nothing"
+
+
+def test_fuzz_campaign_gpu_targets_take_the_backends_named(monkeypatch):
+    """fuzz_campaign.py --gpu-backends: every gpu_* target draws its backend among those named only."""
+    import fuzz_campaign
+
+    monkeypatch.setattr(fuzz_campaign, "TARGETS", dict(fuzz_campaign.TARGETS))
+    checked = []
+    monkeypatch.setattr(fuzz_campaign, "run", lambda name, seconds, chunk: checked.append(name) or True)
+    assert fuzz_campaign.main(["--targets", "gpu_features", "--gpu-backends", "xformers", "--seconds", "0"]) == 0
+    assert checked == ["gpu_features"]
+    strategy, _ = fuzz_campaign.TARGETS["gpu_features"]
+
+    @settings(max_examples=10, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def draws(pair):
+        assert pair[0] == "xformers"
+
+    draws()
