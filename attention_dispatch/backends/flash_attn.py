@@ -26,7 +26,9 @@ Mapping of our call (DESIGN.md section 3):
   sequence then has Sq == Sk); otherwise it is rejected (the shared capability check says so).
 - window (left, right), -1 unbounded: flash-attn 2/3 take ``window_size=(left, right)``
   with -1 unbounded, relative to the same bottom-right diagonal (``causal=True`` forces
-  right = 0, as our ``band()`` does); flash-attn 4 takes ``None`` for unbounded.
+  right = 0, as our ``band()`` does); flash-attn 4 takes ``None`` for unbounded. flash-attn 2/3
+  take a right side past Sk as Sk (or drop the window): where that changes a row (Sq > Sk + 1)
+  those generations refuse (:mod:`.window_clamp`).
 - GQA: native (key/value with fewer heads; query head h reads kv head h // (Hq / Hkv)).
 - scale -> ``softmax_scale``; dropout_p -> ``dropout_p`` (flash-attn 2 only: the mask
   comes from PyTorch's default CUDA generator, so ``torch.manual_seed`` repeats a run, and
