@@ -658,9 +658,9 @@ def test_flash_attn_2_3_window_right_past_sk(fa, version, window):
     options = dict(window=window, scale=0.3, deterministic=True)
     cut = version in (2, 3) and window in ((1, -1), (-1, 6))
     reasons = backend.reasons(problem(seqlen_q=12, seqlen_k=5, window=window, head_dim_qk=64, head_dim_v=64))
-    assert any("flash-attn 2/3 take its right side" in r for r in reasons) == cut, reasons
+    assert any("flash-attn 2/3 takes its right side" in r for r in reasons) == cut, reasons
     if cut:
-        with pytest.raises(RuntimeError, match="take its right side as"):
+        with pytest.raises(RuntimeError, match="takes its right side as"):
             backend.run(q, k, v, **options)
         return
     ref = naive_attention(q, k, v, window=window, scale=0.3)

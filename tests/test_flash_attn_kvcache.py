@@ -359,7 +359,7 @@ def test_flash_attn_2_window_past_the_cache_is_refused_where_it_would_be_unbound
     backend, _ = fa("fa2")
     case = KvCase(seqlen_q=8, capacity=4, window=(1, 5), lengths=(4, 2, 0))
     assert any(
-        "window=(1, 5) with Sq=8, Sk=4: flash-attn 2/3 take its right side as Sk=4" in x
+        "window=(1, 5) with Sq=8, Sk=4: flash-attn 2/3 takes its right side as Sk=4" in x
         for x in backend.reasons(kv_problem(case))
     )
     assert backend.reasons(kv_problem(dataclasses.replace(case, window=(9, 7)))) == []  # right >= Sq - 1: exact

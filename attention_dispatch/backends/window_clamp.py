@@ -13,9 +13,10 @@ import math
 from ..semantics import band
 
 
-def right_bound_cut(sq: int, sk: int, causal, window) -> str:
-    """Why flash-attn 2/3 would compute another band than (causal, window) for a dense (Sq, Sk) call (for
-    varlen the longest lengths; for a KV cache Sk is its capacity), "" when they compute it exactly."""
+def right_bound_cut(sq: int, sk: int, causal, window, library: str = "flash-attn 2/3") -> str:
+    """Why ``library`` (flash-attn 2/3's convention) would compute another band than (causal, window) for a
+    dense (Sq, Sk) call (for varlen the longest lengths; for a KV cache Sk is its capacity), "" when it
+    computes it exactly."""
     if window is None:
         return ""
     bottom_right, left, right = band(causal, window)
@@ -30,7 +31,7 @@ def right_bound_cut(sq: int, sk: int, causal, window) -> str:
         return ""
     side = "unbounded" if taken == math.inf else f"Sk={sk}"
     return (
-        f"window={tuple(window)} with Sq={sq}, Sk={sk}: flash-attn 2/3 take its right side as {side}, "
+        f"window={tuple(window)} with Sq={sq}, Sk={sk}: {library} takes its right side as {side}, "
         f"which {'drops keys of' if taken < intended else 'adds keys to'} the first rows"
     )
 

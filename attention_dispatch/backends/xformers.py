@@ -86,8 +86,7 @@ def band_as_tensor(sq: int, sk: int, causal, window, dtype) -> str:
         return "rows without an allowed key, which xformers' mask types leave unspecified"
     if window is not None and dtype == torch.float32:
         return "float32 runs on cutlass only, which has no two-sided local mask (nor a backward for its causal one)"
-    cut = right_bound_cut(sq, sk, causal, window)  # its half-precision operator is flash-attn 2
-    return cut.replace("flash-attn 2/3 take", "xformers' flash-attn 2 takes") if cut else ""
+    return right_bound_cut(sq, sk, causal, window, "xformers' half-precision operator (flash-attn 2)")
 
 
 def _strides_taken(t) -> bool:
@@ -103,20 +102,27 @@ def _strides_taken(t) -> bool:
     return strides == tuple(reversed(fresh))
 
 
-def _keyless_rows(cu_seqlens_q, cu_seqlens_k, total_q: int, causal, window):
-    """A varlen call's rows without an allowed key, as a (total_q,) bool tensor, or None when every row
-    has one: the rows of sequences without keys and, with a top-left window (left, 0), local rows i
-    with i - left past the sequence's last key. xformers leaves their gradient unspecified."""
-    lk = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-    left = -1 if window is None or causal is None else band(causal, window)[1]
-    limit = torch.where(lk == 0, 0, lk + left if left >= 0 else total_q)  # first local row without a key
-    lq = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    if not bool((lq > limit).any()):
+def _varlen_rows_with_a_key(cu_seqlens_q, lq: list, lk: list, left: int):
+    """A varlen call's (total_q, 1, 1) rows that have an allowed key, or None when all do (from the lengths
+    attn_bias reads anyway). Keyless: the rows of a sequence without keys and, with a top-left window
+    (left, 0), local rows i >= Sk + left. xformers leaves their output and gradient unspecified."""
+    limits = [0 if k == 0 else (k + left if left >= 0 else q) for q, k in zip(lq, lk)]
+    if all(q <= limit for q, limit in zip(lq, limits)):
         return None
-    rows = torch.arange(total_q, device=cu_seqlens_q.device)
-    seq = torch.searchsorted(cu_seqlens_q[1:].to(rows.dtype), rows, right=True)
-    local = rows - cu_seqlens_q[:-1].to(rows.dtype)[seq]
-    return local >= limit.to(rows.dtype)[seq]
+    device, total = cu_seqlens_q.device, sum(lq)
+    lengths = torch.tensor(lq, device=device)
+    local = torch.arange(total, device=device) - torch.repeat_interleave(
+        cu_seqlens_q[:-1].long(), lengths, output_size=total
+    )
+    limit = torch.repeat_interleave(torch.tensor(limits, device=device), lengths, output_size=total)
+    return (local < limit)[:, None, None]
+
+
+def _varlen_mask_type(causal, window) -> str:
+    """The block-diagonal xformers mask type a varlen call maps to (top-left per sequence)."""
+    if causal is None:
+        return "BlockDiagonalMask"
+    return "BlockDiagonalCausalMask" if window is None else "BlockDiagonalCausalLocalAttentionMask"
 
 
 def _mask_type(causal, window) -> str:
@@ -242,23 +248,19 @@ class XformersBackend(Backend):
         if cu_seqlens_q is not None:
             lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
             lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
-            if causal is None:
-                return ab.BlockDiagonalMask.from_seqlens(q_seqlen=lq, kv_seqlen=lk), None
-            _, left, _ = band(causal, window)
-            if left < 0:
-                return ab.BlockDiagonalCausalMask.from_seqlens(q_seqlen=lq, kv_seqlen=lk), None
-            return ab.BlockDiagonalCausalLocalAttentionMask.from_seqlens(
-                q_seqlen=lq, kv_seqlen=lk, window_size=left + 1
-            ), None
+            left = -1 if causal is None else band(causal, window)[1]
+            kind = _varlen_mask_type(causal, window)
+            extra = {} if left < 0 else dict(window_size=left + 1)
+            bias = getattr(ab, kind).from_seqlens(q_seqlen=lq, kv_seqlen=lk, **extra)
+            return bias, _varlen_rows_with_a_key(cu_seqlens_q, lq, lk, left)
         if mask is None and band_as_tensor(sq, sk, causal, window, dtype):
             mask = torch.zeros((), dtype=dtype, device=device).expand(sq, sk)  # the band is folded in below
         if mask is None:
+            kind = _mask_type(causal, window)
+            if kind == "none":
+                return None, None
             if window is None:
-                if causal is None:
-                    return None, None
-                if causal is CausalKind.TOP_LEFT:
-                    return ab.LowerTriangularMask(), None
-                return ab.LowerTriangularFromBottomRightMask(), None
+                return getattr(ab, kind)(), None
             _, left, right = band(causal, window)
             big = sq + sk
             return ab.LocalAttentionFromBottomRightMask(
@@ -409,12 +411,7 @@ class XformersBackend(Backend):
             return Route((RouteStep("output", "zeros", (("xformers", "an empty dimension: no kernel"),)),))
         causal, window = options.get("causal"), options.get("window")
         if options.get("cu_seqlens_q") is not None:
-            kind = (
-                "BlockDiagonalMask"
-                if causal is None
-                else "BlockDiagonalCausal" + ("Mask" if window is None else "LocalAttentionMask")
-            )
-            return Route((RouteStep("attn_bias", kind),))
+            return Route((RouteStep("attn_bias", _varlen_mask_type(causal, window)),))
         if options.get("attn_mask") is not None:
             return Route((RouteStep("attn_bias", "tensor (the mask, the band folded in)"),))
         sq, sk = query.shape[2], key.shape[2]
@@ -462,14 +459,9 @@ class XformersBackend(Backend):
         )
         if packed:
             b, sq, sk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
-            keyless = _keyless_rows(cu_seqlens_q, cu_seqlens_k, query.shape[0], causal, window)
-            if keyless is not None:  # xformers' gradient for them is unspecified: it goes to a detached copy
-                keyless = keyless.to(query.device)
-                query = torch.where(keyless[:, None, None], query.detach(), query)
         else:
             b, _, sq, _ = query.shape
             sk = key.shape[2]
-            keyless = None
         bias, row_ok = self.attn_bias(
             batch=b,
             heads_q=query.shape[-3 if not packed else 1],
@@ -484,6 +476,8 @@ class XformersBackend(Backend):
             cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k,
         )
+        if packed and row_ok is not None:  # keyless rows: xformers' gradient for them goes to a detached copy
+            query = torch.where(row_ok, query, query.detach())
         q, k, v = self.layout(query, key, value, packed)
         out = ops.memory_efficient_attention(q, k, v, attn_bias=bias, p=0.0, scale=scale)
         if out.dim() == 5:
@@ -491,8 +485,6 @@ class XformersBackend(Backend):
         out = out.squeeze(0) if packed else out.transpose(1, 2)
         if row_ok is not None:
             out = torch.where(row_ok, out, torch.zeros((), dtype=out.dtype, device=out.device))
-        if keyless is not None:
-            out = torch.where(keyless[:, None, None], torch.zeros((), dtype=out.dtype, device=out.device), out)
         refuse_create_graph_through("the xformers backend's attention", out)  # its Function's gradients have no graph
         return out
 
