@@ -11,7 +11,9 @@ call (flash-attn 4's public call spends ~130 us there, ours 20-150 us: E107).  I
 
 - ``ours``: kernels.decode.kv_forward (LENS_TENSOR) as this tree builds it;
 - ``ad-kv``: ad.sdpa_with_kvcache (the dispatcher; a hit relaunches CacheRunner's captured launch);
-- ``sdpa``: ad.sdpa over the cache (ONE_LENGTH for causal rows);
+- ``sdpa``: ad.sdpa over the cache, the dispatcher's choice (the line after the row names it);
+- ``triton``: the same call with backend="triton" (ONE_LENGTH for causal rows; not causal: the dense
+  Gluon forward, whose loop has no causal split: against ``ours``, the cache path's loop on one call);
 - ``fa4``: flash_attn.cute.flash_attn_func on (B, S, H, D) copies, where installed.
 
 A kernel change is A/B-timed by running this script in this tree and in a patched scratch copy in
@@ -45,7 +47,7 @@ from attention_dispatch.kernels.decode import kv_forward, kv_route  # noqa: E402
 from benchmarks.decode import fa4  # noqa: E402
 from benchmarks.forward_ab import finish_run  # noqa: E402
 
-IMPLS = ("ours", "ad-kv", "sdpa", "fa4")
+IMPLS = ("ours", "ad-kv", "sdpa", "triton", "fa4")
 # (label, B, Hq, Hkv, Sq, capacity, causal, lengths: None = every sequence the whole cache)
 ROWS = [
     ("gqa B=4 Sq=512 8k causal", 4, 32, 8, 512, 8192 + 512, True, None),
@@ -60,6 +62,14 @@ EXTRA_ROWS = [
     ("gqa B=4 Sq=512 8k", 4, 32, 8, 512, 8192 + 512, False, None),
     ("mha B=4 Sq=512 8k causal", 4, 32, 32, 512, 8192 + 512, True, None),
     ("gqa B=2 Sq=8k 8k causal", 2, 32, 8, 8192, 8192, True, None),
+]
+# --program-cost: the same 32,768 key-tile steps (GQA 32/8, not causal) as 8,192 programs of 4 tiles down to 256
+# of 128: a cost each program pays beyond its steps shows as a gap to flash-attn 4 growing as 1 / tiles (E142)
+PROGRAM_COST_ROWS = [
+    ("gqa B=64 Sq=512 over 512", 64, 32, 8, 512, 512, False, None),
+    ("gqa B=16 Sq=512 over 2k", 16, 32, 8, 512, 2048, False, None),
+    ("gqa B=4 Sq=512 over 8k", 4, 32, 8, 512, 8192, False, None),
+    ("gqa B=2 Sq=256 over 16k", 2, 32, 8, 256, 16384, False, None),
 ]
 SPIN_HZ = 2.0e9  # cycles a second torch.cuda._sleep counts, about (H100 boost: 1.98 GHz)
 
@@ -95,7 +105,9 @@ def run_row(row, rounds: int, reps: int) -> dict:
     fns["ad-kv"] = lambda: ad.sdpa_with_kvcache(q, k, v, lens, causal=causal)
     flash = fa4()
     if lengths is None:  # the same keys as a dense call
-        fns["sdpa"] = lambda: ad.sdpa(q, k, v, causal="bottom_right" if causal else False, enable_gqa=Hq != Hkv)
+        dense = dict(causal="bottom_right" if causal else False, enable_gqa=Hq != Hkv)
+        fns["sdpa"] = lambda: ad.sdpa(q, k, v, **dense)
+        fns["triton"] = lambda: ad.sdpa(q, k, v, **dense, backend="triton")
         if flash is not None:
             qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
             fns["fa4"] = lambda: flash(qt, kt, vt, causal=causal)
@@ -104,6 +116,11 @@ def run_row(row, rounds: int, reps: int) -> dict:
     with torch.no_grad():
         ad.sdpa_with_kvcache(q, k, v, lens, causal=causal)
     backend = ad.last_decision().backend
+    sdpa_backend = "-"
+    if "sdpa" in fns:
+        with torch.no_grad():
+            fns["sdpa"]()
+        sdpa_backend = ad.last_decision().backend
     ref = torch.empty_like(q)
     for b, n in enumerate(lens_list):
         mask = torch.ones(Sq, n, device=dev, dtype=torch.bool).tril(n - Sq) if causal else None
@@ -147,6 +164,7 @@ def run_row(row, rounds: int, reps: int) -> dict:
         dev_ms=dev_ms,
         idle_ms=idle_ms,
         ad_kv_backend=backend,
+        sdpa_backend=sdpa_backend,
         route=kv_route(q, k, v, None, params)[0],
         max_ours_vs_sdpa=(ours.float() - ref.float()).abs().max().item(),
     )
@@ -160,9 +178,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--commit", default="unknown")
     p.add_argument("--extra", action="store_true", help="also the diagnostic rows (EXTRA_ROWS)")
+    p.add_argument("--program-cost", action="store_true", help="also PROGRAM_COST_ROWS (tiles per program varied)")
     a = p.parse_args(argv)
     results = []
-    for row in ROWS + (EXTRA_ROWS if a.extra else []):
+    for row in ROWS + (EXTRA_ROWS if a.extra else []) + (PROGRAM_COST_ROWS if a.program_cost else []):
         if a.rows and not any(part in row[0] for part in a.rows.split(",")):
             continue
         r = run_row(row, a.rounds, a.reps)
@@ -185,7 +204,7 @@ def main(argv=None) -> int:
             + " ".join(f"{n} {r['host_us'][n]:.0f} ({r['pre_launch_us'][n]:.0f})" for n in r["host_us"])
             + f"  host-bound samples {sum(r['host_bound_samples'].values())}"
             + f"  |ours-F.sdpa| {r['max_ours_vs_sdpa']:.1e}"
-            + f"  [{r['route']}; ad-kv ran {r['ad_kv_backend']}]",
+            + f"  [{r['route']}; ad-kv ran {r['ad_kv_backend']}, sdpa {r['sdpa_backend']}]",
             flush=True,
         )
     finish_run(a, results)
