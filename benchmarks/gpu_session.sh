@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz|xformers [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|kernelab|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz|xformers [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -312,6 +312,21 @@ EOF
       features_medians "$out/patchab_features.txt" | tee -a "$summary"
     fi
     ;;
+  kernelab)  # a forward kernel patch against this tree in one process (benchmarks/kernel_ab.py: the two trees'
+             # kernels in alternating pairs, KAB_ROUNDS (31) rounds; the drift between patchab's turns cancels):
+             # PATCH=docs/experiments/patches/NAME.patch bash gpu_session.sh kernelab SHA; without PATCH an A/A run
+             # (the same tree twice: the tool's own spread). KAB_CASES: kv (issue 34's chunked-prefill rows), fwd
+             # (issue 36's plain and softcap forwards) or both (default); KAB_ROWS: substrings of the row labels.
+             # No tests: a patch to adopt still needs patchab's (AB_PARTS=tests)
+    dir=/tmp/kernelab_gpu${CUDA_VISIBLE_DEVICES:-0}
+    if [ -n "${PATCH:-}" ]; then
+      [ -f "$PATCH" ] || { echo "kernelab: no patch file '$PATCH'"; exit 2; }
+      scratch_copy "$dir" "$PWD/$PATCH" || exit 1
+    else
+      rm -rf "$dir" && mkdir -p "$dir" && cp -r attention_dispatch "$dir/"
+    fi
+    timeout 540 python3 benchmarks/kernel_ab.py --b "$dir" --cases "${KAB_CASES:-kv,fwd}" --rows "${KAB_ROWS:-}" \
+      --rounds "${KAB_ROUNDS:-31}" --json "$out/kernelab.json" --commit "$sha ${PATCH:-A/A}" 2>&1 | grep -v -i warn | tail -20 ;;
   features)  # issue 36's cost table alone on this GPU: benchmarks/features.py plain, softcap, alibi, sinks, lse-grad and
              # flash-attn 4 plain / softcap / sinks, dense then causal (bf16 d128 B4 H16 S=4k, 3 interleaved rounds,
              # ~4-5 minutes); $OUT/features_summary.txt (the lines, then each variant's x of plain)
@@ -434,5 +449,5 @@ EOF
     # one file per GPU and mode: the same mode on several GPUs writes the same summary name
     for f in /tmp/par/gpu*/*/*summary*; do [ -f "$f" ] && cp "$f" "$out/$(echo "${f#/tmp/par/}" | tr / _)"; done
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz|xformers [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|kernelab|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz|xformers [SHA]"; exit 2 ;;
 esac

@@ -1579,3 +1579,20 @@ def test_sass_loop_reports_the_innermost_step_not_its_outer_region():
     assert sl.loops(ins, 8) == [(0xD0, 0x190)]
     assert sl.loops(ins, 12) == [(0xD0, 0x190)]
     assert sl.loops(ins, 16) == []  # the step has 12: too few, and the outer region is not a step
+
+
+def test_kernel_ab_loads_the_other_tree_beside_this_one(tmp_path):
+    # benchmarks/kernel_ab.py times two trees' kernels in one process: the other tree's package must
+    # be a second, separate copy (its own KernelParams, its own source files), this one untouched
+    kernel_ab = _load("kernel_ab")
+    other = tmp_path / "tree"
+    other.mkdir()
+    (other / "attention_dispatch").symlink_to(ROOT / "attention_dispatch")
+    decode_b, entry_b, params_b = kernel_ab.load_other(other)
+    from attention_dispatch.kernels import entry, params
+
+    assert params_b.KernelParams is not params.KernelParams
+    assert decode_b.__name__ == "attention_dispatch_b.kernels.decode"
+    assert Path(entry_b.__file__).parent.parent != Path(entry.__file__).parent.parent
+    with pytest.raises(SystemExit, match="no attention_dispatch folder"):
+        kernel_ab.load_other(tmp_path)

@@ -1,0 +1,158 @@
+"""One process, two trees: this tree's forward kernels (A) against another tree's (B), timed in
+alternating pairs so that the GPU's drift cancels in each pair's ratio (GPU).
+
+    python benchmarks/kernel_ab.py --b DIR [--cases kv,fwd] [--rows TEXT,...] [--rounds 31] [--reps 10]
+        [--json out.json] [--commit SHA]
+
+``DIR`` holds the other tree (e.g. gpu_session.sh's scratch copy with a patch applied); its
+``attention_dispatch`` is copied into a temporary folder as the package ``attention_dispatch_b`` and
+imported beside this one, so both kernels compile and run in this process.  Only kernel entry points
+are called (``kernels.decode.kv_forward``, ``kernels.entry.attention_forward``): no autograd and no
+custom op, which a second copy could not register.  Cases:
+
+- ``kv``: kv_device_ab.py's rows (the chunked-prefill rows of issue 34) through ``kv_forward`` with a
+  lengths tensor (the Gluon cache forward);
+- ``fwd``: features.py's forward (bf16 B=4 H=16 S=4096 d128), plain and softcap 30, dense and causal
+  (issue 36's rows).
+
+Per round A and B run in turns (the order alternates), each ``reps`` calls on the device alone
+(queued behind a spin, kv_device_ab.per_call_ms); the round's ratio is A's time over B's (> 1: B is
+faster).  Prints per row both TFLOP/s, the median ratio with its quartiles, and max |A - B| of the
+outputs.  Separate processes in turns (gpu_session.sh patchab) drift by +-3% between turns on the
+H200 (perf-notes E142), more than the 1-2% a kernel change is after; pairs inside one process do not
+share that drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from attention_dispatch.kernels import decode as decode_a  # noqa: E402
+from attention_dispatch.kernels import entry as entry_a  # noqa: E402
+from attention_dispatch.kernels import params as params_a  # noqa: E402
+from benchmarks.forward_ab import finish_run  # noqa: E402
+from benchmarks.kv_device_ab import ROWS as KV_ROWS  # noqa: E402
+from benchmarks.kv_device_ab import per_call_ms  # noqa: E402
+
+SOFTCAP = 30.0
+# (label, causal, softcap): features.py's geometry
+FWD_ROWS = [
+    ("fwd plain", False, 0.0),
+    ("fwd softcap", False, SOFTCAP),
+    ("fwd causal plain", True, 0.0),
+    ("fwd causal softcap", True, SOFTCAP),
+]
+FWD_SHAPE = (4, 16, 4096, 128)  # B, H, S, D
+
+
+def load_other(tree: Path):
+    """(decode, entry, params) modules of ``tree``'s attention_dispatch, imported as attention_dispatch_b."""
+    src = tree / "attention_dispatch"
+    if not src.is_dir():
+        raise SystemExit(f"--b: {tree} has no attention_dispatch folder")
+    tmp = Path(tempfile.mkdtemp(prefix="kernel_ab_"))
+    shutil.copytree(src, tmp / "attention_dispatch_b", ignore=shutil.ignore_patterns("__pycache__"))
+    sys.path.insert(0, str(tmp))
+    mods = [importlib.import_module(f"attention_dispatch_b.kernels.{m}") for m in ("decode", "entry", "params")]
+    return tuple(mods)
+
+
+def kv_calls(row, sides):
+    label, B, Hq, Hkv, Sq, S, causal, lengths = row
+    D, dt = 128, torch.bfloat16
+    q = torch.randn(B, Hq, Sq, D, device="cuda", dtype=dt)
+    k = torch.randn(B, Hkv, S, D, device="cuda", dtype=dt)
+    v = torch.randn(B, Hkv, S, D, device="cuda", dtype=dt)
+    lens_list = list(lengths or [S] * B)
+    lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
+    calls = {}
+    for name, (decode, _, params) in sides.items():
+        p = params.KernelParams(scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True)
+        calls[name] = lambda decode=decode, p=p: decode.kv_forward(q, k, v, lens, p, None)
+    pairs = sum(Sq * n - (Sq * (Sq - 1) // 2 if causal else 0) for n in lens_list)
+    return label, calls, 4 * pairs * Hq * D
+
+
+def fwd_calls(row, sides):
+    label, causal, softcap = row
+    B, H, S, D = FWD_SHAPE
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    calls = {}
+    for name, (_, entry, params) in sides.items():
+        p = params.KernelParams(
+            scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True, softcap=softcap
+        )
+        calls[name] = lambda entry=entry, p=p: entry.attention_forward(q, k, v, None, p, need_lse=False)[0]
+    pairs = B * H * (S * (S + 1) // 2 if causal else S * S)
+    return label, calls, 4 * pairs * D
+
+
+def run_row(label, calls, flops, rounds: int, reps: int) -> dict:
+    with torch.no_grad():
+        out = {n: fn() for n, fn in calls.items()}
+        diff = (out["A"].float() - out["B"].float()).abs().max().item()
+        spin = {}
+        for n, fn in calls.items():
+            for _ in range(3):
+                fn()
+            _, host = per_call_ms(fn, reps, 50.0)
+            spin[n] = max(1.0, 2.0 * host * reps)
+        times = {n: [] for n in calls}
+        for rnd in range(rounds):
+            for n in ("A", "B") if rnd % 2 == 0 else ("B", "A"):
+                times[n].append(per_call_ms(calls[n], reps, spin[n])[0])
+    ratios = sorted(a / b for a, b in zip(times["A"], times["B"]))
+    q1, med, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return dict(
+        row=label,
+        tflops={n: flops / statistics.median(t) / 1e9 for n, t in times.items()},
+        b_speedup=dict(median=med, q1=q1, q3=q3),
+        max_abs_diff=diff,
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--b", type=Path, required=True, help="the other tree (a folder holding attention_dispatch)")
+    p.add_argument("--cases", default="kv,fwd", help="kv, fwd or both")
+    p.add_argument("--rows", default="", help="comma-separated substrings of the row labels")
+    p.add_argument("--rounds", type=int, default=31)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--commit", default="unknown")
+    a = p.parse_args(argv)
+    sides = {"A": (decode_a, entry_a, params_a), "B": load_other(a.b)}
+    cases = set(a.cases.split(","))
+    rows = ([(kv_calls, r) for r in KV_ROWS] if "kv" in cases else []) + (
+        [(fwd_calls, r) for r in FWD_ROWS] if "fwd" in cases else []
+    )
+    results = []
+    for build, row in rows:
+        if a.rows and not any(part in row[0] for part in a.rows.split(",")):
+            continue
+        r = run_row(*build(row, sides), a.rounds, a.reps)
+        results.append(r)
+        s = r["b_speedup"]
+        print(
+            f"{r['row']:<34} TFLOP/s A {r['tflops']['A']:.0f}  B {r['tflops']['B']:.0f}  "
+            f"A/B time {s['median']:.4f} (quartiles {s['q1']:.4f}-{s['q3']:.4f})  max|A-B| {r['max_abs_diff']:.1e}",
+            flush=True,
+        )
+    finish_run(a, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
