@@ -315,7 +315,7 @@ EOF
   kernelab)  # a forward kernel patch against this tree in one process (benchmarks/kernel_ab.py: the two trees'
              # kernels in alternating pairs, KAB_ROUNDS (31) rounds; the drift between patchab's turns cancels):
              # PATCH=docs/experiments/patches/NAME.patch bash gpu_session.sh kernelab SHA; without PATCH an A/A run
-             # (the same tree twice: the tool's own spread). KAB_CASES: kv (issue 34's chunked-prefill rows), fwd
+             # (the same tree twice: the tool's own spread). KAB_CASES: kv (issue 34's chunked-prefill rows), program-cost, fwd
              # (issue 36's plain and softcap forwards) or both (default); KAB_ROWS: substrings of the row labels.
              # No tests: a patch to adopt still needs patchab's (AB_PARTS=tests)
     dir=/tmp/kernelab_gpu${CUDA_VISIBLE_DEVICES:-0}

@@ -11,7 +11,8 @@ are called (``kernels.decode.kv_forward``, ``kernels.entry.attention_forward``):
 custom op, which a second copy could not register.  Cases:
 
 - ``kv``: kv_device_ab.py's rows (the chunked-prefill rows of issue 34) through ``kv_forward`` with a
-  lengths tensor (the Gluon cache forward);
+  lengths tensor (the Gluon cache forward); ``program-cost``: its PROGRAM_COST_ROWS the same way (one
+  amount of work as programs of 4 to 128 key tiles);
 - ``fwd``: features.py's forward (bf16 B=4 H=16 S=4096 d128), plain and softcap 30, dense and causal
   (issue 36's rows).
 
@@ -43,7 +44,7 @@ from attention_dispatch.kernels import decode as decode_a  # noqa: E402
 from attention_dispatch.kernels import entry as entry_a  # noqa: E402
 from attention_dispatch.kernels import params as params_a  # noqa: E402
 from benchmarks.forward_ab import finish_run  # noqa: E402
-from benchmarks.kv_device_ab import ROWS as KV_ROWS  # noqa: E402
+from benchmarks.kv_device_ab import PROGRAM_COST_ROWS, ROWS as KV_ROWS  # noqa: E402
 from benchmarks.kv_device_ab import per_call_ms  # noqa: E402
 
 SOFTCAP = 30.0
@@ -126,7 +127,7 @@ def run_row(label, calls, flops, rounds: int, reps: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--b", type=Path, required=True, help="the other tree (a folder holding attention_dispatch)")
-    p.add_argument("--cases", default="kv,fwd", help="kv, fwd or both")
+    p.add_argument("--cases", default="kv,fwd", help="comma-separated: kv, program-cost, fwd")
     p.add_argument("--rows", default="", help="comma-separated substrings of the row labels")
     p.add_argument("--rounds", type=int, default=31)
     p.add_argument("--reps", type=int, default=10)
@@ -135,8 +136,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     sides = {"A": (decode_a, entry_a, params_a), "B": load_other(a.b)}
     cases = set(a.cases.split(","))
-    rows = ([(kv_calls, r) for r in KV_ROWS] if "kv" in cases else []) + (
-        [(fwd_calls, r) for r in FWD_ROWS] if "fwd" in cases else []
+    rows = (
+        ([(kv_calls, r) for r in KV_ROWS] if "kv" in cases else [])
+        + ([(kv_calls, r) for r in PROGRAM_COST_ROWS] if "program-cost" in cases else [])
+        + ([(fwd_calls, r) for r in FWD_ROWS] if "fwd" in cases else [])
     )
     results = []
     for build, row in rows:
