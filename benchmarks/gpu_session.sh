@@ -312,21 +312,28 @@ EOF
       features_medians "$out/patchab_features.txt" | tee -a "$summary"
     fi
     ;;
-  kernelab)  # a forward kernel patch against this tree in one process (benchmarks/kernel_ab.py: the two trees'
-             # kernels in alternating pairs, KAB_ROUNDS (31) rounds; the drift between patchab's turns cancels):
-             # PATCH=docs/experiments/patches/NAME.patch bash gpu_session.sh kernelab SHA; without PATCH an A/A run
-             # (the same tree twice: the tool's own spread). KAB_CASES: kv (issue 34's chunked-prefill rows), program-cost, fwd
-             # (issue 36's plain and softcap forwards) or both (default); KAB_ROWS: substrings of the row labels.
+  kernelab)  # forward kernel patches against this tree in one process (benchmarks/kernel_ab.py: the trees' kernels
+             # in rotating turns, KAB_ROUNDS (31) rounds; the drift between patchab's turns cancels): PATCH="p1.patch
+             # [p2.patch ...]" bash gpu_session.sh kernelab SHA (each patch a tree B1, B2, ...); without PATCH an A/A
+             # run (the same tree twice: the tool's own spread). KAB_CASES: kv (issue 34's chunked-prefill rows),
+             # program-cost, fwd (issue 36's plain and softcap forwards); KAB_ROWS: substrings of the row labels.
              # No tests: a patch to adopt still needs patchab's (AB_PARTS=tests)
-    dir=/tmp/kernelab_gpu${CUDA_VISIBLE_DEVICES:-0}
-    if [ -n "${PATCH:-}" ]; then
-      [ -f "$PATCH" ] || { echo "kernelab: no patch file '$PATCH'"; exit 2; }
-      scratch_copy "$dir" "$PWD/$PATCH" || exit 1
-    else
+    b_args=()
+    i=0
+    for patch in ${PATCH:-}; do
+      i=$((i + 1))
+      [ -f "$patch" ] || { echo "kernelab: no patch file '$patch'"; exit 2; }
+      dir=/tmp/kernelab_gpu${CUDA_VISIBLE_DEVICES:-0}_$i
+      scratch_copy "$dir" "$PWD/$patch" || exit 1
+      b_args+=(--b "$dir")
+    done
+    if [ $i -eq 0 ]; then
+      dir=/tmp/kernelab_gpu${CUDA_VISIBLE_DEVICES:-0}_aa
       rm -rf "$dir" && mkdir -p "$dir" && cp -r attention_dispatch "$dir/"
+      b_args=(--b "$dir")
     fi
-    timeout 540 python3 benchmarks/kernel_ab.py --b "$dir" --cases "${KAB_CASES:-kv,fwd}" --rows "${KAB_ROWS:-}" \
-      --rounds "${KAB_ROUNDS:-31}" --json "$out/kernelab.json" --commit "$sha ${PATCH:-A/A}" 2>&1 | grep -v -i warn | tail -20 ;;
+    timeout 540 python3 benchmarks/kernel_ab.py "${b_args[@]}" --cases "${KAB_CASES:-kv,fwd}" --rows "${KAB_ROWS:-}" \
+      --rounds "${KAB_ROUNDS:-31}" --json "$out/kernelab.json" --commit "$sha ${PATCH:-A/A}" 2>&1 | grep -v -i warn | tail -40 ;;
   features)  # issue 36's cost table alone on this GPU: benchmarks/features.py plain, softcap, alibi, sinks, lse-grad and
              # flash-attn 4 plain / softcap / sinks, dense then causal (bf16 d128 B4 H16 S=4k, 3 interleaved rounds,
              # ~4-5 minutes); $OUT/features_summary.txt (the lines, then each variant's x of plain)

@@ -1,12 +1,13 @@
 """One process, two trees: this tree's forward kernels (A) against another tree's (B), timed in
 alternating pairs so that the GPU's drift cancels in each pair's ratio (GPU).
 
-    python benchmarks/kernel_ab.py --b DIR [--cases kv,fwd] [--rows TEXT,...] [--rounds 31] [--reps 10]
-        [--json out.json] [--commit SHA]
+    python benchmarks/kernel_ab.py --b DIR [--b DIR2 ...] [--cases kv,fwd] [--rows TEXT,...] [--rounds 31]
+        [--reps 10] [--json out.json] [--commit SHA]
 
-``DIR`` holds the other tree (e.g. gpu_session.sh's scratch copy with a patch applied); its
-``attention_dispatch`` is copied into a temporary folder as the package ``attention_dispatch_b`` and
-imported beside this one, so both kernels compile and run in this process.  Only kernel entry points
+Each ``DIR`` holds another tree (e.g. gpu_session.sh's scratch copy with a patch applied); its
+``attention_dispatch`` is copied into a temporary folder as the package ``attention_dispatch_b<i>``
+and imported beside this one, so every tree's kernels compile and run in this process (B1, B2, ...:
+several patches against A in one call).  Only kernel entry points
 are called (``kernels.decode.kv_forward``, ``kernels.entry.attention_forward``): no autograd and no
 custom op, which a second copy could not register.  Cases:
 
@@ -16,10 +17,10 @@ custom op, which a second copy could not register.  Cases:
 - ``fwd``: features.py's forward (bf16 B=4 H=16 S=4096 d128), plain and softcap 30, dense and causal
   (issue 36's rows).
 
-Per round A and B run in turns (the order alternates), each ``reps`` calls on the device alone
+Per round A and each B run in turns (the order rotates), each ``reps`` calls on the device alone
 (queued behind a spin, kv_device_ab.per_call_ms); the round's ratio is A's time over B's (> 1: B is
-faster).  Prints per row both TFLOP/s, the median ratio with its quartiles, and max |A - B| of the
-outputs.  Separate processes in turns (gpu_session.sh patchab) drift by +-3% between turns on the
+faster).  Prints per row and B both TFLOP/s, the median ratio with its quartiles, and max |A - B| of
+the outputs.  Separate processes in turns (gpu_session.sh patchab) drift by +-3% between turns on the
 H200 (perf-notes E142), more than the 1-2% a kernel change is after; pairs inside one process do not
 share that drift.
 """
@@ -58,16 +59,15 @@ FWD_ROWS = [
 FWD_SHAPE = (4, 16, 4096, 128)  # B, H, S, D
 
 
-def load_other(tree: Path):
-    """(decode, entry, params) modules of ``tree``'s attention_dispatch, imported as attention_dispatch_b."""
+def load_other(tree: Path, package: str = "attention_dispatch_b"):
+    """(decode, entry, params) modules of ``tree``'s attention_dispatch, imported as ``package``."""
     src = tree / "attention_dispatch"
     if not src.is_dir():
         raise SystemExit(f"--b: {tree} has no attention_dispatch folder")
     tmp = Path(tempfile.mkdtemp(prefix="kernel_ab_"))
-    shutil.copytree(src, tmp / "attention_dispatch_b", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(src, tmp / package, ignore=shutil.ignore_patterns("__pycache__"))
     sys.path.insert(0, str(tmp))
-    mods = [importlib.import_module(f"attention_dispatch_b.kernels.{m}") for m in ("decode", "entry", "params")]
-    return tuple(mods)
+    return tuple(importlib.import_module(f"{package}.kernels.{m}") for m in ("decode", "entry", "params"))
 
 
 def kv_calls(row, sides):
@@ -100,33 +100,43 @@ def fwd_calls(row, sides):
     return label, calls, 4 * pairs * D
 
 
-def run_row(label, calls, flops, rounds: int, reps: int) -> dict:
+def run_row(label, calls, flops, rounds: int, reps: int, timer=per_call_ms) -> dict:
+    """Each B against A (``calls``: name -> call, "A" first) over ``rounds`` rotating turns;
+    ``timer(call, reps, spin_ms)`` -> (ms a call, host ms a call)."""
+    names = list(calls)
+    others = names[1:]
     with torch.no_grad():
         out = {n: fn() for n, fn in calls.items()}
-        diff = (out["A"].float() - out["B"].float()).abs().max().item()
+        diff = {n: (out["A"].float() - out[n].float()).abs().max().item() for n in others}
         spin = {}
         for n, fn in calls.items():
             for _ in range(3):
                 fn()
-            _, host = per_call_ms(fn, reps, 50.0)
+            _, host = timer(fn, reps, 50.0)
             spin[n] = max(1.0, 2.0 * host * reps)
         times = {n: [] for n in calls}
         for rnd in range(rounds):
-            for n in ("A", "B") if rnd % 2 == 0 else ("B", "A"):
-                times[n].append(per_call_ms(calls[n], reps, spin[n])[0])
-    ratios = sorted(a / b for a, b in zip(times["A"], times["B"]))
-    q1, med, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+            order = names[rnd % len(names) :] + names[: rnd % len(names)]
+            for n in order[::-1] if rnd % 2 else order:
+                times[n].append(timer(calls[n], reps, spin[n])[0])
+    speedup = {}
+    for n in others:
+        ratios = sorted(a / b for a, b in zip(times["A"], times[n]))
+        q1, med, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+        speedup[n] = dict(median=med, q1=q1, q3=q3)
     return dict(
         row=label,
         tflops={n: flops / statistics.median(t) / 1e9 for n, t in times.items()},
-        b_speedup=dict(median=med, q1=q1, q3=q3),
+        b_speedup=speedup,
         max_abs_diff=diff,
     )
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--b", type=Path, required=True, help="the other tree (a folder holding attention_dispatch)")
+    p.add_argument(
+        "--b", type=Path, action="append", required=True, help="another tree (a folder holding attention_dispatch)"
+    )
     p.add_argument("--cases", default="kv,fwd", help="comma-separated: kv, program-cost, fwd")
     p.add_argument("--rows", default="", help="comma-separated substrings of the row labels")
     p.add_argument("--rounds", type=int, default=31)
@@ -134,7 +144,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--commit", default="unknown")
     a = p.parse_args(argv)
-    sides = {"A": (decode_a, entry_a, params_a), "B": load_other(a.b)}
+    sides = {"A": (decode_a, entry_a, params_a)}
+    for i, tree in enumerate(a.b, 1):
+        sides[f"B{i}"] = load_other(tree, f"attention_dispatch_b{i}")
+        print(f"B{i}: {tree}", flush=True)
     cases = set(a.cases.split(","))
     rows = (
         ([(kv_calls, r) for r in KV_ROWS] if "kv" in cases else [])
@@ -147,12 +160,13 @@ def main(argv=None) -> int:
             continue
         r = run_row(*build(row, sides), a.rounds, a.reps)
         results.append(r)
-        s = r["b_speedup"]
-        print(
-            f"{r['row']:<34} TFLOP/s A {r['tflops']['A']:.0f}  B {r['tflops']['B']:.0f}  "
-            f"A/B time {s['median']:.4f} (quartiles {s['q1']:.4f}-{s['q3']:.4f})  max|A-B| {r['max_abs_diff']:.1e}",
-            flush=True,
-        )
+        for n, s in r["b_speedup"].items():
+            print(
+                f"{r['row']:<34} {n:<3} TFLOP/s A {r['tflops']['A']:.0f}  {n} {r['tflops'][n]:.0f}  "
+                f"A/{n} time {s['median']:.4f} (quartiles {s['q1']:.4f}-{s['q3']:.4f})  "
+                f"max|A-{n}| {r['max_abs_diff'][n]:.1e}",
+                flush=True,
+            )
     finish_run(a, results)
     return 0
 

@@ -1596,3 +1596,27 @@ def test_kernel_ab_loads_the_other_tree_beside_this_one(tmp_path):
     assert Path(entry_b.__file__).parent.parent != Path(entry.__file__).parent.parent
     with pytest.raises(SystemExit, match="no attention_dispatch folder"):
         kernel_ab.load_other(tmp_path)
+
+
+def test_kernel_ab_pairs_each_b_with_a_in_rotating_turns():
+    # every B's ratio is A's time over its own in the same round; the turns rotate so no tree always runs first
+    import torch
+
+    kernel_ab = _load("kernel_ab")
+    out = torch.ones(3)
+    calls = {"A": lambda: out, "B1": lambda: out * 2, "B2": lambda: out}
+    cost = {"A": 1.0, "B1": 0.5, "B2": 1.25}
+    firsts, clock = [], iter(range(10**6))
+
+    def timer(call, reps, spin):
+        name = next(n for n, c in calls.items() if c is call)
+        if spin != 50.0:  # a timed turn (50 ms: the host-time probe)
+            firsts.append(name)
+        drift = 1 + next(clock) * 1e-4  # slow drift: cancels within a round's pairs
+        return cost[name] * drift, 0.01
+
+    r = kernel_ab.run_row("row", calls, 1e9, 6, 10, timer=timer)
+    assert r["b_speedup"]["B1"]["median"] == pytest.approx(2.0, rel=1e-2)
+    assert r["b_speedup"]["B2"]["median"] == pytest.approx(0.8, rel=1e-2)
+    assert r["max_abs_diff"] == {"B1": 1.0, "B2": 0.0}
+    assert {firsts[i * 3] for i in range(6)} == {"A", "B1", "B2"}  # each tree leads some round
