@@ -46,7 +46,7 @@ from attention_dispatch.kernels import entry as entry_a  # noqa: E402
 from attention_dispatch.kernels import params as params_a  # noqa: E402
 from benchmarks.forward_ab import finish_run  # noqa: E402
 from benchmarks.kv_device_ab import PROGRAM_COST_ROWS, ROWS as KV_ROWS  # noqa: E402
-from benchmarks.kv_device_ab import per_call_ms  # noqa: E402
+from benchmarks.kv_device_ab import per_call_ms, row_inputs  # noqa: E402
 
 SOFTCAP = 30.0
 # (label, causal, softcap): features.py's geometry
@@ -71,19 +71,13 @@ def load_other(tree: Path, package: str = "attention_dispatch_b"):
 
 
 def kv_calls(row, sides):
-    label, B, Hq, Hkv, Sq, S, causal, lengths = row
-    D, dt = 128, torch.bfloat16
-    q = torch.randn(B, Hq, Sq, D, device="cuda", dtype=dt)
-    k = torch.randn(B, Hkv, S, D, device="cuda", dtype=dt)
-    v = torch.randn(B, Hkv, S, D, device="cuda", dtype=dt)
-    lens_list = list(lengths or [S] * B)
-    lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
+    causal = row[6]
+    q, k, v, lens, flops = row_inputs(row)
     calls = {}
     for name, (decode, _, params) in sides.items():
-        p = params.KernelParams(scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True)
+        p = params.KernelParams(scale=q.shape[-1] ** -0.5, window_right=0 if causal else -1, align_bottom_right=True)
         calls[name] = lambda decode=decode, p=p: decode.kv_forward(q, k, v, lens, p, None)
-    pairs = sum(Sq * n - (Sq * (Sq - 1) // 2 if causal else 0) for n in lens_list)
-    return label, calls, 4 * pairs * Hq * D
+    return row[0], calls, flops
 
 
 def fwd_calls(row, sides):
@@ -96,8 +90,8 @@ def fwd_calls(row, sides):
             scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True, softcap=softcap
         )
         calls[name] = lambda entry=entry, p=p: entry.attention_forward(q, k, v, None, p, need_lse=False)[0]
-    pairs = B * H * (S * (S + 1) // 2 if causal else S * S)
-    return label, calls, 4 * pairs * D
+    # features.py's count: causal halves the square
+    return label, calls, 4 * B * H * S * S * D / (2 if causal else 1)
 
 
 def run_row(label, calls, flops, rounds: int, reps: int, timer=per_call_ms) -> dict:

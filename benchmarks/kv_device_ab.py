@@ -91,14 +91,25 @@ def per_call_ms(fn, reps: int, spin_ms: float) -> tuple[float, float]:
     return start.elapsed_time(end) / reps, host
 
 
-def run_row(row, rounds: int, reps: int) -> dict:
-    label, B, Hq, Hkv, Sq, S, causal, lengths = row
+def row_inputs(row):
+    """A row's bf16 d128 CUDA inputs and work: (q, k, v, lens int32 (B,), forward FLOPs: 4 x Hq x D x the
+    allowed (query, key) pairs, each sequence's queries bottom-right against its length when causal)."""
+    _, B, Hq, Hkv, Sq, S, causal, lengths = row
     D, dt, dev = 128, torch.bfloat16, "cuda"
     q = torch.randn(B, Hq, Sq, D, device=dev, dtype=dt)
     k = torch.randn(B, Hkv, S, D, device=dev, dtype=dt)
     v = torch.randn(B, Hkv, S, D, device=dev, dtype=dt)
     lens_list = list(lengths or [S] * B)
     lens = torch.tensor(lens_list, dtype=torch.int32, device=dev)
+    pairs = sum(Sq * n - (Sq * (Sq - 1) // 2 if causal else 0) for n in lens_list)
+    return q, k, v, lens, 4 * pairs * Hq * D
+
+
+def run_row(row, rounds: int, reps: int) -> dict:
+    label, B, Hq, Hkv, Sq, S, causal, lengths = row
+    D, dev = 128, "cuda"
+    q, k, v, lens, flops = row_inputs(row)
+    lens_list = lens.tolist()
     params = KernelParams(scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True)
 
     fns = {"ours": lambda: kv_forward(q, k, v, lens, params, None)}
@@ -127,8 +138,6 @@ def run_row(row, rounds: int, reps: int) -> dict:
         ref[b] = F.scaled_dot_product_attention(
             q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], attn_mask=mask, enable_gqa=Hq != Hkv
         )[0]
-    pairs = sum(Sq * n - (Sq * (Sq - 1) // 2 if causal else 0) for n in lens_list)
-    flops = 4 * pairs * Hq * D
     names = [n for n in IMPLS if n in fns]
     # each one's host time a call, queued behind a long spin: the device spin of its timed loops
     spin = {}
