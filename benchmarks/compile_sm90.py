@@ -207,11 +207,10 @@ def ws_cases():
         for label, const in _ws_variants(2):
             if const["HAS_BIAS"] and cfg.consumers != 2:  # a bias tile's rows: a power of two
                 continue
-            # KV_LENS: a KV-cache call (kernels/decode.cache_forward; no bias, causal or not) and
-            # ONE_LENGTH: a dense causal call with Sq < Sk (kernels/entry.GLUON_LENGTHS)
+            # KV_LENS: a KV-cache call (kernels/decode.cache_forward; no bias, causal or not), which a
+            # dense causal call with Sq < Sk launches too (kernels/entry.GLUON_LENGTHS)
             band = label.split()[0]
             kv_cache = (0, 1) if not const["HAS_BIAS"] and band in ("dense", "causal") else (0,)
-            kv_cache += (2,) if not const["HAS_BIAS"] and band == "causal" else ()
             for store_lse, kv_lens in [(lse, kv) for kv in kv_cache for lse in (True, False)]:
                 # issue 36's softcap, sinks and ALiBi (not in a KV-cache call) with the logsumexp, each
                 # alone too over (B, H, S, D) rows without a bias
@@ -232,7 +231,7 @@ def ws_cases():
                         d,
                         launched,
                         f"ws {name} {label} lse={store_lse}"
-                        + ("", " kv-cache", " one-length")[kv_lens]
+                        + ("", " kv-cache")[kv_lens]
                         + _score_label(scores)
                         + (
                             f" consumers={launched.consumers} block_n={launched.block_n}" if launched is not cfg else ""

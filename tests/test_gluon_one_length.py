@@ -1,6 +1,6 @@
 """Causal calls with Sq < Sk (chunked prefill over a dense cache, bottom-right; top-left reads
-only the first Sq keys) on the Gluon forward's ONE_LENGTH mode: every sequence's keys the first
-L (gluon.route.one_length), the last key tile masked past L, no lengths tensor.  The backward
+only the first Sq keys) on the Gluon forward as a KV-cache call: a lengths tensor holding every
+sequence's L (gluon.route.one_length), the last key tile masked past L.  The backward
 stays on the tl passes (the Gluon ones take banded calls with Sq == Sk only) and reads the
 forward's logsumexp.  CPU: the route and its reasons; GPU (marked gpu): the numbers against the
 math backend in float64."""
@@ -170,7 +170,7 @@ def test_gpu_one_length_forward_matches_math_float64(monkeypatch, sq, sk, hkv, d
     assert steps[0][1] == (entry.GLUON_LENGTHS if served else entry.TL), steps
     seen = watch_launches(monkeypatch, gluon_launch.KERNELS["fwd_ws"], lambda c: c["KV_LENS"])
     out, lse = triton_attention(q, k, v, None, params, return_lse=True)
-    assert seen == ([gluon_launch.ONE_LENGTH] if served else []), seen
+    assert seen == ([gluon_launch.LENS_TENSOR] if served else []), seen
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
 
@@ -190,7 +190,7 @@ def test_gpu_chunked_prefill_call_explains_and_takes_the_one_length_forward(monk
     assert decision.route.steps[0].chosen == entry.GLUON_LENGTHS, str(decision)
     seen = watch_launches(monkeypatch, gluon_launch.KERNELS["fwd_ws"], lambda c: c["KV_LENS"])
     out = ad.sdpa(q, k, v, **kw)
-    assert seen == [gluon_launch.ONE_LENGTH], seen
+    assert seen == [gluon_launch.LENS_TENSOR], seen
     ref64 = ad.sdpa(q.double(), k.double(), v.double(), causal="bottom_right", enable_gqa=True, backend="math")
     ref_low = naive_attention(q, k, v, causal="bottom_right")
     assert_matches(out, ref64, ref_low, what="chunked prefill output")

@@ -3,8 +3,8 @@ what each entry point launches, on a faked sm90 with kernels.run.launch_one watc
 kernels.decode.kv_forward, every sdpa_with_kvcache() call of the signature (the full path, the
 CacheRunner's capture, its hits) and plain sdpa() over the cache's keys launch one Gluon forward
 each, with the same grid, tiles, LPT order and scalars, and allocate only the output: the
-dispatcher adds no device work.  Plain sdpa() differs only in reading no lengths tensor
-(ONE_LENGTH, n_new = L) where the KV-cache call reads cache_seqlens (LENS_TENSOR)."""
+dispatcher adds no device work.  Plain sdpa() launches the same kernel on a lengths tensor it fills
+with Sk (one aten.full) where the KV-cache call reads cache_seqlens."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def _as_sm90(monkeypatch) -> list:
 
 def _launch(launch, lens=None):
     """A launch as comparable values: descriptors by everything but their base (the output is new
-    per call), the lengths tensor by identity, the output's other uses (stand-ins) by name."""
+    per call), the lengths tensor by identity (another int32 tensor by its values), the output's
+    other uses (stand-ins) by name."""
     kernel, grid, args, constexprs = launch
     out = args[3].base  # the output's descriptor (gluon/launch.forward)
     shown = []
@@ -51,7 +52,10 @@ def _launch(launch, lens=None):
         if is_descriptor(a):
             shown.append(("desc", a.base is out or a.base.data_ptr(), tuple(a.shape), tuple(a.block_shape)))
         elif isinstance(a, torch.Tensor):
-            shown.append("lens" if a is lens else "out" if a is out else a.data_ptr())
+            if a is lens or a is out:
+                shown.append("lens" if a is lens else "out")
+            else:
+                shown.append(("int32", tuple(a.tolist())) if a.dtype == torch.int32 else a.data_ptr())
         else:
             shown.append(a)
     return kernel, grid, tuple(shown), constexprs
@@ -83,15 +87,11 @@ def test_kv_forward_a_kvcache_hit_and_plain_sdpa_launch_one_gluon_forward_alike(
     for i, (got, ops) in enumerate(kv):  # the full path, the CacheRunner's capture, a hit
         assert got == direct, f"sdpa_with_kvcache call {i} launched {got}, kv_forward {direct}"
         assert ops == direct_ops, f"sdpa_with_kvcache call {i} ran {ops}"
-    # plain sdpa() over the same keys: the same launch but for the key-length mode
+    # plain sdpa() over the same keys: the same launch on a lengths tensor of its own, every entry Sk
     (kernel, grid, args, constexprs) = direct[0]
     at = args.index("lens")
-    one_length = (
-        kernel,
-        grid,
-        args[:at] + ("out", S) + args[at + 2 :],  # no lengths tensor (the output stands in), n_new = L
-        dict(constexprs, KV_LENS=gluon_launch.ONE_LENGTH),
-    )
+    own_lengths = (kernel, grid, args[:at] + (("int32", (S,) * B),) + args[at + 1 :], constexprs)
     for got, ops in dense:
-        assert got == [one_length], got
+        assert got == [own_lengths], got
         assert ops.count("aten.empty.memory_format") == 2, ops  # the output and an empty dropout seed
+        assert ops.count("aten.full.default") == 1, ops  # the lengths

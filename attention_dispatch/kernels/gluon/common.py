@@ -21,7 +21,7 @@ Scope (route.py's ``ws_forward_reason`` says why a call is not served): sm90, fp
 Dqk == Dv of configs.WS_*_CONFIGS (the forward: 128, 256 and, for dense calls only, 64; the
 dK/dV and dQ passes: 128 and 64), dense, causal or a window (``WINDOW_LEFT`` / ``WINDOW_RIGHT``
 constexprs, -1 unbounded; route.WS_MIN_WINDOW keys wide at least) with Sq == Sk (the forward:
-causal with Sq < Sk too, in its ONE_LENGTH mode; a KV cache in LENS_TENSOR's), no mask or
+causal with Sq < Sk too, and a KV cache, in its LENS_TENSOR mode), no mask or
 dropout, lengths multiples of the tiles, positive scale; a float bias of the query's dtype that
 TMA can read as a (rows, Sk) matrix (``ws_bias_reason``; not one whose gradient is needed: the
 tl backward computes it).  A window skips the key (query) tiles outside the band and masks the
@@ -50,10 +50,9 @@ LOG2E = gl.constexpr(1.4426950408889634)
 # dQ) or keys (dK/dV); the dK/dV pass streams WG_ROWS-row query tiles.  The launcher reads it.
 WG_ROWS = gl.constexpr(64)
 # The forward's KV_LENS modes (0: every key of a dense call): LENS_TENSOR, sequence b's keys the
-# first kv_lens[b] + n_new (a KV cache); ONE_LENGTH, every sequence's the first n_new (a dense
-# causal call with Sq < Sk: no lengths tensor to allocate or read).  The launcher reads them.
+# first kv_lens[b] + n_new (a KV cache, or a dense causal call with Sq < Sk: kernels/entry.GLUON_LENGTHS).
+# The launcher reads it.
 LENS_TENSOR = gl.constexpr(1)
-ONE_LENGTH = gl.constexpr(2)
 # The forward's SOFTCAP values: False, True, or SOFTCAP_BOUNDED: a cap c with c log2(e) <= BOUNDED_LOG2_CAP
 # (c <= 55.4; the launcher decides), whose scores lie in [-c, c]: the softmax takes the fixed reference
 # c log2(e) - BOUNDED_TOP instead of a running max (forward_softmax, E103): P in [2^(64 - 2 c log2 e), 2^64],
@@ -186,16 +185,12 @@ def _cache_tiles(
     KV_LENS: gl.constexpr,
 ):
     """:func:`_kv_tiles` of a KV-cache call (KV_LENS; no window, causal or not): sequence ``b``
-    attends to its first L = kv_lens[b] + n_new keys of the cache (ONE_LENGTH: L = n_new, no
-    tensor read), its Sq queries at their end (query i's diagonal is key i + L - Sq).  The key tiles up to L's, the last one partial: its
+    attends to its first L = kv_lens[b] + n_new keys of the cache, its Sq queries at their end (query i's diagonal is key i + L - Sq).  The key tiles up to L's, the last one partial: its
     keys from L on are masked (causal: every diagonal is below L; else the consumer masks them,
     forward.py) and their V rows zeroed in shared memory (forward_softmax._zero_v_rows): past L
     the cache holds anything, NaN included.  Returns (first, n_tiles, n_full, L - Sq), n_full:
     the tiles no key of which is masked for any row."""
-    if KV_LENS == ONE_LENGTH:
-        seq_len = n_new
-    else:
-        seq_len = gl.minimum(gl.load(kv_lens + b) + n_new, capacity)
+    seq_len = gl.minimum(gl.load(kv_lens + b) + n_new, capacity)
     diag = seq_len - seq_q
     n_tiles = gl.cdiv(seq_len, BLOCK_N)
     n_full = seq_len // BLOCK_N

@@ -189,7 +189,7 @@ def _ws_consumer(
     rows = q_start + diag + gl.arange(0, BLOCK_M, row_s)
     # a bias can mask a whole tile, and so can a window's left bound (the second warpgroup's
     # rows start past the program's first key tile), and a cache shorter than Sq all of a row's
-    # keys: the running max may still be -inf (ONE_LENGTH: L >= Sq, every row sees key 0)
+    # keys: the running max may still be -inf
     LENS: gl.constexpr = KV_LENS == LENS_TENSOR
     MAY_EMPTY: gl.constexpr = HAS_BIAS or WINDOW_LEFT >= 0 or LENS
     mbarrier.wait(q_bar.index(WG), 0)
@@ -337,7 +337,7 @@ def _attn_fwd_ws(
     HAS_SINKS: the head's sink (``sinks_ptr``, (Hq,)) joins each row's denominator, not its
     logsumexp (not with KV_LENS: gluon/route.score_features_reason); HAS_ALIBI: minus
     ``slope[b, h] * |i + alibi_off - j|`` (``alibi_ptr`` fp32 (B, Hq), strides alibi_sb / alibi_sh;
-    not with KV_LENS).  KV_LENS: 0 (every key), LENS_TENSOR or ONE_LENGTH (common.py; ``kv_lens``,
+    not with KV_LENS).  KV_LENS: 0 (every key) or LENS_TENSOR (common.py; ``kv_lens``,
     ``n_new``: the keys each sequence reads, its queries aligned to their end)."""
     BLOCK_M: gl.constexpr = WG_ROWS  # noqa: F841 - the tile height the docstring names
     gl.static_assert(NUM_WG == 2 or (NUM_WG == 3 and not HAS_BIAS))

@@ -26,12 +26,12 @@ try:  # Gluon (Triton >= 3.5)
     from .forward import _attn_fwd_ws
 
     WG_ROWS = _common.WG_ROWS.value  # rows per consumer warpgroup; a program covers two
-    LENS_TENSOR, ONE_LENGTH = _common.LENS_TENSOR.value, _common.ONE_LENGTH.value  # the forward's KV_LENS
+    LENS_TENSOR = _common.LENS_TENSOR.value  # the forward's KV_LENS for a lengths tensor
     SOFTCAP_BOUNDED, BOUNDED_LOG2_CAP = _common.SOFTCAP_BOUNDED.value, _common.BOUNDED_LOG2_CAP.value
     GLUON_IMPORT_ERROR = None
 except ImportError as e:  # pragma: no cover - a Triton without Gluon: the tl kernels serve every call
     _attn_fwd_ws = _attn_bwd_dkdv_ws = _attn_bwd_dq_ws = None
-    WG_ROWS, LENS_TENSOR, ONE_LENGTH = 64, 1, 2
+    WG_ROWS, LENS_TENSOR = 64, 1
     SOFTCAP_BOUNDED, BOUNDED_LOG2_CAP = 2, 80.0
     GLUON_IMPORT_ERROR = str(e)
 
@@ -160,7 +160,7 @@ def forward(
     q_rows: int,
     kv_rows: int,
     bias: WsBias | None = None,
-    kv_lens: torch.Tensor | int | None = None,
+    kv_lens: torch.Tensor | None = None,
     n_new: int = 0,
     sinks: torch.Tensor | None = None,
     alibi: torch.Tensor | None = None,
@@ -168,14 +168,10 @@ def forward(
     """The warp-specialised forward.  ``kv_lens`` (int32 (B,)): a KV-cache call, k and v the dense
     cache (prob.Sk its capacity), sequence b's keys the first kv_lens[b] + n_new, causal aligned
     bottom-right (common._cache_tiles: the keys past them in the last tile masked, the cache's
-    rows there never used); an int L instead: every sequence's keys the first L, no lengths
-    tensor (a dense causal call with Sq < Sk: L = Sk bottom-right, Sq top-left).
-    ``params.softcap``, ``sinks`` ((Hq,) contiguous) and ``alibi`` (fp32 (B, Hq)) as the tl
+    rows there never used); a dense causal call with Sq < Sk passes every sequence's L
+    (kernels/entry.GLUON_LENGTHS).  ``params.softcap``, ``sinks`` ((Hq,) contiguous) and ``alibi`` (fp32 (B, Hq)) as the tl
     forward's (none of them with kv_lens)."""
-    one_length = isinstance(kv_lens, int)
-    if one_length:
-        kv_lens, n_new = None, kv_lens
-    mode = ONE_LENGTH if one_length else (LENS_TENSOR if kv_lens is not None else 0)
+    mode = LENS_TENSOR if kv_lens is not None else 0
     cfg = C.ws_forward_config(
         prob.Dqk,
         forward_softcap(params.softcap, q.dtype) == SOFTCAP_BOUNDED,
