@@ -14,6 +14,8 @@ custom op, which a second copy could not register.  Cases:
 - ``kv``: kv_device_ab.py's rows (the chunked-prefill rows of issue 34) through ``kv_forward`` with a
   lengths tensor (the Gluon cache forward); ``program-cost``: its PROGRAM_COST_ROWS the same way (one
   amount of work as programs of 4 to 128 key tiles);
+- ``one-length``: the kv rows' causal calls with every cache full as plain dense calls through
+  ``entry.attention_forward`` (bottom-right, Sq < Sk: entry.GLUON_LENGTHS);
 - ``fwd``: features.py's forward (bf16 B=4 H=16 S=4096 d128), plain and softcap 30, dense and causal
   (issue 36's rows).
 
@@ -45,7 +47,7 @@ from attention_dispatch.kernels import decode as decode_a  # noqa: E402
 from attention_dispatch.kernels import entry as entry_a  # noqa: E402
 from attention_dispatch.kernels import params as params_a  # noqa: E402
 from benchmarks.forward_ab import finish_run  # noqa: E402
-from benchmarks.kv_device_ab import PROGRAM_COST_ROWS, ROWS as KV_ROWS  # noqa: E402
+from benchmarks.kv_device_ab import EXTRA_ROWS, PROGRAM_COST_ROWS, ROWS as KV_ROWS  # noqa: E402
 from benchmarks.kv_device_ab import per_call_ms, row_inputs  # noqa: E402
 
 SOFTCAP = 30.0
@@ -78,6 +80,15 @@ def kv_calls(row, sides):
         p = params.KernelParams(scale=q.shape[-1] ** -0.5, window_right=0 if causal else -1, align_bottom_right=True)
         calls[name] = lambda decode=decode, p=p: decode.kv_forward(q, k, v, lens, p, None)
     return row[0], calls, flops
+
+
+def one_length_calls(row, sides):
+    q, k, v, _, flops = row_inputs(row)
+    calls = {}
+    for name, (_, entry, params) in sides.items():
+        p = params.KernelParams(scale=q.shape[-1] ** -0.5, window_right=0, align_bottom_right=True)
+        calls[name] = lambda entry=entry, p=p: entry.attention_forward(q, k, v, None, p, need_lse=False)[0]
+    return row[0] + " dense", calls, flops
 
 
 def fwd_calls(row, sides):
@@ -131,7 +142,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--b", type=Path, action="append", required=True, help="another tree (a folder holding attention_dispatch)"
     )
-    p.add_argument("--cases", default="kv,fwd", help="comma-separated: kv, program-cost, fwd")
+    p.add_argument("--cases", default="kv,fwd", help="comma-separated: kv, program-cost, one-length, fwd")
     p.add_argument("--rows", default="", help="comma-separated substrings of the row labels")
     p.add_argument("--rounds", type=int, default=31)
     p.add_argument("--reps", type=int, default=10)
@@ -146,6 +157,11 @@ def main(argv=None) -> int:
     rows = (
         ([(kv_calls, r) for r in KV_ROWS] if "kv" in cases else [])
         + ([(kv_calls, r) for r in PROGRAM_COST_ROWS] if "program-cost" in cases else [])
+        + (
+            [(one_length_calls, r) for r in KV_ROWS + EXTRA_ROWS if r[6] and r[7] is None]
+            if "one-length" in cases
+            else []
+        )
         + ([(fwd_calls, r) for r in FWD_ROWS] if "fwd" in cases else [])
     )
     results = []
