@@ -228,6 +228,60 @@ def test_forward_plan_rebuilds_gluon_descriptors_and_later_pointers(cache, monke
 
 
 @pytest.mark.skipif(cc.GluonDescriptor is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("lengths", ["static zeros", "a tensor of the call's own"])
+def test_forward_plan_keeps_the_packages_constant_buffers_and_refuses_other_tensors(cache, monkeypatch, lengths):
+    """Plain sdpa()'s chunked prefill passes the Gluon forward the package's constant zeros as its
+    lengths (kernels/entry.GLUON_LENGTHS): the plan captures that launch and relaunches it with the
+    same buffer.  Any other tensor outside the call's own (here a lengths tensor made per call)
+    keeps the full path every time."""
+    from attention_dispatch.kernels import ForwardPlan
+    from attention_dispatch.kernels.static_buffers import int32_zeros, is_static
+
+    monkeypatch.setattr(cc, "current_stream", lambda: 0)
+    monkeypatch.setattr(replay, "hooks_installed", lambda: False)
+    kern, relaunched, full = _FakeGluonKernel(), [], []
+
+    def forward(q, k, v, bias, params, need_lse):
+        full.append(q)
+        out = torch.empty_like(q)
+        lens = int32_zeros(q.device, 4) if lengths == "static zeros" else torch.zeros(4, dtype=torch.int32)
+        cache.launch(
+            kern, (1,), (_gluon_descriptor(q), _gluon_descriptor(out), lens, 384, params.scale), dict(FLAG=True), 4, 3
+        )
+        return out, None, None
+
+    monkeypatch.setattr(replay, "attention_forward", forward)
+    monkeypatch.setattr(launch_replay, "relaunch", lambda entry, grid, args: relaunched.append(args))
+    q = torch.randn(64, 16)
+    plan = ForwardPlan(q, KernelParams(scale=0.5))
+    plan(q, q, q)
+    outs = [plan(q2, q2, q2) for q2 in (torch.randn(64, 16), torch.randn(64, 16))]
+    if lengths == "static zeros":
+        assert plan.launch is not None and len(full) == 1 and len(relaunched) == 2
+        for args, out in zip(relaunched, outs):
+            assert args[1].base is out
+            assert args[2] is int32_zeros(q.device, 4) and is_static(args[2]) and tuple(args[3:]) == (384, 0.5)
+        assert int(int32_zeros(q.device, 4).abs().sum()) == 0
+    else:
+        assert plan.launch is None and len(full) == 3 and not relaunched
+
+
+def test_int32_zeros_is_one_buffer_a_device_until_outgrown():
+    from attention_dispatch import clear_cache
+    from attention_dispatch.kernels.static_buffers import int32_zeros, is_static
+
+    dev = torch.device("cpu")
+    a = int32_zeros(dev, 3)
+    assert a is int32_zeros(dev, a.numel()) and a.dtype == torch.int32 and not a.any() and is_static(a)
+    b = int32_zeros(dev, a.numel() + 1)  # outgrown: a larger one, handed out from then on
+    assert b is not a and b.numel() >= a.numel() + 1 and not b.any()
+    assert int32_zeros(dev, 1) is b and not is_static(torch.zeros(4, dtype=torch.int32))
+    # the outgrown one stays static and alive: a CUDA graph may read it without a reference
+    clear_cache()
+    assert is_static(a) and is_static(b) and int32_zeros(dev, 1) is b
+
+
+@pytest.mark.skipif(cc.GluonDescriptor is None, reason="this Triton has no Gluon")
 def test_a_captured_plan_keeps_no_tensor_of_the_captured_call_alive(cache, monkeypatch):
     """A plan lives as long as its signature's cache entry: what it keeps of the first call (its
     descriptors, the arguments after the leading pointers) must not hold that call's tensors, or

@@ -194,3 +194,41 @@ def test_gpu_chunked_prefill_call_explains_and_takes_the_one_length_forward(monk
     ref64 = ad.sdpa(q.double(), k.double(), v.double(), causal="bottom_right", enable_gqa=True, backend="math")
     ref_low = naive_attention(q, k, v, causal="bottom_right")
     assert_matches(out, ref64, ref_low, what="chunked prefill output")
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_prefill_plan_relaunches_with_the_constant_lengths(monkeypatch):
+    """Repeated plain sdpa() chunked-prefill calls: the plan captures the one-length launch (its lengths
+    are the package's constant zeros, static_buffers) and relaunches it for new tensors, each result
+    equal to the full path's."""
+    if not sm90() or gluon_route.gluon_reason() is not None:
+        pytest.skip("needs an sm90 GPU and the Triton the Gluon kernels are written for")
+    from attention_dispatch import dispatch
+    from attention_dispatch.kernels import ForwardPlan
+    from attention_dispatch.kernels import compiled_cache as cc
+    from attention_dispatch.kernels import launch_replay
+    from attention_dispatch.kernels.static_buffers import is_static
+
+    relaunched = []
+    monkeypatch.setattr(launch_replay, "relaunch", lambda *a: relaunched.append("relaunch") or cc.relaunch(*a))
+    direct_call = cc.DirectLaunch.__call__
+    monkeypatch.setattr(cc.DirectLaunch, "__call__", lambda *a: relaunched.append("direct") or direct_call(*a))
+    monkeypatch.setattr(gluon_route, "WS_MIN_WORK", 0)
+    ad.clear_cache()
+    q = torch.randn(2, 8, 256, 128, device="cuda", dtype=BF16)
+    k, v = (torch.randn(2, 2, 1000, 128, device="cuda", dtype=BF16) for _ in range(2))
+    kw = dict(causal="bottom_right", enable_gqa=True, backend="triton")
+    params = KernelParams(scale=128**-0.5, window_right=0, align_bottom_right=True)
+    with torch.no_grad():
+        ad.sdpa(q, k, v, **kw)  # the full path; stores the plan
+        ad.sdpa(q, k, v, **kw)  # the plan's first call captures
+        plans = [r for _, r in dispatch.fast_calls.values() if isinstance(r, ForwardPlan)]
+        assert plans and plans[-1].launch is not None
+        (step,) = plans[-1].launch.steps
+        assert any(isinstance(a, torch.Tensor) and is_static(a) for a in step[3]), step[3]
+        relaunched.clear()
+        for _ in range(3):
+            q, k, v = (torch.randn_like(t) for t in (q, k, v))
+            got = ad.sdpa(q, k, v, **kw)
+            assert torch.equal(got, triton_attention(q, k, v, None, params))
+    assert relaunched == ["direct"] * 3

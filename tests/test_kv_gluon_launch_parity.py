@@ -3,8 +3,8 @@ what each entry point launches, on a faked sm90 with kernels.run.launch_one watc
 kernels.decode.kv_forward, every sdpa_with_kvcache() call of the signature (the full path, the
 CacheRunner's capture, its hits) and plain sdpa() over the cache's keys launch one Gluon forward
 each, with the same grid, tiles, LPT order and scalars, and allocate only the output: the
-dispatcher adds no device work.  Plain sdpa() launches the same kernel on a lengths tensor it fills
-with Sk (one aten.full) where the KV-cache call reads cache_seqlens."""
+dispatcher adds no device work.  Plain sdpa() launches the same kernel with lengths 0 (the package's
+constant zeros, static_buffers) and n_new = Sk where the KV-cache call reads cache_seqlens and 0."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from attention_dispatch.kernels import KernelParams, decode, entry, run
 from attention_dispatch.kernels.compiled_cache import is_descriptor
 from attention_dispatch.kernels.gluon import launch as gluon_launch
 from attention_dispatch.kernels.gluon import route as gluon_route
+from attention_dispatch.kernels.static_buffers import int32_zeros, is_static
 from test_kv_hit_work import _AtenOps
 
 B, HQ, HKV, SQ, S, D = 2, 8, 2, 128, 384, 128
@@ -43,7 +44,7 @@ def _as_sm90(monkeypatch) -> list:
 
 def _launch(launch, lens=None):
     """A launch as comparable values: descriptors by everything but their base (the output is new
-    per call), the lengths tensor by identity (another int32 tensor by its values), the output's
+    per call), the lengths tensor by identity, the package's constant buffers and the output's
     other uses (stand-ins) by name."""
     kernel, grid, args, constexprs = launch
     out = args[3].base  # the output's descriptor (gluon/launch.forward)
@@ -52,10 +53,7 @@ def _launch(launch, lens=None):
         if is_descriptor(a):
             shown.append(("desc", a.base is out or a.base.data_ptr(), tuple(a.shape), tuple(a.block_shape)))
         elif isinstance(a, torch.Tensor):
-            if a is lens or a is out:
-                shown.append("lens" if a is lens else "out")
-            else:
-                shown.append(("int32", tuple(a.tolist())) if a.dtype == torch.int32 else a.data_ptr())
+            shown.append("lens" if a is lens else "out" if a is out else "static" if is_static(a) else a.data_ptr())
         else:
             shown.append(a)
     return kernel, grid, tuple(shown), constexprs
@@ -67,6 +65,7 @@ def test_kv_forward_a_kvcache_hit_and_plain_sdpa_launch_one_gluon_forward_alike(
     k, v = (torch.randn(B, HKV, S, D, dtype=torch.bfloat16) for _ in range(2))
     lens = torch.full((B,), S, dtype=torch.int32)
     params = KernelParams(scale=D**-0.5, window_right=0, align_bottom_right=True)
+    int32_zeros(q.device, B)  # plain sdpa()'s lengths, made once per device: here before the calls
 
     def calls(fn, n):
         seen = []
@@ -87,11 +86,11 @@ def test_kv_forward_a_kvcache_hit_and_plain_sdpa_launch_one_gluon_forward_alike(
     for i, (got, ops) in enumerate(kv):  # the full path, the CacheRunner's capture, a hit
         assert got == direct, f"sdpa_with_kvcache call {i} launched {got}, kv_forward {direct}"
         assert ops == direct_ops, f"sdpa_with_kvcache call {i} ran {ops}"
-    # plain sdpa() over the same keys: the same launch on a lengths tensor of its own, every entry Sk
+    # plain sdpa() over the same keys: the same launch with lengths 0 (the constant zeros) and n_new = S
     (kernel, grid, args, constexprs) = direct[0]
     at = args.index("lens")
-    own_lengths = (kernel, grid, args[:at] + (("int32", (S,) * B),) + args[at + 1 :], constexprs)
+    assert args[at + 1] == 0  # the KV-cache call's n_new
+    zeros_and_s = (kernel, grid, args[:at] + ("static", S) + args[at + 2 :], constexprs)
     for got, ops in dense:
-        assert got == [own_lengths], got
+        assert got == [zeros_and_s], got
         assert ops.count("aten.empty.memory_format") == 2, ops  # the output and an empty dropout seed
-        assert ops.count("aten.full.default") == 1, ops  # the lengths

@@ -33,12 +33,13 @@ from .gluon.route import (
 from .gluon.route_d512 import d512_forward_reason, serves_head_dims
 from .params import KernelParams
 from .shapes import KernelShapes, check_inputs, last_dim_contiguous, store_dtype
+from .static_buffers import int32_zeros
 from .tl import launch as tl_launch
 from .tl import launch_backward as tl_backward
 
 GLUON, TL, FUSED = "gluon", "tl", "fused"  # FUSED: dQ computed inside the Gluon dK/dV pass
-# The Gluon forward on a lengths tensor, as the KV-cache forward: a causal call with Sq < Sk, each
-# sequence's keys read up to gluon.route.one_length (0.415 ms against the tl forward's 0.513 on the
+# The Gluon forward as a KV-cache call (lengths 0 in a constant buffer, L new keys): a causal call
+# with Sq < Sk, each sequence's keys read up to gluon.route.one_length (0.415 ms against the tl forward's 0.513 on the
 # H100: q (4, 32, 512, 128) bf16 over 8704 keys, GQA 32/8, bottom-right; issues 34/35).  Its build
 # without the tensor (the length a scalar) ran 1-5% slower with the same loop code (E144)
 GLUON_LENGTHS = "gluon one-length"
@@ -276,8 +277,11 @@ def attention_forward(
         gluon_d512.forward(q, k, v, out, lse, params, prob, *route.rows)
         return out, lse, seed
     if route.kernel == GLUON_LENGTHS:  # no bias, sinks or ALiBi (score_features_reason)
-        lens = torch.full((prob.B,), one_length(params, prob), device=dev, dtype=torch.int32)
-        gluon_launch.forward(q, k, v, out, lse, params, prob, *route.rows, kv_lens=lens)
+        # every cached length 0 and L new keys: a constant buffer, which a plan's replay keeps
+        zeros = int32_zeros(dev, prob.B)
+        gluon_launch.forward(
+            q, k, v, out, lse, params, prob, *route.rows, kv_lens=zeros, n_new=one_length(params, prob)
+        )
         return out, lse, seed
     if route.kernel == GLUON:
         ws_bias = gluon_launch.WsBias.of(bt, bstr, prob) if kind else None

@@ -8,13 +8,15 @@ import torch
 
 from .compiled_cache import DirectLaunch, detached, is_descriptor, rebase, relaunch
 from .device import is_interpreter, run_with_scratch
+from .static_buffers import is_static
 
 
 class Replay:
     """Kernel launches captured during one call (``COMPILED.capture``), relaunched over the
     tensors of a later call of the same signature.  Every tensor argument and every host-built
     descriptor's base is found by identity in the call's ``pool`` (its inputs and outputs in a
-    fixed order); :meth:`capture` returns None when a launch cannot be repeated that way (a
+    fixed order), or is one of the package's constant buffers (static_buffers.is_static: kept as
+    it is); :meth:`capture` returns None when a launch cannot be repeated that way (another
     tensor outside the pool: a dropout seed, a workspace, a converted output; or a launch
     without a relaunch entry).  Outputs are the caller's to allocate: each replay gets fresh
     ones, which the captured kernels must write whole."""
@@ -46,6 +48,8 @@ class Replay:
             patches = []
             for pos, a in enumerate(args[len(sources) :], len(sources)):
                 desc = is_descriptor(a)
+                if not desc and isinstance(a, torch.Tensor) and is_static(a):
+                    continue  # a constant buffer of the package (static_buffers): relaunched as it is
                 if desc or isinstance(a, torch.Tensor):
                     idx = index(a.base if desc else a)
                     if idx is None:

@@ -50,7 +50,7 @@ LOG2E = gl.constexpr(1.4426950408889634)
 # dQ) or keys (dK/dV); the dK/dV pass streams WG_ROWS-row query tiles.  The launcher reads it.
 WG_ROWS = gl.constexpr(64)
 # The forward's KV_LENS modes (0: every key of a dense call): LENS_TENSOR, sequence b's keys the
-# first kv_lens[b] + n_new (a KV cache, or a dense causal call with Sq < Sk: kernels/entry.GLUON_LENGTHS).
+# first kv_lens[b] + n_new (a KV cache; a dense causal call with Sq < Sk: zeros and L, entry.GLUON_LENGTHS).
 # The launcher reads it.
 LENS_TENSOR = gl.constexpr(1)
 # The forward's SOFTCAP values: False, True, or SOFTCAP_BOUNDED: a cap c with c log2(e) <= BOUNDED_LOG2_CAP

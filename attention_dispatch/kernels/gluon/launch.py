@@ -168,7 +168,7 @@ def forward(
     """The warp-specialised forward.  ``kv_lens`` (int32 (B,)): a KV-cache call, k and v the dense
     cache (prob.Sk its capacity), sequence b's keys the first kv_lens[b] + n_new, causal aligned
     bottom-right (common._cache_tiles: the keys past them in the last tile masked, the cache's
-    rows there never used); a dense causal call with Sq < Sk passes every sequence's L
+    rows there never used); a dense causal call with Sq < Sk passes lengths 0 and n_new = L
     (kernels/entry.GLUON_LENGTHS).  ``params.softcap``, ``sinks`` ((Hq,) contiguous) and ``alibi`` (fp32 (B, Hq)) as the tl
     forward's (none of them with kv_lens)."""
     mode = LENS_TENSOR if kv_lens is not None else 0

@@ -50,7 +50,7 @@ WS_MIN_WINDOW = 1024
 
 def one_length(params: KernelParams, prob: KernelShapes) -> int | None:
     """The keys every sequence reads when the Gluon forward computes this call as a KV-cache call
-    (kernels/entry.GLUON_LENGTHS: a lengths tensor of this value, the bottom-right causal mask,
+    (kernels/entry.GLUON_LENGTHS: lengths 0 and this many new keys, the bottom-right causal mask,
     the keys past them in the last tile masked): Sk for causal aligned bottom-right with
     Sq < Sk, Sq for top-left (no row sees a key past Sq - 1); None for any other call."""
     causal = params.window_left < 0 and params.window_right == 0
