@@ -38,10 +38,11 @@ from .tl import launch as tl_launch
 from .tl import launch_backward as tl_backward
 
 GLUON, TL, FUSED = "gluon", "tl", "fused"  # FUSED: dQ computed inside the Gluon dK/dV pass
-# The Gluon forward as a KV-cache call (lengths 0 in a constant buffer, L new keys): a causal call
-# with Sq < Sk, each sequence's keys read up to gluon.route.one_length (0.415 ms against the tl forward's 0.513 on the
-# H100: q (4, 32, 512, 128) bf16 over 8704 keys, GQA 32/8, bottom-right; issues 34/35).  Its build
-# without the tensor (the length a scalar) ran 1-5% slower with the same loop code (E144)
+# The Gluon forward as a KV-cache call (lengths 0 in a constant buffer, L new keys): a causal
+# call with Sq < Sk, each sequence's keys read up to gluon.route.one_length (0.415 ms against the
+# tl forward's 0.513 on the H100: q (4, 32, 512, 128) bf16 over 8704 keys, GQA 32/8,
+# bottom-right; issues 34/35).  Its build with the length a scalar, no tensor, ran 1.7-4.9%
+# slower with the same loop code (E144)
 GLUON_LENGTHS = "gluon one-length"
 # The Gluon d512 forward (gluon/forward_d512.py; Dqk = Dv = 512, dense or causal): 452-458 TFLOP/s
 # dense at B=2 H=16 S=4096 in its probe on the H100, the tl forward 233 (issue 36)

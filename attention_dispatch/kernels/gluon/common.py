@@ -50,8 +50,8 @@ LOG2E = gl.constexpr(1.4426950408889634)
 # dQ) or keys (dK/dV); the dK/dV pass streams WG_ROWS-row query tiles.  The launcher reads it.
 WG_ROWS = gl.constexpr(64)
 # The forward's KV_LENS modes (0: every key of a dense call): LENS_TENSOR, sequence b's keys the
-# first kv_lens[b] + n_new (a KV cache; a dense causal call with Sq < Sk: zeros and L, entry.GLUON_LENGTHS).
-# The launcher reads it.
+# first kv_lens[b] + n_new (a KV cache; a dense causal call with Sq < Sk: zeros and L,
+# entry.GLUON_LENGTHS).  The launcher reads it.
 LENS_TENSOR = gl.constexpr(1)
 # The forward's SOFTCAP values: False, True, or SOFTCAP_BOUNDED: a cap c with c log2(e) <= BOUNDED_LOG2_CAP
 # (c <= 55.4; the launcher decides), whose scores lie in [-c, c]: the softmax takes the fixed reference
@@ -185,7 +185,8 @@ def _cache_tiles(
     KV_LENS: gl.constexpr,
 ):
     """:func:`_kv_tiles` of a KV-cache call (KV_LENS; no window, causal or not): sequence ``b``
-    attends to its first L = kv_lens[b] + n_new keys of the cache, its Sq queries at their end (query i's diagonal is key i + L - Sq).  The key tiles up to L's, the last one partial: its
+    attends to its first L = kv_lens[b] + n_new keys of the cache, its Sq queries at their end
+    (query i's diagonal is key i + L - Sq).  The key tiles up to L's, the last one partial: its
     keys from L on are masked (causal: every diagonal is below L; else the consumer masks them,
     forward.py) and their V rows zeroed in shared memory (forward_softmax._zero_v_rows): past L
     the cache holds anything, NaN included.  Returns (first, n_tiles, n_full, L - Sq), n_full:

@@ -169,8 +169,8 @@ def forward(
     cache (prob.Sk its capacity), sequence b's keys the first kv_lens[b] + n_new, causal aligned
     bottom-right (common._cache_tiles: the keys past them in the last tile masked, the cache's
     rows there never used); a dense causal call with Sq < Sk passes lengths 0 and n_new = L
-    (kernels/entry.GLUON_LENGTHS).  ``params.softcap``, ``sinks`` ((Hq,) contiguous) and ``alibi`` (fp32 (B, Hq)) as the tl
-    forward's (none of them with kv_lens)."""
+    (kernels/entry.GLUON_LENGTHS).  ``params.softcap``, ``sinks`` ((Hq,) contiguous) and
+    ``alibi`` (fp32 (B, Hq)) as the tl forward's (none of them with kv_lens)."""
     mode = LENS_TENSOR if kv_lens is not None else 0
     cfg = C.ws_forward_config(
         prob.Dqk,
