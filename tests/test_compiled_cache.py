@@ -190,28 +190,35 @@ def test_rebase_copies_every_field_and_still_checks_the_base():
         cc.rebase(src, torch.randn(64, 16).half())
 
 
+def _planned_gluon_forward(cache, monkeypatch, pointer):
+    """A ForwardPlan whose forward is one fake Gluon launch: descriptors over q and the output, then
+    ``pointer(q, out)``, the scale and 64.  Returns (the plan, each relaunch's arguments, the
+    queries of the calls that took the full path)."""
+    from attention_dispatch.kernels import ForwardPlan
+
+    monkeypatch.setattr(cc, "current_stream", lambda: 0)
+    monkeypatch.setattr(replay, "hooks_installed", lambda: False)  # replay.py's own names
+    kern, relaunched, full = _FakeGluonKernel(), [], []
+
+    def forward(q, k, v, bias, params, need_lse):
+        full.append(q)
+        out = torch.empty_like(q)
+        args = (_gluon_descriptor(q), _gluon_descriptor(out), pointer(q, out), params.scale, 64)
+        cache.launch(kern, (1,), args, dict(FLAG=True), 4, 3)
+        return out, None, None
+
+    monkeypatch.setattr(replay, "attention_forward", forward)
+    monkeypatch.setattr(launch_replay, "relaunch", lambda entry, grid, args: relaunched.append(args))
+    return ForwardPlan(torch.randn(64, 16), KernelParams(scale=0.5)), relaunched, full
+
+
 @pytest.mark.skipif(cc.GluonDescriptor is None, reason="this Triton has no Gluon")
 def test_forward_plan_rebuilds_gluon_descriptors_and_later_pointers(cache, monkeypatch):
     """A forward whose one launch is a Gluon kernel (descriptors over q and the output, the
     output again as a later pointer) is captured by the plan, and each later call relaunches it
     with descriptors rebuilt over the new query and output and the new output's pointer."""
-    from attention_dispatch.kernels import ForwardPlan
-
-    monkeypatch.setattr(cc, "current_stream", lambda: 0)
-    monkeypatch.setattr(replay, "hooks_installed", lambda: False)  # replay.py's own names
-    kern, relaunched = _FakeGluonKernel(), []
-
-    def forward(q, k, v, bias, params, need_lse):
-        out = torch.empty_like(q)
-        cache.launch(
-            kern, (1,), (_gluon_descriptor(q), _gluon_descriptor(out), out, params.scale, 64), dict(FLAG=True), 4, 3
-        )
-        return out, None, None
-
-    monkeypatch.setattr(replay, "attention_forward", forward)
-    monkeypatch.setattr(launch_replay, "relaunch", lambda entry, grid, args: relaunched.append(args))
+    plan, relaunched, _ = _planned_gluon_forward(cache, monkeypatch, lambda q, out: out)
     q = torch.randn(64, 16)
-    plan = ForwardPlan(q, KernelParams(scale=0.5))
     plan(q, q, q)
     assert plan.launch is not None and [(i, d is None) for _, i, d in plan.launch.patches] == [
         (0, False),
@@ -234,33 +241,20 @@ def test_forward_plan_keeps_the_packages_constant_buffers_and_refuses_other_tens
     lengths (kernels/entry.GLUON_LENGTHS): the plan captures that launch and relaunches it with the
     same buffer.  Any other tensor outside the call's own (here a lengths tensor made per call)
     keeps the full path every time."""
-    from attention_dispatch.kernels import ForwardPlan
     from attention_dispatch.kernels.static_buffers import int32_zeros, is_static
 
-    monkeypatch.setattr(cc, "current_stream", lambda: 0)
-    monkeypatch.setattr(replay, "hooks_installed", lambda: False)
-    kern, relaunched, full = _FakeGluonKernel(), [], []
+    def lens(q, out):
+        return int32_zeros(q.device, 4) if lengths == "static zeros" else torch.zeros(4, dtype=torch.int32)
 
-    def forward(q, k, v, bias, params, need_lse):
-        full.append(q)
-        out = torch.empty_like(q)
-        lens = int32_zeros(q.device, 4) if lengths == "static zeros" else torch.zeros(4, dtype=torch.int32)
-        cache.launch(
-            kern, (1,), (_gluon_descriptor(q), _gluon_descriptor(out), lens, 384, params.scale), dict(FLAG=True), 4, 3
-        )
-        return out, None, None
-
-    monkeypatch.setattr(replay, "attention_forward", forward)
-    monkeypatch.setattr(launch_replay, "relaunch", lambda entry, grid, args: relaunched.append(args))
+    plan, relaunched, full = _planned_gluon_forward(cache, monkeypatch, lens)
     q = torch.randn(64, 16)
-    plan = ForwardPlan(q, KernelParams(scale=0.5))
     plan(q, q, q)
     outs = [plan(q2, q2, q2) for q2 in (torch.randn(64, 16), torch.randn(64, 16))]
     if lengths == "static zeros":
         assert plan.launch is not None and len(full) == 1 and len(relaunched) == 2
         for args, out in zip(relaunched, outs):
             assert args[1].base is out
-            assert args[2] is int32_zeros(q.device, 4) and is_static(args[2]) and tuple(args[3:]) == (384, 0.5)
+            assert args[2] is int32_zeros(q.device, 4) and is_static(args[2]) and tuple(args[3:]) == (0.5, 64)
         assert int(int32_zeros(q.device, 4).abs().sum()) == 0
     else:
         assert plan.launch is None and len(full) == 3 and not relaunched
