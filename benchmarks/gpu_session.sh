@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|kernelab|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz|xformers [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|kernelab|kvprocs|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz|xformers [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -334,6 +334,15 @@ EOF
     fi
     timeout 540 python3 benchmarks/kernel_ab.py "${b_args[@]}" --cases "${KAB_CASES:-kv,fwd}" --rows "${KAB_ROWS:-}" \
       --rounds "${KAB_ROUNDS:-31}" --json "$out/kernelab.json" --commit "$sha ${PATCH:-A/A}" 2>&1 | grep -v -i warn | tail -40 ;;
+  kvprocs)   # issue 34's rows over several processes (a ratio moved up to ~3% between processes, E144): KVP_N (7)
+             # runs of kv_device_ab.py, KVP_ROUNDS (5) rounds each, rows KVP_ROWS, then each ratio against flash-attn 4
+             # as the median (min-max) over the runs (--across); ~25 s a run warm. Needs flash-attn 4
+    for i in $(seq 1 "${KVP_N:-7}"); do
+      timeout 120 python3 benchmarks/kv_device_ab.py --rows "${KVP_ROWS:-Sq=512 8k causal,Sq=128}" \
+        --rounds "${KVP_ROUNDS:-5}" --json "$out/kvprocs_$i.json" --commit "$sha" > "$out/kvprocs_$i.log" 2>&1 \
+        || echo "run $i: rc $? ($(grep -v -i warn "$out/kvprocs_$i.log" | tail -1 | cut -c1-200))"
+    done
+    python3 benchmarks/kv_device_ab.py --across "$out"/kvprocs_*.json ;;
   features)  # issue 36's cost table alone on this GPU: benchmarks/features.py plain, softcap, alibi, sinks, lse-grad and
              # flash-attn 4 plain / softcap / sinks, dense then causal (bf16 d128 B4 H16 S=4k, 3 interleaved rounds,
              # ~4-5 minutes); $OUT/features_summary.txt (the lines, then each variant's x of plain)
@@ -456,5 +465,5 @@ EOF
     # one file per GPU and mode: the same mode on several GPUs writes the same summary name
     for f in /tmp/par/gpu*/*/*summary*; do [ -f "$f" ] && cp "$f" "$out/$(echo "${f#/tmp/par/}" | tr / _)"; done
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|kernelab|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz|xformers [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|kernelab|kvprocs|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz|xformers [SHA]"; exit 2 ;;
 esac

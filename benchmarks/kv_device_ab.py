@@ -2,6 +2,12 @@
 forward of the tree it runs from, the dispatcher, plain sdpa() and flash-attn 4 (GPU).
 
     python benchmarks/kv_device_ab.py [--rows TEXT,...] [--rounds 11] [--reps 10] [--json out.json] [--commit SHA]
+    python benchmarks/kv_device_ab.py --across RUN.json [RUN.json ...]
+
+A ratio read in one process can sit a few percent from another process's on the same GPU (E144: the
+chunked-prefill row's sdpa_with_kvcache / flash-attn 4 ranged 0.963-0.990 over seven processes), so
+the issue's rows are read over several: ``--across`` prints each row's device and idle ratios against
+flash-attn 4 as the median (min-max) over the given runs' JSON files (gpu_session.sh kvprocs).
 
 Per round, in an order that rotates, each implementation's ``reps`` back-to-back calls are timed
 twice: "device", queued behind a spin kernel (torch.cuda._sleep) that outlasts the host's queueing of
@@ -30,6 +36,7 @@ timing), E111, E115.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -180,8 +187,35 @@ def run_row(row, rounds: int, reps: int) -> dict:
     )
 
 
+def across(runs: list[dict]) -> dict:
+    """{row: {"device" / "idle": {impl: (median, min, max)}}} of the ratios against flash-attn 4
+    over ``runs`` (each a --json file's content), rows and implementations in first-seen order."""
+    seen: dict = {}
+    for run in runs:
+        for r in run["results"]:
+            for mode in ("device", "idle"):
+                for n, x in r[f"{mode}_vs_fa4"].items():
+                    seen.setdefault(r["row"], {}).setdefault(mode, {}).setdefault(n, []).append(x)
+    return {
+        row: {
+            mode: {n: (statistics.median(xs), min(xs), max(xs)) for n, xs in impls.items()}
+            for mode, impls in by.items()
+        }
+        for row, by in seen.items()
+    }
+
+
+def print_across(paths: list[Path]) -> None:
+    runs = [json.loads(path.read_text()) for path in paths]
+    for row, by in across(runs).items():
+        for mode, impls in by.items():
+            cells = " ".join(f"{n} {m:.3f} ({lo:.3f}-{hi:.3f})" for n, (m, lo, hi) in impls.items())
+            print(f"{row:<32} vs fa4 {mode:<6} over {len(runs)} runs: {cells}", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--across", type=Path, nargs="+", default=None, help="summarise these runs' JSON files only")
     p.add_argument("--rows", default="", help="comma-separated substrings of the row labels")
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--reps", type=int, default=10)
@@ -190,6 +224,9 @@ def main(argv=None) -> int:
     p.add_argument("--extra", action="store_true", help="also the diagnostic rows (EXTRA_ROWS)")
     p.add_argument("--program-cost", action="store_true", help="also PROGRAM_COST_ROWS (tiles per program varied)")
     a = p.parse_args(argv)
+    if a.across:
+        print_across(a.across)
+        return 0
     results = []
     for row in ROWS + (EXTRA_ROWS if a.extra else []) + (PROGRAM_COST_ROWS if a.program_cost else []):
         if a.rows and not any(part in row[0] for part in a.rows.split(",")):

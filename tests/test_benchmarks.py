@@ -1620,3 +1620,37 @@ def test_kernel_ab_pairs_each_b_with_a_in_rotating_turns():
     assert r["b_speedup"]["B2"]["median"] == pytest.approx(0.8, rel=1e-2)
     assert r["max_abs_diff"] == {"B1": 1.0, "B2": 0.0}
     assert {firsts[i * 3] for i in range(6)} == {"A", "B1", "B2"}  # each tree leads some round
+
+
+def test_kv_device_ab_reads_each_ratio_across_processes(tmp_path, capsys):
+    # gpu_session.sh kvprocs: each row's ratios against flash-attn 4 as the median (min-max) over the runs' files
+    import json
+
+    kv_device_ab = _load("kv_device_ab")
+
+    def run(device, idle):
+        rows = [
+            dict(row="chunk", device_vs_fa4=device, idle_vs_fa4=idle),
+            dict(row="uneven", device_vs_fa4={}, idle_vs_fa4={}),
+        ]
+        return dict(meta={}, results=rows)
+
+    runs = [
+        run({"ours": 0.96, "ad-kv": 0.99}, {"ours": 1.02}),
+        run({"ours": 0.97, "ad-kv": 0.96}, {"ours": 1.04}),
+        run({"ours": 0.95, "ad-kv": 0.98}, {"ours": 1.00}),
+    ]
+    got = kv_device_ab.across(runs)
+    assert got == {
+        "chunk": {
+            "device": {"ours": (0.96, 0.95, 0.97), "ad-kv": (0.98, 0.96, 0.99)},
+            "idle": {"ours": (1.02, 1.00, 1.04)},
+        }
+    }
+    paths = []
+    for i, r in enumerate(runs):
+        paths.append(tmp_path / f"kvprocs_{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    assert kv_device_ab.main(["--across", *map(str, paths)]) == 0
+    out = capsys.readouterr().out
+    assert "chunk" in out and "over 3 runs: ours 0.960 (0.950-0.970) ad-kv 0.980 (0.960-0.990)" in out
