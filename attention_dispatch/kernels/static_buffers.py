@@ -19,8 +19,10 @@ def int32_zeros(device: torch.device, n: int) -> torch.Tensor:
     if kept and kept[-1].numel() >= n:
         return kept[-1]
     fresh = torch.zeros(max(_MIN_ZEROS, 1 << (n - 1).bit_length()), dtype=torch.int32, device=device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return fresh
+    if device.type == "cuda":
+        with torch.cuda.device(device):  # that device's current stream (a capture runs on it)
+            if torch.cuda.is_current_stream_capturing():
+                return fresh
     kept.append(fresh)
     return fresh
 
