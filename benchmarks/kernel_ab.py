@@ -72,6 +72,17 @@ def load_other(tree: Path, package: str = "attention_dispatch_b"):
     return tuple(importlib.import_module(f"{package}.kernels.{m}") for m in ("decode", "entry", "params"))
 
 
+def _dense_calls(sides, q, k, v, causal: bool, softcap: float = 0.0) -> dict:
+    """Each side's ``entry.attention_forward`` on q, k, v (bottom-right when causal), inference."""
+    calls = {}
+    for name, (_, entry, params) in sides.items():
+        p = params.KernelParams(
+            scale=q.shape[-1] ** -0.5, window_right=0 if causal else -1, align_bottom_right=True, softcap=softcap
+        )
+        calls[name] = lambda entry=entry, p=p: entry.attention_forward(q, k, v, None, p, need_lse=False)[0]
+    return calls
+
+
 def kv_calls(row, sides):
     causal = row[6]
     q, k, v, lens, flops = row_inputs(row)
@@ -84,25 +95,15 @@ def kv_calls(row, sides):
 
 def one_length_calls(row, sides):
     q, k, v, _, flops = row_inputs(row)
-    calls = {}
-    for name, (_, entry, params) in sides.items():
-        p = params.KernelParams(scale=q.shape[-1] ** -0.5, window_right=0, align_bottom_right=True)
-        calls[name] = lambda entry=entry, p=p: entry.attention_forward(q, k, v, None, p, need_lse=False)[0]
-    return row[0] + " dense", calls, flops
+    return row[0] + " dense", _dense_calls(sides, q, k, v, causal=True), flops
 
 
 def fwd_calls(row, sides):
     label, causal, softcap = row
     B, H, S, D = FWD_SHAPE
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    calls = {}
-    for name, (_, entry, params) in sides.items():
-        p = params.KernelParams(
-            scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True, softcap=softcap
-        )
-        calls[name] = lambda entry=entry, p=p: entry.attention_forward(q, k, v, None, p, need_lse=False)[0]
     # features.py's count: causal halves the square
-    return label, calls, 4 * B * H * S * S * D / (2 if causal else 1)
+    return label, _dense_calls(sides, q, k, v, causal, softcap), 4 * B * H * S * S * D / (2 if causal else 1)
 
 
 def run_row(label, calls, flops, rounds: int, reps: int, timer=per_call_ms) -> dict:

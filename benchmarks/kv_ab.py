@@ -8,8 +8,8 @@ mode sdpa_with_kvcache's triton route runs), the same with DIR's Gluon forward s
 gluon.launch.KERNELS ("base": benchmarks/forward_ab.load_base, e.g. main's kernels beside a patched
 scratch copy), ad.sdpa_with_kvcache ("ad-kv": the dispatcher's choice, its backend printed), this
 tree's kernels on the cache as a dense call ("slice": kernels.triton_attention, which for causal
-rows launches the cache forward on a lengths tensor of Sk) and flash-attn 4 on it ("fa4", where installed).  Prints median
-TFLOP/s, the medians of the per-round speed ratios ours / each (its time over ours: > 1, ours
+rows launches the cache forward with lengths 0 and Sk new keys) and flash-attn 4 on it ("fa4", where
+installed).  Prints median TFLOP/s, the medians of the per-round speed ratios ours / each (its time over ours: > 1, ours
 faster), and the largest |ours - base| and |ours - F.sdpa|.
 docs/experiments/perf-notes.md, E101.
 """

@@ -18,8 +18,8 @@ call (flash-attn 4's public call spends ~130 us there, ours 20-150 us: E107).  I
 - ``ours``: kernels.decode.kv_forward (LENS_TENSOR) as this tree builds it;
 - ``ad-kv``: ad.sdpa_with_kvcache (the dispatcher; a hit relaunches CacheRunner's captured launch);
 - ``sdpa``: ad.sdpa over the cache, the dispatcher's choice (the line after the row names it);
-- ``triton``: the same call with backend="triton" (causal rows: the cache forward on a lengths tensor of
-  Sk, entry.GLUON_LENGTHS; not causal: the dense Gluon forward, whose loop has no causal split: against
+- ``triton``: the same call with backend="triton" (causal rows: the cache forward with lengths 0 and Sk
+  new keys, entry.GLUON_LENGTHS; not causal: the dense Gluon forward, whose loop has no causal split: against
   ``ours``, the cache path's loop on one call);
 - ``fa4``: flash_attn.cute.flash_attn_func on (B, S, H, D) copies, where installed.
 

@@ -1,6 +1,7 @@
 """Causal calls with Sq < Sk (chunked prefill over a dense cache, bottom-right; top-left reads
-only the first Sq keys) on the Gluon forward as a KV-cache call: a lengths tensor holding every
-sequence's L (gluon.route.one_length), the last key tile masked past L.  The backward
+only the first Sq keys) on the Gluon forward as a KV-cache call: every cached length 0 (the
+package's constant zeros) and L new keys (gluon.route.one_length), the last key tile masked past L.
+The backward
 stays on the tl passes (the Gluon ones take banded calls with Sq == Sk only) and reads the
 forward's logsumexp.  CPU: the route and its reasons; GPU (marked gpu): the numbers against the
 math backend in float64."""
