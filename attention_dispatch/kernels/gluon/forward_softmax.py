@@ -105,8 +105,9 @@ def _zero_v_rows(v_buf, keep):
 def _defer_row_sum(head_d, softcap):
     """Whether the loop keeps each row's sum as per-thread partials (:func:`_row_sum_add`): from d128
     (d64's three warpgroups at 128 registers spilled 16-64 B more in its KV-cache forward), not with
-    a softcap (its MUFU-bound bounded forward measured 2.5% slower with them, E118)."""
-    return head_d >= 128 and not softcap
+    a running-max softcap (its MUFU-bound bounded forward on two consumers measured 2.5% slower with them,
+    E118; the bounded one on three consumers: E133)."""
+    return head_d >= 128 and (not softcap or softcap == SOFTCAP_BOUNDED)
 
 
 @gluon.jit
@@ -147,6 +148,40 @@ def _row_sum_total(l_i, row_layout: gl.constexpr, DEFER: gl.constexpr):
         return gl.convert_layout(gl.sum(l_i, 1), row_layout)
     else:
         return l_i
+
+
+@gluon.jit
+def _pack_p(p, dtype: gl.constexpr):
+    """P (BLOCK_M, BLOCK_N) float32 -> (BLOCK_M, BLOCK_N / 2) int32, each the two 16-bit ``dtype`` values of two
+    neighbouring columns (the even one in the low half, as the product's operand registers hold them)."""
+    M: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
+    even, odd = gl.split(gl.reshape(p, [M, N // 2, 2]))
+    if dtype == gl.bfloat16:
+        w = gl.inline_asm_elementwise(
+            "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd], dtype=gl.int32, is_pure=True, pack=1
+        )
+    else:
+        w = gl.inline_asm_elementwise(
+            "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd], dtype=gl.int32, is_pure=True, pack=1
+        )
+    return w
+
+
+@gluon.jit
+def _unpack_p(w, p_layout: gl.constexpr, dtype: gl.constexpr):
+    """:func:`_pack_p`'s words back to the product's ``dtype`` operand (BLOCK_M, BLOCK_N) in ``p_layout``."""
+    M: gl.constexpr = w.shape[0]
+    N2: gl.constexpr = w.shape[1]
+    if dtype == gl.bfloat16:
+        lo, hi = gl.inline_asm_elementwise(
+            "mov.b32 {$0, $1}, $2;", "=h,=h,r", [w], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1
+        )
+    else:
+        lo, hi = gl.inline_asm_elementwise(
+            "mov.b32 {$0, $1}, $2;", "=h,=h,r", [w], dtype=(gl.float16, gl.float16), is_pure=True, pack=1
+        )
+    return gl.convert_layout(gl.reshape(gl.join(lo, hi), [M, 2 * N2]), p_layout)
 
 
 @gluon.jit
@@ -199,7 +234,7 @@ def _step(
     mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
     v_buf = v_bufs.index(sp)
     if CARRY_F32:
-        p_op = gl.convert_layout(carried.to(dtype), p_layout)
+        p_op = _unpack_p(carried, p_layout, dtype)
     else:
         p_op = carried
     acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
@@ -244,7 +279,7 @@ def _step(
     if not BOUNDED:
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     if CARRY_F32:
-        carried = p
+        carried = _pack_p(p, dtype)
     else:
         carried = gl.convert_layout(p.to(dtype), p_layout)
     return acc, m_i, l_i, carried
@@ -371,6 +406,7 @@ def _consume(
     n_plain = 1
     carried = p
     if SPLIT:
+        carried = _pack_p(p, dtype)
         n_plain = gl.maximum(gl.minimum(n_full, n_tiles), 1)
         for j in range(1, n_plain):
             acc, m_i, l_i, carried = _step(
@@ -424,7 +460,7 @@ def _consume(
         )
     p_op = carried
     if SPLIT:
-        p_op = gl.convert_layout(carried.to(dtype), p_layout)
+        p_op = _unpack_p(carried, p_layout, dtype)
     sl = (n_tiles - 1) % STAGES
     mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
     v_buf = v_bufs.index(sl)
