@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a whole GPU check (the device tool allows 10 minutes a call):
 #   1) a call carrying .fa4a:   mkdir -p /root/fa4 && cp .fa4a/* /root/fa4/
-#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|kernelab|kvprocs|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz|xformers [SHA]
+#   2) within 30 s, a call carrying .fa4b and .gpudeps:   bash benchmarks/gpu_session.sh tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|kernelab|kvprocs|timing|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz|xformers [SHA]
 # (prepare those folders here with ../shared/gpu/fetch-deps.sh and ../shared/gpu/fetch-fa4.sh).
 # A call carries at most 64 MiB with the working tree: when .fa4a or .fa4b with .gpudeps no longer
 # fit, move .fa4a's wheels to a third ignored folder and copy them, unpacking .gpudeps, in a call
@@ -356,6 +356,10 @@ EOF
       grep -a "^bf16" "$out/features_$band.log" >> "$summary"
     done
     tail -n 40 "$summary" ;;
+  timing)    # issue 36's forward rows timed four ways (back to back, an event pair a call, flushed, do_bench) with the
+             # SM clock and power of each (benchmarks/timing_methods.py, TM_ROUNDS (12) rounds, ~1 minute warm; E147)
+    python3 benchmarks/timing_methods.py --rounds "${TM_ROUNDS:-12}" --json "$out/timing.json" --commit "$sha" \
+      2>&1 | grep -v -i warn | tail -n 8 ;;
   ncu)       # perf-notes E113 (issues 34, 36): Nsight Compute's ground truth, one call of each benchmarks/ncu_target.py
              # case (plain softcap plain-causal softcap-causal kv-chunk fa4-chunk; NCU_CASES="..." for others, e.g.
              # "plain-train softcap-train softcap-causal-train" for the backward's dK/dV pass): tensor,
@@ -466,5 +470,5 @@ EOF
     # one file per GPU and mode: the same mode on several GPUs writes the same summary name
     for f in /tmp/par/gpu*/*/*summary*; do [ -f "$f" ] && cp "$f" "$out/$(echo "${f#/tmp/par/}" | tr / _)"; done
     for log in "$out"/gpu*.log; do echo "##### $log"; grep -v -i warn "$log" | tail -25; done ;;
-  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|kernelab|kvprocs|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz|xformers [SHA]"; exit 2 ;;
+  *) echo "usage: $0 tests|kernel|kernel2|d64|bench|bench1|bench2|retune|retuneshards|prefillfloor|kernelab|kvprocs|timing|quick|hostbound|overhead|probe|e100|kvappend|e101|e102sweep|patchab|features|probe512|d512fwd|d512|ncu|decode|decodeab|rows|fa4host|parallel|fuzz|xformers [SHA]"; exit 2 ;;
 esac
