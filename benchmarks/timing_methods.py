@@ -1,24 +1,30 @@
-"""Issue 36's forward rows (plain and softcap 30, dense and causal) timed four ways in one process, with the
+"""Issue 36's forward rows and issue 34's chunked-prefill rows timed several ways in one process, with the
 GPU's SM clock and power while each way ran (GPU).
 
-    python benchmarks/timing_methods.py [--rounds 12] [--json out.json] [--commit SHA]
+    python benchmarks/timing_methods.py [--cases fwd,kv] [--ways b2b,each,flushed,do_bench,sustained]
+        [--rounds 12] [--sustain-ms 300] [--json out.json] [--commit SHA]
 
-The ways: ``b2b`` (100 calls back to back behind a spin, kv_device_ab.per_call_ms, kernel_ab's timer),
-``each`` (an event pair around each of 60 calls, the median), ``flushed`` (the same with a 256 MB memset
-before each call) and ``do_bench`` (triton.testing.do_bench, features.py's timer). A softcap forward's x of
-plain moved from x1.03 (do_bench) to x1.19 (b2b) on one H200 held at its 700 W limit (perf-notes E147): the
-ways differ in how long the GPU runs at that limit, so each prints its own clocks and power.
+Ways: ``b2b`` (100 calls back to back behind a spin, kv_device_ab.per_call_ms, kernel_ab's timer), ``each``
+(an event pair around each of 60 calls, the median), ``flushed`` (the same with a 256 MB memset before each
+call), ``do_bench`` (triton.testing.do_bench, features.py's timer) and ``sustained`` (back to back for
+``--sustain-ms`` a turn, nvidia-smi sampling every 20 ms: the median SM MHz and W inside the turns, and the work
+a clock, TFLOP/s per GHz, which a clock that drops under the power limit leaves unchanged).
+
+Cases: ``fwd``: features.py's forward (bf16 B4 H16 S=4k d128), plain and softcap 30, dense and causal, and
+flash-attn 4 plain and softcap where installed (x of plain; flash-attn 4's x of its plain); ``kv``:
+kv_device_ab's two full-cache chunked-prefill rows, ours (kv_forward) and flash-attn 4 (x of flash-attn 4's
+time: > 1, ours slower).
+
+A softcap forward's x of plain moved from x1.03 (do_bench) to x1.19 (b2b) on one H200 held at its 700 W limit
+(perf-notes E147): the ways differ in how long the GPU runs at that limit, so each prints its clocks and power.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,12 +34,16 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from attention_dispatch.kernels.decode import kv_forward  # noqa: E402
 from attention_dispatch.kernels.entry import attention_forward  # noqa: E402
 from attention_dispatch.kernels.params import KernelParams  # noqa: E402
-from benchmarks.kernel_ab import FWD_ROWS, FWD_SHAPE  # noqa: E402
-from benchmarks.kv_device_ab import per_call_ms  # noqa: E402
+from benchmarks.decode import fa4  # noqa: E402
+from benchmarks.gpu_clocks import ClockSampler, window_stats  # noqa: E402
+from benchmarks.kernel_ab import FWD_ROWS, FWD_SHAPE, SOFTCAP  # noqa: E402
+from benchmarks.kv_device_ab import ROWS as KV_ROWS  # noqa: E402
+from benchmarks.kv_device_ab import per_call_ms, row_inputs  # noqa: E402
 
-WAYS = ("b2b", "each", "flushed", "do_bench")
+WAYS = ("b2b", "each", "flushed", "do_bench", "sustained")
 
 
 def each_ms(fn, flush_buffer=None, reps: int = 60) -> float:
@@ -51,113 +61,110 @@ def each_ms(fn, flush_buffer=None, reps: int = 60) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-class SmiSampler:
-    """nvidia-smi's SM clock (MHz) and power (W) every 50 ms into a file, read back by time window."""
+def sustained_ms(fn, sustain_ms: float, windows: list) -> float:
+    """ms a call over back-to-back calls lasting about ``sustain_ms`` (one call times the count first);
+    appends the loop's (start, end) unix times to ``windows``."""
+    one = per_call_ms(fn, 3, 0.5)[0]
+    reps = max(10, int(sustain_ms / max(one, 1e-3)))
+    t0 = time.time()
+    ms = per_call_ms(fn, reps, 0.5)[0]
+    windows.append((t0, time.time()))
+    return ms
 
-    def __init__(self):
-        self.proc = None
-        if shutil.which("nvidia-smi") is None:
-            return
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
-        query = "--query-gpu=timestamp,clocks.sm,power.draw"
-        self.proc = subprocess.Popen(
-            [
-                "nvidia-smi",
-                query,
-                "--format=csv,noheader,nounits",
-                "-lms",
-                "50",
-                "-i",
-                str(torch.cuda.current_device()),
-            ],
-            stdout=self.log,
-            stderr=subprocess.DEVNULL,
+
+def fwd_entries(flash) -> list:
+    """(label, base label, call, FLOPs) of issue 36's forward rows."""
+    B, H, S, D = FWD_SHAPE
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    entries = []
+    for label, causal, softcap in FWD_ROWS:
+        p = KernelParams(scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True, softcap=softcap)
+        flops = 4 * B * H * S * S * D / (2 if causal else 1)
+        base = label.replace("softcap", "plain")
+        entries.append((label, base, lambda p=p: attention_forward(q, k, v, None, p, need_lse=False)[0], flops))
+        if flash is not None:
+            kwargs = {"causal": causal, **({"softcap": SOFTCAP} if softcap else {})}
+            call = lambda kwargs=kwargs: flash(qt, kt, vt, **kwargs)  # noqa: E731
+            entries.append((label.replace("fwd", "fa4"), base.replace("fwd", "fa4"), call, flops))
+    return entries
+
+
+def kv_entries(flash) -> list:
+    """(label, base label, call, FLOPs) of issue 34's full-cache chunked-prefill rows: ours and flash-attn 4."""
+    entries = []
+    for row in KV_ROWS:
+        label, causal, lengths = row[0], row[6], row[7]
+        if lengths is not None or not causal:
+            continue
+        q, k, v, lens, flops = row_inputs(row)
+        p = KernelParams(scale=q.shape[-1] ** -0.5, window_right=0, align_bottom_right=True)
+        base = f"{label} fa4" if flash is not None else f"{label} ours"
+        entries.append(
+            (f"{label} ours", base, lambda q=q, k=k, v=v, lens=lens, p=p: kv_forward(q, k, v, lens, p, None), flops)
         )
-
-    def samples(self):
-        """[(unix time, MHz, W)] so far."""
-        if self.proc is None:
-            return []
-        self.log.flush()
-        out = []
-        for line in Path(self.log.name).read_text().splitlines():
-            try:
-                stamp, mhz, watts = (x.strip() for x in line.split(","))
-                t = time.mktime(time.strptime(stamp.split(".")[0], "%Y/%m/%d %H:%M:%S")) + float(
-                    "0." + stamp.split(".")[1]
-                )
-                out.append((t, float(mhz), float(watts)))
-            except (ValueError, IndexError):
-                continue
-        return out
-
-    def stop(self):
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait()
+        if flash is not None:
+            qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+            entries.append((f"{label} fa4", base, lambda qt=qt, kt=kt, vt=vt: flash(qt, kt, vt, causal=True), flops))
+    return entries
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="fwd,kv")
+    ap.add_argument("--ways", default=",".join(WAYS))
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--sustain-ms", type=float, default=300.0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args(argv)
+    ways = [w for w in args.ways.split(",") if w]
+    cases = [c for c in args.cases.split(",") if c]
+    if set(ways) - set(WAYS) or set(cases) - {"fwd", "kv"}:
+        ap.error(f"--ways from {', '.join(WAYS)}; --cases from fwd, kv; got {args.ways!r}, {args.cases!r}")
     import triton.testing
 
-    B, H, S, D = FWD_SHAPE
-    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    flush_buffer = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
-    calls = {}
-    for label, causal, softcap in FWD_ROWS:
-        p = KernelParams(scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True, softcap=softcap)
-        calls[label] = lambda p=p: attention_forward(q, k, v, None, p, need_lse=False)[0]
-        calls[label]()
+    flash = fa4()
+    entries = (fwd_entries(flash) if "fwd" in cases else []) + (kv_entries(flash) if "kv" in cases else [])
+    for _, _, fn, _ in entries:
+        fn()
     torch.cuda.synchronize()
+    flush_buffer = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    windows = {(label, way): [] for label, *_ in entries for way in ways}
     timers = {
-        "b2b": lambda fn: per_call_ms(fn, 100, 0.5)[0],
-        "each": lambda fn: each_ms(fn),
-        "flushed": lambda fn: each_ms(fn, flush_buffer),
-        "do_bench": lambda fn: triton.testing.do_bench(fn, warmup=10, rep=60),
+        "b2b": lambda fn, win: per_call_ms(fn, 100, 0.5)[0],
+        "each": lambda fn, win: each_ms(fn),
+        "flushed": lambda fn, win: each_ms(fn, flush_buffer),
+        "do_bench": lambda fn, win: triton.testing.do_bench(fn, warmup=10, rep=60),
+        "sustained": lambda fn, win: sustained_ms(fn, args.sustain_ms, win),
     }
-    times = {(label, way): [] for label in calls for way in WAYS}
-    windows = {way: [] for way in WAYS}  # (start, end) unix times of each way's timings
-    smi = SmiSampler()
-    try:
-        for _ in range(args.rounds):
-            for way in WAYS:
-                for label, fn in calls.items():
-                    t0 = time.time()
-                    times[(label, way)].append(timers[way](fn))
-                    windows[way].append((t0, time.time()))
-        samples = smi.samples()
-    finally:
-        smi.stop()
+    times = {(label, way): [] for label, *_ in entries for way in ways}
+    with ClockSampler(torch.cuda.current_device()) as clocks:
+        for r in range(args.rounds):
+            order = entries[r % len(entries) :] + entries[: r % len(entries)]
+            for way in ways:
+                for label, _, fn, _ in order:
+                    times[(label, way)].append(timers[way](fn, windows[(label, way)]))
+    samples = clocks.samples()
     print(torch.cuda.get_device_name(), f"| torch {torch.__version__} | {args.rounds} rounds | {args.commit}")
-    result = {"commit": args.commit, "device": torch.cuda.get_device_name(), "rows": {}, "smi": {}}
-    for way in WAYS:
-        inside = [(mhz, w) for t, mhz, w in samples if any(a <= t <= b for a, b in windows[way])]
-        if inside:
-            mhz = statistics.median(m for m, _ in inside)
-            watts = statistics.median(w for _, w in inside)
-            result["smi"][way] = {"mhz": mhz, "watts": watts, "samples": len(inside)}
-    print(f"{'row':20s} " + " ".join(f"{way:>16s}" for way in WAYS) + "   (ms, x of plain)")
-    for label in calls:
-        plain = label.replace("softcap", "plain")
-        cells, row = [], {}
-        for way in WAYS:
-            ms = statistics.median(times[(label, way)])
-            of_plain = ms / statistics.median(times[(plain, way)])
-            row[way] = {"ms": ms, "x_of_plain": of_plain, "all_ms": times[(label, way)]}
-            cells.append(f"{ms:7.4f} x{of_plain:5.3f}")
-        result["rows"][label] = row
-        print(f"{label:20s} " + " ".join(f"{c:>16s}" for c in cells))
-    print(
-        f"{'SM MHz / W':20s} "
-        + " ".join(
-            f"{'%.0f / %.0f' % (s['mhz'], s['watts']) if (s := result['smi'].get(way)) else '-':>16s}" for way in WAYS
-        )
-    )
+    result = {"commit": args.commit, "device": torch.cuda.get_device_name(), "rows": {}}
+    print(f"{'row':34s} " + " ".join(f"{w:>15s}" for w in ways) + "   ms x of base; sustained: MHz W TFLOP/s/GHz")
+    med = statistics.median
+    for label, base, _, flops in entries:
+        row, cells = {}, []
+        for way in ways:
+            ms = med(times[(label, way)])
+            x = ms / med(times[(base, way)])
+            row[way] = {"ms": ms, "x_of_base": x, "all_ms": times[(label, way)]}
+            cells.append(f"{ms:6.3f} x{x:5.3f}")
+        if "sustained" in ways:
+            smi = window_stats(samples, windows[(label, "sustained")])
+            row["sustained"]["smi"] = smi
+            if smi:
+                per_ghz = flops / row["sustained"]["ms"] / 1e9 / (smi["mhz"] / 1e3)
+                cells.append(f"{smi['mhz']:5.0f} {smi['watts']:4.0f} {per_ghz:5.1f}")
+        result["rows"][label] = dict(row, base=base)
+        print(f"{label:34s} " + " ".join(f"{c:>15s}" for c in cells), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -1654,3 +1654,17 @@ def test_kv_device_ab_reads_each_ratio_across_processes(tmp_path, capsys):
     assert kv_device_ab.main(["--across", *map(str, paths)]) == 0
     out = capsys.readouterr().out
     assert "chunk" in out and "over 3 runs: ours 0.960 (0.950-0.970) ad-kv 0.980 (0.960-0.990)" in out
+
+
+def test_clock_sampler_reads_nvidia_smi_lines_and_windows():
+    from benchmarks.gpu_clocks import parse_line, window_stats
+
+    when, mhz, watts = parse_line("2026/11/29 05:10:11.250, 1785, 693.14, 690.02")
+    assert (mhz, watts) == (1785.0, 693.14)
+    assert when == pytest.approx(time.mktime(time.strptime("2026/11/29 05:10:11", "%Y/%m/%d %H:%M:%S")) + 0.25)
+    assert parse_line("2026/11/29 05:10:11.250, 1785, [N/A], 690.02")[2] == 690.02  # no instant power: the average
+    assert parse_line("timestamp, clocks.sm [MHz], power.draw [W]") is None
+    assert parse_line("") is None
+    samples = [(1.0, 1980.0, 100.0), (2.0, 1700.0, 690.0), (3.0, 1750.0, 695.0), (9.0, 1980.0, 80.0)]
+    assert window_stats(samples, [(1.5, 3.5)]) == {"mhz": 1725.0, "watts": 692.5, "samples": 2}
+    assert window_stats(samples, [(4.0, 5.0)]) == {}
