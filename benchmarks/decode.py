@@ -11,7 +11,8 @@ slice (PyTorch picks its kernel; GQA through enable_gqa), and flash-attn 4 where
 a copy of the same bytes (the bandwidth ceiling).  Rows with many queries (chunked prefill) also
 give TFLOP/s (4 x allowed (query, key) pairs x D).  Append rows also print the append apart:
 append_kv (one Triton launch) then the decode kernel without k_new, against its fused append.
-Median of CUDA-event timed loops after a warm-up.
+Median of CUDA-event timed loops after a warm-up, every call of a row in turns whose order changes each
+round (timed_in_turns).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import attention_dispatch as ad  # noqa: E402
 from attention_dispatch.kernels.kv_append import append_kv  # noqa: E402
 from attention_dispatch.kernels import KernelParams  # noqa: E402
 from attention_dispatch.kernels.decode import kv_forward, kv_route  # noqa: E402
+from benchmarks.turns import turn_order  # noqa: E402
 
 # (label, B, Hq, Hkv, Sq, S_cache, page (0: dense), lengths ("full" or "uniform"), causal)
 ROWS = [
@@ -52,20 +54,39 @@ ROWS = [
 NAMES = ("ours", "ad_kv", "ad_sdpa", "sdpa", "fa4", "copy")
 
 
+def loop_ms(fn, reps: int) -> float:
+    """ms per call of one CUDA-event timed loop of ``reps`` back-to-back calls, from an idle GPU."""
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def timed(fn, reps: int = 20, rounds: int = 7) -> float:
     """Median ms per call over ``rounds`` loops of ``reps`` calls."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-        start.record()
-        for _ in range(reps):
+    torch.cuda.synchronize()
+    return statistics.median(loop_ms(fn, reps) for _ in range(rounds))
+
+
+def timed_in_turns(fns: dict, row_id: str, reps: int = 20, rounds: int = 7) -> dict:
+    """{name: median ms per call} of ``fns`` (name -> call), each round timing every call's loop of
+    ``reps`` once, in a new order each round (turns.turn_order: a turn's speed follows the one before
+    it, E32), so no implementation always runs first, last or after the same one."""
+    names = list(fns)
+    for fn in fns.values():
+        for _ in range(3):
             fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    times = {n: [] for n in names}
+    for rnd in range(rounds):
+        for i in turn_order(len(names), row_id, rnd, seed=0):
+            times[names[i]].append(loop_ms(fns[names[i]], reps))
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def fa4():
@@ -122,42 +143,46 @@ def run_row(row) -> dict:
     table_kw = {"block_table": table} if page else {}
     new_kw = dict(zip(("k_new", "v_new"), new_kv))
     ad_kv = lambda: ad.sdpa_with_kvcache(*kv_args, causal=causal, **table_kw, **new_kw)  # noqa: E731
-    # in turns (ours, ad_kv, ad_kv, ours), the best of each: the clock drifts under long runs
-    res["ours_ms"], res["ad_kv_ms"] = timed(ours), timed(ad_kv)
-    res["ad_kv_ms"], res["ours_ms"] = min(res["ad_kv_ms"], timed(ad_kv)), min(res["ours_ms"], timed(ours))
+    fns = {"ours": ours, "ad_kv": ad_kv}
+    with torch.no_grad():
+        ad_kv()
     res["ad_kv_backend"] = ad.last_decision().backend
     if lengths == "append":
         # the append apart (append_kv: one Triton launch) against the decode kernel's fused one
         caches, tbl, longer = (kp, vp) if page else (k, v), table if page else None, cache_seqlens + n_new
         alone = lambda: append_kv(*caches, cache_seqlens, *new_kv, tbl)  # noqa: E731
-        res["append_alone_ms"] = timed(alone)
-        res["apart_ms"] = timed(lambda: (alone(), kv_forward(q, *caches, longer, params, tbl)))
-    if Sq > 1:
-        pairs = sum(Sq * (int(n) + n_new) - (Sq * (Sq - 1) // 2 if causal else 0) for n in lens)
-        res["ours_tflops"] = 4 * pairs * Hq * D / res["ours_ms"] / 1e9
+        fns["append_alone"] = alone
+        fns["apart"] = lambda: (alone(), kv_forward(q, *caches, longer, params, tbl))
     if lengths != "uniform":
         L = int(lens[0]) + n_new
         ks, vs = k[:, :, :L], v[:, :, :L]
         align = "bottom_right" if causal else None
-        res["ad_sdpa_ms"] = timed(lambda: ad.sdpa(q, ks, vs, causal=align, enable_gqa=Hq != Hkv))
+        fns["ad_sdpa"] = lambda: ad.sdpa(q, ks, vs, causal=align, enable_gqa=Hq != Hkv)
+        with torch.no_grad():
+            fns["ad_sdpa"]()
         res["ad_sdpa_backend"] = str(ad.last_decision()).splitlines()[0]
         ref = lambda: F.scaled_dot_product_attention(q, ks, vs, enable_gqa=Hq != Hkv)  # noqa: E731
         if causal:
             mask = torch.ones(Sq, L, device=dev, dtype=torch.bool).tril(L - Sq)
             ref = lambda: F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, enable_gqa=Hq != Hkv)  # noqa: E731
-        res["sdpa_ms"] = timed(ref)
-        out_ref = ref()
-        err = (ours().float() - out_ref.float()).abs().max().item()
-        res["max_err_vs_sdpa"] = err
+        fns["sdpa"] = ref
+        res["max_err_vs_sdpa"] = (ours().float() - ref().float()).abs().max().item()
         flash = fa4()
         if flash is not None and not page:
             qt, kt, vt = q.transpose(1, 2), ks.transpose(1, 2).contiguous(), vs.transpose(1, 2).contiguous()
-            res["fa4_ms"] = timed(lambda: flash(qt, kt, vt, causal=causal))
-            if Sq > 1:
-                res["fa4_tflops"] = res["ours_tflops"] * res["ours_ms"] / res["fa4_ms"]
+            fns["fa4"] = lambda: flash(qt, kt, vt, causal=causal)
     src = torch.empty(nbytes // 2, device=dev, dtype=dt)
     dst = torch.empty_like(src)
-    res["copy_ms"] = timed(lambda: dst.copy_(src)) / 2  # a copy reads and writes: half is the read time
+    fns["copy"] = lambda: dst.copy_(src)
+    # every call in turns, a new order each round: the clock follows the call before (E32, E147)
+    for name, ms in timed_in_turns(fns, label).items():
+        res[f"{name}_ms"] = ms
+    res["copy_ms"] /= 2  # a copy reads and writes: half is the read time
+    if Sq > 1:
+        pairs = sum(Sq * (int(n) + n_new) - (Sq * (Sq - 1) // 2 if causal else 0) for n in lens)
+        res["ours_tflops"] = 4 * pairs * Hq * D / res["ours_ms"] / 1e9
+        if "fa4_ms" in res:
+            res["fa4_tflops"] = res["ours_tflops"] * res["ours_ms"] / res["fa4_ms"]
     for name in NAMES:
         if f"{name}_ms" in res:
             res[f"{name}_tbs"] = nbytes / res[f"{name}_ms"] / 1e9
@@ -231,7 +256,7 @@ def report(table: str, commit: str) -> str:
             "pairs x D). `ours`: the triton backend's kernels (route in brackets); `ad.sdpa_with_kvcache`: the "
             "whole dispatcher on the same call; `ad.sdpa` and `F.sdpa`: the dense cache sliced to the common "
             "length (paged rows: the dense cache); `copy`: the bandwidth ceiling. Median of CUDA-event timed "
-            "loops of back-to-back calls.",
+            "loops of back-to-back calls, a row's calls in turns whose order changes each round.",
             "",
             table,
             "",

@@ -1668,3 +1668,21 @@ def test_clock_sampler_reads_nvidia_smi_lines_and_windows():
     samples = [(1.0, 1980.0, 100.0), (2.0, 1700.0, 690.0), (3.0, 1750.0, 695.0), (9.0, 1980.0, 80.0)]
     assert window_stats(samples, [(1.5, 3.5)]) == {"mhz": 1725.0, "watts": 692.5, "samples": 2}
     assert window_stats(samples, [(4.0, 5.0)]) == {}
+
+
+def test_decode_rows_time_every_call_in_turns_whose_order_changes(monkeypatch):
+    decode = _load("decode")
+    order = []
+
+    def loop_ms(fn, reps):  # one timed loop: each call's name says which, its ms fixed
+        order.append(fn())
+        return {"a": 1.0, "b": 2.0, "c": 3.0}[order[-1]]
+
+    monkeypatch.setattr(decode, "loop_ms", loop_ms)
+    monkeypatch.setattr(decode.torch.cuda, "synchronize", lambda: None)
+    fns = {n: (lambda n=n: n) for n in "abc"}
+    got = decode.timed_in_turns(fns, "gqa B=4 Sq=512 8k causal", reps=5, rounds=6)
+    assert got == {"a": 1.0, "b": 2.0, "c": 3.0}
+    rounds = [tuple(order[i : i + 3]) for i in range(0, len(order), 3)]
+    assert len(rounds) == 6 and all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert len({r[0] for r in rounds}) > 1  # not always the same call first
