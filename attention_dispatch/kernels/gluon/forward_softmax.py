@@ -205,12 +205,13 @@ def _step(
     ALIBI_SPLIT: gl.constexpr,
     EXP2_POLY: gl.constexpr,
     MASK: gl.constexpr,
-    CARRY_F32: gl.constexpr,
+    CARRY_PACKED: gl.constexpr,
     BOUNDED: gl.constexpr = False,
 ):
     """Key tile ``j`` >= 1 of :func:`_consume`'s loop: S_j = Q K_j^T beside P_{j-1} V_{j-1}, then
     S_j's softmax step; MASK: the tile may cross the band (:func:`_mask_tile`).  ``carried``: P_{j-1}
-    as the product's 16-bit operand, or (CARRY_F32) in float32, converted here; returned the same way.
+    as the product's 16-bit operand, or (CARRY_PACKED) as :func:`_pack_p`'s words, unpacked here; returned the
+    same way.
     BOUNDED: ``m_i`` is the fixed reference (:func:`_consume`): no new max, no rescale of O and l."""
     q_buf, k_bufs, v_bufs, bars, bias, scale, rows, row0, first, n_full, rows_f, key0 = step_args
     softcap_in, to_nat, alibi_coef, cr, ckj = score_args
@@ -233,7 +234,7 @@ def _step(
     sc_tok = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
     v_buf = v_bufs.index(sp)
-    if CARRY_F32:
+    if CARRY_PACKED:
         p_op = _unpack_p(carried, p_layout, dtype)
     else:
         p_op = carried
@@ -278,7 +279,7 @@ def _step(
     mbarrier.arrive(v_empty.index(sp), count=1)
     if not BOUNDED:
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    if CARRY_F32:
+    if CARRY_PACKED:
         carried = _pack_p(p, dtype)
     else:
         carried = gl.convert_layout(p.to(dtype), p_layout)
@@ -393,16 +394,17 @@ def _consume(
     score_args = (softcap_in, to_nat, alibi_coef, cr, ckj)
     # a plain causal d128 call: the steps below the diagonal in a loop without the mask's code
     # (FA3's split; in one loop the mask's selects ran every step: 617 instructions a step against
-    # 453), P carried between the loops in float32 (as 16-bit values each step paid 32 PRMT);
-    # elsewhere that carry spills (d64's three warpgroups, the other score transforms: E95); the bounded
-    # softcap's 64-key slots (configs.WS_FWD_SOFTCAP_CONFIGS) carry half of it: causal forward 3.5% faster (E132)
+    # 453), P carried between steps as 16-bit pairs packed in the product's register order (_pack_p; as
+    # 16-bit values each step paid 32 PRMT, in float32 twice the registers: E95, E146); elsewhere the split
+    # spills (d64's three warpgroups, the other score transforms); the bounded softcap's 64-key slots
+    # (configs.WS_FWD_SOFTCAP_CONFIGS) take it too: causal forward 3.5% faster (E132)
     SPLIT: gl.constexpr = (
         _causal(WINDOW_LEFT, WINDOW_RIGHT)
         and HEAD_D == 128
         and not (HAS_BIAS or HAS_ALIBI)
         and (BOUNDED or not SOFTCAP)
     )
-    # P_{j-1} between steps: in float32 after the split's first loop (its carry), else as the product's operand
+    # P_{j-1} between steps: packed (_pack_p) in the split's loops, else as the product's operand
     n_plain = 1
     carried = p
     if SPLIT:
