@@ -61,7 +61,7 @@ class ClockSampler:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
         probe = subprocess.run([exe, f"--query-gpu={fields}", "--format=csv,noheader,nounits"], capture_output=True)
         if probe.returncode != 0:  # a driver without power.draw.instant
-            fields = "timestamp,clocks.sm,power.draw"
+            fields = fields.replace(",power.draw.instant", "")
         self.proc = subprocess.Popen(
             [exe, f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", str(self.period_ms)]
             + ["-i", str(self.index)],

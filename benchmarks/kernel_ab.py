@@ -72,7 +72,7 @@ def load_other(tree: Path, package: str = "attention_dispatch_b"):
     return tuple(importlib.import_module(f"{package}.kernels.{m}") for m in ("decode", "entry", "params"))
 
 
-def _dense_calls(sides, q, k, v, causal: bool, softcap: float = 0.0) -> dict:
+def dense_calls(sides, q, k, v, causal: bool, softcap: float = 0.0) -> dict:
     """Each side's ``entry.attention_forward`` on q, k, v (bottom-right when causal), inference."""
     calls = {}
     for name, (_, entry, params) in sides.items():
@@ -95,7 +95,7 @@ def kv_calls(row, sides):
 
 def one_length_calls(row, sides):
     q, k, v, _, flops = row_inputs(row)
-    return row[0] + " dense", _dense_calls(sides, q, k, v, causal=True), flops
+    return row[0] + " dense", dense_calls(sides, q, k, v, causal=True), flops
 
 
 def fwd_calls(row, sides):
@@ -103,7 +103,7 @@ def fwd_calls(row, sides):
     B, H, S, D = FWD_SHAPE
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     # features.py's count: causal halves the square
-    return label, _dense_calls(sides, q, k, v, causal, softcap), 4 * B * H * S * S * D / (2 if causal else 1)
+    return label, dense_calls(sides, q, k, v, causal, softcap), 4 * B * H * S * S * D / (2 if causal else 1)
 
 
 def run_row(label, calls, flops, rounds: int, reps: int, timer=per_call_ms) -> dict:

@@ -34,12 +34,13 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from attention_dispatch.kernels import decode, entry, params  # noqa: E402
 from attention_dispatch.kernels.decode import kv_forward  # noqa: E402
-from attention_dispatch.kernels.entry import attention_forward  # noqa: E402
 from attention_dispatch.kernels.params import KernelParams  # noqa: E402
 from benchmarks.decode import fa4  # noqa: E402
 from benchmarks.gpu_clocks import ClockSampler, window_stats  # noqa: E402
-from benchmarks.kernel_ab import FWD_ROWS, FWD_SHAPE, SOFTCAP  # noqa: E402
+from benchmarks.kernel_ab import FWD_ROWS, FWD_SHAPE, SOFTCAP, dense_calls  # noqa: E402
+from benchmarks.turns import turn_order  # noqa: E402
 from benchmarks.kv_device_ab import ROWS as KV_ROWS  # noqa: E402
 from benchmarks.kv_device_ab import per_call_ms, row_inputs  # noqa: E402
 
@@ -79,10 +80,10 @@ def fwd_entries(flash) -> list:
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     entries = []
     for label, causal, softcap in FWD_ROWS:
-        p = KernelParams(scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True, softcap=softcap)
         flops = 4 * B * H * S * S * D / (2 if causal else 1)
         base = label.replace("softcap", "plain")
-        entries.append((label, base, lambda p=p: attention_forward(q, k, v, None, p, need_lse=False)[0], flops))
+        (ours,) = dense_calls({"ours": (decode, entry, params)}, q, k, v, causal, softcap).values()
+        entries.append((label, base, ours, flops))
         if flash is not None:
             kwargs = {"causal": causal, **({"softcap": SOFTCAP} if softcap else {})}
             call = lambda kwargs=kwargs: flash(qt, kt, vt, **kwargs)  # noqa: E731
@@ -141,9 +142,9 @@ def main(argv=None) -> int:
     times = {(label, way): [] for label, *_ in entries for way in ways}
     with ClockSampler(torch.cuda.current_device()) as clocks:
         for r in range(args.rounds):
-            order = entries[r % len(entries) :] + entries[: r % len(entries)]
-            for way in ways:
-                for label, _, fn, _ in order:
+            for way in ways:  # a new order each round (turns.turn_order: the clock follows the call before)
+                for i in turn_order(len(entries), way, r, seed=0):
+                    label, _, fn, _ = entries[i]
                     times[(label, way)].append(timers[way](fn, windows[(label, way)]))
     samples = clocks.samples()
     print(torch.cuda.get_device_name(), f"| torch {torch.__version__} | {args.rounds} rounds | {args.commit}")

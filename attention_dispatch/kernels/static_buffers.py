@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-_ZEROS: dict[torch.device, list[torch.Tensor]] = {}  # per device, the one handed out last
+_ZEROS: dict[torch.device, list[torch.Tensor]] = {}  # per device, every one handed out (the last is current)
 _MIN_ZEROS = 64
 
 
@@ -15,7 +15,7 @@ def int32_zeros(device: torch.device, n: int) -> torch.Tensor:
     """Zeros, int32, at least ``n`` of them on ``device``: the same tensor call after call (a
     larger one once ``n`` outgrows it).  Under CUDA-graph capture a missing or short buffer is
     made for that call alone: memory allocated while capturing belongs to the graph's pool."""
-    kept = _ZEROS.setdefault(device, [])
+    kept = _ZEROS.get(device)
     if kept and kept[-1].numel() >= n:
         return kept[-1]
     fresh = torch.zeros(max(_MIN_ZEROS, 1 << (n - 1).bit_length()), dtype=torch.int32, device=device)
@@ -23,7 +23,7 @@ def int32_zeros(device: torch.device, n: int) -> torch.Tensor:
         with torch.cuda.device(device):  # that device's current stream (a capture runs on it)
             if torch.cuda.is_current_stream_capturing():
                 return fresh
-    kept.append(fresh)
+    _ZEROS.setdefault(device, []).append(fresh)
     return fresh
 
 

@@ -150,6 +150,12 @@ def _row_sum_total(l_i, row_layout: gl.constexpr, DEFER: gl.constexpr):
         return l_i
 
 
+@gluon.constexpr_function
+def _pack_asm(dtype):
+    """PTX converting two float32 registers ($2 the low half, $1 the high) to one of 16-bit ``dtype`` pairs."""
+    return f"cvt.rn.{'bf16x2' if dtype == gl.bfloat16 else 'f16x2'}.f32 $0, $2, $1;"
+
+
 @gluon.jit
 def _pack_p(p, dtype: gl.constexpr):
     """P (BLOCK_M, BLOCK_N) float32 -> (BLOCK_M, BLOCK_N / 2) int32, each the two 16-bit ``dtype`` values of two
@@ -157,15 +163,7 @@ def _pack_p(p, dtype: gl.constexpr):
     M: gl.constexpr = p.shape[0]
     N: gl.constexpr = p.shape[1]
     even, odd = gl.split(gl.reshape(p, [M, N // 2, 2]))
-    if dtype == gl.bfloat16:
-        w = gl.inline_asm_elementwise(
-            "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd], dtype=gl.int32, is_pure=True, pack=1
-        )
-    else:
-        w = gl.inline_asm_elementwise(
-            "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd], dtype=gl.int32, is_pure=True, pack=1
-        )
-    return w
+    return gl.inline_asm_elementwise(_pack_asm(dtype), "=r,r,r", [even, odd], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -173,14 +171,10 @@ def _unpack_p(w, p_layout: gl.constexpr, dtype: gl.constexpr):
     """:func:`_pack_p`'s words back to the product's ``dtype`` operand (BLOCK_M, BLOCK_N) in ``p_layout``."""
     M: gl.constexpr = w.shape[0]
     N2: gl.constexpr = w.shape[1]
-    if dtype == gl.bfloat16:
-        lo, hi = gl.inline_asm_elementwise(
-            "mov.b32 {$0, $1}, $2;", "=h,=h,r", [w], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1
-        )
-    else:
-        lo, hi = gl.inline_asm_elementwise(
-            "mov.b32 {$0, $1}, $2;", "=h,=h,r", [w], dtype=(gl.float16, gl.float16), is_pure=True, pack=1
-        )
+    # the result dtypes unwrapped (.value): a tuple of constexprs does not lower
+    lo, hi = gl.inline_asm_elementwise(
+        "mov.b32 {$0, $1}, $2;", "=h,=h,r", [w], dtype=(dtype.value, dtype.value), is_pure=True, pack=1
+    )
     return gl.convert_layout(gl.reshape(gl.join(lo, hi), [M, 2 * N2]), p_layout)
 
 
