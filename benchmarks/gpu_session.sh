@@ -357,10 +357,10 @@ EOF
     done
     tail -n 40 "$summary" ;;
   timing)    # issue 36's forward rows and issue 34's chunked-prefill rows (ours and flash-attn 4 where prepared) timed
-             # five ways (back to back, an event pair a call, flushed, do_bench, sustained with each turn's SM clock and
-             # power) in one process (benchmarks/timing_methods.py; TM_CASES (fwd,kv), TM_WAYS, TM_ROUNDS (6): ~2-3
-             # minutes warm; E147)
-    python3 benchmarks/timing_methods.py --cases "${TM_CASES:-fwd,kv}" --ways "${TM_WAYS:-b2b,each,flushed,do_bench,sustained}" \
+             # six ways (back to back, an event pair a call, flushed, do_bench, sustained with each turn's SM clock and
+             # power, the kernels' own CUPTI durations over short bursts) in one process (benchmarks/timing_methods.py;
+             # TM_CASES (fwd,kv), TM_WAYS, TM_ROUNDS (6): ~2-3 minutes warm; E147, E148)
+    python3 benchmarks/timing_methods.py --cases "${TM_CASES:-fwd,kv}" --ways "${TM_WAYS:-b2b,each,flushed,do_bench,sustained,kernel}" \
       --rounds "${TM_ROUNDS:-6}" --json "$out/timing.json" --commit "$sha" 2>&1 | grep -v -i warn | tail -n 16 ;;
   ncu)       # perf-notes E113 (issues 34, 36): Nsight Compute's ground truth, one call of each benchmarks/ncu_target.py
              # case (plain softcap plain-causal softcap-causal kv-chunk fa4-chunk; NCU_CASES="..." for others, e.g.

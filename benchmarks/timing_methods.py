@@ -1,14 +1,17 @@
 """Issue 36's forward rows and issue 34's chunked-prefill rows timed several ways in one process, with the
 GPU's SM clock and power while each way ran (GPU).
 
-    python benchmarks/timing_methods.py [--cases fwd,kv] [--ways b2b,each,flushed,do_bench,sustained]
+    python benchmarks/timing_methods.py [--cases fwd,kv] [--ways b2b,each,flushed,do_bench,sustained,kernel]
         [--rounds 12] [--sustain-ms 300] [--json out.json] [--commit SHA]
 
 Ways: ``b2b`` (100 calls back to back behind a spin, kv_device_ab.per_call_ms, kernel_ab's timer), ``each``
 (an event pair around each of 60 calls, the median), ``flushed`` (the same with a 256 MB memset before each
 call), ``do_bench`` (triton.testing.do_bench, features.py's timer) and ``sustained`` (back to back for
 ``--sustain-ms`` a turn, nvidia-smi sampling every 20 ms: the median SM MHz and W inside the turns, and the work
-a clock, TFLOP/s per GHz, which a clock that drops under the power limit leaves unchanged).
+a clock, TFLOP/s per GHz, which a clock that drops under the power limit leaves unchanged) and ``kernel`` (the
+kernels' own durations, CUPTI through torch.profiler, over a burst of 15 calls from an idle GPU: no launch gaps, no
+host time, and the GPU idle between bursts, so the clock stays near boost; E148 read it within +-0.5% a turn where
+b2b's turns spread 18%).
 
 Cases: ``fwd``: features.py's forward (bf16 B4 H16 S=4k d128), plain and softcap 30, dense and causal, and
 flash-attn 4 plain and softcap where installed (x of plain; flash-attn 4's x of its plain); ``kv``:
@@ -44,7 +47,7 @@ from benchmarks.turns import turn_order  # noqa: E402
 from benchmarks.kv_device_ab import ROWS as KV_ROWS  # noqa: E402
 from benchmarks.kv_device_ab import per_call_ms, row_inputs  # noqa: E402
 
-WAYS = ("b2b", "each", "flushed", "do_bench", "sustained")
+WAYS = ("b2b", "each", "flushed", "do_bench", "sustained", "kernel")
 
 
 def each_ms(fn, flush_buffer=None, reps: int = 60) -> float:
@@ -60,6 +63,20 @@ def each_ms(fn, flush_buffer=None, reps: int = 60) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def kernel_ms(fn, reps: int = 15) -> float:
+    """ms of GPU time a call: the summed durations of the kernels (and copies) ``reps`` calls ran, as CUPTI
+    records them (torch.profiler), the burst started from an idle GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    gpu = torch.autograd.DeviceType.CUDA
+    return sum(e.device_time_total for e in prof.events() if e.device_type == gpu) / 1e3 / reps
 
 
 def sustained_ms(fn, sustain_ms: float, windows: list) -> float:
@@ -138,6 +155,7 @@ def main(argv=None) -> int:
         "flushed": lambda fn, win: each_ms(fn, flush_buffer),
         "do_bench": lambda fn, win: triton.testing.do_bench(fn, warmup=10, rep=60),
         "sustained": lambda fn, win: sustained_ms(fn, args.sustain_ms, win),
+        "kernel": lambda fn, win: kernel_ms(fn),
     }
     times = {(label, way): [] for label, *_ in entries for way in ways}
     with ClockSampler(torch.cuda.current_device()) as clocks:

@@ -1686,3 +1686,35 @@ def test_decode_rows_time_every_call_in_turns_whose_order_changes(monkeypatch):
     rounds = [tuple(order[i : i + 3]) for i in range(0, len(order), 3)]
     assert len(rounds) == 6 and all(sorted(r) == ["a", "b", "c"] for r in rounds)
     assert len({r[0] for r in rounds}) > 1  # not always the same call first
+
+
+def test_timing_methods_kernel_way_sums_the_gpu_events_a_call(monkeypatch):
+    import torch
+    from torch import profiler
+
+    timing_methods = _load("timing_methods")
+    gpu, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    calls = []
+
+    class Event:
+        def __init__(self, device_type, us):
+            self.device_type, self.device_time_total = device_type, us
+
+    class Profile:  # CUPTI's records of a burst: two kernels a call, and host events that must not count
+        def __init__(self, activities):
+            assert activities == [profiler.ProfilerActivity.CUDA]
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return [Event(gpu, 300.0), Event(gpu, 100.0), Event(cpu, 5000.0)] * len(calls)
+
+    monkeypatch.setattr(profiler, "profile", Profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert timing_methods.kernel_ms(lambda: calls.append(1), reps=4) == pytest.approx(0.4)
+    assert len(calls) == 4
+    assert "kernel" in timing_methods.WAYS
