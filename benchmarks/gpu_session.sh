@@ -317,7 +317,7 @@ EOF
              # [p2.patch ...]" bash gpu_session.sh kernelab SHA (each patch a tree B1, B2, ...); without PATCH an A/A
              # run (the same tree twice: the tool's own spread). KAB_CASES: kv (issue 34's chunked-prefill rows),
              # program-cost, one-length (those rows as plain sdpa() calls), fwd (issue 36's plain and softcap
-             # forwards); KAB_ROWS: substrings of the row labels.
+             # forwards); KAB_ROWS: substrings of the row labels; KAB_TIMER: kernel (CUPTI durations, E148) or b2b.
              # No tests: a patch to adopt still needs patchab's (AB_PARTS=tests)
     b_args=()
     i=0
@@ -334,7 +334,7 @@ EOF
       b_args=(--b "$dir")
     fi
     timeout 540 python3 benchmarks/kernel_ab.py "${b_args[@]}" --cases "${KAB_CASES:-kv,fwd}" --rows "${KAB_ROWS:-}" \
-      --rounds "${KAB_ROUNDS:-31}" --json "$out/kernelab.json" --commit "$sha ${PATCH:-A/A}" 2>&1 | grep -v -i warn | tail -40 ;;
+      --rounds "${KAB_ROUNDS:-31}" --timer "${KAB_TIMER:-kernel}" --json "$out/kernelab.json" --commit "$sha ${PATCH:-A/A}" 2>&1 | grep -v -i warn | tail -40 ;;
   kvprocs)   # issue 34's rows over several processes (a ratio moved up to ~3% between processes, E144): KVP_N (7)
              # runs of kv_device_ab.py, KVP_ROUNDS (5) rounds each, rows KVP_ROWS, then each ratio against flash-attn 4
              # as the median (min-max) over the runs (--across); ~25 s a run warm. Needs flash-attn 4

@@ -2,7 +2,7 @@
 alternating pairs so that the GPU's drift cancels in each pair's ratio (GPU).
 
     python benchmarks/kernel_ab.py --b DIR [--b DIR2 ...] [--cases kv,fwd] [--rows TEXT,...] [--rounds 31]
-        [--reps 10] [--json out.json] [--commit SHA]
+        [--reps 10] [--timer b2b|kernel] [--json out.json] [--commit SHA]
 
 Each ``DIR`` holds another tree (e.g. gpu_session.sh's scratch copy with a patch applied); its
 ``attention_dispatch`` is copied into a temporary folder as the package ``attention_dispatch_b<i>``
@@ -21,8 +21,10 @@ custom op, which a second copy could not register.  Cases:
 
 Per round A and each B run in turns (the order rotates), each ``reps`` calls on the device alone
 (queued behind a spin, kv_device_ab.per_call_ms); the round's ratio is A's time over B's (> 1: B is
-faster).  Prints per row and B both TFLOP/s, the median ratio with its quartiles, and max |A - B| of
-the outputs.  Separate processes in turns (gpu_session.sh patchab) drift by +-3% between turns on the
+faster).  ``--timer kernel`` reads the kernels' CUPTI durations of the ``reps`` calls instead
+(kv_device_ab.kernel_ms; E148: turns within +-0.3-1% where back-to-back ones spread up to 18% on an H200
+at its power limit).  Prints per row and B both TFLOP/s, the median ratio with its quartiles, and max
+|A - B| of the outputs.  Separate processes in turns (gpu_session.sh patchab) drift by +-3% between turns on the
 H200 (perf-notes E142), more than the 1-2% a kernel change is after; pairs inside one process do not
 share that drift.
 """
@@ -48,7 +50,7 @@ from attention_dispatch.kernels import entry as entry_a  # noqa: E402
 from attention_dispatch.kernels import params as params_a  # noqa: E402
 from benchmarks.forward_ab import finish_run  # noqa: E402
 from benchmarks.kv_device_ab import EXTRA_ROWS, PROGRAM_COST_ROWS, ROWS as KV_ROWS  # noqa: E402
-from benchmarks.kv_device_ab import per_call_ms, row_inputs  # noqa: E402
+from benchmarks.kv_device_ab import kernel_ms, per_call_ms, row_inputs  # noqa: E402
 
 SOFTCAP = 30.0
 # (label, causal, softcap): features.py's geometry
@@ -106,6 +108,10 @@ def fwd_calls(row, sides):
     return label, dense_calls(sides, q, k, v, causal, softcap), 4 * B * H * S * S * D / (2 if causal else 1)
 
 
+# timer(call, reps, spin_ms) -> (ms a call, host ms a call); the kernel way needs no spin and reads no host time
+TIMERS = {"b2b": per_call_ms, "kernel": lambda fn, reps, spin_ms: (kernel_ms(fn, reps), 0.0)}
+
+
 def run_row(label, calls, flops, rounds: int, reps: int, timer=per_call_ms) -> dict:
     """Each B against A (``calls``: name -> call, "A" first) over ``rounds`` rotating turns;
     ``timer(call, reps, spin_ms)`` -> (ms a call, host ms a call)."""
@@ -147,6 +153,12 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="", help="comma-separated substrings of the row labels")
     p.add_argument("--rounds", type=int, default=31)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument(
+        "--timer",
+        choices=("b2b", "kernel"),
+        default="b2b",
+        help="b2b: reps calls behind a spin (per_call_ms); kernel: their CUPTI kernel durations (kernel_ms)",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--commit", default="unknown")
     a = p.parse_args(argv)
@@ -169,7 +181,7 @@ def main(argv=None) -> int:
     for build, row in rows:
         if a.rows and not any(part in row[0] for part in a.rows.split(",")):
             continue
-        r = run_row(*build(row, sides), a.rounds, a.reps)
+        r = run_row(*build(row, sides), a.rounds, a.reps, TIMERS[a.timer])
         results.append(r)
         for n, s in r["b_speedup"].items():
             print(

@@ -45,7 +45,7 @@ from benchmarks.gpu_clocks import ClockSampler, window_stats  # noqa: E402
 from benchmarks.kernel_ab import FWD_ROWS, FWD_SHAPE, SOFTCAP, dense_calls  # noqa: E402
 from benchmarks.turns import turn_order  # noqa: E402
 from benchmarks.kv_device_ab import ROWS as KV_ROWS  # noqa: E402
-from benchmarks.kv_device_ab import per_call_ms, row_inputs  # noqa: E402
+from benchmarks.kv_device_ab import kernel_ms, per_call_ms, row_inputs  # noqa: E402
 
 WAYS = ("b2b", "each", "flushed", "do_bench", "sustained", "kernel")
 
@@ -63,20 +63,6 @@ def each_ms(fn, flush_buffer=None, reps: int = 60) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events)
-
-
-def kernel_ms(fn, reps: int = 15) -> float:
-    """ms of GPU time a call: the summed durations of the kernels (and copies) ``reps`` calls ran, as CUPTI
-    records them (torch.profiler), the burst started from an idle GPU."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    gpu = torch.autograd.DeviceType.CUDA
-    return sum(e.device_time_total for e in prof.events() if e.device_type == gpu) / 1e3 / reps
 
 
 def sustained_ms(fn, sustain_ms: float, windows: list) -> float:
