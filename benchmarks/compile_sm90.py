@@ -234,7 +234,9 @@ def ws_cases():
                         + ("", " kv-cache")[kv_lens]
                         + _score_label(scores)
                         + (
-                            f" consumers={launched.consumers} block_n={launched.block_n}" if launched is not cfg else ""
+                            f" consumers={launched.consumers} block_n={launched.block_n} stages={launched.stages}"
+                            if launched is not cfg
+                            else ""
                         ),
                         dict(
                             const,

@@ -433,24 +433,30 @@ def test_gluon_softcap_bounded_up_to_55():
 
 def test_gluon_bounded_softcap_forward_takes_three_consumers():
     """A bounded softcap alone at d128, dense or causal, launches the Gluon forward on three consumer warpgroups
-    over 64-key slots (configs.WS_FWD_SOFTCAP_CONFIGS, E130); plain calls, a running-max softcap, a bias, ALiBi,
-    a window, KV-cache and one-length launches and the other head dims keep WS_FWD_CONFIGS."""
+    over 64-key slots (configs.WS_FWD_SOFTCAP_CONFIGS, E130); KV-cache and one-length launches without a bias take
+    WS_FWD_CACHE_CONFIGS at d128 (three K/V slots, E149), softcap or not; plain calls, a running-max softcap, a bias,
+    ALiBi, a window and the other head dims keep WS_FWD_CONFIGS."""
     from attention_dispatch.kernels import configs as C
 
     base = dict(has_bias=False, has_alibi=False, window_left=-1, window_right=-1, kv_lens_mode=0)
     for causal in (dict(), dict(window_right=0)):
         three = C.ws_forward_config(128, True, **dict(base, **causal))
         assert (three.consumers, three.block_n) == (3, 64) and three == C.WS_FWD_SOFTCAP_CONFIGS[128]
+    for bounded in (False, True):
+        for mode in (1, 2):
+            cache = C.ws_forward_config(128, bounded, **dict(base, window_right=0, kv_lens_mode=mode))
+            assert cache == C.WS_FWD_CACHE_CONFIGS[128] and (cache.stages, cache.consumers) == (3, 2)
     for head_d, bounded, change in [
         (128, False, {}),
         (128, True, dict(has_bias=True)),
         (128, True, dict(has_alibi=True)),
         (128, True, dict(window_left=256, window_right=0)),
         (128, True, dict(window_right=64)),
-        (128, True, dict(kv_lens_mode=1)),
-        (128, True, dict(kv_lens_mode=2)),
+        (128, False, dict(has_bias=True, kv_lens_mode=1)),
         (64, True, {}),
+        (64, False, dict(kv_lens_mode=1)),
         (256, True, {}),
+        (256, False, dict(kv_lens_mode=1)),
     ]:
         assert C.ws_forward_config(head_d, bounded, **dict(base, **change)) == C.WS_FWD_CONFIGS[head_d], change
 

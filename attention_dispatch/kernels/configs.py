@@ -235,6 +235,10 @@ WS_FWD_CONFIGS = {
 # over three 64-key slots, so two consumers' tanh and exp2 run under the third's products: forward 6-8% faster
 # than on the config above (x of plain 1.26 -> 1.17 dense, 1.30 -> 1.24 causal); plain calls 5% slower on it (E130)
 WS_FWD_SOFTCAP_CONFIGS = {128: WsConfig(consumers=3, block_n=64, stages=3, consumer_regs=160, max_regs=128)}
+# A KV-cache or one-length launch (no bias) at d128: three K/V ring slots (229,752 B of shared memory): chunked
+# prefill 0.5-0.7% faster, Sq=128 over 16k 2.5%; dense and causal forwards 0.5-0.7% slower on it, so they keep two
+# (E128 read by CUPTI kernel durations, E149)
+WS_FWD_CACHE_CONFIGS = {128: WsConfig(stages=3)}
 
 
 def ws_forward_config(
@@ -250,10 +254,13 @@ def ws_forward_config(
     """The warp-specialised forward's launch: WS_FWD_SOFTCAP_CONFIGS for a bounded softcap
     (gluon/launch.forward_softcap) where it has the head dim, without a bias, ALiBi, a window (causal,
     (-1, 0), is not one) or a KV-cache or one-length launch (``kv_lens_mode`` != 0): it was measured
-    and tested on dense and causal calls only; WS_FWD_CONFIGS for every other call."""
+    and tested on dense and causal calls only; WS_FWD_CACHE_CONFIGS for a KV-cache or one-length launch
+    without a bias where it has the head dim; WS_FWD_CONFIGS for every other call."""
     window = window_left >= 0 or window_right > 0
     if bounded_softcap and not (has_bias or has_alibi or window or kv_lens_mode):
         return WS_FWD_SOFTCAP_CONFIGS.get(head_d, WS_FWD_CONFIGS[head_d])
+    if kv_lens_mode and not has_bias:
+        return WS_FWD_CACHE_CONFIGS.get(head_d, WS_FWD_CONFIGS[head_d])
     return WS_FWD_CONFIGS[head_d]
 
 
