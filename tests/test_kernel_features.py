@@ -461,6 +461,45 @@ def test_gluon_bounded_softcap_forward_takes_three_consumers():
         assert C.ws_forward_config(head_d, bounded, **dict(base, **change)) == C.WS_FWD_CONFIGS[head_d], change
 
 
+def test_gluon_bounded_softcap_step_folds_the_tanh_scale_into_q(tmp_path):
+    """The bounded softcap forward's step loops multiply no score by the tanh's scale (folded into Q once a
+    program, E150): per step a thread's 32 scores take 64 MUFU ops (tanh, ex2) and no FMUL.  Compiled for
+    sm90 with the Triton the Gluon kernels are written for (skipped elsewhere; run with /tmp/t36)."""
+    import subprocess
+
+    import triton
+
+    from attention_dispatch.kernels.gluon import route as gluon_route
+
+    if not triton.__version__.startswith(gluon_route.GLUON_TRITON_VERSIONS):
+        pytest.skip("the Gluon kernels compile with the Triton they are written for (run with /tmp/t36)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bench = os.path.join(root, "benchmarks")
+    script = (
+        f"import sys; sys.path[:0] = [{root!r}, {bench!r}]\n"
+        "import compile_sm90 as c\n"
+        "for d, cfg, label, const in c.ws_cases():\n"
+        "    if label.startswith('ws d=128 dense rows=(1, 1) lse=True softcap-bounded'):\n"
+        "        err, kernel = c.compile_ws_case(d, cfg, const)\n"
+        "        assert err is None, err\n"
+        f"        open({str(tmp_path / 'k.cubin')!r}, 'wb').write(kernel.asm['cubin'])\n"
+        "        break\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    sys.path.insert(0, bench)
+    import sass_loop
+
+    ins = sass_loop.instructions(sass_loop.sass_text(str(tmp_path / "k.cubin"), None))
+    steps = sass_loop.loops(ins, 8)
+    assert len(steps) == 3, steps  # one step loop a consumer warpgroup
+    for start, end in steps:
+        body = [op for a, _, op, _ in ins if start <= a <= end]
+        assert sum(op.startswith("MUFU") for op in body) == 64, (hex(start), body)
+        assert not [op for op in body if op.startswith("FMUL")], (hex(start), body)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 

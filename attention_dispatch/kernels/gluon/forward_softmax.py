@@ -84,6 +84,21 @@ def _v_chunk_layout(head_d):
 
 
 @gluon.jit
+def _fold_into_q(q_buf, factor):
+    """The query tile ``q_buf`` times ``factor`` in place (float32, rounded back to its dtype), 16 rows at a
+    time: a bounded softcap's tanh argument then comes out of the product (E150)."""
+    BLOCK_M: gl.constexpr = q_buf.shape[0]
+    HEAD_D: gl.constexpr = q_buf.shape[1]
+    CH: gl.constexpr = 16
+    layout: gl.constexpr = _v_chunk_layout(HEAD_D)
+    for c in gl.static_range(BLOCK_M // CH):
+        chunk = q_buf.slice(c * CH, CH)
+        vals = chunk.load(layout)
+        chunk.store((vals.to(gl.float32) * factor).to(vals.dtype))
+    fence_async_shared()  # the generic stores before the wgmma's async read
+
+
+@gluon.jit
 def _zero_v_rows(v_buf, keep):
     """Rows ``keep``.. of the V tile ``v_buf`` set to 0 (keys past a KV-cache sequence: P is 0
     there, but 0 x NaN is NaN), 16 rows at a time.  Both consumer warpgroups write the same
@@ -344,6 +359,11 @@ def _consume(
     # a bounded softcap alone (common.SOFTCAP_BOUNDED): scores in [-scale, scale] (log2 units), so the
     # softmax's reference is fixed: no running max, no rescale of O and l (E103: 145 fewer ops a tile)
     BOUNDED: gl.constexpr = SOFTCAP == SOFTCAP_BOUNDED and not (HAS_BIAS or HAS_ALIBI)
+    # the tanh's argument scale folded into Q once: one FMUL a score fewer (E150: forward +3.4% dense, +1.6%
+    # causal); Q * scale / softcap rounded to bfloat16 moves a score by ~2^-9 of its terms, within DESIGN 7's budget
+    if BOUNDED:
+        _fold_into_q(q_buf, softcap_in)
+        softcap_in = 1.0
 
     # tile 0: its scores start the running max and sum
     mbarrier.wait(k_ready.index(0), 0)
