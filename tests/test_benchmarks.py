@@ -1210,7 +1210,7 @@ def test_compile_sm90_covers_every_sm90_entry_and_compiles_one():
 
 def test_compile_sm90_ws_one_each_compiles_every_gluon_kernel_once(monkeypatch, capsys):
     """--ws-one-each: one case of each Gluon kernel and head dim the configs serve (forward per
-    WS_FWD_CONFIGS and WS_FWD_SOFTCAP_CONFIGS entry, and d64's two-warpgroup forward; dK/dV per
+    WS_FWD_CONFIGS, WS_FWD_SOFTCAP_CONFIGS and WS_FWD_CACHE_CONFIGS entry, and d64's two-warpgroup forward; dK/dV per
     WS_BWD_CONFIGS entry, fused too where it fuses; dQ per WS_DQ_CONFIGS entry), the first of its
     cases (dense)."""
     cs = _load("compile_sm90")
@@ -1232,6 +1232,7 @@ def test_compile_sm90_ws_one_each_compiles_every_gluon_kernel_once(monkeypatch, 
     want = (
         len(C.WS_FWD_CONFIGS)
         + len(C.WS_FWD_SOFTCAP_CONFIGS)
+        + len(C.WS_FWD_CACHE_CONFIGS)
         + (C.WS_FWD_CONFIGS[64].consumers != 2)
         + len(C.WS_BWD_CONFIGS)
         + sum(c.fuse_dq for c in C.WS_BWD_CONFIGS.values())
