@@ -2,7 +2,7 @@
 logsumexp gradient at bf16 d128 (default S=4k), forward and forward+backward.
 
     python benchmarks/features.py [--seq 4096] [--batch 4] [--heads 16] [--causal] [--rounds 3]
-        [--budget 150]
+        [--budget 150] [--timer do_bench|kernel]
 
 Variants, each through ``triton_attention`` (the kernels' autograd function): "plain" as shipped
 (the Gluon kernels where they serve), "plain-tl" with the Gluon kernels off (gluon.route.WS_MIN_WORK
@@ -14,6 +14,9 @@ beside them where it is installed: "fa4", "fa4-softcap", "fa4-sinks" (its ``lear
 ratios to "fa4".  Rounds are interleaved; each prints the median milliseconds and the ratio to
 "plain" (FA4's to "fa4") and, where it ran, to "plain-tl".
 Also prints the softcap's error against float64 with each tanh (S=512), beside bf16's own.
+Timer: triton.testing.do_bench (default), or ``kernel``: the GPU time of the kernels a call runs, CUPTI
+durations over a burst of 10 calls from an idle GPU (kv_device_ab.kernel_ms; steadier on a GPU at its power
+limit, perf-notes E148).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from triton.testing import do_bench  # noqa: E402
 from attention_dispatch.kernels import KernelParams, triton_attention  # noqa: E402
 from attention_dispatch.kernels.gluon import route as gluon_route  # noqa: E402
 from attention_dispatch.kernels.tl import launch as tl_launch  # noqa: E402
+from benchmarks.kv_device_ab import kernel_ms  # noqa: E402
 
 VARIANTS = ("plain", "plain-tl", "softcap", "softcap-exact", "softcap-large", "alibi", "sinks", "lse-grad")
 # softcap-large's q scale: randn logits x 16, so a warp's 512 scores of a pack (E129) all stay within the
@@ -148,6 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget", type=float, default=150.0, help="seconds: stop starting rounds past it")
+    ap.add_argument("--timer", choices=("do_bench", "kernel"), default="do_bench")
     every = VARIANTS + FA4_VARIANTS
     ap.add_argument("--variants", default=",".join(every), help="comma-separated, from: " + ", ".join(every))
     args = ap.parse_args(argv)
@@ -176,8 +181,12 @@ def main(argv=None) -> int:
             for name in variants:
                 with variant_setting(name):
                     fn = make_call(name, q, k, v, args.causal, mode == "fwd+bwd")
-                    times[(name, mode)].append(do_bench(fn, warmup=10, rep=60))
-    print(torch.cuda.get_device_name(), flush=True)
+                    if args.timer == "kernel":
+                        fn()  # compiled and warm before the burst
+                        times[(name, mode)].append(kernel_ms(fn, 10))
+                    else:
+                        times[(name, mode)].append(do_bench(fn, warmup=10, rep=60))
+    print(torch.cuda.get_device_name(), f"timer {args.timer}", flush=True)
     label = f"bf16 d128 B={args.batch} H={args.heads} S={args.seq}" + (" causal" if args.causal else "")
     for mode in ("fwd", "fwd+bwd"):
         base_tl = statistics.median(times[("plain-tl", mode)]) if "plain-tl" in variants else None

@@ -346,11 +346,12 @@ EOF
     python3 benchmarks/kv_device_ab.py --across "$out"/kvprocs_*.json ;;
   features)  # issue 36's cost table alone on this GPU: benchmarks/features.py plain, softcap, alibi, sinks, lse-grad and
              # flash-attn 4 plain / softcap / sinks, dense then causal (bf16 d128 B4 H16 S=4k, 3 interleaved rounds,
-             # ~4-5 minutes); $OUT/features_summary.txt (the lines, then each variant's x of plain)
+             # ~4-5 minutes); $OUT/features_summary.txt (the lines, then each variant's x of plain); FEATURES_TIMER=kernel:
+             # CUPTI kernel durations instead of do_bench (E148)
     summary="$out/features_summary.txt"
     nvidia-smi -L | head -1 > "$summary"
     for band in dense causal; do
-      timeout 280 python3 benchmarks/features.py --rounds 3 --budget 200 \
+      timeout 280 python3 benchmarks/features.py --rounds 3 --budget 200 --timer "${FEATURES_TIMER:-do_bench}" \
         --variants plain,softcap,alibi,sinks,lse-grad,fa4,fa4-softcap,fa4-sinks $([ "$band" = causal ] && echo --causal) \
         > "$out/features_$band.log" 2>&1 || echo "$band: features.py rc $?: $(grep -v -i warn "$out/features_$band.log" | tail -1)" >> "$summary"
       grep -a "^bf16" "$out/features_$band.log" >> "$summary"

@@ -1719,3 +1719,21 @@ def test_kernel_way_sums_the_gpu_events_a_call(monkeypatch):
     assert kv_device_ab.kernel_ms(lambda: calls.append(1), reps=4) == pytest.approx(0.4)
     assert len(calls) == 4
     assert "kernel" in _load("timing_methods").WAYS and "kernel" in _load("kernel_ab").TIMERS
+
+
+def test_features_kernel_timer_times_each_variant_by_its_kernels(monkeypatch, capsys):
+    import torch
+
+    features = _load("features")
+    bursts = []
+    monkeypatch.setattr(features, "make_call", lambda name, *a: (lambda: name))
+    monkeypatch.setattr(features, "kernel_ms", lambda fn, reps: bursts.append((fn(), reps)) or 2.0)
+    monkeypatch.setattr(features, "do_bench", lambda *a, **k: pytest.fail("do_bench with --timer kernel"))
+    randn = torch.randn
+    monkeypatch.setattr(features.torch, "randn", lambda *a, device=None, **k: randn(*a, **k))
+    monkeypatch.setattr(features.torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    argv = ["--timer", "kernel", "--variants", "plain,softcap", "--rounds", "1", "--seq", "64", "--batch", "1"]
+    assert features.main(argv) == 0
+    assert sorted(bursts) == sorted([("plain", 10), ("softcap", 10)] * 2)  # fwd and fwd+bwd each
+    out = capsys.readouterr().out
+    assert "timer kernel" in out and "2.000 ms" in out and "x1.000 of plain" in out
