@@ -1,6 +1,6 @@
 """Decode against a KV cache on the GPU: our decode kernel against F.sdpa and flash-attn 4.
 
-    python benchmarks/decode.py [--rows TEXT,...] [--json out.json] [--commit SHA]
+    python benchmarks/decode.py [--rows TEXT,...] [--timer events|kernel] [--json out.json] [--commit SHA]
 
 For each row (bf16, d128 unless named): the K/V bytes each call must read (sum over sequences
 of L_b x Hkv x D x 2 tensors x 2 bytes) divided by its time, in TB/s, for our kernels
@@ -11,8 +11,9 @@ slice (PyTorch picks its kernel; GQA through enable_gqa), and flash-attn 4 where
 a copy of the same bytes (the bandwidth ceiling).  Rows with many queries (chunked prefill) also
 give TFLOP/s (4 x allowed (query, key) pairs x D).  Append rows also print the append apart:
 append_kv (one Triton launch) then the decode kernel without k_new, against its fused append.
-Median of CUDA-event timed loops after a warm-up, every call of a row in turns whose order changes each
-round (timed_in_turns).
+Median of CUDA-event timed loops after a warm-up (``--timer kernel``: of the kernels' CUPTI durations over
+the same bursts, no launch gaps or host time; perf-notes E148), every call of a row in turns whose order changes
+each round (timed_in_turns).
 """
 
 from __future__ import annotations
@@ -73,10 +74,20 @@ def timed(fn, reps: int = 20, rounds: int = 7) -> float:
     return statistics.median(loop_ms(fn, reps) for _ in range(rounds))
 
 
-def timed_in_turns(fns: dict, row_id: str, reps: int = 20, rounds: int = 7) -> dict:
+def kernel_loop_ms(fn, reps: int) -> float:
+    """ms of GPU time per call of ``reps`` calls from an idle GPU: their kernels' CUPTI durations."""
+    from benchmarks.kv_device_ab import kernel_ms  # imported here: kv_device_ab imports this module
+
+    return kernel_ms(fn, reps)
+
+
+TIMERS = {"events": lambda fn, reps: loop_ms(fn, reps), "kernel": kernel_loop_ms}
+
+
+def timed_in_turns(fns: dict, row_id: str, reps: int = 20, rounds: int = 7, timer: str = "events") -> dict:
     """{name: median ms per call} of ``fns`` (name -> call), each round timing every call's loop of
-    ``reps`` once, in a new order each round (turns.turn_order: a turn's speed follows the one before
-    it, E32), so no implementation always runs first, last or after the same one."""
+    ``reps`` once (TIMERS[timer]), in a new order each round (turns.turn_order: a turn's speed follows the
+    one before it, E32), so no implementation always runs first, last or after the same one."""
     names = list(fns)
     for fn in fns.values():
         for _ in range(3):
@@ -85,7 +96,7 @@ def timed_in_turns(fns: dict, row_id: str, reps: int = 20, rounds: int = 7) -> d
     times = {n: [] for n in names}
     for rnd in range(rounds):
         for i in turn_order(len(names), row_id, rnd, seed=0):
-            times[names[i]].append(loop_ms(fns[names[i]], reps))
+            times[names[i]].append(TIMERS[timer](fns[names[i]], reps))
     return {n: statistics.median(t) for n, t in times.items()}
 
 
@@ -98,7 +109,7 @@ def fa4():
         return None
 
 
-def run_row(row) -> dict:
+def run_row(row, timer: str = "events") -> dict:
     label, B, Hq, Hkv, Sq, S, page, lengths, causal = row
     D, dt, dev = 128, torch.bfloat16, "cuda"
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -175,7 +186,7 @@ def run_row(row) -> dict:
     dst = torch.empty_like(src)
     fns["copy"] = lambda: dst.copy_(src)
     # every call in turns, a new order each round: the clock follows the call before (E32, E147)
-    for name, ms in timed_in_turns(fns, label).items():
+    for name, ms in timed_in_turns(fns, label, timer=timer).items():
         res[f"{name}_ms"] = ms
     res["copy_ms"] /= 2  # a copy reads and writes: half is the read time
     if Sq > 1:
@@ -195,12 +206,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--commit", default="unknown")
     p.add_argument("--doc", type=Path, default=None, help="write the Markdown report (docs/decode.md) here")
+    p.add_argument("--timer", choices=tuple(TIMERS), default="events", help="events: CUDA-event loops; kernel: CUPTI")
     a = p.parse_args(argv)
     results = []
     for row in ROWS:
         if a.rows and not any(part in row[0] for part in a.rows.split(",")):
             continue
-        r = run_row(row)
+        r = run_row(row, a.timer)
         results.append(r)
         cells = "  ".join(f"{n} {r[f'{n}_tbs']:.2f}" for n in NAMES if f"{n}_tbs" in r)
         flops = "  ".join(f"{n} {r[f'{n}_tflops']:.0f}" for n in ("ours", "fa4") if f"{n}_tflops" in r)
@@ -222,7 +234,7 @@ def main(argv=None) -> int:
     table = markdown(results)
     print(table)
     if a.doc:
-        a.doc.write_text(report(table, a.commit))
+        a.doc.write_text(report(table, a.commit, a.timer))
     return 0
 
 
@@ -236,7 +248,7 @@ def _fa4_version() -> str:
         return ""
 
 
-def report(table: str, commit: str) -> str:
+def report(table: str, commit: str, timer: str = "events") -> str:
     """docs/decode.md: what was measured where, and the table."""
     import datetime
 
@@ -255,8 +267,14 @@ def report(table: str, commit: str) -> str:
             "bytes, divided by the time); rows with many new queries also give TFLOP/s (4 x allowed (query, key) "
             "pairs x D). `ours`: the triton backend's kernels (route in brackets); `ad.sdpa_with_kvcache`: the "
             "whole dispatcher on the same call; `ad.sdpa` and `F.sdpa`: the dense cache sliced to the common "
-            "length (paged rows: the dense cache); `copy`: the bandwidth ceiling. Median of CUDA-event timed "
-            "loops of back-to-back calls, a row's calls in turns whose order changes each round.",
+            "length (paged rows: the dense cache); `copy`: the bandwidth ceiling. "
+            + (
+                "Median of the kernels' CUPTI durations (torch.profiler) over bursts of back-to-back calls from an "
+                "idle GPU: no launch gaps or host time"
+                if timer == "kernel"
+                else "Median of CUDA-event timed loops of back-to-back calls"
+            )
+            + ", a row's calls in turns whose order changes each round.",
             "",
             table,
             "",

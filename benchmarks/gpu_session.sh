@@ -415,8 +415,10 @@ EOF
     fi ;;
   decode)    # issue 34's report: benchmarks/decode.py's every row (dense, paged, uneven, append, chunked prefill; ours,
              # the dispatcher, F.sdpa, flash-attn 4, copy) into $OUT/decode.md (commit it as docs/decode.md) and
-             # $OUT/decode.json, alone on the GPU (its cells time device loops, but ad.sdpa_with_kvcache's include host time)
-    timeout 540 python3 benchmarks/decode.py --doc "$out/decode.md" --json "$out/decode.json" --commit "$sha" 2>&1 \
+             # $OUT/decode.json, alone on the GPU (its cells time device loops, but ad.sdpa_with_kvcache's include host time;
+             # DECODE_TIMER=kernel: the kernels' CUPTI durations, E148)
+    timeout 540 python3 benchmarks/decode.py --doc "$out/decode.md" --json "$out/decode.json" --commit "$sha" \
+      --timer "${DECODE_TIMER:-events}" 2>&1 \
       | grep -v -i warn | tail -30 ;;
   decodeab)  # a decode-kernel patch against this tree (E123): PATCH=docs/experiments/patches/NAME.patch bash
              # gpu_session.sh decodeab SHA. In a scratch copy with the patch: the decode GPU tests, then decode.py's rows

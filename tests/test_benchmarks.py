@@ -1737,3 +1737,19 @@ def test_features_kernel_timer_times_each_variant_by_its_kernels(monkeypatch, ca
     assert sorted(bursts) == sorted([("plain", 10), ("softcap", 10)] * 2)  # fwd and fwd+bwd each
     out = capsys.readouterr().out
     assert "timer kernel" in out and "2.000 ms" in out and "x1.000 of plain" in out
+
+
+def test_decode_kernel_timer_reads_cupti_bursts_and_says_so(monkeypatch):
+    import benchmarks.kv_device_ab as kv_device_ab
+
+    decode = _load("decode")
+    bursts = []
+    monkeypatch.setattr(kv_device_ab, "kernel_ms", lambda fn, reps: bursts.append((fn(), reps)) or 0.5)
+    monkeypatch.setattr(decode, "loop_ms", lambda fn, reps: pytest.fail("an event loop with --timer kernel"))
+    monkeypatch.setattr(decode.torch.cuda, "synchronize", lambda: None)
+    fns = {n: (lambda n=n: n) for n in "ab"}
+    assert decode.timed_in_turns(fns, "row", reps=7, rounds=3, timer="kernel") == {"a": 0.5, "b": 0.5}
+    assert sorted(bursts) == sorted([("a", 7), ("b", 7)] * 3)
+    monkeypatch.setattr(decode.torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    assert "CUPTI durations" in decode.report("| table |", "abc", "kernel")
+    assert "CUDA-event timed loops" in decode.report("| table |", "abc")
