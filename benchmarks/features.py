@@ -15,7 +15,7 @@ ratios to "fa4".  Rounds are interleaved; each prints the median milliseconds an
 "plain" (FA4's to "fa4") and, where it ran, to "plain-tl".
 Also prints the softcap's error against float64 with each tanh (S=512), beside bf16's own.
 Timer: triton.testing.do_bench (default), or ``kernel``: the GPU time of the kernels a call runs, CUPTI
-durations over a burst of 10 calls from an idle GPU (kv_device_ab.kernel_ms; steadier on a GPU at its power
+durations over a burst of 10 calls from an idle GPU (decode.kernel_ms; steadier on a GPU at its power
 limit, perf-notes E148).
 """
 
@@ -38,7 +38,7 @@ from triton.testing import do_bench  # noqa: E402
 from attention_dispatch.kernels import KernelParams, triton_attention  # noqa: E402
 from attention_dispatch.kernels.gluon import route as gluon_route  # noqa: E402
 from attention_dispatch.kernels.tl import launch as tl_launch  # noqa: E402
-from benchmarks.kv_device_ab import kernel_ms  # noqa: E402
+from benchmarks.decode import kernel_ms  # noqa: E402
 
 VARIANTS = ("plain", "plain-tl", "softcap", "softcap-exact", "softcap-large", "alibi", "sinks", "lse-grad")
 # softcap-large's q scale: randn logits x 16, so a warp's 512 scores of a pack (E129) all stay within the

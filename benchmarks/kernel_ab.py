@@ -22,7 +22,7 @@ custom op, which a second copy could not register.  Cases:
 Per round A and each B run in turns (the order rotates), each ``reps`` calls on the device alone
 (queued behind a spin, kv_device_ab.per_call_ms); the round's ratio is A's time over B's (> 1: B is
 faster).  ``--timer kernel`` reads the kernels' CUPTI durations of the ``reps`` calls instead
-(kv_device_ab.kernel_ms; E148: turns within +-0.3-1% where back-to-back ones spread up to 18% on an H200
+(decode.kernel_ms; E148: turns within +-0.3-1% where back-to-back ones spread up to 18% on an H200
 at its power limit).  Prints per row and B both TFLOP/s, the median ratio with its quartiles, and max
 |A - B| of the outputs.  Separate processes in turns (gpu_session.sh patchab) drift by +-3% between turns on the
 H200 (perf-notes E142), more than the 1-2% a kernel change is after; pairs inside one process do not
@@ -50,7 +50,8 @@ from attention_dispatch.kernels import entry as entry_a  # noqa: E402
 from attention_dispatch.kernels import params as params_a  # noqa: E402
 from benchmarks.forward_ab import finish_run  # noqa: E402
 from benchmarks.kv_device_ab import EXTRA_ROWS, PROGRAM_COST_ROWS, ROWS as KV_ROWS  # noqa: E402
-from benchmarks.kv_device_ab import kernel_ms, per_call_ms, row_inputs  # noqa: E402
+from benchmarks.decode import kernel_ms  # noqa: E402
+from benchmarks.kv_device_ab import per_call_ms, row_inputs  # noqa: E402
 
 SOFTCAP = 30.0
 # (label, causal, softcap): features.py's geometry

@@ -99,20 +99,6 @@ def per_call_ms(fn, reps: int, spin_ms: float) -> tuple[float, float]:
     return start.elapsed_time(end) / reps, host
 
 
-def kernel_ms(fn, reps: int = 15) -> float:
-    """ms of GPU time a call: the summed durations of the kernels (and copies) ``reps`` calls ran, as CUPTI
-    records them (torch.profiler), the burst started from an idle GPU."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    gpu = torch.autograd.DeviceType.CUDA
-    return sum(e.device_time_total for e in prof.events() if e.device_type == gpu) / 1e3 / reps
-
-
 def row_inputs(row):
     """A row's bf16 d128 CUDA inputs and work: (q, k, v, lens int32 (B,), forward FLOPs: 4 x Hq x D x the
     allowed (query, key) pairs, each sequence's queries bottom-right against its length when causal)."""

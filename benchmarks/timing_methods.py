@@ -40,12 +40,12 @@ import torch  # noqa: E402
 from attention_dispatch.kernels import decode, entry, params  # noqa: E402
 from attention_dispatch.kernels.decode import kv_forward  # noqa: E402
 from attention_dispatch.kernels.params import KernelParams  # noqa: E402
-from benchmarks.decode import fa4  # noqa: E402
+from benchmarks.decode import fa4, kernel_ms  # noqa: E402
 from benchmarks.gpu_clocks import ClockSampler, window_stats  # noqa: E402
 from benchmarks.kernel_ab import FWD_ROWS, FWD_SHAPE, SOFTCAP, dense_calls  # noqa: E402
 from benchmarks.turns import turn_order  # noqa: E402
 from benchmarks.kv_device_ab import ROWS as KV_ROWS  # noqa: E402
-from benchmarks.kv_device_ab import kernel_ms, per_call_ms, row_inputs  # noqa: E402
+from benchmarks.kv_device_ab import per_call_ms, row_inputs  # noqa: E402
 
 WAYS = ("b2b", "each", "flushed", "do_bench", "sustained", "kernel")
 

@@ -1693,7 +1693,7 @@ def test_kernel_way_sums_the_gpu_events_a_call(monkeypatch):
     import torch
     from torch import profiler
 
-    kv_device_ab = _load("kv_device_ab")
+    decode = _load("decode")
     gpu, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     calls = []
 
@@ -1716,7 +1716,7 @@ def test_kernel_way_sums_the_gpu_events_a_call(monkeypatch):
 
     monkeypatch.setattr(profiler, "profile", Profile)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    assert kv_device_ab.kernel_ms(lambda: calls.append(1), reps=4) == pytest.approx(0.4)
+    assert decode.kernel_ms(lambda: calls.append(1), reps=4) == pytest.approx(0.4)
     assert len(calls) == 4
     assert "kernel" in _load("timing_methods").WAYS and "kernel" in _load("kernel_ab").TIMERS
 
@@ -1740,11 +1740,9 @@ def test_features_kernel_timer_times_each_variant_by_its_kernels(monkeypatch, ca
 
 
 def test_decode_kernel_timer_reads_cupti_bursts_and_says_so(monkeypatch):
-    import benchmarks.kv_device_ab as kv_device_ab
-
     decode = _load("decode")
     bursts = []
-    monkeypatch.setattr(kv_device_ab, "kernel_ms", lambda fn, reps: bursts.append((fn(), reps)) or 0.5)
+    monkeypatch.setattr(decode, "kernel_ms", lambda fn, reps: bursts.append((fn(), reps)) or 0.5)
     monkeypatch.setattr(decode, "loop_ms", lambda fn, reps: pytest.fail("an event loop with --timer kernel"))
     monkeypatch.setattr(decode.torch.cuda, "synchronize", lambda: None)
     fns = {n: (lambda n=n: n) for n in "ab"}
