@@ -461,7 +461,7 @@ def test_gluon_bounded_softcap_forward_takes_three_consumers():
         assert C.ws_forward_config(head_d, bounded, **dict(base, **change)) == C.WS_FWD_CONFIGS[head_d], change
 
 
-def test_gluon_bounded_softcap_step_folds_the_tanh_scale_into_q(tmp_path):
+def test_gluon_bounded_softcap_step_folds_the_tanh_scale_into_q(tmp_path, monkeypatch):
     """The bounded softcap forward's step loops multiply no score by the tanh's scale (folded into Q once a
     program, E150): per step a thread's 32 scores take 64 MUFU ops (tanh, ex2) and no FMUL.  Compiled for
     sm90 with the Triton the Gluon kernels are written for (skipped elsewhere; run with /tmp/t36)."""
@@ -488,7 +488,7 @@ def test_gluon_bounded_softcap_step_folds_the_tanh_scale_into_q(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    sys.path.insert(0, bench)
+    monkeypatch.syspath_prepend(bench)
     import sass_loop
 
     ins = sass_loop.instructions(sass_loop.sass_text(str(tmp_path / "k.cubin"), None))
