@@ -246,6 +246,9 @@ def ws_cases():
                             BIAS_STAGES=launched.bias_stages,
                             CONSUMER_REGS=launched.consumer_regs,
                             NUM_WG=launched.consumers,
+                            OWN_TILES=launched.forward_own_tiles(
+                                const["WINDOW_LEFT"], const["WINDOW_RIGHT"], const["HAS_BIAS"]
+                            ),
                             KV_LENS=kv_lens,
                             **scores,
                         ),

@@ -459,6 +459,15 @@ def test_gluon_bounded_softcap_forward_takes_three_consumers():
         (256, False, dict(kv_lens_mode=1)),
     ]:
         assert C.ws_forward_config(head_d, bounded, **dict(base, **change)) == C.WS_FWD_CONFIGS[head_d], change
+    # causal without a bias, each consumer reads only its own key tiles (E151); dense, windowed, biased calls and
+    # the other configs read all of their program's
+    three = C.WS_FWD_SOFTCAP_CONFIGS[128]
+    assert three.forward_own_tiles(-1, 0, False)
+    assert not three.forward_own_tiles(-1, -1, False)
+    assert not three.forward_own_tiles(256, 0, False)
+    assert not three.forward_own_tiles(-1, 0, True)
+    for cfg in (*C.WS_FWD_CONFIGS.values(), *C.WS_FWD_CACHE_CONFIGS.values()):
+        assert not cfg.forward_own_tiles(-1, 0, False), cfg
 
 
 def test_gluon_bounded_softcap_step_folds_the_tanh_scale_into_q(tmp_path, monkeypatch):
@@ -631,6 +640,9 @@ def test_gpu_gluon_softcap_bounded(softcap, causal, dtype):
         (1280, 1280, "top_left", dict(lse_grad=True)),  # causal, the last program's two warpgroups
         (640, 2048, None, dict(group=4)),  # GQA: four query heads a kv head
         (1280, 1280, "bottom_right", dict(group=2, sinks=True)),
+        # causal, each warpgroup stops at its own diagonal (E151): the last program's first warpgroup only, whole programs
+        (1024, 1024, "top_left", dict(lse_grad=True)),
+        (768, 768, "bottom_right", dict(group=2, sinks=True)),
     ],
     ids=str,
 )

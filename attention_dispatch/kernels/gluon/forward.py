@@ -21,7 +21,7 @@ from .common import (
     _tile_origin,
     _wgmma_layout,
 )
-from .forward_softmax import _consume
+from .forward_softmax import _consume, _own_tiles, _pass_tiles
 
 
 @gluon.jit
@@ -119,6 +119,7 @@ def _ws_consumer(
     SOFTCAP: gl.constexpr,
     HAS_SINKS: gl.constexpr,
     HAS_ALIBI: gl.constexpr,
+    OWN_TILES: gl.constexpr,
 ):
     """Consumer warpgroup ``WG`` of the forward (``args``: _attn_fwd_ws's runtime partition arguments)."""
     (
@@ -238,7 +239,7 @@ def _ws_consumer(
             acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
             l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    else:
+    elif HAS_BIAS or not OWN_TILES:  # a bias: every consumer releases every bias slot, so reads every tile
         acc, m_i, l_i = _consume(
             q_buf,
             k_bufs,
@@ -264,6 +265,39 @@ def _ws_consumer(
             alibi_off,
             HAS_ALIBI,
         )
+    else:  # only this warpgroup's own tiles; the ring's other slots released unread (E151)
+        n_own, n_full_own = _own_tiles(q_start, seq_q, n_tiles, n_full, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_N)
+        if n_own > 0:
+            acc, m_i, l_i = _consume(
+                q_buf,
+                k_bufs,
+                v_bufs,
+                bars,
+                bias,
+                qk_scale,
+                rows,
+                q_start,
+                first,
+                n_own,
+                n_full_own,
+                WG,
+                WINDOW_LEFT,
+                WINDOW_RIGHT,
+                HAS_BIAS,
+                BIAS_STAGES,
+                MAY_EMPTY,
+                softcap_in,
+                softcap,
+                SOFTCAP,
+                alibi_slope,
+                alibi_off,
+                HAS_ALIBI,
+            )
+        else:  # rows past Sq: nothing to store
+            acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+            l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_s)
+        _pass_tiles(bars, n_own, n_tiles, k_bufs.shape[0])
 
     if HAS_BIAS or LENS:  # a row with no allowed key: output 0, logsumexp -inf
         empty = l_i == 0.0
@@ -327,6 +361,7 @@ def _attn_fwd_ws(
     SOFTCAP: gl.constexpr = False,
     HAS_SINKS: gl.constexpr = False,
     HAS_ALIBI: gl.constexpr = False,
+    OWN_TILES: gl.constexpr = False,
 ):
     """Grid (cdiv(Sq, NUM_WG * 64), B * Hq); one program: NUM_WG * 64 query rows of one (b, h),
     O (B*Hq*Sq, D) rows.  NUM_WG: consumer warpgroups, 2 or 3 (FA3's 192-row tiles at head dim 64,
@@ -338,7 +373,9 @@ def _attn_fwd_ws(
     logsumexp (not with KV_LENS: gluon/route.score_features_reason); HAS_ALIBI: minus
     ``slope[b, h] * |i + alibi_off - j|`` (``alibi_ptr`` fp32 (B, Hq), strides alibi_sb / alibi_sh;
     not with KV_LENS).  KV_LENS: 0 (every key) or LENS_TENSOR (common.py; ``kv_lens``,
-    ``n_new``: the keys each sequence reads, its queries aligned to their end)."""
+    ``n_new``: the keys each sequence reads, its queries aligned to their end).  OWN_TILES (causal, no
+    bias, no KV_LENS): each consumer reads only its key tiles up to its own diagonal and releases the
+    rest of the ring's slots unread (configs.WsConfig.forward_own_tiles)."""
     BLOCK_M: gl.constexpr = WG_ROWS  # noqa: F841 - the tile height the docstring names
     gl.static_assert(NUM_WG == 2 or (NUM_WG == 3 and not HAS_BIAS))
     q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES, NUM_WG)
@@ -400,6 +437,7 @@ def _attn_fwd_ws(
                         SOFTCAP,
                         HAS_SINKS,
                         HAS_ALIBI,
+                        OWN_TILES,
                     ),
                 ),
                 (
@@ -419,6 +457,7 @@ def _attn_fwd_ws(
                         SOFTCAP,
                         HAS_SINKS,
                         HAS_ALIBI,
+                        OWN_TILES,
                     ),
                 ),
                 (
@@ -438,6 +477,7 @@ def _attn_fwd_ws(
                         SOFTCAP,
                         HAS_SINKS,
                         HAS_ALIBI,
+                        OWN_TILES,
                     ),
                 ),
                 (
@@ -483,6 +523,7 @@ def _attn_fwd_ws(
                         SOFTCAP,
                         HAS_SINKS,
                         HAS_ALIBI,
+                        OWN_TILES,
                     ),
                 ),
                 (
@@ -502,6 +543,7 @@ def _attn_fwd_ws(
                         SOFTCAP,
                         HAS_SINKS,
                         HAS_ALIBI,
+                        OWN_TILES,
                     ),
                 ),
                 (

@@ -223,6 +223,7 @@ def forward(
             BIAS_STAGES=cfg.bias_stages,
             CONSUMER_REGS=cfg.consumer_regs,
             NUM_WG=cfg.consumers,
+            OWN_TILES=cfg.forward_own_tiles(params.window_left, params.window_right, bias is not None),
         ),
         WS_WARPS,
         WS_STAGES,
