@@ -317,7 +317,8 @@ EOF
              # [p2.patch ...]" bash gpu_session.sh kernelab SHA (each patch a tree B1, B2, ...); without PATCH an A/A
              # run (the same tree twice: the tool's own spread). KAB_CASES: kv (issue 34's chunked-prefill rows),
              # program-cost, one-length (those rows as plain sdpa() calls), fwd (issue 36's plain and softcap
-             # forwards); KAB_ROWS: substrings of the row labels; KAB_TIMER: kernel (CUPTI durations, E148) or b2b.
+             # forwards), bwd (their backward passes); KAB_ROWS: substrings of the row labels; KAB_TIMER: kernel
+             # (CUPTI durations, E148) or b2b.
              # No tests: a patch to adopt still needs patchab's (AB_PARTS=tests)
     b_args=()
     i=0

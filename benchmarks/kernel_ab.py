@@ -8,7 +8,7 @@ Each ``DIR`` holds another tree (e.g. gpu_session.sh's scratch copy with a patch
 ``attention_dispatch`` is copied into a temporary folder as the package ``attention_dispatch_b<i>``
 and imported beside this one, so every tree's kernels compile and run in this process (B1, B2, ...:
 several patches against A in one call).  Only kernel entry points
-are called (``kernels.decode.kv_forward``, ``kernels.entry.attention_forward``): no autograd and no
+are called (``kernels.decode.kv_forward``, ``kernels.entry.attention_forward`` / ``attention_backward``): no autograd and no
 custom op, which a second copy could not register.  Cases:
 
 - ``kv``: kv_device_ab.py's rows (the chunked-prefill rows of issue 34) through ``kv_forward`` with a
@@ -17,7 +17,8 @@ custom op, which a second copy could not register.  Cases:
 - ``one-length``: the kv rows' causal calls with every cache full as plain dense calls through
   ``entry.attention_forward`` (bottom-right, Sq < Sk: entry.GLUON_LENGTHS);
 - ``fwd``: features.py's forward (bf16 B=4 H=16 S=4096 d128), plain and softcap 30, dense and causal
-  (issue 36's rows).
+  (issue 36's rows); ``bwd``: the same calls' backward (``entry.attention_backward`` from A's forward
+  output and logsumexp, so every tree differentiates the same numbers; max |A - B| over dQ, dK, dV).
 
 Per round A and each B run in turns (the order rotates), each ``reps`` calls on the device alone
 (queued behind a spin, kv_device_ab.per_call_ms); the round's ratio is A's time over B's (> 1: B is
@@ -109,6 +110,29 @@ def fwd_calls(row, sides):
     return label, dense_calls(sides, q, k, v, causal, softcap), 4 * B * H * S * S * D / (2 if causal else 1)
 
 
+def bwd_calls(row, sides):
+    """``fwd_calls``' row as each side's backward (dQ, dK, dV) of A's forward."""
+    label, causal, softcap = row
+    B, H, S, D = FWD_SHAPE
+    q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    calls = {}
+    for name, (_, entry, params) in sides.items():
+        p = params.KernelParams(
+            scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True, softcap=softcap
+        )
+        if name == "A":
+            out, lse = entry.attention_forward(q, k, v, None, p)
+        calls[name] = lambda entry=entry, p=p: entry.attention_backward(do, q, k, v, None, out, lse, None, p)[:3]
+    # features.py's count: the backward's five products against the forward's two
+    return label.replace("fwd", "bwd", 1), calls, 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
+
+
+def _max_abs_diff(a, b) -> float:
+    """max |a - b| of two outputs, tensors or tuples of them."""
+    pairs = zip(a, b) if isinstance(a, tuple) else [(a, b)]
+    return max((x.float() - y.float()).abs().max().item() for x, y in pairs)
+
+
 # timer(call, reps, spin_ms) -> (ms a call, host ms a call); the kernel way needs no spin and reads no host time
 TIMERS = {"b2b": per_call_ms, "kernel": lambda fn, reps, spin_ms: (kernel_ms(fn, reps), 0.0)}
 
@@ -120,7 +144,7 @@ def run_row(label, calls, flops, rounds: int, reps: int, timer=per_call_ms) -> d
     others = names[1:]
     with torch.no_grad():
         out = {n: fn() for n, fn in calls.items()}
-        diff = {n: (out["A"].float() - out[n].float()).abs().max().item() for n in others}
+        diff = {n: _max_abs_diff(out["A"], out[n]) for n in others}
         spin = {}
         for n, fn in calls.items():
             for _ in range(3):
@@ -150,7 +174,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--b", type=Path, action="append", required=True, help="another tree (a folder holding attention_dispatch)"
     )
-    p.add_argument("--cases", default="kv,fwd", help="comma-separated: kv, program-cost, one-length, fwd")
+    p.add_argument("--cases", default="kv,fwd", help="comma-separated: kv, program-cost, one-length, fwd, bwd")
     p.add_argument("--rows", default="", help="comma-separated substrings of the row labels")
     p.add_argument("--rounds", type=int, default=31)
     p.add_argument("--reps", type=int, default=10)
@@ -177,6 +201,7 @@ def main(argv=None) -> int:
             else []
         )
         + ([(fwd_calls, r) for r in FWD_ROWS] if "fwd" in cases else [])
+        + ([(bwd_calls, r) for r in FWD_ROWS] if "bwd" in cases else [])
     )
     results = []
     for build, row in rows:

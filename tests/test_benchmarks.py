@@ -1623,6 +1623,19 @@ def test_kernel_ab_pairs_each_b_with_a_in_rotating_turns():
     assert {firsts[i * 3] for i in range(6)} == {"A", "B1", "B2"}  # each tree leads some round
 
 
+def test_kernel_ab_compares_backward_gradients_each():
+    # the bwd case's calls return (dQ, dK, dV): max |A - B| is the largest difference of any of them
+    import torch
+
+    kernel_ab = _load("kernel_ab")
+    grads = tuple(torch.ones(2, 3) for _ in range(3))
+    other = (grads[0], grads[1] + 0.5, grads[2] - 2.0)
+    r = kernel_ab.run_row(
+        "bwd", {"A": lambda: grads, "B1": lambda: other}, 1e9, 2, 1, timer=lambda c, r, s: (1.0, 0.01)
+    )
+    assert r["max_abs_diff"] == {"B1": 2.0}
+
+
 def test_kv_device_ab_reads_each_ratio_across_processes(tmp_path, capsys):
     # gpu_session.sh kvprocs: each row's ratios against flash-attn 4 as the median (min-max) over the runs' files
     import json
