@@ -361,7 +361,8 @@ EOF
   timing)    # issue 36's forward rows and issue 34's chunked-prefill rows (ours and flash-attn 4 where prepared) timed
              # six ways (back to back, an event pair a call, flushed, do_bench, sustained with each turn's SM clock and
              # power, the kernels' own CUPTI durations over short bursts) in one process (benchmarks/timing_methods.py;
-             # TM_CASES (fwd,kv), TM_WAYS, TM_ROUNDS (6): ~2-3 minutes warm; E147, E148)
+             # TM_CASES (fwd,kv; train: the forward rows with their backward), TM_WAYS, TM_ROUNDS (6): ~2-3 minutes
+             # warm; E147, E148)
     python3 benchmarks/timing_methods.py --cases "${TM_CASES:-fwd,kv}" --ways "${TM_WAYS:-b2b,each,flushed,do_bench,sustained,kernel}" \
       --rounds "${TM_ROUNDS:-6}" --json "$out/timing.json" --commit "$sha" 2>&1 | grep -v -i warn | tail -n 16 ;;
   ncu)       # perf-notes E113 (issues 34, 36): Nsight Compute's ground truth, one call of each benchmarks/ncu_target.py

@@ -1,7 +1,7 @@
 """Issue 36's forward rows and issue 34's chunked-prefill rows timed several ways in one process, with the
 GPU's SM clock and power while each way ran (GPU).
 
-    python benchmarks/timing_methods.py [--cases fwd,kv] [--ways b2b,each,flushed,do_bench,sustained,kernel]
+    python benchmarks/timing_methods.py [--cases fwd,train,kv] [--ways b2b,each,flushed,do_bench,sustained,kernel]
         [--rounds 12] [--sustain-ms 300] [--json out.json] [--commit SHA]
 
 Ways: ``b2b`` (100 calls back to back behind a spin, kv_device_ab.per_call_ms, kernel_ab's timer), ``each``
@@ -14,7 +14,8 @@ host time, and the GPU idle between bursts, so the clock stays near boost; E148 
 b2b's turns spread 18%).
 
 Cases: ``fwd``: features.py's forward (bf16 B4 H16 S=4k d128), plain and softcap 30, dense and causal, and
-flash-attn 4 plain and softcap where installed (x of plain; flash-attn 4's x of its plain); ``kv``:
+flash-attn 4 plain and softcap where installed (x of plain; flash-attn 4's x of its plain); ``train``: those
+calls' forward and backward (the kernel entry points, x of plain); ``kv``:
 kv_device_ab's two full-cache chunked-prefill rows, ours (kv_forward) and flash-attn 4 (x of flash-attn 4's
 time: > 1, ours slower).
 
@@ -94,6 +95,27 @@ def fwd_entries(flash) -> list:
     return entries
 
 
+def train_entries() -> list:
+    """(label, base label, call, FLOPs) of issue 36's training rows: the forward rows' forward and backward through
+    the kernel entry points (entry.attention_forward, then attention_backward of its output and logsumexp)."""
+    B, H, S, D = FWD_SHAPE
+    q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    entries = []
+    for label, causal, softcap in FWD_ROWS:
+        p = KernelParams(scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True, softcap=softcap)
+
+        def step(p=p):
+            out, lse = entry.attention_forward(q, k, v, None, p)
+            return entry.attention_backward(do, q, k, v, None, out, lse, None, p)
+
+        train = label.replace("fwd", "train", 1)
+        # features.py's count: the forward's two products and the backward's five
+        entries.append(
+            (train, train.replace("softcap", "plain"), step, 3.5 * 4 * B * H * S * S * D / (2 if causal else 1))
+        )
+    return entries
+
+
 def kv_entries(flash) -> list:
     """(label, base label, call, FLOPs) of issue 34's full-cache chunked-prefill rows: ours and flash-attn 4."""
     entries = []
@@ -124,12 +146,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     ways = [w for w in args.ways.split(",") if w]
     cases = [c for c in args.cases.split(",") if c]
-    if set(ways) - set(WAYS) or set(cases) - {"fwd", "kv"}:
-        ap.error(f"--ways from {', '.join(WAYS)}; --cases from fwd, kv; got {args.ways!r}, {args.cases!r}")
+    if set(ways) - set(WAYS) or set(cases) - {"fwd", "train", "kv"}:
+        ap.error(f"--ways from {', '.join(WAYS)}; --cases from fwd, train, kv; got {args.ways!r}, {args.cases!r}")
     import triton.testing
 
     flash = fa4()
-    entries = (fwd_entries(flash) if "fwd" in cases else []) + (kv_entries(flash) if "kv" in cases else [])
+    entries = (
+        (fwd_entries(flash) if "fwd" in cases else [])
+        + (train_entries() if "train" in cases else [])
+        + (kv_entries(flash) if "kv" in cases else [])
+    )
     for _, _, fn, _ in entries:
         fn()
     torch.cuda.synchronize()

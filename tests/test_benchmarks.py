@@ -1734,6 +1734,43 @@ def test_kernel_way_sums_the_gpu_events_a_call(monkeypatch):
     assert "kernel" in _load("timing_methods").WAYS and "kernel" in _load("kernel_ab").TIMERS
 
 
+def test_timing_methods_train_rows_run_the_backward_of_their_forward(monkeypatch):
+    # issue 36's training rows: each step is the kernel forward, then the backward of that forward's output and
+    # logsumexp with the row's params; softcap rows are read against the plain row of their band
+    import torch
+
+    timing_methods = _load("timing_methods")
+    randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *shape, device=None, dtype=None: randn(*shape, dtype=dtype))
+    calls = []
+
+    class Entry:
+        @staticmethod
+        def attention_forward(q, k, v, bias, p):
+            calls.append(("fwd", p.softcap, p.window_right))
+            return "out", "lse"
+
+        @staticmethod
+        def attention_backward(do, q, k, v, bias, out, lse, seed, p):
+            calls.append(("bwd", out, lse, p.softcap, p.window_right))
+            return "grads"
+
+    monkeypatch.setattr(timing_methods, "entry", Entry)
+    monkeypatch.setattr(timing_methods, "FWD_SHAPE", (1, 2, 8, 16))
+    rows = timing_methods.train_entries()
+    assert [(label, base) for label, base, _, _ in rows] == [
+        ("train plain", "train plain"),
+        ("train softcap", "train plain"),
+        ("train causal plain", "train causal plain"),
+        ("train causal softcap", "train causal plain"),
+    ]
+    assert rows[1][3] == 3.5 * 4 * 2 * 8 * 8 * 16 and rows[3][3] == rows[1][3] / 2
+    assert rows[3][2]() == "grads"
+    assert calls == [("fwd", 30.0, 0), ("bwd", "out", "lse", 30.0, 0)]
+    with pytest.raises(SystemExit):
+        timing_methods.main(["--cases", "fwd,training"])
+
+
 def test_features_kernel_timer_times_each_variant_by_its_kernels(monkeypatch, capsys):
     import torch
 
