@@ -364,7 +364,7 @@ EOF
              # TM_CASES (fwd,kv; train: the forward rows with their backward), TM_WAYS, TM_ROUNDS (6): ~2-3 minutes
              # warm; E147, E148)
     python3 benchmarks/timing_methods.py --cases "${TM_CASES:-fwd,kv}" --ways "${TM_WAYS:-b2b,each,flushed,do_bench,sustained,kernel}" \
-      --rounds "${TM_ROUNDS:-6}" --json "$out/timing.json" --commit "$sha" 2>&1 | grep -v -i warn | tail -n 16 ;;
+      --rounds "${TM_ROUNDS:-6}" --json "$out/timing.json" --commit "$sha" 2>&1 | grep -v -i warn | tail -n 24 ;;
   ncu)       # perf-notes E113 (issues 34, 36): Nsight Compute's ground truth, one call of each benchmarks/ncu_target.py
              # case (plain softcap plain-causal softcap-causal kv-chunk fa4-chunk; NCU_CASES="..." for others, e.g.
              # "plain-train softcap-train softcap-causal-train" for the backward's dK/dV pass): tensor,
