@@ -239,35 +239,15 @@ def _ws_consumer(
             acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
             l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    elif HAS_BIAS or not OWN_TILES:  # a bias: every consumer releases every bias slot, so reads every tile
-        acc, m_i, l_i = _consume(
-            q_buf,
-            k_bufs,
-            v_bufs,
-            bars,
-            bias,
-            qk_scale,
-            rows,
-            q_start,
-            first,
-            n_tiles,
-            n_full,
-            WG,
-            WINDOW_LEFT,
-            WINDOW_RIGHT,
-            HAS_BIAS,
-            BIAS_STAGES,
-            MAY_EMPTY,
-            softcap_in,
-            softcap,
-            SOFTCAP,
-            alibi_slope,
-            alibi_off,
-            HAS_ALIBI,
-        )
-    else:  # only this warpgroup's own tiles; the ring's other slots released unread (E151)
-        n_own, n_full_own = _own_tiles(q_start, seq_q, n_tiles, n_full, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_N)
-        if n_own > 0:
+    else:
+        # OWN: only this warpgroup's key tiles, up to its own diagonal, the ring's other slots released unread
+        # (E151); a bias ring's slots are released by every consumer, so with a bias each reads every tile
+        OWN: gl.constexpr = OWN_TILES and not HAS_BIAS
+        n_use = n_tiles
+        n_full_use = n_full
+        if OWN:
+            n_use, n_full_use = _own_tiles(q_start, seq_q, n_tiles, n_full, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_N)
+        if n_use > 0 or not OWN:
             acc, m_i, l_i = _consume(
                 q_buf,
                 k_bufs,
@@ -278,8 +258,8 @@ def _ws_consumer(
                 rows,
                 q_start,
                 first,
-                n_own,
-                n_full_own,
+                n_use,
+                n_full_use,
                 WG,
                 WINDOW_LEFT,
                 WINDOW_RIGHT,
@@ -297,7 +277,8 @@ def _ws_consumer(
             acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
             l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_s)
-        _pass_tiles(bars, n_own, n_tiles, k_bufs.shape[0])
+        if OWN:
+            _pass_tiles(bars, n_use, n_tiles, k_bufs.shape[0])
 
     if HAS_BIAS or LENS:  # a row with no allowed key: output 0, logsumexp -inf
         empty = l_i == 0.0
