@@ -76,13 +76,18 @@ def load_other(tree: Path, package: str = "attention_dispatch_b"):
     return tuple(importlib.import_module(f"{package}.kernels.{m}") for m in ("decode", "entry", "params"))
 
 
+def row_params(params, head_d: int, causal: bool, softcap: float = 0.0):
+    """A dense row's ``params.KernelParams`` (``params``: a tree's kernels.params module): bottom-right when causal."""
+    return params.KernelParams(
+        scale=head_d**-0.5, window_right=0 if causal else -1, align_bottom_right=True, softcap=softcap
+    )
+
+
 def dense_calls(sides, q, k, v, causal: bool, softcap: float = 0.0) -> dict:
     """Each side's ``entry.attention_forward`` on q, k, v (bottom-right when causal), inference."""
     calls = {}
     for name, (_, entry, params) in sides.items():
-        p = params.KernelParams(
-            scale=q.shape[-1] ** -0.5, window_right=0 if causal else -1, align_bottom_right=True, softcap=softcap
-        )
+        p = row_params(params, q.shape[-1], causal, softcap)
         calls[name] = lambda entry=entry, p=p: entry.attention_forward(q, k, v, None, p, need_lse=False)[0]
     return calls
 
@@ -117,9 +122,7 @@ def bwd_calls(row, sides):
     q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     calls = {}
     for name, (_, entry, params) in sides.items():
-        p = params.KernelParams(
-            scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True, softcap=softcap
-        )
+        p = row_params(params, D, causal, softcap)
         if name == "A":
             out, lse = entry.attention_forward(q, k, v, None, p)
         calls[name] = lambda entry=entry, p=p: entry.attention_backward(do, q, k, v, None, out, lse, None, p)[:3]

@@ -43,7 +43,7 @@ from attention_dispatch.kernels.decode import kv_forward  # noqa: E402
 from attention_dispatch.kernels.params import KernelParams  # noqa: E402
 from benchmarks.decode import fa4, kernel_ms  # noqa: E402
 from benchmarks.gpu_clocks import ClockSampler, window_stats  # noqa: E402
-from benchmarks.kernel_ab import FWD_ROWS, FWD_SHAPE, SOFTCAP, dense_calls  # noqa: E402
+from benchmarks.kernel_ab import FWD_ROWS, FWD_SHAPE, SOFTCAP, dense_calls, row_params  # noqa: E402
 from benchmarks.turns import turn_order  # noqa: E402
 from benchmarks.kv_device_ab import ROWS as KV_ROWS  # noqa: E402
 from benchmarks.kv_device_ab import per_call_ms, row_inputs  # noqa: E402
@@ -102,7 +102,7 @@ def train_entries() -> list:
     q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     entries = []
     for label, causal, softcap in FWD_ROWS:
-        p = KernelParams(scale=D**-0.5, window_right=0 if causal else -1, align_bottom_right=True, softcap=softcap)
+        p = row_params(params, D, causal, softcap)
 
         def step(p=p):
             out, lse = entry.attention_forward(q, k, v, None, p)

@@ -240,14 +240,14 @@ def _ws_consumer(
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
             l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
     else:
-        # OWN: only this warpgroup's key tiles, up to its own diagonal, the ring's other slots released unread
-        # (E151); a bias ring's slots are released by every consumer, so with a bias each reads every tile
-        OWN: gl.constexpr = OWN_TILES and not HAS_BIAS
+        # OWN_TILES (causal): only this warpgroup's key tiles, up to its own diagonal, the ring's other slots
+        # released unread (E151); a bias ring's slots are released by every consumer, so never with a bias
+        gl.static_assert(not (OWN_TILES and HAS_BIAS))
         n_use = n_tiles
         n_full_use = n_full
-        if OWN:
-            n_use, n_full_use = _own_tiles(q_start, seq_q, n_tiles, n_full, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_N)
-        if n_use > 0 or not OWN:
+        if OWN_TILES:
+            n_use, n_full_use = _own_tiles(q_start, seq_q, n_tiles, n_full, BLOCK_N)
+        if n_use > 0 or not OWN_TILES:  # rows past Sq read nothing (OWN_TILES only)
             acc, m_i, l_i = _consume(
                 q_buf,
                 k_bufs,
@@ -277,7 +277,7 @@ def _ws_consumer(
             acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
             l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_s)
-        if OWN:
+        if OWN_TILES:
             _pass_tiles(bars, n_use, n_tiles, k_bufs.shape[0])
 
     if HAS_BIAS or LENS:  # a row with no allowed key: output 0, logsumexp -inf

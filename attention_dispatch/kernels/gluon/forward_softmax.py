@@ -296,18 +296,12 @@ def _step(
 
 
 @gluon.jit
-def _own_tiles(
-    q_start, seq_q, n_tiles, n_full, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr
-):
-    """(the key tiles this consumer reads, how many of them need no mask) of its program's ``n_tiles`` / ``n_full``
-    (a plain launch: the first key tile 0 when causal): none where its rows start past Sq (the last program's later
-    warpgroups); causal, up to its own diagonal (three warpgroups over 64-key tiles: the first stops two tiles before
-    the program's last, E151)."""
-    n_own = n_tiles
-    n_full_own = n_full
-    if _causal(WINDOW_LEFT, WINDOW_RIGHT):
-        n_own = gl.minimum(n_tiles, gl.cdiv(q_start + WG_ROWS, BLOCK_N))
-        n_full_own = gl.minimum(q_start // BLOCK_N, n_own)
+def _own_tiles(q_start, seq_q, n_tiles, n_full, BLOCK_N: gl.constexpr):
+    """(the key tiles this consumer reads, how many of them need no mask) of its causal program's ``n_tiles`` /
+    ``n_full`` (a plain launch: the first key tile 0): up to its own diagonal (three warpgroups over 64-key tiles:
+    the first stops two tiles before the program's last, E151), none where its rows start past Sq."""
+    n_own = gl.minimum(n_tiles, gl.cdiv(q_start + WG_ROWS, BLOCK_N))
+    n_full_own = gl.minimum(q_start // BLOCK_N, n_own)
     if q_start >= seq_q:
         n_own = 0
     return n_own, n_full_own
