@@ -124,8 +124,8 @@ def bwd_calls(row, sides):
     for name, (_, entry, params) in sides.items():
         p = row_params(params, D, causal, softcap)
         if name == "A":
-            out, lse = entry.attention_forward(q, k, v, None, p)
-        calls[name] = lambda entry=entry, p=p: entry.attention_backward(do, q, k, v, None, out, lse, None, p)[:3]
+            out, lse, seed = entry.attention_forward(q, k, v, None, p)
+        calls[name] = lambda entry=entry, p=p: entry.attention_backward(do, q, k, v, None, out, lse, seed, p)[:3]
     # features.py's count: the backward's five products against the forward's two
     return label.replace("fwd", "bwd", 1), calls, 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
 

@@ -105,8 +105,8 @@ def train_entries() -> list:
         p = row_params(params, D, causal, softcap)
 
         def step(p=p):
-            out, lse = entry.attention_forward(q, k, v, None, p)
-            return entry.attention_backward(do, q, k, v, None, out, lse, None, p)
+            out, lse, seed = entry.attention_forward(q, k, v, None, p)
+            return entry.attention_backward(do, q, k, v, None, out, lse, seed, p)
 
         train = label.replace("fwd", "train", 1)
         # features.py's count: the forward's two products and the backward's five

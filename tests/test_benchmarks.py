@@ -1748,11 +1748,11 @@ def test_timing_methods_train_rows_run_the_backward_of_their_forward(monkeypatch
         @staticmethod
         def attention_forward(q, k, v, bias, p):
             calls.append(("fwd", p.softcap, p.window_right))
-            return "out", "lse"
+            return "out", "lse", "seed"  # as kernels/entry.attention_forward: out, logsumexp, dropout stream
 
         @staticmethod
         def attention_backward(do, q, k, v, bias, out, lse, seed, p):
-            calls.append(("bwd", out, lse, p.softcap, p.window_right))
+            calls.append(("bwd", out, lse, seed, p.softcap, p.window_right))
             return "grads"
 
     monkeypatch.setattr(timing_methods, "entry", Entry)
@@ -1766,7 +1766,7 @@ def test_timing_methods_train_rows_run_the_backward_of_their_forward(monkeypatch
     ]
     assert rows[1][3] == 3.5 * 4 * 2 * 8 * 8 * 16 and rows[3][3] == rows[1][3] / 2
     assert rows[3][2]() == "grads"
-    assert calls == [("fwd", 30.0, 0), ("bwd", "out", "lse", 30.0, 0)]
+    assert calls == [("fwd", 30.0, 0), ("bwd", "out", "lse", "seed", 30.0, 0)]
     with pytest.raises(SystemExit):
         timing_methods.main(["--cases", "fwd,training"])
 

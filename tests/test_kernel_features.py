@@ -575,6 +575,35 @@ def test_gpu_gluon_backward_softcap_alibi_gqa(extra):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(
+    "d,causal,group,dtype,extra",
+    [
+        (128, None, 1, BF16, {}),  # dQ fused, 64-row tiles: each warpgroup's half of dQ's columns from both K tiles
+        (128, "bottom_right", 4, BF16, {}),
+        (64, None, 2, BF16, {}),  # 128-row tiles: each warpgroup's half of dQ's rows
+        (128, None, 2, BF16, dict(deterministic=True)),  # the separate dQ pass: its Q tiles folded
+        (128, "bottom_right", 1, BF16, dict(window=(1500, 0))),
+        (128, None, 1, F16, {}),  # float16 keeps the scale in the step
+    ],
+    ids=str,
+)
+def test_gpu_gluon_backward_softcap_folds_the_scale(d, causal, group, dtype, extra):
+    """The Gluon backward with a softcap alone folds the tanh's scale into each pass's stationary tile (E152,
+    bfloat16): the dK/dV pass's K (the fused dQ reads both warpgroups' folded tiles), the dQ pass's Q; dQ, dK
+    and dV against naive."""
+    extra = dict(extra)
+    window = extra.pop("window", None)
+    heads_kv = 4 // group  # four query heads of 4096 rows: at least WS_MIN_WORK, the Gluon route
+    q = rand(1, 4, 4096, d, dtype=dtype)
+    k, v = rand(1, heads_kv, 4096, d, dtype=dtype), rand(1, heads_kv, 4096, d, dtype=dtype)
+    params = _params(causal, window, d**-0.5, softcap=20.0, **extra)
+    steps = describe_route(q, k, v, None, params, backward=True)
+    assert steps[1][1] == "gluon", steps
+    check(q, k, v, causal=causal, window=window, softcap=20.0, **extra)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
     "d,extra",
     [
         (128, {}),
@@ -597,6 +626,56 @@ def test_gpu_gluon_alibi_small_slopes(d, extra):
     steps = describe_route(q, k, v, None, params, backward=True, alibi=torch.ones(1, 4, device=DEV))
     assert steps[0][1] == "gluon" and steps[1][1] == "gluon", steps
     check(q, k, v, causal=causal, alibi=2.0**-8, **extra)
+
+
+@pytest.mark.parametrize(
+    "label,mufu,fmul",
+    [
+        # dK/dV (dQ fused): 32 scores a thread, 64 MUFU (tanh, ex2; the plain step has one more too), FMUL for
+        # P (1 - t^2), dS and the dQ partial's scale: 96, 128 without the fold
+        ("ws dkdv+dq d=128 dense rows=(1, 1, 1) softcap", 65, 96),
+        # the dQ pass: 64 scores a thread, FMUL for P (1 - t^2) and dS: 128, 192 without the fold
+        ("ws dq d=128 dense rows=(1, 1, 1) softcap", 128, 128),
+    ],
+    ids=["dkdv", "dq"],
+)
+def test_gluon_backward_softcap_steps_fold_the_tanh_scale(tmp_path, monkeypatch, label, mufu, fmul):
+    """The backward passes' softcap steps multiply no score by the tanh's scale (folded once a program into
+    the stationary tile: the dK/dV pass's K, the dQ pass's Q, E152).  Compiled for sm90 with the Triton the Gluon
+    kernels are written for (skipped elsewhere; run with /tmp/t36)."""
+    import subprocess
+
+    import triton
+
+    from attention_dispatch.kernels.gluon import route as gluon_route
+
+    if not triton.__version__.startswith(gluon_route.GLUON_TRITON_VERSIONS):
+        pytest.skip("the Gluon kernels compile with the Triton they are written for (run with /tmp/t36)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bench = os.path.join(root, "benchmarks")
+    script = (
+        f"import sys; sys.path[:0] = [{root!r}, {bench!r}]\n"
+        "import compile_sm90 as c\n"
+        "for d, cfg, label, const in c.ws_backward_cases():\n"
+        f"    if label == {label!r}:\n"
+        "        err, kernel = c.compile_ws_case(d, cfg, const)\n"
+        "        assert err is None, err\n"
+        f"        open({str(tmp_path / 'k.cubin')!r}, 'wb').write(kernel.asm['cubin'])\n"
+        "        break\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    monkeypatch.syspath_prepend(bench)
+    import sass_loop
+
+    ins = sass_loop.instructions(sass_loop.sass_text(str(tmp_path / "k.cubin"), None))
+    steps = sass_loop.loops(ins, 8)
+    assert len(steps) == 2, steps  # one step loop a consumer warpgroup
+    for start, end in steps:
+        body = [op for a, _, op, _ in ins if start <= a <= end]
+        assert sum(op.startswith("MUFU") for op in body) == mufu, (hex(start), body)
+        assert sum(op.startswith("FMUL") for op in body) == fmul, (hex(start), body)
 
 
 @gpu

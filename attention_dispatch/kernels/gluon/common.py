@@ -454,6 +454,29 @@ def _score_scales(qk_scale, softcap, alibi_slope, HAS_BIAS: gl.constexpr, SOFTCA
     return scale, to_nat, alibi_slope * LOG2E / scale
 
 
+@gluon.constexpr_function
+def _v_chunk_layout(head_d):
+    """Registers of a (16, head_d) 16-bit tile over one warpgroup, 8 contiguous elements a thread."""
+    cols = min(32, head_d // 8)
+    return gl.BlockedLayout([1, 8], [32 // cols, cols], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _scale_in_place(tile, factor):
+    """The shared-memory tile ``tile`` (rows, head dim) times ``factor`` in place (float32, rounded back to its
+    dtype), 16 rows at a time, by one warpgroup: a softcap's tanh argument then comes out of the product that
+    reads it (the forward's Q, E150; the dK/dV pass's K, E152)."""
+    BLOCK_M: gl.constexpr = tile.shape[0]
+    HEAD_D: gl.constexpr = tile.shape[1]
+    CH: gl.constexpr = 16
+    layout: gl.constexpr = _v_chunk_layout(HEAD_D)
+    for c in gl.static_range(BLOCK_M // CH):
+        chunk = tile.slice(c * CH, CH)
+        vals = chunk.load(layout)
+        chunk.store((vals.to(gl.float32) * factor).to(vals.dtype))
+    fence_async_shared()  # the generic stores before the wgmma's async read
+
+
 @gluon.jit
 def _score_transform(
     sc,

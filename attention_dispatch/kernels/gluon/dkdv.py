@@ -22,6 +22,7 @@ from .common import (
     _masked,
     _program_row,
     _q_tiles,
+    _scale_in_place,
     _score_scales,
     _score_transform,
     _small_int_f32,
@@ -230,6 +231,14 @@ def _ws_bwd_consumer(
         else:
             zero_dq = gl.zeros([WG_ROWS, DQ_COLS], gl.float32, _wgmma_layout(DQ_COLS))
     mbarrier.wait(kv_bar, 0)
+    # the tanh's argument scale folded into this warpgroup's K tile once, before any product reads it (the other
+    # warpgroup's dQ products read it after this one's first dS): one FMUL a score fewer; dQ = dS (K * softcap_in)
+    # takes 1 / softcap_in back in its one scale (E152, bfloat16 as the forward's E150)
+    dq_scale = sm_scale
+    if SOFTCAP and dtype == gl.bfloat16:
+        _scale_in_place(k_buf, softcap_in)
+        dq_scale = sm_scale / softcap_in
+        softcap_in = 1.0
     for t in range(group * n_m):
         mi = _q_tile(t, m_lo, n_m, pid_n, FUSE_DQ)
         s = t % STAGES
@@ -337,7 +346,7 @@ def _ws_bwd_consumer(
             tma.store_wait(DQ_STAGES - 1)
             gl.thread_barrier()
             dq_buf = dq_bufs.index((t % DQ_STAGES) * 2 + WG)
-            dq_buf.store(dq * sm_scale)
+            dq_buf.store(dq * dq_scale)
             fence_async_shared()
             row0 = (dq_head0 + t // n_m) * dq_head_rows + mi * BLOCK_M + dq_row
             _tma_reduce_add(dq_desc, [row0, dq_col], dq_buf)

@@ -26,6 +26,8 @@ from .common import (
     _small_int_f32,
     _softmax_step,
     _wgmma_layout,
+    _scale_in_place,
+    _v_chunk_layout,
     _wgmma_operand,
 )
 
@@ -74,28 +76,6 @@ def _transformed(
     if ALIBI_SPLIT:
         sc, roff = _alibi_split(sc, cr, ckj, tile * BLOCK_N - key0, alibi_coef, sc.shape[0], BLOCK_N, ALIBI_LEFT)
     return sc, roff
-
-
-@gluon.constexpr_function
-def _v_chunk_layout(head_d):
-    """Registers of a (16, head_d) 16-bit tile over one warpgroup, 8 contiguous elements a thread."""
-    cols = min(32, head_d // 8)
-    return gl.BlockedLayout([1, 8], [32 // cols, cols], [4, 1], [1, 0])
-
-
-@gluon.jit
-def _fold_into_q(q_buf, factor):
-    """The query tile ``q_buf`` times ``factor`` in place (float32, rounded back to its dtype), 16 rows at a
-    time: a bounded softcap's tanh argument then comes out of the product (E150)."""
-    BLOCK_M: gl.constexpr = q_buf.shape[0]
-    HEAD_D: gl.constexpr = q_buf.shape[1]
-    CH: gl.constexpr = 16
-    layout: gl.constexpr = _v_chunk_layout(HEAD_D)
-    for c in gl.static_range(BLOCK_M // CH):
-        chunk = q_buf.slice(c * CH, CH)
-        vals = chunk.load(layout)
-        chunk.store((vals.to(gl.float32) * factor).to(vals.dtype))
-    fence_async_shared()  # the generic stores before the wgmma's async read
 
 
 @gluon.jit
@@ -388,7 +368,7 @@ def _consume(
     # the tanh's argument scale folded into Q once: one FMUL a score fewer (E150: forward +3.4% dense, +1.6%
     # causal); Q * scale / softcap rounded to bfloat16 moves a score by ~2^-9 of its terms, within DESIGN 7's budget
     if BOUNDED:
-        _fold_into_q(q_buf, softcap_in)
+        _scale_in_place(q_buf, softcap_in)
         softcap_in = 1.0
 
     # tile 0: its scores start the running max and sum
