@@ -11,8 +11,9 @@ emptied: the tl kernels' exact tanh; the Gluon kernels keep tanh.approx), "softc
 times LARGE_Q: logits past the Gluon forward's tanh polynomial in every warp, perf-notes E129), "alibi" (slopes (B, Hq)),
 "sinks" (requiring grad) and "lse-grad" (the loss reads the returned logsumexp too); flash-attn 4
 beside them where it is installed: "fa4", "fa4-softcap", "fa4-sinks" (its ``learnable_sink``), their
-ratios to "fa4".  Rounds are interleaved; each prints the median milliseconds and the ratio to
-"plain" (FA4's to "fa4") and, where it ran, to "plain-tl".
+ratios to "fa4".  Rounds are interleaved, their order turned each round; each prints the median milliseconds,
+the ratio to "plain" (FA4's to "fa4") and, where it ran, to "plain-tl", then the median (min-max) of each
+round's own ratio to "plain" ("paired").
 Also prints the softcap's error against float64 with each tanh (S=512), beside bf16's own.
 Timer: triton.testing.do_bench (default), or ``kernel``: the GPU time of the kernels a call runs, CUPTI
 durations over a burst of 10 calls from an idle GPU (decode.kernel_ms; steadier on a GPU at its power
@@ -144,6 +145,13 @@ def softcap_errors(dtype=torch.bfloat16, s=512):
     return errs
 
 
+def paired_ratios(times: list, base_times: list) -> tuple:
+    """(min, median, max) of each round's time over its base's time in the same round: the drift between
+    rounds (the GPU's clocks at its power limit) cancels within a round."""
+    ratios = sorted(t / b for t, b in zip(times, base_times))
+    return ratios[0], statistics.median(ratios), ratios[-1]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=4096)
@@ -178,7 +186,8 @@ def main(argv=None) -> int:
             print(f"budget reached after {r} rounds", flush=True)
             break
         for mode in ("fwd", "fwd+bwd"):
-            for name in variants:
+            # the order turns each round: a variant timed always after the others would always meet a warmer GPU
+            for name in variants[r % len(variants) :] + variants[: r % len(variants)]:
                 with variant_setting(name):
                     fn = make_call(name, q, k, v, args.causal, mode == "fwd+bwd")
                     if args.timer == "kernel":
@@ -191,13 +200,15 @@ def main(argv=None) -> int:
     for mode in ("fwd", "fwd+bwd"):
         base_tl = statistics.median(times[("plain-tl", mode)]) if "plain-tl" in variants else None
         for name in variants:
-            base = statistics.median(times[("fa4" if name.startswith("fa4") else "plain", mode)])
+            base_name = "fa4" if name.startswith("fa4") else "plain"
+            base = statistics.median(times[(base_name, mode)])
             ms = statistics.median(times[(name, mode)])
             tflops = flops * (3.5 if mode == "fwd+bwd" else 1.0) / ms / 1e9
             of_tl = f"  x{ms / base_tl:5.3f} of plain-tl" if base_tl else ""
+            lo, mid, hi = paired_ratios(times[(name, mode)], times[(base_name, mode)])
             print(
                 f"{label} {mode:8s} {name:15s} {ms:8.3f} ms {tflops:6.0f} TFLOP/s  "
-                f"x{ms / base:5.3f} of {'fa4' if name.startswith('fa4') else 'plain'}{of_tl}",
+                f"x{ms / base:5.3f} of {base_name}{of_tl}  paired x{mid:5.3f} ({lo:5.3f}-{hi:5.3f})",
                 flush=True,
             )
     return 0

@@ -1789,6 +1789,27 @@ def test_features_kernel_timer_times_each_variant_by_its_kernels(monkeypatch, ca
     assert "timer kernel" in out and "2.000 ms" in out and "x1.000 of plain" in out
 
 
+def test_features_turns_the_order_each_round_and_pairs_each_round_with_plain(monkeypatch, capsys):
+    # round r starts at variant r: softcap is timed before plain in round 1; "paired" reads each round's own
+    # ratio (softcap 3 ms against plain 2 ms, then 6 against 4: x1.5 both), the drift between rounds cancels
+    import torch
+
+    features = _load("features")
+    order = []
+    ms = {"plain": iter([2.0, 2.0, 4.0, 4.0]), "softcap": iter([3.0, 3.0, 6.0, 6.0])}  # fwd, fwd+bwd a round
+    monkeypatch.setattr(features, "make_call", lambda name, *a: (lambda: name))
+    monkeypatch.setattr(features, "kernel_ms", lambda fn, reps: order.append(fn()) or next(ms[fn()]))
+    randn = torch.randn
+    monkeypatch.setattr(features.torch, "randn", lambda *a, device=None, **k: randn(*a, **k))
+    monkeypatch.setattr(features.torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    argv = ["--timer", "kernel", "--variants", "plain,softcap", "--rounds", "2", "--seq", "64", "--batch", "1"]
+    assert features.main(argv) == 0
+    assert order == ["plain", "softcap"] * 2 + ["softcap", "plain"] * 2
+    line = next(x for x in capsys.readouterr().out.splitlines() if "fwd " in x and "softcap" in x)
+    assert "x1.500 of plain" in line and "paired x1.500 (1.500-1.500)" in line
+    assert features.paired_ratios([3.0, 5.0, 4.0], [2.0, 2.0, 2.0]) == (1.5, 2.0, 2.5)
+
+
 def test_decode_kernel_timer_reads_cupti_bursts_and_says_so(monkeypatch):
     decode = _load("decode")
     bursts = []
