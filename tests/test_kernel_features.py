@@ -470,10 +470,10 @@ def test_gluon_bounded_softcap_forward_takes_three_consumers():
         assert not cfg.forward_own_tiles(-1, 0, False), cfg
 
 
-def test_gluon_bounded_softcap_step_folds_the_tanh_scale_into_q(tmp_path, monkeypatch):
-    """The bounded softcap forward's step loops multiply no score by the tanh's scale (folded into Q once a
-    program, E150): per step a thread's 32 scores take 64 MUFU ops (tanh, ex2) and no FMUL.  Compiled for
-    sm90 with the Triton the Gluon kernels are written for (skipped elsewhere; run with /tmp/t36)."""
+def _sm90_step_loops(tmp_path, monkeypatch, cases: str, label: str) -> list:
+    """Each step loop's SASS opcodes (sass_loop.loops, 8 HGMMA or more) of compile_sm90's case ``label`` (from
+    its ``cases`` generator: ws_cases or ws_backward_cases), compiled for sm90 in a subprocess with the Triton
+    the Gluon kernels are written for (skips elsewhere; run with /tmp/t36)."""
     import subprocess
 
     import triton
@@ -487,12 +487,10 @@ def test_gluon_bounded_softcap_step_folds_the_tanh_scale_into_q(tmp_path, monkey
     script = (
         f"import sys; sys.path[:0] = [{root!r}, {bench!r}]\n"
         "import compile_sm90 as c\n"
-        "for d, cfg, label, const in c.ws_cases():\n"
-        "    if label.startswith('ws d=128 dense rows=(1, 1) lse=True softcap-bounded'):\n"
-        "        err, kernel = c.compile_ws_case(d, cfg, const)\n"
-        "        assert err is None, err\n"
-        f"        open({str(tmp_path / 'k.cubin')!r}, 'wb').write(kernel.asm['cubin'])\n"
-        "        break\n"
+        f"case = next(x for x in c.{cases}() if x[2] == {label!r})\n"
+        "err, kernel = c.compile_ws_case(case[0], case[1], case[3])\n"
+        "assert err is None, err\n"
+        f"open({str(tmp_path / 'k.cubin')!r}, 'wb').write(kernel.asm['cubin'])\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
@@ -501,12 +499,18 @@ def test_gluon_bounded_softcap_step_folds_the_tanh_scale_into_q(tmp_path, monkey
     import sass_loop
 
     ins = sass_loop.instructions(sass_loop.sass_text(str(tmp_path / "k.cubin"), None))
-    steps = sass_loop.loops(ins, 8)
+    return [[op for a, _, op, _ in ins if start <= a <= end] for start, end in sass_loop.loops(ins, 8)]
+
+
+def test_gluon_bounded_softcap_step_folds_the_tanh_scale_into_q(tmp_path, monkeypatch):
+    """The bounded softcap forward's step loops multiply no score by the tanh's scale (folded into Q once a
+    program, E150): per step a thread's 32 scores take 64 MUFU ops (tanh, ex2) and no FMUL."""
+    label = "ws d=128 dense rows=(1, 1) lse=True softcap-bounded consumers=3 block_n=64 stages=3"
+    steps = _sm90_step_loops(tmp_path, monkeypatch, "ws_cases", label)
     assert len(steps) == 3, steps  # one step loop a consumer warpgroup
-    for start, end in steps:
-        body = [op for a, _, op, _ in ins if start <= a <= end]
-        assert sum(op.startswith("MUFU") for op in body) == 64, (hex(start), body)
-        assert not [op for op in body if op.startswith("FMUL")], (hex(start), body)
+    for body in steps:
+        assert sum(op.startswith("MUFU") for op in body) == 64, body
+        assert not [op for op in body if op.startswith("FMUL")], body
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -641,41 +645,12 @@ def test_gpu_gluon_alibi_small_slopes(d, extra):
 )
 def test_gluon_backward_softcap_steps_fold_the_tanh_scale(tmp_path, monkeypatch, label, mufu, fmul):
     """The backward passes' softcap steps multiply no score by the tanh's scale (folded once a program into
-    the stationary tile: the dK/dV pass's K, the dQ pass's Q, E152).  Compiled for sm90 with the Triton the Gluon
-    kernels are written for (skipped elsewhere; run with /tmp/t36)."""
-    import subprocess
-
-    import triton
-
-    from attention_dispatch.kernels.gluon import route as gluon_route
-
-    if not triton.__version__.startswith(gluon_route.GLUON_TRITON_VERSIONS):
-        pytest.skip("the Gluon kernels compile with the Triton they are written for (run with /tmp/t36)")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    bench = os.path.join(root, "benchmarks")
-    script = (
-        f"import sys; sys.path[:0] = [{root!r}, {bench!r}]\n"
-        "import compile_sm90 as c\n"
-        "for d, cfg, label, const in c.ws_backward_cases():\n"
-        f"    if label == {label!r}:\n"
-        "        err, kernel = c.compile_ws_case(d, cfg, const)\n"
-        "        assert err is None, err\n"
-        f"        open({str(tmp_path / 'k.cubin')!r}, 'wb').write(kernel.asm['cubin'])\n"
-        "        break\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    monkeypatch.syspath_prepend(bench)
-    import sass_loop
-
-    ins = sass_loop.instructions(sass_loop.sass_text(str(tmp_path / "k.cubin"), None))
-    steps = sass_loop.loops(ins, 8)
+    the stationary tile: the dK/dV pass's K, the dQ pass's Q, E152)."""
+    steps = _sm90_step_loops(tmp_path, monkeypatch, "ws_backward_cases", label)
     assert len(steps) == 2, steps  # one step loop a consumer warpgroup
-    for start, end in steps:
-        body = [op for a, _, op, _ in ins if start <= a <= end]
-        assert sum(op.startswith("MUFU") for op in body) == mufu, (hex(start), body)
-        assert sum(op.startswith("FMUL") for op in body) == fmul, (hex(start), body)
+    for body in steps:
+        assert sum(op.startswith("MUFU") for op in body) == mufu, body
+        assert sum(op.startswith("FMUL") for op in body) == fmul, body
 
 
 @gpu
