@@ -1771,6 +1771,25 @@ def test_timing_methods_train_rows_run_the_backward_of_their_forward(monkeypatch
         timing_methods.main(["--cases", "fwd,training"])
 
 
+def test_train_and_bwd_rows_run_through_the_real_kernel_entry(monkeypatch):
+    # the fakes above stand in for kernels.entry; here the real one (the interpreter, a tiny shape) takes the
+    # calls timing_methods' train rows and kernel_ab's bwd rows make: a changed return or signature fails here
+    import torch
+
+    from attention_dispatch.kernels import entry, params
+
+    timing_methods, kernel_ab = _load("timing_methods"), _load("kernel_ab")
+    randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *shape, device=None, dtype=None: randn(*shape, dtype=dtype))
+    monkeypatch.setattr(timing_methods, "FWD_SHAPE", (1, 2, 16, 16))
+    monkeypatch.setattr(kernel_ab, "FWD_SHAPE", (1, 2, 16, 16))
+    grads = timing_methods.train_entries()[3][2]()  # train causal softcap
+    assert all(torch.isfinite(g).all() for g in grads[:3])
+    _, calls, _ = kernel_ab.bwd_calls(("fwd causal softcap", True, 30.0), {"A": (None, entry, params)})
+    dq, dk, dv = calls["A"]()
+    assert dq.shape == dk.shape == dv.shape == (1, 2, 16, 16) and torch.isfinite(dq).all()
+
+
 def test_features_kernel_timer_times_each_variant_by_its_kernels(monkeypatch, capsys):
     import torch
 
