@@ -8,8 +8,8 @@ Each ``DIR`` holds another tree (e.g. gpu_session.sh's scratch copy with a patch
 ``attention_dispatch`` is copied into a temporary folder as the package ``attention_dispatch_b<i>``
 and imported beside this one, so every tree's kernels compile and run in this process (B1, B2, ...:
 several patches against A in one call).  Only kernel entry points
-are called (``kernels.decode.kv_forward``, ``kernels.entry.attention_forward`` / ``attention_backward``): no autograd and no
-custom op, which a second copy could not register.  Cases:
+are called (``kernels.decode.kv_forward``, ``kernels.entry.attention_forward`` and ``attention_backward``):
+no autograd and no custom op, which a second copy could not register.  Cases:
 
 - ``kv``: kv_device_ab.py's rows (the chunked-prefill rows of issue 34) through ``kv_forward`` with a
   lengths tensor (the Gluon cache forward); ``program-cost``: its PROGRAM_COST_ROWS the same way (one
@@ -83,6 +83,13 @@ def row_params(params, head_d: int, causal: bool, softcap: float = 0.0):
     )
 
 
+def fwd_flops(shape, causal: bool) -> float:
+    """features.py's count of a (B, H, S, D) forward: 4 B H S^2 D, causal half the square (the backward's five
+    products 2.5 times it, training 3.5 times)."""
+    B, H, S, D = shape
+    return 4 * B * H * S * S * D / (2 if causal else 1)
+
+
 def dense_calls(sides, q, k, v, causal: bool, softcap: float = 0.0) -> dict:
     """Each side's ``entry.attention_forward`` on q, k, v (bottom-right when causal), inference."""
     calls = {}
@@ -111,8 +118,7 @@ def fwd_calls(row, sides):
     label, causal, softcap = row
     B, H, S, D = FWD_SHAPE
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    # features.py's count: causal halves the square
-    return label, dense_calls(sides, q, k, v, causal, softcap), 4 * B * H * S * S * D / (2 if causal else 1)
+    return label, dense_calls(sides, q, k, v, causal, softcap), fwd_flops(FWD_SHAPE, causal)
 
 
 def bwd_calls(row, sides):
@@ -126,8 +132,7 @@ def bwd_calls(row, sides):
         if name == "A":
             out, lse, seed = entry.attention_forward(q, k, v, None, p)
         calls[name] = lambda entry=entry, p=p: entry.attention_backward(do, q, k, v, None, out, lse, seed, p)[:3]
-    # features.py's count: the backward's five products against the forward's two
-    return label.replace("fwd", "bwd", 1), calls, 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
+    return label.replace("fwd", "bwd", 1), calls, 2.5 * fwd_flops(FWD_SHAPE, causal)
 
 
 def _max_abs_diff(a, b) -> float:

@@ -43,7 +43,7 @@ from attention_dispatch.kernels.decode import kv_forward  # noqa: E402
 from attention_dispatch.kernels.params import KernelParams  # noqa: E402
 from benchmarks.decode import fa4, kernel_ms  # noqa: E402
 from benchmarks.gpu_clocks import ClockSampler, window_stats  # noqa: E402
-from benchmarks.kernel_ab import FWD_ROWS, FWD_SHAPE, SOFTCAP, dense_calls, row_params  # noqa: E402
+from benchmarks.kernel_ab import FWD_ROWS, FWD_SHAPE, SOFTCAP, dense_calls, fwd_flops, row_params  # noqa: E402
 from benchmarks.turns import turn_order  # noqa: E402
 from benchmarks.kv_device_ab import ROWS as KV_ROWS  # noqa: E402
 from benchmarks.kv_device_ab import per_call_ms, row_inputs  # noqa: E402
@@ -84,7 +84,7 @@ def fwd_entries(flash) -> list:
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     entries = []
     for label, causal, softcap in FWD_ROWS:
-        flops = 4 * B * H * S * S * D / (2 if causal else 1)
+        flops = fwd_flops(FWD_SHAPE, causal)
         base = label.replace("softcap", "plain")
         (ours,) = dense_calls({"ours": (decode, entry, params)}, q, k, v, causal, softcap).values()
         entries.append((label, base, ours, flops))
@@ -109,10 +109,7 @@ def train_entries() -> list:
             return entry.attention_backward(do, q, k, v, None, out, lse, seed, p)
 
         train = label.replace("fwd", "train", 1)
-        # features.py's count: the forward's two products and the backward's five
-        entries.append(
-            (train, train.replace("softcap", "plain"), step, 3.5 * 4 * B * H * S * S * D / (2 if causal else 1))
-        )
+        entries.append((train, train.replace("softcap", "plain"), step, 3.5 * fwd_flops(FWD_SHAPE, causal)))
     return entries
 
 

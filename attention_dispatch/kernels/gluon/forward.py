@@ -197,88 +197,58 @@ def _ws_consumer(
     alibi_slope = 0.0
     if HAS_ALIBI:
         alibi_slope = gl.load(alibi_ptr + (pid_bh // num_heads) * alibi_sb + (pid_bh % num_heads) * alibi_sh)
+    # what this warpgroup's pass reads. A KV cache: each sequence's first L keys as a causal band from row q_start +
+    # diag (not causal: every row's diagonal at key L - 1, masking the keys past L in the last tile), the V rows past
+    # L zeroed. Otherwise the call's band; OWN_TILES (causal): only this warpgroup's key tiles, up to its own
+    # diagonal, the ring's other slots released unread (E151; a bias ring's slots are released by every consumer)
+    gl.static_assert(not (OWN_TILES and (HAS_BIAS or KV_LENS)))
+    BAND_LEFT: gl.constexpr = -1 if KV_LENS else WINDOW_LEFT
+    BAND_RIGHT: gl.constexpr = 0 if KV_LENS else WINDOW_RIGHT
+    n_use = n_tiles
+    n_full_use = n_full
+    v_keys = 0
     if KV_LENS:
-        seq_len = diag + seq_q
-        if n_tiles > 0:
-            # not causal: the keys past L (in the last tile) masked as a causal band whose every
-            # row's diagonal is key L - 1
-            if WINDOW_LEFT < 0 and WINDOW_RIGHT < 0:
-                mask_rows = gl.full([BLOCK_M], seq_len - 1, gl.int32, row_s)
-            else:
-                mask_rows = rows
-            CAUSAL_LEFT: gl.constexpr = -1
-            CAUSAL_RIGHT: gl.constexpr = 0
-            acc, m_i, l_i = _consume(
-                q_buf,
-                k_bufs,
-                v_bufs,
-                bars,
-                bias,
-                qk_scale,
-                mask_rows,
-                q_start + diag,
-                first,
-                n_tiles,
-                n_full,
-                WG,
-                CAUSAL_LEFT,
-                CAUSAL_RIGHT,
-                HAS_BIAS,
-                BIAS_STAGES,
-                MAY_EMPTY,
-                softcap_in,
-                softcap,
-                SOFTCAP,
-                alibi_slope,
-                alibi_off,
-                HAS_ALIBI,
-                seq_len,
-                True,
-            )
-        else:  # no key tile up to the diagonal (a row of the cache's first keys, or none: L = 0)
-            acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
-            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-            l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    else:
-        # OWN_TILES (causal): only this warpgroup's key tiles, up to its own diagonal, the ring's other slots
-        # released unread (E151); a bias ring's slots are released by every consumer, so never with a bias
-        gl.static_assert(not (OWN_TILES and HAS_BIAS))
-        n_use = n_tiles
-        n_full_use = n_full
-        if OWN_TILES:
-            n_use, n_full_use = _own_tiles(q_start, seq_q, n_tiles, n_full, BLOCK_N)
-        if n_use > 0 or not OWN_TILES:  # rows past Sq read nothing (OWN_TILES only)
-            acc, m_i, l_i = _consume(
-                q_buf,
-                k_bufs,
-                v_bufs,
-                bars,
-                bias,
-                qk_scale,
-                rows,
-                q_start,
-                first,
-                n_use,
-                n_full_use,
-                WG,
-                WINDOW_LEFT,
-                WINDOW_RIGHT,
-                HAS_BIAS,
-                BIAS_STAGES,
-                MAY_EMPTY,
-                softcap_in,
-                softcap,
-                SOFTCAP,
-                alibi_slope,
-                alibi_off,
-                HAS_ALIBI,
-            )
-        else:  # rows past Sq: nothing to store
-            acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
-            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-            l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_s)
-        if OWN_TILES:
-            _pass_tiles(bars, n_use, n_tiles, k_bufs.shape[0])
+        v_keys = diag + seq_q
+    if OWN_TILES:
+        n_use, n_full_use = _own_tiles(q_start, seq_q, n_tiles, n_full, BLOCK_N)
+    if n_use > 0 or not (KV_LENS or OWN_TILES):
+        band_rows = rows
+        if KV_LENS and WINDOW_LEFT < 0 and WINDOW_RIGHT < 0:
+            band_rows = gl.full([BLOCK_M], v_keys - 1, gl.int32, row_s)
+        acc, m_i, l_i = _consume(
+            q_buf,
+            k_bufs,
+            v_bufs,
+            bars,
+            bias,
+            qk_scale,
+            band_rows,
+            q_start + diag,
+            first,
+            n_use,
+            n_full_use,
+            WG,
+            BAND_LEFT,
+            BAND_RIGHT,
+            HAS_BIAS,
+            BIAS_STAGES,
+            MAY_EMPTY,
+            softcap_in,
+            softcap,
+            SOFTCAP,
+            alibi_slope,
+            alibi_off,
+            HAS_ALIBI,
+            v_keys,
+            LENS,
+        )
+    else:  # no key tile: a cache row before its first key (L = 0 too; made 0 below), or OWN_TILES rows before
+        # their first key or past Sq (a sum of 1: 0 out, -inf logsumexp, and nothing stored past Sq)
+        acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+        l_i = gl.full([BLOCK_M], 0.0 if KV_LENS else 1.0, gl.float32, row_s)
+    if OWN_TILES:
+        _pass_tiles(bars, n_use, n_tiles, k_bufs.shape[0])
 
     if HAS_BIAS or LENS:  # a row with no allowed key: output 0, logsumexp -inf
         empty = l_i == 0.0

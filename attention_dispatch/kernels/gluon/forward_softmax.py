@@ -21,13 +21,13 @@ from .common import (
     _mask_tile,
     _alibi_split,
     _release_bias,
+    _scale_in_place,
     _score_scales,
     _score_transform,
     _small_int_f32,
     _softmax_step,
-    _wgmma_layout,
-    _scale_in_place,
     _v_chunk_layout,
+    _wgmma_layout,
     _wgmma_operand,
 )
 
