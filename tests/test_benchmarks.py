@@ -1429,8 +1429,8 @@ def test_forward_ab_configured_changes_one_thing_and_restores_it(impl):
         inside = state()
         fuses_causal = route.fuse_dq_reason(causal, prob, False, False) is None
         groups = (
-            gluon_launch.lpt_rows(causal, prob, None, q),
-            gluon_launch.lpt_rows(KernelParams(scale=0.1), prob, None, q),
+            gluon_launch.lpt_rows(causal, prob, None, q, 32),
+            gluon_launch.lpt_rows(KernelParams(scale=0.1), prob, None, q, 32),
         )
     changed = [
         name

@@ -15,10 +15,11 @@ H100_L2 = 50 * 2**20
 CAUSAL = KernelParams(scale=0.1, window_left=-1, window_right=0)
 
 
-def _rows(monkeypatch, S, D, group=1, params=CAUSAL, bias=None, l2=H100_L2):
+def _rows(monkeypatch, S, D, group=1, params=CAUSAL, bias=None, l2=H100_L2, n_m_blocks=64, sms=132):
     monkeypatch.setattr(launch, "l2_bytes", lambda device: l2)
+    monkeypatch.setattr(launch, "device_info", lambda device: ((9, 0), 232448, sms))
     prob = SimpleNamespace(Sk=S, Dqk=D, Dv=D, group=group)
-    return launch.lpt_rows(params, prob, bias, torch.empty(0, dtype=torch.bfloat16))
+    return launch.lpt_rows(params, prob, bias, torch.empty(0, dtype=torch.bfloat16), n_m_blocks)
 
 
 @pytest.mark.parametrize(
@@ -33,6 +34,33 @@ def test_lpt_group_kv_fills_at_most_its_share_of_l2(monkeypatch, S, D, rows):
 
 def test_lpt_group_counts_query_heads_of_its_kv_heads(monkeypatch):
     assert _rows(monkeypatch, 2048, 128, group=4) == 16 * 4
+
+
+def test_lpt_group_takes_the_whole_l2_where_its_programs_fit_one_wave(monkeypatch):
+    """Chunked prefill (B4, Hq 32 / Hkv 8, 512 new tokens over 8k: 4 query blocks a row): 8 kv heads'
+    K/V (35.7 MB) fill 71% of the L2 and their 128 programs run in one wave of 132 SMs, so the group
+    is FA4's section; in the greedy dispatch model the busiest SM runs 266 tile steps, not 268."""
+    S = 8192 + 512
+    assert _rows(monkeypatch, S, 128, group=4, n_m_blocks=4) == 32
+    assert _rows(monkeypatch, S, 128, group=4, n_m_blocks=4, sms=100) == 16  # 128 programs: two waves
+    assert _rows(monkeypatch, S, 128, group=4, n_m_blocks=8) == 16
+    assert _rows(monkeypatch, 1 << 20, 128, group=4, n_m_blocks=1) == 4  # one kv head past the L2 fits none
+
+
+def _busiest_sm(rows, n_m, group_rows, tiles, sms=132):
+    """Greedy in-order dispatch (gluon.common._query_block's order) of whole programs on ``sms``."""
+    loads = [0] * sms
+    for pid in range(rows * n_m):
+        g, r = divmod(pid, group_rows * n_m)
+        width = min(group_rows, rows - g * group_rows)
+        m = n_m - 1 - r // width
+        loads[loads.index(min(loads))] += tiles(m)
+    return max(loads)
+
+
+def test_the_whole_l2_group_evens_chunked_prefills_last_wave(monkeypatch):
+    half, whole = 16, _rows(monkeypatch, 8704, 128, group=4, n_m_blocks=4)
+    assert (_busiest_sm(128, 4, half, lambda m: 65 + m), _busiest_sm(128, 4, whole, lambda m: 65 + m)) == (268, 266)
 
 
 def test_lpt_only_for_causal_without_bias(monkeypatch):

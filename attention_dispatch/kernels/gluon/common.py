@@ -292,6 +292,43 @@ def _store_rows(buf, value, desc, row):
     tma.store_wait(0)
 
 
+# E156 (issue 34): the KV-cache forward's consumers hand K/V slots back per warp: each warp `bar.arrive`s on the
+# slot's named barrier after its own wgmma wait, no warpgroup `bar.sync` (Gluon 3.6's mbarrier.arrive lowers to
+# one, then thread 0 arrives), and the loader `bar.sync`s it before refilling the slot (E115 on today's kernel)
+SLOT_BARRIER = gl.constexpr(10)
+SLOT_THREADS = gl.constexpr(2 * 128 + 32)
+
+
+@gluon.constexpr_function
+def _per_warp_release(num_wg, stages, head_d):
+    """The KV-cache d128 launch (configs.WS_FWD_CACHE_CONFIGS: two consumers, three slots: barriers 10-15)."""
+    return num_wg == 2 and stages == 3 and head_d == 128
+
+
+@gluon.jit
+def _release_slot(empty, s, bar_id, PER_WARP: gl.constexpr):
+    """A consumer is done with ring slot ``s`` (after the wgmma wait that retired its reads)."""
+    if PER_WARP:
+        gl.inline_asm_elementwise(
+            "bar.arrive $1, $2;\nmov.u32 $0, 0;",
+            "=r,r,r",
+            [bar_id, SLOT_THREADS],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        mbarrier.arrive(empty.index(s), count=1)
+
+
+@gluon.jit
+def _slot_sync(bar_id):
+    """The loader waits until every consumer warp has released a slot (:func:`_release_slot`)."""
+    gl.inline_asm_elementwise(
+        "bar.sync $1, $2;\nmov.u32 $0, 0;", "=r,r,r", [bar_id, SLOT_THREADS], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
 @gluon.jit
 def _kv_ring(q_desc, k_desc, v_desc, STAGES: gl.constexpr, NUM_WG: gl.constexpr):
     """Shared memory of the forward and the dQ pass: one Q tile per consumer warpgroup (NUM_WG), a

@@ -9,6 +9,7 @@ from .common import (
     LENS_TENSOR,
     LN2,
     LOG2E,
+    SLOT_BARRIER,
     WG_ROWS,
     _bias_ring,
     _bias_row,
@@ -16,7 +17,9 @@ from .common import (
     _kv_ring,
     _kv_tiles,
     _load_bias_tile,
+    _per_warp_release,
     _query_block,
+    _slot_sync,
     _store_rows,
     _tile_origin,
     _wgmma_layout,
@@ -88,19 +91,32 @@ def _ws_loader(
         first, n_tiles, _ = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG)
     if HAS_BIAS:
         bias_row = _bias_row(pid_bh, num_heads, bias[4], bias[5]) + pid_m * NUM_WG * BLOCK_M
+    PER_WARP: gl.constexpr = _per_warp_release(NUM_WG, STAGES, HEAD_D)
     for j in range(n_tiles):
         key0 = (first + j) * BLOCK_N
         s = j % STAGES
         ph = (j // STAGES) & 1
         # a fresh barrier counts as having completed phase 1: the first lap does not wait
-        mbarrier.wait(k_empty.index(s), ph ^ 1)
+        if PER_WARP:
+            if j >= STAGES:
+                _slot_sync(SLOT_BARRIER + s)
+        else:
+            mbarrier.wait(k_empty.index(s), ph ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row + key0, kv_col], k_ready.index(s), k_bufs.index(s))
         if HAS_BIAS:  # needed right after S_j, before V_j
             _load_bias_tile(bias, j, bias_row, key0, BIAS_STAGES)
-        mbarrier.wait(v_empty.index(s), ph ^ 1)
+        if PER_WARP:
+            if j >= STAGES:
+                _slot_sync(SLOT_BARRIER + STAGES + s)
+        else:
+            mbarrier.wait(v_empty.index(s), ph ^ 1)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [kv_row + key0, kv_col], v_ready.index(s), v_bufs.index(s))
+    if PER_WARP:  # the last lap's releases waited on too: no named barrier is left half-arrived at exit
+        for j in range(gl.maximum(n_tiles - STAGES, 0), n_tiles):
+            _slot_sync(SLOT_BARRIER + j % STAGES)
+            _slot_sync(SLOT_BARRIER + STAGES + j % STAGES)
 
 
 @gluon.jit

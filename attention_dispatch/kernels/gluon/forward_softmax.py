@@ -14,13 +14,16 @@ from .common import (
     BOUNDED_TOP,
     LOG2E,
     MAGIC,
+    SLOT_BARRIER,
     SOFTCAP_BOUNDED,
     WG_ROWS,
     _bias_tile,
     _causal,
     _mask_tile,
     _alibi_split,
+    _per_warp_release,
     _release_bias,
+    _release_slot,
     _scale_in_place,
     _score_scales,
     _score_transform,
@@ -232,7 +235,8 @@ def _step(
         b = _bias_tile(bias, j, WG, BLOCK_M, BIAS_STAGES, s_layout)
     # wgmma groups retire in order: one outstanding = S_j done, P_{j-1} V_{j-1} running
     sc, _, _ = warpgroup_mma_wait(1, deps=[sc_tok, q_buf, k_buf])
-    mbarrier.arrive(k_empty.index(s), count=1)
+    PER_WARP: gl.constexpr = _per_warp_release(q_bar.shape[0], STAGES, HEAD_D)
+    _release_slot(k_empty, s, SLOT_BARRIER + s, PER_WARP)
     sc, roff = _transformed(
         sc,
         rows_f,
@@ -265,7 +269,7 @@ def _step(
         p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY, roff, ALIBI_SPLIT, EXP2_POLY)
         l_i = _row_sum_add(l_i, p, alpha, DEFER, True)
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
-    mbarrier.arrive(v_empty.index(sp), count=1)
+    _release_slot(v_empty, sp, SLOT_BARRIER + STAGES + sp, PER_WARP)
     if not BOUNDED:
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     if CARRY_PACKED:
@@ -378,7 +382,8 @@ def _consume(
     if HAS_BIAS:
         b = _bias_tile(bias, 0, WG, BLOCK_M, BIAS_STAGES, s_layout)
     sc, _, _ = warpgroup_mma_wait(0, deps=[sc, q_buf, k_buf])
-    mbarrier.arrive(k_empty.index(0), count=1)
+    PER_WARP: gl.constexpr = _per_warp_release(q_bar.shape[0], STAGES, HEAD_D)
+    _release_slot(k_empty, 0, SLOT_BARRIER, PER_WARP)
     sc, roff = _transformed(
         sc,
         rows_f,
@@ -492,7 +497,7 @@ def _consume(
             _zero_v_rows(v_buf, keep)
     acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
-    mbarrier.arrive(v_empty.index(sl), count=1)
+    _release_slot(v_empty, sl, SLOT_BARRIER + STAGES + sl, PER_WARP)
     if ALIBI_ROWLESS:  # the rows' ALiBi term back in the max (-inf stays -inf)
         m_i = m_i - (alibi_slope * LOG2E) * (rows_f - MAGIC)
     return acc, m_i, _row_sum_total(l_i, row_s, DEFER)

@@ -10,7 +10,7 @@ import torch
 
 from .. import configs as C
 from .. import run
-from ..device import l2_bytes
+from ..device import device_info, l2_bytes
 from ..bias import batch_minor, ws_bias_rows
 from ..params import KernelParams
 from ..shapes import KernelShapes, cdiv, row_matrix, seq_rows
@@ -138,15 +138,22 @@ def forward_softcap(softcap: float, dtype: torch.dtype):
     return SOFTCAP_BOUNDED if softcap * LOG2E <= BOUNDED_LOG2_CAP else True
 
 
-def lpt_rows(params: KernelParams, prob: KernelShapes, bias, k: torch.Tensor) -> int:
+def lpt_rows(params: KernelParams, prob: KernelShapes, bias, k: torch.Tensor, n_m_blocks: int) -> int:
     """The forward's launch order (gluon.common._query_block): for a causal call without a bias,
     groups of (b, h) rows whose K and V fit in LPT_L2_SHARE of L2 (a power of two of kv heads,
-    their query heads together), longest query blocks first; 0 (the grid's order) otherwise."""
+    their query heads together), longest query blocks first; 0 (the grid's order) otherwise.
+    Where a group as large as the whole L2 holds still runs in one wave (its ``n_m_blocks`` query
+    blocks a row on the SMs at once), its programs walk their K/V together, read from HBM once:
+    that larger group, FA4's sections, evens the last wave (E155: chunked prefill's busiest SM
+    268 -> 266 tile steps)."""
     if bias is not None or not (params.window_left < 0 and params.window_right == 0):
         return 0
-    one_kv_head = prob.Sk * (prob.Dqk + prob.Dv) * k.element_size()
-    fit = max(1, int(l2_bytes(k.device) * LPT_L2_SHARE) // max(one_kv_head, 1))
-    return (1 << (fit.bit_length() - 1)) * prob.group
+    one_kv_head = max(prob.Sk * (prob.Dqk + prob.Dv) * k.element_size(), 1)
+    l2 = l2_bytes(k.device)
+    heads = max(1, int(l2 * LPT_L2_SHARE) // one_kv_head)
+    in_one_wave = min(l2 // one_kv_head, device_info(k.device)[2] // max(prob.group * n_m_blocks, 1))
+    heads = max(heads, in_one_wave)
+    return (1 << (heads.bit_length() - 1)) * prob.group
 
 
 def forward(
@@ -200,7 +207,7 @@ def forward(
             prob.Hq,
             prob.group,
             n_m,
-            lpt_rows(params, prob, bias, k),
+            lpt_rows(params, prob, bias, k, n_m),
             batch_rows,
             head_rows,
             kv_lens if kv_lens is not None else out,
