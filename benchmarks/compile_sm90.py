@@ -249,6 +249,7 @@ def ws_cases():
                             OWN_TILES=launched.forward_own_tiles(
                                 const["WINDOW_LEFT"], const["WINDOW_RIGHT"], const["HAS_BIAS"]
                             ),
+                            WARP_RELEASE=launched.warp_release,
                             KV_LENS=kv_lens,
                             **scores,
                         ),

@@ -513,6 +513,38 @@ def test_gluon_bounded_softcap_step_folds_the_tanh_scale_into_q(tmp_path, monkey
         assert not [op for op in body if op.startswith("FMUL")], body
 
 
+def test_gluon_kv_cache_step_releases_slots_per_warp(tmp_path, monkeypatch):
+    """The KV-cache forward's consumers release each K/V slot per warp on a named barrier (E156): per step one
+    BAR.SYNC (Triton's, before the K wait) and two BAR.ARV, no mbarrier arrive; the dense forward keeps the
+    mbarrier release (a warpgroup BAR.SYNC before each of thread 0's two SYNCS.ARRIVE)."""
+    label = "ws d=128 causal rows=(1, 1) lse=False"
+    for name, steps in (
+        ("cache", _sm90_step_loops(tmp_path, monkeypatch, "ws_cases", f"{label} kv-cache consumers=2 block_n=128 stages=3")),
+        ("dense", _sm90_step_loops(tmp_path, monkeypatch, "ws_cases", label)),
+    ):  # fmt: skip
+        assert len(steps) >= 2, (name, steps)  # a loop a consumer warpgroup (and the causal split's two)
+        for body in steps:
+            bars = [op for op in body if op.startswith(("BAR.", "SYNCS.ARRIVE"))]
+            per_warp = ["BAR.SYNC.DEFER_BLOCKING", "BAR.ARV", "BAR.ARV"]
+            if name == "cache":
+                assert bars == per_warp, (name, bars)
+            else:
+                assert bars.count("BAR.SYNC.DEFER_BLOCKING") == 3 and len(bars) == 5, (name, bars)
+                assert "BAR.ARV" not in bars, (name, bars)
+
+
+def test_warp_release_only_where_measured():
+    """Per-warp slot release (E156) in the KV-cache / one-length launch's config only: the dQ pass shares the
+    forward's loader with mbarrier releases, and the dense configs were not measured with it."""
+    from attention_dispatch.kernels import configs as C
+
+    assert C.WS_FWD_CACHE_CONFIGS[128].warp_release
+    for cfg in (*C.WS_FWD_CONFIGS.values(), *C.WS_FWD_SOFTCAP_CONFIGS.values(), *C.WS_DQ_CONFIGS.values()):
+        assert not cfg.warp_release, cfg
+    for cfg in C.WS_FWD_CACHE_CONFIGS.values():
+        assert cfg.consumers == 2 and 10 + 2 * cfg.stages <= 16 and not cfg.own_tiles, cfg
+
+
 # ----------------------------------------------------------------------------- GPU
 
 

@@ -157,3 +157,33 @@ def test_gluon_route_under_cuda_graph_replay():
         ref64 = kv_reference(q, k, v, total, causal=True)
         ref_low = kv_reference(q, k, v, total, causal=True, dtype=case.dtype)
         assert_matches(out.cpu(), ref64, ref_low, f"gluon route replay {step}", dtype=case.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gluon_route_per_warp_release_is_the_mbarrier_release(monkeypatch, causal):
+    """The KV-cache forward with its K/V slots released per warp on named barriers (E156, as shipped) and on
+    the mbarriers: bit-equal outputs, over sequences of 0 keys (no tile: no release), one tile (fewer tiles
+    than slots), 130 and 8000 (the ring wraps), so every release count the loader waits on is met."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from attention_dispatch.kernels import configs
+
+    case = KvCase(
+        dtype=torch.bfloat16, batch=4, heads_q=16, heads_kv=4, seqlen_q=128, capacity=8192, head_dim=128,
+        causal=causal, lengths=(8000, 0, 63, 130),
+    )  # fmt: skip
+    args = make_kv_inputs(case, "cuda")
+    params = KernelParams(scale=1.0, window_right=0 if causal else -1)
+    kernel, why_not = kv_route(args["query"], args["k_cache"], args["v_cache"], None, params)
+    if kernel != CACHE_GLUON:
+        pytest.skip(f"not the Gluon route here: {why_not}")
+    shipped = configs.WS_FWD_CACHE_CONFIGS[128]
+    assert shipped.warp_release
+    out = ad.sdpa_with_kvcache(**args, backend="triton")
+    monkeypatch.setitem(configs.WS_FWD_CACHE_CONFIGS, 128, shipped._replace(warp_release=False))
+    ad.clear_cache()  # the call's captured launches (its replay plan) would run the first kernel again
+    out_mbarrier = ad.sdpa_with_kvcache(**args, backend="triton")
+    ad.clear_cache()
+    torch.cuda.synchronize()
+    assert not out.isnan().any() and torch.equal(out, out_mbarrier)

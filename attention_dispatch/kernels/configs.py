@@ -222,6 +222,9 @@ class WsConfig(NamedTuple):
     # others' ring slots released unread); pays where a warpgroup's rows end a whole key tile before its
     # program's last (three consumers over 64-key tiles), costs 1% elsewhere (E151)
     own_tiles: bool = False
+    # forward, two consumers: K/V slots go back per warp on named barriers (gluon.common._release_slot), no
+    # warpgroup bar.sync a release (E156)
+    warp_release: bool = False
 
     def forward_own_tiles(self, window_left: int, window_right: int, has_bias: bool) -> bool:
         """The forward's OWN_TILES constexpr for a launch of this config: own_tiles on a causal call without a bias."""
@@ -248,8 +251,9 @@ WS_FWD_SOFTCAP_CONFIGS = {
 }
 # A KV-cache or one-length launch (no bias) at d128: three K/V ring slots (229,752 B of shared memory): chunked
 # prefill 0.5-0.7% faster, Sq=128 over 16k 2.5%; dense and causal forwards 0.5-0.7% slower on it, so they keep two
-# (E128 read by CUPTI kernel durations, E149)
-WS_FWD_CACHE_CONFIGS = {128: WsConfig(stages=3)}
+# (E128 read by CUPTI kernel durations, E149). Slots released per warp: B8 Sq=128 over 16k 0.7% faster, MHA Sq=256
+# over 4k 2.2%, chunked prefill 0.1% (E156)
+WS_FWD_CACHE_CONFIGS = {128: WsConfig(stages=3, warp_release=True)}
 
 
 def ws_forward_config(

@@ -292,23 +292,20 @@ def _store_rows(buf, value, desc, row):
     tma.store_wait(0)
 
 
-# E156 (issue 34): the KV-cache forward's consumers hand K/V slots back per warp: each warp `bar.arrive`s on the
-# slot's named barrier after its own wgmma wait, no warpgroup `bar.sync` (Gluon 3.6's mbarrier.arrive lowers to
-# one, then thread 0 arrives), and the loader `bar.sync`s it before refilling the slot (E115 on today's kernel)
+# WARP_RELEASE (configs.WsConfig.warp_release, E156): the forward's consumers hand K/V slots back per warp, each
+# warp `bar.arrive`s on the slot's named barrier after its own wgmma wait, and the loader `bar.sync`s it before
+# refilling the slot. Gluon 3.6's mbarrier.arrive lowers to a warpgroup bar.sync and thread 0's arrive, and inline
+# asm gets no mbarrier address. Barriers 10 + slot (K) and 10 + STAGES + slot (V); Triton's partitions use 0-2
 SLOT_BARRIER = gl.constexpr(10)
-SLOT_THREADS = gl.constexpr(2 * 128 + 32)
-
-
-@gluon.constexpr_function
-def _per_warp_release(num_wg, stages, head_d):
-    """The KV-cache d128 launch (configs.WS_FWD_CACHE_CONFIGS: two consumers, three slots: barriers 10-15)."""
-    return num_wg == 2 and stages == 3 and head_d == 128
+SLOT_THREADS = gl.constexpr(2 * 128 + 32)  # two consumer warpgroups and the loader warp
 
 
 @gluon.jit
-def _release_slot(empty, s, bar_id, PER_WARP: gl.constexpr):
-    """A consumer is done with ring slot ``s`` (after the wgmma wait that retired its reads)."""
-    if PER_WARP:
+def _release_slot(empty, s, bar_id, WARP_RELEASE: gl.constexpr):
+    """A consumer is done with ring slot ``s``: call it after the wgmma wait that retired the products reading
+    the slot (a warp passes it once its own reads are complete; bar.arrive orders them before the loader's
+    bar.sync returns). ``empty``: the slot's mbarriers, ``bar_id``: its named barrier (WARP_RELEASE)."""
+    if WARP_RELEASE:
         gl.inline_asm_elementwise(
             "bar.arrive $1, $2;\nmov.u32 $0, 0;",
             "=r,r,r",

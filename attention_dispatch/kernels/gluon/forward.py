@@ -17,7 +17,6 @@ from .common import (
     _kv_ring,
     _kv_tiles,
     _load_bias_tile,
-    _per_warp_release,
     _query_block,
     _slot_sync,
     _store_rows,
@@ -43,8 +42,11 @@ def _ws_loader(
     SOFTCAP: gl.constexpr,
     HAS_SINKS: gl.constexpr,
     HAS_ALIBI: gl.constexpr,
+    WARP_RELEASE: gl.constexpr = False,
 ):
-    """The forward's TMA loader partition (``args``: _attn_fwd_ws's runtime partition arguments)."""
+    """The forward's TMA loader partition (``args``: _attn_fwd_ws's runtime partition arguments; the dQ pass's
+    too, whose consumers release slots on the mbarriers); WARP_RELEASE: the consumers release them per warp
+    (common._release_slot)."""
     (
         q_desc,
         k_desc,
@@ -91,13 +93,12 @@ def _ws_loader(
         first, n_tiles, _ = _kv_tiles(pid_m, seq_k, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, NUM_WG)
     if HAS_BIAS:
         bias_row = _bias_row(pid_bh, num_heads, bias[4], bias[5]) + pid_m * NUM_WG * BLOCK_M
-    PER_WARP: gl.constexpr = _per_warp_release(NUM_WG, STAGES, HEAD_D)
     for j in range(n_tiles):
         key0 = (first + j) * BLOCK_N
         s = j % STAGES
         ph = (j // STAGES) & 1
         # a fresh barrier counts as having completed phase 1: the first lap does not wait
-        if PER_WARP:
+        if WARP_RELEASE:
             if j >= STAGES:
                 _slot_sync(SLOT_BARRIER + s)
         else:
@@ -106,14 +107,14 @@ def _ws_loader(
         tma.async_copy_global_to_shared(k_desc, [kv_row + key0, kv_col], k_ready.index(s), k_bufs.index(s))
         if HAS_BIAS:  # needed right after S_j, before V_j
             _load_bias_tile(bias, j, bias_row, key0, BIAS_STAGES)
-        if PER_WARP:
+        if WARP_RELEASE:
             if j >= STAGES:
                 _slot_sync(SLOT_BARRIER + STAGES + s)
         else:
             mbarrier.wait(v_empty.index(s), ph ^ 1)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [kv_row + key0, kv_col], v_ready.index(s), v_bufs.index(s))
-    if PER_WARP:  # the last lap's releases waited on too: no named barrier is left half-arrived at exit
+    if WARP_RELEASE:  # the last lap's releases waited on too: no named barrier is left half-arrived at exit
         for j in range(gl.maximum(n_tiles - STAGES, 0), n_tiles):
             _slot_sync(SLOT_BARRIER + j % STAGES)
             _slot_sync(SLOT_BARRIER + STAGES + j % STAGES)
@@ -136,6 +137,7 @@ def _ws_consumer(
     HAS_SINKS: gl.constexpr,
     HAS_ALIBI: gl.constexpr,
     OWN_TILES: gl.constexpr,
+    WARP_RELEASE: gl.constexpr,
 ):
     """Consumer warpgroup ``WG`` of the forward (``args``: _attn_fwd_ws's runtime partition arguments)."""
     (
@@ -257,6 +259,7 @@ def _ws_consumer(
             HAS_ALIBI,
             v_keys,
             LENS,
+            WARP_RELEASE,
         )
     else:  # no key tile: a cache row before its first key (L = 0 too; made 0 below), or OWN_TILES rows before
         # their first key or past Sq (a sum of 1: 0 out, -inf logsumexp, and nothing stored past Sq)
@@ -329,6 +332,7 @@ def _attn_fwd_ws(
     HAS_SINKS: gl.constexpr = False,
     HAS_ALIBI: gl.constexpr = False,
     OWN_TILES: gl.constexpr = False,
+    WARP_RELEASE: gl.constexpr = False,
 ):
     """Grid (cdiv(Sq, NUM_WG * 64), B * Hq); one program: NUM_WG * 64 query rows of one (b, h),
     O (B*Hq*Sq, D) rows.  NUM_WG: consumer warpgroups, 2 or 3 (FA3's 192-row tiles at head dim 64,
@@ -342,9 +346,12 @@ def _attn_fwd_ws(
     not with KV_LENS).  KV_LENS: 0 (every key) or LENS_TENSOR (common.py; ``kv_lens``,
     ``n_new``: the keys each sequence reads, its queries aligned to their end).  OWN_TILES (causal, no
     bias, no KV_LENS): each consumer reads only its key tiles up to its own diagonal and releases the
-    rest of the ring's slots unread (configs.WsConfig.forward_own_tiles)."""
+    rest of the ring's slots unread (configs.WsConfig.forward_own_tiles).  WARP_RELEASE (two consumers, no
+    OWN_TILES): K/V slots released per warp on named barriers (common._release_slot, configs.WsConfig.warp_release)."""
     BLOCK_M: gl.constexpr = WG_ROWS  # noqa: F841 - the tile height the docstring names
     gl.static_assert(NUM_WG == 2 or (NUM_WG == 3 and not HAS_BIAS))
+    # common.SLOT_THREADS counts two consumers; 16 named barriers; _pass_tiles releases on the mbarriers
+    gl.static_assert(not WARP_RELEASE or (NUM_WG == 2 and SLOT_BARRIER + 2 * STAGES <= 16 and not OWN_TILES))
     q_bufs, k_bufs, v_bufs, bars = _kv_ring(q_desc, k_desc, v_desc, STAGES, NUM_WG)
     if HAS_BIAS:
         bias = _bias_ring(bias_desc, bias_batch_rows, bias_head_rows, BIAS_STAGES, NUM_WG)
@@ -405,6 +412,7 @@ def _attn_fwd_ws(
                         HAS_SINKS,
                         HAS_ALIBI,
                         OWN_TILES,
+                        WARP_RELEASE,
                     ),
                 ),
                 (
@@ -425,6 +433,7 @@ def _attn_fwd_ws(
                         HAS_SINKS,
                         HAS_ALIBI,
                         OWN_TILES,
+                        WARP_RELEASE,
                     ),
                 ),
                 (
@@ -445,6 +454,7 @@ def _attn_fwd_ws(
                         HAS_SINKS,
                         HAS_ALIBI,
                         OWN_TILES,
+                        WARP_RELEASE,
                     ),
                 ),
                 (
@@ -464,6 +474,7 @@ def _attn_fwd_ws(
                         SOFTCAP,
                         HAS_SINKS,
                         HAS_ALIBI,
+                        WARP_RELEASE,
                     ),
                 ),
             ],
@@ -491,6 +502,7 @@ def _attn_fwd_ws(
                         HAS_SINKS,
                         HAS_ALIBI,
                         OWN_TILES,
+                        WARP_RELEASE,
                     ),
                 ),
                 (
@@ -511,6 +523,7 @@ def _attn_fwd_ws(
                         HAS_SINKS,
                         HAS_ALIBI,
                         OWN_TILES,
+                        WARP_RELEASE,
                     ),
                 ),
                 (
@@ -530,6 +543,7 @@ def _attn_fwd_ws(
                         SOFTCAP,
                         HAS_SINKS,
                         HAS_ALIBI,
+                        WARP_RELEASE,
                     ),
                 ),
             ],

@@ -21,7 +21,6 @@ from .common import (
     _causal,
     _mask_tile,
     _alibi_split,
-    _per_warp_release,
     _release_bias,
     _release_slot,
     _scale_in_place,
@@ -199,12 +198,14 @@ def _step(
     MASK: gl.constexpr,
     CARRY_PACKED: gl.constexpr,
     BOUNDED: gl.constexpr = False,
+    WARP_RELEASE: gl.constexpr = False,
 ):
     """Key tile ``j`` >= 1 of :func:`_consume`'s loop: S_j = Q K_j^T beside P_{j-1} V_{j-1}, then
     S_j's softmax step; MASK: the tile may cross the band (:func:`_mask_tile`).  ``carried``: P_{j-1}
     as the product's 16-bit operand, or (CARRY_PACKED) as :func:`_pack_p`'s words, unpacked here; returned the
     same way.
-    BOUNDED: ``m_i`` is the fixed reference (:func:`_consume`): no new max, no rescale of O and l."""
+    BOUNDED: ``m_i`` is the fixed reference (:func:`_consume`): no new max, no rescale of O and l.
+    WARP_RELEASE: the K/V slots go back per warp (common._release_slot)."""
     q_buf, k_bufs, v_bufs, bars, bias, scale, rows, row0, first, n_full, rows_f, key0 = step_args
     softcap_in, to_nat, alibi_coef, cr, ckj = score_args
     BLOCK_M: gl.constexpr = WG_ROWS
@@ -235,8 +236,7 @@ def _step(
         b = _bias_tile(bias, j, WG, BLOCK_M, BIAS_STAGES, s_layout)
     # wgmma groups retire in order: one outstanding = S_j done, P_{j-1} V_{j-1} running
     sc, _, _ = warpgroup_mma_wait(1, deps=[sc_tok, q_buf, k_buf])
-    PER_WARP: gl.constexpr = _per_warp_release(q_bar.shape[0], STAGES, HEAD_D)
-    _release_slot(k_empty, s, SLOT_BARRIER + s, PER_WARP)
+    _release_slot(k_empty, s, SLOT_BARRIER + s, WARP_RELEASE)
     sc, roff = _transformed(
         sc,
         rows_f,
@@ -269,7 +269,7 @@ def _step(
         p, alpha, m_i = _softmax_step(sc, m_i, scale, MAY_EMPTY, roff, ALIBI_SPLIT, EXP2_POLY)
         l_i = _row_sum_add(l_i, p, alpha, DEFER, True)
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
-    _release_slot(v_empty, sp, SLOT_BARRIER + STAGES + sp, PER_WARP)
+    _release_slot(v_empty, sp, SLOT_BARRIER + STAGES + sp, WARP_RELEASE)
     if not BOUNDED:
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     if CARRY_PACKED:
@@ -332,10 +332,12 @@ def _consume(
     HAS_ALIBI: gl.constexpr,
     v_keys=0,
     V_TAIL: gl.constexpr = False,
+    WARP_RELEASE: gl.constexpr = False,
 ):
     """A consumer's pass over its ``n_tiles`` (>= 1) key tiles from ``first``: (unnormalised O,
     running max, running sum) of its rows (``rows``: their diagonals, from ``row0``).  V_TAIL:
-    the V rows of keys from ``v_keys`` on in the last tile are zeroed first (:func:`_zero_v_rows`)."""
+    the V rows of keys from ``v_keys`` on in the last tile are zeroed first (:func:`_zero_v_rows`).
+    WARP_RELEASE: the K/V slots go back per warp (common._release_slot)."""
     BLOCK_M: gl.constexpr = WG_ROWS
     BLOCK_N: gl.constexpr = k_bufs.shape[1]
     STAGES: gl.constexpr = k_bufs.shape[0]
@@ -382,8 +384,7 @@ def _consume(
     if HAS_BIAS:
         b = _bias_tile(bias, 0, WG, BLOCK_M, BIAS_STAGES, s_layout)
     sc, _, _ = warpgroup_mma_wait(0, deps=[sc, q_buf, k_buf])
-    PER_WARP: gl.constexpr = _per_warp_release(q_bar.shape[0], STAGES, HEAD_D)
-    _release_slot(k_empty, 0, SLOT_BARRIER, PER_WARP)
+    _release_slot(k_empty, 0, SLOT_BARRIER, WARP_RELEASE)
     sc, roff = _transformed(
         sc,
         rows_f,
@@ -458,6 +459,7 @@ def _consume(
                 False,
                 True,
                 BOUNDED,
+                WARP_RELEASE,
             )
     else:
         carried = gl.convert_layout(p.to(dtype), p_layout)
@@ -484,6 +486,7 @@ def _consume(
             True,
             SPLIT,
             BOUNDED,
+            WARP_RELEASE,
         )
     p_op = carried
     if SPLIT:
@@ -497,7 +500,7 @@ def _consume(
             _zero_v_rows(v_buf, keep)
     acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc_tok, p_op, v_buf])
-    _release_slot(v_empty, sl, SLOT_BARRIER + STAGES + sl, PER_WARP)
+    _release_slot(v_empty, sl, SLOT_BARRIER + STAGES + sl, WARP_RELEASE)
     if ALIBI_ROWLESS:  # the rows' ALiBi term back in the max (-inf stays -inf)
         m_i = m_i - (alibi_slope * LOG2E) * (rows_f - MAGIC)
     return acc, m_i, _row_sum_total(l_i, row_s, DEFER)

@@ -231,6 +231,7 @@ def forward(
             CONSUMER_REGS=cfg.consumer_regs,
             NUM_WG=cfg.consumers,
             OWN_TILES=cfg.forward_own_tiles(params.window_left, params.window_right, bias is not None),
+            WARP_RELEASE=cfg.warp_release,
         ),
         WS_WARPS,
         WS_STAGES,
