@@ -150,9 +150,9 @@ def lpt_rows(params: KernelParams, prob: KernelShapes, bias, k: torch.Tensor, n_
         return 0
     one_kv_head = max(prob.Sk * (prob.Dqk + prob.Dv) * k.element_size(), 1)
     l2 = l2_bytes(k.device)
-    heads = max(1, int(l2 * LPT_L2_SHARE) // one_kv_head)
+    in_share = int(l2 * LPT_L2_SHARE) // one_kv_head
     in_one_wave = min(l2 // one_kv_head, device_info(k.device)[2] // max(prob.group * n_m_blocks, 1))
-    heads = max(heads, in_one_wave)
+    heads = max(1, in_share, in_one_wave)
     return (1 << (heads.bit_length() - 1)) * prob.group
 
 
